@@ -1,0 +1,92 @@
+# deltafleet — one base, many fine-tuned variants, 1-bit deltas.
+#
+#   make demo                  install, build the embedded tiny family end to end, serve it
+#   make test                  the test suite (what CI runs)
+#   make train VARIANT=math    fine-tune one variant (then exports its BitDelta artifact)
+#   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
+#   make serve                 OpenAI-compatible server on 127.0.0.1:8000
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+# A CPU build of torch lies on the development machines' disk; elsewhere set TORCH_SPEC as needed.
+TORCH_SPEC ?= torch==2.13.0
+VARIANT  ?= coder
+VARIANTS ?= coder math writer legal
+HOST     ?= 127.0.0.1
+PORT     ?= 8000
+ARGS     ?=
+
+# Nothing is fetched from a model hub at run time; W&B runs stay on disk (outputs/wandb).
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE := offline
+export WANDB_SILENT := true
+export TOKENIZERS_PARALLELISM := false
+
+STAMP   := $(VENV)/.installed
+AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
+
+.PHONY: help install sources data base train export family serve test demo summary clean
+
+help:
+	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+
+install: $(STAMP) $(AUSTEN)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Jane Austen's novels (public domain), from the Debian package r-cran-janeaustenr: downloaded
+# and unpacked under data/sources/, not installed (no R needed).
+sources: $(AUSTEN)
+$(AUSTEN):
+	mkdir -p data/sources/deb
+	cd data/sources/deb && { apt-get download r-cran-janeaustenr 2>/dev/null \
+	  || { apt-get update -qq && apt-get download r-cran-janeaustenr; }; }
+	dpkg -x data/sources/deb/r-cran-janeaustenr_*.deb data/sources/janeaustenr
+	test -f $@ && touch $@
+
+data: install
+	$(PY) -m train.data $(ARGS)
+
+data/manifest.json: | $(STAMP) $(AUSTEN)
+	$(PY) -m train.data
+
+models/base/config.json: | data/manifest.json
+	$(PY) train/run.py variant=base $(ARGS)
+
+base: install data/manifest.json
+	$(PY) train/run.py variant=base $(ARGS)
+
+train: install
+	$(PY) train/run.py variant=$(VARIANT) $(ARGS)
+
+export: install
+	$(PY) compress/run.py variant=$(VARIANT) $(ARGS)
+
+artifacts/%/bitdelta.json: | models/base/config.json
+	$(PY) train/run.py variant=$* $(ARGS)
+
+family: install $(foreach v,$(VARIANTS),artifacts/$(v)/bitdelta.json)
+
+summary:
+	$(PY) -m train.summary
+
+serve: install
+	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+demo: install family summary serve
+
+clean:
+	rm -rf data models artifacts outputs wandb lightning_logs .pytest_cache

@@ -1,0 +1,182 @@
+"""Plain-torch reference of the BitDelta kernel contract (ARCHITECTURE.md, "Kernel").
+
+BitDelta (Liu et al., arXiv:2402.10193, §3.1, Eq. 1–2) approximates a fine-tuned weight as
+``W_ft ≈ W_base + α · sign(Δ)`` with ``Δ = W_ft − W_base``. The sign matrix is stored packed,
+eight signs per byte, least significant bit first along the input dimension (artifact format v1):
+bit ``j`` of byte ``b`` in row ``r`` is 1 when ``Δ[r, 8b + j] > 0`` (meaning ``+α``) and 0 when
+``Δ[r, 8b + j] ≤ 0`` (meaning ``−α``); pad bits past ``K`` are 0.
+
+These functions define the semantics the fused Triton kernels must match. They compute in
+float32 and unpack the signs of one matrix at a time, transiently: a per-variant dense copy of
+the weight is never kept.
+"""
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)  # [8]: 1, 2, 4, ..., 128
+
+
+def packed_width(k: int) -> int:
+    """Bytes per row of a packed sign matrix for ``k`` input features: ``ceil(k / 8)``."""
+    if k < 1:
+        raise ValueError(f"in_features must be ≥ 1, got {k}")
+    return (k + 7) // 8
+
+
+def pack_signs(delta: torch.Tensor) -> torch.Tensor:
+    """Pack the signs of a delta matrix into bits.
+
+    Args:
+        delta: ``[N, K]`` tensor of any floating dtype (the task vector Δ = W_ft − W_base).
+
+    Returns:
+        ``[N, ceil(K/8)]`` uint8: bit ``j`` (LSB first) of byte ``b`` is ``Δ[:, 8b+j] > 0``;
+        pad bits are 0.
+
+    Raises:
+        ValueError: if ``delta`` is not 2-D or not floating point.
+    """
+    if delta.dim() != 2:
+        raise ValueError(f"pack_signs expects a 2-D delta [N, K], got shape {tuple(delta.shape)}")
+    if not delta.is_floating_point():
+        raise ValueError(f"pack_signs expects a floating delta, got {delta.dtype}")
+    n, k = delta.shape
+    kp = packed_width(k)
+    bits = (delta > 0).to(torch.uint8)
+    if kp * 8 != k:
+        bits = torch.nn.functional.pad(bits, (0, kp * 8 - k))
+    bits = bits.view(n, kp, 8)
+    weights = _BIT_WEIGHTS.to(bits.device)
+    return (bits * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Unpack ``[..., N, ceil(K/8)]`` uint8 into ``[..., N, K]`` uint8 bits (0 or 1).
+
+    Raises:
+        ValueError: if ``packed`` is not uint8 or its last dimension is not ``ceil(k/8)``.
+    """
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed signs must be uint8, got {packed.dtype}")
+    if packed.shape[-1] != packed_width(k):
+        raise ValueError(
+            f"packed signs have {packed.shape[-1]} bytes per row, expected ceil({k}/8) = {packed_width(k)}"
+        )
+    weights = _BIT_WEIGHTS.to(packed.device)
+    bits = (packed.unsqueeze(-1) & weights) != 0  # [..., N, kp, 8]
+    return bits.flatten(-2)[..., :k].to(torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpack packed sign bits to a ``[..., N, K]`` tensor of ±1 in ``dtype`` (``2·bit − 1``)."""
+    return unpack_bits(packed, k).to(dtype) * 2 - 1
+
+
+def _check_alpha(alpha: torch.Tensor, n: int, what: str = "alpha") -> None:
+    if alpha.dim() == 0 or (alpha.dim() == 1 and alpha.shape[0] == n):
+        return
+    raise ValueError(f"{what} must have shape [] or [{n}], got {tuple(alpha.shape)}")
+
+
+def reconstruct(weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``W_base + α · (2·bits − 1)`` as a float32 ``[N, K]`` tensor (tests, export to HF format).
+
+    Args:
+        weight: ``[N, K]`` base weight, any floating dtype.
+        sign: ``[N, ceil(K/8)]`` uint8 packed signs.
+        alpha: float32 ``[]`` (one scale per matrix) or ``[N]`` (one per output row).
+    """
+    n, k = weight.shape
+    if sign.shape[0] != n:
+        raise ValueError(f"sign has {sign.shape[0]} rows, weight has {n}")
+    _check_alpha(alpha, n)
+    a = alpha.float().reshape(-1, 1) if alpha.dim() == 1 else alpha.float()
+    return weight.float() + a * unpack_signs(sign, k, torch.float32)
+
+
+def bitdelta_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    sign: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta Eq. 2 applied to a linear).
+
+    Args:
+        x: ``[M, K]`` (or ``[..., K]``) activations, fp32/bf16/fp16.
+        weight: ``[N, K]`` base weight.
+        sign: ``[N, ceil(K/8)]`` uint8 packed signs of the delta.
+        alpha: float32 ``[]`` or ``[N]`` scale(s).
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[M, N]`` (or ``[..., N]``) in ``x.dtype``; computed in float32.
+
+    Raises:
+        ValueError: on mismatched shapes.
+    """
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if sign.shape != (n, packed_width(k)):
+        raise ValueError(f"sign must have shape [{n}, {packed_width(k)}], got {tuple(sign.shape)}")
+    _check_alpha(alpha, n)
+    xf = x.float()
+    y = xf @ weight.float().t() + (xf @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def bitdelta_linear_batched(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    signs: torch.Tensor,
+    alphas: torch.Tensor,
+    slot: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of the mixed-tenant linear: each row of ``x`` uses its own slot's delta.
+
+    ``y[m] = x[m] · Wᵀ + α_s ⊙ (x[m] · S_sᵀ)`` with ``s = slot[m]``; ``slot[m] = −1`` means base
+    only. The base product ``x · Wᵀ`` is shared by the whole batch.
+
+    Args:
+        x: ``[M, K]`` activations.
+        weight: ``[N, K]`` base weight.
+        signs: ``[S, N, ceil(K/8)]`` uint8, one packed sign matrix per slot.
+        alphas: float32 ``[S]`` (matrix granularity) or ``[S, N]`` (row granularity).
+        slot: ``[M]`` int32/int64 slot index per row, −1 for base only.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: on mismatched shapes or a slot index outside ``[−1, S)``.
+    """
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    s = signs.shape[0]
+    if signs.shape[1:] != (n, packed_width(k)):
+        raise ValueError(f"signs must be [S, {n}, {packed_width(k)}], got {tuple(signs.shape)}")
+    if alphas.shape not in ((s,), (s, n)):
+        raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
+    if slot.shape != (x.shape[0],):
+        raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
+    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
+        raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
+    xf = x.float()
+    y = xf @ weight.float().t()
+    for t in slot.unique().tolist():
+        if t < 0:
+            continue
+        rows = (slot == t).nonzero(as_tuple=True)[0]
+        a = alphas[t].float()
+        y[rows] += (xf[rows] @ unpack_signs(signs[t], k, torch.float32).t()) * a
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
