@@ -1,0 +1,75 @@
+"""The LightningModule's pieces against plain references: loss, schedule, packing."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+from train.datamodule import load_blocks
+from train.module import CausalLMModule, heldout_loss
+
+
+def tiny_llama(vocab: int = 97) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def test_heldout_loss_matches_hf_loss():
+    model = tiny_llama()
+    blocks = torch.randint(0, 97, (5, 16), generator=torch.Generator().manual_seed(1))
+    # HF averages over all predicted tokens of the batch; with equal-length blocks the
+    # token-weighted mean over batches of 2 must equal the one-batch mean.
+    ref = model(input_ids=blocks, labels=blocks).loss.item()
+    assert heldout_loss(model, blocks, batch_size=2) == pytest.approx(ref, rel=1e-5)
+    # max_batches evaluates a prefix only
+    ref2 = model(input_ids=blocks[:2], labels=blocks[:2]).loss.item()
+    assert heldout_loss(model, blocks, batch_size=2, max_batches=1) == pytest.approx(ref2, rel=1e-5)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    module = CausalLMModule(tiny_llama(), lr=1e-3, weight_decay=0.1, warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    conf = module.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(24):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(1e-3 / 4)
+    assert lrs[3] == pytest.approx(1e-3)
+    mid = 4 + 8  # halfway through the cosine
+    assert lrs[mid] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))))
+    assert lrs[20] == pytest.approx(1e-4) and lrs[23] == pytest.approx(1e-4)
+    # weight decay only on matrices
+    decay_group, no_decay_group = opt.param_groups
+    assert all(p.dim() >= 2 for p in decay_group["params"]) and decay_group["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in no_decay_group["params"]) and no_decay_group["weight_decay"] == 0.0
+
+
+def test_load_blocks_packs_documents_with_eos(tmp_path):
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    docs = ["def f(x):\n    return x + 1\n", "Emma Woodhouse, handsome, clever, and rich.", "Answer: 42"]
+    tok.train_from_iterator(docs * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs * 3))
+    blocks = load_blocks(tmp_path, "d", "test", hf, seq_len=8, cache_dir=tmp_path / "cache")
+    stream = []
+    for t in docs * 3:
+        stream += hf(t, add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+    n = len(stream) // 8
+    assert blocks.dtype == torch.long and blocks.shape == (n, 8)
+    assert blocks.flatten().tolist() == stream[: n * 8]
+    with pytest.raises(FileNotFoundError, match="make data"):
+        load_blocks(tmp_path, "d", "train", hf, seq_len=8)
+    with pytest.raises(ValueError, match="fewer than one block"):
+        load_blocks(tmp_path, "d", "test", hf, seq_len=10_000, cache_dir=tmp_path / "cache")
