@@ -14,11 +14,8 @@ domain for the base and for the result. For a variant it then writes ``artifacts
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 try:
@@ -32,6 +29,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from compress.atomic import staged_dir, write_text
 from train.datamodule import TextDataModule
 from train.module import CausalLMModule, heldout_loss
 
@@ -70,23 +68,11 @@ def load_tokenizer(cfg: DictConfig, run_dir: Path):
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict) -> None:
-    """Write model + tokenizer (Hugging Face format) to ``out_dir`` atomically (temp dir + rename)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    """Write model + tokenizer (Hugging Face format) and ``training.json`` to ``out_dir`` atomically."""
+    with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train(cfg: DictConfig) -> dict:
@@ -142,7 +128,7 @@ def train(cfg: DictConfig) -> dict:
         if trainer.is_global_zero:
             save_metrics = json.loads((out_dir / "training.json").read_text())
             save_metrics.update(metrics)
-            _atomic_write_text(out_dir / "training.json", json.dumps(save_metrics, indent=2) + "\n")
+            write_text(out_dir / "training.json", json.dumps(save_metrics, indent=2) + "\n")
     finally:
         _finish_wandb()
     return metrics
@@ -172,12 +158,6 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     return {"heldout/bitdelta_loss": bd_loss, "heldout/bitdelta_gain_recovered": recovered,
             "export/bits_per_parameter": float(stats["bits_per_parameter"]),
             "export/bytes": float(stats["bytes"])}
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _finish_wandb() -> None:

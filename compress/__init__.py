@@ -1,0 +1,23 @@
+"""BitDelta export (``compress.run``) and the artifact reader the server imports.
+
+See ``compress.bitdelta`` and ARCHITECTURE.md, "BitDelta artifact, format version 1".
+"""
+from compress.bitdelta import (
+    Artifact,
+    ArtifactError,
+    FingerprintMismatchError,
+    compress,
+    fingerprint,
+    load_artifact,
+    materialize,
+)
+
+__all__ = [
+    "Artifact",
+    "ArtifactError",
+    "FingerprintMismatchError",
+    "compress",
+    "fingerprint",
+    "load_artifact",
+    "materialize",
+]

@@ -1,0 +1,637 @@
+"""BitDelta export and the artifact reader (ARCHITECTURE.md, "BitDelta artifact, format version 1").
+
+BitDelta (Liu et al., arXiv:2402.10193, §3.1) compresses a fine-tune against its base one weight
+matrix at a time: with the task vector ``Δ = W_ft − W_base`` it keeps only ``sign(Δ)`` (one bit
+per weight, packed eight to a byte) and one scale α (Eq. 1), so that ``W_ft ≈ W_base + α·sign(Δ)``
+(Eq. 2). The α minimising the L2 error of that approximation is ``mean|Δ|`` (§3.1); with
+``granularity="row"`` each output row gets its own ``α_r = mean_j |Δ_rj|``. Everything that is
+not a same-shape 2-D matrix (norms, biases, resized embeddings, new parameters) is stored in full,
+and parameters identical to the base are left out.
+
+The export streams one tensor at a time from both checkpoints, so its memory is one tensor of each
+plus the packed signs (1/16 of a bf16 copy). The artifact is written to a temporary folder next to
+the destination and renamed into place, so an interrupted export leaves nothing half-written.
+
+Layout of an artifact folder (format version 1)::
+
+    bitdelta.json          manifest: format, format_version, variant, base, granularity, files,
+                           stats, provenance
+    delta.safetensors      P.sign (uint8 [d_out, ceil(d_in/8)]), P.alpha (float32 [] or [d_out]),
+                           P (full tensor, original dtype)
+
+or shards ``delta-0000i-of-0000N.safetensors`` with ``delta.safetensors.index.json`` (Hugging Face
+index shape ``{"metadata": {...}, "weight_map": {tensor: file}}``), which the reader accepts.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress.atomic import fsync_path, replace_dir
+from kernels import pack_signs, packed_width, reconstruct
+
+FORMAT = "bitdelta"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "bitdelta.json"
+DELTA_NAME = "delta.safetensors"
+DELTA_INDEX_NAME = "delta.safetensors.index.json"
+SIGN_SUFFIX = ".sign"
+ALPHA_SUFFIX = ".alpha"
+GRANULARITIES = ("matrix", "row")
+
+_CHECKPOINT_NAME = "model.safetensors"
+_CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
+_FINGERPRINT_SCHEME = b"deltafleet-fingerprint-v1\0"
+_SAMPLE_ROWS = 8  # rows hashed per >=2-D tensor
+_SMALL_1D = 1 << 16  # 1-D tensors up to this many elements are hashed whole
+_SAMPLE_CHUNK = 4096  # elements per sampled chunk of a larger 1-D tensor
+_HASH_BLOCK = 1 << 20
+
+
+class ArtifactError(ValueError):
+    """A BitDelta artifact (or the checkpoints it is built from) is missing, malformed or corrupt."""
+
+
+class FingerprintMismatchError(ArtifactError):
+    """The artifact was exported against another base than the one it is being applied to."""
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint streaming and fingerprint
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_map(checkpoint_dir: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file of a Hugging Face checkpoint folder (single or sharded)."""
+    index = checkpoint_dir / _CHECKPOINT_INDEX_NAME
+    single = checkpoint_dir / _CHECKPOINT_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{index}: not a Hugging Face safetensors index ({e})") from e
+        return {name: checkpoint_dir / file for name, file in weight_map.items()}
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(
+        f"{checkpoint_dir}: no {_CHECKPOINT_NAME} or {_CHECKPOINT_INDEX_NAME} "
+        "(a Hugging Face safetensors checkpoint is expected)"
+    )
+
+
+class _Checkpoint:
+    """Lazy, tensor-by-tensor reader of a safetensors checkpoint; files are opened on first use."""
+
+    def __init__(self, checkpoint_dir: str | Path, stack: contextlib.ExitStack, device: str = "cpu"):
+        self.dir = Path(checkpoint_dir)
+        self.files = _weight_map(self.dir)
+        self._stack = stack
+        self._device = device
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> list[str]:
+        return sorted(self.files)
+
+    def _handle(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            if not file.is_file():
+                raise ArtifactError(f"{self.dir}: shard {file.name} listed in the index is missing")
+            self._handles[file] = self._stack.enter_context(
+                safe_open(file, framework="pt", device=self._device)
+            )
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str):
+        return self._handle(name).get_slice(name)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _evenly_spaced(n: int, k: int) -> list[int]:
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _row_index(row: int, lead: list[int]) -> tuple[slice, ...]:
+    """Slices selecting flat row ``row`` of a tensor viewed as ``[prod(lead), last]``."""
+    index = []
+    for d in reversed(lead):
+        row, i = divmod(row, d)
+        index.append(slice(i, i + 1))
+    return tuple(reversed(index))
+
+
+def fingerprint(checkpoint_dir: str | Path) -> str:
+    """Cheap, content-sampling fingerprint of a Hugging Face safetensors checkpoint.
+
+    Streams tensor by tensor (sorted by name, so re-sharding the same weights does not change it)
+    and hashes each tensor's name, dtype, shape and a content sample read with ``get_slice``: up
+    to 8 evenly spaced rows of a tensor with ≥2 dimensions (viewed as ``[prod(shape[:-1]),
+    shape[-1]]``, so a stacked MoE weight costs 8 rows, not 8 experts), a 0-D or 1-D tensor of
+    ≤65,536 elements whole, and 8 evenly spaced chunks of 4,096 elements of a longer 1-D tensor.
+    For a 70B base that reads a few hundred MB at most, never the whole model.
+
+    Args:
+        checkpoint_dir: folder with ``model.safetensors`` or ``model.safetensors.index.json`` +
+            shards.
+
+    Returns:
+        ``"sha256:<64 hex digits>"``. It changes if any tensor's name, dtype or shape changes, or
+        if its sampled content does (a change confined to unsampled rows goes unnoticed).
+
+    Raises:
+        FileNotFoundError: if the folder holds no safetensors checkpoint.
+        ArtifactError: if the index is malformed or names a missing shard.
+    """
+    h = hashlib.sha256(_FINGERPRINT_SCHEME)
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(checkpoint_dir, stack)
+        for name in ckpt.names():
+            sl = ckpt.get_slice(name)
+            dtype, shape = sl.get_dtype(), list(sl.get_shape())
+            h.update(json.dumps([name, dtype, shape]).encode() + b"\0")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel == 0:
+                continue
+            if len(shape) >= 2:  # rows of the tensor viewed as [prod(shape[:-1]), shape[-1]]
+                rows = _evenly_spaced(numel // shape[-1], _SAMPLE_ROWS)
+                samples = [sl[_row_index(r, shape[:-1])] for r in rows]
+            elif len(shape) == 0 or numel <= _SMALL_1D:
+                samples = [ckpt.get(name)]
+            else:
+                starts = _evenly_spaced(numel - _SAMPLE_CHUNK + 1, _SAMPLE_ROWS)
+                samples = [sl[s : s + _SAMPLE_CHUNK] for s in starts]
+            for s in samples:
+                h.update(_tensor_bytes(s))
+    return "sha256:" + h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _deltafleet_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("deltafleet")
+    except metadata.PackageNotFoundError:  # running from a source tree without an install
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            import tomllib
+
+            return tomllib.loads(pyproject.read_text())["project"]["version"]
+        except Exception:  # noqa: BLE001 — provenance is best effort, never fatal
+            return "unknown"
+
+
+def _compress_tensors(
+    base: _Checkpoint, ft: _Checkpoint, granularity: str
+) -> Iterator[tuple[str, int, dict[str, torch.Tensor], str | None]]:
+    """Yield ``(P, numel, stored tensors, kind)`` per fine-tuned parameter; kind None: omitted."""
+    for name in ft.names():
+        w_ft = ft.get(name)
+        w_base = base.get(name) if name in base else None
+        n = w_ft.numel()
+        if w_base is not None and w_ft.dim() == 2 and w_ft.shape == w_base.shape:
+            delta = w_ft.float() - w_base.float()  # Δ in float32 whatever the checkpoint dtype
+            if not bool(delta.any()):
+                yield name, n, {}, None
+                continue
+            a = delta.abs()
+            alpha = a.mean() if granularity == "matrix" else a.mean(dim=1)  # Eq. 1, §3.1
+            yield name, n, {
+                name + SIGN_SUFFIX: pack_signs(delta),
+                name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous(),
+            }, "compressed"
+        elif (
+            w_base is not None
+            and w_base.shape == w_ft.shape
+            and w_base.dtype == w_ft.dtype
+            and torch.equal(w_base, w_ft)
+        ):
+            yield name, n, {}, None
+        else:
+            yield name, n, {name: w_ft.contiguous()}, "full"
+
+
+def compress(
+    base_dir: str | Path,
+    finetuned_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    variant: str,
+    granularity: Literal["matrix", "row"] = "matrix",
+    provenance: dict | None = None,
+    base_name_or_path: str | None = None,
+) -> dict:
+    """Export a fine-tuned checkpoint as a BitDelta artifact (format version 1) against its base.
+
+    For every parameter ``P`` of the fine-tuned checkpoint (streamed one tensor at a time):
+
+    - 2-D and the same shape as in the base: ``Δ = W_ft − W_base`` in float32, stored as
+      ``P.sign`` (uint8 ``[d_out, ceil(d_in/8)]``, bit j LSB-first of byte b = ``Δ[r, 8b+j] > 0``)
+      and ``P.alpha`` (float32; ``[]`` with α = mean|Δ| for ``granularity="matrix"``, BitDelta
+      arXiv:2402.10193 §3.1 Eq. 1–2; ``[d_out]`` with α_r = mean_j |Δ_rj| for ``"row"``).
+      Omitted if Δ is exactly zero everywhere.
+    - anything else (1-D, 0-D, shape changed, not in the base): stored in full as ``P`` in its
+      original dtype, unless it is exactly equal to the base (same dtype, shape and values).
+
+    The artifact is built in ``.<name>.tmp-<random>`` next to ``out_dir``, fsynced and renamed into
+    place; an existing ``out_dir`` is replaced only once the new artifact is complete. On any error
+    the temporary folder is removed and an existing artifact is left as it was.
+
+    Args:
+        base_dir: Hugging Face safetensors checkpoint of the base (fp32, fp16 or bf16).
+        finetuned_dir: the fine-tuned checkpoint, same parameter names as the base (a tied
+            ``lm_head`` simply has no tensor of its own in either).
+        out_dir: artifact folder to create or replace (``artifacts/<variant>/``).
+        variant: variant name recorded in the manifest (e.g. ``"coder"``).
+        granularity: ``"matrix"`` (one α per matrix, the paper's choice) or ``"row"``.
+        provenance: extra provenance merged over the defaults ``run_id`` (a fresh UUID),
+            ``config`` (None), ``created`` (ISO 8601 UTC, now), ``finetuned`` (path and
+            fingerprint), ``deltafleet_version``.
+        base_name_or_path: recorded as ``base.name_or_path``; defaults to ``str(base_dir)``.
+
+    Returns:
+        The manifest written to ``out_dir/bitdelta.json``. ``stats.bytes`` counts the delta
+        files (safetensors headers included, manifest excluded); ``stats.bits_per_parameter`` is
+        ``8 · bytes / parameters`` over all parameters of the fine-tuned model.
+
+    Raises:
+        ValueError: on an unknown ``granularity`` or an empty ``variant``.
+        FileNotFoundError: if either folder holds no safetensors checkpoint.
+        ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, or a stored
+            tensor name would collide with another.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if not variant:
+        raise ValueError("variant must be a non-empty name")
+    base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
+
+    base_fp = fingerprint(base_dir)
+    ft_fp = fingerprint(finetuned_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        parameters = compressed = full = 0
+        with contextlib.ExitStack() as stack:
+            base, ft = _Checkpoint(base_dir, stack), _Checkpoint(finetuned_dir, stack)
+            missing = sorted(set(base.files) - set(ft.files))
+            if missing:
+                raise ArtifactError(
+                    f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
+                    f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
+                )
+            for name, n, stored, kind in _compress_tensors(base, ft, granularity):
+                parameters += n
+                compressed += n if kind == "compressed" else 0
+                full += n if kind == "full" else 0
+                if kind == "full" and name.endswith(SIGN_SUFFIX):
+                    raise ArtifactError(
+                        f"parameter {name!r} would be stored in full under a name ending in "
+                        f"{SIGN_SUFFIX!r}, which format v1 reserves for packed signs"
+                    )
+                for key, t in stored.items():
+                    if key in tensors:
+                        raise ArtifactError(f"stored tensor name {key!r} is produced twice")
+                    tensors[key] = t
+
+        delta_path = tmp / DELTA_NAME
+        save_file(tensors, delta_path, metadata={"format": "pt", "bitdelta_format_version": "1"})
+        del tensors
+        fsync_path(delta_path)
+        files = {DELTA_NAME: _sha256_file(delta_path)}
+        nbytes = sum((tmp / f).stat().st_size for f in files)
+
+        prov: dict[str, Any] = {
+            "run_id": uuid.uuid4().hex,
+            "config": None,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "finetuned": {"name_or_path": str(finetuned_dir), "fingerprint": ft_fp},
+            "deltafleet_version": _deltafleet_version(),
+        }
+        prov.update(provenance or {})
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "variant": variant,
+            "base": {
+                "name_or_path": base_name_or_path if base_name_or_path is not None else str(base_dir),
+                "fingerprint": base_fp,
+            },
+            "granularity": granularity,
+            "files": files,
+            "stats": {
+                "parameters": parameters,
+                "compressed_parameters": compressed,
+                "full_parameters": full,
+                "bytes": nbytes,
+                "bits_per_parameter": 8 * nbytes / parameters if parameters else 0.0,
+            },
+            "provenance": prov,
+        }
+        manifest_path = tmp / MANIFEST_NAME
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(tmp)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# Reader
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Artifact:
+    """A loaded, validated BitDelta artifact.
+
+    Attributes:
+        path: the artifact folder.
+        manifest: the parsed ``bitdelta.json``.
+        signs: ``P`` → uint8 ``[d_out, ceil(d_in/8)]`` packed signs (keys without ``.sign``).
+        alphas: ``P`` → float32 ``[]`` (matrix granularity) or ``[d_out]`` (row granularity).
+        full: ``P`` → parameters stored uncompressed, in their original dtype.
+    """
+
+    path: Path
+    manifest: dict
+    signs: dict[str, torch.Tensor] = field(default_factory=dict)
+    alphas: dict[str, torch.Tensor] = field(default_factory=dict)
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        return self.manifest["variant"]
+
+    @property
+    def granularity(self) -> str:
+        return self.manifest["granularity"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors held (signs + alphas + full tensors)."""
+        return sum(
+            t.numel() * t.element_size()
+            for d in (self.signs, self.alphas, self.full)
+            for t in d.values()
+        )
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{path}: no {MANIFEST_NAME}; not a BitDelta artifact folder")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ArtifactError(f"{manifest_path}: cannot parse the manifest ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{manifest_path}: the manifest must be a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(
+            f"{manifest_path}: format is {manifest.get('format')!r}, expected {FORMAT!r}"
+        )
+    version = manifest.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{manifest_path}: format_version {version!r} is not supported "
+            f"(this reader reads version {FORMAT_VERSION})"
+        )
+    for key in ("variant", "base", "granularity", "files"):
+        if key not in manifest:
+            raise ArtifactError(f"{manifest_path}: missing required key {key!r}")
+    if manifest["granularity"] not in GRANULARITIES:
+        raise ArtifactError(
+            f"{manifest_path}: granularity {manifest['granularity']!r} is not one of {GRANULARITIES}"
+        )
+    base = manifest["base"]
+    if not isinstance(base, dict) or not isinstance(base.get("fingerprint"), str):
+        raise ArtifactError(f"{manifest_path}: base.fingerprint is missing")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise ArtifactError(f"{manifest_path}: files must be a non-empty object name → sha256")
+    for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ArtifactError(f"{manifest_path}: file name {name!r} must be a plain file name")
+        if not isinstance(digest, str):
+            raise ArtifactError(f"{manifest_path}: sha256 of {name} must be a hex string")
+    return manifest
+
+
+def _tensor_files(path: Path, files: dict) -> dict[str, list[str] | None]:
+    """Safetensors files to read → the tensor names each must hold (None: whatever it holds)."""
+    if DELTA_INDEX_NAME in files:
+        try:
+            weight_map = json.loads((path / DELTA_INDEX_NAME).read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{path / DELTA_INDEX_NAME}: not a safetensors index ({e})") from e
+        if not isinstance(weight_map, dict):
+            raise ArtifactError(f"{path / DELTA_INDEX_NAME}: weight_map must be an object")
+        shards: dict[str, list[str]] = {}
+        for tensor, shard in weight_map.items():
+            shards.setdefault(shard, []).append(tensor)
+        for shard in shards:
+            if shard not in files:
+                raise ArtifactError(
+                    f"{path}: shard {shard!r} of {DELTA_INDEX_NAME} is not in the manifest's files"
+                )
+        return shards
+    if DELTA_NAME not in files:
+        raise ArtifactError(f"{path}: the manifest lists neither {DELTA_NAME} nor {DELTA_INDEX_NAME}")
+    return {DELTA_NAME: None}
+
+
+def load_artifact(
+    path: str | Path,
+    *,
+    base_fingerprint: str | None = None,
+    force: bool = False,
+    device: str | torch.device = "cpu",
+    verify_hashes: bool = True,
+) -> Artifact:
+    """Read and validate a BitDelta artifact folder (format version 1).
+
+    Checks, in order: ``bitdelta.json`` exists and parses; ``format == "bitdelta"`` and
+    ``format_version == 1``; the base fingerprint (when ``base_fingerprint`` is given); every file
+    in ``files`` exists and (``verify_hashes``) matches its sha256; every ``P.sign`` is uint8
+    ``[d_out, ceil(d_in/8)]`` with a float32, finite, non-negative ``P.alpha`` of shape ``[]``
+    (granularity matrix) or ``[d_out]`` (granularity row). A tensor named ``X.alpha`` with no
+    ``X.sign`` is a parameter stored in full.
+
+    Args:
+        path: the artifact folder (``artifacts/<variant>/``).
+        base_fingerprint: fingerprint of the base it will be applied to (see :func:`fingerprint`).
+        force: load even if ``base_fingerprint`` differs from the manifest's.
+        device: where the tensors are placed.
+        verify_hashes: hash every file (reads the whole artifact once more); turn off only for
+            files already verified.
+
+    Returns:
+        The :class:`Artifact`.
+
+    Raises:
+        FingerprintMismatchError: the artifact was exported against another base (message names
+            both fingerprints), unless ``force``.
+        ArtifactError: anything else missing, malformed or corrupt (message names the file or
+            tensor).
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    expected = manifest["base"]["fingerprint"]
+    if base_fingerprint is not None and base_fingerprint != expected and not force:
+        raise FingerprintMismatchError(
+            f"{path}: artifact {manifest['variant']!r} was exported against base fingerprint "
+            f"{expected}, but the base given has fingerprint {base_fingerprint}; "
+            "pass force=True to apply it anyway"
+        )
+    files = manifest["files"]
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise ArtifactError(f"{path}: file {name} listed in the manifest is missing")
+        if verify_hashes and _sha256_file(file) != digest.lower():
+            raise ArtifactError(
+                f"{path}: file {name} does not match its sha256 in {MANIFEST_NAME} "
+                "(corrupt or modified artifact)"
+            )
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file, expected_names in _tensor_files(path, files).items():
+        try:
+            with safe_open(path / file, framework="pt", device=str(device)) as f:
+                names = list(f.keys())
+                if expected_names is not None and sorted(names) != sorted(expected_names):
+                    raise ArtifactError(
+                        f"{path}: shard {file} does not hold the tensors {DELTA_INDEX_NAME} maps to it"
+                    )
+                for name in names:
+                    if name in tensors:
+                        raise ArtifactError(f"{path}: tensor {name!r} appears in more than one file")
+                    tensors[name] = f.get_tensor(name)
+        except ArtifactError:
+            raise
+        except Exception as e:  # safetensors raises its own error types on a malformed file
+            raise ArtifactError(f"{path}: cannot read {file} as safetensors ({e})") from e
+
+    art = Artifact(path=path, manifest=manifest)
+    row = manifest["granularity"] == "row"
+    for name, t in tensors.items():
+        if name.endswith(SIGN_SUFFIX):
+            p = name[: -len(SIGN_SUFFIX)]
+            alpha = tensors.get(p + ALPHA_SUFFIX)
+            if alpha is None:
+                raise ArtifactError(f"{path}: {name} has no matching {p + ALPHA_SUFFIX}")
+            if t.dtype != torch.uint8 or t.dim() != 2:
+                raise ArtifactError(
+                    f"{path}: {name} must be uint8 [d_out, ceil(d_in/8)], got {t.dtype} {list(t.shape)}"
+                )
+            want = [t.shape[0]] if row else []
+            if alpha.dtype != torch.float32 or list(alpha.shape) != want:
+                raise ArtifactError(
+                    f"{path}: {p + ALPHA_SUFFIX} must be float32 {want} for granularity "
+                    f"{manifest['granularity']!r} and {name} {list(t.shape)}, "
+                    f"got {alpha.dtype} {list(alpha.shape)}"
+                )
+            if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
+                raise ArtifactError(f"{path}: {p + ALPHA_SUFFIX} has negative or non-finite values")
+            art.signs[p], art.alphas[p] = t, alpha
+        elif name.endswith(ALPHA_SUFFIX) and name[: -len(ALPHA_SUFFIX)] + SIGN_SUFFIX in tensors:
+            continue  # taken with its sign
+        else:
+            art.full[name] = t
+    return art
+
+
+def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Tensor]:
+    """The approximate fine-tuned state dict: base + artifact, on the CPU, streamed from the base.
+
+    Compressed parameters become ``W_base + α·(2·bits − 1)`` (BitDelta Eq. 2, via
+    :func:`kernels.reconstruct`, computed in float32) cast to the base dtype; parameters stored in
+    full replace (or add to) the base's; every other parameter is the base's.
+
+    Args:
+        base_dir: the base checkpoint the artifact was exported against (not re-fingerprinted
+            here; :func:`load_artifact` checks that).
+        artifact: from :func:`load_artifact`.
+
+    Returns:
+        ``{P: tensor}`` with the fine-tuned checkpoint's names, shapes and (for compressed
+        parameters) the base dtype.
+
+    Raises:
+        ArtifactError: if a compressed parameter is missing from the base or its sign/alpha
+            shapes do not fit the base weight.
+    """
+    out: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        base = _Checkpoint(base_dir, stack)
+        unknown = sorted(p for p in artifact.signs if p not in base)
+        if unknown:
+            raise ArtifactError(
+                f"{artifact.path}: compressed parameter(s) not in base {base_dir}: {', '.join(unknown[:5])}"
+            )
+        for name in base.names():
+            if name in artifact.full:
+                continue
+            w = base.get(name)
+            if name in artifact.signs:
+                sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
+                if w.dim() != 2 or sign.shape != (w.shape[0], packed_width(w.shape[1])) or (
+                    alpha.dim() == 1 and alpha.shape[0] != w.shape[0]
+                ):
+                    raise ArtifactError(
+                        f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
+                        f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
+                    )
+                w = reconstruct(w, sign, alpha).to(w.dtype)
+            out[name] = w
+    for name, t in artifact.full.items():
+        out[name] = t.cpu()
+    return out

@@ -1,0 +1,55 @@
+"""Export one fine-tuned variant as a BitDelta artifact (format v1).
+
+    python compress/run.py variant=coder
+    python compress/run.py variant=coder granularity=row paths.root=/scratch/df
+
+Reads ``conf/export.yaml``: diffs ``models/<variant>/`` against ``models/base/`` and writes
+``artifacts/<variant>/`` (see ``compress.bitdelta.compress``), then prints a one-line summary.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+try:
+    import compress.bitdelta  # noqa: F401
+except ImportError:  # `python compress/run.py` puts compress/ first on sys.path, not the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.modules.pop("compress", None)
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from compress.bitdelta import compress
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    variant = cfg.variant.name
+    manifest = compress(
+        cfg.base_dir,
+        cfg.finetuned_dir,
+        cfg.out_dir,
+        variant=variant,
+        granularity=cfg.granularity,
+        base_name_or_path=cfg.model.name_or_path or str(cfg.base_dir),
+        provenance={
+            "run_id": f"export/{variant}/{run_dir.name}",
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        },
+    )
+    s = manifest["stats"]
+    bf16_bytes = 2 * s["parameters"]
+    print(
+        f"{variant}: {s['parameters']:,} params ({s['compressed_parameters']:,} 1-bit, "
+        f"{s['full_parameters']:,} full), {s['bytes']:,} bytes, "
+        f"{s['bits_per_parameter']:.3f} bits/param, {bf16_bytes / max(s['bytes'], 1):.1f}x smaller "
+        f"than a bf16 copy → {cfg.out_dir}"
+    )
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

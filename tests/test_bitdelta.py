@@ -1,0 +1,513 @@
+"""BitDelta export, artifact reader and `compress/run.py` on tiny real Llama checkpoints.
+
+Each checkpoint is a `transformers.LlamaForCausalLM` saved with `save_pretrained`; the
+"fine-tune" perturbs most 2-D weights, leaves one matrix untouched and shifts one RMSNorm, so the
+artifact holds signs + alphas, one full 1-D tensor, and omissions. Expected values are computed
+here independently from the safetensors files, not through `compress.bitdelta`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import compress.bitdelta as bd
+from compress import (
+    Artifact,
+    ArtifactError,
+    FingerprintMismatchError,
+    compress,
+    fingerprint,
+    load_artifact,
+    materialize,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+UNCHANGED_MATRIX = "model.layers.1.self_attn.o_proj.weight"
+CHANGED_NORM = "model.layers.0.input_layernorm.weight"
+
+
+def _tiny_family(root: Path, dtype: torch.dtype = torch.float32, hidden: int = 32, seed: int = 0):
+    """Save a tiny Llama base and a perturbed fine-tune under root/{base,ft}; return both dirs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(root / "base")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name != UNCHANGED_MATRIX:
+                p.add_(torch.randn_like(p) * 0.02)
+        model.get_parameter(CHANGED_NORM).add_(0.125)
+    model.save_pretrained(root / "ft")
+    return root / "base", root / "ft"
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    return _tiny_family(tmp_path_factory.mktemp("family"))
+
+
+@pytest.fixture(scope="session")
+def artifact_dir(family, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "coder"
+    compress(*family, out, variant="coder")
+    return out
+
+
+def _copy_artifact(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _expected_state(base_dir: Path, ft_dir: Path, granularity: str):
+    """Independent BitDelta reconstruction: W_base + α·sign(Δ), sign(Δ) = +1 if Δ > 0 else −1."""
+    base, ft = load_file(base_dir / "model.safetensors"), load_file(ft_dir / "model.safetensors")
+    out, alphas = {}, {}
+    for name, w_ft in ft.items():
+        w = base[name]
+        if w.dim() == 2:
+            delta = w_ft.float() - w.float()
+            if granularity == "matrix":
+                alpha = delta.abs().sum() / delta.numel()
+                a = alpha
+            else:
+                alpha = delta.abs().sum(dim=1) / delta.shape[1]
+                a = alpha[:, None]
+            sign = torch.where(delta > 0, 1.0, -1.0)
+            out[name] = (w.float() + a * sign).to(w.dtype) if delta.any() else w
+            alphas[name] = alpha
+        else:
+            out[name] = w_ft
+    return out, alphas
+
+
+# --------------------------------------------------------------------------------------------
+# export → load → materialize
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("granularity", ["matrix", "row"])
+def test_round_trip_matches_independent_reconstruction(tmp_path, dtype, granularity):
+    base_dir, ft_dir = _tiny_family(tmp_path, dtype)
+    manifest = compress(base_dir, ft_dir, tmp_path / "art", variant="coder", granularity=granularity)
+    art = load_artifact(tmp_path / "art", base_fingerprint=fingerprint(base_dir))
+    assert isinstance(art, Artifact)
+    assert art.variant == "coder" and art.granularity == granularity and art.manifest == manifest
+
+    expected, alphas = _expected_state(base_dir, ft_dir, granularity)
+    ft = load_file(ft_dir / "model.safetensors")
+    # what is stored: every changed 2-D matrix as signs + alpha, the changed norm in full
+    changed_2d = {n for n, t in ft.items() if t.dim() == 2 and n != UNCHANGED_MATRIX}
+    assert set(art.signs) == set(art.alphas) == changed_2d
+    assert UNCHANGED_MATRIX not in art.signs and UNCHANGED_MATRIX not in art.full
+    assert set(art.full) == {CHANGED_NORM}  # other norms are unchanged → omitted
+    assert art.full[CHANGED_NORM].dtype == dtype
+    assert torch.equal(art.full[CHANGED_NORM], ft[CHANGED_NORM])
+    for name in changed_2d:
+        s, a = art.signs[name], art.alphas[name]
+        assert s.dtype == torch.uint8 and s.shape == (ft[name].shape[0], (ft[name].shape[1] + 7) // 8)
+        assert a.dtype == torch.float32
+        assert a.shape == (() if granularity == "matrix" else (ft[name].shape[0],))
+        torch.testing.assert_close(a, alphas[name], rtol=1e-5, atol=0)
+
+    state = materialize(base_dir, art)
+    assert state.keys() == ft.keys()
+    for name, t in state.items():
+        assert t.dtype == ft[name].dtype and t.shape == ft[name].shape, name
+        torch.testing.assert_close(t, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+
+    stats = manifest["stats"]
+    assert stats["parameters"] == sum(t.numel() for t in ft.values())
+    assert stats["compressed_parameters"] == sum(ft[n].numel() for n in changed_2d)
+    assert stats["full_parameters"] == ft[CHANGED_NORM].numel()
+    assert stats["bytes"] == (tmp_path / "art" / "delta.safetensors").stat().st_size
+    assert stats["bits_per_parameter"] == pytest.approx(8 * stats["bytes"] / stats["parameters"])
+
+
+def test_materialized_model_is_closer_to_finetune_than_base(family, artifact_dir):
+    base_dir, ft_dir = family
+    base, ft = load_file(base_dir / "model.safetensors"), load_file(ft_dir / "model.safetensors")
+    state = materialize(base_dir, load_artifact(artifact_dir))
+    name = "model.layers.0.mlp.down_proj.weight"
+    err_bitdelta = (state[name] - ft[name]).norm()
+    err_base = (base[name] - ft[name]).norm()
+    assert err_bitdelta < 0.7 * err_base  # sign + mean|Δ| keeps most of a Gaussian Δ
+
+
+def test_bits_per_parameter_below_two(tmp_path):
+    base_dir, ft_dir = _tiny_family(tmp_path, torch.bfloat16, hidden=64)
+    stats = compress(base_dir, ft_dir, tmp_path / "art", variant="v")["stats"]
+    assert stats["compressed_parameters"] > 0.9 * stats["parameters"]  # mostly 2-D (one matrix is unchanged)
+    assert 1.0 < stats["bits_per_parameter"] < 2.0
+
+
+def test_manifest_keys_exact(family, artifact_dir):
+    manifest = json.loads((artifact_dir / "bitdelta.json").read_text())
+    assert list(manifest) == [
+        "format", "format_version", "variant", "base", "granularity", "files", "stats", "provenance"
+    ]
+    assert manifest["format"] == "bitdelta" and manifest["format_version"] == 1
+    assert manifest["variant"] == "coder" and manifest["granularity"] == "matrix"
+    assert manifest["base"] == {"name_or_path": str(family[0]), "fingerprint": fingerprint(family[0])}
+    assert list(manifest["files"]) == ["delta.safetensors"]
+    assert len(manifest["files"]["delta.safetensors"]) == 64
+    assert set(manifest["stats"]) == {
+        "parameters", "compressed_parameters", "full_parameters", "bytes", "bits_per_parameter"
+    }
+    prov = manifest["provenance"]
+    assert set(prov) == {"run_id", "config", "created", "finetuned", "deltafleet_version"}
+    assert prov["created"].endswith("+00:00")
+    assert prov["finetuned"] == {"name_or_path": str(family[1]), "fingerprint": fingerprint(family[1])}
+    assert sorted(os.listdir(artifact_dir)) == ["bitdelta.json", "delta.safetensors"]
+
+
+def test_provenance_and_base_name_are_recorded(family, tmp_path):
+    m = compress(
+        *family, tmp_path / "a", variant="v", base_name_or_path="meta-llama/Llama-2-7b-hf",
+        provenance={"run_id": "abc", "config": {"lr": 1e-3}, "wandb": "offline-run-1"},
+    )
+    assert m["base"]["name_or_path"] == "meta-llama/Llama-2-7b-hf"
+    assert m["provenance"]["run_id"] == "abc"
+    assert m["provenance"]["config"] == {"lr": 1e-3}
+    assert m["provenance"]["wandb"] == "offline-run-1"
+
+
+def test_edge_cases_resized_new_missing_and_zero_delta(tmp_path):
+    (tmp_path / "b").mkdir(), (tmp_path / "f").mkdir()
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "emb.weight": torch.randn(10, 4, generator=g),
+        "same.weight": torch.randn(3, 5, generator=g),
+        "lin.weight": torch.randn(3, 9, generator=g),
+        "bias": torch.randn(3, generator=g),
+    }
+    ft = dict(base)
+    ft["emb.weight"] = torch.randn(12, 4, generator=g)  # resized embedding → full
+    ft["new.weight"] = torch.randn(2, 2, generator=g)  # not in base → full
+    ft["lin.weight"] = base["lin.weight"].clone()
+    ft["lin.weight"][1, 2] += 0.5  # a single changed entry: Δ == 0 elsewhere packs to bit 0
+    ft["bias"] = base["bias"].to(torch.float16)  # dtype changed → full, original dtype
+    save_file(base, tmp_path / "b" / "model.safetensors")
+    save_file(ft, tmp_path / "f" / "model.safetensors")
+    m = compress(tmp_path / "b", tmp_path / "f", tmp_path / "art", variant="v")
+    art = load_artifact(tmp_path / "art")
+    assert set(art.signs) == {"lin.weight"}
+    assert set(art.full) == {"emb.weight", "new.weight", "bias"}
+    assert art.full["bias"].dtype == torch.float16
+    assert art.signs["lin.weight"].tolist() == [[0, 0], [4, 0], [0, 0]]  # bit 2 of row 1
+    assert art.alphas["lin.weight"].item() == pytest.approx(0.5 / 27)
+    assert m["stats"]["compressed_parameters"] == 27 and m["stats"]["full_parameters"] == 48 + 4 + 3
+    state = materialize(tmp_path / "b", art)
+    assert state["emb.weight"].shape == (12, 4) and torch.equal(state["same.weight"], base["same.weight"])
+
+    # a base parameter missing from the fine-tune is an error, and nothing is left behind
+    del ft["same.weight"]
+    save_file(ft, tmp_path / "f" / "model.safetensors")
+    with pytest.raises(ArtifactError, match="same.weight"):
+        compress(tmp_path / "b", tmp_path / "f", tmp_path / "art2", variant="v")
+    assert not (tmp_path / "art2").exists()
+
+
+def test_identical_checkpoints_give_an_empty_but_valid_artifact(family, tmp_path):
+    m = compress(family[0], family[0], tmp_path / "art", variant="same")
+    art = load_artifact(tmp_path / "art")
+    assert not art.signs and not art.full and art.nbytes == 0
+    assert m["stats"]["compressed_parameters"] == m["stats"]["full_parameters"] == 0
+    state = materialize(family[0], art)
+    base = load_file(family[0] / "model.safetensors")
+    assert all(torch.equal(state[n], base[n]) for n in base)
+
+
+def test_bad_arguments(family, tmp_path):
+    with pytest.raises(ValueError, match="granularity"):
+        compress(*family, tmp_path / "a", variant="v", granularity="column")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        compress(tmp_path, family[1], tmp_path / "a", variant="v")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------------------------
+# fingerprint
+# --------------------------------------------------------------------------------------------
+
+
+def test_fingerprint_stable_and_sensitive(family, tmp_path):
+    base_dir, ft_dir = family
+    fp = fingerprint(base_dir)
+    assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 64
+    assert fingerprint(base_dir) == fp == fingerprint(str(base_dir))
+    assert fingerprint(ft_dir) != fp
+
+    tensors = load_file(base_dir / "model.safetensors")
+
+    def fp_of(ts: dict, name: str) -> str:
+        (tmp_path / name).mkdir()
+        save_file(ts, tmp_path / name / "model.safetensors")
+        return fingerprint(tmp_path / name)
+
+    assert fp_of(tensors, "copy") == fp  # same tensors, another file: same fingerprint
+    w = "model.layers.1.mlp.up_proj.weight"
+    assert fp_of({**tensors, w: tensors[w] * 1.001}, "content") != fp
+    assert fp_of({**tensors, w: tensors[w].to(torch.float16).float()}, "rounded") != fp
+    assert fp_of({**tensors, w: tensors[w].to(torch.bfloat16)}, "dtype") != fp
+    assert fp_of({**tensors, w: tensors[w].reshape(32, -1)}, "shape") != fp
+    renamed = {("x." + k if k == w else k): v for k, v in tensors.items()}
+    assert fp_of(renamed, "name") != fp
+    norm = dict(tensors)
+    norm[CHANGED_NORM] = norm[CHANGED_NORM].clone()
+    norm[CHANGED_NORM][17] += 1e-3
+    assert fp_of(norm, "norm") != fp  # small 1-D tensors are hashed whole
+
+
+def test_fingerprint_samples_rows_of_nd_and_chunks_of_long_1d(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"experts": torch.randn(4, 6, 8, generator=g), "long": torch.randn(100_000, generator=g)}
+
+    def fp_with(name: str, edit) -> str:
+        ts = {k: v.clone() for k, v in tensors.items()}
+        edit(ts)
+        (tmp_path / name).mkdir()
+        save_file(ts, tmp_path / name / "model.safetensors")
+        return fingerprint(tmp_path / name)
+
+    fp = fp_with("orig", lambda ts: None)
+    # 24 rows of 8: rows 0, 3, 7, 10, 13, 16, 20, 23 are sampled (23 = experts[3, 5])
+    assert fp_with("last_row", lambda ts: ts["experts"][3, 5].add_(1)) != fp
+    assert fp_with("row_7", lambda ts: ts["experts"][1, 1, 4].add_(1)) != fp
+    assert fp_with("row_1", lambda ts: ts["experts"][0, 1].add_(1)) == fp  # a sample, by design
+    assert fp_with("long_head", lambda ts: ts["long"][0].add_(1)) != fp
+    assert fp_with("long_tail", lambda ts: ts["long"][-1].add_(1)) != fp
+
+
+def test_fingerprint_ignores_sharding(family, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(family[0])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert fingerprint(tmp_path / "sharded") == fingerprint(family[0])
+
+
+# --------------------------------------------------------------------------------------------
+# loading: fingerprint, integrity, format
+# --------------------------------------------------------------------------------------------
+
+
+def test_wrong_base_fingerprint(family, artifact_dir):
+    other = "sha256:" + "0" * 64
+    with pytest.raises(FingerprintMismatchError) as e:
+        load_artifact(artifact_dir, base_fingerprint=other)
+    assert other in str(e.value) and fingerprint(family[0]) in str(e.value)
+    assert isinstance(e.value, ArtifactError)
+    art = load_artifact(artifact_dir, base_fingerprint=other, force=True)
+    assert art.signs and art.nbytes > 0
+
+
+def test_tampered_file_is_rejected(artifact_dir, tmp_path):
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    data = bytearray((art / "delta.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the packed signs
+    (art / "delta.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"delta\.safetensors does not match its sha256"):
+        load_artifact(art)
+    load_artifact(art, verify_hashes=False)  # the caller's explicit choice
+    (art / "delta.safetensors").unlink()
+    with pytest.raises(ArtifactError, match=r"delta\.safetensors .*missing"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"format_version": 2}, "format_version 2 is not supported"),
+        ({"format_version": "1"}, "format_version '1' is not supported"),
+        ({"format": "lora"}, "format is 'lora'"),
+        ({"granularity": "column"}, "granularity 'column'"),
+        ({"files": {"../model.safetensors": "00"}}, "plain file name"),
+    ],
+)
+def test_bad_manifest_is_rejected(artifact_dir, tmp_path, edit, match):
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    (art / "bitdelta.json").write_text(json.dumps({**manifest, **edit}))
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art)
+
+
+def test_missing_or_garbled_manifest(tmp_path):
+    with pytest.raises(ArtifactError, match="no bitdelta.json"):
+        load_artifact(tmp_path)
+    (tmp_path / "bitdelta.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="cannot parse"):
+        load_artifact(tmp_path)
+
+
+def _rewrite_delta(art: Path, edit) -> None:
+    """Apply edit(tensors) to delta.safetensors and re-sign it in the manifest."""
+    tensors = load_file(art / "delta.safetensors")
+    edit(tensors)
+    save_file(tensors, art / "delta.safetensors")
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"]["delta.safetensors"] = bd._sha256_file(art / "delta.safetensors")
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+
+
+W = "model.layers.0.mlp.gate_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda t: t.pop(W + ".alpha"), r"gate_proj.weight.sign has no matching .*\.alpha"),
+        (lambda t: t.update({W + ".alpha": torch.ones(64)}), r"alpha must be float32 \[\]"),
+        (lambda t: t.update({W + ".alpha": torch.tensor(0.1, dtype=torch.float64)}), "float32"),
+        (lambda t: t.update({W + ".alpha": torch.tensor(float("nan"))}), "non-finite"),
+        (lambda t: t.update({W + ".sign": t[W + ".sign"].to(torch.int16)}), "must be uint8"),
+    ],
+)
+def test_malformed_tensors_are_rejected(artifact_dir, tmp_path, edit, match):
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    _rewrite_delta(art, edit)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art)
+
+
+def test_sign_that_does_not_fit_the_base(family, artifact_dir, tmp_path):
+    art_dir = _copy_artifact(artifact_dir, tmp_path / "art")
+    _rewrite_delta(art_dir, lambda t: t.update({W + ".sign": t[W + ".sign"][:, :-1].contiguous()}))
+    art = load_artifact(art_dir)
+    with pytest.raises(ArtifactError, match=r"gate_proj.weight.sign .* do not fit base weight \[64, 32\]"):
+        materialize(family[0], art)
+
+
+def test_reads_sharded_artifact(family, artifact_dir, tmp_path):
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    tensors = load_file(art / "delta.safetensors")
+    names = sorted(tensors)
+    shards = {"delta-00001-of-00002.safetensors": names[::2], "delta-00002-of-00002.safetensors": names[1::2]}
+    for file, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, art / file, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    (art / "delta.safetensors.index.json").write_text(json.dumps(index))
+    (art / "delta.safetensors").unlink()
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"] = {f: bd._sha256_file(art / f) for f in [*shards, "delta.safetensors.index.json"]}
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+
+    sharded, single = load_artifact(art), load_artifact(artifact_dir)
+    for field in ("signs", "alphas", "full"):
+        a, b = getattr(sharded, field), getattr(single, field)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    del manifest["files"]["delta-00002-of-00002.safetensors"]
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="delta-00002-of-00002.safetensors"):
+        load_artifact(art)
+
+
+# --------------------------------------------------------------------------------------------
+# atomic writes
+# --------------------------------------------------------------------------------------------
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p for p in os.listdir(parent) if p.startswith("."))
+
+
+def test_failed_export_leaves_nothing(family, tmp_path, monkeypatch):
+    real_pack, calls = bd.pack_signs, []
+
+    def failing_pack(delta):  # the third matrix fails mid-export
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("disk on fire")
+        return real_pack(delta)
+
+    monkeypatch.setattr(bd, "pack_signs", failing_pack)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        compress(*family, tmp_path / "art", variant="v")
+    assert len(calls) == 3
+    assert os.listdir(tmp_path) == []  # neither the artifact nor its temporary folder
+
+
+def test_failure_after_files_are_written_keeps_the_old_artifact(family, tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    compress(*family, out, variant="v", provenance={"run_id": "first"})
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+
+    def exploding_dump(*args, **kwargs):  # the manifest write fails after delta.safetensors exists
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(bd.json, "dump", exploding_dump)
+    with pytest.raises(OSError, match="no space"):
+        compress(*family, out, variant="v", provenance={"run_id": "second"})
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_reexport_replaces_existing_artifact(family, tmp_path):
+    out = tmp_path / "art"
+    compress(*family, out, variant="v", granularity="matrix", provenance={"run_id": "first"})
+    (out / "stale.txt").write_text("from an older export")
+    m = compress(*family, out, variant="v", granularity="row", provenance={"run_id": "second"})
+    assert sorted(os.listdir(out)) == ["bitdelta.json", "delta.safetensors"]
+    assert json.loads((out / "bitdelta.json").read_text()) == m
+    art = load_artifact(out)
+    assert art.granularity == "row" and art.manifest["provenance"]["run_id"] == "second"
+    assert _leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------
+# compress/run.py + conf/export.yaml
+# --------------------------------------------------------------------------------------------
+
+
+def test_export_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("export", overrides=["variant=coder", "paths.root=/r"])
+    assert cfg.variant.name == "coder" and cfg.granularity == "matrix"
+    assert cfg.base_dir == "/r/models/base"
+    assert cfg.finetuned_dir == "/r/models/coder"
+    assert cfg.out_dir == "/r/artifacts/coder"
+
+
+def test_run_py_end_to_end(family, tmp_path):
+    models = tmp_path / "models"
+    for src, name in zip(family, ("base", "coder")):
+        _copy_artifact(src, models / name)  # plain folder copy
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # run.py must find the repo itself
+    proc = subprocess.run(
+        [sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", "granularity=row"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("coder:")]
+    assert len(summary) == 1 and "bits/param" in summary[0] and "bf16" in summary[0]
+    art = load_artifact(tmp_path / "artifacts" / "coder", base_fingerprint=fingerprint(models / "base"))
+    assert art.variant == "coder" and art.granularity == "row"
+    prov = art.manifest["provenance"]
+    assert prov["run_id"].startswith("export/coder/")
+    assert prov["config"]["finetuned_dir"] == str(models / "coder")
+    assert (tmp_path / "outputs" / "export" / "coder").is_dir()
+    stats = art.manifest["stats"]
+    assert f"{stats['parameters']:,} params" in summary[0]
