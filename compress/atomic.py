@@ -70,16 +70,26 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder, fsync and ``os.replace``.
+
+    Readers see the old file or the complete new one, never a partial write; the temporary file
+    (``.<name>.tmp-<random>``) is removed if anything fails. Parent folders are created.
+    """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """:func:`write_bytes` of ``text`` encoded as UTF-8."""
+    write_bytes(path, text.encode("utf-8"))
