@@ -52,7 +52,7 @@ def load_blocks(
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
 
     ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, desc=f"tokenize {domain}/{split}")

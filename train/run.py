@@ -40,14 +40,15 @@ def build_model(cfg: DictConfig, tokenizer):
 
     if cfg.variant.init == "scratch":
         if cfg.model.name_or_path:
-            return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
+            return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32).train()
         shape = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "name_or_path")}
         shape["vocab_size"] = len(tokenizer)
         config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
         return LlamaForCausalLM(config)
     if cfg.variant.init == "base":
-        return AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32)
+        # from_pretrained returns the model in eval mode; Lightning keeps each module's mode
+        return AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).train()
     raise ValueError(f"variant.init must be 'scratch' or 'base', got {cfg.variant.init!r}")
 
 
