@@ -1,0 +1,432 @@
+"""OpenAI-compatible HTTP API over an :class:`~serve.engine.Engine` (ARCHITECTURE.md, "Serving").
+
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both with SSE streaming ending ``data: [DONE]`` and
+``stream_options.include_usage``), ``GET /health``, ``GET /metrics`` (Prometheus, vLLM-style names
+under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error objects
+``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
+404 unknown model, 503 variant unavailable, 500 anything unexpected — none stops the server.
+
+Generation runs in a worker thread per request (the engine serialises them), feeding an asyncio
+queue, so the event loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.engine import (
+    Engine,
+    InvalidRequestError,
+    ModelNotFoundError,
+    SamplingParams,
+    Step,
+    VariantUnavailableError,
+)
+
+PREFIX = "deltafleet:"
+_DONE = object()  # end of a worker's queue
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+
+# ------------------------------------------------------------------------------------ schemas
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InvalidRequestError("only text content parts are supported", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ModelNotFoundError):
+        return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
+    if isinstance(e, VariantUnavailableError):
+        return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable")
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), "invalid_request_error", e.param, e.code)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    if first.get("type") == "json_invalid":
+        return APIError(400, "The request body is not valid JSON.", code="invalid_json")
+    msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                     for e in errors[:5])
+    return APIError(400, f"Invalid request: {msgs}", param=param, code="invalid_value")
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+class Metrics:
+    """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``)."""
+
+    def __init__(self, model_ids: list[str]):
+        r = self.registry = CollectorRegistry()
+        L = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from request arrival to the first token.",
+                              L, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             L, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
+                             L, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time a request waited for the model.",
+                               L, buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests generating now.", L, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the model.", L, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", L, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", L, registry=r)
+        self.requests = Counter(PREFIX + "request_success", "Finished requests.", L + ["finished_reason"], registry=r)
+        self.hits = Counter(PREFIX + "delta_cache_hits", "Variant requests whose delta was resident.", L, registry=r)
+        self.misses = Counter(PREFIX + "delta_cache_misses", "Variant requests that had to wait for a delta load.",
+                              L, registry=r)
+        self.loads = Counter(PREFIX + "delta_cache_loads", "Delta artifacts loaded.", L, registry=r)
+        self.load_failures = Counter(PREFIX + "delta_cache_load_failures", "Delta artifact loads that failed.",
+                                     L, registry=r)
+        self.evictions = Counter(PREFIX + "delta_cache_evictions", "Deltas evicted (none yet: no eviction policy).",
+                                 L, registry=r)
+        self.load_seconds = Histogram(PREFIX + "delta_load_seconds", "Time to load a delta artifact.",
+                                      L, buckets=LATENCY_BUCKETS, registry=r)
+        for mid in model_ids:
+            self.add_model(mid)
+
+    def add_model(self, model_id: str) -> None:
+        """Create every series of a model at zero, so it shows in /metrics before its first request."""
+        for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
+                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures, self.evictions,
+                  self.load_seconds):
+            m.labels(model_id)
+
+    def on_delta_event(self, event: str, model_id: str, seconds: float) -> None:
+        if event == "hit":
+            self.hits.labels(model_id).inc()
+        elif event == "miss":
+            self.misses.labels(model_id).inc()
+        elif event == "load":
+            self.loads.labels(model_id).inc()
+            self.load_seconds.labels(model_id).observe(seconds)
+        elif event == "load_failed":
+            self.load_failures.labels(model_id).inc()
+
+
+# ------------------------------------------------------------------------------------ app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
+
+    Args:
+        engine: the loaded engine.
+        max_waiting: with this many requests already waiting for the model, a new one is
+            refused with 429 (OpenAI ``rate_limit_error``) instead of queueing; None: no limit.
+    """
+    app = FastAPI(title="deltafleet", version="0.1.0")
+    queued = {"n": 0}  # requests admitted but not yet started
+    queued_lock = threading.Lock()
+    metrics = Metrics([m.id for m in engine.models()])
+    engine.add_listener(metrics.on_delta_event)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code).response()
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception):
+        return _api_error(exc).response()
+
+    # ---------------------------------------------------------------- plain endpoints
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    created = int(time.time())
+
+    def model_card(card) -> dict:
+        return {"id": card.id, "object": "model", "created": created, "owned_by": "deltafleet",
+                "parent": card.parent, "root": engine.family, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models():
+        cards = await run_in_threadpool(engine.discover)
+        for c in cards:
+            metrics.add_model(c.id)
+        return {"object": "list", "data": [model_card(c) for c in cards]}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
+        try:
+            return model_card(await run_in_threadpool(engine.card, model_id))
+        except ModelNotFoundError as e:
+            raise _api_error(e) from None
+
+    # ---------------------------------------------------------------- generation
+
+    async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str):
+        try:
+            req = await run_in_threadpool(engine.prepare, model, prompt_ids, params, param)
+        except Exception as e:
+            raise _api_error(e) from None
+        metrics.add_model(model)
+        return req
+
+    def start(req, arrival: float) -> tuple[asyncio.Queue, threading.Event]:
+        """Admit ``req`` (429 past ``max_waiting``) and start it in a worker thread feeding a queue.
+
+        The worker keeps every gauge and counter right by itself, so a response that is never
+        consumed leaks nothing; setting the returned event stops it after its current step.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        mid = req.model_id
+        state = {"started": False}
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                cancel.set()
+
+        def on_start() -> None:
+            state["started"] = True
+            with queued_lock:
+                queued["n"] -= 1
+            metrics.waiting.labels(mid).dec()
+            metrics.running.labels(mid).inc()
+            metrics.queue.labels(mid).observe(time.perf_counter() - arrival)
+
+        def work() -> None:
+            try:
+                for step in engine.run(req, cancel=cancel, on_start=on_start):
+                    put(step)
+                    if cancel.is_set():
+                        break
+            except BaseException as e:  # noqa: BLE001 — reported to the request, never kills the server
+                put(e)
+            finally:
+                if state["started"]:
+                    metrics.running.labels(mid).dec()
+                else:
+                    metrics.waiting.labels(mid).dec()
+                    with queued_lock:
+                        queued["n"] -= 1
+                put(_DONE)
+
+        with queued_lock:
+            if max_waiting is not None and queued["n"] >= max_waiting:
+                raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
+                               "Retry later.", "rate_limit_error", None, "overloaded")
+            queued["n"] += 1
+        metrics.waiting.labels(mid).inc()
+        metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
+        threading.Thread(target=work, name=f"generate-{mid}", daemon=True).start()
+        return queue, cancel
+
+    async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[Step]:
+        """The steps of a started job as they come, recording the latency metrics."""
+        queue, cancel = job
+        mid, last = req.model_id, None
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                now = time.perf_counter()
+                if last is None:
+                    metrics.ttft.labels(mid).observe(now - arrival)
+                else:
+                    metrics.itl.labels(mid).observe(now - last)
+                last = now
+                metrics.generation_tokens.labels(mid).inc()
+                if item.finish_reason is not None:
+                    metrics.e2e.labels(mid).observe(now - arrival)
+                    metrics.requests.labels(mid, item.finish_reason).inc()
+                yield item
+        finally:
+            cancel.set()  # the client went away (or we are done): stop the worker after its step
+
+    async def run(req, arrival: float) -> tuple[str, str, int]:
+        job = start(req, arrival)
+        parts, reason, n = [], "length", 0
+        try:
+            async for s in steps(req, arrival, job):
+                parts.append(s.text)
+                reason, n = s.finish_reason or reason, n + 1
+        except Exception as e:
+            raise _api_error(e) from None
+        return "".join(parts), reason, n
+
+    def stream(req, arrival: float, chunk, include_usage: bool) -> StreamingResponse:
+        """SSE: ``chunk(text, finish_reason, first)`` per step with text or a finish; then usage; then [DONE]."""
+        job = start(req, arrival)  # before the 200 goes out, so that a 429 is still a status code
+
+        async def events():
+            n, first = 0, True
+            try:
+                async for s in steps(req, arrival, job):
+                    n += 1
+                    if s.text or s.finish_reason:
+                        yield _sse(chunk(s.text, s.finish_reason, first))
+                        first = False
+            except Exception as e:  # the status line is sent already: report in-band, as vLLM does
+                yield _sse(_api_error(e).body())
+            if include_usage:
+                yield _sse(chunk(None, None, False) | {"choices": [], "usage": _usage(len(req.prompt_ids), n)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        arrival = time.perf_counter()
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        try:
+            ids = await run_in_threadpool(engine.encode_prompt, prompt)
+        except InvalidRequestError as e:
+            raise _api_error(e) from None
+        req = await prepare(body.model, ids, body.sampling(body.max_tokens), "prompt")
+        rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text, finish_reason, first):
+            return {"id": rid, "object": "text_completion", "created": created_at, "model": body.model,
+                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
+
+        if body.stream:
+            opts = body.stream_options
+            return stream(req, arrival, chunk, bool(opts and opts.include_usage))
+        text, reason, n = await run(req, arrival)
+        out = chunk(text, reason, True)
+        out["usage"] = _usage(len(ids), n)
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        arrival = time.perf_counter()
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await run_in_threadpool(engine.encode_chat, messages)
+        except InvalidRequestError as e:
+            raise _api_error(e) from None
+        max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
+        req = await prepare(body.model, ids, body.sampling(max_tokens), "messages")
+        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text, finish_reason, first):
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        if body.stream:
+            opts = body.stream_options
+            return stream(req, arrival, chunk, bool(opts and opts.include_usage))
+        text, reason, n = await run(req, arrival)
+        return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason}],
+                "usage": _usage(len(ids), n)}
+
+    return app

@@ -1,0 +1,392 @@
+"""The serving engine: one resident base, BitDelta variants loaded on first use, a decode loop.
+
+Model ids (ARCHITECTURE.md, "Serving"): the base is served as the family name (``tiny``), each
+artifact folder ``<artifacts_dir>/<variant>/bitdelta.json`` as ``<family>-<variant>``. A variant's
+artifact is read on its first request, checked against the base's fingerprint, and kept (the
+tiered cache with eviction is a later issue). Loading is single-flight per variant: concurrent
+first requests wait for one load, and loads of other variants are not blocked.
+
+Generation runs one request at a time (a lock; continuous batching is a later issue) as a plain
+iterator of :class:`Step`, so the HTTP layer can drive it from a worker thread and stream.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+from transformers import AutoTokenizer
+
+from compress.bitdelta import ArtifactError, fingerprint, load_artifact
+from serve.model import Transformer, VariantDelta
+
+MANIFEST_NAME = "bitdelta.json"
+FinishReason = Literal["stop", "length"]
+# event, model id, seconds (load time for "load"/"load_failed", else 0)
+DeltaListener = Callable[[Literal["hit", "miss", "load", "load_failed"], str, float], None]
+
+
+class ModelNotFoundError(LookupError):
+    """No base or variant is served under this model id (HTTP 404)."""
+
+
+class VariantUnavailableError(RuntimeError):
+    """The variant exists but its artifact cannot be used, e.g. a fingerprint mismatch (HTTP 503)."""
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked, e.g. the prompt is too long (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    parent: str | None  # the base id for a variant, None for the base
+    artifact_dir: Path | None = None
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Step:
+    """One sampled token: the text it releases ('' while held back) and, on the last, why it ended."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Request:
+    """A checked request, ready to run: see :meth:`Engine.prepare`."""
+
+    model_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    delta: VariantDelta | None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (e.g. float32, bfloat16, float16)")
+    return dt
+
+
+class Engine:
+    """Serve a base checkpoint and every BitDelta artifact found for it.
+
+    Args:
+        base_dir: Hugging Face checkpoint of the base (config, safetensors, tokenizer).
+        artifacts_dir: folder of artifact folders ``<variant>/bitdelta.json``; None: base only.
+        family: model id of the base; variants are ``<family>-<variant>``.
+        device, dtype: where and in which dtype the base (and the deltas' full tensors) live.
+        force: load artifacts even if their base fingerprint differs (not recommended).
+
+    Raises:
+        FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
+    """
+
+    def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
+                 device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False):
+        self.base_dir = Path(base_dir)
+        if not (self.base_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no base checkpoint at {self.base_dir} (config.json missing): build it with `make base` "
+                "(or the whole demo family with `make demo`), or set base_dir=/path/to/hf/checkpoint"
+            )
+        self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
+        self.family, self.device, self.dtype, self.force = family, torch.device(device), _dtype(dtype), force
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype)
+        self.max_model_len = self.model.args.max_seq_len
+        self.base_fingerprint = fingerprint(self.base_dir)
+        self.eos_token_ids = self._eos_ids()
+        self._variants: dict[str, ModelCard] = {}
+        self._deltas: dict[str, VariantDelta] = {}
+        self._load_locks: dict[str, threading.Lock] = {}
+        self._registry_lock = threading.Lock()  # guards _variants, _load_locks
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self._gen_lock = threading.Lock()  # one generation at a time
+        self._listeners: list[DeltaListener] = []
+        self.discover()
+
+    # ---------------------------------------------------------------- models and variants
+
+    def discover(self) -> list[ModelCard]:
+        """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json``; new artifacts become servable."""
+        found: dict[str, ModelCard] = {}
+        if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
+            for manifest in sorted(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")):
+                mid = f"{self.family}-{manifest.parent.name}"
+                found[mid] = ModelCard(mid, self.family, manifest.parent)
+        with self._registry_lock:
+            for mid, card in found.items():
+                if mid not in self._variants:
+                    self._variants[mid] = card
+                    self._load_locks[mid] = threading.Lock()
+        return self.models()
+
+    def models(self) -> list[ModelCard]:
+        with self._registry_lock:
+            return [ModelCard(self.family, None)] + list(self._variants.values())
+
+    def card(self, model_id: str) -> ModelCard:
+        """Raises ModelNotFoundError for an id that is neither the base nor a found artifact."""
+        if model_id == self.family:
+            return ModelCard(self.family, None)
+        if model_id not in self._variants:
+            self.discover()
+        try:
+            return self._variants[model_id]
+        except KeyError:
+            raise ModelNotFoundError(f"The model `{model_id}` does not exist") from None
+
+    def add_listener(self, fn: DeltaListener) -> None:
+        """Call ``fn(event, model_id, seconds)`` on delta-cache hits, misses, loads and failed loads."""
+        self._listeners.append(fn)
+
+    def _emit(self, event: str, model_id: str, seconds: float = 0.0) -> None:
+        for fn in self._listeners:
+            fn(event, model_id, seconds)
+
+    def get_delta(self, model_id: str) -> VariantDelta | None:
+        """The variant's deltas (None for the base), loading the artifact on first use.
+
+        Raises:
+            ModelNotFoundError: unknown id.
+            VariantUnavailableError: the artifact is missing, corrupt, made for another base
+                (fingerprint mismatch) or does not fit the base's shapes. Not cached: the next
+                request tries again, so a fixed artifact is picked up without a restart.
+        """
+        card = self.card(model_id)
+        if card.parent is None:
+            return None
+        delta = self._deltas.get(model_id)
+        if delta is not None:
+            self._emit("hit", model_id)
+            return delta
+        self._emit("miss", model_id)
+        with self._load_locks[model_id]:  # single flight: later arrivals wait for this load
+            delta = self._deltas.get(model_id)
+            if delta is None:
+                t0 = time.perf_counter()
+                try:
+                    delta = self._load(card)
+                except VariantUnavailableError:
+                    self._emit("load_failed", model_id, time.perf_counter() - t0)
+                    raise
+                self._deltas[model_id] = delta
+                self._emit("load", model_id, time.perf_counter() - t0)
+        return delta
+
+    def _load(self, card: ModelCard) -> VariantDelta:
+        fp = None if self.force else self.base_fingerprint
+        try:
+            artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device=str(self.device))
+            delta = VariantDelta(artifact, self.device, self.dtype)
+            delta.check(self.model.hf_param_shapes())
+        except (ArtifactError, OSError, ValueError) as e:
+            raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {e}") from e
+        return delta
+
+    # ---------------------------------------------------------------- tokens
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt (special tokens as the tokenizer adds them, e.g. BOS)."""
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "prompt")
+            return list(prompt)
+        with self._tok_lock:
+            return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat, rendered with the tokenizer's chat template and the generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
+        with self._tok_lock:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja errors: a message shape the template rejects
+                raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        for f in ("config.json", "generation_config.json"):
+            p = self.base_dir / f
+            if p.is_file():
+                eos = json.loads(p.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return ids
+
+    def check_length(self, prompt_tokens: int, max_tokens: int | None, param: str = "prompt") -> int:
+        """The number of tokens to generate at most; raises InvalidRequestError if it does not fit.
+
+        ``max_tokens=None`` means "the rest of the context".
+        """
+        n = self.max_model_len
+        if prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param)
+        if max_tokens is None:
+            max_tokens = n - prompt_tokens
+        if prompt_tokens + max(max_tokens, 1) > n:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {n} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                param, "context_length_exceeded",
+            )
+        return max_tokens
+
+    # ---------------------------------------------------------------- generation
+
+    def prepare(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
+                param: str = "prompt") -> Request:
+        """Check a request and load its variant, so that errors surface before any output.
+
+        Raises:
+            ModelNotFoundError: unknown model id (404).
+            InvalidRequestError: empty prompt, or prompt + max_tokens beyond the context (400).
+            VariantUnavailableError: the variant's artifact cannot be used (503).
+        """
+        self.card(model_id)
+        max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
+        return Request(model_id, list(prompt_ids), max_tokens, params, self.get_delta(model_id))
+
+    def run(self, request: Request, *, cancel: threading.Event | None = None,
+            on_start: Callable[[], None] | None = None) -> Iterator[Step]:
+        """Prefill the prompt, then decode one token per :class:`Step` until eos, a stop string or max_tokens.
+
+        Greedy when ``temperature == 0``, else temperature + top-p (nucleus) sampling, seeded by
+        ``seed`` if given. The texts of the steps concatenate to the completion: a stop string is
+        cut off (the text ends before it); partial UTF-8 and possible stop prefixes are held back
+        until resolved. Waits for earlier generations (one at a time); ``on_start`` is called once
+        this one holds the model; setting ``cancel`` ends it after the current step.
+        """
+        with self._gen_lock:
+            if on_start is not None:
+                on_start()
+            if cancel is not None and cancel.is_set():  # abandoned while it waited
+                return
+            yield from self._decode(request.prompt_ids, request.max_tokens, request.params, request.delta, cancel)
+
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
+        """:meth:`prepare` then :meth:`run`."""
+        return self.run(self.prepare(model_id, prompt_ids, params))
+
+    def _decode(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+                delta: VariantDelta | None, cancel: threading.Event | None) -> Iterator[Step]:
+        model, n = self.model, len(prompt_ids)
+        cache = model.new_cache(1, n + max_tokens)
+        gen = None
+        if params.temperature > 0 and params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(params.seed)
+        text = _TextStream(self.tokenizer, params.stop, self._tok_lock)
+        tokens = torch.tensor([prompt_ids], device=self.device)
+        input_pos = torch.arange(n, device=self.device)
+        for i in range(max_tokens):
+            with torch.inference_mode():
+                logits = model(tokens, input_pos, cache, delta)[0, -1].float()
+            token = sample(logits, params.temperature, params.top_p, gen)
+            if token in self.eos_token_ids:
+                yield Step(token, text.flush(), "stop")
+                return
+            piece, stopped = text.push(token)
+            if stopped:
+                yield Step(token, piece, "stop")
+                return
+            if i == max_tokens - 1 or (cancel is not None and cancel.is_set()):
+                yield Step(token, piece + text.flush(), "length")
+                return
+            yield Step(token, piece)
+            tokens = torch.tensor([[token]], device=self.device)
+            input_pos = torch.tensor([n + i], device=self.device)
+
+    def complete(self, model_id: str, prompt: str | list[int], params: SamplingParams) -> Completion:
+        """Run :meth:`generate` to the end on a prompt (in-process use, tests)."""
+        ids = self.encode_prompt(prompt)
+        steps = list(self.generate(model_id, ids, params))
+        return Completion("".join(s.text for s in steps), steps[-1].finish_reason, len(ids), len(steps),
+                          [s.token_id for s in steps])
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> int:
+    """Next token from fp32 logits ``[V]``: argmax if ``temperature == 0``, else softmax(logits/T)
+    restricted to the smallest set of tokens whose probability reaches ``top_p`` (Holtzman et al. 2019)."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p, idx = torch.sort(probs, descending=True)
+        outside = p.cumsum(0) - p > top_p  # tokens entirely past the nucleus; the top one always stays
+        p[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, idx, p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+class _TextStream:
+    """Incremental detokenizer with stop strings.
+
+    Decodes all generated ids each step (cheap at these lengths and exact for byte-level BPE) and
+    releases only text that can no longer change: a trailing U+FFFD (an incomplete UTF-8
+    sequence) and any suffix that could begin a stop string are held back.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock):
+        self.tokenizer, self.stop, self.lock = tokenizer, tuple(s for s in stop if s), lock
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of self.text already released
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token; return (newly released text, whether a stop string was reached)."""
+        self.ids.append(token)
+        with self.lock:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            end = max(min(hits), self.sent)
+            out, self.sent = self.text[self.sent:end], end
+            return out, True
+        end = len(self.text.rstrip("\ufffd"))
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text[:end].endswith(s[:k])), default=0)
+        end = max(end - hold, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

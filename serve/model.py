@@ -1,0 +1,457 @@
+"""A Llama-family decoder that serves a base and its BitDelta variants from one copy of the weights.
+
+Read like gpt-fast's ``model.py``: a config dataclass with named presets, RMSNorm, RoPE, attention
+with grouped-query heads and a static KV cache written by index, a SwiGLU MLP. The one new idea is
+that every weight can carry a variant's 1-bit delta (BitDelta, Liu et al., arXiv:2402.10193, Eq. 2:
+``W_ft ≈ W_base + α·sign(Δ)``) that is applied on the fly:
+
+- a linear (q, k, v, o, gate, up, down, lm_head) with a delta runs ``kernels.bitdelta_linear``,
+  otherwise a plain ``F.linear`` on the base weight;
+- the token embedding adds ``α·(2·bits − 1)`` of the looked-up rows only;
+- a norm weight or bias that the artifact stores in full is used instead of the base's.
+
+The variant is an explicit argument of ``forward`` (a :class:`VariantDelta`, or ``None`` for the
+base), so one resident model serves every variant and no per-variant dense copy is ever built.
+Modules carry their Hugging Face parameter names (``model.layers.0.self_attn.q_proj``), which are
+also the artifact's keys, so the checkpoint loads without renaming and deltas are found by name.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor
+
+from kernels import bitdelta_linear, packed_width, unpack_signs
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_local_heads: int = -1  # key/value heads (GQA); -1: same as n_head
+    head_dim: int = 0  # 0: dim // n_head
+    intermediate_size: int = 11008
+    max_seq_len: int = 2048  # max_position_embeddings: the context length served
+    rope_base: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...} as in HF configs
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_head
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelArgs:
+        """Shape preset by name (benchmarks, tests); real checkpoints use :meth:`from_hf_config`."""
+        return cls(**transformer_configs[name])
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """Build from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2).
+
+        Reads both the transformers-5 ``rope_parameters`` and the older ``rope_theta`` /
+        ``rope_scaling`` fields.
+
+        Raises:
+            NotImplementedError: on another architecture, activation or RoPE type.
+        """
+        model_type = config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"model_type {model_type!r} is not served (supported: {SUPPORTED_MODEL_TYPES})")
+        if config.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config['hidden_act']!r} (only SwiGLU with silu is supported)")
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_base = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise NotImplementedError(f"rope_type {rope_type!r} (supported: default, linear, llama3)")
+        max_seq_len = config.get("max_position_embeddings", 2048)
+        window = config.get("sliding_window")
+        if window and (model_type == "mistral" or config.get("use_sliding_window")):
+            # Full attention within the window is exact; the served context is capped there.
+            max_seq_len = min(max_seq_len, window)
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layer=config["num_hidden_layers"],
+            n_head=config["num_attention_heads"],
+            n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim") or 0,
+            intermediate_size=config["intermediate_size"],
+            max_seq_len=max_seq_len,
+            rope_base=float(rope_base),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+
+transformer_configs = {
+    "tiny": dict(vocab_size=4096, dim=256, n_layer=4, n_head=8, n_local_heads=4, intermediate_size=688, max_seq_len=512),
+    "llama-2-7b": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=11008, max_seq_len=4096),
+    "llama-2-70b": dict(dim=8192, n_layer=80, n_head=64, n_local_heads=8, intermediate_size=28672, max_seq_len=4096),
+    "llama-3-8b": dict(vocab_size=128256, dim=4096, n_layer=32, n_head=32, n_local_heads=8,
+                       intermediate_size=14336, max_seq_len=8192, rope_base=500000.0),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The variant: a BitDelta artifact as the model reads it
+# --------------------------------------------------------------------------------------------
+
+
+class _ArtifactLike(Protocol):
+    signs: dict[str, Tensor]
+    alphas: dict[str, Tensor]
+    full: dict[str, Tensor]
+
+    @property
+    def variant(self) -> str: ...
+
+
+class VariantDelta:
+    """One variant's deltas, looked up by Hugging Face parameter name during ``forward``.
+
+    Holds only what the artifact holds — packed signs (uint8 ``[N, ceil(K/8)]``), scales (fp32
+    ``[]`` or ``[N]``) and the few tensors stored in full — moved to the model's device; floating
+    full tensors are cast to the model's dtype.
+    """
+
+    def __init__(self, artifact: _ArtifactLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.artifact = artifact
+        self.name = artifact.variant
+        self.signs = {k: v.to(device) for k, v in artifact.signs.items()}
+        self.alphas = {k: v.to(device, torch.float32) for k, v in artifact.alphas.items()}
+        self.full = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in artifact.full.items()}
+
+    def sign_alpha(self, param: str) -> tuple[Tensor, Tensor] | None:
+        """``(sign, alpha)`` of a sign-compressed parameter, or None if it has none."""
+        sign = self.signs.get(param)
+        return None if sign is None else (sign, self.alphas[param])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.full) for t in d.values())
+
+    def check(self, shapes: dict[str, torch.Size]) -> None:
+        """Check every stored tensor against the model's parameter shapes (HF names).
+
+        Raises:
+            ValueError: on a parameter the model lacks, a sign/alpha/full tensor of the wrong
+                shape (e.g. a resized vocabulary), or a sign without its alpha.
+        """
+        for name, sign in self.signs.items():
+            shape = shapes.get(name)
+            if shape is None or len(shape) != 2:
+                raise ValueError(f"variant {self.name!r}: delta for {name!r}, which is not a weight matrix of the base")
+            n, k = shape
+            if tuple(sign.shape) != (n, packed_width(k)) or sign.dtype != torch.uint8:
+                raise ValueError(f"variant {self.name!r}: {name}.sign is {sign.dtype} {tuple(sign.shape)}, "
+                                 f"expected uint8 ({n}, {packed_width(k)})")
+            alpha = self.alphas.get(name)
+            if alpha is None or tuple(alpha.shape) not in ((), (n,)):
+                raise ValueError(f"variant {self.name!r}: {name}.alpha missing or not of shape [] or [{n}]")
+        for name, t in self.full.items():
+            if name not in shapes:
+                raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")
+            if t.shape != shapes[name]:
+                raise ValueError(f"variant {self.name!r}: {name} has shape {tuple(t.shape)}, the base "
+                                 f"{tuple(shapes[name])} (resized vocabularies are not served)")
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Static per-layer key/value cache ``[B, n_kv_heads, max_seq_len, head_dim]``, written by index."""
+
+    def __init__(self, batch_size: int, max_seq_len: int, n_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (batch_size, n_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class DeltaLinear(nn.Module):
+    """``nn.Linear`` over the base weight, plus the active variant's 1-bit delta if it has one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, name: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.name = name  # HF prefix of this module's parameters, e.g. "model.layers.0.mlp.up_proj"
+
+    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+        if delta is None:
+            return F.linear(x, self.weight, self.bias)
+        bias = delta.full.get(f"{self.name}.bias", self.bias)
+        weight = delta.full.get(f"{self.name}.weight")  # a matrix the artifact keeps uncompressed
+        if weight is not None:
+            return F.linear(x, weight, bias)
+        sa = delta.sign_alpha(f"{self.name}.weight")
+        if sa is None:
+            return F.linear(x, self.weight, bias)
+        return bitdelta_linear(x, self.weight, sa[0], sa[1], bias)
+
+
+class DeltaEmbedding(nn.Module):
+    """Token embedding; a variant adds ``α·(2·bits − 1)`` to the rows it looks up (α scalar or per row)."""
+
+    def __init__(self, vocab_size: int, dim: int, name: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.name = name
+
+    def forward(self, tokens: Tensor, delta: VariantDelta | None) -> Tensor:
+        if delta is None:
+            return F.embedding(tokens, self.weight)
+        full = delta.full.get(f"{self.name}.weight")
+        if full is not None:
+            return F.embedding(tokens, full)
+        x = F.embedding(tokens, self.weight)
+        sa = delta.sign_alpha(f"{self.name}.weight")
+        if sa is None:
+            return x
+        sign, alpha = sa
+        signs = unpack_signs(sign[tokens], self.weight.shape[1], torch.float32)  # [..., dim] of ±1
+        scale = alpha if alpha.dim() == 0 else alpha[tokens].unsqueeze(-1)
+        return (x.float() + scale * signs).to(x.dtype)  # same rounding as reconstructing W in fp32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, name: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.name = name
+
+    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+        weight = self.weight if delta is None else delta.full.get(f"{self.name}.weight", self.weight)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """RoPE inverse frequencies ``[head_dim/2]`` (Su et al. 2021), with linear or Llama-3 scaling."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp in between.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, H, T, hd]`` by position; HF's half-split layout, so HF q/k weights load as is."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
+        q_out, kv_out = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+        self.q_proj = DeltaLinear(args.dim, q_out, args.qkv_bias, f"{prefix}.q_proj")
+        self.k_proj = DeltaLinear(args.dim, kv_out, args.qkv_bias, f"{prefix}.k_proj")
+        self.v_proj = DeltaLinear(args.dim, kv_out, args.qkv_bias, f"{prefix}.v_proj")
+        self.o_proj = DeltaLinear(q_out, args.dim, args.o_bias, f"{prefix}.o_proj")
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
+                cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x, delta).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(input_pos, k, v)
+        # Query head h reads key/value head h // (n_head / n_kv), as HF's repeat_kv does.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1), delta)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        self.gate_proj = DeltaLinear(args.dim, args.intermediate_size, args.mlp_bias, f"{prefix}.gate_proj")
+        self.up_proj = DeltaLinear(args.dim, args.intermediate_size, args.mlp_bias, f"{prefix}.up_proj")
+        self.down_proj = DeltaLinear(args.intermediate_size, args.dim, args.mlp_bias, f"{prefix}.down_proj")
+
+    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, delta)) * self.up_proj(x, delta), delta)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, f"{prefix}.input_layernorm")
+        self.self_attn = Attention(args, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, f"{prefix}.post_attention_layernorm")
+        self.mlp = MLP(args, f"{prefix}.mlp")
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
+                cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x, delta), cos, sin, mask, input_pos, cache, delta)
+        return h + self.mlp(self.post_attention_layernorm(h, delta), delta)
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM whose ``forward`` takes the variant to run as an argument."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = DeltaEmbedding(args.vocab_size, args.dim, "model.embed_tokens")
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps, "model.norm")
+        # A tied head reads the embedding matrix, and so the embedding's delta too.
+        head_name = "model.embed_tokens" if args.tie_word_embeddings else "lm_head"
+        self.lm_head = DeltaLinear(args.dim, args.vocab_size, False, head_name)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> list[KVCache]:
+        """A fresh static KV cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens."""
+        n = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
+        a = self.args
+        return [KVCache(batch_size, n, a.n_local_heads, a.head_dim, self.dtype, self.device) for _ in self.layers]
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, cache: list[KVCache] | None = None,
+                delta: VariantDelta | None = None) -> Tensor:
+        """Logits for ``tokens``.
+
+        Args:
+            tokens: int64 ``[B, T]``.
+            input_pos: int64 ``[T]``, the positions of ``tokens`` in the sequence. Without a
+                cache it must be ``arange(T)`` (a whole sequence); with one, the new tokens'
+                positions, whose keys/values are written into the cache at those indices.
+            cache: from :meth:`new_cache`, or None for a one-shot forward.
+            delta: the variant to run, or None for the base.
+
+        Returns:
+            ``[B, T, vocab_size]`` logits in the model's dtype.
+        """
+        if cache is None:
+            mask = None  # a whole sequence: plain causal attention
+        else:
+            # Row t attends to cache slots ≤ input_pos[t]; unwritten slots lie beyond and are masked.
+            mask = torch.arange(cache[0].k.shape[2], device=tokens.device) <= input_pos[:, None]
+        freqs = input_pos[:, None].float() * self.inv_freq[None, :]  # [T, hd/2], fp32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.embed_tokens(tokens, delta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, input_pos, None if cache is None else cache[i], delta)
+        return self.lm_head(self.norm(x, delta), delta)
+
+    def hf_param_shapes(self) -> dict[str, torch.Size]:
+        """Shapes by Hugging Face parameter name (what an artifact may hold deltas for)."""
+        shapes = {_hf_name(k): p.shape for k, p in self.named_parameters()}
+        if self.args.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> Transformer:
+        """Load a Hugging Face safetensors checkpoint (single file or index + shards), one copy.
+
+        Raises:
+            FileNotFoundError: if ``config.json`` or the safetensors weights are missing.
+            NotImplementedError: on an unsupported architecture (see :meth:`ModelArgs.from_hf_config`).
+            ValueError: if the checkpoint's tensors do not match the config.
+        """
+        d = Path(checkpoint_dir)
+        args = ModelArgs.from_hf_config(json.loads((d / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(args)
+        index = d / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+        if not (d / files[0]).is_file():
+            raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            for name, t in load_file(d / f, device=str(device)).items():
+                if name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                state[name.removeprefix("model.")] = t.to(dtype) if t.is_floating_point() else t
+        keys = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+        missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
+        if missing or unexpected:
+            raise ValueError(f"{d}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.load_state_dict(state, strict=False, assign=True)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(args).to(device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model.eval()
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"

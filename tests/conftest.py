@@ -1,0 +1,99 @@
+"""Shared fixtures: a tiny model family (tokenizer + base + variants + BitDelta artifacts) on disk.
+
+Layout under the fixture's root, the same as the pipeline's (``conf/paths``)::
+
+    models/base/            HF LlamaForCausalLM checkpoint + tokenizer (vocab 512, hidden 64,
+                            2 layers, 4 heads, 2 kv heads)
+    models/<variant>/       "fine-tuned" checkpoints: the base's weights perturbed
+    artifacts/<variant>/    their BitDelta artifacts (compress.bitdelta.compress, matrix granularity)
+
+Variants: ``coder`` perturbs every matrix; ``writer`` also changes the final norm and one layer's
+input norm (stored in full in the artifact).
+"""
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+STDLIB_FILES = ("textwrap.py", "string.py", "fnmatch.py", "shlex.py")
+
+
+@dataclass
+class TinyFamily:
+    root: Path  # paths.root
+    base_dir: Path
+    artifacts_dir: Path
+    variants: dict[str, Path]  # variant name → fine-tuned checkpoint dir
+    family: str = "tiny"
+
+
+def train_tiny_tokenizer(out_dir: Path, data_dir: Path, vocab_size: int = 512):
+    """The family's byte-level BPE (``train.tokenizer``: eos ``<|endoftext|>``, role tokens, chat
+    template), trained on a few stdlib modules."""
+    from train.tokenizer import train_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    corpus = data_dir / "tokenizer_corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": (stdlib / f).read_text()}) + "\n" for f in STDLIB_FILES))
+    return train_tokenizer([corpus], vocab_size, out_dir)
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    """A random tiny LlamaForCausalLM with non-trivial norms (so that norms matter in comparisons)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              initializer_range=0.1, bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def perturb(model, seed: int, scale: float = 0.5, norms: tuple[str, ...] = ()):
+    """A "fine-tune" of ``model``: every matrix += scale·std(W)·noise; the named norms change too."""
+    torch.manual_seed(seed)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for k, v in sd.items():
+        if v.dim() == 2:
+            v += scale * v.std() * torch.randn_like(v)
+        elif k in norms:
+            v += 0.3 * torch.randn_like(v)
+    return sd
+
+
+def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer")) -> TinyFamily:
+    from compress.bitdelta import compress
+
+    models, artifacts = root / "models", root / "artifacts"
+    base_dir = models / "base"
+    tok = train_tiny_tokenizer(base_dir, root / "data")
+    base = tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    base.save_pretrained(base_dir)
+    norms = {"writer": ("model.norm.weight", "model.layers.1.input_layernorm.weight")}
+    out = {}
+    for i, v in enumerate(variants):
+        sd = perturb(base, seed=100 + i, norms=norms.get(v, ()))
+        ft = tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        ft.load_state_dict(sd)
+        ft.save_pretrained(models / v)
+        compress(base_dir, models / v, artifacts / v, variant=v)
+        out[v] = models / v
+    return TinyFamily(root, base_dir, artifacts, out)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory) -> TinyFamily:
+    """Base + ``coder`` + ``writer`` variants and their artifacts, built once per session."""
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_family"))

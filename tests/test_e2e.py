@@ -1,0 +1,124 @@
+"""The whole spine on real text, through the real command lines, in a temporary root:
+
+make data → train base (+ tokenizer) → fine-tune a variant (+ BitDelta export) → re-export →
+serve → the official OpenAI client. Shrunk (tiny width, few steps) so it runs in about a minute.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+AUSTEN = REPO / "data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr"
+SMALL_MODEL = ["model.vocab_size=512", "model.hidden_size=64", "model.intermediate_size=128",
+               "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+               "model.max_position_embeddings=256"]
+SMALL_RUN = ["variant.batch_size=8", "variant.seq_len=64", "variant.val_check_interval=10",
+             "variant.limit_val_batches=2", "eval_batches=8"]
+
+pytestmark = pytest.mark.slow
+
+
+def run(args: list[str], root: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, *args, f"paths.root={root}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    if not AUSTEN.is_dir():
+        pytest.fail(f"{AUSTEN} missing: run `make install` (it unpacks the Debian package r-cran-janeaustenr)")
+    root = tmp_path_factory.mktemp("family")
+    run(["-m", "train.data", f"data.sources.austen={AUSTEN}", "data.max_chars.coder=300000",
+         "data.max_chars.math=150000", "data.max_chars.writer=300000", "data.max_chars.legal=300000",
+         "data.math_problems=4000"], root)
+    base = run(["train/run.py", "variant=base", "trainer.max_steps=40", "variant.warmup_steps=5",
+                *SMALL_MODEL, *SMALL_RUN], root)
+    coder = run(["train/run.py", "variant=coder", "trainer.max_steps=25", *SMALL_MODEL, *SMALL_RUN], root)
+    return root, base, coder
+
+
+def test_variant_beats_base_on_its_domain(family):
+    root, _, coder = family
+    rec = json.loads((root / "models/coder/training.json").read_text())
+    assert rec["variant"] == "coder" and rec["domain"] == "coder"
+    assert rec["heldout/loss"] < rec["heldout/base_loss"], rec
+    # BitDelta keeps part of the fine-tune's gain: better than the base on the domain
+    assert rec["heldout/bitdelta_loss"] < rec["heldout/base_loss"], rec
+    assert f"base {rec['heldout/base_loss']:.4f} -> coder {rec['heldout/loss']:.4f}" in coder.stdout
+    # the base and the variant are Hugging Face checkpoints with the tokenizer beside them
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(root / "models/base")
+    model = AutoModelForCausalLM.from_pretrained(root / "models/coder")
+    assert model.config.vocab_size == len(tok) and model.config.hidden_size == 64
+    # the offline W&B run landed under outputs/
+    assert list((root / "outputs/wandb").glob("offline-run-*")), "no offline W&B run written"
+
+
+def test_export_cli_rewrites_the_same_artifact(family):
+    root, _, _ = family
+    art = root / "artifacts/coder"
+    before = json.loads((art / "bitdelta.json").read_text())
+    run(["compress/run.py", "variant=coder"], root)
+    after = json.loads((art / "bitdelta.json").read_text())
+    assert after["files"] == before["files"]  # deterministic: same bytes, same sha256
+    assert after["base"]["fingerprint"] == before["base"]["fingerprint"]
+    assert after["format"] == "bitdelta" and after["format_version"] == 1 and after["granularity"] == "matrix"
+    assert not [p for p in art.parent.iterdir() if p.name.startswith(".")], "temp dirs left behind"
+
+
+def test_served_by_the_openai_client(family):
+    from openai import OpenAI
+
+    root, _, _ = family
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    server = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={root}", f"port={port}"], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                pytest.fail(f"server exited:\n{server.stdout.read()}")
+            time.sleep(0.5)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        ids = {m.id: m for m in client.models.list().data}
+        assert set(ids) == {"tiny", "tiny-coder"}
+        outs = {}
+        for model in ("tiny", "tiny-coder"):
+            r = client.completions.create(model=model, prompt="def main(", max_tokens=12, temperature=0)
+            assert r.model == model and r.usage.completion_tokens >= 1
+            outs[model] = r.choices[0].text
+            chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                                  max_tokens=5, temperature=0)
+            assert chat.choices[0].message.role == "assistant" and chat.usage.total_tokens > 0
+        curl = subprocess.run(["curl", "-s", f"{url}/v1/models"], capture_output=True, text=True, timeout=10)
+        parents = {m["id"]: m.get("parent") for m in json.loads(curl.stdout)["data"]}
+        assert parents["tiny-coder"] == "tiny"
+    finally:
+        server.terminate()
+        server.wait(timeout=20)

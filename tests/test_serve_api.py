@@ -1,0 +1,383 @@
+"""The real server (``python serve/run.py`` in a subprocess, on 127.0.0.1) through the real OpenAI
+client, httpx and curl; plus the engine in-process (lazy single-flight loads, stop strings).
+
+One server per module serves the tiny family (base, ``coder``, ``writer``) and ``stranger``, an
+artifact exported against another base (fingerprint mismatch → 503).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from compress.bitdelta import compress
+from serve.app import create_app
+from serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
+from tests.conftest import perturb, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["def main(", "import os\n", "The quick brown"]
+MODELS = ["tiny", "tiny-coder", "tiny-writer"]
+GREEDY = dict(temperature=0, max_tokens=12)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def root(tiny_family, tmp_path_factory) -> Path:
+    """A paths.root with the family's base and artifacts plus ``stranger`` (made for another base)."""
+    root = tmp_path_factory.mktemp("serve_root")
+    shutil.copytree(tiny_family.base_dir, root / "models" / "base")
+    shutil.copytree(tiny_family.artifacts_dir, root / "artifacts")
+    other = tmp_path_factory.mktemp("other_base")
+    vocab = json.loads((tiny_family.base_dir / "config.json").read_text())["vocab_size"]
+    base = tiny_llama(vocab, seed=7)  # same shapes, other weights: another fingerprint
+    base.save_pretrained(other / "base")
+    ft = tiny_llama(vocab, seed=7)
+    ft.load_state_dict(perturb(base, seed=8))
+    ft.save_pretrained(other / "ft")
+    compress(other / "base", other / "ft", root / "artifacts" / "stranger", variant="stranger")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    port = _free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={root}", f"port={port}", "log_level=warning"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{(root / 'server.log').read_text()}")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(root) -> Engine:
+    """The same engine in-process, as the reference for the server's outputs."""
+    return Engine(root / "models" / "base", root / "artifacts", family="tiny")
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+def test_models_list_ids_and_parents(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "tiny-coder", "tiny-writer", "tiny-stranger"}
+    assert models["tiny"].parent is None
+    assert all(models[m].parent == "tiny" for m in ("tiny-coder", "tiny-writer", "tiny-stranger"))
+    assert {m.owned_by for m in models.values()} == {"deltafleet"} and models["tiny"].object == "model"
+    assert client.models.retrieve("tiny-coder").id == "tiny-coder"
+
+
+# ------------------------------------------------------------------------------------ generation
+
+
+def test_completions_greedy_deterministic_match_engine_and_variants_differ(client, engine):
+    outputs = {}
+    for model in MODELS:
+        for prompt in PROMPTS:
+            r = client.completions.create(model=model, prompt=prompt, **GREEDY)
+            ref = engine.complete(model, prompt, SamplingParams(**GREEDY))
+            assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+            assert r.model == model and r.object == "text_completion"
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.prompt_tokens, ref.completion_tokens)
+            assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+            outputs[model, prompt] = r.choices[0].text
+    again = client.completions.create(model="tiny-coder", prompt=[PROMPTS[0]], **GREEDY)  # list of one string
+    assert again.choices[0].text == outputs["tiny-coder", PROMPTS[0]]
+    for variant in ("tiny-coder", "tiny-writer"):
+        assert any(outputs[variant, p] != outputs["tiny", p] for p in PROMPTS), variant
+
+
+def test_chat_completions_match_engine(client, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
+    for model in MODELS:
+        r = client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        ids = engine.encode_chat(messages)
+        steps = list(engine.generate(model, ids, SamplingParams(**GREEDY)))
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == "".join(s.text for s in steps)
+        assert r.choices[0].finish_reason == steps[-1].finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(steps))
+
+
+def test_streaming_matches_non_streaming(client, server):
+    for model in ("tiny", "tiny-writer"):
+        full = client.completions.create(model=model, prompt=PROMPTS[1], **GREEDY)
+        chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+        assert all(c.usage is None for c in chunks[:-1])
+
+        chat = dict(model=model, messages=[{"role": "user", "content": "hi"}], **GREEDY)
+        full = client.chat.completions.create(**chat)
+        chunks = list(client.chat.completions.create(stream=True, **chat))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+        assert all(c.usage is None for c in chunks)  # no include_usage
+
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
+                      json={"model": "tiny-coder", "prompt": "x", "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert raw.endswith("data: [DONE]\n\n") and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_stop_strings_cut_the_text_also_when_streaming(client, engine):
+    text = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=24)).text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    args = dict(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=24, stop=[stop, "never-seen-stop"])
+    r = client.completions.create(**args)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+    assert streamed == expected
+
+
+def test_seeded_sampling_is_reproducible(client):
+    args = dict(model="tiny-coder", prompt=PROMPTS[0], temperature=1.0, top_p=0.9, max_tokens=12)
+    a = client.completions.create(seed=123, **args).choices[0].text
+    assert client.completions.create(seed=123, **args).choices[0].text == a
+    assert any(client.completions.create(seed=s, **args).choices[0].text != a for s in (1, 2, 3))
+
+
+def test_curl_plain_http_client(server, client):
+    body = {"model": "tiny-writer", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    out = subprocess.run(["curl", "-sS", "--max-time", "30", f"{server}/v1/completions",
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout)
+    assert r["choices"][0]["text"] == client.completions.create(**body).choices[0].text
+    assert r["usage"]["completion_tokens"] >= 1
+
+
+def test_server_answers_health_while_generating(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")  # generation has started
+        t0 = time.perf_counter()
+        assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok"}
+        assert time.perf_counter() - t0 < 2.0
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+
+
+def test_concurrent_requests_and_client_disconnect(server, client):
+    """Requests for several models at once are all served (one at a time) with the same outputs as
+    alone; a client that hangs up mid-stream frees the model for the next request."""
+    jobs = [(m, p) for m in MODELS for p in PROMPTS[:2]]
+    alone = {j: client.completions.create(model=j[0], prompt=j[1], **GREEDY).choices[0].text for j in jobs}
+    together = {}
+
+    def ask(job):
+        together[job] = client.completions.create(model=job[0], prompt=job[1], **GREEDY).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+
+    body = {"model": "tiny-coder", "prompt": "a", "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+        assert next(r.iter_lines()).startswith("data: {")  # then hang up
+    assert client.completions.create(model="tiny", prompt="b", max_tokens=2).usage.completion_tokens >= 1
+    deadline = time.time() + 5
+    while 'deltafleet:num_requests_running{model_name="tiny-coder"} 0.0' not in httpx.get(f"{server}/metrics").text:
+        assert time.time() < deadline, "the abandoned request still counts as running"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_unknown_model_is_404_with_openai_error_object(server, client):
+    r = httpx.post(f"{server}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "The model `nope` does not exist", "type": "invalid_request_error",
+                                  "param": "model", "code": "model_not_found"}}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert _error(httpx.get(f"{server}/v1/models/nope"), 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": 5}, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
+    ("completions", {"model": "tiny"}, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ""}, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ("chat/completions", {"model": "tiny"}, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+])
+def test_bad_body_is_400(server, path, body, param):
+    err = _error(httpx.post(f"{server}/v1/{path}", json=body), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_invalid_json_is_400(server):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert _error(r, 400)["code"] == "invalid_json"
+
+
+def test_prompt_too_long_is_400(server, client, engine):
+    long_prompt = "import os, sys\n" * engine.max_model_len  # several tokens per line
+    err = _error(httpx.post(f"{server}/v1/completions", json={"model": "tiny-coder", "prompt": long_prompt}), 400)
+    assert err["code"] == "context_length_exceeded" and f"maximum context length is {engine.max_model_len}" in err["message"]
+    fits = "x " * 10  # fits, but not with this many new tokens
+    err = _error(httpx.post(f"{server}/v1/completions",
+                            json={"model": "tiny", "prompt": fits, "max_tokens": engine.max_model_len}), 400)
+    assert err["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}])
+
+
+def test_fingerprint_mismatch_is_503_and_others_keep_working(server, client):
+    for _ in range(2):  # not cached as loaded; every try says why
+        err = _error(httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"}), 503)
+        assert err["code"] == "variant_unavailable" and "fingerprint" in err["message"]
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="tiny-stranger", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503
+    assert client.completions.create(model="tiny-coder", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_metrics_after_traffic(server, client):
+    for _ in range(2):
+        client.completions.create(model="tiny-writer", prompt="x", max_tokens=3, temperature=0)
+    httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"})
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "delta_load_seconds"):
+        assert f'deltafleet:{name}_bucket{{le="0.001",model_name="tiny-writer"}}' in text, name
+    for name in ("num_requests_running", "num_requests_waiting"):
+        assert f'deltafleet:{name}{{model_name="tiny"}} 0.0' in text, name
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples['deltafleet:delta_cache_loads_total{model_name="tiny-writer"}']) == 1.0
+    assert float(samples['deltafleet:delta_cache_hits_total{model_name="tiny-writer"}']) >= 1.0
+    assert float(samples['deltafleet:delta_cache_misses_total{model_name="tiny-writer"}']) >= 1.0
+    assert float(samples['deltafleet:delta_cache_load_failures_total{model_name="tiny-stranger"}']) >= 1.0
+    assert float(samples['deltafleet:e2e_request_latency_seconds_count{model_name="tiny-writer"}']) >= 2.0
+    assert httpx.get(f"{server}/health").status_code == 200  # still up after all the bad requests
+
+
+def test_overload_is_429_with_openai_error_object(engine):
+    """With ``max_waiting=1``: one request waits for the busy model, the next is refused with 429
+    (also for a stream: before its 200 goes out), and the waiting one then completes."""
+    app = create_app(engine, max_waiting=1)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    waiting = 'deltafleet:num_requests_waiting{model_name="tiny"} 1.0'
+    results = []
+    with TestClient(app) as tc:
+        engine._gen_lock.acquire()  # the model is busy
+        try:
+            t = threading.Thread(target=lambda: results.append(tc.post("/v1/completions", json=body)))
+            t.start()
+            deadline = time.time() + 10
+            while waiting not in tc.get("/metrics").text:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            for b in (body, {**body, "stream": True}):
+                err = _error(tc.post("/v1/completions", json=b), 429)
+                assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
+        finally:
+            engine._gen_lock.release()
+        t.join(timeout=30)
+    assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] >= 1
+
+
+# ------------------------------------------------------------------------------------ engine in-process
+
+
+def test_engine_loads_variants_lazily_and_single_flight(root, monkeypatch):
+    engine = Engine(root / "models" / "base", root / "artifacts", family="tiny")
+    events = []
+    engine.add_listener(lambda ev, mid, s: events.append((ev, mid)))
+    assert engine._deltas == {}  # nothing loaded before the first request
+    real_load = engine._load
+
+    def slow_load(card):
+        time.sleep(0.3)  # long enough that all threads arrive while the first load runs
+        return real_load(card)
+
+    monkeypatch.setattr(engine, "_load", slow_load)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(engine.get_delta("tiny-coder"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and all(r is results[0] for r in results)
+    assert events.count(("load", "tiny-coder")) == 1 and events.count(("miss", "tiny-coder")) == 4
+    assert engine.get_delta("tiny-coder") is results[0] and events[-1] == ("hit", "tiny-coder")
+    assert engine.get_delta("tiny") is None
+    with pytest.raises(VariantUnavailableError, match="fingerprint"):
+        engine.get_delta("tiny-stranger")
+    with pytest.raises(ModelNotFoundError):
+        engine.get_delta("tiny-nope")
+    # A new artifact folder is picked up without a restart.
+    shutil.copytree(root / "artifacts" / "coder", root / "artifacts" / "coder2")
+    try:
+        assert engine.get_delta("tiny-coder2") is not None
+    finally:
+        shutil.rmtree(root / "artifacts" / "coder2")
+
+
+def test_missing_base_tells_to_run_make_base(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make base"):
+        Engine(tmp_path / "models" / "base", tmp_path / "artifacts")
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 2 and "make base" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,166 @@
+"""serve/model.py against Hugging Face: base logits, variant logits vs the materialised fine-tune,
+GQA, biases, RoPE scaling, tied embeddings, and incremental decoding with the static KV cache.
+
+All comparisons are in float32 with ``atol=1e-5, rtol=1e-5`` unless stated (logits of magnitude
+≲ 10): the model computes the same operations as HF, in a different order only inside SDPA and
+the fp32 delta kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from compress.bitdelta import compress, load_artifact
+from kernels import reconstruct
+from serve.model import ModelArgs, Transformer, VariantDelta
+from tests.conftest import perturb, tiny_llama
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _tokens(vocab: int, b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _ours_vs_hf(hf, tmp_path, tol=TOL):
+    hf.save_pretrained(tmp_path / "m")
+    ours = Transformer.from_pretrained(tmp_path / "m")
+    x = _tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(x).logits
+        out = ours(x, torch.arange(x.shape[1]))
+    assert ref.abs().max() > 1.0  # not a degenerate comparison
+    assert_close(out, ref, **tol)
+    return ours
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_base_logits_match_hf_llama(tmp_path, kv_heads, tied):
+    hf = tiny_llama(97, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    ours = _ours_vs_hf(hf, tmp_path)
+    assert ours.args.n_local_heads == kv_heads and ours.args.tie_word_embeddings == tied
+    if tied:  # one copy of the matrix
+        assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+def test_attention_and_mlp_bias_and_llama3_rope_match_hf(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    hf = tiny_llama(97, attention_bias=True, mlp_bias=True, rope_parameters=rope)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0, 0.3)
+    ours = _ours_vs_hf(hf, tmp_path)
+    assert ours.args.rope_scaling["rope_type"] == "llama3" and ours.args.o_bias and ours.args.mlp_bias
+
+
+def test_qwen2_qkv_bias_matches_hf(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.1, tie_word_embeddings=False)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if p.dim() == 1:
+                p.normal_(0.5 if n.endswith("norm.weight") else 0.0, 0.3)
+    ours = _ours_vs_hf(hf, tmp_path)
+    assert ours.args.qkv_bias and not ours.args.o_bias
+
+
+def test_incremental_decode_with_kv_cache_equals_full_forward(tmp_path):
+    hf = tiny_llama(97)
+    hf.save_pretrained(tmp_path / "m")
+    model = Transformer.from_pretrained(tmp_path / "m")
+    x = _tokens(97, b=2, t=12)
+    with torch.no_grad():
+        full = model(x, torch.arange(12))
+        cache = model.new_cache(2, 16)
+        parts = [model(x[:, :5], torch.arange(5), cache)]  # prefill 5, then one token at a time
+        parts += [model(x[:, i : i + 1], torch.tensor([i]), cache) for i in range(5, 12)]
+    assert_close(torch.cat(parts, dim=1), full, **TOL)
+
+
+def _materialised_hf(base_dir, artifact) -> LlamaForCausalLM:
+    """HF model with W_base + α·sign(Δ) for every compressed weight and the artifact's full tensors."""
+    hf = LlamaForCausalLM.from_pretrained(base_dir).eval()
+    sd = hf.state_dict()
+    for name, sign in artifact.signs.items():
+        sd[name] = reconstruct(sd[name], sign, artifact.alphas[name])
+    for name, t in artifact.full.items():
+        sd[name] = t
+    hf.load_state_dict(sd)
+    return hf
+
+
+@pytest.mark.parametrize("variant", ["coder", "writer"])
+def test_variant_logits_match_hf_of_materialised_weights(tiny_family, variant):
+    base_dir = tiny_family.base_dir
+    artifact = load_artifact(tiny_family.artifacts_dir / variant)
+    model = Transformer.from_pretrained(base_dir)
+    delta = VariantDelta(artifact)
+    delta.check(model.hf_param_shapes())
+    # Every linear and the embedding carry a delta; writer also stores norms in full.
+    assert "model.embed_tokens.weight" in delta.signs and "lm_head.weight" in delta.signs
+    assert len(delta.signs) == 2 + 7 * model.args.n_layer
+    if variant == "writer":
+        assert {"model.norm.weight", "model.layers.1.input_layernorm.weight"} <= set(delta.full)
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = _tokens(model.args.vocab_size)
+    with torch.no_grad():
+        ref = _materialised_hf(base_dir, artifact)(x).logits
+        out = model(x, torch.arange(x.shape[1]), delta=delta)
+        base_out = model(x, torch.arange(x.shape[1]))
+        base_ref = LlamaForCausalLM.from_pretrained(base_dir).eval()(x).logits
+    assert_close(out, ref, **TOL)
+    assert_close(base_out, base_ref, **TOL)
+    assert (out - base_out).abs().max() > 0.1  # the variant really is another model
+    # The base weights are untouched and no dense per-variant copy exists: the variant costs its
+    # signs (1 bit per weight), scales and full norms — well under a tenth of the fp32 weights.
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert delta.nbytes < dense / 20
+
+
+def test_row_granularity_delta_and_kv_cache(tiny_family, tmp_path):
+    out_dir = tmp_path / "coder-row"
+    compress(tiny_family.base_dir, tiny_family.variants["coder"], out_dir, variant="coder", granularity="row")
+    artifact = load_artifact(out_dir)
+    assert next(iter(artifact.alphas.values())).dim() == 1
+    model = Transformer.from_pretrained(tiny_family.base_dir)
+    delta = VariantDelta(artifact)
+    x = _tokens(model.args.vocab_size, b=1, t=9)
+    with torch.no_grad():
+        ref = _materialised_hf(tiny_family.base_dir, artifact)(x).logits
+        cache = model.new_cache(1, 9)
+        parts = [model(x[:, :4], torch.arange(4), cache, delta)]
+        parts += [model(x[:, i : i + 1], torch.tensor([i]), cache, delta) for i in range(4, 9)]
+    assert_close(torch.cat(parts, dim=1), ref, **TOL)
+
+
+def test_delta_check_rejects_artifact_of_another_shape(tiny_family, tmp_path):
+    other = tiny_llama(97)  # another vocabulary: embeddings and lm_head differ in shape
+    other.save_pretrained(tmp_path / "other")
+    ft = tiny_llama(97)
+    ft.load_state_dict(perturb(other, seed=5))
+    ft.save_pretrained(tmp_path / "other-ft")
+    compress(tmp_path / "other", tmp_path / "other-ft", tmp_path / "art", variant="x")
+    model = Transformer.from_pretrained(tiny_family.base_dir)
+    with pytest.raises(ValueError, match=r"\.sign is torch.uint8 \(97, 8\), expected uint8 \(512, 8\)"):
+        VariantDelta(load_artifact(tmp_path / "art")).check(model.hf_param_shapes())
+
+
+def test_model_args_from_hf_config_and_presets():
+    a = ModelArgs.from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8,
+                                  "max_position_embeddings": 32, "rope_theta": 1e6, "rms_norm_eps": 1e-6})
+    assert (a.head_dim, a.n_local_heads, a.rope_base, a.norm_eps, a.max_seq_len) == (16, 2, 1e6, 1e-6, 32)
+    assert ModelArgs.from_name("llama-2-70b").n_local_heads == 8
+    with pytest.raises(NotImplementedError, match="gpt2"):
+        ModelArgs.from_hf_config({"model_type": "gpt2"})
