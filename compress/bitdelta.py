@@ -336,7 +336,9 @@ def compress(
                     tensors[key] = t
 
         delta_path = tmp / DELTA_NAME
-        save_file(tensors, delta_path, metadata={"format": "pt", "bitdelta_format_version": "1"})
+        # one metadata key only: safetensors writes its metadata map in hash order, so two keys
+        # would make the file bytes (and the manifest sha256) vary from process to process
+        save_file(tensors, delta_path, metadata={"format": "pt"})
         del tensors
         fsync_path(delta_path)
         files = {DELTA_NAME: _sha256_file(delta_path)}
