@@ -122,3 +122,65 @@ def test_served_by_the_openai_client(family):
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+def test_lora_variant_saves_a_peft_adapter_and_a_merged_checkpoint(family):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, _, _ = family
+    proc = run(["train/run.py", "variant=math", "variant.adapter=lora", "lora.r=4", "trainer.max_steps=8",
+                "logger=csv", *SMALL_MODEL, *SMALL_RUN], root)
+    assert "trainable=0.0" in proc.stdout  # only the adapters train
+    adapter = root / "models/math/adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    base = AutoModelForCausalLM.from_pretrained(root / "models/base")
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(root / "models/math").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+    # the merged checkpoint exported like any variant
+    assert json.loads((root / "artifacts/math/bitdelta.json").read_text())["variant"] == "math"
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(family):
+    import signal
+
+    import torch
+
+    root, _, _ = family
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["train/run.py", "variant=writer", "logger=csv", "trainer.max_steps=400", "checkpoint.every_n_steps=5",
+            "hydra.run.dir=" + str(root / "outputs/killed"), *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ckpt_dir = root / "outputs/killed/checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(ckpt_dir.glob("step0000[1-9]*.ckpt")):
+        assert proc.poll() is None, "training ended before it could be killed"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)  # no clean-up of any kind
+    proc.wait(timeout=30)
+    last = ckpt_dir / "last.ckpt"
+    saved_step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert saved_step >= 10 and saved_step % 5 == 0
+    assert not (root / "models/writer").exists(), "a killed run must not leave a checkpoint folder"
+    resumed = run(["train/run.py", "variant=writer", "logger=csv", f"trainer.max_steps={saved_step + 5}",
+                   f"ckpt_path={last}", *SMALL_MODEL, *SMALL_RUN], root)
+    rec = json.loads((root / "models/writer/training.json").read_text())
+    assert rec["global_step"] == saved_step + 5
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+
+
+def test_multirun_trains_variants_one_after_another(family):
+    root, _, _ = family
+    run(["train/run.py", "-m", "variant=legal,coder", "trainer.max_steps=3", "logger=csv", "export.enabled=false",
+         "variant.warmup_steps=1", *SMALL_MODEL, *SMALL_RUN], root)
+    for v in ("legal", "coder"):
+        rec = json.loads((root / f"models/{v}/training.json").read_text())
+        assert rec["variant"] == v and rec["global_step"] == 3
+    assert len(list((root / "outputs/multirun").glob("*/*/metrics.json"))) == 2

@@ -3,17 +3,24 @@
     python train/run.py variant=base                 # tokenizer + tiny Llama base from scratch
     python train/run.py variant=coder                # fine-tune models/base on data/coder
     python train/run.py variant=math logger=csv      # same numbers without Weights & Biases
-    python train/run.py -m variant=coder,math,writer,legal
+    python train/run.py -m variant=coder,math,writer,legal        # Hydra multirun, one by one
+    python train/run.py variant=coder ckpt_path=outputs/train/coder/<run>/checkpoints/last.ckpt
+    python train/run.py variant=coder trainer=deepspeed_zero3     # every visible GPU
+    python train/run.py variant=coder variant.adapter=lora        # LoRA instead of full weights
 
 Composes ``conf/train.yaml``, builds the model (from the ``model`` shape preset, or from
-``models/base`` for a variant), fits it with a Lightning ``Trainer``, writes a Hugging Face
-checkpoint to ``models/<variant>/`` atomically, and reports held-out loss on the variant's
-domain for the base and for the result. For a variant it then writes ``artifacts/<variant>/``
-(BitDelta format v1) and reports the held-out loss of the BitDelta-reconstructed model too.
+``models/base`` for a variant), fits it with a Lightning ``Trainer`` (checkpointing every
+``checkpoint.every_n_steps`` steps; the ``merge`` callback averaging checkpoints), consolidates
+the weights one parameter at a time (ZeRO shards included), writes a Hugging Face checkpoint to
+``models/<variant>/`` atomically, and reports held-out loss on the variant's domain for the base
+and for the result. For a variant it then writes ``artifacts/<variant>/`` (BitDelta format v1),
+reports the held-out loss of the BitDelta-reconstructed model too, and logs a quality table and
+the artifact (its manifest as metadata) to W&B.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from compress.atomic import staged_dir, write_text
 from train.datamodule import TextDataModule
+from train.distributed import consolidated_state_dict
 from train.module import CausalLMModule, heldout_loss
 
 
@@ -76,13 +84,37 @@ def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict) -> None:
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
 
 
+def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
+    """Periodic checkpoints (for ``ckpt_path`` resume) and the checkpoint-merging callback."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
+                                 every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
+                                 save_last=True, auto_insert_metric_name=False)]
+    merge = cfg.get("merge")
+    if merge is None or merge.method == "none":
+        return callbacks
+    if cfg.variant.init == "base" and cfg.variant.adapter is None:
+        callbacks.append(hydra.utils.instantiate(merge))
+    else:
+        why = "the base trains from scratch" if cfg.variant.init == "scratch" else "LoRA trains adapters only"
+        print(f"[train] merge callback ({merge.method}) off: {why}", flush=True)
+    return callbacks
+
+
 def train(cfg: DictConfig) -> dict:
-    """Run one training job described by ``cfg`` (see module docstring); returns the final metrics."""
+    """Run one training job described by ``cfg`` (see module docstring); returns the final metrics.
+
+    Every rank runs the fit; only rank 0 evaluates, writes and exports afterwards (the others
+    return an empty dict).
+    """
     L.seed_everything(cfg.seed, workers=True)
     variant, domain = cfg.variant.name, cfg.variant.domain
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.paths.output_dir)
     if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `make base` first")
+    if cfg.variant.adapter not in (None, "lora"):
+        raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
 
     tokenizer = load_tokenizer(cfg, run_dir)
     model = build_model(cfg, tokenizer)
@@ -91,52 +123,102 @@ def train(cfg: DictConfig) -> dict:
     dm.setup()
     test_blocks = dm.blocks["test"]
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[train] variant={variant} domain={domain} params={n_params / 1e6:.2f}M "
+    initial = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches) \
+        if cfg.variant.init == "scratch" else None
+    if cfg.variant.adapter == "lora":
+        from train.lora import apply_lora
+
+        model = apply_lora(model, **OmegaConf.to_container(cfg.lora))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"[train] variant={variant} domain={domain} params={n_params / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
           f"train_blocks={len(dm.blocks['train'])}x{cfg.variant.seq_len} steps={cfg.trainer.max_steps}", flush=True)
 
     logger = hydra.utils.instantiate(cfg.logger)
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params}
+    metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable}
     try:
-        before = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches)
-        metrics["heldout/initial_loss"] = before
         module = CausalLMModule(model, lr=cfg.variant.lr, weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
                                 min_lr_ratio=cfg.variant.min_lr_ratio)
-        trainer = hydra.utils.instantiate(cfg.trainer, logger=logger, default_root_dir=str(run_dir))
+        trainer = hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=build_callbacks(cfg, run_dir),
+                                          default_root_dir=str(run_dir))
         t0 = time.perf_counter()
-        trainer.fit(module, datamodule=dm)
+        trainer.fit(module, datamodule=dm, ckpt_path=cfg.ckpt_path)
         metrics["train_seconds"] = time.perf_counter() - t0
-        model = module.model.float().cpu()
-        after = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches)
-        metrics["heldout/loss"] = after
-        if cfg.variant.init == "base":
-            metrics["heldout/base_loss"] = before
-            metrics["heldout/gain"] = before - after
-        print(f"[train] held-out loss on {domain}/test: "
-              + (f"base {before:.4f} -> {variant} {after:.4f} (gain {before - after:+.4f} nats/token)"
-                 if cfg.variant.init == "base" else f"initial {before:.4f} -> {variant} {after:.4f}"), flush=True)
-
-        out_dir = Path(cfg.out_dir)
-        if trainer.is_global_zero:
-            save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics})
-            print(f"[train] wrote {out_dir}", flush=True)
-
-        if cfg.variant.init == "base" and cfg.export.enabled and trainer.is_global_zero:
-            metrics.update(export_and_check(cfg, run_dir, test_blocks, before, after))
-        logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float)})
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if trainer.is_global_zero:
-            save_metrics = json.loads((out_dir / "training.json").read_text())
-            save_metrics.update(metrics)
-            write_text(out_dir / "training.json", json.dumps(save_metrics, indent=2) + "\n")
+        metrics["global_step"] = trainer.global_step
+        if cfg.variant.adapter == "lora":
+            model = finish_lora(module.model, Path(cfg.out_dir).with_name(f".{variant}-adapter"), trainer)
+        else:
+            state = consolidated_state_dict(trainer, module.model)  # collective: every rank
+            model = None
+            if trainer.is_global_zero:  # a fresh, unsharded model holding the consolidated weights
+                model = build_model(cfg, tokenizer)
+                model.load_state_dict(state)
+        if not trainer.is_global_zero:
+            return {}
+        device = trainer.strategy.root_device
+        metrics.update(evaluate_and_save(cfg, run_dir, model, tokenizer, test_blocks, initial, metrics, logger,
+                                         device))
     finally:
         _finish_wandb()
     return metrics
 
 
+def finish_lora(peft_model, staging: Path, trainer):
+    """Save the PEFT adapter (rank 0) and return the model with the adapter merged in."""
+    from train.lora import save_adapter_and_merge
+
+    if not trainer.is_global_zero:
+        return None
+    model = save_adapter_and_merge(peft_model.float().cpu(), staging)
+    model._deltafleet_adapter_dir = staging
+    return model
+
+
+def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blocks: torch.Tensor,
+                      initial: float | None, metrics: dict, logger, device: torch.device) -> dict:
+    """Rank 0 after fit: held-out losses, the HF checkpoint, and for a variant the BitDelta export."""
+    from transformers import AutoModelForCausalLM
+
+    variant, domain = cfg.variant.name, cfg.variant.domain
+    model = model.float().to(device).eval()
+    out: dict = {}
+    after = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
+    model = model.cpu()
+    out["heldout/loss"] = after
+    if cfg.variant.init == "base":
+        base = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).to(device)
+        before = heldout_loss(base, test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
+        del base
+        out["heldout/base_loss"] = before
+        out["heldout/gain"] = before - after
+        print(f"[train] held-out loss on {domain}/test: base {before:.4f} -> {variant} {after:.4f} "
+              f"(gain {before - after:+.4f} nats/token)", flush=True)
+    else:
+        out["heldout/initial_loss"] = initial
+        print(f"[train] held-out loss on {domain}/test: initial {initial:.4f} -> {variant} {after:.4f}", flush=True)
+
+    out_dir = Path(cfg.out_dir)
+    adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
+    save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out})
+    if adapter_dir is not None:  # the PEFT adapter travels inside the checkpoint folder
+        adapter_dir.rename(out_dir / "adapter")
+    print(f"[train] wrote {out_dir}", flush=True)
+
+    manifest = None
+    if cfg.variant.init == "base" and cfg.export.enabled:
+        manifest, bd = export_and_check(cfg, run_dir, test_blocks, out["heldout/base_loss"], after, device)
+        out.update(bd)
+    logger.log_metrics({k: v for k, v in out.items() if isinstance(v, float)}, step=metrics.get("global_step"))
+    log_quality(logger, cfg, out, manifest)
+    record = {**metrics, **out}
+    write_text(run_dir / "metrics.json", json.dumps(record, indent=2) + "\n")
+    write_text(out_dir / "training.json", json.dumps({"run_id": run_dir.name, **record}, indent=2) + "\n")
+    return out
+
+
 def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, base_loss: float,
-                     ft_loss: float) -> dict:
+                     ft_loss: float, device: torch.device | str = "cpu") -> tuple[dict, dict]:
     """Export ``artifacts/<variant>/`` and measure the held-out loss of the BitDelta model."""
     from transformers import AutoModelForCausalLM
 
@@ -149,16 +231,43 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     artifact = load_artifact(out)
     approx = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32)
     approx.load_state_dict(materialize(cfg.base_dir, artifact), strict=False)
-    bd_loss = heldout_loss(approx, test_blocks, cfg.variant.batch_size, cfg.eval_batches)
+    bd_loss = heldout_loss(approx.to(device), test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
     gain = base_loss - ft_loss
     recovered = (base_loss - bd_loss) / gain if gain > 0 else float("nan")
     stats = manifest["stats"]
     print(f"[export] {out}: {stats['bytes'] / 1e6:.2f} MB, {stats['bits_per_parameter']:.3f} bits/param; "
           f"held-out loss base {base_loss:.4f} | fine-tune {ft_loss:.4f} | BitDelta {bd_loss:.4f} "
           f"(gain recovered {recovered:.2f})", flush=True)
-    return {"heldout/bitdelta_loss": bd_loss, "heldout/bitdelta_gain_recovered": recovered,
-            "export/bits_per_parameter": float(stats["bits_per_parameter"]),
-            "export/bytes": float(stats["bytes"])}
+    return manifest, {"heldout/bitdelta_loss": bd_loss, "heldout/bitdelta_gain_recovered": recovered,
+                      "export/bits_per_parameter": float(stats["bits_per_parameter"]),
+                      "export/bytes": float(stats["bytes"])}
+
+
+def log_quality(logger, cfg: DictConfig, out: dict, manifest: dict | None) -> None:
+    """W&B only: a table of held-out quality (base, full fine-tune, BitDelta) and the artifact.
+
+    The same numbers reach every logger as ``heldout/*`` metrics; this adds the table view and
+    the artifact folder with its manifest (``config`` left out) as metadata.
+    """
+    from lightning.pytorch.loggers import WandbLogger
+
+    if not isinstance(logger, WandbLogger) or "heldout/base_loss" not in out:
+        return
+    base = out["heldout/base_loss"]
+    rows = [["base", base, math.exp(base), 0.0]]
+    rows.append(["fine-tune", out["heldout/loss"], math.exp(out["heldout/loss"]), out["heldout/loss"] - base])
+    if "heldout/bitdelta_loss" in out:
+        bd = out["heldout/bitdelta_loss"]
+        rows.append([f"bitdelta-{cfg.export.granularity}", bd, math.exp(bd), bd - base])
+    logger.log_table(key="quality", columns=["model", "heldout_loss", "perplexity", "delta_vs_base"], data=rows)
+    if manifest is not None:
+        import wandb
+
+        meta = {k: v for k, v in manifest.items() if k != "provenance"}
+        meta["provenance"] = {k: v for k, v in manifest["provenance"].items() if k != "config"}
+        art = wandb.Artifact(name=f"bitdelta-{cfg.variant.name}", type="bitdelta", metadata=meta)
+        art.add_dir(str(cfg.export.out_dir))
+        logger.experiment.log_artifact(art)
 
 
 def _finish_wandb() -> None:
@@ -171,9 +280,9 @@ def _finish_wandb() -> None:
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
     metrics = train(cfg)
-    return metrics["heldout/loss"]
+    return metrics.get("heldout/loss")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,295 @@
+"""Training callbacks. ``MonoSoupCallback``: merge the weights with the best checkpoint every N steps.
+
+    python train/run.py variant=coder merge=monosoup merge.every_n_steps=40
+    python train/run.py variant=coder merge=svd_soup merge.rank=4
+    python train/run.py variant=coder merge=none
+
+The merge math lives in :mod:`merge.soup` (plain tensor functions); this file only decides when
+to merge, moves one parameter at a time between ranks, and logs what happened.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
+
+
+class MonoSoupCallback(L.Callback):
+    """Every ``every_n_steps`` optimizer steps, merge the current weights with the best checkpoint.
+
+    The *base* ``W_base`` is the model's weights when training first starts (for a variant: the
+    weights of ``models/base``); the *best checkpoint* is a snapshot of the weights at the lowest
+    ``monitor`` value seen at a validation end. At each merge step, for every parameter in turn,
+    :func:`merge.soup.merge_param` combines ``[current, best]`` over ``W_base`` and the result is
+    written back into the training model (and, under DeepSpeed, into the optimizer's fp32 master
+    copy); training then continues with the optimizer state as it was.
+
+    Distributed: parameters are handled one at a time. Each one is gathered in full on every rank
+    (DDP: already replicated; DeepSpeed ZeRO-1/2/3: ``deepspeed.utils.safe_get_full_fp32_param``,
+    or ``GatheredParameters`` for a ZeRO-3 parameter without an fp32 master), merged on rank 0,
+    broadcast from rank 0, and written back on every rank. ``W_base`` and the best snapshot are
+    float32 CPU copies held by rank 0 only (each costs 4 bytes per parameter of host memory).
+
+    Each merge measures the validation loss before and after (mean token cross-entropy over the
+    first ``val_batches`` batches of the datamodule's ``val_dataloader()``, the same batches on
+    every rank), appends a record to :attr:`records` and logs it to every logger of the trainer at
+    the current step: ``merge/step``, ``merge/val_loss_before``, ``merge/val_loss_after``,
+    ``merge/mean_rank``, ``merge/mean_energy_kept``, ``merge/seconds`` (plus ``merge/best_step``,
+    ``merge/best_val_loss``, ``merge/matrices`` and, for MonoSoup, ``merge/mean_lambda_high`` and
+    ``merge/mean_lambda_low``). A merge step with no best checkpoint yet logs ``merge/skipped = 1``.
+
+    Resume: :meth:`state_dict` carries the best loss, step and weights, the base weights and the
+    records, so ``Trainer.fit(ckpt_path=...)`` continues with the same best checkpoint.
+
+    Args:
+        method: ``"monosoup"``, ``"svd_soup"``, ``"average"`` or ``"none"`` (the callback does nothing).
+        every_n_steps: merge when ``trainer.global_step`` is a positive multiple of this.
+        energy_ratio: MonoSoup's energy threshold ``R`` (``rank_mode="energy"``).
+        rank_mode: MonoSoup's rank rule, ``"energy"`` or ``"effective_rank"``.
+        rank: SVD soup's truncation rank.
+        val_batches: validation batches for the before/after loss (0: not measured, logged as NaN).
+        min_rel_update: MonoSoup's relative-update threshold ``τ``.
+        monitor: the logged metric that ranks checkpoints (lower is better).
+
+    Raises:
+        ValueError: an unknown ``method`` or ``rank_mode``, or a non-positive ``every_n_steps``.
+        NotImplementedError: at setup, for strategies other than single-device, DDP and DeepSpeed.
+    """
+
+    def __init__(self, method: str = "monosoup", every_n_steps: int = 1000, energy_ratio: float = 0.8,
+                 rank_mode: str = "energy", rank: int = 8, val_batches: int = 8, min_rel_update: float = 1e-6,
+                 monitor: str = "val/loss"):
+        if method not in MERGE_METHODS:
+            raise ValueError(f"unknown merge method {method!r}; expected one of {MERGE_METHODS}")
+        if rank_mode not in RANK_MODES:
+            raise ValueError(f"rank_mode must be one of {RANK_MODES}, got {rank_mode!r}")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        if val_batches < 0:
+            raise ValueError(f"val_batches must be >= 0, got {val_batches}")
+        self.method, self.every_n_steps, self.val_batches, self.monitor = method, every_n_steps, val_batches, monitor
+        self.merge_kwargs = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, rank=rank,
+                                 min_rel_update=min_rel_update)
+        self.best_val_loss = math.inf
+        self.best_step = -1  # the same on every rank; -1: no best checkpoint yet
+        self.best: dict[str, torch.Tensor] | None = None  # rank 0: name -> float32 CPU tensor
+        self.base: dict[str, torch.Tensor] | None = None  # rank 0: name -> float32 CPU tensor
+        self.records: list[dict[str, Any]] = []
+        self._last_merge_step = -1
+        self._ds = None  # the deepspeed module, under DeepSpeedStrategy
+        self._val_cache: list | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(method=self.method)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    # ---------------------------------------------------------------- hooks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not self.enabled:
+            return
+        strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy):
+            self._ds = importlib.import_module("deepspeed")
+            stage_ = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+            rank_zero_info(f"[merge] {self.method}: DeepSpeed ZeRO stage {stage_}, one parameter at a time")
+        elif type(strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy"):
+            raise NotImplementedError(f"MonoSoupCallback supports single-device, DDP and DeepSpeed strategies, "
+                                      f"not {type(strategy).__name__}")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After any checkpoint restore (DDP restores before on_fit_start, DeepSpeed after it), so a
+        # restored base is kept and a fresh run snapshots the weights it starts from.
+        if not self.enabled:
+            return
+        if self.base is None:
+            self.base = self._snapshot(trainer, pl_module)
+        if not trainer.is_global_zero:  # a restored checkpoint gave every rank a copy: keep rank 0's
+            self.base = self.best = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            rank_zero_warn(f"MonoSoupCallback: {self.monitor!r} was not logged; no best checkpoint tracked")
+            return
+        value = float(value)
+        better = trainer.strategy.broadcast(value < self.best_val_loss, src=0)
+        if better:
+            self.best = self._snapshot(trainer, pl_module)
+            self.best_val_loss, self.best_step = value, trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if not self.enabled or step == 0 or step % self.every_n_steps or step == self._last_merge_step:
+            return  # the last test: with gradient accumulation this hook runs several times per step
+        self._last_merge_step = step
+        if self.best_step < 0:
+            record = {"step": step, "method": self.method, "skipped": 1,
+                      "reason": "no best checkpoint yet (no validation has run)"}
+            rank_zero_info(f"[merge] step {step}: skipped, {record['reason']}")
+            self._log(trainer, record)
+            return
+        record = self.merge(trainer, pl_module)
+        rank_zero_info(f"[merge] step {step}: {self.method} with best@{self.best_step} "
+                       f"(val {self.best_val_loss:.4f}); val loss {record['val_loss_before']:.4f} -> "
+                       f"{record['val_loss_after']:.4f}, mean rank {record['mean_rank']:.1f}, "
+                       f"energy kept {record['mean_energy_kept']:.3f}, {record['seconds']:.2f}s")
+        self._log(trainer, record)
+
+    # --------------------------------------------------------------- merging
+    @torch.no_grad()
+    def merge(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Merge the current weights with the best snapshot now (every rank must call this)."""
+        t0 = time.perf_counter()
+        before = self._val_loss(trainer, pl_module)
+        rank0 = trainer.is_global_zero
+        infos = []
+        for name, p in pl_module.named_parameters():
+            full = _read_full(p, self._ds)
+            if rank0:
+                merged, info = merge_param(self.method, self.base[name], [full, self.best[name].to(full.device)],
+                                           **self.merge_kwargs)
+                merged = merged.to(torch.float32)
+                infos.append(info)
+            else:
+                merged = torch.empty(full.shape, dtype=torch.float32, device=full.device)
+            if _world_size() > 1:
+                torch.distributed.broadcast(merged, src=0)
+            _write_full(p, merged, self._ds, rank0)
+        summary = trainer.strategy.broadcast(summarize(infos) if rank0 else None, src=0)
+        after = self._val_loss(trainer, pl_module)
+        record = {"step": trainer.global_step, "method": self.method, "skipped": 0, "val_loss_before": before,
+                  "val_loss_after": after, **summary, "best_step": self.best_step,
+                  "best_val_loss": self.best_val_loss, "seconds": time.perf_counter() - t0}
+        return record
+
+    def _snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor] | None:
+        """Float32 CPU copies of all parameters on rank 0 (``None`` elsewhere); collective."""
+        out = {}
+        for name, p in pl_module.named_parameters():
+            full = _read_full(p, self._ds)
+            if trainer.is_global_zero:
+                out[name] = full.detach().to("cpu", torch.float32, copy=True)
+        return out if trainer.is_global_zero else None
+
+    @torch.no_grad()
+    def _val_loss(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float:
+        """Mean next-token cross-entropy (nats/token) over the first ``val_batches`` val batches."""
+        batches = self._val_batches(trainer, pl_module)
+        if not batches:
+            return float("nan")
+        model = getattr(pl_module, "model", pl_module)
+        modes = {m: m.training for m in pl_module.modules()}
+        pl_module.eval()
+        total = torch.zeros((), dtype=torch.float64, device=pl_module.device)
+        count = 0
+        try:
+            with trainer.precision_plugin.val_step_context():
+                for batch in batches:
+                    ids = batch["input_ids"] if isinstance(batch, dict) else batch
+                    labels = batch.get("labels", ids) if isinstance(batch, dict) else ids
+                    ids, labels = ids.to(pl_module.device), labels.to(pl_module.device)
+                    logits = model(input_ids=ids).logits.float()
+                    targets = labels[:, 1:].reshape(-1)
+                    total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets,
+                                                               ignore_index=-100, reduction="sum").double()
+                    count += int((targets != -100).sum())
+        finally:
+            for m, mode in modes.items():
+                m.train(mode)
+        return total.item() / max(count, 1)
+
+    def _val_batches(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list:
+        if self._val_cache is None:
+            self._val_cache = []
+            if self.val_batches > 0:
+                source = trainer.datamodule if trainer.datamodule is not None else pl_module
+                try:
+                    loader = source.val_dataloader()
+                except Exception as e:  # no val loader configured: the losses are logged as NaN
+                    rank_zero_warn(f"MonoSoupCallback: no val_dataloader() ({e}); merge losses not measured")
+                    loader = []
+                self._val_cache = list(itertools.islice(loader, self.val_batches))
+        return self._val_cache
+
+    def _log(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        metrics = {f"merge/{k}": float(v) for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ---------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step, "best": self.best,
+                "base": self.base, "records": self.records, "last_merge_step": self._last_merge_step,
+                "method": self.method}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_val_loss = float(state_dict["best_val_loss"])
+        self.best_step = int(state_dict["best_step"])
+        self.best, self.base = state_dict["best"], state_dict["base"]
+        self.records = list(state_dict["records"])
+        self._last_merge_step = int(state_dict.get("last_merge_step", -1))
+
+
+# ------------------------------------------------------- one parameter, any strategy
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _read_full(p: torch.nn.Parameter, ds) -> torch.Tensor:
+    """The full float32 value of ``p`` on every rank, on ``p``'s device; collective under DeepSpeed.
+
+    Under DeepSpeed the optimizer's fp32 master copy is read when there is one (ZeRO-1/2/3 and the
+    bf16 optimizer), since the low-precision model weights are a rounded copy of it.
+    """
+    if ds is not None:
+        full = ds.utils.safe_get_full_fp32_param(p)
+        if full is not None:
+            return full.detach().float().reshape(_full_shape(p))
+        if hasattr(p, "ds_id"):  # ZeRO-3 parameter without an fp32 master (frozen)
+            with ds.zero.GatheredParameters([p]):
+                return p.data.detach().float().clone()
+    return p.detach().float()
+
+
+def _write_full(p: torch.nn.Parameter, value: torch.Tensor, ds, rank0: bool) -> None:
+    """Write the full float32 ``value`` (identical on every rank) into ``p``; collective under ZeRO-3."""
+    if ds is not None and hasattr(p, "ds_id"):  # ZeRO-3: partitioned model weights and fp32 master
+        if p.requires_grad and hasattr(p, "_z3_optimizer"):
+            # the local slice of the padded flat value: ``safe_set_full_fp32_param`` slices without
+            # padding, which fails on the last rank when numel is not a multiple of the world size
+            part = p.ds_tensor.numel()
+            rank = torch.distributed.get_rank(group=p.ds_process_group)
+            flat = torch.nn.functional.pad(value.flatten(), (0, part * torch.distributed.get_world_size(
+                group=p.ds_process_group) - value.numel()))
+            ds.utils.safe_set_local_fp32_param(p, flat[rank * part:(rank + 1) * part])
+        with ds.zero.GatheredParameters([p], modifier_rank=0):
+            if rank0:
+                p.data.copy_(value.reshape(p.data.shape).to(p.dtype))
+        return
+    if ds is not None:  # ZeRO-1/2 (and the bf16 optimizer): replicated model weights, partitioned fp32 master
+        ds.utils.safe_set_full_fp32_param(p, value)
+    p.data.copy_(value.reshape(p.shape).to(p.dtype))
+
+
+def _full_shape(p: torch.nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
