@@ -1,0 +1,263 @@
+"""MonoSoupCallback on a tiny Llama: merge steps, merged weights against references computed here,
+logged records (CSVLogger), resume from a checkpoint, 2-process DDP on CPU, and the merge/ configs."""
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import OmegaConf
+
+from merge.soup import merge_param
+from test_soup import ref_monosoup, ref_rank_energy, ref_rank_effective, ref_truncate
+from train.callbacks import MonoSoupCallback
+from train.module import CausalLMModule
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from soup_fixtures import BlocksDataModule, tiny_llama  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny SVDs: one thread is fastest, and it leaves the machine's other cores alone."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Capture(L.Callback):
+    """Weights (and the soup's best snapshot) at every merge step, before or after the soup runs."""
+
+    def __init__(self, soup: MonoSoupCallback, every: int):
+        self.soup, self.every = soup, every
+        self.weights: dict[int, dict] = {}
+        self.best: dict[int, dict | None] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        step = trainer.global_step
+        if step % self.every == 0 and step not in self.weights:
+            self.weights[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            self.best[step] = None if self.soup.best is None else {n: t.clone() for n, t in self.soup.best.items()}
+
+
+def make_trainer(tmp_path: Path, max_steps: int, callbacks: list, val_every: int = 2, **kw) -> L.Trainer:
+    kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=val_every,
+                     check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                     default_root_dir=str(tmp_path), **kw)
+
+
+def make_module(seed: int = 0, max_steps: int = 9) -> CausalLMModule:
+    return CausalLMModule(tiny_llama(seed), lr=1e-2, weight_decay=0.0, warmup_steps=1, max_steps=max_steps)
+
+
+def reference_merge(method: str, base: torch.Tensor, ws: list[torch.Tensor], **kw) -> torch.Tensor:
+    """Plain-torch merge of one parameter (full SVDs and explicit sums; see tests/test_soup.py)."""
+    ws64 = [w.double() for w in ws]
+    if base.dim() < 2 or method == "average":
+        return sum(ws64) / len(ws64)
+    b = base.double()
+    if method == "svd_soup":
+        return b + sum(ref_truncate(w - b, kw["rank"]) for w in ws64) / len(ws64)
+    delta = sum(ws64) / len(ws64) - b
+    s = torch.linalg.svd(delta.reshape(delta.shape[0], -1)).S.tolist()
+    k = ref_rank_energy(s, kw["energy_ratio"]) if kw["rank_mode"] == "energy" else ref_rank_effective(s)
+    return b + ref_monosoup(delta, k)
+
+
+def val_ce(model, dm: BlocksDataModule, weights: dict, batches: int) -> float:
+    """Token CE of ``model`` with ``weights`` (named as in the LightningModule) on the first val batches."""
+    m = copy.deepcopy(model)
+    m.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()}, strict=False)
+    m.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i, batch in enumerate(dm.val_dataloader()):
+            if i == batches:
+                break
+            out = m(input_ids=batch, labels=batch)
+            total += out.loss.item() * batch[:, 1:].numel()
+            count += batch[:, 1:].numel()
+    return total / count
+
+
+KW = dict(energy_ratio=0.8, rank_mode="energy", rank=4)
+
+
+@pytest.mark.parametrize("method, rank_mode", [("monosoup", "energy"), ("monosoup", "effective_rank"),
+                                               ("svd_soup", "energy"), ("average", "energy")])
+def test_merge_steps_weights_and_csv_records(tmp_path, method, rank_mode):
+    kw = {**KW, "rank_mode": rank_mode}
+    module, dm = make_module(), BlocksDataModule()
+    initial = {n: p.detach().clone() for n, p in module.named_parameters()}
+    soup = MonoSoupCallback(method=method, every_n_steps=3, val_batches=2, **kw)
+    pre, post = Capture(soup, 3), Capture(soup, 3)
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = make_trainer(tmp_path, 9, [pre, soup, post], logger=logger, log_every_n_steps=1)
+    trainer.fit(module, datamodule=dm)
+
+    # merges at steps 3, 6, 9 (validation every 2 steps: a best checkpoint exists from step 2 on)
+    assert [r["step"] for r in soup.records] == [3, 6, 9]
+    assert all(r["skipped"] == 0 and r["method"] == method for r in soup.records)
+    assert all(torch.equal(soup.base[n], initial[n]) for n in initial)  # W_base = weights at the start
+    assert sorted(pre.weights) == [3, 6, 9]
+    for step in (3, 6, 9):
+        best = pre.best[step]
+        assert best is not None
+        for name, merged in post.weights[step].items():
+            ref = reference_merge(method, initial[name], [pre.weights[step][name], best[name]], **kw)
+            torch.testing.assert_close(merged.double(), ref, atol=2e-5, rtol=1e-4, msg=f"{name} @ step {step}")
+        assert any(not torch.equal(post.weights[step][n], pre.weights[step][n]) for n in initial)
+
+    # validation loss before/after: the first val_batches batches, recomputed here
+    first = soup.records[0]
+    assert first["val_loss_before"] == pytest.approx(val_ce(module.model, dm, pre.weights[3], 2), rel=1e-5)
+    assert first["val_loss_after"] == pytest.approx(val_ce(module.model, dm, post.weights[3], 2), rel=1e-5)
+    if method == "monosoup":
+        assert 1 <= first["mean_rank"] and 0.0 < first["mean_energy_kept"] <= 1.0
+        assert 0.0 <= first["mean_lambda_low"] <= 1.0
+    if method == "svd_soup":
+        assert first["mean_rank"] <= 4
+
+    # the same numbers reach the CSV logger
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    merge_rows = [r for r in rows if r.get("merge/step")]
+    for key in ("merge/step", "merge/val_loss_before", "merge/val_loss_after", "merge/mean_rank",
+                "merge/mean_energy_kept", "merge/seconds"):
+        assert key in rows[0], key
+        assert all(math.isfinite(float(r[key])) for r in merge_rows), key
+    assert [int(float(r["merge/step"])) for r in merge_rows] == [3, 6, 9]
+    for r, rec in zip(merge_rows, soup.records):
+        assert float(r["merge/val_loss_after"]) == pytest.approx(rec["val_loss_after"])
+        assert float(r["merge/mean_rank"]) == pytest.approx(rec["mean_rank"])
+
+
+def test_merge_without_a_best_checkpoint_is_skipped_and_recorded(tmp_path):
+    module = make_module()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    soup = MonoSoupCallback(every_n_steps=2, val_batches=1)
+    pre, post = Capture(soup, 2), Capture(soup, 2)
+    make_trainer(tmp_path, 4, [pre, soup, post], val_every=3).fit(module, datamodule=BlocksDataModule())
+    assert soup.records[0]["step"] == 2 and soup.records[0]["skipped"] == 1
+    assert "no best checkpoint" in soup.records[0]["reason"]
+    assert all(torch.equal(pre.weights[2][n], post.weights[2][n]) for n in before)  # untouched at step 2
+    assert soup.records[1]["step"] == 4 and soup.records[1]["skipped"] == 0 and soup.best_step == 3
+
+
+def test_method_none_does_nothing(tmp_path):
+    soup = MonoSoupCallback(method="none", every_n_steps=1)
+    make_trainer(tmp_path, 3, [soup]).fit(make_module(), datamodule=BlocksDataModule())
+    assert soup.records == [] and soup.base is None and soup.best is None and soup.best_step == -1
+
+
+def test_resume_restores_best_checkpoint(tmp_path):
+    soup1 = MonoSoupCallback(every_n_steps=3, val_batches=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    make_trainer(tmp_path, 6, [soup1, ckpt], enable_checkpointing=True).fit(make_module(max_steps=12),
+                                                                             datamodule=BlocksDataModule())
+    assert soup1.best_step > 0 and [r["step"] for r in soup1.records] == [3, 6]
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_file()
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = copy.deepcopy(soup2.state_dict())
+
+    soup2, probe = MonoSoupCallback(every_n_steps=3, val_batches=2), Probe()
+    # a fresh module with other random weights: everything must come from the checkpoint
+    make_trainer(tmp_path, 9, [soup2, probe]).fit(make_module(seed=1, max_steps=12), datamodule=BlocksDataModule(),
+                                                  ckpt_path=str(last))
+    s = probe.state
+    assert s["best_val_loss"] == soup1.best_val_loss and s["best_step"] == soup1.best_step
+    assert s["best"].keys() == soup1.best.keys() and s["base"].keys() == soup1.base.keys()
+    assert all(torch.equal(s["best"][n], soup1.best[n]) for n in soup1.best)
+    assert all(torch.equal(s["base"][n], soup1.base[n]) for n in soup1.base)
+    assert s["records"] == soup1.records
+    # training went on from step 6 and merged again at 9 with the restored base
+    assert [r["step"] for r in soup2.records] == [3, 6, 9]
+    assert all(torch.equal(soup2.base[n], soup1.base[n]) for n in soup1.base)
+
+
+def test_ddp_two_ranks_merge_identically(tmp_path, method="monosoup"):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ddp_soup.py"), str(tmp_path), method], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["pre"].keys() == r1["pre"].keys()
+    assert all(torch.equal(r0["pre"][n], r1["pre"][n]) for n in r0["pre"])  # DDP kept the replicas equal
+    assert all(torch.equal(r0["post"][n], r1["post"][n]) for n in r0["post"])  # both ranks: the same merge
+    assert any(not torch.equal(r0["post"][n], r0["pre"][n]) for n in r0["pre"])
+    assert r0["best_step"] == 2 and [r["step"] for r in r0["records"]] == [3]
+    drop = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]  # noqa: E731
+    assert drop(r0["records"]) == drop(r1["records"])  # the same record on both ranks (timings aside)
+    kw = dict(energy_ratio=0.8, rank_mode="energy", rank=8)
+    for name, merged in r0["post"].items():
+        single, _ = merge_param(method, r0["base"][name], [r0["pre"][name], r0["best"][name]], **kw)
+        torch.testing.assert_close(merged, single, atol=1e-6, rtol=1e-6, msg=name)
+        ref = reference_merge(method, r0["base"][name], [r0["pre"][name], r0["best"][name]], **kw)
+        torch.testing.assert_close(merged.double(), ref, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_zero3_read_write_full_parameters(tmp_path):
+    """ZeRO-2/3 on 2 CPU processes (gloo): full fp32 reads, and writes that reach the fp32 master."""
+    pytest.importorskip("deepspeed")
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "deepspeed_params.py"), str(tmp_path)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    for r in (0, 1):
+        result = json.loads((tmp_path / f"ds_rank{r}.json").read_text())
+        assert result == {f"zero{s}": {"read": True, "master": True, "model_after_step": True} for s in (2, 3)}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "merge").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_merge_config_instantiates(path):
+    cb = instantiate(OmegaConf.load(path))
+    assert isinstance(cb, MonoSoupCallback)
+    assert cb.method == path.stem and cb.every_n_steps == 1000
+    if path.stem == "monosoup":
+        assert cb.merge_kwargs["energy_ratio"] == 0.8 and cb.merge_kwargs["rank_mode"] == "energy"
+    if path.stem == "svd_soup":
+        assert cb.merge_kwargs["rank"] == 8
+
+
+def test_merge_config_group_is_complete():
+    assert sorted(p.stem for p in (ROOT / "conf" / "merge").glob("*.yaml")) == ["average", "monosoup", "none",
+                                                                               "svd_soup"]
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="unknown merge method"):
+        MonoSoupCallback(method="ties")
+    with pytest.raises(ValueError, match="rank_mode"):
+        MonoSoupCallback(rank_mode="variance")
+    with pytest.raises(ValueError, match="every_n_steps"):
+        MonoSoupCallback(every_n_steps=0)
