@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import lightning as L
 import torch
 
 
@@ -66,3 +67,19 @@ def consolidated_state_dict(trainer, model: torch.nn.Module) -> dict[str, torch.
             if buf is not None and buf_name not in mod._non_persistent_buffers_set:
                 state[f"{mod_name}.{buf_name}" if mod_name else buf_name] = buf.detach().cpu().clone()
     return state
+
+
+class ConsolidateOnTrainEnd(L.Callback):
+    """Gather the trained weights to rank 0's CPU when training ends (:func:`consolidated_state_dict`).
+
+    It must run inside the fit: once ``Trainer.fit`` returns, the strategy has torn down and
+    DeepSpeed's partitions sit on the CPU, where NCCL cannot gather them. Put it after any
+    callback that swaps weights in ``on_train_end`` (e.g. EMA) so it sees the final weights.
+    ``state`` is the full state dict on rank 0 and ``None`` elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.state = consolidated_state_dict(trainer, pl_module.model)

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from compress.atomic import staged_dir, write_text
 from train.datamodule import TextDataModule
-from train.distributed import consolidated_state_dict
+from train.distributed import ConsolidateOnTrainEnd
 from train.module import CausalLMModule, heldout_loss
 
 
@@ -92,13 +92,14 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
                                  every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
                                  save_last=True, auto_insert_metric_name=False)]
     merge = cfg.get("merge")
-    if merge is None or merge.method == "none":
+    name = None if merge is None else merge.get("method", merge._target_.rsplit(".", 1)[-1])
+    if name is None or name == "none":
         return callbacks
     if cfg.variant.init == "base" and cfg.variant.adapter is None:
         callbacks.append(hydra.utils.instantiate(merge))
     else:
         why = "the base trains from scratch" if cfg.variant.init == "scratch" else "LoRA trains adapters only"
-        print(f"[train] merge callback ({merge.method}) off: {why}", flush=True)
+        print(f"[train] merge callback ({name}) off: {why}", flush=True)
     return callbacks
 
 
@@ -140,7 +141,9 @@ def train(cfg: DictConfig) -> dict:
         module = CausalLMModule(model, lr=cfg.variant.lr, weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
                                 min_lr_ratio=cfg.variant.min_lr_ratio)
-        trainer = hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=build_callbacks(cfg, run_dir),
+        consolidate = ConsolidateOnTrainEnd()
+        trainer = hydra.utils.instantiate(cfg.trainer, logger=logger,
+                                          callbacks=[*build_callbacks(cfg, run_dir), consolidate],
                                           default_root_dir=str(run_dir))
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=dm, ckpt_path=cfg.ckpt_path)
@@ -149,11 +152,10 @@ def train(cfg: DictConfig) -> dict:
         if cfg.variant.adapter == "lora":
             model = finish_lora(module.model, Path(cfg.out_dir).with_name(f".{variant}-adapter"), trainer)
         else:
-            state = consolidated_state_dict(trainer, module.model)  # collective: every rank
             model = None
             if trainer.is_global_zero:  # a fresh, unsharded model holding the consolidated weights
                 model = build_model(cfg, tokenizer)
-                model.load_state_dict(state)
+                model.load_state_dict(consolidate.state)
         if not trainer.is_global_zero:
             return {}
         device = trainer.strategy.root_device
