@@ -12,8 +12,12 @@ SHELL := /bin/bash
 PYTHON   ?= python3
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
-# A CPU build of torch lies on the development machines' disk; elsewhere set TORCH_SPEC as needed.
+# Where no torch is installed, `make install` installs TORCH_SPEC with TORCH_PIP_ARGS. The
+# development and CI machines keep a CPU build of torch 2.13.0 on disk, which pip finds by itself.
+# Elsewhere, for the CPU build rather than PyPI's multi-GB CUDA one:
+#   make install TORCH_SPEC=torch TORCH_PIP_ARGS='--index-url <PyTorch's CPU wheel index>'
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 VARIANT  ?= coder
 VARIANTS ?= coder math writer legal
 HOST     ?= 127.0.0.1
@@ -40,7 +44,7 @@ install: $(STAMP) $(AUSTEN)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

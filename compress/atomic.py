@@ -63,6 +63,9 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        for f in tmp.rglob("*"):  # some writers (safetensors) create 0600 files: make them readable
+            f.chmod(0o755 if f.is_dir() else 0o644)
+        tmp.chmod(0o755)
         fsync_path(tmp)
         replace_dir(tmp, dst)
     except BaseException:

@@ -51,6 +51,7 @@ DELTA_INDEX_NAME = "delta.safetensors.index.json"
 SIGN_SUFFIX = ".sign"
 ALPHA_SUFFIX = ".alpha"
 GRANULARITIES = ("matrix", "row")
+VOCAB_MATRIX_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")  # Llama, Mistral, Qwen2 names
 
 _CHECKPOINT_NAME = "model.safetensors"
 _CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
@@ -220,6 +221,16 @@ def _deltafleet_version() -> str:
             return "unknown"
 
 
+def is_vocab_matrix(name: str) -> bool:
+    """Whether parameter ``name`` is indexed by token id (input embeddings or the LM head).
+
+    Their rows move very unevenly in a fine-tune (a domain uses a small part of the vocabulary,
+    and rows of unseen tokens barely change), so one α per matrix inflates the many small row
+    deltas and shrinks the few large ones. They always get one α per row (row granularity).
+    """
+    return name.endswith(VOCAB_MATRIX_SUFFIXES)
+
+
 def _compress_tensors(
     base: _Checkpoint, ft: _Checkpoint, granularity: str
 ) -> Iterator[tuple[str, int, dict[str, torch.Tensor], str | None]]:
@@ -234,7 +245,8 @@ def _compress_tensors(
                 yield name, n, {}, None
                 continue
             a = delta.abs()
-            alpha = a.mean() if granularity == "matrix" else a.mean(dim=1)  # Eq. 1, §3.1
+            per_row = granularity == "row" or is_vocab_matrix(name)
+            alpha = a.mean(dim=1) if per_row else a.mean()  # Eq. 1, §3.1
             yield name, n, {
                 name + SIGN_SUFFIX: pack_signs(delta),
                 name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous(),
@@ -268,6 +280,8 @@ def compress(
       ``P.sign`` (uint8 ``[d_out, ceil(d_in/8)]``, bit j LSB-first of byte b = ``Δ[r, 8b+j] > 0``)
       and ``P.alpha`` (float32; ``[]`` with α = mean|Δ| for ``granularity="matrix"``, BitDelta
       arXiv:2402.10193 §3.1 Eq. 1–2; ``[d_out]`` with α_r = mean_j |Δ_rj| for ``"row"``).
+      Vocabulary matrices (``embed_tokens``, ``lm_head``: :func:`is_vocab_matrix`) always get
+      row α, whatever the granularity.
       Omitted if Δ is exactly zero everywhere.
     - anything else (1-D, 0-D, shape changed, not in the base): stored in full as ``P`` in its
       original dtype, unless it is exactly equal to the base (same dtype, shape and values).
@@ -339,6 +353,7 @@ def compress(
         # one metadata key only: safetensors writes its metadata map in hash order, so two keys
         # would make the file bytes (and the manifest sha256) vary from process to process
         save_file(tensors, delta_path, metadata={"format": "pt"})
+        delta_path.chmod(0o644)  # safetensors creates 0600 files
         del tensors
         fsync_path(delta_path)
         files = {DELTA_NAME: _sha256_file(delta_path)}
@@ -574,7 +589,7 @@ def load_artifact(
                 raise ArtifactError(
                     f"{path}: {name} must be uint8 [d_out, ceil(d_in/8)], got {t.dtype} {list(t.shape)}"
                 )
-            want = [t.shape[0]] if row else []
+            want = [t.shape[0]] if row or is_vocab_matrix(p) else []
             if alpha.dtype != torch.float32 or list(alpha.shape) != want:
                 raise ArtifactError(
                     f"{path}: {p + ALPHA_SUFFIX} must be float32 {want} for granularity "

@@ -28,6 +28,9 @@ from compress.bitdelta import compress
 def main(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     variant = cfg.variant.name
+    if cfg.variant.init != "base":
+        raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
+                         f"(export a variant, e.g. variant=coder)")
     manifest = compress(
         cfg.base_dir,
         cfg.finetuned_dir,

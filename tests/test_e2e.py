@@ -5,6 +5,7 @@ serve → the official OpenAI client. Shrunk (tiny width, few steps) so it runs 
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import socket
@@ -184,3 +185,19 @@ def test_multirun_trains_variants_one_after_another(family):
         rec = json.loads((root / f"models/{v}/training.json").read_text())
         assert rec["variant"] == v and rec["global_step"] == 3
     assert len(list((root / "outputs/multirun").glob("*/*/metrics.json"))) == 2
+    # logger=csv records the same final numbers the W&B logger gets
+    for v in ("legal", "coder"):
+        rec = json.loads((root / f"models/{v}/training.json").read_text())
+        rows = list(csv.DictReader(open(next((root / f"outputs/csv/{v}").glob("version_*/metrics.csv")))))
+        logged = [float(r["heldout/base_loss"]) for r in rows if r.get("heldout/base_loss")]
+        assert logged == [pytest.approx(rec["heldout/base_loss"])]
+
+
+def test_exporting_the_base_is_refused(family):
+    root, _, _ = family
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "compress/run.py", "variant=base", f"paths.root={root}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "variant=base is the base itself" in proc.stderr + proc.stdout
+    assert not (root / "artifacts/base").exists()

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
+from train.distributed import full_shape, read_full_param, world_size, write_full_param
 
 
 class MonoSoupCallback(L.Callback):
@@ -160,7 +161,7 @@ class MonoSoupCallback(L.Callback):
         rank0 = trainer.is_global_zero
         infos = []
         for name, p in pl_module.named_parameters():
-            full = _read_full(p, self._ds)
+            full = read_full_param(p, self._ds)
             if rank0:
                 merged, info = merge_param(self.method, self.base[name], [full, self.best[name].to(full.device)],
                                            **self.merge_kwargs)
@@ -168,9 +169,9 @@ class MonoSoupCallback(L.Callback):
                 infos.append(info)
             else:
                 merged = torch.empty(full.shape, dtype=torch.float32, device=full.device)
-            if _world_size() > 1:
+            if world_size() > 1:
                 torch.distributed.broadcast(merged, src=0)
-            _write_full(p, merged, self._ds, rank0)
+            write_full_param(p, merged, self._ds, rank0)
         summary = trainer.strategy.broadcast(summarize(infos) if rank0 else None, src=0)
         after = self._val_loss(trainer, pl_module)
         record = {"step": trainer.global_step, "method": self.method, "skipped": 0, "val_loss_before": before,
@@ -182,7 +183,7 @@ class MonoSoupCallback(L.Callback):
         """Float32 CPU copies of all parameters on rank 0 (``None`` elsewhere); collective."""
         out = {}
         for name, p in pl_module.named_parameters():
-            full = _read_full(p, self._ds)
+            full = read_full_param(p, self._ds)
             if trainer.is_global_zero:
                 out[name] = full.detach().to("cpu", torch.float32, copy=True)
         return out if trainer.is_global_zero else None
@@ -247,49 +248,3 @@ class MonoSoupCallback(L.Callback):
         self.best, self.base = state_dict["best"], state_dict["base"]
         self.records = list(state_dict["records"])
         self._last_merge_step = int(state_dict.get("last_merge_step", -1))
-
-
-# ------------------------------------------------------- one parameter, any strategy
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _read_full(p: torch.nn.Parameter, ds) -> torch.Tensor:
-    """The full float32 value of ``p`` on every rank, on ``p``'s device; collective under DeepSpeed.
-
-    Under DeepSpeed the optimizer's fp32 master copy is read when there is one (ZeRO-1/2/3 and the
-    bf16 optimizer), since the low-precision model weights are a rounded copy of it.
-    """
-    if ds is not None:
-        full = ds.utils.safe_get_full_fp32_param(p)
-        if full is not None:
-            return full.detach().float().reshape(_full_shape(p))
-        if hasattr(p, "ds_id"):  # ZeRO-3 parameter without an fp32 master (frozen)
-            with ds.zero.GatheredParameters([p]):
-                return p.data.detach().float().clone()
-    return p.detach().float()
-
-
-def _write_full(p: torch.nn.Parameter, value: torch.Tensor, ds, rank0: bool) -> None:
-    """Write the full float32 ``value`` (identical on every rank) into ``p``; collective under ZeRO-3."""
-    if ds is not None and hasattr(p, "ds_id"):  # ZeRO-3: partitioned model weights and fp32 master
-        if p.requires_grad and hasattr(p, "_z3_optimizer"):
-            # the local slice of the padded flat value: ``safe_set_full_fp32_param`` slices without
-            # padding, which fails on the last rank when numel is not a multiple of the world size
-            part = p.ds_tensor.numel()
-            rank = torch.distributed.get_rank(group=p.ds_process_group)
-            flat = torch.nn.functional.pad(value.flatten(), (0, part * torch.distributed.get_world_size(
-                group=p.ds_process_group) - value.numel()))
-            ds.utils.safe_set_local_fp32_param(p, flat[rank * part:(rank + 1) * part])
-        with ds.zero.GatheredParameters([p], modifier_rank=0):
-            if rank0:
-                p.data.copy_(value.reshape(p.data.shape).to(p.dtype))
-        return
-    if ds is not None:  # ZeRO-1/2 (and the bf16 optimizer): replicated model weights, partitioned fp32 master
-        ds.utils.safe_set_full_fp32_param(p, value)
-    p.data.copy_(value.reshape(p.shape).to(p.dtype))
-
-
-def _full_shape(p: torch.nn.Parameter) -> torch.Size:
-    return p.ds_shape if hasattr(p, "ds_shape") else p.shape

@@ -14,36 +14,58 @@ import lightning as L
 import torch
 
 
-def deepspeed_stage(trainer) -> int:
-    """The ZeRO stage of ``trainer``'s strategy, or 0 when it is not DeepSpeed."""
+def deepspeed_module(trainer):
+    """The ``deepspeed`` module when ``trainer`` runs a DeepSpeed strategy, else ``None``."""
     if "deepspeed" not in sys.modules:  # a DeepSpeed strategy has imported it; don't pay the import
-        return 0
+        return None
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    if not isinstance(trainer.strategy, DeepSpeedStrategy):
-        return 0
-    return int(trainer.strategy.config.get("zero_optimization", {}).get("stage", 0))
+    return sys.modules["deepspeed"] if isinstance(trainer.strategy, DeepSpeedStrategy) else None
 
 
-def full_fp32_param(param: torch.nn.Parameter, stage: int) -> torch.Tensor:
-    """The whole parameter in float32 (a new tensor on the parameter's device).
+def world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    Under DeepSpeed this is the optimizer's fp32 master copy when the parameter trains
-    (``deepspeed.utils.safe_get_full_fp32_param``), else the gathered module parameter. It is a
-    collective under DeepSpeed: call it on every rank.
+
+def read_full_param(p: torch.nn.Parameter, ds) -> torch.Tensor:
+    """The full float32 value of ``p`` on every rank, on ``p``'s device; collective under DeepSpeed.
+
+    Under DeepSpeed the optimizer's fp32 master copy is read when there is one (ZeRO-1/2/3 and the
+    bf16 optimizer), since the low-precision model weights are a rounded copy of it.
     """
-    if stage:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        full = safe_get_full_fp32_param(param)
+    if ds is not None:
+        full = ds.utils.safe_get_full_fp32_param(p)
         if full is not None:
-            return full.detach().float().clone()
-        if stage == 3:  # frozen ZeRO-3 parameter: gather the module's own partitions
-            import deepspeed
+            return full.detach().float().reshape(full_shape(p))
+        if hasattr(p, "ds_id"):  # ZeRO-3 parameter without an fp32 master (frozen)
+            with ds.zero.GatheredParameters([p]):
+                return p.data.detach().float().clone()
+    return p.detach().float()
 
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                return param.detach().float().clone()
-    return param.detach().float().clone()
+
+def write_full_param(p: torch.nn.Parameter, value: torch.Tensor, ds, rank0: bool) -> None:
+    """Write the full float32 ``value`` (identical on every rank) into ``p``; collective under ZeRO-3."""
+    if ds is not None and hasattr(p, "ds_id"):  # ZeRO-3: partitioned model weights and fp32 master
+        if p.requires_grad and hasattr(p, "_z3_optimizer"):
+            # the local slice of the padded flat value: ``safe_set_full_fp32_param`` slices without
+            # padding, which fails on the last rank when numel is not a multiple of the world size
+            part = p.ds_tensor.numel()
+            rank = torch.distributed.get_rank(group=p.ds_process_group)
+            flat = torch.nn.functional.pad(value.flatten(), (0, part * torch.distributed.get_world_size(
+                group=p.ds_process_group) - value.numel()))
+            ds.utils.safe_set_local_fp32_param(p, flat[rank * part:(rank + 1) * part])
+        with ds.zero.GatheredParameters([p], modifier_rank=0):
+            if rank0:
+                p.data.copy_(value.reshape(p.data.shape).to(p.dtype))
+        return
+    if ds is not None:  # ZeRO-1/2 (and the bf16 optimizer): replicated model weights, partitioned fp32 master
+        ds.utils.safe_set_full_fp32_param(p, value)
+    p.data.copy_(value.reshape(p.shape).to(p.dtype))
+
+
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
 def consolidated_state_dict(trainer, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -52,13 +74,13 @@ def consolidated_state_dict(trainer, model: torch.nn.Module) -> dict[str, torch.
     Gathers one parameter at a time, so peak extra memory is one parameter per GPU plus the
     CPU copy on rank 0. Persistent buffers are copied as they are (they are not sharded).
     """
-    stage = deepspeed_stage(trainer)
+    ds = deepspeed_module(trainer)
     rank0 = trainer.is_global_zero
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        full = full_fp32_param(param, stage)
+        full = read_full_param(param, ds)
         if rank0:
-            state[name] = full.cpu()
+            state[name] = full.to("cpu", copy=True)
         del full
     if not rank0:
         return None

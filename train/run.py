@@ -212,6 +212,7 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
         manifest, bd = export_and_check(cfg, run_dir, test_blocks, out["heldout/base_loss"], after, device)
         out.update(bd)
     logger.log_metrics({k: v for k, v in out.items() if isinstance(v, float)}, step=metrics.get("global_step"))
+    logger.save()  # the CSV logger buffers rows until save(); fit has already made its last call
     log_quality(logger, cfg, out, manifest)
     record = {**metrics, **out}
     write_text(run_dir / "metrics.json", json.dumps(record, indent=2) + "\n")

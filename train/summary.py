@@ -43,7 +43,12 @@ def main(argv: list[str]) -> int:
     print(format_table(rows))
     worse = [r["variant"] for r in rows if r["heldout/loss"] >= r["heldout/base_loss"]]
     if worse:
-        print(f"WARNING: no gain over the base on their own domain: {', '.join(worse)}")
+        print(f"WARNING: fine-tune no better than the base on its own domain: {', '.join(worse)}")
+    served = [r["variant"] for r in rows
+              if r.get("heldout/bitdelta_loss", float("-inf")) >= r["heldout/base_loss"]]
+    if served:
+        print(f"WARNING: BitDelta artifact (what the server answers with) no better than the base on its own "
+              f"domain: {', '.join(served)}")
     return 0
 
 

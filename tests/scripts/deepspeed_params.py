@@ -3,8 +3,8 @@
     RANK=r WORLD_SIZE=2 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/scripts/deepspeed_params.py OUT
 
 Launched by tests/test_callback.py (skipped where deepspeed is not installed). For ZeRO stages 2
-and 3 it checks, on every rank, that ``_read_full`` returns the full fp32 weights, that
-``_write_full`` changes both the model weights and the optimizer's fp32 master copy (an optimizer
+and 3 it checks, on every rank, that ``read_full_param`` returns the full fp32 weights, that
+``write_full_param`` changes both the model weights and the optimizer's fp32 master copy (an optimizer
 step with lr 0 afterwards keeps the new values instead of restoring the old ones), and writes
 ``OUT/ds_rank<r>.json`` with the outcome.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 
-from train.callbacks import _read_full, _write_full  # noqa: E402
+from train.distributed import read_full_param as _read_full, write_full_param as _write_full  # noqa: E402
 
 
 def model() -> torch.nn.Module:
