@@ -5,15 +5,19 @@ Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``
 ``stream_options.include_usage``), ``GET /health``, ``GET /metrics`` (Prometheus, vLLM-style names
 under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error objects
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
-404 unknown model, 503 variant unavailable, 500 anything unexpected — none stops the server.
+404 unknown model, 503 variant unavailable, 500 anything unexpected (a generic message; the details
+go to the server log) — none stops the server. OpenAI parameters this server does not implement
+(``echo``, ``logprobs``, ``tools``, ...) are a 400 unless their value asks for nothing.
 
 Generation runs in a worker thread per request (the engine serialises them), feeding an asyncio
-queue, so the event loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile.
+queue, so the event loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile. A
+client that hangs up cancels its generation (between two tokens), streaming or not.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -21,9 +25,9 @@ from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,6 +42,8 @@ from serve.engine import (
 
 PREFIX = "deltafleet:"
 _DONE = object()  # end of a worker's queue
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 
@@ -48,13 +54,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI parameters this server does not implement, with the test of a value that asks for nothing
+# (a client may send the default): any other value is a 400, never silently ignored. Parameters not
+# named here or in the schemas (``user``, ``metadata``, ...) change nothing and are ignored.
+UNSUPPORTED = {
+    "echo": lambda v: v is False,
+    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
+    "top_logprobs": lambda v: v == 0,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+}
+
+
 class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, for check_supported
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)  # torch.Generator takes 64 bits
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,6 +90,13 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
+
+    def check_supported(self) -> None:
+        """Raise a 400 APIError on a parameter of :data:`UNSUPPORTED` that asks for something."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value is not None and not UNSUPPORTED[name](value):
+                raise APIError(400, f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
+                               "by this server.", param=name, code="unsupported_parameter")
 
 
 class CompletionRequest(_Sampling):
@@ -101,8 +136,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII-escaped JSON: a message that quotes the request (a model id) may hold a lone surrogate.
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
 
 
 def _api_error(e: Exception) -> APIError:
@@ -114,7 +150,9 @@ def _api_error(e: Exception) -> APIError:
         return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable")
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
+    log.error("internal error", exc_info=e)
+    return APIError(500, "The server had an error while processing your request (see the server log).",
+                    "server_error", None, "internal_error")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -122,10 +160,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "missing":
-        return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
+    if param is None:  # the body itself: empty, or JSON but not an object
+        return APIError(400, "The request body is missing or is not a JSON object.", code="invalid_body")
+    if first.get("type") == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                      for e in errors[:5])
     return APIError(400, f"Invalid request: {msgs}", param=param, code="invalid_value")
@@ -327,7 +367,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
         queue, cancel = job
         mid, last = req.model_id, None
         try:
-            while (item := await queue.get()) is not _DONE:
+            while (item := await queue.get()) is not _DONE and not cancel.is_set():
                 if isinstance(item, BaseException):
                     raise item
                 now = time.perf_counter()
@@ -344,8 +384,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
         finally:
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
-    async def run(req, arrival: float) -> tuple[str, str, int]:
+    async def run(req, arrival: float, http: Request) -> tuple[str, str, int]:
         job = start(req, arrival)
+        watch = asyncio.create_task(cancel_on_disconnect(http, job[1]))
         parts, reason, n = [], "length", 0
         try:
             async for s in steps(req, arrival, job):
@@ -353,7 +394,17 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
                 reason, n = s.finish_reason or reason, n + 1
         except Exception as e:
             raise _api_error(e) from None
+        finally:
+            watch.cancel()
         return "".join(parts), reason, n
+
+    async def cancel_on_disconnect(http: Request, cancel: threading.Event) -> None:
+        """Set ``cancel`` once the client of a non-streaming request hangs up (Starlette cancels a
+        streaming response by itself), so that an abandoned generation does not hold the model."""
+        while not cancel.is_set():
+            if await http.is_disconnected():
+                cancel.set()
+            await asyncio.sleep(DISCONNECT_POLL_S)
 
     def stream(req, arrival: float, chunk, include_usage: bool) -> StreamingResponse:
         """SSE: ``chunk(text, finish_reason, first)`` per step with text or a finish; then usage; then [DONE]."""
@@ -377,8 +428,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         arrival = time.perf_counter()
+        body.check_supported()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -398,14 +450,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
         if body.stream:
             opts = body.stream_options
             return stream(req, arrival, chunk, bool(opts and opts.include_usage))
-        text, reason, n = await run(req, arrival)
+        text, reason, n = await run(req, arrival, http)
         out = chunk(text, reason, True)
         out["usage"] = _usage(len(ids), n)
         return out
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         arrival = time.perf_counter()
+        body.check_supported()
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await run_in_threadpool(engine.encode_chat, messages)
@@ -423,7 +476,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
         if body.stream:
             opts = body.stream_options
             return stream(req, arrival, chunk, bool(opts and opts.include_usage))
-        text, reason, n = await run(req, arrival)
+        text, reason, n = await run(req, arrival, http)
         return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": None, "finish_reason": reason}],

@@ -12,6 +12,8 @@ iterator of :class:`Step`, so the HTTP layer can drive it from a worker thread a
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from compress.bitdelta import ArtifactError, fingerprint, load_artifact
 from serve.model import Transformer, VariantDelta
 
 MANIFEST_NAME = "bitdelta.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
+log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
 # event, model id, seconds (load time for "load"/"load_failed", else 0)
 DeltaListener = Callable[[Literal["hit", "miss", "load", "load_failed"], str, float], None]
@@ -92,12 +96,28 @@ class Completion:
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    dt = getattr(torch, str(name), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} (e.g. float32, bfloat16, float16)")
+    dt = name if isinstance(name, torch.dtype) else DTYPES.get(str(name))
+    if dt not in DTYPES.values():
+        raise ValueError(f"dtype {name!r} cannot be served; valid dtypes: {', '.join(DTYPES)}")
     return dt
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Raise InvalidRequestError on text that is not valid Unicode: JSON lets a client send a lone
+    surrogate (``"\\ud83d"``), which neither UTF-8 nor the tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at "
+                                  f"character {e.start})", param) from None
+
+
+def _without_paths(text: str, *dirs: Path) -> str:
+    """``text`` without the server's filesystem paths: ``dirs`` and any other absolute path's folders
+    are cut (``/srv/artifacts/coder/bitdelta.json`` → ``bitdelta.json``), so clients never see them."""
+    for d in dirs:
+        text = text.replace(f"{d}/", "")
+    return re.sub(r"(?<![\w.~])/(?:[^\s/'\":]+/)+", "", text)
 
 
 class Engine:
@@ -112,19 +132,25 @@ class Engine:
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
+        ValueError: if ``dtype`` is not one of :data:`DTYPES`.
     """
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False):
         self.base_dir = Path(base_dir)
+        self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"no base checkpoint at {self.base_dir} (config.json missing): build it with `make base` "
                 "(or the whole demo family with `make demo`), or set base_dir=/path/to/hf/checkpoint"
             )
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
-        self.family, self.device, self.dtype, self.force = family, torch.device(device), _dtype(dtype), force
+        self.family, self.device, self.force = family, torch.device(device), force
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        # Special tokens (eos, role markers, ...) by text: only a chat template may emit them, see encode_chat.
+        self._special_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        longest_first = sorted(self._special_ids, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
         self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype)
         self.max_model_len = self.model.args.max_seq_len
         self.base_fingerprint = fingerprint(self.base_dir)
@@ -214,31 +240,60 @@ class Engine:
             delta = VariantDelta(artifact, self.device, self.dtype)
             delta.check(self.model.hf_param_shapes())
         except (ArtifactError, OSError, ValueError) as e:
-            raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {e}") from e
+            log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
+            reason = _without_paths(str(e), card.artifact_dir.parent, self.base_dir)
+            raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}") from e
         return delta
 
     # ---------------------------------------------------------------- tokens
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a completion prompt (special tokens as the tokenizer adds them, e.g. BOS)."""
+        """Token ids of a completion prompt: plain text, so ``"<|user|>"`` in it is text, not the special
+        token (special tokens as the tokenizer adds them, e.g. BOS, are added). Token ids pass as they are."""
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "prompt")
             return list(prompt)
+        _check_unicode(prompt, "prompt")
         with self._tok_lock:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, split_special_tokens=True)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat, rendered with the tokenizer's chat template and the generation prompt."""
+        """Token ids of a chat (``[{"role", "content": str}]``), rendered with the tokenizer's chat
+        template and the generation prompt.
+
+        Only the template's own markers (role tokens, eos) are special tokens: a message that spells
+        one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn.
+        A chat without such text is encoded exactly as ``apply_chat_template(tokenize=True)`` does.
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
+        for m in messages:
+            _check_unicode(m["content"], "messages")
         with self._tok_lock:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # jinja errors: a message shape the template rejects
-                raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            text = self._render_chat(messages)
+            if not any(s in m["content"] for m in messages for s in self._special_ids):
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            # Render with a placeholder for each content, cut the text at the (template's) special
+            # tokens, put the contents back into the pieces and encode each piece as plain text.
+            marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+            text = self._render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)])
+            ids = []
+            for piece in self._special_re.split(text):
+                if piece in self._special_ids:
+                    ids.append(self._special_ids[piece])
+                elif piece:
+                    for m, mark in zip(messages, marks):
+                        piece = piece.replace(mark, m["content"])
+                    ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+            return ids
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors: a message shape the template rejects
+            raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -259,9 +314,15 @@ class Engine:
         n = self.max_model_len
         if prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty (0 tokens)", param)
+        if prompt_tokens >= n:  # no room for even one new token, whatever max_tokens says
+            raise InvalidRequestError(
+                f"This model's maximum context length is {n} tokens, but there are {prompt_tokens} tokens in the "
+                f"{param} alone, which leaves no room for the completion. Please reduce the length of the {param}.",
+                param, "context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = n - prompt_tokens
-        if prompt_tokens + max(max_tokens, 1) > n:
+        if prompt_tokens + max_tokens > n:
             raise InvalidRequestError(
                 f"This model's maximum context length is {n} tokens. However, you requested "
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} in the "

@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     try:
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=cfg.device, dtype=cfg.dtype,
                         force=cfg.force)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     url = f"http://{cfg.host}:{cfg.port}/v1"
