@@ -1,6 +1,7 @@
 """Does the checkpoint-merging callback earn its place? Same seeds, same steps, one method each.
 
     python -m train.compare_merges [--variants coder math writer legal] [--every 30] [--steps 120]
+    python -m train.compare_merges --jobs 4 --extra trainer=gpu trainer.precision=32-true   # on a GPU
 
 Fine-tunes every demo variant from ``models/base`` once per method — ``none``, ``average``,
 ``svd_soup``, ``monosoup`` and Lightning's EMA as a reference — through the real
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def run_one(variant: str, method: str, work: Path, args) -> dict:
            f"paths.root={args.root}", f"hydra.run.dir={run_dir}", f"out_dir={work}/models/{variant}-{method}",
            f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=1", "logger=csv",
            f"logger.save_dir={run_dir}/csv", "export.enabled=false", "checkpoint.every_n_steps=100000",
-           f"variant.val_check_interval={args.val_every}", f"seed={args.seed}"]
+           f"variant.val_check_interval={args.val_every}", f"seed={args.seed}", *args.extra]
     if method in ("average", "svd_soup", "monosoup"):
         cmd.append(f"merge.every_n_steps={args.every}")
     t0 = time.perf_counter()
@@ -97,11 +99,11 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = summarize(results)
-    machine = f"{platform.node() or 'unknown'} ({platform.machine()}, {os.cpu_count()} CPUs, CPU only)"
+    machine = args.machine or f"{platform.node() or 'unknown'} ({platform.machine()}, {os.cpu_count()} CPUs)"
     payload = {"date": date.today().isoformat(), "machine": machine,
                "command": "python -m train.compare_merges " + " ".join(sys.argv[1:]),
                "settings": {"steps": args.steps, "merge_every": args.every, "val_every": args.val_every,
-                            "seed": args.seed}, "summary": summary, "runs": results}
+                            "seed": args.seed, "overrides": args.extra}, "summary": summary, "runs": results}
     out_stem.parent.mkdir(parents=True, exist_ok=True)
     out_stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [f"# Checkpoint merging during fine-tuning — {payload['date']}", "",
@@ -152,14 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=str(REPO), help="paths.root holding data/ and models/base/")
     p.add_argument("--work", default=str(REPO / "outputs/compare_merges"))
     p.add_argument("--out", default=str(REPO / "reports" / f"merge-comparison-{date.today().isoformat()}"))
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each is its own process)")
+    p.add_argument("--machine", default=None, help="machine description for the report")
+    p.add_argument("--extra", nargs="*", default=[], help="further train/run.py overrides for every run")
     args = p.parse_args(argv)
-    results = []
-    for v in args.variants:
-        for m in args.methods:
-            r = run_one(v, m, Path(args.work), args)
-            print(f"[compare] {v:7s} {m:9s} held-out {r['heldout_loss']:.4f} roughness {r['roughness']:.4f} "
-                  f"({r['seconds']:.0f} s)", flush=True)
-            results.append(r)
+
+    def one(vm):
+        r = run_one(*vm, Path(args.work), args)
+        print(f"[compare] {r['variant']:7s} {r['method']:9s} held-out {r['heldout_loss']:.4f} "
+              f"roughness {r['roughness']:.4f} ({r['seconds']:.0f} s)", flush=True)
+        return r
+
+    pairs = [(v, m) for v in args.variants for m in args.methods]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads only wait on subprocesses
+        results = list(pool.map(one, pairs))
     write_report(results, args, Path(args.out))
     return 0
 
