@@ -171,6 +171,8 @@ class Engine:
         found: dict[str, ModelCard] = {}
         if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
             for manifest in sorted(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")):
+                if manifest.parent.name.startswith("."):  # temp or old folders of an atomic write
+                    continue
                 mid = f"{self.family}-{manifest.parent.name}"
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
         with self._registry_lock:

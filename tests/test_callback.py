@@ -262,6 +262,10 @@ def test_merge_config_group_is_complete():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown merge method"):
         MonoSoupCallback(method="ties")
+    with pytest.raises(ValueError, match=r"energy_ratio must lie in \(0, 1\], got 1.5"):
+        MonoSoupCallback(energy_ratio=1.5)
+    with pytest.raises(ValueError, match="rank must be >= 1, got 0"):
+        MonoSoupCallback(method="svd_soup", rank=0)
     with pytest.raises(ValueError, match="rank_mode"):
         MonoSoupCallback(rank_mode="variance")
     with pytest.raises(ValueError, match="every_n_steps"):

@@ -93,3 +93,14 @@ def test_every_job_config_composes(name, tmp_path):
         overrides.append("variant=coder")
     cfg = compose_cfg(name, overrides)
     OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_multirun_sweep_dir_resolves_before_any_job_runs():
+    # Hydra resolves hydra.sweep.* in the launcher, before HydraConfig (and so ${hydra:runtime.cwd},
+    # which paths.root uses) exists: `train/run.py -m variant=a,b` failed at once when it did.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True)
+    cfg.hydra.job.num = 0  # what the launcher sets for the first job
+    sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=True)
+    assert sweep["dir"].startswith("outputs/multirun/")
+    assert sweep["subdir"] == "0_coder"

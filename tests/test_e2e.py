@@ -175,11 +175,18 @@ def test_killed_run_resumes_from_its_last_checkpoint(family):
     rec = json.loads((root / "models/writer/training.json").read_text())
     assert rec["global_step"] == saved_step + 5
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    # another variant's checkpoint is refused before anything trains or is written
+    wrong = subprocess.run([sys.executable, "train/run.py", "variant=legal", "logger=csv", f"ckpt_path={last}",
+                            *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0
+    assert "is a checkpoint of variant 'writer', not 'legal'" in wrong.stderr
 
 
 def test_multirun_trains_variants_one_after_another(family):
     root, _, _ = family
     run(["train/run.py", "-m", "variant=legal,coder", "trainer.max_steps=3", "logger=csv", "export.enabled=false",
+         f"hydra.sweep.dir={root}/outputs/multirun/sweep",
          "variant.warmup_steps=1", *SMALL_MODEL, *SMALL_RUN], root)
     for v in ("legal", "coder"):
         rec = json.loads((root / f"models/{v}/training.json").read_text())

@@ -77,6 +77,10 @@ class MonoSoupCallback(L.Callback):
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if val_batches < 0:
             raise ValueError(f"val_batches must be >= 0, got {val_batches}")
+        if not 0.0 < energy_ratio <= 1.0:
+            raise ValueError(f"energy_ratio must lie in (0, 1], got {energy_ratio}")
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
         self.method, self.every_n_steps, self.val_batches, self.monitor = method, every_n_steps, val_batches, monitor
         self.merge_kwargs = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, rank=rank,
                                  min_rel_update=min_rel_update)
@@ -91,7 +95,8 @@ class MonoSoupCallback(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(method=self.method)
+        # one key whatever the method, so resuming with another method keeps base, best and records
+        return type(self).__name__
 
     @property
     def enabled(self) -> bool:
@@ -243,6 +248,9 @@ class MonoSoupCallback(L.Callback):
                 "method": self.method}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("method", self.method) != self.method:
+            rank_zero_warn(f"MonoSoupCallback: resuming a {state_dict['method']!r} run with method "
+                           f"{self.method!r}; keeping its base, best checkpoint and merge records")
         self.best_val_loss = float(state_dict["best_val_loss"])
         self.best_step = int(state_dict["best_step"])
         self.best, self.base = state_dict["best"], state_dict["base"]

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,12 +78,31 @@ def load_tokenizer(cfg: DictConfig, run_dir: Path):
     return AutoTokenizer.from_pretrained(src)
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict) -> None:
-    """Write model + tokenizer (Hugging Face format) and ``training.json`` to ``out_dir`` atomically."""
+def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: Path | None = None) -> None:
+    """Write model + tokenizer (Hugging Face format) and ``training.json`` to ``out_dir`` atomically.
+
+    A PEFT ``adapter_dir`` is moved in as ``out_dir/adapter`` before the folder is swapped in.
+    """
     with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
+        if adapter_dir is not None:
+            shutil.move(str(adapter_dir), tmp / "adapter")
+
+
+def check_resume(ckpt_path: str | None, variant: str) -> None:
+    """Refuse a ``ckpt_path`` that is missing or was written by another variant's run."""
+    if not ckpt_path:
+        return
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path {ckpt_path} does not exist")
+    if path.is_file():  # DeepSpeed checkpoints are folders; Lightning checks those itself
+        hp = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters", {})
+        if hp.get("variant") not in (None, variant):
+            raise ValueError(f"ckpt_path {ckpt_path} is a checkpoint of variant {hp['variant']!r}, "
+                             f"not {variant!r}: resume a {variant} run, or train from models/base")
 
 
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
@@ -116,6 +137,11 @@ def train(cfg: DictConfig) -> dict:
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `make base` first")
     if cfg.variant.adapter not in (None, "lora"):
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
+    from compress.bitdelta import GRANULARITIES
+
+    if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
+        raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
+    check_resume(cfg.ckpt_path, variant)
 
     tokenizer = load_tokenizer(cfg, run_dir)
     model = build_model(cfg, tokenizer)
@@ -140,7 +166,7 @@ def train(cfg: DictConfig) -> dict:
     try:
         module = CausalLMModule(model, lr=cfg.variant.lr, weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
-                                min_lr_ratio=cfg.variant.min_lr_ratio)
+                                min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant)
         consolidate = ConsolidateOnTrainEnd()
         trainer = hydra.utils.instantiate(cfg.trainer, logger=logger,
                                           callbacks=[*build_callbacks(cfg, run_dir), consolidate],
@@ -150,7 +176,7 @@ def train(cfg: DictConfig) -> dict:
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["global_step"] = trainer.global_step
         if cfg.variant.adapter == "lora":
-            model = finish_lora(module.model, Path(cfg.out_dir).with_name(f".{variant}-adapter"), trainer)
+            model = finish_lora(module.model, Path(cfg.out_dir), trainer)
         else:
             model = None
             if trainer.is_global_zero:  # a fresh, unsharded model holding the consolidated weights
@@ -166,12 +192,15 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
-def finish_lora(peft_model, staging: Path, trainer):
-    """Save the PEFT adapter (rank 0) and return the model with the adapter merged in."""
+def finish_lora(peft_model, out_dir: Path, trainer):
+    """Save the PEFT adapter (rank 0) in a fresh staging folder beside ``out_dir``; return the
+    model with the adapter merged in (the staging folder rides along as ``_deltafleet_adapter_dir``)."""
     from train.lora import save_adapter_and_merge
 
     if not trainer.is_global_zero:
         return None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-adapter-"))
     model = save_adapter_and_merge(peft_model.float().cpu(), staging)
     model._deltafleet_adapter_dir = staging
     return model
@@ -202,9 +231,7 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
 
     out_dir = Path(cfg.out_dir)
     adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
-    save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out})
-    if adapter_dir is not None:  # the PEFT adapter travels inside the checkpoint folder
-        adapter_dir.rename(out_dir / "adapter")
+    save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out}, adapter_dir)
     print(f"[train] wrote {out_dir}", flush=True)
 
     manifest = None
