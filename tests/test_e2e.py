@@ -208,3 +208,21 @@ def test_exporting_the_base_is_refused(family):
     assert proc.returncode != 0
     assert "variant=base is the base itself" in proc.stderr + proc.stdout
     assert not (root / "artifacts/base").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer=deepspeed_zero3", "trainer=deepspeed_zero3 needs CUDA GPUs and this machine has none"),
+    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be >= 1, got 0"),
+    ("export.granularity=bogus", "export.granularity must be one of ('matrix', 'row'), got 'bogus'"),
+])
+def test_bad_settings_fail_before_training(family, override, message):
+    root, _, _ = family
+    if override.startswith("trainer=") and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    before = sorted(p.name for p in (root / "models").iterdir())
+    proc = subprocess.run([sys.executable, "train/run.py", "variant=legal", override, f"paths.root={root}",
+                           *SMALL_MODEL, *SMALL_RUN], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert "Trainer.fit" not in proc.stdout + proc.stderr
+    assert sorted(p.name for p in (root / "models").iterdir()) == before

@@ -142,6 +142,12 @@ def train(cfg: DictConfig) -> dict:
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
     check_resume(cfg.ckpt_path, variant)
+    if cfg.checkpoint.every_n_steps < 1:
+        raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
+        raise RuntimeError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
+                           f"use trainer=cpu (or trainer=ddp_cpu for data parallel on CPU processes)")
 
     tokenizer = load_tokenizer(cfg, run_dir)
     model = build_model(cfg, tokenizer)
