@@ -4,6 +4,7 @@
 #   make test                  the test suite (what CI runs)
 #   make train VARIANT=math    fine-tune one variant (then exports its BitDelta artifact)
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
+#   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,6 +20,8 @@ PY       := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 VARIANT  ?= coder
+FORMAT   ?= bitdelta
+
 VARIANTS ?= coder math writer legal
 HOST     ?= 127.0.0.1
 PORT     ?= 8000
@@ -37,7 +40,7 @@ AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdat
 .PHONY: help install sources data base train export family serve test demo summary clean
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,9p' Makefile | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) $(AUSTEN)
 
@@ -74,7 +77,7 @@ train: install
 	$(PY) train/run.py variant=$(VARIANT) $(ARGS)
 
 export: install
-	$(PY) compress/run.py variant=$(VARIANT) $(ARGS)
+	$(PY) compress/run.py variant=$(VARIANT) format=$(FORMAT) $(ARGS)
 
 artifacts/%/bitdelta.json: | models/base/config.json
 	$(PY) train/run.py variant=$* $(ARGS)

@@ -652,3 +652,42 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     for name, t in artifact.full.items():
         out[name] = t.cpu()
     return out
+
+
+_HF_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, *,
+              force: bool = False) -> Path:
+    """Materialise base + BitDelta artifact as a full Hugging Face checkpoint any engine can load.
+
+    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype to
+    ``out_dir/model.safetensors``, with the base's ``config.json``, generation config and
+    tokenizer files beside it, atomically (temp folder + rename). The artifact is loaded with its
+    base fingerprint enforced and its file hashes checked.
+
+    Args:
+        base_dir: the base Hugging Face checkpoint.
+        artifact_dir: ``artifacts/<variant>/``.
+        out_dir: the checkpoint folder to create or replace.
+        force: load the artifact even if it was exported against another base.
+
+    Returns:
+        ``out_dir``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    Raises:
+        FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
+        ArtifactError: a damaged or inconsistent artifact.
+    """
+    from compress.atomic import staged_dir
+
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
+    state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
+    with staged_dir(out_dir) as tmp:
+        save_file(state, tmp / _CHECKPOINT_NAME, metadata={"format": "pt"})
+        for name in _HF_SIDECARS:
+            if (base_dir / name).is_file():
+                shutil.copyfile(base_dir / name, tmp / name)
+    return out_dir

@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from compress.bitdelta import compress
+from compress.bitdelta import compress, export_hf
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
@@ -31,6 +31,12 @@ def main(cfg: DictConfig) -> dict:
     if cfg.variant.init != "base":
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
+    if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
+        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir)
+        print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
+        return {"hf_checkpoint": str(out)}
+    if cfg.format != "bitdelta":
+        raise SystemExit(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
     manifest = compress(
         cfg.base_dir,
         cfg.finetuned_dir,

@@ -514,3 +514,24 @@ def test_run_py_end_to_end(family, tmp_path):
     assert (tmp_path / "outputs" / "export" / "coder").is_dir()
     stats = art.manifest["stats"]
     assert f"{stats['parameters']:,} params" in summary[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_export_hf_is_base_plus_alpha_sign_and_refuses_another_base(tmp_path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    base_dir, ft_dir = _tiny_family(tmp_path, dtype)
+    compress(base_dir, ft_dir, tmp_path / "art", variant="coder")
+    out = bd.export_hf(base_dir, tmp_path / "art", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    expected, _ = _expected_state(base_dir, ft_dir, "matrix")
+    got = model.state_dict()
+    for name, t in expected.items():
+        assert got[name].dtype == dtype
+        torch.testing.assert_close(got[name].float(), t.float(), rtol=0, atol=0)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # against a different base: refused, nothing written
+    other, _ = _tiny_family(tmp_path / "o", dtype, seed=1)
+    with pytest.raises(FingerprintMismatchError):
+        bd.export_hf(other, tmp_path / "art", tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()

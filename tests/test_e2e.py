@@ -87,6 +87,28 @@ def test_export_cli_rewrites_the_same_artifact(family):
     assert not [p for p in art.parent.iterdir() if p.name.startswith(".")], "temp dirs left behind"
 
 
+def test_export_hf_materialises_the_artifact_as_a_loadable_checkpoint(family):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.datamodule import load_blocks
+    from train.module import heldout_loss
+
+    root, _, _ = family
+    run(["compress/run.py", "variant=coder", "format=hf"], root)
+    out = root / "models/coder-bitdelta"
+    model = AutoModelForCausalLM.from_pretrained(out)  # what any engine would do
+    # its held-out loss is the BitDelta loss the training run measured from the artifact
+    rec = json.loads((root / "models/coder/training.json").read_text())
+    tok = AutoTokenizer.from_pretrained(out)
+    blocks = load_blocks(root / "data", "coder", "test", tok, seq_len=64)
+    assert heldout_loss(model, blocks, batch_size=8, max_batches=8) == pytest.approx(
+        rec["heldout/bitdelta_loss"], rel=1e-5)
+    # and it differs from the fine-tune (1 bit per weight is an approximation)
+    ft = AutoModelForCausalLM.from_pretrained(root / "models/coder")
+    assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, ft.model.layers[0].mlp.down_proj.weight)
+
+
 def test_served_by_the_openai_client(family):
     from openai import OpenAI
 
