@@ -39,6 +39,7 @@ from typing import Any, Iterator, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from compress.atomic import fsync_path, replace_dir
 from kernels import pack_signs, packed_width, reconstruct
@@ -271,6 +272,8 @@ def compress(
     granularity: Literal["matrix", "row"] = "matrix",
     provenance: dict | None = None,
     base_name_or_path: str | None = None,
+    max_shard_bytes: int | None = None,
+    show_progress: bool = False,
 ) -> dict:
     """Export a fine-tuned checkpoint as a BitDelta artifact (format version 1) against its base.
 
@@ -301,6 +304,11 @@ def compress(
             ``config`` (None), ``created`` (ISO 8601 UTC, now), ``finetuned`` (path and
             fingerprint), ``deltafleet_version``.
         base_name_or_path: recorded as ``base.name_or_path``; defaults to ``str(base_dir)``.
+        max_shard_bytes: cut the output into ``delta-0000i-of-0000N.safetensors`` shards of at
+            most this many tensor bytes (a single larger tensor gets a shard of its own), with a
+            Hugging Face-style ``delta.safetensors.index.json``; ``None``: one ``delta.safetensors``.
+            Only one shard is held in memory.
+        show_progress: a tqdm progress bar over the fine-tuned checkpoint's tensors.
 
     Returns:
         The manifest written to ``out_dir/bitdelta.json``. ``stats.bytes`` counts the delta
@@ -325,8 +333,22 @@ def compress(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        parameters = compressed = full = 0
+        shard: dict[str, torch.Tensor] = {}  # the shard being filled; at most one is in memory
+        parts: list[Path] = []
+        part_of: dict[str, int] = {}
+        shard_bytes = parameters = compressed = full = 0
+
+        def flush() -> None:
+            nonlocal shard, shard_bytes
+            part = tmp / f"part-{len(parts):05d}.safetensors"
+            # one metadata key only: safetensors writes its metadata map in hash order, so two
+            # keys would make the file bytes (and the manifest sha256) vary between processes
+            save_file(shard, part, metadata={"format": "pt"})
+            part.chmod(0o644)  # safetensors creates 0600 files
+            fsync_path(part)
+            parts.append(part)
+            shard, shard_bytes = {}, 0
+
         with contextlib.ExitStack() as stack:
             base, ft = _Checkpoint(base_dir, stack), _Checkpoint(finetuned_dir, stack)
             missing = sorted(set(base.files) - set(ft.files))
@@ -335,7 +357,11 @@ def compress(
                     f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
                     f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
                 )
+            names = ft.names()
+            progress = tqdm(total=len(names), desc=f"bitdelta {variant}", unit="tensor",
+                            disable=not show_progress)
             for name, n, stored, kind in _compress_tensors(base, ft, granularity):
+                progress.update(1)
                 parameters += n
                 compressed += n if kind == "compressed" else 0
                 full += n if kind == "full" else 0
@@ -344,19 +370,30 @@ def compress(
                         f"parameter {name!r} would be stored in full under a name ending in "
                         f"{SIGN_SUFFIX!r}, which format v1 reserves for packed signs"
                     )
+                size = sum(t.numel() * t.element_size() for t in stored.values())
+                if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
+                    flush()
                 for key, t in stored.items():
-                    if key in tensors:
+                    if key in part_of:
                         raise ArtifactError(f"stored tensor name {key!r} is produced twice")
-                    tensors[key] = t
+                    shard[key], part_of[key] = t, len(parts)
+                shard_bytes += size
+            progress.close()
+        if shard or not parts:
+            flush()
 
-        delta_path = tmp / DELTA_NAME
-        # one metadata key only: safetensors writes its metadata map in hash order, so two keys
-        # would make the file bytes (and the manifest sha256) vary from process to process
-        save_file(tensors, delta_path, metadata={"format": "pt"})
-        delta_path.chmod(0o644)  # safetensors creates 0600 files
-        del tensors
-        fsync_path(delta_path)
-        files = {DELTA_NAME: _sha256_file(delta_path)}
+        if len(parts) == 1:
+            os.replace(parts[0], tmp / DELTA_NAME)
+            names_out = [DELTA_NAME]
+        else:  # Hugging Face-style shards and index
+            names_out = [f"delta-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+            for part, name in zip(parts, names_out):
+                os.replace(part, tmp / name)
+            index = {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in names_out)},
+                     "weight_map": {k: names_out[i] for k, i in sorted(part_of.items())}}
+            (tmp / DELTA_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            names_out.append(DELTA_INDEX_NAME)
+        files = {f: _sha256_file(tmp / f) for f in names_out}
         nbytes = sum((tmp / f).stat().st_size for f in files)
 
         prov: dict[str, Any] = {

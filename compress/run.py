@@ -43,6 +43,8 @@ def main(cfg: DictConfig) -> dict:
         cfg.out_dir,
         variant=variant,
         granularity=cfg.granularity,
+        max_shard_bytes=cfg.max_shard_bytes,
+        show_progress=True,
         base_name_or_path=cfg.model.name_or_path or str(cfg.base_dir),
         provenance={
             "run_id": f"export/{variant}/{run_dir.name}",

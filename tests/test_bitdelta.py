@@ -535,3 +535,26 @@ def test_export_hf_is_base_plus_alpha_sign_and_refuses_another_base(tmp_path, dt
     with pytest.raises(FingerprintMismatchError):
         bd.export_hf(other, tmp_path / "art", tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_sharded_export_matches_the_single_file_one(tmp_path):
+    base_dir, ft_dir = _tiny_family(tmp_path)
+    single = compress(base_dir, ft_dir, tmp_path / "one", variant="coder")
+    sharded = compress(base_dir, ft_dir, tmp_path / "many", variant="coder", max_shard_bytes=4096)
+    names = sorted(sharded["files"])
+    n = len(names) - 1
+    assert n > 1 and names[-1] == "delta.safetensors.index.json"
+    assert names[:-1] == [f"delta-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((tmp_path / "many/delta.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(names[:-1])
+    for shard in names[:-1]:  # no shard over the limit unless one tensor alone is larger
+        t = load_file(tmp_path / "many" / shard)
+        assert len(t) == 1 or sum(x.numel() * x.element_size() for x in t.values()) <= 4096
+    assert sharded["stats"]["bytes"] == sum((tmp_path / "many" / f).stat().st_size for f in sharded["files"])
+    a, b = load_artifact(tmp_path / "one"), load_artifact(tmp_path / "many")
+    assert a.signs.keys() == b.signs.keys() and a.full.keys() == b.full.keys()
+    for k in a.signs:
+        assert torch.equal(a.signs[k], b.signs[k]) and torch.equal(a.alphas[k], b.alphas[k])
+    for k, t in materialize(base_dir, a).items():
+        assert torch.equal(t, materialize(base_dir, b)[k])
+    assert single["stats"]["parameters"] == sharded["stats"]["parameters"]
