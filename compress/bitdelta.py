@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from compress.atomic import fsync_path, replace_dir
+from compress.atomic import fsync_path, staged_dir
 from kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -329,10 +328,7 @@ def compress(
 
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
+    with staged_dir(out_dir) as tmp:
         shard: dict[str, torch.Tensor] = {}  # the shard being filled; at most one is in memory
         parts: list[Path] = []
         part_of: dict[str, int] = {}
@@ -423,17 +419,11 @@ def compress(
             },
             "provenance": prov,
         }
-        manifest_path = tmp / MANIFEST_NAME
-        with open(manifest_path, "w") as f:
+        with open(tmp / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=2, default=str)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        fsync_path(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -717,8 +707,6 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
         ArtifactError: a damaged or inconsistent artifact.
     """
-    from compress.atomic import staged_dir
-
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}

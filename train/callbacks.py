@@ -9,7 +9,6 @@ to merge, moves one parameter at a time between ranks, and logs what happened.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import time
@@ -17,11 +16,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
-from train.distributed import full_shape, read_full_param, world_size, write_full_param
+from train.distributed import deepspeed_module, full_shape, read_full_param, world_size, write_full_param
 
 
 class MonoSoupCallback(L.Callback):
@@ -107,8 +105,8 @@ class MonoSoupCallback(L.Callback):
         if not self.enabled:
             return
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy):
-            self._ds = importlib.import_module("deepspeed")
+        self._ds = deepspeed_module(trainer)
+        if self._ds is not None:
             stage_ = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
             rank_zero_info(f"[merge] {self.method}: DeepSpeed ZeRO stage {stage_}, one parameter at a time")
         elif type(strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy"):
