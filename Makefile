@@ -6,6 +6,7 @@
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
+#   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -37,10 +38,10 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress
 
 help:
-	@sed -n '2,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,9p' Makefile | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) $(AUSTEN)
 
@@ -89,6 +90,11 @@ summary:
 
 serve: install
 	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)
+
+# Generates a random Llama-2-7B-shaped bf16 pair (2 × 13.5 GB) under outputs/bench/ once; the
+# naive path runs only where both checkpoints fit in free memory (naive=true forces it).
+bench-compress: install
+	$(PY) compress/bench.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

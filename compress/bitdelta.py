@@ -8,8 +8,10 @@ per weight, packed eight to a byte) and one scale α (Eq. 1), so that ``W_ft ≈
 not a same-shape 2-D matrix (norms, biases, resized embeddings, new parameters) is stored in full,
 and parameters identical to the base are left out.
 
-The export streams one tensor at a time from both checkpoints, so its memory is one tensor of each
-plus the packed signs (1/16 of a bf16 copy). The artifact is written to a temporary folder next to
+The export streams both checkpoints block of rows by block of rows (``compress.stream``: plain file
+reads, no memory map), so its memory is one float32 block of Δ, the packed signs of the current
+output shard and that shard's serialisation — a few hundred MB to ~2 GB whatever the model size
+(``make bench-compress`` measures it on a 7B-shaped pair). The artifact is written to a temporary folder next to
 the destination and renamed into place, so an interrupted export leaves nothing half-written.
 
 Layout of an artifact folder (format version 1)::
@@ -24,12 +26,12 @@ index shape ``{"metadata": {...}, "weight_map": {tensor: file}}``), which the re
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,6 +43,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from compress.atomic import fsync_path, staged_dir
+from compress.stream import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
 from kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -51,10 +54,9 @@ DELTA_INDEX_NAME = "delta.safetensors.index.json"
 SIGN_SUFFIX = ".sign"
 ALPHA_SUFFIX = ".alpha"
 GRANULARITIES = ("matrix", "row")
+DEFAULT_MAX_SHARD_BYTES = 1_000_000_000
 VOCAB_MATRIX_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")  # Llama, Mistral, Qwen2 names
 
-_CHECKPOINT_NAME = "model.safetensors"
-_CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
 _FINGERPRINT_SCHEME = b"deltafleet-fingerprint-v1\0"
 _SAMPLE_ROWS = 8  # rows hashed per >=2-D tensor
 _SMALL_1D = 1 << 16  # 1-D tensors up to this many elements are hashed whole
@@ -62,8 +64,11 @@ _SAMPLE_CHUNK = 4096  # elements per sampled chunk of a larger 1-D tensor
 _HASH_BLOCK = 1 << 20
 
 
-class ArtifactError(ValueError):
-    """A BitDelta artifact (or the checkpoints it is built from) is missing, malformed or corrupt."""
+class ArtifactError(CheckpointError):
+    """A BitDelta artifact (or the checkpoints it is built from) is missing, malformed or corrupt.
+
+    A subclass of :class:`compress.stream.CheckpointError`, which the checkpoint reader raises
+    for a truncated or malformed safetensors file: catching ``CheckpointError`` catches both."""
 
 
 class FingerprintMismatchError(ArtifactError):
@@ -75,58 +80,6 @@ class FingerprintMismatchError(ArtifactError):
 # --------------------------------------------------------------------------------------------
 
 
-def _weight_map(checkpoint_dir: Path) -> dict[str, Path]:
-    """Tensor name → safetensors file of a Hugging Face checkpoint folder (single or sharded)."""
-    index = checkpoint_dir / _CHECKPOINT_INDEX_NAME
-    single = checkpoint_dir / _CHECKPOINT_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{index}: not a Hugging Face safetensors index ({e})") from e
-        return {name: checkpoint_dir / file for name, file in weight_map.items()}
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise FileNotFoundError(
-        f"{checkpoint_dir}: no {_CHECKPOINT_NAME} or {_CHECKPOINT_INDEX_NAME} "
-        "(a Hugging Face safetensors checkpoint is expected)"
-    )
-
-
-class _Checkpoint:
-    """Lazy, tensor-by-tensor reader of a safetensors checkpoint; files are opened on first use."""
-
-    def __init__(self, checkpoint_dir: str | Path, stack: contextlib.ExitStack, device: str = "cpu"):
-        self.dir = Path(checkpoint_dir)
-        self.files = _weight_map(self.dir)
-        self._stack = stack
-        self._device = device
-        self._handles: dict[Path, Any] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def names(self) -> list[str]:
-        return sorted(self.files)
-
-    def _handle(self, name: str):
-        file = self.files[name]
-        if file not in self._handles:
-            if not file.is_file():
-                raise ArtifactError(f"{self.dir}: shard {file.name} listed in the index is missing")
-            self._handles[file] = self._stack.enter_context(
-                safe_open(file, framework="pt", device=self._device)
-            )
-        return self._handles[file]
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
-
-    def get_slice(self, name: str):
-        return self._handle(name).get_slice(name)
-
-
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -135,15 +88,6 @@ def _evenly_spaced(n: int, k: int) -> list[int]:
     if n <= k:
         return list(range(n))
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-
-
-def _row_index(row: int, lead: list[int]) -> tuple[slice, ...]:
-    """Slices selecting flat row ``row`` of a tensor viewed as ``[prod(lead), last]``."""
-    index = []
-    for d in reversed(lead):
-        row, i = divmod(row, d)
-        index.append(slice(i, i + 1))
-    return tuple(reversed(index))
 
 
 def fingerprint(checkpoint_dir: str | Path) -> str:
@@ -169,27 +113,24 @@ def fingerprint(checkpoint_dir: str | Path) -> str:
         ArtifactError: if the index is malformed or names a missing shard.
     """
     h = hashlib.sha256(_FINGERPRINT_SCHEME)
-    with contextlib.ExitStack() as stack:
-        ckpt = _Checkpoint(checkpoint_dir, stack)
-        for name in ckpt.names():
-            sl = ckpt.get_slice(name)
-            dtype, shape = sl.get_dtype(), list(sl.get_shape())
-            h.update(json.dumps([name, dtype, shape]).encode() + b"\0")
-            numel = 1
-            for d in shape:
-                numel *= d
-            if numel == 0:
-                continue
-            if len(shape) >= 2:  # rows of the tensor viewed as [prod(shape[:-1]), shape[-1]]
-                rows = _evenly_spaced(numel // shape[-1], _SAMPLE_ROWS)
-                samples = [sl[_row_index(r, shape[:-1])] for r in rows]
-            elif len(shape) == 0 or numel <= _SMALL_1D:
-                samples = [ckpt.get(name)]
-            else:
-                starts = _evenly_spaced(numel - _SAMPLE_CHUNK + 1, _SAMPLE_ROWS)
-                samples = [sl[s : s + _SAMPLE_CHUNK] for s in starts]
-            for s in samples:
-                h.update(_tensor_bytes(s))
+    ckpt = Checkpoint(checkpoint_dir)
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        shape = list(info.shape)
+        h.update(json.dumps([name, info.dtype_name, shape]).encode() + b"\0")
+        numel = info.numel
+        if numel == 0:
+            continue
+        if len(shape) >= 2:  # rows of the tensor viewed as [prod(shape[:-1]), shape[-1]]
+            rows = _evenly_spaced(numel // shape[-1], _SAMPLE_ROWS)
+            samples = [ckpt.get_rows(name, r, r + 1) for r in rows]
+        elif len(shape) == 0 or numel <= _SMALL_1D:
+            samples = [ckpt.get(name)]
+        else:
+            starts = _evenly_spaced(numel - _SAMPLE_CHUNK + 1, _SAMPLE_ROWS)
+            samples = [ckpt.get_flat(name, s, s + _SAMPLE_CHUNK) for s in starts]
+        for sample in samples:
+            h.update(_tensor_bytes(sample))
     return "sha256:" + h.hexdigest()
 
 
@@ -231,35 +172,64 @@ def is_vocab_matrix(name: str) -> bool:
     return name.endswith(VOCAB_MATRIX_SUFFIXES)
 
 
+def _compress_matrix(
+    base: Checkpoint, ft: Checkpoint, name: str, per_row: bool, block_elements: int
+) -> dict[str, torch.Tensor] | None:
+    """Signs and α of one same-shape 2-D matrix, read in blocks of rows; None if Δ is all zero.
+
+    Only one block of float32 Δ (≤ ``block_elements`` elements) is alive at a time, next to the
+    packed signs of the whole matrix (1/16 of its bf16 bytes) and one float64 |Δ| sum per row.
+    """
+    info = ft.info(name)
+    d_out, d_in = info.shape
+    sign = torch.empty(d_out, packed_width(d_in), dtype=torch.uint8)
+    abs_sum = torch.empty(d_out, dtype=torch.float64)
+    step = row_block(info, block_elements)
+    blocks = [(r0, min(d_out, r0 + step)) for r0 in range(0, d_out, step)]
+    if not blocks or d_in == 0:  # an empty matrix has no delta to store
+        return None
+
+    def read(block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return ft.get_rows(name, *block), base.get_rows(name, *block)
+
+    # the next block is read (file reads release the GIL) while this one is computed
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(read, blocks[0])
+        for i, (r0, r1) in enumerate(blocks):
+            w_ft, w_base = pending.result()
+            if i + 1 < len(blocks):
+                pending = pool.submit(read, blocks[i + 1])
+            delta = w_ft.float()
+            delta -= w_base.float()  # Δ in float32 whatever the checkpoint dtype
+            del w_ft, w_base
+            sign[r0:r1] = pack_signs(delta)
+            abs_sum[r0:r1] = delta.abs_().sum(dim=1)  # float32 per row (d_in terms)
+            del delta
+    if not bool(abs_sum.any()):  # |Δ| sums to 0 only where every Δ is 0
+        return None
+    # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity
+    alpha = abs_sum / d_in if per_row else abs_sum.sum() / (d_out * d_in)
+    return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous()}
+
+
 def _compress_tensors(
-    base: _Checkpoint, ft: _Checkpoint, granularity: str
+    base: Checkpoint, ft: Checkpoint, granularity: str, block_elements: int = 1 << 24
 ) -> Iterator[tuple[str, int, dict[str, torch.Tensor], str | None]]:
     """Yield ``(P, numel, stored tensors, kind)`` per fine-tuned parameter; kind None: omitted."""
     for name in ft.names():
-        w_ft = ft.get(name)
-        w_base = base.get(name) if name in base else None
-        n = w_ft.numel()
-        if w_base is not None and w_ft.dim() == 2 and w_ft.shape == w_base.shape:
-            delta = w_ft.float() - w_base.float()  # Δ in float32 whatever the checkpoint dtype
-            if not bool(delta.any()):
-                yield name, n, {}, None
-                continue
-            a = delta.abs()
+        fi = ft.info(name)
+        bi = base.info(name) if name in base else None
+        n = fi.numel
+        if bi is not None and len(fi.shape) == 2 and fi.shape == bi.shape:
             per_row = granularity == "row" or is_vocab_matrix(name)
-            alpha = a.mean(dim=1) if per_row else a.mean()  # Eq. 1, §3.1
-            yield name, n, {
-                name + SIGN_SUFFIX: pack_signs(delta),
-                name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous(),
-            }, "compressed"
-        elif (
-            w_base is not None
-            and w_base.shape == w_ft.shape
-            and w_base.dtype == w_ft.dtype
-            and torch.equal(w_base, w_ft)
-        ):
+            stored = _compress_matrix(base, ft, name, per_row, block_elements)
+            yield (name, n, {}, None) if stored is None else (name, n, stored, "compressed")
+            continue
+        w_ft = ft.get(name)
+        if bi is not None and bi.shape == fi.shape and bi.dtype == fi.dtype and torch.equal(base.get(name), w_ft):
             yield name, n, {}, None
         else:
-            yield name, n, {name: w_ft.contiguous()}, "full"
+            yield name, n, {name: w_ft}, "full"
 
 
 def compress(
@@ -271,7 +241,7 @@ def compress(
     granularity: Literal["matrix", "row"] = "matrix",
     provenance: dict | None = None,
     base_name_or_path: str | None = None,
-    max_shard_bytes: int | None = None,
+    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
     show_progress: bool = False,
 ) -> dict:
     """Export a fine-tuned checkpoint as a BitDelta artifact (format version 1) against its base.
@@ -305,8 +275,10 @@ def compress(
         base_name_or_path: recorded as ``base.name_or_path``; defaults to ``str(base_dir)``.
         max_shard_bytes: cut the output into ``delta-0000i-of-0000N.safetensors`` shards of at
             most this many tensor bytes (a single larger tensor gets a shard of its own), with a
-            Hugging Face-style ``delta.safetensors.index.json``; ``None``: one ``delta.safetensors``.
-            Only one shard is held in memory.
+            Hugging Face-style ``delta.safetensors.index.json``; ``None``: one ``delta.safetensors``
+            whatever its size. Only one shard is held in memory (twice over while safetensors
+            serialises it), so this bounds the export's memory: the default, 1 GB, keeps a 7B
+            export under 4 GB resident and is one file for any model under ~8B parameters.
         show_progress: a tqdm progress bar over the fine-tuned checkpoint's tensors.
 
     Returns:
@@ -345,36 +317,35 @@ def compress(
             parts.append(part)
             shard, shard_bytes = {}, 0
 
-        with contextlib.ExitStack() as stack:
-            base, ft = _Checkpoint(base_dir, stack), _Checkpoint(finetuned_dir, stack)
-            missing = sorted(set(base.files) - set(ft.files))
-            if missing:
+        base, ft = Checkpoint(base_dir), Checkpoint(finetuned_dir)
+        missing = sorted(set(base.tensors) - set(ft.tensors))
+        if missing:
+            raise ArtifactError(
+                f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
+                f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
+            )
+        names = ft.names()
+        progress = tqdm(total=len(names), desc=f"bitdelta {variant}", unit="tensor",
+                        disable=not show_progress)
+        for name, n, stored, kind in _compress_tensors(base, ft, granularity):
+            progress.update(1)
+            parameters += n
+            compressed += n if kind == "compressed" else 0
+            full += n if kind == "full" else 0
+            if kind == "full" and name.endswith(SIGN_SUFFIX):
                 raise ArtifactError(
-                    f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
-                    f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
+                    f"parameter {name!r} would be stored in full under a name ending in "
+                    f"{SIGN_SUFFIX!r}, which format v1 reserves for packed signs"
                 )
-            names = ft.names()
-            progress = tqdm(total=len(names), desc=f"bitdelta {variant}", unit="tensor",
-                            disable=not show_progress)
-            for name, n, stored, kind in _compress_tensors(base, ft, granularity):
-                progress.update(1)
-                parameters += n
-                compressed += n if kind == "compressed" else 0
-                full += n if kind == "full" else 0
-                if kind == "full" and name.endswith(SIGN_SUFFIX):
-                    raise ArtifactError(
-                        f"parameter {name!r} would be stored in full under a name ending in "
-                        f"{SIGN_SUFFIX!r}, which format v1 reserves for packed signs"
-                    )
-                size = sum(t.numel() * t.element_size() for t in stored.values())
-                if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
-                    flush()
-                for key, t in stored.items():
-                    if key in part_of:
-                        raise ArtifactError(f"stored tensor name {key!r} is produced twice")
-                    shard[key], part_of[key] = t, len(parts)
-                shard_bytes += size
-            progress.close()
+            size = sum(t.numel() * t.element_size() for t in stored.values())
+            if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
+                flush()
+            for key, t in stored.items():
+                if key in part_of:
+                    raise ArtifactError(f"stored tensor name {key!r} is produced twice")
+                shard[key], part_of[key] = t, len(parts)
+            shard_bytes += size
+        progress.close()
         if shard or not parts:
             flush()
 
@@ -654,28 +625,27 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
             shapes do not fit the base weight.
     """
     out: dict[str, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack:
-        base = _Checkpoint(base_dir, stack)
-        unknown = sorted(p for p in artifact.signs if p not in base)
-        if unknown:
-            raise ArtifactError(
-                f"{artifact.path}: compressed parameter(s) not in base {base_dir}: {', '.join(unknown[:5])}"
-            )
-        for name in base.names():
-            if name in artifact.full:
-                continue
-            w = base.get(name)
-            if name in artifact.signs:
-                sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
-                if w.dim() != 2 or sign.shape != (w.shape[0], packed_width(w.shape[1])) or (
-                    alpha.dim() == 1 and alpha.shape[0] != w.shape[0]
-                ):
-                    raise ArtifactError(
-                        f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
-                        f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
-                    )
-                w = reconstruct(w, sign, alpha).to(w.dtype)
-            out[name] = w
+    base = Checkpoint(base_dir)
+    unknown = sorted(p for p in artifact.signs if p not in base)
+    if unknown:
+        raise ArtifactError(
+            f"{artifact.path}: compressed parameter(s) not in base {base_dir}: {', '.join(unknown[:5])}"
+        )
+    for name in base.names():
+        if name in artifact.full:
+            continue
+        w = base.get(name)
+        if name in artifact.signs:
+            sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
+            if w.dim() != 2 or sign.shape != (w.shape[0], packed_width(w.shape[1])) or (
+                alpha.dim() == 1 and alpha.shape[0] != w.shape[0]
+            ):
+                raise ArtifactError(
+                    f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
+                    f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
+                )
+            w = reconstruct(w, sign, alpha).to(w.dtype)
+        out[name] = w
     for name, t in artifact.full.items():
         out[name] = t.cpu()
     return out
@@ -711,8 +681,26 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
     with staged_dir(out_dir) as tmp:
-        save_file(state, tmp / _CHECKPOINT_NAME, metadata={"format": "pt"})
+        save_file(state, tmp / CHECKPOINT_NAME, metadata={"format": "pt"})
         for name in _HF_SIDECARS:
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
+        _fit_vocab_size(tmp / "config.json", state)
     return out_dir
+
+
+def _fit_vocab_size(config_path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Set ``vocab_size`` in the copied base ``config.json`` to the exported embedding's row count.
+
+    A fine-tune with added tokens stores its resized embedding (and untied LM head) in full; the
+    base config still names the base vocabulary, which transformers refuses to load against the
+    larger matrices. (The tokenizer files copied are the base's: the artifact carries none.)
+    """
+    rows = {t.shape[0] for n, t in state.items() if is_vocab_matrix(n) and t.dim() == 2}
+    if not config_path.is_file() or len(rows) != 1:
+        return
+    config = json.loads(config_path.read_text())
+    (vocab,) = rows
+    if config.get("vocab_size") != vocab:
+        config["vocab_size"] = vocab
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -48,7 +48,7 @@ def pack_signs(delta: torch.Tensor) -> torch.Tensor:
         bits = torch.nn.functional.pad(bits, (0, kp * 8 - k))
     bits = bits.view(n, kp, 8)
     weights = _BIT_WEIGHTS.to(bits.device)
-    return (bits * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    return (bits * weights).sum(dim=-1, dtype=torch.uint8)  # ≤ 255: no overflow
 
 
 def unpack_bits(packed: torch.Tensor, k: int) -> torch.Tensor:

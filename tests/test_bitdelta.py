@@ -76,8 +76,14 @@ def _copy_artifact(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _expected_state(base_dir: Path, ft_dir: Path, granularity: str):
-    """Independent BitDelta reconstruction: W_base + α·sign(Δ), sign(Δ) = +1 if Δ > 0 else −1."""
+def _expected_state(base_dir: Path, ft_dir: Path, granularity: str, use_alphas: dict | None = None):
+    """Independent BitDelta reconstruction: W_base + α·sign(Δ), sign(Δ) = +1 if Δ > 0 else −1.
+
+    α is the exact mean |Δ| (float64, rounded to float32). ``use_alphas`` (e.g. an artifact's)
+    replaces it in the reconstruction, for exact weight comparisons: the export sums |Δ| in
+    float32 per row, which may differ from the exact mean in the last bit; the α themselves are
+    compared with a relative tolerance.
+    """
     base, ft = load_file(base_dir / "model.safetensors"), load_file(ft_dir / "model.safetensors")
     out, alphas = {}, {}
     for name, w_ft in ft.items():
@@ -86,12 +92,15 @@ def _expected_state(base_dir: Path, ft_dir: Path, granularity: str):
             delta = w_ft.float() - w.float()
             # token-indexed matrices get one α per row under either granularity
             vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
+            # α is the float32 rounding of the exact mean |Δ| (summed in float64)
             if granularity == "matrix" and not vocab:
-                alpha = delta.abs().sum() / delta.numel()
+                alpha = (delta.double().abs().sum() / delta.numel()).float()
                 a = alpha
             else:
-                alpha = delta.abs().sum(dim=1) / delta.shape[1]
+                alpha = (delta.double().abs().sum(dim=1) / delta.shape[1]).float()
                 a = alpha[:, None]
+            if use_alphas is not None and name in use_alphas:
+                a = use_alphas[name] if use_alphas[name].dim() == 0 else use_alphas[name][:, None]
             sign = torch.where(delta > 0, 1.0, -1.0)
             out[name] = (w.float() + a * sign).to(w.dtype) if delta.any() else w
             alphas[name] = alpha
@@ -114,7 +123,7 @@ def test_round_trip_matches_independent_reconstruction(tmp_path, dtype, granular
     assert isinstance(art, Artifact)
     assert art.variant == "coder" and art.granularity == granularity and art.manifest == manifest
 
-    expected, alphas = _expected_state(base_dir, ft_dir, granularity)
+    expected, alphas = _expected_state(base_dir, ft_dir, granularity, use_alphas=art.alphas)
     ft = load_file(ft_dir / "model.safetensors")
     # what is stored: every changed 2-D matrix as signs + alpha, the changed norm in full
     changed_2d = {n for n, t in ft.items() if t.dim() == 2 and n != UNCHANGED_MATRIX}
@@ -129,7 +138,7 @@ def test_round_trip_matches_independent_reconstruction(tmp_path, dtype, granular
         assert a.dtype == torch.float32
         per_row = granularity == "row" or name in ("model.embed_tokens.weight", "lm_head.weight")
         assert a.shape == ((ft[name].shape[0],) if per_row else ())
-        torch.testing.assert_close(a, alphas[name], rtol=1e-5, atol=0)
+        torch.testing.assert_close(a, alphas[name], rtol=1e-6, atol=0)
 
     state = materialize(base_dir, art)
     assert state.keys() == ft.keys()
@@ -524,7 +533,10 @@ def test_export_hf_is_base_plus_alpha_sign_and_refuses_another_base(tmp_path, dt
     compress(base_dir, ft_dir, tmp_path / "art", variant="coder")
     out = bd.export_hf(base_dir, tmp_path / "art", tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
-    expected, _ = _expected_state(base_dir, ft_dir, "matrix")
+    art = load_artifact(tmp_path / "art")
+    expected, alphas = _expected_state(base_dir, ft_dir, "matrix", use_alphas=art.alphas)
+    for name, a in art.alphas.items():
+        torch.testing.assert_close(a, alphas[name], rtol=1e-6, atol=0)
     got = model.state_dict()
     for name, t in expected.items():
         assert got[name].dtype == dtype
