@@ -5,6 +5,7 @@
 #   make train VARIANT=math    fine-tune one variant (then exports its BitDelta artifact)
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
+#   make distill VARIANT=math  artifacts/math-distilled/: α fitted to the fine-tune's logits (BitDelta §3.2)
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 SHELL := /bin/bash
@@ -38,10 +39,10 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress distill
 
 help:
-	@sed -n '3,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,10p' Makefile | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) $(AUSTEN)
 
@@ -79,6 +80,9 @@ train: install
 
 export: install
 	$(PY) compress/run.py variant=$(VARIANT) format=$(FORMAT) $(ARGS)
+
+distill: install
+	$(PY) compress/distill.py variant=$(VARIANT) $(ARGS)
 
 artifacts/%/bitdelta.json: | models/base/config.json
 	$(PY) train/run.py variant=$* $(ARGS)

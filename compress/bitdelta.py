@@ -199,8 +199,7 @@ def _compress_matrix(
             w_ft, w_base = pending.result()
             if i + 1 < len(blocks):
                 pending = pool.submit(read, blocks[i + 1])
-            delta = w_ft.float()
-            delta -= w_base.float()  # Δ in float32 whatever the checkpoint dtype
+            delta = w_ft.float().sub_(w_base)  # Δ in float32 whatever the checkpoint dtype
             del w_ft, w_base
             sign[r0:r1] = pack_signs(delta)
             abs_sum[r0:r1] = delta.abs_().sum(dim=1)  # float32 per row (d_in terms)
