@@ -27,6 +27,7 @@ index shape ``{"metadata": {...}, "weight_map": {tensor: file}}``), which the re
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -172,39 +173,41 @@ def is_vocab_matrix(name: str) -> bool:
     return name.endswith(VOCAB_MATRIX_SUFFIXES)
 
 
+_READ_AHEAD = 4  # blocks of rows in flight (each read from both checkpoints)
+
+
+def _blocks(ft: Checkpoint, names: list[str], block_elements: int) -> list[tuple[str, int, int]]:
+    """``(P, r0, r1)`` for every block of rows of the matrices ``names``, in order."""
+    out = []
+    for name in names:
+        info = ft.info(name)
+        d_out, d_in = info.shape
+        if d_in == 0:
+            continue
+        step = row_block(info, block_elements)
+        out += [(name, r0, min(d_out, r0 + step)) for r0 in range(0, d_out, step)]
+    return out
+
+
 def _compress_matrix(
-    base: Checkpoint, ft: Checkpoint, name: str, per_row: bool, block_elements: int
+    name: str, shape: tuple[int, int], per_row: bool, blocks: Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]
 ) -> dict[str, torch.Tensor] | None:
-    """Signs and α of one same-shape 2-D matrix, read in blocks of rows; None if Δ is all zero.
+    """Signs and α of one same-shape 2-D matrix from its blocks of rows; None if Δ is all zero.
 
-    Only one block of float32 Δ (≤ ``block_elements`` elements) is alive at a time, next to the
-    packed signs of the whole matrix (1/16 of its bf16 bytes) and one float64 |Δ| sum per row.
+    ``blocks`` yields ``(r0, r1, W_ft[r0:r1], W_base[r0:r1])`` covering the rows in order. Only
+    one block of float32 Δ is alive at a time, next to the packed signs of the whole matrix (1/16
+    of its bf16 bytes) and one |Δ| sum per row (float32 over the row, float64 across rows).
     """
-    info = ft.info(name)
-    d_out, d_in = info.shape
+    d_out, d_in = shape
     sign = torch.empty(d_out, packed_width(d_in), dtype=torch.uint8)
-    abs_sum = torch.empty(d_out, dtype=torch.float64)
-    step = row_block(info, block_elements)
-    blocks = [(r0, min(d_out, r0 + step)) for r0 in range(0, d_out, step)]
-    if not blocks or d_in == 0:  # an empty matrix has no delta to store
-        return None
-
-    def read(block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return ft.get_rows(name, *block), base.get_rows(name, *block)
-
-    # the next block is read (file reads release the GIL) while this one is computed
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(read, blocks[0])
-        for i, (r0, r1) in enumerate(blocks):
-            w_ft, w_base = pending.result()
-            if i + 1 < len(blocks):
-                pending = pool.submit(read, blocks[i + 1])
-            delta = w_ft.float().sub_(w_base)  # Δ in float32 whatever the checkpoint dtype
-            del w_ft, w_base
-            sign[r0:r1] = pack_signs(delta)
-            abs_sum[r0:r1] = delta.abs_().sum(dim=1)  # float32 per row (d_in terms)
-            del delta
-    if not bool(abs_sum.any()):  # |Δ| sums to 0 only where every Δ is 0
+    abs_sum = torch.zeros(d_out, dtype=torch.float64)
+    for r0, r1, w_ft, w_base in blocks:
+        delta = w_ft.float().sub_(w_base)  # Δ in float32 whatever the checkpoint dtype
+        del w_ft, w_base
+        sign[r0:r1] = pack_signs(delta)
+        abs_sum[r0:r1] = delta.abs_().sum(dim=1)
+        del delta
+    if not bool(abs_sum.any()):  # |Δ| sums to 0 only where every Δ is 0 (or the matrix is empty)
         return None
     # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity
     alpha = abs_sum / d_in if per_row else abs_sum.sum() / (d_out * d_in)
@@ -214,21 +217,49 @@ def _compress_matrix(
 def _compress_tensors(
     base: Checkpoint, ft: Checkpoint, granularity: str, block_elements: int = 1 << 24
 ) -> Iterator[tuple[str, int, dict[str, torch.Tensor], str | None]]:
-    """Yield ``(P, numel, stored tensors, kind)`` per fine-tuned parameter; kind None: omitted."""
-    for name in ft.names():
+    """Yield ``(P, numel, stored tensors, kind)`` per fine-tuned parameter; kind None: omitted.
+
+    Same-shape matrices are read in blocks of rows of at most ``block_elements`` elements by a
+    small thread pool that keeps ``_READ_AHEAD`` blocks (of both checkpoints) in flight ahead of
+    the computation, across matrix boundaries: file reads release the GIL, so reading and
+    computing overlap.
+    """
+    names = ft.names()
+
+    def matrix(name: str) -> bool:
         fi = ft.info(name)
-        bi = base.info(name) if name in base else None
-        n = fi.numel
-        if bi is not None and len(fi.shape) == 2 and fi.shape == bi.shape:
-            per_row = granularity == "row" or is_vocab_matrix(name)
-            stored = _compress_matrix(base, ft, name, per_row, block_elements)
-            yield (name, n, {}, None) if stored is None else (name, n, stored, "compressed")
-            continue
-        w_ft = ft.get(name)
-        if bi is not None and bi.shape == fi.shape and bi.dtype == fi.dtype and torch.equal(base.get(name), w_ft):
-            yield name, n, {}, None
-        else:
-            yield name, n, {name: w_ft}, "full"
+        return name in base and len(fi.shape) == 2 and base.info(name).shape == fi.shape
+
+    plan = _blocks(ft, [n for n in names if matrix(n)], block_elements)
+    with ThreadPoolExecutor(max_workers=2 * _READ_AHEAD) as pool:
+        inflight: list = []  # the next min(_READ_AHEAD, remaining) blocks of the plan, in order
+        upcoming = iter(plan)
+
+        def fill() -> None:
+            for p, r0, r1 in itertools.islice(upcoming, _READ_AHEAD - len(inflight)):
+                inflight.append((p, r0, r1, pool.submit(ft.get_rows, p, r0, r1),
+                                 pool.submit(base.get_rows, p, r0, r1)))
+
+        def blocks_of(name: str) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+            while inflight and inflight[0][0] == name:
+                _, r0, r1, f_ft, f_base = inflight.pop(0)
+                fill()
+                yield r0, r1, f_ft.result(), f_base.result()
+
+        fill()
+        for name in names:
+            fi = ft.info(name)
+            if matrix(name):
+                per_row = granularity == "row" or is_vocab_matrix(name)
+                stored = _compress_matrix(name, fi.shape, per_row, blocks_of(name))
+                yield (name, fi.numel, {}, None) if stored is None else (name, fi.numel, stored, "compressed")
+                continue
+            w_ft = ft.get(name)
+            bi = base.info(name) if name in base else None
+            if bi is not None and bi.shape == fi.shape and bi.dtype == fi.dtype and torch.equal(base.get(name), w_ft):
+                yield name, fi.numel, {}, None
+            else:
+                yield name, fi.numel, {name: w_ft}, "full"
 
 
 def compress(
