@@ -6,6 +6,7 @@
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
 #   make distill VARIANT=math  artifacts/math-distilled/: α fitted to the fine-tune's logits (BitDelta §3.2)
+#   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>.{md,json,png}
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 SHELL := /bin/bash
@@ -39,10 +40,10 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress distill
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress distill eval
 
 help:
-	@sed -n '3,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) $(AUSTEN)
 
@@ -80,6 +81,9 @@ train: install
 
 export: install
 	$(PY) compress/run.py variant=$(VARIANT) format=$(FORMAT) $(ARGS)
+
+eval: install
+	$(PY) train/eval.py $(ARGS)
 
 distill: install
 	$(PY) compress/distill.py variant=$(VARIANT) $(ARGS)

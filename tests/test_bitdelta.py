@@ -402,6 +402,33 @@ def test_malformed_tensors_are_rejected(artifact_dir, tmp_path, edit, match):
         load_artifact(art)
 
 
+def test_truncated_artifact_file_is_rejected(artifact_dir, tmp_path):
+    """Cut short: refused by its sha256, and — hashes re-signed or skipped — by the reader."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    data = (art / "delta.safetensors").read_bytes()
+    (art / "delta.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ArtifactError, match=r"delta\.safetensors does not match its sha256"):
+        load_artifact(art)
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"]["delta.safetensors"] = bd._sha256_file(art / "delta.safetensors")
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"cannot read delta\.safetensors as safetensors"):
+        load_artifact(art)
+
+
+def test_truncated_checkpoint_is_refused_by_export(family, tmp_path):
+    base_dir, ft_dir = family
+    ft = tmp_path / "ft"
+    ft.mkdir()
+    for f in ft_dir.iterdir():
+        (ft / f.name).write_bytes(f.read_bytes())
+    data = (ft / "model.safetensors").read_bytes()
+    (ft / "model.safetensors").write_bytes(data[:-64])
+    with pytest.raises(bd.CheckpointError, match=r"model\.safetensors: tensor .* truncated or corrupt"):
+        compress(base_dir, ft, tmp_path / "art", variant="coder")
+    assert not (tmp_path / "art").exists()
+
+
 def test_sign_that_does_not_fit_the_base(family, artifact_dir, tmp_path):
     art_dir = _copy_artifact(artifact_dir, tmp_path / "art")
     _rewrite_delta(art_dir, lambda t: t.update({W + ".sign": t[W + ".sign"][:, :-1].contiguous()}))

@@ -224,3 +224,24 @@ def test_batched_errors():
         bitdelta_linear_batched(x, w, signs[:, :, :2], alphas, ok)
     with pytest.raises(ValueError, match=r"alphas must be \[3\] or \[3, 6\]"):
         bitdelta_linear_batched(x, w, signs, torch.rand(S, N + 1), ok)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    k=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    row_alpha=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_reconstruct_over_shapes_and_dtypes(n, k, dtype, row_alpha, seed):
+    """reconstruct(W, pack(Δ), α) = W + α·(±1) elementwise, computed in float32, for any shape."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    delta = _delta(n, k, dtype, seed)
+    alpha = torch.rand(n, generator=g) if row_alpha else torch.rand((), generator=g)
+    got = reconstruct(w, pack_signs(delta), alpha)
+    sign = torch.where(delta.float() > 0, 1.0, -1.0)
+    a = alpha[:, None] if row_alpha else alpha
+    assert got.shape == (n, k)
+    torch.testing.assert_close(got.float(), w.float() + a * sign, rtol=0, atol=0)

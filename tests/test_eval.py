@@ -1,0 +1,312 @@
+"""`make eval` (train/eval.py): the math parser, the metrics, and the CLI end to end on a tiny family.
+
+The metrics are checked against independent computations (``train.module.heldout_loss``,
+``torch.nn.functional.kl_div`` in float64, the manifests' own statistics); the CLI runs on tiny
+random Llama checkpoints with real text (Python's standard library, ``train.data``'s math
+generator) in ``tmp_path``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import build_tiny_family
+from train.eval import (
+    Problem,
+    checkpoint_bits_per_parameter,
+    gain_recovered,
+    generate_answers,
+    load_problems,
+    parse_answer,
+    split_problems,
+    token_metrics,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = ["base", "fine-tune", "bitdelta-matrix", "bitdelta-matrix+distill-mse", "bitdelta-matrix+distill-kl",
+            "bitdelta-row", "bitdelta-row+distill-mse", "bitdelta-row+distill-kl"]
+HEADER = ("| setting | bits/param | loss | ppl | task metric | KL(ft‖·) | gain recovered (loss) | "
+          "gain recovered (task) |")
+
+
+# --------------------------------------------------------------------------------------------
+# Math problems
+# --------------------------------------------------------------------------------------------
+
+# One document of data/math/test.jsonl as `make data` wrote it (train.data.format_problem, "\n\n"-joined).
+DOC = ("Question: What is 86 - 371?\nAnswer: -285\n\nQuestion: There are 11 boxes with 7 tickets in each box. "
+       "Chloe takes away 6 tickets. How many tickets remain?\nAnswer: 71\n\nQuestion: What is the remainder when "
+       "54985 is divided by 56?\nAnswer: 49")
+
+
+def test_split_problems_on_a_real_document():
+    assert split_problems(DOC) == [
+        Problem("What is 86 - 371?", -285),
+        Problem("There are 11 boxes with 7 tickets in each box. Chloe takes away 6 tickets. How many tickets remain?",
+                71),
+        Problem("What is the remainder when 54985 is divided by 56?", 49),
+    ]
+    assert split_problems(DOC)[0].prompt == "Question: What is 86 - 371?\nAnswer:"
+    with pytest.raises(ValueError, match="Answer: <int>"):
+        split_problems("Question: What is 2 + 2?\nAnswer: four")
+    with pytest.raises(ValueError, match="Answer"):
+        split_problems(DOC + "\n\nQuestion: What is 1 + 1?")  # a problem without its answer
+
+
+def test_split_problems_round_trips_the_data_generator():
+    from train.data import generate_math
+
+    texts, _ = generate_math(60, seed=3)
+    problems = split_problems("\n\n".join(texts))
+    assert len(problems) == 60
+    assert [f"{p.prompt} {p.answer}" for p in problems] == texts
+
+
+@pytest.mark.parametrize("text, expected", [
+    (" 120\n\nQuestion: What is", 120),        # what the demo math model generates (greedy, 10 tokens)
+    (" 11910\n\nQuestion:", 11910),
+    (" -285", -285),
+    (" 1010", 1010),
+    ("49 apples", 49),
+    ("\n\nQuestion: What is", None),
+    (" apples", None),
+    (" - 3", None),
+    ("", None),
+])
+def test_parse_answer_on_generated_text(text, expected):
+    assert parse_answer(text) == expected
+
+
+def test_load_problems_takes_the_first_n_in_file_order(tmp_path):
+    from train.data import generate_math
+
+    texts, _ = generate_math(10, seed=1)
+    (tmp_path / "math").mkdir()
+    (tmp_path / "math/test.jsonl").write_text(
+        json.dumps({"text": "\n\n".join(texts[:4])}) + "\n\n" + json.dumps({"text": "\n\n".join(texts[4:])}) + "\n")
+    assert [f"{p.prompt} {p.answer}" for p in load_problems(tmp_path, "math", "test", 6)] == texts[:6]
+    assert len(load_problems(tmp_path, "math", "test", None)) == 10
+    assert len(load_problems(tmp_path, "math", "test", 50)) == 10
+
+
+# --------------------------------------------------------------------------------------------
+# Gain recovered, bits per parameter
+# --------------------------------------------------------------------------------------------
+
+
+def test_gain_recovered():
+    # loss (lower is better): base 5.0, fine-tune 4.0, compressed 4.2 keeps 80% of the gain
+    assert gain_recovered(4.2, 5.0, 4.0) == pytest.approx(0.8)
+    # accuracy (higher is better): the same ratio of differences
+    assert gain_recovered(0.25, 0.10, 0.30) == pytest.approx(0.75)
+    assert gain_recovered(5.0, 5.0, 4.0) == 0.0 and math.copysign(1, gain_recovered(5.0, 5.0, 4.0)) == 1
+    assert gain_recovered(4.0, 5.0, 4.0) == 1.0
+    assert gain_recovered(5.5, 5.0, 4.0) == pytest.approx(-0.5)  # worse than the base
+    # the fine-tune equals the base: no gain to recover, undefined rather than a division by zero
+    assert gain_recovered(0.02, 0.015, 0.015) is None
+    assert gain_recovered(0.015, 0.015, 0.015) is None
+    assert gain_recovered(float("nan"), 5.0, 4.0) is None
+    assert gain_recovered(None, 5.0, 4.0) is None
+
+
+def test_checkpoint_bits_per_parameter(tmp_path):
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(64)
+    model.save_pretrained(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert checkpoint_bits_per_parameter(tmp_path / "fp32") == 32.0
+    assert checkpoint_bits_per_parameter(tmp_path / "bf16") == 16.0
+
+
+# --------------------------------------------------------------------------------------------
+# Token metrics and generation on a tiny family
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """Tiny base + ``coder`` and ``math`` "fine-tunes", and data/{coder,math}/{train,test}.jsonl of real text."""
+    from train.data import generate_math
+
+    root = tmp_path_factory.mktemp("eval_family")
+    fam = build_tiny_family(root, variants=("coder", "math"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = {"train": ["json/decoder.py", "json/encoder.py"], "test": ["glob.py", "bisect.py"]}
+    texts, _ = generate_math(160, seed=0)
+    for split, files in code.items():
+        (root / "data/coder").mkdir(parents=True, exist_ok=True)
+        (root / "data/coder" / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"text": (stdlib / f).read_text()}) + "\n" for f in files))
+        part = texts[:120] if split == "train" else texts[120:]
+        (root / "data/math").mkdir(parents=True, exist_ok=True)
+        (root / "data/math" / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"text": "\n\n".join(part[i:i + 8])}) + "\n" for i in range(0, len(part), 8)))
+    return fam
+
+
+def _blocks(fam, domain="coder", split="test", seq_len=32):
+    from transformers import AutoTokenizer
+
+    from train.datamodule import load_blocks
+
+    tok = AutoTokenizer.from_pretrained(fam.base_dir)
+    return load_blocks(fam.root / "data", domain, split, tok, seq_len)
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_token_metrics_match_heldout_loss_and_an_independent_kl(family):
+    import torch.nn.functional as F
+
+    from train.module import heldout_loss
+
+    blocks = _blocks(family)[:10]
+    base, ft = _load(family.base_dir), _load(family.variants["coder"])
+    m = token_metrics({"base": base, "fine-tune": ft}, blocks, batch_size=4, reference=ft)
+    assert m["fine-tune"]["loss"] == pytest.approx(heldout_loss(ft, blocks, batch_size=4), rel=1e-6)
+    assert m["base"]["loss"] == pytest.approx(heldout_loss(base, blocks, batch_size=4), rel=1e-6)
+    assert m["base"]["perplexity"] == pytest.approx(math.exp(m["base"]["loss"]))
+    assert m["base"]["tokens"] == m["fine-tune"]["tokens"] == 10 * 31
+    assert m["fine-tune"]["kl"] == 0.0  # the fine-tune against itself
+
+    with torch.no_grad():  # one batch, float64, torch's own KL and argmax
+        p = F.log_softmax(ft(input_ids=blocks).logits[:, :-1].double(), -1)
+        q = F.log_softmax(base(input_ids=blocks).logits[:, :-1].double(), -1)
+    kl = F.kl_div(q, p, log_target=True, reduction="sum").item() / (10 * 31)
+    assert kl > 1e-3
+    assert m["base"]["kl"] == pytest.approx(kl, rel=1e-4)
+    acc = (q.argmax(-1) == blocks[:, 1:]).double().mean().item()
+    assert m["base"]["next_token_accuracy"] == pytest.approx(acc, abs=1e-9)
+
+    # a model against itself when it is not the same object: still 0 (up to float32 rounding)
+    again = token_metrics({"copy": _load(family.variants["coder"])}, blocks, batch_size=3, reference=ft)["copy"]
+    assert abs(again["kl"]) < 1e-6
+    assert again["loss"] == pytest.approx(m["fine-tune"]["loss"], rel=1e-6)  # batch size does not matter
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(family):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family.base_dir)
+    problems = load_problems(family.root / "data", "math", "test", 7)
+    assert len({len(tok(p.prompt)["input_ids"]) for p in problems}) > 1  # prompts of several lengths: padding
+    model = _load(family.variants["math"])
+    batched = generate_answers(model, tok, problems, batch_size=7, max_new_tokens=6)
+    single = [generate_answers(model, tok, [p], batch_size=1, max_new_tokens=6)[0] for p in problems]
+    assert batched == single
+    for p, text in list(zip(problems, batched))[:3]:  # plain greedy decoding without a KV cache
+        ids = [tok.eos_token_id, *tok(p.prompt, add_special_tokens=False)["input_ids"]]
+        new = []
+        with torch.no_grad():
+            for _ in range(6):
+                nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+                if nxt == tok.eos_token_id:
+                    break
+                new.append(nxt)
+        assert text == tok.decode(new, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI end to end
+# --------------------------------------------------------------------------------------------
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def test_eval_cli_writes_the_report(family):
+    from train.module import heldout_loss
+
+    root = family.root
+    untouched = {d: _tree_digest(root / d) for d in ("models", "artifacts")}
+    run_dir = root / "outputs/eval/run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "train/eval.py", f"paths.root={root}", f"hydra.run.dir={run_dir}", "variants=[coder,math]",
+         "seq_len=32", "batch_size=4", "max_test_blocks=6", "math.problems=5", "math.batch_size=3",
+         "math.max_new_tokens=4", "distill.steps=2", "distill.batch_size=2", "distill.max_calibration_blocks=6",
+         "goal.max_bits_per_parameter=1.5", "report.name=eval-test"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    stem = root / "reports/eval-test"
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert [s["variant"] for s in payload["variants"]] == ["coder", "math"]
+    assert payload["config"]["distill"]["steps"] == 2 and payload["config"]["seq_len"] == 32
+    blocks = _blocks(family, seq_len=32)[:6]
+    for s in payload["variants"]:
+        v = s["variant"]
+        rows = {r["setting"]: r for r in s["rows"]}
+        assert [r["setting"] for r in s["rows"]] == SETTINGS
+        assert s["test_blocks"] == 6 and s["tokens"] == 6 * 31
+        base, ft = rows["base"], rows["fine-tune"]
+        assert (base["bits_per_parameter"], ft["bits_per_parameter"]) == (0.0, 32.0)
+        assert ft["kl"] == 0.0 and base["kl"] > 0
+        assert (ft["gain_recovered_loss"], base["gain_recovered_loss"]) == (1.0, 0.0)
+        for name in SETTINGS[2:]:
+            r = rows[name]
+            art = run_dir / "artifacts" / f"{v}-{name.removeprefix('bitdelta-').replace('+', '-')}"
+            assert r["artifact"] == str(art)
+            manifest = json.loads((art / "bitdelta.json").read_text())
+            assert r["bits_per_parameter"] == manifest["stats"]["bits_per_parameter"]
+            assert manifest["granularity"] == ("row" if "row" in name else "matrix")
+            assert 0 < r["kl"] < base["kl"] * 10
+            expected = (r["loss"] - base["loss"]) / (ft["loss"] - base["loss"])
+            assert r["gain_recovered_loss"] == pytest.approx(expected)
+            assert (r["distillation"] is not None) == ("+distill-" in name)
+        assert rows["bitdelta-row+distill-mse"]["distillation"]["steps"] == 2
+        assert rows["bitdelta-row+distill-kl"]["distillation"]["loss"] == "kl"
+        # the best compressed setting within the bit budget (1.5 here: tiny models pay more for headers)
+        within = [r for r in s["rows"][2:] if r["bits_per_parameter"] <= 1.5]
+        assert within, "the matrix settings of this tiny family take about 1.4 bits/param"
+        best = max(within, key=lambda r: r["gain_recovered_loss"])
+        assert s["best"]["setting"] == best["setting"]
+        assert f"{v}: best at ≤ 1.5 bits/param is {best['setting']} " in proc.stdout
+        if v == "coder":  # the fine-tune's loss is heldout_loss on the same blocks
+            assert s["task_metric"] == "next-token accuracy" and s["problems"] == 0
+            assert ft["loss"] == pytest.approx(heldout_loss(_load(family.variants["coder"]), blocks, 4), rel=1e-6)
+            assert ft["task_metric"] == ft["next_token_accuracy"]
+        else:
+            assert s["task_metric"] == "exact match" and s["problems"] == 5
+            assert all(r["task_metric"] * 5 == round(r["task_metric"] * 5) for r in s["rows"])
+
+    md = stem.with_suffix(".md").read_text()
+    assert md.count(HEADER) == 2
+    for v in ("coder", "math"):
+        section = md.split(f"## {v} ")[1].split("\n\n")[1].splitlines()
+        assert section[0] == HEADER and [line.split(" | ")[0].lstrip("| ") for line in section[2:]] == SETTINGS
+    assert "exact-match accuracy on 5 problems" in md and "Machine: " in md and "seq_len 32" in md
+    assert "## Best setting at ≤ 1.5 bits/param (goal: gain recovered ≥ 0.95)" in md
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # math: these random models answer 0 of 5, so the task's gain recovered is undefined, and says so
+    math_rows = {r["setting"]: r for r in payload["variants"][1]["rows"]}
+    assert math_rows["fine-tune"]["task_metric"] == math_rows["base"]["task_metric"] == 0.0
+    assert all(r["gain_recovered_task"] is None for r in math_rows.values())
+    assert md.split("## math ")[1].split("\n\n")[1].splitlines()[2].endswith("| n/a |")
+    assert "n/a: the fine-tune equals the base" in md
+    # the offline W&B run holds the rows as a table, and nothing was written into models/ or artifacts/
+    (table,) = (root / "outputs/wandb").glob("offline-run-*/files/media/table/eval_*.table.json")
+    table = json.loads(table.read_text())
+    assert table["columns"][:3] == ["variant", "setting", "bits_per_parameter"]
+    assert [row[:2] for row in table["data"]] == [[v, name] for v in ("coder", "math") for name in SETTINGS]
+    assert {d: _tree_digest(root / d) for d in ("models", "artifacts")} == untouched
