@@ -6,7 +6,7 @@
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
 #   make distill VARIANT=math  artifacts/math-distilled/: α fitted to the fine-tune's logits (BitDelta §3.2)
-#   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>.{md,json,png}
+#   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>_<time>.{md,json,png}
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 SHELL := /bin/bash

@@ -317,7 +317,8 @@ def compress(
         ``8 · bytes / parameters`` over all parameters of the fine-tuned model.
 
     Raises:
-        ValueError: on an unknown ``granularity`` or an empty ``variant``.
+        ValueError: on an unknown ``granularity``, an empty ``variant`` or a ``max_shard_bytes``
+            that is not a positive integer.
         FileNotFoundError: if either folder holds no safetensors checkpoint.
         ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, or a stored
             tensor name would collide with another.
@@ -326,6 +327,8 @@ def compress(
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if not variant:
         raise ValueError("variant must be a non-empty name")
+    if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
 
     base_fp = fingerprint(base_dir)
@@ -574,7 +577,7 @@ def load_artifact(
         raise FingerprintMismatchError(
             f"{path}: artifact {manifest['variant']!r} was exported against base fingerprint "
             f"{expected}, but the base given has fingerprint {base_fingerprint}; "
-            "pass force=True to apply it anyway"
+            "pass force=True (force=true on the command line) to apply it anyway"
         )
     files = manifest["files"]
     for name, digest in files.items():

@@ -571,6 +571,13 @@ def _source_artifact(cfg, run_dir: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    from compress.cli import user_errors
+
+    with user_errors("distill"):
+        return _main(cfg)
+
+
+def _main(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -578,6 +585,11 @@ def main(cfg: DictConfig) -> dict:
     if cfg.variant.init != "base":
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to distil "
                          f"(pick a variant, e.g. variant=math)")
+    # the arguments first, before minutes of tokenising and re-exporting
+    _validate(torch.zeros(1, 1, dtype=torch.long), cfg.loss, cfg.steps, cfg.lr, cfg.batch_size)
+    if not (Path(cfg.finetuned_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no fine-tuned checkpoint at {cfg.finetuned_dir}: train it first "
+                                f"(make train VARIANT={variant})")
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_dir)
     jsonl = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{cfg.split}.jsonl"
     calibration = calibration_blocks(jsonl, tokenizer, cfg.seq_len, cfg.max_calibration_blocks)

@@ -22,17 +22,23 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from compress.bitdelta import compress, export_hf
+from compress.cli import user_errors
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    with user_errors("export"):
+        return _main(cfg)
+
+
+def _main(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     variant = cfg.variant.name
     if cfg.variant.init != "base":
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
-        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir)
+        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
     if cfg.format != "bitdelta":

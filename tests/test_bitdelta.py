@@ -253,6 +253,9 @@ def test_bad_arguments(family, tmp_path):
         compress(*family, tmp_path / "a", variant="v", granularity="column")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         compress(tmp_path, family[1], tmp_path / "a", variant="v")
+    for bad in (0, -5, "abc", 1.5):
+        with pytest.raises(ValueError, match=rf"max_shard_bytes must be a positive integer \(bytes\) or None, got {bad!r}"):
+            compress(*family, tmp_path / "a", variant="v", max_shard_bytes=bad)
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -550,6 +553,27 @@ def test_run_py_end_to_end(family, tmp_path):
     assert (tmp_path / "outputs" / "export" / "coder").is_dir()
     stats = art.manifest["stats"]
     assert f"{stats['parameters']:,} params" in summary[0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("granularity=column", "export: ValueError: granularity must be one of ('matrix', 'row'), got 'column'"),
+        ("max_shard_bytes=-5", "export: ValueError: max_shard_bytes must be a positive integer (bytes) or None, got -5"),
+        ("variant=writer", "export: FileNotFoundError: "),
+    ],
+)
+def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, message):
+    models = tmp_path / "models"
+    for src, name in zip(family, ("base", "coder")):
+        _copy_artifact(src, models / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", override],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

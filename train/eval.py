@@ -620,7 +620,15 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    payload = run(cfg)
+    from compress.cli import user_errors
+
+    with user_errors("eval"):
+        missing = [v for v in cfg.variants if not (Path(cfg.paths.models_dir) / v / "config.json").is_file()]
+        if missing or not (Path(cfg.base_dir) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no checkpoint for {', '.join(missing) or 'the base'} under {cfg.paths.models_dir}: "
+                "build the family first (make family), or pick variants=[...]")
+        payload = run(cfg)
     best = [s["best"]["gain_recovered_loss"] for s in payload["variants"] if s["best"] is not None]
     return min(best) if best else None
 
