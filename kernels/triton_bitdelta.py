@@ -12,6 +12,12 @@ tensor-core product, which accumulates in float32. Against the float32 reference
 of one bf16/fp16 rounding of each reconstructed weight (relative ≈ 2⁻⁸ / 2⁻¹¹ per weight, averaging
 out over K).
 
+Two paths: for M ≤ ``GEMV_MAX_M`` (decode) a GEMV-style kernel on CUDA cores that loads each
+sign byte once, expands it to 8 lanes in registers and keeps x·Wᵀ and x·Sᵀ as two float32 sums
+(``y = x·Wᵀ + α·(x·Sᵀ)``, no rounding of the reconstructed weight); above it the tiled tensor-core
+kernel described above. Not yet: split-K, autotuning, the mixed-tenant kernel, custom-op
+registration (issue 5).
+
 Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (slow; for tests).
 """
 from __future__ import annotations
@@ -64,6 +70,63 @@ def _bitdelta_linear_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _bitdelta_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode path (M ≤ 4): CUDA-core dot products, each sign byte loaded once and expanded to 8
+    lanes in registers; y = x·Wᵀ + α·(x·Sᵀ), both sums in float32 (no rounding of W + α·s)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_kb = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    shifts = tl.arange(0, 8)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc_w = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0).to(tl.float32)                                       # [BM, BK]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0).to(tl.float32)                                       # [BN, BK]
+        kb = k0 // 8 + offs_kb
+        byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + kb[None, :],
+                       mask=mask_n[:, None] & (kb[None, :] < (K + 7) // 8), other=0).to(tl.int32)  # [BN, BK/8]
+        bits = (byte[:, :, None] >> shifts[None, None, :]) & 1                      # [BN, BK/8, 8]
+        sgn = tl.reshape(2 * bits - 1, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        sgn = tl.where(mask_k[None, :], sgn, 0.0)
+        acc_w += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc_s += tl.sum(x[:, None, :] * sgn[None, :, :], axis=2)
+    if ALPHA_PER_ROW:
+        alpha = tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    else:
+        alpha = tl.load(a_ptr)
+    acc = acc_w + alpha * acc_s
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+GEMV_MAX_M = 4
+
+# decode tiles, tuned per (N, K, BLOCK_M) on first use on a GPU (not under the interpreter)
+_gemv_autotuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+             for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)
+             if bn * bk <= 16384],
+    key=["N", "K", "BLOCK_M"],
+)(_bitdelta_gemv_kernel)
+
+
 def _blocks(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): a GEMV-like tile for decode, a GEMM tile for prefill."""
     if m <= 16:
@@ -105,6 +168,15 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     m = x2.shape[0]
     sign = sign.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m <= GEMV_MAX_M and x2.stride(1) == 1 and weight.stride(1) == 1:
+        args = (x2, weight, sign, alpha, bias if bias is not None else alpha, y,
+                m, n, k, x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
+        flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m))
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            _bitdelta_gemv_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=256)
+        else:
+            _gemv_autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        return y.reshape(*lead, n)
     bm, bn, bk = _blocks(m)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _bitdelta_linear_kernel[grid](

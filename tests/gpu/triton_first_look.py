@@ -21,7 +21,7 @@ from kernels.triton_bitdelta import bitdelta_linear_triton  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 rows = []
-for m in (1, 16, 2048):
+for m in (1, 4, 16, 2048):
     tot = {"dense": 0.0, "naive": 0.0, "triton": 0.0}
     for name, (n, k) in SHAPES.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
