@@ -79,3 +79,30 @@ def test_contract_errors():
         bitdelta_linear_triton(x, w, sign[:, :2], alpha)
     with pytest.raises(ValueError, match=r"alpha must be \[\] or \[16\]"):
         bitdelta_linear_triton(x, w, sign, torch.ones(5))
+
+
+def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
+    """torch.ops.deltafleet.bitdelta_linear: opcheck (schema, fake tensor, dispatch) and a
+    fullgraph torch.compile (aot_eager) trace through the fake implementation."""
+    from kernels.ops import bitdelta_linear_op
+
+    x, w, sign, alpha, b = (t.to(DEVICE) if t is not None else None
+                            for t in _case(3, 40, 24, torch.bfloat16, True, True))
+    torch.library.opcheck(bitdelta_linear_op, (x, w, sign, alpha, b),
+                          test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: torch.ops.deltafleet.bitdelta_linear(*a) * 2, backend="aot_eager",
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, sign, alpha, b), 2 * bitdelta_linear_triton(x, w, sign, alpha, b),
+                               rtol=0, atol=0)
+
+
+def test_dispatcher_uses_the_reference_off_cuda():
+    import kernels
+
+    x, w, sign, alpha, _ = _case(2, 16, 24, torch.bfloat16, False, False)
+    torch.testing.assert_close(kernels.bitdelta_linear(x, w, sign, alpha),
+                               kernels.bitdelta_linear_reference(x, w, sign, alpha), rtol=0, atol=0)
+    if torch.cuda.is_available():
+        y = kernels.bitdelta_linear(*(t.cuda() for t in (x, w, sign, alpha)))
+        torch.testing.assert_close(y.cpu(), bitdelta_linear_triton(*(t.cuda() for t in (x, w, sign, alpha))).cpu(),
+                                   rtol=0, atol=0)
