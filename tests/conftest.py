@@ -13,7 +13,13 @@ input norm (stored in full in the artifact).
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
+
+# Triton's CPU interpreter must be chosen before anything imports triton (DeepSpeed and torch do,
+# early): set for the whole session unless the Triton tests are pointed at a GPU.
+if os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from dataclasses import dataclass
 from pathlib import Path
 
