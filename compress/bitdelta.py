@@ -423,12 +423,18 @@ def compress(
             },
             "provenance": prov,
         }
-        with open(tmp / MANIFEST_NAME, "w") as f:
-            json.dump(manifest, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_manifest(tmp, manifest)
     return manifest
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Write ``folder/bitdelta.json`` (indented JSON, trailing newline) and fsync it; the caller's
+    staged folder makes it atomic."""
+    with open(folder / MANIFEST_NAME, "w") as f:
+        json.dump(manifest, f, indent=2, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ except ImportError:  # `python compress/distill.py` puts compress/ first on sys.
 import json
 import logging
 import math
-import os
 import shutil
 import time
 import uuid
@@ -63,6 +62,7 @@ from compress.bitdelta import (
     _sha256_file,
     fingerprint,
     load_artifact,
+    write_manifest,
 )
 from kernels import unpack_signs
 
@@ -530,11 +530,7 @@ def _write_distilled(artifact: Artifact, alphas: dict[str, torch.Tensor], out_di
         })
         prov.update(provenance or {})
         out["provenance"] = prov
-        with open(tmp / MANIFEST_NAME, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_manifest(tmp, out)
     return out
 
 
