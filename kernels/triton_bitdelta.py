@@ -127,6 +127,57 @@ _gemv_autotuned = triton.autotune(
 )(_bitdelta_gemv_kernel)
 
 
+@triton.jit
+def _bitdelta_batched_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
+    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Mixed tenants, small M: the base tile W[n, k] is read once per K-step and shared by all
+    BLOCK_M rows; each row m then reads its own tenant's sign bytes (slot[m], −1: none) and adds
+    α_slot ⊙ (x[m]·S_slotᵀ). The signs of T distinct tenants are 1/16 of W each: 1 + T/16 bytes."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8)
+    mask_n = offs_n < N
+    for i in tl.static_range(BLOCK_M):
+        m = pid_m * BLOCK_M + i
+        if m < M:
+            slot = tl.load(slot_ptr + m)
+            acc_w = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                mask_k = k < K
+                x = tl.load(x_ptr + m * stride_xm + k, mask=mask_k, other=0.0).to(tl.float32)     # [BK]
+                w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
+                            mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)     # [BN, BK]
+                acc_w += tl.sum(w * x[None, :], axis=1)
+                if slot >= 0:
+                    kb = k0 // 8 + offs_kb
+                    byte = tl.load(s_ptr + slot * stride_ss + offs_n[:, None] * stride_sn + kb[None, :],
+                                   mask=mask_n[:, None] & (kb[None, :] < (K + 7) // 8), other=0).to(tl.int32)
+                    bits = (byte[:, :, None] >> shifts[None, None, :]) & 1
+                    sgn = tl.reshape(2 * bits - 1, (BLOCK_N, BLOCK_K)).to(tl.float32)
+                    sgn = tl.where(mask_k[None, :], sgn, 0.0)
+                    acc_s += tl.sum(sgn * x[None, :], axis=1)
+            acc = acc_w
+            if slot >= 0:
+                if ALPHA_PER_ROW:
+                    alpha = tl.load(a_ptr + slot * stride_as + offs_n, mask=mask_n, other=0.0)
+                else:
+                    alpha = tl.load(a_ptr + slot * stride_as)
+                acc += alpha * acc_s
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
 def _blocks(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): a GEMV-like tile for decode, a GEMM tile for prefill."""
     if m <= 16:
@@ -188,3 +239,51 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )
     return y.reshape(*lead, n)
+
+
+def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
+                                   alphas: torch.Tensor, slot: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
+
+    First version: a GEMV-style kernel (base tile shared by ``BLOCK_M`` rows, each row's own
+    tenant's signs unpacked in registers), aimed at decode batches (M = number of tenants' tokens).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
+        alphas float32 ``[S]`` or ``[S, N]``; slot ``[M]`` int (−1: base only); bias ``[N]``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: on a dtype or shape outside the contract, or a slot outside ``[−1, S)``.
+    """
+    n, k = weight.shape
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    s_count = signs.shape[0]
+    if signs.dtype != torch.uint8 or signs.shape[1:] != (n, (k + 7) // 8):
+        raise ValueError(f"signs must be uint8 [S, {n}, {(k + 7) // 8}], got {signs.dtype} {tuple(signs.shape)}")
+    if alphas.shape not in ((s_count,), (s_count, n)):
+        raise ValueError(f"alphas must be [{s_count}] or [{s_count}, {n}], got {tuple(alphas.shape)}")
+    if slot.shape != (x.shape[0],):
+        raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
+    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s_count):
+        raise ValueError(f"slot indices must lie in [-1, {s_count}), got [{int(slot.min())}, {int(slot.max())}]")
+    m = x.shape[0]
+    x, weight, signs = x.contiguous(), weight.contiguous(), signs.contiguous()
+    alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
+    slot = slot.to(device=x.device, dtype=torch.int32).contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bm, bn, bk = 4, 16, 256
+    _bitdelta_batched_gemv_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        x, weight, signs, alphas, slot, bias if bias is not None else alphas, y,
+        m, n, k, x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
+        alphas.stride(0), y.stride(0),
+        ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )
+    return y

@@ -106,3 +106,47 @@ def test_dispatcher_uses_the_reference_off_cuda():
         y = kernels.bitdelta_linear(*(t.cuda() for t in (x, w, sign, alpha)))
         torch.testing.assert_close(y.cpu(), bitdelta_linear_triton(*(t.cuda() for t in (x, w, sign, alpha))).cpu(),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m, n, k, tenants, row_alpha, bias", [
+    (5, 37, 77, 3, True, False),    # ragged N and K, rows of 3 tenants and base-only rows
+    (9, 64, 300, 4, False, True),   # more rows than one block of 4, matrix α, bias
+    (1, 20, 13, 1, True, True),     # one token
+])
+def test_batched_triton_matches_reference(dtype, m, n, k, tenants, row_alpha, bias):
+    from kernels.reference import bitdelta_linear_batched
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    g = torch.Generator().manual_seed(m * 31 + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = (0.03 + 0.05 * torch.rand(tenants, n, generator=g)) if row_alpha else 0.03 + 0.05 * torch.rand(tenants, generator=g)
+    slot = torch.randint(-1, tenants, (m,), generator=g, dtype=torch.int32)
+    slot[0] = tenants - 1  # at least one row with a delta
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, None if b is None else b.float())
+    y = bitdelta_linear_batched_triton(*(t.to(DEVICE) if t is not None else None for t in (x, w, signs, alphas, slot, b)))
+    assert y.shape == (m, n) and y.dtype == dtype
+    # no rounding of W + α·s here: only the inputs' and the output's own rounding
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    # each row really used its own tenant: swapping two tenants' signs changes the rows that use them
+    if tenants > 1:
+        swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas, slot,
+                                          None if b is None else b.float())
+        rows = slot >= 0
+        assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
+
+
+def test_batched_contract_errors():
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    x = torch.randn(2, 16).bfloat16()
+    w = torch.randn(8, 16).bfloat16()
+    signs = torch.zeros(2, 8, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"slot indices must lie in \[-1, 2\), got \[-1, 2\]"):
+        bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
+    with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
+        bitdelta_linear_batched_triton(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
