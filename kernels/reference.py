@@ -130,6 +130,27 @@ def bitdelta_linear(
     return y.to(x.dtype)
 
 
+def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                       slot: torch.Tensor) -> None:
+    """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it).
+
+    Raises:
+        ValueError: naming the argument whose shape does not fit, or a slot outside ``[−1, S)``.
+    """
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    s = signs.shape[0]
+    if signs.shape[1:] != (n, packed_width(k)):
+        raise ValueError(f"signs must be [S, {n}, {packed_width(k)}], got {tuple(signs.shape)}")
+    if alphas.shape not in ((s,), (s, n)):
+        raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
+    if slot.shape != (x.shape[0],):
+        raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
+    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
+        raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
+
+
 def bitdelta_linear_batched(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -158,17 +179,7 @@ def bitdelta_linear_batched(
         ValueError: on mismatched shapes or a slot index outside ``[−1, S)``.
     """
     n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    s = signs.shape[0]
-    if signs.shape[1:] != (n, packed_width(k)):
-        raise ValueError(f"signs must be [S, {n}, {packed_width(k)}], got {tuple(signs.shape)}")
-    if alphas.shape not in ((s,), (s, n)):
-        raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
-    if slot.shape != (x.shape[0],):
-        raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
-    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
-        raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
+    check_batched_args(x, weight, signs, alphas, slot)
     xf = x.float()
     y = xf @ weight.float().t()
     for t in slot.unique().tolist():

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import check_batched_args
+
 
 @triton.jit
 def _bitdelta_linear_kernel(
@@ -262,17 +264,9 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     n, k = weight.shape
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    s_count = signs.shape[0]
-    if signs.dtype != torch.uint8 or signs.shape[1:] != (n, (k + 7) // 8):
-        raise ValueError(f"signs must be uint8 [S, {n}, {(k + 7) // 8}], got {signs.dtype} {tuple(signs.shape)}")
-    if alphas.shape not in ((s_count,), (s_count, n)):
-        raise ValueError(f"alphas must be [{s_count}] or [{s_count}, {n}], got {tuple(alphas.shape)}")
-    if slot.shape != (x.shape[0],):
-        raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
-    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s_count):
-        raise ValueError(f"slot indices must lie in [-1, {s_count}), got [{int(slot.min())}, {int(slot.max())}]")
+    if signs.dtype != torch.uint8:
+        raise ValueError(f"signs must be uint8, got {signs.dtype}")
+    check_batched_args(x, weight, signs, alphas, slot)
     m = x.shape[0]
     x, weight, signs = x.contiguous(), weight.contiguous(), signs.contiguous()
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
