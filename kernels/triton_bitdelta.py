@@ -1,24 +1,33 @@
-"""Fused Triton kernel for ``bitdelta_linear`` (ARCHITECTURE.md, "Kernel"): first version.
+"""Fused Triton kernels for ``bitdelta_linear`` and ``bitdelta_linear_batched`` (ARCHITECTURE.md,
+"Kernel").
 
-``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta arXiv:2402.10193, Eq. 2 applied to a linear
-layer), tiled like a standard GEMM: each program owns a ``[BLOCK_M, BLOCK_N]`` tile of ``y`` and
-walks K in ``BLOCK_K`` steps. Per step it loads the base tile ``W[n, k]`` and the packed sign
-bytes ``sign[n, k // 8]`` (one byte per 8 weights — 1/16 of the bf16 bytes), unpacks the bits in
-registers, forms ``W + α·s`` in float32 and rounds it to the activation dtype for ``tl.dot``. The
-reconstructed weight only ever exists in registers; nothing but ``y`` is written.
+``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2 applied to a
+linear layer). The packed sign bytes (one byte per 8 weights, least significant bit first: 1/16 of
+the bf16 bytes) are read once per tile and unpacked in registers; the reconstructed weight exists
+only in registers and nothing but ``y`` is written to memory.
 
-Precision: the tile ``W + α·s`` is rounded once to the activation dtype (bf16/fp16) before the
-tensor-core product, which accumulates in float32. Against the float32 reference the error is that
-of one bf16/fp16 rounding of each reconstructed weight (relative ≈ 2⁻⁸ / 2⁻¹¹ per weight, averaging
-out over K).
+Three kernels:
 
-Two paths: for M ≤ ``GEMV_MAX_M`` (decode) a GEMV-style kernel on CUDA cores that loads each
-sign byte once, expands it to 8 lanes in registers and keeps x·Wᵀ and x·Sᵀ as two float32 sums
-(``y = x·Wᵀ + α·(x·Sᵀ)``, no rounding of the reconstructed weight); above it the tiled tensor-core
-kernel described above. Not yet: split-K, autotuning, the mixed-tenant kernel, custom-op
-registration (issue 5).
+* **decode** (M ≤ ``GEMV_MAX_M``), ``_gemv_kernel``: a GEMV on CUDA cores. A program owns
+  ``BLOCK_N`` output features and walks K in ``8·BLOCK_KB`` steps; each thread holds 8 consecutive
+  weights (one 16-byte load) and the one sign byte that covers them, forms ``W + α·s`` in float32
+  (no rounding) and multiply-adds it with the M activation rows; partial sums stay per thread and
+  are reduced across threads once, after the K loop. Memory-bound: it reads W and the signs once.
+* **prefill** (M > ``GEMV_MAX_M``), ``_mm_kernel``: a tensor-core GEMM computed transposed,
+  ``yᵀ[BLOCK_N, BLOCK_M] = (W + α·s)[BLOCK_N, K] · xᵀ[K, BLOCK_M]``, so that the reconstructed
+  weight tile, formed in registers, is the *register* operand of the product (Hopper's wgmma takes
+  its A operand from registers; x, the B operand, is staged through shared memory by the pipeline).
+  ``W + α·s`` is formed in float32 and rounded once to the activation dtype before the product,
+  which accumulates in float32.
+* **mixed tenants**, ``_batched_kernel``: decode batches in which every row has its own variant
+  (``slot[m]``, −1 = base only). The base tile ``W[n, k]`` is loaded once per K step and shared by
+  all ``BLOCK_M`` rows of the program; each row gathers its own tenant's sign bytes. Bytes read:
+  W once + the signs of each distinct tenant, i.e. ``1 + T/16`` of a dense read for T tenants.
 
-Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (slow; for tests).
+Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
+``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
+and because the interpreter computes bf16 ``tl.dot`` wrongly the prefill kernel multiplies the
+same rounded tiles in float32 there (``DOT_FP32``).
 """
 from __future__ import annotations
 
@@ -30,163 +39,251 @@ import triton.language as tl
 
 from kernels.reference import check_batched_args
 
+GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @triton.jit
-def _bitdelta_linear_kernel(
-    x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_ym, stride_yn,
-    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    if ALPHA_PER_ROW:
-        alpha = tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+def _emit(part, row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS: tl.constexpr):
+    """Write one row's partial sums ``part`` [BLOCK_N] (float32): straight to y when K is not
+    split; else added into the float32 workspace, whose values the last K-split program of this
+    N-tile reads back (from L2), writes to y and resets to 0 (``_finish``)."""
+    mask = (offs_n < N) & ((offs_n * 0 + row) < M)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + rn).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs_n, part.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        alpha = tl.load(a_ptr)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wk_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :] * stride_wk, mask=wk_mask, other=0.0)
-        byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k[None, :] // 8), mask=wk_mask, other=0)
-        bit = (byte.to(tl.int32) >> (k[None, :] % 8)) & 1
-        w_eff = w.to(tl.float32) + alpha * (2 * bit - 1).to(tl.float32)
-        w_eff = tl.where(wk_mask, w_eff, 0.0).to(x.dtype)  # the one rounding (see the module doc)
-        if DOT_FP32:  # Triton's CPU interpreter gets bf16 tl.dot wrong: same rounded values, fp32 product
-            acc += tl.dot(x.to(tl.float32), tl.trans(w_eff.to(tl.float32)))
-        else:
-            acc += tl.dot(x, tl.trans(w_eff))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.atomic_add(ws_ptr + row * N + offs_n, part, mask=mask, sem="relaxed")
 
 
 @triton.jit
-def _bitdelta_gemv_kernel(
+def _finish(row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS: tl.constexpr):
+    mask = (offs_n < N) & ((offs_n * 0 + row) < M)
+    ptrs = ws_ptr + row * N + offs_n
+    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, past L1
+    tl.store(ptrs, tl.zeros_like(v), mask=mask)  # leave the workspace zero for the next call
+    if HAS_BIAS:
+        v += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KB,
+    stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
+    ONE_DELTA: tl.constexpr, ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+):
+    """Decode (small M) on CUDA cores. Program (n-tile, K-chunk, row block): W is loaded once per
+    K step and kept in registers for the program's ``BLOCK_M`` rows (``tl.static_range``: each
+    row's sums are finished and written before the next row). ``ONE_DELTA``: a single variant, so
+    ``W + α·s`` is formed once; else each row forms its own tenant's ``W + α_t·s_t`` (slot −1: α = 0).
+    K is split into chunks of ``CHUNK_ITERS`` steps across programs when N alone gives too few
+    programs; their float32 partial sums meet in a workspace (see ``_emit``)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    SPLIT = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N  # rows past N re-read row n mod N (in bounds, never written): no load mask on N
+    offs_b = tl.arange(0, BLOCK_KB)
+    offs_j = tl.arange(0, 8)
+    if ONE_DELTA:
+        if ALPHA_PER_ROW:
+            alpha1 = tl.load(a_ptr + rn)[:, None, None]
+        else:
+            alpha1 = tl.load(a_ptr)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kb_lo = pid_k * (BLOCK_KB * CHUNK_ITERS)
+    for kb0 in range(kb_lo, tl.minimum(kb_lo + BLOCK_KB * CHUNK_ITERS, KB), BLOCK_KB):
+        kb = kb0 + offs_b
+        k = kb[:, None] * 8 + offs_j[None, :]                                       # [BKB, 8]
+        if EVEN:
+            w = tl.load(w_ptr + rn[:, None, None] * stride_wn + k[None, :, :]).to(tl.float32)
+        else:
+            w = tl.load(w_ptr + rn[:, None, None] * stride_wn + k[None, :, :], mask=(k < K)[None, :, :],
+                        other=0.0).to(tl.float32)
+        if ONE_DELTA:
+            byte = tl.load(s_ptr + rn[:, None] * stride_sn + kb[None, :], mask=(kb < KB)[None, :], other=0)
+            bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
+            w_eff = w + tl.where(bit != 0, alpha1, -alpha1)                         # W + α·s in float32
+        for i in tl.static_range(BLOCK_M):
+            r = (pid_m * BLOCK_M + i) % M
+            if EVEN:
+                x = tl.load(x_ptr + r * stride_xm + k).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)  # 0 past K
+            if not ONE_DELTA:  # this row's own tenant
+                slot = tl.load(slot_ptr + r)
+                sl = tl.maximum(slot, 0)
+                if ALPHA_PER_ROW:
+                    alpha_i = tl.load(a_ptr + sl * stride_as + rn)[:, None, None]
+                else:
+                    alpha_i = tl.load(a_ptr + sl * stride_as)
+                alpha_i = tl.where(slot >= 0, alpha_i, 0.0)
+                byte = tl.load(s_ptr + sl * stride_ss + rn[:, None] * stride_sn + kb[None, :],
+                               mask=(kb < KB)[None, :], other=0)
+                bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
+                w_eff = w + tl.where(bit != 0, alpha_i, -alpha_i)
+            part = tl.sum(tl.sum(w_eff * x[None, :, :], axis=2), axis=1)            # [BN]
+            acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
+    for i in tl.static_range(BLOCK_M):
+        _emit(tl.sum(tl.where(offs_m[:, None] == i, acc, 0.0), axis=0), pid_m * BLOCK_M + i, M, N, y_ptr,
+              stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS)
+    if SPLIT > 1:
+        tl.debug_barrier()  # every thread's partial sums are in before the count
+        done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        if done == SPLIT - 1:  # the last K-chunk of this tile: take the sums, write y, reset
+            for i in tl.static_range(BLOCK_M):
+                _finish(pid_m * BLOCK_M + i, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")
+
+
+@triton.jit
+def _mm_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
-    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Decode path (M ≤ 4): CUDA-core dot products, each sign byte loaded once and expanded to 8
-    lanes in registers; y = x·Wᵀ + α·(x·Sᵀ), both sums in float32 (no rounding of W + α·s)."""
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m  # consecutive programs share one panel of W (read once from HBM, then L2)
+    pid_n = pid // num_m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_kb = tl.arange(0, BLOCK_K // 8)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = offs_n % N
+    rm = offs_m % M
+    offs_b = tl.arange(0, BLOCK_K // 8)
+    offs_j = tl.arange(0, 8)
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, 8)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    acc_w = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)                                       # [BM, BK]
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)                                       # [BN, BK]
-        kb = k0 // 8 + offs_kb
-        byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + kb[None, :],
-                       mask=mask_n[:, None] & (kb[None, :] < (K + 7) // 8), other=0).to(tl.int32)  # [BN, BK/8]
-        bits = (byte[:, :, None] >> shifts[None, None, :]) & 1                      # [BN, BK/8, 8]
-        sgn = tl.reshape(2 * bits - 1, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        sgn = tl.where(mask_k[None, :], sgn, 0.0)
-        acc_w += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        acc_s += tl.sum(x[:, None, :] * sgn[None, :, :], axis=2)
     if ALPHA_PER_ROW:
-        alpha = tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        alpha = tl.load(a_ptr + rn)[:, None, None]                                  # [BN, 1, 1]
     else:
         alpha = tl.load(a_ptr)
-    acc = acc_w + alpha * acc_s
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (offs_b[:, None] * 8 + offs_j[None, :])[None, :, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + offs_b[None, :]
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]                  # xᵀ tile [BK, BM]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]                  # x tile [BM, BK]
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)                                                     # [BN, BK/8, 8]
+            byte = tl.load(s_ptrs)                                                  # [BN, BK/8]
+            xt = tl.load(x_ptrs)
+        else:
+            kk = k0 + offs_b[:, None] * 8 + offs_j[None, :]
+            w = tl.load(w_ptrs, mask=(kk < K)[None, :, :], other=0.0)
+            byte = tl.load(s_ptrs, mask=(k0 // 8 + offs_b < (K + 7) // 8)[None, :], other=0)
+            if W_AS_A:
+                xt = tl.load(x_ptrs, mask=(k0 + offs_k < K)[:, None], other=0.0)    # x = 0 past K
+            else:
+                xt = tl.load(x_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
+        w_eff = (w.to(tl.float32) + tl.where(bit != 0, alpha, -alpha)).to(xt.dtype)  # the one rounding
+        w_eff = tl.reshape(w_eff, (BLOCK_N, BLOCK_K))
+        if W_AS_A:
+            if DOT_FP32:
+                acc += tl.dot(w_eff.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc = tl.dot(w_eff, xt, acc)
+        else:
+            if DOT_FP32:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(w_eff.to(tl.float32)))
+            else:
+                acc = tl.dot(xt, tl.trans(w_eff), acc)
+        w_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    if W_AS_A:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-GEMV_MAX_M = 4
+# ---------------------------------------------------------------------------------------------
+# configurations (GPU); the interpreter uses the fixed tiles in _INTERPRET_*
 
-# decode tiles, tuned per (N, K, BLOCK_M) on first use on a GPU (not under the interpreter)
-_gemv_autotuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-             for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)
-             if bn * bk <= 16384],
-    key=["N", "K", "BLOCK_M"],
-)(_bitdelta_gemv_kernel)
+NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
+
+
+def _decode_configs(batched: bool):
+    tiles = ((4, 64, 1, 4), (4, 128, 1, 4), (8, 64, 1, 4), (8, 128, 1, 4), (16, 64, 1, 4), (8, 64, 2, 4),
+             (4, 128, 2, 4), (8, 128, 1, 8), (16, 128, 1, 8), (4, 64, NO_SPLIT, 4), (2, 128, NO_SPLIT, 4),
+             (8, 64, 4, 4))
+    if batched:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w)
+                for bm in (1, 4, 16) for bn, bkb, it, w in tiles[:6]]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles]
+
+
+def _mm_configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "W_AS_A": wa}, num_warps=w, num_stages=st)
+            for bn, bm, bk, w, st, wa in (
+                (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, False),
+                (256, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False), (64, 256, 64, 8, 3, False),
+                (128, 128, 64, 4, 4, True), (128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
+                (256, 128, 64, 8, 3, True), (64, 16, 128, 4, 4, True), (128, 16, 128, 4, 4, True),
+                (64, 64, 128, 4, 4, False), (128, 32, 128, 4, 4, True))]
+
+
+_WORKSPACE: dict = {}  # device -> (float32 partial sums [≥ M·N], int32 counters): zero between calls
+
+
+def _workspace(device: torch.device, n_sums: int, n_counts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K workspace of ``device``: zeros, and left as zeros by every kernel that uses it (the
+    last program of each tile takes its sums back with an atomic exchange). Not for concurrent
+    kernels on two streams of one device."""
+    ws, cnt = _WORKSPACE.get(device, (None, None))
+    if ws is None or ws.numel() < n_sums or cnt.numel() < n_counts:
+        n_sums = max(n_sums, 0 if ws is None else ws.numel(), 1 << 16)
+        n_counts = max(n_counts, 0 if cnt is None else cnt.numel(), 1 << 14)
+        ws = torch.zeros(n_sums, device=device, dtype=torch.float32)
+        cnt = torch.zeros(n_counts, device=device, dtype=torch.int32)
+        _WORKSPACE[device] = (ws, cnt)
+    return ws, cnt
 
 
 @triton.jit
-def _bitdelta_batched_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
-    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Mixed tenants, small M: the base tile W[n, k] is read once per K-step and shared by all
-    BLOCK_M rows; each row m then reads its own tenant's sign bytes (slot[m], −1: none) and adds
-    α_slot ⊙ (x[m]·S_slotᵀ). The signs of T distinct tenants are 1/16 of W each: 1 + T/16 bytes."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8)
-    mask_n = offs_n < N
-    for i in tl.static_range(BLOCK_M):
-        m = pid_m * BLOCK_M + i
-        if m < M:
-            slot = tl.load(slot_ptr + m)
-            acc_w = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + offs_k
-                mask_k = k < K
-                x = tl.load(x_ptr + m * stride_xm + k, mask=mask_k, other=0.0).to(tl.float32)     # [BK]
-                w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
-                            mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)     # [BN, BK]
-                acc_w += tl.sum(w * x[None, :], axis=1)
-                if slot >= 0:
-                    kb = k0 // 8 + offs_kb
-                    byte = tl.load(s_ptr + slot * stride_ss + offs_n[:, None] * stride_sn + kb[None, :],
-                                   mask=mask_n[:, None] & (kb[None, :] < (K + 7) // 8), other=0).to(tl.int32)
-                    bits = (byte[:, :, None] >> shifts[None, None, :]) & 1
-                    sgn = tl.reshape(2 * bits - 1, (BLOCK_N, BLOCK_K)).to(tl.float32)
-                    sgn = tl.where(mask_k[None, :], sgn, 0.0)
-                    acc_s += tl.sum(sgn * x[None, :], axis=1)
-            acc = acc_w
-            if slot >= 0:
-                if ALPHA_PER_ROW:
-                    alpha = tl.load(a_ptr + slot * stride_as + offs_n, mask=mask_n, other=0.0)
-                else:
-                    alpha = tl.load(a_ptr + slot * stride_as)
-                acc += alpha * acc_s
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+def _mm_entry(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
+              stride_xm, stride_wn, stride_sn, stride_ym,
+              ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+              W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Autotuning entry of ``_mm_kernel``: ``M_BUCKET`` (M rounded up to a power of two) is only in
+    the tuning key, so every M of one bucket reuses one tuned tile."""
+    _mm_kernel(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+               ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K)
 
 
-def _blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): a GEMV-like tile for decode, a GEMM tile for prefill."""
-    if m <= 16:
-        return 16, 64, 128
-    if m <= 64:
-        return 64, 64, 64
-    return 128, 128, 64
+_decode_tuned = triton.autotune(configs=_decode_configs(False), key=["N", "K", "BLOCK_M"])(_decode_kernel)
+_batched_tuned = triton.autotune(configs=_decode_configs(True), key=["N", "K", "M"])(_decode_kernel)
+_mm_tuned = triton.autotune(configs=_mm_configs(), key=["N", "K", "M_BUCKET"])(_mm_entry)
+
+
+def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(kb, meta["BLOCK_KB"] * meta["CHUNK_ITERS"]),
+                         triton.cdiv(m, bm or meta["BLOCK_M"]))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
 
 
 def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
@@ -196,50 +293,60 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     Args:
         x: ``[..., K]`` bf16 or fp16 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         weight: ``[N, K]`` in ``x.dtype``.
-        sign: ``[N, ceil(K/8)]`` uint8, contiguous rows.
+        sign: ``[N, ceil(K/8)]`` uint8.
         alpha: float32 ``[]`` or ``[N]``.
         bias: optional ``[N]``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``.
+        ``[..., N]`` in ``x.dtype``. Up to ``GEMV_MAX_M`` rows: no rounding of ``W + α·s``
+        (float32 sums); more rows: ``W + α·s`` rounded once to ``x.dtype`` before the float32-
+        accumulating tensor-core product.
 
     Raises:
         ValueError: on a dtype or shape that does not fit the contract.
     """
+    _check(x, weight)
     n, k = weight.shape
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
-    if sign.dtype != torch.uint8 or sign.shape != (n, (k + 7) // 8):
-        raise ValueError(f"sign must be uint8 [{n}, {(k + 7) // 8}], got {sign.dtype} {tuple(sign.shape)}")
+    kb = (k + 7) // 8
+    if sign.dtype != torch.uint8 or sign.shape != (n, kb):
+        raise ValueError(f"sign must be uint8 [{n}, {kb}], got {sign.dtype} {tuple(sign.shape)}")
     alpha = alpha.to(device=x.device, dtype=torch.float32).contiguous()
     if alpha.dim() not in (0, 1) or (alpha.dim() == 1 and alpha.shape[0] != n):
         raise ValueError(f"alpha must be [] or [{n}], got {tuple(alpha.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    sign = sign if sign.stride(-1) == 1 else sign.contiguous()
     m = x2.shape[0]
-    sign = sign.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m <= GEMV_MAX_M and x2.stride(1) == 1 and weight.stride(1) == 1:
-        args = (x2, weight, sign, alpha, bias if bias is not None else alpha, y,
-                m, n, k, x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
-        flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m))
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            _bitdelta_gemv_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=256)
-        else:
-            _gemv_autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    if m == 0:
         return y.reshape(*lead, n)
-    bm, bn, bk = _blocks(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _bitdelta_linear_kernel[grid](
-        x2, weight, sign, alpha, bias if bias is not None else alpha, y,
-        m, n, k,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), sign.stride(0), y.stride(0), y.stride(1),
-        ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None,
-        DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-    )
+    flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None)
+    b = bias if bias is not None else alpha
+    if m <= GEMV_MAX_M:
+        bm = triton.next_power_of_2(m)
+        ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
+        args = (x2, weight, sign, alpha, alpha, b, y, ws, cnt, m, n, k, kb,
+                x2.stride(0), weight.stride(0), 0, sign.stride(0), 0, y.stride(0))
+        if _interpret():
+            _decode_kernel[(triton.cdiv(n, 8), triton.cdiv(kb, 64), 1)](
+                *args, ONE_DELTA=True, **flags, EVEN=k % 256 == 0, BLOCK_M=bm, BLOCK_N=8, BLOCK_KB=32, CHUNK_ITERS=2)
+        else:
+            _decode_tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % 1024 == 0, BLOCK_M=bm)
+        return y.reshape(*lead, n)
+    strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
+    if _interpret():
+        _mm_kernel[(triton.cdiv(m, 32) * triton.cdiv(n, 32),)](
+            x2, weight, sign, alpha, b, y, m, n, k, *strides, **flags, EVEN_K=k % 32 == 0, DOT_FP32=True,
+            W_AS_A=m % 2 == 0, BLOCK_N=32, BLOCK_M=32, BLOCK_K=32)
+    else:
+        _mm_tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](
+            x2, weight, sign, alpha, b, y, m, n, k, triton.next_power_of_2(m), *strides, **flags,
+            EVEN_K=k % 128 == 0, DOT_FP32=False)
     return y.reshape(*lead, n)
 
 
@@ -248,8 +355,9 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
                                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
 
-    First version: a GEMV-style kernel (base tile shared by ``BLOCK_M`` rows, each row's own
-    tenant's signs unpacked in registers), aimed at decode batches (M = number of tenants' tokens).
+    Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``);
+    ``W + α_t·s_t`` is formed in float32 registers (no rounding); each base tile is loaded once
+    per program and shared by the program's rows.
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -261,23 +369,29 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     Raises:
         ValueError: on a dtype or shape outside the contract, or a slot outside ``[−1, S)``.
     """
-    n, k = weight.shape
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
+    _check(x, weight)
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot)
     m = x.shape[0]
-    x, weight, signs = x.contiguous(), weight.contiguous(), signs.contiguous()
+    n, k = weight.shape
+    kb = (k + 7) // 8
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    signs = signs.contiguous()
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
     slot = slot.to(device=x.device, dtype=torch.int32).contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    bm, bn, bk = 4, 16, 256
-    _bitdelta_batched_gemv_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        x, weight, signs, alphas, slot, bias if bias is not None else alphas, y,
-        m, n, k, x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
-        alphas.stride(0), y.stride(0),
-        ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-    )
+    if m == 0:
+        return y
+    ws, cnt = _workspace(x.device, m * n, triton.cdiv(m, 1) * triton.cdiv(n, 2))
+    args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
+            m, n, k, kb, x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
+            alphas.stride(0), y.stride(0))
+    flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    if _interpret():
+        _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](
+            *args, **flags, EVEN=k % 256 == 0, BLOCK_M=4, BLOCK_N=4, BLOCK_KB=32, CHUNK_ITERS=2)
+    else:
+        _batched_tuned[_decode_grid(n, kb, m)](*args, **flags, EVEN=k % 1024 == 0)
     return y
