@@ -9,6 +9,7 @@
 #   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>_<time>.{md,json,png}
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
+#   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -40,7 +41,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress distill eval
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels distill eval
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -103,6 +104,10 @@ serve: install
 # naive path runs only where both checkpoints fit in free memory (naive=true forces it).
 bench-compress: install
 	$(PY) compress/bench.py $(ARGS)
+
+# Needs a CUDA GPU: every figure is a ratio to dense bf16 torch.matmul timed in the same run.
+bench-kernels: install
+	$(PY) kernels/bench.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

@@ -3,7 +3,8 @@
 ``bitdelta_linear`` dispatches to the fastest implementation for its inputs: the Triton custom op
 ``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device
 when triton is installed, the plain-torch reference (kernels/reference.py) everywhere else.
-``bitdelta_linear_batched`` is the reference for now (its Triton kernel is issue 5's next step).
+``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched`` on CUDA,
+the reference elsewhere.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from kernels.reference import (
     bitdelta_linear as bitdelta_linear_reference,
-    bitdelta_linear_batched,
+    bitdelta_linear_batched as bitdelta_linear_batched_reference,
     pack_signs,
     packed_width,
     reconstruct,
@@ -19,20 +20,24 @@ from kernels.reference import (
     unpack_signs,
 )
 
-_triton_op = None  # kernels.ops.bitdelta_linear_op once imported; False if triton is unavailable
+_triton_ops = None  # (bitdelta_linear_op, bitdelta_linear_batched_op) once imported; False without triton
 
 
-def _op():
-    """The Triton custom op, imported on first use (CPU-only callers never import triton)."""
-    global _triton_op
-    if _triton_op is None:
+def _ops():
+    """The Triton custom ops, imported on first use (CPU-only callers never import triton)."""
+    global _triton_ops
+    if _triton_ops is None:
         try:
-            from kernels.ops import bitdelta_linear_op
+            from kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
         except ImportError:
-            _triton_op = False
+            _triton_ops = False
         else:
-            _triton_op = bitdelta_linear_op
-    return _triton_op
+            _triton_ops = (bitdelta_linear_op, bitdelta_linear_batched_op)
+    return _triton_ops
+
+
+def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bool(_ops())
 
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
@@ -40,15 +45,27 @@ def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, a
     """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)``: the Triton custom op for bf16/fp16 CUDA tensors
     (when triton is installed), else :func:`kernels.reference.bitdelta_linear` (same arguments,
     shapes and errors)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _op():
-        return _op()(x, weight, sign, alpha, bias)
+    if _on_triton(x, weight):
+        return _ops()[0](x, weight, sign, alpha, bias)
     return bitdelta_linear_reference(x, weight, sign, alpha, bias)
+
+
+def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                            slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
+    op for bf16/fp16 CUDA tensors (when triton is installed), else
+    :func:`kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
+    the slot values are not range-checked, see :func:`kernels.reference.check_batched_args`)."""
+    if _on_triton(x, weight):
+        return _ops()[1](x, weight, signs, alphas, slot, bias)
+    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
 
 
 __all__ = [
     "bitdelta_linear",
     "bitdelta_linear_reference",
     "bitdelta_linear_batched",
+    "bitdelta_linear_batched_reference",
     "pack_signs",
     "packed_width",
     "reconstruct",

@@ -1,14 +1,15 @@
-"""``torch.ops.deltafleet.bitdelta_linear``: the Triton kernel as a torch custom op.
+"""``torch.ops.deltafleet.bitdelta_linear`` and ``torch.ops.deltafleet.bitdelta_linear_batched``:
+the Triton kernels as torch custom ops.
 
-Registered with a fake (meta) implementation so ``torch.compile`` traces through it without
-running it and CUDA graphs capture its launch (ARCHITECTURE.md, "Kernel": "Register them as
+Registered with fake (meta) implementations so ``torch.compile`` traces through them without
+running them and CUDA graphs capture their launches (ARCHITECTURE.md, "Kernel": "Register them as
 torch custom ops"). Importing this module needs triton.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.triton_bitdelta import bitdelta_linear_triton
+from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
 
 
 @torch.library.custom_op("deltafleet::bitdelta_linear", mutates_args=())
@@ -25,3 +26,17 @@ def bitdelta_linear_op(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor
 @bitdelta_linear_op.register_fake
 def _(x, weight, sign, alpha, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("deltafleet::bitdelta_linear_batched", mutates_args=())
+def bitdelta_linear_batched_op(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                               slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixed tenants by :func:`kernels.triton_bitdelta.bitdelta_linear_batched_triton`: x ``[M, K]``,
+    weight ``[N, K]``, signs uint8 ``[S, N, ceil(K/8)]``, alphas float32 ``[S]``/``[S, N]``, slot
+    ``[M]`` int (−1: base only), bias ``[N]`` → ``[M, N]`` in x's dtype."""
+    return bitdelta_linear_batched_triton(x, weight, signs, alphas, slot, bias)
+
+
+@bitdelta_linear_batched_op.register_fake
+def _(x, weight, signs, alphas, slot, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))

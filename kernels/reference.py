@@ -131,8 +131,12 @@ def bitdelta_linear(
 
 
 def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                       slot: torch.Tensor) -> None:
+                       slot: torch.Tensor, check_slot_values: bool = True) -> None:
     """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it).
+
+    ``check_slot_values=False`` skips the range check of the slot values, which for a slot tensor
+    on a GPU would wait for the device (the Triton kernel then treats a slot outside ``[0, S)`` as
+    base only instead).
 
     Raises:
         ValueError: naming the argument whose shape does not fit, or a slot outside ``[−1, S)``.
@@ -147,7 +151,7 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
     if slot.shape != (x.shape[0],):
         raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
-    if slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
+    if check_slot_values and slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
         raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
 
 

@@ -74,7 +74,7 @@ def _finish(row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS: tl
 @triton.jit
 def _decode_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, KB,
+    M, N, K, KB, NSLOT,
     stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
     ONE_DELTA: tl.constexpr, ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, CHUNK_ITERS: tl.constexpr,
@@ -121,12 +121,13 @@ def _decode_kernel(
                 x = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)  # 0 past K
             if not ONE_DELTA:  # this row's own tenant
                 slot = tl.load(slot_ptr + r)
-                sl = tl.maximum(slot, 0)
+                has = (slot >= 0) & (slot < NSLOT)  # −1 (or out of range): base only
+                sl = tl.where(has, slot, 0)
                 if ALPHA_PER_ROW:
                     alpha_i = tl.load(a_ptr + sl * stride_as + rn)[:, None, None]
                 else:
                     alpha_i = tl.load(a_ptr + sl * stride_as)
-                alpha_i = tl.where(slot >= 0, alpha_i, 0.0)
+                alpha_i = tl.where(has, alpha_i, 0.0)
                 byte = tl.load(s_ptr + sl * stride_ss + rn[:, None] * stride_sn + kb[None, :],
                                mask=(kb < KB)[None, :], other=0)
                 bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
@@ -224,23 +225,25 @@ NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
 
 
 def _decode_configs(batched: bool):
-    tiles = ((4, 64, 1, 4), (4, 128, 1, 4), (8, 64, 1, 4), (8, 128, 1, 4), (16, 64, 1, 4), (8, 64, 2, 4),
-             (4, 128, 2, 4), (8, 128, 1, 8), (16, 128, 1, 8), (4, 64, NO_SPLIT, 4), (2, 128, NO_SPLIT, 4),
-             (8, 64, 4, 4))
+    """Decode tiles (BLOCK_N, BLOCK_KB, CHUNK_ITERS, warps), from a sweep on an H200 over the
+    Llama-2-70B layer shapes (tests/gpu/tune_kernels.py): few rows per program, 1–2 K bytes per step."""
     if batched:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w)
-                for bm in (1, 4, 16) for bn, bkb, it, w in tiles[:6]]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles]
+                for bm, bn, bkb, it, w in ((1, 4, 128, 1, 4), (1, 2, 128, NO_SPLIT, 4), (2, 4, 128, 1, 4),
+                                           (4, 4, 128, 1, 4), (4, 2, 128, NO_SPLIT, 4), (8, 4, 128, 1, 4),
+                                           (4, 8, 64, 1, 4), (16, 4, 64, 1, 4))]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w)
+            for bn, bkb, it, w in ((2, 128, NO_SPLIT, 4), (1, 256, NO_SPLIT, 4), (2, 256, NO_SPLIT, 8),
+                                   (1, 128, NO_SPLIT, 2), (2, 128, 2, 4), (2, 128, 4, 4), (4, 128, 2, 4),
+                                   (1, 256, 2, 4), (2, 64, NO_SPLIT, 2), (4, 128, 1, 4), (4, 64, NO_SPLIT, 4))]
 
 
 def _mm_configs():
     return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "W_AS_A": wa}, num_warps=w, num_stages=st)
             for bn, bm, bk, w, st, wa in (
-                (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, False),
-                (256, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False), (64, 256, 64, 8, 3, False),
-                (128, 128, 64, 4, 4, True), (128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
-                (256, 128, 64, 8, 3, True), (64, 16, 128, 4, 4, True), (128, 16, 128, 4, 4, True),
-                (64, 64, 128, 4, 4, False), (128, 32, 128, 4, 4, True))]
+                (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (64, 256, 64, 8, 3, False),
+                (128, 128, 64, 8, 3, True), (128, 16, 128, 4, 4, True), (64, 16, 128, 4, 4, True),
+                (128, 32, 64, 4, 4, True), (128, 64, 64, 4, 4, True))]
 
 
 _WORKSPACE: dict = {}  # device -> (float32 partial sums [≥ M·N], int32 counters): zero between calls
@@ -330,7 +333,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
         ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
-        args = (x2, weight, sign, alpha, alpha, b, y, ws, cnt, m, n, k, kb,
+        args = (x2, weight, sign, alpha, alpha, b, y, ws, cnt, m, n, k, kb, 1,
                 x2.stride(0), weight.stride(0), 0, sign.stride(0), 0, y.stride(0))
         if _interpret():
             _decode_kernel[(triton.cdiv(n, 8), triton.cdiv(kb, 64), 1)](
@@ -372,7 +375,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     _check(x, weight)
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
-    check_batched_args(x, weight, signs, alphas, slot)
+    check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
     m = x.shape[0]
     n, k = weight.shape
     kb = (k + 7) // 8
@@ -386,7 +389,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         return y
     ws, cnt = _workspace(x.device, m * n, triton.cdiv(m, 1) * triton.cdiv(n, 2))
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
-            m, n, k, kb, x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
+            m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
     flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
     if _interpret():

@@ -150,3 +150,46 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
     with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_split_k_partial_sums_meet_and_the_workspace_is_left_zero(m):
+    """K = 1000 spans two K-chunks of the decode kernel (interpreter tiles: 2 × 32 bytes = 512 k), so
+    the two programs' partial sums meet in the float32 workspace; calling twice gives the same y and
+    leaves the workspace and its counters at zero."""
+    from kernels import triton_bitdelta as tb
+
+    x, w, sign, alpha, b = _case(m, 24, 1000, torch.bfloat16, True, True, seed=3)
+    ref = bitdelta_linear(x.float(), w.float(), sign, alpha, b.float())
+    dev = [t.to(DEVICE) for t in (x, w, sign, alpha, b)]
+    y1 = bitdelta_linear_triton(*dev)
+    y2 = bitdelta_linear_triton(*dev)
+    torch.testing.assert_close(y1.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
+    assert torch.equal(y1, y2)
+    ws, cnt = tb._WORKSPACE[y1.device]
+    assert ws.abs().max().item() == 0 and cnt.abs().max().item() == 0
+
+
+def test_batched_custom_op_and_dispatcher():
+    import kernels
+    from kernels.ops import bitdelta_linear_batched_op
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 40, generator=g).bfloat16()
+    w = (0.05 * torch.randn(16, 40, generator=g)).bfloat16()
+    signs = torch.stack([pack_signs(torch.randn(16, 40, generator=g)) for _ in range(2)])
+    alphas = 0.03 + 0.05 * torch.rand(2, 16, generator=g)
+    slot = torch.tensor([1, -1, 0], dtype=torch.int32)
+    dev = [t.to(DEVICE) for t in (x, w, signs, alphas, slot)]
+    torch.library.opcheck(bitdelta_linear_batched_op, tuple(dev), test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: torch.ops.deltafleet.bitdelta_linear_batched(*a) + 1, backend="aot_eager",
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(*dev), bitdelta_linear_batched_triton(*dev) + 1, rtol=0, atol=0)
+    # the dispatcher: the reference off CUDA (exactly), the custom op on CUDA
+    torch.testing.assert_close(kernels.bitdelta_linear_batched(x, w, signs, alphas, slot),
+                               kernels.bitdelta_linear_batched_reference(x, w, signs, alphas, slot), rtol=0, atol=0)
+    if torch.cuda.is_available():
+        cuda = [t.cuda() for t in (x, w, signs, alphas, slot)]
+        torch.testing.assert_close(kernels.bitdelta_linear_batched(*cuda), bitdelta_linear_batched_triton(*cuda),
+                                   rtol=0, atol=0)

@@ -1,0 +1,278 @@
+"""``make bench-kernels``: the Triton BitDelta kernels against dense bf16 ``torch.matmul``, side by side.
+
+    python kernels/bench.py machine=h200
+    python kernels/bench.py shapes=[llama2-70b] ms=[1,2048] tenants=[1,16]
+
+For each layer shape (Llama-2-7B and -70B linears, ``conf/bench_kernels.yaml``) it times, on the
+same random tensors in one run:
+
+* ``dense``: ``x @ W.T`` in bf16 (cuBLAS) — the denominator of every ratio;
+* ``naive``: unpack the signs to bf16, ``W + α·S``, then the matmul (the path the kernel replaces);
+* ``triton``: :func:`kernels.bitdelta_linear` (the custom op; decode kernel for M ≤ 4, tensor-core
+  kernel above), for M in ``ms``;
+* mixed tenants, T variants with one token each (M = T): ``dense`` at M = T,
+  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`) and, as a reference row,
+  ``bitdelta_style``: BitDelta's approach of unpacking each tenant's signs and a batched matmul
+  (``x·Wᵀ`` shared, ``α_t ⊙ bmm(x_t, S_tᵀ)``; our torch code, not theirs).
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), replayed from a
+CUDA graph when ``timing=cuda_graph`` (as a serving engine replays decode steps; no Python launch
+overhead in either side of a ratio) or launched eagerly. Achieved bandwidth = bytes the kernel
+must read and write (W, signs, α, x, y) ÷ time, against the bandwidth of a device-to-device copy
+timed in the same run. A "layer set" figure is Σ time over the four linears of one model ÷ Σ dense.
+
+Writes ``reports/<report_name>.json`` and ``.png``; prints the issue-5 targets (decode M = 1 and
+prefill M = 2048 ≤ 1.10 × dense over the 70B layer set; T tenants ≤ 1.1·(1 + T/16) × dense).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import kernels.reference  # noqa: F401
+except ImportError:  # `python kernels/bench.py` puts kernels/ first on sys.path, not the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.modules.pop("kernels", None)
+
+import torch
+
+TARGET_SINGLE = 1.10
+
+
+def target_tenants(t: int) -> float:
+    """Issue 5's bound for T tenants at M = T: 1.1 · (1 + T/16) × dense (1 + T/16: W once + T sign sets)."""
+    return 1.1 * (1 + t / 16)
+
+
+def _timer(timing: str, rep_ms: int):
+    import triton.testing
+
+    if timing == "cuda_graph":
+        def run(fn):
+            fn()  # allocations (split-K workspace, autotuning) happen before capture
+            torch.cuda.synchronize()
+            return triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
+    elif timing == "eager":
+        def run(fn):
+            return triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms)
+    else:
+        raise ValueError(f"timing must be cuda_graph or eager, got {timing!r}")
+    return run
+
+
+def copy_bandwidth(nbytes: int, bench) -> float:
+    """Device-to-device copy bandwidth in GB/s (10⁹ bytes), counting bytes read + written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _naive(x, w, sign, alpha, k, dtype):
+    from kernels import unpack_signs
+
+    a = alpha.to(dtype)[:, None] if alpha.dim() == 1 else alpha.to(dtype)
+    return x @ (w + a * unpack_signs(sign, k, dtype)).t()
+
+
+def _bitdelta_style(x, w, signs, alphas, k, dtype):
+    """Unpack each tenant's signs to the activation dtype, then one bmm for the deltas."""
+    from kernels import unpack_signs
+
+    base = x @ w.t()
+    s = unpack_signs(signs, k, dtype)                                    # [T, N, K]
+    d = torch.bmm(x[:, None, :], s.transpose(1, 2))[:, 0, :]            # [T, N]
+    return base + alphas.to(dtype) * d
+
+
+def run(cfg) -> dict:
+    """Run the benchmark described by ``cfg`` (``conf/bench_kernels.yaml``); returns the report.
+
+    Raises:
+        RuntimeError: without a CUDA device.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("make bench-kernels needs a CUDA GPU (the kernels' CPU tests are `make test`)")
+    import triton
+
+    from kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs
+
+    dtype = getattr(torch, cfg.dtype)
+    bench = _timer(cfg.timing, cfg.rep_ms)
+    g = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    copy_gbs = copy_bandwidth(int(cfg.copy_bytes), bench)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    rows, t0 = [], time.time()
+    for model in cfg.shapes:
+        layers = {name: tuple(nk) for name, nk in cfg.layer_shapes[model].items()}
+        tensors = {}
+        for name, (n, k) in layers.items():
+            w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).to(dtype)
+            sign = pack_signs(torch.randn(n, k, device="cuda", generator=g))
+            alpha = (0.004 + 0.002 * torch.rand(n, device="cuda", generator=g)) if cfg.alpha_granularity == "row" \
+                else torch.tensor(0.005, device="cuda")
+            tensors[name] = (w, sign, alpha)
+        for m in cfg.ms:
+            for name, (n, k) in layers.items():
+                w, sign, alpha = tensors[name]
+                x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+                y = bitdelta_linear(x, w, sign, alpha)
+                ref = _naive(x.float(), w.float(), sign, alpha.float(), k, torch.float32)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t = {"dense": bench(lambda: x @ w.t()),
+                     "naive": bench(lambda: _naive(x, w, sign, alpha, k, dtype)),
+                     "triton": bench(lambda: bitdelta_linear(x, w, sign, alpha))}
+                nbytes = 2 * n * k + n * ((k + 7) // 8) + 4 * alpha.numel() + 2 * m * (k + n)
+                rows.append({"kind": "single", "model": model, "layer": name, "N": n, "K": k, "M": m,
+                             **{f"{key}_ms": v for key, v in t.items()},
+                             "triton_over_dense": t["triton"] / t["dense"], "naive_over_dense": t["naive"] / t["dense"],
+                             "triton_GBps": nbytes / (t["triton"] * 1e-3) / 1e9,
+                             "dense_GBps": (2 * n * k + 2 * m * (k + n)) / (t["dense"] * 1e-3) / 1e9,
+                             "max_rel_err": err})
+                print(f"[{time.time() - t0:5.0f}s] {model} {name:8s} M={m:5d} dense {t['dense'] * 1e3:9.1f} us  "
+                      f"triton {t['triton'] / t['dense']:6.3f}x  naive {t['naive'] / t['dense']:6.2f}x  "
+                      f"{rows[-1]['triton_GBps']:6.0f} GB/s  err {err:.1e}", flush=True)
+        for t_count in cfg.tenants:
+            for name, (n, k) in layers.items():
+                w = tensors[name][0]
+                signs = torch.randint(0, 256, (t_count, n, (k + 7) // 8), device="cuda", dtype=torch.uint8,
+                                      generator=g)
+                alphas = 0.004 + 0.002 * torch.rand(t_count, n, device="cuda", generator=g)
+                slot = torch.arange(t_count, device="cuda", dtype=torch.int32)
+                x = torch.randn(t_count, k, device="cuda", generator=g).to(dtype)
+                y = bitdelta_linear_batched(x, w, signs, alphas, slot)
+                ref = bitdelta_linear_batched_reference(x.float(), w.float(), signs, alphas, slot)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t = {"dense": bench(lambda: x @ w.t()),
+                     "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, signs, alphas, slot))}
+                if cfg.bitdelta_style:
+                    t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
+                nbytes = 2 * n * k + t_count * (n * ((k + 7) // 8) + 4 * n) + 2 * t_count * (k + n)
+                rows.append({"kind": "tenants", "model": model, "layer": name, "N": n, "K": k, "T": t_count,
+                             "M": t_count, **{f"{key}_ms": v for key, v in t.items()},
+                             **{f"{key}_over_dense": v / t["dense"] for key, v in t.items() if key != "dense"},
+                             "triton_batched_GBps": nbytes / (t["triton_batched"] * 1e-3) / 1e9, "max_rel_err": err})
+                print(f"[{time.time() - t0:5.0f}s] {model} {name:8s} T={t_count:3d} dense {t['dense'] * 1e3:9.1f} us  "
+                      f"batched {t['triton_batched'] / t['dense']:6.3f}x  "
+                      f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}",
+                      flush=True)
+            del signs
+        del tensors
+        torch.cuda.empty_cache()
+        partial = Path(cfg.paths.reports_dir) / f"{cfg.report_name}.partial.json"  # survives an interrupted run
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"copy_GBps": copy_gbs, "rows": rows}))
+    summary = _summary(rows, cfg)
+    for line in summary["lines"]:
+        print(line, flush=True)
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__,
+                        "triton": triton.__version__, "cuda": torch.version.cuda},
+            "config": _plain(cfg),
+            "copy_GBps": copy_gbs, "summary": summary, "rows": rows}
+
+
+def _plain(cfg) -> dict:
+    """The benchmark settings as plain JSON values (without the paths group)."""
+    from omegaconf import OmegaConf
+
+    keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
+            "bitdelta_style", "copy_bytes", "seed", "machine")
+    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in keys}
+
+
+def _summary(rows: list[dict], cfg) -> dict:
+    """Layer-set ratios (Σ time ÷ Σ dense over each model's linears) and the issue-5 targets."""
+    out: dict = {"single": {}, "tenants": {}, "targets": {}, "lines": []}
+    for model in cfg.shapes:
+        for m in cfg.ms:
+            rs = [r for r in rows if r["kind"] == "single" and r["model"] == model and r["M"] == m]
+            d = sum(r["dense_ms"] for r in rs)
+            out["single"][f"{model}/M={m}"] = {key: sum(r[f"{key}_ms"] for r in rs) / d for key in ("triton", "naive")}
+        for t in cfg.tenants:
+            rs = [r for r in rows if r["kind"] == "tenants" and r["model"] == model and r["T"] == t]
+            d = sum(r["dense_ms"] for r in rs)
+            keys = ["triton_batched"] + (["bitdelta_style"] if cfg.bitdelta_style else [])
+            out["tenants"][f"{model}/T={t}"] = {key: sum(r[f"{key}_ms"] for r in rs) / d for key in keys}
+    if "llama2-70b" in cfg.shapes:
+        for m in (1, 2048):
+            if m in cfg.ms:
+                v = out["single"][f"llama2-70b/M={m}"]["triton"]
+                out["targets"][f"M={m}"] = {"ratio": v, "bound": TARGET_SINGLE, "met": v <= TARGET_SINGLE}
+        for t in cfg.tenants:
+            v = out["tenants"][f"llama2-70b/T={t}"]["triton_batched"]
+            out["targets"][f"T={t}"] = {"ratio": v, "bound": target_tenants(t), "met": v <= target_tenants(t)}
+    for key, v in out["single"].items():
+        out["lines"].append(f"{key:22s} triton {v['triton']:6.3f}x  naive {v['naive']:6.2f}x dense (layer set)")
+    for key, v in out["tenants"].items():
+        out["lines"].append(f"{key:22s} " + "  ".join(f"{k2} {v2:6.3f}x" for k2, v2 in v.items()) + " dense (layer set)")
+    for key, v in out["targets"].items():
+        out["lines"].append(f"target 70B {key:7s} {v['ratio']:6.3f}x ≤ {v['bound']:.3f}x: {'met' if v['met'] else 'NOT met'}")
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Two panels: single-variant ratio vs M, and mixed-tenant ratio vs T (log scale), with the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = report["config"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    for model, style in zip(cfg["shapes"], ("-", "--")):
+        ms = cfg["ms"]
+        s = report["summary"]["single"]
+        a1.plot(ms, [s[f"{model}/M={m}"]["triton"] for m in ms], "o" + style, color="C0", label=f"triton ({model})")
+        a1.plot(ms, [s[f"{model}/M={m}"]["naive"] for m in ms], "s" + style, color="C3", label=f"naive unpack ({model})")
+        ts = cfg["tenants"]
+        s = report["summary"]["tenants"]
+        a2.plot(ts, [s[f"{model}/T={t}"]["triton_batched"] for t in ts], "o" + style, color="C0",
+                label=f"triton batched ({model})")
+        if cfg["bitdelta_style"]:
+            a2.plot(ts, [s[f"{model}/T={t}"]["bitdelta_style"] for t in ts], "s" + style, color="C1",
+                    label=f"BitDelta-style unpack + bmm ({model})")
+    a1.axhline(TARGET_SINGLE, color="k", lw=0.8, ls=":", label="target 1.10×")
+    a1.axhline(1.0625, color="grey", lw=0.8, ls="-.", label="limit 1.0625× (W + signs)")
+    a1.set(xscale="log", yscale="log", xlabel="tokens M (one variant)", ylabel="time ÷ dense bf16 matmul",
+           title="one variant, layer set")
+    ts = report["config"]["tenants"]
+    a2.plot(ts, [target_tenants(t) for t in ts], "k:", lw=0.8, label="target 1.1·(1 + T/16)")
+    a2.plot(ts, [1 + t / 16 for t in ts], color="grey", ls="-.", lw=0.8, label="limit 1 + T/16")
+    a2.set(xscale="log", yscale="log", xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
+           title="mixed variants in one call, layer set")
+    for a in (a1, a2):
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=7)
+    m = report["machine"]
+    fig.suptitle(f"BitDelta kernels vs dense bf16 — {m['gpu']}, torch {m['torch']}, triton {m['triton']}, "
+                 f"{report['config']['timing']} timing, {report['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(cfg) -> dict:
+    report = run(cfg)
+    reports = Path(cfg.paths.reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    js, png = reports / f"{cfg.report_name}.json", reports / f"{cfg.report_name}.png"
+    tmp = js.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(js)
+    plot(report, png)
+    (reports / f"{cfg.report_name}.partial.json").unlink(missing_ok=True)
+    print(f"wrote {js} and {png}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    import hydra
+
+    hydra.main(config_path="../conf", config_name="bench_kernels", version_base="1.3")(main)()

@@ -1,0 +1,62 @@
+"""kernels/bench.py off the GPU: the layer-set summary, the issue-5 targets and the plot, from
+rows built here (the timings themselves need a CUDA GPU: `make bench-kernels`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kernels import bench
+
+
+def _cfg(tmp_path):
+    return OmegaConf.create({
+        "shapes": ["llama2-70b"], "layer_shapes": {"llama2-70b": {"a": [4, 8], "b": [2, 8]}}, "ms": [1, 2048],
+        "tenants": [1, 16], "dtype": "bfloat16", "alpha_granularity": "row", "timing": "cuda_graph", "rep_ms": 10,
+        "bitdelta_style": True, "copy_bytes": 1024, "seed": 0, "machine": "test",
+        "paths": {"reports_dir": str(tmp_path)}, "report_name": "r"})
+
+
+def _rows():
+    rows = []
+    # layer a: dense 1.0 ms, layer b: dense 3.0 ms; triton 1.2 and 3.0 → set ratio (1.2 + 3.0) / 4 = 1.05
+    for m, (ta, tb) in {1: (1.2, 3.0), 2048: (1.5, 3.5)}.items():
+        for layer, d, t in (("a", 1.0, ta), ("b", 3.0, tb)):
+            rows.append({"kind": "single", "model": "llama2-70b", "layer": layer, "M": m, "dense_ms": d,
+                         "naive_ms": 10 * d, "triton_ms": t})
+    for t_count, (ba, bb) in {1: (1.0, 3.6), 16: (3.0, 6.0)}.items():
+        for layer, d, t in (("a", 1.0, ba), ("b", 3.0, bb)):
+            rows.append({"kind": "tenants", "model": "llama2-70b", "layer": layer, "T": t_count, "dense_ms": d,
+                         "triton_batched_ms": t, "bitdelta_style_ms": 5 * d})
+    return rows
+
+
+def test_summary_is_the_ratio_of_sums_and_checks_the_targets(tmp_path):
+    s = bench._summary(_rows(), _cfg(tmp_path))
+    assert s["single"]["llama2-70b/M=1"]["triton"] == pytest.approx(4.2 / 4.0)
+    assert s["single"]["llama2-70b/M=2048"]["triton"] == pytest.approx(5.0 / 4.0)
+    assert s["single"]["llama2-70b/M=1"]["naive"] == pytest.approx(10.0)
+    assert s["targets"]["M=1"] == {"ratio": pytest.approx(1.05), "bound": 1.10, "met": True}
+    assert s["targets"]["M=2048"]["met"] is False
+    # T=1: (1.0 + 3.6) / 4 = 1.15 ≤ 1.1·(1 + 1/16) = 1.16875; T=16: 9/4 = 2.25 > 2.2
+    assert s["targets"]["T=1"]["met"] is True and s["targets"]["T=1"]["bound"] == pytest.approx(1.16875)
+    assert s["targets"]["T=16"]["ratio"] == pytest.approx(2.25) and s["targets"]["T=16"]["met"] is False
+    assert s["tenants"]["llama2-70b/T=16"]["bitdelta_style"] == pytest.approx(5.0)
+    assert "target 70B T=16     2.250x ≤ 2.200x: NOT met" in s["lines"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    cfg = _cfg(tmp_path)
+    report = {"config": bench._plain(cfg), "summary": bench._summary(_rows(), cfg), "date": "2026-11-29T00:00:00",
+              "machine": {"gpu": "none", "torch": torch.__version__, "triton": "-"}}
+    json.dumps(report)  # the report is plain JSON
+    bench.plot(report, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_run_needs_a_gpu(tmp_path):
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.run(_cfg(tmp_path))
