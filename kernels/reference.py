@@ -15,6 +15,14 @@ from __future__ import annotations
 import torch
 
 _BIT_WEIGHTS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)  # [8]: 1, 2, 4, ..., 128
+_BIT_WEIGHTS_ON: dict = {}  # device -> _BIT_WEIGHTS there (no host-to-device copy per call, e.g. in a CUDA graph)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS_ON.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS_ON[device] = _BIT_WEIGHTS.to(device)
+    return w
 
 
 def packed_width(k: int) -> int:
@@ -47,7 +55,7 @@ def pack_signs(delta: torch.Tensor) -> torch.Tensor:
     if kp * 8 != k:
         bits = torch.nn.functional.pad(bits, (0, kp * 8 - k))
     bits = bits.view(n, kp, 8)
-    weights = _BIT_WEIGHTS.to(bits.device)
+    weights = _bit_weights(bits.device)
     return (bits * weights).sum(dim=-1, dtype=torch.uint8)  # ≤ 255: no overflow
 
 
@@ -63,7 +71,7 @@ def unpack_bits(packed: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(
             f"packed signs have {packed.shape[-1]} bytes per row, expected ceil({k}/8) = {packed_width(k)}"
         )
-    weights = _BIT_WEIGHTS.to(packed.device)
+    weights = _bit_weights(packed.device)
     bits = (packed.unsqueeze(-1) & weights) != 0  # [..., N, kp, 8]
     return bits.flatten(-2)[..., :k].to(torch.uint8)
 
