@@ -11,7 +11,8 @@ same random tensors in one run:
 * ``triton``: :func:`kernels.bitdelta_linear` (the custom op; decode kernel for M ≤ 4, tensor-core
   kernel above), for M in ``ms``;
 * mixed tenants, T variants with one token each (M = T): ``dense`` at M = T,
-  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`) and, as a reference row,
+  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`), each of its two kernels on its own
+  (``batched_fma``, ``batched_lut``: ``batched_impls``) and, as a reference row,
   ``bitdelta_style``: BitDelta's approach of unpacking each tenant's signs and a batched matmul
   (``x·Wᵀ`` shared, ``α_t ⊙ bmm(x_t, S_tᵀ)``; our torch code, not theirs).
 
@@ -102,6 +103,7 @@ def run(cfg) -> dict:
     import triton
 
     from kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     dtype = getattr(torch, cfg.dtype)
     bench = _timer(cfg.timing, cfg.rep_ms)
@@ -151,6 +153,9 @@ def run(cfg) -> dict:
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = {"dense": bench(lambda: x @ w.t()),
                      "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, signs, alphas, slot))}
+                for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
+                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
+                                                                                        impl=impl))
                 if cfg.bitdelta_style:
                     t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
                 nbytes = 2 * n * k + t_count * (n * ((k + 7) // 8) + 4 * n) + 2 * t_count * (k + n)
@@ -163,11 +168,10 @@ def run(cfg) -> dict:
                       f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}",
                       flush=True)
             del signs
+            _write_partial(cfg, copy_gbs, rows)
         del tensors
         torch.cuda.empty_cache()
-        partial = Path(cfg.paths.reports_dir) / f"{cfg.report_name}.partial.json"  # survives an interrupted run
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"copy_GBps": copy_gbs, "rows": rows}))
+        _write_partial(cfg, copy_gbs, rows)
     summary = _summary(rows, cfg)
     for line in summary["lines"]:
         print(line, flush=True)
@@ -178,12 +182,19 @@ def run(cfg) -> dict:
             "copy_GBps": copy_gbs, "summary": summary, "rows": rows}
 
 
+def _write_partial(cfg, copy_gbs: float, rows: list[dict]) -> None:
+    """The rows so far, in ``<report_name>.partial.json`` (survives an interrupted run; removed at the end)."""
+    partial = Path(cfg.paths.reports_dir) / f"{cfg.report_name}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps({"copy_GBps": copy_gbs, "rows": rows}))
+
+
 def _plain(cfg) -> dict:
     """The benchmark settings as plain JSON values (without the paths group)."""
     from omegaconf import OmegaConf
 
     keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
-            "bitdelta_style", "copy_bytes", "seed", "machine")
+            "bitdelta_style", "batched_impls", "copy_bytes", "seed", "machine")
     return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in keys}
 
 
@@ -198,7 +209,8 @@ def _summary(rows: list[dict], cfg) -> dict:
         for t in cfg.tenants:
             rs = [r for r in rows if r["kind"] == "tenants" and r["model"] == model and r["T"] == t]
             d = sum(r["dense_ms"] for r in rs)
-            keys = ["triton_batched"] + (["bitdelta_style"] if cfg.bitdelta_style else [])
+            keys = ["triton_batched"] + [f"batched_{i}" for i in cfg.get("batched_impls", [])] \
+                + (["bitdelta_style"] if cfg.bitdelta_style else [])
             out["tenants"][f"{model}/T={t}"] = {key: sum(r[f"{key}_ms"] for r in rs) / d for key in keys}
     if "llama2-70b" in cfg.shapes:
         for m in (1, 2048):
@@ -235,6 +247,9 @@ def plot(report: dict, path: Path) -> None:
         s = report["summary"]["tenants"]
         a2.plot(ts, [s[f"{model}/T={t}"]["triton_batched"] for t in ts], "o" + style, color="C0",
                 label=f"triton batched ({model})")
+        for i, impl in enumerate(cfg.get("batched_impls", [])):
+            a2.plot(ts, [s[f"{model}/T={t}"][f"batched_{impl}"] for t in ts], "^v"[i % 2] + style, color=f"C{2 + i}",
+                    label=f"triton batched, {impl} kernel ({model})")
         if cfg["bitdelta_style"]:
             a2.plot(ts, [s[f"{model}/T={t}"]["bitdelta_style"] for t in ts], "s" + style, color="C1",
                     label=f"BitDelta-style unpack + bmm ({model})")

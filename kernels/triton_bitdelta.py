@@ -221,6 +221,97 @@ def _mm_kernel(
 # ---------------------------------------------------------------------------------------------
 # configurations (GPU); the interpreter uses the fixed tiles in _INTERPRET_*
 
+@triton.jit
+def _tenants_kernel(
+    x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KB, NSLOT,
+    stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
+    ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+):
+    """Mixed tenants with a table lookup for the signs (the "Four Russians" trick).
+
+    ``y[m] = x[m]·Wᵀ + α_t ⊙ (x[m]·S_tᵀ)``, ``S_t = 2·B_t − 1``, so
+    ``x[m]·S_tᵀ = 2·x[m]·B_tᵀ − Σ_k x[m, k]``. The base product of the program's rows is one
+    tensor-core ``tl.dot`` (W read once, shared by all rows). For the 0/1 part each row builds, per
+    K step, a table of the 16 sums of every subset of 4 consecutive activations
+    (``lut[g, e] = Σ_{j: bit j of e} x[4g + j]``), and each 4-bit nibble of its tenant's sign bytes
+    picks one entry (``tl.gather``): one lookup and one add per 4 weights instead of unpacking and
+    multiply-adding each bit. Cost per (row, weight) ≈ ¼ lookup + ¼ add (+ the table, shared by the
+    ``BLOCK_N`` output features)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    SPLIT = tl.num_programs(1)
+    BMP: tl.constexpr = 16 if BLOCK_M < 16 else BLOCK_M  # the dot's N dimension (≥ 16)
+    G: tl.constexpr = BLOCK_K // 4                          # nibbles per K step
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BMP)
+    rows_p = pid_m * BLOCK_M + offs_p
+    ok_p = (offs_p < BLOCK_M) & (rows_p < M)
+    kb_lo = pid_k * (BLOCK_K // 8 * CHUNK_ITERS)
+    kb_hi = tl.minimum(kb_lo + BLOCK_K // 8 * CHUNK_ITERS, KB)
+    # 1. base product of all rows: acc_b[n, i] = Σ_k W[n, k]·x[row i, k]
+    acc_b = tl.zeros((BLOCK_N, BMP), dtype=tl.float32)
+    for kb0 in range(kb_lo, kb_hi, BLOCK_K // 8):
+        k = kb0 * 8 + offs_k
+        if EVEN:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :])
+        else:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(k < K)[None, :], other=0.0)
+        xt = tl.load(x_ptr + (rows_p % M)[None, :] * stride_xm + k[:, None], mask=ok_p[None, :] & (k < K)[:, None],
+                     other=0.0)                                                     # [BK, BMP]
+        if DOT_FP32:
+            acc_b += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc_b = tl.dot(w, xt, acc_b)
+    # 2. per row: its tenant's 0/1 sums by table lookup
+    offs_g = tl.arange(0, G)
+    e = tl.arange(0, 4)
+    sel = ((e[None, :] >> tl.arange(0, 2)[:, None]) & 1).to(tl.float32)           # [2, 4]: bit j of e
+    for i in tl.static_range(BLOCK_M):
+        row = pid_m * BLOCK_M + i
+        r = row % M
+        slot = tl.load(slot_ptr + r)
+        has = (slot >= 0) & (slot < NSLOT)  # −1 (or out of range): base only
+        sl = tl.where(has, slot, 0)
+        base = tl.sum(tl.where(offs_p[None, :] == i, acc_b, 0.0), axis=1)          # [BN]
+        part = base
+        if has:
+            acc_s = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((G,), dtype=tl.float32)
+            for kb0 in range(kb_lo, kb_hi, BLOCK_K // 8):
+                k4 = kb0 * 8 + offs_g[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2 \
+                    + tl.arange(0, 2)[None, None, :]                                 # [G, 2, 2]: k = 4g + 2p + q
+                x4 = tl.load(x_ptr + r * stride_xm + k4, mask=k4 < K, other=0.0).to(tl.float32)
+                pair_lo = tl.sum(x4 * tl.where(tl.arange(0, 2)[None, :, None] == 0, 1.0, 0.0), axis=1)  # x[4g], x[4g+1]
+                pair_hi = tl.sum(x4 * tl.where(tl.arange(0, 2)[None, :, None] == 1, 1.0, 0.0), axis=1)  # x[4g+2], x[4g+3]
+                lo4 = tl.sum(pair_lo[:, :, None] * sel[None, :, :], axis=1)         # [G, 4]: subsets of bits 0, 1
+                hi4 = tl.sum(pair_hi[:, :, None] * sel[None, :, :], axis=1)         # [G, 4]: subsets of bits 2, 3
+                lut = tl.reshape(hi4[:, :, None] + lo4[:, None, :], (G, 16))        # lut[g, 4·hi + lo]
+                xsum += tl.sum(pair_lo, axis=1) + tl.sum(pair_hi, axis=1)
+                kbyte = kb0 + offs_g // 2
+                byte = tl.load(s_ptr + sl * stride_ss + rn[None, :] * stride_sn + kbyte[:, None],
+                               mask=(kbyte < KB)[:, None], other=0).to(tl.int32)    # [G, BN]
+                nib = (byte >> ((offs_g % 2) * 4)[:, None]) & 15
+                acc_s += tl.gather(lut, nib, axis=1)
+            if ALPHA_PER_ROW:
+                alpha_i = tl.load(a_ptr + sl * stride_as + rn)
+            else:
+                alpha_i = tl.load(a_ptr + sl * stride_as)
+            part = base + alpha_i * (2.0 * tl.sum(acc_s, axis=0) - tl.sum(xsum, axis=0))
+        _emit(part, row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS)
+    if SPLIT > 1:
+        tl.debug_barrier()  # every thread's partial sums are in before the count
+        done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            for i in tl.static_range(BLOCK_M):
+                _finish(pid_m * BLOCK_M + i, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")
+
+
 NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
 
 
@@ -236,6 +327,13 @@ def _decode_configs(batched: bool):
             for bn, bkb, it, w in ((2, 128, NO_SPLIT, 4), (1, 256, NO_SPLIT, 4), (2, 256, NO_SPLIT, 8),
                                    (1, 128, NO_SPLIT, 2), (2, 128, 2, 4), (2, 128, 4, 4), (4, 128, 2, 4),
                                    (1, 256, 2, 4), (2, 64, NO_SPLIT, 2), (4, 128, 1, 4), (4, 64, NO_SPLIT, 4))]
+
+
+def _lut_configs():
+    """Table-lookup mixed-tenant tiles (BLOCK_N, BLOCK_K, CHUNK_ITERS, warps, stages): two pipeline
+    stages keep the shared memory of a program small enough for several programs per SM."""
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "CHUNK_ITERS": it}, num_warps=w, num_stages=st)
+            for bn, bk, it, w, st in ((64, 128, 8, 4, 2), (128, 128, 8, 4, 2), (64, 256, 4, 4, 2))]
 
 
 def _mm_configs():
@@ -274,9 +372,23 @@ def _mm_entry(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
                ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K)
 
 
-_decode_tuned = triton.autotune(configs=_decode_configs(False), key=["N", "K", "BLOCK_M"])(_decode_kernel)
-_batched_tuned = triton.autotune(configs=_decode_configs(True), key=["N", "K", "M"])(_decode_kernel)
-_mm_tuned = triton.autotune(configs=_mm_configs(), key=["N", "K", "M_BUCKET"])(_mm_entry)
+def _quick_bench(fn, quantiles=None):
+    """Autotuning timer for tests (``DELTAFLEET_TRITON_QUICK_TUNE=1``): a few runs per configuration
+    instead of Triton's ~100 ms, so a test suite of many small shapes does not spend minutes tuning."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=1, rep=2, quantiles=quantiles)
+
+
+def _autotune(configs, key, fn):
+    kw = {"do_bench": _quick_bench} if os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1" else {}
+    return triton.autotune(configs=configs, key=key, **kw)(fn)
+
+
+_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
+_batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M"], _decode_kernel)
+_mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET"], _mm_entry)
+_lut_tuned = _autotune(_lut_configs(), ["N", "K", "M"], _tenants_kernel)
 
 
 def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
@@ -355,12 +467,14 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
 
 def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
                                    alphas: torch.Tensor, slot: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                                   bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
     """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
 
-    Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``);
-    ``W + α_t·s_t`` is formed in float32 registers (no rounding); each base tile is loaded once
-    per program and shared by the program's rows.
+    Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
+    base tile is loaded once per program and shared by the program's rows. Two kernels (``impl``):
+    ``"fma"`` (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row, no
+    rounding; the default for one row) and ``"lut"`` (``_tenants_kernel``: base product on tensor
+    cores, signs by table lookup; the default for two rows or more).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -370,9 +484,12 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: on a dtype or shape outside the contract, or a slot outside ``[−1, S)``.
+        ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
+            when ``slot`` is on the CPU; on a GPU such rows get the base only), or an unknown ``impl``.
     """
     _check(x, weight)
+    if impl not in (None, "fma", "lut"):
+        raise ValueError(f"impl must be 'fma' or 'lut', got {impl!r}")
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
@@ -391,6 +508,17 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
+    impl = impl or ("fma" if m == 1 else "lut")
+    if impl == "lut":
+        flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+        bm = min(16, triton.next_power_of_2(m))
+        if _interpret():
+            _tenants_kernel[(triton.cdiv(n, 16), triton.cdiv(kb, 16), triton.cdiv(m, bm))](
+                *args, **flags, EVEN=k % 128 == 0, DOT_FP32=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=64, CHUNK_ITERS=2)
+        else:
+            _lut_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]),
+                                     triton.cdiv(m, bm))](*args, **flags, EVEN=k % 1024 == 0, DOT_FP32=False, BLOCK_M=bm)
+        return y
     flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
     if _interpret():
         _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](

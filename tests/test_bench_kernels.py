@@ -15,7 +15,7 @@ def _cfg(tmp_path):
     return OmegaConf.create({
         "shapes": ["llama2-70b"], "layer_shapes": {"llama2-70b": {"a": [4, 8], "b": [2, 8]}}, "ms": [1, 2048],
         "tenants": [1, 16], "dtype": "bfloat16", "alpha_granularity": "row", "timing": "cuda_graph", "rep_ms": 10,
-        "bitdelta_style": True, "copy_bytes": 1024, "seed": 0, "machine": "test",
+        "bitdelta_style": True, "batched_impls": ["lut"], "copy_bytes": 1024, "seed": 0, "machine": "test",
         "paths": {"reports_dir": str(tmp_path)}, "report_name": "r"})
 
 
@@ -29,7 +29,7 @@ def _rows():
     for t_count, (ba, bb) in {1: (1.0, 3.6), 16: (3.0, 6.0)}.items():
         for layer, d, t in (("a", 1.0, ba), ("b", 3.0, bb)):
             rows.append({"kind": "tenants", "model": "llama2-70b", "layer": layer, "T": t_count, "dense_ms": d,
-                         "triton_batched_ms": t, "bitdelta_style_ms": 5 * d})
+                         "triton_batched_ms": t, "batched_lut_ms": t, "bitdelta_style_ms": 5 * d})
     return rows
 
 
@@ -44,6 +44,7 @@ def test_summary_is_the_ratio_of_sums_and_checks_the_targets(tmp_path):
     assert s["targets"]["T=1"]["met"] is True and s["targets"]["T=1"]["bound"] == pytest.approx(1.16875)
     assert s["targets"]["T=16"]["ratio"] == pytest.approx(2.25) and s["targets"]["T=16"]["met"] is False
     assert s["tenants"]["llama2-70b/T=16"]["bitdelta_style"] == pytest.approx(5.0)
+    assert s["tenants"]["llama2-70b/T=16"]["batched_lut"] == pytest.approx(2.25)
     assert "target 70B T=16     2.250x ≤ 2.200x: NOT met" in s["lines"]
 
 

@@ -108,13 +108,15 @@ def test_dispatcher_uses_the_reference_off_cuda():
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["fma", "lut"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m, n, k, tenants, row_alpha, bias", [
     (5, 37, 77, 3, True, False),    # ragged N and K, rows of 3 tenants and base-only rows
     (9, 64, 300, 4, False, True),   # more rows than one block of 4, matrix α, bias
     (1, 20, 13, 1, True, True),     # one token
+    (18, 24, 1000, 5, True, False),  # two row blocks of 16 and K split across programs
 ])
-def test_batched_triton_matches_reference(dtype, m, n, k, tenants, row_alpha, bias):
+def test_batched_triton_matches_reference(impl, dtype, m, n, k, tenants, row_alpha, bias):
     from kernels.reference import bitdelta_linear_batched
     from kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
@@ -127,7 +129,8 @@ def test_batched_triton_matches_reference(dtype, m, n, k, tenants, row_alpha, bi
     slot[0] = tenants - 1  # at least one row with a delta
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, None if b is None else b.float())
-    y = bitdelta_linear_batched_triton(*(t.to(DEVICE) if t is not None else None for t in (x, w, signs, alphas, slot, b)))
+    y = bitdelta_linear_batched_triton(*(t.to(DEVICE) if t is not None else None for t in (x, w, signs, alphas, slot, b)),
+                                       impl=impl)
     assert y.shape == (m, n) and y.dtype == dtype
     # no rounding of W + α·s here: only the inputs' and the output's own rounding
     atol = TOL[dtype] * ref.abs().max().item()
@@ -150,6 +153,8 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
     with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="impl must be 'fma' or 'lut', got 'gemm'"):
+        bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="gemm")
 
 
 @pytest.mark.parametrize("m", [1, 3])
