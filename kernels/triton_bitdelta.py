@@ -6,23 +6,34 @@ linear layer). The packed sign bytes (one byte per 8 weights, least significant 
 the bf16 bytes) are read once per tile and unpacked in registers; the reconstructed weight exists
 only in registers and nothing but ``y`` is written to memory.
 
-Three kernels:
+Kernels:
 
-* **decode** (M ≤ ``GEMV_MAX_M``), ``_gemv_kernel``: a GEMV on CUDA cores. A program owns
-  ``BLOCK_N`` output features and walks K in ``8·BLOCK_KB`` steps; each thread holds 8 consecutive
-  weights (one 16-byte load) and the one sign byte that covers them, forms ``W + α·s`` in float32
-  (no rounding) and multiply-adds it with the M activation rows; partial sums stay per thread and
-  are reduced across threads once, after the K loop. Memory-bound: it reads W and the signs once.
-* **prefill** (M > ``GEMV_MAX_M``), ``_mm_kernel``: a tensor-core GEMM computed transposed,
-  ``yᵀ[BLOCK_N, BLOCK_M] = (W + α·s)[BLOCK_N, K] · xᵀ[K, BLOCK_M]``, so that the reconstructed
-  weight tile, formed in registers, is the *register* operand of the product (Hopper's wgmma takes
-  its A operand from registers; x, the B operand, is staged through shared memory by the pipeline).
-  ``W + α·s`` is formed in float32 and rounded once to the activation dtype before the product,
-  which accumulates in float32.
-* **mixed tenants**, ``_batched_kernel``: decode batches in which every row has its own variant
-  (``slot[m]``, −1 = base only). The base tile ``W[n, k]`` is loaded once per K step and shared by
-  all ``BLOCK_M`` rows of the program; each row gathers its own tenant's sign bytes. Bytes read:
-  W once + the signs of each distinct tenant, i.e. ``1 + T/16`` of a dense read for T tenants.
+* **decode** (M ≤ ``GEMV_MAX_M``), ``_decode_kernel`` with ``ONE_DELTA``: a GEMV on CUDA cores.
+  A program owns ``BLOCK_N`` output features and a chunk of K, walked in steps of ``BLOCK_KB``
+  sign bytes (``8·BLOCK_KB`` weights); each thread holds 8 consecutive weights (one 16-byte load)
+  and the sign byte that covers them, forms ``W + α·s`` in float32 (no rounding) and
+  multiply-adds it with each of the M activation rows. When N alone gives too few programs, K is
+  split across programs (``CHUNK_ITERS``): their float32 partial sums are added into a workspace
+  and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
+  one launch does it all. Memory-bound: W and the signs are read once.
+* **prefill** (M > ``GEMV_MAX_M``), ``_mm_kernel``: a tensor-core GEMM. Per K step a
+  ``[BLOCK_N, BLOCK_K]`` tile of W and its ``[BLOCK_N, BLOCK_K/8]`` sign bytes are loaded (both
+  pipelined through shared memory), ``W + α·s`` is formed in float32 and rounded once to the
+  activation dtype, and multiplied with the x tile, accumulating in float32. ``W_AS_A`` chooses
+  whether the reconstructed tile is the product's register operand (``yᵀ = (W + α·s)·xᵀ``) or
+  its shared-memory operand (``y = x·(W + α·s)ᵀ``).
+* **mixed tenants**, ``bitdelta_linear_batched``: decode batches in which every row has its own
+  variant (``slot[m]``, −1 = base only). ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``,
+  the default): the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows,
+  each row forms its own tenant's ``W + α_t·s_t``. ``_tenants_kernel`` (``impl="lut"``): the base
+  product of the rows on tensor cores, the signs by table lookup (see its docstring). Bytes read:
+  W once + each distinct tenant's signs, ``1 + T/16`` of a dense read for T tenants.
+
+Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-29-h200.*):
+decode M = 1 at 1.08× dense bf16 over the Llama-2-70B layer set; M = 2048 at 2.75× (Triton 3.6
+waits for each wgmma whose operand is computed in registers, so the sign expansion and the
+tensor cores do not overlap); mixed tenants at ≈ 1.1·T × dense, i.e. bound by the per-row work,
+not by memory.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -472,9 +483,10 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
 
     Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
     base tile is loaded once per program and shared by the program's rows. Two kernels (``impl``):
-    ``"fma"`` (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row, no
-    rounding; the default for one row) and ``"lut"`` (``_tenants_kernel``: base product on tensor
-    cores, signs by table lookup; the default for two rows or more).
+    ``"fma"`` (the default; ``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row,
+    no rounding) and ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table
+    lookup). On an H200 with Triton 3.6 neither is yet near ``1 + T/16`` × dense for T ≥ 2 and
+    they measure within ±10 % of each other (reports/bench-kernels-tenants-2026-11-29-h200.json).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -508,7 +520,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
-    impl = impl or ("fma" if m == 1 else "lut")
+    impl = impl or "fma"
     if impl == "lut":
         flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
         bm = min(16, triton.next_power_of_2(m))
