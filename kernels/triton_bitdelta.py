@@ -83,6 +83,19 @@ def _finish(row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS: tl
 
 
 @triton.jit
+def _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b_ptr, rn, offs_n,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """End of a K-split program: count it in; the last K-chunk of the (row block, N-tile) takes the
+    sums of its ``BLOCK_M`` rows (``_finish``) and resets the counter."""
+    tl.debug_barrier()  # every thread's partial sums are in before the count
+    done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        for i in tl.static_range(BLOCK_M):
+            _finish(pid_m * BLOCK_M + i, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS)
+        tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")
+
+
+@triton.jit
 def _decode_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, KB, NSLOT,
@@ -149,12 +162,7 @@ def _decode_kernel(
         _emit(tl.sum(tl.where(offs_m[:, None] == i, acc, 0.0), axis=0), pid_m * BLOCK_M + i, M, N, y_ptr,
               stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS)
     if SPLIT > 1:
-        tl.debug_barrier()  # every thread's partial sums are in before the count
-        done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
-        if done == SPLIT - 1:  # the last K-chunk of this tile: take the sums, write y, reset
-            for i in tl.static_range(BLOCK_M):
-                _finish(pid_m * BLOCK_M + i, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS)
-            tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")
+        _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b_ptr, rn, offs_n, HAS_BIAS, BLOCK_M)
 
 
 @triton.jit
@@ -315,12 +323,7 @@ def _tenants_kernel(
             part = base + alpha_i * (2.0 * tl.sum(acc_s, axis=0) - tl.sum(xsum, axis=0))
         _emit(part, row, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS)
     if SPLIT > 1:
-        tl.debug_barrier()  # every thread's partial sums are in before the count
-        done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            for i in tl.static_range(BLOCK_M):
-                _finish(pid_m * BLOCK_M + i, M, N, y_ptr, stride_ym, ws_ptr, b_ptr, rn, offs_n, HAS_BIAS)
-            tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")
+        _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b_ptr, rn, offs_n, HAS_BIAS, BLOCK_M)
 
 
 NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
