@@ -274,7 +274,12 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(cfg) -> dict:
-    report = run(cfg)
+    from compress.cli import user_errors
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench-kernels: needs a CUDA GPU (the kernels' CPU tests are `make test`)")
+    with user_errors("bench-kernels"):
+        report = run(cfg)
     reports = Path(cfg.paths.reports_dir)
     reports.mkdir(parents=True, exist_ok=True)
     js, png = reports / f"{cfg.report_name}.json", reports / f"{cfg.report_name}.png"
