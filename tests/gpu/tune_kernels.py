@@ -1,7 +1,10 @@
 """Issue 5 tuning sweep (GPU): every tile configuration of each Triton kernel on the Llama-2-70B
-layer shapes, each time next to dense bf16 ``x @ W.T`` measured in the same run.
+layer shapes, each time next to dense bf16 ``x @ W.T`` measured in the same run (eager launches;
+the autotuned call's time includes Python dispatch, see ``make bench-kernels`` for CUDA-graph
+timings). Both mixed-tenant kernels (FMA and table lookup) are swept.
 
     python tests/gpu/tune_kernels.py OUT.json
+    TUNE_DRY=1 TRITON_INTERPRET=1 python tests/gpu/tune_kernels.py /tmp/dry.json   # CPU check of this script
 """
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ for m in ((1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 16, 2048)):
         chk = lambda: ((y.float() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
         if m <= tb.GEMV_MAX_M:
             ws, cnt = tb._workspace(x.device, m * n, n)
-            args = (x, w, sign, alpha, alpha, alpha, y, ws, cnt, m, n, k, kb, x.stride(0), w.stride(0), 0,
+            args = (x, w, sign, alpha, alpha, alpha, y, ws, cnt, m, n, k, kb, 1, x.stride(0), w.stride(0), 0,
                     sign.stride(0), 0, y.stride(0))
             kw = dict(ONE_DELTA=True, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=True, BLOCK_M=triton.next_power_of_2(m))
             res = sweep("gemv", tb._decode_configs(False), lambda c: (lambda: launch_cfg(
@@ -106,7 +109,6 @@ for m in ((1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 16, 2048)):
 
 # mixed tenants, one token each
 for t in (1, 4, 16):
-    td = tb_ = 0.0
     tot_b = [0.0, 0.0, 0.0]
     for name, (n, k) in SHAPES.items():
         w, _, _ = data[name]
@@ -117,11 +119,17 @@ for t in (1, 4, 16):
         y = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
         t_dense = bench(lambda: x @ w.t())
         ws, cnt = tb._workspace(x.device, t * n, t * n)
-        args = (x, w, signs, alphas, slot, alphas, y, ws, cnt, t, n, k, (k + 7) // 8, x.stride(0), w.stride(0),
+        args = (x, w, signs, alphas, slot, alphas, y, ws, cnt, t, n, k, (k + 7) // 8, t, x.stride(0), w.stride(0),
                 signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0))
         kw = dict(ONE_DELTA=False, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=True)
         res = sweep("batched", tb._decode_configs(True), lambda c: (lambda: launch_cfg(
             tb._decode_kernel, tb._decode_grid(n, (k + 7) // 8, t)(c.kwargs), args, kw, c)))
+        kw_lut = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=min(16, triton.next_power_of_2(t)))
+        res_lut = sweep("lut", tb._lut_configs(), lambda c: (lambda: launch_cfg(
+            tb._tenants_kernel, (triton.cdiv(n, c.kwargs["BLOCK_N"]),
+                                 triton.cdiv((k + 7) // 8, c.kwargs["BLOCK_K"] // 8 * c.kwargs["CHUNK_ITERS"]),
+                                 triton.cdiv(t, kw_lut["BLOCK_M"])), args, kw_lut, c)))
+        print(f"{'':40s}table-lookup kernel: best {res_lut[0][0]/t_dense:5.3f}x  {res_lut[0][1]}", flush=True)
         from kernels.reference import bitdelta_linear_batched as ref_b
         yb = tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot).float()
         rb = ref_b(x.float(), w.float(), signs, alphas, slot)
@@ -130,7 +138,8 @@ for t in (1, 4, 16):
         tot_b[0] += t_dense; tot_b[1] += res[0][0]; tot_b[2] += t_auto
         out["rows"].append({"kind": "batched", "T": t, "layer": name, "dense_ms": t_dense,
                             "best_over_dense": res[0][0] / t_dense, "auto_over_dense": t_auto / t_dense,
-                            "all": [(r[0] / t_dense, r[1]) for r in res]})
+                            "all": [(r[0] / t_dense, r[1]) for r in res],
+                            "lut_all": [(r[0] / t_dense, r[1]) for r in res_lut]})
         print(f"[{time.time()-t0:5.0f}s] T={t:2d} {name:8s} dense {t_dense*1e3:8.1f} us  best {res[0][0]/t_dense:5.3f}x "
               f"auto {t_auto/t_dense:5.3f}x err {errb:.1e} {res[0][1]}  | target {1.1*(1+t/16):.3f}", flush=True)
         for r in res[1:3]:
