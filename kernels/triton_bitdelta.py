@@ -375,7 +375,10 @@ def _mm_configs():
             for bn, bm, bk, w, st, wa in (
                 (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (64, 256, 64, 8, 3, False),
                 (128, 128, 64, 8, 3, True), (128, 16, 128, 4, 4, True), (64, 16, 128, 4, 4, True),
-                (128, 32, 64, 4, 4, True), (128, 64, 64, 4, 4, True))]
+                (128, 32, 64, 4, 4, True), (128, 64, 64, 4, 4, True),
+                # BLOCK_K = 128: half as many K steps, so half as many of the waits Triton 3.6 puts after
+                # a wgmma with a computed operand (compiled, 139–199 KB shared memory; not yet timed)
+                (128, 256, 128, 8, 2, True), (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, True))]
 
 
 _WORKSPACE: dict = {}  # device -> (float32 partial sums [≥ M·N], int32 counters): zero between calls
