@@ -128,9 +128,9 @@ def _decode_kernel(
             alpha1 = tl.load(a_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LATE_REDUCE:
-        if BLOCK_M == 1:
-            acc1 = tl.zeros((BLOCK_N, BLOCK_KB), dtype=tl.float32)  # per-thread partial sums
+    LATE: tl.constexpr = LATE_REDUCE and BLOCK_M == 1
+    if LATE:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_KB), dtype=tl.float32)  # per-thread partial sums
     kb_lo = pid_k * (BLOCK_KB * CHUNK_ITERS)
     for kb0 in range(kb_lo, tl.minimum(kb_lo + BLOCK_KB * CHUNK_ITERS, KB), BLOCK_KB):
         kb = kb0 + offs_b
@@ -163,14 +163,13 @@ def _decode_kernel(
                                mask=(kb < KB)[None, :], other=0)
                 bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
                 w_eff = w + tl.where(bit != 0, alpha_i, -alpha_i)
-            if LATE_REDUCE and BLOCK_M == 1:
+            if LATE:  # (a constexpr: only one branch is compiled)
                 acc1 += tl.sum(w_eff * x[None, :, :], axis=2)                      # within each thread
             else:
                 part = tl.sum(tl.sum(w_eff * x[None, :, :], axis=2), axis=1)        # [BN]
                 acc = tl.where(offs_m[:, None] == i, acc + part[None, :], acc)
-    if LATE_REDUCE:
-        if BLOCK_M == 1:
-            acc = tl.sum(acc1, axis=1)[None, :]
+    if LATE:
+        acc = tl.sum(acc1, axis=1)[None, :]
     for i in tl.static_range(BLOCK_M):
         _emit(tl.sum(tl.where(offs_m[:, None] == i, acc, 0.0), axis=0), pid_m * BLOCK_M + i, M, N, y_ptr,
               stride_ym, ws_ptr, b_ptr, rn, offs_n, SPLIT, HAS_BIAS)
