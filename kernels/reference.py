@@ -123,9 +123,9 @@ def bitdelta_linear(
         ``[M, N]`` (or ``[..., N]``) in ``x.dtype``; computed in float32.
 
     Raises:
-        ValueError: on mismatched shapes.
+        ValueError: on mismatched shapes (x, weight, sign, alpha or bias).
     """
-    n, k = weight.shape
+    n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     if sign.shape != (n, packed_width(k)):
@@ -138,6 +138,20 @@ def bitdelta_linear(
     return y.to(x.dtype)
 
 
+def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
+    """``(N, K)`` of a ``[N, K]`` weight, after checking that ``bias`` (if any) is ``[N]``.
+
+    Raises:
+        ValueError: naming the argument whose shape does not fit.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    return n, k
+
+
 def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                        slot: torch.Tensor, check_slot_values: bool = True) -> None:
     """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it).
@@ -147,9 +161,10 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
     base only instead).
 
     Raises:
-        ValueError: naming the argument whose shape does not fit, or a slot outside ``[−1, S)``.
+        ValueError: naming the argument whose shape does not fit, a slot tensor that is not of an
+            integer dtype, or a slot outside ``[−1, S)``.
     """
-    n, k = weight.shape
+    n, k = check_weight_and_bias(weight, None)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     s = signs.shape[0]
@@ -159,6 +174,8 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
     if slot.shape != (x.shape[0],):
         raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
+    if slot.dtype.is_floating_point or slot.dtype.is_complex or slot.dtype == torch.bool:
+        raise ValueError(f"slot must be an integer tensor, got {slot.dtype}")
     if check_slot_values and slot.numel() and (int(slot.min()) < -1 or int(slot.max()) >= s):
         raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
 
@@ -188,9 +205,10 @@ def bitdelta_linear_batched(
         ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: on mismatched shapes or a slot index outside ``[−1, S)``.
+        ValueError: on mismatched shapes (including bias), a non-integer slot tensor or a slot index
+            outside ``[−1, S)``.
     """
-    n, k = weight.shape
+    n, k = check_weight_and_bias(weight, bias)
     check_batched_args(x, weight, signs, alphas, slot)
     xf = x.float()
     y = xf @ weight.float().t()

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_batched_args
+from kernels.reference import check_batched_args, check_weight_and_bias
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
 
@@ -154,13 +154,15 @@ def _decode_kernel(
                 slot = tl.load(slot_ptr + r)
                 has = (slot >= 0) & (slot < NSLOT)  # −1 (or out of range): base only
                 sl = tl.where(has, slot, 0)
+                # base-only rows read nothing (there may be no slot at all: S = 0); `has` as a tensor mask
+                slot_n = rn * 0 + slot
+                has_n = (slot_n >= 0) & (slot_n < NSLOT)                                 # [BN]
                 if ALPHA_PER_ROW:
-                    alpha_i = tl.load(a_ptr + sl * stride_as + rn)[:, None, None]
+                    alpha_i = tl.load(a_ptr + sl * stride_as + rn, mask=has_n, other=0.0)[:, None, None]
                 else:
-                    alpha_i = tl.load(a_ptr + sl * stride_as)
-                alpha_i = tl.where(has, alpha_i, 0.0)
+                    alpha_i = tl.load(a_ptr + sl * stride_as + rn * 0, mask=has_n, other=0.0)[:, None, None]
                 byte = tl.load(s_ptr + sl * stride_ss + rn[:, None] * stride_sn + kb[None, :],
-                               mask=(kb < KB)[None, :], other=0)
+                               mask=(kb < KB)[None, :] & has_n[:, None], other=0)
                 bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
                 w_eff = w + tl.where(bit != 0, alpha_i, -alpha_i)
             if LATE:  # (a constexpr: only one branch is compiled)
@@ -462,7 +464,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         ValueError: on a dtype or shape that does not fit the contract.
     """
     _check(x, weight)
-    n, k = weight.shape
+    n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     kb = (k + 7) // 8
@@ -482,7 +484,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if m == 0:
         return y.reshape(*lead, n)
     flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None)
-    b = bias if bias is not None else alpha
+    b = bias.to(x.device).contiguous() if bias is not None else alpha  # the kernels read bias[n] densely
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
         ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
@@ -516,8 +518,10 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     base tile is loaded once per program and shared by the program's rows. Two kernels (``impl``):
     ``"fma"`` (the default; ``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row,
     no rounding) and ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table
-    lookup). On an H200 with Triton 3.6 neither is yet near ``1 + T/16`` × dense for T ≥ 2 and
-    they measure within ±10 % of each other (reports/bench-kernels-tenants-2026-11-29-h200.json).
+    lookup). On an H200 with Triton 3.6 neither was near ``1 + T/16`` × dense for T ≥ 2
+    (reports/bench-kernels-tenants-2026-11-29-h200.json: FMA 1.18 / 2.34 / 4.31 / 8.45 / 16.6×,
+    the first table-lookup version 1.53 / 2.18 / 3.80 / 8.91 / 16.7× at T = 1 / 2 / 4 / 8 / 16);
+    the table-lookup kernel has been reworked since (see its docstring) and is not yet timed.
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -536,8 +540,9 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
+    n, k = check_weight_and_bias(weight, bias)
     m = x.shape[0]
-    n, k = weight.shape
+    bias = bias.to(x.device).contiguous() if bias is not None else None  # the kernels read bias[n] densely
     kb = (k + 7) // 8
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()

@@ -198,3 +198,63 @@ def test_batched_custom_op_and_dispatcher():
         cuda = [t.cuda() for t in (x, w, signs, alphas, slot)]
         torch.testing.assert_close(kernels.bitdelta_linear_batched(*cuda), bitdelta_linear_batched_triton(*cuda),
                                    rtol=0, atol=0)
+
+
+def test_bias_is_checked_and_read_through_its_strides():
+    """A bias that is a strided view gives the same y as a contiguous one; a bias of the wrong
+    shape, or a weight that is not 2-D, is refused by the reference and both Triton paths alike."""
+    from kernels.reference import bitdelta_linear_batched
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    x, w, sign, alpha, _ = _case(3, 16, 24, torch.bfloat16, True, False, seed=7)
+    wide = torch.randn(32, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    strided, dense = wide[::2], wide[::2].contiguous()
+    assert not strided.is_contiguous()
+    dev = [t.to(DEVICE) for t in (x, w, sign, alpha)]
+    torch.testing.assert_close(bitdelta_linear_triton(*dev, strided.to(DEVICE)), bitdelta_linear_triton(*dev, dense.to(DEVICE)),
+                               rtol=0, atol=0)
+    signs, alphas, slot = sign[None], alpha[None], torch.tensor([0, -1, 0], dtype=torch.int32)
+    for impl in ("fma", "lut"):
+        torch.testing.assert_close(
+            bitdelta_linear_batched_triton(dev[0], dev[1], signs.to(DEVICE), alphas.to(DEVICE), slot.to(DEVICE),
+                                           strided.to(DEVICE), impl=impl),
+            bitdelta_linear_batched_triton(dev[0], dev[1], signs.to(DEVICE), alphas.to(DEVICE), slot.to(DEVICE),
+                                           dense.to(DEVICE), impl=impl), rtol=0, atol=0)
+    for bad in (torch.zeros(1), torch.zeros(17), torch.zeros(3, 16)):
+        for call in (lambda b: bitdelta_linear(x, w, sign, alpha, b), lambda b: bitdelta_linear_triton(x, w, sign, alpha, b),
+                     lambda b: bitdelta_linear_batched(x, w, signs, alphas, slot, b),
+                     lambda b: bitdelta_linear_batched_triton(x, w, signs, alphas, slot, b)):
+            with pytest.raises(ValueError, match=rf"bias must be \[16\], got {tuple(bad.shape)}".replace("(", r"\(").replace(")", r"\)")):
+                call(bad.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\], got shape \(2, 16, 24\)"):
+        bitdelta_linear_triton(x, w.expand(2, 16, 24), sign, alpha)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\], got shape \(24,\)"):
+        bitdelta_linear(x, w[0], sign, alpha)
+
+
+@pytest.mark.parametrize("impl", ["fma", "lut"])
+def test_batched_with_no_slots_is_the_base_product(impl):
+    """S = 0 (no variant loaded) and every row base-only: y = x·Wᵀ, and nothing is read from the
+    empty signs / alphas (the FMA kernel masks those loads by the row's slot)."""
+    from kernels.reference import bitdelta_linear_batched
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    x, w, sign, alpha, _ = _case(3, 16, 24, torch.bfloat16, True, False, seed=9)
+    signs, alphas = sign[None][:0], alpha[None][:0]
+    slot = torch.full((3,), -1, dtype=torch.int32)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    torch.testing.assert_close(ref, x.float() @ w.float().t())
+    y = bitdelta_linear_batched_triton(*(t.to(DEVICE) for t in (x, w, signs, alphas, slot)), impl=impl)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool], ids=str)
+def test_slot_must_be_an_integer_tensor(dtype):
+    from kernels.reference import bitdelta_linear_batched
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    x, w, sign, alpha, _ = _case(2, 8, 16, torch.bfloat16, True, False)
+    slot = torch.tensor([0, 0]).to(dtype)
+    for fn in (bitdelta_linear_batched, bitdelta_linear_batched_triton):
+        with pytest.raises(ValueError, match=f"slot must be an integer tensor, got {dtype}"):
+            fn(x, w, sign[None], alpha[None], slot)
