@@ -105,8 +105,8 @@ def _decode_kernel(
     LATE_REDUCE: tl.constexpr = False,
 ):
     """Decode (small M) on CUDA cores. Program (n-tile, K-chunk, row block): W is loaded once per
-    K step and kept in registers for the program's ``BLOCK_M`` rows (``tl.static_range``: each
-    row's sums are finished and written before the next row). ``ONE_DELTA``: a single variant, so
+    K step and used from registers by each of the program's ``BLOCK_M`` rows (``tl.static_range``);
+    the rows' sums are accumulated over the K chunk and written once, after the loop. ``ONE_DELTA``: a single variant, so
     ``W + α·s`` is formed once; else each row forms its own tenant's ``W + α_t·s_t`` (slot −1: α = 0).
     K is split into chunks of ``CHUNK_ITERS`` steps across programs when N alone gives too few
     programs; their float32 partial sums meet in a workspace (see ``_emit``). ``LATE_REDUCE`` (one
@@ -251,9 +251,6 @@ def _mm_kernel(
                  mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# configurations (GPU); the interpreter uses the fixed tiles in _INTERPRET_*
-
 @triton.jit
 def _tenants_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -347,6 +344,9 @@ def _tenants_kernel(
         _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b_ptr, rn, offs_n, HAS_BIAS, BLOCK_M)
 
 
+# ---------------------------------------------------------------------------------------------
+# tile configurations for the autotuner (GPU); under the interpreter the wrappers launch fixed tiles
+
 NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
 
 
@@ -392,7 +392,7 @@ _WORKSPACE: dict = {}  # device -> (float32 partial sums [≥ M·N], int32 count
 
 def _workspace(device: torch.device, n_sums: int, n_counts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K workspace of ``device``: zeros, and left as zeros by every kernel that uses it (the
-    last program of each tile takes its sums back with an atomic exchange). Not for concurrent
+    last program of each tile reads its sums back and zeroes them, ``_finish``). Not for concurrent
     kernels on two streams of one device."""
     ws, cnt = _WORKSPACE.get(device, (None, None))
     if ws is None or ws.numel() < n_sums or cnt.numel() < n_counts:
@@ -552,7 +552,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    ws, cnt = _workspace(x.device, m * n, triton.cdiv(m, 1) * triton.cdiv(n, 2))
+    ws, cnt = _workspace(x.device, m * n, m * triton.cdiv(n, 2))
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
