@@ -16,24 +16,29 @@ Kernels:
   split across programs (``CHUNK_ITERS``): their float32 partial sums are added into a workspace
   and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
   one launch does it all. Memory-bound: W and the signs are read once.
-* **prefill** (M > ``GEMV_MAX_M``), ``_mm_kernel``: a tensor-core GEMM. Per K step a
+* **prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the Gluon kernel of
+  ``kernels.gluon_bitdelta`` (TMA, asynchronous wgmma, the sign expansion of K step k overlapping
+  the product of step k − 1); elsewhere, or when it does not apply (K not a multiple of 8,
+  unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
   ``[BLOCK_N, BLOCK_K]`` tile of W and its ``[BLOCK_N, BLOCK_K/8]`` sign bytes are loaded (both
   pipelined through shared memory), ``W + α·s`` is formed in float32 and rounded once to the
   activation dtype, and multiplied with the x tile, accumulating in float32. ``W_AS_A`` chooses
   whether the reconstructed tile is the product's register operand (``yᵀ = (W + α·s)·xᵀ``) or
-  its shared-memory operand (``y = x·(W + α·s)ᵀ``).
+  its shared-memory operand (``y = x·(W + α·s)ᵀ``). Triton 3.6 waits for each wgmma whose operand
+  is computed in registers, so here the expansion and the tensor cores take turns. Which of the
+  two runs is timed once per shape (``_prefill_choice``).
 * **mixed tenants**, ``bitdelta_linear_batched``: decode batches in which every row has its own
-  variant (``slot[m]``, −1 = base only). ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``,
-  the default): the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows,
-  each row forms its own tenant's ``W + α_t·s_t``. ``_tenants_kernel`` (``impl="lut"``): the base
-  product of the rows on tensor cores, the signs by table lookup (see its docstring). Bytes read:
-  W once + each distinct tenant's signs, ``1 + T/16`` of a dense read for T tenants.
+  variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``, the default from two
+  rows): the base product of the rows on tensor cores, the signs by table lookup (see its
+  docstring). ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row):
+  the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows, each row
+  forms its own tenant's ``W + α_t·s_t``. Bytes read: W once + each distinct tenant's signs,
+  ``1 + T/16`` of a dense read for T tenants.
 
-Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-29-h200.*):
-decode M = 1 at 1.08× dense bf16 over the Llama-2-70B layer set; M = 2048 at 2.75× (Triton 3.6
-waits for each wgmma whose operand is computed in registers, so the sign expansion and the
-tensor cores do not overlap); mixed tenants at ≈ 1.1·T × dense, i.e. bound by the per-row work,
-not by memory.
+Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.*),
+time ÷ dense bf16 over the Llama-2-70B layer set: decode M = 1 1.08×; M = 2048 1.62× (Gluon);
+mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.23× (FMA), 1.84 / 2.87 / 4.56 / 7.71× (table lookup),
+against targets of 1.1·(1 + T/16)×.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -48,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gluon_bitdelta
 from kernels.reference import check_batched_args, check_weight_and_bias
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
@@ -423,13 +429,31 @@ def _quick_bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=1, rep=2, quantiles=quantiles)
 
 
+def _graph_bench(fn, quantiles=None):
+    """Autotuning timer: CUDA-graph replay, as a serving engine runs decode. Triton's default timer
+    launches eagerly, and for kernels of tens of µs its launch overhead and noise decided the choice:
+    on an H200 the eagerly tuned decode tile for the 70B ``o`` layer ran at 2.6× dense where the best
+    tile ran at 1.09× (reports/tune-kernels-2026-11-30-h200.json)."""
+    from triton.testing import do_bench_cudagraph
+
+    # do_bench_cudagraph times on a side stream that does not wait for the caller's stream: let the
+    # work queued there (the inputs being written, a kernel using the split-K workspace) finish first
+    torch.cuda.current_stream().synchronize()
+    return do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
+
+
 def _autotune(configs, key, fn):
-    kw = {"do_bench": _quick_bench} if os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1" else {}
-    return triton.autotune(configs=configs, key=key, **kw)(fn)
+    quick = os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
+    return triton.autotune(configs=configs, key=key, do_bench=_quick_bench if quick else _graph_bench)(fn)
 
 
 _decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
 _batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M"], _decode_kernel)
+_batched1_tuned = _autotune(_decode_configs(False), ["N", "K"], _decode_kernel)  # one row: the decode tiles
+# EVEN (no K masks) needs every K step of every tile whole: K a multiple of the longest step
+_DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False))
+_BATCHED_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(True))
+_LUT_EVEN = max(c.kwargs["BLOCK_K"] for c in _lut_configs())
 _mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET"], _mm_entry)
 _lut_tuned = _autotune(_lut_configs(), ["N", "K", "M"], _tenants_kernel)
 
@@ -495,18 +519,62 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                 *args, ONE_DELTA=True, **flags, EVEN=k % 256 == 0, BLOCK_M=bm, BLOCK_N=8, BLOCK_KB=32, CHUNK_ITERS=2,
                 LATE_REDUCE=bm == 1)
         else:
-            _decode_tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % 1024 == 0, BLOCK_M=bm)
+            _decode_tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
+                                                      BLOCK_M=bm)
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
+    if not _interpret() and gluon_bitdelta.supported(x2, weight):
+        config = _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b)
+        if config is not None:
+            return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, config).reshape(*lead, n)
     if _interpret():
         _mm_kernel[(triton.cdiv(m, 32) * triton.cdiv(n, 32),)](
             x2, weight, sign, alpha, b, y, m, n, k, *strides, **flags, EVEN_K=k % 32 == 0, DOT_FP32=True,
             W_AS_A=m % 2 == 0, BLOCK_N=32, BLOCK_M=32, BLOCK_K=32)
     else:
-        _mm_tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](
-            x2, weight, sign, alpha, b, y, m, n, k, triton.next_power_of_2(m), *strides, **flags,
-            EVEN_K=k % 128 == 0, DOT_FP32=False)
+        _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
     return y.reshape(*lead, n)
+
+
+def _mm_triton(x2, weight, sign, alpha, b, y, strides, flags) -> None:
+    m, k = x2.shape
+    n = weight.shape[0]
+    _mm_tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](
+        x2, weight, sign, alpha, b, y, m, n, k, triton.next_power_of_2(m), *strides, **flags,
+        EVEN_K=k % 128 == 0, DOT_FP32=False)
+
+
+_PREFILL_CHOICE: dict = {}  # (N, K, M bucket, dtype, flags) -> Gluon config, or None for the Triton kernel
+
+
+def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
+    """Pick the prefill kernel for this problem shape: each Gluon configuration
+    (``kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel are timed once per shape
+    (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a CUDA
+    graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing is timed
+    and the Gluon kernel's default configuration is used."""
+    m, k = x2.shape
+    key = (weight.shape[0], k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))
+    if key in _PREFILL_CHOICE:
+        return _PREFILL_CHOICE[key]
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
+        return gluon_bitdelta.DEFAULT_CONFIG
+    from triton.testing import do_bench_cudagraph
+
+    runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
+            for cfg in gluon_bitdelta.CONFIGS}
+    runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
+    times = {}
+    torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
+    for cfg, fn in runs.items():
+        try:
+            fn()  # compile (and, for the Triton kernel, autotune) outside the timed graph
+            torch.cuda.synchronize()
+            times[cfg] = do_bench_cudagraph(fn, rep=20)
+        except Exception:  # noqa: BLE001 - a configuration that does not fit this device is skipped
+            continue
+    _PREFILL_CHOICE[key] = min(times, key=times.get) if times else None
+    return _PREFILL_CHOICE[key]
 
 
 def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
@@ -516,12 +584,12 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
 
     Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
     base tile is loaded once per program and shared by the program's rows. Two kernels (``impl``):
-    ``"fma"`` (the default; ``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row,
-    no rounding) and ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table
-    lookup). On an H200 with Triton 3.6 neither was near ``1 + T/16`` × dense for T ≥ 2
-    (reports/bench-kernels-tenants-2026-11-29-h200.json: FMA 1.18 / 2.34 / 4.31 / 8.45 / 16.6×,
-    the first table-lookup version 1.53 / 2.18 / 3.80 / 8.91 / 16.7× at T = 1 / 2 / 4 / 8 / 16);
-    the table-lookup kernel has been reworked since (see its docstring) and is not yet timed.
+    ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup; the
+    default for two rows or more) and ``"fma"`` (``_decode_kernel``: ``W + α_t·s_t`` formed in
+    float32 registers per row; the default for one row, with the decode tiles). Neither rounds
+    ``W + α·s``. On an H200 with Triton 3.6 (reports/bench-kernels-2026-11-30-h200.json, 70B layer
+    set, ÷ dense): FMA 1.23 / 2.45 / 4.20 / 8.26 / 16.4×, table lookup 1.44 / 1.84 / 2.87 / 4.56 /
+    7.71× at T = 1 / 2 / 4 / 8 / 16 tenants of one row each.
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -556,7 +624,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
-    impl = impl or "fma"
+    impl = impl or ("fma" if m == 1 else "lut")
     if impl == "lut":
         flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
         bm = min(16, triton.next_power_of_2(m))
@@ -565,12 +633,14 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
                 *args, **flags, EVEN=k % 128 == 0, DOT_FP32=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=64, CHUNK_ITERS=2)
         else:
             _lut_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]),
-                                     triton.cdiv(m, bm))](*args, **flags, EVEN=k % 1024 == 0, DOT_FP32=False, BLOCK_M=bm)
+                                     triton.cdiv(m, bm))](*args, **flags, EVEN=k % _LUT_EVEN == 0, DOT_FP32=False, BLOCK_M=bm)
         return y
     flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
     if _interpret():
         _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](
             *args, **flags, EVEN=k % 256 == 0, BLOCK_M=4, BLOCK_N=4, BLOCK_KB=32, CHUNK_ITERS=2)
+    elif m == 1:
+        _batched1_tuned[_decode_grid(n, kb, 1, 1)](*args, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=1)
     else:
-        _batched_tuned[_decode_grid(n, kb, m)](*args, **flags, EVEN=k % 1024 == 0)
+        _batched_tuned[_decode_grid(n, kb, m)](*args, **flags, EVEN=k % _BATCHED_EVEN == 0)
     return y

@@ -66,6 +66,35 @@ for cfg in tb._lut_configs():
     for bm in (1, 16):
         out[key("tenants-lut", cfg, {"BLOCK_M": bm})] = build(tb._tenants_kernel, dict(
             ALPHA_PER_ROW=False, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=bm), cfg)
+for cfg in tb._decode_configs(False):  # one-row mixed-tenant batches use the decode tiles
+    out[key("tenants-fma-1row", cfg, {})] = build(tb._decode_kernel, dict(
+        ONE_DELTA=False, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=True, BLOCK_M=1), cfg)
+
+from kernels import gluon_bitdelta as gb
+if gb.HAVE_GLUON:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = gb._prefill_kernel
+    for (bm, bn, bk, stages, warps) in gb.CONFIGS:
+        for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
+            xl = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
+            wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
+            sig = {"x_desc": f"tensordesc<{dt}[{bm}, {bk}],{xl!r}>", "w_desc": f"tensordesc<{dt}[{bn}, {bk}],{wl!r}>",
+                   "s_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*" + dt, "y_ptr": "*" + dt, "M": "i32", "N": "i32",
+                   "K": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, num_warps=warps)
+            sig.update({c: "constexpr" for c in consts})
+            names = fn.arg_names
+            attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K")}
+            name = "gluon-prefill " + json.dumps({"config": [bm, bn, bk, stages, warps], "dtype": dt})
+            try:
+                k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                ptx = k.asm["ptx"]
+                out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                             "overlap": "wgmma.wait_group.sync.aligned 1;" in ptx}
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -86,7 +115,10 @@ def test_every_configuration_compiles_for_sm90(compiled):
     from kernels import triton_bitdelta as tb
 
     n_decode, n_fma = len(tb._decode_configs(False)), len(tb._decode_configs(True))
-    assert len(compiled) == 2 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs())
+    from kernels import gluon_bitdelta as gb
+
+    n_gluon = 2 * len(gb.CONFIGS) if gb.HAVE_GLUON else 0
+    assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
     too_big = {k: v["shared"] for k, v in compiled.items() if v["shared"] > SMEM_LIMIT}
@@ -95,5 +127,17 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
 def test_prefill_and_table_lookup_use_hopper_tensor_cores(compiled):
     for k, v in compiled.items():
-        if k.startswith(("prefill", "tenants-lut")):
+        if k.startswith(("prefill", "tenants-lut", "gluon-prefill")):
             assert v["wgmma"], f"{k} compiled without wgmma"
+
+
+def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compiled):
+    """The point of the Gluon kernel: in its K loop it waits only until one wgmma is outstanding
+    (``wgmma.wait_group 1``), so step k's sign expansion runs while step k − 1's product does."""
+    from kernels import gluon_bitdelta as gb
+
+    if not gb.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    gluon = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill")}
+    assert len(gluon) == 2 * len(gb.CONFIGS)
+    assert all(v["overlap"] for v in gluon.values()), gluon

@@ -259,3 +259,79 @@ def test_slot_must_be_an_integer_tensor(dtype):
     for fn in (bitdelta_linear_batched, bitdelta_linear_batched_triton):
         with pytest.raises(ValueError, match=f"slot must be an integer tensor, got {dtype}"):
             fn(x, w, sign[None], alpha[None], slot)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon prefill kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, row_alpha, bias",
+    [
+        (130, 264, 136, True, True),    # M, N and K all past a tile (K = 2·64 + 8)
+        (300, 200, 1024, False, False),  # one α per matrix, N below one tile
+        (2048, 384, 512, True, False),   # prefill size
+        (5, 256, 64, True, True),        # fewer rows than a tile
+    ],
+)
+def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
+    from kernels import gluon_bitdelta as gb
+
+    x, w, sign, alpha, b = _case(m, n, k, dtype, row_alpha, bias)
+    ref = bitdelta_linear(x.float(), w.float(), sign, alpha, None if b is None else b.float())
+    x, w, sign, alpha = x.cuda(), w.cuda(), sign.cuda(), alpha.cuda()
+    b = b.cuda() if b is not None else None
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    assert gb.supported(x, w)
+    atol = TOL[dtype] * ref.abs().max().item()
+    for config in gb.CONFIGS:
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        gb.bitdelta_linear_gluon(x, w, sign, alpha, b, y, config)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{config}: {s}")
+
+
+@pytest.mark.parametrize("k", [3072, 2048 + 136])
+def test_every_autotuning_tile_is_correct_under_the_wrappers_even_rule(k):
+    """Each autotuning configuration of the decode and mixed-tenant kernels, launched as the wrappers
+    launch it (``EVEN`` = K a multiple of the longest K step, so no K masks), gives the reference
+    result. K = 3072 is a multiple of 1024 but not of the 2048-weight step of ``BLOCK_KB = 256``: an
+    ``EVEN`` rule of ``K % 1024`` read past every row there."""
+    from kernels import triton_bitdelta as tb
+    from kernels.reference import bitdelta_linear_batched
+
+    m, n = 2, 4
+    x, w, sign, alpha, _ = _case(m, n, k, torch.bfloat16, True, False, seed=5)
+    signs = torch.stack([sign, pack_signs(torch.randn(n, k, generator=torch.Generator().manual_seed(6)))])
+    alphas = torch.stack([alpha, alpha.flip(0)])
+    slot = torch.tensor([1, 0], dtype=torch.int32)
+    kb = (k + 7) // 8
+    ref1 = bitdelta_linear(x.float(), w.float(), sign, alpha)
+    refb = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    x, w, sign, alpha, signs, alphas, slot = (v.to(DEVICE) for v in (x, w, sign, alpha, signs, alphas, slot))
+    atol1, atolb = (TOL[torch.bfloat16] * r.abs().max().item() for r in (ref1, refb))
+    cases = [("decode", c, True, m, tb._DECODE_EVEN) for c in tb._decode_configs(False)] \
+        + [("tenants-fma", c, False, m, tb._BATCHED_EVEN) for c in tb._decode_configs(True)] \
+        + [("tenants-fma-1row", c, False, 1, tb._DECODE_EVEN) for c in tb._decode_configs(False)]
+    for name, cfg, one, rows, even in cases:
+        y = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        ws, cnt = tb._workspace(x.device, rows * n, rows * n)
+        bm = cfg.kwargs.get("BLOCK_M", 1 if rows == 1 or not one else 2)
+        s_, a_, st = (sign, alpha, (0, sign.stride(0), 0)) if one else (signs, alphas, (signs.stride(0), signs.stride(1), alphas.stride(0)))
+        args = (x, w, s_, a_, slot, a_, y, ws, cnt, rows, n, k, kb, 2, x.stride(0), w.stride(0), st[0], st[1], st[2],
+                y.stride(0))
+        kw = {**cfg.kwargs, "BLOCK_M": bm}
+        tb._decode_kernel[tb._decode_grid(n, kb, rows, bm)(kw)](
+            *args, ONE_DELTA=one, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=k % even == 0, **kw)
+        ref = ref1[:rows] if one else refb[:rows] if rows == m else bitdelta_linear_batched(
+            x[:1].float().cpu(), w.float().cpu(), signs.cpu(), alphas.cpu(), slot[:1].cpu())
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol1 if one else atolb,
+                                   msg=lambda s: f"{name} {cfg.kwargs}: {s}")
+    for cfg in tb._lut_configs():
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        ws, cnt = tb._workspace(x.device, m * n, m * n)
+        args = (x, w, signs, alphas, slot, alphas, y, ws, cnt, m, n, k, kb, 2, x.stride(0), w.stride(0),
+                signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0))
+        kw = {**cfg.kwargs, "BLOCK_M": 2}
+        grid = (triton.cdiv(n, kw["BLOCK_N"]), triton.cdiv(kb, kw["BLOCK_K"] // 8 * kw["CHUNK_ITERS"]), 1)
+        tb._tenants_kernel[grid](*args, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=k % tb._LUT_EVEN == 0,
+                                 DOT_FP32=tb._interpret(), **kw)
+        torch.testing.assert_close(y.float().cpu(), refb, rtol=0, atol=atolb, msg=lambda s: f"lut {cfg.kwargs}: {s}")

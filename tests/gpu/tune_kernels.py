@@ -20,10 +20,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import pack_signs, unpack_signs  # noqa: E402
+from kernels import gluon_bitdelta as gb  # noqa: E402
 from kernels import triton_bitdelta as tb  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
-bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=40)  # noqa: E731
+bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=40)  # noqa: E731  (what serving replays)
 if os.environ.get("TUNE_DRY"):  # CPU dry run of this script's logic under TRITON_INTERPRET=1
     SHAPES = {"a": (24, 1024), "b": (16, 2048)}
     bench = lambda f: (f(), 1.0)[1]  # noqa: E731
@@ -66,9 +67,10 @@ for name, (n, k) in SHAPES.items():
     data[name] = (w, sign, alpha)
 
 tot = {}
-for m in ((1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 16, 2048)):
-    if m == 16:
-        continue
+MS = (1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 2048)
+if os.environ.get("TUNE_MS") is not None:  # e.g. TUNE_MS=256,2048 TUNE_TENANTS= (prefill only)
+    MS = tuple(int(v) for v in os.environ["TUNE_MS"].split(",") if v)
+for m in MS:
     for name, (n, k) in SHAPES.items():
         w, sign, alpha = data[name]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -90,6 +92,16 @@ for m in ((1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 16, 2048)):
             res = sweep("mm", tb._mm_configs(), lambda c: (lambda: launch_cfg(
                 tb._mm_kernel, (triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"]),),
                 args, kw, c)), chk)
+            if gb.supported(x, w):  # the Gluon (Hopper) prefill kernel, each configuration
+                for cfg in gb.CONFIGS:
+                    try:
+                        f = lambda cfg=cfg: gb.bitdelta_linear_gluon(x, w, sign, alpha, None, y, cfg)  # noqa: E731
+                        f()
+                        torch.cuda.synchronize()
+                        res.append((bench(f), f"gluon {cfg} err {chk():.1e}"))
+                    except Exception as e:  # noqa: BLE001
+                        res.append((float("inf"), f"gluon {cfg}: {type(e).__name__} {str(e)[:200]}"))
+                res.sort()
         t_auto = bench(lambda: tb.bitdelta_linear_triton(x, w, sign, alpha))
         err = (tb.bitdelta_linear_triton(x, w, sign, alpha).float() - ref).abs().max().item() / ref.abs().max().item()
         best = res[0]
@@ -108,7 +120,9 @@ for m in ((1, 4, 40) if os.environ.get('TUNE_DRY') else (1, 4, 16, 2048)):
     out["rows"].append({"kind": "single", "M": m, "layer": "all", "best_over_dense": b / d, "auto_over_dense": a / d})
 
 # mixed tenants, one token each
-for t in (1, 4, 16):
+TENANTS = (1, 4, 16) if os.environ.get("TUNE_TENANTS") is None else \
+    tuple(int(v) for v in os.environ["TUNE_TENANTS"].split(",") if v)
+for t in TENANTS:
     tot_b = [0.0, 0.0, 0.0]
     for name, (n, k) in SHAPES.items():
         w, _, _ = data[name]
