@@ -19,6 +19,12 @@ itself, one K step of ``BLOCK_K`` per iteration:
    and the warps go on to the next step while it runs; only the wgmma of the step before is
    waited for, so the expansion of step k overlaps the tensor-core product of step k − 1.
 
+Measured on an H200 (Triton 3.6; ``tests/gpu/prefill_gluon.py``,
+reports/prefill-gluon-2026-11-30-h200.json), time ÷ dense bf16 over the Llama-2-70B layer set at
+2048 tokens: 1.65× for the best configuration, 1.60× with the best per layer (the Triton kernel:
+2.75×); W from global memory into registers (``W_TMA=False``) 1.69×. Both configurations pass the
+GPU tests (``tests/test_kernels_triton.py -k gluon``).
+
 Constraints (the wrapper falls back to the Triton kernel otherwise): compute capability 9.x, K a
 multiple of 8 (TMA needs 16-byte row strides), 16-byte aligned x and W, contiguous rows.
 """
@@ -40,16 +46,20 @@ try:  # Gluon ships with Triton ≥ 3.4; without it only the Triton kernels are 
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps): two warpgroups share the reconstructed W tile
-CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8))
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, W_TMA): two warpgroups share the reconstructed W
+# tile. W_TMA: W through shared memory by TMA like x; else W from global memory straight into
+# registers, two K steps ahead, which saves a shared-memory write and read of every W tile (the
+# kernel's shared-memory traffic per K step is then that of a dense GEMM plus one store).
+CONFIGS = ((256, 128, 64, 3, 8, True), (128, 128, 64, 4, 8, True), (128, 256, 64, 3, 8, True),
+           (256, 128, 64, 4, 8, False), (128, 128, 64, 4, 8, False))
 DEFAULT_CONFIG = CONFIGS[0]
 
 
 if HAVE_GLUON:
     @gluon.jit
-    def _prefill_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_sn, stride_ym,
+    def _prefill_kernel(x_desc, w_desc, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_wn, stride_sn, stride_ym,
                         ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        W_TMA: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -69,7 +79,8 @@ if HAVE_GLUON:
                                                         instr_shape=[16, BLOCK_N, 16])
 
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        if W_TMA:
+            w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K], w_desc.layout)  # W + α·s
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -88,14 +99,23 @@ if HAVE_GLUON:
         s_ptrs = s_ptr + gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(offs_b, 0)
         KB = K // 8
         num_k = gl.cdiv(K, BLOCK_K)
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-
+        if W_TMA:
+            nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = x_desc.block_type.nbytes
         for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES − 1 steps in flight
             if i < num_k:
                 mbarrier.expect(bars.index(i), nbytes)
                 _tma_load(x_desc, [off_m, i * BLOCK_K], bars.index(i), x_smem.index(i))
-                _tma_load(w_desc, [off_n, i * BLOCK_K], bars.index(i), w_smem.index(i))
+                if W_TMA:
+                    _tma_load(w_desc, [off_n, i * BLOCK_K], bars.index(i), w_smem.index(i))
         sgn = gl.load(s_ptrs, mask=gl.expand_dims(offs_b < KB, 0), other=0)
+        if not W_TMA:
+            # W straight from global memory into registers, two steps ahead (16 bytes per thread)
+            kk = gl.expand_dims(gl.expand_dims(offs_b, 0), 2) * 8 + shifts                 # [1, BKB, 8]
+            w_ptrs = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + kk
+            w_cur = gl.load(w_ptrs, mask=kk < K, other=0.0)
+            w_nxt = gl.load(w_ptrs + BLOCK_K, mask=kk + BLOCK_K < K, other=0.0)
 
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
         for ki in range(num_k):
@@ -104,7 +124,12 @@ if HAVE_GLUON:
             nxt = (ki + 1) * BLOCK_KB + offs_b
             sgn_next = gl.load(s_ptrs + (ki + 1) * BLOCK_KB, mask=gl.expand_dims(nxt < KB, 0), other=0)
             mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
-            w = gl.convert_layout(gl.reshape(w_smem.index(stage).load(l2), [BLOCK_N, BLOCK_KB, 8]), l3)
+            if W_TMA:
+                w = gl.convert_layout(gl.reshape(w_smem.index(stage).load(l2), [BLOCK_N, BLOCK_KB, 8]), l3)
+            else:
+                w = w_cur
+                w_cur = w_nxt
+                w_nxt = gl.load(w_ptrs + (ki + 2) * BLOCK_K, mask=kk + (ki + 2) * BLOCK_K < K, other=0.0)
             # ±α without a select: bit j of the byte moved to the float sign bit flips −α to +α
             top = (gl.expand_dims(sgn.to(gl.int32), 2) << (31 - shifts)) & SIGN_BIT
             d = (top ^ neg_alpha_bits).to(gl.float32, bitcast=True)
@@ -121,7 +146,8 @@ if HAVE_GLUON:
                 ns = nk % STAGES
                 mbarrier.expect(bars.index(ns), nbytes)
                 _tma_load(x_desc, [off_m, nk * BLOCK_K], bars.index(ns), x_smem.index(ns))
-                _tma_load(w_desc, [off_n, nk * BLOCK_K], bars.index(ns), w_smem.index(ns))
+                if W_TMA:
+                    _tma_load(w_desc, [off_n, nk * BLOCK_K], bars.index(ns), w_smem.index(ns))
             sgn = sgn_next
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
@@ -159,19 +185,19 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first). alpha: float32 ``[]``
             or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
         y: ``[M, N]`` output in ``x2.dtype`` (row stride ``y.stride(0)``).
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps)``, one of :data:`CONFIGS`.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, W_TMA)``, one of :data:`CONFIGS`.
 
     Returns:
         ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
     """
-    bm, bn, bk, stages, warps = config
+    bm, bn, bk, stages, warps, w_tma = config
     m, k = x2.shape
     n = weight.shape[0]
     dt = _gl_dtype(x2.dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _prefill_kernel[grid](x_desc, w_desc, sign, alpha, bias if bias is not None else alpha, y, m, n, k,
-                          sign.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None,
-                          STAGES=stages, num_warps=warps)
+    _prefill_kernel[grid](x_desc, w_desc, weight, sign, alpha, bias if bias is not None else alpha, y, m, n, k,
+                          weight.stride(0), sign.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
+                          HAS_BIAS=bias is not None, STAGES=stages, W_TMA=w_tma, num_warps=warps)
     return y

@@ -75,18 +75,19 @@ if gb.HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = gb._prefill_kernel
-    for (bm, bn, bk, stages, warps) in gb.CONFIGS:
+    for (bm, bn, bk, stages, warps, w_tma) in gb.CONFIGS:
         for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
             xl = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
             wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
             sig = {"x_desc": f"tensordesc<{dt}[{bm}, {bk}],{xl!r}>", "w_desc": f"tensordesc<{dt}[{bn}, {bk}],{wl!r}>",
-                   "s_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*" + dt, "y_ptr": "*" + dt, "M": "i32", "N": "i32",
-                   "K": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, num_warps=warps)
+                   "w_ptr": "*" + dt, "s_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*" + dt, "y_ptr": "*" + dt,
+                   "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, W_TMA=w_tma, num_warps=warps)
             sig.update({c: "constexpr" for c in consts})
             names = fn.arg_names
-            attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K")}
-            name = "gluon-prefill " + json.dumps({"config": [bm, bn, bk, stages, warps], "dtype": dt})
+            attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                     for a in ("w_ptr", "s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn")}
+            name = "gluon-prefill " + json.dumps({"config": [bm, bn, bk, stages, warps, w_tma], "dtype": dt})
             try:
                 k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
