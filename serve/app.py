@@ -16,6 +16,7 @@ client that hangs up cancels its generation (between two tokens), streaming or n
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -124,6 +125,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
+class LoadVariantRequest(BaseModel):
+    """``POST /v1/load_variant`` (vLLM's ``/v1/load_lora_adapter`` for deltas)."""
+
+    model_config = ConfigDict(extra="forbid")
+    variant: str = Field(description="name: served as <family>-<variant>")
+    path: str | None = Field(None, description="artifact folder, relative to (or inside) the artifact root; "
+                                               "default: <artifact root>/<variant>")
+
+
+class UnloadVariantRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variant: str = Field(description="name or model id")
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
@@ -199,30 +214,36 @@ class Metrics:
         self.loads = Counter(PREFIX + "delta_cache_loads", "Delta artifacts loaded.", L, registry=r)
         self.load_failures = Counter(PREFIX + "delta_cache_load_failures", "Delta artifact loads that failed.",
                                      L, registry=r)
-        self.evictions = Counter(PREFIX + "delta_cache_evictions", "Deltas evicted (none yet: no eviction policy).",
-                                 L, registry=r)
-        self.load_seconds = Histogram(PREFIX + "delta_load_seconds", "Time to load a delta artifact.",
-                                      L, buckets=LATENCY_BUCKETS, registry=r)
+        self.evictions = Counter(PREFIX + "delta_cache_evictions", "Deltas evicted from a cache tier "
+                                 "(tier: device or host).", L + ["tier"], registry=r)
+        self.load_seconds = Histogram(PREFIX + "delta_load_seconds", "Time to bring a delta onto the device, by "
+                                      "the tier it came from (host: a copy; disk: read and checked).",
+                                      L + ["tier"], buckets=LATENCY_BUCKETS, registry=r)
         for mid in model_ids:
             self.add_model(mid)
 
     def add_model(self, model_id: str) -> None:
         """Create every series of a model at zero, so it shows in /metrics before its first request."""
         for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
-                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures, self.evictions,
-                  self.load_seconds):
+                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures):
             m.labels(model_id)
+        for tier in ("device", "host"):
+            self.evictions.labels(model_id, tier)
+        for tier in ("host", "disk"):
+            self.load_seconds.labels(model_id, tier)
 
-    def on_delta_event(self, event: str, model_id: str, seconds: float) -> None:
+    def on_delta_event(self, event: str, model_id: str, seconds: float, tier: str | None = None) -> None:
         if event == "hit":
             self.hits.labels(model_id).inc()
         elif event == "miss":
             self.misses.labels(model_id).inc()
         elif event == "load":
             self.loads.labels(model_id).inc()
-            self.load_seconds.labels(model_id).observe(seconds)
+            self.load_seconds.labels(model_id, tier or "disk").observe(seconds)
         elif event == "load_failed":
             self.load_failures.labels(model_id).inc()
+        elif event == "evict":
+            self.evictions.labels(model_id, tier or "device").inc()
 
 
 # ------------------------------------------------------------------------------------ app
@@ -237,15 +258,30 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
+def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
 
     Args:
         engine: the loaded engine.
         max_waiting: with this many requests already waiting for the model, a new one is
             refused with 429 (OpenAI ``rate_limit_error``) instead of queueing; None: no limit.
+        api_key: if set, every ``/v1/*`` request must send ``Authorization: Bearer <api_key>``
+            (else 401, OpenAI's ``invalid_api_key``); ``/health`` and ``/metrics`` stay open.
     """
     app = FastAPI(title="deltafleet", version="0.1.0")
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _check_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                sent = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(sent, expected):
+                    return APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
+                                    "invalid_request_error", None, "invalid_api_key").response()
+            return await call_next(request)
+
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
     metrics = Metrics([m.id for m in engine.models()])
@@ -299,6 +335,44 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
         except ModelNotFoundError as e:
             raise _api_error(e) from None
 
+    # ---------------------------------------------------------------- variants, hot
+
+    @app.post("/v1/load_variant")
+    async def load_variant(body: LoadVariantRequest):
+        """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
+        deltas onto the device now. 400: a path outside the root or without an artifact."""
+        t0 = time.perf_counter()
+        mid = f"{engine.family}-{body.variant}"
+        tier = engine.cache.tier(mid)
+        try:
+            card = await run_in_threadpool(engine.add_variant, body.variant, body.path)
+        except Exception as e:
+            raise _api_error(e) from None
+        metrics.add_model(card.id)
+        return model_card(card) | {"loaded_from": tier, "load_seconds": round(time.perf_counter() - t0, 6)}
+
+    @app.post("/v1/unload_variant")
+    async def unload_variant(body: UnloadVariantRequest):
+        """Drop a variant's deltas from the device and host tiers (it stays listed and is read from
+        disk again on its next request). 409 while it has requests in flight."""
+        mid = body.variant if body.variant.startswith(f"{engine.family}-") else f"{engine.family}-{body.variant}"
+        try:
+            unloaded = await run_in_threadpool(engine.remove_variant, mid)
+        except RuntimeError as e:
+            raise APIError(409, f"{e}; retry when they have finished", "invalid_request_error", "variant",
+                           "variant_in_use") from None
+        except Exception as e:
+            raise _api_error(e) from None
+        return {"id": mid, "object": "model", "unloaded": unloaded}
+
+    @app.get("/v1/delta_cache")
+    async def delta_cache():
+        """Where each variant's deltas are (device, host, disk), with bytes, requests in flight and
+        the decayed request count that eviction ranks by."""
+        c = engine.cache
+        return {"object": "delta_cache", "device_bytes": c.device_bytes, "device_budget_bytes": c.device_budget,
+                "host_bytes": c.host_bytes, "host_budget_bytes": c.host_budget, "variants": c.snapshot()}
+
     # ---------------------------------------------------------------- generation
 
     async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str):
@@ -344,6 +418,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
             except BaseException as e:  # noqa: BLE001 — reported to the request, never kills the server
                 put(e)
             finally:
+                engine.release(req)  # the variant may be evicted again (also if run() never started)
                 if state["started"]:
                     metrics.running.labels(mid).dec()
                 else:
@@ -354,6 +429,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None) -> FastAPI:
 
         with queued_lock:
             if max_waiting is not None and queued["n"] >= max_waiting:
+                engine.release(req)
                 raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
                                "Retry later.", "rate_limit_error", None, "overloaded")
             queued["n"] += 1

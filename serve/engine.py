@@ -2,9 +2,11 @@
 
 Model ids (ARCHITECTURE.md, "Serving"): the base is served as the family name (``tiny``), each
 artifact folder ``<artifacts_dir>/<variant>/bitdelta.json`` as ``<family>-<variant>``. A variant's
-artifact is read on its first request, checked against the base's fingerprint, and kept (the
-tiered cache with eviction is a later issue). Loading is single-flight per variant: concurrent
-first requests wait for one load, and loads of other variants are not blocked.
+artifact is read on its first request, checked against the base's fingerprint, and kept in the
+tiered delta cache of serve/cache.py (device → host → disk, weighted-LRU eviction, pinning, never
+evicting a variant with requests in flight). Loading is single-flight per variant: concurrent
+first requests wait for one load, and loads of other variants are not blocked. A request holds
+its variant from :meth:`Engine.prepare` until it ends (:meth:`Engine.release`).
 
 Generation runs one request at a time (a lock; continuous batching is a later issue) as a plain
 iterator of :class:`Step`, so the HTTP layer can drive it from a worker thread and stream.
@@ -15,7 +17,6 @@ import json
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
@@ -24,14 +25,16 @@ import torch
 from transformers import AutoTokenizer
 
 from compress.bitdelta import ArtifactError, fingerprint, load_artifact
+from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from serve.model import Transformer, VariantDelta
 
 MANIFEST_NAME = "bitdelta.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
-# event, model id, seconds (load time for "load"/"load_failed", else 0)
-DeltaListener = Callable[[Literal["hit", "miss", "load", "load_failed"], str, float], None]
+# event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (load time for "load" and
+# "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction left: "device"/"host")
+DeltaListener = Callable[[str, str, float, "str | None"], None]
 
 
 class ModelNotFoundError(LookupError):
@@ -84,6 +87,7 @@ class Request:
     max_tokens: int
     params: SamplingParams
     delta: VariantDelta | None
+    released: bool = False  # its hold on the variant's delta ended (Engine.release)
 
 
 @dataclass
@@ -129,6 +133,9 @@ class Engine:
         family: model id of the base; variants are ``<family>-<variant>``.
         device, dtype: where and in which dtype the base (and the deltas' full tensors) live.
         force: load artifacts even if their base fingerprint differs (not recommended).
+        delta_cache: keyword arguments of :class:`serve.cache.DeltaCache` (``device_budget_bytes``,
+            ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
+            ``half_life_s``, ``wait_timeout_s``); None: unbounded tiers.
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -136,7 +143,8 @@ class Engine:
     """
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
-                 device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False):
+                 device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
+                 delta_cache: dict | None = None):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -156,12 +164,13 @@ class Engine:
         self.base_fingerprint = fingerprint(self.base_dir)
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
-        self._deltas: dict[str, VariantDelta] = {}
-        self._load_locks: dict[str, threading.Lock] = {}
-        self._registry_lock = threading.Lock()  # guards _variants, _load_locks
+        self._registry_lock = threading.Lock()  # guards _variants
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self._gen_lock = threading.Lock()  # one generation at a time
-        self._listeners: list[DeltaListener] = []
+        opts = dict(delta_cache or {})
+        opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
+        self.cache = DeltaCache(self._read_delta, self._to_device, self._artifact_stamp, to_host=self._to_host,
+                                **opts)
         self.discover()
 
     # ---------------------------------------------------------------- models and variants
@@ -177,9 +186,7 @@ class Engine:
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
         with self._registry_lock:
             for mid, card in found.items():
-                if mid not in self._variants:
-                    self._variants[mid] = card
-                    self._load_locks[mid] = threading.Lock()
+                self._variants.setdefault(mid, card)
         return self.models()
 
     def models(self) -> list[ModelCard]:
@@ -198,54 +205,124 @@ class Engine:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist") from None
 
     def add_listener(self, fn: DeltaListener) -> None:
-        """Call ``fn(event, model_id, seconds)`` on delta-cache hits, misses, loads and failed loads."""
-        self._listeners.append(fn)
+        """Call ``fn(event, model_id, seconds, tier)`` on delta-cache hits, misses, loads, failed loads
+        and evictions (see :data:`DeltaListener`)."""
+        self.cache.add_listener(fn)
 
-    def _emit(self, event: str, model_id: str, seconds: float = 0.0) -> None:
-        for fn in self._listeners:
-            fn(event, model_id, seconds)
-
-    def get_delta(self, model_id: str) -> VariantDelta | None:
-        """The variant's deltas (None for the base), loading the artifact on first use.
+    def acquire_delta(self, model_id: str) -> VariantDelta | None:
+        """The variant's deltas on the serving device (None for the base), loaded if needed, held
+        (never evicted) until :meth:`release_delta` of the same id.
 
         Raises:
-            ModelNotFoundError: unknown id.
+            ModelNotFoundError: unknown id, or its artifact was removed.
             VariantUnavailableError: the artifact is missing, corrupt, made for another base
-                (fingerprint mismatch) or does not fit the base's shapes. Not cached: the next
-                request tries again, so a fixed artifact is picked up without a restart.
+                (fingerprint mismatch), does not fit the base's shapes, or there is no room for it
+                on the device. Not cached: the next request tries again, so a fixed artifact is
+                picked up without a restart.
         """
         card = self.card(model_id)
         if card.parent is None:
             return None
-        delta = self._deltas.get(model_id)
-        if delta is not None:
-            self._emit("hit", model_id)
-            return delta
-        self._emit("miss", model_id)
-        with self._load_locks[model_id]:  # single flight: later arrivals wait for this load
-            delta = self._deltas.get(model_id)
-            if delta is None:
-                t0 = time.perf_counter()
-                try:
-                    delta = self._load(card)
-                except VariantUnavailableError:
-                    self._emit("load_failed", model_id, time.perf_counter() - t0)
-                    raise
-                self._deltas[model_id] = delta
-                self._emit("load", model_id, time.perf_counter() - t0)
+        try:
+            return self.cache.acquire(model_id)
+        except ArtifactGoneError:
+            with self._registry_lock:
+                self._variants.pop(model_id, None)
+            raise ModelNotFoundError(f"The model `{model_id}` does not exist (its artifact was removed)") from None
+        except CacheFullError as e:
+            raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}") from None
+
+    def release_delta(self, model_id: str) -> None:
+        """End one hold of :meth:`acquire_delta` (no-op for the base)."""
+        if model_id != self.family:
+            self.cache.release(model_id)
+
+    def get_delta(self, model_id: str) -> VariantDelta | None:
+        """The variant's deltas, loaded if needed, without holding them (they may be evicted later)."""
+        delta = self.acquire_delta(model_id)
+        self.release_delta(model_id)
         return delta
 
-    def _load(self, card: ModelCard) -> VariantDelta:
+    def release(self, request: Request) -> None:
+        """End ``request``'s hold on its variant (idempotent; :meth:`run` does it when it ends)."""
+        if not request.released:
+            request.released = True
+            self.release_delta(request.model_id)
+
+    def _artifact_stamp(self, model_id: str):
+        """(size, mtime, inode) of the variant's manifest, or None once it is gone."""
+        card = self._variants.get(model_id)
+        if card is None or card.artifact_dir is None:
+            return None
+        try:
+            st = (card.artifact_dir / MANIFEST_NAME).stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns, st.st_ino
+
+    def _read_delta(self, model_id: str) -> VariantDelta:
+        """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
+        card = self._variants[model_id]
         fp = None if self.force else self.base_fingerprint
         try:
-            artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device=str(self.device))
-            delta = VariantDelta(artifact, self.device, self.dtype)
+            artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
+            delta = VariantDelta(artifact, "cpu", self.dtype)
             delta.check(self.model.hf_param_shapes())
         except (ArtifactError, OSError, ValueError) as e:
             log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
             reason = _without_paths(str(e), card.artifact_dir.parent, self.base_dir)
             raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}") from e
-        return delta
+        return delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
+
+    def _to_device(self, delta: VariantDelta) -> VariantDelta:
+        return delta if self.device.type == "cpu" else delta.to(self.device)
+
+    def _to_host(self, delta: VariantDelta) -> VariantDelta:
+        return delta if self.device.type == "cpu" else delta.to("cpu", pin=self.device.type == "cuda")
+
+    def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:
+        """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``) as
+        ``<family>-<name>`` and load it onto the device now (a hot load).
+
+        Raises:
+            InvalidRequestError: a bad name, no artifact root, a path outside the artifact root
+                (symbolic links resolved) or without ``bitdelta.json``.
+            VariantUnavailableError: the artifact cannot be used.
+        """
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name or ""):
+            raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
+                                      "letter or digit", "variant")
+        if self.artifacts_dir is None:
+            raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path")
+        root = self.artifacts_dir.resolve()
+        raw = Path(path) if path else Path(name)
+        folder = (raw if raw.is_absolute() else root / raw).resolve()
+        if not folder.is_relative_to(root):
+            raise InvalidRequestError("`path` must be inside the server's artifact root", "path", "path_not_allowed")
+        if not (folder / MANIFEST_NAME).is_file():
+            raise InvalidRequestError(f"no {MANIFEST_NAME} in `{folder.relative_to(root)}` under the artifact root",
+                                      "path", "artifact_not_found")
+        mid = f"{self.family}-{name}"
+        with self._registry_lock:
+            old = self._variants.get(mid)
+            if old is not None and old.artifact_dir is not None and old.artifact_dir.resolve() != folder:
+                self.cache.unload(mid)  # another folder under this name: the new one replaces it
+            self._variants[mid] = ModelCard(mid, self.family, folder)
+        self.get_delta(mid)
+        return self._variants[mid]
+
+    def remove_variant(self, model_id: str) -> bool:
+        """Drop a variant's deltas from every cache tier (it stays servable: the next request reads
+        it from disk again). Returns False if nothing was cached.
+
+        Raises:
+            ModelNotFoundError: unknown id (or the base).
+            RuntimeError: the variant has requests in flight.
+        """
+        card = self.card(model_id)
+        if card.parent is None:
+            raise ModelNotFoundError(f"`{model_id}` is the base model, which is always resident")
+        return self.cache.unload(model_id)
 
     # ---------------------------------------------------------------- tokens
 
@@ -346,7 +423,7 @@ class Engine:
         """
         self.card(model_id)
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
-        return Request(model_id, list(prompt_ids), max_tokens, params, self.get_delta(model_id))
+        return Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id))
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,
             on_start: Callable[[], None] | None = None) -> Iterator[Step]:
@@ -356,14 +433,18 @@ class Engine:
         ``seed`` if given. The texts of the steps concatenate to the completion: a stop string is
         cut off (the text ends before it); partial UTF-8 and possible stop prefixes are held back
         until resolved. Waits for earlier generations (one at a time); ``on_start`` is called once
-        this one holds the model; setting ``cancel`` ends it after the current step.
+        this one holds the model; setting ``cancel`` ends it after the current step. Ends the
+        request's hold on its variant (:meth:`release`) when it ends or is closed.
         """
-        with self._gen_lock:
-            if on_start is not None:
-                on_start()
-            if cancel is not None and cancel.is_set():  # abandoned while it waited
-                return
-            yield from self._decode(request.prompt_ids, request.max_tokens, request.params, request.delta, cancel)
+        try:
+            with self._gen_lock:
+                if on_start is not None:
+                    on_start()
+                if cancel is not None and cancel.is_set():  # abandoned while it waited
+                    return
+                yield from self._decode(request.prompt_ids, request.max_tokens, request.params, request.delta, cancel)
+        finally:
+            self.release(request)
 
     def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """:meth:`prepare` then :meth:`run`."""

@@ -142,11 +142,27 @@ class VariantDelta:
     """
 
     def __init__(self, artifact: _ArtifactLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        self.artifact = artifact
         self.name = artifact.variant
         self.signs = {k: v.to(device) for k, v in artifact.signs.items()}
         self.alphas = {k: v.to(device, torch.float32) for k, v in artifact.alphas.items()}
         self.full = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in artifact.full.items()}
+
+    def to(self, device: str | torch.device, pin: bool = False) -> VariantDelta:
+        """A copy on ``device`` (the tiers of serve/cache.py); ``pin``: into page-locked host memory,
+        from which a later copy to the GPU runs asynchronously at full PCIe speed."""
+        out = object.__new__(VariantDelta)
+        out.name = self.name
+
+        def move(t: Tensor) -> Tensor:
+            t = t.to(device, non_blocking=True)
+            return t.pin_memory() if pin and not t.is_pinned() else t
+
+        out.signs = {k: move(v) for k, v in self.signs.items()}
+        out.alphas = {k: move(v) for k, v in self.alphas.items()}
+        out.full = {k: move(v) for k, v in self.full.items()}
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)  # the copies are complete before a kernel reads them
+        return out
 
     def sign_alpha(self, param: str) -> tuple[Tensor, Tensor] | None:
         """``(sign, alpha)`` of a sign-compressed parameter, or None if it has none."""

@@ -37,8 +37,13 @@ def main(cfg: DictConfig) -> None:
     # barrier starve it, and a one-token decode step gains nothing from them (10-20x slower on 2 cores).
     torch.set_num_threads(cfg.threads or max(1, cores - 1))
     try:
+        dc = cfg.delta_cache
+        cache = {"device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
+                 "host_budget_bytes": None if dc.host_budget_gb is None else int(dc.host_budget_gb * 1e9),
+                 "pinned": list(dc.pinned or []), "pin_top_n": dc.pin_top_n, "half_life_s": dc.half_life_s,
+                 "wait_timeout_s": dc.wait_timeout_s}
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=cfg.device, dtype=cfg.dtype,
-                        force=cfg.force)
+                        force=cfg.force, delta_cache=cache)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -47,7 +52,9 @@ def main(cfg: DictConfig) -> None:
     print(f"serving {', '.join(ids)} ({engine.device}, {cfg.dtype}, context {engine.max_model_len}, "
           f"{torch.get_num_threads()} threads) at {url}",
           flush=True)
-    uvicorn.run(create_app(engine, max_waiting=cfg.max_waiting), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    api_key = cfg.api_key or os.environ.get("DELTAFLEET_API_KEY") or None
+    uvicorn.run(create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key), host=cfg.host, port=cfg.port,
+                log_level=cfg.log_level)
 
 
 if __name__ == "__main__":

@@ -407,8 +407,11 @@ def test_metrics_after_traffic(server, client):
     httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"})
     text = httpx.get(f"{server}/metrics").text
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "delta_load_seconds"):
+                 "request_queue_time_seconds"):
         assert f'deltafleet:{name}_bucket{{le="0.001",model_name="tiny-writer"}}' in text, name
+    for tier in ("host", "disk"):  # cold-load time by the tier the delta came from
+        assert f'deltafleet:delta_load_seconds_bucket{{le="0.001",model_name="tiny-writer",tier="{tier}"}}' in text
+    assert 'deltafleet:delta_cache_evictions_total{model_name="tiny-writer",tier="device"} 0.0' in text
     for name in ("num_requests_running", "num_requests_waiting"):
         assert f'deltafleet:{name}{{model_name="tiny"}} 0.0' in text, name
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
@@ -477,15 +480,15 @@ def test_text_that_spells_a_special_token_stays_text(server, client, engine):
 def test_engine_loads_variants_lazily_and_single_flight(root, monkeypatch):
     engine = Engine(root / "models" / "base", root / "artifacts", family="tiny")
     events = []
-    engine.add_listener(lambda ev, mid, s: events.append((ev, mid)))
-    assert engine._deltas == {}  # nothing loaded before the first request
-    real_load = engine._load
+    engine.add_listener(lambda ev, mid, s, tier: events.append((ev, mid)))
+    assert engine.cache.snapshot() == {}  # nothing loaded before the first request
+    real_read = engine.cache._read
 
-    def slow_load(card):
+    def slow_read(model_id):
         time.sleep(0.3)  # long enough that all threads arrive while the first load runs
-        return real_load(card)
+        return real_read(model_id)
 
-    monkeypatch.setattr(engine, "_load", slow_load)
+    monkeypatch.setattr(engine.cache, "_read", slow_read)
     results = []
     threads = [threading.Thread(target=lambda: results.append(engine.get_delta("tiny-coder"))) for _ in range(4)]
     for t in threads:

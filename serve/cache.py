@@ -1,0 +1,309 @@
+"""The tiered delta cache of the serving engine (ARCHITECTURE.md, "Serving").
+
+A variant's deltas (packed signs, scales, the few tensors kept in full; :class:`serve.model.VariantDelta`)
+live in one of three tiers:
+
+* **device** — on the serving device, under ``device_budget_bytes``; only these are served.
+* **host** — in (pinned, when the device is a GPU) host memory, under ``host_budget_bytes``: a
+  variant evicted from the device is kept here, so its next cold load is a host-to-device copy.
+  The tiers are exclusive: a variant is in one of them at a time.
+* **disk** — the artifact folder; read (and its hashes checked) on a miss in both tiers.
+
+Eviction is LRU weighted by request rate: every variant carries a request count that decays with
+a half-life (``half_life_s``): ``c ← c · 2^(−Δt/half_life) + 1`` per request. The victim is the
+evictable variant with the smallest decayed count, so a variant used often keeps its slot over one
+used once slightly more recently, and with a short half-life the policy is plain LRU. Never
+evicted: a variant with requests in flight (:meth:`DeltaCache.acquire` … :meth:`DeltaCache.release`),
+a variant pinned by name (``pinned``), and the ``pin_top_n`` variants with the highest counts.
+When nothing can be evicted, a load waits (``wait_timeout_s``) for a request to finish, then
+fails with :class:`CacheFullError`.
+
+Loading is single-flight: concurrent requests for a variant that is not on the device wait for
+one load of it, and requests for other variants are not held up by it (the per-variant lock is
+held during the read; the cache-wide lock only for bookkeeping). An artifact changed on disk
+(its manifest's size or modification time) is reloaded on its next request; one removed is
+dropped (:class:`ArtifactGoneError`).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+Tier = Literal["device", "host", "disk"]
+# event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (loads), tier
+CacheListener = Callable[[str, str, float, "str | None"], None]
+
+
+class CacheFullError(RuntimeError):
+    """No room on the device for a variant: the delta alone exceeds the budget, or every resident
+    variant is in flight or pinned and none finished within the wait (HTTP 503)."""
+
+
+class ArtifactGoneError(LookupError):
+    """The variant's artifact was removed from disk since it was found (HTTP 404)."""
+
+
+@dataclass
+class _Entry:
+    model_id: str
+    count: float = 0.0          # decayed request count at time `t_count`
+    t_count: float = 0.0
+    in_flight: int = 0
+    device: Any = None          # the delta on the serving device (tier 1)
+    host: Any = None            # the delta in host memory (tier 2)
+    nbytes: int = 0
+    stamp: Any = None           # the artifact's stamp when it was read
+    lock: threading.Lock = field(default_factory=threading.Lock)  # single flight
+
+
+class DeltaCache:
+    """Variants' deltas in device / host / disk tiers with weighted-LRU eviction (module docstring).
+
+    Args:
+        read: ``read(model_id) -> delta`` reads the artifact from disk into host memory (any
+            object with an ``nbytes`` attribute, in bytes); may raise — the error reaches the request.
+        to_device: ``to_device(host_delta) -> delta`` on the serving device (identity when the
+            device is the CPU).
+        to_host: ``to_host(device_delta) -> host delta``, used when a variant leaves the device and
+            has no host copy yet (identity when the device is the CPU, where both tiers are the same
+            memory and the budgets are bookkeeping).
+        stamp: ``stamp(model_id)`` → a value that changes when the artifact changes on disk, or
+            None once it is gone.
+        device_budget_bytes, host_budget_bytes: tier sizes in bytes (None: unbounded; 0 host:
+            no host tier).
+        pinned: model ids never evicted. pin_top_n: also never evict the n most requested.
+        half_life_s: half-life of the request counts, seconds.
+        wait_timeout_s: how long a load waits for room on the device before CacheFullError.
+        clock: monotonic seconds (tests pass a fake one).
+
+    Raises (from :meth:`acquire`): CacheFullError, ArtifactGoneError, or whatever ``read`` raises.
+    """
+
+    def __init__(self, read: Callable[[str], Any], to_device: Callable[[Any], Any], stamp: Callable[[str], Any],
+                 *, to_host: Callable[[Any], Any] = lambda d: d, device_budget_bytes: int | None = None,
+                 host_budget_bytes: int | None = None, pinned: tuple[str, ...] | list[str] = (), pin_top_n: int = 0,
+                 half_life_s: float = 60.0, wait_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        for name, v in (("device_budget_bytes", device_budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be ≥ 0 or None, got {v}")
+        if pin_top_n < 0:
+            raise ValueError(f"pin_top_n must be ≥ 0, got {pin_top_n}")
+        self._read, self._to_device, self._to_host, self._stamp = read, to_device, to_host, stamp
+        self.device_budget, self.host_budget = device_budget_bytes, host_budget_bytes
+        self.pinned, self.pin_top_n = set(pinned), pin_top_n
+        self.half_life, self.wait_timeout, self.clock = half_life_s, wait_timeout_s, clock
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a request ends or a delta leaves
+        self._listeners: list[CacheListener] = []
+        self.device_bytes = 0   # bytes on the device, reserved ones included
+        self.host_bytes = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def add_listener(self, fn: CacheListener) -> None:
+        """``fn(event, model_id, seconds, tier)`` on hit, miss, load (tier it came from), load_failed
+        and evict (tier it left)."""
+        self._listeners.append(fn)
+
+    def _emit(self, event: str, model_id: str, seconds: float = 0.0, tier: str | None = None) -> None:
+        for fn in self._listeners:
+            fn(event, model_id, seconds, tier)
+
+    def _count(self, e: _Entry, now: float) -> float:
+        return e.count * math.pow(2.0, -(now - e.t_count) / self.half_life)
+
+    def _touch(self, e: _Entry) -> None:
+        now = self.clock()
+        e.count, e.t_count = self._count(e, now) + 1.0, now
+
+    def _protected(self, now: float) -> set[str]:
+        """Model ids that must not be evicted now: in flight, pinned by name, or in the top n."""
+        keep = {m for m, e in self._entries.items() if e.in_flight > 0} | self.pinned
+        if self.pin_top_n:
+            ranked = sorted(self._entries.values(), key=lambda e: self._count(e, now), reverse=True)
+            keep |= {e.model_id for e in ranked[:self.pin_top_n]}
+        return keep
+
+    def _victim(self, tier: str, exclude: str) -> _Entry | None:
+        now = self.clock()
+        keep = self._protected(now) if tier == "device" else set()
+        cands = [e for e in self._entries.values() if getattr(e, tier) is not None
+                 and e.model_id != exclude and e.model_id not in keep]
+        return min(cands, key=lambda e: (self._count(e, now), e.t_count), default=None)
+
+    def _fits(self, used: int, budget: int | None, n: int) -> bool:
+        return budget is None or used + n <= budget
+
+    def _keep_on_host(self, e: _Entry, host_copy: Any) -> None:
+        """Put ``host_copy`` in the host tier, evicting colder host copies; dropped if it cannot fit
+        (called with the lock held)."""
+        if e.host is not None or host_copy is None:
+            return
+        if self.host_budget is not None and e.nbytes > self.host_budget:
+            return
+        while not self._fits(self.host_bytes, self.host_budget, e.nbytes):
+            v = self._victim("host", exclude=e.model_id)
+            if v is None:
+                return
+            v.host = None
+            self.host_bytes -= v.nbytes
+            self._emit("evict", v.model_id, 0.0, "host")
+        e.host = host_copy
+        self.host_bytes += e.nbytes
+
+    def _make_room(self, e: _Entry, deadline: float) -> None:
+        """Evict device residents (coldest first, demoted to the host tier) until ``e`` fits, then
+        reserve its bytes. Called with the lock held; waits for running requests if it must."""
+        if self.device_budget is not None and e.nbytes > self.device_budget:
+            raise CacheFullError(f"variant `{e.model_id}` needs {e.nbytes} bytes of deltas, more than the whole "
+                                 f"device budget ({self.device_budget} bytes)")
+        while not self._fits(self.device_bytes, self.device_budget, e.nbytes):
+            v = self._victim("device", exclude=e.model_id)
+            if v is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = sorted(m for m, x in self._entries.items() if x.device is not None)
+                    raise CacheFullError(
+                        f"no room on the device for variant `{e.model_id}` ({e.nbytes} bytes): every resident "
+                        f"variant ({', '.join(busy)}) is in flight or pinned; retry later")
+                self._room.wait(left)
+                continue
+            self._evict_device(v)
+        self.device_bytes += e.nbytes
+
+    def _evict_device(self, v: _Entry) -> None:
+        host_copy = v.host if v.host is not None else self._to_host(v.device)
+        v.device = None
+        self.device_bytes -= v.nbytes
+        self._emit("evict", v.model_id, 0.0, "device")
+        self._keep_on_host(v, host_copy)
+
+    # ------------------------------------------------------------------ requests
+
+    def acquire(self, model_id: str) -> Any:
+        """The variant's delta on the device, loaded if needed; counts one request in flight until
+        :meth:`release`. Returns the delta object (keep it for the request's lifetime)."""
+        stamp = self._stamp(model_id)
+        with self._lock:
+            e = self._entries.setdefault(model_id, _Entry(model_id))
+            self._touch(e)
+            if stamp is None:
+                self._drop(e)
+                raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
+            if e.stamp is not None and e.stamp != stamp:
+                self._drop(e)  # changed on disk: read it again
+                e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
+            e.in_flight += 1
+            if e.device is not None:
+                self._emit("hit", model_id)
+                return e.device
+        self._emit("miss", model_id)
+        try:
+            return self._load(e, stamp)
+        except BaseException:
+            self.release(model_id)
+            raise
+
+    def _load(self, e: _Entry, stamp: Any) -> Any:
+        with e.lock:  # single flight: the first request loads, the others find it loaded
+            with self._lock:
+                if e.device is not None:
+                    return e.device
+                host = e.host
+            t0 = time.perf_counter()
+            tier: Tier = "host" if host is not None else "disk"
+            try:
+                if host is None:
+                    host = self._read(e.model_id)
+                    e.nbytes = int(host.nbytes)
+                deadline = time.monotonic() + self.wait_timeout
+                with self._lock:
+                    self._make_room(e, deadline)
+                try:
+                    dev = self._to_device(host)
+                except BaseException:
+                    with self._lock:
+                        self.device_bytes -= e.nbytes
+                        self._room.notify_all()
+                    raise
+            except BaseException:
+                self._emit("load_failed", e.model_id, time.perf_counter() - t0, tier)
+                raise
+            with self._lock:
+                e.device, e.stamp = dev, stamp
+                if e.host is not None:  # the tiers are exclusive: the host copy moved up
+                    e.host = None
+                    self.host_bytes -= e.nbytes
+            self._emit("load", e.model_id, time.perf_counter() - t0, tier)
+            return dev
+
+    def release(self, model_id: str) -> None:
+        """End one request of ``model_id`` (pair of :meth:`acquire`)."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None and e.in_flight > 0:
+                e.in_flight -= 1
+                if e.in_flight == 0:
+                    self._room.notify_all()
+
+    # ------------------------------------------------------------------ admin
+
+    def _drop(self, e: _Entry) -> None:
+        if e.device is not None:
+            self.device_bytes -= e.nbytes
+            self._emit("evict", e.model_id, 0.0, "device")
+        if e.host is not None:
+            self.host_bytes -= e.nbytes
+            self._emit("evict", e.model_id, 0.0, "host")
+        e.device = e.host = None
+        self._entries.pop(e.model_id, None)
+        self._room.notify_all()
+
+    def load(self, model_id: str) -> str:
+        """Bring a variant onto the device now (a hot load); returns the tier it came from
+        (``"device"`` if it was there)."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            was = "device" if e is not None and e.device is not None else \
+                "host" if e is not None and e.host is not None else "disk"
+        self.acquire(model_id)
+        self.release(model_id)
+        return was
+
+    def unload(self, model_id: str) -> bool:
+        """Drop a variant from every tier. Returns False if it was not cached.
+
+        Raises:
+            RuntimeError: if it has requests in flight.
+        """
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is None or (e.device is None and e.host is None):
+                return False
+            if e.in_flight:
+                raise RuntimeError(f"variant `{model_id}` has {e.in_flight} requests in flight")
+            self._drop(e)
+            return True
+
+    def tier(self, model_id: str) -> Tier:
+        """Where a variant is now: device, host or disk."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            return "device" if e and e.device is not None else "host" if e and e.host is not None else "disk"
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per variant: tier, bytes, requests in flight, decayed request count, protected from eviction."""
+        with self._lock:
+            now = self.clock()
+            keep = self._protected(now)
+            return {m: {"tier": "device" if e.device is not None else "host" if e.host is not None else "disk",
+                        "bytes": e.nbytes, "in_flight": e.in_flight, "requests": round(self._count(e, now), 3),
+                        "pinned": m in keep and e.in_flight == 0}
+                    for m, e in sorted(self._entries.items())}

@@ -1,0 +1,230 @@
+"""The tiered delta cache (serve/cache.py): single-flight loads, weighted-LRU eviction with
+pinning and in-flight protection, the host tier, stale and removed artifacts."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
+
+
+class Delta:
+    def __init__(self, name: str, nbytes: int, where: str = "host"):
+        self.name, self.nbytes, self.where = name, nbytes, where
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Disk:
+    """Fake artifacts: sizes by model id, a read counter, optional gates and failures."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes, self.reads = dict(sizes), {m: 0 for m in sizes}
+        self.stamps = {m: 1 for m in sizes}
+        self.gates: dict[str, threading.Event] = {}
+        self.fail: set[str] = set()
+        self.lock = threading.Lock()
+
+    def read(self, m: str) -> Delta:
+        with self.lock:
+            self.reads[m] += 1
+        if m in self.gates:
+            assert self.gates[m].wait(10)
+        if m in self.fail:
+            raise OSError(f"cannot read {m}")
+        return Delta(m, self.sizes[m])
+
+    def stamp(self, m: str):
+        return self.stamps.get(m)
+
+
+def make(disk: Disk, **kw) -> tuple[DeltaCache, list]:
+    events: list = []
+    cache = DeltaCache(disk.read, lambda d: Delta(d.name, d.nbytes, "device"), disk.stamp,
+                       to_host=lambda d: Delta(d.name, d.nbytes, "host"), **kw)
+    cache.add_listener(lambda ev, m, s, tier: events.append((ev, m, tier)))
+    return cache, events
+
+
+def use(cache: DeltaCache, m: str):
+    d = cache.acquire(m)
+    cache.release(m)
+    return d
+
+
+def test_concurrent_requests_for_a_cold_variant_trigger_exactly_one_read():
+    disk = Disk({"a": 100})
+    disk.gates["a"] = threading.Event()
+    cache, events = make(disk)
+    got, start = [], threading.Barrier(9)
+
+    def req():
+        start.wait()
+        got.append(cache.acquire("a"))
+
+    threads = [threading.Thread(target=req) for _ in range(8)]
+    for t in threads:
+        t.start()
+    start.wait()
+    time.sleep(0.2)  # all eight are waiting on the one read
+    disk.gates["a"].set()
+    for t in threads:
+        t.join(10)
+    assert disk.reads["a"] == 1
+    assert len(got) == 8 and all(d is got[0] for d in got) and got[0].where == "device"
+    assert [e for e in events if e[0] == "load"] == [("load", "a", "disk")]
+    assert cache.snapshot()["a"]["in_flight"] == 8
+
+
+def test_a_slow_load_does_not_block_other_variants():
+    disk = Disk({"a": 100, "b": 100})
+    disk.gates["a"] = threading.Event()
+    cache, _ = make(disk)
+    t = threading.Thread(target=use, args=(cache, "a"))
+    t.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    assert use(cache, "b").name == "b"  # while a's read is still blocked
+    assert time.perf_counter() - t0 < 1.0 and t.is_alive()
+    disk.gates["a"].set()
+    t.join(10)
+    assert cache.tier("a") == cache.tier("b") == "device"
+
+
+@pytest.mark.parametrize("half_life, victim", [(60.0, "b"), (0.01, "a")])
+def test_eviction_is_lru_weighted_by_request_rate(half_life, victim):
+    """a: five requests at t = 0..4; b: one at t = 10. With a 60 s half-life a's decayed count (≈ 4.4
+    at t = 11) beats b's (≈ 1.0), so b goes although it was used last; with a tiny half-life the
+    counts are just recency (plain LRU) and a goes."""
+    disk = Disk({"a": 100, "b": 100, "c": 100})
+    clock = Clock()
+    cache, events = make(disk, device_budget_bytes=200, half_life_s=half_life, clock=clock)
+    for t in range(5):
+        clock.t = t
+        use(cache, "a")
+    clock.t = 10
+    use(cache, "b")
+    clock.t = 11
+    use(cache, "c")
+    assert cache.tier(victim) == "host"
+    assert ("evict", victim, "device") in events
+    assert {m for m in "abc" if cache.tier(m) == "device"} == set("abc") - {victim}
+
+
+def test_pinned_by_name_and_top_n_are_never_evicted():
+    disk = Disk({m: 100 for m in "abcd"})
+    clock = Clock()
+    cache, _ = make(disk, device_budget_bytes=200, pinned=["a"], half_life_s=0.01, clock=clock)
+    for t, m in enumerate("abcd"):
+        clock.t = t
+        use(cache, m)
+    assert cache.tier("a") == "device"  # the oldest, but pinned
+    # top-1 by traffic: b gets many requests, then newer variants churn around it
+    disk2 = Disk({m: 100 for m in "bcde"})
+    cache2, _ = make(disk2, device_budget_bytes=200, pin_top_n=1, half_life_s=1000.0, clock=clock)
+    for _ in range(5):
+        use(cache2, "b")
+    for m in "cde":
+        clock.t += 100  # long after b's requests: b is the least recently used
+        use(cache2, m)
+    assert cache2.tier("b") == "device" and cache2.snapshot()["b"]["pinned"]
+
+
+def test_a_variant_in_flight_is_never_evicted_and_a_load_waits_for_room():
+    disk = Disk({"a": 100, "b": 100, "c": 100})
+    cache, _ = make(disk, device_budget_bytes=200, wait_timeout_s=0.3)
+    cache.acquire("a")
+    cache.acquire("b")  # both in flight
+    with pytest.raises(CacheFullError, match=r"no room on the device for variant `c` \(100 bytes\): every "
+                                             r"resident variant \(a, b\) is in flight or pinned"):
+        cache.acquire("c")
+    assert cache.tier("a") == cache.tier("b") == "device"
+    assert cache.snapshot()["c"]["in_flight"] == 0  # the failed request released itself
+    cache2, _ = make(disk, device_budget_bytes=200, wait_timeout_s=5)
+    cache2.acquire("a")
+    cache2.acquire("b")
+    threading.Timer(0.2, cache2.release, args=("b",)).start()
+    t0 = time.perf_counter()
+    assert cache2.acquire("c").name == "c"  # waited for b's request to end, then evicted b
+    assert 0.15 < time.perf_counter() - t0 < 4
+    assert cache2.tier("b") == "host" and cache2.tier("a") == "device"
+
+
+def test_an_evicted_variant_comes_back_from_the_host_tier_without_a_read():
+    disk = Disk({"a": 100, "b": 100, "c": 100})
+    clock = Clock()
+    cache, events = make(disk, device_budget_bytes=100, host_budget_bytes=100, clock=clock)
+    for t, m in enumerate("ab"):
+        clock.t = t
+        use(cache, m)
+    assert cache.tier("a") == "host" and cache.device_bytes == 100 and cache.host_bytes == 100
+    clock.t = 2
+    assert use(cache, "a").where == "device"
+    assert disk.reads == {"a": 1, "b": 1, "c": 0}
+    assert ("load", "a", "host") in events
+    clock.t = 3
+    use(cache, "c")  # a → host (b's host copy, older, makes room); c on the device
+    assert cache.tier("b") == "disk" and cache.tier("a") == "host" and cache.tier("c") == "device"
+    assert ("evict", "b", "host") in events
+    assert cache.host_bytes == 100 and cache.device_bytes == 100
+
+
+def test_a_delta_larger_than_the_device_budget_is_refused():
+    cache, _ = make(Disk({"big": 500}), device_budget_bytes=400)
+    with pytest.raises(CacheFullError, match=r"`big` needs 500 bytes of deltas, more than the whole device "
+                                             r"budget \(400 bytes\)"):
+        cache.acquire("big")
+    assert cache.device_bytes == 0
+
+
+def test_changed_artifact_is_reread_and_removed_one_is_gone():
+    disk = Disk({"a": 100})
+    cache, _ = make(disk)
+    first = use(cache, "a")
+    assert use(cache, "a") is first and disk.reads["a"] == 1
+    disk.stamps["a"] = 2  # re-exported
+    again = use(cache, "a")
+    assert again is not first and disk.reads["a"] == 2 and cache.device_bytes == 100
+    del disk.stamps["a"]  # removed
+    with pytest.raises(ArtifactGoneError, match="the artifact of `a` is gone"):
+        cache.acquire("a")
+    assert cache.device_bytes == 0 and "a" not in cache.snapshot()
+
+
+def test_failed_read_is_not_cached_and_frees_its_request():
+    disk = Disk({"a": 100})
+    disk.fail.add("a")
+    cache, events = make(disk)
+    with pytest.raises(OSError, match="cannot read a"):
+        cache.acquire("a")
+    assert ("load_failed", "a", "disk") in events and cache.device_bytes == 0
+    assert cache.snapshot()["a"]["in_flight"] == 0
+    disk.fail.clear()
+    assert use(cache, "a").name == "a" and disk.reads["a"] == 2
+
+
+def test_unload_refuses_a_variant_in_flight():
+    cache, _ = make(Disk({"a": 100}))
+    cache.acquire("a")
+    with pytest.raises(RuntimeError, match="variant `a` has 1 requests in flight"):
+        cache.unload("a")
+    cache.release("a")
+    assert cache.unload("a") is True and cache.tier("a") == "disk" and cache.device_bytes == 0
+    assert cache.unload("a") is False
+    assert cache.load("a") == "disk" and cache.tier("a") == "device"
+    assert cache.load("a") == "device"
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="half_life_s must be > 0, got 0"):
+        DeltaCache(print, print, print, half_life_s=0)
+    with pytest.raises(ValueError, match="device_budget_bytes must be ≥ 0 or None, got -1"):
+        DeltaCache(print, print, print, device_budget_bytes=-1)

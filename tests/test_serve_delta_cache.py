@@ -1,0 +1,166 @@
+"""The delta cache inside the engine and through HTTP: eviction under a byte budget, requests in
+flight protecting their variant, hot load/unload confined to the artifact root, the optional
+API key (with the real ``openai`` client), and the cache's metrics."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.app import create_app
+from serve.engine import Engine, SamplingParams, VariantUnavailableError
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def root(tiny_family, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cache_root")
+    shutil.copytree(tiny_family.base_dir, root / "models" / "base")
+    shutil.copytree(tiny_family.artifacts_dir, root / "artifacts")
+    return root
+
+
+def _engine(root: Path, **cache) -> Engine:
+    return Engine(root / "models" / "base", root / "artifacts", family="tiny", delta_cache=cache)
+
+
+@pytest.fixture(scope="module")
+def delta_bytes(root) -> int:
+    e = _engine(root)
+    sizes = {m: e.get_delta(m).nbytes for m in ("tiny-coder", "tiny-writer")}
+    assert sizes["tiny-coder"] > 0
+    return max(sizes.values())
+
+
+def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, delta_bytes):
+    ref = _engine(root)
+    want = {m: ref.complete(m, "def main(", GREEDY).text for m in ("tiny-coder", "tiny-writer")}
+    engine = _engine(root, device_budget_bytes=delta_bytes, host_budget_bytes=delta_bytes)
+    events = []
+    engine.add_listener(lambda ev, m, s, tier: events.append((ev, m, tier)))
+    assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]
+    assert engine.complete("tiny-writer", "def main(", GREEDY).text == want["tiny-writer"]
+    assert engine.cache.tier("tiny-coder") == "host" and engine.cache.tier("tiny-writer") == "device"
+    assert ("evict", "tiny-coder", "device") in events
+    assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]  # back from host
+    assert ("load", "tiny-coder", "host") in events
+    assert engine.cache.device_bytes <= delta_bytes and engine.cache.host_bytes <= delta_bytes
+
+
+def test_a_request_in_flight_keeps_its_variant_and_another_variant_waits_or_gets_503(root, delta_bytes):
+    engine = _engine(root, device_budget_bytes=delta_bytes, wait_timeout_s=0.3)
+    held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)  # admitted, not yet run
+    with pytest.raises(VariantUnavailableError, match=r"no room on the device for variant `tiny-writer`.*"
+                                                      r"\(tiny-coder\) is in flight or pinned"):
+        engine.prepare("tiny-writer", engine.encode_prompt("x"), GREEDY)
+    assert engine.cache.tier("tiny-coder") == "device"
+    steps = list(engine.run(held))  # running it to the end releases the variant
+    assert steps and engine.cache.snapshot()["tiny-coder"]["in_flight"] == 0
+    assert engine.complete("tiny-writer", "x", GREEDY).completion_tokens >= 1
+    assert engine.cache.tier("tiny-coder") in ("host", "disk")
+
+
+def test_pinned_variant_is_not_evicted(root, delta_bytes):
+    engine = _engine(root, device_budget_bytes=2 * delta_bytes, pinned=["coder"], half_life_s=0.001)
+    engine.get_delta("tiny-coder")
+    engine.get_delta("tiny-writer")
+    engine.get_delta("tiny-writer")
+    shutil.copytree(root / "artifacts" / "writer", root / "artifacts" / "third")
+    try:
+        engine.get_delta("tiny-third")  # the oldest is coder, but it is pinned: writer goes
+        assert engine.cache.tier("tiny-coder") == "device" and engine.cache.tier("tiny-writer") != "device"
+    finally:
+        shutil.rmtree(root / "artifacts" / "third")
+
+
+def test_hot_load_and_unload_endpoints_confined_to_the_artifact_root(root, tmp_path):
+    engine = _engine(root)
+    outside = tmp_path / "outside"
+    shutil.copytree(root / "artifacts" / "coder", outside)
+    link = root / "artifacts" / "escape"
+    os.symlink(outside, link)
+    try:
+        with TestClient(create_app(engine)) as tc:
+            r = tc.post("/v1/load_variant", json={"variant": "coder2", "path": "coder"})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["id"] == "tiny-coder2" and body["parent"] == "tiny" and body["loaded_from"] == "disk"
+            assert "tiny-coder2" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder2"]["tier"] == "device"
+            r = tc.post("/v1/completions", json={"model": "tiny-coder2", "prompt": "def ", "max_tokens": 3,
+                                                 "temperature": 0})
+            assert r.status_code == 200
+            for path in ("../models/base", str(outside), "escape", "/etc"):
+                r = tc.post("/v1/load_variant", json={"variant": "bad", "path": path})
+                assert r.status_code == 400, (path, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "path_not_allowed" and err["param"] == "path"
+                assert str(outside) not in err["message"] and str(root) not in err["message"]
+            r = tc.post("/v1/load_variant", json={"variant": "nothing", "path": "."})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "artifact_not_found"
+            r = tc.post("/v1/load_variant", json={"variant": "../x"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "variant"
+            assert tc.post("/v1/unload_variant", json={"variant": "coder2"}).json() == \
+                {"id": "tiny-coder2", "object": "model", "unloaded": True}
+            assert tc.get("/v1/delta_cache").json()["variants"].get("tiny-coder2", {"tier": "disk"})["tier"] == "disk"
+            held = engine.prepare("tiny-writer", engine.encode_prompt("x"), GREEDY)
+            r = tc.post("/v1/unload_variant", json={"variant": "tiny-writer"})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "variant_in_use"
+            engine.release(held)
+            assert tc.post("/v1/unload_variant", json={"variant": "tiny-writer"}).json()["unloaded"] is True
+            r = tc.post("/v1/unload_variant", json={"variant": "tiny"})
+            assert r.status_code == 404
+    finally:
+        link.unlink()
+
+
+def test_api_key_with_the_openai_client(root):
+    engine = _engine(root)
+    with TestClient(create_app(engine, api_key="s3cret")) as tc:
+        good = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=tc, max_retries=0)
+        assert {m.id for m in good.models.list()} >= {"tiny", "tiny-coder"}
+        r = good.completions.create(model="tiny-coder", prompt="x", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=tc, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert tc.get("/v1/models").status_code == 401  # no header at all
+        assert tc.post("/v1/load_variant", json={"variant": "x"}).status_code == 401
+        assert tc.get("/health").status_code == 200 and tc.get("/metrics").status_code == 200
+
+
+def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, delta_bytes, monkeypatch):
+    engine = _engine(root, device_budget_bytes=delta_bytes, host_budget_bytes=0)
+    reads = []
+    real = engine.cache._read
+
+    def counted(model_id):
+        reads.append(model_id)
+        time.sleep(0.3)
+        return real(model_id)
+
+    monkeypatch.setattr(engine.cache, "_read", counted)
+    with TestClient(create_app(engine)) as tc:
+        body = {"model": "tiny-coder", "prompt": "x", "max_tokens": 2, "temperature": 0}
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(tc.post("/v1/completions", json=body).status_code))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out == [200] * 4 and reads == ["tiny-coder"]
+        assert tc.post("/v1/completions", json={**body, "model": "tiny-writer"}).status_code == 200
+        text = tc.get("/metrics").text
+        assert 'deltafleet:delta_cache_evictions_total{model_name="tiny-coder",tier="device"} 1.0' in text
+        assert 'deltafleet:delta_cache_loads_total{model_name="tiny-coder"} 1.0' in text
+        assert 'deltafleet:delta_load_seconds_count{model_name="tiny-writer",tier="disk"} 1.0' in text
+        assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]["tier"] == "disk"  # no host tier
