@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from kernels import bitdelta_linear, packed_width, unpack_signs
+from serve.batch import BatchDeltas, RowCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -228,9 +229,11 @@ class DeltaLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.name = name  # HF prefix of this module's parameters, e.g. "model.layers.0.mlp.up_proj"
 
-    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+    def forward(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> Tensor:
         if delta is None:
             return F.linear(x, self.weight, self.bias)
+        if isinstance(delta, BatchDeltas):  # rows of different variants
+            return delta.linear(self, x)
         bias = delta.full.get(f"{self.name}.bias", self.bias)
         weight = delta.full.get(f"{self.name}.weight")  # a matrix the artifact keeps uncompressed
         if weight is not None:
@@ -249,9 +252,11 @@ class DeltaEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
         self.name = name
 
-    def forward(self, tokens: Tensor, delta: VariantDelta | None) -> Tensor:
+    def forward(self, tokens: Tensor, delta: VariantDelta | BatchDeltas | None) -> Tensor:
         if delta is None:
             return F.embedding(tokens, self.weight)
+        if isinstance(delta, BatchDeltas):
+            return delta.embedding(self, tokens)
         full = delta.full.get(f"{self.name}.weight")
         if full is not None:
             return F.embedding(tokens, full)
@@ -273,7 +278,12 @@ class RMSNorm(nn.Module):
         self.name = name
 
     def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
-        weight = self.weight if delta is None else delta.full.get(f"{self.name}.weight", self.weight)
+        if delta is None:
+            weight = self.weight
+        elif isinstance(delta, BatchDeltas):
+            weight = delta.norm_weight(self)  # [B, 1, D]: each row's own
+        else:
+            weight = delta.full.get(f"{self.name}.weight", self.weight)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)
@@ -424,6 +434,31 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, input_pos, None if cache is None else cache[i], delta)
         return self.lm_head(self.norm(x, delta), delta)
+
+    def forward_rows(self, tokens: Tensor, input_pos: Tensor, cache: list[KVCache], rows: Tensor,
+                     delta: BatchDeltas | None) -> Tensor:
+        """One decode step of a continuous batch: row b is sequence ``rows[b]`` of ``cache`` (a cache
+        made with ``new_cache(max_batch)``), its new token ``tokens[b]`` at position ``input_pos[b]``,
+        run with its own variant (``delta.slots[b]``, −1 the base).
+
+        Args:
+            tokens: int64 ``[B]``. input_pos: int64 ``[B]``. rows: int64 ``[B]``, distinct.
+            cache: one :class:`KVCache` per layer with at least ``max(rows) + 1`` sequences.
+            delta: the rows' variants, or None when every row runs the base.
+
+        Returns:
+            ``[B, vocab_size]`` logits in the model's dtype; equal (up to kernel rounding) to running
+            each row alone with :meth:`forward` and its own variant.
+        """
+        s = cache[0].k.shape[2]
+        mask = (torch.arange(s, device=tokens.device)[None, :] <= input_pos[:, None])[:, None, None, :]
+        freqs = input_pos[:, None].float() * self.inv_freq[None, :]  # [B, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [B, 1, 1, hd]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.embed_tokens(tokens[:, None], delta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, input_pos, RowCache(cache[i], rows, per_row_positions=True), delta)
+        return self.lm_head(self.norm(x, delta), delta)[:, 0]
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:
         """Shapes by Hugging Face parameter name (what an artifact may hold deltas for)."""

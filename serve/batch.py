@@ -1,0 +1,168 @@
+"""Rows of different variants in one forward pass: variant slots and per-row KV-cache views.
+
+A decode step of continuous batching runs every running sequence at once, each with its own
+variant (or the base) and its own position. For the linears that is one
+``kernels.bitdelta_linear_batched`` call per layer (the base weight read once, each variant's
+signs once: ``1 + T/16`` of a dense read for T variants, BitDelta §4); it needs every variant's
+signs of a layer stacked in one tensor. :class:`DeltaSlots` holds those stacks: ``n_slots``
+variant slots on the serving device (the "GPU slots" of vLLM's multi-LoRA, here sized in
+variants), filled from a variant's host copy by :meth:`DeltaSlots.put`, which returns a
+:class:`~serve.model.VariantDelta` whose tensors are views into its slot, so the single-variant
+path (prefill) reads the same memory and no variant is held twice on the device.
+
+:class:`BatchDeltas` is what the layers receive in place of one ``VariantDelta``: the slots and
+the slot of each row (−1: the base). :class:`RowCache` lets rows of one static KV cache be read
+and written by row index and per-row position.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import bitdelta_linear_batched, packed_width, unpack_signs
+
+
+class DeltaSlots:
+    """``n_slots`` variant slots, per parameter of ``model``: packed signs ``[S, N, ceil(K/8)]``
+    uint8 and scales ``[S, N]`` float32 of every weight matrix (a matrix-granularity α is stored
+    repeated over N), and every 1-D parameter (norm weights, biases) ``[S + 1, D]`` with the base's
+    value in row ``S`` and in the slots of variants that do not change it.
+
+    Args:
+        model: the resident :class:`~serve.model.Transformer` (its device and dtype are used).
+        n_slots: how many variants fit at once.
+
+    Raises (from :meth:`put`): RuntimeError when every slot is taken; ValueError for a variant
+    that stores a weight matrix in full (a resized vocabulary), which rows cannot share.
+    """
+
+    def __init__(self, model, n_slots: int):
+        from serve.model import DeltaEmbedding, DeltaLinear
+
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be ≥ 1, got {n_slots}")
+        self.n_slots = n_slots
+        dev = model.device
+        self.signs: dict[str, Tensor] = {}
+        self.alphas: dict[str, Tensor] = {}
+        for mod in model.modules():
+            if isinstance(mod, (DeltaLinear, DeltaEmbedding)):
+                name = f"{mod.name}.weight"
+                if name not in self.signs:
+                    n, k = mod.weight.shape
+                    self.signs[name] = torch.zeros(n_slots, n, packed_width(k), dtype=torch.uint8, device=dev)
+                    self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
+        from serve.model import _hf_name
+
+        self.full: dict[str, Tensor] = {}
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                t = p.detach().unsqueeze(0).repeat(n_slots + 1, 1)
+                self.full[_hf_name(pname)] = t
+        self._free = list(range(n_slots - 1, -1, -1))
+        self.slot_bytes = sum(t[0].numel() * t.element_size() for d in (self.signs, self.alphas, self.full)
+                              for t in d.values())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def put(self, delta):
+        """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot; return a
+        ``VariantDelta`` of views into the slot, with ``.slot`` set."""
+        from serve.model import VariantDelta
+
+        bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
+        if bad:
+            raise ValueError(f"variant {delta.name!r} stores {bad[0]!r} in full (shape "
+                             f"{tuple(delta.full[bad[0]].shape)}), which a batch of mixed variants cannot share")
+        unknown = [k for k in delta.signs if k not in self.signs]
+        if unknown:
+            raise ValueError(f"variant {delta.name!r}: delta for {unknown[0]!r}, which is not a weight of the model")
+        if not self._free:
+            raise RuntimeError(f"all {self.n_slots} variant slots are taken")
+        i = self._free.pop()
+        for name, s in self.signs.items():
+            a = self.alphas[name]
+            if name in delta.signs:
+                s[i].copy_(delta.signs[name])
+                a[i].copy_(delta.alphas[name].float().expand(a.shape[1]))
+            else:
+                s[i].zero_()
+                a[i].zero_()  # α = 0: W + 0·s = W
+        for name, t in self.full.items():
+            t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
+        view = object.__new__(VariantDelta)
+        view.name = delta.name
+        view.signs = {k: self.signs[k][i] for k in delta.signs}
+        view.alphas = {k: self.alphas[k][i] for k in delta.signs}
+        view.full = {k: self.full[k][i] for k in delta.full}
+        view.slot = i
+        return view
+
+    def free(self, view) -> None:
+        """Give a slot back (its contents are overwritten by the next :meth:`put`)."""
+        i = getattr(view, "slot", None)
+        if i is None or not 0 <= i < self.n_slots or i in self._free:
+            raise ValueError(f"not a taken slot of these slots: {i}")
+        self._free.append(i)
+
+
+class BatchDeltas:
+    """The variant of each row of a batch: ``slots`` int32 ``[B]``, −1 for the base (the layers'
+    ``delta`` argument when rows differ; see serve/model.py)."""
+
+    def __init__(self, table: DeltaSlots, slots: Tensor):
+        self.table = table
+        self.slots = slots.to(torch.int32)
+        self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
+
+    def linear(self, mod, x: Tensor) -> Tensor:
+        """``mod`` (a DeltaLinear) on ``x [B, T, K]``, row b with its own variant (T = 1 at decode)."""
+        b, t, k = x.shape
+        name = f"{mod.name}.weight"
+        x2 = x.reshape(b * t, k)
+        slots = self.slots.repeat_interleave(t) if t > 1 else self.slots
+        y = bitdelta_linear_batched(x2, mod.weight, self.table.signs[name], self.table.alphas[name], slots)
+        bias = self.table.full.get(f"{mod.name}.bias")
+        if bias is not None:
+            rows = self._rows.repeat_interleave(t) if t > 1 else self._rows
+            y = y + bias[rows]
+        return y.view(b, t, -1)
+
+    def embedding(self, mod, tokens: Tensor) -> Tensor:
+        """Token embedding of ``tokens [B, T]``: ``E[tok] + α_v[tok]·(2·bits_v[tok] − 1)`` per row."""
+        name = f"{mod.name}.weight"
+        x = F.embedding(tokens, mod.weight)
+        signs, alphas = self.table.signs[name], self.table.alphas[name]
+        slot = self.slots.clamp(min=0).long()[:, None].expand_as(tokens)
+        sign_rows = signs[slot, tokens]                                   # [B, T, KB]
+        scale = alphas[slot, tokens] * (self.slots >= 0).float()[:, None]  # [B, T]; base rows: 0
+        pm1 = unpack_signs(sign_rows, mod.weight.shape[1], torch.float32)
+        return (x.float() + scale.unsqueeze(-1) * pm1).to(x.dtype)
+
+    def norm_weight(self, mod) -> Tensor:
+        """``[B, 1, D]``: each row's norm weight (the variant's if it stores one, else the base's)."""
+        return self.table.full[f"{mod.name}.weight"][self._rows].unsqueeze(1)
+
+
+class RowCache:
+    """Rows ``rows`` of a static :class:`~serve.model.KVCache` as a cache of their own.
+
+    ``per_row_positions``: decode, one new token per row at ``input_pos[b]`` (``[B]``); otherwise the
+    rows share ``input_pos`` (``[T]``, prefill of one sequence)."""
+
+    def __init__(self, cache, rows: Tensor, per_row_positions: bool):
+        self.cache, self.rows, self.per_row = cache, rows.long(), per_row_positions
+        self.k, self.v = cache.k, cache.v  # the whole cache (callers read its shape)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        ck, cv = self.cache.k, self.cache.v
+        if self.per_row:  # k [B, H, 1, D] → row b, position input_pos[b]
+            ck[self.rows, :, input_pos] = k[:, :, 0]
+            cv[self.rows, :, input_pos] = v[:, :, 0]
+        else:  # k [B, H, T, D] → rows, positions input_pos
+            ck[self.rows[:, None], :, input_pos[None, :]] = k.transpose(1, 2)
+            cv[self.rows[:, None], :, input_pos[None, :]] = v.transpose(1, 2)
+        return ck[self.rows], cv[self.rows]

@@ -1,0 +1,97 @@
+"""Rows of different variants in one decode step (serve/batch.py): the stacked variant slots, and
+a continuous batch of base + two variants at different positions against each sequence run alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve.batch import BatchDeltas, DeltaSlots, RowCache
+from serve.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_family) -> Engine:
+    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+
+
+def _alone(model, prompt, delta, steps):
+    """Greedy decode of one sequence with the single-variant path; the logits of every step."""
+    cache = model.new_cache(1, len(prompt) + steps)
+    tokens, pos, out = torch.tensor([prompt]), torch.arange(len(prompt)), []
+    for i in range(steps):
+        logits = model(tokens, pos, cache, delta)[0, -1].float()
+        out.append(logits)
+        nxt = int(logits.argmax())
+        tokens, pos = torch.tensor([[nxt]]), torch.tensor([len(prompt) + i])
+    return out
+
+
+def test_a_mixed_batch_decodes_each_row_as_if_alone(engine):
+    model = engine.model
+    slots = DeltaSlots(model, n_slots=2)
+    coder = slots.put(engine.get_delta("tiny-coder"))
+    writer = slots.put(engine.get_delta("tiny-writer"))
+    assert {coder.slot, writer.slot} == {0, 1} and slots.free_slots == 0
+    prompts = {"tiny": engine.encode_prompt("def main("), "tiny-coder": engine.encode_prompt("import os\nimport"),
+               "tiny-writer": engine.encode_prompt("The")}
+    deltas = {"tiny": None, "tiny-coder": coder, "tiny-writer": writer}
+    steps = 6
+    with torch.inference_mode():
+        want = {m: _alone(model, p, deltas[m], steps) for m, p in prompts.items()}
+        # rows 3, 0, 5 of an 8-sequence cache; each prompt prefilled into its row with its own variant
+        order = ["tiny-writer", "tiny", "tiny-coder"]
+        rows = torch.tensor([3, 0, 5])
+        cache = model.new_cache(8, 64)
+        nxt, pos = [], []
+        for r, m in zip(rows.tolist(), order):
+            p = prompts[m]
+            view = [RowCache(c, torch.tensor([r]), per_row_positions=False) for c in cache]
+            logits = model(torch.tensor([p]), torch.arange(len(p)), view, deltas[m])[0, -1].float()
+            torch.testing.assert_close(logits, want[m][0], rtol=1e-5, atol=1e-5)
+            nxt.append(int(logits.argmax()))
+            pos.append(len(p))
+        batch = BatchDeltas(slots, torch.tensor([writer.slot, -1, coder.slot]))
+        for i in range(1, steps):
+            logits = model.forward_rows(torch.tensor(nxt), torch.tensor(pos), cache, rows, batch).float()
+            for b, m in enumerate(order):
+                torch.testing.assert_close(logits[b], want[m][i], rtol=1e-4, atol=1e-4, msg=lambda s: f"{m} step {i}: {s}")
+            nxt = logits.argmax(-1).tolist()
+            pos = [q + 1 for q in pos]
+    # the variants really differ from the base (the test would not notice a row using the wrong one)
+    assert not torch.allclose(want["tiny-coder"][0], _alone(model, prompts["tiny-coder"], None, 1)[0], atol=1e-3)
+
+
+def test_slots_views_are_the_variant_and_slots_are_reused(engine):
+    model = engine.model
+    slots = DeltaSlots(model, n_slots=1)
+    coder = engine.get_delta("tiny-coder")
+    view = slots.put(coder)
+    ids = torch.tensor([engine.encode_prompt("hello world")])
+    with torch.inference_mode():
+        a = model(ids, torch.arange(ids.shape[1]), None, coder)
+        b = model(ids, torch.arange(ids.shape[1]), None, view)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="all 1 variant slots are taken"):
+        slots.put(engine.get_delta("tiny-writer"))
+    slots.free(view)
+    with pytest.raises(ValueError, match="not a taken slot"):
+        slots.free(view)
+    writer = slots.put(engine.get_delta("tiny-writer"))
+    assert writer.slot == 0 and slots.free_slots == 0
+    # writer changes norms; the slot's other norms are the base's again, not coder's leftovers
+    for name, t in slots.full.items():
+        want = engine.get_delta("tiny-writer").full.get(name, t[slots.n_slots])
+        torch.testing.assert_close(t[0], want, rtol=0, atol=0)
+    assert slots.slot_bytes > 0
+
+
+def test_slots_refuse_a_variant_with_a_full_matrix(engine):
+    slots = DeltaSlots(engine.model, n_slots=1)
+    coder = engine.get_delta("tiny-coder")
+    fake = object.__new__(type(coder))
+    fake.name, fake.signs, fake.alphas = "resized", {}, {}
+    fake.full = {"model.embed_tokens.weight": torch.zeros(3, 4)}
+    with pytest.raises(ValueError, match="'resized' stores 'model.embed_tokens.weight' in full"):
+        slots.put(fake)
+    with pytest.raises(ValueError, match="n_slots must be ≥ 1, got 0"):
+        DeltaSlots(engine.model, 0)
