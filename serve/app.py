@@ -9,9 +9,12 @@ under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error o
 go to the server log) — none stops the server. OpenAI parameters this server does not implement
 (``echo``, ``logprobs``, ``tools``, ...) are a 400 unless their value asks for nothing.
 
-Generation runs in a worker thread per request (the engine serialises them), feeding an asyncio
-queue, so the event loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile. A
-client that hangs up cancels its generation (between two tokens), streaming or not.
+Each request is fed by a worker thread from the engine's continuous batch (serve/scheduler.py:
+requests for the base and any variants decode together), through an asyncio queue, so the event
+loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile. A client that hangs up
+cancels its generation (between two tokens), streaming or not, which frees its KV-cache row and
+its hold on the variant. Hot load/unload of variants: ``POST /v1/load_variant``,
+``POST /v1/unload_variant``, ``GET /v1/delta_cache``; an optional API key guards ``/v1/*``.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ fails with :class:`CacheFullError`.
 Loading is single-flight: concurrent requests for a variant that is not on the device wait for
 one load of it, and requests for other variants are not held up by it (the per-variant lock is
 held during the read; the cache-wide lock only for bookkeeping). An artifact changed on disk
-(its manifest's size or modification time) is reloaded on its next request; one removed is
-dropped (:class:`ArtifactGoneError`).
+(its manifest's size or modification time) is reloaded on its next request once no request is
+running on the old one; one removed is dropped (:class:`ArtifactGoneError`).
 """
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ class DeltaCache:
             memory and the budgets are bookkeeping).
         stamp: ``stamp(model_id)`` → a value that changes when the artifact changes on disk, or
             None once it is gone.
+        free_device: called with a device delta when it leaves the device (after ``to_host``), e.g.
+            to give its slot back (serve/batch.py).
+        size: bytes a delta takes on the device (default its ``nbytes``).
         device_budget_bytes, host_budget_bytes: tier sizes in bytes (None: unbounded; 0 host:
             no host tier).
         pinned: model ids never evicted. pin_top_n: also never evict the n most requested.
@@ -83,7 +86,8 @@ class DeltaCache:
     """
 
     def __init__(self, read: Callable[[str], Any], to_device: Callable[[Any], Any], stamp: Callable[[str], Any],
-                 *, to_host: Callable[[Any], Any] = lambda d: d, device_budget_bytes: int | None = None,
+                 *, to_host: Callable[[Any], Any] = lambda d: d, free_device: Callable[[Any], None] | None = None,
+                 size: Callable[[Any], int] = lambda d: int(d.nbytes), device_budget_bytes: int | None = None,
                  host_budget_bytes: int | None = None, pinned: tuple[str, ...] | list[str] = (), pin_top_n: int = 0,
                  half_life_s: float = 60.0, wait_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -95,6 +99,7 @@ class DeltaCache:
         if pin_top_n < 0:
             raise ValueError(f"pin_top_n must be ≥ 0, got {pin_top_n}")
         self._read, self._to_device, self._to_host, self._stamp = read, to_device, to_host, stamp
+        self._free_device, self._size = free_device, size
         self.device_budget, self.host_budget = device_budget_bytes, host_budget_bytes
         self.pinned, self.pin_top_n = set(pinned), pin_top_n
         self.half_life, self.wait_timeout, self.clock = half_life_s, wait_timeout_s, clock
@@ -180,6 +185,8 @@ class DeltaCache:
 
     def _evict_device(self, v: _Entry) -> None:
         host_copy = v.host if v.host is not None else self._to_host(v.device)
+        if self._free_device is not None:
+            self._free_device(v.device)
         v.device = None
         self.device_bytes -= v.nbytes
         self._emit("evict", v.model_id, 0.0, "device")
@@ -195,10 +202,11 @@ class DeltaCache:
             e = self._entries.setdefault(model_id, _Entry(model_id))
             self._touch(e)
             if stamp is None:
-                self._drop(e)
+                if e.in_flight == 0:  # requests still running keep what they hold
+                    self._drop(e)
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
-            if e.stamp is not None and e.stamp != stamp:
-                self._drop(e)  # changed on disk: read it again
+            if e.stamp is not None and e.stamp != stamp and e.in_flight == 0:
+                self._drop(e)  # changed on disk: read it again (once the requests on the old one ended)
                 e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
             e.in_flight += 1
             if e.device is not None:
@@ -222,7 +230,7 @@ class DeltaCache:
             try:
                 if host is None:
                     host = self._read(e.model_id)
-                    e.nbytes = int(host.nbytes)
+                    e.nbytes = int(self._size(host))
                 deadline = time.monotonic() + self.wait_timeout
                 with self._lock:
                     self._make_room(e, deadline)
@@ -257,6 +265,8 @@ class DeltaCache:
 
     def _drop(self, e: _Entry) -> None:
         if e.device is not None:
+            if self._free_device is not None:
+                self._free_device(e.device)
             self.device_bytes -= e.nbytes
             self._emit("evict", e.model_id, 0.0, "device")
         if e.host is not None:

@@ -8,8 +8,9 @@ evicting a variant with requests in flight). Loading is single-flight per varian
 first requests wait for one load, and loads of other variants are not blocked. A request holds
 its variant from :meth:`Engine.prepare` until it ends (:meth:`Engine.release`).
 
-Generation runs one request at a time (a lock; continuous batching is a later issue) as a plain
-iterator of :class:`Step`, so the HTTP layer can drive it from a worker thread and stream.
+Generation is continuous batching (serve/scheduler.py): every running request, whatever its
+variant, advances one token per batched step; each request reads its steps as a plain iterator of
+:class:`Step`, so the HTTP layer can drive it from a worker thread and stream.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ import torch
 from transformers import AutoTokenizer
 
 from compress.bitdelta import ArtifactError, fingerprint, load_artifact
+from serve.batch import DeltaSlots
 from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from serve.model import Transformer, VariantDelta
+from serve.scheduler import END, Scheduler
 
 MANIFEST_NAME = "bitdelta.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
@@ -133,9 +136,12 @@ class Engine:
         family: model id of the base; variants are ``<family>-<variant>``.
         device, dtype: where and in which dtype the base (and the deltas' full tensors) live.
         force: load artifacts even if their base fingerprint differs (not recommended).
-        delta_cache: keyword arguments of :class:`serve.cache.DeltaCache` (``device_budget_bytes``,
+        delta_cache: ``device_slots`` (variants on the device at once; default: the device budget
+            over one slot's bytes, else the number of artifacts found, at least 1) and keyword
+            arguments of :class:`serve.cache.DeltaCache` (``device_budget_bytes``,
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
-            ``half_life_s``, ``wait_timeout_s``); None: unbounded tiers.
+            ``half_life_s``, ``wait_timeout_s``).
+        max_batch: sequences decoded together (continuous batching, serve/scheduler.py).
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -144,7 +150,7 @@ class Engine:
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
-                 delta_cache: dict | None = None):
+                 delta_cache: dict | None = None, max_batch: int = 8):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -169,9 +175,24 @@ class Engine:
         self._gen_lock = threading.Lock()  # one generation at a time
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
-        self.cache = DeltaCache(self._read_delta, self._to_device, self._artifact_stamp, to_host=self._to_host,
-                                **opts)
+        n_slots = opts.pop("device_slots", None)
+        budget = opts.pop("device_budget_bytes", None)
+        if n_slots is None:
+            n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
+                self.artifacts_dir.is_dir() else 0
+            n_slots = max(1, n_art)
+        self.slots = DeltaSlots(self.model, 1)  # sized below, once a slot's bytes are known
+        if budget is not None:
+            if budget < self.slots.slot_bytes:
+                raise ValueError(f"device_budget_bytes={budget} is less than one variant slot "
+                                 f"({self.slots.slot_bytes} bytes)")
+            n_slots = budget // self.slots.slot_bytes
+        self.slots = DeltaSlots(self.model, int(n_slots))
+        self.cache = DeltaCache(self._read_delta, self.slots.put, self._artifact_stamp, to_host=self._to_host,
+                                free_device=self.slots.free, size=lambda d: self.slots.slot_bytes,
+                                device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         self.discover()
+        self.scheduler = Scheduler(self, max_batch, self.max_model_len)
 
     # ---------------------------------------------------------------- models and variants
 
@@ -274,11 +295,9 @@ class Engine:
             raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}") from e
         return delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
 
-    def _to_device(self, delta: VariantDelta) -> VariantDelta:
-        return delta if self.device.type == "cpu" else delta.to(self.device)
-
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
-        return delta if self.device.type == "cpu" else delta.to("cpu", pin=self.device.type == "cuda")
+        """A host copy of a slot's views (the slot is given back right after)."""
+        return delta.to("cpu", pin=self.device.type == "cuda")
 
     def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:
         """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``) as
@@ -427,56 +446,31 @@ class Engine:
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,
             on_start: Callable[[], None] | None = None) -> Iterator[Step]:
-        """Prefill the prompt, then decode one token per :class:`Step` until eos, a stop string or max_tokens.
+        """Generate: prefill the prompt, then one token per :class:`Step` until eos, a stop string or max_tokens.
 
-        Greedy when ``temperature == 0``, else temperature + top-p (nucleus) sampling, seeded by
-        ``seed`` if given. The texts of the steps concatenate to the completion: a stop string is
-        cut off (the text ends before it); partial UTF-8 and possible stop prefixes are held back
-        until resolved. Waits for earlier generations (one at a time); ``on_start`` is called once
-        this one holds the model; setting ``cancel`` ends it after the current step. Ends the
-        request's hold on its variant (:meth:`release`) when it ends or is closed.
+        The request joins the continuous batch (serve/scheduler.py): it decodes together with the
+        other running requests, whatever their variants. Greedy when ``temperature == 0``, else
+        temperature + top-p (nucleus) sampling, seeded by ``seed`` if given. The texts of the steps
+        concatenate to the completion: a stop string is cut off (the text ends before it); partial
+        UTF-8 and possible stop prefixes are held back until resolved. ``on_start`` is called once
+        the request enters the batch; setting ``cancel`` (or closing this iterator) ends it after the
+        current step and frees its KV-cache row and its hold on the variant.
         """
+        out, cancel = self.scheduler.submit(request, cancel, on_start)
+        ended = False
         try:
-            with self._gen_lock:
-                if on_start is not None:
-                    on_start()
-                if cancel is not None and cancel.is_set():  # abandoned while it waited
-                    return
-                yield from self._decode(request.prompt_ids, request.max_tokens, request.params, request.delta, cancel)
+            while (item := out.get()) is not END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            ended = True
         finally:
-            self.release(request)
+            if not ended:  # closed early: the scheduler drops the sequence after its current step
+                cancel.set()
 
     def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """:meth:`prepare` then :meth:`run`."""
         return self.run(self.prepare(model_id, prompt_ids, params))
-
-    def _decode(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-                delta: VariantDelta | None, cancel: threading.Event | None) -> Iterator[Step]:
-        model, n = self.model, len(prompt_ids)
-        cache = model.new_cache(1, n + max_tokens)
-        gen = None
-        if params.temperature > 0 and params.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(params.seed)
-        text = _TextStream(self.tokenizer, params.stop, self._tok_lock)
-        tokens = torch.tensor([prompt_ids], device=self.device)
-        input_pos = torch.arange(n, device=self.device)
-        for i in range(max_tokens):
-            with torch.inference_mode():
-                logits = model(tokens, input_pos, cache, delta)[0, -1].float()
-            token = sample(logits, params.temperature, params.top_p, gen)
-            if token in self.eos_token_ids:
-                yield Step(token, text.flush(), "stop")
-                return
-            piece, stopped = text.push(token)
-            if stopped:
-                yield Step(token, piece, "stop")
-                return
-            if i == max_tokens - 1 or (cancel is not None and cancel.is_set()):
-                yield Step(token, piece + text.flush(), "length")
-                return
-            yield Step(token, piece)
-            tokens = torch.tensor([[token]], device=self.device)
-            input_pos = torch.tensor([n + i], device=self.device)
 
     def complete(self, model_id: str, prompt: str | list[int], params: SamplingParams) -> Completion:
         """Run :meth:`generate` to the end on a prompt (in-process use, tests)."""

@@ -155,7 +155,7 @@ class VariantDelta:
         out.name = self.name
 
         def move(t: Tensor) -> Tensor:
-            t = t.to(device, non_blocking=True)
+            t = t.to(device, non_blocking=True, copy=True)  # never an alias (slots are reused)
             return t.pin_memory() if pin and not t.is_pinned() else t
 
         out.signs = {k: move(v) for k, v in self.signs.items()}

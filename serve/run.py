@@ -38,12 +38,13 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.threads or max(1, cores - 1))
     try:
         dc = cfg.delta_cache
-        cache = {"device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
+        cache = {"device_slots": dc.device_slots,
+                 "device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
                  "host_budget_bytes": None if dc.host_budget_gb is None else int(dc.host_budget_gb * 1e9),
                  "pinned": list(dc.pinned or []), "pin_top_n": dc.pin_top_n, "half_life_s": dc.half_life_s,
                  "wait_timeout_s": dc.wait_timeout_s}
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=cfg.device, dtype=cfg.dtype,
-                        force=cfg.force, delta_cache=cache)
+                        force=cfg.force, delta_cache=cache, max_batch=cfg.max_batch)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

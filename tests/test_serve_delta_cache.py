@@ -33,16 +33,14 @@ def _engine(root: Path, **cache) -> Engine:
 
 @pytest.fixture(scope="module")
 def delta_bytes(root) -> int:
-    e = _engine(root)
-    sizes = {m: e.get_delta(m).nbytes for m in ("tiny-coder", "tiny-writer")}
-    assert sizes["tiny-coder"] > 0
-    return max(sizes.values())
+    """Bytes of one variant slot on the device (every variant of a family takes one slot)."""
+    return _engine(root).slots.slot_bytes
 
 
 def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, delta_bytes):
     ref = _engine(root)
     want = {m: ref.complete(m, "def main(", GREEDY).text for m in ("tiny-coder", "tiny-writer")}
-    engine = _engine(root, device_budget_bytes=delta_bytes, host_budget_bytes=delta_bytes)
+    engine = _engine(root, device_slots=1, host_budget_bytes=delta_bytes)
     events = []
     engine.add_listener(lambda ev, m, s, tier: events.append((ev, m, tier)))
     assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]
@@ -51,11 +49,17 @@ def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, d
     assert ("evict", "tiny-coder", "device") in events
     assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]  # back from host
     assert ("load", "tiny-coder", "host") in events
-    assert engine.cache.device_bytes <= delta_bytes and engine.cache.host_bytes <= delta_bytes
+    assert engine.cache.device_bytes == delta_bytes and engine.cache.host_bytes <= delta_bytes
+    assert engine.slots.n_slots == 1 and engine.slots.free_slots == 0
+
+
+def test_a_device_budget_below_one_slot_is_refused(root, delta_bytes):
+    with pytest.raises(ValueError, match=rf"device_budget_bytes=100 is less than one variant slot \({delta_bytes} bytes\)"):
+        _engine(root, device_budget_bytes=100)
 
 
 def test_a_request_in_flight_keeps_its_variant_and_another_variant_waits_or_gets_503(root, delta_bytes):
-    engine = _engine(root, device_budget_bytes=delta_bytes, wait_timeout_s=0.3)
+    engine = _engine(root, device_budget_bytes=delta_bytes + 1, wait_timeout_s=0.3)  # one slot
     held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)  # admitted, not yet run
     with pytest.raises(VariantUnavailableError, match=r"no room on the device for variant `tiny-writer`.*"
                                                       r"\(tiny-coder\) is in flight or pinned"):
@@ -68,7 +72,7 @@ def test_a_request_in_flight_keeps_its_variant_and_another_variant_waits_or_gets
 
 
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
-    engine = _engine(root, device_budget_bytes=2 * delta_bytes, pinned=["coder"], half_life_s=0.001)
+    engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
     engine.get_delta("tiny-writer")
     engine.get_delta("tiny-writer")
@@ -138,7 +142,7 @@ def test_api_key_with_the_openai_client(root):
 
 
 def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, delta_bytes, monkeypatch):
-    engine = _engine(root, device_budget_bytes=delta_bytes, host_budget_bytes=0)
+    engine = _engine(root, device_slots=1, host_budget_bytes=0)
     reads = []
     real = engine.cache._read
 

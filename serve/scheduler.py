@@ -1,0 +1,205 @@
+"""Continuous batching over one resident model, rows of different variants in each step.
+
+One thread runs the model. Requests wait in a queue per model id (the base and each variant); at
+every step the scheduler admits waiting requests into free rows of a static KV cache, taking the
+variant queues in turn (round robin, so a busy variant cannot starve a quiet one), prefills each
+admitted prompt on its own with its own variant, then advances every running sequence by one
+token in a single batched forward (``Transformer.forward_rows``: one
+``bitdelta_linear_batched`` per linear for all rows and their variants). A request's variant is
+already on the device when it is queued (``Engine.prepare`` loads it, single flight, in the
+request's own thread), so a variant being loaded never holds up requests for the others.
+
+A sequence leaves the batch when it ends (eos, a stop string, ``max_tokens``) or its request is
+cancelled (the client went away); its cache row is free for the next request at once, and its
+hold on the variant ends (it may then be evicted). Steps reach each request through its own
+thread-safe queue, so the HTTP layer streams them as they come.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from serve.batch import BatchDeltas, RowCache
+
+log = logging.getLogger(__name__)
+END = object()  # the last item of a request's queue
+
+
+@dataclass
+class _Seq:
+    req: object                    # serve.engine.Request
+    out: queue.Queue
+    cancel: threading.Event
+    on_start: Callable[[], None] | None
+    text: object = None            # serve.engine._TextStream
+    gen: torch.Generator | None = None
+    row: int = -1
+    pos: int = 0                   # position of the token fed next
+    token: int = 0                 # the token fed next
+    n: int = 0                     # tokens generated
+    done: bool = field(default=False)
+
+
+class Scheduler:
+    """Continuous batching for ``engine`` (see the module docstring).
+
+    Args:
+        engine: the :class:`~serve.engine.Engine` (its model, tokenizer, delta slots, release).
+        max_batch: sequences decoded together at most (rows of the KV cache).
+        max_seq_len: tokens per sequence the cache holds (the model's context at most).
+    """
+
+    def __init__(self, engine, max_batch: int, max_seq_len: int):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        self.engine, self.model = engine, engine.model
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.cache = self.model.new_cache(max_batch, max_seq_len)
+        self._free_rows = list(range(max_batch - 1, -1, -1))
+        self._waiting: OrderedDict[str, deque[_Seq]] = OrderedDict()  # model id → its queue
+        self.running: list[_Seq] = []
+        self._cv = threading.Condition()
+        self.steps = 0  # batched decode steps run (tests, metrics)
+        self.max_rows_seen = 0
+        threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, req, cancel: threading.Event | None = None,
+               on_start: Callable[[], None] | None = None) -> tuple[queue.Queue, threading.Event]:
+        """Queue a prepared request; returns (its queue of Steps, an exception or :data:`END`; its
+        cancel event — set it to end the request after the current step)."""
+        seq = _Seq(req, queue.Queue(), cancel or threading.Event(), on_start)
+        with self._cv:
+            self._waiting.setdefault(req.model_id, deque()).append(seq)
+            self._cv.notify()
+        return seq.out, seq.cancel
+
+    def waiting(self) -> dict[str, int]:
+        with self._cv:
+            return {m: len(q) for m, q in self._waiting.items() if q}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _admit(self) -> list[_Seq]:
+        """Take waiting requests into free rows, one per variant queue in turn (lock held)."""
+        admitted = []
+        while self._free_rows and any(self._waiting.values()):
+            for mid in list(self._waiting):
+                q = self._waiting[mid]
+                if not q or not self._free_rows:
+                    continue
+                seq = q.popleft()
+                self._waiting.move_to_end(mid)  # the next round starts with another variant
+                if seq.cancel.is_set():  # abandoned while it waited
+                    self._finish(seq)
+                    continue
+                seq.row = self._free_rows.pop()
+                admitted.append(seq)
+        return admitted
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.running and not any(self._waiting.values()):
+                    self._cv.wait()
+            admitted: list[_Seq] = []
+            try:
+                with self.engine._gen_lock:  # the model is used by this thread only (tests can hold it)
+                    with self._cv:
+                        admitted = self._admit()
+                    for seq in admitted:
+                        self._prefill(seq)
+                    self._retire()
+                    if self.running:
+                        self._decode()
+                    self._retire()
+            except BaseException as e:  # noqa: BLE001 - reported to the requests of the failed step
+                log.exception("scheduler step failed")
+                for seq in list(self.running) + [s for s in admitted if not s.done]:
+                    seq.out.put(e)
+                    seq.done = True
+                self._retire()
+
+    def _prefill(self, seq: _Seq) -> None:
+        from serve.engine import _TextStream
+
+        eng, req = self.engine, seq.req
+        if seq.on_start is not None:
+            seq.on_start()
+        if seq.cancel.is_set():
+            seq.done = True
+            self.running.append(seq)
+            return
+        p = req.params
+        seq.text = _TextStream(eng.tokenizer, p.stop, eng._tok_lock)
+        if p.temperature > 0 and p.seed is not None:
+            seq.gen = torch.Generator(eng.device).manual_seed(p.seed)
+        n = len(req.prompt_ids)
+        rows = torch.tensor([seq.row], device=eng.device)
+        view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([req.prompt_ids], device=eng.device),
+                                torch.arange(n, device=eng.device), view, req.delta)[0, -1].float()
+        seq.pos = n
+        self.running.append(seq)
+        self._emit(seq, logits)
+
+    def _decode(self) -> None:
+        live = [s for s in self.running if not s.done]
+        if not live:
+            return
+        dev = self.engine.device
+        tokens = torch.tensor([s.token for s in live], device=dev)
+        pos = torch.tensor([s.pos for s in live], device=dev)
+        rows = torch.tensor([s.row for s in live], device=dev)
+        slots = [getattr(s.req.delta, "slot", -1) if s.req.delta is not None else -1 for s in live]
+        delta = None if all(x < 0 for x in slots) else BatchDeltas(self.engine.slots, torch.tensor(slots, device=dev))
+        with torch.inference_mode():
+            logits = self.model.forward_rows(tokens, pos, self.cache, rows, delta).float()
+        self.steps += 1
+        self.max_rows_seen = max(self.max_rows_seen, len(live))
+        for s, lg in zip(live, logits):
+            s.pos += 1
+            self._emit(s, lg)
+
+    def _emit(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """Sample the next token of ``seq`` from ``logits [V]`` and send its Step."""
+        from serve.engine import Step, sample
+
+        eng, p = self.engine, seq.req.params
+        token = sample(logits, p.temperature, p.top_p, seq.gen)
+        seq.n += 1
+        if token in eng.eos_token_ids:
+            step = Step(token, seq.text.flush(), "stop")
+        else:
+            piece, stopped = seq.text.push(token)
+            if stopped:
+                step = Step(token, piece, "stop")
+            elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
+                step = Step(token, piece + seq.text.flush(), "length")
+            else:
+                step = Step(token, piece)
+        seq.out.put(step)
+        seq.token = token
+        if step.finish_reason is not None:
+            seq.done = True
+
+    def _retire(self) -> None:
+        for seq in [s for s in self.running if s.done or s.cancel.is_set()]:
+            self.running.remove(seq)
+            self._finish(seq)
+
+    def _finish(self, seq: _Seq) -> None:
+        if seq.row >= 0:
+            with self._cv:
+                self._free_rows.append(seq.row)
+            seq.row = -1
+        self.engine.release(seq.req)
+        seq.out.put(END)

@@ -1,0 +1,116 @@
+"""Continuous batching (serve/scheduler.py): requests for the base and different variants decode
+in the same steps and give exactly what each gives alone; a slow variant load holds up no one;
+a cancelled request frees its row and its variant at once; more requests than rows wait their turn."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from serve.engine import Engine, SamplingParams
+
+PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
+
+
+def _engine(fam, **kw) -> Engine:
+    return Engine(fam.base_dir, fam.artifacts_dir, family="tiny", **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_family) -> dict:
+    """Each request run with a batch of one: the reference."""
+    e = _engine(tiny_family, max_batch=1)
+    out = {}
+    for m, p in PROMPTS.items():
+        out[(m, "greedy")] = e.complete(m, p, SamplingParams(max_tokens=10, temperature=0)).token_ids
+        out[(m, "seeded")] = e.complete(m, p, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9,
+                                                             seed=5)).token_ids
+    return out
+
+
+def _run_all(engine: Engine, jobs: list[tuple[str, SamplingParams]]) -> list[list[int]]:
+    """Start every job while the model is held, so they all enter the batch together."""
+    results: list = [None] * len(jobs)
+
+    def go(i, m, p):
+        results[i] = engine.complete(m, PROMPTS[m], p).token_ids
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(i, m, p)) for i, (m, p) in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while sum(engine.scheduler.waiting().values()) < len(jobs):
+            assert time.time() < deadline
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_mixed_variants_decode_together_and_match_running_alone(tiny_family, alone):
+    engine = _engine(tiny_family, max_batch=8)
+    jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] + \
+        [(m, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5)) for m in PROMPTS]
+    got = _run_all(engine, jobs)
+    for (m, p), ids in zip(jobs, got):
+        assert ids == alone[(m, "greedy" if p.temperature == 0 else "seeded")], m
+    assert engine.scheduler.max_rows_seen == 6  # all six decoded in the same steps
+    assert engine.scheduler.steps <= 10  # 10 tokens each: about one step per token, not per request
+    assert len({tuple(alone[(m, "greedy")]) for m in PROMPTS}) == 3  # the variants really differ
+
+
+def test_more_requests_than_rows_wait_for_a_free_row(tiny_family, alone):
+    engine = _engine(tiny_family, max_batch=2)
+    jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] * 2
+    got = _run_all(engine, jobs)
+    for (m, _), ids in zip(jobs, got):
+        assert ids == alone[(m, "greedy")]
+    assert engine.scheduler.max_rows_seen == 2
+
+
+def test_a_slow_variant_load_does_not_hold_up_other_requests(tiny_family, monkeypatch):
+    engine = _engine(tiny_family)
+    gate = threading.Event()
+    real = engine.cache._read
+
+    def slow(model_id):
+        if model_id == "tiny-coder":
+            assert gate.wait(30)
+        return real(model_id)
+
+    monkeypatch.setattr(engine.cache, "_read", slow)
+    done = []
+    t = threading.Thread(target=lambda: done.append(engine.complete("tiny-coder", "x", SamplingParams(max_tokens=3))))
+    t.start()
+    time.sleep(0.2)  # tiny-coder's load has started and is blocked
+    t0 = time.perf_counter()
+    base = engine.complete("tiny", "def main(", SamplingParams(max_tokens=5, temperature=0))
+    writer = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=5, temperature=0))
+    assert base.completion_tokens == 5 and writer.completion_tokens == 5
+    assert time.perf_counter() - t0 < 20 and not done  # while tiny-coder is still loading
+    gate.set()
+    t.join(30)
+    assert done and done[0].completion_tokens >= 1
+
+
+def test_a_cancelled_request_frees_its_row_and_its_variant(tiny_family):
+    engine = _engine(tiny_family, max_batch=1)
+    req = engine.prepare("tiny-coder", engine.encode_prompt("def "), SamplingParams(max_tokens=100))
+    gen = engine.run(req)
+    first = next(gen)
+    assert first.finish_reason is None
+    gen.close()  # the client went away
+    deadline = time.time() + 30
+    while engine.cache.snapshot()["tiny-coder"]["in_flight"] or engine.scheduler.running:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    # the one row is free again: the next request runs to its end
+    r = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=4, temperature=0))
+    assert r.completion_tokens == 4 and r.finish_reason == "length"
+
+
+def test_bad_batch_size_is_named(tiny_family):
+    with pytest.raises(ValueError, match="max_batch must be ≥ 1, got 0"):
+        _engine(tiny_family, max_batch=0)
