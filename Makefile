@@ -10,6 +10,7 @@
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
+#   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -41,7 +42,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels distill eval
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -108,6 +109,13 @@ bench-compress: install
 # Needs a CUDA GPU: every figure is a ratio to dense bf16 torch.matmul timed in the same run.
 bench-kernels: install
 	$(PY) kernels/bench.py $(ARGS)
+
+# A random Llama-2-7B-shaped family (base + 14 variants, built once under outputs/bench/), the real
+# server on 127.0.0.1 and a load generator: TTFT / inter-token latency per model, mixed ÷ base-only
+# throughput, cold loads per tier, memory. CPU smoke run:
+#   make bench-serve ARGS="shape=tiny device=cpu dtype=float32 variants=3 requests=12"
+bench-serve: install
+	$(PY) serve/bench.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)
