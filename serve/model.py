@@ -228,8 +228,15 @@ class DeltaLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.name = name  # HF prefix of this module's parameters, e.g. "model.layers.0.mlp.up_proj"
+        self.tp_group = None  # row parallel (serve/tp.py): the ranks whose partial products are summed
 
     def forward(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> Tensor:
+        y = self._local(x, delta)
+        if self.tp_group is not None:
+            torch.distributed.all_reduce(y, group=self.tp_group)
+        return y
+
+    def _local(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> Tensor:
         if delta is None:
             return F.linear(x, self.weight, self.bias)
         if isinstance(delta, BatchDeltas):  # rows of different variants

@@ -1,0 +1,110 @@
+"""Tensor parallelism of the served model and of its variants' deltas (Megatron-LM, Shoeybi et al.
+2019, §3; as gpt-fast's ``tp.py`` does for one model).
+
+Every rank holds a slice of every attention and MLP block:
+
+* column parallel — ``q_proj``, ``k_proj``, ``v_proj`` (whole heads: ``n_head/W`` query and
+  ``n_kv/W`` key/value heads per rank), ``gate_proj``, ``up_proj``: rows ``[r·N/W, (r+1)·N/W)`` of the
+  weight and of the bias; a variant's signs and row scales α are cut the same way;
+* row parallel — ``o_proj``, ``down_proj``: columns ``[r·K/W, (r+1)·K/W)`` of the weight and sign
+  bytes ``[r·K/(8W), …)`` (so K/W must be a multiple of 8); α multiplies whole rows and is kept
+  whole; each rank's product is a partial sum, added across ranks by one ``all_reduce``; the bias
+  is added by rank 0 only.
+
+Embeddings, norms and the head are replicated. The KV cache of a rank holds its heads only. With
+one process per GPU (NCCL) or per CPU (gloo, the tests), each rank runs the same forward on the
+same inputs and gets the same logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+def _kind(name: str) -> str | None:
+    """``"column"``, ``"row"`` or None (replicated) for a Hugging Face parameter name."""
+    parts = name.split(".")
+    mod = parts[-2] if len(parts) >= 2 else ""
+    return "column" if mod in COLUMN else "row" if mod in ROW else None
+
+
+def _cut(t: Tensor, dim: int, rank: int, world: int, name: str) -> Tensor:
+    if t.shape[dim] % world:
+        raise ValueError(f"{name}: dimension {dim} of size {t.shape[dim]} does not split over {world} ranks")
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n).contiguous()
+
+
+def shard_model(model, rank: int, world: int, group=None) -> None:
+    """Cut ``model`` (a :class:`serve.model.Transformer`) in place to rank ``rank``'s slice of
+    ``world``; row-parallel linears all-reduce their outputs over ``group``.
+
+    Raises:
+        ValueError: if the heads, the MLP width or K/W of a row-parallel layer (in sign bytes) do not
+            divide over ``world``.
+    """
+    from serve.model import Attention, DeltaLinear
+
+    a = model.args
+    if a.n_head % world or a.n_local_heads % world:
+        raise ValueError(f"{a.n_head} query / {a.n_local_heads} key-value heads do not split over {world} ranks")
+    if world == 1:
+        return
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            mod.n_head //= world
+            mod.n_kv //= world
+        if not isinstance(mod, DeltaLinear):
+            continue
+        kind = _kind(f"{mod.name}.weight")
+        if kind == "column":
+            mod.weight = torch.nn.Parameter(_cut(mod.weight.data, 0, rank, world, mod.name), requires_grad=False)
+            if mod.bias is not None:
+                mod.bias = torch.nn.Parameter(_cut(mod.bias.data, 0, rank, world, mod.name), requires_grad=False)
+        elif kind == "row":
+            k = mod.weight.shape[1]
+            if (k // world) % 8 or k % world:
+                raise ValueError(f"{mod.name}: K = {k} over {world} ranks is not a multiple of 8 per rank "
+                                 "(sign bytes cannot be cut)")
+            mod.weight = torch.nn.Parameter(_cut(mod.weight.data, 1, rank, world, mod.name), requires_grad=False)
+            if mod.bias is not None and rank != 0:
+                mod.bias = None  # added once, by rank 0
+            mod.tp_group = group if group is not None else dist.group.WORLD
+    model.args.n_head //= world
+    model.args.n_local_heads //= world
+    model.tp = (rank, world)
+
+
+def shard_delta(delta, rank: int, world: int):
+    """A variant's :class:`serve.model.VariantDelta` cut like :func:`shard_model` cuts the model."""
+    from serve.model import VariantDelta
+
+    if world == 1:
+        return delta
+    out = object.__new__(VariantDelta)
+    out.name, out.signs, out.alphas, out.full = delta.name, {}, {}, {}
+    for name, s in delta.signs.items():
+        kind, a = _kind(name), delta.alphas[name]
+        if kind == "column":
+            out.signs[name] = _cut(s, 0, rank, world, name)
+            out.alphas[name] = a if a.dim() == 0 else _cut(a, 0, rank, world, name)
+        elif kind == "row":
+            out.signs[name] = _cut(s, 1, rank, world, name)
+            out.alphas[name] = a  # α scales whole rows
+        else:
+            out.signs[name], out.alphas[name] = s, a
+    for name, t in delta.full.items():
+        kind = _kind(name)
+        if kind == "column":
+            out.full[name] = _cut(t, 0, rank, world, name) if name.endswith(".bias") else t
+        elif kind == "row" and name.endswith(".bias"):
+            if rank == 0:
+                out.full[name] = t
+        else:
+            out.full[name] = t
+    return out
+

@@ -1,0 +1,84 @@
+"""Tensor parallelism (serve/tp.py): two ranks (gloo, one process each, on the CPU) serving slices of
+the model and of the variants' deltas give the logits of the whole model — one variant per
+sequence, and a decode step mixing the base and two variants."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from compress.bitdelta import load_artifact
+from serve.batch import BatchDeltas, DeltaSlots, RowCache
+from serve.model import Transformer, VariantDelta
+from serve.tp import shard_delta, shard_model
+
+PROMPTS = [[3, 17, 42, 9, 120, 7], [5, 6, 7], [200, 11, 31, 4]]
+
+
+def _run(model, coder, writer) -> dict:
+    """Logits of every prompt with the base / coder / writer, then one mixed decode step."""
+    out = {}
+    with torch.inference_mode():
+        for name, d in (("base", None), ("coder", coder), ("writer", writer)):
+            ids = torch.tensor([PROMPTS[0]])
+            out[name] = model(ids, torch.arange(ids.shape[1]), None, d)[0].float()
+        slots = DeltaSlots(model, 2)
+        views = {"coder": slots.put(coder), "writer": slots.put(writer)}
+        cache = model.new_cache(4, 32)
+        rows, nxt, pos = [2, 0, 1], [], []
+        for r, p, d in zip(rows, PROMPTS, (None, views["coder"], views["writer"])):
+            view = [RowCache(c, torch.tensor([r]), per_row_positions=False) for c in cache]
+            lg = model(torch.tensor([p]), torch.arange(len(p)), view, d)[0, -1].float()
+            nxt.append(int(lg.argmax()))
+            pos.append(len(p))
+        batch = BatchDeltas(slots, torch.tensor([-1, views["coder"].slot, views["writer"].slot]))
+        out["mixed_step"] = model.forward_rows(torch.tensor(nxt), torch.tensor(pos), cache, torch.tensor(rows),
+                                               batch).float()
+        out["first_tokens"] = torch.tensor(nxt)
+    return out
+
+
+def _load(base_dir: str, art_dir: str):
+    model = Transformer.from_pretrained(base_dir)
+    coder = VariantDelta(load_artifact(Path(art_dir) / "coder"))
+    writer = VariantDelta(load_artifact(Path(art_dir) / "writer"))
+    return model, coder, writer
+
+
+def _worker(rank: int, world: int, base_dir: str, art_dir: str, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model, coder, writer = _load(base_dir, art_dir)
+        shard_model(model, rank, world)
+        res = _run(model, shard_delta(coder, rank, world), shard_delta(writer, rank, world))
+        res["q_rows"] = torch.tensor(model.layers[0].self_attn.q_proj.weight.shape[0])
+        torch.save(res, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_give_the_logits_of_the_whole_model(tiny_family, tmp_path):
+    model, coder, writer = _load(str(tiny_family.base_dir), str(tiny_family.artifacts_dir))
+    want = _run(model, coder, writer)
+    world = 2
+    mp.spawn(_worker, args=(world, str(tiny_family.base_dir), str(tiny_family.artifacts_dir),
+                            f"file://{tmp_path / 'pg'}", str(tmp_path / "res")), nprocs=world, join=True)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"res.{rank}")
+        assert int(got["q_rows"]) == model.layers[0].self_attn.q_proj.weight.shape[0] // world  # really cut
+        assert torch.equal(got["first_tokens"], want["first_tokens"])
+        for k in ("base", "coder", "writer", "mixed_step"):
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=lambda s: f"rank {rank} {k}: {s}")
+    assert not torch.allclose(want["coder"], want["base"], atol=1e-3)  # the variants matter
+
+
+def test_shapes_that_do_not_split_are_named(tiny_family):
+    model = Transformer.from_pretrained(tiny_family.base_dir)
+    with pytest.raises(ValueError, match=r"4 query / 2 key-value heads do not split over 3 ranks"):
+        shard_model(model, 0, 3)
+    model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 24), requires_grad=False)
+    with pytest.raises(ValueError, match=r"down_proj: K = 24 over 2 ranks is not a multiple of 8 per rank"):
+        shard_model(model, 1, 2)
