@@ -41,6 +41,7 @@ from serve.engine import (
     ModelNotFoundError,
     SamplingParams,
     Step,
+    VariantInUseError,
     VariantUnavailableError,
 )
 
@@ -168,6 +169,9 @@ def _api_error(e: Exception) -> APIError:
         return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable")
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
+    if isinstance(e, VariantInUseError):
+        return APIError(409, f"{e}; retry when they have finished", "invalid_request_error", "variant",
+                        "variant_in_use")
     log.error("internal error", exc_info=e)
     return APIError(500, "The server had an error while processing your request (see the server log).",
                     "server_error", None, "internal_error")
@@ -268,19 +272,19 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         engine: the loaded engine.
         max_waiting: with this many requests already waiting for the model, a new one is
             refused with 429 (OpenAI ``rate_limit_error``) instead of queueing; None: no limit.
-        api_key: if set, every ``/v1/*`` request must send ``Authorization: Bearer <api_key>``
-            (else 401, OpenAI's ``invalid_api_key``); ``/health`` and ``/metrics`` stay open.
+        api_key: if set (not None or ""), every request but ``/health`` and ``/metrics`` must send
+            ``Authorization: Bearer <api_key>`` (else 401, OpenAI's ``invalid_api_key``).
     """
     app = FastAPI(title="deltafleet", version="0.1.0")
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
+    if api_key is not None and str(api_key) != "":
+        expected = str(api_key).encode()
 
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                sent = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(sent, expected):
+            if request.url.path not in ("/health", "/metrics"):  # /v1/*, and the API docs too
+                scheme, _, sent = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), expected):
                     return APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
                                     "invalid_request_error", None, "invalid_api_key").response()
             return await call_next(request)
@@ -312,6 +316,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     @app.get("/health")
     async def health():
+        fatal = engine.scheduler.fatal
+        if fatal is not None:  # e.g. a tensor-parallel rank died: restart the server
+            return APIError(503, f"the server cannot generate any more: {type(fatal).__name__}",
+                            "service_unavailable_error", None, "engine_failed").response()
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -345,25 +353,32 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
         deltas onto the device now. 400: a path outside the root or without an artifact."""
         t0 = time.perf_counter()
-        mid = f"{engine.family}-{body.variant}"
-        tier = engine.cache.tier(mid)
+        name = body.variant.removeprefix(f"{engine.family}-")  # a model id works too
+        events = []
+
+        def note(ev, m, s, tier):
+            if m == f"{engine.family}-{name}" and ev in ("hit", "load"):
+                events.append("device" if ev == "hit" else tier)
+
+        engine.add_listener(note)
         try:
-            card = await run_in_threadpool(engine.add_variant, body.variant, body.path)
+            card = await run_in_threadpool(engine.add_variant, name, body.path)
         except Exception as e:
             raise _api_error(e) from None
+        finally:
+            engine.cache.remove_listener(note)
         metrics.add_model(card.id)
-        return model_card(card) | {"loaded_from": tier, "load_seconds": round(time.perf_counter() - t0, 6)}
+        return model_card(card) | {"loaded_from": events[-1] if events else "device",
+                                   "load_seconds": round(time.perf_counter() - t0, 6)}
 
     @app.post("/v1/unload_variant")
     async def unload_variant(body: UnloadVariantRequest):
         """Drop a variant's deltas from the device and host tiers (it stays listed and is read from
         disk again on its next request). 409 while it has requests in flight."""
-        mid = body.variant if body.variant.startswith(f"{engine.family}-") else f"{engine.family}-{body.variant}"
+        v = body.variant
+        mid = v if v == engine.family or v.startswith(f"{engine.family}-") else f"{engine.family}-{v}"
         try:
             unloaded = await run_in_threadpool(engine.remove_variant, mid)
-        except RuntimeError as e:
-            raise APIError(409, f"{e}; retry when they have finished", "invalid_request_error", "variant",
-                           "variant_in_use") from None
         except Exception as e:
             raise _api_error(e) from None
         return {"id": mid, "object": "model", "unloaded": unloaded}

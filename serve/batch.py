@@ -16,6 +16,8 @@ and written by row index and per-row position.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -61,6 +63,7 @@ class DeltaSlots:
                 t = p.detach().unsqueeze(0).repeat(n_slots + 1, 1)
                 self.full[_hf_name(pname)] = t
         self._free = list(range(n_slots - 1, -1, -1))
+        self._lock = threading.Lock()  # variants are loaded from several request threads at once
         self.slot_bytes = sum(t[0].numel() * t.element_size() for d in (self.signs, self.alphas, self.full)
                               for t in d.values())
 
@@ -68,9 +71,15 @@ class DeltaSlots:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def put(self, delta):
-        """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot; return a
-        ``VariantDelta`` of views into the slot, with ``.slot`` set."""
+    def next_free(self) -> int:
+        """The slot :meth:`put` takes next (RuntimeError if none)."""
+        if not self._free:
+            raise RuntimeError(f"all {self.n_slots} variant slots are taken")
+        return self._free[-1]
+
+    def put(self, delta, slot: int | None = None):
+        """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot (``slot``,
+        or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set."""
         from serve.model import VariantDelta
 
         bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
@@ -80,9 +89,14 @@ class DeltaSlots:
         unknown = [k for k in delta.signs if k not in self.signs]
         if unknown:
             raise ValueError(f"variant {delta.name!r}: delta for {unknown[0]!r}, which is not a weight of the model")
-        if not self._free:
-            raise RuntimeError(f"all {self.n_slots} variant slots are taken")
-        i = self._free.pop()
+        with self._lock:
+            if slot is None:
+                i = self.next_free()
+            elif slot in self._free:
+                i = slot
+            else:
+                raise RuntimeError(f"variant slot {slot} is taken")
+            self._free.remove(i)
         for name, s in self.signs.items():
             a = self.alphas[name]
             if name in delta.signs:
@@ -104,9 +118,10 @@ class DeltaSlots:
     def free(self, view) -> None:
         """Give a slot back (its contents are overwritten by the next :meth:`put`)."""
         i = getattr(view, "slot", None)
-        if i is None or not 0 <= i < self.n_slots or i in self._free:
-            raise ValueError(f"not a taken slot of these slots: {i}")
-        self._free.append(i)
+        with self._lock:
+            if i is None or not 0 <= i < self.n_slots or i in self._free:
+                raise ValueError(f"not a taken slot of these slots: {i}")
+            self._free.append(i)
 
 
 class BatchDeltas:

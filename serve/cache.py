@@ -117,8 +117,11 @@ class DeltaCache:
         and evict (tier it left)."""
         self._listeners.append(fn)
 
+    def remove_listener(self, fn: CacheListener) -> None:
+        self._listeners.remove(fn)
+
     def _emit(self, event: str, model_id: str, seconds: float = 0.0, tier: str | None = None) -> None:
-        for fn in self._listeners:
+        for fn in list(self._listeners):
             fn(event, model_id, seconds, tier)
 
     def _count(self, e: _Entry, now: float) -> float:

@@ -14,6 +14,7 @@ variant, advances one token per batched step; each request reads its steps as a 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -46,6 +47,10 @@ class ModelNotFoundError(LookupError):
 
 class VariantUnavailableError(RuntimeError):
     """The variant exists but its artifact cannot be used, e.g. a fingerprint mismatch (HTTP 503)."""
+
+
+class VariantInUseError(RuntimeError):
+    """The variant cannot be unloaded or replaced now: requests are running on it (HTTP 409)."""
 
 
 class InvalidRequestError(ValueError):
@@ -142,6 +147,8 @@ class Engine:
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
             ``half_life_s``, ``wait_timeout_s``).
         max_batch: sequences decoded together (continuous batching, serve/scheduler.py).
+        tp: rank 0's :class:`serve.tp.TPContext` when serving tensor parallel (the other ranks run
+            :func:`serve.tp.run_follower`); None: one process.
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -150,7 +157,7 @@ class Engine:
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
-                 delta_cache: dict | None = None, max_batch: int = 8):
+                 delta_cache: dict | None = None, max_batch: int = 8, tp=None):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -165,13 +172,19 @@ class Engine:
         self._special_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         longest_first = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
-        self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype)
+        self.tp = tp
+        self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype,
+                                                 tp=None if tp is None else tp.shard)
         self.max_model_len = self.model.args.max_seq_len
         self.base_fingerprint = fingerprint(self.base_dir)
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
         self._registry_lock = threading.Lock()  # guards _variants
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
+        # not stall every running sequence's next token.
+        self.detokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self._detok_lock = threading.Lock()
         self._gen_lock = threading.Lock()  # one generation at a time
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
@@ -188,11 +201,46 @@ class Engine:
                                  f"({self.slots.slot_bytes} bytes)")
             n_slots = budget // self.slots.slot_bytes
         self.slots = DeltaSlots(self.model, int(n_slots))
-        self.cache = DeltaCache(self._read_delta, self.slots.put, self._artifact_stamp, to_host=self._to_host,
-                                free_device=self.slots.free, size=lambda d: self.slots.slot_bytes,
+        self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
+                                free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         self.discover()
-        self.scheduler = Scheduler(self, max_batch, self.max_model_len)
+        with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len)):
+            self.scheduler = Scheduler(self, max_batch, self.max_model_len)
+
+    def collective(self, cmd: tuple):
+        """Context for work every tensor-parallel rank must do together: announces ``cmd`` to the other
+        ranks (serve/tp.py) and keeps other announcements out until the block ends. A no-op in
+        one process."""
+        if self.tp is None:
+            return contextlib.nullcontext()
+        lock = self.tp.lock
+
+        @contextlib.contextmanager
+        def ctx():
+            with lock:
+                self.tp.send(cmd)
+                yield
+
+        return ctx()
+
+    def _put_slot(self, delta: VariantDelta) -> VariantDelta:
+        if self.tp is None:
+            return self.slots.put(delta)
+        with self.tp.lock:  # the slot is chosen and announced under one hold of the lock
+            slot = self.slots.next_free()
+            with self.collective(("load", delta.source, slot)):
+                return self.slots.put(delta, slot)
+
+    def _free_slot(self, view: VariantDelta) -> None:
+        with self.collective(("free", view.slot)):
+            self.slots.free(view)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (no-op in one process)."""
+        if self.tp is not None:
+            with self.tp.lock:
+                self.tp.send(("stop",))
 
     # ---------------------------------------------------------------- models and variants
 
@@ -200,8 +248,12 @@ class Engine:
         """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json``; new artifacts become servable."""
         found: dict[str, ModelCard] = {}
         if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
+            root = self.artifacts_dir.resolve()
             for manifest in sorted(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")):
                 if manifest.parent.name.startswith("."):  # temp or old folders of an atomic write
+                    continue
+                if not manifest.parent.resolve().is_relative_to(root):  # a symbolic link out of the root
+                    log.warning("not serving %s: it resolves outside the artifact root", manifest.parent.name)
                     continue
                 mid = f"{self.family}-{manifest.parent.name}"
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
@@ -288,12 +340,22 @@ class Engine:
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
             delta = VariantDelta(artifact, "cpu", self.dtype)
-            delta.check(self.model.hf_param_shapes())
+            delta.check(self.model.full_param_shapes)
+            full_matrix = next((k for k, v in delta.full.items() if v.dim() != 1), None)
+            if full_matrix is not None:
+                raise ValueError(f"it stores {full_matrix!r} in full (shape {tuple(delta.full[full_matrix].shape)}), "
+                                 "which a batch of mixed variants cannot share (a resized vocabulary?)")
+            if self.tp is not None:
+                from serve.tp import shard_delta
+
+                delta = shard_delta(delta, self.tp.rank, self.tp.world)
         except (ArtifactError, OSError, ValueError) as e:
             log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
             reason = _without_paths(str(e), card.artifact_dir.parent, self.base_dir)
             raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}") from e
-        return delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
+        delta = delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
+        delta.source = str(card.artifact_dir)  # where the other tensor-parallel ranks read it
+        return delta
 
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
         """A host copy of a slot's views (the slot is given back right after)."""
@@ -315,7 +377,10 @@ class Engine:
             raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path")
         root = self.artifacts_dir.resolve()
         raw = Path(path) if path else Path(name)
-        folder = (raw if raw.is_absolute() else root / raw).resolve()
+        try:
+            folder = (raw if raw.is_absolute() else root / raw).resolve()
+        except (ValueError, OSError):  # an embedded NUL, a loop of links, ...
+            raise InvalidRequestError("`path` is not a usable path", "path", "path_not_allowed") from None
         if not folder.is_relative_to(root):
             raise InvalidRequestError("`path` must be inside the server's artifact root", "path", "path_not_allowed")
         if not (folder / MANIFEST_NAME).is_file():
@@ -325,7 +390,10 @@ class Engine:
         with self._registry_lock:
             old = self._variants.get(mid)
             if old is not None and old.artifact_dir is not None and old.artifact_dir.resolve() != folder:
-                self.cache.unload(mid)  # another folder under this name: the new one replaces it
+                try:
+                    self.cache.unload(mid)  # another folder under this name: the new one replaces it
+                except RuntimeError as e:
+                    raise VariantInUseError(str(e)) from None
             self._variants[mid] = ModelCard(mid, self.family, folder)
         self.get_delta(mid)
         return self._variants[mid]
@@ -336,12 +404,15 @@ class Engine:
 
         Raises:
             ModelNotFoundError: unknown id (or the base).
-            RuntimeError: the variant has requests in flight.
+            VariantInUseError: the variant has requests in flight.
         """
         card = self.card(model_id)
         if card.parent is None:
             raise ModelNotFoundError(f"`{model_id}` is the base model, which is always resident")
-        return self.cache.unload(model_id)
+        try:
+            return self.cache.unload(model_id)
+        except RuntimeError as e:
+            raise VariantInUseError(str(e)) from None
 
     # ---------------------------------------------------------------- tokens
 

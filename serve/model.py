@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import Tensor
 
 from kernels import bitdelta_linear, packed_width, unpack_signs
@@ -476,8 +476,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> Transformer:
+                        dtype: torch.dtype = torch.float32, tp: tuple | None = None) -> Transformer:
         """Load a Hugging Face safetensors checkpoint (single file or index + shards), one copy.
+
+        ``tp = (rank, world, group)``: this rank's tensor-parallel slice only (serve/tp.py); each
+        tensor is read from the file as that slice, so a rank never holds the whole model.
 
         Raises:
             FileNotFoundError: if ``config.json`` or the safetensors weights are missing.
@@ -488,16 +491,29 @@ class Transformer(nn.Module):
         args = ModelArgs.from_hf_config(json.loads((d / "config.json").read_text()))
         with torch.device("meta"):
             model = cls(args)
+        full_shapes = model.hf_param_shapes()  # what a (whole) variant's deltas are checked against
+        if tp is not None:
+            from serve.tp import _kind, shard_model, slice_for
+
+            shard_model(model, *tp)
         index = d / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
         if not (d / files[0]).is_file():
             raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
         state: dict[str, Tensor] = {}
         for f in files:
-            for name, t in load_file(d / f, device=str(device)).items():
-                if name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                state[name.removeprefix("model.")] = t.to(dtype) if t.is_floating_point() else t
+            with safe_open(d / f, framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    if tp is not None and tp[0] != 0 and _kind(name) == "row" and name.endswith(".bias"):
+                        continue  # a row-parallel bias is added by rank 0 only
+                    if tp is None:
+                        t = sf.get_tensor(name)
+                    else:
+                        t = slice_for(name, sf.get_slice(name), tp[0], tp[1])
+                    t = t.to(device)
+                    state[name.removeprefix("model.")] = t.to(dtype) if t.is_floating_point() else t
         keys = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
         missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
         if missing or unexpected:
@@ -508,6 +524,7 @@ class Transformer(nn.Module):
         model.inv_freq = rope_inv_freq(args).to(device)
         for p in model.parameters():
             p.requires_grad_(False)
+        model.full_param_shapes = full_shapes
         return model.eval()
 
 

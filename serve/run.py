@@ -2,12 +2,15 @@
 
     python serve/run.py                              # http://127.0.0.1:8000/v1, models tiny, tiny-<variant>...
     python serve/run.py port=8001 paths.root=/scratch/df
+    python serve/run.py device=cuda dtype=bfloat16 tp=2   # tensor parallel over 2 GPUs, one process each
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "tiny-coder", "prompt": "def ", "max_tokens": 32, "temperature": 0}'
 
 Composes ``conf/serve.yaml``, loads the base from ``base_dir`` (Hugging Face checkpoint +
 tokenizer), lists ``<artifacts_dir>/*/bitdelta.json`` as ``<family>-<variant>`` (each loaded on its
-first request) and runs uvicorn on ``host:port``.
+first request) and runs uvicorn on ``host:port``. With ``tp=N > 1`` it starts N processes
+(``torch.distributed``: NCCL on GPUs, gloo on the CPU, rendezvous on 127.0.0.1:``tp_port``); rank 0
+serves HTTP and schedules, the others hold their slices of the base and the deltas (serve/tp.py).
 """
 from __future__ import annotations
 
@@ -21,41 +24,88 @@ except ImportError:  # `python serve/run.py` puts serve/ first on sys.path, not 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
-def main(cfg: DictConfig) -> None:
+def _cache_options(cfg: DictConfig) -> dict:
+    dc = cfg.delta_cache
+    return {"device_slots": dc.device_slots,
+            "device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
+            "host_budget_bytes": None if dc.host_budget_gb is None else int(dc.host_budget_gb * 1e9),
+            "pinned": list(dc.pinned or []), "pin_top_n": dc.pin_top_n, "half_life_s": dc.half_life_s,
+            "wait_timeout_s": dc.wait_timeout_s}
+
+
+def _threads(cfg: DictConfig, world: int = 1) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Leave a core to the HTTP event loop: on a busy CPU, intra-op threads spinning at every op's
+    # barrier starve it, and a one-token decode step gains nothing from them (10-20x slower on 2 cores).
+    return cfg.threads or max(1, (cores - 1) // world)
+
+
+def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
 
     from serve.app import create_app
     from serve.engine import Engine
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # Leave a core to the HTTP event loop: on a busy CPU, intra-op threads spinning at every op's
-    # barrier starve it, and a one-token decode step gains nothing from them (10-20x slower on 2 cores).
-    torch.set_num_threads(cfg.threads or max(1, cores - 1))
+    torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
-        dc = cfg.delta_cache
-        cache = {"device_slots": dc.device_slots,
-                 "device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
-                 "host_budget_bytes": None if dc.host_budget_gb is None else int(dc.host_budget_gb * 1e9),
-                 "pinned": list(dc.pinned or []), "pin_top_n": dc.pin_top_n, "half_life_s": dc.half_life_s,
-                 "wait_timeout_s": dc.wait_timeout_s}
-        engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=cfg.device, dtype=cfg.dtype,
-                        force=cfg.force, delta_cache=cache, max_batch=cfg.max_batch)
+        engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
+                        force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
+        if tp is not None:
+            tp.send(("stop",))
         sys.exit(2)
-    url = f"http://{cfg.host}:{cfg.port}/v1"
-    ids = [m.id for m in engine.models()]
-    print(f"serving {', '.join(ids)} ({engine.device}, {cfg.dtype}, context {engine.max_model_len}, "
-          f"{torch.get_num_threads()} threads) at {url}",
-          flush=True)
-    api_key = cfg.api_key or os.environ.get("DELTAFLEET_API_KEY") or None
-    uvicorn.run(create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key), host=cfg.host, port=cfg.port,
-                log_level=cfg.log_level)
+    try:
+        url = f"http://{cfg.host}:{cfg.port}/v1"
+        ids = [m.id for m in engine.models()]
+        where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
+        print(f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
+              f"{torch.get_num_threads()} threads) at {url}", flush=True)
+        api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
+        uvicorn.run(create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key), host=cfg.host, port=cfg.port,
+                    log_level=cfg.log_level)
+    finally:
+        engine.shutdown()
+
+
+def _rank_main(rank: int, cfg_dict: dict) -> None:
+    """One process of a tensor-parallel server (``torch.multiprocessing.spawn``)."""
+    import torch
+    import torch.distributed as dist
+
+    from serve.engine import DTYPES
+    from serve.tp import TPContext, run_follower
+
+    cfg = OmegaConf.create(cfg_dict)
+    cuda = cfg.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg.tp_port}",
+                            rank=rank, world_size=cfg.tp)
+    ctx = TPContext(rank, cfg.tp, None, dist.new_group(backend="gloo"))
+    device = f"cuda:{rank}" if cuda else cfg.device
+    try:
+        if rank == 0:
+            _serve(cfg, device, ctx)
+        else:
+            torch.set_num_threads(_threads(cfg, cfg.tp))
+            run_follower(ctx, cfg.base_dir, device, DTYPES[cfg.dtype])
+    finally:
+        dist.destroy_process_group()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    if cfg.tp > 1:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=True)
+    else:
+        _serve(cfg, cfg.device)
 
 
 if __name__ == "__main__":

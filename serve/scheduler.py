@@ -66,6 +66,7 @@ class Scheduler:
         self.running: list[_Seq] = []
         self._cv = threading.Condition()
         self.steps = 0  # batched decode steps run (tests, metrics)
+        self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -122,9 +123,14 @@ class Scheduler:
                     self._retire()
             except BaseException as e:  # noqa: BLE001 - reported to the requests of the failed step
                 log.exception("scheduler step failed")
-                for seq in list(self.running) + [s for s in admitted if not s.done]:
-                    seq.out.put(e)
-                    seq.done = True
+                if self.engine.tp is not None:  # a rank is gone: this server cannot serve any more
+                    self.fatal = e
+                for seq in self.running + [a for a in admitted if a not in self.running]:
+                    if not seq.done:
+                        seq.out.put(e)
+                        seq.done = True
+                    if seq not in self.running:
+                        self.running.append(seq)
                 self._retire()
 
     def _prefill(self, seq: _Seq) -> None:
@@ -138,13 +144,14 @@ class Scheduler:
             self.running.append(seq)
             return
         p = req.params
-        seq.text = _TextStream(eng.tokenizer, p.stop, eng._tok_lock)
+        seq.text = _TextStream(eng.detokenizer, p.stop, eng._detok_lock)
         if p.temperature > 0 and p.seed is not None:
             seq.gen = torch.Generator(eng.device).manual_seed(p.seed)
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
         view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
-        with torch.inference_mode():
+        slot = getattr(req.delta, "slot", -1) if req.delta is not None else -1
+        with eng.collective(("prefill", seq.row, list(req.prompt_ids), slot)), torch.inference_mode():
             logits = self.model(torch.tensor([req.prompt_ids], device=eng.device),
                                 torch.arange(n, device=eng.device), view, req.delta)[0, -1].float()
         seq.pos = n
@@ -161,7 +168,8 @@ class Scheduler:
         rows = torch.tensor([s.row for s in live], device=dev)
         slots = [getattr(s.req.delta, "slot", -1) if s.req.delta is not None else -1 for s in live]
         delta = None if all(x < 0 for x in slots) else BatchDeltas(self.engine.slots, torch.tensor(slots, device=dev))
-        with torch.inference_mode():
+        cmd = ("decode", [s.token for s in live], [s.pos for s in live], [s.row for s in live], slots)
+        with self.engine.collective(cmd), torch.inference_mode():
             logits = self.model.forward_rows(tokens, pos, self.cache, rows, delta).float()
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(live))

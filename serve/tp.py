@@ -39,6 +39,21 @@ def _cut(t: Tensor, dim: int, rank: int, world: int, name: str) -> Tensor:
     return t.narrow(dim, rank * n, n).contiguous()
 
 
+def slice_for(name: str, sl, rank: int, world: int) -> Tensor:
+    """This rank's slice of checkpoint tensor ``name`` from a safetensors slice ``sl`` (read from disk
+    as that slice only)."""
+    kind, shape = _kind(name), sl.get_shape()
+    if kind == "column" or (kind == "row" and len(shape) == 1):
+        if kind == "row":  # a row-parallel bias: rank 0 keeps it (shard_model drops it elsewhere)
+            return sl[:]
+        n = shape[0] // world
+        return sl[rank * n:(rank + 1) * n]
+    if kind == "row":
+        k = shape[1] // world
+        return sl[:, rank * k:(rank + 1) * k]
+    return sl[:]
+
+
 def shard_model(model, rank: int, world: int, group=None) -> None:
     """Cut ``model`` (a :class:`serve.model.Transformer`) in place to rank ``rank``'s slice of
     ``world``; row-parallel linears all-reduce their outputs over ``group``.
@@ -108,3 +123,81 @@ def shard_delta(delta, rank: int, world: int):
             out.full[name] = t
     return out
 
+
+
+# --------------------------------------------------------------------------------------------
+# Serving with one process per rank: rank 0 runs the HTTP server and the scheduler and sends every
+# step to the other ranks, which run the same forward on their slices.
+# --------------------------------------------------------------------------------------------
+
+
+class TPContext:
+    """One rank's place in a tensor-parallel server.
+
+    Args:
+        rank, world: this process and the number of processes (one per GPU).
+        group: the process group of the all-reduces (NCCL on GPUs); None: the default group.
+        control: a gloo group over the same ranks for the commands rank 0 sends (pickled objects).
+    """
+
+    def __init__(self, rank: int, world: int, group=None, control=None):
+        import threading
+
+        self.rank, self.world, self.group, self.control = rank, world, group, control
+        self.lock = threading.RLock()  # rank 0: one command, and the forward it announces, at a time
+
+    @property
+    def shard(self) -> tuple:
+        return self.rank, self.world, self.group
+
+    def send(self, cmd: tuple) -> None:
+        """Rank 0: announce ``cmd`` to every rank (in order; hold :attr:`lock` around it and its work)."""
+        dist.broadcast_object_list([cmd], src=0, group=self.control)
+
+    def recv(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
+    """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
+    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len)``, ``("load", artifact_dir, slot)``,
+    ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
+    Forwards only take part in the all-reduces; the logits are rank 0's to use."""
+    from compress.bitdelta import load_artifact
+    from serve.batch import BatchDeltas, DeltaSlots, RowCache
+    from serve.model import Transformer, VariantDelta
+
+    model = Transformer.from_pretrained(base_dir, device, dtype, tp=ctx.shard)
+    slots = cache = None
+    views: dict[int, object] = {}
+    dev = model.device
+    while True:
+        cmd = ctx.recv()
+        op = cmd[0]
+        if op == "stop":
+            return
+        if op == "init":
+            _, n_slots, max_batch, max_seq_len = cmd
+            slots = DeltaSlots(model, n_slots)
+            cache = model.new_cache(max_batch, max_seq_len)
+        elif op == "load":
+            _, artifact_dir, slot = cmd
+            delta = VariantDelta(load_artifact(artifact_dir, force=True, verify_hashes=False), "cpu", dtype)
+            views[slot] = slots.put(shard_delta(delta, ctx.rank, ctx.world), slot)
+        elif op == "free":
+            slots.free(views.pop(cmd[1]))
+        elif op == "prefill":
+            _, row, ids, slot = cmd
+            view = [RowCache(c, torch.tensor([row], device=dev), per_row_positions=False) for c in cache]
+            with torch.inference_mode():
+                model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), view, views.get(slot))
+        elif op == "decode":
+            _, tokens, pos, rows, sl = cmd
+            delta = None if all(x < 0 for x in sl) else BatchDeltas(slots, torch.tensor(sl, device=dev))
+            with torch.inference_mode():
+                model.forward_rows(torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), cache,
+                                   torch.tensor(rows, device=dev), delta)
+        else:
+            raise ValueError(f"unknown tensor-parallel command {op!r}")

@@ -3,6 +3,7 @@ flight protecting their variant, hot load/unload confined to the artifact root, 
 API key (with the real ``openai`` client), and the cache's metrics."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from serve.app import create_app
@@ -168,3 +170,80 @@ def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, 
         assert 'deltafleet:delta_cache_loads_total{model_name="tiny-coder"} 1.0' in text
         assert 'deltafleet:delta_load_seconds_count{model_name="tiny-writer",tier="disk"} 1.0' in text
         assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]["tier"] == "disk"  # no host tier
+
+
+def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
+    """A NUL byte in `path` (400), replacing a variant that is running (409), a model id as the name,
+    unloading the base (404 naming it), and a symbolic link in the root that points outside (not served)."""
+    engine = _engine(root)
+    outside = tmp_path / "outside2"
+    shutil.copytree(root / "artifacts" / "writer", outside)
+    link = root / "artifacts" / "evil"
+    os.symlink(outside, link)
+    try:
+        with TestClient(create_app(engine)) as tc:
+            r = tc.post("/v1/load_variant", json={"variant": "x", "path": "a\u0000b"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "path_not_allowed"
+            r = tc.post("/v1/load_variant", json={"variant": "tiny-again", "path": "coder"})
+            assert r.status_code == 200 and r.json()["id"] == "tiny-again" and r.json()["loaded_from"] == "disk"
+            assert tc.post("/v1/load_variant", json={"variant": "again", "path": "coder"}).json()["loaded_from"] == "device"
+            held = engine.prepare("tiny-again", engine.encode_prompt("x"), GREEDY)
+            r = tc.post("/v1/load_variant", json={"variant": "again", "path": "writer"})  # another folder, in use
+            assert r.status_code == 409 and r.json()["error"]["code"] == "variant_in_use"
+            engine.release(held)
+            r = tc.post("/v1/unload_variant", json={"variant": "tiny"})
+            assert r.status_code == 404 and "is the base model" in r.json()["error"]["message"]
+            assert "tiny-evil" not in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            r = tc.post("/v1/completions", json={"model": "tiny-evil", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 404
+    finally:
+        link.unlink()
+
+
+def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from compress.bitdelta import _sha256_file
+
+    bad = root / "artifacts" / "fullmat"
+    shutil.copytree(root / "artifacts" / "coder", bad)
+    try:
+        t = load_file(bad / "delta.safetensors")
+        name = "model.layers.0.self_attn.q_proj.weight"
+        n = t.pop(f"{name}.sign").shape[0]
+        t.pop(f"{name}.alpha")
+        t[name] = torch.zeros(n, n)
+        save_file(t, bad / "delta.safetensors")
+        man = json.loads((bad / "bitdelta.json").read_text())
+        man["files"]["delta.safetensors"] = _sha256_file(bad / "delta.safetensors")
+        (bad / "bitdelta.json").write_text(json.dumps(man))
+        engine = _engine(root, device_slots=1)
+        engine.get_delta("tiny-coder")
+        with pytest.raises(VariantUnavailableError, match=r"`tiny-fullmat` is unavailable: it stores "
+                                                          r"'model.layers.0.self_attn.q_proj.weight' in full"):
+            engine.get_delta("tiny-fullmat")
+        assert engine.cache.tier("tiny-coder") == "device"  # nothing was evicted for it
+    finally:
+        shutil.rmtree(bad)
+
+
+def test_a_long_tokenization_does_not_stall_generation(root):
+    """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
+    detokenize with their own copy, so they go on."""
+    engine = _engine(root)
+    ids = engine.encode_prompt("def main(")
+    with engine._tok_lock:  # as if a huge prompt were being encoded
+        out = []
+        t = threading.Thread(target=lambda: out.append(list(engine.run(engine.prepare("tiny", ids, GREEDY)))))
+        t.start()
+        t.join(30)
+        assert out and len(out[0]) == GREEDY.max_tokens
+
+
+def test_api_key_scheme_is_case_insensitive_and_docs_are_guarded(root):
+    with TestClient(create_app(_engine(root), api_key="k1")) as tc:
+        assert tc.get("/v1/models", headers={"Authorization": "bearer k1"}).status_code == 200
+        assert tc.get("/v1/models", headers={"Authorization": "Basic k1"}).status_code == 401
+        assert tc.get("/openapi.json").status_code == 401
+    with TestClient(create_app(_engine(root), api_key="")) as tc:  # empty: no key
+        assert tc.get("/v1/models").status_code == 200

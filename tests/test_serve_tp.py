@@ -82,3 +82,63 @@ def test_shapes_that_do_not_split_are_named(tiny_family):
     model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 24), requires_grad=False)
     with pytest.raises(ValueError, match=r"down_proj: K = 24 over 2 ranks is not a multiple of 8 per rank"):
         shard_model(model, 1, 2)
+
+
+def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path):
+    """``serve/run.py tp=2`` (two gloo processes; rank 0 serves HTTP) through the real openai client:
+    greedy answers for the base and each variant, sent together, equal the one-process engine's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+    import openai
+
+    from serve.engine import Engine, SamplingParams
+
+    repo = Path(__file__).resolve().parents[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
+                             f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
+                             f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
+                             f"hydra.run.dir={tmp_path}"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        url = f"http://127.0.0.1:{ports[0]}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.3)
+        ref = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        jobs = [(m, p) for m in ("tiny", "tiny-coder", "tiny-writer") for p in ("def main(", "The quick")]
+        got = {}
+        threads = [threading.Thread(target=lambda m=m, p=p: got.__setitem__((m, p), client.completions.create(
+            model=m, prompt=p, max_tokens=8, temperature=0).choices[0].text)) for m, p in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for m, p in jobs:
+            assert got[(m, p)] == ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text, (m, p)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
