@@ -60,11 +60,51 @@ def _worker(rank: int, world: int, base_dir: str, art_dir: str, init: str, out: 
         torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_give_the_logits_of_the_whole_model(tiny_family, tmp_path):
-    model, coder, writer = _load(str(tiny_family.base_dir), str(tiny_family.artifacts_dir))
+def _layout_family(root: Path, layout: str) -> tuple[Path, Path]:
+    """A base and two variants (``coder``, ``writer``) whose deltas touch every kind of tensor of
+    ``layout``: matrices, biases (Qwen2's q/k/v; Llama's o_proj and MLP biases, row parallel) and norms;
+    with a tied head for ``llama-bias-tied``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from compress.bitdelta import compress
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+    if layout == "qwen2-bias":
+        make = lambda: Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=False)).eval()  # noqa: E731
+    else:
+        make = lambda: LlamaForCausalLM(LlamaConfig(**kw, attention_bias=True, mlp_bias=True,  # noqa: E731
+                                                    tie_word_embeddings=True)).eval()
+    base = make()
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if n.endswith("norm.weight") else 0.0, 0.2)
+    base.save_pretrained(root / "base")
+    for i, v in enumerate(("coder", "writer")):
+        ft = make()
+        torch.manual_seed(10 + i)
+        sd = {k: t.clone() for k, t in base.state_dict().items()}
+        for k, t in sd.items():
+            t += (0.5 * t.std() if t.dim() == 2 else 0.2) * torch.randn_like(t)
+        ft.load_state_dict(sd)
+        ft.save_pretrained(root / v)
+        compress(root / "base", root / v, root / "artifacts" / v, variant=v, granularity="row" if i else "matrix")
+    return root / "base", root / "artifacts"
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2-bias", "llama-bias-tied"])
+def test_two_ranks_give_the_logits_of_the_whole_model(tiny_family, tmp_path, layout):
+    if layout == "llama":
+        base_dir, art_dir = tiny_family.base_dir, tiny_family.artifacts_dir
+    else:
+        base_dir, art_dir = _layout_family(tmp_path, layout)
+    model, coder, writer = _load(str(base_dir), str(art_dir))
+    assert layout == "llama" or any(k.endswith(".bias") for k in coder.full)  # the biases' deltas are exercised
     want = _run(model, coder, writer)
     world = 2
-    mp.spawn(_worker, args=(world, str(tiny_family.base_dir), str(tiny_family.artifacts_dir),
+    mp.spawn(_worker, args=(world, str(base_dir), str(art_dir),
                             f"file://{tmp_path / 'pg'}", str(tmp_path / "res")), nprocs=world, join=True)
     for rank in range(world):
         got = torch.load(tmp_path / f"res.{rank}")
@@ -142,3 +182,17 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.parametrize("layout", ["qwen2-bias", "llama-bias-tied"])
+def test_mixed_decode_rows_equal_each_sequence_alone_with_biases_and_tied_head(tmp_path, layout):
+    """One process: the mixed decode step of ``_run`` (base, coder, writer rows) against each sequence
+    run alone with its own variant — with per-row bias deltas and a tied embedding/head."""
+    base_dir, art_dir = _layout_family(tmp_path, layout)
+    model, coder, writer = _load(str(base_dir), str(art_dir))
+    got = _run(model, coder, writer)
+    with torch.inference_mode():
+        for b, (p, d) in enumerate(zip(PROMPTS, (None, coder, writer))):
+            ids = torch.tensor([p + [int(got["first_tokens"][b])]])
+            alone = model(ids, torch.arange(ids.shape[1]), None, d)[0, -1].float()
+            torch.testing.assert_close(got["mixed_step"][b], alone, rtol=1e-4, atol=1e-4, msg=lambda s: f"row {b}: {s}")
