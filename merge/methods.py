@@ -1,0 +1,294 @@
+"""Merge methods over task vectors, one parameter tensor at a time, in a registry (as mergekit's
+``merge_method`` names them).
+
+For a parameter with base value ``W₀`` and fine-tuned values ``W_i`` (i = 1…n), the task vectors are
+``τ_i = W_i − W₀`` (Ilharco et al. 2023, "Editing models with task arithmetic", arXiv:2212.04089).
+Every method returns the merged tensor in the dtype of ``W₀``; the arithmetic runs in float32.
+Non-floating tensors (integer buffers) are taken from the base.
+
+=================  =========================================================================================
+``linear``         ``Σ w_i W_i / Σ w_i`` (weight averaging, Wortsman et al. 2022 "model soups")
+``task_arithmetic``  ``W₀ + λ Σ w_i τ_i`` (arXiv:2212.04089 Eq. 1)
+``ties``           trim each ``τ_i`` to its top-``density`` magnitudes, elect a sign per entry from the
+                   summed trimmed mass, average the entries that agree with it: ``W₀ + λ τ_m``
+                   (TIES-Merging, Yadav et al. 2023, arXiv:2306.01708, Alg. 1)
+``dare_linear``    drop each entry of ``τ_i`` with probability ``1 − density``, rescale the rest by
+                   ``1/density``, then task arithmetic (DARE, Yu et al. 2024, arXiv:2311.03099 Eq. 2–3)
+``dare_ties``      DARE's drop and rescale, then TIES' sign election and disjoint mean
+``monosoup``       MonoSoup of the mean task vector (merge/soup.py, arXiv:2602.09689)
+``svd_soup``       mean of the rank-``rank`` truncations of the ``τ_i`` (merge/soup.py)
+``opcm``           continual: the models arrive one at a time; each new task vector is projected out of
+                   the dominant singular subspace of the running merged task vector, added, and the sum
+                   is rescaled to the mean task-vector norm of the whole model (OPCM, Tang et al. 2025,
+                   arXiv:2501.09522, §3)
+=================  =========================================================================================
+
+A method that needs statistics of the whole model (``opcm``: norms over every parameter) says so
+with ``two_pass = True``: :func:`merge.stream.merge_checkpoints` first shows it every tensor
+(:meth:`MergeMethod.observe`), then asks for the merged tensors.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+from merge.soup import merge_param
+
+REGISTRY: dict[str, type[MergeMethod]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def get_method(name: str, **params) -> MergeMethod:
+    """An instance of the registered method ``name`` with ``params``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones) or a bad parameter.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown merge method {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    try:
+        return REGISTRY[name](**params)
+    except TypeError as e:
+        raise ValueError(f"merge method {name!r}: {e}") from None
+
+
+class MergeMethod:
+    """Base class: ``merge(name, base, models) -> merged`` for one parameter."""
+
+    name: ClassVar[str] = ""
+    two_pass: ClassVar[bool] = False
+
+    def __init__(self, weights: Sequence[float] | None = None):
+        if weights is not None and any(not math.isfinite(w) for w in weights):
+            raise ValueError(f"weights must be finite, got {list(weights)}")
+        self.weights = None if weights is None else [float(w) for w in weights]
+
+    def _w(self, n: int) -> list[float]:
+        if self.weights is None:
+            return [1.0] * n
+        if len(self.weights) != n:
+            raise ValueError(f"{len(self.weights)} weights for {n} models")
+        return self.weights
+
+    def observe(self, name: str, base: Tensor, models: Sequence[Tensor]) -> None:
+        """First pass of a ``two_pass`` method (no-op otherwise)."""
+
+    def merge(self, name: str, base: Tensor, models: Sequence[Tensor]) -> Tensor:
+        if not models:
+            raise ValueError("no models to merge")
+        for m in models:
+            if m.shape != base.shape:
+                raise ValueError(f"{name}: shape {tuple(m.shape)} differs from the base's {tuple(base.shape)}")
+        if not base.is_floating_point():
+            return base.clone()
+        b = base.float()
+        taus = [m.float() - b for m in models]
+        return self._merge(name, b, taus).to(base.dtype)
+
+    def _merge(self, name: str, base: Tensor, taus: list[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+
+@register("linear")
+class Linear(MergeMethod):
+    """``Σ w_i W_i / Σ w_i`` (``normalize=False``: ``Σ w_i W_i``)."""
+
+    def __init__(self, weights=None, normalize: bool = True):
+        super().__init__(weights)
+        self.normalize = normalize
+
+    def _merge(self, name, base, taus):
+        w = self._w(len(taus))
+        total = sum(w) if self.normalize else 1.0
+        if total == 0:
+            raise ValueError("linear: the weights sum to 0")
+        out = sum(wi * (base + t) for wi, t in zip(w, taus)) / total
+        return out
+
+
+@register("task_arithmetic")
+class TaskArithmetic(MergeMethod):
+    """``W₀ + λ Σ w_i τ_i``."""
+
+    def __init__(self, weights=None, scaling: float = 0.3):
+        super().__init__(weights)
+        self.scaling = float(scaling)
+
+    def _merge(self, name, base, taus):
+        w = self._w(len(taus))
+        return base + self.scaling * sum(wi * t for wi, t in zip(w, taus))
+
+
+def _check_density(density: float) -> float:
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    return float(density)
+
+
+def trim_top(tau: Tensor, density: float) -> Tensor:
+    """``τ`` with all but its ``ceil(density·numel)`` largest-magnitude entries set to 0 (TIES' trim)."""
+    k = max(1, math.ceil(density * tau.numel()))
+    if k >= tau.numel():
+        return tau.clone()
+    flat = tau.flatten()
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[flat.abs().topk(k).indices] = True
+    return torch.where(keep, flat, torch.zeros_like(flat)).view_as(tau)
+
+
+def disjoint_merge(taus: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """TIES' elect + disjoint merge: the sign of ``Σ w_i τ_i`` per entry, then the weighted mean of the
+    entries whose sign agrees with it (entries equal to 0 do not vote or count)."""
+    stack = torch.stack([w * t for w, t in zip(weights, taus)])
+    sign = torch.sign(stack.sum(0))
+    agree = (torch.sign(stack) == sign) & (stack != 0)
+    wsum = sum(abs(w) * agree[i].float() for i, w in enumerate(weights))
+    num = (stack * agree).sum(0)
+    return torch.where(wsum > 0, num / wsum.clamp_min(1e-12), torch.zeros_like(num))
+
+
+@register("ties")
+class Ties(MergeMethod):
+    """TIES-Merging: trim to ``density``, elect signs, disjoint mean, ``W₀ + λ τ_m``."""
+
+    def __init__(self, weights=None, density: float = 0.2, scaling: float = 1.0):
+        super().__init__(weights)
+        self.density, self.scaling = _check_density(density), float(scaling)
+
+    def _merge(self, name, base, taus):
+        trimmed = [trim_top(t, self.density) for t in taus]
+        return base + self.scaling * disjoint_merge(trimmed, self._w(len(taus)))
+
+
+def dare(tau: Tensor, density: float, generator: torch.Generator) -> Tensor:
+    """DARE: keep each entry with probability ``density`` and rescale kept ones by ``1/density``."""
+    keep = torch.rand(tau.shape, generator=generator) < density
+    return torch.where(keep, tau / density, torch.zeros_like(tau))
+
+
+class _Dare(MergeMethod):
+    def __init__(self, weights=None, density: float = 0.5, scaling: float = 1.0, seed: int = 0):
+        super().__init__(weights)
+        self.density, self.scaling, self.seed = _check_density(density), float(scaling), int(seed)
+
+    def _dropped(self, name: str, taus: list[Tensor]) -> list[Tensor]:
+        # one generator per tensor, seeded by its name: the result does not depend on tensor order
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return [dare(t, self.density, g) for t in taus]
+
+
+@register("dare_linear")
+class DareLinear(_Dare):
+    def _merge(self, name, base, taus):
+        return base + self.scaling * sum(w * t for w, t in zip(self._w(len(taus)), self._dropped(name, taus)))
+
+
+@register("dare_ties")
+class DareTies(_Dare):
+    def _merge(self, name, base, taus):
+        return base + self.scaling * disjoint_merge(self._dropped(name, taus), self._w(len(taus)))
+
+
+@register("monosoup")
+class MonoSoup(MergeMethod):
+    """MonoSoup on the mean task vector (merge/soup.py's ``merge_param``)."""
+
+    def __init__(self, energy_ratio: float = 0.8, rank_mode: str = "energy", min_rel_update: float = 1e-6):
+        super().__init__(None)
+        self.kw = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, min_rel_update=min_rel_update)
+
+    def _merge(self, name, base, taus):
+        return merge_param("monosoup", base, [base + t for t in taus], **self.kw)[0]
+
+
+@register("svd_soup")
+class SvdSoup(MergeMethod):
+    def __init__(self, rank: int = 8):
+        super().__init__(None)
+        self.rank = int(rank)
+
+    def _merge(self, name, base, taus):
+        return merge_param("svd_soup", base, [base + t for t in taus], rank=self.rank)[0]
+
+
+def opcm_project(merged_tau: Tensor, tau: Tensor, alpha: float) -> Tensor:
+    """OPCM's projection (arXiv:2501.09522 §3.2): in the singular bases ``U, V`` of the running merged
+    task vector, ``P = Uᵀ τ V``; zero the block of the ``k`` dominant directions — ``k`` the first
+    index where the cumulative share of singular values exceeds ``alpha`` — and the diagonal; map
+    back, ``U P Vᵀ``. Computed with the reduced SVD as ``τ`` minus those components
+    (``U_k U_kᵀ τ V_k V_kᵀ`` and ``Σ_{i≥k} (u_iᵀ τ v_i) u_i v_iᵀ``), which equals the full-SVD form
+    without its ``m×m`` and ``n×n`` factors. Matrices only (2-D)."""
+    u, s, vh = torch.linalg.svd(merged_tau, full_matrices=False)
+    if s.sum() <= 0:
+        return tau.clone()
+    k = int(((s.cumsum(0) / s.sum()) > alpha).float().argmax())
+    v = vh.T
+    ut_tau = u.T @ tau                                  # [r, n]
+    d = (ut_tau * vh).sum(1)                            # u_iᵀ τ v_i, [r]
+    out = tau - u[:, k:] @ (d[k:, None] * vh[k:])       # the diagonal past the block
+    if k:
+        out = out - u[:, :k] @ (ut_tau[:k] @ v[:, :k]) @ vh[:k]
+    return out
+
+
+@register("opcm")
+class OPCM(MergeMethod):
+    """Orthogonal Projection-based Continual Merging, models in the given order.
+
+    Per parameter, the running sum ``R_1 = τ_1``, ``R_t = R_{t−1} + proj(τ_t)`` (matrices projected by
+    :func:`opcm_project` against ``R_{t−1}``; other parameters added as they are); the merged task
+    vector is ``R_n · (mean_i ‖τ_i‖) / ‖R_n‖`` with the norms over the whole model — the paper's
+    adaptive rescaling λ_t, which keeps the merged task vector as long as an average task vector.
+    """
+
+    two_pass = True
+
+    def __init__(self, alpha: float = 0.5):
+        super().__init__(None)
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        self.alpha = float(alpha)
+        self._sq_r = 0.0
+        self._sq_tau: list[float] = []
+        self._observed = False
+
+    def _sum(self, taus: list[Tensor]) -> Tensor:
+        r = taus[0].clone()
+        for t in taus[1:]:
+            r = r + (opcm_project(r, t, self.alpha) if t.dim() == 2 else t)
+        return r
+
+    def observe(self, name, base, models):
+        if not base.is_floating_point():
+            return
+        b = base.float()
+        taus = [m.float() - b for m in models]
+        if not self._sq_tau:
+            self._sq_tau = [0.0] * len(taus)
+        for i, t in enumerate(taus):
+            self._sq_tau[i] += float(t.pow(2).sum())
+        self._sq_r += float(self._sum(taus).pow(2).sum())
+        self._observed = True
+
+    @property
+    def scale(self) -> float:
+        """``mean_i ‖τ_i‖ / ‖R_n‖`` over the whole model (after :meth:`observe` saw every tensor)."""
+        if not self._observed:
+            raise RuntimeError("opcm: observe() every tensor first (two passes)")
+        norm_r = math.sqrt(self._sq_r)
+        mean_tau = sum(math.sqrt(x) for x in self._sq_tau) / len(self._sq_tau)
+        return mean_tau / norm_r if norm_r > 0 else 0.0
+
+    def _merge(self, name, base, taus):
+        return base + self._sum(taus) * self.scale

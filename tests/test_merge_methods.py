@@ -1,0 +1,147 @@
+"""Merge methods (merge/methods.py) against plain references written here from the papers."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from merge.methods import REGISTRY, get_method, opcm_project, trim_top
+from merge.soup import merge_param
+
+
+def _setup(shape=(6, 5), n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    models = [base + 0.3 * torch.randn(shape, generator=g) for _ in range(n)]
+    return base, models
+
+
+def test_registry_names_every_method_of_the_issue():
+    assert set(REGISTRY) == {"linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "monosoup",
+                             "svd_soup", "opcm"}
+    with pytest.raises(ValueError, match="unknown merge method 'slerp'; known: dare_linear, dare_ties"):
+        get_method("slerp")
+    with pytest.raises(ValueError, match="merge method 'ties': .*unexpected keyword argument 'densty'"):
+        get_method("ties", densty=0.5)
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got 1.5"):
+        get_method("dare_ties", density=1.5)
+
+
+def test_linear_and_task_arithmetic():
+    base, ms = _setup()
+    got = get_method("linear", weights=[1, 3, 0]).merge("w", base, ms)
+    torch.testing.assert_close(got, (ms[0] + 3 * ms[1]) / 4)
+    got = get_method("task_arithmetic", scaling=0.4).merge("w", base, ms)
+    torch.testing.assert_close(got, base + 0.4 * sum(m - base for m in ms))
+    with pytest.raises(ValueError, match="2 weights for 3 models"):
+        get_method("linear", weights=[1, 2]).merge("w", base, ms)
+    bf = get_method("linear").merge("w", base.bfloat16(), [m.bfloat16() for m in ms])
+    assert bf.dtype == torch.bfloat16
+    ints = torch.arange(4)
+    assert torch.equal(get_method("ties").merge("pos", ints, [ints + 1, ints + 2]), ints)  # integer buffers: the base
+
+
+def _ties_reference(base, models, density, scaling, weights):
+    """TIES-Merging, Alg. 1 of arXiv:2306.01708, entry by entry in numpy."""
+    taus = [(m - base).numpy().ravel() for m in models]
+    k = math.ceil(density * taus[0].size)
+    trimmed = []
+    for t in taus:
+        keep = np.argsort(-np.abs(t), kind="stable")[:k]
+        tt = np.zeros_like(t)
+        tt[keep] = t[keep]
+        trimmed.append(tt)
+    out = np.zeros_like(taus[0])
+    for j in range(out.size):
+        vals = [w * t[j] for w, t in zip(weights, trimmed)]
+        gamma = np.sign(sum(vals))
+        agree = [(v, abs(w)) for v, w in zip(vals, weights) if v != 0 and np.sign(v) == gamma]
+        out[j] = sum(v for v, _ in agree) / sum(w for _, w in agree) if agree else 0.0
+    return base + scaling * torch.from_numpy(out).view_as(base)
+
+
+@pytest.mark.parametrize("density, weights", [(0.2, [1, 1, 1]), (0.6, [1, 2, 0.5]), (1.0, [1, 1, 1])])
+def test_ties_matches_the_papers_algorithm(density, weights):
+    base, ms = _setup(seed=3)
+    got = get_method("ties", density=density, scaling=0.7, weights=weights).merge("w", base, ms)
+    torch.testing.assert_close(got, _ties_reference(base, ms, density, 0.7, weights).float(), rtol=1e-5, atol=1e-6)
+    t = torch.tensor([0.1, -3.0, 2.0, -0.5])
+    assert torch.equal(trim_top(t, 0.5), torch.tensor([0.0, -3.0, 2.0, 0.0]))
+
+
+def test_dare_drops_and_rescales_and_is_seeded_per_tensor():
+    base = torch.zeros(200, 200)
+    tau = torch.ones(200, 200)
+    m = get_method("dare_linear", density=0.25, seed=7)
+    got = m.merge("layer.w", base, [base + tau])
+    kept = got != 0
+    assert abs(kept.float().mean().item() - 0.25) < 0.01  # p = 1 − density dropped
+    assert torch.all(got[kept] == 4.0)  # the rest rescaled by 1/density
+    assert torch.equal(m.merge("layer.w", base, [base + tau]), got)  # same seed and name: same mask
+    assert not torch.equal(m.merge("other.w", base, [base + tau]), got)
+    # expectation: over many seeds the mean is the task vector (DARE's unbiasedness, Eq. 3)
+    mean = torch.stack([get_method("dare_linear", density=0.5, seed=s).merge("x", base[:20, :20], [tau[:20, :20]])
+                        for s in range(400)]).mean(0)
+    assert abs(mean.mean().item() - 1.0) < 0.02
+
+
+def test_dare_ties_is_dare_then_disjoint_merge():
+    base, ms = _setup(seed=5)
+    m = get_method("dare_ties", density=0.5, seed=1, weights=[1, 1, 1])
+    got = m.merge("p", base, ms)
+    dropped = m._dropped("p", [x - base for x in ms])
+    ref = _ties_reference(base, [base + d for d in dropped], 1.0, 1.0, [1, 1, 1])
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_monosoup_and_svd_soup_are_the_training_callbacks_functions():
+    base, ms = _setup((12, 9), seed=2)
+    torch.testing.assert_close(get_method("monosoup").merge("w", base, ms), merge_param("monosoup", base, ms)[0])
+    torch.testing.assert_close(get_method("svd_soup", rank=2).merge("w", base, ms),
+                               merge_param("svd_soup", base, ms, rank=2)[0])
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (12, 5), (5, 12)])
+@pytest.mark.parametrize("alpha", [0.3, 0.7])
+def test_opcm_projection_equals_the_full_svd_definition(shape, alpha):
+    g = torch.Generator().manual_seed(11)
+    r, tau = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(r, full_matrices=True)
+    k = int(((s.cumsum(0) / s.sum()) > alpha).float().argmax())
+    p = u.T @ tau @ vh.T
+    p.diagonal().zero_()
+    p[:k, :k] = 0
+    want = u @ p @ vh
+    torch.testing.assert_close(opcm_project(r, tau, alpha), want, rtol=1e-9, atol=1e-9)
+    assert k > 0 or alpha < 0.5  # at 0.7 the dominant block is really removed
+
+
+def test_opcm_rescales_to_the_mean_task_vector_norm_over_the_whole_model():
+    g = torch.Generator().manual_seed(4)
+    params = {"a.weight": torch.randn(10, 6, generator=g), "a.bias": torch.randn(10, generator=g)}
+    models = [{k: v + s * torch.randn(v.shape, generator=g) for k, v in params.items()} for s in (0.1, 0.3, 0.2)]
+    m = get_method("opcm", alpha=0.5)
+    for k, v in params.items():
+        m.observe(k, v, [x[k] for x in models])
+    out = {k: m.merge(k, v, [x[k] for x in models]) for k, v in params.items()}
+    # by hand: running sums, then one global scale
+    sums = {}
+    for k, v in params.items():
+        taus = [x[k] - v for x in models]
+        r = taus[0]
+        for t in taus[1:]:
+            r = r + (opcm_project(r, t, 0.5) if t.dim() == 2 else t)
+        sums[k] = r
+    norm_r = math.sqrt(sum(float(r.pow(2).sum()) for r in sums.values()))
+    mean_tau = np.mean([math.sqrt(sum(float((x[k] - params[k]).pow(2).sum()) for k in params)) for x in models])
+    for k in params:
+        torch.testing.assert_close(out[k], params[k] + sums[k] * (mean_tau / norm_r), rtol=1e-5, atol=1e-6)
+    merged_norm = math.sqrt(sum(float((out[k] - params[k]).pow(2).sum()) for k in params))
+    assert merged_norm == pytest.approx(mean_tau, rel=1e-5)
+    one = get_method("opcm")  # a single model is returned as it is
+    one.observe("a.weight", params["a.weight"], [models[0]["a.weight"]])
+    torch.testing.assert_close(one.merge("a.weight", params["a.weight"], [models[0]["a.weight"]]), models[0]["a.weight"])
+    with pytest.raises(RuntimeError, match="observe"):
+        get_method("opcm").merge("a.weight", params["a.weight"], [models[0]["a.weight"]])
