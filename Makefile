@@ -11,6 +11,7 @@
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
 #   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
+#   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -42,7 +43,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -116,6 +117,11 @@ bench-kernels: install
 #   make bench-serve ARGS="shape=tiny device=cpu dtype=float32 variants=3 requests=12"
 bench-serve: install
 	$(PY) serve/bench.py $(ARGS)
+
+# Offline merge of fine-tunes, one tensor at a time (conf/merge_models.yaml), e.g.
+#   make merge ARGS="models=[models/coder,models/writer] method=ties params.density=0.3"
+merge: install
+	$(PY) merge/run.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

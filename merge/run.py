@@ -1,0 +1,44 @@
+"""Offline merge of fine-tuned checkpoints (``make merge``): ``conf/merge_models.yaml``.
+
+    python merge/run.py base=models/base models=[models/coder,models/writer] method=ties params.density=0.3
+    python merge/run.py models=[a,b] base=null method=linear params.weights=[1,3]
+
+Streams one tensor at a time (merge/stream.py), so models larger than RAM merge; writes a Hugging
+Face checkpoint (config and tokenizer from the base) plus ``merge.json`` (method, parameters,
+inputs, time).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+try:
+    import merge.methods  # noqa: F401  (installed with `pip install -e .`)
+except ImportError:  # `python merge/run.py` puts merge/ first on sys.path, not the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
+def main(cfg: DictConfig) -> None:
+    from compress.stream import CheckpointError
+    from merge.methods import get_method
+    from merge.stream import merge_checkpoints
+
+    try:
+        params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
+        method = get_method(cfg.method, **params)
+        summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
+                                    max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {cfg.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
