@@ -12,6 +12,7 @@
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
 #   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
 #   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
+#   make bench-merge           peak memory of merging two 7B-shaped checkpoints (reports/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -43,7 +44,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge bench-merge
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -122,6 +123,10 @@ bench-serve: install
 #   make merge ARGS="models=[models/coder,models/writer] method=ties params.density=0.3"
 merge: install
 	$(PY) merge/run.py $(ARGS)
+
+# Peak resident memory of offline merges of two 7B-shaped checkpoints (≈ 55 GB of disk for the inputs)
+bench-merge: install
+	$(PY) merge/bench.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

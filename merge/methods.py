@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -63,11 +63,28 @@ def get_method(name: str, **params) -> MergeMethod:
         raise ValueError(f"merge method {name!r}: {e}") from None
 
 
+BLOCK_ELEMENTS = 1 << 22  # rows per block of an elementwise method: about this many elements (fixed:
+# DARE's random masks are drawn per block, so the result must not depend on a memory setting)
+
+Rows = Callable[[int, int], "tuple[Tensor, list[Tensor]]"]  # read(start, stop) -> (base rows, [model rows])
+
+
+def _n_rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    width = shape[-1] if shape else 1
+    return (math.prod(shape) // width if width else 0), width
+
+
 class MergeMethod:
-    """Base class: ``merge(name, base, models) -> merged`` for one parameter."""
+    """Base class: ``merge(name, base, models) -> merged`` for one parameter, or
+    :meth:`merge_rows` for the same from rows read on demand (what the streaming merge uses).
+
+    ``elementwise`` methods merge each entry from the same entry of the inputs (after any
+    whole-tensor statistics, :meth:`_prepare`), so they run on blocks of rows and never hold a whole
+    float32 copy of a large tensor; the others get whole tensors."""
 
     name: ClassVar[str] = ""
     two_pass: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
 
     def __init__(self, weights: Sequence[float] | None = None):
         if weights is not None and any(not math.isfinite(w) for w in weights):
@@ -85,6 +102,11 @@ class MergeMethod:
         """First pass of a ``two_pass`` method (no-op otherwise)."""
 
     def merge(self, name: str, base: Tensor, models: Sequence[Tensor]) -> Tensor:
+        """The merged tensor, in ``base``'s dtype and shape.
+
+        Raises:
+            ValueError: no models, or a shape that differs from the base's.
+        """
         if not models:
             raise ValueError("no models to merge")
         for m in models:
@@ -92,11 +114,34 @@ class MergeMethod:
                 raise ValueError(f"{name}: shape {tuple(m.shape)} differs from the base's {tuple(base.shape)}")
         if not base.is_floating_point():
             return base.clone()
-        b = base.float()
-        taus = [m.float() - b for m in models]
-        return self._merge(name, b, taus).to(base.dtype)
+        rows, width = _n_rows(tuple(base.shape))
+        b2, ms2 = base.reshape(rows, width), [m.reshape(rows, width) for m in models]
+        blocks = list(self.merge_rows(name, tuple(base.shape), lambda s, e: (b2[s:e], [m[s:e] for m in ms2])))
+        return torch.cat(blocks, 0).reshape(base.shape) if blocks else base.clone()
+
+    def merge_rows(self, name: str, shape: tuple[int, ...], read: Rows) -> Iterator[Tensor]:
+        """The merged tensor as blocks of rows of its ``[prod(shape[:-1]), shape[-1]]`` view, in the
+        base's dtype, with the inputs read through ``read(start, stop)``."""
+        rows, width = _n_rows(shape)
+        if not self.elementwise:
+            b, ms = read(0, rows)
+            bf = b.reshape(shape).float()
+            yield self._merge(name, bf, [m.reshape(shape).float() - bf for m in ms]).to(b.dtype).reshape(rows, width)
+            return
+        self._prepare(name, shape, read)
+        step = max(1, BLOCK_ELEMENTS // max(width, 1))
+        for start in range(0, rows, step):
+            b, ms = read(start, min(rows, start + step))
+            bf = b.float()
+            yield self._merge_block(name, start // step, bf, [m.float() - bf for m in ms]).to(b.dtype)
+
+    def _prepare(self, name: str, shape: tuple[int, ...], read: Rows) -> None:
+        """Whole-tensor statistics an elementwise method needs before its blocks (TIES' thresholds)."""
 
     def _merge(self, name: str, base: Tensor, taus: list[Tensor]) -> Tensor:
+        return self._merge_block(name, 0, base, taus)
+
+    def _merge_block(self, name: str, block: int, base: Tensor, taus: list[Tensor]) -> Tensor:
         raise NotImplementedError
 
 
@@ -104,11 +149,13 @@ class MergeMethod:
 class Linear(MergeMethod):
     """``Σ w_i W_i / Σ w_i`` (``normalize=False``: ``Σ w_i W_i``)."""
 
+    elementwise = True
+
     def __init__(self, weights=None, normalize: bool = True):
         super().__init__(weights)
         self.normalize = normalize
 
-    def _merge(self, name, base, taus):
+    def _merge_block(self, name, block, base, taus):
         w = self._w(len(taus))
         total = sum(w) if self.normalize else 1.0
         if total == 0:
@@ -121,11 +168,13 @@ class Linear(MergeMethod):
 class TaskArithmetic(MergeMethod):
     """``W₀ + λ Σ w_i τ_i``."""
 
+    elementwise = True
+
     def __init__(self, weights=None, scaling: float = 0.3):
         super().__init__(weights)
         self.scaling = float(scaling)
 
-    def _merge(self, name, base, taus):
+    def _merge_block(self, name, block, base, taus):
         w = self._w(len(taus))
         return base + self.scaling * sum(wi * t for wi, t in zip(w, taus))
 
@@ -136,15 +185,21 @@ def _check_density(density: float) -> float:
     return float(density)
 
 
+def top_threshold(magnitudes: Tensor, density: float) -> float:
+    """The ``k``-th largest of ``magnitudes`` (``k = ceil(density·numel)``): TIES keeps the entries at
+    or above it (all of them when ``density = 1``)."""
+    n = magnitudes.numel()
+    k = max(1, math.ceil(density * n))
+    if k >= n:
+        return -math.inf
+    return float(torch.kthvalue(magnitudes.flatten(), n - k + 1).values)
+
+
 def trim_top(tau: Tensor, density: float) -> Tensor:
-    """``τ`` with all but its ``ceil(density·numel)`` largest-magnitude entries set to 0 (TIES' trim)."""
-    k = max(1, math.ceil(density * tau.numel()))
-    if k >= tau.numel():
-        return tau.clone()
-    flat = tau.flatten()
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    keep[flat.abs().topk(k).indices] = True
-    return torch.where(keep, flat, torch.zeros_like(flat)).view_as(tau)
+    """``τ`` with the entries below its top-``density`` magnitude threshold set to 0 (TIES' trim; an
+    entry equal to the threshold is kept)."""
+    thr = top_threshold(tau.abs(), density)
+    return torch.where(tau.abs() >= thr, tau, torch.zeros_like(tau))
 
 
 def disjoint_merge(taus: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -162,12 +217,30 @@ def disjoint_merge(taus: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
 class Ties(MergeMethod):
     """TIES-Merging: trim to ``density``, elect signs, disjoint mean, ``W₀ + λ τ_m``."""
 
+    elementwise = True
+
     def __init__(self, weights=None, density: float = 0.2, scaling: float = 1.0):
         super().__init__(weights)
         self.density, self.scaling = _check_density(density), float(scaling)
+        self._thresholds: list[float] = []
 
-    def _merge(self, name, base, taus):
-        trimmed = [trim_top(t, self.density) for t in taus]
+    def _prepare(self, name, shape, read):
+        """Each model's magnitude threshold over the whole tensor, from one float32 buffer of |τ_i|
+        filled block by block (one model at a time)."""
+        rows, width = _n_rows(shape)
+        step = max(1, BLOCK_ELEMENTS // max(width, 1))
+        n_models = len(read(0, 0)[1])
+        self._thresholds = []
+        for i in range(n_models):
+            buf = torch.empty(rows, width, dtype=torch.float32)
+            for start in range(0, rows, step):
+                b, ms = read(start, min(rows, start + step))
+                buf[start:start + b.shape[0]] = (ms[i].float() - b.float()).abs()
+            self._thresholds.append(top_threshold(buf, self.density))
+            del buf
+
+    def _merge_block(self, name, block, base, taus):
+        trimmed = [torch.where(t.abs() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, self._thresholds)]
         return base + self.scaling * disjoint_merge(trimmed, self._w(len(taus)))
 
 
@@ -178,26 +251,29 @@ def dare(tau: Tensor, density: float, generator: torch.Generator) -> Tensor:
 
 
 class _Dare(MergeMethod):
+    elementwise = True
+
     def __init__(self, weights=None, density: float = 0.5, scaling: float = 1.0, seed: int = 0):
         super().__init__(weights)
         self.density, self.scaling, self.seed = _check_density(density), float(scaling), int(seed)
 
-    def _dropped(self, name: str, taus: list[Tensor]) -> list[Tensor]:
-        # one generator per tensor, seeded by its name: the result does not depend on tensor order
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+    def _dropped(self, name: str, block: int, taus: list[Tensor]) -> list[Tensor]:
+        # one generator per (tensor, block of rows), seeded by the name: independent of tensor order
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * block)
         return [dare(t, self.density, g) for t in taus]
 
 
 @register("dare_linear")
 class DareLinear(_Dare):
-    def _merge(self, name, base, taus):
-        return base + self.scaling * sum(w * t for w, t in zip(self._w(len(taus)), self._dropped(name, taus)))
+    def _merge_block(self, name, block, base, taus):
+        dropped = self._dropped(name, block, taus)
+        return base + self.scaling * sum(w * t for w, t in zip(self._w(len(taus)), dropped))
 
 
 @register("dare_ties")
 class DareTies(_Dare):
-    def _merge(self, name, base, taus):
-        return base + self.scaling * disjoint_merge(self._dropped(name, taus), self._w(len(taus)))
+    def _merge_block(self, name, block, base, taus):
+        return base + self.scaling * disjoint_merge(self._dropped(name, block, taus), self._w(len(taus)))
 
 
 @register("monosoup")

@@ -2,20 +2,24 @@
 
 Every input is read with :class:`compress.stream.Checkpoint` (plain reads, no memory map), so the
 process holds one parameter of each input, its merge and the output shard being filled — a model
-larger than RAM merges. The output is a Hugging Face safetensors checkpoint (sharded with an index
+larger than RAM merges. Elementwise methods merge blocks of rows
+(``MergeMethod.merge_rows``), and each shard's header is written from the inputs' headers before
+its tensors, which are appended as they are merged: nothing waits in memory for a shard to fill.
+The output is a Hugging Face safetensors checkpoint (sharded with an index
 past ``max_shard_bytes``) with the config and tokenizer files of the base (or the first model),
 written to a staged folder and renamed into place: a failed merge leaves nothing behind.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from compress.atomic import staged_dir
 from compress.stream import Checkpoint
@@ -23,6 +27,17 @@ from merge.methods import MergeMethod
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident set (``VmHWM``), bytes; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Path], out_dir: str | Path,
@@ -39,7 +54,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         show_progress: a tqdm bar over tensors.
 
     Returns:
-        A summary: ``tensors``, ``bytes``, ``seconds``, ``shards``.
+        A summary: ``tensors``, ``bytes``, ``seconds``, ``shards``, ``peak_rss_bytes`` (the process's
+        peak resident memory so far: the merge's, when it runs in a process of its own).
 
     Raises:
         ValueError: no models, a missing base for a task-vector method, or inputs whose tensor
@@ -63,46 +79,73 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                 raise ValueError(f"{n}: shape {ck.info(n).shape} in {ck.dir}, {models[0].info(n).shape} in "
                                  f"{models[0].dir}")
 
-    def inputs(name: str):
-        ws = [m.get(name) for m in models]
-        return (base.get(name) if base is not None else ws[0]), ws
+    ref = base if base is not None else models[0]  # the output takes the base's dtype and shape
+
+    def reader(name: str):
+        width = ref.info(name).shape[-1] if ref.info(name).shape else 1
+
+        def read(start: int, stop: int):
+            ms = [m.get_rows(name, start, stop) for m in models]
+            b = base.get_rows(name, start, stop) if base is not None else ms[0]
+            return b, ms
+        return read, width
 
     from tqdm.auto import tqdm
 
     if method.two_pass:
         for name in tqdm(names, desc="merge: statistics", disable=not show_progress):
-            method.observe(name, *inputs(name))
-    parts: list[dict[str, str]] = []
+            ws = [m.get(name) for m in models]
+            method.observe(name, base.get(name) if base is not None else ws[0], ws)
+            del ws
+    # shards planned from the headers, so each tensor is written as soon as it is merged
+    plan: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = ref.info(name).nbytes
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += nbytes
+    total = sum(ref.info(n).nbytes for n in names)
+    files = ["model.safetensors"] if len(plan) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
+    parts = plan
     with staged_dir(out_dir) as tmp:
-        shard: dict[str, torch.Tensor] = {}
-        size = total = 0
-
-        def flush() -> None:
-            nonlocal shard, size
-            k = len(parts)
-            save_file(shard, tmp / f"part-{k}.safetensors", metadata={"format": "pt"})
-            parts.append({n: f"part-{k}.safetensors" for n in shard})
-            shard, size = {}, 0
-
-        for name in tqdm(names, desc=f"merge: {method.name}", disable=not show_progress):
-            merged = method.merge(name, *inputs(name)).contiguous()
-            nbytes = merged.numel() * merged.element_size()
-            if shard and size + nbytes > max_shard_bytes:
-                flush()
-            shard[name] = merged
-            size += nbytes
-            total += nbytes
-        flush()
-        if len(parts) == 1:
-            (tmp / "part-0.safetensors").rename(tmp / "model.safetensors")
-        else:
-            weight_map = {}
-            for k, part in enumerate(parts):
-                final = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
-                (tmp / f"part-{k}.safetensors").rename(tmp / final)
-                weight_map.update({n: final for n in part})
+        bar = tqdm(total=len(names), desc=f"merge: {method.name}", disable=not show_progress)
+        for file, shard in zip(files, plan):
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for n in shard:
+                info = ref.info(n)
+                header[n] = {"dtype": info.dtype_name, "shape": list(info.shape),
+                             "data_offsets": [offset, offset + info.nbytes]}
+                offset += info.nbytes
+            head = json.dumps(header, separators=(",", ":")).encode()
+            head += b" " * (-len(head) % 8)
+            with open(tmp / file, "wb") as f:
+                f.write(struct.pack("<Q", len(head)) + head)
+                for n in shard:
+                    info = ref.info(n)
+                    read, width = reader(n)
+                    if info.dtype.is_floating_point:
+                        blocks = method.merge_rows(n, tuple(info.shape), read)
+                    else:  # integer buffers: the base's
+                        blocks = iter([read(0, info.numel // max(width, 1))[0]])
+                    written = 0
+                    for blk in blocks:
+                        data = blk.contiguous().view(torch.uint8).numpy()
+                        f.write(memoryview(data))
+                        written += data.nbytes
+                    if written != info.nbytes:
+                        raise RuntimeError(f"{n}: {written} bytes merged, {info.nbytes} expected")
+                    bar.update(1)
+                f.flush()
+                os.fsync(f.fileno())
+        bar.close()
+        if len(plan) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+                {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted((n, f) for f, shard in zip(files, plan) for n in shard))}, indent=2))
         src = Path(base_dir if base_dir is not None else model_dirs[0])
         for f in COPIED_FILES:
             if (src / f).is_file():
@@ -110,6 +153,6 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         summary = {"method": method.name, "params": {k: v for k, v in vars(method).items() if not k.startswith("_")},
                    "base": None if base_dir is None else str(base_dir), "models": [str(d) for d in model_dirs],
                    "tensors": len(names), "bytes": total, "shards": len(parts),
-                   "seconds": time.perf_counter() - t0}
+                   "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss()}
         (tmp / "merge.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

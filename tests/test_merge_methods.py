@@ -44,8 +44,8 @@ def test_linear_and_task_arithmetic():
 
 
 def _ties_reference(base, models, density, scaling, weights):
-    """TIES-Merging, Alg. 1 of arXiv:2306.01708, entry by entry in numpy."""
-    taus = [(m - base).numpy().ravel() for m in models]
+    """TIES-Merging, Alg. 1 of arXiv:2306.01708, entry by entry in numpy (keep the top-k magnitudes)."""
+    taus = [(m.double() - base.double()).numpy().ravel() for m in models]
     k = math.ceil(density * taus[0].size)
     trimmed = []
     for t in taus:
@@ -71,6 +71,18 @@ def test_ties_matches_the_papers_algorithm(density, weights):
     assert torch.equal(trim_top(t, 0.5), torch.tensor([0.0, -3.0, 2.0, 0.0]))
 
 
+def test_blocks_of_rows_give_the_same_ties_as_the_whole_tensor(monkeypatch):
+    """TIES' thresholds are taken over the whole tensor, even when the rows come in blocks."""
+    import merge.methods as mm
+
+    base, ms = _setup((64, 16), seed=8)
+    whole = get_method("ties", density=0.3).merge("w", base, ms)
+    monkeypatch.setattr(mm, "BLOCK_ELEMENTS", 16 * 5)  # 5 rows per block
+    blocked = get_method("ties", density=0.3).merge("w", base, ms)
+    torch.testing.assert_close(blocked, whole, rtol=0, atol=0)
+    torch.testing.assert_close(whole, _ties_reference(base, ms, 0.3, 1.0, [1, 1, 1]).float(), rtol=1e-5, atol=1e-6)
+
+
 def test_dare_drops_and_rescales_and_is_seeded_per_tensor():
     base = torch.zeros(200, 200)
     tau = torch.ones(200, 200)
@@ -91,7 +103,7 @@ def test_dare_ties_is_dare_then_disjoint_merge():
     base, ms = _setup(seed=5)
     m = get_method("dare_ties", density=0.5, seed=1, weights=[1, 1, 1])
     got = m.merge("p", base, ms)
-    dropped = m._dropped("p", [x - base for x in ms])
+    dropped = m._dropped("p", 0, [x - base for x in ms])  # one block: the tensor is small
     ref = _ties_reference(base, [base + d for d in dropped], 1.0, 1.0, [1, 1, 1])
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-6)
 
