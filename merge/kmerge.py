@@ -1,0 +1,299 @@
+"""A fixed-size pool of LoRA adapters that arrive online (K-Merge, arXiv:2510.13537), for devices
+that can store only a few adapters.
+
+An adapter is a set of modules, each a LoRA pair ``(A [r, d_in], B [d_out, r])`` with
+``ΔW = B·A`` (the LoRA scaling folded into ``B``). The pool keeps at most ``K`` slots, each a LoRA of
+the same rank ``r`` standing for one or more tasks, and a task → slot map, so a request for any
+adapter ever admitted is served by the slot that holds it. Policies:
+
+* ``kmerge`` — the paper's K-Merge: the first K adapters get a slot each; every later one is merged
+  into the most similar slot. Similarity = mean over modules of the cosine of ``ΔW``. The merge is
+  the history-aware running average ``ΔW_s ← (n_s·ΔW_s + ΔW_new)/(n_s + 1)``, taken exactly on
+  ``ΔW`` and re-factorised to rank r by truncated SVD, so storage stays fixed.
+* ``kmerge++`` — K-Merge++: a new slot opens only when the newcomer's similarity to every stored
+  slot is below ``threshold`` (and a slot is free); otherwise it merges as above.
+* ``budget_opcm`` — this project's policy: the number of slots comes from a byte budget; the merge
+  operator is OPCM (merge/methods.py: the newcomer's ``ΔW`` projected out of the slot's dominant
+  singular directions, added, rescaled to the mean norm of the slot's tasks' ``ΔW``); a quality
+  gate keeps a merge only if every task of the slot keeps ``gate`` of its own adapter's quality,
+  else the least-recently-used slot is evicted (its tasks are mapped to the most similar remaining
+  slot) and the newcomer is stored alone.
+
+The pool persists to a folder (``pool.json`` + one safetensors file per slot, each written to a
+temporary file and renamed) and is restored by :meth:`AdapterPool.load`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from merge.methods import opcm_project
+
+Policy = Literal["kmerge", "kmerge++", "budget_opcm"]
+Factors = dict[str, tuple[Tensor, Tensor]]  # module → (A [r, d_in], B [d_out, r])
+
+
+def lora_inner(x: Factors, y: Factors, module: str) -> float:
+    """``⟨B_x A_x, B_y A_y⟩_F = tr((B_xᵀ B_y)(A_y A_xᵀ))``, without forming either ``ΔW``."""
+    ax, bx = x[module]
+    ay, by = y[module]
+    return float(torch.trace((bx.T.double() @ by.double()) @ (ay.double() @ ax.T.double())))
+
+
+def similarity(x: Factors, y: Factors) -> float:
+    """Mean over the modules both hold of the cosine of their ``ΔW`` (K-Merge's similarity)."""
+    mods = sorted(set(x) & set(y))
+    if not mods:
+        raise ValueError("the adapters share no module")
+    cos = []
+    for m in mods:
+        nx, ny = math.sqrt(max(lora_inner(x, x, m), 0.0)), math.sqrt(max(lora_inner(y, y, m), 0.0))
+        cos.append(lora_inner(x, y, m) / (nx * ny) if nx > 0 and ny > 0 else 0.0)
+    return sum(cos) / len(cos)
+
+
+def refactor(parts: list[tuple[float, Tensor, Tensor]], rank: int) -> tuple[Tensor, Tensor]:
+    """The best rank-``rank`` factors ``(A, B)`` of ``Σ w_j B_j A_j`` (truncated SVD, Eckart–Young),
+    computed in the span of the factors: QR of ``[w_j B_j]`` and of ``[A_jᵀ]``, SVD of the small core."""
+    bs = torch.cat([w * b.double() for w, _, b in parts], 1)      # [d_out, Σr]
+    at = torch.cat([a.double().T for _, a, _ in parts], 1)        # [d_in, Σr]
+    qb, rb = torch.linalg.qr(bs)
+    qa, ra = torch.linalg.qr(at)
+    u, s, vh = torch.linalg.svd(rb @ ra.T)
+    k = min(rank, s.numel())
+    root = s[:k].sqrt()
+    b = (qb @ u[:, :k]) * root
+    a = root[:, None] * (vh[:k] @ qa.T)
+    if k < rank:  # pad: every slot keeps the same size
+        b = torch.cat([b, b.new_zeros(b.shape[0], rank - k)], 1)
+        a = torch.cat([a, a.new_zeros(rank - k, a.shape[1])], 0)
+    dtype = parts[0][1].dtype
+    return a.to(dtype), b.to(dtype)
+
+
+@dataclass
+class Slot:
+    id: int
+    factors: Factors
+    tasks: list[str]
+    n: int = 1                           # adapters merged into it (the running average's count)
+    last_used: float = 0.0
+    own_quality: dict[str, float] = field(default_factory=dict)  # task → its own adapter's quality
+    raw: Factors | None = None           # budget_opcm: the unscaled sum (OPCM's R), kept factorised
+    tau_norms: list[float] = field(default_factory=list)  # budget_opcm: ‖ΔW‖ of each merged adapter
+
+
+class AdapterPool:
+    """The pool (see the module docstring).
+
+    Args:
+        policy: ``"kmerge"``, ``"kmerge++"`` or ``"budget_opcm"``.
+        rank: the rank of every slot.
+        k: the number of slots (``kmerge``, ``kmerge++``).
+        byte_budget: bytes for all slots (``budget_opcm``); the slot count is what fits.
+        threshold: K-Merge++'s similarity below which a newcomer opens a slot.
+        gate: ``budget_opcm``'s quality gate, a fraction of each task's own-adapter quality.
+        alpha: OPCM's share of singular values kept out of the projection.
+        quality: ``quality(task, factors) -> float`` (higher is better), needed by ``budget_opcm``.
+        clock: seconds, for least-recently-used (tests pass a counter).
+    """
+
+    def __init__(self, policy: Policy = "kmerge", *, rank: int = 8, k: int | None = None,
+                 byte_budget: int | None = None, threshold: float = 0.3, gate: float = 0.9, alpha: float = 0.5,
+                 quality: Callable[[str, Factors], float] | None = None, clock: Callable[[], float] = time.monotonic):
+        if policy not in ("kmerge", "kmerge++", "budget_opcm"):
+            raise ValueError(f"unknown policy {policy!r}; known: kmerge, kmerge++, budget_opcm")
+        if policy == "budget_opcm":
+            if byte_budget is None or quality is None:
+                raise ValueError("budget_opcm needs byte_budget and a quality function")
+        elif k is None or k < 1:
+            raise ValueError(f"{policy} needs k ≥ 1 slots, got {k}")
+        if rank < 1:
+            raise ValueError(f"rank must be ≥ 1, got {rank}")
+        self.policy, self.rank, self.k, self.byte_budget = policy, rank, k, byte_budget
+        self.threshold, self.gate, self.alpha, self.quality, self.clock = threshold, gate, alpha, quality, clock
+        self.slots: dict[int, Slot] = {}
+        self.task_to_slot: dict[str, int] = {}
+        self._next_id = 0
+        self.log: list[dict] = []  # one record per admission: what the pool did and why
+
+    # ------------------------------------------------------------------ sizes
+
+    def slot_bytes(self, factors: Factors) -> int:
+        return sum(a.shape[1] * self.rank * a.element_size() + b.shape[0] * self.rank * b.element_size()
+                   for a, b in factors.values())
+
+    def capacity(self, factors: Factors) -> int:
+        if self.policy != "budget_opcm":
+            return self.k
+        cap = self.byte_budget // self.slot_bytes(factors)
+        if cap < 1:
+            raise ValueError(f"the byte budget ({self.byte_budget} bytes) is smaller than one slot "
+                             f"({self.slot_bytes(factors)} bytes)")
+        return int(cap)
+
+    # ------------------------------------------------------------------ admission
+
+    def _new_slot(self, task: str, factors: Factors, own_q: float | None) -> Slot:
+        f = {m: refactor([(1.0, a, b)], self.rank) for m, (a, b) in factors.items()}
+        s = Slot(self._next_id, f, [task], 1, self.clock())
+        if own_q is not None:
+            s.own_quality[task] = own_q
+        if self.policy == "budget_opcm":
+            s.raw = f
+            s.tau_norms = [self._norm(factors)]
+        self._next_id += 1
+        self.slots[s.id] = s
+        self.task_to_slot[task] = s.id
+        return s
+
+    @staticmethod
+    def _norm(f: Factors) -> float:
+        return math.sqrt(sum(max(lora_inner(f, f, m), 0.0) for m in f))
+
+    def _running_average(self, slot: Slot, factors: Factors) -> Factors:
+        n = slot.n
+        return {m: refactor([(n / (n + 1), a, b), (1 / (n + 1), *factors[m])], self.rank)
+                for m, (a, b) in slot.factors.items()}
+
+    def _opcm(self, slot: Slot, factors: Factors) -> tuple[Factors, Factors, list[float]]:
+        """OPCM on ΔW per module: R ← R + proj(ΔW_new) (dense), then the slot = R rescaled so that
+        its norm is the mean of its tasks' ``‖ΔW‖``; both re-factorised to rank r."""
+        raw = {}
+        for m, (a, b) in slot.raw.items():
+            r_dense = (b.double() @ a.double())
+            new = factors[m][1].double() @ factors[m][0].double()
+            r_dense = r_dense + opcm_project(r_dense, new, self.alpha)
+            u, s, vh = torch.linalg.svd(r_dense, full_matrices=False)
+            k = min(self.rank, s.numel())
+            root = s[:k].sqrt()
+            raw[m] = ((root[:, None] * vh[:k]).to(a.dtype), (u[:, :k] * root).to(b.dtype))
+        norms = slot.tau_norms + [self._norm(factors)]
+        scale = (sum(norms) / len(norms)) / max(self._norm(raw), 1e-30)
+        merged = {m: (a, (b.double() * scale).to(b.dtype)) for m, (a, b) in raw.items()}
+        return merged, raw, norms
+
+    def admit(self, task: str, factors: Factors) -> int:
+        """Store or merge the adapter of ``task``; return its slot id. Re-admitting a task replaces
+        nothing: it is merged like any newcomer (its map entry moves to the chosen slot)."""
+        if not factors:
+            raise ValueError(f"adapter {task!r} has no modules")
+        rec: dict = {"task": task, "policy": self.policy}
+        own_q = self.quality(task, factors) if self.quality is not None else None
+        cap = self.capacity(factors)
+        sims = {sid: similarity(factors, s.factors) for sid, s in self.slots.items()}
+        best = max(sims, key=sims.get) if sims else None
+        rec["similarities"] = {str(k): round(v, 4) for k, v in sims.items()}
+        open_slot = len(self.slots) < cap and (self.policy != "kmerge++" or best is None
+                                               or sims[best] < self.threshold)
+        if best is None or open_slot:
+            slot = self._new_slot(task, factors, own_q)
+            rec["action"] = "new_slot"
+        elif self.policy in ("kmerge", "kmerge++"):
+            slot = self.slots[best]
+            slot.factors = self._running_average(slot, factors)
+            slot.n += 1
+            slot.tasks.append(task)
+            slot.last_used = self.clock()
+            self.task_to_slot[task] = slot.id
+            rec["action"] = "merged"
+        else:
+            slot = self.slots[best]
+            merged, raw, norms = self._opcm(slot, factors)
+            tasks = slot.tasks + [task]
+            own = {**slot.own_quality, task: own_q}
+            kept = {t: self.quality(t, merged) / own[t] if own[t] else 0.0 for t in tasks}
+            rec["gate"] = {t: round(v, 4) for t, v in kept.items()}
+            if all(v >= self.gate for v in kept.values()):
+                slot.factors, slot.raw, slot.tau_norms = merged, raw, norms
+                slot.n += 1
+                slot.tasks = tasks
+                slot.own_quality = own
+                slot.last_used = self.clock()
+                self.task_to_slot[task] = slot.id
+                rec["action"] = "merged"
+            else:
+                self._evict_lru()
+                slot = self._new_slot(task, factors, own_q)
+                rec["action"] = "evicted_lru_and_stored"
+        rec["slot"] = slot.id
+        self.log.append(rec)
+        return slot.id
+
+    def _evict_lru(self) -> None:
+        victim = min(self.slots.values(), key=lambda s: s.last_used)
+        del self.slots[victim.id]
+        if self.slots:  # its tasks go to the most similar remaining slot
+            to = max(self.slots.values(), key=lambda s: similarity(victim.factors, s.factors))
+            for t in victim.tasks:
+                self.task_to_slot[t] = to.id
+        else:
+            for t in victim.tasks:
+                self.task_to_slot.pop(t, None)
+
+    # ------------------------------------------------------------------ serving
+
+    def slot_for(self, task: str) -> Slot:
+        """The slot that serves ``task`` (marks it used). Raises KeyError for a task never admitted."""
+        try:
+            slot = self.slots[self.task_to_slot[task]]
+        except KeyError:
+            raise KeyError(f"task {task!r} was never admitted to this pool") from None
+        slot.last_used = self.clock()
+        return slot
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, folder: str | Path) -> None:
+        """Write the pool to ``folder``: each slot's factors (``slot-<id>.safetensors``) then
+        ``pool.json``, each via a temporary file and a rename; stale slot files are removed."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for s in self.slots.values():
+            t = {f"{m}.lora_A": a.contiguous() for m, (a, _) in s.factors.items()}
+            t.update({f"{m}.lora_B": b.contiguous() for m, (_, b) in s.factors.items()})
+            if s.raw is not None:
+                t.update({f"raw.{m}.lora_A": a.contiguous() for m, (a, _) in s.raw.items()})
+                t.update({f"raw.{m}.lora_B": b.contiguous() for m, (_, b) in s.raw.items()})
+            tmp = folder / f".slot-{s.id}.safetensors.tmp"
+            save_file(t, tmp)
+            os.replace(tmp, folder / f"slot-{s.id}.safetensors")
+        state = {"policy": self.policy, "rank": self.rank, "k": self.k, "byte_budget": self.byte_budget,
+                 "threshold": self.threshold, "gate": self.gate, "alpha": self.alpha, "next_id": self._next_id,
+                 "task_to_slot": self.task_to_slot, "log": self.log,
+                 "slots": {str(s.id): {"tasks": s.tasks, "n": s.n, "last_used": s.last_used,
+                                       "own_quality": s.own_quality, "tau_norms": s.tau_norms} for s in self.slots.values()}}
+        tmp = folder / ".pool.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, folder / "pool.json")
+        for f in folder.glob("slot-*.safetensors"):
+            if int(f.stem.split("-")[1]) not in self.slots:
+                f.unlink()
+
+    @classmethod
+    def load(cls, folder: str | Path, quality: Callable[[str, Factors], float] | None = None) -> AdapterPool:
+        """The pool saved in ``folder``. Raises FileNotFoundError if there is none."""
+        folder = Path(folder)
+        state = json.loads((folder / "pool.json").read_text())
+        pool = cls(state["policy"], rank=state["rank"], k=state["k"], byte_budget=state["byte_budget"],
+                   threshold=state["threshold"], gate=state["gate"], alpha=state["alpha"],
+                   quality=quality if quality is not None else (lambda t, f: 1.0))
+        pool.quality = quality
+        pool._next_id, pool.task_to_slot, pool.log = state["next_id"], state["task_to_slot"], state["log"]
+        for sid, meta in state["slots"].items():
+            t = load_file(folder / f"slot-{sid}.safetensors")
+            mods = sorted({k[: -len(".lora_A")] for k in t if k.endswith(".lora_A") and not k.startswith("raw.")})
+            factors = {m: (t[f"{m}.lora_A"], t[f"{m}.lora_B"]) for m in mods}
+            raw = {m: (t[f"raw.{m}.lora_A"], t[f"raw.{m}.lora_B"]) for m in mods} if f"raw.{mods[0]}.lora_A" in t else None
+            pool.slots[int(sid)] = Slot(int(sid), factors, meta["tasks"], meta["n"], meta["last_used"],
+                                        meta["own_quality"], raw, meta["tau_norms"])
+        return pool
