@@ -13,6 +13,7 @@
 #   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
 #   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
 #   make bench-merge           peak memory of merging two 7B-shaped checkpoints (reports/)
+#   make kmerge-eval           LoRA adapter pool: normalised score vs number of slots (reports/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -44,7 +45,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge bench-merge
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge bench-merge kmerge-eval
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -127,6 +128,11 @@ merge: install
 # Peak resident memory of offline merges of two 7B-shaped checkpoints (≈ 55 GB of disk for the inputs)
 bench-merge: install
 	$(PY) merge/bench.py $(ARGS)
+
+# S vs K for the LoRA adapter pool (K-Merge, K-Merge++, byte budget + OPCM, baselines) on the demo family:
+# trains 8 LoRA adapters once (about a minute each on 2 cores), then scores every pool size
+kmerge-eval: install
+	$(PY) merge/kmerge_eval.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

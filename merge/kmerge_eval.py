@@ -1,0 +1,215 @@
+"""Normalised score vs pool size for the LoRA adapter pool (``make kmerge-eval``,
+``conf/kmerge_eval.yaml``; the pool is merge/kmerge.py).
+
+For each policy and each K, the adapters arrive one at a time into a pool of K slots; then every
+adapter is served by its slot and scored on its own domain's held-out text:
+``S = mean_i gain(slot of i) / gain(i's own adapter)`` with ``gain = loss(base) − loss(base + ΔW)``
+(nats/token on the test split). Policies: ``kmerge``, ``kmerge++``, ``budget_opcm`` (byte budget =
+K slots, OPCM, quality gate on the val split) and two baselines that fill the K slots in arrival
+order (adapter i → slot i mod K) and merge by plain averaging (``linear``) or TIES (``ties``) of
+``ΔW``, re-factorised to the same rank. JSON, a Markdown table and a PNG in ``reports/``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import merge.kmerge  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_adapter(cfg: DictConfig, domain: str, seed: int, out: Path) -> None:
+    """``train/run.py variant=<domain> variant.adapter=lora seed=<seed>`` into ``out`` (once)."""
+    if (out / "adapter" / "adapter_model.safetensors").is_file():
+        return
+    r = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), f"variant={domain}", "variant.adapter=lora",
+                        f"variant.name={domain}-lora-s{seed}", f"seed={seed}", "export.enabled=false", "logger=csv",
+                        f"out_dir={out}", f"paths.root={cfg.paths.root}"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if r.returncode != 0:
+        raise SystemExit(f"training the {domain} adapter (seed {seed}) failed:\n{r.stderr[-2000:]}")
+
+
+def load_factors(adapter_dir: Path) -> dict:
+    """PEFT adapter → ``{module: (A, B·alpha/r)}`` keyed by the module's name in the model
+    (``model.layers.0.self_attn.q_proj``)."""
+    from safetensors.torch import load_file
+
+    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = conf["lora_alpha"] / conf["r"]
+    t = load_file(adapter_dir / "adapter_model.safetensors")
+    out = {}
+    for k, a in t.items():
+        if k.endswith(".lora_A.weight"):
+            mod = k[: -len(".lora_A.weight")].removeprefix("base_model.model.")
+            b = t[k.replace(".lora_A.", ".lora_B.")]
+            out[mod] = (a.double(), b.double() * scale)
+    return out
+
+
+class Scorer:
+    """Held-out loss of the base with a LoRA update added to its weights (restored after)."""
+
+    def __init__(self, cfg: DictConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from train.datamodule import load_blocks
+
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(cfg.base_dir)
+        data = Path(cfg.paths.root) / "data"
+        self.blocks = {(d, s): load_blocks(data, d, s, tok, seq_len=cfg.seq_len) for d in cfg.domains
+                       for s in ("test", "val")}
+        self.cfg = cfg
+        self.params = dict(self.model.named_parameters())
+        self.calls = 0
+
+    def loss(self, factors: dict | None, domain: str, split: str = "test") -> float:
+        from train.module import heldout_loss
+
+        n = self.cfg.eval_batches if split == "test" else self.cfg.gate_batches
+        saved = {}
+        with torch.no_grad():
+            for mod, (a, b) in (factors or {}).items():
+                w = self.params[f"{mod}.weight"]
+                saved[mod] = w.detach().clone()
+                w += (b @ a).to(w.dtype)
+            try:
+                self.calls += 1
+                return float(heldout_loss(self.model, self.blocks[(domain, split)], self.cfg.batch_size, n))
+            finally:
+                for mod, w0 in saved.items():
+                    self.params[f"{mod}.weight"].copy_(w0)
+
+
+def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float) -> tuple[dict, dict]:
+    """Arrival-order slots (adapter i → slot i mod K), merged by averaging (``linear``) or TIES (``ties``)
+    of the members' ΔW, re-factorised to ``rank``. Returns (slot → factors, task → slot)."""
+    from merge.kmerge import refactor
+    from merge.methods import get_method
+
+    names = list(adapters)
+    groups = {s: [n for i, n in enumerate(names) if i % k == s] for s in range(min(k, len(names)))}
+    slots = {}
+    for s, members in groups.items():
+        f = {}
+        for mod in adapters[members[0]]:
+            if policy == "linear" or len(members) == 1:
+                parts = [(1.0 / len(members), *adapters[n][mod]) for n in members]
+                f[mod] = refactor(parts, rank)
+            else:
+                dense = [adapters[n][mod][1] @ adapters[n][mod][0] for n in members]
+                zero = torch.zeros_like(dense[0])
+                merged = get_method("ties", density=density).merge(mod, zero, dense)
+                u, sv, vh = torch.linalg.svd(merged, full_matrices=False)
+                r = min(rank, sv.numel())
+                f[mod] = ((sv[:r].sqrt()[:, None] * vh[:r]), (u[:, :r] * sv[:r].sqrt()))
+        slots[s] = f
+    return slots, {n: i % k for i, n in enumerate(names)}
+
+
+def main(cfg: DictConfig) -> dict:
+    from compress.atomic import write_text
+    from merge.kmerge import AdapterPool
+
+    t0 = time.perf_counter()
+    specs = [(d, s) for s in cfg.seeds for d in cfg.domains] if cfg.order == "interleaved" else \
+        [(d, s) for d in cfg.domains for s in cfg.seeds]
+    adapters, domain_of = {}, {}
+    for d, s in specs:
+        out = Path(cfg.adapters_dir) / f"{d}-s{s}"
+        train_adapter(cfg, d, s, out)
+        name = f"{d}-s{s}"
+        adapters[name], domain_of[name] = load_factors(out / "adapter"), d
+    print(f"[kmerge] {len(adapters)} adapters ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+    scorer = Scorer(cfg)
+    base_loss = {d: scorer.loss(None, d) for d in cfg.domains}
+    base_val = {d: scorer.loss(None, d, "val") for d in cfg.domains}
+    own = {n: base_loss[domain_of[n]] - scorer.loss(f, domain_of[n]) for n, f in adapters.items()}
+    print("[kmerge] own gains (nats/token): " + ", ".join(f"{n} {g:+.4f}" for n, g in own.items()), flush=True)
+
+    def quality(task, factors):  # the gate's metric: val gain of the task's domain
+        d = domain_of[task]
+        return base_val[d] - scorer.loss(factors, d, "val")
+
+    results: dict = {}
+    for policy in cfg.policies:
+        results[policy] = {}
+        for k in cfg.ks:
+            if policy in ("linear", "ties"):
+                slots, t2s = baseline_pool(policy, k, adapters, cfg.rank, cfg.ties_density)
+                log = []
+            else:
+                kw = dict(rank=cfg.rank, threshold=cfg.threshold, gate=cfg.gate, alpha=cfg.alpha)
+                if policy == "budget_opcm":
+                    probe = AdapterPool("kmerge", rank=cfg.rank, k=1)
+                    kw.update(byte_budget=k * probe.slot_bytes(next(iter(adapters.values()))), quality=quality)
+                else:
+                    kw.update(k=k)
+                pool = AdapterPool(policy, **kw)
+                for n, f in adapters.items():
+                    pool.admit(n, f)
+                slots = {sid: s.factors for sid, s in pool.slots.items()}
+                t2s, log = dict(pool.task_to_slot), pool.log
+            cache, per = {}, {}
+            for n in adapters:
+                key = (t2s[n], domain_of[n])
+                if key not in cache:
+                    cache[key] = base_loss[domain_of[n]] - scorer.loss(slots[t2s[n]], domain_of[n])
+                per[n] = cache[key] / own[n]
+            s_val = sum(per.values()) / len(per)
+            results[policy][k] = {"S": s_val, "per_adapter": per, "slots_used": len(slots),
+                                  "task_to_slot": {n: int(v) for n, v in t2s.items()},
+                                  "actions": [r["action"] for r in log]}
+            print(f"[kmerge] {policy:12s} K={k}: S = {s_val:.3f} ({len(slots)} slots)", flush=True)
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": cfg.machine,
+              "config": OmegaConf.to_container(cfg, resolve=True), "adapters": list(adapters),
+              "own_gain_nats": own, "base_loss": base_loss, "results": results,
+              "evaluations": scorer.calls, "seconds": time.perf_counter() - t0}
+    reports = Path(cfg.paths.reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
+    lines = ["| policy | " + " | ".join(f"K={k}" for k in cfg.ks) + " |", "|---|" + "---|" * len(cfg.ks)]
+    for p in cfg.policies:
+        lines.append(f"| {p} | " + " | ".join(f"{results[p][k]['S']:.3f}" for k in cfg.ks) + " |")
+    write_text(reports / f"{cfg.report_name}.md", "\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for p in cfg.policies:
+        ax.plot(list(cfg.ks), [results[p][k]["S"] for k in cfg.ks], marker="o", label=p)
+    ax.axhline(1.0, color="k", ls=":", lw=0.8)
+    ax.set_xlabel("slots K")
+    ax.set_ylabel("S = mean gain(served) / gain(own)")
+    ax.set_title(f"{len(adapters)} LoRA adapters of the demo family, {cfg.order} arrival — {cfg.machine}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(reports / f"{cfg.report_name}.png", dpi=110)
+    print("\n".join(lines))
+    print(f"wrote {reports / cfg.report_name}.{{json,md,png}}")
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="kmerge_eval")
+def _entry(cfg: DictConfig) -> None:
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _entry()
