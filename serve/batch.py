@@ -67,6 +67,19 @@ class DeltaSlots:
         self.slot_bytes = sum(t[0].numel() * t.element_size() for d in (self.signs, self.alphas, self.full)
                               for t in d.values())
 
+    @staticmethod
+    def bytes_per_slot(model) -> int:
+        """What one slot of :class:`DeltaSlots` over ``model`` takes, without allocating it."""
+        from serve.model import DeltaEmbedding, DeltaLinear
+
+        seen, total = set(), 0
+        for mod in model.modules():
+            if isinstance(mod, (DeltaLinear, DeltaEmbedding)) and mod.name not in seen:
+                seen.add(mod.name)
+                n, k = mod.weight.shape
+                total += n * packed_width(k) + 4 * n
+        return total + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

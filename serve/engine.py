@@ -194,12 +194,11 @@ class Engine:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0
             n_slots = max(1, n_art)
-        self.slots = DeltaSlots(self.model, 1)  # sized below, once a slot's bytes are known
+        per_slot = DeltaSlots.bytes_per_slot(self.model)
         if budget is not None:
-            if budget < self.slots.slot_bytes:
-                raise ValueError(f"device_budget_bytes={budget} is less than one variant slot "
-                                 f"({self.slots.slot_bytes} bytes)")
-            n_slots = budget // self.slots.slot_bytes
+            if budget < per_slot:
+                raise ValueError(f"device_budget_bytes={budget} is less than one variant slot ({per_slot} bytes)")
+            n_slots = budget // per_slot
         self.slots = DeltaSlots(self.model, int(n_slots))
         self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
                                 free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
