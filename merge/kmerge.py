@@ -222,23 +222,27 @@ class AdapterPool:
                 self.task_to_slot[task] = slot.id
                 rec["action"] = "merged"
             else:
-                self._evict_lru()
+                orphans = self._evict_lru()
                 slot = self._new_slot(task, factors, own_q)
+                for t in orphans:  # the evicted slot's tasks when no other slot remains
+                    self.task_to_slot[t] = slot.id
                 rec["action"] = "evicted_lru_and_stored"
         rec["slot"] = slot.id
         self.log.append(rec)
         return slot.id
 
-    def _evict_lru(self) -> None:
+    def _evict_lru(self) -> list[str]:
+        """Drop the least recently used slot; its tasks (all the tasks mapped to it) go to the most
+        similar remaining slot. Returns them if no slot remains (the caller maps them)."""
         victim = min(self.slots.values(), key=lambda s: s.last_used)
         del self.slots[victim.id]
-        if self.slots:  # its tasks go to the most similar remaining slot
-            to = max(self.slots.values(), key=lambda s: similarity(victim.factors, s.factors))
-            for t in victim.tasks:
-                self.task_to_slot[t] = to.id
-        else:
-            for t in victim.tasks:
-                self.task_to_slot.pop(t, None)
+        tasks = [t for t, sid in self.task_to_slot.items() if sid == victim.id]
+        if not self.slots:
+            return tasks
+        to = max(self.slots.values(), key=lambda s: similarity(victim.factors, s.factors))
+        for t in tasks:
+            self.task_to_slot[t] = to.id
+        return []
 
     # ------------------------------------------------------------------ serving
 

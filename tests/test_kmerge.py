@@ -103,6 +103,16 @@ def test_budget_opcm_sizes_by_bytes_and_the_gate_evicts_the_lru_slot():
     assert norm == pytest.approx(mean, rel=1e-6)
 
 
+def test_with_one_slot_an_evicted_task_is_served_by_the_newcomer():
+    own = {"a": adapter(50), "b": adapter(51)}
+    pool = AdapterPool("budget_opcm", rank=2, byte_budget=AdapterPool("kmerge", rank=2, k=1).slot_bytes(own["a"]),
+                       gate=0.99, quality=_quality_by_cosine(own))
+    pool.admit("a", own["a"])
+    pool.admit("b", own["b"])  # unlike a: the gate refuses the merge, the only slot is replaced
+    assert pool.log[-1]["action"] == "evicted_lru_and_stored"
+    assert pool.slot_for("a") is pool.slot_for("b")  # every admitted task is still served
+
+
 def test_the_pool_survives_a_restart(tmp_path):
     ads = {f"t{i}": adapter(40 + i) for i in range(4)}
     pool = AdapterPool("kmerge", rank=4, k=2)
