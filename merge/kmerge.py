@@ -104,12 +104,15 @@ class AdapterPool:
         gate: ``budget_opcm``'s quality gate, a fraction of each task's own-adapter quality.
         alpha: OPCM's share of singular values kept out of the projection.
         quality: ``quality(task, factors) -> float`` (higher is better), needed by ``budget_opcm``.
+        evicted_to: where the tasks of an evicted slot go: ``"similar"`` (the most similar remaining
+            slot) or ``"base"`` (no adapter: :meth:`slot_for` returns None for them).
         clock: seconds, for least-recently-used (tests pass a counter).
     """
 
     def __init__(self, policy: Policy = "kmerge", *, rank: int = 8, k: int | None = None,
                  byte_budget: int | None = None, threshold: float = 0.3, gate: float = 0.9, alpha: float = 0.5,
-                 quality: Callable[[str, Factors], float] | None = None, clock: Callable[[], float] = time.monotonic):
+                 quality: Callable[[str, Factors], float] | None = None, evicted_to: str = "similar",
+                 clock: Callable[[], float] = time.monotonic):
         if policy not in ("kmerge", "kmerge++", "budget_opcm"):
             raise ValueError(f"unknown policy {policy!r}; known: kmerge, kmerge++, budget_opcm")
         if policy == "budget_opcm":
@@ -119,6 +122,9 @@ class AdapterPool:
             raise ValueError(f"{policy} needs k ≥ 1 slots, got {k}")
         if rank < 1:
             raise ValueError(f"rank must be ≥ 1, got {rank}")
+        if evicted_to not in ("similar", "base"):
+            raise ValueError(f"evicted_to must be 'similar' or 'base', got {evicted_to!r}")
+        self.evicted_to = evicted_to
         self.policy, self.rank, self.k, self.byte_budget = policy, rank, k, byte_budget
         self.threshold, self.gate, self.alpha, self.quality, self.clock = threshold, gate, alpha, quality, clock
         self.slots: dict[int, Slot] = {}
@@ -237,6 +243,10 @@ class AdapterPool:
         victim = min(self.slots.values(), key=lambda s: s.last_used)
         del self.slots[victim.id]
         tasks = [t for t, sid in self.task_to_slot.items() if sid == victim.id]
+        if self.evicted_to == "base":
+            for t in tasks:
+                self.task_to_slot[t] = None
+            return []
         if not self.slots:
             return tasks
         to = max(self.slots.values(), key=lambda s: similarity(victim.factors, s.factors))
@@ -246,12 +256,15 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ serving
 
-    def slot_for(self, task: str) -> Slot:
-        """The slot that serves ``task`` (marks it used). Raises KeyError for a task never admitted."""
-        try:
-            slot = self.slots[self.task_to_slot[task]]
-        except KeyError:
-            raise KeyError(f"task {task!r} was never admitted to this pool") from None
+    def slot_for(self, task: str) -> Slot | None:
+        """The slot that serves ``task`` (marks it used); None when its slot was evicted and
+        ``evicted_to="base"``. Raises KeyError for a task never admitted."""
+        if task not in self.task_to_slot:
+            raise KeyError(f"task {task!r} was never admitted to this pool")
+        sid = self.task_to_slot[task]
+        if sid is None:
+            return None
+        slot = self.slots[sid]
         slot.last_used = self.clock()
         return slot
 
@@ -272,6 +285,7 @@ class AdapterPool:
             save_file(t, tmp)
             os.replace(tmp, folder / f"slot-{s.id}.safetensors")
         state = {"policy": self.policy, "rank": self.rank, "k": self.k, "byte_budget": self.byte_budget,
+                 "evicted_to": self.evicted_to,
                  "threshold": self.threshold, "gate": self.gate, "alpha": self.alpha, "next_id": self._next_id,
                  "task_to_slot": self.task_to_slot, "log": self.log,
                  "slots": {str(s.id): {"tasks": s.tasks, "n": s.n, "last_used": s.last_used,
@@ -290,6 +304,7 @@ class AdapterPool:
         state = json.loads((folder / "pool.json").read_text())
         pool = cls(state["policy"], rank=state["rank"], k=state["k"], byte_budget=state["byte_budget"],
                    threshold=state["threshold"], gate=state["gate"], alpha=state["alpha"],
+                   evicted_to=state.get("evicted_to", "similar"),
                    quality=quality if quality is not None else (lambda t, f: 1.0))
         pool.quality = quality
         pool._next_id, pool.task_to_slot, pool.log = state["next_id"], state["task_to_slot"], state["log"]

@@ -152,7 +152,8 @@ def main(cfg: DictConfig) -> dict:
                 slots, t2s = baseline_pool(policy, k, adapters, cfg.rank, cfg.ties_density)
                 log = []
             else:
-                kw = dict(rank=cfg.rank, threshold=cfg.threshold, gate=cfg.gate, alpha=cfg.alpha)
+                kw = dict(rank=cfg.rank, threshold=cfg.threshold, gate=cfg.gate, alpha=cfg.alpha,
+                          evicted_to=cfg.evicted_to)
                 if policy == "budget_opcm":
                     probe = AdapterPool("kmerge", rank=cfg.rank, k=1)
                     kw.update(byte_budget=k * probe.slot_bytes(next(iter(adapters.values()))), quality=quality)
@@ -166,12 +167,15 @@ def main(cfg: DictConfig) -> dict:
             cache, per = {}, {}
             for n in adapters:
                 key = (t2s[n], domain_of[n])
+                if t2s[n] is None:  # its slot was evicted: served by the base, gain 0
+                    per[n] = 0.0
+                    continue
                 if key not in cache:
                     cache[key] = base_loss[domain_of[n]] - scorer.loss(slots[t2s[n]], domain_of[n])
                 per[n] = cache[key] / own[n]
             s_val = sum(per.values()) / len(per)
             results[policy][k] = {"S": s_val, "per_adapter": per, "slots_used": len(slots),
-                                  "task_to_slot": {n: int(v) for n, v in t2s.items()},
+                                  "task_to_slot": {n: (None if v is None else int(v)) for n, v in t2s.items()},
                                   "actions": [r["action"] for r in log]}
             print(f"[kmerge] {policy:12s} K={k}: S = {s_val:.3f} ({len(slots)} slots)", flush=True)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": cfg.machine,

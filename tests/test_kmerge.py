@@ -111,6 +111,11 @@ def test_with_one_slot_an_evicted_task_is_served_by_the_newcomer():
     pool.admit("b", own["b"])  # unlike a: the gate refuses the merge, the only slot is replaced
     assert pool.log[-1]["action"] == "evicted_lru_and_stored"
     assert pool.slot_for("a") is pool.slot_for("b")  # every admitted task is still served
+    pool2 = AdapterPool("budget_opcm", rank=2, byte_budget=pool.byte_budget, gate=0.99,
+                        quality=_quality_by_cosine(own), evicted_to="base")
+    pool2.admit("a", own["a"])
+    pool2.admit("b", own["b"])
+    assert pool2.slot_for("a") is None and pool2.slot_for("b") is not None  # a: back to the base
 
 
 def test_the_pool_survives_a_restart(tmp_path):
