@@ -303,7 +303,11 @@ def main(cfg: DictConfig) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     family = build_family(cfg)
     vocab = cfg.shapes[cfg.shape].vocab_size
-    out_dir = Path(os.getcwd())
+    from hydra.core.hydra_config import HydraConfig
+
+    # the run's own folder (Hydra does not change the working directory)
+    out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
     server = Server(cfg, family, out_dir / "server.log")
     rng = np.random.default_rng(cfg.seed)
     import httpx

@@ -52,7 +52,7 @@ def test_a_cpu_run_through_the_real_server(tmp_path):
     args = [sys.executable, "serve/bench.py", "shape=tiny", "device=cpu", "dtype=float32", "variants=3",
             "requests=8", "concurrency=4", "prompt_tokens=16", "max_tokens=8", "max_batch=4",
             "extra_for_host_tier=1", "max_position_embeddings=128", f"family_dir={tmp_path / 'fam'}",
-            f"paths.root={tmp_path}", "port=8139", "machine=test"]
+            f"paths.root={tmp_path}", "port=8139", "machine=test", f"hydra.run.dir={tmp_path / 'run'}"]
     r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     reports = list((tmp_path / "reports").glob("bench-serve-*-test-tiny-3v.json"))
@@ -74,3 +74,4 @@ def test_a_cpu_run_through_the_real_server(tmp_path):
         if k != "targets":
             assert d["summary"][k] == pytest.approx(v, rel=1e-12), k
     assert d["memory"]["server_rss_bytes"] > 0
+    assert (tmp_path / "run" / "server.log").is_file() and not (REPO / "server.log").exists()  # the run's folder
