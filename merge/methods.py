@@ -255,6 +255,8 @@ class _Dare(MergeMethod):
 
     def __init__(self, weights=None, density: float = 0.5, scaling: float = 1.0, seed: int = 0):
         super().__init__(weights)
+        if isinstance(seed, bool) or not float(seed).is_integer():
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         self.density, self.scaling, self.seed = _check_density(density), float(scaling), int(seed)
 
     def _dropped(self, name: str, block: int, taus: list[Tensor]) -> list[Tensor]:

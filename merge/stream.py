@@ -64,6 +64,17 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     """
     if not model_dirs:
         raise ValueError("no models to merge")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    if method.weights is not None and len(method.weights) != len(model_dirs):
+        raise ValueError(f"{len(method.weights)} weights for {len(model_dirs)} models")
+    out = Path(out_dir).resolve()
+    for d in [*model_dirs] + ([base_dir] if base_dir is not None else []):
+        d = Path(d).resolve()
+        if out == d or d.is_relative_to(out) or out.is_relative_to(d):
+            raise ValueError(f"out_dir {out} overlaps the input {d}: the merge would replace or write into it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {out} exists and is not a folder")
     if base_dir is None and method.name != "linear":
         raise ValueError(f"merge method {method.name!r} needs the base checkpoint (task vectors are W − W_base)")
     t0 = time.perf_counter()
@@ -113,35 +124,11 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     parts = plan
     with staged_dir(out_dir) as tmp:
         bar = tqdm(total=len(names), desc=f"merge: {method.name}", disable=not show_progress)
-        for file, shard in zip(files, plan):
-            header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for n in shard:
-                info = ref.info(n)
-                header[n] = {"dtype": info.dtype_name, "shape": list(info.shape),
-                             "data_offsets": [offset, offset + info.nbytes]}
-                offset += info.nbytes
-            head = json.dumps(header, separators=(",", ":")).encode()
-            head += b" " * (-len(head) % 8)
-            with open(tmp / file, "wb") as f:
-                f.write(struct.pack("<Q", len(head)) + head)
-                for n in shard:
-                    info = ref.info(n)
-                    read, width = reader(n)
-                    if info.dtype.is_floating_point:
-                        blocks = method.merge_rows(n, tuple(info.shape), read)
-                    else:  # integer buffers: the base's
-                        blocks = iter([read(0, info.numel // max(width, 1))[0]])
-                    written = 0
-                    for blk in blocks:
-                        data = blk.contiguous().view(torch.uint8).numpy()
-                        f.write(memoryview(data))
-                        written += data.nbytes
-                    if written != info.nbytes:
-                        raise RuntimeError(f"{n}: {written} bytes merged, {info.nbytes} expected")
-                    bar.update(1)
-                f.flush()
-                os.fsync(f.fileno())
-        bar.close()
+        try:
+            for file, shard in zip(files, plan):
+                _write_shard(tmp / file, shard, ref, reader, method, bar)
+        finally:
+            bar.close()
         if len(plan) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total},
@@ -156,3 +143,33 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                    "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss()}
         (tmp / "merge.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: MergeMethod, bar) -> None:
+    """One safetensors file: its header from the inputs' headers, then each tensor as it is merged."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for n in shard:
+        info = ref.info(n)
+        header[n] = {"dtype": info.dtype_name, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for n in shard:
+            info = ref.info(n)
+            read, width = reader(n)
+            if info.dtype.is_floating_point:
+                blocks = method.merge_rows(n, tuple(info.shape), read)
+            else:  # integer buffers: the base's
+                blocks = iter([read(0, info.numel // max(width, 1))[0]])
+            written = 0
+            for blk in blocks:
+                data = blk.contiguous().view(torch.uint8).numpy()
+                f.write(memoryview(data))
+                written += data.nbytes
+            if written != info.nbytes:
+                raise RuntimeError(f"{n}: {written} bytes merged, {info.nbytes} expected")
+            bar.update(1)
+        f.flush()
+        os.fsync(f.fileno())

@@ -51,11 +51,36 @@ def test_bad_inputs_are_named_and_leave_nothing(tiny_family, tmp_path):
     models = [tiny_family.base_dir.parent / "coder"]
     with pytest.raises(ValueError, match="merge method 'ties' needs the base checkpoint"):
         merge_checkpoints(None, models, tmp_path / "m", get_method("ties"))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
-        merge_checkpoints(tiny_family.base_dir, [tmp_path], tmp_path / "m", get_method("ties"))
+        merge_checkpoints(tiny_family.base_dir, [tmp_path / "empty"], tmp_path / "m", get_method("ties"))
     with pytest.raises(ValueError, match="no models to merge"):
         merge_checkpoints(tiny_family.base_dir, [], tmp_path / "m", get_method("ties"))
     assert not (tmp_path / "m").exists() and not any(p.name.startswith(".m.tmp") for p in tmp_path.iterdir())
+
+
+def test_an_out_dir_that_overlaps_an_input_is_refused_before_anything_is_written(tiny_family, tmp_path):
+    """Found by a fresh user: out_dir = an input (or a folder above one) replaced the inputs."""
+    import shutil
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_family.base_dir.parent, models)
+    before = (models / "coder" / "model.safetensors").read_bytes()
+    ms = [models / "coder", models / "writer"]
+    for out in (models / "coder", models, models / "coder" / "merged", models / "base"):
+        with pytest.raises(ValueError, match="overlaps the input"):
+            merge_checkpoints(models / "base", ms, out, get_method("ties"))
+    assert (models / "coder" / "model.safetensors").read_bytes() == before and (models / "writer").is_dir()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        merge_checkpoints(models / "base", ms, tmp_path / "afile", get_method("ties"))
+    with pytest.raises(ValueError, match="max_shard_bytes must be > 0, got 0"):
+        merge_checkpoints(models / "base", ms, tmp_path / "m", get_method("ties"), max_shard_bytes=0)
+    with pytest.raises(ValueError, match="3 weights for 2 models"):
+        merge_checkpoints(models / "base", ms, tmp_path / "m", get_method("ties", weights=[1, 1, 1]))
+    with pytest.raises(ValueError, match="seed must be an integer, got 1.5"):
+        get_method("dare_ties", seed=1.5)
+    assert not (tmp_path / "m").exists()
 
 
 def test_merge_run_cli(tiny_family, tmp_path):
