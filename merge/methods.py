@@ -195,11 +195,15 @@ def top_threshold(magnitudes: Tensor, density: float) -> float:
     return float(torch.kthvalue(magnitudes.flatten(), n - k + 1).values)
 
 
+def trim_below(tau: Tensor, threshold: float) -> Tensor:
+    """``τ`` with the entries of magnitude below ``threshold`` set to 0."""
+    return torch.where(tau.abs() >= threshold, tau, torch.zeros_like(tau))
+
+
 def trim_top(tau: Tensor, density: float) -> Tensor:
     """``τ`` with the entries below its top-``density`` magnitude threshold set to 0 (TIES' trim; an
     entry equal to the threshold is kept)."""
-    thr = top_threshold(tau.abs(), density)
-    return torch.where(tau.abs() >= thr, tau, torch.zeros_like(tau))
+    return trim_below(tau, top_threshold(tau.abs(), density))
 
 
 def disjoint_merge(taus: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -240,7 +244,7 @@ class Ties(MergeMethod):
             del buf
 
     def _merge_block(self, name, block, base, taus):
-        trimmed = [torch.where(t.abs() >= thr, t, torch.zeros_like(t)) for t, thr in zip(taus, self._thresholds)]
+        trimmed = [trim_below(t, thr) for t, thr in zip(taus, self._thresholds)]
         return base + self.scaling * disjoint_merge(trimmed, self._w(len(taus)))
 
 

@@ -121,7 +121,6 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     total = sum(ref.info(n).nbytes for n in names)
     files = ["model.safetensors"] if len(plan) == 1 else \
         [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
-    parts = plan
     with staged_dir(out_dir) as tmp:
         bar = tqdm(total=len(names), desc=f"merge: {method.name}", disable=not show_progress)
         try:
@@ -139,7 +138,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                 shutil.copyfile(src / f, tmp / f)
         summary = {"method": method.name, "params": {k: v for k, v in vars(method).items() if not k.startswith("_")},
                    "base": None if base_dir is None else str(base_dir), "models": [str(d) for d in model_dirs],
-                   "tensors": len(names), "bytes": total, "shards": len(parts),
+                   "tensors": len(names), "bytes": total, "shards": len(plan),
                    "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss()}
         (tmp / "merge.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

@@ -64,8 +64,7 @@ class DeltaSlots:
                 self.full[_hf_name(pname)] = t
         self._free = list(range(n_slots - 1, -1, -1))
         self._lock = threading.Lock()  # variants are loaded from several request threads at once
-        self.slot_bytes = sum(t[0].numel() * t.element_size() for d in (self.signs, self.alphas, self.full)
-                              for t in d.values())
+        self.slot_bytes = self.bytes_per_slot(model)
 
     @staticmethod
     def bytes_per_slot(model) -> int:

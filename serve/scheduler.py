@@ -46,6 +46,11 @@ class _Seq:
     done: bool = field(default=False)
 
 
+def _slot(req) -> int:
+    """The variant slot a request runs with (serve/batch.py), −1 for the base."""
+    return -1 if req.delta is None else req.delta.slot
+
+
 class Scheduler:
     """Continuous batching for ``engine`` (see the module docstring).
 
@@ -150,7 +155,7 @@ class Scheduler:
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
         view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
-        slot = getattr(req.delta, "slot", -1) if req.delta is not None else -1
+        slot = _slot(req)
         with eng.collective(("prefill", seq.row, list(req.prompt_ids), slot)), torch.inference_mode():
             logits = self.model(torch.tensor([req.prompt_ids], device=eng.device),
                                 torch.arange(n, device=eng.device), view, req.delta)[0, -1].float()
@@ -166,7 +171,7 @@ class Scheduler:
         tokens = torch.tensor([s.token for s in live], device=dev)
         pos = torch.tensor([s.pos for s in live], device=dev)
         rows = torch.tensor([s.row for s in live], device=dev)
-        slots = [getattr(s.req.delta, "slot", -1) if s.req.delta is not None else -1 for s in live]
+        slots = [_slot(s.req) for s in live]
         delta = None if all(x < 0 for x in slots) else BatchDeltas(self.engine.slots, torch.tensor(slots, device=dev))
         cmd = ("decode", [s.token for s in live], [s.pos for s in live], [s.row for s in live], slots)
         with self.engine.collective(cmd), torch.inference_mode():

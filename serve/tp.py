@@ -43,12 +43,10 @@ def slice_for(name: str, sl, rank: int, world: int) -> Tensor:
     """This rank's slice of checkpoint tensor ``name`` from a safetensors slice ``sl`` (read from disk
     as that slice only)."""
     kind, shape = _kind(name), sl.get_shape()
-    if kind == "column" or (kind == "row" and len(shape) == 1):
-        if kind == "row":  # a row-parallel bias: rank 0 keeps it (shard_model drops it elsewhere)
-            return sl[:]
+    if kind == "column":  # rows of the weight, or of its bias
         n = shape[0] // world
         return sl[rank * n:(rank + 1) * n]
-    if kind == "row":
+    if kind == "row" and len(shape) == 2:  # columns of the weight (a row-parallel bias stays whole)
         k = shape[1] // world
         return sl[:, rank * k:(rank + 1) * k]
     return sl[:]
