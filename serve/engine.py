@@ -147,6 +147,8 @@ class Engine:
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
             ``half_life_s``, ``wait_timeout_s``).
         max_batch: sequences decoded together (continuous batching, serve/scheduler.py).
+        cuda_graphs: on a CUDA device, replay decode steps as CUDA graphs, one per batch-size
+            bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         tp: rank 0's :class:`serve.tp.TPContext` when serving tensor parallel (the other ranks run
             :func:`serve.tp.run_follower`); None: one process.
 
@@ -157,7 +159,7 @@ class Engine:
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
-                 delta_cache: dict | None = None, max_batch: int = 8, tp=None):
+                 delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -205,7 +207,7 @@ class Engine:
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         self.discover()
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len)):
-            self.scheduler = Scheduler(self, max_batch, self.max_model_len)
+            self.scheduler = Scheduler(self, max_batch, self.max_model_len, cuda_graphs=cuda_graphs)
 
     def collective(self, cmd: tuple):
         """Context for work every tensor-parallel rank must do together: announces ``cmd`` to the other

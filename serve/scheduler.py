@@ -13,6 +13,9 @@ A sequence leaves the batch when it ends (eos, a stop string, ``max_tokens``) or
 cancelled (the client went away); its cache row is free for the next request at once, and its
 hold on the variant ends (it may then be evicted). Steps reach each request through its own
 thread-safe queue, so the HTTP layer streams them as they come.
+
+On a CUDA device the batched step is replayed as a CUDA graph, the batch padded to a bucket size
+(serve/graphs.py); on the CPU, or for a step that cannot be captured, it runs eagerly.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Callable
 import torch
 
 from serve.batch import BatchDeltas, RowCache
+from serve.graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 END = object()  # the last item of a request's queue
@@ -58,14 +62,19 @@ class Scheduler:
         engine: the :class:`~serve.engine.Engine` (its model, tokenizer, delta slots, release).
         max_batch: sequences decoded together at most (rows of the KV cache).
         max_seq_len: tokens per sequence the cache holds (the model's context at most).
+        cuda_graphs: on a CUDA device in one process, replay decode steps as CUDA graphs
+            (serve/graphs.py); the cache then has one more row, the padding rows' scratch row.
     """
 
-    def __init__(self, engine, max_batch: int, max_seq_len: int):
+    def __init__(self, engine, max_batch: int, max_seq_len: int, cuda_graphs: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cache = self.model.new_cache(max_batch, max_seq_len)
+        # Not with tensor parallelism: the other ranks run each step eagerly (serve/tp.py).
+        graphs = cuda_graphs and engine.device.type == "cuda" and engine.tp is None
+        self.cache = self.model.new_cache(max_batch + 1 if graphs else max_batch, max_seq_len)
+        self.graphs = DecodeGraphs(self.model, engine.slots, self.cache) if graphs else None
         self._free_rows = list(range(max_batch - 1, -1, -1))
         self._waiting: OrderedDict[str, deque[_Seq]] = OrderedDict()  # model id → its queue
         self.running: list[_Seq] = []
@@ -168,14 +177,21 @@ class Scheduler:
         if not live:
             return
         dev = self.engine.device
-        tokens = torch.tensor([s.token for s in live], device=dev)
-        pos = torch.tensor([s.pos for s in live], device=dev)
-        rows = torch.tensor([s.row for s in live], device=dev)
+        tokens, pos, rows = [s.token for s in live], [s.pos for s in live], [s.row for s in live]
         slots = [_slot(s.req) for s in live]
-        delta = None if all(x < 0 for x in slots) else BatchDeltas(self.engine.slots, torch.tensor(slots, device=dev))
-        cmd = ("decode", [s.token for s in live], [s.pos for s in live], [s.row for s in live], slots)
-        with self.engine.collective(cmd), torch.inference_mode():
-            logits = self.model.forward_rows(tokens, pos, self.cache, rows, delta).float()
+        with_deltas = any(x >= 0 for x in slots)
+        logits = None
+        with self.engine.collective(("decode", tokens, pos, rows, slots)), torch.inference_mode():
+            if self.graphs is not None and self.graphs.capturable(with_deltas):
+                try:
+                    logits = self.graphs.run(tokens, pos, rows, slots).float()
+                except Exception:  # a capture that fails once fails again: serve eagerly (the step rewrites its KV)
+                    log.exception("decoding by CUDA graph failed; decoding eagerly from now on")
+                    self.graphs = None
+            if logits is None:
+                delta = BatchDeltas(self.engine.slots, torch.tensor(slots, device=dev)) if with_deltas else None
+                logits = self.model.forward_rows(torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev),
+                                                 self.cache, torch.tensor(rows, device=dev), delta).float()
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(live))
         for s, lg in zip(live, logits):
