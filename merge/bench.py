@@ -23,12 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
 
 
+def _child_env() -> dict:
+    """The environment of a worker process: this one's, with the repository first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+
+
 def _generate(pair_dir: Path, shape: dict, dtype: str, seed: int) -> None:
     """compress's generator (base + fine-tune), in a child process."""
     args = {"pair_dir": str(pair_dir), "shape": shape, "dtype": dtype, "delta_std": 1e-3, "seed": seed,
             "shard_bytes": 2_000_000_000}
     r = subprocess.run([sys.executable, str(REPO / "compress" / "bench.py"), "--worker", "generate", json.dumps(args)],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                       capture_output=True, text=True, env=_child_env())
     if r.returncode != 0:
         raise SystemExit(f"generating {pair_dir} failed:\n{r.stderr[-2000:]}")
 
@@ -51,7 +56,7 @@ def _merge(cfg: DictConfig, spec, base: Path, models: list[Path], out: Path, log
            f"models=[{','.join(str(m) for m in models)}]", f"method={spec.method}", f"out_dir={out}",
            "progress=false", f"hydra.run.dir={log}", *params]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
     if r.returncode != 0:
         return {"method": spec.method, "error": r.stderr[-2000:]}
     summary = json.loads((out / "merge.json").read_text())

@@ -1,0 +1,47 @@
+"""Issue 5 profiling (GPU): one BitDelta kernel call per named case on the Llama-2-70B ``o`` shape
+(8192 × 8192), after a warm-up that compiles and autotunes, between cudaProfilerStart/Stop, so that
+``ncu --profile-from-start off`` records exactly that call.
+
+    ncu --profile-from-start off --clock-control none --set full python3 tests/gpu/profile_kernels.py lut-T2
+
+Cases: ``dense-M<m>``, ``decode-M1``, ``fma-T<t>``, ``lut-T<t>``, ``prefill-M<m>`` (the dispatcher's pick).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import triton_bitdelta as tb  # noqa: E402
+
+
+def main(case: str, n: int = 8192, k: int = 8192) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kind, _, num = case.rpartition("-")[0], None, int(case.rsplit("-", 1)[1][1:])
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).bfloat16()
+    s = torch.randint(0, 256, (max(num, 1), n, k // 8), device="cuda", dtype=torch.uint8, generator=g)
+    a = 0.004 + 0.002 * torch.rand(max(num, 1), n, device="cuda", generator=g)
+    x = torch.randn(num, k, device="cuda", generator=g).bfloat16()
+    slot = torch.arange(num, device="cuda", dtype=torch.int32)
+    if kind == "dense":
+        fn = lambda: x @ w.T  # noqa: E731
+    elif kind in ("decode", "prefill"):
+        fn = lambda: tb.bitdelta_linear_triton(x, w, s[0], a[0])  # noqa: E731
+    elif kind in ("fma", "lut"):
+        fn = lambda: tb.bitdelta_linear_batched_triton(x, w, s, a, slot, impl=kind)  # noqa: E731
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(case, "done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
