@@ -11,6 +11,7 @@
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
 #   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
+#   make bench-serve-70b       14 variants of a 70B-shaped family generated on 2 GPUs, TP=2 (reports/)
 #   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
 #   make bench-merge           peak memory of merging two 7B-shaped checkpoints (reports/)
 #   make kmerge-eval           LoRA adapter pool: normalised score vs number of slots (reports/)
@@ -45,7 +46,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve distill eval merge bench-merge kmerge-eval
+.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -119,6 +120,13 @@ bench-kernels: install
 #   make bench-serve ARGS="shape=tiny device=cpu dtype=float32 variants=3 requests=12"
 bench-serve: install
 	$(PY) serve/bench.py $(ARGS)
+
+# 14 variants of a Llama-2-70B-shaped family, resident and answering, tensor parallel over 2 GPUs: the
+# server generates the base's and the deltas' slices on each GPU (nothing on disk but a tokenizer).
+# Per-GPU memory, tokens/s, TTFT / inter-token latency, completions per model, startup seconds.
+#   make bench-serve-70b ARGS="machine=2xh200"
+bench-serve-70b: install
+	$(PY) serve/bench.py --config-name bench_serve_70b $(ARGS)
 
 # Offline merge of fine-tunes, one tensor at a time (conf/merge_models.yaml), e.g.
 #   make merge ARGS="models=[models/coder,models/writer] method=ties params.density=0.3"

@@ -17,7 +17,14 @@ Configuration: ``conf/bench_serve.yaml``. Steps:
 4. ``extra_for_host_tier`` variants hot-loaded past the device slots (evicting the coldest to
    the host tier), then requests for the evicted ones: cold loads from the host tier.
 5. Cold-load seconds by tier from the server's ``/metrics``, memory (GPU via ``nvidia-smi``,
-   the server's resident set), JSON + PNG in ``reports/``.
+   per GPU, next to the bytes of tensors predicted by ``serve.synthetic.predict_memory``; the
+   server's resident set), startup seconds, successful completions per model, JSON + PNG in
+   ``reports/``.
+
+With ``synthetic: true`` (``conf/bench_serve_70b.yaml``: 14 variants of a Llama-2-70B-shaped family,
+tensor parallel over 2 GPUs) nothing of the family is written but its tokenizer: the server
+generates the base and the variants on its devices (serve/synthetic.py), and the host tier is not
+exercised.
 """
 from __future__ import annotations
 
@@ -81,12 +88,45 @@ def random_sign_artifact(src: Path, dst: Path, variant: str, seed: int) -> None:
         write_manifest(tmp, manifest)
 
 
+def stdlib_tokenizer(out: Path, vocab_size: int, model_max_length: int):
+    """A byte-level BPE (train/tokenizer.py) of ``min(1024, vocab_size)`` entries trained on a few of the
+    standard library's modules (:data:`TOKENIZER_SOURCES`), padded with plain tokens ``<t{i}>`` up to
+    ``vocab_size`` so that every id a model samples decodes to text; saved to ``out`` (Hugging Face
+    format; into an existing folder, e.g. a checkpoint's, next to its files). Returns the tokenizer.
+
+    Raises:
+        ValueError: ``vocab_size`` below the 260 byte symbols and special tokens.
+    """
+    import tempfile
+
+    from train.tokenizer import train_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with tempfile.TemporaryDirectory() as d:
+        corpus = Path(d) / "tokenizer_corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": (stdlib / f).read_text()}) + "\n" for f in TOKENIZER_SOURCES))
+        tok = train_tokenizer([corpus], min(1024, vocab_size), out, model_max_length=model_max_length)
+    tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab_size)])  # every id decodes to text
+    tok.save_pretrained(out)
+    return tok
+
+
+def build_tokenizer(cfg: DictConfig) -> Path:
+    """Only the tokenizer of a synthetic family, ``<family_dir>/tokenizer`` (built once)."""
+    from compress.atomic import staged_dir
+
+    out = Path(cfg.family_dir) / "tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        with staged_dir(out) as tmp:
+            stdlib_tokenizer(tmp, int(cfg.shapes[cfg.shape].vocab_size), cfg.max_position_embeddings)
+    return out
+
+
 def build_family(cfg: DictConfig) -> Path:
     """The benchmark family under ``cfg.family_dir`` (built once; see the module docstring)."""
     from compress.atomic import staged_dir
     from compress.bench import generate_pair
     from compress.bitdelta import compress
-    from train.tokenizer import train_tokenizer
 
     out = Path(cfg.family_dir)
     if (out / "family.json").is_file():
@@ -98,12 +138,7 @@ def build_family(cfg: DictConfig) -> Path:
         generate_pair(tmp / "pair", shape, dtype, delta_std=1e-3, seed=cfg.seed, shard_bytes=2_000_000_000)
         base = tmp / "base"
         os.replace(tmp / "pair" / "base", base)
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        corpus = tmp / "tokenizer_corpus.jsonl"
-        corpus.write_text("".join(json.dumps({"text": (stdlib / f).read_text()}) + "\n" for f in TOKENIZER_SOURCES))
-        tok = train_tokenizer([corpus], min(1024, shape["vocab_size"]), base, model_max_length=cfg.max_position_embeddings)
-        tok.add_tokens([f"<t{i}>" for i in range(len(tok), shape["vocab_size"])])  # every id decodes to text
-        tok.save_pretrained(base)
+        tok = stdlib_tokenizer(base, shape["vocab_size"], cfg.max_position_embeddings)
         conf = json.loads((base / "config.json").read_text())
         conf.update(max_position_embeddings=cfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
                     bos_token_id=None, pad_token_id=tok.eos_token_id)
@@ -123,19 +158,71 @@ def build_family(cfg: DictConfig) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def hydra_value(v) -> str:
+    """``v`` (a dict, list, str, int, float, bool or None) written in Hydra's override grammar, strings
+    quoted: ``{"a": {"b": 1}, "c": "/x"}`` → ``{a:{b:1},c:'/x'}``.
+
+    Raises:
+        TypeError: on another type.
+    """
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (str, Path)):
+        return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+    raise TypeError(f"no Hydra override for {type(v).__name__}")
+
+
+def synthetic_shape(cfg: DictConfig) -> dict:
+    """The served shape: ``shapes[shape]`` with the benchmark's context, as Hugging Face config fields."""
+    return {**OmegaConf.to_container(cfg.shapes[cfg.shape]), "max_position_embeddings": cfg.max_position_embeddings}
+
+
+def server_overrides(cfg: DictConfig, family: Path, tp_port: int) -> list[str]:
+    """``serve/run.py``'s overrides for the benchmark's server: the family of ``family`` (a built one,
+    or with ``cfg.synthetic`` its tokenizer and a generated family of ``cfg.variants``), every variant
+    in a device slot, tensor parallel over ``cfg.tp`` processes."""
+    out = ["model.name=bench", f"port={cfg.port}", f"device={cfg.device}", f"dtype={cfg.dtype}",
+           f"max_batch={cfg.max_batch}", "max_waiting=null", f"delta_cache.device_slots={cfg.variants}",
+           "log_level=warning", f"tp={cfg.tp}", f"tp_port={tp_port}"]
+    if cfg.synthetic:
+        syn = {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "tokenizer_dir": family}
+        return out + ["delta_cache.host_budget_gb=0", f"synthetic={hydra_value(syn)}"]
+    return out + [f"base_dir={family / 'base'}", f"artifacts_dir={family / 'artifacts'}",
+                  "delta_cache.host_budget_gb=1000"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the server's tensor-parallel rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
-    """``serve/run.py`` in a child process on 127.0.0.1 (stopped on exit)."""
+    """``serve/run.py`` in a child process (its own session, so that every rank of it can be stopped)
+    on 127.0.0.1; ``startup_s``: seconds from the start to a healthy ``/health``."""
 
     def __init__(self, cfg: DictConfig, family: Path, log: Path):
         self.url = f"http://127.0.0.1:{cfg.port}"
-        args = [sys.executable, str(REPO / "serve" / "run.py"), f"base_dir={family / 'base'}",
-                f"artifacts_dir={family / 'artifacts'}", "model.name=bench", f"port={cfg.port}",
-                f"device={cfg.device}", f"dtype={cfg.dtype}", f"max_batch={cfg.max_batch}", "max_waiting=null",
-                f"delta_cache.device_slots={cfg.variants}", "delta_cache.host_budget_gb=1000", "log_level=warning",
+        args = [sys.executable, str(REPO / "serve" / "run.py"), *server_overrides(cfg, family, free_port()),
                 f"hydra.run.dir={log.parent}"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+        if cfg.synthetic and cfg.device == "cuda":  # the GPUs end up nearly full: fragmentation matters
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         deadline = time.time() + cfg.startup_timeout_s
         import httpx
 
@@ -148,8 +235,10 @@ class Server:
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
+                self.stop()
                 raise TimeoutError(f"the server did not start within {cfg.startup_timeout_s} s; see {log}")
             time.sleep(0.5)
+        self.startup_s = time.perf_counter() - t0
 
     def rss_bytes(self) -> int | None:
         try:
@@ -161,13 +250,22 @@ class Server:
         return None
 
     def stop(self) -> None:
+        """SIGINT to the server's session (rank 0 and the other ranks), SIGKILL after 30 s."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self._signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+        self._signal(signal.SIGKILL)  # ranks left behind by a rank 0 that exited
+        self.proc.wait()
         self.log.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the session this Popen started: its id is the child's pid
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -194,10 +292,18 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
     return {"model": model, "sent": t0, "chunks": chunks, "completion_tokens": (usage or {}).get("completion_tokens", 0)}
 
 
-def run_phase(url: str, models: list[str], cfg: DictConfig, rng: np.random.Generator, vocab: int) -> dict:
-    """``cfg.requests`` requests over ``models`` (uniformly) from ``cfg.concurrency`` clients."""
-    jobs = [(models[int(rng.integers(len(models)))], rng.integers(4, vocab, cfg.prompt_tokens).tolist())
-            for _ in range(cfg.requests)]
+def run_phase(url: str, models: list[str], cfg: DictConfig, rng: np.random.Generator, vocab: int,
+              balanced: bool = False) -> dict:
+    """``cfg.requests`` requests over ``models`` from ``cfg.concurrency`` clients: each request's model
+    drawn uniformly, or (``balanced``) every model ``requests // len(models)`` times or once more, in a
+    random order. ``answered``: successful completions per model (0 for a model that got none)."""
+    if balanced:
+        picks = [models[i % len(models)] for i in range(cfg.requests)]
+        rng.shuffle(picks)
+        jobs = [(m, rng.integers(4, vocab, cfg.prompt_tokens).tolist()) for m in picks]
+    else:
+        jobs = [(models[int(rng.integers(len(models)))], rng.integers(4, vocab, cfg.prompt_tokens).tolist())
+                for _ in range(cfg.requests)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(cfg.concurrency) as pool:
         results = list(pool.map(lambda j: one_request(url, j[0], j[1], cfg.max_tokens), jobs))
@@ -214,8 +320,9 @@ def run_phase(url: str, models: list[str], cfg: DictConfig, rng: np.random.Gener
                         "ttft_p99_s": float(np.percentile(ttft, 99)), "itl_p50_s": float(np.nanpercentile(itl, 50)),
                         "itl_p99_s": float(np.nanpercentile(itl, 99))}
     tokens = sum(r["completion_tokens"] for r in ok)
+    answered = {m: sum(r["model"] == m and r["completion_tokens"] > 0 for r in ok) for m in models}
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
-            "per_model": per_model}
+            "per_model": per_model, "answered": answered}
 
 
 def parse_load_seconds(metrics: str) -> dict:
@@ -236,13 +343,23 @@ def parse_load_seconds(metrics: str) -> dict:
     return out
 
 
-def gpu_memory_used_mib() -> list[int] | None:
+def gpu_memory_used_mib(field: str = "memory.used") -> list[int] | None:
+    """``nvidia-smi``'s ``field`` (MiB) of every GPU, in index order; None without GPUs."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
         return [int(x) for x in out.stdout.split()] if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
+
+
+def predicted_memory(cfg: DictConfig) -> list[dict]:
+    """Bytes of tensors each rank of the server holds (``serve.synthetic.predict_memory``), per rank."""
+    from serve.synthetic import predict_memory
+
+    return [predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,
+                           dtype=getattr(torch, cfg.dtype), max_batch=cfg.max_batch,
+                           max_seq_len=cfg.max_position_embeddings) for r in range(cfg.tp)]
 
 
 def summarize(report: dict) -> dict:
@@ -274,7 +391,9 @@ def plot(report: dict, png: Path) -> None:
 
     mixed, base_only = report["phases"]["mixed"]["per_model"], report["phases"]["base_only"]["per_model"]
     models = list(mixed)
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 0.7 * len(models) + 4), 4.5))
+    used = report["memory"].get("gpu_memory_used_mib")
+    fig, axes = plt.subplots(1, 3 if used else 2, figsize=(max(10, 0.7 * len(models) + 4) + (4 if used else 0), 4.5),
+                             gridspec_kw={"width_ratios": [3, 3, 1] if used else [1, 1]})
     for ax, key, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
         x = np.arange(len(models))
         ax.bar(x - 0.2, [mixed[m][f"{key}_p50_s"] * 1e3 for m in models], 0.4, label="P50, mixed load")
@@ -286,9 +405,22 @@ def plot(report: dict, png: Path) -> None:
         ax.set_ylabel("ms")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    s = report["summary"]
-    fig.suptitle(f"{report['config']['shape']} family, {report['config']['variants']} variants — "
-                 f"throughput mixed ÷ base-only {s['throughput_mixed_over_base_only']:.2f} — "
+    if used:  # per GPU: nvidia-smi after the load, the tensors predicted for its rank, the capacity
+        ax, x = axes[2], np.arange(len(used))
+        pred = [p["total_bytes"] / 2**30 for p in report["memory"]["predicted_bytes_per_rank"]]
+        ax.bar(x - 0.2, [u / 1024 for u in used], 0.4, label="used (nvidia-smi)")
+        ax.bar(x[:len(pred)] + 0.2, pred, 0.4, label="tensors, predicted")
+        for i, t in enumerate(report["memory"].get("gpu_memory_total_mib") or []):
+            ax.hlines(t / 1024, i - 0.4, i + 0.4, color="k", ls=":")
+        ax.set_xticks(x, [f"GPU {i}" for i in x], fontsize=7)
+        ax.set_ylabel("GiB (dotted: capacity)")
+        ax.set_title("memory per GPU")
+        ax.legend(fontsize=7, loc="lower center")
+    s, c = report["summary"], report["config"]
+    tp = f", TP={c['tp']}" if c.get("tp", 1) > 1 else ""
+    fig.suptitle(f"{c['shape']} family{' (synthetic)' if c.get('synthetic') else ''}, {c['variants']} variants{tp} — "
+                 f"mixed {report['phases']['mixed']['tokens_per_s']:.0f} tokens/s, "
+                 f"÷ base-only {s['throughput_mixed_over_base_only']:.2f} — "
                  f"{report['machine']['device']} — {report['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -301,7 +433,7 @@ def main(cfg: DictConfig) -> dict:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    family = build_family(cfg)
+    family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
     vocab = cfg.shapes[cfg.shape].vocab_size
     from hydra.core.hydra_config import HydraConfig
 
@@ -309,12 +441,15 @@ def main(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     server = Server(cfg, family, out_dir / "server.log")
+    print(f"server healthy after {server.startup_s:.1f} s", flush=True)
     rng = np.random.default_rng(cfg.seed)
     import httpx
 
     try:
         url = server.url
-        models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        mem_started = gpu_memory_used_mib()
+        listed = [{"id": m["id"], "parent": m["parent"]} for m in httpx.get(url + "/v1/models").json()["data"]]
+        models = [m["id"] for m in listed]
         base_id, variants = "bench", [m for m in models if m != "bench"]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(min(cfg.concurrency, len(models))) as pool:  # every cold load from disk
@@ -322,9 +457,13 @@ def main(cfg: DictConfig) -> dict:
         warm_s = time.perf_counter() - t0
         phases = {"base_only": run_phase(url, [base_id], cfg, rng, vocab)}
         print(f"base-only: {phases['base_only']['tokens_per_s']:.1f} tokens/s", flush=True)
-        phases["mixed"] = run_phase(url, [base_id] + variants, cfg, rng, vocab)
+        phases["mixed"] = run_phase(url, [base_id] + variants, cfg, rng, vocab, balanced=cfg.balanced_mix)
         print(f"mixed:     {phases['mixed']['tokens_per_s']:.1f} tokens/s", flush=True)
-        mem = {"gpu_memory_used_mib": gpu_memory_used_mib(), "server_rss_bytes": server.rss_bytes()}
+        mem = {"gpu_memory_used_mib": gpu_memory_used_mib(), "gpu_memory_total_mib": gpu_memory_used_mib("memory.total"),
+               "gpu_memory_used_mib_after_startup": mem_started, "predicted_bytes_per_rank": predicted_memory(cfg),
+               "server_rss_bytes": server.rss_bytes()}
+        print(f"GPU memory used (MiB): {mem['gpu_memory_used_mib']}; tensors predicted per rank (GiB): "
+              f"{[round(p['total_bytes'] / 2**30, 2) for p in mem['predicted_bytes_per_rank']]}", flush=True)
         for i in range(cfg.extra_for_host_tier):  # past the slots: the coldest go to the host tier
             r = httpx.post(url + "/v1/load_variant", json={"variant": f"extra{i}", "path": "v00"}, timeout=600)
             r.raise_for_status()
@@ -333,15 +472,21 @@ def main(cfg: DictConfig) -> dict:
         for m in on_host:
             one_request(url, m, [5, 6, 7], 2)
         loads = parse_load_seconds(httpx.get(url + "/metrics").text)
+        answered = phases["mixed"]["answered"]
         report = {
             "date": time.strftime("%Y-%m-%d"),
             "machine": {"tag": cfg.machine, "device": torch.cuda.get_device_name() if cfg.device == "cuda"
                         else platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                        "gpus": torch.cuda.device_count() if cfg.device == "cuda" else 0,
                         "torch": torch.__version__, "python": platform.python_version()},
             "config": OmegaConf.to_container(cfg, resolve=True),
-            "base_id": base_id, "variant_ids": variants,
+            "synthetic": _synthetic_spec(cfg),
+            "startup_s": server.startup_s,
+            "base_id": base_id, "variant_ids": variants, "models": listed,
             "warmup": {"seconds": warm_s, "errors": [w["error"] for w in warm if "error" in w]},
-            "phases": phases, "cold_load_seconds_by_tier": loads, "evicted_to_host": on_host,
+            "phases": phases, "answered_mixed": answered,
+            "all_variants_answered": len(variants) == cfg.variants and all(answered[v] > 0 for v in variants),
+            "cold_load_seconds_by_tier": loads, "evicted_to_host": on_host,
             "memory": mem, "delta_cache": cache,
         }
         report["summary"] = summarize(report)
@@ -353,8 +498,19 @@ def main(cfg: DictConfig) -> dict:
     plot(report, reports / f"{cfg.report_name}.png")
     s = report["summary"]
     print(json.dumps(s, indent=1), flush=True)
+    print(f"every variant answered: {report['all_variants_answered']} {report['answered_mixed']}", flush=True)
     print(f"wrote {reports / cfg.report_name}.json and .png", flush=True)
     return report
+
+
+def _synthetic_spec(cfg: DictConfig) -> dict | None:
+    """How the server generates a synthetic family (its defaults for what the benchmark does not set)."""
+    if not cfg.synthetic:
+        return None
+    from serve.synthetic import DEFAULTS
+
+    return {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "std": DEFAULTS["std"],
+            "alpha": DEFAULTS["alpha"]}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")

@@ -31,6 +31,7 @@ from serve.batch import DeltaSlots
 from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from serve.model import Transformer, VariantDelta
 from serve.scheduler import END, Scheduler
+from serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
@@ -136,7 +137,9 @@ class Engine:
     """Serve a base checkpoint and every BitDelta artifact found for it.
 
     Args:
-        base_dir: Hugging Face checkpoint of the base (config, safetensors, tokenizer).
+        base_dir: Hugging Face checkpoint of the base (config, safetensors, tokenizer), or the folder
+            of a synthetic family (config, tokenizer, ``synthetic.json``: weights and variants generated
+            on the device, serve/synthetic.py).
         artifacts_dir: folder of artifact folders ``<variant>/bitdelta.json``; None: base only.
         family: model id of the base; variants are ``<family>-<variant>``.
         device, dtype: where and in which dtype the base (and the deltas' full tensors) live.
@@ -175,10 +178,14 @@ class Engine:
         longest_first = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
         self.tp = tp
-        self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype,
-                                                 tp=None if tp is None else tp.shard)
+        self.synthetic = read_synthetic(self.base_dir)  # None: a real checkpoint
+        if self.synthetic is None:
+            self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype,
+                                                     tp=None if tp is None else tp.shard)
+        else:
+            self.model = self.synthetic.build_base(self.device, self.dtype, tp=None if tp is None else tp.shard)
         self.max_model_len = self.model.args.max_seq_len
-        self.base_fingerprint = fingerprint(self.base_dir)
+        self.base_fingerprint = fingerprint(self.base_dir) if self.synthetic is None else self.synthetic.fingerprint
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
         self._registry_lock = threading.Lock()  # guards _variants
@@ -195,7 +202,7 @@ class Engine:
         if n_slots is None:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0
-            n_slots = max(1, n_art)
+            n_slots = max(1, n_art + (self.synthetic.variants if self.synthetic else 0))
         per_slot = DeltaSlots.bytes_per_slot(self.model)
         if budget is not None:
             if budget < per_slot:
@@ -231,7 +238,9 @@ class Engine:
         with self.tp.lock:  # the slot is chosen and announced under one hold of the lock
             slot = self.slots.next_free()
             with self.collective(("load", delta.source, slot)):
-                return self.slots.put(delta, slot)
+                view = self.slots.put(delta, slot)
+                view.source = delta.source  # kept by its host copy, for a reload from the host tier
+                return view
 
     def _free_slot(self, view: VariantDelta) -> None:
         with self.collective(("free", view.slot)):
@@ -258,6 +267,8 @@ class Engine:
                     continue
                 mid = f"{self.family}-{manifest.parent.name}"
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
+        for name in self.synthetic.names if self.synthetic else ():
+            found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
         with self._registry_lock:
             for mid, card in found.items():
                 self._variants.setdefault(mid, card)
@@ -326,6 +337,8 @@ class Engine:
     def _artifact_stamp(self, model_id: str):
         """(size, mtime, inode) of the variant's manifest, or None once it is gone."""
         card = self._variants.get(model_id)
+        if card is not None and card.artifact_dir is None and self.synthetic is not None:
+            return self.synthetic.fingerprint  # generated: never changes, never gone
         if card is None or card.artifact_dir is None:
             return None
         try:
@@ -337,6 +350,9 @@ class Engine:
     def _read_delta(self, model_id: str) -> VariantDelta:
         """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
         card = self._variants[model_id]
+        if card.artifact_dir is None and self.synthetic is not None:  # generated into its slot by put
+            return self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
+                                          None if self.tp is None else self.tp.shard)
         fp = None if self.force else self.base_fingerprint
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
@@ -360,7 +376,9 @@ class Engine:
 
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
         """A host copy of a slot's views (the slot is given back right after)."""
-        return delta.to("cpu", pin=self.device.type == "cuda")
+        out = delta.to("cpu", pin=self.device.type == "cuda")
+        out.source = getattr(delta, "source", None)  # tensor parallel: what the other ranks load again
+        return out
 
     def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:
         """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``) as

@@ -3,6 +3,10 @@
     python serve/run.py                              # http://127.0.0.1:8000/v1, models tiny, tiny-<variant>...
     python serve/run.py port=8001 paths.root=/scratch/df
     python serve/run.py device=cuda dtype=bfloat16 tp=2   # tensor parallel over 2 GPUs, one process each
+    python serve/run.py device=cuda dtype=bfloat16 tp=2 delta_cache.device_slots=14 \
+        'synthetic={shape: {vocab_size: 32000, hidden_size: 8192, intermediate_size: 28672, num_hidden_layers: 80,
+                    num_attention_heads: 64, num_key_value_heads: 8, max_position_embeddings: 1024}, variants: 14}'
+                                                     # a 70B-shaped family of 14 variants generated on the GPUs
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "tiny-coder", "prompt": "def ", "max_tokens": 32, "temperature": 0}'
 
@@ -11,6 +15,9 @@ tokenizer), lists ``<artifacts_dir>/*/bitdelta.json`` as ``<family>-<variant>`` 
 first request) and runs uvicorn on ``host:port``. With ``tp=N > 1`` it starts N processes
 (``torch.distributed``: NCCL on GPUs, gloo on the CPU, rendezvous on 127.0.0.1:``tp_port``); rank 0
 serves HTTP and schedules, the others hold their slices of the base and the deltas (serve/tp.py).
+With ``synthetic`` set, nothing is read: the base and the variants are generated on the device by
+every rank, its own slice (serve/synthetic.py), and every variant is put in its slot before the
+server answers.
 """
 from __future__ import annotations
 
@@ -60,6 +67,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
             tp.send(("stop",))
         sys.exit(2)
     try:
+        if engine.synthetic is not None:
+            _preload(engine)
         url = f"http://{cfg.host}:{cfg.port}/v1"
         ids = [m.id for m in engine.models()]
         where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
@@ -70,6 +79,51 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                     log_level=cfg.log_level)
     finally:
         engine.shutdown()
+
+
+def _preload(engine) -> None:
+    """Generate every variant of a synthetic family into its device slot now (in order, as many as
+    there are slots), so the memory is all taken before the first request."""
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    for card in engine.models()[1:]:
+        engine.get_delta(card.id)
+    cuda = engine.device.type == "cuda"
+    mem = f"; {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB allocated on {engine.device}" if cuda else ""
+    print(f"synthetic family: {len(engine.models()) - 1} variants generated into {engine.slots.n_slots} slots "
+          f"in {time.perf_counter() - t0:.1f} s{mem}", flush=True)
+
+
+def _write_synthetic(cfg: DictConfig) -> None:
+    """``synthetic`` set: write the family's folder (config.json, tokenizer, synthetic.json; no weights)
+    into the run's folder and serve it as ``base_dir``, without ``artifacts_dir``. Without
+    ``synthetic.tokenizer_dir``, the serve benchmark's tokenizer (serve/bench.py) is built once under
+    ``<paths.output_dir>/synthetic/``.
+
+    Raises:
+        ValueError: bad ``synthetic`` options (serve/synthetic.py, ``check_options``).
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    from compress.atomic import staged_dir
+    from serve.synthetic import check_options, write_base_dir
+
+    opts = check_options(OmegaConf.to_container(cfg.synthetic, resolve=True))
+    tok = opts["tokenizer_dir"]
+    if tok is None:
+        from serve.bench import stdlib_tokenizer
+
+        vocab = int(opts["shape"]["vocab_size"])
+        tok = Path(cfg.paths.output_dir) / "synthetic" / f"tokenizer-stdlib-{vocab}"
+        if not (tok / "tokenizer.json").is_file():
+            with staged_dir(tok) as tmp:
+                stdlib_tokenizer(tmp, vocab, int(opts["shape"].get("max_position_embeddings", 2048)))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    cfg.base_dir = str(write_base_dir(run_dir / "synthetic-base", opts, tok))
+    cfg.artifacts_dir = None
 
 
 def _rank_main(rank: int, cfg_dict: dict) -> None:
@@ -100,6 +154,12 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
+    if cfg.synthetic:
+        try:
+            _write_synthetic(cfg)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     if cfg.tp > 1:
         import torch.multiprocessing as mp
 

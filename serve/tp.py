@@ -41,8 +41,9 @@ def _cut(t: Tensor, dim: int, rank: int, world: int, name: str) -> Tensor:
 
 def slice_for(name: str, sl, rank: int, world: int) -> Tensor:
     """This rank's slice of checkpoint tensor ``name`` from a safetensors slice ``sl`` (read from disk
-    as that slice only)."""
-    kind, shape = _kind(name), sl.get_shape()
+    as that slice only), or from a whole tensor ``sl`` (a view of it: ``.clone()`` it to free the rest)."""
+    kind = _kind(name)
+    shape = list(sl.shape) if isinstance(sl, Tensor) else sl.get_shape()
     if kind == "column":  # rows of the weight, or of its bias
         n = shape[0] // world
         return sl[rank * n:(rank + 1) * n]
@@ -92,6 +93,23 @@ def shard_model(model, rank: int, world: int, group=None) -> None:
     model.tp = (rank, world)
 
 
+def shard_sign(name: str, sign: Tensor, alpha: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """This rank's part of one sign-compressed weight ``name`` (HF name): packed signs uint8
+    ``[N, ceil(K/8)]`` → ``[N/W, ceil(K/8)]`` (column parallel) or ``[N, K/(8W)]`` (row parallel), and its
+    scale α fp32 ``[]`` (kept) or ``[N]`` (cut with the rows; whole for row parallel). Replicated
+    weights (embeddings, head) are returned as they are.
+
+    Raises:
+        ValueError: if the cut dimension does not split over ``world``.
+    """
+    kind = _kind(name)
+    if kind == "column":
+        return _cut(sign, 0, rank, world, name), alpha if alpha.dim() == 0 else _cut(alpha, 0, rank, world, name)
+    if kind == "row":
+        return _cut(sign, 1, rank, world, name), alpha  # α scales whole rows
+    return sign, alpha
+
+
 def shard_delta(delta, rank: int, world: int):
     """A variant's :class:`serve.model.VariantDelta` cut like :func:`shard_model` cuts the model."""
     from serve.model import VariantDelta
@@ -101,15 +119,7 @@ def shard_delta(delta, rank: int, world: int):
     out = object.__new__(VariantDelta)
     out.name, out.signs, out.alphas, out.full = delta.name, {}, {}, {}
     for name, s in delta.signs.items():
-        kind, a = _kind(name), delta.alphas[name]
-        if kind == "column":
-            out.signs[name] = _cut(s, 0, rank, world, name)
-            out.alphas[name] = a if a.dim() == 0 else _cut(a, 0, rank, world, name)
-        elif kind == "row":
-            out.signs[name] = _cut(s, 1, rank, world, name)
-            out.alphas[name] = a  # α scales whole rows
-        else:
-            out.signs[name], out.alphas[name] = s, a
+        out.signs[name], out.alphas[name] = shard_sign(name, s, delta.alphas[name], rank, world)
     for name, t in delta.full.items():
         kind = _kind(name)
         if kind == "column":
@@ -162,12 +172,18 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
     ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len)``, ``("load", artifact_dir, slot)``,
     ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
-    Forwards only take part in the all-reduces; the logits are rank 0's to use."""
+    Forwards only take part in the all-reduces; the logits are rank 0's to use. A synthetic family's
+    folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
     from compress.bitdelta import load_artifact
     from serve.batch import BatchDeltas, DeltaSlots, RowCache
     from serve.model import Transformer, VariantDelta
+    from serve.synthetic import SOURCE_PREFIX, read_synthetic
 
-    model = Transformer.from_pretrained(base_dir, device, dtype, tp=ctx.shard)
+    synthetic = read_synthetic(base_dir)
+    if synthetic is None:
+        model = Transformer.from_pretrained(base_dir, device, dtype, tp=ctx.shard)
+    else:
+        model = synthetic.build_base(device, dtype, tp=ctx.shard)
     slots = cache = None
     views: dict[int, object] = {}
     dev = model.device
@@ -182,8 +198,12 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
             cache = model.new_cache(max_batch, max_seq_len)
         elif op == "load":
             _, artifact_dir, slot = cmd
-            delta = VariantDelta(load_artifact(artifact_dir, force=True, verify_hashes=False), "cpu", dtype)
-            views[slot] = slots.put(shard_delta(delta, ctx.rank, ctx.world), slot)
+            if synthetic is not None and artifact_dir.startswith(SOURCE_PREFIX):
+                delta = synthetic.variant(artifact_dir.removeprefix(SOURCE_PREFIX), dev, ctx.shard)
+            else:
+                delta = VariantDelta(load_artifact(artifact_dir, force=True, verify_hashes=False), "cpu", dtype)
+                delta = shard_delta(delta, ctx.rank, ctx.world)
+            views[slot] = slots.put(delta, slot)
         elif op == "free":
             slots.free(views.pop(cmd[1]))
         elif op == "prefill":

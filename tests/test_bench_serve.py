@@ -75,3 +75,30 @@ def test_a_cpu_run_through_the_real_server(tmp_path):
             assert d["summary"][k] == pytest.approx(v, rel=1e-12), k
     assert d["memory"]["server_rss_bytes"] > 0
     assert (tmp_path / "run" / "server.log").is_file() and not (REPO / "server.log").exists()  # the run's folder
+
+
+def test_the_70b_benchmark_path_on_cpu_with_a_tiny_synthetic_family(tmp_path):
+    """``--config-name bench_serve_70b`` shrunk to the tiny shape: the server (2 gloo ranks) generates the
+    family, every variant answers in the balanced mixed load, memory is predicted per rank."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    args = [sys.executable, "serve/bench.py", "--config-name", "bench_serve_70b", "shape=tiny", "device=cpu",
+            "shapes.tiny.intermediate_size=352",  # 344 / 2 ranks is not a whole number of sign bytes
+            "dtype=float32", "variants=3", "requests=8", "concurrency=4", "prompt_tokens=16", "max_tokens=8",
+            "max_batch=4", "max_position_embeddings=128", f"paths.root={tmp_path}", "port=8141", "machine=test",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + (tmp_path / "run" / "server.log").read_text()[-3000:]
+    reports = list((tmp_path / "reports").glob("bench-serve-*-test-tiny-synthetic-tp2-3v.json"))
+    assert len(reports) == 1 and reports[0].with_suffix(".png").is_file()
+    d = json.loads(reports[0].read_text())
+    assert not (tmp_path / "outputs" / "bench" / "serve-synthetic-tiny" / "base").exists()  # only a tokenizer
+    assert d["models"] == [{"id": "bench", "parent": None}] + [{"id": f"bench-v0{i}", "parent": "bench"} for i in range(3)]
+    mixed = d["phases"]["mixed"]
+    assert mixed["errors"] == [] and mixed["completion_tokens"] == 8 * 8
+    assert d["answered_mixed"] == {"bench": 2, "bench-v00": 2, "bench-v01": 2, "bench-v02": 2}  # balanced: 8 over 4
+    assert d["all_variants_answered"] is True
+    assert {m: v["tier"] for m, v in d["delta_cache"]["variants"].items()} == {f"bench-v0{i}": "device" for i in range(3)}
+    assert d["startup_s"] > 0 and d["synthetic"]["variants"] == 3 and d["config"]["tp"] == 2
+    pred = d["memory"]["predicted_bytes_per_rank"]
+    assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
+    assert pred[0]["kv_cache_bytes"] == 2 * 2 * 4 * 1 * 128 * 32 * 4  # K, V · 2 layers · 4 rows · 1 of 2 KV heads

@@ -1,0 +1,260 @@
+"""The synthetic family (serve/synthetic.py): a base and variants generated on the device, each
+tensor-parallel rank its own slice. Served by ``serve/run.py synthetic=... tp=2`` (two gloo ranks)
+through the real openai client it answers like one process; the memory it predicts is the bytes of
+the tensors it builds."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.batch import DeltaSlots
+from serve.synthetic import SyntheticFamily, check_options, predict_memory, read_synthetic, write_base_dir
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+# alpha as large as the weights' std, so that every variant's greedy text differs from the base's
+OPTS = {"shape": SHAPE, "variants": 3, "seed": 7, "std": 0.02, "alpha": 0.02}
+# the repository first, then the caller's PYTHONPATH (where a GPU host keeps extra wheels)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from serve.bench import stdlib_tokenizer
+
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    stdlib_tokenizer(out, SHAPE["vocab_size"], SHAPE["max_position_embeddings"])
+    return out
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:  # a tied head is the embedding
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("layout", ["llama-gqa", "llama-bias-tied"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_predicted_memory_is_the_bytes_of_the_tensors(layout, world):
+    shape = dict(SHAPE, **({"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
+                           if layout == "llama-bias-tied" else {}))
+    fam = SyntheticFamily(shape, variants=3)
+    for rank in range(world):
+        model = fam.build_base("cpu", torch.bfloat16, tp=None if world == 1 else (rank, world, None))
+        slots = DeltaSlots(model, 3)
+        cache = model.new_cache(4, 32)
+        got = predict_memory(shape, world=world, rank=rank, n_slots=3, dtype=torch.bfloat16, max_batch=4, max_seq_len=32)
+        assert got["base_bytes"] == _tensor_bytes(model.parameters()), (rank, "base")
+        assert got["params"] == sum(p.numel() for p in model.parameters())
+        assert got["slots_bytes"] == _tensor_bytes([*slots.signs.values(), *slots.alphas.values(), *slots.full.values()])
+        assert got["slot_bytes"] == DeltaSlots.bytes_per_slot(model) == slots.slot_bytes
+        assert got["kv_cache_bytes"] == _tensor_bytes([t for c in cache for t in (c.k, c.v)])
+        assert got["total_bytes"] == got["base_bytes"] + got["slots_bytes"] + got["kv_cache_bytes"]
+    if layout == "llama-bias-tied" and world == 2:  # rank 0 alone adds the row-parallel biases
+        assert predict_memory(shape, world=2, rank=0)["params"] - predict_memory(shape, world=2, rank=1)["params"] \
+            == SHAPE["num_hidden_layers"] * (SHAPE["hidden_size"] + SHAPE["hidden_size"])  # o_proj + down_proj
+
+
+def test_70b_prediction_against_its_published_parameter_count():
+    whole = predict_memory(LLAMA_2_70B, world=1, n_slots=0)
+    assert whole["params"] == 68_976_648_192  # Llama-2-70B
+    assert whole["base_bytes"] == 2 * 68_976_648_192  # bf16: the 138 GB that cannot be written there
+    replicated = 2 * 32000 * 8192 + (2 * 80 + 1) * 8192  # embedding, head, norms
+    r0 = predict_memory(LLAMA_2_70B, world=2, rank=0, n_slots=14, max_batch=16, max_seq_len=1024)
+    assert r0["params"] == (68_976_648_192 - replicated) // 2 + replicated
+    signs = (68_976_648_192 - replicated) // 2 // 8 + 2 * 32000 * 8192 // 8  # 1 bit per weight of the slice
+    alphas = 4 * (80 * (4096 + 512 + 512 + 8192 + 14336 + 14336 + 8192) + 2 * 32000)  # fp32 per row of the slice
+    assert r0["slot_bytes"] == signs + alphas + 2 * (2 * 80 + 1) * 8192
+    assert r0["kv_cache_bytes"] == 2 * 80 * 16 * 4 * 1024 * 128 * 2  # K and V, 4 of the 8 KV heads per rank
+    assert 120 * 2**30 < r0["total_bytes"] < 130 * 2**30  # fits in an H200's ~139 GiB, with room to run
+    assert predict_memory(LLAMA_2_70B, world=2, rank=1, n_slots=14, max_batch=16, max_seq_len=1024) == r0  # no biases
+
+
+# ---------------------------------------------------------------------------------------- the family
+
+
+def test_rank_slices_are_cut_from_the_same_whole_model():
+    fam = SyntheticFamily(SHAPE, variants=2, seed=3)
+    whole = fam.build_base()
+    ranks = [fam.build_base(tp=(r, 2, None)) for r in range(2)]
+    q = "layers.1.self_attn.q_proj.weight"
+    down = "layers.0.mlp.down_proj.weight"
+    p = [dict(m.named_parameters()) for m in ranks]
+    w = dict(whole.named_parameters())
+    assert torch.equal(torch.cat([p[0][q], p[1][q]], 0), w[q])  # column parallel: rows
+    assert torch.equal(torch.cat([p[0][down], p[1][down]], 1), w[down])  # row parallel: columns
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+        assert torch.equal(p[1][name], w[name])
+    assert torch.equal(w["norm.weight"], torch.ones(64)) and 0.015 < float(w[q].std()) < 0.025
+    assert not torch.equal(w[q], w["layers.0.self_attn.q_proj.weight"])  # a seed per parameter
+    assert torch.equal(SyntheticFamily(SHAPE, variants=2, seed=3).build_base().lm_head.weight, w["lm_head.weight"])
+    assert not torch.equal(SyntheticFamily(SHAPE, variants=2, seed=4).build_base().lm_head.weight, w["lm_head.weight"])
+    # the variants' signs: the ranks' slots hold the whole variant's cut
+    slots = DeltaSlots(whole, 2)
+    whole_v1 = slots.put(fam.variant("v01"))
+    for m, r in zip(ranks, range(2)):
+        v = DeltaSlots(m, 2).put(fam.variant("v01", tp=(r, 2, None)))
+        name = "model.layers.0.mlp.down_proj.weight"
+        assert torch.equal(v.signs[name], whole_v1.signs[name][:, 8 * r:8 * (r + 1)])
+        name = "model.layers.0.self_attn.k_proj.weight"
+        assert torch.equal(v.signs[name], whole_v1.signs[name][16 * r:16 * (r + 1)])
+        assert torch.equal(v.alphas[name], torch.full((16,), 1e-3))
+    v0 = slots.put(fam.variant("v00"))
+    assert not torch.equal(v0.signs[name], whole_v1.signs[name])
+    with pytest.raises(KeyError, match="no synthetic variant 'v02'"):
+        fam.variant("v02")
+
+
+def test_pad_bits_are_zero_and_options_are_checked():
+    fam = SyntheticFamily(dict(SHAPE, intermediate_size=132), variants=1)  # down_proj: K = 132, 4 pad bits
+    sign = fam.variant("v00").signs["model.layers.0.mlp.down_proj.weight"]
+    assert sign.shape == (64, 17) and int((sign[:, -1] >> 4).max()) == 0 and int(sign[:, -1].max()) > 0
+    assert check_options({"shape": SHAPE})["variants"] == 14
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['varients'\]"):
+        check_options({"shape": SHAPE, "varients": 3})
+    with pytest.raises(ValueError, match="`shape`"):
+        check_options({"variants": 3})
+    with pytest.raises(ValueError, match="variants must be ≥ 1"):
+        check_options({"shape": SHAPE, "variants": 0})
+
+
+def test_the_folder_holds_no_weights_and_pads_the_tokenizer(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    base = write_base_dir(tmp_path / "base", OPTS, tokenizer_dir)
+    assert not list(base.glob("*.safetensors"))
+    assert len(AutoTokenizer.from_pretrained(base)) == SHAPE["vocab_size"]
+    assert read_synthetic(base) == SyntheticFamily(read_synthetic(base).config, variants=3, seed=7, alpha=0.02)
+    assert read_synthetic(tmp_path) is None
+    with pytest.raises(ValueError, match="more than vocab_size=300"):
+        write_base_dir(tmp_path / "small", {**OPTS, "shape": dict(SHAPE, vocab_size=300)}, tokenizer_dir)
+
+
+class _OneRank:
+    """Rank 0 of a tensor-parallel world of one, recording what it announces to the (absent) others."""
+
+    rank, world, group = 0, 1, None
+
+    def __init__(self):
+        self.lock, self.sent = threading.RLock(), []
+
+    @property
+    def shard(self):
+        return 0, 1, None
+
+    def send(self, cmd):
+        self.sent.append(cmd)
+
+
+def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(tokenizer_dir, tmp_path):
+    """One slot for three variants: each load evicts the previous one to the host tier, and a load from
+    there announces the variant's source again (it was lost with the slot's views)."""
+    from serve.engine import Engine, SamplingParams
+
+    base = write_base_dir(tmp_path / "base", OPTS, tokenizer_dir)
+    tp = _OneRank()
+    eng = Engine(base, None, family="syn", tp=tp, delta_cache={"device_slots": 1, "host_budget_bytes": 10**9})
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    first = eng.complete("syn-v00", "def main(", greedy).text
+    eng.complete("syn-v01", "def main(", greedy)
+    assert eng.cache.tier("syn-v00") == "host"
+    again = eng.complete("syn-v00", "def main(", greedy).text
+    loads = [c for c in tp.sent if c[0] == "load"]
+    assert loads == [("load", "synthetic:v00", 0), ("load", "synthetic:v01", 0), ("load", "synthetic:v00", 0)]
+    assert again == first
+    eng.shutdown()
+
+
+# ---------------------------------------------------------------------------------------- the server
+
+
+def _free_ports(n: int) -> list[int]:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(tokenizer_dir, tmp_path):
+    """``serve/run.py tp=2 synthetic=...`` (two gloo ranks, each generating its slices): every variant is
+    listed with its parent and resident before the server answers; greedy answers through the openai
+    client, sent together (mixed batches), equal a one-process engine's of the same seed; variants
+    differ from the base."""
+    import httpx
+    import openai
+
+    from serve.bench import hydra_value
+    from serve.engine import Engine, SamplingParams
+
+    port, tp_port = _free_ports(2)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"synthetic={hydra_value({**OPTS, 'tokenizer_dir': tokenizer_dir})}",
+                             "model.name=syn", f"port={port}", f"tp_port={tp_port}", "tp=2", "threads=1",
+                             "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.3)
+        listed = {m["id"]: m["parent"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        assert listed == {"syn": None, "syn-v00": "syn", "syn-v01": "syn", "syn-v02": "syn"}
+        cache = httpx.get(url + "/v1/delta_cache").json()["variants"]
+        assert {m: v["tier"] for m, v in cache.items()} == {f"syn-v0{i}": "device" for i in range(3)}  # preloaded
+        assert (tmp_path / "run" / "synthetic-base" / "synthetic.json").is_file()
+
+        ref = Engine(write_base_dir(tmp_path / "ref", OPTS, tokenizer_dir), None, family="syn")  # one process
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        prompts = ("def main(", "The quick brown")
+        jobs = [(m, p) for m in listed for p in prompts]
+        got = {}
+        threads = [threading.Thread(target=lambda m=m, p=p: got.__setitem__((m, p), client.completions.create(
+            model=m, prompt=p, max_tokens=8, temperature=0).choices[0].text)) for m, p in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        want = {(m, p): ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text for m, p in jobs}
+        assert got == want
+        texts = {m: tuple(want[(m, p)] for p in prompts) for m in listed}
+        assert len(set(texts.values())) == 4, texts  # every variant answers its own way, none like the base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path):
+    r = subprocess.run([sys.executable, "serve/run.py", "synthetic={variants:3}", f"hydra.run.dir={tmp_path}",
+                        f"paths.root={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=ENV)
+    assert r.returncode == 2 and "synthetic: `shape`" in r.stderr
