@@ -201,3 +201,245 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                           weight.stride(0), sign.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
                           HAS_BIAS=bias is not None, STAGES=stages, W_TMA=w_tma, num_warps=warps)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed tenants: every row its own variant (bitdelta_linear_batched), decode-sized M
+
+# (BLOCK_N, STAGES): one warpgroup per program, BLOCK_K = 64; K is split across programs
+# (:func:`tenant_split`) so that there are about two programs per multiprocessor. A configuration
+# applies to a row count when it gives each thread 1–8 output features (:func:`tenant_configs`): more
+# features per thread share each activation's conversion among more weights, and above 8 the sums
+# no longer fit in registers (Triton 3.6, sm_90: 3.4–3.8 SASS instructions per row and weight at 8).
+TENANT_CONFIGS = ((64, 4), (128, 4), (256, 3), (64, 6), (128, 3))
+TENANT_BLOCK_K = 64
+
+
+def tenant_configs(rows: int) -> list[tuple[int, int]]:
+    """The :data:`TENANT_CONFIGS` usable for ``rows`` (2, 4, 8 or 16) rows, the default first (8
+    features per thread where possible, the widest tile otherwise)."""
+    usable = [c for c in TENANT_CONFIGS if 1 <= c[0] // _threads_n(rows) <= 8 and c[0] % _threads_n(rows) == 0]
+    return sorted(usable, key=lambda c: (abs(c[0] // _threads_n(rows) - 8), -c[1]))
+
+
+def _threads_n(rows: int, num_warps: int = 4) -> int:
+    tpw_r = {16: 4, 8: 2, 4: 1, 2: 1}[rows]
+    return (32 // tpw_r) * (num_warps // (rows // tpw_r))
+
+
+def _tenant_layout(rows: int, block_n: int, num_warps: int = 4) -> tuple[int, int, int]:
+    """Thread layout of the sign work for ``rows`` (a power of two, 2–16) tenant rows: returns
+    ``(SPT_N, TPW_R, WPC_R)``, the output features per thread, the rows across a warp's lanes and the
+    rows across warps, such that the ``32·num_warps`` threads cover ``[rows, block_n]`` exactly once.
+
+    Raises:
+        ValueError: if ``rows`` is not 2, 4, 8 or 16, or ``block_n`` does not split evenly."""
+    if rows not in (2, 4, 8, 16):
+        raise ValueError(f"rows must be 2, 4, 8 or 16, got {rows}")
+    tpw_r = {16: 4, 8: 2, 4: 1, 2: 1}[rows]
+    wpc_r = rows // tpw_r
+    n_threads = (32 // tpw_r) * (num_warps // wpc_r)
+    if block_n % n_threads:
+        raise ValueError(f"BLOCK_N={block_n} does not split over {n_threads} threads for {rows} rows")
+    return block_n // n_threads, tpw_r, wpc_r
+
+
+def tenant_split(m: int, n: int, k: int, block_n: int, sms: int) -> int:
+    """K split of the mixed-tenant kernel: about two programs per multiprocessor (``sms``), each
+    with at least 8 K steps of :data:`TENANT_BLOCK_K`."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
+    steps = triton.cdiv(k, TENANT_BLOCK_K)
+    return max(1, min(triton.cdiv(2 * sms, tiles), steps // 8))
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _tenants_kernel(x_desc, w_desc, x_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, NSLOT,
+                        stride_xm, stride_ss, stride_sn, stride_as, stride_ym,
+                        ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
+                        STAGES: gl.constexpr, SPT_N: gl.constexpr, TPW_R: gl.constexpr, WPC_R: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """``y[m] = x[m]·Wᵀ + α_t ⊙ (x[m]·S_tᵀ) (+ bias)``, ``t = slot[m]`` (−1: base only), for the
+        ``ROWS`` (≤ 16) rows of a row block, over the K chunk ``program_id(2)`` of ``num_programs(2)``.
+
+        The base product runs on the tensor cores with the operands swapped (``yᵀ = W·xᵀ``: W is the
+        wgmma's 64-row A operand, the rows its N = 16), W and x streamed by TMA through a ring of
+        ``STAGES`` buffers. The wgmma is asynchronous: while it runs, the same warps do the sign part
+        on the CUDA cores. Every thread owns ``SPT_N`` output features × 64 weights of one row's
+        tenant; per K step it reads their two 32-bit sign words per feature (one 8-byte load) and the
+        row's 64 activations (reused for all ``SPT_N`` features), and adds ``±x[k]`` by moving sign
+        bit k onto the float sign bit of ``x[k]`` (a shift, one and-xor, an add: three instructions
+        per row and weight). The sums stay in the thread until the end of its K chunk. With K split,
+        the programs' float32 partial results meet in a workspace (atomic adds) and the last program
+        of a tile (a counter) writes ``y`` and leaves workspace and counter zero."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]   # 16: the wgmma's N
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        BKW: gl.constexpr = BK // 32                     # 32-bit sign words per feature per K step
+        TPW_N: gl.constexpr = 32 // TPW_R
+        WPC_N: gl.constexpr = num_warps // WPC_R
+        dtype: gl.constexpr = x_desc.dtype
+        SIGN_BIT: gl.constexpr = -2147483648  # 0x80000000 as int32
+
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        SPLIT = gl.num_programs(2)
+        off_n = pid_n * BN
+        off_m = pid_m * BM
+        num_k_all = gl.cdiv(K, BK)
+        per = gl.cdiv(num_k_all, SPLIT)
+        k_first = gl.program_id(2) * per
+        num_k = gl.minimum(per, num_k_all - k_first)
+
+        l4: gl.constexpr = gl.BlockedLayout([1, SPT_N, BKW, 32], [TPW_R, TPW_N, 1, 1], [WPC_R, WPC_N, 1, 1],
+                                            [3, 2, 1, 0])
+        l3: gl.constexpr = gl.SliceLayout(3, l4)   # sign words [ROWS, BN, BKW]
+        lo: gl.constexpr = gl.SliceLayout(2, l3)   # per (row, feature) sums [ROWS, BN]
+        lx: gl.constexpr = gl.SliceLayout(1, l4)   # activations [ROWS, BKW, 32]
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BM, 16])
+
+        x_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        # the sign part's pointers: the rows' tenants, the features, the sign words (K/32 per feature)
+        w32_ptr = s_ptr.to(gl.pointer_type(gl.int32))
+        rows_s = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+        slot_s = gl.load(slot_ptr + rows_s, mask=rows_s < M, other=-1)
+        has_s = (slot_s >= 0) & (slot_s < NSLOT)
+        sl_s = gl.where(has_s, slot_s, 0)
+        rn_s = (off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))) % N
+        kw_s = gl.arange(0, BKW, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+        kw3 = gl.expand_dims(gl.expand_dims(kw_s, 0), 1) + k_first * BKW                  # [1, 1, BKW]
+        s_ptrs = (w32_ptr + gl.expand_dims(gl.expand_dims(sl_s, 1), 2) * (stride_ss // 4)
+                  + gl.expand_dims(gl.expand_dims(rn_s, 0), 2) * (stride_sn // 4) + kw3)
+        s_row_ok = gl.expand_dims(gl.expand_dims(has_s, 1), 2)
+        rows_x = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, lx)))
+        kw_x = gl.arange(0, BKW, layout=gl.SliceLayout(0, gl.SliceLayout(2, lx)))
+        p_x = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, lx)))
+        k_x = (gl.expand_dims(gl.expand_dims(kw_x, 0), 2) * 32 + gl.expand_dims(gl.expand_dims(p_x, 0), 1)
+               + k_first * BK)                                                              # [1, BKW, 32]
+        x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(rows_x, 1), 2) * stride_xm + k_x
+        x_row_ok = gl.expand_dims(gl.expand_dims(rows_x < M, 1), 2)
+        shifts = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, l4))))
+        shifts = 31 - gl.expand_dims(gl.expand_dims(gl.expand_dims(shifts, 0), 0), 0)  # [1, 1, 1, 32]: bit p → 31
+
+        KW = K // 32
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        for i in gl.static_range(STAGES):  # prologue: the first STAGES steps in flight
+            if i < num_k:
+                mbarrier.expect(bars.index(i), nbytes)
+                _tma_load(x_desc, [off_m, (k_first + i) * BK], bars.index(i), x_smem.index(i))
+                _tma_load(w_desc, [off_n, (k_first + i) * BK], bars.index(i), w_smem.index(i))
+        sgn = gl.load(s_ptrs, mask=s_row_ok & (kw3 < KW), other=0)
+        xv = gl.load(x_ptrs, mask=x_row_ok & (k_x < K), other=0.0)
+
+        acc_b = gl.zeros([BN, BM], gl.float32, acc_l)
+        acc_s = gl.zeros([ROWS, BN], gl.float32, lo)
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
+            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc_b, is_async=True)
+            # the next step's signs and activations, in flight during this step's arithmetic
+            nw = (ki + 1) * BKW
+            sgn_next = gl.load(s_ptrs + nw, mask=s_row_ok & (kw3 + nw < KW), other=0)
+            xv_next = gl.load(x_ptrs + nw * 32, mask=x_row_ok & (k_x + nw * 32 < K), other=0.0)
+            xb = gl.expand_dims(xv.to(gl.float32).to(gl.int32, bitcast=True), 1)           # [ROWS, 1, BKW, 32]
+            # bit 0 → flip the sign of x: x ^ (¬(word << (31 − p)) & 0x80000000), one LOP3 after the shift
+            flip = ((gl.expand_dims(sgn, 3) << shifts) ^ -1) & SIGN_BIT
+            acc_s += gl.sum(gl.sum((flip ^ xb).to(gl.float32, bitcast=True), axis=3), axis=2)
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+            nk = ki + STAGES
+            if nk < num_k:  # this stage's wgmma is done: refill it
+                mbarrier.expect(bars.index(stage), nbytes)
+                _tma_load(x_desc, [off_m, (k_first + nk) * BK], bars.index(stage), x_smem.index(stage))
+                _tma_load(w_desc, [off_n, (k_first + nk) * BK], bars.index(stage), w_smem.index(stage))
+            sgn = sgn_next
+            xv = xv_next
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # epilogue: the base product (features × rows) through shared memory into the sign sums' layout
+        t_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        t_smem.store(gl.permute(acc_b, (1, 0)))
+        _cta_barrier()
+        base = t_smem.slice(0, ROWS, dim=0).load(lo)
+        rows_o = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lo))
+        cols_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, lo))
+        slot_o = gl.load(slot_ptr + rows_o, mask=rows_o < M, other=-1)
+        ok_o = (slot_o >= 0) & (slot_o < NSLOT)
+        has_o = gl.expand_dims(ok_o, 1)
+        sl_o = gl.expand_dims(gl.where(ok_o, slot_o, 0), 1)
+        rn_o = gl.expand_dims(cols_o % N, 0)
+        if ALPHA_PER_ROW:
+            alpha = gl.load(a_ptr + sl_o * stride_as + rn_o, mask=has_o, other=0.0)
+        else:
+            alpha = gl.load(a_ptr + sl_o * stride_as + rn_o * 0, mask=has_o, other=0.0)
+        out = base + alpha * acc_s
+        mask = gl.expand_dims(rows_o < M, 1) & gl.expand_dims(cols_o < N, 0)
+        y_ptrs = y_ptr + gl.expand_dims(rows_o, 1) * stride_ym + gl.expand_dims(cols_o, 0)
+        if SPLIT > 1:
+            ws_ptrs = ws_ptr + gl.expand_dims(rows_o, 1) * N + gl.expand_dims(cols_o, 0)
+            gl.atomic_add(ws_ptrs, out, mask=mask, sem="relaxed")
+            tile = pid_m * gl.num_programs(0) + pid_n
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this program's adds
+            if done == SPLIT - 1:  # the last K chunk of this tile: read (and zero) the sums, write y
+                out = gl.atomic_xchg(ws_ptrs, gl.zeros([ROWS, BN], gl.float32, lo), mask=mask, sem="relaxed")
+                if HAS_BIAS:
+                    out = out + gl.load(b_ptr + rn_o).to(gl.float32)
+                gl.store(y_ptrs, out.to(dtype), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                out = out + gl.load(b_ptr + rn_o).to(gl.float32)
+            gl.store(y_ptrs, out.to(dtype), mask=mask)
+
+
+def tenants_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
+    """Whether :func:`bitdelta_linear_batched_gluon` can run: :func:`supported`, 2 or more rows, K a
+    multiple of 64, and sign rows whose 32-bit words are aligned (strides multiples of 8 bytes)."""
+    return (supported(x, weight) and x.shape[0] >= 2 and weight.shape[1] % TENANT_BLOCK_K == 0
+            and signs.stride(-1) == 1 and signs.stride(1) % 8 == 0 and signs.stride(0) % 8 == 0
+            and signs.data_ptr() % 8 == 0)
+
+
+def bitdelta_linear_batched_gluon(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                                  slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                                  ws: torch.Tensor, cnt: torch.Tensor, config: tuple | None = None,
+                                  split: int | None = None) -> torch.Tensor:
+    """Launch the Hopper mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``, ``t = slot[m]``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, M ≥ 2 (:func:`tenants_supported`). weight: ``[N, K]`` same dtype.
+        signs: uint8 ``[S, N, K/8]``. alphas: float32 ``[S]`` or ``[S, N]``. slot: int32 ``[M]`` on the
+        device (−1 or out of range: the base only). bias: ``[N]`` or None. y: ``[M, N]`` in ``x.dtype``.
+        ws, cnt: float32 zeros of at least ``M·N`` and int32 zeros of at least one per output tile
+            (``kernels.triton_bitdelta._workspace``); left zero.
+        config: ``(BLOCK_N, STAGES)``, one of :func:`tenant_configs` for the row count (default:
+            its first). split: K chunks (default :func:`tenant_split`).
+
+    Returns:
+        ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    bn, stages = config or tenant_configs(rows)[0]
+    spt_n, tpw_r, wpc_r = _tenant_layout(rows, bn)
+    if split is None:
+        split = tenant_split(m, n, k, bn, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    dt = _gl_dtype(x.dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [16, TENANT_BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([16, TENANT_BLOCK_K], dt))
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, TENANT_BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([bn, TENANT_BLOCK_K], dt))
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, 16), split)
+    _tenants_kernel[grid](x_desc, w_desc, x, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
+                          m, n, k, signs.shape[0], x.stride(0), signs.stride(0), signs.stride(1),
+                          alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
+                          HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, SPT_N=spt_n, TPW_R=tpw_r,
+                          WPC_R=wpc_r, num_warps=4)
+    return y

@@ -577,6 +577,47 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     return _PREFILL_CHOICE[key]
 
 
+_TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant config, or None for table lookup
+
+
+def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
+    """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two): each
+    configuration of the Hopper kernel usable for the row count (``gluon_bitdelta.tenant_configs``)
+    and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
+    While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
+    is timed and the Hopper kernel's default configuration for the row count is used."""
+    m, k = x.shape
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None)
+    if key in _TENANTS_CHOICE:
+        return _TENANTS_CHOICE[key]
+    configs = gluon_bitdelta.tenant_configs(rows)
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
+        return configs[0]
+    from triton.testing import do_bench_cudagraph
+
+    runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias,
+                                                                             y, ws, cnt, cfg)) for cfg in configs}
+    flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    bm = min(16, triton.next_power_of_2(m))
+    kb = lut_args[12]
+    runs[None] = lambda: _lut_tuned[lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]),
+                                                  triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]),
+                                                  triton.cdiv(m, bm))](
+        *lut_args, **flags, EVEN=k % _LUT_EVEN == 0, DOT_FP32=False, BLOCK_M=bm)
+    times = {}
+    torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
+    for cfg, fn in runs.items():
+        try:
+            fn()  # compile (and, for the table-lookup kernel, autotune) outside the timed graph
+            torch.cuda.synchronize()
+            times[cfg] = do_bench_cudagraph(fn, rep=20)
+        except Exception:  # noqa: BLE001 - a configuration that does not fit this device is skipped
+            continue
+    _TENANTS_CHOICE[key] = min(times, key=times.get) if times else None
+    return _TENANTS_CHOICE[key]
+
+
 def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
                                    alphas: torch.Tensor, slot: torch.Tensor,
                                    bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
@@ -603,8 +644,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
             when ``slot`` is on the CPU; on a GPU such rows get the base only), or an unknown ``impl``.
     """
     _check(x, weight)
-    if impl not in (None, "fma", "lut"):
-        raise ValueError(f"impl must be 'fma' or 'lut', got {impl!r}")
+    if impl not in (None, "fma", "lut", "gluon"):
+        raise ValueError(f"impl must be 'fma', 'lut' or 'gluon', got {impl!r}")
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
@@ -624,6 +665,15 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
+    if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
+        config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
+        if config is not None:
+            return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
+    if impl == "gluon":
+        if _interpret() or not gluon_bitdelta.tenants_supported(x, weight, signs):
+            raise ValueError("impl='gluon' needs a Hopper GPU, two rows or more, K a multiple of 64 and "
+                             "8-byte aligned sign rows")
+        return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt)
     impl = impl or ("fma" if m == 1 else "lut")
     if impl == "lut":
         flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)

@@ -60,7 +60,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
-                        force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp)
+                        force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
+                        cuda_graphs=cfg.cuda_graphs)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         if tp is not None:

@@ -96,6 +96,34 @@ if gb.HAVE_GLUON:
                              "overlap": "wgmma.wait_group.sync.aligned 1;" in ptx}
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    fn = gb._tenants_kernel
+    for rows in (2, 4, 8, 16):
+        for (bn, stages) in gb.tenant_configs(rows):
+            spt_n, tpw_r, wpc_r = gb._tenant_layout(rows, bn)
+            bk = gb.TENANT_BLOCK_K
+            xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+            wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+            sig = {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>", "w_desc": f"tensordesc<bf16[{bn}, {bk}],{wl!r}>",
+                   "x_ptr": "*bf16", "s_ptr": "*u8", "a_ptr": "*fp32", "slot_ptr": "*i32", "b_ptr": "*bf16",
+                   "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                   "NSLOT": "i32", "stride_xm": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_as": "i32",
+                   "stride_ym": "i32"}
+            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, SPT_N=spt_n, TPW_R=tpw_r,
+                          WPC_R=wpc_r, num_warps=4)
+            sig.update({c: "constexpr" for c in consts})
+            names = fn.arg_names
+            attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                     for a in ("x_ptr", "s_ptr", "a_ptr", "slot_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K",
+                               "stride_xm", "stride_ss", "stride_sn", "stride_ym")}
+            name = "gluon-tenants " + json.dumps({"rows": rows, "config": [bn, stages]})
+            try:
+                k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                ptx = k.asm["ptx"]
+                out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                             "local": ptx.count("st.local")}
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -118,7 +146,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
     n_decode, n_fma = len(tb._decode_configs(False)), len(tb._decode_configs(True))
     from kernels import gluon_bitdelta as gb
 
-    n_gluon = 2 * len(gb.CONFIGS) if gb.HAVE_GLUON else 0
+    n_gluon = 2 * len(gb.CONFIGS) + sum(len(gb.tenant_configs(r)) for r in (2, 4, 8, 16)) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
@@ -128,7 +156,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
 def test_prefill_and_table_lookup_use_hopper_tensor_cores(compiled):
     for k, v in compiled.items():
-        if k.startswith(("prefill", "tenants-lut", "gluon-prefill")):
+        if k.startswith(("prefill", "tenants-lut", "gluon-prefill", "gluon-tenants")):
             assert v["wgmma"], f"{k} compiled without wgmma"
 
 
@@ -142,3 +170,15 @@ def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compi
     gluon = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill")}
     assert len(gluon) == 2 * len(gb.CONFIGS)
     assert all(v["overlap"] for v in gluon.values()), gluon
+
+
+def test_gluon_tenant_kernel_keeps_its_sums_in_registers(compiled):
+    """Every usable (rows, tile) of the Hopper mixed-tenant kernel compiles without spilling to local
+    memory: a thread's per-feature sums (at most 8 features, ``tenant_configs``) stay in registers."""
+    from kernels import gluon_bitdelta as gb
+
+    if not gb.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    tenants = {k: v for k, v in compiled.items() if k.startswith("gluon-tenants")}
+    assert len(tenants) == sum(len(gb.tenant_configs(r)) for r in (2, 4, 8, 16)) > 0
+    assert all(v.get("local") == 0 for v in tenants.values()), tenants

@@ -154,7 +154,7 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
     with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="impl must be 'fma' or 'lut', got 'gemm'"):
+    with pytest.raises(ValueError, match="impl must be 'fma', 'lut' or 'gluon', got 'gemm'"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="gemm")
 
 
@@ -287,6 +287,56 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         gb.bitdelta_linear_gluon(x, w, sign, alpha, b, y, config)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{config}: {s}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon mixed-tenant kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, row_alpha, bias",
+    [
+        (2, 264, 320, True, True),     # N past a tile, K = 5·64
+        (3, 200, 1024, False, False),  # one α per matrix, N below a tile, a base-only row
+        (16, 1024, 4096, True, False),  # a full row block, K split across programs
+        (17, 136, 128, True, True),    # two row blocks, the second of one row
+        (33, 512, 2048, False, True),  # three row blocks
+    ],
+)
+def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
+    """The Hopper mixed-tenant kernel, every configuration usable for the row count, with K split
+    and not: equal to the float32 reference, rows of slot −1 and of an out-of-range slot getting the
+    base only, and the split-K workspace left zero."""
+    from kernels import gluon_bitdelta as gb
+    from kernels import triton_bitdelta as tb
+    from kernels.reference import bitdelta_linear_batched
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    n_slots = 3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.randint(0, 256, (n_slots, n, k // 8), generator=g, dtype=torch.uint8)
+    alphas = 0.01 + 0.02 * torch.rand((n_slots, n) if row_alpha else (n_slots,), generator=g)
+    slot = torch.randint(-1, n_slots, (m,), generator=g, dtype=torch.int32)
+    slot[0], slot[-1] = -1, n_slots + 5  # base only, and out of range (the kernel gives the base)
+    b = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias else None
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(slot < n_slots, slot, -1),
+                                  None if b is None else b.float())
+    dev = [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
+    assert gb.tenants_supported(dev[0], dev[1], dev[2])
+    atol = TOL[dtype] * ref.abs().max().item()
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    for config in gb.tenant_configs(rows):
+        for split in (1, 3):
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
+            gb.bitdelta_linear_batched_gluon(*dev, y, ws, cnt, config, split=split)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol,
+                                       msg=lambda s: f"{config} split {split}: {s}")
+            assert not ws.any() and not cnt.any(), f"{config} split {split} left the workspace dirty"
+    y = tb.bitdelta_linear_batched_triton(*dev[:5], dev[5])  # the dispatcher's pick for this shape
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("k", [3072, 2048 + 136])

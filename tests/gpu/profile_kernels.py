@@ -29,7 +29,7 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         fn = lambda: x @ w.T  # noqa: E731
     elif kind in ("decode", "prefill"):
         fn = lambda: tb.bitdelta_linear_triton(x, w, s[0], a[0])  # noqa: E731
-    elif kind in ("fma", "lut"):
+    elif kind in ("fma", "lut", "gluon"):
         fn = lambda: tb.bitdelta_linear_batched_triton(x, w, s, a, slot, impl=kind)  # noqa: E731
     else:
         raise SystemExit(f"unknown case {case!r}")
