@@ -442,9 +442,17 @@ def _graph_bench(fn, quantiles=None):
     return do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
 
 
+# DELTAFLEET_TRITON_AUTOTUNE=0 (read at import): every kernel runs its first (default) tile and the
+# prefill and mixed-tenant choices take their defaults, with nothing compiled or timed beyond that. A
+# server then starts answering at once instead of compiling and timing every tile for every new layer
+# shape and row count (minutes for a 7B model on a fresh machine), at some cost in speed.
+AUTOTUNE = os.environ.get("DELTAFLEET_TRITON_AUTOTUNE", "1") != "0"
+
+
 def _autotune(configs, key, fn):
     quick = os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
-    return triton.autotune(configs=configs, key=key, do_bench=_quick_bench if quick else _graph_bench)(fn)
+    return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key,
+                           do_bench=_quick_bench if quick else _graph_bench)(fn)
 
 
 _decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
@@ -557,7 +565,8 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     key = (weight.shape[0], k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))
     if key in _PREFILL_CHOICE:
         return _PREFILL_CHOICE[key]
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
+    if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
+            or not AUTOTUNE):
         return gluon_bitdelta.DEFAULT_CONFIG
     from triton.testing import do_bench_cudagraph
 
@@ -592,6 +601,8 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
     configs = gluon_bitdelta.tenant_configs(rows)
+    if not AUTOTUNE:  # untimed, table lookup: on average over the 70B set the faster at its defaults
+        return None
     if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
         return configs[0]
     from triton.testing import do_bench_cudagraph

@@ -217,6 +217,8 @@ class Server:
         args = [sys.executable, str(REPO / "serve" / "run.py"), *server_overrides(cfg, family, free_port()),
                 f"hydra.run.dir={log.parent}"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+        if not cfg.get("kernel_autotune", True):  # kernels.triton_bitdelta.AUTOTUNE
+            env["DELTAFLEET_TRITON_AUTOTUNE"] = "0"
         if cfg.synthetic and cfg.device == "cuda":  # the GPUs end up nearly full: fragmentation matters
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.log = open(log, "w")

@@ -385,3 +385,27 @@ def test_every_autotuning_tile_is_correct_under_the_wrappers_even_rule(k):
         tb._tenants_kernel[grid](*args, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=k % tb._LUT_EVEN == 0,
                                  DOT_FP32=tb._interpret(), **kw)
         torch.testing.assert_close(y.float().cpu(), refb, rtol=0, atol=atolb, msg=lambda s: f"lut {cfg.kwargs}: {s}")
+
+
+def test_autotune_off_keeps_one_tile_per_kernel():
+    """``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import, for servers that must answer at once): every
+    autotuner holds its first tile only, and with it on, all of them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from kernels import triton_bitdelta as tb; "
+            "print([len(t.configs) for t in (tb._decode_tuned, tb._batched_tuned, tb._batched1_tuned, tb._mm_tuned, "
+            "tb._lut_tuned)], tb.AUTOTUNE)")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "DELTAFLEET_TRITON_AUTOTUNE"}
+    env["PYTHONPATH"] = str(root)
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, check=True)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "DELTAFLEET_TRITON_AUTOTUNE": "0"},
+                         capture_output=True, text=True, cwd=root, check=True)
+    from kernels import triton_bitdelta as tb
+
+    full = [len(tb._decode_configs(False)), len(tb._decode_configs(True)), len(tb._decode_configs(False)),
+            len(tb._mm_configs()), len(tb._lut_configs())]
+    assert on.stdout.strip() == f"{full} True"
+    assert off.stdout.strip() == "[1, 1, 1, 1, 1] False"

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 # tests/conftest.py chooses Triton's CPU interpreter unless told the Triton tests run on a GPU.
 os.environ.setdefault("DELTAFLEET_TRITON_DEVICE", "cuda")
+os.environ.setdefault("DELTAFLEET_TRITON_AUTOTUNE", "0")  # default tiles: no minutes of tuning per row count
 
 VARIANTS = ("coder", "writer", "math")
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
