@@ -28,17 +28,22 @@ Kernels:
   is computed in registers, so here the expansion and the tensor cores take turns. Which of the
   two runs is timed once per shape (``_prefill_choice``).
 * **mixed tenants**, ``bitdelta_linear_batched``: decode batches in which every row has its own
-  variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``, the default from two
-  rows): the base product of the rows on tensor cores, the signs by table lookup (see its
-  docstring). ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row):
-  the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows, each row
-  forms its own tenant's ``W + α_t·s_t``. Bytes read: W once + each distinct tenant's signs,
-  ``1 + T/16`` of a dense read for T tenants.
+  variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``): the base product of
+  the rows on tensor cores, the signs by table lookup (see its docstring). On a Hopper GPU,
+  ``kernels.gluon_bitdelta._tenants_kernel`` (``impl="gluon"``): the base product on the tensor
+  cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. From two
+  rows up the dispatcher times both once per shape and keeps the faster (``_tenants_choice``).
+  ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row, with the
+  decode tiles): the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows,
+  each row forms its own tenant's ``W + α_t·s_t``. Bytes read: W once + each distinct tenant's
+  signs, ``1 + T/16`` of a dense read for T tenants.
 
-Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.*),
-time ÷ dense bf16 over the Llama-2-70B layer set: decode M = 1 1.08×; M = 2048 1.62× (Gluon);
-mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.23× (FMA), 1.84 / 2.87 / 4.56 / 7.71× (table lookup),
-against targets of 1.1·(1 + T/16)×.
+Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.* and
+reports/bench-kernels-tenants-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B layer set:
+decode M = 1 1.08×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.09× (FMA),
+1.66 / 2.21 / 3.56 / 7.12× (the dispatcher's pick), against targets of 1.1·(1 + T/16)×. Both
+mixed-tenant kernels issue in only 22–34 % of cycles (ncu, reports/ncu-kernels-2026-11-30-h200.json):
+latency-bound at 12–31 % occupancy.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -635,13 +640,16 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
 
     Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
-    base tile is loaded once per program and shared by the program's rows. Two kernels (``impl``):
-    ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup; the
-    default for two rows or more) and ``"fma"`` (``_decode_kernel``: ``W + α_t·s_t`` formed in
-    float32 registers per row; the default for one row, with the decode tiles). Neither rounds
-    ``W + α·s``. On an H200 with Triton 3.6 (reports/bench-kernels-2026-11-30-h200.json, 70B layer
-    set, ÷ dense): FMA 1.23 / 2.45 / 4.20 / 8.26 / 16.4×, table lookup 1.44 / 1.84 / 2.87 / 4.56 /
-    7.71× at T = 1 / 2 / 4 / 8 / 16 tenants of one row each.
+    base tile is loaded once per program and shared by the program's rows. Three kernels (``impl``):
+    ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup), ``"gluon"``
+    (Hopper only, two rows or more, K a multiple of 64: ``kernels.gluon_bitdelta``, base product on
+    the tensor cores, signs on the CUDA cores meanwhile) and ``"fma"`` (``_decode_kernel``:
+    ``W + α_t·s_t`` formed in float32 registers per row; the default for one row, with the decode
+    tiles). By default, from two rows up, ``"lut"`` and each tile of ``"gluon"`` are timed once per
+    shape and the faster is kept. None of them rounds ``W + α·s``. On an H200 with Triton 3.6 (70B
+    layer set, ÷ dense, reports/bench-kernels-tenants-2026-11-30-h200.json): the default choice
+    1.09 / 1.66 / 2.21 / 3.56 / 7.12× at T = 1 / 2 / 4 / 8 / 16 tenants of one row each (table
+    lookup alone 1.45 / 1.82 / 2.79 / 4.43 / 7.47×).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -652,7 +660,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
 
     Raises:
         ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
-            when ``slot`` is on the CPU; on a GPU such rows get the base only), or an unknown ``impl``.
+            when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
+            or ``impl="gluon"`` where that kernel cannot run.
     """
     _check(x, weight)
     if impl not in (None, "fma", "lut", "gluon"):
