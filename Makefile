@@ -49,7 +49,7 @@ AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdat
 .PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
 
 help:
-	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,/^[^#]/p' Makefile | sed '$$d' | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) $(AUSTEN)
 

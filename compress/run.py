@@ -22,11 +22,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from compress.bitdelta import compress, export_hf
-from compress.cli import user_errors
+from compress.cli import stop_on_sigterm, user_errors
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    stop_on_sigterm()  # a stopped export leaves no half artifact
     with user_errors("export"):
         return _main(cfg)
 

@@ -5,7 +5,8 @@
 
 Streams one tensor at a time (merge/stream.py), so models larger than RAM merge; writes a Hugging
 Face checkpoint (config and tokenizer from the base) plus ``merge.json`` (method, parameters,
-inputs, time).
+inputs, time). An existing ``out_dir`` is replaced only if it is an earlier merge's output (it holds
+``merge.json``) or with ``overwrite=true``.
 """
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
+    from compress.cli import stop_on_sigterm
     from compress.stream import CheckpointError
     from merge.methods import get_method
     from merge.stream import merge_checkpoints
 
+    stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
     try:
         params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
         method = get_method(cfg.method, **params)
         summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
-                                    max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress)
+                                    max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress,
+                                    overwrite=bool(cfg.overwrite))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -42,24 +42,27 @@ def _peak_rss() -> int | None:
 
 def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Path], out_dir: str | Path,
                       method: MergeMethod, *, max_shard_bytes: int = 2_000_000_000,
-                      show_progress: bool = False) -> dict:
+                      show_progress: bool = False, overwrite: bool = False) -> dict:
     """Merge ``model_dirs`` (fine-tunes of ``base_dir``) with ``method`` into ``out_dir``.
 
     Args:
         base_dir: the common base (task vectors are taken against it); None only for ``linear``.
         model_dirs: one or more checkpoints with the base's tensor names and shapes.
-        out_dir: the merged checkpoint folder (replaced atomically if it exists).
+        out_dir: the merged checkpoint folder. If it exists it is replaced atomically, but only if it is
+            empty, an earlier merge's output (it holds ``merge.json``) or ``overwrite`` is set.
         method: a :class:`merge.methods.MergeMethod` (``get_method(name, **params)``).
         max_shard_bytes: output shard size in bytes.
         show_progress: a tqdm bar over tensors.
+        overwrite: replace an existing ``out_dir`` whatever it holds.
 
     Returns:
         A summary: ``tensors``, ``bytes``, ``seconds``, ``shards``, ``peak_rss_bytes`` (the process's
         peak resident memory so far: the merge's, when it runs in a process of its own).
 
     Raises:
-        ValueError: no models, a missing base for a task-vector method, or inputs whose tensor
-            names or shapes differ (the message names the first difference).
+        ValueError: no models, a missing base for a task-vector method, inputs whose tensor names or
+            shapes differ (the message names the first difference), an ``out_dir`` that overlaps an
+            input, is a file, or holds files of something other than a merge (without ``overwrite``).
         FileNotFoundError / compress.stream.CheckpointError: an unreadable input.
     """
     if not model_dirs:
@@ -75,6 +78,9 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
             raise ValueError(f"out_dir {out} overlaps the input {d}: the merge would replace or write into it")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {out} exists and is not a folder")
+    if out.is_dir() and not overwrite and any(out.iterdir()) and not (out / "merge.json").is_file():
+        raise ValueError(f"out_dir {out} exists and holds files that are not a merge's output (no merge.json): "
+                         f"the merge would replace them; choose another out_dir or set overwrite=true")
     if base_dir is None and method.name != "linear":
         raise ValueError(f"merge method {method.name!r} needs the base checkpoint (task vectors are W − W_base)")
     t0 = time.perf_counter()

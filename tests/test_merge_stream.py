@@ -96,3 +96,48 @@ def test_merge_run_cli(tiny_family, tmp_path):
                         f"hydra.run.dir={tmp_path / 'h2'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and "unknown merge method 'slerp'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_out_dir_holding_other_files_is_kept_unless_overwrite(tiny_family, tmp_path):
+    """Found by a fresh user: out_dir = a folder of their own files was silently replaced. An empty
+    folder or an earlier merge's output (merge.json) is replaced; anything else only with overwrite."""
+    models = [tiny_family.base_dir.parent / "coder", tiny_family.base_dir.parent / "writer"]
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "sub" / "data.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"holds files that are not a merge's output \(no merge.json\)"):
+        merge_checkpoints(tiny_family.base_dir, models, mine, get_method("linear"))
+    assert (mine / "sub" / "data.txt").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    merge_checkpoints(tiny_family.base_dir, models, tmp_path / "empty", get_method("linear"))
+    assert (tmp_path / "empty" / "merge.json").is_file()
+    first = json.loads((tmp_path / "empty" / "merge.json").read_text())
+    merge_checkpoints(tiny_family.base_dir, models, tmp_path / "empty", get_method("ties", density=0.5))
+    assert first["method"] == "linear" and json.loads((tmp_path / "empty" / "merge.json").read_text())["method"] == "ties"
+    merge_checkpoints(tiny_family.base_dir, models, mine, get_method("linear"), overwrite=True)
+    assert not (mine / "sub").exists() and (mine / "model.safetensors").is_file()
+
+
+def test_sigterm_removes_the_staged_folder(tmp_path):
+    """Found by a fresh user: a merge stopped by SIGTERM (``timeout``, a scheduler) left its hidden
+    staged folder behind; with ``stop_on_sigterm`` it ends as Ctrl-C does: status 143, nothing left,
+    an existing output untouched."""
+    code = f"""
+import os, signal
+from pathlib import Path
+from compress.atomic import staged_dir
+from compress.cli import stop_on_sigterm
+stop_on_sigterm()
+dst = Path({str(tmp_path / 'out')!r})
+with staged_dir(dst) as tmp:
+    (tmp / "half.bin").write_bytes(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGTERM)
+    (tmp / "never.bin").write_bytes(b"y")
+"""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.bin").write_bytes(b"old")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 143, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.bin"]
