@@ -5,16 +5,18 @@ Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``
 ``stream_options.include_usage``), ``GET /health``, ``GET /metrics`` (Prometheus, vLLM-style names
 under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error objects
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
-404 unknown model, 503 variant unavailable, 500 anything unexpected (a generic message; the details
-go to the server log) — none stops the server. OpenAI parameters this server does not implement
+404 unknown model, 413 a body over ``max_request_bytes`` (refused before it is parsed), 429 overloaded
+(with ``Retry-After``), 503 variant unavailable, 500 anything unexpected (a generic message; the
+details go to the server log) — none stops the server. OpenAI parameters this server does not implement
 (``echo``, ``logprobs``, ``tools``, ...) are a 400 unless their value asks for nothing.
 
 Each request is fed by a worker thread from the engine's continuous batch (serve/scheduler.py:
 requests for the base and any variants decode together), through an asyncio queue, so the event
 loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile. A client that hangs up
 cancels its generation (between two tokens), streaming or not, which frees its KV-cache row and
-its hold on the variant. Hot load/unload of variants: ``POST /v1/load_variant``,
-``POST /v1/unload_variant``, ``GET /v1/delta_cache``; an optional API key guards ``/v1/*``.
+its hold on the variant. Hot load/unload of variants (as vLLM's LoRA adapters: an unloaded variant is
+not served until it is loaded again): ``POST /v1/load_variant``, ``POST /v1/unload_variant``,
+``GET /v1/delta_cache``; an optional API key guards ``/v1/*``.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.engine import (
     Engine,
@@ -48,6 +52,9 @@ from serve.engine import (
 PREFIX = "deltafleet:"
 _DONE = object()  # end of a worker's queue
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+MAX_REQUEST_BYTES = 8 * 2**20  # request bodies larger than this are refused (413) unread
+MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
+RETRY_AFTER_S = 1  # the Retry-After of a 429
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -80,24 +87,33 @@ UNSUPPORTED = {
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept in model_extra, for check_supported
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, for check
 
+    # strict, as OpenAI: no true for 1 token, no 2.5 tokens, no "yes" for a bool (an int is still a float)
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)  # torch.Generator takes 64 bits
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stream: bool = False
+    seed: int | None = Field(None, ge=0, lt=2**63, strict=True)  # torch.Generator takes 64 bits
+    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
 
-    def check_supported(self) -> None:
-        """Raise a 400 APIError on a parameter of :data:`UNSUPPORTED` that asks for something."""
+    def check(self) -> None:
+        """Raise a 400 APIError on more than :data:`MAX_STOP` stop sequences, ``stream_options``
+        without ``stream``, or a parameter of :data:`UNSUPPORTED` that asks for something."""
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise APIError(400, f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
+                           f"but got an array with length {len(self.stop)} instead.", param="stop",
+                           code="array_above_max_length")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options", code="invalid_value")
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value is not None and not UNSUPPORTED[name](value):
                 raise APIError(400, f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
@@ -106,7 +122,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
 
 
 class ChatMessage(BaseModel):
@@ -126,7 +142,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
 class LoadVariantRequest(BaseModel):
@@ -148,16 +164,18 @@ class UnloadVariantRequest(BaseModel):
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> Response:
         # ASCII-escaped JSON: a message that quotes the request (a model id) may hold a lone surrogate.
-        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
 
 
 def _api_error(e: Exception) -> APIError:
@@ -191,6 +209,50 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                      for e in errors[:5])
     return APIError(400, f"Invalid request: {msgs}", param=param, code="invalid_value")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 (``request_too_large``)
+    before the app parses any of it — at once by its Content-Length, or as soon as a chunked body
+    passes the limit (uvicorn discards the rest). A body within the limit is read whole here and
+    handed on as one message."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        first = message
+
+        async def replay():
+            nonlocal first
+            if first is None:  # the whole body was handed on: what comes next is a disconnect
+                return await receive()
+            out, first = first, None
+            return out
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes.",
+                         "invalid_request_error", None, "request_too_large")
+        await error.response()(scope, receive, send)
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -265,7 +327,8 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None,
+               max_request_bytes: int | None = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
 
     Args:
@@ -274,8 +337,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             refused with 429 (OpenAI ``rate_limit_error``) instead of queueing; None: no limit.
         api_key: if set (not None or ""), every request but ``/health`` and ``/metrics`` must send
             ``Authorization: Bearer <api_key>`` (else 401, OpenAI's ``invalid_api_key``).
+        max_request_bytes: a request body larger than this is refused with 413 before it is read
+            whole or parsed (:class:`BodyLimit`); None: no limit.
     """
     app = FastAPI(title="deltafleet", version="0.1.0")
+    if max_request_bytes is not None:
+        app.add_middleware(BodyLimit, limit=int(max_request_bytes))  # inside the API key check, added next
 
     if api_key is not None and str(api_key) != "":
         expected = str(api_key).encode()
@@ -305,6 +372,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+            not_utf8 = isinstance(exc.__cause__, UnicodeDecodeError)
+            return APIError(400, "The request body is not valid JSON: it is not UTF-8 text." if not_utf8 else
+                            "The request body could not be parsed as JSON.", code="invalid_json").response()
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code).response()
 
@@ -351,7 +422,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     @app.post("/v1/load_variant")
     async def load_variant(body: LoadVariantRequest):
         """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
-        deltas onto the device now. 400: a path outside the root or without an artifact."""
+        deltas onto the device now (also a variant unloaded before). 400: the base, a path outside the
+        root or without an artifact."""
+        if body.variant == engine.family:
+            raise APIError(400, f"`{engine.family}` is the base model, which is always loaded: it cannot be loaded "
+                           "as a variant", param="variant", code="base_model")
         t0 = time.perf_counter()
         name = body.variant.removeprefix(f"{engine.family}-")  # a model id works too
         events = []
@@ -373,15 +448,18 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     @app.post("/v1/unload_variant")
     async def unload_variant(body: UnloadVariantRequest):
-        """Drop a variant's deltas from the device and host tiers (it stays listed and is read from
-        disk again on its next request). 409 while it has requests in flight."""
+        """Stop serving a variant (vLLM's ``/v1/unload_lora_adapter``): its deltas leave the device
+        and host tiers, and it is neither listed nor served (404) until ``/v1/load_variant`` loads it
+        again. 400: the base; 404: not served (unloaded already); 409: requests in flight on it."""
         v = body.variant
         mid = v if v == engine.family or v.startswith(f"{engine.family}-") else f"{engine.family}-{v}"
         try:
-            unloaded = await run_in_threadpool(engine.remove_variant, mid)
+            await run_in_threadpool(engine.remove_variant, mid)
+        except ModelNotFoundError as e:
+            raise APIError(404, str(e), "invalid_request_error", "variant", "model_not_found") from None
         except Exception as e:
             raise _api_error(e) from None
-        return {"id": mid, "object": "model", "unloaded": unloaded}
+        return {"id": mid, "object": "model", "unloaded": True}
 
     @app.get("/v1/delta_cache")
     async def delta_cache():
@@ -449,7 +527,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if max_waiting is not None and queued["n"] >= max_waiting:
                 engine.release(req)
                 raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
-                               "Retry later.", "rate_limit_error", None, "overloaded")
+                               "Retry later.", "rate_limit_error", None, "overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
             queued["n"] += 1
         metrics.waiting.labels(mid).inc()
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
@@ -524,7 +603,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         arrival = time.perf_counter()
-        body.check_supported()
+        body.check()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -552,7 +631,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         arrival = time.perf_counter()
-        body.check_supported()
+        body.check()
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await run_in_threadpool(engine.encode_chat, messages)

@@ -177,6 +177,7 @@ class Engine:
         self._special_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         longest_first = sorted(self._special_ids, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        self.max_token_chars = self._longest_token_chars()
         self.tp = tp
         self.synthetic = read_synthetic(self.base_dir)  # None: a real checkpoint
         if self.synthetic is None:
@@ -188,7 +189,8 @@ class Engine:
         self.base_fingerprint = fingerprint(self.base_dir) if self.synthetic is None else self.synthetic.fingerprint
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
-        self._registry_lock = threading.Lock()  # guards _variants
+        self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
+        self._registry_lock = threading.Lock()  # guards _variants and _removed
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
         # not stall every running sequence's next token.
@@ -255,7 +257,8 @@ class Engine:
     # ---------------------------------------------------------------- models and variants
 
     def discover(self) -> list[ModelCard]:
-        """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json``; new artifacts become servable."""
+        """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json``; new artifacts become servable (not those
+        removed with :meth:`remove_variant`)."""
         found: dict[str, ModelCard] = {}
         if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
             root = self.artifacts_dir.resolve()
@@ -271,7 +274,8 @@ class Engine:
             found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
         with self._registry_lock:
             for mid, card in found.items():
-                self._variants.setdefault(mid, card)
+                if mid not in self._removed:
+                    self._variants.setdefault(mid, card)
         return self.models()
 
     def models(self) -> list[ModelCard]:
@@ -349,7 +353,9 @@ class Engine:
 
     def _read_delta(self, model_id: str) -> VariantDelta:
         """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
-        card = self._variants[model_id]
+        card = self._variants.get(model_id)
+        if card is None:  # removed (remove_variant) after its request found it
+            raise ModelNotFoundError(f"The model `{model_id}` does not exist")
         if card.artifact_dir is None and self.synthetic is not None:  # generated into its slot by put
             return self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
                                           None if self.tp is None else self.tp.shard)
@@ -381,8 +387,9 @@ class Engine:
         return out
 
     def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:
-        """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``) as
-        ``<family>-<name>`` and load it onto the device now (a hot load).
+        """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``; in a synthetic
+        family, the generated variant ``name``) as ``<family>-<name>`` and load it onto the device now
+        (a hot load); a variant removed with :meth:`remove_variant` is served again.
 
         Raises:
             InvalidRequestError: a bad name, no artifact root, a path outside the artifact root
@@ -392,6 +399,13 @@ class Engine:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name or ""):
             raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
                                       "letter or digit", "variant")
+        mid = f"{self.family}-{name}"
+        if path is None and self.synthetic is not None and name in self.synthetic.names:
+            with self._registry_lock:
+                self._removed.discard(mid)
+                self._variants.setdefault(mid, ModelCard(mid, self.family))
+            self.get_delta(mid)
+            return self._variants[mid]
         if self.artifacts_dir is None:
             raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path")
         root = self.artifacts_dir.resolve()
@@ -405,8 +419,8 @@ class Engine:
         if not (folder / MANIFEST_NAME).is_file():
             raise InvalidRequestError(f"no {MANIFEST_NAME} in `{folder.relative_to(root)}` under the artifact root",
                                       "path", "artifact_not_found")
-        mid = f"{self.family}-{name}"
         with self._registry_lock:
+            self._removed.discard(mid)
             old = self._variants.get(mid)
             if old is not None and old.artifact_dir is not None and old.artifact_dir.resolve() != folder:
                 try:
@@ -417,21 +431,33 @@ class Engine:
         self.get_delta(mid)
         return self._variants[mid]
 
-    def remove_variant(self, model_id: str) -> bool:
-        """Drop a variant's deltas from every cache tier (it stays servable: the next request reads
-        it from disk again). Returns False if nothing was cached.
+    def remove_variant(self, model_id: str) -> ModelCard:
+        """Stop serving a variant, as vLLM unloads a LoRA adapter: its deltas leave every cache tier
+        and its id is neither listed nor served (404) — nor found again in the artifact root — until
+        :meth:`add_variant` loads it again. Returns its card.
 
         Raises:
-            ModelNotFoundError: unknown id (or the base).
+            InvalidRequestError: ``model_id`` is the base, which is always loaded.
+            ModelNotFoundError: unknown id, or removed already.
             VariantInUseError: the variant has requests in flight.
         """
-        card = self.card(model_id)
-        if card.parent is None:
-            raise ModelNotFoundError(f"`{model_id}` is the base model, which is always resident")
-        try:
-            return self.cache.unload(model_id)
-        except RuntimeError as e:
-            raise VariantInUseError(str(e)) from None
+        if model_id == self.family:
+            raise InvalidRequestError(f"`{model_id}` is the base model, which is always loaded: it cannot be "
+                                      "unloaded", "variant", "base_model")
+        card = self.card(model_id)  # finds an artifact folder added since the last listing
+        with self._registry_lock:
+            if self._variants.get(model_id) is not card:
+                raise ModelNotFoundError(f"The model `{model_id}` does not exist")
+            in_flight = self.cache.snapshot().get(model_id, {}).get("in_flight", 0)  # also while it loads
+            try:
+                if in_flight:
+                    raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
+                self.cache.unload(model_id)
+            except RuntimeError as e:
+                raise VariantInUseError(str(e)) from None
+            del self._variants[model_id]
+            self._removed.add(model_id)
+        return card
 
     # ---------------------------------------------------------------- tokens
 
@@ -443,6 +469,7 @@ class Engine:
             if bad:
                 raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "prompt")
             return list(prompt)
+        self._check_chars(len(prompt), "prompt")
         _check_unicode(prompt, "prompt")
         with self._tok_lock:
             return self.tokenizer.encode(prompt, split_special_tokens=True)
@@ -457,6 +484,7 @@ class Engine:
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
+        self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")  # templates may trim
         for m in messages:
             _check_unicode(m["content"], "messages")
         with self._tok_lock:
@@ -476,6 +504,32 @@ class Engine:
                         piece = piece.replace(mark, m["content"])
                     ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
             return ids
+
+    def _longest_token_chars(self) -> int:
+        """The most characters of text that one token can stand for: the longest decoded token of the
+        vocabulary (special tokens included), + 1 for a decoder that drops a lone token's leading
+        space (SentencePiece's ``▁``), × 4 if the tokenizer normalizes text (NFC composes up to 4 code
+        points into one). A byte-level BPE token that ends inside a character decodes to U+FFFD: it
+        still has a character for each character it begins."""
+        ids = [[i] for i in range(len(self.tokenizer))]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # None: a slow tokenizer
+        normalizes = backend is None or backend.normalizer is not None
+        return (max(map(len, texts), default=0) + 1) * (4 if normalizes else 1)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        """Raise check_length's context_length_exceeded error, without tokenizing, when ``n_chars``
+        characters are certainly more tokens than the context holds: more than :attr:`max_token_chars`
+        × ``max_model_len``. Tokenizing holds the tokenizer's one lock for seconds per megabyte, which
+        would stall every other request."""
+        n, per = self.max_model_len, self.max_token_chars
+        if n_chars > per * n:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {n} tokens, but the {param} has {n_chars} characters: "
+                f"more than {n} tokens even at {per} characters per token (the most one token stands for), which "
+                f"leaves no room for the completion. Please reduce the length of the {param}.",
+                param, "context_length_exceeded",
+            )
 
     def _render_chat(self, messages: list[dict[str, Any]]) -> str:
         try:

@@ -76,8 +76,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         print(f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
               f"{torch.get_num_threads()} threads) at {url}", flush=True)
         api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
-        uvicorn.run(create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key), host=cfg.host, port=cfg.port,
-                    log_level=cfg.log_level)
+        app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     finally:
         engine.shutdown()
 

@@ -388,6 +388,58 @@ def test_prompt_too_long_is_400(server, client, engine):
     assert f"there are {n} tokens in the messages alone" in message and "-" not in message, message
 
 
+def test_a_huge_prompt_is_refused_at_once_and_does_not_stall_others(server):
+    """A 6 MB prompt, certainly over the context (more than 2048 × 26 characters), is refused without
+    being tokenized, and a request sent meanwhile is answered at once: tokenizing the big one held
+    the tokenizer's one lock for ~7 s, and the good request waited that long."""
+    huge = "import os, sys\n" * 400_000
+    out = {}
+
+    def send_huge():
+        t0 = time.perf_counter()
+        out["r"] = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": huge}, timeout=60)
+        out["s"] = time.perf_counter() - t0
+
+    t = threading.Thread(target=send_huge)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "def main(", "max_tokens": 2},
+                   timeout=60)
+    waited = time.perf_counter() - t0
+    t.join(60)
+    assert r.status_code == 200 and waited < 3.0, f"{waited:.2f} s"
+    assert out["s"] < 3.0, f"{out['s']:.2f} s"
+    assert _error(out["r"], 400) == {
+        "message": "This model's maximum context length is 2048 tokens, but the prompt has 6000000 characters: "
+                   "more than 2048 tokens even at 26 characters per token (the most one token stands for), which "
+                   "leaves no room for the completion. Please reduce the length of the prompt.",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+
+
+def test_a_body_over_8_mib_is_413_before_parsing(server):
+    """conf/serve.yaml's max_request_bytes (8 MiB): one byte more is refused unread, by its
+    Content-Length or, chunked, once it passes the limit; the server goes on."""
+    too_large = {"message": "The request body is larger than this server's limit of 8388608 bytes.",
+                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    head = b'{"model": "tiny", "prompt": "'
+    at_limit = head + b"x" * (8 * 2**20 - len(head) - 2) + b'"}'
+    headers = {"Content-Type": "application/json"}
+    err = _error(httpx.post(f"{server}/v1/completions", content=at_limit, headers=headers, timeout=60), 400)
+    assert err["code"] == "context_length_exceeded"  # read and parsed: at the limit is allowed
+    assert _error(httpx.post(f"{server}/v1/completions", content=at_limit + b" ", headers=headers, timeout=60),
+                  413) == too_large
+
+    def chunks():  # no Content-Length: Transfer-Encoding: chunked
+        for _ in range(9 * 16):
+            yield b" " * 2**16
+
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers=headers, timeout=60)
+    assert r.request.headers["transfer-encoding"] == "chunked"
+    assert _error(r, 413) == too_large
+    assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok"}
+
+
 def test_fingerprint_mismatch_is_503_and_others_keep_working(server, client, root):
     for _ in range(2):  # not cached as loaded; every try says why, without the server's paths
         err = _error(httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"}), 503)
@@ -440,8 +492,10 @@ def test_overload_is_429_with_openai_error_object(engine):
                 assert time.time() < deadline
                 time.sleep(0.02)
             for b in (body, {**body, "stream": True}):
-                err = _error(tc.post("/v1/completions", json=b), 429)
+                r = tc.post("/v1/completions", json=b)
+                err = _error(r, 429)
                 assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
+                assert r.headers["retry-after"] == "1"
         finally:
             engine._gen_lock.release()
         t.join(timeout=30)

@@ -122,7 +122,7 @@ def test_hot_load_and_unload_endpoints_confined_to_the_artifact_root(root, tmp_p
             engine.release(held)
             assert tc.post("/v1/unload_variant", json={"variant": "tiny-writer"}).json()["unloaded"] is True
             r = tc.post("/v1/unload_variant", json={"variant": "tiny"})
-            assert r.status_code == 404
+            assert r.status_code == 400 and r.json()["error"]["param"] == "variant"  # the base stays
     finally:
         link.unlink()
 
@@ -174,7 +174,7 @@ def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, 
 
 def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
     """A NUL byte in `path` (400), replacing a variant that is running (409), a model id as the name,
-    unloading the base (404 naming it), and a symbolic link in the root that points outside (not served)."""
+    unloading the base (400 naming it), and a symbolic link in the root that points outside (not served)."""
     engine = _engine(root)
     outside = tmp_path / "outside2"
     shutil.copytree(root / "artifacts" / "writer", outside)
@@ -192,7 +192,7 @@ def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
             assert r.status_code == 409 and r.json()["error"]["code"] == "variant_in_use"
             engine.release(held)
             r = tc.post("/v1/unload_variant", json={"variant": "tiny"})
-            assert r.status_code == 404 and "is the base model" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "is the base model" in r.json()["error"]["message"]
             assert "tiny-evil" not in [m["id"] for m in tc.get("/v1/models").json()["data"]]
             r = tc.post("/v1/completions", json={"model": "tiny-evil", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 404

@@ -1,0 +1,234 @@
+"""Defects a fresh user found in the server, through the app in-process (``TestClient``): a prompt
+certainly longer than the context refused without tokenizing, a body over ``max_request_bytes``
+(413), unloading a variant that stops serving it until it is loaded again, strict parameter types,
+and the error code of a body that is not UTF-8. The real server's side (8 MiB from conf/serve.yaml,
+chunked bodies, a good request beside a huge one) is in tests/test_serve_api.py."""
+from __future__ import annotations
+
+import json
+import sysconfig
+import threading
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.app import create_app
+from serve.engine import Engine, SamplingParams
+
+GREEDY = dict(temperature=0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_family) -> Engine:
+    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+
+
+@pytest.fixture(scope="module")
+def tc(engine):
+    with TestClient(create_app(engine)) as tc:
+        yield tc
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _post_raw(tc, path: str, raw: bytes):
+    return tc.post(f"/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+
+
+# ------------------------------------------------------------------------------------ prompt length
+
+
+def test_longest_token_bounds_the_characters_of_every_token(engine):
+    """L = the longest decoded token + 1 (no normalizer in the tiny byte-level BPE): 25 + 1 here, and
+    no text of the tokenizer's corpus has more characters than L × its tokens."""
+    tok = engine.tokenizer
+    assert engine.max_token_chars == max(len(tok.decode([i])) for i in range(len(tok))) + 1 == 26
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    for piece in (text, " " * 5000, "é中𝄞" * 300, "\n" + " " * 24 + "x"):
+        assert len(piece) <= engine.max_token_chars * len(tok.encode(piece, add_special_tokens=False))
+
+
+def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(engine, tc, monkeypatch):
+    """Just over L × max_model_len characters: the same 400 context_length_exceeded as a tokenized
+    prompt that is too long, without calling the tokenizer nor waiting for its lock (held here, as
+    while a huge prompt is being encoded)."""
+    n, per = engine.max_model_len, 26  # the longest token + 1 (test above)
+    assert n == 128
+    tokenized = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400)
+    assert tokenized["message"].startswith("This model's maximum context length is 128 tokens, but there are ")
+
+    calls = []
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or real_encode(*a, **k))
+    chat = [{"role": "system", "content": "a" * (per * n // 2)},
+            {"role": "user", "content": " b" * (per * n // 4) + "cc"}]  # 1664 + 1665: a template may trim the space
+    results = {}
+
+    def ask():
+        results["prompt"] = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "x" * (per * n + 1)})
+        results["messages"] = tc.post("/v1/chat/completions", json={"model": "tiny", "messages": chat})
+
+    with engine._tok_lock:
+        t = threading.Thread(target=ask)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "an over-long prompt waited for the tokenizer"
+    assert calls == []
+    assert _error(results["prompt"], 400) == {
+        "message": "This model's maximum context length is 128 tokens, but the prompt has 3329 characters: more than "
+                   "128 tokens even at 26 characters per token (the most one token stands for), which leaves no room "
+                   "for the completion. Please reduce the length of the prompt.",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    assert {k: tokenized[k] for k in ("type", "param", "code")} == \
+        {"type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    assert _error(results["messages"], 400) == {
+        "message": "This model's maximum context length is 128 tokens, but the messages has 3329 characters: more "
+                   "than 128 tokens even at 26 characters per token (the most one token stands for), which leaves "
+                   "no room for the completion. Please reduce the length of the messages.",
+        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+    # At the bound it is tokenized as before (the lock is free again).
+    assert _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400) == tokenized
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------------------------ body size
+
+
+def test_a_body_over_max_request_bytes_is_413_before_parsing(engine):
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, "pad": ""})
+    fill = 1000 - len(body)
+    at_limit = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, "pad": "p" * fill}).encode()
+    assert len(at_limit) == 1000
+    with TestClient(create_app(engine, max_request_bytes=1000)) as tc:
+        assert _post_raw(tc, "completions", at_limit).status_code == 200
+        for raw in (at_limit + b" ", b"{not json" * 200):  # never parsed: not a 400
+            assert _error(_post_raw(tc, "completions", raw), 413) == {
+                "message": "The request body is larger than this server's limit of 1000 bytes.",
+                "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        assert tc.get("/health").json() == {"status": "ok"}
+    with TestClient(create_app(engine, max_request_bytes=None)) as tc:  # no limit
+        assert _post_raw(tc, "completions", at_limit + b" " * 10_000).status_code == 200
+
+
+# ------------------------------------------------------------------------------------ unload
+
+
+def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    body = {"model": "tiny-coder", "prompt": "def ", **GREEDY}
+    gone = {"message": "The model `tiny-coder` does not exist", "type": "invalid_request_error",
+            "param": "model", "code": "model_not_found"}
+    with TestClient(create_app(engine)) as tc:
+        before = tc.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert tc.post("/v1/unload_variant", json={"variant": "coder"}).json() == \
+            {"id": "tiny-coder", "object": "model", "unloaded": True}
+        for _ in range(2):  # listing rescans the artifact root: it is not found again
+            assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["tiny", "tiny-writer"]
+        assert _error(tc.get("/v1/models/tiny-coder"), 404) == gone
+        assert _error(tc.post("/v1/completions", json=body), 404) == gone
+        assert "tiny-coder" not in tc.get("/v1/delta_cache").json()["variants"]
+        assert _error(tc.post("/v1/unload_variant", json={"variant": "tiny-coder"}), 404) == gone | {"param": "variant"}
+
+        r = tc.post("/v1/load_variant", json={"variant": "coder"})  # by name, from the artifact root
+        assert r.status_code == 200 and r.json()["id"] == "tiny-coder" and r.json()["loaded_from"] == "disk"
+        assert sorted(m["id"] for m in tc.get("/v1/models").json()["data"]) == ["tiny", "tiny-coder", "tiny-writer"]
+        assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+        assert tc.post("/v1/unload_variant", json={"variant": "tiny-coder"}).status_code == 200
+        r = tc.post("/v1/load_variant", json={"variant": "coder", "path": "coder"})  # by path
+        assert r.status_code == 200 and r.json()["loaded_from"] == "disk"
+        assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+
+        held = engine.prepare("tiny-writer", engine.encode_prompt("x"), SamplingParams(**GREEDY))
+        assert _error(tc.post("/v1/unload_variant", json={"variant": "writer"}), 409) == {
+            "message": "variant `tiny-writer` has 1 requests in flight; retry when they have finished",
+            "type": "invalid_request_error", "param": "variant", "code": "variant_in_use"}
+        assert "tiny-writer" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+        engine.release(held)
+        assert tc.post("/v1/unload_variant", json={"variant": "writer"}).status_code == 200
+
+        for path, what in (("unload_variant", "unloaded"), ("load_variant", "loaded as a variant")):
+            assert _error(tc.post(f"/v1/{path}", json={"variant": "tiny"}), 400) == {
+                "message": f"`tiny` is the base model, which is always loaded: it cannot be {what}",
+                "type": "invalid_request_error", "param": "variant", "code": "base_model"}
+        assert tc.post("/v1/completions", json={**body, "model": "tiny"}).status_code == 200
+    assert [c.id for c in engine.discover()] == ["tiny", "tiny-coder"]
+
+
+def test_a_synthetic_variant_unloaded_is_generated_again_by_load_variant(tmp_path):
+    from serve.bench import stdlib_tokenizer
+    from serve.synthetic import write_base_dir
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    stdlib_tokenizer(tmp_path / "tok", shape["vocab_size"], shape["max_position_embeddings"])
+    opts = {"shape": shape, "variants": 2, "seed": 7, "alpha": 0.02}
+    base = write_base_dir(tmp_path / "base", opts, tmp_path / "tok")
+    engine = Engine(base, None, family="syn")
+    body = {"model": "syn-v01", "prompt": "def ", **GREEDY}
+    with TestClient(create_app(engine)) as tc:
+        before = tc.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert tc.post("/v1/unload_variant", json={"variant": "v01"}).status_code == 200
+        assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["syn", "syn-v00"]
+        assert _error(tc.post("/v1/completions", json=body), 404)["code"] == "model_not_found"
+        r = tc.post("/v1/load_variant", json={"variant": "v01"})
+        assert r.status_code == 200 and r.json()["id"] == "syn-v01" and r.json()["loaded_from"] == "disk"
+        assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _invalid(param: str, msg: str) -> dict:
+    return {"message": f"Invalid request: {param}: {msg}", "type": "invalid_request_error", "param": param,
+            "code": "invalid_value"}
+
+
+STOP5 = {"message": "Invalid 'stop': array too long. Expected an array with maximum length 4, but got an array "
+                    "with length 5 instead.", "type": "invalid_request_error", "param": "stop",
+         "code": "array_above_max_length"}
+STREAM_OPTIONS = {"message": "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                  "type": "invalid_request_error", "param": "stream_options", "code": "invalid_value"}
+
+
+@pytest.mark.parametrize("path,extra,error", [
+    ("completions", '"max_tokens": true', _invalid("max_tokens", "Input should be a valid integer")),
+    ("completions", '"max_tokens": 2.5', _invalid("max_tokens", "Input should be a valid integer")),
+    ("chat/completions", '"max_completion_tokens": true', _invalid("max_completion_tokens",
+                                                                   "Input should be a valid integer")),
+    ("completions", '"seed": false', _invalid("seed", "Input should be a valid integer")),
+    ("completions", '"stream": "yes"', _invalid("stream", "Input should be a valid boolean")),
+    ("chat/completions", '"stream": 1', _invalid("stream", "Input should be a valid boolean")),
+    ("completions", '"stop": ["a", "b", "c", "d", "e"]', STOP5),
+    ("chat/completions", '"stop": ["a", "b", "c", "d", "e"]', STOP5),
+    ("completions", '"stream_options": {"include_usage": true}', STREAM_OPTIONS),
+    ("chat/completions", '"stream": false, "stream_options": {"include_usage": true}', STREAM_OPTIONS),
+    ("completions", '"temperature": NaN', _invalid("temperature", "Input should be a finite number")),
+    ("chat/completions", '"top_p": Infinity', _invalid("top_p", "Input should be a finite number")),
+    ("completions", '"temperature": true', _invalid("temperature", "Input should be a valid number")),
+])
+def test_loose_parameter_values_are_400(tc, path, extra, error):
+    first = '"prompt": "x"' if path == "completions" else '"messages": [{"role": "user", "content": "x"}]'
+    raw = f'{{"model": "tiny", {first}, "max_tokens": 2, {extra}}}'.encode()
+    assert _error(_post_raw(tc, path, raw), 400) == error
+
+
+def test_what_openai_accepts_is_still_accepted(tc):
+    r = tc.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0,
+                                         "top_p": 1, "stop": ["a", "b", "c", "d"], "stream": False,
+                                         "stream_options": None, "seed": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_a_body_that_is_not_utf8_is_invalid_json(tc, path):
+    first = b'"prompt": "\xff"' if path == "completions" else b'"messages": [{"role": "user", "content": "\xe9t\xe9"}]'
+    err = _error(_post_raw(tc, path, b'{"model": "tiny", ' + first + b"}"), 400)
+    assert err == {"message": "The request body is not valid JSON: it is not UTF-8 text.",
+                   "type": "invalid_request_error", "param": None, "code": "invalid_json"}
+    assert _error(_post_raw(tc, path, b"{not json"), 400)["code"] == err["code"]  # as malformed JSON
