@@ -40,6 +40,23 @@ def _peak_rss() -> int | None:
     return None
 
 
+WRITTEN_BY = "deltafleet merge"  # merge.json's signature: a folder it describes may be replaced by a new merge
+
+
+def _not_merge_output(folder: Path) -> str | None:
+    """Why ``folder`` is not (only) an earlier merge's output, or None if it is: its ``merge.json``
+    must be this tool's record (``written_by``) and list every file the folder holds."""
+    try:
+        record = json.loads((folder / "merge.json").read_text())
+    except (OSError, ValueError):
+        return "no merge.json of a merge"
+    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY or \
+            not isinstance(record.get("files"), list):
+        return "its merge.json was not written by this merge tool"
+    extra = sorted({p.name for p in folder.iterdir()} - set(record["files"]))
+    return f"files the merge did not write: {', '.join(extra[:3])}" if extra else None
+
+
 def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Path], out_dir: str | Path,
                       method: MergeMethod, *, max_shard_bytes: int = 2_000_000_000,
                       show_progress: bool = False, overwrite: bool = False) -> dict:
@@ -78,9 +95,11 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
             raise ValueError(f"out_dir {out} overlaps the input {d}: the merge would replace or write into it")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {out} exists and is not a folder")
-    if out.is_dir() and not overwrite and any(out.iterdir()) and not (out / "merge.json").is_file():
-        raise ValueError(f"out_dir {out} exists and holds files that are not a merge's output (no merge.json): "
-                         f"the merge would replace them; choose another out_dir or set overwrite=true")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        foreign = _not_merge_output(out)
+        if foreign:
+            raise ValueError(f"out_dir {out} exists and holds files that are not an earlier merge's output "
+                             f"({foreign}): the merge would replace them; choose another out_dir or set overwrite=true")
     if base_dir is None and method.name != "linear":
         raise ValueError(f"merge method {method.name!r} needs the base checkpoint (task vectors are W − W_base)")
     t0 = time.perf_counter()
@@ -127,7 +146,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     total = sum(ref.info(n).nbytes for n in names)
     files = ["model.safetensors"] if len(plan) == 1 else \
         [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
-    with staged_dir(out_dir) as tmp:
+    with staged_dir(out) as tmp:  # resolved: an out_dir that is a link gets its target replaced
         bar = tqdm(total=len(names), desc=f"merge: {method.name}", disable=not show_progress)
         try:
             for file, shard in zip(files, plan):
@@ -142,10 +161,12 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         for f in COPIED_FILES:
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)
-        summary = {"method": method.name, "params": {k: v for k, v in vars(method).items() if not k.startswith("_")},
+        summary = {"written_by": WRITTEN_BY, "method": method.name,
+                   "params": {k: v for k, v in vars(method).items() if not k.startswith("_")},
                    "base": None if base_dir is None else str(base_dir), "models": [str(d) for d in model_dirs],
                    "tensors": len(names), "bytes": total, "shards": len(plan),
-                   "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss()}
+                   "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss(),
+                   "files": sorted([p.name for p in tmp.iterdir()] + ["merge.json"])}
         (tmp / "merge.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 

@@ -105,7 +105,7 @@ def test_an_out_dir_holding_other_files_is_kept_unless_overwrite(tiny_family, tm
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
     (mine / "sub" / "data.txt").write_text("precious")
-    with pytest.raises(ValueError, match=r"holds files that are not a merge's output \(no merge.json\)"):
+    with pytest.raises(ValueError, match=r"not an earlier merge's output \(no merge.json of a merge\)"):
         merge_checkpoints(tiny_family.base_dir, models, mine, get_method("linear"))
     assert (mine / "sub" / "data.txt").read_text() == "precious"
     (tmp_path / "empty").mkdir()
@@ -113,9 +113,27 @@ def test_an_out_dir_holding_other_files_is_kept_unless_overwrite(tiny_family, tm
     assert (tmp_path / "empty" / "merge.json").is_file()
     first = json.loads((tmp_path / "empty" / "merge.json").read_text())
     merge_checkpoints(tiny_family.base_dir, models, tmp_path / "empty", get_method("ties", density=0.5))
-    assert first["method"] == "linear" and json.loads((tmp_path / "empty" / "merge.json").read_text())["method"] == "ties"
+    assert first["method"] == "linear"
+    assert json.loads((tmp_path / "empty" / "merge.json").read_text())["method"] == "ties"
     merge_checkpoints(tiny_family.base_dir, models, mine, get_method("linear"), overwrite=True)
     assert not (mine / "sub").exists() and (mine / "model.safetensors").is_file()
+    # found by a second fresh user: any merge.json made a folder replaceable, and a file added to an
+    # earlier merge's output was lost; an out_dir that is a link was replaced by a folder
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "merge.json").write_text('{"not": "a merge"}')
+    (fake / "thesis.tex").write_text("precious")
+    with pytest.raises(ValueError, match="its merge.json was not written by this merge tool"):
+        merge_checkpoints(tiny_family.base_dir, models, fake, get_method("linear"))
+    (tmp_path / "empty" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="files the merge did not write: notes.txt"):
+        merge_checkpoints(tiny_family.base_dir, models, tmp_path / "empty", get_method("linear"))
+    assert (fake / "thesis.tex").is_file() and (tmp_path / "empty" / "notes.txt").is_file()
+    (tmp_path / "empty" / "notes.txt").unlink()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    merge_checkpoints(tiny_family.base_dir, models, tmp_path / "link", get_method("dare_ties", density=0.5))
+    assert (tmp_path / "link").is_symlink()
+    assert json.loads((tmp_path / "empty" / "merge.json").read_text())["method"] == "dare_ties"
 
 
 def test_sigterm_removes_the_staged_folder(tmp_path):
