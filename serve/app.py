@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -63,7 +63,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # OpenAI parameters this server does not implement, with the test of a value that asks for nothing
@@ -211,20 +211,31 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"Invalid request: {msgs}", param=param, code="invalid_value")
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered 413 (``request_too_large``)
-    before the app parses any of it — at once by its Content-Length, or as soon as a chunked body
-    passes the limit (uvicorn discards the rest). A body within the limit is read whole here and
-    handed on as one message."""
+def _is_utf8_json_text(body: bytes) -> bool:
+    """Whether ``body`` is UTF-8 text that could be JSON: strict UTF-8 (no encoded surrogates) and no
+    NUL byte (JSON text never holds one raw; UTF-16 does)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\x00" not in body
 
-    def __init__(self, app: ASGIApp, limit: int):
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes (None: no limit) is answered 413
+    (``request_too_large``) before the app parses any of it — at once by its Content-Length, or as
+    soon as a chunked body passes the limit (uvicorn discards the rest). A body within the limit is
+    read whole here and handed on as one message, unless it is not UTF-8 text (400 ``invalid_json``):
+    the JSON parser would otherwise guess UTF-16 from NUL bytes and let encoded surrogates through."""
+
+    def __init__(self, app: ASGIApp, limit: int | None):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.limit:
+        if self.limit is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(scope, receive, send)
         chunks, size = [], 0
         while True:
@@ -233,10 +244,14 @@ class BodyLimit:
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
+            if self.limit is not None and size > self.limit:
                 return await self._refuse(scope, receive, send)
             if not message.get("more_body", False):
                 message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                if not _is_utf8_json_text(message["body"]):
+                    error = APIError(400, "The request body is not valid JSON: it is not UTF-8 text.",
+                                     "invalid_request_error", None, "invalid_json")
+                    return await error.response()(scope, receive, send)
                 break
         first = message
 
@@ -341,8 +356,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             whole or parsed (:class:`BodyLimit`); None: no limit.
     """
     app = FastAPI(title="deltafleet", version="0.1.0")
-    if max_request_bytes is not None:
-        app.add_middleware(BodyLimit, limit=int(max_request_bytes))  # inside the API key check, added next
+    # inside the API key check, added next
+    app.add_middleware(BodyLimit, limit=None if max_request_bytes is None else int(max_request_bytes))
 
     if api_key is not None and str(api_key) != "":
         expected = str(api_key).encode()
@@ -607,7 +622,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
+                raise APIError(400, "only one prompt per request is supported", param="prompt",
+                               code="unsupported_value")
             prompt = prompt[0]
         try:
             ids = await run_in_threadpool(engine.encode_prompt, prompt)

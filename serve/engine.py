@@ -122,7 +122,7 @@ def _check_unicode(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at "
-                                  f"character {e.start})", param) from None
+                                  f"character {e.start})", param, "invalid_unicode") from None
 
 
 def _without_paths(text: str, *dirs: Path) -> str:
@@ -525,7 +525,7 @@ class Engine:
         n, per = self.max_model_len, self.max_token_chars
         if n_chars > per * n:
             raise InvalidRequestError(
-                f"This model's maximum context length is {n} tokens, but the {param} has {n_chars} characters: "
+                f"This model's maximum context length is {n} tokens, but `{param}` holds {n_chars} characters: "
                 f"more than {n} tokens even at {per} characters per token (the most one token stands for), which "
                 f"leaves no room for the completion. Please reduce the length of the {param}.",
                 param, "context_length_exceeded",

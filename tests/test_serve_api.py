@@ -411,7 +411,7 @@ def test_a_huge_prompt_is_refused_at_once_and_does_not_stall_others(server):
     assert r.status_code == 200 and waited < 3.0, f"{waited:.2f} s"
     assert out["s"] < 3.0, f"{out['s']:.2f} s"
     assert _error(out["r"], 400) == {
-        "message": "This model's maximum context length is 2048 tokens, but the prompt has 6000000 characters: "
+        "message": "This model's maximum context length is 2048 tokens, but `prompt` holds 6000000 characters: "
                    "more than 2048 tokens even at 26 characters per token (the most one token stands for), which "
                    "leaves no room for the completion. Please reduce the length of the prompt.",
         "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}

@@ -81,14 +81,14 @@ def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(engin
         assert not t.is_alive(), "an over-long prompt waited for the tokenizer"
     assert calls == []
     assert _error(results["prompt"], 400) == {
-        "message": "This model's maximum context length is 128 tokens, but the prompt has 3329 characters: more than "
+        "message": "This model's maximum context length is 128 tokens, but `prompt` holds 3329 characters: more than "
                    "128 tokens even at 26 characters per token (the most one token stands for), which leaves no room "
                    "for the completion. Please reduce the length of the prompt.",
         "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
     assert {k: tokenized[k] for k in ("type", "param", "code")} == \
         {"type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
     assert _error(results["messages"], 400) == {
-        "message": "This model's maximum context length is 128 tokens, but the messages has 3329 characters: more "
+        "message": "This model's maximum context length is 128 tokens, but `messages` holds 3329 characters: more "
                    "than 128 tokens even at 26 characters per token (the most one token stands for), which leaves "
                    "no room for the completion. Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
@@ -211,6 +211,10 @@ STREAM_OPTIONS = {"message": "The 'stream_options' parameter is only allowed whe
     ("completions", '"temperature": NaN', _invalid("temperature", "Input should be a finite number")),
     ("chat/completions", '"top_p": Infinity', _invalid("top_p", "Input should be a finite number")),
     ("completions", '"temperature": true', _invalid("temperature", "Input should be a valid number")),
+    ("completions", '"stream": true, "stream_options": {"include_usage": "yes"}',
+     _invalid("stream_options.include_usage", "Input should be a valid boolean")),
+    ("chat/completions", '"stream_options": {"include_usage": 1}',
+     _invalid("stream_options.include_usage", "Input should be a valid boolean")),
 ])
 def test_loose_parameter_values_are_400(tc, path, extra, error):
     first = '"prompt": "x"' if path == "completions" else '"messages": [{"role": "user", "content": "x"}]'
@@ -232,3 +236,19 @@ def test_a_body_that_is_not_utf8_is_invalid_json(tc, path):
     assert err == {"message": "The request body is not valid JSON: it is not UTF-8 text.",
                    "type": "invalid_request_error", "param": None, "code": "invalid_json"}
     assert _error(_post_raw(tc, path, b"{not json"), 400)["code"] == err["code"]  # as malformed JSON
+    # found by a second fresh user: an encoded surrogate (not UTF-8, though Python's JSON parser takes
+    # it) and a UTF-16 body (the parser guesses the encoding) were let through
+    surrogate = b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'
+    utf16 = '{"model": "tiny", "prompt": "x", "max_tokens": 2}'.encode("utf-16-le")
+    assert _error(_post_raw(tc, path, surrogate), 400) == err
+    assert _error(_post_raw(tc, path, utf16), 400) == err
+
+
+def test_lone_surrogate_and_second_prompt_have_error_codes(tc):
+    r = tc.post("/v1/completions", content=b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}',
+                headers={"content-type": "application/json"})
+    assert _error(r, 400) == {"message": "`prompt` is not valid Unicode (a lone surrogate at character 1)",
+                              "type": "invalid_request_error", "param": "prompt", "code": "invalid_unicode"}
+    r = tc.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2})
+    assert _error(r, 400) == {"message": "only one prompt per request is supported", "type": "invalid_request_error",
+                              "param": "prompt", "code": "unsupported_value"}
