@@ -573,22 +573,29 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
         return gluon_bitdelta.DEFAULT_CONFIG
-    from triton.testing import do_bench_cudagraph
-
     runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
             for cfg in gluon_bitdelta.CONFIGS}
     runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
+    _PREFILL_CHOICE[key] = _fastest(runs)
+    return _PREFILL_CHOICE[key]
+
+
+def _fastest(runs: dict):
+    """The key of the fastest of ``runs`` (key → a call with no arguments), each run once outside
+    the timing (compiling, and autotuning a Triton kernel), then timed by CUDA-graph replay; a run
+    that fails (a configuration that does not fit this device) is skipped. None if all fail."""
+    from triton.testing import do_bench_cudagraph
+
     times = {}
     torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
-    for cfg, fn in runs.items():
+    for key, fn in runs.items():
         try:
-            fn()  # compile (and, for the Triton kernel, autotune) outside the timed graph
+            fn()
             torch.cuda.synchronize()
-            times[cfg] = do_bench_cudagraph(fn, rep=20)
+            times[key] = do_bench_cudagraph(fn, rep=20)
         except Exception:  # noqa: BLE001 - a configuration that does not fit this device is skipped
             continue
-    _PREFILL_CHOICE[key] = min(times, key=times.get) if times else None
-    return _PREFILL_CHOICE[key]
+    return min(times, key=times.get) if times else None
 
 
 _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant config, or None for table lookup
@@ -610,28 +617,26 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
         return None
     if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
         return configs[0]
-    from triton.testing import do_bench_cudagraph
-
     runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias,
                                                                              y, ws, cnt, cfg)) for cfg in configs}
+    runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
+    _TENANTS_CHOICE[key] = _fastest(runs)
+    return _TENANTS_CHOICE[key]
+
+
+def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Launch the table-lookup mixed-tenant kernel with the wrapper's argument tuple (fixed tiles
+    under the interpreter, autotuned on a GPU)."""
+    m, n, k, kb = args[9:13]
     flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
     bm = min(16, triton.next_power_of_2(m))
-    kb = lut_args[12]
-    runs[None] = lambda: _lut_tuned[lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]),
-                                                  triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]),
-                                                  triton.cdiv(m, bm))](
-        *lut_args, **flags, EVEN=k % _LUT_EVEN == 0, DOT_FP32=False, BLOCK_M=bm)
-    times = {}
-    torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
-    for cfg, fn in runs.items():
-        try:
-            fn()  # compile (and, for the table-lookup kernel, autotune) outside the timed graph
-            torch.cuda.synchronize()
-            times[cfg] = do_bench_cudagraph(fn, rep=20)
-        except Exception:  # noqa: BLE001 - a configuration that does not fit this device is skipped
-            continue
-    _TENANTS_CHOICE[key] = min(times, key=times.get) if times else None
-    return _TENANTS_CHOICE[key]
+    if _interpret():
+        _tenants_kernel[(triton.cdiv(n, 16), triton.cdiv(kb, 16), triton.cdiv(m, bm))](
+            *args, **flags, EVEN=k % 128 == 0, DOT_FP32=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=64, CHUNK_ITERS=2)
+    else:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
+                             triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]), triton.cdiv(m, bm))
+        _lut_tuned[grid](*args, **flags, EVEN=k % _LUT_EVEN == 0, DOT_FP32=False, BLOCK_M=bm)
 
 
 def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
@@ -696,14 +701,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt)
     impl = impl or ("fma" if m == 1 else "lut")
     if impl == "lut":
-        flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
-        bm = min(16, triton.next_power_of_2(m))
-        if _interpret():
-            _tenants_kernel[(triton.cdiv(n, 16), triton.cdiv(kb, 16), triton.cdiv(m, bm))](
-                *args, **flags, EVEN=k % 128 == 0, DOT_FP32=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=64, CHUNK_ITERS=2)
-        else:
-            _lut_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(kb, meta["BLOCK_K"] // 8 * meta["CHUNK_ITERS"]),
-                                     triton.cdiv(m, bm))](*args, **flags, EVEN=k % _LUT_EVEN == 0, DOT_FP32=False, BLOCK_M=bm)
+        _lut_launch(args, alphas, bias)
         return y
     flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
     if _interpret():
