@@ -218,13 +218,15 @@ TENANT_BLOCK_K = 64
 def tenant_configs(rows: int) -> list[tuple[int, int]]:
     """The :data:`TENANT_CONFIGS` usable for ``rows`` (2, 4, 8 or 16) rows, the default first (8
     features per thread where possible, the widest tile otherwise)."""
-    usable = [c for c in TENANT_CONFIGS if 1 <= c[0] // _threads_n(rows) <= 8 and c[0] % _threads_n(rows) == 0]
-    return sorted(usable, key=lambda c: (abs(c[0] // _threads_n(rows) - 8), -c[1]))
-
-
-def _threads_n(rows: int, num_warps: int = 4) -> int:
-    tpw_r = {16: 4, 8: 2, 4: 1, 2: 1}[rows]
-    return (32 // tpw_r) * (num_warps // (rows // tpw_r))
+    usable = []
+    for c in TENANT_CONFIGS:
+        try:
+            spt_n = _tenant_layout(rows, c[0])[0]
+        except ValueError:  # the tile does not split evenly over the threads
+            continue
+        if spt_n <= 8:
+            usable.append((spt_n, c))
+    return [c for _, c in sorted(usable, key=lambda u: (abs(u[0] - 8), -u[1][1]))]
 
 
 def _tenant_layout(rows: int, block_n: int, num_warps: int = 4) -> tuple[int, int, int]:
@@ -239,7 +241,7 @@ def _tenant_layout(rows: int, block_n: int, num_warps: int = 4) -> tuple[int, in
     tpw_r = {16: 4, 8: 2, 4: 1, 2: 1}[rows]
     wpc_r = rows // tpw_r
     n_threads = (32 // tpw_r) * (num_warps // wpc_r)
-    if block_n % n_threads:
+    if block_n % n_threads or block_n < n_threads:
         raise ValueError(f"BLOCK_N={block_n} does not split over {n_threads} threads for {rows} rows")
     return block_n // n_threads, tpw_r, wpc_r
 
