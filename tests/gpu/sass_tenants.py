@@ -1,0 +1,102 @@
+"""Offline look at the Hopper mixed-tenant kernel (no GPU needed): compile
+``kernels.gluon_bitdelta._tenants_kernel`` for sm_90 with the installed Triton and report, per
+(rows, tile), the registers and shared memory per thread block (cuobjdump) and the SASS
+instructions of the K loop per row and weight, by opcode.
+
+    python tests/gpu/sass_tenants.py            # every usable (rows, tile)
+    python tests/gpu/sass_tenants.py 16 64,6    # one
+
+Used to compare kernel variants before spending GPU time on them (the device's Triton is 3.6: run
+this with that version for numbers that match the GPU). On 2026-11-30, Triton 3.6: 168 / 255 / 168 /
+168 registers for 2 / 4 / 8 / 16 rows at their default tiles (so at most 3 programs of 4 warps per
+multiprocessor), 3.1–3.7 instructions per row and weight at 8 features per thread. The loop is taken
+as the shortest backward branch around the wgmma, which for some small tiles is only part of the K
+loop: read the SASS when a count looks low.
+"""
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import gluon_bitdelta as gb  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_one(rows: int, bn: int, stages: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    spt_n, tpw_r, wpc_r = gb._tenant_layout(rows, bn)
+    bk = gb.TENANT_BLOCK_K
+    xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+    sig = {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>", "w_desc": f"tensordesc<bf16[{bn}, {bk}],{wl!r}>",
+           "x_ptr": "*bf16", "s_ptr": "*u8", "a_ptr": "*fp32", "slot_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
+           "stride_xm": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_as": "i32", "stride_ym": "i32"}
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, SPT_N=spt_n, TPW_R=tpw_r,
+                  WPC_R=wpc_r, num_warps=4)
+    sig.update({c: "constexpr" for c in consts})
+    names = gb._tenants_kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("x_ptr", "s_ptr", "a_ptr", "slot_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K",
+                       "stride_xm", "stride_ss", "stride_sn", "stride_ym")}
+    k = triton.compile(GluonASTSource(fn=gb._tenants_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return k, spt_n
+
+
+def analyse(rows: int, bn: int, stages: int) -> dict:
+    import tempfile
+
+    k, spt_n = compile_one(rows, bn, stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            ins.append(re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line).group(2).split(".")[0])
+    # the K loop: the shortest backward branch whose body holds the wgmma
+    bodies = [ins[a:b + 1] for a, b in _backward_branches(sass, labels) if "HGMMA" in ins[a:b + 1]]
+    loop = min(bodies, key=len, default=[])
+    weights = spt_n * gb.TENANT_BLOCK_K
+    return {"rows": rows, "tile": [bn, stages], "features_per_thread": spt_n, "registers": regs,
+            "loop_instructions": len(loop), "per_row_weight": round(len(loop) / weights, 2),
+            "opcodes": dict(collections.Counter(loop).most_common(8))}
+
+
+def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
+    out, n = [], 0
+    for line in sass.splitlines():
+        if re.match(r"\s*\.(L_x_\d+):", line) or not re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            continue
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < n:
+            out.append((labels[m.group(1)], n))
+        n += 1
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        cases = [(int(sys.argv[1]), tuple(int(v) for v in sys.argv[2].split(",")))]
+    else:
+        cases = [(r, c) for r in (2, 4, 8, 16) for c in gb.tenant_configs(r)]
+    for rows, (bn, stages) in cases:
+        print(analyse(rows, bn, stages), flush=True)
