@@ -518,14 +518,22 @@ class Transformer(nn.Module):
         missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
         if missing or unexpected:
             raise ValueError(f"{d}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.load_state_dict(state, strict=False, assign=True)
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(args).to(device)
-        for p in model.parameters():
+        return model.adopt(state, full_shapes, device)
+
+    def adopt(self, state: dict[str, Tensor], full_shapes: dict[str, torch.Size],
+              device: str | torch.device) -> Transformer:
+        """Take ``state`` (parameter name → tensor, already on ``device`` and of this rank's slice) as
+        the weights: tie the head to the embedding if the config says so, put the RoPE frequencies on
+        ``device``, freeze every parameter and record ``full_shapes`` (the unsharded HF shapes, which
+        artifacts are checked against). Returns ``self`` in eval mode."""
+        self.load_state_dict(state, strict=False, assign=True)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(self.args).to(device)
+        for p in self.parameters():
             p.requires_grad_(False)
-        model.full_param_shapes = full_shapes
-        return model.eval()
+        self.full_param_shapes = full_shapes
+        return self.eval()
 
 
 def _hf_name(name: str) -> str:

@@ -126,7 +126,7 @@ class SyntheticFamily:
             RuntimeError: the ranks generated different replicated weights (devices that do not draw
                 the same random numbers from the same seed).
         """
-        from serve.model import _hf_name, rope_inv_freq
+        from serve.model import _hf_name
         from serve.tp import shard_model, slice_for
 
         args = self.args
@@ -145,16 +145,10 @@ class SyntheticFamily:
             del whole, t
             if state[pname].shape != p.shape:
                 raise ValueError(f"{name}: generated slice {tuple(state[pname].shape)}, the model holds {tuple(p.shape)}")
-        model.load_state_dict(state, strict=False, assign=True)
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(args).to(device)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        model.full_param_shapes = full_shapes
+        model.adopt(state, full_shapes, device)
         if world > 1 and dist.is_available() and dist.is_initialized():
             _check_replicas(model, tp[2])
-        return model.eval()
+        return model
 
     # ------------------------------------------------------------------ the variants
 
