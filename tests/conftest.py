@@ -103,3 +103,23 @@ def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer"
 def tiny_family(tmp_path_factory) -> TinyFamily:
     """Base + ``coder`` + ``writer`` variants and their artifacts, built once per session."""
     return build_tiny_family(tmp_path_factory.mktemp("tiny_family"))
+
+
+def wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
+    """Wait until the server process ``proc`` answers ``GET {url}/health`` with 200. If it exits or
+    ``timeout_s`` seconds pass, kill it and fail the test with the end of its ``log``."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the server at {url} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)

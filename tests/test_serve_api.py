@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from compress.bitdelta import compress
 from serve.app import create_app
 from serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
-from tests.conftest import perturb, tiny_llama
+from tests.conftest import perturb, tiny_llama, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(", "import os\n", "The quick brown"]
@@ -65,17 +65,7 @@ def server(root):
     proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={root}", f"port={port}", "log_level=warning"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{(root / 'server.log').read_text()}")
-        time.sleep(0.2)
+    wait_healthy(proc, url, root / "server.log", 60)
     yield url
     proc.terminate()
     try:

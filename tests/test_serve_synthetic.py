@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -204,6 +203,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
 
     from serve.bench import hydra_value
     from serve.engine import Engine, SamplingParams
+    from tests.conftest import wait_healthy
 
     port, tp_port = _free_ports(2)
     log = open(tmp_path / "server.log", "w")
@@ -213,16 +213,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline
-            time.sleep(0.3)
+        wait_healthy(proc, url, tmp_path / "server.log", 180)
         listed = {m["id"]: m["parent"] for m in httpx.get(url + "/v1/models").json()["data"]}
         assert listed == {"syn": None, "syn-v00": "syn", "syn-v01": "syn", "syn-v02": "syn"}
         cache = httpx.get(url + "/v1/delta_cache").json()["variants"]

@@ -132,12 +132,11 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
     import subprocess
     import sys
     import threading
-    import time
 
-    import httpx
     import openai
 
     from serve.engine import Engine, SamplingParams
+    from tests.conftest import wait_healthy
 
     repo = Path(__file__).resolve().parents[1]
     ports = []
@@ -153,16 +152,7 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
                             env={**os.environ, "PYTHONPATH": str(repo)})
     try:
         url = f"http://127.0.0.1:{ports[0]}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline
-            time.sleep(0.3)
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
         ref = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         jobs = [(m, p) for m in ("tiny", "tiny-coder", "tiny-writer") for p in ("def main(", "The quick")]
