@@ -123,3 +123,19 @@ def wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
             proc.kill()
             pytest.fail(f"the server at {url} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
+
+
+def complete_concurrently(client, jobs: list[tuple[str, str]], max_tokens: int, timeout_s: float) -> dict:
+    """Send every ``(model, prompt)`` of ``jobs`` at once (one thread each) through the ``openai``
+    ``client`` as a greedy completion of ``max_tokens``, so a server batches them together; returns
+    ``{(model, prompt): text}``."""
+    import threading
+
+    got = {}
+    threads = [threading.Thread(target=lambda m=m, p=p: got.__setitem__((m, p), client.completions.create(
+        model=m, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text)) for m, p in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return got

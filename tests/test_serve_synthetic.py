@@ -203,7 +203,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
 
     from serve.bench import hydra_value
     from serve.engine import Engine, SamplingParams
-    from tests.conftest import wait_healthy
+    from tests.conftest import complete_concurrently, wait_healthy
 
     port, tp_port = _free_ports(2)
     log = open(tmp_path / "server.log", "w")
@@ -224,13 +224,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         prompts = ("def main(", "The quick brown")
         jobs = [(m, p) for m in listed for p in prompts]
-        got = {}
-        threads = [threading.Thread(target=lambda m=m, p=p: got.__setitem__((m, p), client.completions.create(
-            model=m, prompt=p, max_tokens=8, temperature=0).choices[0].text)) for m, p in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        got = complete_concurrently(client, jobs, 8, 180)
         want = {(m, p): ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text for m, p in jobs}
         assert got == want
         texts = {m: tuple(want[(m, p)] for p in prompts) for m in listed}

@@ -131,12 +131,11 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
     import socket
     import subprocess
     import sys
-    import threading
 
     import openai
 
     from serve.engine import Engine, SamplingParams
-    from tests.conftest import wait_healthy
+    from tests.conftest import complete_concurrently, wait_healthy
 
     repo = Path(__file__).resolve().parents[1]
     ports = []
@@ -156,13 +155,7 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
         ref = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         jobs = [(m, p) for m in ("tiny", "tiny-coder", "tiny-writer") for p in ("def main(", "The quick")]
-        got = {}
-        threads = [threading.Thread(target=lambda m=m, p=p: got.__setitem__((m, p), client.completions.create(
-            model=m, prompt=p, max_tokens=8, temperature=0).choices[0].text)) for m, p in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        got = complete_concurrently(client, jobs, 8, 120)
         for m, p in jobs:
             assert got[(m, p)] == ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text, (m, p)
     finally:
