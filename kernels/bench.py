@@ -154,7 +154,7 @@ def run(cfg) -> dict:
                 t = {"dense": bench(lambda: x @ w.t()),
                      "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, signs, alphas, slot))}
                 for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
-                    if impl == "gluon" and t_count < 2:  # the Hopper tenant kernel takes two rows or more
+                    if impl in ("gluon", "planes") and t_count < 2:  # the Hopper tenant kernel takes two rows or more
                         t[f"batched_{impl}"] = float("nan")
                         continue
                     t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, signs, alphas, slot,

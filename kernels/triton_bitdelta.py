@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gluon_bitdelta
+from kernels import gluon_bitdelta, gluon_planes
 from kernels.reference import check_batched_args, check_weight_and_bias
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
@@ -620,6 +620,11 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias,
                                                                              y, ws, cnt, cfg)) for cfg in configs}
     runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
+    if gluon_planes.planes_supported(x, weight, signs):
+        for stages in gluon_planes.CONFIGS:
+            for kind in ("planes", "planes_ws"):
+                runs[(kind, stages)] = (lambda kind=kind, stages=stages: gluon_planes.bitdelta_linear_batched_planes(
+                    x, weight, signs, alphas, slot, bias, y, ws, cnt, stages, ws_kernel=kind == "planes_ws"))
     _TENANTS_CHOICE[key] = _fastest(runs)
     return _TENANTS_CHOICE[key]
 
@@ -669,8 +674,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
             or ``impl="gluon"`` where that kernel cannot run.
     """
     _check(x, weight)
-    if impl not in (None, "fma", "lut", "gluon"):
-        raise ValueError(f"impl must be 'fma', 'lut' or 'gluon', got {impl!r}")
+    if impl not in (None, "fma", "lut", "gluon", "planes"):
+        raise ValueError(f"impl must be 'fma', 'lut', 'gluon' or 'planes', got {impl!r}")
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
@@ -692,8 +697,16 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
             alphas.stride(0), y.stride(0))
     if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
+        if config is not None and config[0] in ("planes", "planes_ws"):
+            return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
+                                                               config[1], ws_kernel=config[0] == "planes_ws")
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
+    if impl == "planes":
+        if _interpret() or not gluon_planes.planes_supported(x, weight, signs):
+            raise ValueError("impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128 and "
+                             "16-byte aligned contiguous signs")
+        return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt)
     if impl == "gluon":
         if _interpret() or not gluon_bitdelta.tenants_supported(x, weight, signs):
             raise ValueError("impl='gluon' needs a Hopper GPU, two rows or more, K a multiple of 64 and "

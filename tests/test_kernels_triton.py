@@ -154,8 +154,10 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
     with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="impl must be 'fma', 'lut' or 'gluon', got 'gemm'"):
+    with pytest.raises(ValueError, match="impl must be 'fma', 'lut', 'gluon' or 'planes', got 'gemm'"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="gemm")
+    with pytest.raises(ValueError, match="impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128"):
+        bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="planes")
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -336,6 +338,88 @@ def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
                                        msg=lambda s: f"{config} split {split}: {s}")
             assert not ws.any() and not cnt.any(), f"{config} split {split} left the workspace dirty"
     y = tb.bitdelta_linear_batched_triton(*dev[:5], dev[5])  # the dispatcher's pick for this shape
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+
+
+def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order():
+    """``activation_planes`` (the int8 tensor-core tenant kernel's input): every activation is
+    ``scale·(256·hi + lo)`` to within ``scale/2``, with ``scale = max|x|/32639``, stored at logical
+    position ``4a + j`` of its 32-block for physical ``a + 8j``; ``Σq`` is the sum of the integers.
+    An all-zero row gets scale 0 and zero planes."""
+    from kernels.gluon_planes import PLANE_MAX, activation_planes
+
+    g = torch.Generator().manual_seed(5)
+    m, k = 3, 96
+    x = torch.randn(m, k, generator=g)
+    x[1, 7] = 40.0  # an outlier sets its row's scale
+    x[2] = 0.0
+    x = x.to(torch.bfloat16)
+    planes, sc = activation_planes(x.to(DEVICE))
+    planes, sc = planes.cpu(), sc.cpu()
+    assert planes.shape == (2 * m, k) and planes.dtype == torch.int8 and sc.shape == (m, 2)
+    kl = torch.arange(k)
+    phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
+    assert sorted(phys.tolist()) == list(range(k))  # a permutation within each 32-block
+    q = 256 * planes[0::2].int() + planes[1::2].int()  # [m, k], logical order
+    scale = x.float().abs().amax(dim=1) / PLANE_MAX
+    torch.testing.assert_close(sc[:, 0], scale)
+    back = torch.empty(m, k)
+    back[:, phys] = q.float() * scale[:, None]
+    err = (back - x.float()).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all(), err.max()
+    assert q.abs().max() <= PLANE_MAX and q[1].abs().max() == PLANE_MAX
+    torch.testing.assert_close(sc[:, 1], q.sum(dim=1).float())
+    assert not planes[4:].any() and sc[2, 0] == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tensor-core tenant kernel runs on a Hopper GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, row_alpha, bias",
+    [
+        (2, 264, 384, True, True),     # N past a tile, K = 3·128
+        (3, 200, 1024, False, False),  # one α per matrix, N below a tile, a base-only row
+        (16, 1024, 4096, True, False),  # a full row block, K split across programs
+        (17, 136, 128, True, True),    # two row blocks, the second of one row
+        (33, 512, 2048, False, True),  # three row blocks
+        (8, 192, 8192, True, False),   # eight rows, two plane groups, a long K
+    ],
+)
+def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
+    """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every ring depth, with K
+    split and not: equal to the float32 reference within the dtype tolerance, rows of slot −1 and of
+    an out-of-range slot getting the base only, and the split-K workspace left zero."""
+    from kernels import gluon_planes as gp
+    from kernels import triton_bitdelta as tb
+    from kernels.reference import bitdelta_linear_batched
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    n_slots = 3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.randint(0, 256, (n_slots, n, k // 8), generator=g, dtype=torch.uint8)
+    alphas = 0.01 + 0.02 * torch.rand((n_slots, n) if row_alpha else (n_slots,), generator=g)
+    slot = torch.randint(-1, n_slots, (m,), generator=g, dtype=torch.int32)
+    slot[0], slot[-1] = -1, n_slots + 5  # base only, and out of range (the kernel gives the base)
+    b = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias else None
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(slot < n_slots, slot, -1),
+                                  None if b is None else b.float())
+    dev = [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
+    assert gp.planes_supported(dev[0], dev[1], dev[2])
+    atol = TOL[dtype] * ref.abs().max().item()
+    for stages in gp.CONFIGS:
+        for split in (1, 3):
+            for ws_kernel in (False, True):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
+                gp.bitdelta_linear_batched_planes(*dev, y, ws, cnt, stages, split=split, ws_kernel=ws_kernel)
+                torch.cuda.synchronize()
+                what = f"stages {stages} split {split} warp-specialised {ws_kernel}"
+                torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{what}: {s}")
+                assert not ws.any() and not cnt.any(), f"{what} left the workspace dirty"
+    y = tb.bitdelta_linear_batched_triton(*dev[:5], dev[5], impl="planes")
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
 
 

@@ -1,0 +1,501 @@
+"""Hopper (sm_90) mixed-tenant kernel with the sign part on the int8 tensor cores ("planes").
+
+``y[m] = x[m]·Wᵀ + α_t ⊙ (x[m]·S_tᵀ) (+ bias)``, ``t = slot[m]`` (BitDelta, arXiv:2402.10193, §3.1
+Eq. 2; ARCHITECTURE.md ``bitdelta_linear_batched``), for decode-sized M (every row its own variant).
+
+Why: the CUDA-core kernels spend 3.4–13 instructions per row and weight on the sign part
+(``kernels.gluon_bitdelta._tenants_kernel``: shift, and-xor, add), which at 16 tenants leaves them
+issue-bound near 4× dense whatever the memory system does. Here the sign part is a matrix product on
+the tensor cores, and the CUDA cores only turn packed sign bits into wgmma operands:
+
+* ``s·x = 2·(s'·x) − Σx`` with ``s' = (s + 1)/2 ∈ {0, 1}``: the sign bits themselves are the 0/1
+  int8 operand. Bytes ``j = 0..3`` of one 32-bit A register are bits ``q, q+8, q+16, q+24`` of a
+  sign word, ``(word >> q) & 0x01010101``: two instructions for four weights. For that, logical
+  position ``4q + j`` of every 32-wide K block holds physical ``k = q + 8j`` on both operands.
+* The activations become 16-bit fixed point with one scale per row, ``x ≈ scale·(256·hi + lo)``
+  with ``hi, lo ∈ [−128, 127]``, ``scale = max|x| / 32639``, stored as two int8 "planes" in that
+  permuted K order by a small Triton kernel (:func:`activation_planes`). The planes of four rows are
+  the eight columns of one ``m64n8k32`` B operand; row ``r`` reads its two columns of its own
+  product. Integer sums are exact; the only rounding is ``x`` to 16 bits (≤ ``scale/2`` per element,
+  about 3·10⁻⁵ of the row's largest activation).
+* The base product ``W·xᵀ`` stays a bf16/fp16 wgmma with W as the 64-row A operand (swap-AB), as in
+  ``_tenants_kernel``. W, x, the planes and every row's ``[64, BK/8]`` sign tile arrive by TMA
+  through a ring of ``STAGES`` shared-memory buffers; a row without a variant (slot −1, out of range,
+  or past M) loads its sign tile from outside the tensor, which TMA fills with zeros and reads
+  nothing.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels.gluon_bitdelta import _cta_barrier, _tma_load
+
+PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
+BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
+BLOCK_N = 64       # features per program: the wgmma's M
+CONFIGS = (2, 3, 4)  # STAGES
+
+
+@triton.jit
+def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    """One program per row: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``; planes
+    ``p[2r] = hi``, ``p[2r+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order (logical
+    ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2r] = scale``, ``sc[2r+1] = Σq``."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    inv = tl.where(a > 0, 32639.0 / a, 0.0)
+    qsum = tl.zeros([BLOCK], tl.int32)
+    for k0 in range(0, K, BLOCK):
+        kl = k0 + offs
+        phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
+        v = tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv
+        q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero
+        hi = (q + 128) >> 8
+        lo = q - hi * 256
+        tl.store(p_ptr + (2 * r) * K + kl, hi.to(tl.int8), mask=kl < K)
+        tl.store(p_ptr + (2 * r + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
+        qsum += q
+    tl.store(sc_ptr + 2 * r, a / 32639.0)
+    tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
+
+
+def activation_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split activations into the two int8 planes of a 16-bit fixed-point copy (module docstring).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, K a multiple of 32, on a device Triton runs on.
+
+    Returns:
+        ``(planes, sc)``: int8 ``[2M, K]`` (row ``2r`` the high bytes of row r, ``2r + 1`` the low
+        bytes, K permuted within 32-blocks) and float32 ``[M, 2]`` (``scale``, ``Σq`` per row), with
+        ``x[r, k] ≈ scale_r·(256·hi + lo)`` to within ``scale_r/2``.
+    """
+    m, k = x.shape
+    planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
+    sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
+    _planes_kernel[(m,)](x, planes, sc, k, x.stride(0), BLOCK=1024, num_warps=4)
+    return planes, sc
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _planes_tenants_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                               M, N, K, NSLOT, stride_as, stride_ym,
+                               ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
+                               STAGES: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = x_desc.block_type.shape[0]   # 16: the base wgmma's N
+        BK: gl.constexpr = x_desc.block_type.shape[1]   # 128
+        BN: gl.constexpr = w_desc.block_type.shape[0]   # 64
+        SB: gl.constexpr = BK // 8                       # sign bytes per feature per K step
+        G: gl.constexpr = (ROWS + 3) // 4                # plane groups of four rows (eight columns)
+        dtype: gl.constexpr = x_desc.dtype
+
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        SPLIT = gl.num_programs(2)
+        off_n = pid_n * BN
+        off_m = pid_m * BM
+        num_k_all = gl.cdiv(K, BK)
+        per = gl.cdiv(num_k_all, SPLIT)
+        k_first = gl.program_id(2) * per
+        num_k = gl.minimum(per, num_k_all - k_first)
+
+        acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BM, 16])
+        acc_s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, 8, 32])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_s_l, k_width=4)
+        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        x_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+        # one allocation per row and per plane group: TMA copies into different allocations need no
+        # CTA barrier between them (Triton's shared-memory hazard analysis cannot tell ring slots apart)
+        s_smem = ()
+        for r in gl.static_range(ROWS):
+            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, BN, SB], s_desc.layout), )
+        p_smem = ()
+        for g in gl.static_range(G):
+            p_smem = p_smem + (gl.allocate_shared_memory(gl.int8, [STAGES, 8, BK], p_desc.layout), )
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        # every row's sign-tile row coordinate in the [S·N, K/8] view; no variant → past the end
+        srow = ()
+        for r in gl.static_range(ROWS):
+            row = off_m + r
+            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+            ok = (sl >= 0) & (sl < NSLOT)
+            srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
+        # the shift q of every int8 element of an A fragment: logical k = 4q + j within 32
+        kq = gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4
+        kq = gl.expand_dims(kq, 0)                                                      # [1, 32]
+
+        nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes + ROWS * s_desc.block_type.nbytes
+                                + G * p_desc.block_type.nbytes)
+        for i in gl.static_range(STAGES):  # prologue: the first STAGES steps in flight
+            if i < num_k:
+                kk = (k_first + i) * BK
+                mbarrier.expect(bars.index(i), nbytes)
+                _tma_load(x_desc, [off_m, kk], bars.index(i), x_smem.index(i))
+                _tma_load(w_desc, [off_n, kk], bars.index(i), w_smem.index(i))
+                for r in gl.static_range(ROWS):
+                    _tma_load(s_desc, [srow[r], kk // 8], bars.index(i), s_smem[r].index(i))
+                for g in gl.static_range(G):
+                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bars.index(i), p_smem[g].index(i))
+
+        acc_b = gl.zeros([BN, BM], gl.float32, acc_b_l)
+        acc_s = ()
+        for r in gl.static_range(ROWS):
+            acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
+            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc_b, is_async=True)
+            new = ()
+            for r in gl.static_range(ROWS):
+                words = s_smem[r].index(stage)._reinterpret(gl.int32, [BN, SB // 4], word_l)
+                acc = acc_s[r]
+                for c in gl.static_range(BK // 32):
+                    wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
+                    a = gl.inline_asm_elementwise(
+                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    b = p_smem[r // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                # bound the wgmmas in flight (each holds its A registers until it has read them)
+                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                new = new + (acc, )
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
+            acc_b = done[0]
+            acc_s = ()
+            for r in gl.static_range(ROWS):
+                acc_s = acc_s + (done[r + 1], )
+            nk = ki + STAGES
+            if nk < num_k:  # this stage's products are done: refill it
+                kk = (k_first + nk) * BK
+                mbarrier.expect(bars.index(stage), nbytes)
+                _tma_load(x_desc, [off_m, kk], bars.index(stage), x_smem.index(stage))
+                _tma_load(w_desc, [off_n, kk], bars.index(stage), w_smem.index(stage))
+                for r in gl.static_range(ROWS):
+                    _tma_load(s_desc, [srow[r], kk // 8], bars.index(stage), s_smem[r].index(stage))
+                for g in gl.static_range(G):
+                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bars.index(stage), p_smem[g].index(stage))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # epilogue, one row at a time: column r of the base product, columns 2(r%4), 2(r%4)+1 of its
+        # sign product, s·x = scale·(2·(256·hi + lo) − Σq) (Σq once, in the first K chunk)
+        out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
+        cols_b = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, acc_b_l)), 0)
+        cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
+        feat = off_n + gl.arange(0, BN, layout=out_l)
+        fmask = feat < N
+        first = (gl.program_id(2) == 0).to(gl.float32)
+        for r in gl.static_range(ROWS):
+            row = off_m + r
+            base = gl.convert_layout(gl.sum(gl.where(cols_b == r, acc_b, 0.0), axis=1), out_l)
+            d = acc_s[r]
+            hi = gl.sum(gl.where(cols_s == 2 * (r % 4), d, 0), axis=1).to(gl.float32)
+            lo = gl.sum(gl.where(cols_s == 2 * (r % 4) + 1, d, 0), axis=1).to(gl.float32)
+            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+            ok = (sl >= 0) & (sl < NSLOT) & (row < M)
+            scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
+            qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
+            sdot = scale * (512.0 * hi + 2.0 * lo - first * qsum)
+            if ALPHA_PER_ROW:
+                alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
+            else:
+                alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
+            out = base + alpha * sdot
+            m = fmask & (row < M)
+            if SPLIT > 1:
+                gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
+            else:
+                if HAS_BIAS:
+                    out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
+                gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
+        if SPLIT > 1:
+            tile = pid_m * gl.num_programs(0) + pid_n
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this program's adds
+            if done == SPLIT - 1:  # the last K chunk of this tile: read (and zero) the sums, write y
+                for r in gl.static_range(ROWS):
+                    row = off_m + r
+                    m = fmask & (row < M)
+                    out = gl.atomic_xchg(ws_ptr + row * N + feat, gl.zeros([BN], gl.float32, out_l), mask=m,
+                                         sem="relaxed")
+                    if HAS_BIAS:
+                        out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
+                    gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+
+
+def planes_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
+    """Whether :func:`bitdelta_linear_batched_planes` can run: Hopper and aligned tensors
+    (``gluon_bitdelta.supported``), 2 or more rows, K a multiple of 128, contiguous sign rows."""
+    return (supported(x, weight) and x.shape[0] >= 2 and weight.shape[1] % BLOCK_K == 0 and signs.is_contiguous()
+            and signs.data_ptr() % 16 == 0)
+
+
+def planes_split(m: int, n: int, k: int, sms: int) -> int:
+    """K split: about one program per multiprocessor, each with at least 4 K steps of :data:`BLOCK_K`."""
+    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
+    return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(k, BLOCK_K) // 4))
+
+
+def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                                   slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
+                                   cnt: torch.Tensor, stages: int = 3, split: int | None = None,
+                                   ws_kernel: bool = False) -> torch.Tensor:
+    """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, M ≥ 2, K a multiple of 128 (:func:`planes_supported`).
+        weight: ``[N, K]`` same dtype. signs: contiguous uint8 ``[S, N, K/8]``. alphas: float32 ``[S]``
+            or ``[S, N]``. slot: int32 ``[M]`` (−1 or out of range: the base only). bias: ``[N]`` or
+            None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
+            zeros of one per output tile, left zero. stages: the TMA ring depth, one of
+            :data:`CONFIGS`. split: K chunks (default :func:`planes_split`). ws_kernel: the
+            warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`.
+
+    Returns:
+        ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    s = signs.shape[0]
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    if split is None:
+        split = planes_split(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    planes, sc = activation_planes(x)
+    dt = _gl_dtype(x.dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [16, BLOCK_K], gl.NVMMASharedLayout.get_default_for([16, BLOCK_K], dt))
+    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
+    s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, BLOCK_K // 8],
+                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+    p_desc = TensorDescriptor.from_tensor(planes, [8, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([8, BLOCK_K], gl.int8))
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
+    if ws_kernel:
+        regs = 96 if rows == 16 else 80  # registers per thread: two programs per multiprocessor up to 8 rows
+        _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
+                                y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0),
+                                ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
+                                STAGES=stages, INFLIGHT=4, CONS_REGS=regs, num_warps=4, maxnreg=regs)
+        return y
+    _planes_tenants_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas,
+                                 bias if bias is not None else alphas, y, ws, cnt, m, n, k, s, alphas.stride(0),
+                                 y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
+                                 STAGES=stages, INFLIGHT=4, num_warps=4)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Warp-specialised variant: one loader warp issues every TMA copy; consumer warpgroups of four rows
+# each (one per plane group) do the products, so the copies' address work leaves the consumers and
+# there are four times as many warps per row block.
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr):
+        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
+         slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        G: gl.constexpr = (ROWS + 3) // 4
+        srow = ()
+        for r in gl.static_range(ROWS):
+            row = off_m + r
+            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+            ok = (sl >= 0) & (sl < NSLOT)
+            srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
+        nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes + ROWS * s_desc.block_type.nbytes
+                                + G * p_desc.block_type.nbytes)
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
+            kk = (k_first + ki) * BK
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
+            _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
+            for r in gl.static_range(ROWS):
+                _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
+            for g in gl.static_range(G):
+                _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+
+    @gluon.jit
+    def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, NCONS: gl.constexpr,
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr):
+        """Rows ``ROW0 … ROW0 + min(4, ROWS) − 1`` of the row block, as one warpgroup."""
+        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
+         slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
+        (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        SB: gl.constexpr = BK // 8
+        RH: gl.constexpr = 4 if ROWS > 4 else ROWS
+        XR0: gl.constexpr = (ROW0 // 8) * 8   # the eight x rows of the base wgmma (its N = 8)
+        dtype: gl.constexpr = x_desc.dtype
+        acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        acc_s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_s_l, k_width=4)
+        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]
+
+        acc_b = gl.zeros([BN, 8], gl.float32, acc_b_l)
+        acc_s = ()
+        for r in gl.static_range(RH):
+            acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                  acc_b, is_async=True)
+            new = ()
+            for r in gl.static_range(RH):
+                words = s_smem[ROW0 + r].index(stage)._reinterpret(gl.int32, [BN, SB // 4], word_l)
+                acc = acc_s[r]
+                for c in gl.static_range(BK // 32):
+                    wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
+                    a = gl.inline_asm_elementwise(
+                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    b = p_smem[ROW0 // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                new = new + (acc, )
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
+            acc_b = done[0]
+            acc_s = ()
+            for r in gl.static_range(RH):
+                acc_s = acc_s + (done[r + 1], )
+            fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
+        cols_b = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_b_l)), 0)
+        cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
+        feat = off_n + gl.arange(0, BN, layout=out_l)
+        fmask = feat < N
+        for r in gl.static_range(RH):
+            row = off_m + ROW0 + r
+            base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
+            d = acc_s[r]
+            hi = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4), d, 0), axis=1).to(gl.float32)
+            lo = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4) + 1, d, 0), axis=1).to(gl.float32)
+            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+            ok = (sl >= 0) & (sl < NSLOT) & (row < M)
+            scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
+            qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
+            sdot = scale * (512.0 * hi + 2.0 * lo - first * qsum)
+            if ALPHA_PER_ROW:
+                alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
+            else:
+                alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
+            out = base + alpha * sdot
+            m = fmask & (row < M)
+            if SPLIT > 1:
+                gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
+            else:
+                if HAS_BIAS:
+                    out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
+                gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
+        if SPLIT > 1:
+            done_n = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this warpgroup's adds
+            if done_n == SPLIT * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
+                for r in gl.static_range(ROWS):
+                    row = off_m + r
+                    m = fmask & (row < M)
+                    out = gl.atomic_xchg(ws_ptr + row * N + feat, gl.zeros([BN], gl.float32, out_l), mask=m,
+                                         sem="relaxed")
+                    if HAS_BIAS:
+                        out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
+                    gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+
+    @gluon.jit
+    def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, NCONS: gl.constexpr,
+                   ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr):
+        if LOADER:
+            _ws_load(p, ROWS, STAGES)
+        else:
+            _ws_consume(p, q, ROWS, STAGES, ROW0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)
+
+    @gluon.jit
+    def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                          M, N, K, NSLOT, stride_as, stride_ym,
+                          ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
+                          STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """Same contract as :func:`_planes_tenants_kernel`, warp-specialised (see above)."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        SB: gl.constexpr = BK // 8
+        G: gl.constexpr = (ROWS + 3) // 4
+        NCONS: gl.constexpr = G
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        SPLIT = gl.num_programs(2)
+        off_n = pid_n * BN
+        off_m = pid_m * BM
+        num_k_all = gl.cdiv(K, BK)
+        per = gl.cdiv(num_k_all, SPLIT)
+        k_first = gl.program_id(2) * per
+        num_k = gl.minimum(per, num_k_all - k_first)
+        first = (gl.program_id(2) == 0).to(gl.float32)
+        tile = pid_m * gl.num_programs(0) + pid_n
+
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        s_smem = ()
+        for r in gl.static_range(ROWS):
+            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, BN, SB], s_desc.layout), )
+        p_smem = ()
+        for g in gl.static_range(G):
+            p_smem = p_smem + (gl.allocate_shared_memory(gl.int8, [STAGES, 8, BK], p_desc.layout), )
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NCONS)
+        p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
+             slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k)
+        q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
+        if NCONS == 1:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+            ], [1], [24])
+        elif NCONS == 2:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, 4, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+            ], [4, 1], [CONS_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, 4, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 8, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 12, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+            ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])

@@ -1,0 +1,82 @@
+"""Time the int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``) against dense bf16 and
+the other tenant kernels on the Llama-2-70B layer set, per ring depth and K split (GPU).
+
+    python3 tests/gpu/planes_probe.py OUT.json [T ...]
+
+Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
+ratio over the layer set (the figure ``kernels/bench.py`` reports).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import gluon_bitdelta as gb  # noqa: E402
+from kernels import gluon_planes as gp  # noqa: E402
+from kernels import triton_bitdelta as tb  # noqa: E402
+
+LAYERS = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
+
+
+def main(out: str, ts: list[int]) -> None:
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows, sums = [], {}
+    for name, (n, k) in LAYERS.items():
+        w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
+        for t in ts:
+            x = torch.randn(t, k, device="cuda").bfloat16()
+            signs = torch.randint(0, 256, (16, n, k // 8), device="cuda", dtype=torch.uint8)
+            alphas = 0.01 * torch.rand(16, device="cuda")
+            slot = torch.arange(t, device="cuda", dtype=torch.int32) % 16
+            y = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+            ws, cnt = tb._workspace(x.device, t * n, t * triton.cdiv(n, 2))
+            ref = tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot, impl="lut").float()
+            dense = do_bench_cudagraph(lambda: x @ w.t(), rep=50)
+            r = {"layer": name, "N": n, "K": k, "T": t, "dense_ms": dense}
+            base_split = gp.planes_split(t, n, k, sms)
+            for wsk in (False, True):
+                for stages in gp.CONFIGS:
+                    for split in sorted({max(1, base_split // 2), base_split, base_split * 2}):
+                        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws,  # noqa: E731
+                                                                       cnt, stages, split, ws_kernel=wsk)
+                        name_ = f"planes{'_ws' if wsk else ''}_s{stages}_k{split}"
+                        try:
+                            fn()
+                            torch.cuda.synchronize()
+                            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                            r[name_] = do_bench_cudagraph(fn, rep=50) / dense
+                            r[name_ + "_err"] = err
+                        except Exception as e:  # noqa: BLE001
+                            r[name_] = repr(e)[:200]
+            r["lut"] = do_bench_cudagraph(lambda: tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
+                                                                                   impl="lut"), rep=50) / dense
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            for key, v in r.items():
+                if isinstance(v, float) and (key.startswith("planes") and not key.endswith("err") or key == "lut"):
+                    sums.setdefault((t, key), [0.0, 0.0])
+                    sums[(t, key)][0] += v * dense
+                    sums[(t, key)][1] += dense
+    summary = {f"T={t}/{key}": round(a / b, 3) for (t, key), (a, b) in sums.items()}
+    for t in ts:
+        best = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_s"))
+        best_ws = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_ws"))
+        # the best configuration per layer (what the dispatcher's timing picks)
+        per = sum(min(v for k2, v in r.items() if k2.startswith("planes") and not k2.endswith("err")
+                      and isinstance(v, float)) * r["dense_ms"] for r in rows if r["T"] == t)
+        per /= sum(r["dense_ms"] for r in rows if r["T"] == t)
+        print(f"T={t}: best planes {best} ws {best_ws} best-per-layer {per:.3f} lut {summary[f'T={t}/lut']} "
+              f"target {1.1 * (1 + t / 16):.3f}")
+    Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary},
+                                    indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], [int(v) for v in sys.argv[2:]] or [2, 4, 8, 16])
