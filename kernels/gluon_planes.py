@@ -46,6 +46,30 @@ BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inn
 BLOCK_N = 64       # features per program: the wgmma's M
 CONFIGS = (2, 3, 4)  # STAGES
 
+# Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
+# thread). Registers × threads must fit the 64 K register file; ptxas serialises the wgmmas when a
+# consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py) shows.
+# The first of each is the default (fastest over the 70B layer set in tests/gpu/planes_probe.py).
+WS_CONFIGS = {
+    2: ((128, 2, 3, 80), (256, 2, 2, 104)),
+    4: ((128, 4, 3, 80), (128, 4, 2, 80), (256, 4, 2, 104), (256, 4, 3, 104)),
+    8: ((128, 4, 3, 80), (128, 8, 3, 128), (256, 4, 3, 104), (256, 8, 2, 128)),
+    16: ((128, 4, 4, 96), (128, 8, 3, 128), (256, 8, 2, 128)),
+}
+
+
+def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
+    """K split of the warp-specialised kernel: as many programs as fit the multiprocessors at once
+    (``sms`` × programs per multiprocessor, from registers and shared memory), rounded down, each with
+    at least 4 K steps."""
+    bk, rh, stages, regs = config
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    warps = 4 * triton.cdiv(4 * (rows // rh) + 1, 4)
+    smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8 + triton.cdiv(rows, 4) * 8 * bk)
+    per_sm = max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
+    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
+    return max(1, min(sms * per_sm // tiles, k // bk // 4))
+
 
 @triton.jit
 def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
@@ -263,7 +287,8 @@ def planes_split(m: int, n: int, k: int, sms: int) -> int:
 def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, stages: int = 3, split: int | None = None,
-                                   ws_kernel: bool = False) -> torch.Tensor:
+                                   ws_kernel: bool = False, block_k: int = BLOCK_K, rows_per_warpgroup: int = 4,
+                                   inflight: int = 4, regs: int | None = None) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -273,7 +298,10 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
             zeros of one per output tile, left zero. stages: the TMA ring depth, one of
             :data:`CONFIGS`. split: K chunks (default :func:`planes_split`). ws_kernel: the
-            warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`.
+            warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`,
+            with K steps of ``block_k`` (128 or 256), consumer warpgroups of ``rows_per_warpgroup``
+            rows (4 or 8), ``inflight`` wgmmas in flight per warpgroup and ``regs`` registers per
+            thread (default: 96 for 16 rows, else 80).
 
     Returns:
         ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -282,7 +310,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    if split is None:
+    if split is None and not ws_kernel:
         split = planes_split(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
     planes, sc = activation_planes(x)
     dt = _gl_dtype(x.dtype)
@@ -293,13 +321,27 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
     p_desc = TensorDescriptor.from_tensor(planes, [8, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([8, BLOCK_K], gl.int8))
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split or 1)
     if ws_kernel:
-        regs = 96 if rows == 16 else 80  # registers per thread: two programs per multiprocessor up to 8 rows
+        bk = block_k
+        if bk != BLOCK_K:
+            x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
+            w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, bk],
+                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], dt))
+            s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8],  # unswizzled:
+                                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8,
+                                                                       rank=2))  # read back as 32-bit words
+            p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
+        rh = min(rows, rows_per_warpgroup)
+        regs = regs or (96 if rows == 16 else 80)  # registers per thread: two programs per multiprocessor up to 8 rows
+        if split is None:
+            split = ws_split(m, n, k, (bk, rh, stages, regs),
+                             torch.cuda.get_device_properties(x.device).multi_processor_count)
+            grid = (grid[0], grid[1], split)
         _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
                                 y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0),
                                 ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
-                                STAGES=stages, INFLIGHT=4, CONS_REGS=regs, num_warps=4, maxnreg=regs)
+                                STAGES=stages, INFLIGHT=inflight, CONS_REGS=regs, RH=rh, num_warps=4, maxnreg=regs)
         return y
     _planes_tenants_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas,
                                  bias if bias is not None else alphas, y, ws, cnt, m, n, k, s, alphas.stride(0),
@@ -342,16 +384,16 @@ if HAVE_GLUON:
                 _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
 
     @gluon.jit
-    def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, NCONS: gl.constexpr,
+    def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr):
-        """Rows ``ROW0 … ROW0 + min(4, ROWS) − 1`` of the row block, as one warpgroup."""
+        """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
         (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
-        RH: gl.constexpr = 4 if ROWS > 4 else ROWS
+        NCONS: gl.constexpr = ROWS // RH
         XR0: gl.constexpr = (ROW0 // 8) * 8   # the eight x rows of the base wgmma (its N = 8)
         dtype: gl.constexpr = x_desc.dtype
         acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -378,7 +420,7 @@ if HAVE_GLUON:
                     a = gl.inline_asm_elementwise(
                         "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
                         "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
-                    b = p_smem[ROW0 // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                    b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
                     acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
                 new = new + (acc, )
@@ -432,26 +474,26 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     @gluon.jit
-    def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, NCONS: gl.constexpr,
+    def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr):
         if LOADER:
             _ws_load(p, ROWS, STAGES)
         else:
-            _ws_consume(p, q, ROWS, STAGES, ROW0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)
+            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                           M, N, K, NSLOT, stride_as, stride_ym,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          RH: gl.constexpr, num_warps: gl.constexpr):
         """Same contract as :func:`_planes_tenants_kernel`, warp-specialised (see above)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
         G: gl.constexpr = (ROWS + 3) // 4
-        NCONS: gl.constexpr = G
+        NCONS: gl.constexpr = ROWS // RH  # consumer warpgroups of RH rows each
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         SPLIT = gl.num_programs(2)
@@ -480,22 +522,24 @@ if HAVE_GLUON:
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
              slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k)
         q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
+        A: gl.constexpr = ALPHA_PER_ROW
+        B: gl.constexpr = HAS_BIAS
         if NCONS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
             ], [1], [24])
         elif NCONS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, 4, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
             ], [4, 1], [CONS_REGS, 24])
         else:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, 4, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 8, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 12, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, NCONS, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
+                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
             ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])

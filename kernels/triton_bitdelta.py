@@ -606,25 +606,39 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     configuration of the Hopper kernel usable for the row count (``gluon_bitdelta.tenant_configs``)
     and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
-    is timed and the Hopper kernel's default configuration for the row count is used."""
+    is timed and the default is used: the warp-specialised int8 tensor-core kernel
+    (``gluon_planes.WS_CONFIGS[rows][0]``) where it can run, else the Hopper CUDA-core kernel's
+    default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
     key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None)
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
     configs = gluon_bitdelta.tenant_configs(rows)
-    if not AUTOTUNE:  # untimed, table lookup: on average over the 70B set the faster at its defaults
-        return None
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1":
-        return configs[0]
-    runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias,
-                                                                             y, ws, cnt, cfg)) for cfg in configs}
-    runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
+    untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
+               or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
+    if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
+        if gluon_planes.planes_supported(x, weight, signs) and k % gluon_planes.WS_CONFIGS[rows][0][0] == 0:
+            return ("planes_ws", gluon_planes.WS_CONFIGS[rows][0], None)
+        return configs[0] if AUTOTUNE else None
+    runs = {}
     if gluon_planes.planes_supported(x, weight, signs):
-        for stages in gluon_planes.CONFIGS:
-            for kind in ("planes", "planes_ws"):
-                runs[(kind, stages)] = (lambda kind=kind, stages=stages: gluon_planes.bitdelta_linear_batched_planes(
-                    x, weight, signs, alphas, slot, bias, y, ws, cnt, stages, ws_kernel=kind == "planes_ws"))
+        # each configuration of the warp-specialised int8 tensor-core kernel at three K splits: on
+        # the 70B layer set it is faster than every other tenant kernel from two rows up
+        # (tests/gpu/planes_probe.py), so the others are not timed
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        for cfg in gluon_planes.WS_CONFIGS[rows]:
+            if k % cfg[0]:
+                continue
+            d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
+            for split in sorted({max(1, d // 2), d, 2 * d}):
+                runs[("planes_ws", cfg, split)] = (lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
+                    x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg[2], split, ws_kernel=True, block_k=cfg[0],
+                    rows_per_warpgroup=cfg[1], regs=cfg[3]))
+    if not runs:
+        runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
+            x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
+        runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
     _TENANTS_CHOICE[key] = _fastest(runs)
     return _TENANTS_CHOICE[key]
 
@@ -697,9 +711,14 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
             alphas.stride(0), y.stride(0))
     if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
-        if config is not None and config[0] in ("planes", "planes_ws"):
+        if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               config[1], ws_kernel=config[0] == "planes_ws")
+                                                               config[1])
+        if config is not None and config[0] == "planes_ws":
+            bk, rh, stages, regs = config[1]
+            return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
+                                                               stages, config[2], ws_kernel=True, block_k=bk,
+                                                               rows_per_warpgroup=rh, regs=regs)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":

@@ -383,6 +383,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order():
         (17, 136, 128, True, True),    # two row blocks, the second of one row
         (33, 512, 2048, False, True),  # three row blocks
         (8, 192, 8192, True, False),   # eight rows, two plane groups, a long K
+        (16, 320, 768, False, False),  # sixteen rows, K = 3·256
     ],
 )
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
@@ -409,16 +410,19 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     dev = [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
     assert gp.planes_supported(dev[0], dev[1], dev[2])
     atol = TOL[dtype] * ref.abs().max().item()
-    for stages in gp.CONFIGS:
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    configs = [dict(stages=st) for st in gp.CONFIGS] + [
+        dict(stages=st, ws_kernel=True, block_k=bk, rows_per_warpgroup=rh, regs=regs)
+        for bk, rh, st, regs in gp.WS_CONFIGS[rows] if k % bk == 0]
+    for config in configs:
         for split in (1, 3):
-            for ws_kernel in (False, True):
-                y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
-                gp.bitdelta_linear_batched_planes(*dev, y, ws, cnt, stages, split=split, ws_kernel=ws_kernel)
-                torch.cuda.synchronize()
-                what = f"stages {stages} split {split} warp-specialised {ws_kernel}"
-                torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{what}: {s}")
-                assert not ws.any() and not cnt.any(), f"{what} left the workspace dirty"
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
+            gp.bitdelta_linear_batched_planes(*dev, y, ws, cnt, split=split, **config)
+            torch.cuda.synchronize()
+            what = f"{config} split {split}"
+            torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{what}: {s}")
+            assert not ws.any() and not cnt.any(), f"{what} left the workspace dirty"
     y = tb.bitdelta_linear_batched_triton(*dev[:5], dev[5], impl="planes")
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
 

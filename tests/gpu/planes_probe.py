@@ -41,20 +41,24 @@ def main(out: str, ts: list[int]) -> None:
             dense = do_bench_cudagraph(lambda: x @ w.t(), rep=50)
             r = {"layer": name, "N": n, "K": k, "T": t, "dense_ms": dense}
             base_split = gp.planes_split(t, n, k, sms)
-            for wsk in (False, True):
-                for stages in gp.CONFIGS:
-                    for split in sorted({max(1, base_split // 2), base_split, base_split * 2}):
-                        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws,  # noqa: E731
-                                                                       cnt, stages, split, ws_kernel=wsk)
-                        name_ = f"planes{'_ws' if wsk else ''}_s{stages}_k{split}"
-                        try:
-                            fn()
-                            torch.cuda.synchronize()
-                            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                            r[name_] = do_bench_cudagraph(fn, rep=50) / dense
-                            r[name_ + "_err"] = err
-                        except Exception as e:  # noqa: BLE001
-                            r[name_] = repr(e)[:200]
+            configs = {f"planes_s{st}": dict(stages=st) for st in (2, 3)}
+            rows_ = max(2, min(16, triton.next_power_of_2(t)))
+            for bk, rh, st, regs in gp.WS_CONFIGS[rows_]:
+                configs[f"planes_ws_bk{bk}_rh{rh}_s{st}_r{regs}"] = dict(stages=st, ws_kernel=True, block_k=bk,
+                                                                       rows_per_warpgroup=rh, regs=regs)
+            for cname, config in configs.items():
+                for split in sorted({max(1, base_split // 2), base_split, base_split * 2}):
+                    fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws, cnt,  # noqa: E731
+                                                                   split=split, **config)
+                    name_ = f"{cname}_k{split}"
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                        r[name_] = do_bench_cudagraph(fn, rep=50) / dense
+                        r[name_ + "_err"] = err
+                    except Exception as e:  # noqa: BLE001
+                        r[name_] = repr(e)[:200]
             r["lut"] = do_bench_cudagraph(lambda: tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
                                                                                    impl="lut"), rep=50) / dense
             print(json.dumps(r), flush=True)

@@ -31,6 +31,16 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         fn = lambda: tb.bitdelta_linear_triton(x, w, s[0], a[0])  # noqa: E731
     elif kind in ("fma", "lut", "gluon"):
         fn = lambda: tb.bitdelta_linear_batched_triton(x, w, s, a, slot, impl=kind)  # noqa: E731
+    elif kind == "planesws":  # PLANES_CFG="BLOCK_K,rows per warpgroup,STAGES,registers[,split]"
+        import os
+
+        from kernels import gluon_planes as gp
+        bk, rh, st, regs, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
+        y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
+        ws, cnt = tb._workspace(x.device, num * n, num * n)
+        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt, st,  # noqa: E731
+                                                       sp[0] if sp else None, ws_kernel=True, block_k=bk,
+                                                       rows_per_warpgroup=rh, regs=regs)
     else:
         raise SystemExit(f"unknown case {case!r}")
     for _ in range(3):
