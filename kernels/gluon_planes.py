@@ -23,6 +23,23 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
   through a ring of ``STAGES`` shared-memory buffers; a row without a variant (slot −1, out of range,
   or past M) loads its sign tile from outside the tensor, which TMA fills with zeros and reads
   nothing.
+
+Two kernels: :func:`_planes_tenants_kernel` (one warpgroup does everything) and the
+warp-specialised :func:`_planes_ws_kernel`, in which one loader warp issues the copies (every
+copy costs the issuing warps about twenty instructions of address and barrier work, 22 copies per K
+step at 16 rows) and one consumer warpgroup per four or eight rows does the products, four times
+as many warps per row block. Offline (``tests/gpu/sass_tenants.py``-style compile for sm_90a) the
+consumers' K loop takes 0.9–1.1 instructions per row and weight, against 3.4–3.8 for the CUDA-core
+kernel; ptxas serialises the wgmmas (C7512/C7515) when a consumer has too few registers or more
+than four wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that compile without.
+
+Measured on an H200 (Triton 3.6), time ÷ dense bf16 over the Llama-2-70B layer set, one token per
+variant (reports/bench-kernels-tenants-planes-2026-11-30-h200.json, the dispatcher timing every
+:data:`WS_CONFIGS` entry): T = 2 / 4 / 8 / 16: 1.21 / 1.40 / 1.82 / 2.84× (targets 1.24 / 1.38 /
+1.65 / 2.20×; the non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×). ncu at T = 16 (``o``, 128
+programs of 20 warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
+peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
+programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.
 """
 from __future__ import annotations
 
@@ -123,6 +140,11 @@ if HAVE_GLUON:
                                M, N, K, NSLOT, stride_as, stride_ym,
                                ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                                STAGES: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr):
+        """One warpgroup per program: ``ROWS`` rows × 64 features over the K chunk
+        ``program_id(2)``; per K step the base wgmma (W from shared memory, swap-AB) and, per row,
+        four int8 wgmmas of its sign bits (registers) with its plane group (shared memory), at most
+        ``INFLIGHT`` in flight. Split K meets in a self-cleaning workspace as in
+        ``gluon_bitdelta._tenants_kernel``."""
         BM: gl.constexpr = x_desc.block_type.shape[0]   # 16: the base wgmma's N
         BK: gl.constexpr = x_desc.block_type.shape[1]   # 128
         BN: gl.constexpr = w_desc.block_type.shape[0]   # 64

@@ -31,19 +31,22 @@ Kernels:
   variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``): the base product of
   the rows on tensor cores, the signs by table lookup (see its docstring). On a Hopper GPU,
   ``kernels.gluon_bitdelta._tenants_kernel`` (``impl="gluon"``): the base product on the tensor
-  cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. From two
-  rows up the dispatcher times both once per shape and keeps the faster (``_tenants_choice``).
+  cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. On a
+  Hopper GPU with K a multiple of 128, ``kernels.gluon_planes`` (``impl="planes"``, and its
+  warp-specialised variant, the default there): the sign part on the int8 tensor cores, the packed
+  sign bits as the 0/1 operand and the activations as two int8 planes of a 16-bit fixed-point copy.
+  From two rows up the dispatcher times the candidates once per shape and keeps the fastest
+  (``_tenants_choice``).
   ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row, with the
   decode tiles): the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows,
   each row forms its own tenant's ``W + α_t·s_t``. Bytes read: W once + each distinct tenant's
   signs, ``1 + T/16`` of a dense read for T tenants.
 
 Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.* and
-reports/bench-kernels-tenants-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B layer set:
-decode M = 1 1.08×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.09× (FMA),
-1.66 / 2.21 / 3.56 / 7.12× (the dispatcher's pick), against targets of 1.1·(1 + T/16)×. Both
-mixed-tenant kernels issue in only 22–34 % of cycles (ncu, reports/ncu-kernels-2026-11-30-h200.json):
-latency-bound at 12–31 % occupancy.
+reports/bench-kernels-tenants-planes-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B
+layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.10×
+(FMA), 1.21 / 1.40 / 1.82 / 2.84× (the warp-specialised int8 tensor-core kernel), against targets
+of 1.1·(1 + T/16)×; the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -667,13 +670,18 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     base tile is loaded once per program and shared by the program's rows. Three kernels (``impl``):
     ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup), ``"gluon"``
     (Hopper only, two rows or more, K a multiple of 64: ``kernels.gluon_bitdelta``, base product on
-    the tensor cores, signs on the CUDA cores meanwhile) and ``"fma"`` (``_decode_kernel``:
-    ``W + α_t·s_t`` formed in float32 registers per row; the default for one row, with the decode
-    tiles). By default, from two rows up, ``"lut"`` and each tile of ``"gluon"`` are timed once per
-    shape and the faster is kept. None of them rounds ``W + α·s``. On an H200 with Triton 3.6 (70B
-    layer set, ÷ dense, reports/bench-kernels-tenants-2026-11-30-h200.json): the default choice
-    1.09 / 1.66 / 2.21 / 3.56 / 7.12× at T = 1 / 2 / 4 / 8 / 16 tenants of one row each (table
-    lookup alone 1.45 / 1.82 / 2.79 / 4.43 / 7.47×).
+    the tensor cores, signs on the CUDA cores meanwhile), ``"planes"`` (Hopper only, two rows or
+    more, K a multiple of 128: ``kernels.gluon_planes``, the sign part on the int8 tensor cores with
+    the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation) and ``"fma"``
+    (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
+    row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each
+    configuration of its warp-specialised kernel (``gluon_planes.WS_CONFIGS``) is timed at three K
+    splits once per shape and the fastest kept (untimed under CUDA-graph capture, with
+    ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
+    ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
+    3.6 (70B layer set, ÷ dense, reports/bench-kernels-tenants-planes-2026-11-30-h200.json): the
+    default choice 1.10 / 1.21 / 1.40 / 1.82 / 2.84× at T = 1 / 2 / 4 / 8 / 16 tenants of one row
+    each (table lookup alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
@@ -685,7 +693,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     Raises:
         ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
-            or ``impl="gluon"`` where that kernel cannot run.
+            or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run.
     """
     _check(x, weight)
     if impl not in (None, "fma", "lut", "gluon", "planes"):
