@@ -58,6 +58,17 @@ if HAVE_GLUON:
 
     from kernels.gluon_bitdelta import _cta_barrier, _tma_load
 
+    # a shared-memory view under another element type: ``_reinterpret`` in Triton 3.6, ``reinterpret``
+    # from 3.7 on
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(gl.int32, [BN, W], layout)
+    else:
+        @gluon.jit
+        def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(gl.int32, [BN, W], layout)
+
 PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
@@ -217,7 +228,7 @@ if HAVE_GLUON:
             acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc_b, is_async=True)
             new = ()
             for r in gl.static_range(ROWS):
-                words = s_smem[r].index(stage)._reinterpret(gl.int32, [BN, SB // 4], word_l)
+                words = _as_words(s_smem[r].index(stage), BN, SB // 4, word_l)
                 acc = acc_s[r]
                 for c in gl.static_range(BK // 32):
                     wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
@@ -435,7 +446,7 @@ if HAVE_GLUON:
                                   acc_b, is_async=True)
             new = ()
             for r in gl.static_range(RH):
-                words = s_smem[ROW0 + r].index(stage)._reinterpret(gl.int32, [BN, SB // 4], word_l)
+                words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
                 acc = acc_s[r]
                 for c in gl.static_range(BK // 32):
                     wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]

@@ -124,6 +124,51 @@ if gb.HAVE_GLUON:
                              "local": ptx.count("st.local")}
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    from kernels import gluon_planes as gp
+    import subprocess, tempfile
+    from pathlib import Path as _P
+    ptxas = _P(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    bk0 = gp.BLOCK_K
+    def planes_sig(bk):
+        xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+        wl = gl.NVMMASharedLayout.get_default_for([gp.BLOCK_N, bk], gl.bfloat16)
+        sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
+        return {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>",
+                "w_desc": f"tensordesc<bf16[{gp.BLOCK_N}, {bk}],{wl!r}>",
+                "s_desc": f"tensordesc<u8[{gp.BLOCK_N}, {bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+                "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
+                "stride_as": "i32", "stride_ym": "i32"}
+    def planes_build(fn, name, bk, consts, options):
+        sig = planes_sig(bk)
+        sig.update({c: "constexpr" for c in consts})
+        names = fn.arg_names
+        attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                 for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K",
+                           "stride_as", "stride_ym")}
+        try:
+            k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options=options)
+            ptx = k.asm["ptx"]
+            with tempfile.TemporaryDirectory() as d:
+                (_P(d) / "k.ptx").write_text(ptx)
+                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
+                                      str(_P(d) / "k.o")], capture_output=True, text=True).stderr
+            out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in log}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    for rows in (2, 4, 8, 16):
+        for stages in gp.CONFIGS:
+            planes_build(gp._planes_tenants_kernel, "planes " + json.dumps({"rows": rows, "stages": stages}), bk0,
+                         dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4, num_warps=4),
+                         {"num_warps": 4})
+        for bk, rh, stages, regs in gp.WS_CONFIGS[rows]:
+            planes_build(gp._planes_ws_kernel, "planes-ws " + json.dumps({"rows": rows, "config": [bk, rh, stages, regs]}),
+                         bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
+                                  CONS_REGS=regs, RH=min(rows, rh), num_warps=4),
+                         {"num_warps": 4, "maxnreg": regs})
 json.dump(out, sys.stdout)
 '''
 
@@ -146,7 +191,10 @@ def test_every_configuration_compiles_for_sm90(compiled):
     n_decode, n_fma = len(tb._decode_configs(False)), len(tb._decode_configs(True))
     from kernels import gluon_bitdelta as gb
 
-    n_gluon = 2 * len(gb.CONFIGS) + sum(len(gb.tenant_configs(r)) for r in (2, 4, 8, 16)) if gb.HAVE_GLUON else 0
+    from kernels import gluon_planes as gp
+
+    n_gluon = (2 * len(gb.CONFIGS) + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r])
+                                         for r in (2, 4, 8, 16))) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
@@ -156,7 +204,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
 def test_prefill_and_table_lookup_use_hopper_tensor_cores(compiled):
     for k, v in compiled.items():
-        if k.startswith(("prefill", "tenants-lut", "gluon-prefill", "gluon-tenants")):
+        if k.startswith(("prefill", "tenants-lut", "gluon-prefill", "gluon-tenants", "planes")):
             assert v["wgmma"], f"{k} compiled without wgmma"
 
 
@@ -182,3 +230,19 @@ def test_gluon_tenant_kernel_keeps_its_sums_in_registers(compiled):
     tenants = {k: v for k, v in compiled.items() if k.startswith("gluon-tenants")}
     assert len(tenants) == sum(len(gb.tenant_configs(r)) for r in (2, 4, 8, 16)) > 0
     assert all(v.get("local") == 0 for v in tenants.values()), tenants
+
+
+def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
+    """Every configuration of the int8 tensor-core tenant kernels (``kernels.gluon_planes``) issues
+    int8 wgmmas and compiles without ptxas serialising them (its C7512/C7515 "wgmma.mma_async
+    instructions are serialized" diagnostic: too few registers, or an accumulator touched mid-pipeline),
+    which in the non-specialised kernel had cost a factor of about two."""
+    from kernels import gluon_planes as gp
+
+    if not gp.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
+    assert len(planes) == sum(len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) for r in (2, 4, 8, 16))
+    assert all(v.get("igmma") for v in planes.values()), planes
+    serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
+    assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
