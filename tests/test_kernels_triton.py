@@ -341,7 +341,8 @@ def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
 
 
-def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order():
+@pytest.mark.parametrize("k", [96, 8192 + 160])
+def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k):
     """``activation_planes`` (the int8 tensor-core tenant kernel's input): every activation is
     ``scale·(256·hi + lo)`` to within ``scale/2``, with ``scale = max|x|/32639``, stored at logical
     position ``4a + j`` of its 32-block for physical ``a + 8j``; ``Σq`` is the sum of the integers.
@@ -349,7 +350,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order():
     from kernels.gluon_planes import PLANE_MAX, activation_planes
 
     g = torch.Generator().manual_seed(5)
-    m, k = 3, 96
+    m = 3
     x = torch.randn(m, k, generator=g)
     x[1, 7] = 40.0  # an outlier sets its row's scale
     x[2] = 0.0
@@ -366,7 +367,8 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order():
     back = torch.empty(m, k)
     back[:, phys] = q.float() * scale[:, None]
     err = (back - x.float()).abs()
-    assert (err <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all(), err.max()
+    # scale/2, plus float32 rounding of x/scale and of q·scale (|q| ≤ 32639: about 0.004·scale)
+    assert (err <= scale[:, None] * 0.505 + 1e-12).all(), (err / scale[:, None].clamp_min(1e-30)).max()
     assert q.abs().max() <= PLANE_MAX and q[1].abs().max() == PLANE_MAX
     torch.testing.assert_close(sc[:, 1], q.sum(dim=1).float())
     assert not planes[4:].any() and sc[2, 0] == 0
