@@ -35,8 +35,8 @@ than four wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that
 
 Measured on an H200 (Triton 3.6), time ÷ dense bf16 over the Llama-2-70B layer set, one token per
 variant (reports/bench-kernels-tenants-planes-2026-11-30-h200.json, the dispatcher timing every
-:data:`WS_CONFIGS` entry): T = 2 / 4 / 8 / 16: 1.21 / 1.40 / 1.82 / 2.84× (targets 1.24 / 1.38 /
-1.65 / 2.20×; the non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×). ncu at T = 16 (``o``, 128
+:data:`WS_CONFIGS` entry): T = 2 / 4 / 8 / 16: 1.21 / 1.38 / 1.72 / 2.84× (targets 1.24 / 1.38 /
+1.65 / 2.20×; T = 2–8 after the faster activation-planes kernel, -prep report; the non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×). ncu at T = 16 (``o``, 128
 programs of 20 warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
 peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
 programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.

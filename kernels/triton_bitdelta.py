@@ -45,8 +45,8 @@ Kernels:
 Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.* and
 reports/bench-kernels-tenants-planes-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B
 layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.10×
-(FMA), 1.21 / 1.40 / 1.82 / 2.84× (the warp-specialised int8 tensor-core kernel), against targets
-of 1.1·(1 + T/16)×; the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
+(FMA), 1.21 / 1.38 / 1.72 / 2.84× (the warp-specialised int8 tensor-core kernel; T = 2–8 from
+reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×; the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -680,8 +680,9 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
     ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
     3.6 (70B layer set, ÷ dense, reports/bench-kernels-tenants-planes-2026-11-30-h200.json): the
-    default choice 1.10 / 1.21 / 1.40 / 1.82 / 2.84× at T = 1 / 2 / 4 / 8 / 16 tenants of one row
-    each (table lookup alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
+    default choice 1.10 / 1.21 / 1.38 / 1.72 / 2.84× at T = 1 / 2 / 4 / 8 / 16 tenants of one row
+    each (T = 2–8 from reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.json; table lookup
+    alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
