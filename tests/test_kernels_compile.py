@@ -169,6 +169,30 @@ if gb.HAVE_GLUON:
                          bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
                                   CONS_REGS=regs, RH=min(rows, rh), num_warps=4),
                          {"num_warps": 4, "maxnreg": regs})
+    from kernels import gluon_prefill_ws as pw
+    for stages, regs in pw.CONFIGS:
+        xl = gl.NVMMASharedLayout.get_default_for([pw.BLOCK_M, pw.BLOCK_K], gl.bfloat16)
+        sig = {"x_desc": f"tensordesc<bf16[{pw.BLOCK_M}, {pw.BLOCK_K}],{xl!r}>", "w_ptr": "*bf16", "s_ptr": "*u8",
+               "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+        consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, BN=pw.BLOCK_N, REGS=regs, num_warps=4)
+        sig.update({c: "constexpr" for c in consts})
+        names = pw._prefill_ws_kernel.arg_names
+        attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                 for a in ("w_ptr", "s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn", "stride_sn", "stride_ym")}
+        name = "gluon-prefill-ws " + json.dumps({"config": [stages, regs]})
+        try:
+            k = triton.compile(GluonASTSource(fn=pw._prefill_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
+            ptx = k.asm["ptx"]
+            with tempfile.TemporaryDirectory() as d:
+                (_P(d) / "k.ptx").write_text(ptx)
+                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
+                                      str(_P(d) / "k.o")], capture_output=True, text=True).stderr
+            out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                         "serialized": "serialized" in log}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -193,8 +217,11 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_planes as gp
 
-    n_gluon = (2 * len(gb.CONFIGS) + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r])
-                                         for r in (2, 4, 8, 16))) if gb.HAVE_GLUON else 0
+    from kernels import gluon_prefill_ws as pw
+
+    n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS)
+               + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) for r in (2, 4, 8, 16))
+               ) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
@@ -215,7 +242,7 @@ def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compi
 
     if not gb.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
-    gluon = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill")}
+    gluon = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill ")}
     assert len(gluon) == 2 * len(gb.CONFIGS)
     assert all(v["overlap"] for v in gluon.values()), gluon
 
@@ -246,3 +273,15 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     assert all(v.get("igmma") for v in planes.values()), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
+
+
+def test_warp_specialised_prefill_keeps_its_wgmmas_asynchronous(compiled):
+    """The warp-specialised prefill kernel (``kernels.gluon_prefill_ws``) fits shared memory (checked
+    above for every configuration) and ptxas keeps its consumers' wgmmas asynchronous."""
+    from kernels import gluon_prefill_ws as pw
+
+    if not pw.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    ws = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-ws")}
+    assert len(ws) == len(pw.CONFIGS)
+    assert all(v["wgmma"] and not v["serialized"] for v in ws.values()), ws

@@ -289,6 +289,12 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         gb.bitdelta_linear_gluon(x, w, sign, alpha, b, y, config)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{config}: {s}")
+    from kernels import gluon_prefill_ws as pw
+
+    for config in pw.CONFIGS:  # the warp-specialised prefill kernel (not yet used by the dispatcher)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        pw.bitdelta_linear_prefill_ws(x, w, sign, alpha, b, y, config)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"ws {config}: {s}")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon mixed-tenant kernel runs on a Hopper GPU only (no interpreter)")

@@ -1,4 +1,4 @@
-"""GPU: every Gluon prefill configuration ÷ dense bf16 on the Llama-2-70B layer set (CUDA-graph
+"""GPU: every Gluon prefill configuration (and of the warp-specialised kernel, ``ws…``) ÷ dense bf16 on the Llama-2-70B layer set (CUDA-graph
 timing, same tensors, same run), plus the dispatcher's choice. Usage: python tests/gpu/prefill_gluon.py OUT.json"""
 import json
 import sys
@@ -12,6 +12,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import bitdelta_linear, pack_signs, unpack_signs  # noqa: E402
 from kernels import gluon_bitdelta as gb  # noqa: E402
+from kernels import gluon_prefill_ws as pw  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=40)  # noqa: E731
@@ -40,6 +41,16 @@ for m in (2048, 256):
                 tot[str(cfg)] = tot.get(str(cfg), 0.0) + t
             except Exception as e:  # noqa: BLE001
                 row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for cfg in pw.CONFIGS:  # the warp-specialised kernel
+            try:
+                f = lambda cfg=cfg: pw.bitdelta_linear_prefill_ws(x, w, sign, alpha, None, y, cfg)  # noqa: E731
+                f()
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t = bench(f)
+                row["configs"]["ws" + str(cfg)] = {"over_dense": t / t_dense, "rel_err": err}
+                tot["ws" + str(cfg)] = tot.get("ws" + str(cfg), 0.0) + t
+            except Exception as e:  # noqa: BLE001
+                row["configs"]["ws" + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         t_disp = bench(lambda: bitdelta_linear(x, w, sign, alpha))
         row["dispatcher_over_dense"] = t_disp / t_dense
         tot["dispatcher"] = tot.get("dispatcher", 0.0) + t_disp
