@@ -28,16 +28,18 @@ Two kernels: :func:`_planes_tenants_kernel` (one warpgroup does everything) and 
 warp-specialised :func:`_planes_ws_kernel`, in which one loader warp issues the copies (every
 copy costs the issuing warps about twenty instructions of address and barrier work, 22 copies per K
 step at 16 rows) and one consumer warpgroup per four or eight rows does the products, four times
-as many warps per row block. Offline (``tests/gpu/sass_tenants.py``-style compile for sm_90a) the
+as many warps per row block. Offline (``python tests/gpu/sass_tenants.py planes``: a compile for sm_90a, no GPU) the
 consumers' K loop takes 0.9–1.1 instructions per row and weight, against 3.4–3.8 for the CUDA-core
 kernel; ptxas serialises the wgmmas (C7512/C7515) when a consumer has too few registers or more
 than four wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that compile without.
 
 Measured on an H200 (Triton 3.6), time ÷ dense bf16 over the Llama-2-70B layer set, one token per
-variant (reports/bench-kernels-tenants-planes-2026-11-30-h200.json, the dispatcher timing every
-:data:`WS_CONFIGS` entry): T = 2 / 4 / 8 / 16: 1.21 / 1.38 / 1.72 / 2.84× (targets 1.24 / 1.38 /
-1.65 / 2.20×; T = 2–8 after the faster activation-planes kernel, -prep report; the non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×). ncu at T = 16 (``o``, 128
-programs of 20 warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
+variant, the dispatcher timing every :data:`WS_CONFIGS` entry: T = 2 / 4 / 8 / 16: 1.21 / 1.38 /
+1.72 / 2.84× (targets 1.24 / 1.38 / 1.65 / 2.20×; T = 2–8 from
+reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.json, after the faster activation-planes
+kernel; T = 16 from reports/bench-kernels-tenants-planes-2026-11-30-h200.json); the
+non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×. ncu at T = 16 (``o``, 128 programs of 20
+warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
 peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
 programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.
 """
@@ -366,7 +368,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8],  # unswizzled:
                                                   gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8,
                                                                        rank=2))  # read back as 32-bit words
-            p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
+            p_desc = TensorDescriptor.from_tensor(planes, [8, bk],
+                                                  gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
         rh = min(rows, rows_per_warpgroup)
         regs = regs or (96 if rows == 16 else 80)  # registers per thread: two programs per multiprocessor up to 8 rows
         if split is None:

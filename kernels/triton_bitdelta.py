@@ -46,7 +46,8 @@ Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2
 reports/bench-kernels-tenants-planes-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B
 layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.10×
 (FMA), 1.21 / 1.38 / 1.72 / 2.84× (the warp-specialised int8 tensor-core kernel; T = 2–8 from
-reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×; the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
+reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×;
+the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -635,9 +636,10 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
                 continue
             d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
             for split in sorted({max(1, d // 2), d, 2 * d}):
-                runs[("planes_ws", cfg, split)] = (lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
-                    x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg[2], split, ws_kernel=True, block_k=cfg[0],
-                    rows_per_warpgroup=cfg[1], regs=cfg[3]))
+                runs[("planes_ws", cfg, split)] = (
+                    lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
+                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg[2], split, ws_kernel=True,
+                        block_k=cfg[0], rows_per_warpgroup=cfg[1], regs=cfg[3]))
     if not runs:
         runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}

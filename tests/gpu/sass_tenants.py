@@ -5,6 +5,7 @@ instructions of the K loop per row and weight, by opcode.
 
     python tests/gpu/sass_tenants.py            # every usable (rows, tile)
     python tests/gpu/sass_tenants.py 16 64,6    # one
+    python tests/gpu/sass_tenants.py planes     # the warp-specialised int8 kernel, every WS_CONFIGS entry
 
 Used to compare kernel variants before spending GPU time on them (the device's Triton is 3.6: run
 this with that version for numbers that match the GPU). On 2026-11-30, Triton 3.6: 168 / 255 / 168 /
@@ -93,7 +94,69 @@ def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
     return out
 
 
+def analyse_planes(rows: int, config: tuple) -> dict:
+    """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
+    ``config = (BLOCK_K, rows per warpgroup, STAGES, registers)``: registers, spills, whether ptxas
+    serialises its wgmmas, and the consumers' K-loop instructions per row and weight."""
+    import tempfile
+
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import gluon_planes as gp
+
+    bk, rh, stages, regs = config
+    bn = gp.BLOCK_N
+    xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
+    sig = {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>", "w_desc": f"tensordesc<bf16[{bn}, {bk}],{wl!r}>",
+           "s_desc": f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+           "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
+           "stride_as": "i32", "stride_ym": "i32"}
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
+                  RH=min(rows, rh), num_warps=4)
+    sig.update({c: "constexpr" for c in consts})
+    names = gp._planes_ws_kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_as",
+                       "stride_ym")}
+    k = triton.compile(GluonASTSource(fn=gp._planes_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.cubin").write_bytes(k.asm["cubin"])
+        Path(d, "k.ptx").write_text(k.asm["ptx"])
+        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f"{d}/k.cubin"],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+        log = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                             capture_output=True, text=True).stderr
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            ins.append(re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line).group(2).split(".")[0])
+    bodies = [ins[a:b + 1] for a, b in _backward_branches(sass, labels) if "IGMMA" in ins[a:b + 1]]
+    loop = min(bodies, key=len, default=[])
+    weights = min(rows, rh) * bn * bk / 128  # row-weights per consumer thread per K step
+    return {"rows": rows, "config": list(config), "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spill_bytes": int((re.search(r"(\d+) bytes spill stores", log) or [0, 0])[1]),
+            "serialized": "serialized" in log, "loop_instructions": len(loop),
+            "per_row_weight": round(len(loop) / weights, 3), "opcodes": dict(collections.Counter(loop).most_common(8))}
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # python tests/gpu/sass_tenants.py planes [ROWS BK,RH,STAGES,REGS]
+        from kernels import gluon_planes as gp
+        cases = ([(int(sys.argv[2]), tuple(int(v) for v in sys.argv[3].split(",")))] if len(sys.argv) > 3 else
+                 [(r, c) for r in (2, 4, 8, 16) for c in gp.WS_CONFIGS[r]])
+        for rows, config in cases:
+            print(analyse_planes(rows, config), flush=True)
+        sys.exit(0)
     if len(sys.argv) > 2:
         cases = [(int(sys.argv[1]), tuple(int(v) for v in sys.argv[2].split(",")))]
     else:
