@@ -60,6 +60,12 @@ if HAVE_GLUON:
 
     from kernels.gluon_bitdelta import _cta_barrier, _tma_load
 
+    @gluon.jit
+    def _gdc_wait():
+        """``griddepcontrol.wait``: block until the kernel before (programmatic dependent launch) has
+        finished and its writes are visible; a no-op without programmatic dependent launch."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
     # a shared-memory view under another element type: ``_reinterpret`` in Triton 3.6, ``reinterpret``
     # from 3.7 on
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
@@ -102,10 +108,13 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
 
 
 @triton.jit
-def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
+def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``; planes
     ``p[2r] = hi``, ``p[2r+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order (logical
-    ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2r] = scale``, ``sc[2r+1] = Σq``."""
+    ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2r] = scale``, ``sc[2r+1] = Σq``.
+    ``PDL``: let the next kernel (launched with programmatic dependent launch) start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], tl.float32)
@@ -129,7 +138,7 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
     tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
 
 
-def activation_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Split activations into the two int8 planes of a 16-bit fixed-point copy (module docstring).
 
     Args:
@@ -138,14 +147,17 @@ def activation_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(planes, sc)``: int8 ``[2M, K]`` (row ``2r`` the high bytes of row r, ``2r + 1`` the low
         bytes, K permuted within 32-blocks) and float32 ``[M, 2]`` (``scale``, ``Σq`` per row), with
-        ``x[r, k] ≈ scale_r·(256·hi + lo)`` to within ``scale_r/2``.
+        ``x[r, k] ≈ scale_r·(256·hi + lo)`` to within ``scale_r/2``. ``pdl``: the kernel lets a
+        following kernel launched with programmatic dependent launch start before it ends (that
+        kernel must wait, ``griddepcontrol.wait``, before it reads the planes).
     """
     m, k = x.shape
     planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # one program per row, whole blocks of up to 8192 activations per load: the kernel is a few
     # round trips to memory, which at 16 rows and K = 8192 took 7.5 µs with blocks of 1024 (ncu)
-    _planes_kernel[(m,)](x, planes, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)), num_warps=8)
+    _planes_kernel[(m,)](x, planes, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
+                         PDL=pdl, num_warps=8)
     return planes, sc
 
 
@@ -325,7 +337,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, stages: int = 3, split: int | None = None,
                                    ws_kernel: bool = False, block_k: int = BLOCK_K, rows_per_warpgroup: int = 4,
-                                   inflight: int = 4, regs: int | None = None) -> torch.Tensor:
+                                   inflight: int = 4, regs: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -338,7 +350,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`,
             with K steps of ``block_k`` (128 or 256), consumer warpgroups of ``rows_per_warpgroup``
             rows (4 or 8), ``inflight`` wgmmas in flight per warpgroup and ``regs`` registers per
-            thread (default: 96 for 16 rows, else 80).
+            thread (default: 96 for 16 rows, else 80). pdl (warp-specialised kernel only): launch it
+            with programmatic dependent launch, so that its copies of W, x and the signs for the first
+            ring overlap the activation-planes kernel (not yet measured on a GPU; off by default).
 
     Returns:
         ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -349,7 +363,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     rows = max(2, min(16, triton.next_power_of_2(m)))
     if split is None and not ws_kernel:
         split = planes_split(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    planes, sc = activation_planes(x)
+    pdl = pdl and ws_kernel
+    planes, sc = activation_planes(x, pdl=pdl)
     dt = _gl_dtype(x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [16, BLOCK_K], gl.NVMMASharedLayout.get_default_for([16, BLOCK_K], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
@@ -379,7 +394,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
                                 y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0),
                                 ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
-                                STAGES=stages, INFLIGHT=inflight, CONS_REGS=regs, RH=rh, num_warps=4, maxnreg=regs)
+                                STAGES=stages, INFLIGHT=inflight, CONS_REGS=regs, RH=rh, PDL=pdl, num_warps=4,
+                                maxnreg=regs, launch_pdl=pdl)
         return y
     _planes_tenants_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas,
                                  bias if bias is not None else alphas, y, ws, cnt, m, n, k, s, alphas.stride(0),
@@ -395,7 +411,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr):
+    def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -418,12 +434,23 @@ if HAVE_GLUON:
             _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
             for r in gl.static_range(ROWS):
                 _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
-            for g in gl.static_range(G):
-                _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+            if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
+                if ki == gl.minimum(num_k, STAGES) - 1:
+                    _gdc_wait()
+                    for j in range(ki + 1):
+                        for g in gl.static_range(G):
+                            _tma_load(p_desc, [2 * off_m + 8 * g, (k_first + j) * BK], ready.index(j),
+                                      p_smem[g].index(j))
+                if ki >= STAGES:
+                    for g in gl.static_range(G):
+                        _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+            else:
+                for g in gl.static_range(G):
+                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
 
     @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
-                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr):
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr):
         """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
@@ -475,6 +502,8 @@ if HAVE_GLUON:
         cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
         feat = off_n + gl.arange(0, BN, layout=out_l)
         fmask = feat < N
+        if PDL:
+            _gdc_wait()  # the row scales come from the kernel before
         for r in gl.static_range(RH):
             row = off_m + ROW0 + r
             base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
@@ -513,18 +542,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
-                   ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr):
+                   ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
+                   LOADER: gl.constexpr):
         if LOADER:
-            _ws_load(p, ROWS, STAGES)
+            _ws_load(p, ROWS, STAGES, PDL)
         else:
-            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT)
+            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL)
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                           M, N, K, NSLOT, stride_as, stride_ym,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
-                          RH: gl.constexpr, num_warps: gl.constexpr):
+                          RH: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
         """Same contract as :func:`_planes_tenants_kernel`, warp-specialised (see above)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -564,20 +594,20 @@ if HAVE_GLUON:
         B: gl.constexpr = HAS_BIAS
         if NCONS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
             ], [1], [24])
         elif NCONS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, PDL, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
             ], [4, 1], [CONS_REGS, 24])
         else:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT)),
-                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, True)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, PDL, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, False)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
             ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])

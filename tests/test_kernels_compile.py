@@ -156,7 +156,8 @@ if gb.HAVE_GLUON:
                 log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
                                       str(_P(d) / "k.o")], capture_output=True, text=True).stderr
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in log}
+                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in log,
+                         "griddep": "griddepcontrol.wait" in ptx}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     for rows in (2, 4, 8, 16):
@@ -164,11 +165,13 @@ if gb.HAVE_GLUON:
             planes_build(gp._planes_tenants_kernel, "planes " + json.dumps({"rows": rows, "stages": stages}), bk0,
                          dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4, num_warps=4),
                          {"num_warps": 4})
-        for bk, rh, stages, regs in gp.WS_CONFIGS[rows]:
-            planes_build(gp._planes_ws_kernel, "planes-ws " + json.dumps({"rows": rows, "config": [bk, rh, stages, regs]}),
-                         bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
-                                  CONS_REGS=regs, RH=min(rows, rh), num_warps=4),
-                         {"num_warps": 4, "maxnreg": regs})
+        for i, (bk, rh, stages, regs) in enumerate(gp.WS_CONFIGS[rows]):
+            for pdl in (False, True) if i == 0 else (False, ):  # programmatic dependent launch: the default only
+                planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
+                             + json.dumps({"rows": rows, "config": [bk, rh, stages, regs]}),
+                             bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
+                                      CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, num_warps=4),
+                             {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     from kernels import gluon_prefill_ws as pw
     for stages, regs in pw.CONFIGS:
         xl = gl.NVMMASharedLayout.get_default_for([pw.BLOCK_M, pw.BLOCK_K], gl.bfloat16)
@@ -220,7 +223,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
     from kernels import gluon_prefill_ws as pw
 
     n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS)
-               + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) for r in (2, 4, 8, 16))
+               + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
@@ -269,7 +272,9 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    assert len(planes) == sum(len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) for r in (2, 4, 8, 16))
+    assert len(planes) == sum(len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
+    pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
+    assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     assert all(v.get("igmma") for v in planes.values()), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"

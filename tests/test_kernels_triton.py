@@ -436,6 +436,8 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs = [dict(stages=st) for st in gp.CONFIGS] + [
         dict(stages=st, ws_kernel=True, block_k=bk, rows_per_warpgroup=rh, regs=regs)
         for bk, rh, st, regs in gp.WS_CONFIGS[rows] if k % bk == 0]
+    bk, rh, st, regs = gp.WS_CONFIGS[rows][0]  # with programmatic dependent launch after the planes kernel
+    configs.append(dict(stages=st, ws_kernel=True, block_k=bk, rows_per_warpgroup=rh, regs=regs, pdl=True))
     for config in configs:
         for split in (1, 3):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)

@@ -46,6 +46,9 @@ def main(out: str, ts: list[int]) -> None:
             for bk, rh, st, regs in gp.WS_CONFIGS[rows_]:
                 configs[f"planes_ws_bk{bk}_rh{rh}_s{st}_r{regs}"] = dict(stages=st, ws_kernel=True, block_k=bk,
                                                                        rows_per_warpgroup=rh, regs=regs)
+            bk, rh, st, regs = gp.WS_CONFIGS[rows_][0]  # the default with programmatic dependent launch
+            configs[f"planes_ws_pdl_bk{bk}_rh{rh}_s{st}_r{regs}"] = dict(stages=st, ws_kernel=True, block_k=bk,
+                                                                       rows_per_warpgroup=rh, regs=regs, pdl=True)
             for cname, config in configs.items():
                 for split in sorted({max(1, base_split // 2), base_split, base_split * 2}):
                     fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws, cnt,  # noqa: E731

@@ -117,7 +117,7 @@ def analyse_planes(rows: int, config: tuple) -> dict:
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                  RH=min(rows, rh), num_warps=4)
+                  RH=min(rows, rh), PDL=False, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = gp._planes_ws_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
