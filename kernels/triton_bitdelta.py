@@ -627,7 +627,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
         return configs[0] if AUTOTUNE else None
     runs = {}
     if gluon_planes.planes_supported(x, weight, signs):
-        # each configuration of the warp-specialised int8 tensor-core kernel at three K splits: on
+        # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
         # the 70B layer set it is faster than every other tenant kernel from two rows up
         # (tests/gpu/planes_probe.py), so the others are not timed
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -635,7 +635,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
             if k % cfg[0]:
                 continue
             d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
-            for split in sorted({max(1, d // 2), d, 2 * d}):
+            for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
                 runs[("planes_ws", cfg, split)] = (
                     lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
                         x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg[2], split, ws_kernel=True,
@@ -677,8 +677,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation) and ``"fma"``
     (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
     row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each
-    configuration of its warp-specialised kernel (``gluon_planes.WS_CONFIGS``) is timed at three K
-    splits once per shape and the fastest kept (untimed under CUDA-graph capture, with
+    configuration of its warp-specialised kernel (``gluon_planes.WS_CONFIGS``) is timed at K splits
+    1–8 once per shape and the fastest kept (untimed under CUDA-graph capture, with
     ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
     ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
     3.6 (70B layer set, ÷ dense, reports/bench-kernels-tenants-planes-2026-11-30-h200.json): the

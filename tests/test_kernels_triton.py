@@ -380,18 +380,19 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     assert not planes[4:].any() and sc[2, 0] == 0
 
 
-def test_warp_specialised_split_fills_the_multiprocessors_once():
-    """``ws_split``: programs per multiprocessor from registers and shared memory, then as many K
-    chunks as fill 132 multiprocessors once (rounded down), each of at least 4 K steps."""
+def test_warp_specialised_split_follows_the_wave_model():
+    """``ws_split``: programs per multiprocessor from registers and shared memory, then the split
+    with the fewest K steps over all waves, ``ceil(tiles·split/slots)·(ceil(steps/split) + 3)``."""
     from kernels.gluon_planes import ws_split
 
     # 16 rows, 5 warpgroups × 96 registers and 160 KiB of ring: one program per multiprocessor
-    assert ws_split(16, 8192, 8192, (128, 4, 4, 96), 132) == 1        # 128 tiles
-    assert ws_split(16, 2048, 8192, (128, 4, 4, 96), 132) == 4        # 32 tiles
-    # 8 rows, 3 warpgroups × 80 registers and 90 KiB: two per multiprocessor
-    assert ws_split(8, 8192, 8192, (128, 4, 3, 80), 132) == 2
-    assert ws_split(8, 1024, 8192, (128, 4, 3, 80), 132) == 16      # capped at K/128/4 steps
-    assert ws_split(16, 57344, 8192, (256, 8, 2, 128), 132) == 1      # 896 tiles: never below one
+    assert ws_split(16, 8192, 8192, (128, 4, 4, 96), 132) == 1    # 128 tiles fill one wave: 67 steps
+    assert ws_split(16, 10240, 8192, (128, 4, 4, 96), 132) == 4   # 160 tiles: 5 waves of 19 beat 2 of 67
+    # 8 rows, 3 warpgroups × 80 registers and 90 KiB: two per multiprocessor (264 slots)
+    assert ws_split(8, 8192, 8192, (128, 4, 3, 80), 132) == 2     # 256 programs, one wave of 35
+    assert ws_split(8, 10240, 8192, (128, 4, 3, 80), 132) == 3    # 480 programs, two waves of 25
+    assert ws_split(2, 1024, 512, (128, 2, 3, 80), 132) == 1      # K = 4 steps: no split
+    assert ws_split(16, 57344, 8192, (256, 8, 2, 128), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tensor-core tenant kernel runs on a Hopper GPU only")
