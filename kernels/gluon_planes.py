@@ -355,18 +355,26 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             :data:`CONFIGS`. split: K chunks (default :func:`planes_split`). ws_kernel: the
             warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`,
             with K steps of ``block_k`` (128 or 256), consumer warpgroups of ``rows_per_warpgroup``
-            rows (4 or 8), ``inflight`` wgmmas in flight per warpgroup and ``regs`` registers per
+            rows (2, 4 or 8), ``inflight`` wgmmas in flight per warpgroup and ``regs`` registers per
             thread (default: 96 for 16 rows, else 80). pdl (warp-specialised kernel only): launch it
             with programmatic dependent launch, so that its copies of W, x and the signs for the first
             ring overlap the activation-planes kernel (not yet measured on a GPU; off by default).
 
     Returns:
-        ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
+        ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
+
+    Raises:
+        ValueError: if ``rows_per_warpgroup`` does not split the row block into 1, 2 or 4
+            warpgroups of 2, 4 or 8 rows.
     """
     m, k = x.shape
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
+    rh = min(rows, rows_per_warpgroup)
+    if ws_kernel and (rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4)):
+        raise ValueError(f"rows_per_warpgroup={rows_per_warpgroup} does not split {rows} rows into 1, 2 or 4 "
+                         "warpgroups of 2, 4 or 8 rows")
     if split is None and not ws_kernel:
         split = planes_split(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
     pdl = pdl and ws_kernel

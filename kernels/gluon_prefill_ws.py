@@ -123,7 +123,7 @@ if HAVE_GLUON:
         offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
         if HAS_BIAS:
             acc = acc + gl.expand_dims(gl.load(b_ptr + offs_n % N).to(gl.float32), 0)
-        y_ptrs = y_ptr + gl.expand_dims(offs_m, 1) * stride_ym + gl.expand_dims(offs_n, 0)
+        y_ptrs = y_ptr + gl.expand_dims(offs_m.to(gl.int64), 1) * stride_ym + gl.expand_dims(offs_n, 0)  # M·N ≥ 2³¹
         mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
         gl.store(y_ptrs, acc.to(dtype), mask=mask)
 
@@ -184,14 +184,21 @@ def bitdelta_linear_prefill_ws(x2: torch.Tensor, weight: torch.Tensor, sign: tor
         ``y``.
 
     Raises:
-        ValueError: if the tensors are not ones this kernel runs on (``gluon_bitdelta.supported``).
+        ValueError: if the tensors are not ones this kernel runs on (``gluon_bitdelta.supported``), M is
+            0, alpha is not float32 ``[]`` or ``[N]``, or sign / y rows are not contiguous.
     """
     if not supported(x2, weight):
         raise ValueError("the warp-specialised prefill kernel needs a Hopper GPU, K a multiple of 8 and "
                          "16-byte aligned contiguous rows")
+    n = weight.shape[0]
+    if x2.shape[0] == 0:
+        raise ValueError("the warp-specialised prefill kernel needs at least one row")
+    if alpha.dtype != torch.float32 or alpha.shape not in ((), (n, )) or not alpha.is_contiguous():
+        raise ValueError(f"alpha must be contiguous float32 [] or [{n}], got {alpha.dtype} {list(alpha.shape)}")
+    if sign.stride(-1) != 1 or y.stride(-1) != 1:
+        raise ValueError("sign and y need contiguous rows")
     stages, regs = config
     m, k = x2.shape
-    n = weight.shape[0]
     dt = _gl_dtype(x2.dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [BLOCK_M, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dt))

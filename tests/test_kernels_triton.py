@@ -380,6 +380,20 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     assert not planes[4:].any() and sc[2, 0] == 0
 
 
+def test_warp_specialised_kernel_refuses_a_row_split_it_cannot_launch():
+    """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), and 16
+    in one warpgroup would lose the base product of rows 8–15: both refused before any launch."""
+    from kernels.gluon_planes import bitdelta_linear_batched_planes
+
+    x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
+    signs, alphas = torch.zeros(1, 64, 16, dtype=torch.uint8), torch.ones(1)
+    for rh in (2, 16):
+        with pytest.raises(ValueError, match=f"rows_per_warpgroup={rh} does not split 16 rows into 1, 2 or 4"):
+            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                           ws_kernel=True, rows_per_warpgroup=rh, split=1)
+
+
 def test_warp_specialised_split_follows_the_wave_model():
     """``ws_split``: programs per multiprocessor from registers and shared memory, then the split
     with the fewest K steps over all waves, ``ceil(tiles·split/slots)·(ceil(steps/split) + 3)``."""
