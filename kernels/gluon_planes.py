@@ -24,21 +24,21 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
   or past M) loads its sign tile from outside the tensor, which TMA fills with zeros and reads
   nothing.
 
-Two kernels: :func:`_planes_tenants_kernel` (one warpgroup does everything) and the
-warp-specialised :func:`_planes_ws_kernel`, in which one loader warp issues the copies (every
-copy costs the issuing warps about twenty instructions of address and barrier work, 22 copies per K
-step at 16 rows) and one consumer warpgroup per four or eight rows does the products, four times
-as many warps per row block. Offline (``python tests/gpu/sass_tenants.py planes``: a compile for sm_90a, no GPU) the
-consumers' K loop takes 0.9–1.1 instructions per row and weight, against 3.4–3.8 for the CUDA-core
-kernel; ptxas serialises the wgmmas (C7512/C7515) when a consumer has too few registers or more
-than four wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that compile without.
+The kernel, :func:`_planes_ws_kernel`, is warp-specialised: one loader warp issues every copy (each
+costs the issuing warps about twenty instructions of address and barrier work, 22 copies per K step
+at 16 rows) and one consumer warpgroup per 2, 4 or 8 rows does the products. A first version in
+which one warpgroup did everything ran at 1.27 / 1.50 / 2.33 / 7.01× at T = 2 / 4 / 8 / 16
+(reports/bench-kernels-tenants-planes-2026-11-30-h200.json, ``batched_planes``) and was removed.
+Offline (``python tests/gpu/sass_tenants.py planes``: a compile for sm_90a, no GPU) the consumers'
+K loop takes 0.9–1.1 instructions per row and weight, against 3.4–3.8 for the CUDA-core kernel;
+ptxas serialises the wgmmas (C7512/C7515) when a consumer has too few registers or more than four
+wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that compile without.
 
 Measured on an H200 (Triton 3.6), time ÷ dense bf16 over the Llama-2-70B layer set, one token per
 variant, the dispatcher timing every :data:`WS_CONFIGS` entry: T = 2 / 4 / 8 / 16: 1.21 / 1.38 /
 1.72 / 2.84× (targets 1.24 / 1.38 / 1.65 / 2.20×; T = 2–8 from
 reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.json, after the faster activation-planes
-kernel; T = 16 from reports/bench-kernels-tenants-planes-2026-11-30-h200.json); the
-non-specialised kernel 1.27 / 1.50 / 2.33 / 7.01×. ncu at T = 16 (``o``, 128 programs of 20
+kernel; T = 16 from reports/bench-kernels-tenants-planes-2026-11-30-h200.json). ncu at T = 16 (``o``, 128 programs of 20
 warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
 peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
 programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.
@@ -58,7 +58,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _cta_barrier, _tma_load
+    from kernels.gluon_bitdelta import _tma_load
 
     @gluon.jit
     def _gdc_wait():
@@ -80,8 +80,6 @@ if HAVE_GLUON:
 PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
-CONFIGS = (2, 3, 4)  # STAGES
-
 # Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
 # thread). Registers × threads must fit the 64 K register file; ptxas serialises the wgmmas when a
 # consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py) shows.
@@ -167,165 +165,6 @@ def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor,
     return planes, sc
 
 
-if HAVE_GLUON:
-    @gluon.jit
-    def _planes_tenants_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                               M, N, K, NSLOT, stride_as, stride_ym,
-                               ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
-                               STAGES: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr):
-        """One warpgroup per program: ``ROWS`` rows × 64 features over the K chunk
-        ``program_id(2)``; per K step the base wgmma (W from shared memory, swap-AB) and, per row,
-        four int8 wgmmas of its sign bits (registers) with its plane group (shared memory), at most
-        ``INFLIGHT`` in flight. Split K meets in a self-cleaning workspace as in
-        ``gluon_bitdelta._tenants_kernel``."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]   # 16: the base wgmma's N
-        BK: gl.constexpr = x_desc.block_type.shape[1]   # 128
-        BN: gl.constexpr = w_desc.block_type.shape[0]   # 64
-        SB: gl.constexpr = BK // 8                       # sign bytes per feature per K step
-        G: gl.constexpr = (ROWS + 3) // 4                # plane groups of four rows (eight columns)
-        dtype: gl.constexpr = x_desc.dtype
-
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        SPLIT = gl.num_programs(2)
-        off_n = pid_n * BN
-        off_m = pid_m * BM
-        num_k_all = gl.cdiv(K, BK)
-        per = gl.cdiv(num_k_all, SPLIT)
-        k_first = gl.program_id(2) * per
-        num_k = gl.minimum(per, num_k_all - k_first)
-
-        acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BM, 16])
-        acc_s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, 8, 32])
-        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_s_l, k_width=4)
-        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-
-        x_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
-        # one allocation per row and per plane group: TMA copies into different allocations need no
-        # CTA barrier between them (Triton's shared-memory hazard analysis cannot tell ring slots apart)
-        s_smem = ()
-        for r in gl.static_range(ROWS):
-            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, BN, SB], s_desc.layout), )
-        p_smem = ()
-        for g in gl.static_range(G):
-            p_smem = p_smem + (gl.allocate_shared_memory(gl.int8, [STAGES, 8, BK], p_desc.layout), )
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-
-        # every row's sign-tile row coordinate in the [S·N, K/8] view; no variant → past the end
-        srow = ()
-        for r in gl.static_range(ROWS):
-            row = off_m + r
-            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
-            ok = (sl >= 0) & (sl < NSLOT)
-            srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
-        # the shift q of every int8 element of an A fragment: logical k = 4q + j within 32
-        kq = gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4
-        kq = gl.expand_dims(kq, 0)                                                      # [1, 32]
-
-        nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes + ROWS * s_desc.block_type.nbytes
-                                + G * p_desc.block_type.nbytes)
-        for i in gl.static_range(STAGES):  # prologue: the first STAGES steps in flight
-            if i < num_k:
-                kk = (k_first + i) * BK
-                mbarrier.expect(bars.index(i), nbytes)
-                _tma_load(x_desc, [off_m, kk], bars.index(i), x_smem.index(i))
-                _tma_load(w_desc, [off_n, kk], bars.index(i), w_smem.index(i))
-                for r in gl.static_range(ROWS):
-                    _tma_load(s_desc, [srow[r], kk // 8], bars.index(i), s_smem[r].index(i))
-                for g in gl.static_range(G):
-                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bars.index(i), p_smem[g].index(i))
-
-        acc_b = gl.zeros([BN, BM], gl.float32, acc_b_l)
-        acc_s = ()
-        for r in gl.static_range(ROWS):
-            acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
-        for ki in range(num_k):
-            stage = ki % STAGES
-            mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
-            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).permute((1, 0)), acc_b, is_async=True)
-            new = ()
-            for r in gl.static_range(ROWS):
-                words = _as_words(s_smem[r].index(stage), BN, SB // 4, word_l)
-                acc = acc_s[r]
-                for c in gl.static_range(BK // 32):
-                    wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
-                    a = gl.inline_asm_elementwise(
-                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
-                    b = p_smem[r // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
-                    acc = warpgroup_mma(a, b, acc, is_async=True)
-                # bound the wgmmas in flight (each holds its A registers until it has read them)
-                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
-                new = new + (acc, )
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
-            acc_b = done[0]
-            acc_s = ()
-            for r in gl.static_range(ROWS):
-                acc_s = acc_s + (done[r + 1], )
-            nk = ki + STAGES
-            if nk < num_k:  # this stage's products are done: refill it
-                kk = (k_first + nk) * BK
-                mbarrier.expect(bars.index(stage), nbytes)
-                _tma_load(x_desc, [off_m, kk], bars.index(stage), x_smem.index(stage))
-                _tma_load(w_desc, [off_n, kk], bars.index(stage), w_smem.index(stage))
-                for r in gl.static_range(ROWS):
-                    _tma_load(s_desc, [srow[r], kk // 8], bars.index(stage), s_smem[r].index(stage))
-                for g in gl.static_range(G):
-                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bars.index(stage), p_smem[g].index(stage))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-
-        # epilogue, one row at a time: column r of the base product, columns 2(r%4), 2(r%4)+1 of its
-        # sign product, s·x = scale·(2·(256·hi + lo) − Σq) (Σq once, in the first K chunk)
-        out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
-        cols_b = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, acc_b_l)), 0)
-        cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
-        feat = off_n + gl.arange(0, BN, layout=out_l)
-        fmask = feat < N
-        first = (gl.program_id(2) == 0).to(gl.float32)
-        for r in gl.static_range(ROWS):
-            row = off_m + r
-            base = gl.convert_layout(gl.sum(gl.where(cols_b == r, acc_b, 0.0), axis=1), out_l)
-            d = acc_s[r]
-            hi = gl.sum(gl.where(cols_s == 2 * (r % 4), d, 0), axis=1).to(gl.float32)
-            lo = gl.sum(gl.where(cols_s == 2 * (r % 4) + 1, d, 0), axis=1).to(gl.float32)
-            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
-            ok = (sl >= 0) & (sl < NSLOT) & (row < M)
-            scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
-            qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
-            sdot = scale * (512.0 * hi + 2.0 * lo - first * qsum)
-            if ALPHA_PER_ROW:
-                alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
-            else:
-                alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
-            out = base + alpha * sdot
-            m = fmask & (row < M)
-            if SPLIT > 1:
-                gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
-            else:
-                if HAS_BIAS:
-                    out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
-                gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-        if SPLIT > 1:
-            tile = pid_m * gl.num_programs(0) + pid_n
-            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this program's adds
-            if done == SPLIT - 1:  # the last K chunk of this tile: read (and zero) the sums, write y
-                for r in gl.static_range(ROWS):
-                    row = off_m + r
-                    m = fmask & (row < M)
-                    out = gl.atomic_xchg(ws_ptr + row * N + feat, gl.zeros([BN], gl.float32, out_l), mask=m,
-                                         sem="relaxed")
-                    if HAS_BIAS:
-                        out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
-                    gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
-
-
 def planes_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
     """Whether :func:`bitdelta_linear_batched_planes` can run: Hopper and aligned tensors
     (``gluon_bitdelta.supported``), 2 or more rows, K a multiple of 128, contiguous sign rows."""
@@ -333,17 +172,10 @@ def planes_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor)
             and signs.data_ptr() % 16 == 0)
 
 
-def planes_split(m: int, n: int, k: int, sms: int) -> int:
-    """K split: about one program per multiprocessor, each with at least 4 K steps of :data:`BLOCK_K`."""
-    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
-    return max(1, min(triton.cdiv(sms, tiles), triton.cdiv(k, BLOCK_K) // 4))
-
-
 def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
-                                   cnt: torch.Tensor, stages: int = 3, split: int | None = None,
-                                   ws_kernel: bool = False, block_k: int = BLOCK_K, rows_per_warpgroup: int = 4,
-                                   inflight: int = 4, regs: int | None = None, pdl: bool = False) -> torch.Tensor:
+                                   cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
+                                   pdl: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -351,77 +183,50 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         weight: ``[N, K]`` same dtype. signs: contiguous uint8 ``[S, N, K/8]``. alphas: float32 ``[S]``
             or ``[S, N]``. slot: int32 ``[M]`` (−1 or out of range: the base only). bias: ``[N]`` or
             None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
-            zeros of one per output tile, left zero. stages: the TMA ring depth, one of
-            :data:`CONFIGS`. split: K chunks (default :func:`planes_split`). ws_kernel: the
-            warp-specialised kernel (:func:`_planes_ws_kernel`) instead of :func:`_planes_tenants_kernel`,
-            with K steps of ``block_k`` (128 or 256), consumer warpgroups of ``rows_per_warpgroup``
-            rows (2, 4 or 8), ``inflight`` wgmmas in flight per warpgroup and ``regs`` registers per
-            thread (default: 96 for 16 rows, else 80). pdl (warp-specialised kernel only): launch it
-            with programmatic dependent launch, so that its copies of W, x and the signs for the first
-            ring overlap the activation-planes kernel (not yet measured on a GPU; off by default).
+            zeros of one per output tile, left zero.
+        config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread)``, default the
+            first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
+        pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
+            the first ring overlap the activation-planes kernel (not yet measured on a GPU).
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
 
     Raises:
-        ValueError: if ``rows_per_warpgroup`` does not split the row block into 1, 2 or 4
-            warpgroups of 2, 4 or 8 rows.
+        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, or its rows per
+            warpgroup do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows.
     """
     m, k = x.shape
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    rh = min(rows, rows_per_warpgroup)
-    if ws_kernel and (rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4)):
-        raise ValueError(f"rows_per_warpgroup={rows_per_warpgroup} does not split {rows} rows into 1, 2 or 4 "
-                         "warpgroups of 2, 4 or 8 rows")
-    if split is None and not ws_kernel:
-        split = planes_split(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    pdl = pdl and ws_kernel
+    bk, per_wg, stages, regs = config or WS_CONFIGS[rows][0]
+    rh = min(rows, per_wg)
+    if rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4):
+        raise ValueError(f"{per_wg} rows per warpgroup do not split {rows} rows into 1, 2 or 4 warpgroups of "
+                         "2, 4 or 8 rows")
+    if k % bk:
+        raise ValueError(f"K = {k} is not a multiple of the configuration's BLOCK_K = {bk}")
+    if split is None:
+        split = ws_split(m, n, k, (bk, rh, stages, regs), torch.cuda.get_device_properties(x.device).multi_processor_count)
     planes, sc = activation_planes(x, pdl=pdl)
     dt = _gl_dtype(x.dtype)
-    x_desc = TensorDescriptor.from_tensor(x, [16, BLOCK_K], gl.NVMMASharedLayout.get_default_for([16, BLOCK_K], dt))
-    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
-    s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, BLOCK_K // 8],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-    p_desc = TensorDescriptor.from_tensor(planes, [8, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([8, BLOCK_K], gl.int8))
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split or 1)
-    if ws_kernel:
-        bk = block_k
-        if bk != BLOCK_K:
-            x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
-            w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, bk],
-                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], dt))
-            s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8],  # unswizzled:
-                                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8,
-                                                                       rank=2))  # read back as 32-bit words
-            p_desc = TensorDescriptor.from_tensor(planes, [8, bk],
-                                                  gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
-        rh = min(rows, rows_per_warpgroup)
-        regs = regs or (96 if rows == 16 else 80)  # registers per thread: two programs per multiprocessor up to 8 rows
-        if split is None:
-            split = ws_split(m, n, k, (bk, rh, stages, regs),
-                             torch.cuda.get_device_properties(x.device).multi_processor_count)
-            grid = (grid[0], grid[1], split)
-        _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
-                                y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0),
-                                ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
-                                STAGES=stages, INFLIGHT=inflight, CONS_REGS=regs, RH=rh, PDL=pdl, num_warps=4,
-                                maxnreg=regs, launch_pdl=pdl)
-        return y
-    _planes_tenants_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas,
-                                 bias if bias is not None else alphas, y, ws, cnt, m, n, k, s, alphas.stride(0),
-                                 y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, ROWS=rows,
-                                 STAGES=stages, INFLIGHT=4, num_warps=4)
+    x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
+    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, bk], gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], dt))
+    s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8],  # unswizzled: read back as
+                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # words
+    p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
+    _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
+                            y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
+                            HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
+                            PDL=pdl, num_warps=4, maxnreg=regs, launch_pdl=pdl)
     return y
 
 
 # ---------------------------------------------------------------------------------------------
-# Warp-specialised variant: one loader warp issues every TMA copy; consumer warpgroups of four rows
-# each (one per plane group) do the products, so the copies' address work leaves the consumers and
-# there are four times as many warps per row block.
+# The kernel: one loader warp issues every TMA copy; consumer warpgroups of 2, 4 or 8 rows do the
+# products.
 
 if HAVE_GLUON:
     @gluon.jit
@@ -569,7 +374,10 @@ if HAVE_GLUON:
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
                           RH: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-        """Same contract as :func:`_planes_tenants_kernel`, warp-specialised (see above)."""
+        """``ROWS`` (≤ 16) rows × 64 features over the K chunk ``program_id(2)``: per K step the base
+        wgmma (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
+        (registers) with its plane group (shared memory), at most ``INFLIGHT`` in flight per
+        consumer. Split K meets in a self-cleaning workspace (``gluon_bitdelta._tenants_kernel``)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]

@@ -32,9 +32,9 @@ Kernels:
   the rows on tensor cores, the signs by table lookup (see its docstring). On a Hopper GPU,
   ``kernels.gluon_bitdelta._tenants_kernel`` (``impl="gluon"``): the base product on the tensor
   cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. On a
-  Hopper GPU with K a multiple of 128, ``kernels.gluon_planes`` (``impl="planes"``, and its
-  warp-specialised variant, the default there): the sign part on the int8 tensor cores, the packed
-  sign bits as the 0/1 operand and the activations as two int8 planes of a 16-bit fixed-point copy.
+  Hopper GPU with K a multiple of 128, ``kernels.gluon_planes`` (``impl="planes"``, the default
+  there): the sign part on the int8 tensor cores, the packed sign bits as the 0/1 operand and the
+  activations as two int8 planes of a 16-bit fixed-point copy, in a warp-specialised kernel.
   From two rows up the dispatcher times the candidates once per shape and keeps the fastest
   (``_tenants_choice``).
   ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row, with the
@@ -623,7 +623,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
         if gluon_planes.planes_supported(x, weight, signs) and k % gluon_planes.WS_CONFIGS[rows][0][0] == 0:
-            return ("planes_ws", gluon_planes.WS_CONFIGS[rows][0], None)
+            return ("planes", gluon_planes.WS_CONFIGS[rows][0], None)
         return configs[0] if AUTOTUNE else None
     runs = {}
     if gluon_planes.planes_supported(x, weight, signs):
@@ -636,10 +636,9 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
                 continue
             d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
             for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-                runs[("planes_ws", cfg, split)] = (
+                runs[("planes", cfg, split)] = (
                     lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
-                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg[2], split, ws_kernel=True,
-                        block_k=cfg[0], rows_per_warpgroup=cfg[1], regs=cfg[3]))
+                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split))
     if not runs:
         runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
@@ -669,15 +668,15 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
 
     Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
-    base tile is loaded once per program and shared by the program's rows. Three kernels (``impl``):
+    base tile is loaded once per program and shared by the program's rows. Four kernels (``impl``):
     ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup), ``"gluon"``
     (Hopper only, two rows or more, K a multiple of 64: ``kernels.gluon_bitdelta``, base product on
     the tensor cores, signs on the CUDA cores meanwhile), ``"planes"`` (Hopper only, two rows or
     more, K a multiple of 128: ``kernels.gluon_planes``, the sign part on the int8 tensor cores with
     the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation) and ``"fma"``
     (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
-    row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each
-    configuration of its warp-specialised kernel (``gluon_planes.WS_CONFIGS``) is timed at K splits
+    row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each of its
+    configurations (``gluon_planes.WS_CONFIGS``) is timed at K splits
     1–8 once per shape and the fastest kept (untimed under CUDA-graph capture, with
     ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
     ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
@@ -724,12 +723,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
         if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               config[1])
-        if config is not None and config[0] == "planes_ws":
-            bk, rh, stages, regs = config[1]
-            return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               stages, config[2], ws_kernel=True, block_k=bk,
-                                                               rows_per_warpgroup=rh, regs=regs)
+                                                               config[1], config[2])
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":

@@ -128,7 +128,6 @@ if gb.HAVE_GLUON:
     import subprocess, tempfile
     from pathlib import Path as _P
     ptxas = _P(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    bk0 = gp.BLOCK_K
     def planes_sig(bk):
         xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
         wl = gl.NVMMASharedLayout.get_default_for([gp.BLOCK_N, bk], gl.bfloat16)
@@ -161,10 +160,6 @@ if gb.HAVE_GLUON:
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     for rows in (2, 4, 8, 16):
-        for stages in gp.CONFIGS:
-            planes_build(gp._planes_tenants_kernel, "planes " + json.dumps({"rows": rows, "stages": stages}), bk0,
-                         dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4, num_warps=4),
-                         {"num_warps": 4})
         for i, (bk, rh, stages, regs) in enumerate(gp.WS_CONFIGS[rows]):
             for pdl in (False, True) if i == 0 else (False, ):  # programmatic dependent launch: the default only
                 planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
@@ -223,7 +218,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
     from kernels import gluon_prefill_ws as pw
 
     n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS)
-               + sum(len(gb.tenant_configs(r)) + len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
+               + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
@@ -272,7 +267,7 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    assert len(planes) == sum(len(gp.CONFIGS) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     assert all(v.get("igmma") for v in planes.values()), planes

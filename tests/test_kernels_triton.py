@@ -380,18 +380,23 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     assert not planes[4:].any() and sc[2, 0] == 0
 
 
-def test_warp_specialised_kernel_refuses_a_row_split_it_cannot_launch():
-    """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), and 16
-    in one warpgroup would lose the base product of rows 8–15: both refused before any launch."""
+def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
+    """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
+    one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
+    all refused before any launch."""
     from kernels.gluon_planes import bitdelta_linear_batched_planes
 
     x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
     signs, alphas = torch.zeros(1, 64, 16, dtype=torch.uint8), torch.ones(1)
     for rh in (2, 16):
-        with pytest.raises(ValueError, match=f"rows_per_warpgroup={rh} does not split 16 rows into 1, 2 or 4"):
+        with pytest.raises(ValueError, match=f"{rh} rows per warpgroup do not split 16 rows into 1, 2 or 4"):
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           ws_kernel=True, rows_per_warpgroup=rh, split=1)
+                                           (128, rh, 3, 96), split=1)
+    with pytest.raises(ValueError, match="K = 128 is not a multiple of the configuration's BLOCK_K = 256"):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       (256, 8, 2, 128), split=1)
 
 
 def test_warp_specialised_split_follows_the_wave_model():
@@ -424,8 +429,8 @@ def test_warp_specialised_split_follows_the_wave_model():
     ],
 )
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
-    """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every ring depth, with K
-    split and not: equal to the float32 reference within the dtype tolerance, rows of slot −1 and of
+    """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every configuration and
+    the default with programmatic dependent launch, with K split and not: equal to the float32 reference within the dtype tolerance, rows of slot −1 and of
     an out-of-range slot getting the base only, and the split-K workspace left zero."""
     from kernels import gluon_planes as gp
     from kernels import triton_bitdelta as tb
@@ -448,11 +453,8 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     assert gp.planes_supported(dev[0], dev[1], dev[2])
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    configs = [dict(stages=st) for st in gp.CONFIGS] + [
-        dict(stages=st, ws_kernel=True, block_k=bk, rows_per_warpgroup=rh, regs=regs)
-        for bk, rh, st, regs in gp.WS_CONFIGS[rows] if k % bk == 0]
-    bk, rh, st, regs = gp.WS_CONFIGS[rows][0]  # with programmatic dependent launch after the planes kernel
-    configs.append(dict(stages=st, ws_kernel=True, block_k=bk, rows_per_warpgroup=rh, regs=regs, pdl=True))
+    configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if k % cfg[0] == 0]
+    configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
     for config in configs:
         for split in (1, 3):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)

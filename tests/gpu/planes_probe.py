@@ -40,17 +40,15 @@ def main(out: str, ts: list[int]) -> None:
             ref = tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot, impl="lut").float()
             dense = do_bench_cudagraph(lambda: x @ w.t(), rep=50)
             r = {"layer": name, "N": n, "K": k, "T": t, "dense_ms": dense}
-            base_split = gp.planes_split(t, n, k, sms)
-            configs = {f"planes_s{st}": dict(stages=st) for st in (2, 3)}
             rows_ = max(2, min(16, triton.next_power_of_2(t)))
-            for bk, rh, st, regs in gp.WS_CONFIGS[rows_]:
-                configs[f"planes_ws_bk{bk}_rh{rh}_s{st}_r{regs}"] = dict(stages=st, ws_kernel=True, block_k=bk,
-                                                                       rows_per_warpgroup=rh, regs=regs)
-            bk, rh, st, regs = gp.WS_CONFIGS[rows_][0]  # the default with programmatic dependent launch
-            configs[f"planes_ws_pdl_bk{bk}_rh{rh}_s{st}_r{regs}"] = dict(stages=st, ws_kernel=True, block_k=bk,
-                                                                       rows_per_warpgroup=rh, regs=regs, pdl=True)
+            configs = {}
+            for cfg in gp.WS_CONFIGS[rows_]:
+                configs["planes_bk{}_rh{}_s{}_r{}".format(*cfg)] = dict(config=cfg)
+            configs["planes_pdl_bk{}_rh{}_s{}_r{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
+                config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
             for cname, config in configs.items():
-                for split in sorted({max(1, base_split // 2), base_split, base_split * 2}):
+                d = gp.ws_split(t, n, k, config["config"], sms)
+                for split in sorted({d} | {s for s in (1, 2, 4, 8) if k // config["config"][0] // s >= 4}):
                     fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws, cnt,  # noqa: E731
                                                                    split=split, **config)
                     name_ = f"{cname}_k{split}"
@@ -73,13 +71,13 @@ def main(out: str, ts: list[int]) -> None:
                     sums[(t, key)][1] += dense
     summary = {f"T={t}/{key}": round(a / b, 3) for (t, key), (a, b) in sums.items()}
     for t in ts:
-        best = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_s"))
-        best_ws = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_ws"))
+        best = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_bk"))
+        best_ws = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_pdl"))
         # the best configuration per layer (what the dispatcher's timing picks)
         per = sum(min(v for k2, v in r.items() if k2.startswith("planes") and not k2.endswith("err")
                       and isinstance(v, float)) * r["dense_ms"] for r in rows if r["T"] == t)
         per /= sum(r["dense_ms"] for r in rows if r["T"] == t)
-        print(f"T={t}: best planes {best} ws {best_ws} best-per-layer {per:.3f} lut {summary[f'T={t}/lut']} "
+        print(f"T={t}: best planes {best} with PDL {best_ws} best-per-layer {per:.3f} lut {summary[f'T={t}/lut']} "
               f"target {1.1 * (1 + t / 16):.3f}")
     Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary},
                                     indent=1))

@@ -38,9 +38,8 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         bk, rh, st, regs, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         ws, cnt = tb._workspace(x.device, num * n, num * n)
-        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt, st,  # noqa: E731
-                                                       sp[0] if sp else None, ws_kernel=True, block_k=bk,
-                                                       rows_per_warpgroup=rh, regs=regs)
+        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt,  # noqa: E731
+                                                       (bk, rh, st, regs), sp[0] if sp else None)
     else:
         raise SystemExit(f"unknown case {case!r}")
     for _ in range(3):
