@@ -128,6 +128,11 @@ if gb.HAVE_GLUON:
     import subprocess, tempfile
     from pathlib import Path as _P
     ptxas = _P(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    def ptxas_log(ptx):  # ptxas's own -v report, which names wgmma serialisation (C7512/C7515)
+        with tempfile.TemporaryDirectory() as d:
+            (_P(d) / "k.ptx").write_text(ptx)
+            return subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o", str(_P(d) / "k.o")],
+                                  capture_output=True, text=True).stderr
     def planes_sig(bk):
         xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
         wl = gl.NVMMASharedLayout.get_default_for([gp.BLOCK_N, bk], gl.bfloat16)
@@ -150,12 +155,8 @@ if gb.HAVE_GLUON:
             k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32), options=options)
             ptx = k.asm["ptx"]
-            with tempfile.TemporaryDirectory() as d:
-                (_P(d) / "k.ptx").write_text(ptx)
-                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
-                                      str(_P(d) / "k.o")], capture_output=True, text=True).stderr
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in log,
+                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in ptxas_log(ptx),
                          "griddep": "griddepcontrol.wait" in ptx}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
@@ -183,12 +184,8 @@ if gb.HAVE_GLUON:
             k = triton.compile(GluonASTSource(fn=pw._prefill_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
             ptx = k.asm["ptx"]
-            with tempfile.TemporaryDirectory() as d:
-                (_P(d) / "k.ptx").write_text(ptx)
-                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
-                                      str(_P(d) / "k.o")], capture_output=True, text=True).stderr
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "serialized": "serialized" in log}
+                         "serialized": "serialized" in ptxas_log(ptx)}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)

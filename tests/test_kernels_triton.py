@@ -297,6 +297,26 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"ws {config}: {s}")
 
 
+def _tenant_case(m, n, k, dtype, row_alpha, bias):
+    """A mixed-tenant batch of three slots with row 0 base-only and the last row's slot out of range
+    (a kernel gives it the base): the float32 reference and ``(x, w, signs, alphas, slot, bias)`` on
+    the GPU."""
+    from kernels.reference import bitdelta_linear_batched
+
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    n_slots = 3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.randint(0, 256, (n_slots, n, k // 8), generator=g, dtype=torch.uint8)
+    alphas = 0.01 + 0.02 * torch.rand((n_slots, n) if row_alpha else (n_slots,), generator=g)
+    slot = torch.randint(-1, n_slots, (m,), generator=g, dtype=torch.int32)
+    slot[0], slot[-1] = -1, n_slots + 5
+    b = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias else None
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(slot < n_slots, slot, -1),
+                                  None if b is None else b.float())
+    return ref, [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon mixed-tenant kernel runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
@@ -315,22 +335,10 @@ def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     base only, and the split-K workspace left zero."""
     from kernels import gluon_bitdelta as gb
     from kernels import triton_bitdelta as tb
-    from kernels.reference import bitdelta_linear_batched
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    n_slots = 3
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
-    signs = torch.randint(0, 256, (n_slots, n, k // 8), generator=g, dtype=torch.uint8)
-    alphas = 0.01 + 0.02 * torch.rand((n_slots, n) if row_alpha else (n_slots,), generator=g)
-    slot = torch.randint(-1, n_slots, (m,), generator=g, dtype=torch.int32)
-    slot[0], slot[-1] = -1, n_slots + 5  # base only, and out of range (the kernel gives the base)
-    b = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias else None
-    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(slot < n_slots, slot, -1),
-                                  None if b is None else b.float())
-    dev = [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
+    ref, dev = _tenant_case(m, n, k, dtype, row_alpha, bias)
     assert gb.tenants_supported(dev[0], dev[1], dev[2])
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))
@@ -430,26 +438,15 @@ def test_warp_specialised_split_follows_the_wave_model():
 )
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every configuration and
-    the default with programmatic dependent launch, with K split and not: equal to the float32 reference within the dtype tolerance, rows of slot −1 and of
-    an out-of-range slot getting the base only, and the split-K workspace left zero."""
+    the default with programmatic dependent launch, with K split and not: equal to the float32
+    reference within the dtype tolerance, rows of slot −1 and of an out-of-range slot getting the
+    base only, and the split-K workspace left zero."""
     from kernels import gluon_planes as gp
     from kernels import triton_bitdelta as tb
-    from kernels.reference import bitdelta_linear_batched
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    n_slots = 3
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
-    signs = torch.randint(0, 256, (n_slots, n, k // 8), generator=g, dtype=torch.uint8)
-    alphas = 0.01 + 0.02 * torch.rand((n_slots, n) if row_alpha else (n_slots,), generator=g)
-    slot = torch.randint(-1, n_slots, (m,), generator=g, dtype=torch.int32)
-    slot[0], slot[-1] = -1, n_slots + 5  # base only, and out of range (the kernel gives the base)
-    b = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias else None
-    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(slot < n_slots, slot, -1),
-                                  None if b is None else b.float())
-    dev = [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
+    ref, dev = _tenant_case(m, n, k, dtype, row_alpha, bias)
     assert gp.planes_supported(dev[0], dev[1], dev[2])
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))

@@ -56,16 +56,27 @@ def compile_one(rows: int, bn: int, stages: int):
 
 
 def analyse(rows: int, bn: int, stages: int) -> dict:
+    k, spt_n = compile_one(rows, bn, stages)
+    regs, loop, _ = _inspect(k, "HGMMA")
+    weights = spt_n * gb.TENANT_BLOCK_K
+    return {"rows": rows, "tile": [bn, stages], "features_per_thread": spt_n, "registers": regs,
+            "loop_instructions": len(loop), "per_row_weight": round(len(loop) / weights, 2),
+            "opcodes": dict(collections.Counter(loop).most_common(8))}
+
+
+def _inspect(kernel, mma: str) -> tuple[int, list[str], str]:
+    """Registers per thread (cuobjdump), the K loop's opcodes (nvdisasm: the shortest backward branch
+    whose body holds an ``mma`` instruction) and ptxas's ``-v`` log of a compiled kernel."""
     import tempfile
 
-    k, spt_n = compile_one(rows, bn, stages)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f.name],
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.cubin").write_bytes(kernel.asm["cubin"])
+        Path(d, "k.ptx").write_text(kernel.asm["ptx"])
+        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f"{d}/k.cubin"],
                                capture_output=True, text=True).stdout
-        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+        log = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                             capture_output=True, text=True).stderr
     labels, ins = {}, []
     for line in sass.splitlines():
         m = re.match(r"\s*\.(L_x_\d+):", line)
@@ -73,13 +84,8 @@ def analyse(rows: int, bn: int, stages: int) -> dict:
             labels[m.group(1)] = len(ins)
         elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
             ins.append(re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line).group(2).split(".")[0])
-    # the K loop: the shortest backward branch whose body holds the wgmma
-    bodies = [ins[a:b + 1] for a, b in _backward_branches(sass, labels) if "HGMMA" in ins[a:b + 1]]
-    loop = min(bodies, key=len, default=[])
-    weights = spt_n * gb.TENANT_BLOCK_K
-    return {"rows": rows, "tile": [bn, stages], "features_per_thread": spt_n, "registers": regs,
-            "loop_instructions": len(loop), "per_row_weight": round(len(loop) / weights, 2),
-            "opcodes": dict(collections.Counter(loop).most_common(8))}
+    bodies = [ins[a:b + 1] for a, b in _backward_branches(sass, labels) if mma in ins[a:b + 1]]
+    return int(re.search(r"REG:(\d+)", usage).group(1)), min(bodies, key=len, default=[]), log
 
 
 def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
@@ -98,7 +104,6 @@ def analyse_planes(rows: int, config: tuple) -> dict:
     """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
     ``config = (BLOCK_K, rows per warpgroup, STAGES, registers)``: registers, spills, whether ptxas
     serialises its wgmmas, and the consumers' K-loop instructions per row and weight."""
-    import tempfile
 
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -125,25 +130,9 @@ def analyse_planes(rows: int, config: tuple) -> dict:
                        "stride_ym")}
     k = triton.compile(GluonASTSource(fn=gp._planes_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "k.cubin").write_bytes(k.asm["cubin"])
-        Path(d, "k.ptx").write_text(k.asm["ptx"])
-        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f"{d}/k.cubin"],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
-        log = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"],
-                             capture_output=True, text=True).stderr
-    labels, ins = {}, []
-    for line in sass.splitlines():
-        m = re.match(r"\s*\.(L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = len(ins)
-        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
-            ins.append(re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line).group(2).split(".")[0])
-    bodies = [ins[a:b + 1] for a, b in _backward_branches(sass, labels) if "IGMMA" in ins[a:b + 1]]
-    loop = min(bodies, key=len, default=[])
+    regs, loop, log = _inspect(k, "IGMMA")
     weights = min(rows, rh) * bn * bk / 128  # row-weights per consumer thread per K step
-    return {"rows": rows, "config": list(config), "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+    return {"rows": rows, "config": list(config), "registers": regs,
             "spill_bytes": int((re.search(r"(\d+) bytes spill stores", log) or [0, 0])[1]),
             "serialized": "serialized" in log, "loop_instructions": len(loop),
             "per_row_weight": round(len(loop) / weights, 3), "opcodes": dict(collections.Counter(loop).most_common(8))}
