@@ -125,6 +125,19 @@ def wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def stop_server(proc, log, timeout_s: float) -> None:
+    """Stop the server process ``proc``: SIGTERM, then SIGKILL if it has not exited after
+    ``timeout_s`` seconds; close its ``log`` file."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 def complete_concurrently(client, jobs: list[tuple[str, str]], max_tokens: int, timeout_s: float) -> dict:
     """Send every ``(model, prompt)`` of ``jobs`` at once (one thread each) through the ``openai``
     ``client`` as a greedy completion of ``max_tokens``, so a server batches them together; returns

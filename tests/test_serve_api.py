@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from compress.bitdelta import compress
 from serve.app import create_app
 from serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
-from tests.conftest import perturb, tiny_llama, wait_healthy
+from tests.conftest import perturb, stop_server, tiny_llama, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(", "import os\n", "The quick brown"]
@@ -67,12 +67,7 @@ def server(root):
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, root / "server.log", 60)
     yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    stop_server(proc, log, 10)
 
 
 @pytest.fixture(scope="module")

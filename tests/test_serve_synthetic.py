@@ -203,7 +203,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
 
     from serve.bench import hydra_value
     from serve.engine import Engine, SamplingParams
-    from tests.conftest import complete_concurrently, wait_healthy
+    from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
     port, tp_port = _free_ports(2)
     log = open(tmp_path / "server.log", "w")
@@ -230,12 +230,7 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
         texts = {m: tuple(want[(m, p)] for p in prompts) for m in listed}
         assert len(set(texts.values())) == 4, texts  # every variant answers its own way, none like the base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log, 30)
 
 
 def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path):

@@ -135,7 +135,7 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
     import openai
 
     from serve.engine import Engine, SamplingParams
-    from tests.conftest import complete_concurrently, wait_healthy
+    from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
     repo = Path(__file__).resolve().parents[1]
     ports = []
@@ -159,12 +159,7 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
         for m, p in jobs:
             assert got[(m, p)] == ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text, (m, p)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log, 30)
 
 
 @pytest.mark.parametrize("layout", ["qwen2-bias", "llama-bias-tied"])
