@@ -57,6 +57,34 @@ DEFAULT_CONFIG = CONFIGS[0]
 
 if HAVE_GLUON:
     @gluon.jit
+    def _neg_alpha_bits(a_ptr, rn, ALPHA_PER_ROW: gl.constexpr):
+        """−α as int32 bits: ``[BN, 1, 1]`` for the rows ``rn`` (α per row), else a scalar."""
+        if ALPHA_PER_ROW:
+            alpha = gl.expand_dims(gl.expand_dims(gl.load(a_ptr + rn), 1), 2)          # [BN, 1, 1]
+        else:
+            alpha = gl.load(a_ptr)
+        return (-alpha).to(gl.int32, bitcast=True)
+
+    @gluon.jit
+    def _plus_delta(w, sgn, shifts, neg_alpha_bits, dtype: gl.constexpr):
+        """``W + α·s`` for a ``[BN, BK/8, 8]`` tile ``w`` and its ``[BN, BK/8]`` sign bytes, formed in
+        float32 and rounded once to ``dtype``: bit j of a byte moved onto the float sign bit of −α
+        flips it to +α, so no select is needed (``shifts`` = ``[1, 1, 8]`` of 0…7)."""
+        SIGN_BIT: gl.constexpr = -2147483648  # 0x80000000 as int32
+        top = (gl.expand_dims(sgn.to(gl.int32), 2) << (31 - shifts)) & SIGN_BIT
+        d = (top ^ neg_alpha_bits).to(gl.float32, bitcast=True)
+        return (w.to(gl.float32) + d).to(dtype)  # the one rounding
+
+    @gluon.jit
+    def _k_chunk(K, BK: gl.constexpr):
+        """This program's share of the K steps when K is split over ``program_id(2)``: ``(first K
+        step, number of K steps)``; the last chunks may be short or empty."""
+        num_k_all = gl.cdiv(K, BK)
+        per = gl.cdiv(num_k_all, gl.num_programs(2))
+        k_first = gl.program_id(2) * per
+        return k_first, gl.minimum(per, num_k_all - k_first)
+
+    @gluon.jit
     def _prefill_kernel(x_desc, w_desc, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_wn, stride_sn, stride_ym,
                         ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                         W_TMA: gl.constexpr, num_warps: gl.constexpr):
@@ -90,12 +118,7 @@ if HAVE_GLUON:
         offs_b = gl.arange(0, BLOCK_KB, layout=gl.SliceLayout(0, ls))
         shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
         shifts = gl.expand_dims(gl.expand_dims(shifts, 0), 0)                          # [1, 1, 8]
-        if ALPHA_PER_ROW:
-            alpha = gl.expand_dims(gl.expand_dims(gl.load(a_ptr + rn), 1), 2)          # [BN, 1, 1]
-        else:
-            alpha = gl.load(a_ptr)
-        SIGN_BIT: gl.constexpr = -2147483648  # 0x80000000 as int32
-        neg_alpha_bits = (-alpha).to(gl.int32, bitcast=True)
+        neg_alpha_bits = _neg_alpha_bits(a_ptr, rn, ALPHA_PER_ROW)
         s_ptrs = s_ptr + gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(offs_b, 0)
         KB = K // 8
         num_k = gl.cdiv(K, BLOCK_K)
@@ -130,10 +153,7 @@ if HAVE_GLUON:
                 w = w_cur
                 w_cur = w_nxt
                 w_nxt = gl.load(w_ptrs + (ki + 2) * BLOCK_K, mask=kk + (ki + 2) * BLOCK_K < K, other=0.0)
-            # ±α without a select: bit j of the byte moved to the float sign bit flips −α to +α
-            top = (gl.expand_dims(sgn.to(gl.int32), 2) << (31 - shifts)) & SIGN_BIT
-            d = (top ^ neg_alpha_bits).to(gl.float32, bitcast=True)
-            w_eff = (w.to(gl.float32) + d).to(dtype)  # the one rounding
+            w_eff = _plus_delta(w, sgn, shifts, neg_alpha_bits, dtype)
             r_buf = r_smem.index(ki % 2)  # its last reader, wgmma ki − 2, was waited for in step ki − 1
             r_buf.store(gl.convert_layout(gl.reshape(w_eff, [BLOCK_N, BLOCK_K]), l2))
             fence_async_shared()
@@ -288,10 +308,7 @@ if HAVE_GLUON:
         SPLIT = gl.num_programs(2)
         off_n = pid_n * BN
         off_m = pid_m * BM
-        num_k_all = gl.cdiv(K, BK)
-        per = gl.cdiv(num_k_all, SPLIT)
-        k_first = gl.program_id(2) * per
-        num_k = gl.minimum(per, num_k_all - k_first)
+        k_first, num_k = _k_chunk(K, BK)
 
         l4: gl.constexpr = gl.BlockedLayout([1, SPT_N, BKW, 32], [TPW_R, TPW_N, 1, 1], [WPC_R, WPC_N, 1, 1],
                                             [3, 2, 1, 0])

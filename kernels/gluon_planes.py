@@ -58,7 +58,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _tma_load
+    from kernels.gluon_bitdelta import _k_chunk, _tma_load
 
     @gluon.jit
     def _gdc_wait():
@@ -389,10 +389,7 @@ if HAVE_GLUON:
         SPLIT = gl.num_programs(2)
         off_n = pid_n * BN
         off_m = pid_m * BM
-        num_k_all = gl.cdiv(K, BK)
-        per = gl.cdiv(num_k_all, SPLIT)
-        k_first = gl.program_id(2) * per
-        num_k = gl.minimum(per, num_k_all - k_first)
+        k_first, num_k = _k_chunk(K, BK)
         first = (gl.program_id(2) == 0).to(gl.float32)
         tile = pid_m * gl.num_programs(0) + pid_n
 

@@ -35,7 +35,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _tma_load
+    from kernels.gluon_bitdelta import _neg_alpha_bits, _plus_delta, _tma_load
 
 BLOCK_M = 256   # two consumer warpgroups of 128 rows
 BLOCK_N = 128   # features per program (the wgmma's N)
@@ -56,17 +56,12 @@ if HAVE_GLUON:
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // BKB, BKB, 1], [4, 1, 1], [2, 1, 0])
         l2: gl.constexpr = gl.BlockedLayout([1, 8], [32 // BKB, BKB], [4, 1], [1, 0])
         ls: gl.constexpr = gl.SliceLayout(2, l3)
-        SIGN_BIT: gl.constexpr = -2147483648
 
         rn = (off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ls))) % N
         offs_b = gl.arange(0, BKB, layout=gl.SliceLayout(0, ls))
         shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
         shifts = gl.expand_dims(gl.expand_dims(shifts, 0), 0)                          # [1, 1, 8]
-        if ALPHA_PER_ROW:
-            alpha = gl.expand_dims(gl.expand_dims(gl.load(a_ptr + rn), 1), 2)          # [BN, 1, 1]
-        else:
-            alpha = gl.load(a_ptr)
-        neg_alpha_bits = (-alpha).to(gl.int32, bitcast=True)
+        neg_alpha_bits = _neg_alpha_bits(a_ptr, rn, ALPHA_PER_ROW)
         s_ptrs = s_ptr + gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(offs_b, 0)
         kk = gl.expand_dims(gl.expand_dims(offs_b, 0), 2) * 8 + shifts                 # [1, BKB, 8]
         w_ptrs = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + kk
@@ -88,10 +83,7 @@ if HAVE_GLUON:
             s_cur = s_nxt
             w_nxt = gl.load(w_ptrs + (ki + 2) * BK, mask=kk + (ki + 2) * BK < K, other=0.0)
             s_nxt = gl.load(s_ptrs + (ki + 2) * BKB, mask=gl.expand_dims(offs_b + (ki + 2) * BKB < KB, 0), other=0)
-            # ±α without a select: bit j of the byte moved to the float sign bit flips −α to +α
-            top = (gl.expand_dims(sg.to(gl.int32), 2) << (31 - shifts)) & SIGN_BIT
-            d = (top ^ neg_alpha_bits).to(gl.float32, bitcast=True)
-            w_eff = (w.to(gl.float32) + d).to(dtype)  # the one rounding
+            w_eff = _plus_delta(w, sg, shifts, neg_alpha_bits, dtype)
             r_smem.index(stage).store(gl.convert_layout(gl.reshape(w_eff, [BN, BK]), l2))
             fence_async_shared()  # the generic-proxy stores before the consumers' wgmma reads
             mbarrier.arrive(r_ready.index(stage), count=1)
