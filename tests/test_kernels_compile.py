@@ -188,6 +188,28 @@ if gb.HAVE_GLUON:
                          "serialized": "serialized" in ptxas_log(ptx)}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    from kernels import gluon_prefill_rs as pr
+    for bt, stages, u, regs in pr.CONFIGS:
+        xl = gl.NVMMASharedLayout.get_default_for([bt, pr.BLOCK_K], gl.bfloat16)
+        wl = gl.NVMMASharedLayout.get_default_for([pr.BLOCK_N, pr.BLOCK_K], gl.bfloat16)
+        sig = {"x_desc": f"tensordesc<bf16[{bt}, {pr.BLOCK_K}],{xl!r}>",
+               "w_desc": f"tensordesc<bf16[{pr.BLOCK_N}, {pr.BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
+               "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "stride_sw": "i32", "stride_ym": "i32"}
+        consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, REGS=regs, num_warps=4)
+        sig.update({c: "constexpr" for c in consts})
+        names = pr._prefill_rs_kernel.arg_names
+        attrs = {(names.index(a),): [["tt.divisibility", 16]]
+                 for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_sw", "stride_ym")}
+        name = "gluon-prefill-rs " + json.dumps({"config": [bt, stages, u, regs]})
+        try:
+            k = triton.compile(GluonASTSource(fn=pr._prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": pr.LAUNCH_REGS})
+            ptx = k.asm["ptx"]
+            out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
+                         "serialized": "serialized" in ptxas_log(ptx)}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -214,7 +236,9 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_prefill_ws as pw
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS)
+    from kernels import gluon_prefill_rs as pr
+
+    n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS) + len(pr.CONFIGS)
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
@@ -282,3 +306,16 @@ def test_warp_specialised_prefill_keeps_its_wgmmas_asynchronous(compiled):
     ws = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-ws")}
     assert len(ws) == len(pw.CONFIGS)
     assert all(v["wgmma"] and not v["serialized"] for v in ws.values()), ws
+
+
+def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
+    """The register-operand prefill kernel (``kernels.gluon_prefill_rs``): every configuration issues
+    wgmmas and ptxas keeps them asynchronous (no wgmma with a register operand stays in flight across
+    the K loop's back edge, which would make ptxas serialise all of them)."""
+    from kernels import gluon_prefill_rs as pr
+
+    if not pr.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
+    assert len(rs) == len(pr.CONFIGS)
+    assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs

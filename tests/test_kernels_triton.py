@@ -295,6 +295,17 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         pw.bitdelta_linear_prefill_ws(x, w, sign, alpha, b, y, config)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"ws {config}: {s}")
+    from kernels import gluon_prefill_rs as pr
+
+    assert pr.rs_supported(x, w, sign) == (k % 64 == 0)
+    for config in pr.CONFIGS if k % 64 == 0 else ():  # the register-operand prefill kernel (α rounded to the dtype)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        if k % (64 * config[2]):
+            with pytest.raises(ValueError, match=f"K = {k} is not a multiple of {64 * config[2]}"):
+                pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config)
+            continue
+        pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"rs {config}: {s}")
 
 
 def _tenant_case(m, n, k, dtype, row_alpha, bias):

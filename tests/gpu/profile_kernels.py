@@ -4,7 +4,8 @@
 
     ncu --profile-from-start off --clock-control none --set full python3 tests/gpu/profile_kernels.py lut-T2
 
-Cases: ``dense-M<m>``, ``decode-M1``, ``fma-T<t>``, ``lut-T<t>``, ``prefill-M<m>`` (the dispatcher's pick).
+Cases: ``dense-M<m>``, ``decode-M1``, ``fma-T<t>``, ``lut-T<t>``, ``prefill-M<m>`` (the dispatcher's pick),
+``prefillss-M<m>`` (``gluon_bitdelta``'s default), ``prefillrs-M<m>`` (``gluon_prefill_rs``, ``RS_CFG``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         ws, cnt = tb._workspace(x.device, num * n, num * n)
         fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt,  # noqa: E731
                                                        (bk, rh, st, regs), sp[0] if sp else None)
+    elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,registers"
+        import os
+
+        from kernels import gluon_prefill_rs as pr
+        cfg = tuple(int(v) for v in os.environ["RS_CFG"].split(","))
+        y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: pr.bitdelta_linear_prefill_rs(x, w, s[0], a[0], None, y, cfg)  # noqa: E731
+    elif kind == "prefillss":  # the Gluon prefill kernel at its default configuration
+        from kernels import gluon_bitdelta as gb
+        y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: gb.bitdelta_linear_gluon(x, w, s[0], a[0], None, y)  # noqa: E731
     else:
         raise SystemExit(f"unknown case {case!r}")
     for _ in range(3):

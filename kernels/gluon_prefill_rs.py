@@ -1,0 +1,250 @@
+"""Hopper (sm_90) prefill kernel for ``bitdelta_linear`` with the reconstructed weight as the
+register operand of the wgmma (Gluon).
+
+``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2) for many rows.
+
+Why a third prefill kernel: ``gluon_bitdelta._prefill_kernel`` writes every reconstructed
+``W + α·s`` tile to shared memory, meets all its warps at a barrier, and lets the wgmma read it back
+(1.59× dense at 2048 tokens on an H200); the warp-specialised version that forms the tile in its
+own warpgroup (``gluon_prefill_ws``) is slower still (1.73×, tests/gpu/prefill_gluon.py). Here the
+product is computed transposed, ``yᵀ = (W + α·s) · xᵀ`` ("swap-AB"), so the reconstructed weight is
+the wgmma's A operand, which Hopper reads **from registers**:
+
+* a loader warpgroup (the default partition; it gives its registers to the consumers) copies the
+  ``[BLOCK_T, BLOCK_K]`` tile of x (the tokens) and the ``[128, BLOCK_K]`` tile of W by TMA into a
+  ring of ``STAGES`` shared-memory buffers;
+* two consumer warpgroups own 64 output features each. Per 32 weights of K, each reads its slice
+  of the W tile with ``ldmatrix`` into the wgmma's A-operand layout, forms ``W + α·s`` two weights at
+  a time in packed 16-bit arithmetic (shift, mask, multiply, xor onto ``−α``, one ``add.rn.bf16x2``;
+  the 32-bit sign words come from global memory one loop body ahead), and issues the asynchronous
+  wgmma ``[64, 32] × [32, BLOCK_T]`` against the shared x tile; the next slice is read and formed
+  while it runs. The reconstructed weight exists only in registers, and the two warpgroups never
+  wait for each other.
+* ptxas serialises every wgmma of a kernel in which a wgmma with a register operand is still in
+  flight at the loop's back edge (C7512), so the loop body covers ``U`` K steps and waits for its
+  wgmmas at its end; the other consumer's wgmmas keep the tensor cores busy meanwhile.
+
+Measured on an H200 (Triton 3.6, ``tests/gpu/prefill_gluon.py``, 2048 tokens, time ÷ dense bf16
+over the Llama-2-70B layer set): 1.105× for ``(256, 4, 2, 240)`` (qkv / o / gate_up / down 1.103 /
+1.077 / 1.111 / 1.104), against 1.65× for ``gluon_bitdelta._prefill_kernel``. ncu (``o``): the SM
+83 % busy, issue slots 25 %. A first version that loaded W with 4-byte global loads straight into
+the A layout ran at 1.60×: the loads kept the L1 78 % busy and the warps waiting on them.
+
+Rounding: ``α`` is rounded to the activation dtype before the add (bf16: relative error ≤ 2⁻⁹ of
+``α``, far below one ulp of a weight of the usual size); the sum is rounded once.
+
+Constraints (the dispatcher uses the other kernels otherwise): compute capability 9.x, K a multiple
+of ``BLOCK_K`` (64), 16-byte aligned contiguous rows of x and W, sign rows 4-byte aligned.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels.gluon_bitdelta import _tma_load
+
+BLOCK_N = 128   # features per program: two consumer warpgroups of 64 (the wgmma's M)
+BLOCK_K = 64
+# (BLOCK_T tokens per program = the wgmma's N, STAGES, K steps per loop body U, registers per
+# consumer thread). The kernel launches 384 threads at LAUNCH_REGS registers (the 64 K register file);
+# the loader warpgroup then gives registers up and the consumers take them (setmaxnreg).
+CONFIGS = ((256, 4, 2, 240), (256, 4, 1, 240), (256, 3, 2, 240), (256, 3, 1, 240), (128, 4, 2, 240))
+LAUNCH_REGS = 168
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW: gl.constexpr, dtype: gl.constexpr):
+        """``−α`` rounded to ``dtype``, its 16 bits in both halves of an int32: ``[R, 1]`` for the
+        rows ``rn`` (the one α repeated when not per row)."""
+        if ALPHA_PER_ROW:
+            alpha = gl.expand_dims(gl.load(a_ptr + rn), 1)
+        else:
+            alpha = gl.expand_dims(gl.load(a_ptr + rn * 0), 1)
+        h = (-alpha).to(dtype).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return h | (h << 16)
+
+    @gluon.jit
+    def _expand_pairs(w, word, sh, nab, dtype: gl.constexpr):
+        """``W + α·s`` for a tile ``w`` in the wgmma A-operand layout (pairs of neighbouring k in one
+        register): bits ``sh`` and ``sh + 1`` of the pair's sign ``word`` pick ``+α`` or ``−α`` per half
+        (``t·0x40008000 & 0x80008000`` puts bit 0 of ``t`` on bit 15 and bit 1 on bit 31, the sign bits
+        of the two halves), flipped onto ``−α`` (``nab``) and added in one packed instruction."""
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t, m; shr.b32 t, $2, $4; and.b32 t, t, 3; mul.lo.u32 m, t, 0x40008000; "
+                "and.b32 m, m, 0x80008000; xor.b32 m, m, $6; add.rn.bf16x2 $0, $1, m; }",
+                "=r,r,r,r,r,r,r,r", [w, word, sh, nab], dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t, m; shr.b32 t, $2, $4; and.b32 t, t, 3; mul.lo.u32 m, t, 0x40008000; "
+                "and.b32 m, m, 0x80008000; xor.b32 m, m, $6; add.rn.f16x2 $0, $1, m; }",
+                "=r,r,r,r,r,r,r,r", [w, word, sh, nab], dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _rs_load(p, STAGES: gl.constexpr):
+        """The loader: the x and W tiles of each K step by TMA, ``STAGES`` steps ahead of the slower
+        consumer."""
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        num_k = K // BK
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # both consumers are done with it
+            mbarrier.expect(ready.index(stage), nbytes)
+            _tma_load(x_desc, [off_t, ki * BK], ready.index(stage), x_smem.index(stage))
+            _tma_load(w_desc, [off_n, ki * BK], ready.index(stage), w_smem.index(stage))
+
+    @gluon.jit
+    def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr, ALPHA_PER_ROW: gl.constexpr,
+                    HAS_BIAS: gl.constexpr):
+        """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
+        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym) = q
+        BT: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        H: gl.constexpr = BK // 32  # 32 weights per sign word
+        RW: gl.constexpr = 64
+        dtype: gl.constexpr = x_desc.dtype
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BT, 16])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+
+        rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
+        s_ptrs = s_ptr + rn * stride_sw                                                 # [64] int32 words
+        sh = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)), 0)      # bit of each weight
+        nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
+        num_b = K // (BK * U)  # loop bodies of U K steps
+
+        s_nxt = ()
+        for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
+            s_nxt = s_nxt + (gl.expand_dims(gl.load(s_ptrs + j), 1), )
+        acc = gl.zeros([RW, BT], gl.float32, acc_l)
+        for bi in range(num_b):
+            s_cur = s_nxt
+            bn = gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
+            s_nxt = ()
+            for j in gl.static_range(U * H):
+                s_nxt = s_nxt + (gl.expand_dims(gl.load(s_ptrs + bn * (U * H) + j), 1), )
+            for j in gl.static_range(U * H):  # slice j: W from shared memory (ldmatrix), formed, multiplied
+                ki = bi * U + j // H
+                stage = ki % STAGES
+                if j % H == 0:
+                    mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+                w = w_smem.index(stage).slice(ROW0, RW, dim=0).slice(32 * (j % H), 32, dim=1).load(dot_a)
+                a = _expand_pairs(w, s_cur[j], sh, nab, dtype)
+                # asynchronous: the next slice is read and formed while this wgmma runs
+                acc = warpgroup_mma(a, x_smem.index(stage).slice(32 * (j % H), 32, dim=1).permute((1, 0)),
+                                    acc, is_async=True)
+            # no wgmma stays in flight across the loop's back edge: ptxas would serialise every wgmma
+            # whose register operand does (C7512); the other consumer's wgmmas fill the gap
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            for u in gl.static_range(U):
+                mbarrier.arrive(empty.index((bi * U + u) % STAGES), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+        feat = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, acc_l))
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
+        # yᵀ tile → y: through shared memory, so each thread writes 16 contiguous bytes of a y row
+        st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        out = gl.convert_layout(acc.to(dtype), st_l)
+        fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
+        to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
+        y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
+        mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
+        gl.store(y_ptrs, out, mask=mask)
+
+    @gluon.jit
+    def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_sw, stride_ym,
+                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                           U: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+        """One ``[BLOCK_T tokens, 128 features]`` output tile per program: consumer warpgroup 0 (the
+        default partition) and 1, and the loader warp (module docstring). Programs along the tokens
+        are consecutive, so the programs that share a W panel run together and read it from HBM
+        about once."""
+        BT: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        pid = gl.program_id(0)
+        num_t = gl.cdiv(M, BT)
+        off_t = (pid % num_t) * BT
+        off_n = (pid // num_t) * 128
+
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 128, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K)
+        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym)
+        gl.warp_specialize([
+            (_rs_load, (p, STAGES)),
+            (_rs_consume, (p, q, STAGES, U, 0, ALPHA_PER_ROW, HAS_BIAS)),
+            (_rs_consume, (p, q, STAGES, U, 64, ALPHA_PER_ROW, HAS_BIAS)),
+        ], [4, 4], [REGS, REGS])
+
+
+def rs_supported(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> bool:
+    """Whether :func:`bitdelta_linear_prefill_rs` runs on these tensors: the Hopper prefill
+    conditions (``gluon_bitdelta.supported``), K a multiple of :data:`BLOCK_K`, and sign rows that can
+    be read as 32-bit words (contiguous, 4-byte aligned starts and row stride)."""
+    return (supported(x2, weight) and x2.shape[-1] % BLOCK_K == 0 and sign.stride(-1) == 1
+            and sign.data_ptr() % 4 == 0 and sign.stride(0) % 4 == 0)
+
+
+def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                               bias: torch.Tensor | None, y: torch.Tensor,
+                               config: tuple = CONFIGS[0]) -> torch.Tensor:
+    """Launch the register-operand prefill kernel: ``y[M, N] = x2 · (W + α·s)ᵀ (+ bias)``.
+
+    Args:
+        x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 64 (:func:`rs_supported`).
+        weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), rows 4-byte aligned.
+            alpha: float32 ``[]`` or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
+            y: ``[M, N]`` output in ``x2.dtype``, rows contiguous.
+        config: ``(BLOCK_T, STAGES, U, registers)``, one of :data:`CONFIGS`; K must be a multiple
+            of ``64·U``.
+
+    Returns:
+        ``y``.
+
+    Raises:
+        ValueError: if the tensors are not ones this kernel runs on (:func:`rs_supported`), M is 0,
+            alpha is not float32 ``[]`` or ``[N]``, y rows are not contiguous, or K is not a multiple of
+            ``64·U``.
+    """
+    if not rs_supported(x2, weight, sign):
+        raise ValueError("the register-operand prefill kernel needs a Hopper GPU, K a multiple of 64, "
+                         "16-byte aligned contiguous rows of x and W and 4-byte aligned sign rows")
+    n = weight.shape[0]
+    if x2.shape[0] == 0:
+        raise ValueError("the register-operand prefill kernel needs at least one row")
+    if alpha.dtype != torch.float32 or alpha.shape not in ((), (n, )) or not alpha.is_contiguous():
+        raise ValueError(f"alpha must be contiguous float32 [] or [{n}], got {alpha.dtype} {list(alpha.shape)}")
+    if y.stride(-1) != 1:
+        raise ValueError("y needs contiguous rows")
+    bt, stages, u, regs = config
+    m, k = x2.shape
+    if k % (BLOCK_K * u):
+        raise ValueError(f"K = {k} is not a multiple of {BLOCK_K * u}, the K of one loop body of {config}")
+    dt = _gl_dtype(x2.dtype)
+    x_desc = TensorDescriptor.from_tensor(x2, [bt, BLOCK_K], gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], dt))
+    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
+    words = sign.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
+    grid = (triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N),)
+    _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, m, n, k,
+                             words.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
+                             HAS_BIAS=bias is not None, STAGES=stages, U=u, REGS=regs, num_warps=4,
+                             maxnreg=LAUNCH_REGS)
+    return y
