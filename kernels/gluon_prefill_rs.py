@@ -53,10 +53,12 @@ if HAVE_GLUON:
 
 BLOCK_N = 128   # features per program: two consumer warpgroups of 64 (the wgmma's M)
 BLOCK_K = 64
-# (BLOCK_T tokens per program = the wgmma's N, STAGES, K steps per loop body U, registers per
-# consumer thread). The kernel launches 384 threads at LAUNCH_REGS registers (the 64 K register file);
+# (BLOCK_T tokens per program = the wgmma's N, STAGES, K steps per loop body U, PRE, registers per
+# consumer thread). PRE: each body forms the next body's first slice while its own wgmmas finish; it
+# waits for that slice's tile before releasing its own, so it needs STAGES > U (else it deadlocks). The kernel launches 384 threads at LAUNCH_REGS registers (the 64 K register file);
 # the loader warpgroup then gives registers up and the consumers take them (setmaxnreg).
-CONFIGS = ((256, 4, 2, 240), (256, 4, 1, 240), (256, 3, 2, 240), (256, 3, 1, 240), (128, 4, 2, 240))
+CONFIGS = ((256, 4, 2, False, 240), (256, 4, 2, True, 240), (256, 4, 4, False, 240), (256, 4, 1, True, 240),
+           (256, 3, 2, True, 240))
 LAUNCH_REGS = 168
 
 if HAVE_GLUON:
@@ -104,7 +106,7 @@ if HAVE_GLUON:
             _tma_load(w_desc, [off_n, ki * BK], ready.index(stage), w_smem.index(stage))
 
     @gluon.jit
-    def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr, ALPHA_PER_ROW: gl.constexpr,
+    def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr, ALPHA_PER_ROW: gl.constexpr,
                     HAS_BIAS: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
         (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
@@ -128,6 +130,10 @@ if HAVE_GLUON:
         for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
             s_nxt = s_nxt + (gl.expand_dims(gl.load(s_ptrs + j), 1), )
         acc = gl.zeros([RW, BT], gl.float32, acc_l)
+        if PRE:  # the first slice, formed before the loop (then each body forms the next body's)
+            mbarrier.wait(ready.index(0), 0)
+            w = w_smem.index(0).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
+            a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
         for bi in range(num_b):
             s_cur = s_nxt
             bn = gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
@@ -137,13 +143,22 @@ if HAVE_GLUON:
             for j in gl.static_range(U * H):  # slice j: W from shared memory (ldmatrix), formed, multiplied
                 ki = bi * U + j // H
                 stage = ki % STAGES
-                if j % H == 0:
-                    mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-                w = w_smem.index(stage).slice(ROW0, RW, dim=0).slice(32 * (j % H), 32, dim=1).load(dot_a)
-                a = _expand_pairs(w, s_cur[j], sh, nab, dtype)
+                if PRE and j == 0:
+                    a = a_pre
+                else:
+                    if j % H == 0:
+                        mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+                    w = w_smem.index(stage).slice(ROW0, RW, dim=0).slice(32 * (j % H), 32, dim=1).load(dot_a)
+                    a = _expand_pairs(w, s_cur[j], sh, nab, dtype)
                 # asynchronous: the next slice is read and formed while this wgmma runs
                 acc = warpgroup_mma(a, x_smem.index(stage).slice(32 * (j % H), 32, dim=1).permute((1, 0)),
                                     acc, is_async=True)
+            if PRE:  # the next body's first slice, while this body's wgmmas finish
+                if bi + 1 < num_b:
+                    kn = (bi + 1) * U
+                    mbarrier.wait(ready.index(kn % STAGES), (kn // STAGES) & 1)
+                    w = w_smem.index(kn % STAGES).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
+                    a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
             # no wgmma stays in flight across the loop's back edge: ptxas would serialise every wgmma
             # whose register operand does (C7512); the other consumer's wgmmas fill the gap
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -166,7 +181,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_sw, stride_ym,
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                           U: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                           U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
         """One ``[BLOCK_T tokens, 128 features]`` output tile per program: consumer warpgroup 0 (the
         default partition) and 1, and the loader warp (module docstring). Programs along the tokens
         are consecutive, so the programs that share a W panel run together and read it from HBM
@@ -189,8 +204,8 @@ if HAVE_GLUON:
         q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym)
         gl.warp_specialize([
             (_rs_load, (p, STAGES)),
-            (_rs_consume, (p, q, STAGES, U, 0, ALPHA_PER_ROW, HAS_BIAS)),
-            (_rs_consume, (p, q, STAGES, U, 64, ALPHA_PER_ROW, HAS_BIAS)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 64, ALPHA_PER_ROW, HAS_BIAS)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -212,7 +227,7 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
         weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), rows 4-byte aligned.
             alpha: float32 ``[]`` or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
             y: ``[M, N]`` output in ``x2.dtype``, rows contiguous.
-        config: ``(BLOCK_T, STAGES, U, registers)``, one of :data:`CONFIGS`; K must be a multiple
+        config: ``(BLOCK_T, STAGES, U, PRE, registers)``, one of :data:`CONFIGS`; K must be a multiple
             of ``64·U``.
 
     Returns:
@@ -220,9 +235,12 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
 
     Raises:
         ValueError: if the tensors are not ones this kernel runs on (:func:`rs_supported`), M is 0,
-            alpha is not float32 ``[]`` or ``[N]``, y rows are not contiguous, or K is not a multiple of
-            ``64·U``.
+            alpha is not float32 ``[]`` or ``[N]``, y rows are not contiguous, K is not a multiple of
+            ``64·U``, or the configuration has PRE with ``STAGES ≤ U``.
     """
+    bt, stages, u, pre, regs = config
+    if pre and stages <= u:
+        raise ValueError(f"config {config}: PRE needs more ring stages than K steps per loop body (STAGES > U)")
     if not rs_supported(x2, weight, sign):
         raise ValueError("the register-operand prefill kernel needs a Hopper GPU, K a multiple of 64, "
                          "16-byte aligned contiguous rows of x and W and 4-byte aligned sign rows")
@@ -233,7 +251,6 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
         raise ValueError(f"alpha must be contiguous float32 [] or [{n}], got {alpha.dtype} {list(alpha.shape)}")
     if y.stride(-1) != 1:
         raise ValueError("y needs contiguous rows")
-    bt, stages, u, regs = config
     m, k = x2.shape
     if k % (BLOCK_K * u):
         raise ValueError(f"K = {k} is not a multiple of {BLOCK_K * u}, the K of one loop body of {config}")
@@ -245,6 +262,6 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     grid = (triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N),)
     _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, m, n, k,
                              words.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
-                             HAS_BIAS=bias is not None, STAGES=stages, U=u, REGS=regs, num_warps=4,
+                             HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
                              maxnreg=LAUNCH_REGS)
     return y

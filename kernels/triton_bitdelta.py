@@ -16,9 +16,11 @@ Kernels:
   split across programs (``CHUNK_ITERS``): their float32 partial sums are added into a workspace
   and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
   one launch does it all. Memory-bound: W and the signs are read once.
-* **prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the Gluon kernel of
-  ``kernels.gluon_bitdelta`` (TMA, asynchronous wgmma, the sign expansion of K step k overlapping
-  the product of step k − 1); elsewhere, or when it does not apply (K not a multiple of 8,
+* **prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the register-operand kernel of
+  ``kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
+  wgmma's register operand; K a multiple of 64·U) or the Gluon kernel of ``kernels.gluon_bitdelta``
+  (TMA, asynchronous wgmma, the sign expansion of K step k overlapping the product of step k − 1),
+  whichever is faster for the shape (``_prefill_choice``); elsewhere, or when it does not apply (K not a multiple of 8,
   unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
   ``[BLOCK_N, BLOCK_K]`` tile of W and its ``[BLOCK_N, BLOCK_K/8]`` sign bytes are loaded (both
   pipelined through shared memory), ``W + α·s`` is formed in float32 and rounded once to the
@@ -62,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gluon_bitdelta, gluon_planes
+from kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
 from kernels.reference import check_batched_args, check_weight_and_bias
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
@@ -542,6 +544,9 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if not _interpret() and gluon_bitdelta.supported(x2, weight):
         config = _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b)
+        if config is not None and config[0] == "rs":
+            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, b if bias is not None else None,
+                                                               y, config[1]).reshape(*lead, n)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, config).reshape(*lead, n)
     if _interpret():
@@ -565,20 +570,27 @@ _PREFILL_CHOICE: dict = {}  # (N, K, M bucket, dtype, flags) -> Gluon config, or
 
 
 def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
-    """Pick the prefill kernel for this problem shape: each Gluon configuration
-    (``kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel are timed once per shape
-    (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a CUDA
-    graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing is timed
-    and the Gluon kernel's default configuration is used."""
+    """Pick the prefill kernel for this problem shape: each configuration of the register-operand
+    kernel (``("rs", config)``, ``kernels.gluon_prefill_rs.CONFIGS``, where it runs) and of the Gluon
+    kernel (``kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel (None) are timed once
+    per shape (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a
+    CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
+    ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: the register-operand kernel's first
+    configuration where it runs, else the Gluon kernel's default."""
     m, k = x2.shape
     key = (weight.shape[0], k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))
     if key in _PREFILL_CHOICE:
         return _PREFILL_CHOICE[key]
+    rs = ([("rs", cfg) for cfg in gluon_prefill_rs.CONFIGS if k % (gluon_prefill_rs.BLOCK_K * cfg[2]) == 0]
+          if gluon_prefill_rs.rs_supported(x2, weight, sign) else [])
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
-        return gluon_bitdelta.DEFAULT_CONFIG
-    runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
-            for cfg in gluon_bitdelta.CONFIGS}
+        return rs[0] if rs else gluon_bitdelta.DEFAULT_CONFIG
+    rs_bias = b if bias is not None else None
+    runs = {cfg: (lambda cfg=cfg: gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, rs_bias, y,
+                                                                              cfg[1])) for cfg in rs}
+    runs.update({cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
+                 for cfg in gluon_bitdelta.CONFIGS})
     runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
     _PREFILL_CHOICE[key] = _fastest(runs)
     return _PREFILL_CHOICE[key]

@@ -263,6 +263,18 @@ def test_slot_must_be_an_integer_tensor(dtype):
             fn(x, w, sign[None], alpha[None], slot)
 
 
+def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
+    """With PRE a loop body waits for the next body's first tile before releasing its own, so a ring of
+    no more stages than K steps per body would deadlock: the wrapper refuses it before launching."""
+    from kernels import gluon_prefill_rs as pr
+
+    x, w, sign, alpha, _ = _case(4, 128, 256, torch.bfloat16, True, False)
+    y = torch.empty(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"config \(256, 4, 4, True, 240\): PRE needs more ring stages than K steps"):
+        pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, (256, 4, 4, True, 240))
+    assert all(not pre or stages > u for _, stages, u, pre, _ in pr.CONFIGS)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon prefill kernel runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(

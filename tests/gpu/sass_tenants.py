@@ -148,7 +148,7 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
 
     from kernels import gluon_prefill_rs as pr
 
-    bt, stages, u, regs = config
+    bt, stages, u, pre, regs = config
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     xl = gl.NVMMASharedLayout.get_default_for([bt, pr.BLOCK_K], gdt)
     wl = gl.NVMMASharedLayout.get_default_for([pr.BLOCK_N, pr.BLOCK_K], gdt)
@@ -156,7 +156,7 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
            "w_desc": f"tensordesc<{dtype}[{pr.BLOCK_N}, {pr.BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32",
            "stride_sw": "i32", "stride_ym": "i32"}
-    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, REGS=regs, num_warps=4)
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = pr._prefill_rs_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
