@@ -168,26 +168,6 @@ if gb.HAVE_GLUON:
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
                                       CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
-    from kernels import gluon_prefill_ws as pw
-    for stages, regs in pw.CONFIGS:
-        xl = gl.NVMMASharedLayout.get_default_for([pw.BLOCK_M, pw.BLOCK_K], gl.bfloat16)
-        sig = {"x_desc": f"tensordesc<bf16[{pw.BLOCK_M}, {pw.BLOCK_K}],{xl!r}>", "w_ptr": "*bf16", "s_ptr": "*u8",
-               "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-               "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-        consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, BN=pw.BLOCK_N, REGS=regs, num_warps=4)
-        sig.update({c: "constexpr" for c in consts})
-        names = pw._prefill_ws_kernel.arg_names
-        attrs = {(names.index(a),): [["tt.divisibility", 16]]
-                 for a in ("w_ptr", "s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn", "stride_sn", "stride_ym")}
-        name = "gluon-prefill-ws " + json.dumps({"config": [stages, regs]})
-        try:
-            k = triton.compile(GluonASTSource(fn=pw._prefill_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
-            ptx = k.asm["ptx"]
-            out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "serialized": "serialized" in ptxas_log(ptx)}
-        except Exception as e:
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     from kernels import gluon_prefill_rs as pr
     for bt, stages, u, pre, regs in pr.CONFIGS:
         xl = gl.NVMMASharedLayout.get_default_for([bt, pr.BLOCK_K], gl.bfloat16)
@@ -234,11 +214,9 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_planes as gp
 
-    from kernels import gluon_prefill_ws as pw
-
     from kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pw.CONFIGS) + len(pr.CONFIGS)
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS)
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
@@ -294,18 +272,6 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     assert all(v.get("igmma") for v in planes.values()), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
-
-
-def test_warp_specialised_prefill_keeps_its_wgmmas_asynchronous(compiled):
-    """The warp-specialised prefill kernel (``kernels.gluon_prefill_ws``) fits shared memory (checked
-    above for every configuration) and ptxas keeps its consumers' wgmmas asynchronous."""
-    from kernels import gluon_prefill_ws as pw
-
-    if not pw.HAVE_GLUON:
-        pytest.skip("this triton has no Gluon")
-    ws = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-ws")}
-    assert len(ws) == len(pw.CONFIGS)
-    assert all(v["wgmma"] and not v["serialized"] for v in ws.values()), ws
 
 
 def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):

@@ -1,7 +1,6 @@
-"""GPU: every Gluon prefill configuration (and of the warp-specialised kernel, ``ws…``, and the
-register-operand kernel, ``rs…``) ÷ dense bf16 on the Llama-2-70B layer set (CUDA-graph timing, same
+"""GPU: every Gluon prefill configuration (and of the register-operand kernel, ``rs…``) ÷ dense bf16 on the Llama-2-70B layer set (CUDA-graph timing, same
 tensors, same run), plus the dispatcher's choice. Usage: python tests/gpu/prefill_gluon.py OUT.json;
-``PROBE_MS=2048`` limits the token counts, ``PROBE_SETS=ss,rs`` the kernels (default all)."""
+``PROBE_MS=2048`` limits the token counts, ``PROBE_SETS=rs`` the kernels (default ``ss,rs``)."""
 import json
 import os
 import sys
@@ -16,13 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import bitdelta_linear, pack_signs, unpack_signs  # noqa: E402
 from kernels import gluon_bitdelta as gb  # noqa: E402
 from kernels import gluon_prefill_rs as pr  # noqa: E402
-from kernels import gluon_prefill_ws as pw  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=40)  # noqa: E731
 out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
        "date": time.strftime("%Y-%m-%d"), "rows": []}
-SETS = os.environ.get("PROBE_SETS", "ss,ws,rs").split(",")
+SETS = os.environ.get("PROBE_SETS", "ss,rs").split(",")
 for m in [int(v) for v in os.environ.get("PROBE_MS", "2048,256").split(",")]:
     tot = {}
     for name, (n, k) in SHAPES.items():
@@ -46,16 +44,6 @@ for m in [int(v) for v in os.environ.get("PROBE_MS", "2048,256").split(",")]:
                 tot[str(cfg)] = tot.get(str(cfg), 0.0) + t
             except Exception as e:  # noqa: BLE001
                 row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        for cfg in pw.CONFIGS if "ws" in SETS else ():  # the warp-specialised kernel
-            try:
-                f = lambda cfg=cfg: pw.bitdelta_linear_prefill_ws(x, w, sign, alpha, None, y, cfg)  # noqa: E731
-                f()
-                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = bench(f)
-                row["configs"]["ws" + str(cfg)] = {"over_dense": t / t_dense, "rel_err": err}
-                tot["ws" + str(cfg)] = tot.get("ws" + str(cfg), 0.0) + t
-            except Exception as e:  # noqa: BLE001
-                row["configs"]["ws" + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         for cfg in pr.CONFIGS if "rs" in SETS else ():  # the register-operand kernel
             try:
                 f = lambda cfg=cfg: pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, cfg)  # noqa: E731
