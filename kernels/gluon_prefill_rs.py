@@ -56,8 +56,9 @@ if HAVE_GLUON:
 BLOCK_N = 128   # features per program: two consumer warpgroups of 64 (the wgmma's M)
 BLOCK_K = 64
 # (BLOCK_T tokens per program = the wgmma's N, STAGES, K steps per loop body U, PRE, registers per
-# consumer thread). PRE: each body forms the next body's first slice while its own wgmmas finish; it
-# waits for that slice's tile before releasing its own, so it needs STAGES > U (else it deadlocks). The kernel launches 384 threads at LAUNCH_REGS registers (the 64 K register file);
+# consumer thread). A body waits for its U ring stages before releasing any, so STAGES ≥ U. PRE: each
+# body also forms the next body's first slice while its own wgmmas finish, so it needs STAGES > U
+# (else it deadlocks). The kernel launches 384 threads at LAUNCH_REGS registers (the 64 K register file);
 # the loader warpgroup then gives registers up and the consumers take them (setmaxnreg).
 CONFIGS = ((256, 4, 2, False, 240), (256, 4, 2, True, 240), (256, 4, 4, False, 240), (256, 4, 1, True, 240),
            (256, 3, 2, True, 240))
@@ -238,11 +239,13 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     Raises:
         ValueError: if the tensors are not ones this kernel runs on (:func:`rs_supported`), M is 0,
             alpha is not float32 ``[]`` or ``[N]``, y rows are not contiguous, K is not a multiple of
-            ``64·U``, or the configuration has PRE with ``STAGES ≤ U``.
+            ``64·U``, or the ring is too short for the loop body (``STAGES < U``, or ``STAGES ≤ U`` with
+            PRE), which would deadlock.
     """
     bt, stages, u, pre, regs = config
-    if pre and stages <= u:
-        raise ValueError(f"config {config}: PRE needs more ring stages than K steps per loop body (STAGES > U)")
+    if stages < u + pre:  # a body waits for its U steps (and with PRE the next one) before releasing any
+        need = "PRE needs more ring stages than" if pre else "the ring needs at least as many stages as"
+        raise ValueError(f"config {config}: {need} K steps per loop body (STAGES {'>' if pre else '≥'} U)")
     if not rs_supported(x2, weight, sign):
         raise ValueError("the register-operand prefill kernel needs a Hopper GPU, K a multiple of 64, "
                          "16-byte aligned contiguous rows of x and W and 4-byte aligned sign rows")

@@ -264,15 +264,18 @@ def test_slot_must_be_an_integer_tensor(dtype):
 
 
 def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
-    """With PRE a loop body waits for the next body's first tile before releasing its own, so a ring of
-    no more stages than K steps per body would deadlock: the wrapper refuses it before launching."""
+    """A loop body waits for its U ring stages before releasing any (with PRE also for the next body's
+    first), so a ring of fewer stages (with PRE: no more) than K steps per body would deadlock: the
+    wrapper refuses it before launching, and no listed configuration is such."""
     from kernels import gluon_prefill_rs as pr
 
     x, w, sign, alpha, _ = _case(4, 128, 256, torch.bfloat16, True, False)
     y = torch.empty(4, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"config \(256, 4, 4, True, 240\): PRE needs more ring stages than K steps"):
         pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, (256, 4, 4, True, 240))
-    assert all(not pre or stages > u for _, stages, u, pre, _ in pr.CONFIGS)
+    with pytest.raises(ValueError, match=r"config \(256, 3, 4, False, 240\): the ring needs at least as many stages as K"):
+        pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, (256, 3, 4, False, 240))
+    assert all(stages >= u + pre for _, stages, u, pre, _ in pr.CONFIGS)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon prefill kernel runs on a Hopper GPU only (no interpreter)")
@@ -284,7 +287,7 @@ def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
         (300, 200, 1024, False, False),  # one α per matrix, N below one tile
         (2048, 384, 512, True, False),   # prefill size
         (5, 256, 64, True, True),        # fewer rows than a tile
-        (1100, 3968, 256, True, True),   # 155 output tiles, more than one wave of programs
+        (1100, 3900, 384, True, True),   # 155 output tiles (partial in M and N), 6 K steps: tiles start mid-ring
     ],
 )
 def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
