@@ -109,8 +109,8 @@ if HAVE_GLUON:
             _tma_load(w_desc, [off_n, ki * BK], ready.index(stage), w_smem.index(stage))
 
     @gluon.jit
-    def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr, ALPHA_PER_ROW: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):
+    def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr,
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
         (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
         (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym) = q

@@ -164,8 +164,9 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
     k = triton.compile(GluonASTSource(fn=pr._prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": pr.LAUNCH_REGS})
     regs, loop, log = _inspect(k, "HGMMA")
-    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "/dev/stdin"], input=k.asm["cubin"], capture_output=True).stdout.decode()
-    return {"config": list(config), "dtype": dtype, "setmaxnreg": re.findall(r"USETMAXREG[^;]*", sass), "registers": regs, "shared": k.metadata.shared,
+    return {"config": list(config), "dtype": dtype, "setmaxnreg": re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
+                                                                             k.asm["ptx"]),
+            "registers": regs, "shared": k.metadata.shared,
             "spill_bytes": int((re.search(r"(\d+) bytes spill stores", log) or [0, 0])[1]),
             "serialized": "serialized" in log, "loop_instructions": len(loop),
             "per_weight": round(len(loop) / (32 * u), 3), "opcodes": dict(collections.Counter(loop).most_common(12))}
