@@ -270,3 +270,33 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
                              HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
                              maxnreg=LAUNCH_REGS)
     return y
+
+
+def compile_for_sm90(config: tuple, dtype: str = "bf16"):
+    """Compile the kernel for sm_90a ahead of time, without a GPU (α per row, with a bias), for the
+    compile test (tests/test_kernels_compile.py) and the SASS inspection (tests/gpu/sass_tenants.py).
+
+    Args:
+        config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``.
+
+    Returns:
+        Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bt, stages, u, pre, regs = config
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    xl = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gdt)
+    wl = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gdt)
+    sig = {"x_desc": f"tensordesc<{dtype}[{bt}, {BLOCK_K}],{xl!r}>",
+           "w_desc": f"tensordesc<{dtype}[{BLOCK_N}, {BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
+           "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32",
+           "stride_sw": "i32", "stride_ym": "i32"}
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4)
+    sig.update({c: "constexpr" for c in consts})
+    names = _prefill_rs_kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_sw", "stride_ym")}
+    return triton.compile(GluonASTSource(fn=_prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": LAUNCH_REGS})

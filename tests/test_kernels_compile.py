@@ -169,22 +169,10 @@ if gb.HAVE_GLUON:
                                       CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     from kernels import gluon_prefill_rs as pr
-    for bt, stages, u, pre, regs in pr.CONFIGS:
-        xl = gl.NVMMASharedLayout.get_default_for([bt, pr.BLOCK_K], gl.bfloat16)
-        wl = gl.NVMMASharedLayout.get_default_for([pr.BLOCK_N, pr.BLOCK_K], gl.bfloat16)
-        sig = {"x_desc": f"tensordesc<bf16[{bt}, {pr.BLOCK_K}],{xl!r}>",
-               "w_desc": f"tensordesc<bf16[{pr.BLOCK_N}, {pr.BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
-               "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-               "stride_sw": "i32", "stride_ym": "i32"}
-        consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4)
-        sig.update({c: "constexpr" for c in consts})
-        names = pr._prefill_rs_kernel.arg_names
-        attrs = {(names.index(a),): [["tt.divisibility", 16]]
-                 for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_sw", "stride_ym")}
-        name = "gluon-prefill-rs " + json.dumps({"config": [bt, stages, u, pre, regs]})
+    for config in pr.CONFIGS:
+        name = "gluon-prefill-rs " + json.dumps({"config": list(config)})
         try:
-            k = triton.compile(GluonASTSource(fn=pr._prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": pr.LAUNCH_REGS})
+            k = pr.compile_for_sm90(config)
             ptx = k.asm["ptx"]
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
                          "serialized": "serialized" in ptxas_log(ptx)}

@@ -139,30 +139,14 @@ def analyse_planes(rows: int, config: tuple) -> dict:
 
 
 def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
-    """The register-operand prefill kernel (``kernels.gluon_prefill_rs``) at ``config = (BLOCK_T,
-    STAGES, registers)``: registers, spills, whether ptxas serialises its wgmmas, and the consumers'
+    """The register-operand prefill kernel (``kernels.gluon_prefill_rs``) at ``config`` (one of its
+    ``CONFIGS``: BLOCK_T, STAGES, U, PRE, registers): registers, spills, whether ptxas serialises its wgmmas, and the consumers'
     K-loop instructions per weight (each consumer thread forms 64·64/128 = 32 weights per K step, U
     steps per loop body)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from kernels import gluon_prefill_rs as pr
 
-    bt, stages, u, pre, regs = config
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    xl = gl.NVMMASharedLayout.get_default_for([bt, pr.BLOCK_K], gdt)
-    wl = gl.NVMMASharedLayout.get_default_for([pr.BLOCK_N, pr.BLOCK_K], gdt)
-    sig = {"x_desc": f"tensordesc<{dtype}[{bt}, {pr.BLOCK_K}],{xl!r}>",
-           "w_desc": f"tensordesc<{dtype}[{pr.BLOCK_N}, {pr.BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
-           "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32",
-           "stride_sw": "i32", "stride_ym": "i32"}
-    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4)
-    sig.update({c: "constexpr" for c in consts})
-    names = pr._prefill_rs_kernel.arg_names
-    attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_sw", "stride_ym")}
-    k = triton.compile(GluonASTSource(fn=pr._prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": pr.LAUNCH_REGS})
+    u = config[2]
+    k = pr.compile_for_sm90(config, dtype)
     regs, loop, log = _inspect(k, "HGMMA")
     return {"config": list(config), "dtype": dtype, "setmaxnreg": re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
                                                                              k.asm["ptx"]),
@@ -173,7 +157,7 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "prefill-rs":  # python tests/gpu/sass_tenants.py prefill-rs [BT,STAGES,U,REGS]
+    if len(sys.argv) > 1 and sys.argv[1] == "prefill-rs":  # python tests/gpu/sass_tenants.py prefill-rs [BT,STAGES,U,PRE,REGS]
         from kernels import gluon_prefill_rs as pr
         for config in ([tuple(int(v) for v in sys.argv[2].split(","))] if len(sys.argv) > 2 else pr.CONFIGS):
             print(analyse_prefill_rs(config), flush=True)
