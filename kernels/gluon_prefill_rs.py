@@ -220,6 +220,15 @@ def rs_supported(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> 
             and sign.data_ptr() % 4 == 0 and sign.stride(0) % 4 == 0)
 
 
+def usable_configs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> list[tuple]:
+    """The :data:`CONFIGS` that :func:`bitdelta_linear_prefill_rs` runs for these tensors, in order
+    (the first is the untimed default): none unless :func:`rs_supported`, then those whose loop body
+    (``64·U`` weights of K) divides K."""
+    if not rs_supported(x2, weight, sign):
+        return []
+    return [c for c in CONFIGS if x2.shape[-1] % (BLOCK_K * c[2]) == 0]
+
+
 def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                                bias: torch.Tensor | None, y: torch.Tensor,
                                config: tuple = CONFIGS[0]) -> torch.Tensor:

@@ -581,8 +581,7 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     key = (weight.shape[0], k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))
     if key in _PREFILL_CHOICE:
         return _PREFILL_CHOICE[key]
-    rs = ([("rs", cfg) for cfg in gluon_prefill_rs.CONFIGS if k % (gluon_prefill_rs.BLOCK_K * cfg[2]) == 0]
-          if gluon_prefill_rs.rs_supported(x2, weight, sign) else [])
+    rs = [("rs", cfg) for cfg in gluon_prefill_rs.usable_configs(x2, weight, sign)]
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
         return rs[0] if rs else gluon_bitdelta.DEFAULT_CONFIG

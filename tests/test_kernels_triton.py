@@ -308,6 +308,7 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
     from kernels import gluon_prefill_rs as pr
 
     assert pr.rs_supported(x, w, sign) == (k % 64 == 0)
+    assert pr.usable_configs(x, w, sign) == [c for c in pr.CONFIGS if k % (64 * c[2]) == 0 and k % 64 == 0]
     for config in pr.CONFIGS if k % 64 == 0 else ():  # the register-operand prefill kernel (α rounded to the dtype)
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         if k % (64 * config[2]):

@@ -34,26 +34,20 @@ for m in [int(v) for v in os.environ.get("PROBE_MS", "2048,256").split(",")]:
         row = {"M": m, "layer": name, "dense_ms": t_dense, "configs": {}}
         tot.setdefault("dense", 0.0)
         tot["dense"] += t_dense
+        runs = {}  # label → call: each Gluon SS configuration, each register-operand one ("rs…")
         for cfg in gb.CONFIGS if "ss" in SETS else ():
+            runs[str(cfg)] = lambda cfg=cfg: gb.bitdelta_linear_gluon(x, w, sign, alpha, None, y, cfg)
+        for cfg in pr.CONFIGS if "rs" in SETS else ():
+            runs["rs" + str(cfg)] = lambda cfg=cfg: pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, cfg)
+        for label, f in runs.items():
             try:
-                f = lambda cfg=cfg: gb.bitdelta_linear_gluon(x, w, sign, alpha, None, y, cfg)  # noqa: E731
                 f()
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = bench(f)
-                row["configs"][str(cfg)] = {"over_dense": t / t_dense, "rel_err": err}
-                tot[str(cfg)] = tot.get(str(cfg), 0.0) + t
+                row["configs"][label] = {"over_dense": t / t_dense, "rel_err": err}
+                tot[label] = tot.get(label, 0.0) + t
             except Exception as e:  # noqa: BLE001
-                row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        for cfg in pr.CONFIGS if "rs" in SETS else ():  # the register-operand kernel
-            try:
-                f = lambda cfg=cfg: pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, cfg)  # noqa: E731
-                f()
-                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = bench(f)
-                row["configs"]["rs" + str(cfg)] = {"over_dense": t / t_dense, "rel_err": err}
-                tot["rs" + str(cfg)] = tot.get("rs" + str(cfg), 0.0) + t
-            except Exception as e:  # noqa: BLE001
-                row["configs"]["rs" + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row["configs"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         t_disp = bench(lambda: bitdelta_linear(x, w, sign, alpha))
         row["dispatcher_over_dense"] = t_disp / t_dense
         tot["dispatcher"] = tot.get("dispatcher", 0.0) + t_disp

@@ -41,7 +41,7 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         ws, cnt = tb._workspace(x.device, num * n, num * n)
         fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt,  # noqa: E731
                                                        (bk, rh, st, regs), sp[0] if sp else None)
-    elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,registers"
+    elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 
         from kernels import gluon_prefill_rs as pr
