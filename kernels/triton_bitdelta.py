@@ -543,12 +543,13 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if not _interpret() and gluon_bitdelta.supported(x2, weight):
-        config = _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b)
+        dev_bias = b if bias is not None else None  # on x's device, contiguous
+        config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
-            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, b if bias is not None else None,
-                                                               y, config[1]).reshape(*lead, n)
+            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y,
+                                                               config[1]).reshape(*lead, n)
         if config is not None:
-            return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, config).reshape(*lead, n)
+            return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, dev_bias, y, config).reshape(*lead, n)
     if _interpret():
         _mm_kernel[(triton.cdiv(m, 32) * triton.cdiv(n, 32),)](
             x2, weight, sign, alpha, b, y, m, n, k, *strides, **flags, EVEN_K=k % 32 == 0, DOT_FP32=True,
@@ -570,7 +571,7 @@ _PREFILL_CHOICE: dict = {}  # (N, K, M bucket, dtype, flags) -> Gluon config, or
 
 
 def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
-    """Pick the prefill kernel for this problem shape: each configuration of the register-operand
+    """Pick the prefill kernel for this problem shape (``bias``: on x's device and contiguous, or None): each configuration of the register-operand
     kernel (``("rs", config)``, ``kernels.gluon_prefill_rs.CONFIGS``, where it runs) and of the Gluon
     kernel (``kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel (None) are timed once
     per shape (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a
@@ -585,8 +586,7 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
         return rs[0] if rs else gluon_bitdelta.DEFAULT_CONFIG
-    rs_bias = b if bias is not None else None
-    runs = {cfg: (lambda cfg=cfg: gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, rs_bias, y,
+    runs = {cfg: (lambda cfg=cfg: gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, bias, y,
                                                                               cfg[1])) for cfg in rs}
     runs.update({cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
                  for cfg in gluon_bitdelta.CONFIGS})
