@@ -81,14 +81,18 @@ PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits 
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
 # Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
-# thread). Registers × threads must fit the 64 K register file; ptxas serialises the wgmmas when a
-# consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py) shows.
-# The first of each is the default (fastest over the 70B layer set in tests/gpu/planes_probe.py).
+# thread, loader warps). Registers × threads must fit the 64 K register file; ptxas serialises the
+# wgmmas when a consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py)
+# shows. The first of each is the default (fastest over the 70B layer set in tests/gpu/planes_probe.py).
+# Loader warps: each TMA copy costs its warp about twenty instructions, and a K step at 16 rows takes
+# 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out.
 WS_CONFIGS = {
-    2: ((128, 2, 3, 80), (256, 2, 2, 104)),
-    4: ((128, 4, 3, 80), (128, 4, 2, 80), (256, 4, 2, 104), (256, 4, 3, 104)),
-    8: ((128, 4, 3, 80), (128, 8, 3, 128), (256, 4, 3, 104), (256, 8, 2, 128)),
-    16: ((128, 4, 4, 96), (128, 8, 3, 128), (256, 8, 2, 128)),
+    2: ((128, 2, 3, 80, 1), (256, 2, 2, 104, 1)),
+    4: ((128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (256, 4, 2, 104, 1), (256, 4, 3, 104, 1), (128, 4, 3, 80, 2)),
+    8: ((128, 4, 3, 80, 1), (128, 8, 3, 128, 1), (256, 4, 3, 104, 1), (256, 8, 2, 128, 1), (128, 4, 3, 80, 2),
+        (128, 4, 3, 80, 4), (256, 4, 3, 104, 4)),
+    16: ((128, 4, 4, 96, 1), (128, 8, 3, 128, 1), (256, 8, 2, 128, 1), (128, 4, 4, 96, 2), (128, 4, 4, 96, 4),
+         (256, 8, 2, 128, 4), (256, 4, 2, 96, 4)),
 }
 
 
@@ -100,9 +104,9 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
     ties. It is the untimed default; the dispatcher times the candidate splits. Against the H200
     probe (tests/gpu/planes_probe.py, splits 1, 2 and 4) it picks the fastest measured split at
     T = 16 and is within 3 % of it at T = 8."""
-    bk, rh, stages, regs = config
+    bk, rh, stages, regs, loaders = config
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    warps = 4 * triton.cdiv(4 * (rows // rh) + 1, 4)
+    warps = 4 * triton.cdiv(4 * (rows // rh) + loaders, 4)
     smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8 + triton.cdiv(rows, 4) * 8 * bk)
     slots = sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
@@ -184,8 +188,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             or ``[S, N]``. slot: int32 ``[M]`` (−1 or out of range: the base only). bias: ``[N]`` or
             None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
             zeros of one per output tile, left zero.
-        config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread)``, default the
-            first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
+        config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread, loader warps)``,
+            default the first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
         pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
 
@@ -193,22 +197,26 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
 
     Raises:
-        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, or its rows per
-            warpgroup do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows.
+        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, its rows per warpgroup
+            do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows, or its loader
+            warps are not 1, 2 or 4.
     """
     m, k = x.shape
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    bk, per_wg, stages, regs = config or WS_CONFIGS[rows][0]
+    bk, per_wg, stages, regs, loaders = config or WS_CONFIGS[rows][0]
     rh = min(rows, per_wg)
     if rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4):
         raise ValueError(f"{per_wg} rows per warpgroup do not split {rows} rows into 1, 2 or 4 warpgroups of "
                          "2, 4 or 8 rows")
     if k % bk:
         raise ValueError(f"K = {k} is not a multiple of the configuration's BLOCK_K = {bk}")
+    if loaders not in (1, 2, 4):
+        raise ValueError(f"{loaders} loader warps: the kernel takes 1, 2 or 4")
     if split is None:
-        split = ws_split(m, n, k, (bk, rh, stages, regs), torch.cuda.get_device_properties(x.device).multi_processor_count)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
     planes, sc = activation_planes(x, pdl=pdl)
     dt = _gl_dtype(x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
@@ -220,52 +228,68 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
                             y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
-                            PDL=pdl, num_warps=4, maxnreg=regs, launch_pdl=pdl)
+                            PDL=pdl, LOADERS=loaders, num_warps=4, maxnreg=regs, launch_pdl=pdl)
     return y
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel: one loader warp issues every TMA copy; consumer warpgroups of 2, 4 or 8 rows do the
+# The kernel: loader warps issue the TMA copies; consumer warpgroups of 2, 4 or 8 rows do the
 # products.
 
 if HAVE_GLUON:
     @gluon.jit
-    def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, J: gl.constexpr,
+                 LOADERS: gl.constexpr):
+        """Loader warp ``J`` of ``LOADERS``: of the copies of one K step, numbered x 0, W 1, plane
+        groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
+        ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
         G: gl.constexpr = (ROWS + 3) // 4
+        L: gl.constexpr = LOADERS
+        # copies numbered in [a, b) that are J modulo L: (b − J + L − 1)//L − (a − J + L − 1)//L
+        N_X: gl.constexpr = (1 - J + L - 1) // L
+        N_W: gl.constexpr = (2 - J + L - 1) // L - N_X
+        N_P: gl.constexpr = (2 + G - J + L - 1) // L - (2 - J + L - 1) // L
+        N_S: gl.constexpr = (2 + G + ROWS - J + L - 1) // L - (2 + G - J + L - 1) // L
         srow = ()
         for r in gl.static_range(ROWS):
             row = off_m + r
             sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
             ok = (sl >= 0) & (sl < NSLOT)
             srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
-        nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes + ROWS * s_desc.block_type.nbytes
-                                + G * p_desc.block_type.nbytes)
+        nbytes: gl.constexpr = (N_X * x_desc.block_type.nbytes + N_W * w_desc.block_type.nbytes
+                                + N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
         for ki in range(num_k):
             stage = ki % STAGES
             mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
             kk = (k_first + ki) * BK
             bar = ready.index(stage)
             mbarrier.expect(bar, nbytes)
-            _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
-            _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
+            if J == 0:
+                _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
+            if (1 % L) == J:
+                _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
             for r in gl.static_range(ROWS):
-                _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
+                if ((2 + G + r) % L) == J:
+                    _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
             if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
                 if ki == gl.minimum(num_k, STAGES) - 1:
                     _gdc_wait()
                     for j in range(ki + 1):
                         for g in gl.static_range(G):
-                            _tma_load(p_desc, [2 * off_m + 8 * g, (k_first + j) * BK], ready.index(j),
-                                      p_smem[g].index(j))
+                            if ((2 + g) % L) == J:
+                                _tma_load(p_desc, [2 * off_m + 8 * g, (k_first + j) * BK], ready.index(j),
+                                          p_smem[g].index(j))
                 if ki >= STAGES:
                     for g in gl.static_range(G):
-                        _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+                        if ((2 + g) % L) == J:
+                            _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
             else:
                 for g in gl.static_range(G):
-                    _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+                    if ((2 + g) % L) == J:
+                        _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
 
     @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
@@ -362,9 +386,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
-                   LOADER: gl.constexpr):
-        if LOADER:
-            _ws_load(p, ROWS, STAGES, PDL)
+                   LOADER: gl.constexpr, LOADERS: gl.constexpr):
+        """A worker partition: loader warp ``LOADER`` of ``LOADERS``, or (``LOADER`` = −1) the consumer
+        warpgroup of rows ``ROW0 … ROW0 + RH − 1``."""
+        if LOADER >= 0:
+            _ws_load(p, ROWS, STAGES, PDL, LOADER, LOADERS)
         else:
             _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL)
 
@@ -373,7 +399,7 @@ if HAVE_GLUON:
                           M, N, K, NSLOT, stride_as, stride_ym,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
-                          RH: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                          RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, num_warps: gl.constexpr):
         """``ROWS`` (≤ 16) rows × 64 features over the K chunk ``program_id(2)``: per K step the base
         wgmma (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
         (registers) with its plane group (shared memory), at most ``INFLIGHT`` in flight per
@@ -404,29 +430,83 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=LOADERS)
             mbarrier.init(empty.index(i), count=NCONS)
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
              slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k)
         q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
         A: gl.constexpr = ALPHA_PER_ROW
         B: gl.constexpr = HAS_BIAS
-        if NCONS == 1:
+        # consumer 0 is the default partition; consumers 1 … NCONS − 1 and the loader warps are workers
+        # (a partition list is a literal: Gluon tuples cannot hold functions)
+        if NCONS == 1 and LOADERS == 1:
             gl.warp_specialize([
                 (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
             ], [1], [24])
-        elif NCONS == 2:
+        elif NCONS == 1 and LOADERS == 2:
             gl.warp_specialize([
                 (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, PDL, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+            ], [1, 1], [24, 24])
+        elif NCONS == 1 and LOADERS == 4:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+            ], [1, 1, 1, 1], [24, 24, 24, 24])
+        elif NCONS == 2 and LOADERS == 1:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
             ], [4, 1], [CONS_REGS, 24])
-        else:
+        elif NCONS == 2 and LOADERS == 2:
             gl.warp_specialize([
                 (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, RH, RH, A, B, INFLIGHT, PDL, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, False)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, True)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+            ], [4, 1, 1], [CONS_REGS, 24, 24])
+        elif NCONS == 2 and LOADERS == 4:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+            ], [4, 1, 1, 1, 1], [CONS_REGS, 24, 24, 24, 24])
+        elif NCONS == 4 and LOADERS == 1:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
             ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
+        elif NCONS == 4 and LOADERS == 2:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+            ], [4, 4, 4, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24])
+        elif NCONS == 4 and LOADERS == 4:
+            gl.warp_specialize([
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+            ], [4, 4, 4, 1, 1, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24, 24, 24])
+        else:
+            gl.static_assert(False, "1, 2 or 4 consumer warpgroups and 1, 2 or 4 loader warps")

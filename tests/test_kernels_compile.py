@@ -161,12 +161,12 @@ if gb.HAVE_GLUON:
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     for rows in (2, 4, 8, 16):
-        for i, (bk, rh, stages, regs) in enumerate(gp.WS_CONFIGS[rows]):
+        for i, (bk, rh, stages, regs, loaders) in enumerate(gp.WS_CONFIGS[rows]):
             for pdl in (False, True) if i == 0 else (False, ):  # programmatic dependent launch: the default only
                 planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
-                             + json.dumps({"rows": rows, "config": [bk, rh, stages, regs]}),
+                             + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders]}),
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
-                                      CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, num_warps=4),
+                                      CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     from kernels import gluon_prefill_rs as pr
     for config in pr.CONFIGS:

@@ -413,7 +413,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
-    all refused before any launch."""
+    all refused before any launch, as are loader warps other than 1, 2 or 4."""
     from kernels.gluon_planes import bitdelta_linear_batched_planes
 
     x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
@@ -422,11 +422,16 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
         with pytest.raises(ValueError, match=f"{rh} rows per warpgroup do not split 16 rows into 1, 2 or 4"):
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, rh, 3, 96), split=1)
+                                           (128, rh, 3, 96, 1), split=1)
     with pytest.raises(ValueError, match="K = 128 is not a multiple of the configuration's BLOCK_K = 256"):
         bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                        torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (256, 8, 2, 128), split=1)
+                                       (256, 8, 2, 128, 1), split=1)
+    for loaders in (0, 3, 8):
+        with pytest.raises(ValueError, match=f"^{loaders} loader warps: the kernel takes 1, 2 or 4$"):
+            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                           (128, 4, 4, 96, loaders), split=1)
 
 
 def test_warp_specialised_split_follows_the_wave_model():
@@ -435,13 +440,13 @@ def test_warp_specialised_split_follows_the_wave_model():
     from kernels.gluon_planes import ws_split
 
     # 16 rows, 5 warpgroups × 96 registers and 160 KiB of ring: one program per multiprocessor
-    assert ws_split(16, 8192, 8192, (128, 4, 4, 96), 132) == 1    # 128 tiles fill one wave: 67 steps
-    assert ws_split(16, 10240, 8192, (128, 4, 4, 96), 132) == 4   # 160 tiles: 5 waves of 19 beat 2 of 67
+    assert ws_split(16, 8192, 8192, (128, 4, 4, 96, 1), 132) == 1    # 128 tiles fill one wave: 67 steps
+    assert ws_split(16, 10240, 8192, (128, 4, 4, 96, 1), 132) == 4   # 160 tiles: 5 waves of 19 beat 2 of 67
     # 8 rows, 3 warpgroups × 80 registers and 90 KiB: two per multiprocessor (264 slots)
-    assert ws_split(8, 8192, 8192, (128, 4, 3, 80), 132) == 2     # 256 programs, one wave of 35
-    assert ws_split(8, 10240, 8192, (128, 4, 3, 80), 132) == 3    # 480 programs, two waves of 25
-    assert ws_split(2, 1024, 512, (128, 2, 3, 80), 132) == 1      # K = 4 steps: no split
-    assert ws_split(16, 57344, 8192, (256, 8, 2, 128), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
+    assert ws_split(8, 8192, 8192, (128, 4, 3, 80, 1), 132) == 2     # 256 programs, one wave of 35
+    assert ws_split(8, 10240, 8192, (128, 4, 3, 80, 1), 132) == 3    # 480 programs, two waves of 25
+    assert ws_split(2, 1024, 512, (128, 2, 3, 80, 1), 132) == 1      # K = 4 steps: no split
+    assert ws_split(16, 57344, 8192, (256, 8, 2, 128, 1), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tensor-core tenant kernel runs on a Hopper GPU only")
@@ -474,6 +479,7 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     rows = max(2, min(16, triton.next_power_of_2(m)))
     configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if k % cfg[0] == 0]
     configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
+    configs += [dict(config=cfg, pdl=True) for cfg in gp.WS_CONFIGS[rows] if cfg[4] > 1][:1]  # and with loaders
     for config in configs:
         for split in (1, 3):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)

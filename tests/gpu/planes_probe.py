@@ -43,8 +43,8 @@ def main(out: str, ts: list[int]) -> None:
             rows_ = max(2, min(16, triton.next_power_of_2(t)))
             configs = {}
             for cfg in gp.WS_CONFIGS[rows_]:
-                configs["planes_bk{}_rh{}_s{}_r{}".format(*cfg)] = dict(config=cfg)
-            configs["planes_pdl_bk{}_rh{}_s{}_r{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
+                configs["planes_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg)
+            configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
                 config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -79,6 +79,20 @@ def main(out: str, ts: list[int]) -> None:
         per /= sum(r["dense_ms"] for r in rows if r["T"] == t)
         print(f"T={t}: best planes {best} with PDL {best_ws} best-per-layer {per:.3f} lut {summary[f'T={t}/lut']} "
               f"target {1.1 * (1 + t / 16):.3f}")
+        # each configuration at its best K split per layer (what the dispatcher's timing of splits gives it)
+        by_cfg = {}
+        for r in (r for r in rows if r["T"] == t):
+            best_split = {}
+            for k2, v in r.items():
+                if k2.startswith("planes") and not k2.endswith("err") and isinstance(v, float):
+                    c = k2.rsplit("_k", 1)[0]
+                    best_split[c] = min(best_split.get(c, v), v)
+            for c, v in best_split.items():
+                by_cfg.setdefault(c, [0.0, 0.0])
+                by_cfg[c][0] += v * r["dense_ms"]
+                by_cfg[c][1] += r["dense_ms"]
+        print(f"T={t} per configuration, best split per layer: "
+              + ", ".join(f"{c} {a / b:.3f}" for c, (a, b) in sorted(by_cfg.items(), key=lambda kv: kv[1][0] / kv[1][1])))
     Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary},
                                     indent=1))
 

@@ -102,7 +102,7 @@ def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
 
 def analyse_planes(rows: int, config: tuple) -> dict:
     """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
-    ``config = (BLOCK_K, rows per warpgroup, STAGES, registers)``: registers, spills, whether ptxas
+    ``config = (BLOCK_K, rows per warpgroup, STAGES, registers, loader warps)``: registers, spills, whether ptxas
     serialises its wgmmas, and the consumers' K-loop instructions per row and weight."""
 
     from triton.experimental.gluon import language as gl
@@ -110,7 +110,7 @@ def analyse_planes(rows: int, config: tuple) -> dict:
 
     from kernels import gluon_planes as gp
 
-    bk, rh, stages, regs = config
+    bk, rh, stages, regs, loaders = config
     bn = gp.BLOCK_N
     xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
@@ -122,7 +122,7 @@ def analyse_planes(rows: int, config: tuple) -> dict:
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                  RH=min(rows, rh), PDL=False, num_warps=4)
+                  RH=min(rows, rh), PDL=False, LOADERS=loaders, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = gp._planes_ws_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -162,7 +162,7 @@ if __name__ == "__main__":
         for config in ([tuple(int(v) for v in sys.argv[2].split(","))] if len(sys.argv) > 2 else pr.CONFIGS):
             print(analyse_prefill_rs(config), flush=True)
         sys.exit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # python tests/gpu/sass_tenants.py planes [ROWS BK,RH,STAGES,REGS]
+    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # python tests/gpu/sass_tenants.py planes [ROWS BK,RH,STAGES,REGS,LOADERS]
         from kernels import gluon_planes as gp
         cases = ([(int(sys.argv[2]), tuple(int(v) for v in sys.argv[3].split(",")))] if len(sys.argv) > 3 else
                  [(r, c) for r in (2, 4, 8, 16) for c in gp.WS_CONFIGS[r]])
