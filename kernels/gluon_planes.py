@@ -176,10 +176,36 @@ def planes_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor)
             and signs.data_ptr() % 16 == 0)
 
 
+def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Store each sign tile the int8 tenant kernel copies per K step whole: ``[S, N, K/8]`` →
+    ``[S, ceil(N/64), K/block_k, 64, block_k/8]`` (features past N zero), so that the tile of slot s,
+    feature block f and K step j, ``signs[s, 64f : 64f + 64, j·block_k/8 : (j + 1)·block_k/8]``, is
+    ``out[s, f, j]``: 1 or 2 KiB in one piece instead of 64 pieces of 16 or 32 bytes a row apart.
+
+    Args:
+        signs: uint8 ``[S, N, K/8]``, K a multiple of ``block_k``. block_k: 128 or 256.
+
+    Returns:
+        A new contiguous uint8 tensor on ``signs``' device.
+
+    Raises:
+        ValueError: if ``block_k`` is not 128 or 256, or K/8 is not a multiple of ``block_k/8``.
+    """
+    if block_k not in (128, 256):
+        raise ValueError(f"block_k must be 128 or 256, got {block_k}")
+    s, n, kb = signs.shape
+    if kb % (block_k // 8):
+        raise ValueError(f"{kb} sign bytes per row are not a whole number of {block_k // 8}-byte K steps")
+    nt = triton.cdiv(n, BLOCK_N)
+    padded = signs.new_zeros(s, nt * BLOCK_N, kb)
+    padded[:, :n] = signs
+    return padded.view(s, nt, BLOCK_N, kb // (block_k // 8), block_k // 8).permute(0, 1, 3, 2, 4).contiguous()
+
+
 def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
-                                   pdl: bool = False) -> torch.Tensor:
+                                   pdl: bool = False, tiled: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -192,6 +218,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             default the first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
         pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
+        tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
+            ``BLOCK_K`` (each K step's sign tile one contiguous copy).
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -199,7 +227,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     Raises:
         ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, its rows per warpgroup
             do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows, or its loader
-            warps are not 1, 2 or 4.
+            warps are not 1, 2 or 4; with ``tiled``, if ``signs`` is not tiled for this ``BLOCK_K``.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -214,6 +242,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         raise ValueError(f"K = {k} is not a multiple of the configuration's BLOCK_K = {bk}")
     if loaders not in (1, 2, 4):
         raise ValueError(f"{loaders} loader warps: the kernel takes 1, 2 or 4")
+    if tiled and tuple(signs.shape[1:]) != (triton.cdiv(n, BLOCK_N), k // bk, BLOCK_N, bk // 8):
+        raise ValueError(f"tiled signs of shape {tuple(signs.shape)} are not tile_signs(…, {bk}) of "
+                         f"[S, {n}, {k // 8}]")
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
@@ -221,8 +252,11 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     dt = _gl_dtype(x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, bk], gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], dt))
-    s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8],  # unswizzled: read back as
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # words
+    unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # read back as words
+    if tiled:  # one K step's tile: BLOCK_N·bk/8 contiguous bytes as rows of 128
+        s_desc = TensorDescriptor.from_tensor(signs.view(-1, 128), [BLOCK_N * bk // 8 // 128, 128], unswizzled)
+    else:
+        s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8], unswizzled)
     p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
@@ -244,10 +278,12 @@ if HAVE_GLUON:
         groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
         ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
+         slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
         G: gl.constexpr = (ROWS + 3) // 4
         L: gl.constexpr = LOADERS
+        TILED: gl.constexpr = s_desc.block_type.shape[1] == 128  # sign tiles stored whole (tile_signs)
+        R: gl.constexpr = s_desc.block_type.shape[0]
         # copies numbered in [a, b) that are J modulo L: (b − J + L − 1)//L − (a − J + L − 1)//L
         N_X: gl.constexpr = (1 - J + L - 1) // L
         N_W: gl.constexpr = (2 - J + L - 1) // L - N_X
@@ -258,7 +294,12 @@ if HAVE_GLUON:
             row = off_m + r
             sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
             ok = (sl >= 0) & (sl < NSLOT)
-            srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
+            if TILED:  # tile (slot, feature block, K step) of R rows of 128 bytes: first row of K step 0
+                NT = gl.cdiv(N, 64)
+                KT = K // BK
+                srow = srow + (gl.where(ok, (sl * NT + off_n // 64) * KT, NSLOT * NT * KT) * R, )
+            else:
+                srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
         nbytes: gl.constexpr = (N_X * x_desc.block_type.nbytes + N_W * w_desc.block_type.nbytes
                                 + N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
         for ki in range(num_k):
@@ -273,7 +314,10 @@ if HAVE_GLUON:
                 _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
             for r in gl.static_range(ROWS):
                 if ((2 + G + r) % L) == J:
-                    _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
+                    if TILED:
+                        _tma_load(s_desc, [srow[r] + (k_first + ki) * R, 0], bar, s_smem[r].index(stage))
+                    else:
+                        _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
             if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
                 if ki == gl.minimum(num_k, STAGES) - 1:
                     _gdc_wait()
@@ -296,7 +340,7 @@ if HAVE_GLUON:
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr):
         """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k) = p
+         slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -423,7 +467,8 @@ if HAVE_GLUON:
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
         s_smem = ()
         for r in gl.static_range(ROWS):
-            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, BN, SB], s_desc.layout), )
+            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, s_desc.block_type.shape[0],
+                                                                   s_desc.block_type.shape[1]], s_desc.layout), )
         p_smem = ()
         for g in gl.static_range(G):
             p_smem = p_smem + (gl.allocate_shared_memory(gl.int8, [STAGES, 8, BK], p_desc.layout), )
@@ -433,7 +478,7 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=LOADERS)
             mbarrier.init(empty.index(i), count=NCONS)
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-             slot_ptr, M, N, NSLOT, off_m, off_n, k_first, num_k)
+             slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k)
         q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
         A: gl.constexpr = ALPHA_PER_ROW
         B: gl.constexpr = HAS_BIAS

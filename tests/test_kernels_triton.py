@@ -413,7 +413,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
-    all refused before any launch, as are loader warps other than 1, 2 or 4."""
+    all refused before any launch, as are loader warps other than 1, 2 or 4 and signs not tiled for the configuration."""
     from kernels.gluon_planes import bitdelta_linear_batched_planes
 
     x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
@@ -427,11 +427,40 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
         bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                        torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
                                        (256, 8, 2, 128, 1), split=1)
+    with pytest.raises(ValueError, match=r"^tiled signs of shape \(1, 64, 16\) are not tile_signs\(…, 128\) of "
+                                         r"\[S, 64, 16\]$"):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       (128, 4, 4, 96, 1), split=1, tiled=True)
     for loaders in (0, 3, 8):
         with pytest.raises(ValueError, match=f"^{loaders} loader warps: the kernel takes 1, 2 or 4$"):
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
                                            (128, 4, 4, 96, loaders), split=1)
+
+
+def test_tile_signs_stores_each_k_step_tile_whole():
+    """``tile_signs``: ``out[s, f, j]`` is the sign tile of slot s, features ``64f … 64f + 63`` (zero
+    past N) and K step j, checked against slicing for both K steps; bad arguments refused."""
+    from kernels.gluon_planes import tile_signs
+
+    g = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 256, (3, 100, 64), generator=g, dtype=torch.uint8)  # N = 100, K = 512
+    for bk in (128, 256):
+        t = tile_signs(signs, bk)
+        sb = bk // 8
+        assert t.shape == (3, 2, 512 // bk, 64, sb) and t.is_contiguous() and t.dtype == torch.uint8
+        for s in range(3):
+            for f in range(2):
+                for j in range(512 // bk):
+                    want = torch.zeros(64, sb, dtype=torch.uint8)
+                    rows = signs[s, 64 * f:64 * f + 64, j * sb:(j + 1) * sb]
+                    want[:rows.shape[0]] = rows
+                    assert torch.equal(t[s, f, j], want), (bk, s, f, j)
+    with pytest.raises(ValueError, match="^block_k must be 128 or 256, got 64$"):
+        tile_signs(signs, 64)
+    with pytest.raises(ValueError, match="^48 sign bytes per row are not a whole number of 32-byte K steps$"):
+        tile_signs(signs[..., :48], 256)
 
 
 def test_warp_specialised_split_follows_the_wave_model():
@@ -480,11 +509,17 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if k % cfg[0] == 0]
     configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
     configs += [dict(config=cfg, pdl=True) for cfg in gp.WS_CONFIGS[rows] if cfg[4] > 1][:1]  # and with loaders
+    # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
+    configs += [dict(config=cfg, tiled=True) for cfg in gp.WS_CONFIGS[rows][:1] + [
+        c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if k % cfg[0] == 0]
     for config in configs:
+        args = list(dev)
+        if config.get("tiled"):
+            args[2] = gp.tile_signs(dev[2], config["config"][0])
         for split in (1, 3):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
             ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
-            gp.bitdelta_linear_batched_planes(*dev, y, ws, cnt, split=split, **config)
+            gp.bitdelta_linear_batched_planes(*args, y, ws, cnt, split=split, **config)
             torch.cuda.synchronize()
             what = f"{config} split {split}"
             torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{what}: {s}")

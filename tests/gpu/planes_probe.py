@@ -2,6 +2,7 @@
 the other tenant kernels on the Llama-2-70B layer set, per ring depth and K split (GPU).
 
     python3 tests/gpu/planes_probe.py OUT.json [T ...]
+    PROBE_TILED=1 python3 tests/gpu/planes_probe.py OUT.json [T ...]   # also with tile_signs' layout
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -9,6 +10,7 @@ ratio over the layer set (the figure ``kernels/bench.py`` reports).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,10 +48,24 @@ def main(out: str, ts: list[int]) -> None:
                 configs["planes_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg)
             configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
                 config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
+            if os.environ.get("PROBE_TILED") == "1":  # sign tiles stored whole (gluon_planes.tile_signs)
+                for cfg in gp.WS_CONFIGS[rows_]:
+                    configs["planes_tiled_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg, tiled=True)
+            tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
-                for split in sorted({d} | {s for s in (1, 2, 4, 8) if k // config["config"][0] // s >= 4}):
-                    fn = lambda: gp.bitdelta_linear_batched_planes(x, w, signs, alphas, slot, None, y, ws, cnt,  # noqa: E731
+                splits = sorted({d} | {s for s in (1, 2, 4, 8) if k // config["config"][0] // s >= 4})
+                sg = signs
+                if config.get("tiled"):
+                    bk = config["config"][0]
+                    sg = tiled_signs.setdefault(bk, gp.tile_signs(signs, bk))
+                    # the row-layout configuration's best split only
+                    untiled = {k2: v for k2, v in r.items() if k2.startswith(cname.replace("_tiled", "") + "_k")
+                               and not k2.endswith("err") and isinstance(v, float)}
+                    if untiled:
+                        splits = [int(min(untiled, key=untiled.get).rsplit("_k", 1)[1])]
+                for split in splits:
+                    fn = lambda: gp.bitdelta_linear_batched_planes(x, w, sg, alphas, slot, None, y, ws, cnt,  # noqa: E731
                                                                    split=split, **config)
                     name_ = f"{cname}_k{split}"
                     try:

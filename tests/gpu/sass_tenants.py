@@ -100,10 +100,11 @@ def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
     return out
 
 
-def analyse_planes(rows: int, config: tuple) -> dict:
+def analyse_planes(rows: int, config: tuple, tiled: bool = False) -> dict:
     """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
     ``config = (BLOCK_K, rows per warpgroup, STAGES, registers, loader warps)``: registers, spills, whether ptxas
-    serialises its wgmmas, and the consumers' K-loop instructions per row and weight."""
+    serialises its wgmmas, and the consumers' K-loop instructions per row and weight. ``tiled``: the
+    sign tiles stored whole (``gluon_planes.tile_signs``)."""
 
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -117,7 +118,8 @@ def analyse_planes(rows: int, config: tuple) -> dict:
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
     pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
     sig = {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>", "w_desc": f"tensordesc<bf16[{bn}, {bk}],{wl!r}>",
-           "s_desc": f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+           "s_desc": (f"tensordesc<u8[{bn * bk // 1024}, 128],{sl!r}>" if tiled
+                      else f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>"), "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
            "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
@@ -132,7 +134,7 @@ def analyse_planes(rows: int, config: tuple) -> dict:
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
     regs, loop, log = _inspect(k, "IGMMA")
     weights = min(rows, rh) * bn * bk / 128  # row-weights per consumer thread per K step
-    return {"rows": rows, "config": list(config), "registers": regs,
+    return {"rows": rows, "config": list(config), "tiled": tiled, "registers": regs,
             "spill_bytes": int((re.search(r"(\d+) bytes spill stores", log) or [0, 0])[1]),
             "serialized": "serialized" in log, "loop_instructions": len(loop),
             "per_row_weight": round(len(loop) / weights, 3), "opcodes": dict(collections.Counter(loop).most_common(8))}
@@ -162,12 +164,12 @@ if __name__ == "__main__":
         for config in ([tuple(int(v) for v in sys.argv[2].split(","))] if len(sys.argv) > 2 else pr.CONFIGS):
             print(analyse_prefill_rs(config), flush=True)
         sys.exit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # python tests/gpu/sass_tenants.py planes [ROWS BK,RH,STAGES,REGS,LOADERS]
+    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # … planes [ROWS BK,RH,STAGES,REGS,LOADERS [tiled]]
         from kernels import gluon_planes as gp
         cases = ([(int(sys.argv[2]), tuple(int(v) for v in sys.argv[3].split(",")))] if len(sys.argv) > 3 else
                  [(r, c) for r in (2, 4, 8, 16) for c in gp.WS_CONFIGS[r]])
         for rows, config in cases:
-            print(analyse_planes(rows, config), flush=True)
+            print(analyse_planes(rows, config, sys.argv[-1] == "tiled"), flush=True)
         sys.exit(0)
     if len(sys.argv) > 2:
         cases = [(int(sys.argv[1]), tuple(int(v) for v in sys.argv[2].split(",")))]
