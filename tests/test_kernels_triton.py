@@ -510,7 +510,7 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
     configs += [dict(config=cfg, pdl=True) for cfg in gp.WS_CONFIGS[rows] if cfg[4] > 1][:1]  # and with loaders
     # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
-    configs += [dict(config=cfg, tiled=True) for cfg in gp.WS_CONFIGS[rows][:1] + [
+    configs += [dict(config=cfg, tiled=True) for cfg in list(gp.WS_CONFIGS[rows][:1]) + [
         c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if k % cfg[0] == 0]
     for config in configs:
         args = list(dev)
