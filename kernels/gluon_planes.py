@@ -81,30 +81,19 @@ PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits 
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
 # Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
-# thread, loader warps, K steps per sign copy). Registers × threads must fit the 64 K register file; ptxas serialises the
+# thread, loader warps). Registers × threads must fit the 64 K register file; ptxas serialises the
 # wgmmas when a consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py)
 # shows. The first of each is the default (fastest over the 70B layer set in tests/gpu/planes_probe.py).
 # Loader warps: each TMA copy costs its warp about twenty instructions, and a K step at 16 rows takes
 # 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out.
-# K steps per sign copy (SK): with SK = 1 each K step copies 16-byte pieces of 64 sign rows (a
-# piece a row apart, half an L2 sector); SK = 2 or 4 copies 32 or 64 bytes of each row for SK
-# steps at once into a ring of two groups of its own (K must be a multiple of BLOCK_K·SK).
 WS_CONFIGS = {
-    2: ((128, 2, 3, 80, 1, 1), (256, 2, 2, 104, 1, 1)),
-    4: ((128, 4, 3, 80, 1, 1), (128, 4, 2, 80, 1, 1), (256, 4, 2, 104, 1, 1), (256, 4, 3, 104, 1, 1),
-        (128, 4, 3, 80, 2, 1), (128, 4, 3, 80, 1, 2), (128, 4, 3, 80, 1, 4)),
-    8: ((128, 4, 3, 80, 1, 1), (128, 8, 3, 128, 1, 1), (256, 4, 3, 104, 1, 1), (256, 8, 2, 128, 1, 1),
-        (128, 4, 3, 80, 2, 1), (128, 4, 3, 80, 4, 1), (256, 4, 3, 104, 4, 1), (128, 4, 3, 80, 2, 2),
-        (128, 4, 3, 80, 2, 4)),
-    16: ((128, 4, 4, 96, 1, 1), (128, 8, 3, 128, 1, 1), (256, 8, 2, 128, 1, 1), (128, 4, 4, 96, 2, 1),
-         (128, 4, 4, 96, 4, 1), (256, 8, 2, 128, 4, 1), (256, 4, 2, 96, 4, 1), (128, 4, 4, 96, 2, 2),
-         (128, 4, 4, 96, 1, 2)),
+    2: ((128, 2, 3, 80, 1), (256, 2, 2, 104, 1)),
+    4: ((128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (256, 4, 2, 104, 1), (256, 4, 3, 104, 1), (128, 4, 3, 80, 2)),
+    8: ((128, 4, 3, 80, 1), (128, 8, 3, 128, 1), (256, 4, 3, 104, 1), (256, 8, 2, 128, 1), (128, 4, 3, 80, 2),
+        (128, 4, 3, 80, 4), (256, 4, 3, 104, 4)),
+    16: ((128, 4, 4, 96, 1), (128, 8, 3, 128, 1), (256, 8, 2, 128, 1), (128, 4, 4, 96, 2), (128, 4, 4, 96, 4),
+         (256, 8, 2, 128, 4), (256, 4, 2, 96, 4)),
 }
-
-
-def config_fits(k: int, config: tuple) -> bool:
-    """Whether the configuration runs at this K: K a multiple of ``BLOCK_K``·(K steps per sign copy)."""
-    return k % (config[0] * config[5]) == 0
 
 
 def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
@@ -115,16 +104,14 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
     ties. It is the untimed default; the dispatcher times the candidate splits. Against the H200
     probe (tests/gpu/planes_probe.py, splits 1, 2 and 4) it picks the fastest measured split at
     T = 16 and is within 3 % of it at T = 8."""
-    bk, rh, stages, regs, loaders, sk = config
+    bk, rh, stages, regs, loaders = config
     rows = max(2, min(16, triton.next_power_of_2(m)))
     warps = 4 * triton.cdiv(4 * (rows // rh) + loaders, 4)
-    sign_tiles = stages if sk == 1 else 2 * sk  # K steps of sign tiles held
-    smem = (stages * (2 * 16 * bk + 2 * BLOCK_N * bk + triton.cdiv(rows, 4) * 8 * bk)
-            + sign_tiles * rows * BLOCK_N * bk // 8)
+    smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8 + triton.cdiv(rows, 4) * 8 * bk)
     slots = sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
-    steps = triton.cdiv(k, bk * sk)  # the kernel splits K in groups of sk steps
-    splits = [s for s in range(1, 9) if steps // s >= max(1, 4 // sk)] or [1]  # at least 4 K steps per chunk
+    steps = triton.cdiv(k, bk)
+    splits = [s for s in range(1, 9) if steps // s >= 4] or [1]
     return min(splits, key=lambda s: (triton.cdiv(tiles * s, slots) * (triton.cdiv(steps, s) + 3), s))
 
 
@@ -227,8 +214,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             or ``[S, N]``. slot: int32 ``[M]`` (−1 or out of range: the base only). bias: ``[N]`` or
             None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
             zeros of one per output tile, left zero.
-        config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread, loader warps, K
-            steps per sign copy)``, default the first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
+        config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread, loader warps)``,
+            default the first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
         pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
         tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
@@ -238,25 +225,21 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
 
     Raises:
-        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``·(K steps per sign
-            copy), its rows per warpgroup do not split the row block into 1, 2 or 4 warpgroups of 2,
-            4 or 8 rows, its loader warps or K steps per sign copy are not 1, 2 or 4; with ``tiled``,
-            if ``signs`` is not tiled for this ``BLOCK_K`` or the K steps per sign copy are not 1.
+        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, its rows per warpgroup
+            do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows, or its loader
+            warps are not 1, 2 or 4; with ``tiled``, if ``signs`` is not tiled for this ``BLOCK_K``.
     """
     m, k = x.shape
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    bk, per_wg, stages, regs, loaders, sk = config or WS_CONFIGS[rows][0]
+    bk, per_wg, stages, regs, loaders = config or WS_CONFIGS[rows][0]
     rh = min(rows, per_wg)
     if rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4):
         raise ValueError(f"{per_wg} rows per warpgroup do not split {rows} rows into 1, 2 or 4 warpgroups of "
                          "2, 4 or 8 rows")
-    if k % (bk * sk):
-        raise ValueError(f"K = {k} is not a multiple of the configuration's BLOCK_K·(K steps per sign copy) = "
-                         f"{bk}·{sk}")
-    if sk not in (1, 2, 4) or (tiled and sk != 1):
-        raise ValueError(f"{sk} K steps per sign copy: the kernel takes 1, 2 or 4 (1 with tiled signs)")
+    if k % bk:
+        raise ValueError(f"K = {k} is not a multiple of the configuration's BLOCK_K = {bk}")
     if loaders not in (1, 2, 4):
         raise ValueError(f"{loaders} loader warps: the kernel takes 1, 2 or 4")
     if tiled and tuple(signs.shape[1:]) != (triton.cdiv(n, BLOCK_N), k // bk, BLOCK_N, bk // 8):
@@ -264,7 +247,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                          f"[S, {n}, {k // 8}]")
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        split = ws_split(m, n, k, (bk, rh, stages, regs, loaders, sk), sms)
+        split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
     planes, sc = activation_planes(x, pdl=pdl)
     dt = _gl_dtype(x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
@@ -272,8 +255,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # read back as words
     if tiled:  # one K step's tile: BLOCK_N·bk/8 contiguous bytes as rows of 128
         s_desc = TensorDescriptor.from_tensor(signs.view(-1, 128), [BLOCK_N * bk // 8 // 128, 128], unswizzled)
-    else:  # SK K steps of 64 sign rows per copy
-        s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, sk * bk // 8], unswizzled)
+    else:
+        s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8], unswizzled)
     p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
@@ -294,15 +277,13 @@ if HAVE_GLUON:
         """Loader warp ``J`` of ``LOADERS``: of the copies of one K step, numbered x 0, W 1, plane
         groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
         ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
-        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty, sready, sempty,
+        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
         G: gl.constexpr = (ROWS + 3) // 4
         L: gl.constexpr = LOADERS
-        TILED: gl.constexpr = s_desc.block_type.shape[0] != w_desc.block_type.shape[0]  # tile_signs' layout
+        TILED: gl.constexpr = s_desc.block_type.shape[1] == 128  # sign tiles stored whole (tile_signs)
         R: gl.constexpr = s_desc.block_type.shape[0]
-        # SK > 1: one sign copy per row covers SK K steps, into a ring of two groups of its own
-        SK: gl.constexpr = 1 if TILED else s_desc.block_type.shape[1] * 8 // BK
         # copies numbered in [a, b) that are J modulo L: (b − J + L − 1)//L − (a − J + L − 1)//L
         N_X: gl.constexpr = (1 - J + L - 1) // L
         N_W: gl.constexpr = (2 - J + L - 1) // L - N_X
@@ -319,10 +300,8 @@ if HAVE_GLUON:
                 srow = srow + (gl.where(ok, (sl * NT + off_n // 64) * KT, NSLOT * NT * KT) * R, )
             else:
                 srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
-        S1: gl.constexpr = 1 if SK == 1 else 0  # sign bytes on the stage's barrier
         nbytes: gl.constexpr = (N_X * x_desc.block_type.nbytes + N_W * w_desc.block_type.nbytes
-                                + S1 * N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
-        sbytes: gl.constexpr = N_S * s_desc.block_type.nbytes
+                                + N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
         for ki in range(num_k):
             stage = ki % STAGES
             mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
@@ -333,20 +312,12 @@ if HAVE_GLUON:
                 _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
             if (1 % L) == J:
                 _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
-            if SK == 1:
-                for r in gl.static_range(ROWS):
-                    if ((2 + G + r) % L) == J:
-                        if TILED:
-                            _tma_load(s_desc, [srow[r] + (k_first + ki) * R, 0], bar, s_smem[r].index(stage))
-                        else:
-                            _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
-            elif ki % SK == 0:  # the next group's sign copies, once the consumers are done with group − 2
-                grp = ki // SK
-                mbarrier.wait(sempty.index(grp % 2), ((grp // 2) & 1) ^ 1)
-                mbarrier.expect(sready.index(grp % 2), sbytes)
-                for r in gl.static_range(ROWS):
-                    if ((2 + G + r) % L) == J:
-                        _tma_load(s_desc, [srow[r], kk // 8], sready.index(grp % 2), s_smem[r].index(grp % 2))
+            for r in gl.static_range(ROWS):
+                if ((2 + G + r) % L) == J:
+                    if TILED:
+                        _tma_load(s_desc, [srow[r] + (k_first + ki) * R, 0], bar, s_smem[r].index(stage))
+                    else:
+                        _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
             if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
                 if ki == gl.minimum(num_k, STAGES) - 1:
                     _gdc_wait()
@@ -368,7 +339,7 @@ if HAVE_GLUON:
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr):
         """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup."""
-        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty, sready, sempty,
+        (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -387,42 +358,31 @@ if HAVE_GLUON:
         acc_s = ()
         for r in gl.static_range(RH):
             acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
-        TILED: gl.constexpr = s_desc.block_type.shape[0] != BN
-        SK: gl.constexpr = 1 if TILED else s_desc.block_type.shape[1] * 8 // BK  # K steps per sign copy
-        for gi in range(num_k // SK):  # groups of SK K steps (num_k is a multiple of SK)
-            if SK > 1:
-                mbarrier.wait(sready.index(gi % 2), (gi // 2) & 1)
-            for h in gl.static_range(SK):
-                ki = gi * SK + h
-                stage = ki % STAGES
-                mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-                acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
-                                      acc_b, is_async=True)
-                new = ()
-                for r in gl.static_range(RH):
-                    if SK == 1:
-                        words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
-                    else:
-                        words = _as_words(s_smem[ROW0 + r].index(gi % 2), BN, SK * SB // 4, word_l)
-                    acc = acc_s[r]
-                    for c in gl.static_range(BK // 32):
-                        wc = words.slice(h * (SB // 4) + c, 1, dim=1).load(dot_a)              # [BN, 1]
-                        a = gl.inline_asm_elementwise(
-                            "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                            "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
-                        b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
-                        acc = warpgroup_mma(a, b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
-                    new = new + (acc, )
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
-                acc_b = done[0]
-                acc_s = ()
-                for r in gl.static_range(RH):
-                    acc_s = acc_s + (done[r + 1], )
-                fence_async_shared()  # the sign words' shared loads come before the loader's next copy
-                mbarrier.arrive(empty.index(stage), count=1)
-            if SK > 1:
-                mbarrier.arrive(sempty.index(gi % 2), count=1)
+        for ki in range(num_k):
+            stage = ki % STAGES
+            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                  acc_b, is_async=True)
+            new = ()
+            for r in gl.static_range(RH):
+                words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
+                acc = acc_s[r]
+                for c in gl.static_range(BK // 32):
+                    wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
+                    a = gl.inline_asm_elementwise(
+                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                new = new + (acc, )
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
+            acc_b = done[0]
+            acc_s = ()
+            for r in gl.static_range(RH):
+                acc_s = acc_s + (done[r + 1], )
+            fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+            mbarrier.arrive(empty.index(stage), count=1)
 
         out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
         cols_b = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_b_l)), 0)
@@ -499,11 +459,7 @@ if HAVE_GLUON:
         SPLIT = gl.num_programs(2)
         off_n = pid_n * BN
         off_m = pid_m * BM
-        TILED: gl.constexpr = s_desc.block_type.shape[0] != BN
-        SK: gl.constexpr = 1 if TILED else s_desc.block_type.shape[1] * 8 // BK  # K steps per sign copy
-        k_first, num_k = _k_chunk(K, BK * SK)  # in groups of SK K steps
-        k_first = k_first * SK
-        num_k = num_k * SK
+        k_first, num_k = _k_chunk(K, BK)
         first = (gl.program_id(2) == 0).to(gl.float32)
         tile = pid_m * gl.num_programs(0) + pid_n
 
@@ -511,7 +467,7 @@ if HAVE_GLUON:
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
         s_smem = ()
         for r in gl.static_range(ROWS):
-            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES if SK == 1 else 2, s_desc.block_type.shape[0],
+            s_smem = s_smem + (gl.allocate_shared_memory(gl.uint8, [STAGES, s_desc.block_type.shape[0],
                                                                    s_desc.block_type.shape[1]], s_desc.layout), )
         p_smem = ()
         for g in gl.static_range(G):
@@ -521,12 +477,7 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=LOADERS)
             mbarrier.init(empty.index(i), count=NCONS)
-        sready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the SK > 1 sign ring
-        sempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(sready.index(i), count=LOADERS)
-            mbarrier.init(sempty.index(i), count=NCONS)
-        p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty, sready, sempty,
+        p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
              slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k)
         q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
         A: gl.constexpr = ALPHA_PER_ROW

@@ -633,7 +633,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
-        if gluon_planes.planes_supported(x, weight, signs) and gluon_planes.config_fits(k, gluon_planes.WS_CONFIGS[rows][0]):
+        if gluon_planes.planes_supported(x, weight, signs) and k % gluon_planes.WS_CONFIGS[rows][0][0] == 0:
             return ("planes", gluon_planes.WS_CONFIGS[rows][0], None)
         return configs[0] if AUTOTUNE else None
     runs = {}
@@ -643,10 +643,10 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
         # (tests/gpu/planes_probe.py), so the others are not timed
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         for cfg in gluon_planes.WS_CONFIGS[rows]:
-            if not gluon_planes.config_fits(k, cfg):
+            if k % cfg[0]:
                 continue
             d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
-            for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // (cfg[0] * cfg[5]) // s >= max(1, 4 // cfg[5])}):
+            for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
                 runs[("planes", cfg, split)] = (
                     lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
                         x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split))

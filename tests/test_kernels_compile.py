@@ -133,19 +133,19 @@ if gb.HAVE_GLUON:
             (_P(d) / "k.ptx").write_text(ptx)
             return subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o", str(_P(d) / "k.o")],
                                   capture_output=True, text=True).stderr
-    def planes_sig(bk, sk=1):
+    def planes_sig(bk):
         xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
         wl = gl.NVMMASharedLayout.get_default_for([gp.BLOCK_N, bk], gl.bfloat16)
         sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
         return {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>",
                 "w_desc": f"tensordesc<bf16[{gp.BLOCK_N}, {bk}],{wl!r}>",
-                "s_desc": f"tensordesc<u8[{gp.BLOCK_N}, {sk * bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+                "s_desc": f"tensordesc<u8[{gp.BLOCK_N}, {bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
                 "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
                 "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
                 "stride_as": "i32", "stride_ym": "i32"}
-    def planes_build(fn, name, bk, consts, options, sk=1):
-        sig = planes_sig(bk, sk)
+    def planes_build(fn, name, bk, consts, options):
+        sig = planes_sig(bk)
         sig.update({c: "constexpr" for c in consts})
         names = fn.arg_names
         attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -161,13 +161,13 @@ if gb.HAVE_GLUON:
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     for rows in (2, 4, 8, 16):
-        for i, (bk, rh, stages, regs, loaders, sk) in enumerate(gp.WS_CONFIGS[rows]):
+        for i, (bk, rh, stages, regs, loaders) in enumerate(gp.WS_CONFIGS[rows]):
             for pdl in (False, True) if i == 0 else (False, ):  # programmatic dependent launch: the default only
                 planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
-                             + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders, sk]}),
+                             + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders]}),
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
                                       CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, num_warps=4),
-                             {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl}, sk)
+                             {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     from kernels import gluon_prefill_rs as pr
     for config in pr.CONFIGS:
         name = "gluon-prefill-rs " + json.dumps({"config": list(config)})

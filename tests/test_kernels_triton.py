@@ -422,28 +422,21 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
         with pytest.raises(ValueError, match=f"{rh} rows per warpgroup do not split 16 rows into 1, 2 or 4"):
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, rh, 3, 96, 1, 1), split=1)
-    for cfg, why in (((256, 8, 2, 128, 1, 1), "256·1"), ((128, 4, 3, 80, 1, 2), "128·2")):
-        with pytest.raises(ValueError, match=f"^K = 128 is not a multiple of the configuration's BLOCK_K·\\(K steps "
-                                             f"per sign copy\\) = {why}$"):
-            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           cfg, split=1)
-    with pytest.raises(ValueError, match=r"^3 K steps per sign copy: the kernel takes 1, 2 or 4 \(1 with tiled signs\)$"):
-        bitdelta_linear_batched_planes(x.repeat(1, 3), w.repeat(1, 3), signs, alphas,
-                                       torch.zeros(16, dtype=torch.int32), None, torch.empty(16, 64),
-                                       torch.zeros(1024), torch.zeros(1, dtype=torch.int32), (128, 4, 3, 80, 1, 3),
-                                       split=1)
+                                           (128, rh, 3, 96, 1), split=1)
+    with pytest.raises(ValueError, match="K = 128 is not a multiple of the configuration's BLOCK_K = 256"):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       (256, 8, 2, 128, 1), split=1)
     with pytest.raises(ValueError, match=r"^tiled signs of shape \(1, 64, 16\) are not tile_signs\(…, 128\) of "
                                          r"\[S, 64, 16\]$"):
         bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                        torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (128, 4, 4, 96, 1, 1), split=1, tiled=True)
+                                       (128, 4, 4, 96, 1), split=1, tiled=True)
     for loaders in (0, 3, 8):
         with pytest.raises(ValueError, match=f"^{loaders} loader warps: the kernel takes 1, 2 or 4$"):
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, 4, 4, 96, loaders, 1), split=1)
+                                           (128, 4, 4, 96, loaders), split=1)
 
 
 def test_tile_signs_stores_each_k_step_tile_whole():
@@ -476,16 +469,13 @@ def test_warp_specialised_split_follows_the_wave_model():
     from kernels.gluon_planes import ws_split
 
     # 16 rows, 5 warpgroups × 96 registers and 160 KiB of ring: one program per multiprocessor
-    assert ws_split(16, 8192, 8192, (128, 4, 4, 96, 1, 1), 132) == 1    # 128 tiles fill one wave: 67 steps
-    assert ws_split(16, 10240, 8192, (128, 4, 4, 96, 1, 1), 132) == 4   # 160 tiles: 5 waves of 19 beat 2 of 67
+    assert ws_split(16, 8192, 8192, (128, 4, 4, 96, 1), 132) == 1    # 128 tiles fill one wave: 67 steps
+    assert ws_split(16, 10240, 8192, (128, 4, 4, 96, 1), 132) == 4   # 160 tiles: 5 waves of 19 beat 2 of 67
     # 8 rows, 3 warpgroups × 80 registers and 90 KiB: two per multiprocessor (264 slots)
-    assert ws_split(8, 8192, 8192, (128, 4, 3, 80, 1, 1), 132) == 2     # 256 programs, one wave of 35
-    assert ws_split(8, 10240, 8192, (128, 4, 3, 80, 1, 1), 132) == 3    # 480 programs, two waves of 25
-    assert ws_split(2, 1024, 512, (128, 2, 3, 80, 1, 1), 132) == 1      # K = 4 steps: no split
-    assert ws_split(16, 57344, 8192, (256, 8, 2, 128, 1, 1), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
-    # sign copies of 4 K steps: 8 rows, 130 KiB, one per multiprocessor; K splits in groups of 4 steps
-    assert ws_split(8, 8192, 8192, (128, 4, 3, 80, 2, 4), 132) == 1     # 128 tiles: one wave of 19 groups
-    assert ws_split(8, 10240, 8192, (128, 4, 3, 80, 2, 4), 132) == 2    # 160 tiles: 3 waves of 11 beat 2 of 19
+    assert ws_split(8, 8192, 8192, (128, 4, 3, 80, 1), 132) == 2     # 256 programs, one wave of 35
+    assert ws_split(8, 10240, 8192, (128, 4, 3, 80, 1), 132) == 3    # 480 programs, two waves of 25
+    assert ws_split(2, 1024, 512, (128, 2, 3, 80, 1), 132) == 1      # K = 4 steps: no split
+    assert ws_split(16, 57344, 8192, (256, 8, 2, 128, 1), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tensor-core tenant kernel runs on a Hopper GPU only")
@@ -516,12 +506,12 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     assert gp.planes_supported(dev[0], dev[1], dev[2])
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if gp.config_fits(k, cfg)]
+    configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if k % cfg[0] == 0]
     configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
     configs += [dict(config=cfg, pdl=True) for cfg in gp.WS_CONFIGS[rows] if cfg[4] > 1][:1]  # and with loaders
     # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
     configs += [dict(config=cfg, tiled=True) for cfg in list(gp.WS_CONFIGS[rows][:1]) + [
-        c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if gp.config_fits(k, cfg)]
+        c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if k % cfg[0] == 0]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):

@@ -45,12 +45,12 @@ def main(out: str, ts: list[int]) -> None:
             rows_ = max(2, min(16, triton.next_power_of_2(t)))
             configs = {}
             for cfg in gp.WS_CONFIGS[rows_]:
-                configs["planes_bk{}_rh{}_s{}_r{}_l{}_sk{}".format(*cfg)] = dict(config=cfg)
-            configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}_sk{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
+                configs["planes_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg)
+            configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
                 config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
             if os.environ.get("PROBE_TILED") == "1":  # sign tiles stored whole (gluon_planes.tile_signs)
                 for cfg in gp.WS_CONFIGS[rows_]:
-                    configs["planes_tiled_bk{}_rh{}_s{}_r{}_l{}_sk{}".format(*cfg)] = dict(config=cfg, tiled=True)
+                    configs["planes_tiled_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg, tiled=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)

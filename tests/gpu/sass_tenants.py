@@ -102,7 +102,7 @@ def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
 
 def analyse_planes(rows: int, config: tuple, tiled: bool = False) -> dict:
     """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
-    ``config = (BLOCK_K, rows per warpgroup, STAGES, registers, loader warps, K steps per sign copy)``: registers, spills, whether ptxas
+    ``config = (BLOCK_K, rows per warpgroup, STAGES, registers, loader warps)``: registers, spills, whether ptxas
     serialises its wgmmas, and the consumers' K-loop instructions per row and weight. ``tiled``: the
     sign tiles stored whole (``gluon_planes.tile_signs``)."""
 
@@ -111,7 +111,7 @@ def analyse_planes(rows: int, config: tuple, tiled: bool = False) -> dict:
 
     from kernels import gluon_planes as gp
 
-    bk, rh, stages, regs, loaders, sk = config
+    bk, rh, stages, regs, loaders = config
     bn = gp.BLOCK_N
     xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
@@ -119,7 +119,7 @@ def analyse_planes(rows: int, config: tuple, tiled: bool = False) -> dict:
     pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
     sig = {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>", "w_desc": f"tensordesc<bf16[{bn}, {bk}],{wl!r}>",
            "s_desc": (f"tensordesc<u8[{bn * bk // 1024}, 128],{sl!r}>" if tiled
-                      else f"tensordesc<u8[{bn}, {sk * bk // 8}],{sl!r}>"), "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+                      else f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>"), "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
            "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
@@ -164,7 +164,7 @@ if __name__ == "__main__":
         for config in ([tuple(int(v) for v in sys.argv[2].split(","))] if len(sys.argv) > 2 else pr.CONFIGS):
             print(analyse_prefill_rs(config), flush=True)
         sys.exit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # … planes [ROWS BK,RH,STAGES,REGS,LOADERS,SK [tiled]]
+    if len(sys.argv) > 1 and sys.argv[1] == "planes":  # … planes [ROWS BK,RH,STAGES,REGS,LOADERS [tiled]]
         from kernels import gluon_planes as gp
         cases = ([(int(sys.argv[2]), tuple(int(v) for v in sys.argv[3].split(",")))] if len(sys.argv) > 3 else
                  [(r, c) for r in (2, 4, 8, 16) for c in gp.WS_CONFIGS[r]])
