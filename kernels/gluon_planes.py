@@ -24,9 +24,9 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
   or past M) loads its sign tile from outside the tensor, which TMA fills with zeros and reads
   nothing.
 
-The kernel, :func:`_planes_ws_kernel`, is warp-specialised: one loader warp issues every copy (each
-costs the issuing warps about twenty instructions of address and barrier work, 22 copies per K step
-at 16 rows) and one consumer warpgroup per 2, 4 or 8 rows does the products. A first version in
+The kernel, :func:`_planes_ws_kernel`, is warp-specialised: 1, 2 or 4 loader warps issue the copies
+(each costs the issuing warp about twenty instructions of address and barrier work, 22 copies per K
+step at 16 rows) and one consumer warpgroup per 2, 4 or 8 rows does the products. A first version in
 which one warpgroup did everything ran at 1.27 / 1.50 / 2.33 / 7.01× at T = 2 / 4 / 8 / 16
 (reports/bench-kernels-tenants-planes-2026-11-30-h200.json, ``batched_planes``) and was removed.
 Offline (``python tests/gpu/sass_tenants.py planes``: a compile for sm_90a, no GPU) the consumers'
@@ -42,6 +42,12 @@ kernel; T = 16 from reports/bench-kernels-tenants-planes-2026-11-30-h200.json). 
 warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
 peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
 programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.
+
+Later the same day (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*, with loader-warp
+configurations): T = 2 / 4 / 8 / 16: 1.18 / 1.36 / 1.76 / 2.86×. A probe with each K step's sign tile
+stored in one piece (:func:`tile_signs`, ``tiled=True``) ran at 1.34 / 1.66 / 2.60× at T = 4 / 8 / 16
+(reports/planes-probe-tiled-2026-11-30-h200.json): the 64 sign-row pieces of 16 bytes per tile are
+what costs, not the number of copies. The serving layout is still the contract's ``[S, N, K/8]``.
 """
 from __future__ import annotations
 
@@ -83,17 +89,28 @@ BLOCK_N = 64       # features per program: the wgmma's M
 # Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
 # thread, loader warps). Registers × threads must fit the 64 K register file; ptxas serialises the
 # wgmmas when a consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py)
-# shows. The first of each is the default (fastest over the 70B layer set in tests/gpu/planes_probe.py).
+# shows. The first of each is the default: the fastest over the 70B layer set at its best K splits in
+# both H200 probes of 2026-11-30 (tests/gpu/planes_probe.py in tests/gpu/session17.sh and session18.sh;
+# T = 4: 1.364 / 1.371× against 1.390 / 1.403× for the earlier default (128, 4, 3, 80); T = 8 with two
+# loader warps 1.796 / 1.805× against 1.811 / 1.822×; T = 16 with two 2.875 / 2.911× against 2.953 /
+# 2.951×). Configurations slowest in both were dropped (8 rows per warpgroup at T = 8 and 16).
 # Loader warps: each TMA copy costs its warp about twenty instructions, and a K step at 16 rows takes
-# 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out.
+# 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out (a few
+# per cent, not the 2× the copy count suggested: the sign copies themselves, 64 pieces of 16 bytes a
+# sign row apart, are the cost; :func:`tile_signs`).
 WS_CONFIGS = {
     2: ((128, 2, 3, 80, 1), (256, 2, 2, 104, 1)),
-    4: ((128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (256, 4, 2, 104, 1), (256, 4, 3, 104, 1), (128, 4, 3, 80, 2)),
-    8: ((128, 4, 3, 80, 1), (128, 8, 3, 128, 1), (256, 4, 3, 104, 1), (256, 8, 2, 128, 1), (128, 4, 3, 80, 2),
-        (128, 4, 3, 80, 4), (256, 4, 3, 104, 4)),
-    16: ((128, 4, 4, 96, 1), (128, 8, 3, 128, 1), (256, 8, 2, 128, 1), (128, 4, 4, 96, 2), (128, 4, 4, 96, 4),
-         (256, 8, 2, 128, 4), (256, 4, 2, 96, 4)),
+    4: ((256, 4, 2, 104, 1), (128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (128, 4, 3, 80, 2)),
+    8: ((128, 4, 3, 80, 2), (128, 4, 3, 80, 1), (256, 4, 3, 104, 1), (128, 4, 3, 80, 4), (256, 4, 3, 104, 4)),
+    16: ((128, 4, 4, 96, 2), (128, 4, 4, 96, 1), (256, 8, 2, 128, 1), (256, 4, 2, 96, 4), (128, 4, 4, 96, 4),
+         (256, 8, 2, 128, 4)),
 }
+
+
+def default_config(rows: int, k: int) -> tuple | None:
+    """The untimed configuration for a row block of ``rows`` (2, 4, 8 or 16) at this K: the first of
+    :data:`WS_CONFIGS` whose ``BLOCK_K`` divides K, or None if none does."""
+    return next((c for c in WS_CONFIGS[rows] if k % c[0] == 0), None)
 
 
 def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
@@ -215,7 +232,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             None. y: ``[M, N]`` in ``x.dtype``. ws, cnt: float32 zeros of at least ``M·N`` and int32
             zeros of one per output tile, left zero.
         config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread, loader warps)``,
-            default the first of :data:`WS_CONFIGS` for the row count. split: K chunks (default :func:`ws_split`).
+            default :func:`default_config`. split: K chunks (default :func:`ws_split`).
         pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
         tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
@@ -233,7 +250,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    bk, per_wg, stages, regs, loaders = config or WS_CONFIGS[rows][0]
+    bk, per_wg, stages, regs, loaders = config or default_config(rows, k) or WS_CONFIGS[rows][0]
     rh = min(rows, per_wg)
     if rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4):
         raise ValueError(f"{per_wg} rows per warpgroup do not split {rows} rows into 1, 2 or 4 warpgroups of "

@@ -49,7 +49,9 @@ reports/bench-kernels-tenants-planes-2026-11-30-h200.*), time ÷ dense bf16 over
 layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.10×
 (FMA), 1.21 / 1.38 / 1.72 / 2.84× (the warp-specialised int8 tensor-core kernel; T = 2–8 from
 reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×;
-the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×.
+the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×. Later runs: M = 2048 1.11× (the
+register-operand kernel, reports/bench-kernels-prefill-2026-11-30-h200-rs.*); T = 2 / 4 / 8 / 16
+1.18 / 1.36 / 1.76 / 2.86× (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*).
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -622,7 +624,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
     is timed and the default is used: the warp-specialised int8 tensor-core kernel
-    (``gluon_planes.WS_CONFIGS[rows][0]``) where it can run, else the Hopper CUDA-core kernel's
+    (``gluon_planes.default_config``) where it can run, else the Hopper CUDA-core kernel's
     default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
@@ -633,8 +635,8 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
-        if gluon_planes.planes_supported(x, weight, signs) and k % gluon_planes.WS_CONFIGS[rows][0][0] == 0:
-            return ("planes", gluon_planes.WS_CONFIGS[rows][0], None)
+        if gluon_planes.planes_supported(x, weight, signs) and gluon_planes.default_config(rows, k):
+            return ("planes", gluon_planes.default_config(rows, k), None)
         return configs[0] if AUTOTUNE else None
     runs = {}
     if gluon_planes.planes_supported(x, weight, signs):

@@ -463,6 +463,18 @@ def test_tile_signs_stores_each_k_step_tile_whole():
         tile_signs(signs[..., :48], 256)
 
 
+def test_untimed_configuration_is_the_first_whose_k_step_divides_k():
+    """``default_config``: the first ``WS_CONFIGS`` entry whose ``BLOCK_K`` divides K (at four rows
+    the default takes K steps of 256, so K = 384 falls to the first with steps of 128), None when
+    none does."""
+    from kernels import gluon_planes as gp
+
+    assert gp.default_config(4, 8192) == gp.WS_CONFIGS[4][0] and gp.WS_CONFIGS[4][0][0] == 256
+    assert gp.default_config(4, 384) == next(c for c in gp.WS_CONFIGS[4] if c[0] == 128)
+    assert gp.default_config(16, 384)[0] == 128
+    assert gp.default_config(2, 64) is None
+
+
 def test_warp_specialised_split_follows_the_wave_model():
     """``ws_split``: programs per multiprocessor from registers and shared memory, then the split
     with the fewest K steps over all waves, ``ceil(tiles·split/slots)·(ceil(steps/split) + 3)``."""
@@ -507,7 +519,7 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))
     configs = [dict(config=cfg) for cfg in gp.WS_CONFIGS[rows] if k % cfg[0] == 0]
-    configs.append(dict(config=gp.WS_CONFIGS[rows][0], pdl=True))  # programmatic dependent launch
+    configs.append(dict(config=gp.default_config(rows, k), pdl=True))  # programmatic dependent launch
     configs += [dict(config=cfg, pdl=True) for cfg in gp.WS_CONFIGS[rows] if cfg[4] > 1][:1]  # and with loaders
     # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
     configs += [dict(config=cfg, tiled=True) for cfg in list(gp.WS_CONFIGS[rows][:1]) + [
