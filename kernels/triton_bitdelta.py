@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
-from kernels.reference import check_batched_args, check_weight_and_bias
+from kernels.reference import check_batched_args, check_weight_and_bias, tiled_shape
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
 
@@ -115,13 +115,24 @@ def _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b
 
 
 @triton.jit
+def _sign_off(rn, kb, stride_sn, TILED: tl.constexpr):
+    """Offset of packed sign byte ``kb`` of row ``rn`` within one matrix's signs (broadcast shapes).
+    Rows: ``rn·stride_sn + kb``. Tiled (``kernels.reference.tile_signs``): ``stride_sn`` is one
+    64-row block's bytes, and a block holds tiles of 64 rows × 16 bytes, each contiguous."""
+    if TILED:
+        return (rn // 64) * stride_sn + (kb // 16) * 1024 + (rn % 64) * 16 + (kb % 16)
+    else:
+        return rn * stride_sn + kb
+
+
+@triton.jit
 def _decode_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, KB, NSLOT,
     stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
     ONE_DELTA: tl.constexpr, ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-    LATE_REDUCE: tl.constexpr = False,
+    LATE_REDUCE: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     """Decode (small M) on CUDA cores. Program (n-tile, K-chunk, row block): W is loaded once per
     K step and used from registers by each of the program's ``BLOCK_M`` rows (``tl.static_range``);
@@ -160,7 +171,8 @@ def _decode_kernel(
             w = tl.load(w_ptr + rn[:, None, None] * stride_wn + k[None, :, :], mask=(k < K)[None, :, :],
                         other=0.0).to(tl.float32)
         if ONE_DELTA:
-            byte = tl.load(s_ptr + rn[:, None] * stride_sn + kb[None, :], mask=(kb < KB)[None, :], other=0)
+            byte = tl.load(s_ptr + _sign_off(rn[:, None], kb[None, :], stride_sn, TILED), mask=(kb < KB)[None, :],
+                           other=0)
             bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
             w_eff = w + tl.where(bit != 0, alpha1, -alpha1)                         # W + α·s in float32
         for i in tl.static_range(BLOCK_M):
@@ -180,7 +192,7 @@ def _decode_kernel(
                     alpha_i = tl.load(a_ptr + sl * stride_as + rn, mask=has_n, other=0.0)[:, None, None]
                 else:
                     alpha_i = tl.load(a_ptr + sl * stride_as + rn * 0, mask=has_n, other=0.0)[:, None, None]
-                byte = tl.load(s_ptr + sl * stride_ss + rn[:, None] * stride_sn + kb[None, :],
+                byte = tl.load(s_ptr + sl * stride_ss + _sign_off(rn[:, None], kb[None, :], stride_sn, TILED),
                                mask=(kb < KB)[None, :] & has_n[:, None], other=0)
                 bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
                 w_eff = w + tl.where(bit != 0, alpha_i, -alpha_i)
@@ -205,6 +217,7 @@ def _mm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
     W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -222,7 +235,6 @@ def _mm_kernel(
     else:
         alpha = tl.load(a_ptr)
     w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (offs_b[:, None] * 8 + offs_j[None, :])[None, :, :]
-    s_ptrs = s_ptr + rn[:, None] * stride_sn + offs_b[None, :]
     if W_AS_A:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]                  # xᵀ tile [BK, BM]
@@ -230,6 +242,7 @@ def _mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]                  # x tile [BM, BK]
     for k0 in range(0, K, BLOCK_K):
+        s_ptrs = s_ptr + _sign_off(rn[:, None], (k0 // 8 + offs_b)[None, :], stride_sn, TILED)
         if EVEN_K:
             w = tl.load(w_ptrs)                                                     # [BN, BK/8, 8]
             byte = tl.load(s_ptrs)                                                  # [BN, BK/8]
@@ -256,7 +269,6 @@ def _mm_kernel(
             else:
                 acc = tl.dot(xt, tl.trans(w_eff), acc)
         w_ptrs += BLOCK_K
-        s_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
     if W_AS_A:
         if HAS_BIAS:
@@ -277,6 +289,7 @@ def _tenants_kernel(
     stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
     """Mixed tenants with a table lookup for the signs (the "Four Russians" trick).
 
@@ -347,7 +360,7 @@ def _tenants_kernel(
                     lut_lo += xl * bit_j
                     lut_hi += xh * bit_j
                     xsum += xl + xh
-                s_ptrs = s_ptr + sl * stride_ss + rn[None, :] * stride_sn + kbyte[:, None]
+                s_ptrs = s_ptr + sl * stride_ss + _sign_off(rn[None, :], kbyte[:, None], stride_sn, TILED)
                 if EVEN:
                     byte = tl.load(s_ptrs).to(tl.int32)                             # [GB, BN], each byte once
                 else:
@@ -427,11 +440,12 @@ def _workspace(device: torch.device, n_sums: int, n_counts: int) -> tuple[torch.
 def _mm_entry(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
               stride_xm, stride_wn, stride_sn, stride_ym,
               ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-              W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+              W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              TILED: tl.constexpr = False):
     """Autotuning entry of ``_mm_kernel``: ``M_BUCKET`` (M rounded up to a power of two) is only in
     the tuning key, so every M of one bucket reuses one tuned tile."""
     _mm_kernel(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-               ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K)
+               ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K, TILED)
 
 
 def _quick_bench(fn, quantiles=None):
@@ -513,8 +527,10 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     kb = (k + 7) // 8
-    if sign.dtype != torch.uint8 or sign.shape != (n, kb):
-        raise ValueError(f"sign must be uint8 [{n}, {kb}], got {sign.dtype} {tuple(sign.shape)}")
+    tiled = sign.dim() == 4  # kernels.reference.tile_signs' layout
+    want = tiled_shape(n, k) if tiled else (n, kb)
+    if sign.dtype != torch.uint8 or tuple(sign.shape) != want:
+        raise ValueError(f"sign must be uint8 {list(want)}, got {sign.dtype} {tuple(sign.shape)}")
     alpha = alpha.to(device=x.device, dtype=torch.float32).contiguous()
     if alpha.dim() not in (0, 1) or (alpha.dim() == 1 and alpha.shape[0] != n):
         raise ValueError(f"alpha must be [] or [{n}], got {tuple(alpha.shape)}")
@@ -523,12 +539,12 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    sign = sign if sign.stride(-1) == 1 else sign.contiguous()
+    sign = sign.contiguous() if tiled or sign.stride(-1) != 1 else sign
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y.reshape(*lead, n)
-    flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None)
+    flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, TILED=tiled)
     b = bias.to(x.device).contiguous() if bias is not None else alpha  # the kernels read bias[n] densely
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
@@ -544,7 +560,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                                                       BLOCK_M=bm)
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
-    if not _interpret() and gluon_bitdelta.supported(x2, weight):
+    if not _interpret() and not tiled and gluon_bitdelta.supported(x2, weight):  # the Gluon kernels read rows
         dev_bias = b if bias is not None else None  # on x's device, contiguous
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
@@ -660,11 +676,11 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     return _TENANTS_CHOICE[key]
 
 
-def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False) -> None:
     """Launch the table-lookup mixed-tenant kernel with the wrapper's argument tuple (fixed tiles
-    under the interpreter, autotuned on a GPU)."""
+    under the interpreter, autotuned on a GPU); ``tiled``: the signs are in ``tile_signs``' layout."""
     m, n, k, kb = args[9:13]
-    flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, TILED=tiled)
     bm = min(16, triton.next_power_of_2(m))
     if _interpret():
         _tenants_kernel[(triton.cdiv(n, 16), triton.cdiv(kb, 16), triton.cdiv(m, bm))](
@@ -729,10 +745,15 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     if m == 0:
         return y
     ws, cnt = _workspace(x.device, m * n, m * triton.cdiv(n, 2))
+    # tiled signs (kernels.reference.tile_signs): stride(1) is then one 64-row block's bytes
+    tiled = signs.dim() == 5
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
-    if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
+    if tiled and impl in ("gluon", "planes"):
+        raise ValueError(f"impl={impl!r} reads sign rows; tiled signs run with impl='fma' or 'lut'")
+    if (impl is None and m >= 2 and not tiled and not _interpret()
+            and gluon_bitdelta.tenants_supported(x, weight, signs)):
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
         if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
@@ -751,9 +772,9 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt)
     impl = impl or ("fma" if m == 1 else "lut")
     if impl == "lut":
-        _lut_launch(args, alphas, bias)
+        _lut_launch(args, alphas, bias, tiled)
         return y
-    flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, TILED=tiled)
     if _interpret():
         _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](
             *args, **flags, EVEN=k % 256 == 0, BLOCK_M=4, BLOCK_N=4, BLOCK_KB=32, CHUNK_ITERS=2)
