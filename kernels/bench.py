@@ -102,8 +102,13 @@ def run(cfg) -> dict:
         raise RuntimeError("make bench-kernels needs a CUDA GPU (the kernels' CPU tests are `make test`)")
     import triton
 
-    from kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs
+    from kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs,
+                         tile_signs)
     from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    if cfg.get("sign_layout", "rows") not in ("rows", "tiled"):
+        raise ValueError(f"sign_layout must be rows or tiled, got {cfg.sign_layout!r}")
+    tiled = cfg.get("sign_layout", "rows") == "tiled"  # the kernels read kernels.tile_signs' layout
 
     dtype = getattr(torch, cfg.dtype)
     bench = _timer(cfg.timing, cfg.rep_ms)
@@ -123,13 +128,14 @@ def run(cfg) -> dict:
         for m in cfg.ms:
             for name, (n, k) in layers.items():
                 w, sign, alpha = tensors[name]
+                ks = tile_signs(sign) if tiled else sign  # what the kernels read
                 x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-                y = bitdelta_linear(x, w, sign, alpha)
+                y = bitdelta_linear(x, w, ks, alpha)
                 ref = _naive(x.float(), w.float(), sign, alpha.float(), k, torch.float32)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = {"dense": bench(lambda: x @ w.t()),
                      "naive": bench(lambda: _naive(x, w, sign, alpha, k, dtype)),
-                     "triton": bench(lambda: bitdelta_linear(x, w, sign, alpha))}
+                     "triton": bench(lambda: bitdelta_linear(x, w, ks, alpha))}
                 nbytes = 2 * n * k + n * ((k + 7) // 8) + 4 * alpha.numel() + 2 * m * (k + n)
                 rows.append({"kind": "single", "model": model, "layer": name, "N": n, "K": k, "M": m,
                              **{f"{key}_ms": v for key, v in t.items()},
@@ -148,16 +154,20 @@ def run(cfg) -> dict:
                 alphas = 0.004 + 0.002 * torch.rand(t_count, n, device="cuda", generator=g)
                 slot = torch.arange(t_count, device="cuda", dtype=torch.int32)
                 x = torch.randn(t_count, k, device="cuda", generator=g).to(dtype)
-                y = bitdelta_linear_batched(x, w, signs, alphas, slot)
+                kss = tile_signs(signs) if tiled else signs  # what the kernels read
+                y = bitdelta_linear_batched(x, w, kss, alphas, slot)
                 ref = bitdelta_linear_batched_reference(x.float(), w.float(), signs, alphas, slot)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = {"dense": bench(lambda: x @ w.t()),
-                     "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, signs, alphas, slot))}
+                     "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, kss, alphas, slot))}
                 for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
                     if impl in ("gluon", "planes") and t_count < 2:  # the Hopper tenant kernel takes two rows or more
                         t[f"batched_{impl}"] = float("nan")
                         continue
-                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
+                    if impl == "gluon" and tiled:  # that kernel reads sign rows only
+                        t[f"batched_{impl}"] = float("nan")
+                        continue
+                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, kss, alphas, slot,
                                                                                         impl=impl))
                 if cfg.bitdelta_style:
                     t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
@@ -170,7 +180,7 @@ def run(cfg) -> dict:
                       f"batched {t['triton_batched'] / t['dense']:6.3f}x  "
                       f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}",
                       flush=True)
-            del signs
+            del signs, kss
             _write_partial(cfg, copy_gbs, rows)
         del tensors
         torch.cuda.empty_cache()
@@ -197,8 +207,11 @@ def _plain(cfg) -> dict:
     from omegaconf import OmegaConf
 
     keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
-            "bitdelta_style", "batched_impls", "copy_bytes", "seed", "machine")
-    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in keys}
+            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine")
+    out = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+           for k in keys if k in cfg}
+    out.setdefault("sign_layout", "rows")  # configurations from before the setting
+    return out
 
 
 def _summary(rows: list[dict], cfg) -> dict:

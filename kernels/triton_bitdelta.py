@@ -120,7 +120,7 @@ def _sign_off(rn, kb, stride_sn, TILED: tl.constexpr):
     Rows: ``rn·stride_sn + kb``. Tiled (``kernels.reference.tile_signs``): ``stride_sn`` is one
     64-row block's bytes, and a block holds tiles of 64 rows × 16 bytes, each contiguous."""
     if TILED:
-        return (rn // 64) * stride_sn + (kb // 16) * 1024 + (rn % 64) * 16 + (kb % 16)
+        return (rn >> 6) * stride_sn + ((kb >> 4) << 10) + ((rn & 63) << 4) + (kb & 15)  # indices ≥ 0
     else:
         return rn * stride_sn + kb
 
@@ -510,7 +510,8 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     Args:
         x: ``[..., K]`` bf16 or fp16 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         weight: ``[N, K]`` in ``x.dtype``.
-        sign: ``[N, ceil(K/8)]`` uint8.
+        sign: ``[N, ceil(K/8)]`` uint8, or the same in ``kernels.reference.tile_signs``' layout
+            (4-D), which every kernel here reads.
         alpha: float32 ``[]`` or ``[N]``.
         bias: optional ``[N]``.
 
@@ -560,7 +561,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                                                       BLOCK_M=bm)
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
-    if not _interpret() and not tiled and gluon_bitdelta.supported(x2, weight):  # the Gluon kernels read rows
+    if not _interpret() and gluon_bitdelta.supported(x2, weight):
         dev_bias = b if bias is not None else None  # on x's device, contiguous
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
@@ -634,7 +635,7 @@ def _fastest(runs: dict):
 _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant config, or None for table lookup
 
 
-def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
+def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, tiled=False):
     """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two): each
     configuration of the Hopper kernel usable for the row count (``gluon_bitdelta.tenant_configs``)
     and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
@@ -644,34 +645,34 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None)
+    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None, tiled)
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
-    configs = gluon_bitdelta.tenant_configs(rows)
+    configs = [] if tiled else gluon_bitdelta.tenant_configs(rows)  # the CUDA-core kernel reads sign rows
+    # int8 tensor-core configurations that run here: with tiled signs those of 128-weight K steps
+    planes = ([c for c in gluon_planes.WS_CONFIGS[rows] if k % c[0] == 0 and (not tiled or c[0] == 128)]
+              if gluon_planes.planes_supported(x, weight, signs) else [])
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
-        if gluon_planes.planes_supported(x, weight, signs) and gluon_planes.default_config(rows, k):
-            return ("planes", gluon_planes.default_config(rows, k), None)
-        return configs[0] if AUTOTUNE else None
+        if planes:
+            return ("planes", planes[0], None)
+        return configs[0] if AUTOTUNE and configs else None
     runs = {}
-    if gluon_planes.planes_supported(x, weight, signs):
-        # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
-        # the 70B layer set it is faster than every other tenant kernel from two rows up
-        # (tests/gpu/planes_probe.py), so the others are not timed
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        for cfg in gluon_planes.WS_CONFIGS[rows]:
-            if k % cfg[0]:
-                continue
-            d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
-            for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-                runs[("planes", cfg, split)] = (
-                    lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
-                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split))
+    # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
+    # the 70B layer set it is faster than every other tenant kernel from two rows up
+    # (tests/gpu/planes_probe.py), so the others are not timed
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if planes else 0
+    for cfg in planes:
+        d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
+        for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
+            runs[("planes", cfg, split)] = (
+                lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
+                    x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled))
     if not runs:
         runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
-        runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
+        runs[None] = lambda: _lut_launch(lut_args, alphas, bias, tiled)
     _TENANTS_CHOICE[key] = _fastest(runs)
     return _TENANTS_CHOICE[key]
 
@@ -715,8 +716,10 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
 
     Args:
-        x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
-        alphas float32 ``[S]`` or ``[S, N]``; slot ``[M]`` int (−1: base only); bias ``[N]``.
+        x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``, or
+        the same in ``kernels.reference.tile_signs``' layout (5-D: each K step's 64 × 16-byte sign tile
+        contiguous, read by every kernel here but ``"gluon"``); alphas float32 ``[S]`` or ``[S, N]``;
+        slot ``[M]`` int (−1: base only); bias ``[N]``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -724,7 +727,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     Raises:
         ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
-            or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run.
+            or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run (``"gluon"`` never
+            reads tiled signs).
     """
     _check(x, weight)
     if impl not in (None, "fma", "lut", "gluon", "planes"):
@@ -750,21 +754,23 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
-    if tiled and impl in ("gluon", "planes"):
-        raise ValueError(f"impl={impl!r} reads sign rows; tiled signs run with impl='fma' or 'lut'")
-    if (impl is None and m >= 2 and not tiled and not _interpret()
-            and gluon_bitdelta.tenants_supported(x, weight, signs)):
-        config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
+    if tiled and impl == "gluon":
+        raise ValueError("impl='gluon' reads sign rows; tiled signs run with impl=None, 'fma', 'lut' or 'planes'")
+    if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
+        config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args, tiled)
         if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               config[1], config[2])
+                                                               config[1], config[2], tiled=tiled)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":
         if _interpret() or not gluon_planes.planes_supported(x, weight, signs):
             raise ValueError("impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128 and "
                              "16-byte aligned contiguous signs")
-        return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt)
+        rows = max(2, min(16, triton.next_power_of_2(m)))
+        cfg = next((c for c in gluon_planes.WS_CONFIGS[rows] if c[0] == 128), None) if tiled else None
+        return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg,
+                                                           tiled=tiled)
     if impl == "gluon":
         if _interpret() or not gluon_bitdelta.tenants_supported(x, weight, signs):
             raise ValueError("impl='gluon' needs a Hopper GPU, two rows or more, K a multiple of 64 and "

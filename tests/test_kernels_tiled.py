@@ -102,5 +102,57 @@ def test_triton_mixed_tenants_read_tiled_signs(impl, m, n, k):
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
     swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas, slot)
     assert (swapped[slot >= 0] - y.float().cpu()[slot >= 0]).abs().max() > 4 * atol
-    with pytest.raises(ValueError, match=r"^impl='planes' reads sign rows; tiled signs run with impl='fma' or 'lut'$"):
-        bitdelta_linear_batched_triton(x, w, tile_signs(signs), alphas, slot, impl="planes")
+    with pytest.raises(ValueError, match=r"^impl='gluon' reads sign rows; tiled signs run with impl=None, 'fma', "
+                                         r"'lut' or 'planes'$"):
+        bitdelta_linear_batched_triton(x, w, tile_signs(signs), alphas, slot, impl="gluon")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernels run on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m, n, k", [(300, 200, 512), (1100, 384, 4096)])
+def test_gluon_prefill_kernels_read_tiled_signs(dtype, m, n, k):
+    """Both Hopper prefill kernels on tiled signs: the register-operand kernel at each of its usable
+    configurations and the shared-memory one at its default, against the row layout's reference."""
+    from kernels import gluon_bitdelta as gb
+    from kernels import gluon_prefill_rs as pr
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    sign = pack_signs(torch.randn(n, k, generator=g))
+    alpha = 0.03 + 0.05 * torch.rand(n, generator=g)
+    ref = bitdelta_linear(x.float(), w.float(), sign, alpha)
+    atol = TOL[dtype] * ref.abs().max().item()
+    xd, wd, td, ad = x.cuda(), w.cuda(), tile_signs(sign).cuda(), alpha.cuda()
+    configs = pr.usable_configs(xd, wd, td)
+    assert configs, "the register-operand kernel should run on these tiled signs"
+    for cfg in configs:
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        pr.bitdelta_linear_prefill_rs(xd, wd, td, ad, None, y, cfg)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"rs {cfg}: {s}")
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    gb.bitdelta_linear_gluon(xd, wd, td, ad, None, y)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"ss: {s}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tenant kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("m", [2, 16])
+def test_dispatcher_runs_tiled_mixed_tenants_on_the_int8_kernel(m):
+    """``bitdelta_linear_batched_triton`` with tiled signs and no ``impl`` on a Hopper GPU: the int8
+    kernel at its first configuration of 128-weight K steps, equal to the reference."""
+    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    g = torch.Generator().manual_seed(m)
+    n, k = 320, 1024
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(3)])
+    alphas = 0.03 + 0.05 * torch.rand(3, n, generator=g)
+    slot = torch.randint(-1, 3, (m,), generator=g, dtype=torch.int32)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    y = bitdelta_linear_batched_triton(*(t.cuda() for t in (x, w, tile_signs(signs), alphas, slot)))
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
