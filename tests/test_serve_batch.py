@@ -106,3 +106,21 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
         DeltaSlots(engine.model, 0)
     with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
         DeltaSlots(engine.model, 1, sign_layout="cols")
+
+
+def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
+    """``delta_cache.sign_layout: tiled``: the engine's slots hold the linears' signs tiled, and greedy
+    completions of the base and both variants are the row-layout engine's, token for token."""
+    from serve.engine import SamplingParams
+
+    tiled = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny",
+                   delta_cache={"sign_layout": "tiled"})
+    assert tiled.slots.sign_layout == "tiled" and tiled.slots.tiled
+    params = SamplingParams(temperature=0, max_tokens=8)
+    got = {}
+    for model_id in ("tiny", "tiny-coder", "tiny-writer"):
+        a = engine.complete(model_id, "def main(", params)
+        got[model_id] = tiled.complete(model_id, "def main(", params).token_ids
+        assert a.token_ids == got[model_id], model_id
+    # the variants' deltas matter here (a layout read as zeros would answer like the base)
+    assert got["tiny-coder"] != got["tiny"] and got["tiny-writer"] != got["tiny"]
