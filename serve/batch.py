@@ -63,12 +63,14 @@ class DeltaSlots:
         self.signs: dict[str, Tensor] = {}
         self.alphas: dict[str, Tensor] = {}
         self.tiled: set[str] = set()  # the parameters whose signs are held tiled
+        # an embedding's signs are gathered by token, so they stay rows (also when a tied lm_head shares them)
+        gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
         for mod in model.modules():
             if isinstance(mod, (DeltaLinear, DeltaEmbedding)):
                 name = f"{mod.name}.weight"
                 if name not in self.signs:
                     n, k = mod.weight.shape
-                    if sign_layout == "tiled" and isinstance(mod, DeltaLinear):
+                    if sign_layout == "tiled" and name not in gathered:
                         self.tiled.add(name)
                         shape = (n_slots, *tiled_shape(n, k))
                     else:
@@ -93,11 +95,12 @@ class DeltaSlots:
         from serve.model import DeltaEmbedding, DeltaLinear
 
         seen, total = set(), 0
+        gathered = {mod.name for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
         for mod in model.modules():
             if isinstance(mod, (DeltaLinear, DeltaEmbedding)) and mod.name not in seen:
                 seen.add(mod.name)
                 n, k = mod.weight.shape
-                if sign_layout == "tiled" and isinstance(mod, DeltaLinear):
+                if sign_layout == "tiled" and mod.name not in gathered:
                     nt, kt, r, b = tiled_shape(n, k)
                     total += nt * kt * r * b + 4 * n
                 else:
@@ -116,7 +119,9 @@ class DeltaSlots:
 
     def put(self, delta, slot: int | None = None):
         """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot (``slot``,
-        or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set."""
+        or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set.
+        Signs may come as rows (an artifact) or already in the slots' layout (a host-tier copy of a
+        slot's views); a copy that fails gives the slot back."""
         from serve.model import VariantDelta
 
         bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
@@ -134,19 +139,12 @@ class DeltaSlots:
             else:
                 raise RuntimeError(f"variant slot {slot} is taken")
             self._free.remove(i)
-        for name, s in self.signs.items():
-            a = self.alphas[name]
-            if name in delta.signs:
-                if name in self.tiled:  # tiled on the slots' device (one matrix of scratch)
-                    s[i].copy_(tile_signs(delta.signs[name].to(s.device)))
-                else:
-                    s[i].copy_(delta.signs[name])
-                a[i].copy_(delta.alphas[name].float().expand(a.shape[1]))
-            else:
-                s[i].zero_()
-                a[i].zero_()  # α = 0: W + 0·s = W
-        for name, t in self.full.items():
-            t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
+        try:
+            self._copy_in(delta, i)
+        except BaseException:
+            with self._lock:
+                self._free.append(i)
+            raise
         view = object.__new__(VariantDelta)
         view.name = delta.name
         view.signs = {k: self.signs[k][i] for k in delta.signs}
@@ -154,6 +152,21 @@ class DeltaSlots:
         view.full = {k: self.full[k][i] for k in delta.full}
         view.slot = i
         return view
+
+    def _copy_in(self, delta, i: int) -> None:
+        for name, s in self.signs.items():
+            a = self.alphas[name]
+            if name in delta.signs:
+                sign = delta.signs[name]
+                if name in self.tiled and sign.shape != s.shape[1:]:  # rows: tiled on the slots' device
+                    sign = tile_signs(sign.to(s.device))
+                s[i].copy_(sign)
+                a[i].copy_(delta.alphas[name].float().expand(a.shape[1]))
+            else:
+                s[i].zero_()
+                a[i].zero_()  # α = 0: W + 0·s = W
+        for name, t in self.full.items():
+            t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
 
     def free(self, view) -> None:
         """Give a slot back (its contents are overwritten by the next :meth:`put`)."""

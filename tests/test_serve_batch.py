@@ -106,6 +106,15 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
         DeltaSlots(engine.model, 0)
     with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
         DeltaSlots(engine.model, 1, sign_layout="cols")
+    # a copy that fails (signs of the wrong shape) gives the slot back
+    name = next(iter(coder.signs))
+    broken = object.__new__(type(coder))
+    broken.name, broken.full = "broken", {}
+    n, kb = coder.signs[name].shape
+    broken.signs, broken.alphas = {name: torch.zeros(n + 1, kb, dtype=torch.uint8)}, {name: coder.alphas[name]}
+    with pytest.raises(RuntimeError):
+        slots.put(broken)
+    assert slots.free_slots == 1
 
 
 def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
