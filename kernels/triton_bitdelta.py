@@ -477,20 +477,22 @@ AUTOTUNE = os.environ.get("DELTAFLEET_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _autotune(configs, key, fn):
+    """``triton.autotune`` over ``configs`` keyed by the argument names ``key`` (launch keywords such
+    as ``TILED`` included: a sign layout gets its own tuned tile)."""
     quick = os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
     return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key,
                            do_bench=_quick_bench if quick else _graph_bench)(fn)
 
 
-_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
-_batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M"], _decode_kernel)
-_batched1_tuned = _autotune(_decode_configs(False), ["N", "K"], _decode_kernel)  # one row: the decode tiles
+_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
+_batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M", "TILED"], _decode_kernel)
+_batched1_tuned = _autotune(_decode_configs(False), ["N", "K", "TILED"], _decode_kernel)  # one row: decode tiles
 # EVEN (no K masks) needs every K step of every tile whole: K a multiple of the longest step
 _DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False))
 _BATCHED_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(True))
 _LUT_EVEN = max(c.kwargs["BLOCK_K"] for c in _lut_configs())
-_mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET"], _mm_entry)
-_lut_tuned = _autotune(_lut_configs(), ["N", "K", "M"], _tenants_kernel)
+_mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET", "TILED"], _mm_entry)
+_lut_tuned = _autotune(_lut_configs(), ["N", "K", "M", "TILED"], _tenants_kernel)
 
 
 def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
