@@ -400,6 +400,19 @@ def _decode_configs(batched: bool):
            for bn, bkb, it, w in tiles[:3] + tiles[4:5] + tiles[6:7]]
 
 
+def _decode_configs_tiled():
+    """Decode tiles for signs in ``tile_signs``' layout: the row tiles above plus tiles of 4–16 rows
+    and 16–128 bytes per K step, so that a program reads whole 64–256-byte runs of a 64-row × 16-byte
+    sign tile (one or two rows per program read 16-byte pieces a KiB apart: on an H200 the row tiles
+    ran gate_up's 56 MiB of signs 7 % slower tiled than in rows, kernels/bench.py, 2026-11-30)."""
+    tiles = ((4, 64, NO_SPLIT, 4), (8, 32, NO_SPLIT, 4), (16, 16, NO_SPLIT, 4), (8, 64, NO_SPLIT, 8),
+             (16, 32, NO_SPLIT, 8), (4, 128, NO_SPLIT, 8), (8, 32, 4, 4), (4, 64, 2, 4), (16, 16, 8, 4))
+    return _decode_configs(False) \
+        + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles] \
+        + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it, "LATE_REDUCE": True}, num_warps=w)
+           for bn, bkb, it, w in tiles[:4]]
+
+
 def _lut_configs():
     """Table-lookup mixed-tenant tiles (BLOCK_N, BLOCK_K, CHUNK_ITERS, warps, stages): two pipeline
     stages keep the shared memory of a program small; wide N tiles share each row's table among more
@@ -487,8 +500,11 @@ def _autotune(configs, key, fn):
 _decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
 _batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M", "TILED"], _decode_kernel)
 _batched1_tuned = _autotune(_decode_configs(False), ["N", "K", "TILED"], _decode_kernel)  # one row: decode tiles
+# tiled signs: their own tuners, over the row tiles and tiles of more rows (_decode_configs_tiled)
+_decode_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
+_batched1_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "TILED"], _decode_kernel)
 # EVEN (no K masks) needs every K step of every tile whole: K a multiple of the longest step
-_DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False))
+_DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False) + _decode_configs_tiled())
 _BATCHED_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(True))
 _LUT_EVEN = max(c.kwargs["BLOCK_K"] for c in _lut_configs())
 _mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET", "TILED"], _mm_entry)
@@ -559,8 +575,9 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                 *args, ONE_DELTA=True, **flags, EVEN=k % 256 == 0, BLOCK_M=bm, BLOCK_N=8, BLOCK_KB=32, CHUNK_ITERS=2,
                 LATE_REDUCE=bm == 1)
         else:
-            _decode_tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
-                                                      BLOCK_M=bm)
+            tuned = _decode_tiled_tuned if tiled else _decode_tuned
+            tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
+                                              BLOCK_M=bm)
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if not _interpret() and gluon_bitdelta.supported(x2, weight):
@@ -787,7 +804,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](
             *args, **flags, EVEN=k % 256 == 0, BLOCK_M=4, BLOCK_N=4, BLOCK_KB=32, CHUNK_ITERS=2)
     elif m == 1:
-        _batched1_tuned[_decode_grid(n, kb, 1, 1)](*args, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=1)
+        tuned = _batched1_tiled_tuned if tiled else _batched1_tuned
+        tuned[_decode_grid(n, kb, 1, 1)](*args, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=1)
     else:
         _batched_tuned[_decode_grid(n, kb, m)](*args, **flags, EVEN=k % _BATCHED_EVEN == 0)
     return y
