@@ -16,8 +16,11 @@ from kernels.reference import (
     pack_signs,
     packed_width,
     reconstruct,
+    tile_signs,
+    tiled_shape,
     unpack_bits,
     unpack_signs,
+    untile_signs,
 )
 
 _triton_ops = None  # (bitdelta_linear_op, bitdelta_linear_batched_op) once imported; False without triton
@@ -71,4 +74,7 @@ __all__ = [
     "reconstruct",
     "unpack_bits",
     "unpack_signs",
+    "tile_signs",
+    "tiled_shape",
+    "untile_signs",
 ]

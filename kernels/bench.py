@@ -16,7 +16,8 @@ same random tensors in one run:
   ``bitdelta_style``: BitDelta's approach of unpacking each tenant's signs and a batched matmul
   (``x·Wᵀ`` shared, ``α_t ⊙ bmm(x_t, S_tᵀ)``; our torch code, not theirs).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), replayed from a
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), taken in ``rounds``
+rounds of dense and the kernels timed in turn (the median over rounds is reported), replayed from a
 CUDA graph when ``timing=cuda_graph`` (as a serving engine replays decode steps; no Python launch
 overhead in either side of a ratio) or launched eagerly. Achieved bandwidth = bytes the kernel
 must read and write (W, signs, α, x, y) ÷ time, against the bandwidth of a device-to-device copy
@@ -66,6 +67,36 @@ def _timer(timing: str, rep_ms: int):
     return run
 
 
+def time_interleaved(bench, fns: dict, rounds: int) -> dict:
+    """Median time of each callable in ``fns`` (name -> fn) over ``rounds`` rounds, the callables
+    timed one after another within a round, so that a drift of the GPU's speed during a run weighs on
+    dense and the kernels alike (on a 2×H200 host dense gate_up measured 210–235 µs from run to run).
+
+    Args:
+        bench: ``fn -> milliseconds`` (``_timer``'s).
+        fns: name -> zero-argument callable, timed in this order in each round.
+        rounds: ≥ 1.
+
+    Returns:
+        name -> median milliseconds (for an even ``rounds``, the mean of the two middle times).
+
+    Raises:
+        ValueError: if ``rounds`` < 1.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    out = {}
+    for name, ts in times.items():
+        ts = sorted(ts)
+        mid = len(ts) // 2
+        out[name] = ts[mid] if len(ts) % 2 else (ts[mid - 1] + ts[mid]) / 2
+    return out
+
+
 def copy_bandwidth(nbytes: int, bench) -> float:
     """Device-to-device copy bandwidth in GB/s (10⁹ bytes), counting bytes read + written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -102,11 +133,17 @@ def run(cfg) -> dict:
         raise RuntimeError("make bench-kernels needs a CUDA GPU (the kernels' CPU tests are `make test`)")
     import triton
 
-    from kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs
+    from kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs,
+                         tile_signs)
     from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+
+    if cfg.get("sign_layout", "rows") not in ("rows", "tiled"):
+        raise ValueError(f"sign_layout must be rows or tiled, got {cfg.sign_layout!r}")
+    tiled = cfg.get("sign_layout", "rows") == "tiled"  # the kernels read kernels.tile_signs' layout
 
     dtype = getattr(torch, cfg.dtype)
     bench = _timer(cfg.timing, cfg.rep_ms)
+    rounds = int(cfg.get("rounds", 1))  # dense and the kernels timed in turn, medians over the rounds
     g = torch.Generator(device="cuda").manual_seed(cfg.seed)
     copy_gbs = copy_bandwidth(int(cfg.copy_bytes), bench)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
@@ -123,13 +160,14 @@ def run(cfg) -> dict:
         for m in cfg.ms:
             for name, (n, k) in layers.items():
                 w, sign, alpha = tensors[name]
+                ks = tile_signs(sign) if tiled else sign  # what the kernels read
                 x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-                y = bitdelta_linear(x, w, sign, alpha)
+                y = bitdelta_linear(x, w, ks, alpha)
                 ref = _naive(x.float(), w.float(), sign, alpha.float(), k, torch.float32)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = {"dense": bench(lambda: x @ w.t()),
-                     "naive": bench(lambda: _naive(x, w, sign, alpha, k, dtype)),
-                     "triton": bench(lambda: bitdelta_linear(x, w, sign, alpha))}
+                t = time_interleaved(bench, {"dense": lambda: x @ w.t(),
+                                             "naive": lambda: _naive(x, w, sign, alpha, k, dtype),
+                                             "triton": lambda: bitdelta_linear(x, w, ks, alpha)}, rounds)
                 nbytes = 2 * n * k + n * ((k + 7) // 8) + 4 * alpha.numel() + 2 * m * (k + n)
                 rows.append({"kind": "single", "model": model, "layer": name, "N": n, "K": k, "M": m,
                              **{f"{key}_ms": v for key, v in t.items()},
@@ -148,16 +186,21 @@ def run(cfg) -> dict:
                 alphas = 0.004 + 0.002 * torch.rand(t_count, n, device="cuda", generator=g)
                 slot = torch.arange(t_count, device="cuda", dtype=torch.int32)
                 x = torch.randn(t_count, k, device="cuda", generator=g).to(dtype)
-                y = bitdelta_linear_batched(x, w, signs, alphas, slot)
+                kss = tile_signs(signs) if tiled else signs  # what the kernels read
+                y = bitdelta_linear_batched(x, w, kss, alphas, slot)
                 ref = bitdelta_linear_batched_reference(x.float(), w.float(), signs, alphas, slot)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = {"dense": bench(lambda: x @ w.t()),
-                     "triton_batched": bench(lambda: bitdelta_linear_batched(x, w, signs, alphas, slot))}
+                t = time_interleaved(bench, {"dense": lambda: x @ w.t(),
+                                             "triton_batched": lambda: bitdelta_linear_batched(x, w, kss, alphas, slot)},
+                                     rounds)
                 for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
                     if impl in ("gluon", "planes") and t_count < 2:  # the Hopper tenant kernel takes two rows or more
                         t[f"batched_{impl}"] = float("nan")
                         continue
-                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
+                    if impl == "gluon" and tiled:  # that kernel reads sign rows only
+                        t[f"batched_{impl}"] = float("nan")
+                        continue
+                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, kss, alphas, slot,
                                                                                         impl=impl))
                 if cfg.bitdelta_style:
                     t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
@@ -170,7 +213,7 @@ def run(cfg) -> dict:
                       f"batched {t['triton_batched'] / t['dense']:6.3f}x  "
                       f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}",
                       flush=True)
-            del signs
+            del signs, kss
             _write_partial(cfg, copy_gbs, rows)
         del tensors
         torch.cuda.empty_cache()
@@ -197,8 +240,11 @@ def _plain(cfg) -> dict:
     from omegaconf import OmegaConf
 
     keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
-            "bitdelta_style", "batched_impls", "copy_bytes", "seed", "machine")
-    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in keys}
+            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine")
+    out = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+           for k in keys if k in cfg}
+    out.setdefault("sign_layout", "rows")  # configurations from before the setting
+    return out
 
 
 def _summary(rows: list[dict], cfg) -> dict:

@@ -85,9 +85,18 @@ if HAVE_GLUON:
         return k_first, gl.minimum(per, num_k_all - k_first)
 
     @gluon.jit
+    def _tile_col(kb, TILED: gl.constexpr):
+        """``[1, B]`` offsets of the sign bytes ``kb`` from a row's start: ``kb`` in rows, ``(kb // 16)·1024
+        + kb % 16`` in ``kernels.reference.tile_signs``' layout (16 bytes per tile row, 1 KiB tiles)."""
+        if TILED:
+            return gl.expand_dims(((kb >> 4) << 10) + (kb & 15), 0)  # kb ≥ 0
+        else:
+            return gl.expand_dims(kb, 0)
+
+    @gluon.jit
     def _prefill_kernel(x_desc, w_desc, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_wn, stride_sn, stride_ym,
                         ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                        W_TMA: gl.constexpr, num_warps: gl.constexpr):
+                        W_TMA: gl.constexpr, num_warps: gl.constexpr, TILED: gl.constexpr = False):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -119,7 +128,11 @@ if HAVE_GLUON:
         shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
         shifts = gl.expand_dims(gl.expand_dims(shifts, 0), 0)                          # [1, 1, 8]
         neg_alpha_bits = _neg_alpha_bits(a_ptr, rn, ALPHA_PER_ROW)
-        s_ptrs = s_ptr + gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(offs_b, 0)
+        rn2 = gl.expand_dims(rn, 1)  # each row's start ([BN, 1]); _tile_col adds the bytes' offsets
+        if TILED:  # kernels.reference.tile_signs' layout: stride_sn is one 64-row block's bytes
+            s_ptrs = s_ptr + (rn2 >> 6) * stride_sn + ((rn2 & 63) << 4)
+        else:
+            s_ptrs = s_ptr + rn2 * stride_sn
         KB = K // 8
         num_k = gl.cdiv(K, BLOCK_K)
         if W_TMA:
@@ -132,7 +145,7 @@ if HAVE_GLUON:
                 _tma_load(x_desc, [off_m, i * BLOCK_K], bars.index(i), x_smem.index(i))
                 if W_TMA:
                     _tma_load(w_desc, [off_n, i * BLOCK_K], bars.index(i), w_smem.index(i))
-        sgn = gl.load(s_ptrs, mask=gl.expand_dims(offs_b < KB, 0), other=0)
+        sgn = gl.load(s_ptrs + _tile_col(offs_b, TILED), mask=gl.expand_dims(offs_b < KB, 0), other=0)
         if not W_TMA:
             # W straight from global memory into registers, two steps ahead (16 bytes per thread)
             kk = gl.expand_dims(gl.expand_dims(offs_b, 0), 2) * 8 + shifts                 # [1, BKB, 8]
@@ -145,7 +158,7 @@ if HAVE_GLUON:
             stage = ki % STAGES
             # the next step's sign bytes, issued before this step needs anything
             nxt = (ki + 1) * BLOCK_KB + offs_b
-            sgn_next = gl.load(s_ptrs + (ki + 1) * BLOCK_KB, mask=gl.expand_dims(nxt < KB, 0), other=0)
+            sgn_next = gl.load(s_ptrs + _tile_col(nxt, TILED), mask=gl.expand_dims(nxt < KB, 0), other=0)
             mbarrier.wait(bars.index(stage), (ki // STAGES) & 1)
             if W_TMA:
                 w = gl.convert_layout(gl.reshape(w_smem.index(stage).load(l2), [BLOCK_N, BLOCK_KB, 8]), l3)
@@ -202,7 +215,8 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
 
     Args:
         x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 8 (:func:`supported`).
-        weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first). alpha: float32 ``[]``
+        weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), or the same in
+            ``kernels.reference.tile_signs``' layout (4-D). alpha: float32 ``[]``
             or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
         y: ``[M, N]`` output in ``x2.dtype`` (row stride ``y.stride(0)``).
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, W_TMA)``, one of :data:`CONFIGS`.
@@ -219,7 +233,8 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _prefill_kernel[grid](x_desc, w_desc, weight, sign, alpha, bias if bias is not None else alpha, y, m, n, k,
                           weight.stride(0), sign.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
-                          HAS_BIAS=bias is not None, STAGES=stages, W_TMA=w_tma, num_warps=warps)
+                          HAS_BIAS=bias is not None, STAGES=stages, W_TMA=w_tma, num_warps=warps,
+                          TILED=sign.dim() == 4)
     return y
 
 

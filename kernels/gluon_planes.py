@@ -213,6 +213,9 @@ def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
     s, n, kb = signs.shape
     if kb % (block_k // 8):
         raise ValueError(f"{kb} sign bytes per row are not a whole number of {block_k // 8}-byte K steps")
+    if block_k == 128:  # the serving layout (kernels.reference.tile_signs), whose tiles are these
+        from kernels.reference import tile_signs as tile_128
+        return tile_128(signs)
     nt = triton.cdiv(n, BLOCK_N)
     padded = signs.new_zeros(s, nt * BLOCK_N, kb)
     padded[:, :n] = signs

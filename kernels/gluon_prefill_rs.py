@@ -94,6 +94,17 @@ if HAVE_GLUON:
                 "=r,r,r,r,r,r,r,r", [w, word, sh, nab], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _sign_words(s_ptr, rn, w, stride_sw, TILED: gl.constexpr):
+        """Sign word ``w`` (weights ``32w … 32w + 31``) of the rows ``rn``, as int32: rows at
+        ``rn·stride_sw + w``, or in ``kernels.reference.tile_signs``' layout, where ``stride_sw`` is
+        one 64-row block's words and a tile row holds 4 words."""
+        if TILED:
+            # shifts and masks (the indices are never negative): no signed-division fix-ups
+            return gl.load(s_ptr + (rn >> 6) * stride_sw + ((w >> 2) << 8) + ((rn & 63) << 2) + (w & 3))
+        else:
+            return gl.load(s_ptr + rn * stride_sw + w)
+
+    @gluon.jit
     def _rs_load(p, STAGES: gl.constexpr):
         """The loader: the x and W tiles of each K step by TMA, ``STAGES`` steps ahead of the slower
         consumer."""
@@ -110,7 +121,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr,
-                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
         (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
         (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym) = q
@@ -124,14 +135,13 @@ if HAVE_GLUON:
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
 
         rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
-        s_ptrs = s_ptr + rn * stride_sw                                                 # [64] int32 words
         sh = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)), 0)      # bit of each weight
         nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
         num_b = K // (BK * U)  # loop bodies of U K steps
 
         s_nxt = ()
         for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
-            s_nxt = s_nxt + (gl.expand_dims(gl.load(s_ptrs + j), 1), )
+            s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, j, stride_sw, TILED), 1), )
         acc = gl.zeros([RW, BT], gl.float32, acc_l)
         if PRE:  # the first slice, formed before the loop (then each body forms the next body's)
             mbarrier.wait(ready.index(0), 0)
@@ -142,7 +152,7 @@ if HAVE_GLUON:
             bn = gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
             s_nxt = ()
             for j in gl.static_range(U * H):
-                s_nxt = s_nxt + (gl.expand_dims(gl.load(s_ptrs + bn * (U * H) + j), 1), )
+                s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, bn * (U * H) + j, stride_sw, TILED), 1), )
             for j in gl.static_range(U * H):  # slice j: W from shared memory (ldmatrix), formed, multiplied
                 ki = bi * U + j // H
                 stage = ki % STAGES
@@ -184,7 +194,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_sw, stride_ym,
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                           U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                           U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr,
+                           TILED: gl.constexpr = False):
         """One ``[BLOCK_T tokens, 128 features]`` output tile per program: consumer warpgroup 0 (the
         default partition) and 1, and the loader warp (module docstring). Programs along the tokens
         are consecutive, so the programs that share a W panel run together and read it from HBM
@@ -207,8 +218,8 @@ if HAVE_GLUON:
         q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym)
         gl.warp_specialize([
             (_rs_load, (p, STAGES)),
-            (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS)),
-            (_rs_consume, (p, q, STAGES, U, PRE, 64, ALPHA_PER_ROW, HAS_BIAS)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS, TILED)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 64, ALPHA_PER_ROW, HAS_BIAS, TILED)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -236,7 +247,8 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
 
     Args:
         x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 64 (:func:`rs_supported`).
-        weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), rows 4-byte aligned.
+        weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), rows 4-byte aligned, or
+            the same in ``kernels.reference.tile_signs``' layout (4-D).
             alpha: float32 ``[]`` or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
             y: ``[M, N]`` output in ``x2.dtype``, rows contiguous.
         config: ``(BLOCK_T, STAGES, U, PRE, registers)``, one of :data:`CONFIGS`; K must be a multiple
@@ -277,16 +289,17 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, m, n, k,
                              words.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
                              HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
-                             maxnreg=LAUNCH_REGS)
+                             maxnreg=LAUNCH_REGS, TILED=sign.dim() == 4)
     return y
 
 
-def compile_for_sm90(config: tuple, dtype: str = "bf16"):
+def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
     """Compile the kernel for sm_90a ahead of time, without a GPU (α per row, with a bias), for the
     compile test (tests/test_kernels_compile.py) and the SASS inspection (tests/gpu/sass_tenants.py).
 
     Args:
-        config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``.
+        config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in
+            ``kernels.reference.tile_signs``' layout.
 
     Returns:
         Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
@@ -302,7 +315,8 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16"):
            "w_desc": f"tensordesc<{dtype}[{BLOCK_N}, {BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32",
            "stride_sw": "i32", "stride_ym": "i32"}
-    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4)
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
+                  TILED=tiled)
     sig.update({c: "constexpr" for c in consts})
     names = _prefill_rs_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
-from kernels.reference import check_batched_args, check_weight_and_bias
+from kernels.reference import check_batched_args, check_weight_and_bias, tiled_shape
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
 
@@ -115,13 +115,24 @@ def _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b
 
 
 @triton.jit
+def _sign_off(rn, kb, stride_sn, TILED: tl.constexpr):
+    """Offset of packed sign byte ``kb`` of row ``rn`` within one matrix's signs (broadcast shapes).
+    Rows: ``rn·stride_sn + kb``. Tiled (``kernels.reference.tile_signs``): ``stride_sn`` is one
+    64-row block's bytes, and a block holds tiles of 64 rows × 16 bytes, each contiguous."""
+    if TILED:
+        return (rn >> 6) * stride_sn + ((kb >> 4) << 10) + ((rn & 63) << 4) + (kb & 15)  # indices ≥ 0
+    else:
+        return rn * stride_sn + kb
+
+
+@triton.jit
 def _decode_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, slot_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, KB, NSLOT,
     stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
     ONE_DELTA: tl.constexpr, ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-    LATE_REDUCE: tl.constexpr = False,
+    LATE_REDUCE: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     """Decode (small M) on CUDA cores. Program (n-tile, K-chunk, row block): W is loaded once per
     K step and used from registers by each of the program's ``BLOCK_M`` rows (``tl.static_range``);
@@ -160,7 +171,8 @@ def _decode_kernel(
             w = tl.load(w_ptr + rn[:, None, None] * stride_wn + k[None, :, :], mask=(k < K)[None, :, :],
                         other=0.0).to(tl.float32)
         if ONE_DELTA:
-            byte = tl.load(s_ptr + rn[:, None] * stride_sn + kb[None, :], mask=(kb < KB)[None, :], other=0)
+            byte = tl.load(s_ptr + _sign_off(rn[:, None], kb[None, :], stride_sn, TILED), mask=(kb < KB)[None, :],
+                           other=0)
             bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
             w_eff = w + tl.where(bit != 0, alpha1, -alpha1)                         # W + α·s in float32
         for i in tl.static_range(BLOCK_M):
@@ -180,7 +192,7 @@ def _decode_kernel(
                     alpha_i = tl.load(a_ptr + sl * stride_as + rn, mask=has_n, other=0.0)[:, None, None]
                 else:
                     alpha_i = tl.load(a_ptr + sl * stride_as + rn * 0, mask=has_n, other=0.0)[:, None, None]
-                byte = tl.load(s_ptr + sl * stride_ss + rn[:, None] * stride_sn + kb[None, :],
+                byte = tl.load(s_ptr + sl * stride_ss + _sign_off(rn[:, None], kb[None, :], stride_sn, TILED),
                                mask=(kb < KB)[None, :] & has_n[:, None], other=0)
                 bit = (byte.to(tl.int32)[:, :, None] >> offs_j[None, None, :]) & 1
                 w_eff = w + tl.where(bit != 0, alpha_i, -alpha_i)
@@ -205,6 +217,7 @@ def _mm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
     W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -222,7 +235,6 @@ def _mm_kernel(
     else:
         alpha = tl.load(a_ptr)
     w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (offs_b[:, None] * 8 + offs_j[None, :])[None, :, :]
-    s_ptrs = s_ptr + rn[:, None] * stride_sn + offs_b[None, :]
     if W_AS_A:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]                  # xᵀ tile [BK, BM]
@@ -230,6 +242,7 @@ def _mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]                  # x tile [BM, BK]
     for k0 in range(0, K, BLOCK_K):
+        s_ptrs = s_ptr + _sign_off(rn[:, None], (k0 // 8 + offs_b)[None, :], stride_sn, TILED)
         if EVEN_K:
             w = tl.load(w_ptrs)                                                     # [BN, BK/8, 8]
             byte = tl.load(s_ptrs)                                                  # [BN, BK/8]
@@ -256,7 +269,6 @@ def _mm_kernel(
             else:
                 acc = tl.dot(xt, tl.trans(w_eff), acc)
         w_ptrs += BLOCK_K
-        s_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
     if W_AS_A:
         if HAS_BIAS:
@@ -277,6 +289,7 @@ def _tenants_kernel(
     stride_xm, stride_wn, stride_ss, stride_sn, stride_as, stride_ym,
     ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
     """Mixed tenants with a table lookup for the signs (the "Four Russians" trick).
 
@@ -347,7 +360,7 @@ def _tenants_kernel(
                     lut_lo += xl * bit_j
                     lut_hi += xh * bit_j
                     xsum += xl + xh
-                s_ptrs = s_ptr + sl * stride_ss + rn[None, :] * stride_sn + kbyte[:, None]
+                s_ptrs = s_ptr + sl * stride_ss + _sign_off(rn[None, :], kbyte[:, None], stride_sn, TILED)
                 if EVEN:
                     byte = tl.load(s_ptrs).to(tl.int32)                             # [GB, BN], each byte once
                 else:
@@ -385,6 +398,19 @@ def _decode_configs(batched: bool):
     return [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles] \
         + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it, "LATE_REDUCE": True}, num_warps=w)
            for bn, bkb, it, w in tiles[:3] + tiles[4:5] + tiles[6:7]]
+
+
+def _decode_configs_tiled():
+    """Decode tiles for signs in ``tile_signs``' layout: the row tiles above plus tiles of 4–16 rows
+    and 16–128 bytes per K step, so that a program reads whole 64–256-byte runs of a 64-row × 16-byte
+    sign tile (one or two rows per program read 16-byte pieces a KiB apart: on an H200 the row tiles
+    ran gate_up's 56 MiB of signs 7 % slower tiled than in rows, kernels/bench.py, 2026-11-30)."""
+    tiles = ((4, 64, NO_SPLIT, 4), (8, 32, NO_SPLIT, 4), (16, 16, NO_SPLIT, 4), (8, 64, NO_SPLIT, 8),
+             (16, 32, NO_SPLIT, 8), (4, 128, NO_SPLIT, 8), (8, 32, 4, 4), (4, 64, 2, 4), (16, 16, 8, 4))
+    return _decode_configs(False) \
+        + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles] \
+        + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it, "LATE_REDUCE": True}, num_warps=w)
+           for bn, bkb, it, w in tiles[:4]]
 
 
 def _lut_configs():
@@ -427,11 +453,12 @@ def _workspace(device: torch.device, n_sums: int, n_counts: int) -> tuple[torch.
 def _mm_entry(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
               stride_xm, stride_wn, stride_sn, stride_ym,
               ALPHA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-              W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+              W_AS_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              TILED: tl.constexpr = False):
     """Autotuning entry of ``_mm_kernel``: ``M_BUCKET`` (M rounded up to a power of two) is only in
     the tuning key, so every M of one bucket reuses one tuned tile."""
     _mm_kernel(x_ptr, w_ptr, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-               ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K)
+               ALPHA_PER_ROW, HAS_BIAS, EVEN_K, DOT_FP32, W_AS_A, BLOCK_N, BLOCK_M, BLOCK_K, TILED)
 
 
 def _quick_bench(fn, quantiles=None):
@@ -463,20 +490,25 @@ AUTOTUNE = os.environ.get("DELTAFLEET_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _autotune(configs, key, fn):
+    """``triton.autotune`` over ``configs`` keyed by the argument names ``key`` (launch keywords such
+    as ``TILED`` included: a sign layout gets its own tuned tile)."""
     quick = os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
     return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key,
                            do_bench=_quick_bench if quick else _graph_bench)(fn)
 
 
-_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
-_batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M"], _decode_kernel)
-_batched1_tuned = _autotune(_decode_configs(False), ["N", "K"], _decode_kernel)  # one row: the decode tiles
+_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
+_batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M", "TILED"], _decode_kernel)
+_batched1_tuned = _autotune(_decode_configs(False), ["N", "K", "TILED"], _decode_kernel)  # one row: decode tiles
+# tiled signs: their own tuners, over the row tiles and tiles of more rows (_decode_configs_tiled)
+_decode_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
+_batched1_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "TILED"], _decode_kernel)
 # EVEN (no K masks) needs every K step of every tile whole: K a multiple of the longest step
-_DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False))
+_DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False) + _decode_configs_tiled())
 _BATCHED_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(True))
 _LUT_EVEN = max(c.kwargs["BLOCK_K"] for c in _lut_configs())
-_mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET"], _mm_entry)
-_lut_tuned = _autotune(_lut_configs(), ["N", "K", "M"], _tenants_kernel)
+_mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET", "TILED"], _mm_entry)
+_lut_tuned = _autotune(_lut_configs(), ["N", "K", "M", "TILED"], _tenants_kernel)
 
 
 def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
@@ -496,7 +528,8 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     Args:
         x: ``[..., K]`` bf16 or fp16 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         weight: ``[N, K]`` in ``x.dtype``.
-        sign: ``[N, ceil(K/8)]`` uint8.
+        sign: ``[N, ceil(K/8)]`` uint8, or the same in ``kernels.reference.tile_signs``' layout
+            (4-D), which every kernel here reads.
         alpha: float32 ``[]`` or ``[N]``.
         bias: optional ``[N]``.
 
@@ -513,8 +546,10 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     kb = (k + 7) // 8
-    if sign.dtype != torch.uint8 or sign.shape != (n, kb):
-        raise ValueError(f"sign must be uint8 [{n}, {kb}], got {sign.dtype} {tuple(sign.shape)}")
+    tiled = sign.dim() == 4  # kernels.reference.tile_signs' layout
+    want = tiled_shape(n, k) if tiled else (n, kb)
+    if sign.dtype != torch.uint8 or tuple(sign.shape) != want:
+        raise ValueError(f"sign must be uint8 {list(want)}, got {sign.dtype} {tuple(sign.shape)}")
     alpha = alpha.to(device=x.device, dtype=torch.float32).contiguous()
     if alpha.dim() not in (0, 1) or (alpha.dim() == 1 and alpha.shape[0] != n):
         raise ValueError(f"alpha must be [] or [{n}], got {tuple(alpha.shape)}")
@@ -523,12 +558,12 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    sign = sign if sign.stride(-1) == 1 else sign.contiguous()
+    sign = sign.contiguous() if tiled or sign.stride(-1) != 1 else sign
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y.reshape(*lead, n)
-    flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None)
+    flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, TILED=tiled)
     b = bias.to(x.device).contiguous() if bias is not None else alpha  # the kernels read bias[n] densely
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
@@ -540,8 +575,9 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
                 *args, ONE_DELTA=True, **flags, EVEN=k % 256 == 0, BLOCK_M=bm, BLOCK_N=8, BLOCK_KB=32, CHUNK_ITERS=2,
                 LATE_REDUCE=bm == 1)
         else:
-            _decode_tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
-                                                      BLOCK_M=bm)
+            tuned = _decode_tiled_tuned if tiled else _decode_tuned
+            tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
+                                              BLOCK_M=bm)
         return y.reshape(*lead, n)
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if not _interpret() and gluon_bitdelta.supported(x2, weight):
@@ -618,7 +654,7 @@ def _fastest(runs: dict):
 _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant config, or None for table lookup
 
 
-def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
+def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, tiled=False):
     """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two): each
     configuration of the Hopper kernel usable for the row count (``gluon_bitdelta.tenant_configs``)
     and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
@@ -628,43 +664,43 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args):
     default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None)
+    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None, tiled)
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
-    configs = gluon_bitdelta.tenant_configs(rows)
+    configs = [] if tiled else gluon_bitdelta.tenant_configs(rows)  # the CUDA-core kernel reads sign rows
+    # int8 tensor-core configurations that run here: with tiled signs those of 128-weight K steps
+    planes = ([c for c in gluon_planes.WS_CONFIGS[rows] if k % c[0] == 0 and (not tiled or c[0] == 128)]
+              if gluon_planes.planes_supported(x, weight, signs) else [])
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
-        if gluon_planes.planes_supported(x, weight, signs) and gluon_planes.default_config(rows, k):
-            return ("planes", gluon_planes.default_config(rows, k), None)
-        return configs[0] if AUTOTUNE else None
+        if planes:
+            return ("planes", planes[0], None)
+        return configs[0] if AUTOTUNE and configs else None
     runs = {}
-    if gluon_planes.planes_supported(x, weight, signs):
-        # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
-        # the 70B layer set it is faster than every other tenant kernel from two rows up
-        # (tests/gpu/planes_probe.py), so the others are not timed
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        for cfg in gluon_planes.WS_CONFIGS[rows]:
-            if k % cfg[0]:
-                continue
-            d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
-            for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-                runs[("planes", cfg, split)] = (
-                    lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
-                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split))
+    # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
+    # the 70B layer set it is faster than every other tenant kernel from two rows up
+    # (tests/gpu/planes_probe.py), so the others are not timed
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if planes else 0
+    for cfg in planes:
+        d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
+        for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
+            runs[("planes", cfg, split)] = (
+                lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
+                    x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled))
     if not runs:
         runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
-        runs[None] = lambda: _lut_launch(lut_args, alphas, bias)
+        runs[None] = lambda: _lut_launch(lut_args, alphas, bias, tiled)
     _TENANTS_CHOICE[key] = _fastest(runs)
     return _TENANTS_CHOICE[key]
 
 
-def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False) -> None:
     """Launch the table-lookup mixed-tenant kernel with the wrapper's argument tuple (fixed tiles
-    under the interpreter, autotuned on a GPU)."""
+    under the interpreter, autotuned on a GPU); ``tiled``: the signs are in ``tile_signs``' layout."""
     m, n, k, kb = args[9:13]
-    flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    flags = dict(ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, TILED=tiled)
     bm = min(16, triton.next_power_of_2(m))
     if _interpret():
         _tenants_kernel[(triton.cdiv(n, 16), triton.cdiv(kb, 16), triton.cdiv(m, bm))](
@@ -699,8 +735,10 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
 
     Args:
-        x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``;
-        alphas float32 ``[S]`` or ``[S, N]``; slot ``[M]`` int (−1: base only); bias ``[N]``.
+        x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``, or
+        the same in ``kernels.reference.tile_signs``' layout (5-D: each K step's 64 × 16-byte sign tile
+        contiguous, read by every kernel here but ``"gluon"``); alphas float32 ``[S]`` or ``[S, N]``;
+        slot ``[M]`` int (−1: base only); bias ``[N]``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -708,7 +746,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     Raises:
         ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
-            or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run.
+            or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run (``"gluon"`` never
+            reads tiled signs).
     """
     _check(x, weight)
     if impl not in (None, "fma", "lut", "gluon", "planes"):
@@ -729,21 +768,28 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     if m == 0:
         return y
     ws, cnt = _workspace(x.device, m * n, m * triton.cdiv(n, 2))
+    # tiled signs (kernels.reference.tile_signs): stride(1) is then one 64-row block's bytes
+    tiled = signs.dim() == 5
     args = (x, weight, signs, alphas, slot, bias if bias is not None else alphas, y, ws, cnt,
             m, n, k, kb, signs.shape[0], x.stride(0), weight.stride(0), signs.stride(0), signs.stride(1),
             alphas.stride(0), y.stride(0))
+    if tiled and impl == "gluon":
+        raise ValueError("impl='gluon' reads sign rows; tiled signs run with impl=None, 'fma', 'lut' or 'planes'")
     if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
-        config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args)
+        config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args, tiled)
         if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               config[1], config[2])
+                                                               config[1], config[2], tiled=tiled)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":
         if _interpret() or not gluon_planes.planes_supported(x, weight, signs):
             raise ValueError("impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128 and "
                              "16-byte aligned contiguous signs")
-        return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt)
+        rows = max(2, min(16, triton.next_power_of_2(m)))
+        cfg = next((c for c in gluon_planes.WS_CONFIGS[rows] if c[0] == 128), None) if tiled else None
+        return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg,
+                                                           tiled=tiled)
     if impl == "gluon":
         if _interpret() or not gluon_bitdelta.tenants_supported(x, weight, signs):
             raise ValueError("impl='gluon' needs a Hopper GPU, two rows or more, K a multiple of 64 and "
@@ -751,14 +797,15 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt)
     impl = impl or ("fma" if m == 1 else "lut")
     if impl == "lut":
-        _lut_launch(args, alphas, bias)
+        _lut_launch(args, alphas, bias, tiled)
         return y
-    flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None)
+    flags = dict(ONE_DELTA=False, ALPHA_PER_ROW=alphas.dim() == 2, HAS_BIAS=bias is not None, TILED=tiled)
     if _interpret():
         _decode_kernel[(triton.cdiv(n, 4), triton.cdiv(kb, 64), triton.cdiv(m, 4))](
             *args, **flags, EVEN=k % 256 == 0, BLOCK_M=4, BLOCK_N=4, BLOCK_KB=32, CHUNK_ITERS=2)
     elif m == 1:
-        _batched1_tuned[_decode_grid(n, kb, 1, 1)](*args, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=1)
+        tuned = _batched1_tiled_tuned if tiled else _batched1_tuned
+        tuned[_decode_grid(n, kb, 1, 1)](*args, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=1)
     else:
         _batched_tuned[_decode_grid(n, kb, m)](*args, **flags, EVEN=k % _BATCHED_EVEN == 0)
     return y

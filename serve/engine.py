@@ -201,21 +201,22 @@ class Engine:
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
         budget = opts.pop("device_budget_bytes", None)
+        sign_layout = opts.pop("sign_layout", "rows")  # serve.batch.DeltaSlots: "rows" or "tiled"
         if n_slots is None:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0
             n_slots = max(1, n_art + (self.synthetic.variants if self.synthetic else 0))
-        per_slot = DeltaSlots.bytes_per_slot(self.model)
+        per_slot = DeltaSlots.bytes_per_slot(self.model, sign_layout)
         if budget is not None:
             if budget < per_slot:
                 raise ValueError(f"device_budget_bytes={budget} is less than one variant slot ({per_slot} bytes)")
             n_slots = budget // per_slot
-        self.slots = DeltaSlots(self.model, int(n_slots))
+        self.slots = DeltaSlots(self.model, int(n_slots), sign_layout)
         self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
                                 free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         self.discover()
-        with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len)):
+        with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, cuda_graphs=cuda_graphs)
 
     def collective(self, cmd: tuple):

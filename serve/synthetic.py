@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels import packed_width
+from kernels import packed_width, tiled_shape
 from serve.model import ModelArgs, Transformer, VariantDelta
 
 SPEC_NAME = "synthetic.json"
@@ -298,7 +298,8 @@ def read_synthetic(base_dir: str | Path) -> SyntheticFamily | None:
 
 
 def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int = 1,
-                   dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, max_seq_len: int | None = None) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, max_seq_len: int | None = None,
+                   sign_layout: str = "rows") -> dict:
     """Bytes of tensors one tensor-parallel rank holds when serving ``config``'s shape: its slice of
     the base (:func:`serve.tp.shard_model`), ``n_slots`` variant slots (:class:`serve.batch.DeltaSlots`:
     packed signs uint8 and α fp32 per row of every weight matrix of the slice, and every 1-D
@@ -310,6 +311,8 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
         config: Hugging Face ``config.json`` fields. world, rank: the tensor-parallel split (rank 0
             also holds the row-parallel biases). n_slots: variant slots. dtype: the served dtype.
         max_batch, max_seq_len: the KV cache (``max_seq_len`` None: the model's context).
+        sign_layout: the slots' (``DeltaSlots``): ``"tiled"`` pads the linears' signs to whole
+            64 × 16-byte tiles (the embedding's stay rows).
 
     Returns:
         ``{"base_bytes", "slot_bytes" (one slot, the 1-D parameters once), "slots_bytes" (all),
@@ -328,6 +331,7 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
     layer = [(q, d, a.qkv_bias, col), (kv, d, a.qkv_bias, col), (kv, d, a.qkv_bias, col), (d, q, a.o_bias, row),
              (f, d, a.mlp_bias, col), (f, d, a.mlp_bias, col), (d, f, a.mlp_bias, row)]
     matrices = [(a.vocab_size, d)] * (1 if a.tie_word_embeddings else 2)  # embedding (and head): replicated
+    # matrices[0] is the embedding (gathered by token: its signs stay rows in every layout)
     vectors = (2 * a.n_layer + 1) * d  # norm weights: replicated
     for n, k, bias, kind in layer:
         n_r, k_r = (n // world, k) if kind == col else (n, k // world)
@@ -335,7 +339,13 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
         if bias and (kind == col or rank == 0):  # a row-parallel bias: rank 0 only
             vectors += n_r * a.n_layer
     params = sum(n * k for n, k in matrices) + vectors
-    slot_matrices = sum(n * packed_width(k) + 4 * n for n, k in matrices)
+    def sign_bytes(i: int, n: int, k: int) -> int:
+        if sign_layout == "tiled" and i > 0:
+            nt, kt, r, b = tiled_shape(n, k)
+            return nt * kt * r * b
+        return n * packed_width(k)
+
+    slot_matrices = sum(sign_bytes(i, n, k) + 4 * n for i, (n, k) in enumerate(matrices))
     seq = a.max_seq_len if max_seq_len is None else min(max_seq_len, a.max_seq_len)
     kv_bytes = 2 * a.n_layer * max_batch * (a.n_local_heads // world) * seq * a.head_dim * e
     out = {"params": params, "base_bytes": params * e, "slot_bytes": slot_matrices + vectors * e,

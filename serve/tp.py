@@ -170,7 +170,7 @@ class TPContext:
 
 def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
-    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len)``, ``("load", artifact_dir, slot)``,
+    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout)``, ``("load", artifact_dir, slot)``,
     ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
     Forwards only take part in the all-reduces; the logits are rank 0's to use. A synthetic family's
     folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
@@ -193,8 +193,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
         if op == "stop":
             return
         if op == "init":
-            _, n_slots, max_batch, max_seq_len = cmd
-            slots = DeltaSlots(model, n_slots)
+            _, n_slots, max_batch, max_seq_len, sign_layout = cmd
+            slots = DeltaSlots(model, n_slots, sign_layout)
             cache = model.new_cache(max_batch, max_seq_len)
         elif op == "load":
             _, artifact_dir, slot = cmd

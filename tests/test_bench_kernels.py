@@ -61,3 +61,26 @@ def test_plot_writes_a_png(tmp_path):
 def test_run_needs_a_gpu(tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench.run(_cfg(tmp_path))
+
+
+def test_time_interleaved_times_in_turn_and_takes_medians():
+    calls = []
+    # a fake timer: each call returns the next of that callable's times, and records the order
+    script = {"dense": iter([2.0, 9.0, 1.0, 1.5]), "triton": iter([3.0, 1.0, 8.0, 2.0])}
+
+    def bench(fn):
+        name = fn()
+        calls.append(name)
+        return next(script[name])
+
+    out = bench_time(bench, 3)
+    assert calls == ["dense", "triton"] * 3
+    assert out == {"dense": 2.0, "triton": 3.0}  # medians of (2, 9, 1) and (3, 1, 8)
+    script.update(dense=iter([2.0, 9.0, 1.0, 1.5]), triton=iter([3.0, 1.0, 8.0, 2.0]))
+    assert bench_time(bench, 4) == {"dense": 1.75, "triton": 2.5}  # even: mean of the two middle times
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        bench_time(bench, 0)
+
+
+def bench_time(bench_fn, rounds):
+    return bench.time_interleaved(bench_fn, {"dense": lambda: "dense", "triton": lambda: "triton"}, rounds)

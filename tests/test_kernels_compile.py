@@ -69,6 +69,13 @@ for cfg in tb._lut_configs():
 for cfg in tb._decode_configs(False):  # one-row mixed-tenant batches use the decode tiles
     out[key("tenants-fma-1row", cfg, {})] = build(tb._decode_kernel, dict(
         ONE_DELTA=False, ALPHA_PER_ROW=True, HAS_BIAS=False, EVEN=True, BLOCK_M=1), cfg)
+# signs in kernels.reference.tile_signs' layout: the first configuration of each Triton kernel
+out[key("tiled-decode", tb._decode_configs(False)[0], {})] = build(tb._decode_kernel, dict(
+    ONE_DELTA=True, ALPHA_PER_ROW=True, HAS_BIAS=True, EVEN=True, BLOCK_M=1, TILED=True), tb._decode_configs(False)[0])
+out[key("tiled-prefill", tb._mm_configs()[0], {})] = build(tb._mm_kernel, dict(
+    ALPHA_PER_ROW=True, HAS_BIAS=True, EVEN_K=True, DOT_FP32=False, TILED=True), tb._mm_configs()[0])
+out[key("tiled-tenants-lut", tb._lut_configs()[0], {})] = build(tb._tenants_kernel, dict(
+    ALPHA_PER_ROW=False, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=16, TILED=True), tb._lut_configs()[0])
 
 from kernels import gluon_bitdelta as gb
 if gb.HAVE_GLUON:
@@ -82,12 +89,14 @@ if gb.HAVE_GLUON:
             sig = {"x_desc": f"tensordesc<{dt}[{bm}, {bk}],{xl!r}>", "w_desc": f"tensordesc<{dt}[{bn}, {bk}],{wl!r}>",
                    "w_ptr": "*" + dt, "s_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*" + dt, "y_ptr": "*" + dt,
                    "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, W_TMA=w_tma, num_warps=warps)
+            consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, W_TMA=w_tma, num_warps=warps,
+                          TILED=(bm, bn, bk, stages, warps, w_tma) == gb.DEFAULT_CONFIG and dt == "fp16")
             sig.update({c: "constexpr" for c in consts})
             names = fn.arg_names
             attrs = {(names.index(a),): [["tt.divisibility", 16]]
                      for a in ("w_ptr", "s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn")}
-            name = "gluon-prefill " + json.dumps({"config": [bm, bn, bk, stages, warps, w_tma], "dtype": dt})
+            name = "gluon-prefill " + json.dumps({"config": [bm, bn, bk, stages, warps, w_tma], "dtype": dt,
+                                                  "tiled": consts["TILED"]})
             try:
                 k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -133,19 +142,21 @@ if gb.HAVE_GLUON:
             (_P(d) / "k.ptx").write_text(ptx)
             return subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o", str(_P(d) / "k.o")],
                                   capture_output=True, text=True).stderr
-    def planes_sig(bk):
+    def planes_sig(bk, tiled=False):
         xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
         wl = gl.NVMMASharedLayout.get_default_for([gp.BLOCK_N, bk], gl.bfloat16)
         sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         pl = gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8)
         return {"x_desc": f"tensordesc<bf16[16, {bk}],{xl!r}>",
                 "w_desc": f"tensordesc<bf16[{gp.BLOCK_N}, {bk}],{wl!r}>",
-                "s_desc": f"tensordesc<u8[{gp.BLOCK_N}, {bk // 8}],{sl!r}>", "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
+                "s_desc": (f"tensordesc<u8[{gp.BLOCK_N * bk // 1024}, 128],{sl!r}>" if tiled
+                           else f"tensordesc<u8[{gp.BLOCK_N}, {bk // 8}],{sl!r}>"),
+                "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
                 "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
                 "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
                 "stride_as": "i32", "stride_ym": "i32"}
-    def planes_build(fn, name, bk, consts, options):
-        sig = planes_sig(bk)
+    def planes_build(fn, name, bk, consts, options, tiled=False):
+        sig = planes_sig(bk, tiled)
         sig.update({c: "constexpr" for c in consts})
         names = fn.arg_names
         attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -168,11 +179,17 @@ if gb.HAVE_GLUON:
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
                                       CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
+    # tiled signs (kernels.reference.tile_signs): the first 16-row configuration with K steps of 128
+    bk, rh, stages, regs, loaders = next(c for c in gp.WS_CONFIGS[16] if c[0] == 128)
+    planes_build(gp._planes_ws_kernel, "planes-ws-tiled " + json.dumps({"rows": 16, "config": [bk, rh, stages, regs,
+                                                                                                loaders]}),
+                 bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
+                          RH=rh, PDL=False, LOADERS=loaders, num_warps=4), {"num_warps": 4, "maxnreg": regs}, True)
     from kernels import gluon_prefill_rs as pr
-    for config in pr.CONFIGS:
-        name = "gluon-prefill-rs " + json.dumps({"config": list(config)})
+    for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
+        name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
         try:
-            k = pr.compile_for_sm90(config)
+            k = pr.compile_for_sm90(config, tiled=tiled)
             ptx = k.asm["ptx"]
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
                          "serialized": "serialized" in ptxas_log(ptx)}
@@ -204,10 +221,12 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS)
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 2  # + the register-operand and int8 kernels on tiled signs
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
-    assert len(compiled) == 3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
+    n_tiled = 3  # the Triton kernels on tiled signs, one configuration each
+    assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
+                             + n_tiled)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
     too_big = {k: v["shared"] for k, v in compiled.items() if v["shared"] > SMEM_LIMIT}
@@ -254,7 +273,7 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 1  # + tiled signs
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     assert all(v.get("igmma") for v in planes.values()), planes
@@ -271,5 +290,5 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
     if not pr.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
-    assert len(rs) == len(pr.CONFIGS)
+    assert len(rs) == len(pr.CONFIGS) + 1  # + the first on tiled signs
     assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs

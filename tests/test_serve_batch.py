@@ -26,9 +26,10 @@ def _alone(model, prompt, delta, steps):
     return out
 
 
-def test_a_mixed_batch_decodes_each_row_as_if_alone(engine):
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+def test_a_mixed_batch_decodes_each_row_as_if_alone(engine, layout):
     model = engine.model
-    slots = DeltaSlots(model, n_slots=2)
+    slots = DeltaSlots(model, n_slots=2, sign_layout=layout)
     coder = slots.put(engine.get_delta("tiny-coder"))
     writer = slots.put(engine.get_delta("tiny-writer"))
     assert {coder.slot, writer.slot} == {0, 1} and slots.free_slots == 0
@@ -61,9 +62,10 @@ def test_a_mixed_batch_decodes_each_row_as_if_alone(engine):
     assert not torch.allclose(want["tiny-coder"][0], _alone(model, prompts["tiny-coder"], None, 1)[0], atol=1e-3)
 
 
-def test_slots_views_are_the_variant_and_slots_are_reused(engine):
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+def test_slots_views_are_the_variant_and_slots_are_reused(engine, layout):
     model = engine.model
-    slots = DeltaSlots(model, n_slots=1)
+    slots = DeltaSlots(model, n_slots=1, sign_layout=layout)
     coder = engine.get_delta("tiny-coder")
     view = slots.put(coder)
     ids = torch.tensor([engine.encode_prompt("hello world")])
@@ -82,7 +84,14 @@ def test_slots_views_are_the_variant_and_slots_are_reused(engine):
     for name, t in slots.full.items():
         want = engine.get_delta("tiny-writer").full.get(name, t[slots.n_slots])
         torch.testing.assert_close(t[0], want, rtol=0, atol=0)
-    assert slots.slot_bytes == DeltaSlots.bytes_per_slot(model) > 0
+    assert slots.slot_bytes == DeltaSlots.bytes_per_slot(model, layout) > 0
+    # the linears' signs in the slot's layout (tiled: whole 64 × 16-byte tiles), the embedding's as rows
+    held = sum(t[0].numel() for t in slots.signs.values()) + sum(t[0].numel() * 4 for t in slots.alphas.values()) \
+        + sum(t[0].numel() * t.element_size() for t in slots.full.values())
+    assert held == slots.slot_bytes
+    q = slots.signs["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dim() == (5 if layout == "tiled" else 3)
+    assert slots.signs["model.embed_tokens.weight"].dim() == 3
 
 
 def test_slots_refuse_a_variant_with_a_full_matrix(engine):
@@ -95,3 +104,32 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
         slots.put(fake)
     with pytest.raises(ValueError, match="n_slots must be ≥ 1, got 0"):
         DeltaSlots(engine.model, 0)
+    with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
+        DeltaSlots(engine.model, 1, sign_layout="cols")
+    # a copy that fails (signs of the wrong shape) gives the slot back
+    name = next(iter(coder.signs))
+    broken = object.__new__(type(coder))
+    broken.name, broken.full = "broken", {}
+    n, kb = coder.signs[name].shape
+    broken.signs, broken.alphas = {name: torch.zeros(n + 1, kb, dtype=torch.uint8)}, {name: coder.alphas[name]}
+    with pytest.raises(RuntimeError):
+        slots.put(broken)
+    assert slots.free_slots == 1
+
+
+def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
+    """``delta_cache.sign_layout: tiled``: the engine's slots hold the linears' signs tiled, and greedy
+    completions of the base and both variants are the row-layout engine's, token for token."""
+    from serve.engine import SamplingParams
+
+    tiled = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny",
+                   delta_cache={"sign_layout": "tiled"})
+    assert tiled.slots.sign_layout == "tiled" and tiled.slots.tiled
+    params = SamplingParams(temperature=0, max_tokens=8)
+    got = {}
+    for model_id in ("tiny", "tiny-coder", "tiny-writer"):
+        a = engine.complete(model_id, "def main(", params)
+        got[model_id] = tiled.complete(model_id, "def main(", params).token_ids
+        assert a.token_ids == got[model_id], model_id
+    # the variants' deltas matter here (a layout read as zeros would answer like the base)
+    assert got["tiny-coder"] != got["tiny"] and got["tiny-writer"] != got["tiny"]

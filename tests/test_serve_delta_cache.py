@@ -39,10 +39,14 @@ def delta_bytes(root) -> int:
     return _engine(root).slots.slot_bytes
 
 
-def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, delta_bytes):
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, layout):
+    """Also with the slots' signs tiled: the host tier keeps the slot's (tiled) copy, which goes back
+    into a slot as it is."""
     ref = _engine(root)
     want = {m: ref.complete(m, "def main(", GREEDY).text for m in ("tiny-coder", "tiny-writer")}
-    engine = _engine(root, device_slots=1, host_budget_bytes=delta_bytes)
+    delta_bytes = _engine(root, sign_layout=layout).slots.slot_bytes
+    engine = _engine(root, device_slots=1, host_budget_bytes=delta_bytes, sign_layout=layout)
     events = []
     engine.add_listener(lambda ev, m, s, tier: events.append((ev, m, tier)))
     assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]
@@ -51,6 +55,7 @@ def test_a_budget_of_one_variant_evicts_the_other_and_outputs_stay_exact(root, d
     assert ("evict", "tiny-coder", "device") in events
     assert engine.complete("tiny-coder", "def main(", GREEDY).text == want["tiny-coder"]  # back from host
     assert ("load", "tiny-coder", "host") in events
+    assert engine.complete("tiny-writer", "def main(", GREEDY).text == want["tiny-writer"]  # and again
     assert engine.cache.device_bytes == delta_bytes and engine.cache.host_bytes <= delta_bytes
     assert engine.slots.n_slots == 1 and engine.slots.free_slots == 0
 

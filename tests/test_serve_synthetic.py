@@ -49,21 +49,23 @@ def _tensor_bytes(tensors) -> int:
 # ---------------------------------------------------------------------------------------- memory
 
 
+@pytest.mark.parametrize("sign_layout", ["rows", "tiled"])
 @pytest.mark.parametrize("layout", ["llama-gqa", "llama-bias-tied"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_predicted_memory_is_the_bytes_of_the_tensors(layout, world):
+def test_predicted_memory_is_the_bytes_of_the_tensors(layout, world, sign_layout):
     shape = dict(SHAPE, **({"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
                            if layout == "llama-bias-tied" else {}))
     fam = SyntheticFamily(shape, variants=3)
     for rank in range(world):
         model = fam.build_base("cpu", torch.bfloat16, tp=None if world == 1 else (rank, world, None))
-        slots = DeltaSlots(model, 3)
+        slots = DeltaSlots(model, 3, sign_layout)
         cache = model.new_cache(4, 32)
-        got = predict_memory(shape, world=world, rank=rank, n_slots=3, dtype=torch.bfloat16, max_batch=4, max_seq_len=32)
+        got = predict_memory(shape, world=world, rank=rank, n_slots=3, dtype=torch.bfloat16, max_batch=4, max_seq_len=32,
+                             sign_layout=sign_layout)
         assert got["base_bytes"] == _tensor_bytes(model.parameters()), (rank, "base")
         assert got["params"] == sum(p.numel() for p in model.parameters())
         assert got["slots_bytes"] == _tensor_bytes([*slots.signs.values(), *slots.alphas.values(), *slots.full.values()])
-        assert got["slot_bytes"] == DeltaSlots.bytes_per_slot(model) == slots.slot_bytes
+        assert got["slot_bytes"] == DeltaSlots.bytes_per_slot(model, sign_layout) == slots.slot_bytes
         assert got["kv_cache_bytes"] == _tensor_bytes([t for c in cache for t in (c.k, c.v)])
         assert got["total_bytes"] == got["base_bytes"] + got["slots_bytes"] + got["kv_cache_bytes"]
     if layout == "llama-bias-tied" and world == 2:  # rank 0 alone adds the row-parallel biases
