@@ -137,9 +137,9 @@ def run(cfg) -> dict:
                          tile_signs)
     from kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
-    if cfg.get("sign_layout", "rows") not in ("rows", "tiled"):
+    if cfg.get("sign_layout", "tiled") not in ("rows", "tiled"):
         raise ValueError(f"sign_layout must be rows or tiled, got {cfg.sign_layout!r}")
-    tiled = cfg.get("sign_layout", "rows") == "tiled"  # the kernels read kernels.tile_signs' layout
+    tiled = cfg.get("sign_layout", "tiled") == "tiled"  # the kernels read kernels.tile_signs' layout
 
     dtype = getattr(torch, cfg.dtype)
     bench = _timer(cfg.timing, cfg.rep_ms)

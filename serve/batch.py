@@ -43,14 +43,15 @@ class DeltaSlots:
     Args:
         model: the resident :class:`~serve.model.Transformer` (its device and dtype are used).
         n_slots: how many variants fit at once.
-        sign_layout: ``"rows"`` (the artifact's layout) or ``"tiled"``.
+        sign_layout: ``"tiled"`` (default: ``kernels.tile_signs``' layout, which the kernels read
+            fastest) or ``"rows"`` (the artifact's layout).
 
     Raises: ValueError for ``n_slots < 1`` or an unknown ``sign_layout``; from :meth:`put`,
     RuntimeError when every slot is taken and ValueError for a variant that stores a weight matrix in
     full (a resized vocabulary), which rows cannot share.
     """
 
-    def __init__(self, model, n_slots: int, sign_layout: str = "rows"):
+    def __init__(self, model, n_slots: int, sign_layout: str = "tiled"):
         from serve.model import DeltaEmbedding, DeltaLinear
 
         if n_slots < 1:
@@ -89,7 +90,7 @@ class DeltaSlots:
         self.slot_bytes = self.bytes_per_slot(model, sign_layout)
 
     @staticmethod
-    def bytes_per_slot(model, sign_layout: str = "rows") -> int:
+    def bytes_per_slot(model, sign_layout: str = "tiled") -> int:
         """What one slot of :class:`DeltaSlots` over ``model`` takes, without allocating it (tiled
         signs are padded to whole 64 × 16-byte tiles)."""
         from serve.model import DeltaEmbedding, DeltaLinear

@@ -191,7 +191,7 @@ def server_overrides(cfg: DictConfig, family: Path, tp_port: int) -> list[str]:
     in a device slot, tensor parallel over ``cfg.tp`` processes."""
     out = ["model.name=bench", f"port={cfg.port}", f"device={cfg.device}", f"dtype={cfg.dtype}",
            f"max_batch={cfg.max_batch}", "max_waiting=null", f"delta_cache.device_slots={cfg.variants}",
-           f"delta_cache.sign_layout={cfg.get('sign_layout', 'rows')}",
+           f"delta_cache.sign_layout={cfg.get('sign_layout', 'tiled')}",
            "log_level=warning", f"tp={cfg.tp}", f"tp_port={tp_port}"]
     if cfg.synthetic:
         syn = {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "tokenizer_dir": family}
@@ -362,7 +362,7 @@ def predicted_memory(cfg: DictConfig) -> list[dict]:
 
     return [predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,
                            dtype=getattr(torch, cfg.dtype), max_batch=cfg.max_batch,
-                           max_seq_len=cfg.max_position_embeddings, sign_layout=cfg.get("sign_layout", "rows"))
+                           max_seq_len=cfg.max_position_embeddings, sign_layout=cfg.get("sign_layout", "tiled"))
             for r in range(cfg.tp)]
 
 

@@ -201,7 +201,7 @@ class Engine:
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
         budget = opts.pop("device_budget_bytes", None)
-        sign_layout = opts.pop("sign_layout", "rows")  # serve.batch.DeltaSlots: "rows" or "tiled"
+        sign_layout = opts.pop("sign_layout", "tiled")  # serve.batch.DeltaSlots: "tiled" or "rows"
         if n_slots is None:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0

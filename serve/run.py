@@ -40,7 +40,7 @@ def _cache_options(cfg: DictConfig) -> dict:
             "device_budget_bytes": None if dc.device_budget_gb is None else int(dc.device_budget_gb * 1e9),
             "host_budget_bytes": None if dc.host_budget_gb is None else int(dc.host_budget_gb * 1e9),
             "pinned": list(dc.pinned or []), "pin_top_n": dc.pin_top_n, "half_life_s": dc.half_life_s,
-            "wait_timeout_s": dc.wait_timeout_s, "sign_layout": dc.get("sign_layout", "rows")}
+            "wait_timeout_s": dc.wait_timeout_s, "sign_layout": dc.get("sign_layout", "tiled")}
 
 
 def _threads(cfg: DictConfig, world: int = 1) -> int:

@@ -299,7 +299,7 @@ def read_synthetic(base_dir: str | Path) -> SyntheticFamily | None:
 
 def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int = 1,
                    dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, max_seq_len: int | None = None,
-                   sign_layout: str = "rows") -> dict:
+                   sign_layout: str = "tiled") -> dict:
     """Bytes of tensors one tensor-parallel rank holds when serving ``config``'s shape: its slice of
     the base (:func:`serve.tp.shard_model`), ``n_slots`` variant slots (:class:`serve.batch.DeltaSlots`:
     packed signs uint8 and α fp32 per row of every weight matrix of the slice, and every 1-D
