@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs
+from kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
@@ -121,8 +121,12 @@ class DeltaSlots:
     def put(self, delta, slot: int | None = None):
         """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot (``slot``,
         or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set.
-        Signs may come as rows (an artifact) or already in the slots' layout (a host-tier copy of a
-        slot's views); a copy that fails gives the slot back."""
+        Signs may come as rows (an artifact) or tiled (a host-tier copy of a slot's views), whatever
+        the slots' layout; a copy that fails gives the slot back.
+
+        Raises: ValueError for a variant storing a matrix in full, a delta for a weight the model
+        lacks, or signs of another shape than the matrix's; RuntimeError when no slot is free (or
+        ``slot`` is taken)."""
         from serve.model import VariantDelta
 
         bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
@@ -159,8 +163,17 @@ class DeltaSlots:
             a = self.alphas[name]
             if name in delta.signs:
                 sign = delta.signs[name]
-                if name in self.tiled and sign.shape != s.shape[1:]:  # rows: tiled on the slots' device
+                if name in self.tiled and sign.dim() == 2:  # rows (an artifact): tiled on the slots' device
                     sign = tile_signs(sign.to(s.device))
+                elif name not in self.tiled and sign.dim() == 4:  # tiled (another table's slot): back to rows
+                    n, kb = s.shape[1:]
+                    if tuple(sign.shape) != tiled_shape(n, 8 * kb):
+                        raise ValueError(f"variant {delta.name!r}: signs of {name!r} have shape "
+                                         f"{tuple(sign.shape)}, not the tiled shape of [{n}, {kb}] rows")
+                    sign = untile_signs(sign.to(s.device), n, 8 * kb)
+                if sign.shape != s.shape[1:]:
+                    raise ValueError(f"variant {delta.name!r}: signs of {name!r} have shape {tuple(sign.shape)}; "
+                                     f"the slots hold {tuple(s.shape[1:])}")
                 s[i].copy_(sign)
                 a[i].copy_(delta.alphas[name].float().expand(a.shape[1]))
             else:

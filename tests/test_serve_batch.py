@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import tile_signs, untile_signs
 from serve.batch import BatchDeltas, DeltaSlots, RowCache
 from serve.engine import Engine
+from serve.model import DeltaLinear
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +108,25 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
         DeltaSlots(engine.model, 0)
     with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
         DeltaSlots(engine.model, 1, sign_layout="cols")
-    # a copy that fails (signs of the wrong shape) gives the slot back
-    name = next(iter(coder.signs))
+    # a copy that fails (signs of the wrong shape, in rows and tiled) gives the slot back; tiled
+    # signs (the engine's default slots hand them out) go into a row-layout table as rows
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shape = {m.name + ".weight": m.weight.shape for m in engine.model.modules() if isinstance(m, DeltaLinear)}[name]
+    rows = untile_signs(coder.signs[name], *shape)
+    n, kb = rows.shape
     broken = object.__new__(type(coder))
     broken.name, broken.full = "broken", {}
-    n, kb = coder.signs[name].shape
-    broken.signs, broken.alphas = {name: torch.zeros(n + 1, kb, dtype=torch.uint8)}, {name: coder.alphas[name]}
-    with pytest.raises(RuntimeError):
-        slots.put(broken)
-    assert slots.free_slots == 1
+    for bad, layout in ((torch.zeros(n + 1, kb, dtype=torch.uint8), "tiled"),
+                        (torch.zeros(n, kb + 1, dtype=torch.uint8), "rows"),
+                        (tile_signs(torch.zeros(n + 64, kb, dtype=torch.uint8)), "rows")):
+        table = DeltaSlots(engine.model, n_slots=1, sign_layout=layout)
+        broken.signs, broken.alphas = {name: bad}, {name: coder.alphas[name]}
+        with pytest.raises(ValueError, match=f"^variant 'broken': signs of '{name}' have shape"):
+            table.put(broken)
+        assert table.free_slots == 1
+    table = DeltaSlots(engine.model, n_slots=1, sign_layout="rows")
+    view = table.put(coder)
+    assert torch.equal(view.signs[name], rows)
 
 
 def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):

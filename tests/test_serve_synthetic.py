@@ -107,11 +107,11 @@ def test_rank_slices_are_cut_from_the_same_whole_model():
     assert not torch.equal(w[q], w["layers.0.self_attn.q_proj.weight"])  # a seed per parameter
     assert torch.equal(SyntheticFamily(SHAPE, variants=2, seed=3).build_base().lm_head.weight, w["lm_head.weight"])
     assert not torch.equal(SyntheticFamily(SHAPE, variants=2, seed=4).build_base().lm_head.weight, w["lm_head.weight"])
-    # the variants' signs: the ranks' slots hold the whole variant's cut
-    slots = DeltaSlots(whole, 2)
+    # the variants' signs: the ranks' slots hold the whole variant's cut (row-layout slots, to cut)
+    slots = DeltaSlots(whole, 2, sign_layout="rows")
     whole_v1 = slots.put(fam.variant("v01"))
     for m, r in zip(ranks, range(2)):
-        v = DeltaSlots(m, 2).put(fam.variant("v01", tp=(r, 2, None)))
+        v = DeltaSlots(m, 2, sign_layout="rows").put(fam.variant("v01", tp=(r, 2, None)))
         name = "model.layers.0.mlp.down_proj.weight"
         assert torch.equal(v.signs[name], whole_v1.signs[name][:, 8 * r:8 * (r + 1)])
         name = "model.layers.0.self_attn.k_proj.weight"
