@@ -47,7 +47,11 @@ Later the same day (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*, wit
 configurations): T = 2 / 4 / 8 / 16: 1.18 / 1.36 / 1.76 / 2.86×. A probe with each K step's sign tile
 stored in one piece (:func:`tile_signs`, ``tiled=True``) ran at 1.34 / 1.66 / 2.60× at T = 4 / 8 / 16
 (reports/planes-probe-tiled-2026-11-30-h200.json): the 64 sign-row pieces of 16 bytes per tile are
-what costs, not the number of copies. The serving layout is still the contract's ``[S, N, K/8]``.
+what costs, not the number of copies. Tiled signs are now the serving default
+(``serve.batch.DeltaSlots``; the dispatcher gives this kernel ``kernels.tile_signs``' layout, whose
+tiles are this kernel's at ``BLOCK_K`` 128): T = 2 / 4 / 8 / 16 at 1.198 / 1.345 / 1.643 / 2.598×, the
+row layout at 1.186 / 1.359 / 1.782 / 2.910× timed the same way on the same kind of host
+(reports/bench-kernels-tiled-rounds-2026-11-30-h200.*, bench-kernels-rows-rounds-2026-11-30-h200.*).
 """
 from __future__ import annotations
 

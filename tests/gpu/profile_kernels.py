@@ -5,7 +5,8 @@
     ncu --profile-from-start off --clock-control none --set full python3 tests/gpu/profile_kernels.py lut-T2
 
 Cases: ``dense-M<m>``, ``decode-M1``, ``fma-T<t>``, ``lut-T<t>``, ``prefill-M<m>`` (the dispatcher's pick),
-``prefillss-M<m>`` (``gluon_bitdelta``'s default), ``prefillrs-M<m>`` (``gluon_prefill_rs``, ``RS_CFG``).
+``prefillss-M<m>`` (``gluon_bitdelta``'s default), ``prefillrs-M<m>`` (``gluon_prefill_rs``, ``RS_CFG``),
+``planesws-T<t>`` (``gluon_planes``, ``PLANES_CFG``; ``PLANES_TILED=1`` for tiled signs).
 """
 from __future__ import annotations
 
@@ -32,15 +33,17 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         fn = lambda: tb.bitdelta_linear_triton(x, w, s[0], a[0])  # noqa: E731
     elif kind in ("fma", "lut", "gluon"):
         fn = lambda: tb.bitdelta_linear_batched_triton(x, w, s, a, slot, impl=kind)  # noqa: E731
-    elif kind == "planesws":  # PLANES_CFG="BLOCK_K,rows per warpgroup,STAGES,registers[,split]"
-        import os
+    elif kind == "planesws":  # PLANES_CFG="BLOCK_K,rows per warpgroup,STAGES,registers,loaders[,split]"
+        import os                # PLANES_TILED=1: the signs in tile_signs' layout (the serving default)
 
         from kernels import gluon_planes as gp
-        bk, rh, st, regs, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
+        bk, rh, st, regs, ld, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
+        tiled = os.environ.get("PLANES_TILED") == "1"
+        st_ = gp.tile_signs(s, bk) if tiled else s
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         ws, cnt = tb._workspace(x.device, num * n, num * n)
-        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, s, a, slot, None, y, ws, cnt,  # noqa: E731
-                                                       (bk, rh, st, regs), sp[0] if sp else None)
+        fn = lambda: gp.bitdelta_linear_batched_planes(x, w, st_, a, slot, None, y, ws, cnt,  # noqa: E731
+                                                       (bk, rh, st, regs, ld), sp[0] if sp else None, tiled=tiled)
     elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 
