@@ -64,6 +64,7 @@ class DeltaSlots:
         self.signs: dict[str, Tensor] = {}
         self.alphas: dict[str, Tensor] = {}
         self.tiled: set[str] = set()  # the parameters whose signs are held tiled
+        self.rows_shape: dict[str, tuple[int, int]] = {}  # name -> the signs' [N, ceil(K/8)] as rows
         # an embedding's signs are gathered by token, so they stay rows (also when a tied lm_head shares them)
         gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
         for mod in model.modules():
@@ -71,6 +72,7 @@ class DeltaSlots:
                 name = f"{mod.name}.weight"
                 if name not in self.signs:
                     n, k = mod.weight.shape
+                    self.rows_shape[name] = (n, packed_width(k))
                     if sign_layout == "tiled" and name not in gathered:
                         self.tiled.add(name)
                         shape = (n_slots, *tiled_shape(n, k))
@@ -95,6 +97,8 @@ class DeltaSlots:
         signs are padded to whole 64 × 16-byte tiles)."""
         from serve.model import DeltaEmbedding, DeltaLinear
 
+        if sign_layout not in SIGN_LAYOUTS:
+            raise ValueError(f"sign_layout must be one of {SIGN_LAYOUTS}, got {sign_layout!r}")
         seen, total = set(), 0
         gathered = {mod.name for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
         for mod in model.modules():
@@ -162,25 +166,29 @@ class DeltaSlots:
         for name, s in self.signs.items():
             a = self.alphas[name]
             if name in delta.signs:
-                sign = delta.signs[name]
-                if name in self.tiled and sign.dim() == 2:  # rows (an artifact): tiled on the slots' device
-                    sign = tile_signs(sign.to(s.device))
-                elif name not in self.tiled and sign.dim() == 4:  # tiled (another table's slot): back to rows
-                    n, kb = s.shape[1:]
-                    if tuple(sign.shape) != tiled_shape(n, 8 * kb):
-                        raise ValueError(f"variant {delta.name!r}: signs of {name!r} have shape "
-                                         f"{tuple(sign.shape)}, not the tiled shape of [{n}, {kb}] rows")
-                    sign = untile_signs(sign.to(s.device), n, 8 * kb)
-                if sign.shape != s.shape[1:]:
-                    raise ValueError(f"variant {delta.name!r}: signs of {name!r} have shape {tuple(sign.shape)}; "
-                                     f"the slots hold {tuple(s.shape[1:])}")
-                s[i].copy_(sign)
+                s[i].copy_(self._as_held(delta.name, name, delta.signs[name], s.device))
                 a[i].copy_(delta.alphas[name].float().expand(a.shape[1]))
             else:
                 s[i].zero_()
                 a[i].zero_()  # α = 0: W + 0·s = W
         for name, t in self.full.items():
             t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
+
+    def _as_held(self, variant: str, name: str, sign: Tensor, device) -> Tensor:
+        """``sign`` (uint8 rows ``[N, ceil(K/8)]`` or ``tile_signs``' 4-D tiles of them) checked
+        against parameter ``name`` and converted to the layout these slots hold it in.
+
+        Raises: ValueError naming the variant and the parameter for another dtype or shape."""
+        n, kb = self.rows_shape[name]
+        tiles = tiled_shape(n, 8 * kb)
+        if sign.dtype != torch.uint8:
+            raise ValueError(f"variant {variant!r}: signs of {name!r} are {sign.dtype}, not packed uint8")
+        if tuple(sign.shape) == (n, kb):  # rows (an artifact)
+            return tile_signs(sign.to(device)) if name in self.tiled else sign
+        if tuple(sign.shape) == tiles:  # tiled (a host-tier copy of a tiled slot)
+            return sign if name in self.tiled else untile_signs(sign.to(device), n, 8 * kb)
+        raise ValueError(f"variant {variant!r}: signs of {name!r} have shape {tuple(sign.shape)}; the matrix "
+                         f"takes rows {(n, kb)} or tiles {tiles}")
 
     def free(self, view) -> None:
         """Give a slot back (its contents are overwritten by the next :meth:`put`)."""

@@ -320,8 +320,10 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
         parameter count.
 
     Raises:
-        ValueError: heads or widths that do not split over ``world``.
+        ValueError: heads or widths that do not split over ``world``, or an unknown ``sign_layout``.
     """
+    if sign_layout not in ("rows", "tiled"):
+        raise ValueError(f"sign_layout must be one of ('rows', 'tiled'), got {sign_layout!r}")
     a = ModelArgs.from_hf_config(config)
     e = torch.empty((), dtype=dtype).element_size()
     if a.n_head % world or a.n_local_heads % world or a.intermediate_size % world:

@@ -108,6 +108,11 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
         DeltaSlots(engine.model, 0)
     with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
         DeltaSlots(engine.model, 1, sign_layout="cols")
+    with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
+        DeltaSlots.bytes_per_slot(engine.model, "cols")  # not sized as rows
+    with pytest.raises(ValueError, match=r"^delta_cache.sign_layout must be one of \('rows', 'tiled'\), got 'Tiled'$"):
+        Engine(engine.base_dir, engine.artifacts_dir, family="tiny",
+               delta_cache={"sign_layout": "Tiled", "device_budget_bytes": 1})  # named before the budget
     # a copy that fails (signs of the wrong shape, in rows and tiled) gives the slot back; tiled
     # signs (the engine's default slots hand them out) go into a row-layout table as rows
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -127,20 +132,34 @@ def test_slots_refuse_a_variant_with_a_full_matrix(engine):
     table = DeltaSlots(engine.model, n_slots=1, sign_layout="rows")
     view = table.put(coder)
     assert torch.equal(view.signs[name], rows)
+    table.free(view)
+    # rows one short or one long still pad into the same tiles: refused in both layouts, as is a
+    # float tensor (which a copy would have cast)
+    for bad in (rows[:-1], torch.cat([rows, rows[:1]]), rows[:, :-1], rows.float()):
+        for layout in ("rows", "tiled"):
+            table = DeltaSlots(engine.model, n_slots=1, sign_layout=layout)
+            broken.signs = {name: bad}
+            want = ("are torch.float32, not packed uint8" if bad.dtype != torch.uint8 else
+                    rf"have shape \({bad.shape[0]}, {bad.shape[1]}\); the matrix takes rows \({n}, {kb}\)")
+            with pytest.raises(ValueError, match=f"^variant 'broken': signs of '{name}' {want}"):
+                table.put(broken)
+            assert table.free_slots == 1
 
 
 def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
-    """``delta_cache.sign_layout: tiled``: the engine's slots hold the linears' signs tiled, and greedy
-    completions of the base and both variants are the row-layout engine's, token for token."""
+    """``delta_cache.sign_layout: tiled`` (the default): the engine's slots hold the linears' signs
+    tiled, and greedy completions of the base and both variants are a row-layout engine's, token for
+    token."""
     from serve.engine import SamplingParams
 
-    tiled = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny",
-                   delta_cache={"sign_layout": "tiled"})
+    tiled = engine
+    rows = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", delta_cache={"sign_layout": "rows"})
     assert tiled.slots.sign_layout == "tiled" and tiled.slots.tiled
+    assert rows.slots.sign_layout == "rows" and not rows.slots.tiled
     params = SamplingParams(temperature=0, max_tokens=8)
     got = {}
     for model_id in ("tiny", "tiny-coder", "tiny-writer"):
-        a = engine.complete(model_id, "def main(", params)
+        a = rows.complete(model_id, "def main(", params)
         got[model_id] = tiled.complete(model_id, "def main(", params).token_ids
         assert a.token_ids == got[model_id], model_id
     # the variants' deltas matter here (a layout read as zeros would answer like the base)

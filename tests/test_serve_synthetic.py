@@ -74,6 +74,8 @@ def test_predicted_memory_is_the_bytes_of_the_tensors(layout, world, sign_layout
 
 
 def test_70b_prediction_against_its_published_parameter_count():
+    with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
+        predict_memory(LLAMA_2_70B, sign_layout="cols")  # not sized as rows
     whole = predict_memory(LLAMA_2_70B, world=1, n_slots=0)
     assert whole["params"] == 68_976_648_192  # Llama-2-70B
     assert whole["base_bytes"] == 2 * 68_976_648_192  # bf16: the 138 GB that cannot be written there
