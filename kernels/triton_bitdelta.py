@@ -497,12 +497,12 @@ def _autotune(configs, key, fn):
                            do_bench=_quick_bench if quick else _graph_bench)(fn)
 
 
-_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
 _batched_tuned = _autotune(_decode_configs(True), ["N", "K", "M", "TILED"], _decode_kernel)
-_batched1_tuned = _autotune(_decode_configs(False), ["N", "K", "TILED"], _decode_kernel)  # one row: decode tiles
-# tiled signs: their own tuners, over the row tiles and tiles of more rows (_decode_configs_tiled)
-_decode_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "BLOCK_M", "TILED"], _decode_kernel)
-_batched1_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "TILED"], _decode_kernel)
+# decode and one mixed row: a tuner per sign layout (tiled signs: the row tiles and tiles of more rows)
+_decode_tuned = _autotune(_decode_configs(False), ["N", "K", "BLOCK_M"], _decode_kernel)
+_batched1_tuned = _autotune(_decode_configs(False), ["N", "K"], _decode_kernel)
+_decode_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K", "BLOCK_M"], _decode_kernel)
+_batched1_tiled_tuned = _autotune(_decode_configs_tiled(), ["N", "K"], _decode_kernel)
 # EVEN (no K masks) needs every K step of every tile whole: K a multiple of the longest step
 _DECODE_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(False) + _decode_configs_tiled())
 _BATCHED_EVEN = 8 * max(c.kwargs["BLOCK_KB"] for c in _decode_configs(True))

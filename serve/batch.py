@@ -16,6 +16,7 @@ and written by row index and per-row position.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -26,6 +27,30 @@ from kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_sha
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
+
+
+def check_sign_layout(sign_layout: str, key: str = "sign_layout") -> None:
+    """Raise ValueError, naming ``key``, unless ``sign_layout`` is one of :data:`SIGN_LAYOUTS`."""
+    if sign_layout not in SIGN_LAYOUTS:
+        raise ValueError(f"{key} must be one of {SIGN_LAYOUTS}, got {sign_layout!r}")
+
+
+def _sign_shapes(model, sign_layout: str) -> dict[str, tuple[tuple[int, int], tuple[int, ...], bool]]:
+    """Per weight matrix of ``model`` with a delta (a tied pair once): ``name -> (rows shape
+    [N, ceil(K/8)], the shape one slot holds its signs in, whether that is tiled)``. An embedding's
+    signs are gathered by token, so they stay rows (also when a tied lm_head shares them)."""
+    from serve.model import DeltaEmbedding, DeltaLinear
+
+    check_sign_layout(sign_layout)
+    gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
+    out = {}
+    for mod in model.modules():
+        name = f"{mod.name}.weight" if isinstance(mod, (DeltaLinear, DeltaEmbedding)) else None
+        if name is not None and name not in out:
+            n, k = mod.weight.shape
+            tiled = sign_layout == "tiled" and name not in gathered
+            out[name] = ((n, packed_width(k)), tiled_shape(n, k) if tiled else (n, packed_width(k)), tiled)
+    return out
 
 
 class DeltaSlots:
@@ -52,34 +77,19 @@ class DeltaSlots:
     """
 
     def __init__(self, model, n_slots: int, sign_layout: str = "tiled"):
-        from serve.model import DeltaEmbedding, DeltaLinear
-
         if n_slots < 1:
             raise ValueError(f"n_slots must be ≥ 1, got {n_slots}")
-        if sign_layout not in SIGN_LAYOUTS:
-            raise ValueError(f"sign_layout must be one of {SIGN_LAYOUTS}, got {sign_layout!r}")
+        shapes = _sign_shapes(model, sign_layout)
         self.n_slots = n_slots
         self.sign_layout = sign_layout
         dev = model.device
         self.signs: dict[str, Tensor] = {}
         self.alphas: dict[str, Tensor] = {}
-        self.tiled: set[str] = set()  # the parameters whose signs are held tiled
-        self.rows_shape: dict[str, tuple[int, int]] = {}  # name -> the signs' [N, ceil(K/8)] as rows
-        # an embedding's signs are gathered by token, so they stay rows (also when a tied lm_head shares them)
-        gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
-        for mod in model.modules():
-            if isinstance(mod, (DeltaLinear, DeltaEmbedding)):
-                name = f"{mod.name}.weight"
-                if name not in self.signs:
-                    n, k = mod.weight.shape
-                    self.rows_shape[name] = (n, packed_width(k))
-                    if sign_layout == "tiled" and name not in gathered:
-                        self.tiled.add(name)
-                        shape = (n_slots, *tiled_shape(n, k))
-                    else:
-                        shape = (n_slots, n, packed_width(k))
-                    self.signs[name] = torch.zeros(shape, dtype=torch.uint8, device=dev)
-                    self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
+        self.tiled = {name for name, (_, _, tiled) in shapes.items() if tiled}  # held tiled
+        self.rows_shape = {name: rows for name, (rows, _, _) in shapes.items()}  # [N, ceil(K/8)] as rows
+        for name, ((n, _), held, _) in shapes.items():
+            self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
+            self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
         from serve.model import _hf_name
 
         self.full: dict[str, Tensor] = {}
@@ -95,21 +105,7 @@ class DeltaSlots:
     def bytes_per_slot(model, sign_layout: str = "tiled") -> int:
         """What one slot of :class:`DeltaSlots` over ``model`` takes, without allocating it (tiled
         signs are padded to whole 64 × 16-byte tiles)."""
-        from serve.model import DeltaEmbedding, DeltaLinear
-
-        if sign_layout not in SIGN_LAYOUTS:
-            raise ValueError(f"sign_layout must be one of {SIGN_LAYOUTS}, got {sign_layout!r}")
-        seen, total = set(), 0
-        gathered = {mod.name for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
-        for mod in model.modules():
-            if isinstance(mod, (DeltaLinear, DeltaEmbedding)) and mod.name not in seen:
-                seen.add(mod.name)
-                n, k = mod.weight.shape
-                if sign_layout == "tiled" and mod.name not in gathered:
-                    nt, kt, r, b = tiled_shape(n, k)
-                    total += nt * kt * r * b + 4 * n
-                else:
-                    total += n * packed_width(k) + 4 * n
+        total = sum(math.prod(held) + 4 * rows[0] for rows, held, _ in _sign_shapes(model, sign_layout).values())
         return total + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
 
     @property

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from compress.bitdelta import ArtifactError, fingerprint, load_artifact
-from serve.batch import SIGN_LAYOUTS, DeltaSlots
+from serve.batch import DeltaSlots, check_sign_layout
 from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from serve.model import Transformer, VariantDelta
 from serve.scheduler import END, Scheduler
@@ -202,8 +202,7 @@ class Engine:
         n_slots = opts.pop("device_slots", None)
         budget = opts.pop("device_budget_bytes", None)
         sign_layout = opts.pop("sign_layout", "tiled")  # serve.batch.DeltaSlots: "tiled" or "rows"
-        if sign_layout not in SIGN_LAYOUTS:
-            raise ValueError(f"delta_cache.sign_layout must be one of {SIGN_LAYOUTS}, got {sign_layout!r}")
+        check_sign_layout(sign_layout, "delta_cache.sign_layout")
         if n_slots is None:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0

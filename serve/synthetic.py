@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels import packed_width, tiled_shape
+from serve.batch import check_sign_layout
 from serve.model import ModelArgs, Transformer, VariantDelta
 
 SPEC_NAME = "synthetic.json"
@@ -322,8 +323,7 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
     Raises:
         ValueError: heads or widths that do not split over ``world``, or an unknown ``sign_layout``.
     """
-    if sign_layout not in ("rows", "tiled"):
-        raise ValueError(f"sign_layout must be one of ('rows', 'tiled'), got {sign_layout!r}")
+    check_sign_layout(sign_layout)
     a = ModelArgs.from_hf_config(config)
     e = torch.empty((), dtype=dtype).element_size()
     if a.n_head % world or a.n_local_heads % world or a.intermediate_size % world:
