@@ -229,7 +229,7 @@ def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
 def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
-                                   pdl: bool = False, tiled: bool = False) -> torch.Tensor:
+                                   pdl: bool = False, tiled: bool = False, base_spread: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -244,6 +244,11 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
         tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
             ``BLOCK_K`` (each K step's sign tile one contiguous copy).
+        base_spread: with two or four consumer warpgroups, each computes the base product of every
+            row over its share of each K step's columns (one wgmma of N = rows on a K slice), instead
+            of the whole step for eight rows (at 16 rows with four consumers the same product was
+            computed twice); the partial sums meet in the workspace, even without a K split. A
+            candidate for 16 variants, not yet timed on a GPU.
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -286,7 +291,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
                             y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
-                            PDL=pdl, LOADERS=loaders, num_warps=4, maxnreg=regs, launch_pdl=pdl)
+                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1, num_warps=4, maxnreg=regs,
+                            launch_pdl=pdl)
     return y
 
 
@@ -361,8 +367,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
-                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr):
-        """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup."""
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
+                    BS: gl.constexpr):
+        """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup. ``BS`` (base spread, more
+        than one consumer): the base product of every row of the block over this consumer's
+        ``1/NCONS`` of each K step (one wgmma of N = ``ROWS`` on a K slice) instead of the whole K step
+        for the eight rows of its own (N = 8, the same product in two consumers at 16 rows); the
+        partial base sums meet in the split-K workspace."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
@@ -370,23 +381,31 @@ if HAVE_GLUON:
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
         NCONS: gl.constexpr = ROWS // RH
-        XR0: gl.constexpr = (ROW0 // 8) * 8   # the eight x rows of the base wgmma (its N = 8)
+        XR0: gl.constexpr = 0 if BS else (ROW0 // 8) * 8  # the first x row of the base wgmma
+        NB: gl.constexpr = ROWS if BS else 8               # its N: every row of the block, or eight
+        KQ: gl.constexpr = BK // NCONS if BS else BK        # its K: this consumer's slice of the step
+        K0: gl.constexpr = (ROW0 // RH) * KQ if BS else 0
         dtype: gl.constexpr = x_desc.dtype
-        acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        acc_b_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
         acc_s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_s_l, k_width=4)
         word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]
 
-        acc_b = gl.zeros([BN, 8], gl.float32, acc_b_l)
+        acc_b = gl.zeros([BN, NB], gl.float32, acc_b_l)
         acc_s = ()
         for r in gl.static_range(RH):
             acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
         for ki in range(num_k):
             stage = ki % STAGES
             mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-            acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
-                                  acc_b, is_async=True)
+            if BS:
+                acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
+                                      x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                      acc_b, is_async=True)
+            else:
+                acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                      acc_b, is_async=True)
             new = ()
             for r in gl.static_range(RH):
                 words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
@@ -409,12 +428,18 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index(stage), count=1)
 
         out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
-        cols_b = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_b_l)), 0)
+        cols_b = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, acc_b_l)), 0)
         cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
         feat = off_n + gl.arange(0, BN, layout=out_l)
         fmask = feat < N
         if PDL:
             _gdc_wait()  # the row scales come from the kernel before
+        if BS:  # this consumer's partial base sums of the other consumers' rows go to the workspace
+            for r in gl.static_range(ROWS):
+                if (r < ROW0) or (r >= ROW0 + RH):
+                    row = off_m + r
+                    part = gl.convert_layout(gl.sum(gl.where(cols_b == r, acc_b, 0.0), axis=1), out_l)
+                    gl.atomic_add(ws_ptr + row * N + feat, part, mask=fmask & (row < M), sem="relaxed")
         for r in gl.static_range(RH):
             row = off_m + ROW0 + r
             base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
@@ -432,13 +457,13 @@ if HAVE_GLUON:
                 alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
             out = base + alpha * sdot
             m = fmask & (row < M)
-            if SPLIT > 1:
+            if BS or SPLIT > 1:
                 gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
             else:
                 if HAS_BIAS:
                     out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
                 gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-        if SPLIT > 1:
+        if BS or SPLIT > 1:
             done_n = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this warpgroup's adds
             if done_n == SPLIT * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
                 for r in gl.static_range(ROWS):
@@ -454,20 +479,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
-                   LOADER: gl.constexpr, LOADERS: gl.constexpr):
+                   BS: gl.constexpr, LOADER: gl.constexpr, LOADERS: gl.constexpr):
         """A worker partition: loader warp ``LOADER`` of ``LOADERS``, or (``LOADER`` = −1) the consumer
         warpgroup of rows ``ROW0 … ROW0 + RH − 1``."""
         if LOADER >= 0:
             _ws_load(p, ROWS, STAGES, PDL, LOADER, LOADERS)
         else:
-            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL)
+            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL, BS)
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                           M, N, K, NSLOT, stride_as, stride_ym,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
-                          RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, num_warps: gl.constexpr):
+                          RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, BS: gl.constexpr,
+                          num_warps: gl.constexpr):
         """``ROWS`` (≤ 16) rows × 64 features over the K chunk ``program_id(2)``: per K step the base
         wgmma (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
         (registers) with its plane group (shared memory), at most ``INFLIGHT`` in flight per
@@ -510,72 +536,72 @@ if HAVE_GLUON:
         # (a partition list is a literal: Gluon tuples cannot hold functions)
         if NCONS == 1 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
             ], [1], [24])
         elif NCONS == 1 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
             ], [1, 1], [24, 24])
         elif NCONS == 1 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
             ], [1, 1, 1, 1], [24, 24, 24, 24])
         elif NCONS == 2 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
             ], [4, 1], [CONS_REGS, 24])
         elif NCONS == 2 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
             ], [4, 1, 1], [CONS_REGS, 24, 24])
         elif NCONS == 2 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
             ], [4, 1, 1, 1, 1], [CONS_REGS, 24, 24, 24, 24])
         elif NCONS == 4 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
             ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
         elif NCONS == 4 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
             ], [4, 4, 4, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24])
         elif NCONS == 4 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
             ], [4, 4, 4, 1, 1, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24, 24, 24])
         else:
             gl.static_assert(False, "1, 2 or 4 consumer warpgroups and 1, 2 or 4 loader warps")

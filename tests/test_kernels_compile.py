@@ -177,14 +177,22 @@ if gb.HAVE_GLUON:
                 planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
                              + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders]}),
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
-                                      CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, num_warps=4),
+                                      CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, BS=False,
+                                      num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     # tiled signs (kernels.reference.tile_signs): the first 16-row configuration with K steps of 128
     bk, rh, stages, regs, loaders = next(c for c in gp.WS_CONFIGS[16] if c[0] == 128)
     planes_build(gp._planes_ws_kernel, "planes-ws-tiled " + json.dumps({"rows": 16, "config": [bk, rh, stages, regs,
                                                                                                 loaders]}),
                  bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                          RH=rh, PDL=False, LOADERS=loaders, num_warps=4), {"num_warps": 4, "maxnreg": regs}, True)
+                          RH=rh, PDL=False, LOADERS=loaders, BS=False, num_warps=4), {"num_warps": 4, "maxnreg": regs},
+                 True)
+    # and with the base product spread over the consumers' K slices (base_spread)
+    planes_build(gp._planes_ws_kernel, "planes-ws-tiled-bs " + json.dumps({"rows": 16, "config": [bk, rh, stages, regs,
+                                                                                                   loaders]}),
+                 bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
+                          RH=rh, PDL=False, LOADERS=loaders, BS=True, num_warps=4), {"num_warps": 4, "maxnreg": regs},
+                 True)
     from kernels import gluon_prefill_rs as pr
     for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
@@ -221,7 +229,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 2  # + the register-operand and int8 kernels on tiled signs
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 3  # + the register-operand and int8 kernels on tiled signs,
+               # and the int8 kernel with its base product spread over the consumers
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     n_tiled = 3  # the Triton kernels on tiled signs, one configuration each
@@ -273,7 +282,7 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 1  # + tiled signs
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 2  # + tiled, tiled spread
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     assert all(v.get("igmma") for v in planes.values()), planes

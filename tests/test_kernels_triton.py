@@ -506,7 +506,8 @@ def test_warp_specialised_split_follows_the_wave_model():
 )
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every configuration and
-    the default with programmatic dependent launch, with K split and not: equal to the float32
+    the default with programmatic dependent launch, and with the base product spread over the
+    consumers (``base_spread``), with K split and not: equal to the float32
     reference within the dtype tolerance, rows of slot −1 and of an out-of-range slot getting the
     base only, and the split-K workspace left zero."""
     from kernels import gluon_planes as gp
@@ -524,6 +525,9 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
     configs += [dict(config=cfg, tiled=True) for cfg in list(gp.WS_CONFIGS[rows][:1]) + [
         c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if k % cfg[0] == 0]
+    # the base product spread over the consumers' K slices (branch base-spread), rows and tiled signs
+    configs += [dict(config=cfg, base_spread=True, tiled=tiled) for cfg in gp.WS_CONFIGS[rows][:2]
+                if k % cfg[0] == 0 and rows // min(rows, cfg[1]) > 1 for tiled in (False, True)]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):

@@ -3,6 +3,7 @@ the other tenant kernels on the Llama-2-70B layer set, per ring depth and K spli
 
     python3 tests/gpu/planes_probe.py OUT.json [T ...]
     PROBE_TILED=1 python3 tests/gpu/planes_probe.py OUT.json [T ...]   # also with tile_signs' layout
+    PROBE_TILED=1 PROBE_BASE_SPREAD=1 …   # and tiled with the base product spread over the consumers
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -51,6 +52,11 @@ def main(out: str, ts: list[int]) -> None:
             if os.environ.get("PROBE_TILED") == "1":  # sign tiles stored whole (gluon_planes.tile_signs)
                 for cfg in gp.WS_CONFIGS[rows_]:
                     configs["planes_tiled_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg, tiled=True)
+            if os.environ.get("PROBE_BASE_SPREAD") == "1":  # the base product spread over the consumers
+                for cfg in gp.WS_CONFIGS[rows_]:
+                    if rows_ // min(rows_, cfg[1]) > 1:
+                        configs["planes_tiled_bs_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                            config=cfg, tiled=True, base_spread=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -60,7 +66,8 @@ def main(out: str, ts: list[int]) -> None:
                     bk = config["config"][0]
                     sg = tiled_signs.setdefault(bk, gp.tile_signs(signs, bk))
                     # the row-layout configuration's best split only
-                    untiled = {k2: v for k2, v in r.items() if k2.startswith(cname.replace("_tiled", "") + "_k")
+                    untiled = {k2: v for k2, v in r.items()
+                               if k2.startswith(cname.replace("_tiled", "").replace("_bs", "") + "_k")
                                and not k2.endswith("err") and isinstance(v, float)}
                     if untiled:
                         splits = [int(min(untiled, key=untiled.get).rsplit("_k", 1)[1])]

@@ -39,11 +39,13 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         from kernels import gluon_planes as gp
         bk, rh, st, regs, ld, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
         tiled = os.environ.get("PLANES_TILED") == "1"
+        spread = os.environ.get("PLANES_BS") == "1"  # base_spread
         st_ = gp.tile_signs(s, bk) if tiled else s
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         ws, cnt = tb._workspace(x.device, num * n, num * n)
         fn = lambda: gp.bitdelta_linear_batched_planes(x, w, st_, a, slot, None, y, ws, cnt,  # noqa: E731
-                                                       (bk, rh, st, regs, ld), sp[0] if sp else None, tiled=tiled)
+                                                       (bk, rh, st, regs, ld), sp[0] if sp else None, tiled=tiled,
+                                                       base_spread=spread)
     elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 
