@@ -244,8 +244,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             the first ring overlap the activation-planes kernel (not yet measured on a GPU).
         tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
             ``BLOCK_K`` (each K step's sign tile one contiguous copy).
-        base_spread: with two or four consumer warpgroups, each computes the base product of every
-            row over its share of each K step's columns (one wgmma of N = rows on a K slice), instead
+        base_spread: with 8 or 16 rows and two or four consumer warpgroups, each computes the base
+            product of every row over its share of each K step's columns (one wgmma of N = rows on a
+            K slice), instead
             of the whole step for eight rows (at 16 rows with four consumers the same product was
             computed twice); the partial sums meet in the workspace, even without a K split. A
             candidate for 16 variants, not yet timed on a GPU.
@@ -291,8 +292,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
                             y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
-                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1, num_warps=4, maxnreg=regs,
-                            launch_pdl=pdl)
+                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, num_warps=4,
+                            maxnreg=regs, launch_pdl=pdl)
     return y
 
 
