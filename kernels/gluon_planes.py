@@ -76,6 +76,14 @@ if HAVE_GLUON:
         finished and its writes are visible; a no-op without programmatic dependent launch."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
+    # two binary mmas of 16 features × 8 bit planes × 128 weights (AND, then POPC, summed into int32):
+    # operands per thread, in ``l3``'s register order (m + 2·pb + 4·h, see ``_ws_consume``): $0–$7
+    # the results, $8–$15 the sign words (a0 = rows g, $8; a1 = rows g + 8, $12), $16–$23 the plane
+    # words (mma m reads $16 + m), $24–$31 the accumulators
+    _BMMA = gl.constexpr(
+        "mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {$0,$2,$4,$6}, {$8,$12}, {$16}, {$24,$26,$28,$30};\n"
+        "mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {$1,$3,$5,$7}, {$8,$12}, {$17}, {$25,$27,$29,$31};")
+
     # a shared-memory view under another element type: ``_reinterpret`` in Triton 3.6, ``reinterpret``
     # from 3.7 on
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
@@ -87,6 +95,7 @@ if HAVE_GLUON:
         def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
             return buf._reinterpret(gl.int32, [BN, W], layout)
 
+BIT_MAX = 32767    # the largest |q| of the binary-plane copy: 16-bit two's complement
 PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
@@ -190,6 +199,75 @@ def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor,
     return planes, sc
 
 
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per row: ``scale = max|x|/BIT_MAX``, ``q = round(x/scale)`` (16-bit two's
+    complement), and its 16 bit planes packed 32 weights to a word, bit i of word w the weight
+    ``32w + i`` (the sign bits' order), stored ``[row, K/128, 8, 4, 2]``: word ``(j, g, t, m)`` is plane
+    ``8m + g`` at weights ``128j + 32t … + 31``; ``sc[2r] = scale``, ``sc[2r + 1] = Σq``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    inv = tl.where(a > 0, 32767.0 / a, 0.0)
+    qsum = tl.zeros([BLOCK], tl.int32)
+    shift = tl.arange(0, 32)[None, :]
+    kw = tl.arange(0, BLOCK // 32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32) * inv
+        q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero
+        qsum += q
+        q2 = tl.reshape(q, [BLOCK // 32, 32])
+        w = k0 // 32 + kw                                   # word index along K
+        dst = b_ptr + (r * (K // 128) + w // 4) * 64 + (w % 4) * 2
+        for p in tl.static_range(16):
+            word = tl.reduce(((q2 >> p) & 1) << shift, 1, _or)
+            tl.store(dst + (p % 8) * 8 + p // 8, word, mask=w < K // 32)
+    tl.store(sc_ptr + 2 * r, a / 32767.0)
+    tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
+
+
+def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16 bit planes of a 16-bit fixed-point copy of the activations, for the binary tensor cores.
+
+    ``x[r, k] ≈ scale_r·q[r, k]``, ``q = round(x/scale)`` in ``[−BIT_MAX, BIT_MAX]`` with ``scale_r =
+    max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2``), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
+    A sign vector ``s ∈ {±1}`` with bits ``s' = (s + 1)/2`` then has ``s·q = 2·Σ_p w_p·popc(s' & b_p) −
+    Σq``, ``w_p = 2^p`` (``−2^15`` for p = 15): the products the binary mmas of ``_planes_ws_kernel``
+    form with ``bits=True``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, K a multiple of 128, on a device Triton runs on.
+        pdl: let a following kernel launched with programmatic dependent launch start early.
+
+    Returns:
+        ``(bits, sc)``: int32 ``[M, K/128, 64]`` (per row and 128 weights, word ``8·(8g + ... )``: see
+        :func:`_bitplanes_kernel`; bit i of a word is weight ``32·t + i`` of the piece, as in the packed
+        signs) and float32 ``[M, 2]`` (``scale``, ``Σq`` per row).
+
+    Raises:
+        ValueError: if K is not a multiple of 128.
+    """
+    m, k = x.shape
+    if k % 128:
+        raise ValueError(f"K = {k} is not a multiple of 128")
+    bits = torch.empty(m, k // 128, 64, dtype=torch.int32, device=x.device)
+    sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
+    _bitplanes_kernel[(m,)](x, bits, sc, k, x.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl,
+                            num_warps=8)
+    return bits, sc
+
+
 def planes_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
     """Whether :func:`bitdelta_linear_batched_planes` can run: Hopper and aligned tensors
     (``gluon_bitdelta.supported``), 2 or more rows, K a multiple of 128, contiguous sign rows."""
@@ -229,7 +307,8 @@ def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
 def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
-                                   pdl: bool = False, tiled: bool = False, base_spread: bool = False) -> torch.Tensor:
+                                   pdl: bool = False, tiled: bool = False, base_spread: bool = False,
+                                   bits: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -250,6 +329,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             of the whole step for eight rows (at 16 rows with four consumers the same product was
             computed twice); the partial sums meet in the workspace, even without a K split. A
             candidate for 16 variants, not yet timed on a GPU.
+        bits: the sign part on the binary tensor cores (``mma.sync`` b1, AND + POPC) with the
+            activations' 16 bit planes (:func:`activation_bitplanes`) instead of on the int8 ones: each
+            consumer thread reads two sign words per row and 128 weights as stored and expands nothing.
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -278,7 +360,12 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
-    planes, sc = activation_planes(x, pdl=pdl)
+    if bits:
+        bitplanes, sc = activation_bitplanes(x, pdl=pdl)
+        planes = bitplanes.view(torch.int8).view(-1, 256)  # an unused descriptor's tensor
+    else:
+        planes, sc = activation_planes(x, pdl=pdl)
+        bitplanes = sc
     dt = _gl_dtype(x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [16, bk], gl.NVMMASharedLayout.get_default_for([16, bk], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, bk], gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], dt))
@@ -290,9 +377,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
     _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
-                            y, ws, cnt, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
+                            y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
-                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, num_warps=4,
+                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, BITS=bits, num_warps=4,
                             maxnreg=regs, launch_pdl=pdl)
     return y
 
@@ -304,14 +391,14 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
 if HAVE_GLUON:
     @gluon.jit
     def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, J: gl.constexpr,
-                 LOADERS: gl.constexpr):
+                 LOADERS: gl.constexpr, BITS: gl.constexpr):
         """Loader warp ``J`` of ``LOADERS``: of the copies of one K step, numbered x 0, W 1, plane
         groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
         ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        G: gl.constexpr = (ROWS + 3) // 4
+        G: gl.constexpr = 0 if BITS else (ROWS + 3) // 4  # BITS: the consumers read bit planes themselves
         L: gl.constexpr = LOADERS
         TILED: gl.constexpr = s_desc.block_type.shape[1] == 128  # sign tiles stored whole (tile_signs)
         R: gl.constexpr = s_desc.block_type.shape[0]
@@ -369,7 +456,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
-                    BS: gl.constexpr):
+                    BS: gl.constexpr, BITS: gl.constexpr):
         """Rows ``ROW0 … ROW0 + RH − 1`` of the row block, as one warpgroup. ``BS`` (base spread, more
         than one consumer): the base product of every row of the block over this consumer's
         ``1/NCONS`` of each K step (one wgmma of N = ``ROWS`` on a K slice) instead of the whole K step
@@ -377,7 +464,7 @@ if HAVE_GLUON:
         partial base sums meet in the split-K workspace."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
          slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
-        (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile) = q
+        (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile, bits_ptr) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
@@ -394,45 +481,103 @@ if HAVE_GLUON:
         kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]
 
         acc_b = gl.zeros([BN, NB], gl.float32, acc_b_l)
-        acc_s = ()
-        for r in gl.static_range(RH):
-            acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
-        for ki in range(num_k):
-            stage = ki % STAGES
-            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-            if BS:
-                acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
-                                      x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
-                                      acc_b, is_async=True)
-            else:
-                acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
-                                      acc_b, is_async=True)
-            new = ()
-            for r in gl.static_range(RH):
-                words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
-                acc = acc_s[r]
-                for c in gl.static_range(BK // 32):
-                    wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
-                    a = gl.inline_asm_elementwise(
-                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
-                    b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
-                    acc = warpgroup_mma(a, b, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
-                new = new + (acc, )
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
-            acc_b = done[0]
+        if BITS:
+            # binary tensor cores (mma.sync m16n8k128 b1, AND + POPC): per row and 128 weights, the
+            # row's 64 × 128 sign bits (A, two words per thread, read as stored) against its 16 bit
+            # planes (B, eight per mma); layout: module docstring, ``_BITS_LAYOUT``
+            l3: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BN, 4, 4])
+            word_l3: gl.constexpr = gl.SliceLayout(2, l3)
+            r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, word_l3)), 1), 2)
+            t3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, word_l3)), 0), 2)
+            j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3))), 0), 1)
+            boff = ((r3 % 8) * 4 + t3) * 2 + j3 % 2  # [BN, 4, 4]: word of plane 8·(j % 2) + row % 8, K word t
+            KW: gl.constexpr = BK // 128  # 128-weight pieces per K step
+            if PDL:
+                _gdc_wait()  # the bit planes come from the kernel before
+            brow = ()
+            for r in gl.static_range(RH):  # rows past M read row M − 1: their sign tiles are zeros
+                brow = brow + (gl.minimum(off_m + ROW0 + r, M - 1).to(gl.int64) * (K // 128) * 64, )
+            zero = gl.zeros([BN, 4, 4], gl.int32, l3)
             acc_s = ()
             for r in gl.static_range(RH):
-                acc_s = acc_s + (done[r + 1], )
-            fence_async_shared()  # the sign words' shared loads come before the loader's next copy
-            mbarrier.arrive(empty.index(stage), count=1)
+                acc_s = acc_s + (zero, )
+            for ki in range(num_k):
+                stage = ki % STAGES
+                kw = (k_first + ki) * KW * 64
+                bw = ()
+                for r in gl.static_range(RH):
+                    for c in gl.static_range(KW):
+                        bw = bw + (gl.load(bits_ptr + brow[r] + kw + c * 64 + boff), )
+                mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+                if BS:
+                    acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
+                                          x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                          acc_b, is_async=True)
+                else:
+                    acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                          acc_b, is_async=True)
+                new = ()
+                for r in gl.static_range(RH):
+                    words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
+                    acc = acc_s[r]
+                    for c in gl.static_range(KW):
+                        a = words.slice(4 * c, 4, dim=1).load(word_l3)                  # [BN, 4]
+                        a3, _ = gl.broadcast(gl.expand_dims(a, 2), zero)
+                        acc = gl.inline_asm_elementwise(_BMMA, "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 23 + "r",
+                                                        [a3, bw[r * KW + c], acc], dtype=gl.int32, is_pure=True,
+                                                        pack=8)
+                    new = new + (acc, )
+                acc_s = new
+                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+                fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+                mbarrier.arrive(empty.index(stage), count=1)
+        else:
+            acc_s = ()
+            for r in gl.static_range(RH):
+                acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
+            for ki in range(num_k):
+                stage = ki % STAGES
+                mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+                if BS:
+                    acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
+                                          x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                          acc_b, is_async=True)
+                else:
+                    acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                          acc_b, is_async=True)
+                new = ()
+                for r in gl.static_range(RH):
+                    words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
+                    acc = acc_s[r]
+                    for c in gl.static_range(BK // 32):
+                        wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
+                        a = gl.inline_asm_elementwise(
+                            "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                            "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                        b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                        acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                    new = new + (acc, )
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
+                acc_b = done[0]
+                acc_s = ()
+                for r in gl.static_range(RH):
+                    acc_s = acc_s + (done[r + 1], )
+                fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+                mbarrier.arrive(empty.index(stage), count=1)
+
 
         out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
         cols_b = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, acc_b_l)), 0)
         cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
         feat = off_n + gl.arange(0, BN, layout=out_l)
         fmask = feat < N
+        if BITS:  # the weight of each accumulator column: plane p = 8·(j % 2) + 2·t + j // 2
+            pl = 8 * (j3 % 2) + 2 * t3 + j3 // 2
+            pw = gl.where(pl == 15, -32768.0, (1 << pl).to(gl.float32))
         if PDL:
             _gdc_wait()  # the row scales come from the kernel before
         if BS:  # this consumer's partial base sums of the other consumers' rows go to the workspace
@@ -444,14 +589,19 @@ if HAVE_GLUON:
         for r in gl.static_range(RH):
             row = off_m + ROW0 + r
             base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
-            d = acc_s[r]
-            hi = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4), d, 0), axis=1).to(gl.float32)
-            lo = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4) + 1, d, 0), axis=1).to(gl.float32)
+            if BITS:  # Σ over planes of 2^p · popc, plane 15 the sign (−2^15)
+                s16 = gl.sum(gl.sum(acc_s[r].to(gl.float32) * pw, axis=2), axis=1)
+                twice = gl.convert_layout(2.0 * s16, out_l)
+            else:
+                d = acc_s[r]
+                hi = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4), d, 0), axis=1).to(gl.float32)
+                lo = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4) + 1, d, 0), axis=1).to(gl.float32)
+                twice = 512.0 * hi + 2.0 * lo
             sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
             ok = (sl >= 0) & (sl < NSLOT) & (row < M)
             scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
             qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
-            sdot = scale * (512.0 * hi + 2.0 * lo - first * qsum)
+            sdot = scale * (twice - first * qsum)
             if ALPHA_PER_ROW:
                 alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
             else:
@@ -480,20 +630,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
-                   BS: gl.constexpr, LOADER: gl.constexpr, LOADERS: gl.constexpr):
+                   BS: gl.constexpr, BITS: gl.constexpr, LOADER: gl.constexpr, LOADERS: gl.constexpr):
         """A worker partition: loader warp ``LOADER`` of ``LOADERS``, or (``LOADER`` = −1) the consumer
         warpgroup of rows ``ROW0 … ROW0 + RH − 1``."""
         if LOADER >= 0:
-            _ws_load(p, ROWS, STAGES, PDL, LOADER, LOADERS)
+            _ws_load(p, ROWS, STAGES, PDL, LOADER, LOADERS, BITS)
         else:
-            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL, BS)
+            _ws_consume(p, q, ROWS, STAGES, ROW0, RH, ALPHA_PER_ROW, HAS_BIAS, INFLIGHT, PDL, BS, BITS)
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                          M, N, K, NSLOT, stride_as, stride_ym,
+                          bits_ptr, M, N, K, NSLOT, stride_as, stride_ym,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
                           RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, BS: gl.constexpr,
+                          BITS: gl.constexpr,
                           num_warps: gl.constexpr):
         """``ROWS`` (≤ 16) rows × 64 features over the K chunk ``program_id(2)``: per K step the base
         wgmma (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
@@ -503,7 +654,7 @@ if HAVE_GLUON:
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
-        G: gl.constexpr = (ROWS + 3) // 4
+        G: gl.constexpr = 0 if BITS else (ROWS + 3) // 4
         NCONS: gl.constexpr = ROWS // RH  # consumer warpgroups of RH rows each
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -530,79 +681,79 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=NCONS)
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
              slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k)
-        q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile)
+        q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile, bits_ptr)
         A: gl.constexpr = ALPHA_PER_ROW
         B: gl.constexpr = HAS_BIAS
         # consumer 0 is the default partition; consumers 1 … NCONS − 1 and the loader warps are workers
         # (a partition list is a literal: Gluon tuples cannot hold functions)
         if NCONS == 1 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 1)),
             ], [1], [24])
         elif NCONS == 1 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 2)),
             ], [1, 1], [24, 24])
         elif NCONS == 1 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 3, 4)),
             ], [1, 1, 1, 1], [24, 24, 24, 24])
         elif NCONS == 2 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 1)),
             ], [4, 1], [CONS_REGS, 24])
         elif NCONS == 2 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 2)),
             ], [4, 1, 1], [CONS_REGS, 24, 24])
         elif NCONS == 2 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 3, 4)),
             ], [4, 1, 1, 1, 1], [CONS_REGS, 24, 24, 24, 24])
         elif NCONS == 4 and LOADERS == 1:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 1)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 1)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 1)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 1)),
             ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
         elif NCONS == 4 and LOADERS == 2:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 2)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 2)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 2)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 2)),
             ], [4, 4, 4, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24])
         elif NCONS == 4 and LOADERS == 4:
             gl.warp_specialize([
-                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS)),
-                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, -1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 0, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 1, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 2, 4)),
-                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, 3, 4)),
+                (_ws_consume, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS)),
+                (_ws_worker, (p, q, ROWS, STAGES, 1 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 2 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 3 * RH, RH, A, B, INFLIGHT, PDL, BS, BITS, -1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 0, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 1, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 2, 4)),
+                (_ws_worker, (p, q, ROWS, STAGES, 0, RH, A, B, INFLIGHT, PDL, BS, BITS, 3, 4)),
             ], [4, 4, 4, 1, 1, 1, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24, 24, 24, 24])
         else:
             gl.static_assert(False, "1, 2 or 4 consumer warpgroups and 1, 2 or 4 loader warps")

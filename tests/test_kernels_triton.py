@@ -410,6 +410,49 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     assert not planes[4:].any() and sc[2, 0] == 0
 
 
+@pytest.mark.parametrize("k", [128, 8192 + 384])
+def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k):
+    """``activation_bitplanes`` (the binary tensor-core path's input): every activation is
+    ``scale·q`` to within ``scale/2`` with ``scale = max|x|/32767``; bit p of ``q`` (16-bit two's
+    complement) for weight ``128j + 32t + i`` is bit i of word ``[row, j, p % 8, t, p // 8]``; and the
+    identity the kernel uses, ``s·q = 2·Σ_p w_p·popc(s' & b_p) − Σq`` with ``w_15 = −2^15``, holds
+    for packed sign bits s' (``kernels.reference.pack_signs``' bit order). An all-zero row gets
+    scale 0 and zero planes."""
+    from kernels.gluon_planes import BIT_MAX, activation_bitplanes
+
+    g = torch.Generator().manual_seed(11)
+    m = 3
+    x = torch.randn(m, k, generator=g)
+    x[1, 5] = -40.0  # an outlier (negative) sets its row's scale
+    x[2] = 0.0
+    x = x.to(torch.bfloat16)
+    bits, sc = activation_bitplanes(x.to(DEVICE))
+    bits, sc = bits.cpu(), sc.cpu()
+    assert bits.shape == (m, k // 128, 64) and bits.dtype == torch.int32 and sc.shape == (m, 2)
+    words = bits.view(m, k // 128, 8, 4, 2).long() & 0xFFFFFFFF           # [row, j, g, t, mm]
+    planes = words.permute(0, 4, 2, 1, 3).reshape(m, 16, k // 32)       # [row, p = 8·mm + g, word]
+    b = (planes[..., None] >> torch.arange(32)) & 1                     # [row, p, word, i]
+    b = b.reshape(m, 16, k)
+    weight = 2 ** torch.arange(16)
+    weight[15] = -(2 ** 15)
+    q = (b * weight[None, :, None]).sum(dim=1)                          # [row, k]
+    scale = x.float().abs().amax(dim=1) / BIT_MAX
+    torch.testing.assert_close(sc[:, 0], scale)
+    err = (q.float() * scale[:, None] - x.float()).abs()
+    assert (err <= scale[:, None] * 0.505 + 1e-12).all(), (err / scale[:, None].clamp_min(1e-30)).max()
+    assert q.abs().max() <= BIT_MAX and q[1].abs().max() == BIT_MAX and q[1, 5] == -BIT_MAX
+    torch.testing.assert_close(sc[:, 1], q.sum(dim=1).float())
+    assert not bits[2].any() and sc[2, 0] == 0
+    # the kernel's product: popc of AND per plane, over packed sign words
+    s = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    sw = pack_signs(s).view(m, k // 32, 4).long()                       # bytes → 32-bit words, little end
+    sw = sw[..., 0] | sw[..., 1] << 8 | sw[..., 2] << 16 | sw[..., 3] << 24
+    sbits = ((sw[..., None] >> torch.arange(32)) & 1).reshape(m, k)
+    popc = (sbits[:, None, :] & b).sum(dim=2)                           # [row, p]
+    got = 2 * (popc * weight).sum(dim=1) - q.sum(dim=1)
+    assert torch.equal(got, (s.long() * q).sum(dim=1))
+
+
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
@@ -528,6 +571,10 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     # the base product spread over the consumers' K slices (branch base-spread), rows and tiled signs
     configs += [dict(config=cfg, base_spread=True, tiled=tiled) for cfg in gp.WS_CONFIGS[rows][:2]
                 if k % cfg[0] == 0 and rows // min(rows, cfg[1]) > 1 for tiled in (False, True)]
+    # the sign part on the binary tensor cores (branch bits), rows and tiled signs, spread or not
+    configs += [dict(config=cfg, bits=True, tiled=tiled, base_spread=spread) for cfg in gp.WS_CONFIGS[rows][:2]
+                if k % cfg[0] == 0 for tiled in (False, True) for spread in (False, True)
+                if not spread or rows // min(rows, cfg[1]) > 1]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):

@@ -100,7 +100,8 @@ def _backward_branches(sass: str, labels: dict) -> list[tuple[int, int]]:
     return out
 
 
-def analyse_planes(rows: int, config: tuple, tiled: bool = False, base_spread: bool = False) -> dict:
+def analyse_planes(rows: int, config: tuple, tiled: bool = False, base_spread: bool = False,
+                   bits: bool = False) -> dict:
     """The warp-specialised int8 tenant kernel (``kernels.gluon_planes._planes_ws_kernel``) at
     ``config = (BLOCK_K, rows per warpgroup, STAGES, registers, loader warps)``: registers, spills, whether ptxas
     serialises its wgmmas, and the consumers' K-loop instructions per row and weight. ``tiled``: the
@@ -121,21 +122,22 @@ def analyse_planes(rows: int, config: tuple, tiled: bool = False, base_spread: b
            "s_desc": (f"tensordesc<u8[{bn * bk // 1024}, 128],{sl!r}>" if tiled
                       else f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>"), "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
            "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "bits_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                  RH=min(rows, rh), PDL=False, LOADERS=loaders, BS=base_spread and rows // min(rows, rh) > 1,
+                  RH=min(rows, rh), PDL=False, LOADERS=loaders, BS=base_spread and rows // min(rows, rh) > 1, BITS=bits,
                   num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = gp._planes_ws_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_as",
+             for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "bits_ptr", "N", "K", "stride_as",
                        "stride_ym")}
     k = triton.compile(GluonASTSource(fn=gp._planes_ws_kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": regs})
-    regs, loop, log = _inspect(k, "IGMMA")
+    regs, loop, log = _inspect(k, "BMMA" if bits else "IGMMA")
     weights = min(rows, rh) * bn * bk / 128  # row-weights per consumer thread per K step
-    return {"rows": rows, "config": list(config), "tiled": tiled, "base_spread": base_spread, "registers": regs,
+    return {"rows": rows, "config": list(config), "tiled": tiled, "base_spread": base_spread, "bits": bits,
+            "registers": regs,
             "spill_bytes": int((re.search(r"(\d+) bytes spill stores", log) or [0, 0])[1]),
             "serialized": "serialized" in log, "loop_instructions": len(loop),
             "per_row_weight": round(len(loop) / weights, 3), "opcodes": dict(collections.Counter(loop).most_common(8))}
@@ -167,12 +169,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "planes":  # … planes [ROWS BK,RH,STAGES,REGS,LOADERS] [tiled] [spread]
         from kernels import gluon_planes as gp
-        flags = {a for a in sys.argv[2:] if a in ("tiled", "spread")}
+        flags = {a for a in sys.argv[2:] if a in ("tiled", "spread", "bits")}
         args = [a for a in sys.argv[2:] if a not in flags]
         cases = ([(int(args[0]), tuple(int(v) for v in args[1].split(",")))] if len(args) > 1 else
                  [(r, c) for r in (2, 4, 8, 16) for c in gp.WS_CONFIGS[r]])
         for rows, config in cases:
-            print(analyse_planes(rows, config, "tiled" in flags, "spread" in flags), flush=True)
+            print(analyse_planes(rows, config, "tiled" in flags, "spread" in flags, "bits" in flags), flush=True)
         sys.exit(0)
     if len(sys.argv) > 2:
         cases = [(int(sys.argv[1]), tuple(int(v) for v in sys.argv[2].split(",")))]
