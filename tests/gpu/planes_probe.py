@@ -4,6 +4,7 @@ the other tenant kernels on the Llama-2-70B layer set, per ring depth and K spli
     python3 tests/gpu/planes_probe.py OUT.json [T ...]
     PROBE_TILED=1 python3 tests/gpu/planes_probe.py OUT.json [T ...]   # also with tile_signs' layout
     PROBE_TILED=1 PROBE_BASE_SPREAD=1 …   # and tiled with the base product spread over the consumers
+    PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 …   # tiled only, also on the binary tensor cores
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -45,18 +46,30 @@ def main(out: str, ts: list[int]) -> None:
             r = {"layer": name, "N": n, "K": k, "T": t, "dense_ms": dense}
             rows_ = max(2, min(16, triton.next_power_of_2(t)))
             configs = {}
-            for cfg in gp.WS_CONFIGS[rows_]:
-                configs["planes_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg)
-            configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
-                config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
-            if os.environ.get("PROBE_TILED") == "1":  # sign tiles stored whole (gluon_planes.tile_signs)
+            only_tiled = os.environ.get("PROBE_ONLY_TILED") == "1"  # no row-layout configurations
+            if not only_tiled:
                 for cfg in gp.WS_CONFIGS[rows_]:
+                    configs["planes_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg)
+                configs["planes_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*gp.WS_CONFIGS[rows_][0])] = dict(
+                    config=gp.WS_CONFIGS[rows_][0], pdl=True)  # the default with programmatic dependent launch
+            if os.environ.get("PROBE_TILED") == "1":  # sign tiles stored whole (gluon_planes.tile_signs)
+                for cfg in [c for c in gp.WS_CONFIGS[rows_] if not only_tiled or c[0] == 128]:
                     configs["planes_tiled_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(config=cfg, tiled=True)
             if os.environ.get("PROBE_BASE_SPREAD") == "1":  # the base product spread over the consumers
-                for cfg in gp.WS_CONFIGS[rows_]:
+                for cfg in [c for c in gp.WS_CONFIGS[rows_] if not only_tiled or c[0] == 128]:
                     if rows_ // min(rows_, cfg[1]) > 1:
                         configs["planes_tiled_bs_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
                             config=cfg, tiled=True, base_spread=True)
+            if os.environ.get("PROBE_BITS") == "1":  # the sign part on the binary tensor cores, tiled signs
+                # with no int8 planes in the ring, deeper rings and eight rows per consumer fit too
+                extra = {16: [(128, 8, 4, 128, 2), (128, 8, 6, 128, 2), (128, 4, 6, 96, 2)],
+                         8: [(128, 8, 6, 128, 2), (128, 4, 6, 80, 2)]}.get(rows_, [])
+                for cfg in [c for c in gp.WS_CONFIGS[rows_] if not only_tiled or c[0] == 128] + extra:
+                    configs["planes_tiled_bits_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                        config=cfg, tiled=True, bits=True)
+                    if rows_ // min(rows_, cfg[1]) > 1:
+                        configs["planes_tiled_bits_bs_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                            config=cfg, tiled=True, bits=True, base_spread=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -67,7 +80,8 @@ def main(out: str, ts: list[int]) -> None:
                     sg = tiled_signs.setdefault(bk, gp.tile_signs(signs, bk))
                     # the row-layout configuration's best split only
                     untiled = {k2: v for k2, v in r.items()
-                               if k2.startswith(cname.replace("_tiled", "").replace("_bs", "") + "_k")
+                               if k2.startswith(cname.replace("_tiled", "").replace("_bits", "").replace("_bs", "")
+                                               + "_k")
                                and not k2.endswith("err") and isinstance(v, float)}
                     if untiled:
                         splits = [int(min(untiled, key=untiled.get).rsplit("_k", 1)[1])]
@@ -83,7 +97,7 @@ def main(out: str, ts: list[int]) -> None:
                         r[name_ + "_err"] = err
                     except Exception as e:  # noqa: BLE001
                         r[name_] = repr(e)[:200]
-            r["lut"] = do_bench_cudagraph(lambda: tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
+            r["lut"] = float("nan") if only_tiled else do_bench_cudagraph(lambda: tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot,
                                                                                    impl="lut"), rep=50) / dense
             print(json.dumps(r), flush=True)
             rows.append(r)
@@ -94,13 +108,13 @@ def main(out: str, ts: list[int]) -> None:
                     sums[(t, key)][1] += dense
     summary = {f"T={t}/{key}": round(a / b, 3) for (t, key), (a, b) in sums.items()}
     for t in ts:
-        best = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_bk"))
-        best_ws = min((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_pdl"))
+        best = min(((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_")), default=None)
+        best_ws = min(((v, k) for k, v in summary.items() if k.startswith(f"T={t}/planes_pdl")), default=None)
         # the best configuration per layer (what the dispatcher's timing picks)
         per = sum(min(v for k2, v in r.items() if k2.startswith("planes") and not k2.endswith("err")
                       and isinstance(v, float)) * r["dense_ms"] for r in rows if r["T"] == t)
         per /= sum(r["dense_ms"] for r in rows if r["T"] == t)
-        print(f"T={t}: best planes {best} with PDL {best_ws} best-per-layer {per:.3f} lut {summary[f'T={t}/lut']} "
+        print(f"T={t}: best planes {best} with PDL {best_ws} best-per-layer {per:.3f} lut {summary.get(f'T={t}/lut')} "
               f"target {1.1 * (1 + t / 16):.3f}")
         # each configuration at its best K split per layer (what the dispatcher's timing of splits gives it)
         by_cfg = {}

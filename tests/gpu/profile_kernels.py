@@ -40,12 +40,13 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         bk, rh, st, regs, ld, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
         tiled = os.environ.get("PLANES_TILED") == "1"
         spread = os.environ.get("PLANES_BS") == "1"  # base_spread
+        bits = os.environ.get("PLANES_BITS") == "1"  # the sign part on the binary tensor cores
         st_ = gp.tile_signs(s, bk) if tiled else s
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         ws, cnt = tb._workspace(x.device, num * n, num * n)
         fn = lambda: gp.bitdelta_linear_batched_planes(x, w, st_, a, slot, None, y, ws, cnt,  # noqa: E731
                                                        (bk, rh, st, regs, ld), sp[0] if sp else None, tiled=tiled,
-                                                       base_spread=spread)
+                                                       base_spread=spread, bits=bits)
     elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 
