@@ -682,12 +682,19 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     # the 70B layer set it is faster than every other tenant kernel from two rows up
     # (tests/gpu/planes_probe.py), so the others are not timed
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if planes else 0
+    # each also with the sign part on the binary tensor cores (bits), alone, with the base product
+    # spread over the consumers, and with programmatic dependent launch (the H200 probe of
+    # tests/gpu/session27.sh: bits fastest at T = 16 on every layer, spread best on qkv only)
+    variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True))] if rows >= 4 else [])
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
+        opts = variants + ([(("bits", True), ("base_spread", True))] if rows >= 8 and rows // min(rows, cfg[1]) > 1
+                           else [])
         for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-            runs[("planes", cfg, split)] = (
-                lambda cfg=cfg, split=split: gluon_planes.bitdelta_linear_batched_planes(
-                    x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled))
+            for opt in opts if split in (d, 1, 2, 4) else [()]:
+                runs[("planes", cfg, split) + ((opt, ) if opt else ())] = (
+                    lambda cfg=cfg, split=split, opt=opt: gluon_planes.bitdelta_linear_batched_planes(
+                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled, **dict(opt)))
     if not runs:
         runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
@@ -779,7 +786,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args, tiled)
         if config is not None and config[0] == "planes":
             return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                               config[1], config[2], tiled=tiled)
+                                                               config[1], config[2], tiled=tiled,
+                                                               **dict(config[3] if len(config) > 3 else ()))
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":

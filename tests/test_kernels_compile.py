@@ -153,21 +153,21 @@ if gb.HAVE_GLUON:
                            else f"tensordesc<u8[{gp.BLOCK_N}, {bk // 8}],{sl!r}>"),
                 "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
                 "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
-                "stride_as": "i32", "stride_ym": "i32"}
+                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "bits_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                "NSLOT": "i32", "stride_as": "i32", "stride_ym": "i32"}
     def planes_build(fn, name, bk, consts, options, tiled=False):
         sig = planes_sig(bk, tiled)
         sig.update({c: "constexpr" for c in consts})
         names = fn.arg_names
         attrs = {(names.index(a),): [["tt.divisibility", 16]]
-                 for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K",
+                 for a in ("slot_ptr", "sc_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "bits_ptr", "N", "K",
                            "stride_as", "stride_ym")}
         try:
             k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32), options=options)
             ptx = k.asm["ptx"]
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
-                         "igmma": ".s32.s8.s8" in ptx, "serialized": "serialized" in ptxas_log(ptx),
+                         "igmma": ".s32.s8.s8" in ptx, "bmma": ".s32.b1.b1.s32.and.popc" in ptx, "serialized": "serialized" in ptxas_log(ptx),
                          "griddep": "griddepcontrol.wait" in ptx}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
@@ -178,21 +178,28 @@ if gb.HAVE_GLUON:
                              + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders]}),
                              bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=stages, INFLIGHT=4,
                                       CONS_REGS=regs, RH=min(rows, rh), PDL=pdl, LOADERS=loaders, BS=False,
-                                      num_warps=4),
+                                      BITS=False, num_warps=4),
                              {"num_warps": 4, "maxnreg": regs, "launch_pdl": pdl})
     # tiled signs (kernels.reference.tile_signs): the first 16-row configuration with K steps of 128
     bk, rh, stages, regs, loaders = next(c for c in gp.WS_CONFIGS[16] if c[0] == 128)
     planes_build(gp._planes_ws_kernel, "planes-ws-tiled " + json.dumps({"rows": 16, "config": [bk, rh, stages, regs,
                                                                                                 loaders]}),
                  bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                          RH=rh, PDL=False, LOADERS=loaders, BS=False, num_warps=4), {"num_warps": 4, "maxnreg": regs},
+                          RH=rh, PDL=False, LOADERS=loaders, BS=False, BITS=False, num_warps=4), {"num_warps": 4, "maxnreg": regs},
                  True)
     # and with the base product spread over the consumers' K slices (base_spread)
     planes_build(gp._planes_ws_kernel, "planes-ws-tiled-bs " + json.dumps({"rows": 16, "config": [bk, rh, stages, regs,
                                                                                                    loaders]}),
                  bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
-                          RH=rh, PDL=False, LOADERS=loaders, BS=True, num_warps=4), {"num_warps": 4, "maxnreg": regs},
-                 True)
+                          RH=rh, PDL=False, LOADERS=loaders, BS=True, BITS=False, num_warps=4),
+                 {"num_warps": 4, "maxnreg": regs}, True)
+    # the sign part on the binary tensor cores (bits), alone and with the base spread
+    for bs in (False, True):
+        planes_build(gp._planes_ws_kernel, ("planes-ws-tiled-bits-bs " if bs else "planes-ws-tiled-bits ")
+                     + json.dumps({"rows": 16, "config": [bk, rh, stages, regs, loaders]}),
+                     bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
+                              RH=rh, PDL=False, LOADERS=loaders, BS=bs, BITS=True, num_warps=4),
+                     {"num_warps": 4, "maxnreg": regs}, True)
     from kernels import gluon_prefill_rs as pr
     for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
@@ -229,8 +236,9 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 3  # + the register-operand and int8 kernels on tiled signs,
-               # and the int8 kernel with its base product spread over the consumers
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 5  # + the register-operand and int8 kernels on tiled signs,
+               # the int8 kernel with its base product spread over the consumers, and on the binary
+               # tensor cores (bits) with and without the spread
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
     n_tiled = 3  # the Triton kernels on tiled signs, one configuration each
@@ -282,10 +290,13 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 2  # + tiled, tiled spread
+    # + tiled, tiled spread, tiled bits, tiled bits spread
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 4
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
-    assert all(v.get("igmma") for v in planes.values()), planes
+    bits = {k: v for k, v in planes.items() if "-bits" in k}
+    assert len(bits) == 2 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
+    assert all(v.get("igmma") for k, v in planes.items() if k not in bits), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
 

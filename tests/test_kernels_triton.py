@@ -575,6 +575,7 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs += [dict(config=cfg, bits=True, tiled=tiled, base_spread=spread) for cfg in gp.WS_CONFIGS[rows][:2]
                 if k % cfg[0] == 0 for tiled in (False, True) for spread in (False, True)
                 if not spread or rows // min(rows, cfg[1]) > 1]
+    configs += [dict(config=gp.WS_CONFIGS[rows][0], bits=True, tiled=True, pdl=True)] if k % 128 == 0 else []
     for config in configs:
         args = list(dev)
         if config.get("tiled"):
