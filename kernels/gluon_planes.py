@@ -237,8 +237,8 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
     if c == 0:  # the row's scale and Σq (a second pass over the row, in this program only)
         qsum = tl.zeros([BLOCK], tl.int32)
         for k0 in range(0, K, BLOCK):
-            v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32) * inv
-            qsum += tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+            u = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32) * inv
+            qsum += tl.where(u >= 0, u + 0.5, u - 0.5).to(tl.int32)
         tl.store(sc_ptr + 2 * r, a / 32767.0)
         tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
 
@@ -270,7 +270,7 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
     bits = torch.empty(m, k // 128, 64, dtype=torch.int32, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # programs over 1024-weight chunks: one program per row took 8 µs at 16 rows and K = 8192 (ncu, H200)
-    chunk = min(1024, k)
+    chunk = min(1024, triton.next_power_of_2(k))
     _bitplanes_kernel[(m, triton.cdiv(k, chunk))](x, bits, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
                                                   CHUNK=chunk, PDL=pdl, num_warps=4)
     return bits, sc

@@ -410,7 +410,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     assert not planes[4:].any() and sc[2, 0] == 0
 
 
-@pytest.mark.parametrize("k", [128, 8192 + 384])
+@pytest.mark.parametrize("k", [128, 384, 8192 + 384])
 def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k):
     """``activation_bitplanes`` (the binary tensor-core path's input): every activation is
     ``scale·q`` to within ``scale/2`` with ``scale = max|x|/32767``; bit p of ``q`` (16-bit two's
