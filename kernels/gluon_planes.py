@@ -52,6 +52,22 @@ what costs, not the number of copies. Tiled signs are now the serving default
 tiles are this kernel's at ``BLOCK_K`` 128): T = 2 / 4 / 8 / 16 at 1.198 / 1.345 / 1.643 / 2.598×, the
 row layout at 1.186 / 1.359 / 1.782 / 2.910× timed the same way on the same kind of host
 (reports/bench-kernels-tiled-rounds-2026-11-30-h200.*, bench-kernels-rows-rounds-2026-11-30-h200.*).
+
+**Binary tensor cores** (``bits=True``): the sign part as ``mma.sync.m16n8k128`` on 1-bit operands
+(AND, then POPC, summed into int32), whose A operand is 16 features' sign words exactly as stored (two
+32-bit words per thread, read with ``ldmatrix`` from the same shared-memory tile) and whose B operand
+is 8 bit planes of one row's activations: ``x ≈ scale·q`` with ``q`` 16-bit two's complement
+(:func:`activation_bitplanes`, ``scale = max|x|/BIT_MAX``), ``s·q = 2·Σ_p w_p·popc(s' & b_p) − Σq``
+with ``w_p = 2^p`` and ``w_15 = −2^15``. Two mmas per row and 128 weights cover the 16 planes; the
+plane words (256 bytes per row and 128 weights, from global memory through L1, one K step ahead) are
+the only extra reads. Nothing is expanded on the CUDA cores: offline for sm_90a the consumers' K loop
+at 16 rows went from 254 to 65 instructions (``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2
+tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
+h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t, j]`` is mma
+``m = j % 2``'s column ``2t + j // 2``, i.e. plane ``8·(j % 2) + 2t + j // 2`` of feature f. Measured
+on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
+reports/bench-kernels-bits-rounds-2026-11-30-h200.*): T = 2 / 4 / 8 / 16 at 1.170 / 1.295 / 1.564 /
+2.288× (16: qkv / o / gate_up / down 2.50 / 2.24 / 2.33 / 2.14×).
 """
 from __future__ import annotations
 
@@ -256,10 +272,13 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
         x: ``[M, K]`` bf16/fp16, K a multiple of 128, on a device Triton runs on.
         pdl: let a following kernel launched with programmatic dependent launch start early.
 
+    Source: BitDelta (arXiv:2402.10193) §3.1 Eq. 2 for the product; the bit-plane split of a fixed-point
+    operand is the usual binary-network decomposition (e.g. DoReFa-Net, arXiv:1606.06160, §2.1).
+
     Returns:
-        ``(bits, sc)``: int32 ``[M, K/128, 64]`` (per row and 128 weights, word ``8·(8g + ... )``: see
-        :func:`_bitplanes_kernel`; bit i of a word is weight ``32·t + i`` of the piece, as in the packed
-        signs) and float32 ``[M, 2]`` (``scale``, ``Σq`` per row).
+        ``(bits, sc)``: int32 ``[M, K/128, 64]``, per row and 128 weights the words ``[g, t, m]``
+        (``8·4·2``): plane ``8m + g`` at weights ``32t … 32t + 31`` of the piece, bit i weight ``32t + i``
+        (the packed signs' order); and float32 ``[M, 2]`` (``scale``, ``Σq`` per row).
 
     Raises:
         ValueError: if K is not a multiple of 128.

@@ -36,8 +36,9 @@ Kernels:
   cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. On a
   Hopper GPU with K a multiple of 128, ``kernels.gluon_planes`` (``impl="planes"``, the default
   there): the sign part on the int8 tensor cores, the packed sign bits as the 0/1 operand and the
-  activations as two int8 planes of a 16-bit fixed-point copy, in a warp-specialised kernel.
-  From two rows up the dispatcher times the candidates once per shape and keeps the fastest
+  activations as two int8 planes of a 16-bit fixed-point copy, in a warp-specialised kernel; or
+  (``bits``) on the binary tensor cores, the sign words as stored against the 16 bit planes of that
+  copy. From two rows up the dispatcher times the candidates once per shape and keeps the fastest
   (``_tenants_choice``).
   ``_decode_kernel`` without ``ONE_DELTA`` (``impl="fma"``, the default for one row, with the
   decode tiles): the W tile is loaded once per K step and shared by the program's ``BLOCK_M`` rows,
@@ -51,7 +52,9 @@ layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2
 reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×;
 the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×. Later runs: M = 2048 1.11× (the
 register-operand kernel, reports/bench-kernels-prefill-2026-11-30-h200-rs.*); T = 2 / 4 / 8 / 16
-1.18 / 1.36 / 1.76 / 2.86× (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*).
+1.18 / 1.36 / 1.76 / 2.86× (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*); on tiled signs
+with the binary variants timed too, M = 1 1.093×, M = 2048 1.070×, T = 1 / 2 / 4 / 8 / 16 1.114 /
+1.170 / 1.295 / 1.564 / 2.288× (reports/bench-kernels-bits-rounds-2026-11-30-h200.*).
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -733,7 +736,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
     row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each of its
     configurations (``gluon_planes.WS_CONFIGS``) is timed at K splits
-    1–8 once per shape and the fastest kept (untimed under CUDA-graph capture, with
+    1–8, from four rows up also on the binary tensor cores (``bits``: alone, with programmatic
+    dependent launch, and from eight rows with the base spread), once per shape and the fastest kept (untimed under CUDA-graph capture, with
     ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
     ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
     3.6 (70B layer set, ÷ dense, reports/bench-kernels-tenants-planes-2026-11-30-h200.json): the

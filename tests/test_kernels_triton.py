@@ -550,7 +550,8 @@ def test_warp_specialised_split_follows_the_wave_model():
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every configuration and
     the default with programmatic dependent launch, and with the base product spread over the
-    consumers (``base_spread``), with K split and not: equal to the float32
+    consumers (``base_spread``), and with the sign part on the binary tensor cores (``bits``, on
+    rows and tiled signs, spread or not, and with programmatic dependent launch), with K split and not: equal to the float32
     reference within the dtype tolerance, rows of slot −1 and of an out-of-range slot getting the
     base only, and the split-K workspace left zero."""
     from kernels import gluon_planes as gp
