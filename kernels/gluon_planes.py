@@ -281,8 +281,12 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
         (the packed signs' order); and float32 ``[M, 2]`` (``scale``, ``Σq`` per row).
 
     Raises:
-        ValueError: if K is not a multiple of 128.
+        ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, or K is not a
+            multiple of 128.
     """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
     m, k = x.shape
     if k % 128:
         raise ValueError(f"K = {k} is not a multiple of 128")

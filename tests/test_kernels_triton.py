@@ -453,6 +453,19 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     assert torch.equal(got, (s.long() * q).sum(dim=1))
 
 
+def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
+    from kernels.gluon_planes import activation_bitplanes
+
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"K = 200 is not a multiple of 128"):
+        activation_bitplanes(x[:, :200].contiguous())
+    with pytest.raises(ValueError, match=r"x must be a 2-D bf16/fp16 tensor with unit stride along K, got "
+                                         r"torch.float32 \(2, 256\)"):
+        activation_bitplanes(x.float())
+    with pytest.raises(ValueError, match=r"unit stride along K, got torch.bfloat16 \(256, 2\) with strides \(1, 256\)"):
+        activation_bitplanes(x.t())
+
+
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
