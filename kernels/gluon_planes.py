@@ -67,7 +67,7 @@ h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t
 ``m = j % 2``'s column ``2t + j // 2``, i.e. plane ``8·(j % 2) + 2t + j // 2`` of feature f. Measured
 on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
 reports/bench-kernels-bits-rounds-2026-11-30-h200.*): T = 2 / 4 / 8 / 16 at 1.170 / 1.295 / 1.564 /
-2.288× (16: qkv / o / gate_up / down 2.50 / 2.24 / 2.33 / 2.14×).
+2.288× (16: qkv / o / gate_up / down 2.51 / 2.23 / 2.33 / 2.13×).
 """
 from __future__ import annotations
 
@@ -112,6 +112,7 @@ if HAVE_GLUON:
             return buf._reinterpret(gl.int32, [BN, W], layout)
 
 BIT_MAX = 32767    # the largest |q| of the binary-plane copy: 16-bit two's complement
+TINY = tl.constexpr(1e-30)  # rows whose largest |x| is below this are quantised as zero (error ≤ 1e-30)
 PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
 BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inner box
 BLOCK_N = 64       # features per program: the wgmma's M
@@ -176,6 +177,7 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
         v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
+    a = tl.where(a >= TINY, a, 0.0)  # below it 32639/a would overflow float32: the row counts as zero
     inv = tl.where(a > 0, 32639.0 / a, 0.0)
     qsum = tl.zeros([BLOCK], tl.int32)
     for k0 in range(0, K, BLOCK):
@@ -189,7 +191,7 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
         tl.store(p_ptr + (2 * r + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
         qsum += q
     tl.store(sc_ptr + 2 * r, a / 32639.0)
-    tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
+    tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
 
 
 def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +241,7 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
         v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
+    a = tl.where(a >= TINY, a, 0.0)  # below it 32767/a would overflow float32: the row counts as zero
     inv = tl.where(a > 0, 32767.0 / a, 0.0)
     ko = c * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(x_ptr + r * stride_xm + ko, mask=ko < K, other=0.0).to(tl.float32) * inv
@@ -256,14 +259,15 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
             u = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32) * inv
             qsum += tl.where(u >= 0, u + 0.5, u - 0.5).to(tl.int32)
         tl.store(sc_ptr + 2 * r, a / 32767.0)
-        tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum, axis=0).to(tl.float32))
+        tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))  # int32 overflows from K = 65 664
 
 
 def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The 16 bit planes of a 16-bit fixed-point copy of the activations, for the binary tensor cores.
 
     ``x[r, k] ≈ scale_r·q[r, k]``, ``q = round(x/scale)`` in ``[−BIT_MAX, BIT_MAX]`` with ``scale_r =
-    max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2``), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
+    max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2`` = max|x|/65534; a row whose max|x| is below ``TINY`` =
+    1e-30, where ``BIT_MAX/max|x|`` would overflow float32, is quantised as zero; NaN is not handled), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
     A sign vector ``s ∈ {±1}`` with bits ``s' = (s + 1)/2`` then has ``s·q = 2·Σ_p w_p·popc(s' & b_p) −
     Σq``, ``w_p = 2^p`` (``−2^15`` for p = 15): the products the binary mmas of ``_planes_ws_kernel``
     form with ``bits=True``.
@@ -282,14 +286,14 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
 
     Raises:
         ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, or K is not a
-            multiple of 128.
+            positive multiple of 128.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     m, k = x.shape
-    if k % 128:
-        raise ValueError(f"K = {k} is not a multiple of 128")
+    if k % 128 or k == 0:
+        raise ValueError(f"K = {k} is not a positive multiple of 128")
     bits = torch.empty(m, k // 128, 64, dtype=torch.int32, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # programs over 1024-weight chunks: one program per row took 8 µs at 16 rows and K = 8192 (ncu, H200)

@@ -658,9 +658,14 @@ _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant c
 
 
 def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, tiled=False):
-    """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two): each
-    configuration of the Hopper kernel usable for the row count (``gluon_bitdelta.tenant_configs``)
-    and the table-lookup kernel are timed once with CUDA-graph replay, and the fastest is kept.
+    """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two), timing
+    candidates once with CUDA-graph replay and keeping the fastest: where the warp-specialised kernel
+    runs (``gluon_planes.planes_supported``), each of its configurations (``WS_CONFIGS``, on tiled signs
+    those of 128-weight K steps) at K splits 1–8, and from four rows up also with the sign part on the
+    binary tensor cores (``bits``: alone and with programmatic dependent launch at splits 1, 2, 4 and
+    the modelled one; from eight rows with the base spread); elsewhere each tile of the Hopper
+    CUDA-core kernel (``gluon_bitdelta.tenant_configs``, row signs only) and the table-lookup kernel.
+    A candidate that fails to compile or launch is skipped.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
     is timed and the default is used: the warp-specialised int8 tensor-core kernel
     (``gluon_planes.default_config``) where it can run, else the Hopper CUDA-core kernel's

@@ -77,6 +77,21 @@ out[key("tiled-prefill", tb._mm_configs()[0], {})] = build(tb._mm_kernel, dict(
 out[key("tiled-tenants-lut", tb._lut_configs()[0], {})] = build(tb._tenants_kernel, dict(
     ALPHA_PER_ROW=False, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=16, TILED=True), tb._lut_configs()[0])
 
+# the bit-plane kernel of the binary tenant path (a plain Triton kernel): a long K in 1024-weight
+# chunks, and a short one whose chunk is the whole row (with programmatic dependent launch)
+from kernels import gluon_planes as _gp
+for block, chunk, pdl in ((8192, 1024, False), (512, 512, True)):
+    try:
+        _k = triton.compile(ASTSource(fn=_gp._bitplanes_kernel, signature={
+            "x_ptr": "*bf16", "b_ptr": "*i32", "sc_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "BLOCK": "constexpr",
+            "CHUNK": "constexpr", "PDL": "constexpr"}, constexprs={"BLOCK": block, "CHUNK": chunk, "PDL": pdl}),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        out["bitplanes " + json.dumps({"BLOCK": block, "CHUNK": chunk, "PDL": pdl})] = {
+            "shared": _k.metadata.shared, "griddep": "griddepcontrol" in _k.asm["ptx"]}
+    except Exception as e:
+        out["bitplanes " + json.dumps({"BLOCK": block, "CHUNK": chunk, "PDL": pdl})] = {
+            "error": f"{type(e).__name__}: {str(e)[-400:]}"}
+
 from kernels import gluon_bitdelta as gb
 if gb.HAVE_GLUON:
     from triton.experimental.gluon import language as gl
@@ -200,6 +215,16 @@ if gb.HAVE_GLUON:
                      bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
                               RH=rh, PDL=False, LOADERS=loaders, BS=bs, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs}, True)
+    # and on row signs: the default of 4 and 8 rows (8 with programmatic dependent launch), and a
+    # 16-row configuration of 256-weight K steps (two binary mmas per row and step)
+    for rows, cfg, pdl in ((4, gp.WS_CONFIGS[4][0], False), (8, gp.WS_CONFIGS[8][0], True),
+                           (16, next(c for c in gp.WS_CONFIGS[16] if c[0] == 256), False)):
+        bk_, rh_, st_, regs_, ld_ = cfg
+        planes_build(gp._planes_ws_kernel, "planes-ws-bits " + json.dumps({"rows": rows, "config": list(cfg),
+                                                                           "pdl": pdl}),
+                     bk_, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=st_, INFLIGHT=4, CONS_REGS=regs_,
+                               RH=min(rows, rh_), PDL=pdl, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
+                     {"num_warps": 4, "maxnreg": regs_, "launch_pdl": pdl})
     from kernels import gluon_prefill_rs as pr
     for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
@@ -236,12 +261,12 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 5  # + the register-operand and int8 kernels on tiled signs,
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 8  # + the register-operand and int8 kernels on tiled signs,
                # the int8 kernel with its base product spread over the consumers, and on the binary
-               # tensor cores (bits) with and without the spread
+               # tensor cores (bits): tiled with and without the spread, and three on row signs
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
                ) if gb.HAVE_GLUON else 0
-    n_tiled = 3  # the Triton kernels on tiled signs, one configuration each
+    n_tiled = 3 + 2  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel twice
     assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
                              + n_tiled)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
@@ -290,12 +315,15 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    # + tiled, tiled spread, tiled bits, tiled bits spread
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 4
+    # + tiled, tiled spread, tiled bits, tiled bits spread, three bits on row signs
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 7
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     bits = {k: v for k, v in planes.items() if "-bits" in k}
-    assert len(bits) == 2 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
+    assert len(bits) == 5 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
+    assert all(v.get("griddep") for k, v in bits.items() if '"pdl": true' in k), bits
+    bitplanes = {k: v for k, v in compiled.items() if k.startswith("bitplanes ")}
+    assert len(bitplanes) == 2 and [v.get("griddep") for v in bitplanes.values()] == [False, True], bitplanes
     assert all(v.get("igmma") for k, v in planes.items() if k not in bits), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"

@@ -421,10 +421,11 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     from kernels.gluon_planes import BIT_MAX, activation_bitplanes
 
     g = torch.Generator().manual_seed(11)
-    m = 3
+    m = 4
     x = torch.randn(m, k, generator=g)
     x[1, 5] = -40.0  # an outlier (negative) sets its row's scale
     x[2] = 0.0
+    x[3] *= 1e-36  # below TINY: 32767/max|x| would overflow float32, so the row counts as zero
     x = x.to(torch.bfloat16)
     bits, sc = activation_bitplanes(x.to(DEVICE))
     bits, sc = bits.cpu(), sc.cpu()
@@ -437,12 +438,13 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     weight[15] = -(2 ** 15)
     q = (b * weight[None, :, None]).sum(dim=1)                          # [row, k]
     scale = x.float().abs().amax(dim=1) / BIT_MAX
+    scale[3] = 0.0
     torch.testing.assert_close(sc[:, 0], scale)
     err = (q.float() * scale[:, None] - x.float()).abs()
-    assert (err <= scale[:, None] * 0.505 + 1e-12).all(), (err / scale[:, None].clamp_min(1e-30)).max()
+    assert (err[:3] <= scale[:3, None] * 0.505 + 1e-12).all(), (err / scale[:, None].clamp_min(1e-30)).max()
     assert q.abs().max() <= BIT_MAX and q[1].abs().max() == BIT_MAX and q[1, 5] == -BIT_MAX
     torch.testing.assert_close(sc[:, 1], q.sum(dim=1).float())
-    assert not bits[2].any() and sc[2, 0] == 0
+    assert not bits[2:].any() and sc[2, 0] == 0 and sc[3, 0] == 0 and err[3].max() < 1e-30
     # the kernel's product: popc of AND per plane, over packed sign words
     s = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
     sw = pack_signs(s).view(m, k // 32, 4).long()                       # bytes → 32-bit words, little end
@@ -457,8 +459,10 @@ def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
     from kernels.gluon_planes import activation_bitplanes
 
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"K = 200 is not a multiple of 128"):
+    with pytest.raises(ValueError, match=r"K = 200 is not a positive multiple of 128"):
         activation_bitplanes(x[:, :200].contiguous())
+    with pytest.raises(ValueError, match=r"K = 0 is not a positive multiple of 128"):
+        activation_bitplanes(x[:, :0])
     with pytest.raises(ValueError, match=r"x must be a 2-D bf16/fp16 tensor with unit stride along K, got "
                                          r"torch.float32 \(2, 256\)"):
         activation_bitplanes(x.float())
