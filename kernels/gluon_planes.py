@@ -556,7 +556,9 @@ if HAVE_GLUON:
             bw_next = ()
             for r in gl.static_range(RH):
                 for c in gl.static_range(KW):
-                    bw_next = bw_next + (gl.load(bits_ptr + brow[r] + k_first * KW * 64 + c * 64 + boff), )
+                    # an empty K chunk (k_first past the last step) reads the last step instead
+                    bw_next = bw_next + (gl.load(bits_ptr + brow[r] + gl.minimum(k_first, K // BK - 1) * KW * 64
+                                                 + c * 64 + boff), )
             for ki in range(num_k):
                 stage = ki % STAGES
                 bw = bw_next
