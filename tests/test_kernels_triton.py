@@ -586,10 +586,10 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     # sign tiles stored whole (tile_signs), for the default and the first configuration with K steps of 256
     configs += [dict(config=cfg, tiled=True) for cfg in list(gp.WS_CONFIGS[rows][:1]) + [
         c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1] if k % cfg[0] == 0]
-    # the base product spread over the consumers' K slices (branch base-spread), rows and tiled signs
+    # the base product spread over the consumers' K slices, rows and tiled signs
     configs += [dict(config=cfg, base_spread=True, tiled=tiled) for cfg in gp.WS_CONFIGS[rows][:2]
                 if k % cfg[0] == 0 and rows // min(rows, cfg[1]) > 1 for tiled in (False, True)]
-    # the sign part on the binary tensor cores (branch bits), rows and tiled signs, spread or not
+    # the sign part on the binary tensor cores, rows and tiled signs, spread or not
     configs += [dict(config=cfg, bits=True, tiled=tiled, base_spread=spread) for cfg in gp.WS_CONFIGS[rows][:2]
                 if k % cfg[0] == 0 for tiled in (False, True) for spread in (False, True)
                 if not spread or rows // min(rows, cfg[1]) > 1]
