@@ -163,6 +163,26 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
 
 
 @triton.jit
+def _row_inv(x_ptr, r, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r's ``(max|x|, QMAX/max|x|)`` over K in blocks of BLOCK; a row whose max|x| is below ``TINY``
+    (where the quotient would overflow float32) counts as zero: ``(0, 0)``."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    a = tl.where(a >= TINY, a, 0.0)
+    return a, tl.where(a > 0, QMAX / a, 0.0)
+
+
+@triton.jit
+def _round_q(v):
+    """Round half away from zero to int32."""
+    return tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+
+
+@triton.jit
 def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``; planes
     ``p[2r] = hi``, ``p[2r+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order (logical
@@ -172,19 +192,12 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    a = tl.max(amax, axis=0)
-    a = tl.where(a >= TINY, a, 0.0)  # below it 32639/a would overflow float32: the row counts as zero
-    inv = tl.where(a > 0, 32639.0 / a, 0.0)
+    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
     qsum = tl.zeros([BLOCK], tl.int32)
     for k0 in range(0, K, BLOCK):
         kl = k0 + offs
         phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
-        v = tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv
-        q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero
+        q = _round_q(tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv)
         hi = (q + 128) >> 8
         lo = q - hi * 256
         tl.store(p_ptr + (2 * r) * K + kl, hi.to(tl.int8), mask=kl < K)
@@ -236,16 +249,9 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
     r = tl.program_id(0)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    a = tl.max(amax, axis=0)
-    a = tl.where(a >= TINY, a, 0.0)  # below it 32767/a would overflow float32: the row counts as zero
-    inv = tl.where(a > 0, 32767.0 / a, 0.0)
+    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32767.0, BLOCK)
     ko = c * CHUNK + tl.arange(0, CHUNK)
-    v = tl.load(x_ptr + r * stride_xm + ko, mask=ko < K, other=0.0).to(tl.float32) * inv
-    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero
+    q = _round_q(tl.load(x_ptr + r * stride_xm + ko, mask=ko < K, other=0.0).to(tl.float32) * inv)
     q2 = tl.reshape(q, [CHUNK // 32, 32])
     shift = tl.arange(0, 32)[None, :]
     w = c * (CHUNK // 32) + tl.arange(0, CHUNK // 32)  # word index along K
@@ -256,8 +262,8 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
     if c == 0:  # the row's scale and Σq (a second pass over the row, in this program only)
         qsum = tl.zeros([BLOCK], tl.int32)
         for k0 in range(0, K, BLOCK):
-            u = tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32) * inv
-            qsum += tl.where(u >= 0, u + 0.5, u - 0.5).to(tl.int32)
+            qsum += _round_q(tl.load(x_ptr + r * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                             * inv)
         tl.store(sc_ptr + 2 * r, a / 32767.0)
         tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))  # int32 overflows from K = 65 664
 
