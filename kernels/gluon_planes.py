@@ -61,8 +61,8 @@ is 8 bit planes of one row's activations: ``x ≈ scale·q`` with ``q`` 16-bit t
 with ``w_p = 2^p`` and ``w_15 = −2^15``. Two mmas per row and 128 weights cover the 16 planes; the
 plane words (256 bytes per row and 128 weights, from global memory through L1, one K step ahead) are
 the only extra reads. Nothing is expanded on the CUDA cores: offline for sm_90a the consumers' K loop
-at 16 rows went from 254 to 65 instructions, 76 with the plane words loaded a step ahead
-(``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2 tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
+at 16 rows went from 254 to 65 instructions (``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2
+tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
 h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t, j]`` is mma
 ``m = j % 2``'s column ``2t + j // 2``, i.e. plane ``8·(j % 2) + 2t + j // 2`` of feature f. Measured
 on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
@@ -141,6 +141,18 @@ def default_config(rows: int, k: int) -> tuple | None:
     """The untimed configuration for a row block of ``rows`` (2, 4, 8 or 16) at this K: the first of
     :data:`WS_CONFIGS` whose ``BLOCK_K`` divides K, or None if none does."""
     return next((c for c in WS_CONFIGS[rows] if k % c[0] == 0), None)
+
+
+def ws_slots(m: int, config: tuple, sms: int, bits: bool = False) -> int:
+    """Programs of the warp-specialised kernel resident at once on ``sms`` multiprocessors, by its
+    registers (``config``'s per thread × its warps, of 64 K) and shared memory (the ring: x, W, the
+    sign tiles and, without ``bits``, the int8 planes, of 227 KiB), for ``m`` rows."""
+    bk, rh, stages, regs, loaders = config
+    rows = max(2, min(16, triton.next_power_of_2(m)))
+    warps = 4 * triton.cdiv(4 * (rows // min(rows, rh)) + loaders, 4)
+    smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8
+                     + (0 if bits else triton.cdiv(rows, 4) * 8 * bk))
+    return sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
 
 
 def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
@@ -349,7 +361,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
                                    pdl: bool = False, tiled: bool = False, base_spread: bool = False,
-                                   bits: bool = False) -> torch.Tensor:
+                                   bits: bool = False, persistent: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -373,12 +385,17 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         bits: the sign part on the binary tensor cores (``mma.sync`` b1, AND + POPC) with the
             activations' 16 bit planes (:func:`activation_bitplanes`) instead of on the int8 ones: each
             consumer thread reads two sign words per row and 128 weights as stored and expands nothing.
+        persistent: launch one program per resident slot (:func:`ws_slots`) instead of one per work
+            unit (feature block × row block × K chunk); each walks units ``p, p + grid, …`` and its
+            loaders fill the ring for the next unit while the consumers finish the last. Not with
+            ``pdl`` unless ``bits``.
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
 
     Raises:
-        ValueError: if K is not a multiple of the configuration's ``BLOCK_K``, its rows per warpgroup
+        ValueError: if ``persistent`` and ``pdl`` without ``bits``; if K is not a multiple of the
+            configuration's ``BLOCK_K``, its rows per warpgroup
             do not split the row block into 1, 2 or 4 warpgroups of 2, 4 or 8 rows, or its loader
             warps are not 1, 2 or 4; with ``tiled``, if ``signs`` is not tiled for this ``BLOCK_K``.
     """
@@ -398,6 +415,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     if tiled and tuple(signs.shape[1:]) != (triton.cdiv(n, BLOCK_N), k // bk, BLOCK_N, bk // 8):
         raise ValueError(f"tiled signs of shape {tuple(signs.shape)} are not tile_signs(…, {bk}) of "
                          f"[S, {n}, {k // 8}]")
+    if persistent and pdl and not bits:
+        raise ValueError("a persistent launch with programmatic dependent launch needs bits=True (the int8 "
+                         "planes' deferred copies assume each program's first K steps fill the ring)")
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
@@ -416,9 +436,13 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     else:
         s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8], unswizzled)
     p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 16), split)
-    _planes_ws_kernel[grid](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
-                            y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), ALPHA_PER_ROW=alphas.dim() == 2,
+    units = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16) * split
+    if persistent:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        units = min(units, ws_slots(m, (bk, rh, stages, regs, loaders), sms, bits))
+    _planes_ws_kernel[(units, )](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
+                            y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), split,
+                            ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
                             PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, BITS=bits, num_warps=4,
                             maxnreg=regs, launch_pdl=pdl)
@@ -431,14 +455,29 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
 
 if HAVE_GLUON:
     @gluon.jit
+    def _ws_unit(u, K, NTN, NTM, SPLIT, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """Work unit ``u`` → ``(off_m, off_n, first K step, K steps, first chunk (1.0/0.0), tile)``;
+        the last chunks of a split may be short or empty."""
+        pid_n = u % NTN
+        pid_m = (u // NTN) % NTM
+        kid = u // (NTN * NTM)
+        num_k_all = gl.cdiv(K, BK)
+        per = gl.cdiv(num_k_all, SPLIT)
+        k_first = kid * per
+        return (pid_m * BM, pid_n * BN, k_first, gl.minimum(per, num_k_all - k_first), (kid == 0).to(gl.float32),
+                pid_m * NTN + pid_n)
+
+    @gluon.jit
     def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, J: gl.constexpr,
                  LOADERS: gl.constexpr, BITS: gl.constexpr):
         """Loader warp ``J`` of ``LOADERS``: of the copies of one K step, numbered x 0, W 1, plane
         groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
         ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
+         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
         G: gl.constexpr = 0 if BITS else (ROWS + 3) // 4  # BITS: the consumers read bit planes themselves
         L: gl.constexpr = LOADERS
         TILED: gl.constexpr = s_desc.block_type.shape[1] == 128  # sign tiles stored whole (tile_signs)
@@ -448,64 +487,55 @@ if HAVE_GLUON:
         N_W: gl.constexpr = (2 - J + L - 1) // L - N_X
         N_P: gl.constexpr = (2 + G - J + L - 1) // L - (2 - J + L - 1) // L
         N_S: gl.constexpr = (2 + G + ROWS - J + L - 1) // L - (2 + G - J + L - 1) // L
-        srow = ()
-        for r in gl.static_range(ROWS):
-            row = off_m + r
-            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
-            ok = (sl >= 0) & (sl < NSLOT)
-            if TILED:  # tile (slot, feature block, K step) of R rows of 128 bytes: first row of K step 0
-                NT = gl.cdiv(N, 64)
-                KT = K // BK
-                srow = srow + (gl.where(ok, (sl * NT + off_n // 64) * KT, NSLOT * NT * KT) * R, )
-            else:
-                srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
         nbytes: gl.constexpr = (N_X * x_desc.block_type.nbytes + N_W * w_desc.block_type.nbytes
                                 + N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
-        for ki in range(num_k):
-            stage = ki % STAGES
-            mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
-            kk = (k_first + ki) * BK
-            bar = ready.index(stage)
-            mbarrier.expect(bar, nbytes)
-            if J == 0:
-                _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
-            if (1 % L) == J:
-                _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
+        it = 0  # K steps issued so far: the ring's position and phase
+        for u in range(gl.program_id(0), U, gl.num_programs(0)):
+            off_m, off_n, k_first, num_k, first, tile = _ws_unit(u, K, NTN, NTM, SPLIT, BM, BN, BK)
+            srow = ()
             for r in gl.static_range(ROWS):
-                if ((2 + G + r) % L) == J:
-                    if TILED:
-                        _tma_load(s_desc, [srow[r] + (k_first + ki) * R, 0], bar, s_smem[r].index(stage))
-                    else:
-                        _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
-            if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
-                if ki == gl.minimum(num_k, STAGES) - 1:
-                    _gdc_wait()
-                    for j in range(ki + 1):
+                row = off_m + r
+                sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+                ok = (sl >= 0) & (sl < NSLOT)
+                if TILED:  # tile (slot, feature block, K step) of R rows of 128 bytes: first row of K step 0
+                    NT = gl.cdiv(N, 64)
+                    KT = K // BK
+                    srow = srow + (gl.where(ok, (sl * NT + off_n // 64) * KT, NSLOT * NT * KT) * R, )
+                else:
+                    srow = srow + (gl.where(ok, sl * N + off_n, NSLOT * N), )
+            for ki in range(num_k):
+                stage = it % STAGES
+                mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # the consumers are done with it
+                kk = (k_first + ki) * BK
+                bar = ready.index(stage)
+                mbarrier.expect(bar, nbytes)
+                if J == 0:
+                    _tma_load(x_desc, [off_m, kk], bar, x_smem.index(stage))
+                if (1 % L) == J:
+                    _tma_load(w_desc, [off_n, kk], bar, w_smem.index(stage))
+                for r in gl.static_range(ROWS):
+                    if ((2 + G + r) % L) == J:
+                        if TILED:
+                            _tma_load(s_desc, [srow[r] + (k_first + ki) * R, 0], bar, s_smem[r].index(stage))
+                        else:
+                            _tma_load(s_desc, [srow[r], kk // 8], bar, s_smem[r].index(stage))
+                if PDL:  # the planes come from the kernel before: W, x and signs of the first ring go first
+                    if ki == gl.minimum(num_k, STAGES) - 1:
+                        _gdc_wait()
+                        for j in range(ki + 1):
+                            for g in gl.static_range(G):
+                                if ((2 + g) % L) == J:
+                                    _tma_load(p_desc, [2 * off_m + 8 * g, (k_first + j) * BK], ready.index(j),
+                                              p_smem[g].index(j))
+                    if ki >= STAGES:
                         for g in gl.static_range(G):
                             if ((2 + g) % L) == J:
-                                _tma_load(p_desc, [2 * off_m + 8 * g, (k_first + j) * BK], ready.index(j),
-                                          p_smem[g].index(j))
-                if ki >= STAGES:
+                                _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
+                else:
                     for g in gl.static_range(G):
                         if ((2 + g) % L) == J:
                             _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
-            else:
-                for g in gl.static_range(G):
-                    if ((2 + g) % L) == J:
-                        _tma_load(p_desc, [2 * off_m + 8 * g, kk], bar, p_smem[g].index(stage))
-
-    @gluon.jit
-    def _base_mma(w_buf, x_buf, acc_b, BS: gl.constexpr, XR0: gl.constexpr, NB: gl.constexpr, K0: gl.constexpr,
-                  KQ: gl.constexpr):
-        """Issue one K step's base wgmma (swap-AB: the W tile the 64-row A operand, x rows the B operand),
-        asynchronously: with ``BS`` the block's ``NB`` rows over this consumer's K slice ``K0 … K0 + KQ``,
-        else the eight rows from ``XR0`` over the whole step."""
-        if BS:
-            out = warpgroup_mma(w_buf.slice(K0, KQ, dim=1), x_buf.slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
-                                acc_b, is_async=True)
-        else:
-            out = warpgroup_mma(w_buf, x_buf.slice(XR0, 8, dim=0).permute((1, 0)), acc_b, is_async=True)
-        return out
+                it += 1
 
     @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
@@ -517,9 +547,10 @@ if HAVE_GLUON:
         for the eight rows of its own (N = 8, the same product in two consumers at 16 rows); the
         partial base sums meet in the split-K workspace."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k) = p
-        (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile, bits_ptr) = q
+         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U) = p
+        (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, bits_ptr) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
         NCONS: gl.constexpr = ROWS // RH
@@ -534,148 +565,164 @@ if HAVE_GLUON:
         word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]
 
-        acc_b = gl.zeros([BN, NB], gl.float32, acc_b_l)
-        if BITS:
-            # binary tensor cores (mma.sync m16n8k128 b1, AND + POPC): per row and 128 weights, the
-            # row's 64 × 128 sign bits (A, two words per thread, read as stored) against its 16 bit
-            # planes (B, eight per mma); the layout l3 below is described in the module docstring
-            l3: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BN, 4, 4])
-            word_l3: gl.constexpr = gl.SliceLayout(2, l3)
-            r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, word_l3)), 1), 2)
-            t3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, word_l3)), 0), 2)
-            j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3))), 0), 1)
-            boff = ((r3 % 8) * 4 + t3) * 2 + j3 % 2  # [BN, 4, 4]: word of plane 8·(j % 2) + row % 8, K word t
-            KW: gl.constexpr = BK // 128  # 128-weight pieces per K step
-            if PDL:
-                _gdc_wait()  # the bit planes come from the kernel before
-            brow = ()
-            for r in gl.static_range(RH):  # rows past M read row M − 1: their sign tiles are zeros
-                brow = brow + (gl.minimum(off_m + ROW0 + r, M - 1).to(gl.int64) * (K // 128) * 64, )
-            zero = gl.zeros([BN, 4, 4], gl.int32, l3)
-            acc_s = ()
-            for r in gl.static_range(RH):
-                acc_s = acc_s + (zero, )
-            # each step's plane words are loaded one step ahead (an L2 round trip off the critical path)
-            bw_next = ()
-            for r in gl.static_range(RH):
-                for c in gl.static_range(KW):
-                    # an empty K chunk (k_first past the last step) reads the last step instead
-                    bw_next = bw_next + (gl.load(bits_ptr + brow[r] + gl.minimum(k_first, K // BK - 1) * KW * 64
-                                                 + c * 64 + boff), )
-            for ki in range(num_k):
-                stage = ki % STAGES
-                bw = bw_next
-                kw = (k_first + gl.minimum(ki + 1, num_k - 1)) * KW * 64
+        it = 0  # K steps consumed so far: the ring's position and phase
+        for u in range(gl.program_id(0), U, gl.num_programs(0)):
+            off_m, off_n, k_first, num_k, first, tile = _ws_unit(u, K, NTN, NTM, SPLIT, BM, BN, BK)
+            acc_b = gl.zeros([BN, NB], gl.float32, acc_b_l)
+            if BITS:
+                # binary tensor cores (mma.sync m16n8k128 b1, AND + POPC): per row and 128 weights, the
+                # row's 64 × 128 sign bits (A, two words per thread, read as stored) against its 16 bit
+                # planes (B, eight per mma); layout: module docstring, ``_BITS_LAYOUT``
+                l3: gl.constexpr = gl.DistributedLinearLayout(
+                    reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+                    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BN, 4, 4])
+                word_l3: gl.constexpr = gl.SliceLayout(2, l3)
+                r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, word_l3)), 1), 2)
+                t3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, word_l3)), 0), 2)
+                j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3))), 0), 1)
+                boff = ((r3 % 8) * 4 + t3) * 2 + j3 % 2  # [BN, 4, 4]: word of plane 8·(j % 2) + row % 8, K word t
+                KW: gl.constexpr = BK // 128  # 128-weight pieces per K step
+                if PDL:
+                    _gdc_wait()  # the bit planes come from the kernel before
+                brow = ()
+                for r in gl.static_range(RH):  # rows past M read row M − 1: their sign tiles are zeros
+                    brow = brow + (gl.minimum(off_m + ROW0 + r, M - 1).to(gl.int64) * (K // 128) * 64, )
+                zero = gl.zeros([BN, 4, 4], gl.int32, l3)
+                acc_s = ()
+                for r in gl.static_range(RH):
+                    acc_s = acc_s + (zero, )
+                # each step's plane words are loaded one step ahead (an L2 round trip off the critical path)
                 bw_next = ()
                 for r in gl.static_range(RH):
                     for c in gl.static_range(KW):
-                        bw_next = bw_next + (gl.load(bits_ptr + brow[r] + kw + c * 64 + boff), )
-                mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-                acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
-                new = ()
-                for r in gl.static_range(RH):
-                    words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
-                    acc = acc_s[r]
-                    for c in gl.static_range(KW):
-                        a = words.slice(4 * c, 4, dim=1).load(word_l3)                  # [BN, 4]
-                        a3, _ = gl.broadcast(gl.expand_dims(a, 2), zero)
-                        acc = gl.inline_asm_elementwise(_BMMA, "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 23 + "r",
-                                                        [a3, bw[r * KW + c], acc], dtype=gl.int32, is_pure=True,
-                                                        pack=8)
-                    new = new + (acc, )
-                acc_s = new
-                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
-                fence_async_shared()  # the sign words' shared loads come before the loader's next copy
-                mbarrier.arrive(empty.index(stage), count=1)
-        else:
-            acc_s = ()
-            for r in gl.static_range(RH):
-                acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
-            for ki in range(num_k):
-                stage = ki % STAGES
-                mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-                acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
-                new = ()
-                for r in gl.static_range(RH):
-                    words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
-                    acc = acc_s[r]
-                    for c in gl.static_range(BK // 32):
-                        wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
-                        a = gl.inline_asm_elementwise(
-                            "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                            "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
-                        b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
-                        acc = warpgroup_mma(a, b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
-                    new = new + (acc, )
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
-                acc_b = done[0]
+                        # an empty K chunk (k_first past the last step) reads the last step instead
+                        bw_next = bw_next + (gl.load(bits_ptr + brow[r] + gl.minimum(k_first, K // BK - 1) * KW * 64
+                                                     + c * 64 + boff), )
+                for ki in range(num_k):
+                    stage = it % STAGES
+                    bw = bw_next
+                    kw = (k_first + gl.minimum(ki + 1, num_k - 1)) * KW * 64
+                    bw_next = ()
+                    for r in gl.static_range(RH):
+                        for c in gl.static_range(KW):
+                            bw_next = bw_next + (gl.load(bits_ptr + brow[r] + kw + c * 64 + boff), )
+                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                    if BS:
+                        acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
+                                              x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                              acc_b, is_async=True)
+                    else:
+                        acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                              acc_b, is_async=True)
+                    new = ()
+                    for r in gl.static_range(RH):
+                        words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
+                        acc = acc_s[r]
+                        for c in gl.static_range(KW):
+                            a = words.slice(4 * c, 4, dim=1).load(word_l3)                  # [BN, 4]
+                            a3, _ = gl.broadcast(gl.expand_dims(a, 2), zero)
+                            acc = gl.inline_asm_elementwise(_BMMA, "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 23 + "r",
+                                                            [a3, bw[r * KW + c], acc], dtype=gl.int32, is_pure=True,
+                                                            pack=8)
+                        new = new + (acc, )
+                    acc_s = new
+                    acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+                    fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    it += 1
+            else:
                 acc_s = ()
                 for r in gl.static_range(RH):
-                    acc_s = acc_s + (done[r + 1], )
-                fence_async_shared()  # the sign words' shared loads come before the loader's next copy
-                mbarrier.arrive(empty.index(stage), count=1)
+                    acc_s = acc_s + (gl.zeros([BN, 8], gl.int32, acc_s_l), )
+                for ki in range(num_k):
+                    stage = it % STAGES
+                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                    if BS:
+                        acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
+                                              x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                              acc_b, is_async=True)
+                    else:
+                        acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
+                                              acc_b, is_async=True)
+                    new = ()
+                    for r in gl.static_range(RH):
+                        words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
+                        acc = acc_s[r]
+                        for c in gl.static_range(BK // 32):
+                            wc = words.slice(c, 1, dim=1).load(dot_a)                          # [BN, 1]
+                            a = gl.inline_asm_elementwise(
+                                "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                                "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                            b = p_smem[(ROW0 + r) // 4].index(stage).slice(32 * c, 32, dim=1).permute((1, 0))
+                            acc = warpgroup_mma(a, b, acc, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))
+                        new = new + (acc, )
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ) + new)
+                    acc_b = done[0]
+                    acc_s = ()
+                    for r in gl.static_range(RH):
+                        acc_s = acc_s + (done[r + 1], )
+                    fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    it += 1
 
-
-        out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
-        cols_b = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, acc_b_l)), 0)
-        cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
-        feat = off_n + gl.arange(0, BN, layout=out_l)
-        fmask = feat < N
-        if BITS:  # the weight of each accumulator column: plane p = 8·(j % 2) + 2·t + j // 2
-            pl = 8 * (j3 % 2) + 2 * t3 + j3 // 2
-            pw = gl.where(pl == 15, -32768.0, (1 << pl).to(gl.float32))
-        if PDL:
-            _gdc_wait()  # the row scales come from the kernel before
-        if BS:  # this consumer's partial base sums of the other consumers' rows go to the workspace
-            for r in gl.static_range(ROWS):
-                if (r < ROW0) or (r >= ROW0 + RH):
-                    row = off_m + r
-                    part = gl.convert_layout(gl.sum(gl.where(cols_b == r, acc_b, 0.0), axis=1), out_l)
-                    gl.atomic_add(ws_ptr + row * N + feat, part, mask=fmask & (row < M), sem="relaxed")
-        for r in gl.static_range(RH):
-            row = off_m + ROW0 + r
-            base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
-            if BITS:  # Σ over planes of 2^p · popc, plane 15 the sign (−2^15)
-                s16 = gl.sum(gl.sum(acc_s[r].to(gl.float32) * pw, axis=2), axis=1)
-                twice = gl.convert_layout(2.0 * s16, out_l)
-            else:
-                d = acc_s[r]
-                hi = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4), d, 0), axis=1).to(gl.float32)
-                lo = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4) + 1, d, 0), axis=1).to(gl.float32)
-                twice = 512.0 * hi + 2.0 * lo
-            sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
-            ok = (sl >= 0) & (sl < NSLOT) & (row < M)
-            scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
-            qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
-            sdot = scale * (twice - first * qsum)
-            if ALPHA_PER_ROW:
-                alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
-            else:
-                alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
-            out = base + alpha * sdot
-            m = fmask & (row < M)
-            if BS or SPLIT > 1:
-                gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
-            else:
-                if HAS_BIAS:
-                    out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
-                gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-        if BS or SPLIT > 1:
-            done_n = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this warpgroup's adds
-            if done_n == SPLIT * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
+            out_l: gl.constexpr = gl.SliceLayout(1, acc_s_l)
+            cols_b = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, acc_b_l)), 0)
+            cols_s = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_s_l)), 0)
+            feat = off_n + gl.arange(0, BN, layout=out_l)
+            fmask = feat < N
+            if BITS:  # the weight of each accumulator column: plane p = 8·(j % 2) + 2·t + j // 2
+                pl = 8 * (j3 % 2) + 2 * t3 + j3 // 2
+                pw = gl.where(pl == 15, -32768.0, (1 << pl).to(gl.float32))
+            if PDL:
+                _gdc_wait()  # the row scales come from the kernel before
+            if BS:  # this consumer's partial base sums of the other consumers' rows go to the workspace
                 for r in gl.static_range(ROWS):
-                    row = off_m + r
-                    m = fmask & (row < M)
-                    out = gl.atomic_xchg(ws_ptr + row * N + feat, gl.zeros([BN], gl.float32, out_l), mask=m,
-                                         sem="relaxed")
+                    if (r < ROW0) or (r >= ROW0 + RH):
+                        row = off_m + r
+                        part = gl.convert_layout(gl.sum(gl.where(cols_b == r, acc_b, 0.0), axis=1), out_l)
+                        gl.atomic_add(ws_ptr + row * N + feat, part, mask=fmask & (row < M), sem="relaxed")
+            for r in gl.static_range(RH):
+                row = off_m + ROW0 + r
+                base = gl.convert_layout(gl.sum(gl.where(cols_b == ROW0 + r - XR0, acc_b, 0.0), axis=1), out_l)
+                if BITS:  # Σ over planes of 2^p · popc, plane 15 the sign (−2^15)
+                    s16 = gl.sum(gl.sum(acc_s[r].to(gl.float32) * pw, axis=2), axis=1)
+                    twice = gl.convert_layout(2.0 * s16, out_l)
+                else:
+                    d = acc_s[r]
+                    hi = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4), d, 0), axis=1).to(gl.float32)
+                    lo = gl.sum(gl.where(cols_s == 2 * ((ROW0 + r) % 4) + 1, d, 0), axis=1).to(gl.float32)
+                    twice = 512.0 * hi + 2.0 * lo
+                sl = gl.load(slot_ptr + row, mask=row < M, other=-1)
+                ok = (sl >= 0) & (sl < NSLOT) & (row < M)
+                scale = gl.load(sc_ptr + 2 * row, mask=row < M, other=0.0)
+                qsum = gl.load(sc_ptr + 2 * row + 1, mask=row < M, other=0.0)
+                sdot = scale * (twice - first * qsum)
+                if ALPHA_PER_ROW:
+                    alpha = gl.load(a_ptr + sl * stride_as + feat, mask=fmask & ok, other=0.0)
+                else:
+                    alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
+                out = base + alpha * sdot
+                m = fmask & (row < M)
+                if BS or SPLIT > 1:
+                    gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
+                else:
                     if HAS_BIAS:
                         out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
                     gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            if BS or SPLIT > 1:
+                done_n = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this warpgroup's adds
+                if done_n == SPLIT * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
+                    for r in gl.static_range(ROWS):
+                        row = off_m + r
+                        m = fmask & (row < M)
+                        out = gl.atomic_xchg(ws_ptr + row * N + feat, gl.zeros([BN], gl.float32, out_l), mask=m,
+                                             sem="relaxed")
+                        if HAS_BIAS:
+                            out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
+                        gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
+                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     @gluon.jit
     def _ws_worker(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
@@ -690,30 +737,29 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                          bits_ptr, M, N, K, NSLOT, stride_as, stride_ym,
+                          bits_ptr, M, N, K, NSLOT, stride_as, stride_ym, SPLIT,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
                           RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, BS: gl.constexpr,
                           BITS: gl.constexpr,
                           num_warps: gl.constexpr):
-        """``ROWS`` (≤ 16) rows × 64 features over the K chunk ``program_id(2)``: per K step the base
-        wgmma (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
+        """Work units of ``ROWS`` (≤ 16) rows × 64 features × one of ``SPLIT`` K chunks, unit ``u`` =
+        feature block + blocks·(row block + row blocks·chunk), program p taking units p, p + grid, …
+        (one each when the grid is the unit count; fewer programs: persistent, the loaders filling
+        the ring for the next unit while the consumers finish the last). Per K step the base wgmma
+        (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
         (registers) with its plane group (shared memory), at most ``INFLIGHT`` in flight per
-        consumer. Split K meets in a self-cleaning workspace (``gluon_bitdelta._tenants_kernel``)."""
+        consumer, or (``BITS``) two binary mmas per 128 weights. Split K meets in a self-cleaning
+        workspace (``gluon_bitdelta._tenants_kernel``)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         SB: gl.constexpr = BK // 8
         G: gl.constexpr = 0 if BITS else (ROWS + 3) // 4
         NCONS: gl.constexpr = ROWS // RH  # consumer warpgroups of RH rows each
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        SPLIT = gl.num_programs(2)
-        off_n = pid_n * BN
-        off_m = pid_m * BM
-        k_first, num_k = _k_chunk(K, BK)
-        first = (gl.program_id(2) == 0).to(gl.float32)
-        tile = pid_m * gl.num_programs(0) + pid_n
+        NTN = gl.cdiv(N, BN)
+        NTM = gl.cdiv(M, BM)
+        U = NTN * NTM * SPLIT  # work units (feature block, row block, K chunk), feature block fastest
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
@@ -730,8 +776,8 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=LOADERS)
             mbarrier.init(empty.index(i), count=NCONS)
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-             slot_ptr, M, N, K, NSLOT, off_m, off_n, k_first, num_k)
-        q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, SPLIT, first, tile, bits_ptr)
+             slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U)
+        q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, bits_ptr)
         A: gl.constexpr = ALPHA_PER_ROW
         B: gl.constexpr = HAS_BIAS
         # consumer 0 is the default partition; consumers 1 … NCONS − 1 and the loader warps are workers

@@ -693,7 +693,9 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     # each also with the sign part on the binary tensor cores (bits), alone, with the base product
     # spread over the consumers, and with programmatic dependent launch (the H200 probe of
     # tests/gpu/session27.sh: bits fastest at T = 16 on every layer, spread best on qkv only)
-    variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True))] if rows >= 4 else [])
+    # and persistent (one program per resident slot walking the work units; branch persist)
+    variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True)), (("bits", True), ("persistent", True)),
+                        (("bits", True), ("pdl", True), ("persistent", True))] if rows >= 4 else [])
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
         opts = variants + ([(("bits", True), ("base_spread", True))] if rows >= 8 and rows // min(rows, cfg[1]) > 1

@@ -497,6 +497,24 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
             bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                            torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
                                            (128, 4, 4, 96, loaders), split=1)
+    with pytest.raises(ValueError, match=r"^a persistent launch with programmatic dependent launch needs bits=True"):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       (128, 4, 4, 96, 1), split=1, pdl=True, persistent=True)
+
+
+def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():
+    """``ws_slots``: 16 rows in four warpgroups and two loader warps (20 warps) at 96 registers take
+    61 440 of the 65 536 registers, so one program per multiprocessor; two 8-row warpgroups and two
+    loaders (12 warps) at 80 registers would allow two by registers, and with the binary path (no int8
+    planes) three 36 KiB stages fit twice in 227 KiB, with the planes (40 KiB a stage) once."""
+    from kernels.gluon_planes import ws_slots
+
+    assert ws_slots(16, (128, 4, 4, 96, 2), 132, bits=True) == 132
+    assert ws_slots(16, (128, 8, 3, 80, 2), 132, bits=True) == 264
+    assert ws_slots(16, (128, 8, 3, 80, 2), 132, bits=False) == 132
+    assert ws_slots(16, (128, 8, 6, 80, 2), 132, bits=True) == 132  # 216 KiB of ring: one program
+    assert ws_slots(8, (128, 4, 3, 80, 2), 132) == 264            # 12 warps at 80 registers, 3 × 26 KiB
 
 
 def test_tile_signs_stores_each_k_step_tile_whole():
@@ -594,6 +612,10 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
                 if k % cfg[0] == 0 for tiled in (False, True) for spread in (False, True)
                 if not spread or rows // min(rows, cfg[1]) > 1]
     configs += [dict(config=gp.WS_CONFIGS[rows][0], bits=True, tiled=True, pdl=True)] if k % 128 == 0 else []
+    # persistent launches (one program per resident slot walking the units), branch persist
+    configs += [dict(config=gp.WS_CONFIGS[rows][0], persistent=True, **extra) for extra in (
+        dict(tiled=True), dict(tiled=True, bits=True), dict(tiled=True, bits=True, pdl=True),
+        dict(bits=True, base_spread=True)) if k % 128 == 0 and gp.WS_CONFIGS[rows][0][0] == 128]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):

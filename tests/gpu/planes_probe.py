@@ -5,6 +5,7 @@ the other tenant kernels on the Llama-2-70B layer set, per ring depth and K spli
     PROBE_TILED=1 python3 tests/gpu/planes_probe.py OUT.json [T ...]   # also with tile_signs' layout
     PROBE_TILED=1 PROBE_BASE_SPREAD=1 …   # and tiled with the base product spread over the consumers
     PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 …   # tiled only, also on the binary tensor cores
+    … PROBE_BITS=1 PROBE_PERSIST=1 …   # and the binary path launched persistent
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -70,6 +71,11 @@ def main(out: str, ts: list[int]) -> None:
                     if rows_ // min(rows_, cfg[1]) > 1:
                         configs["planes_tiled_bits_bs_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
                             config=cfg, tiled=True, bits=True, base_spread=True)
+                    if os.environ.get("PROBE_PERSIST") == "1":  # one program per resident slot
+                        configs["planes_tiled_bits_ps_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                            config=cfg, tiled=True, bits=True, persistent=True)
+                        configs["planes_tiled_bits_ps_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                            config=cfg, tiled=True, bits=True, persistent=True, pdl=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -81,6 +87,7 @@ def main(out: str, ts: list[int]) -> None:
                     # the row-layout configuration's best split only
                     untiled = {k2: v for k2, v in r.items()
                                if k2.startswith(cname.replace("_tiled", "").replace("_bits", "").replace("_bs", "")
+                                               .replace("_ps", "").replace("_pdl", "")
                                                + "_k")
                                and not k2.endswith("err") and isinstance(v, float)}
                     if untiled:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Prepared for the next device session (2×H200, about 7 minutes), on branch persist: is the
+# warp-specialised tenant kernel launched persistent (one program per resident slot walking the
+# work units, the loaders filling the ring for the next unit during the consumers' epilogue) correct,
+# and faster at 16 variants than one program per unit (2.288× dense on main, target 2.20×; qkv at
+# 2.50× from 160 feature blocks on 132 multiprocessors)?
+# GPU0: the probe at T = 16 on tiled signs: int8, bits, bits + spread, bits persistent (with and without
+#       PDL), K splits 1/2/4/8.
+# GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests.
+# Then, if persistent wins: let the dispatcher keep timing it (it already does on this branch), merge,
+# and run tests/gpu/session29.sh (the benchmark) again.
+set -u
+R=$OUT/r; mkdir -p $R
+export PYTHONUNBUFFERED=1
+( export CUDA_VISIBLE_DEVICES=0
+  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BASE_SPREAD=1 PROBE_BITS=1 PROBE_PERSIST=1 timeout 400 \
+      python3 tests/gpu/planes_probe.py $R/probe-persist.json 16 > $R/probe-persist.log 2>&1
+  echo "probe rc $?" >> $R/probe-persist.log ) &
+( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
+  timeout 330 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_triton.py \
+      -k "planes_tenants or bitplanes or ws_slots or refuses" > $R/tests.log 2>&1
+  echo "tests rc $?" >> $R/tests.log ) &
+wait
+tail -n 30 $R/tests.log | grep -E "passed|failed|FAILED|Error|rc " | head -20
+grep -E "^T=" $R/probe-persist.log | cut -c1-2500; tail -n 1 $R/probe-persist.log
