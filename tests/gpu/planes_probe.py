@@ -6,6 +6,7 @@ the other tenant kernels on the Llama-2-70B layer set, per ring depth and K spli
     PROBE_TILED=1 PROBE_BASE_SPREAD=1 …   # and tiled with the base product spread over the consumers
     PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 …   # tiled only, also on the binary tensor cores
     … PROBE_BITS=1 PROBE_PERSIST=1 …   # and the binary path launched persistent
+    … PROBE_BITS=1 PROBE_BITS_BK256=1 …   # and the binary path at 256-weight K steps
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -65,6 +66,9 @@ def main(out: str, ts: list[int]) -> None:
                 # with no int8 planes in the ring, deeper rings and eight rows per consumer fit too
                 extra = {16: [(128, 8, 4, 128, 2), (128, 8, 6, 128, 2), (128, 4, 6, 96, 2)],
                          8: [(128, 8, 6, 128, 2), (128, 4, 6, 80, 2)]}.get(rows_, [])
+                if os.environ.get("PROBE_BITS_BK256") == "1":  # 256-weight K steps (tile_signs(…, 256))
+                    extra += {16: [(256, 4, 3, 96, 2), (256, 8, 2, 128, 1), (256, 4, 2, 96, 4)],
+                              8: [(256, 4, 3, 80, 2), (256, 8, 3, 128, 1)]}.get(rows_, [])
                 for cfg in [c for c in gp.WS_CONFIGS[rows_] if not only_tiled or c[0] == 128] + extra:
                     configs["planes_tiled_bits_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
                         config=cfg, tiled=True, bits=True)

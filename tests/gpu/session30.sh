@@ -5,7 +5,8 @@
 # and faster at 16 variants than one program per unit (2.288× dense on main, target 2.20×; qkv at
 # 2.50× from 160 feature blocks on 132 multiprocessors)?
 # GPU0: the probe at T = 16 on tiled signs: int8, bits, bits + spread, bits persistent (with and without
-#       PDL), K splits 1/2/4/8.
+#       PDL), bits at 256-weight K steps (tile_signs(…, 256): if that wins, the serving layout's
+#       128-weight tiles can be read two per step), K splits 1/2/4/8.
 # GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests.
 # Then, if persistent wins: let the dispatcher keep timing it (it already does on this branch), merge,
 # and run tests/gpu/session29.sh (the benchmark) again.
@@ -13,7 +14,7 @@ set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
 ( export CUDA_VISIBLE_DEVICES=0
-  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BASE_SPREAD=1 PROBE_BITS=1 PROBE_PERSIST=1 timeout 400 \
+  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BASE_SPREAD=1 PROBE_BITS=1 PROBE_PERSIST=1 PROBE_BITS_BK256=1 timeout 420 \
       python3 tests/gpu/planes_probe.py $R/probe-persist.json 16 > $R/probe-persist.log 2>&1
   echo "probe rc $?" >> $R/probe-persist.log ) &
 ( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
