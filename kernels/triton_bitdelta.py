@@ -667,8 +667,8 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     CUDA-core kernel (``gluon_bitdelta.tenant_configs``, row signs only) and the table-lookup kernel.
     A candidate that fails to compile or launch is skipped.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
-    is timed and the default is used: the warp-specialised int8 tensor-core kernel
-    (``gluon_planes.default_config``) where it can run, else the Hopper CUDA-core kernel's
+    is timed and the default is used: the warp-specialised kernel (``gluon_planes.default_config``,
+    from four rows up on the binary tensor cores) where it can run, else the Hopper CUDA-core kernel's
     default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
@@ -681,9 +681,11 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
               if gluon_planes.planes_supported(x, weight, signs) else [])
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
-    if untimed:  # the int8 tensor-core kernel's default: over the 70B layer set the fastest untuned
+    if untimed:  # the warp-specialised kernel's default, from four rows up with the sign part on the
+        # binary tensor cores (faster than int8 at T = 4–16 on every 70B layer in the H200 probe of
+        # tests/gpu/session27.sh and in the benchmark of session29)
         if planes:
-            return ("planes", planes[0], None)
+            return ("planes", planes[0], None) + (((("bits", True), ), ) if rows >= 4 else ())
         return configs[0] if AUTOTUNE and configs else None
     runs = {}
     # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on

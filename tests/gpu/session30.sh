@@ -7,7 +7,8 @@
 # GPU0: the probe at T = 16 on tiled signs: int8, bits, bits + spread, bits persistent (with and without
 #       PDL), bits at 256-weight K steps (tile_signs(…, 256): if that wins, the serving layout's
 #       128-weight tiles can be read two per step), K splits 1/2/4/8.
-# GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests.
+# GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests, then
+#       the CUDA-graph serving check (untimed picks are the binary path from four rows up on this branch).
 # Then, if persistent wins: let the dispatcher keep timing it (it already does on this branch), merge,
 # and run tests/gpu/session29.sh (the benchmark) again.
 set -u
@@ -20,7 +21,12 @@ export PYTHONUNBUFFERED=1
 ( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
   timeout 330 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_triton.py \
       -k "planes_tenants or bitplanes or ws_slots or refuses" > $R/tests.log 2>&1
-  echo "tests rc $?" >> $R/tests.log ) &
+  echo "tests rc $?" >> $R/tests.log
+  # serving with CUDA graphs: untimed (capture) picks now take the binary path from four rows up
+  unset DELTAFLEET_TRITON_QUICK_TUNE
+  timeout 150 python3 tests/gpu/check_serve_graphs.py $R/serve-graphs.json > $R/serve-graphs.log 2>&1
+  echo "graphs rc $?" >> $R/serve-graphs.log ) &
 wait
 tail -n 30 $R/tests.log | grep -E "passed|failed|FAILED|Error|rc " | head -20
+tail -n 3 $R/serve-graphs.log
 grep -E "^T=" $R/probe-persist.log | cut -c1-2500; tail -n 1 $R/probe-persist.log
