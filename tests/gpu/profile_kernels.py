@@ -41,12 +41,13 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
         tiled = os.environ.get("PLANES_TILED") == "1"
         spread = os.environ.get("PLANES_BS") == "1"  # base_spread
         bits = os.environ.get("PLANES_BITS") == "1"  # the sign part on the binary tensor cores
+        persist = os.environ.get("PLANES_PERSIST") == "1"  # one program per resident slot
         st_ = gp.tile_signs(s, bk) if tiled else s
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         ws, cnt = tb._workspace(x.device, num * n, num * n)
         fn = lambda: gp.bitdelta_linear_batched_planes(x, w, st_, a, slot, None, y, ws, cnt,  # noqa: E731
                                                        (bk, rh, st, regs, ld), sp[0] if sp else None, tiled=tiled,
-                                                       base_spread=spread, bits=bits)
+                                                       base_spread=spread, bits=bits, persistent=persist)
     elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 

@@ -19,14 +19,23 @@ export PYTHONUNBUFFERED=1
       python3 tests/gpu/planes_probe.py $R/probe-persist.json 16 > $R/probe-persist.log 2>&1
   echo "probe rc $?" >> $R/probe-persist.log ) &
 ( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
-  timeout 330 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_triton.py \
+  timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_triton.py \
       -k "planes_tenants or bitplanes or ws_slots or refuses" > $R/tests.log 2>&1
   echo "tests rc $?" >> $R/tests.log
   # serving with CUDA graphs: untimed (capture) picks now take the binary path from four rows up
   unset DELTAFLEET_TRITON_QUICK_TUNE
-  timeout 150 python3 tests/gpu/check_serve_graphs.py $R/serve-graphs.json > $R/serve-graphs.log 2>&1
-  echo "graphs rc $?" >> $R/serve-graphs.log ) &
+  timeout 120 python3 tests/gpu/check_serve_graphs.py $R/serve-graphs.json > $R/serve-graphs.log 2>&1
+  echo "graphs rc $?" >> $R/serve-graphs.log
+  # if time is left: ncu of one T = 16 call on `o`, binary path split 1, one program per unit and persistent
+  NCU="ncu --profile-from-start off --clock-control none --set full --print-details all"
+  for ps in 0 1; do
+    if [ $SECONDS -lt 440 ]; then
+      PLANES_TILED=1 PLANES_BITS=1 PLANES_PERSIST=$ps PLANES_CFG=128,4,4,96,2,1 timeout 70 $NCU python3 \
+          tests/gpu/profile_kernels.py planesws-T16 > $R/ncu-bits-ps$ps.txt 2>&1
+    fi
+  done ) &
 wait
 tail -n 30 $R/tests.log | grep -E "passed|failed|FAILED|Error|rc " | head -20
 tail -n 3 $R/serve-graphs.log
+for f in $R/ncu-bits-ps*.txt; do echo "== $f"; sed -n '/_planes_ws_kernel/,$p' $f | grep -E "Duration|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy" | head -4; done
 grep -E "^T=" $R/probe-persist.log | cut -c1-2500; tail -n 1 $R/probe-persist.log
