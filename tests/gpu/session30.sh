@@ -4,7 +4,7 @@
 # work units, the loaders filling the ring for the next unit during the consumers' epilogue) correct,
 # and faster at 16 variants than one program per unit (2.288× dense on main, target 2.20×; qkv at
 # 2.50× from 160 feature blocks on 132 multiprocessors)?
-# GPU0: the probe at T = 16 on tiled signs: int8, bits, bits + spread, bits persistent (with and without
+# GPU0: the probe at T = 16 on tiled signs: int8 (for reference), bits, bits + spread, bits persistent (with and without
 #       PDL), bits at 256-weight K steps (tile_signs(…, 256): if that wins, the serving layout's
 #       128-weight tiles can be read two per step), K splits 1/2/4/8.
 # GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests, then
@@ -15,7 +15,7 @@ set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
 ( export CUDA_VISIBLE_DEVICES=0
-  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BASE_SPREAD=1 PROBE_BITS=1 PROBE_PERSIST=1 PROBE_BITS_BK256=1 timeout 420 \
+  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 PROBE_PERSIST=1 PROBE_BITS_BK256=1 timeout 420 \
       python3 tests/gpu/planes_probe.py $R/probe-persist.json 16 > $R/probe-persist.log 2>&1
   echo "probe rc $?" >> $R/probe-persist.log ) &
 ( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
