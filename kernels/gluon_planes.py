@@ -155,6 +155,27 @@ def ws_slots(m: int, config: tuple, sms: int, bits: bool = False) -> int:
     return sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
 
 
+def ws_pieces(pid: int, nprog: int, tiles: int, kt: int, split: int, per: int) -> list[tuple[int, int, int, int]]:
+    """Program ``pid``'s pieces as the kernel cuts them (``_ws_npieces`` / ``_ws_piece``, mirrored here
+    for tests): ``(tile, first K step, K steps, pieces of that tile)`` for ``tiles`` output tiles of
+    ``kt`` K steps, ``nprog`` programs, K chunks ``split`` (``per`` = 0) or stream-K runs of ``per``
+    steps."""
+    out = []
+    if per > 0:
+        g0, g1 = pid * per, min(pid * per + per, tiles * kt)
+        for i in range((g1 - 1) // kt - g0 // kt + 1):
+            t = g0 // kt + i
+            k_first = max(g0 - t * kt, 0)
+            out.append((t, k_first, min(g1 - t * kt, kt) - k_first, ((t + 1) * kt - 1) // per - (t * kt) // per + 1))
+    else:
+        chunk = -(-kt // split)
+        for i in range(-(-(tiles * split - pid) // nprog)):
+            u = pid + i * nprog
+            k_first = (u // tiles) * chunk
+            out.append((u % tiles, k_first, min(chunk, kt - k_first), split))
+    return out
+
+
 def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
     """K split of the warp-specialised kernel, by a wave model: ``sms`` × programs per multiprocessor
     (from registers and shared memory) run at once, so ``tiles × split`` programs take
@@ -361,7 +382,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
                                    pdl: bool = False, tiled: bool = False, base_spread: bool = False,
-                                   bits: bool = False, persistent: bool = False) -> torch.Tensor:
+                                   bits: bool = False, persistent: bool = False, stream_k: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -389,6 +410,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             unit (feature block × row block × K chunk); each walks units ``p, p + grid, …`` and its
             loaders fill the ring for the next unit while the consumers finish the last. Not with
             ``pdl`` unless ``bits``.
+        stream_k: persistent, and instead of whole K chunks each program takes an equal run of all
+            tiles' K steps laid end to end (at least 4), so that no multiprocessor idles at the end
+            (qkv's 160 feature blocks on 132 multiprocessors); ``split`` is ignored. Same ``pdl`` rule.
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -415,7 +439,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     if tiled and tuple(signs.shape[1:]) != (triton.cdiv(n, BLOCK_N), k // bk, BLOCK_N, bk // 8):
         raise ValueError(f"tiled signs of shape {tuple(signs.shape)} are not tile_signs(…, {bk}) of "
                          f"[S, {n}, {k // 8}]")
-    if persistent and pdl and not bits:
+    if (persistent or stream_k) and pdl and not bits:
         raise ValueError("a persistent launch with programmatic dependent launch needs bits=True (the int8 "
                          "planes' deferred copies assume each program's first K steps fill the ring)")
     if split is None:
@@ -437,11 +461,17 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         s_desc = TensorDescriptor.from_tensor(signs.view(s * n, k // 8), [BLOCK_N, bk // 8], unswizzled)
     p_desc = TensorDescriptor.from_tensor(planes, [8, bk], gl.NVMMASharedLayout.get_default_for([8, bk], gl.int8))
     units = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16) * split
-    if persistent:
+    per = 0
+    if persistent or stream_k:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        units = min(units, ws_slots(m, (bk, rh, stages, regs, loaders), sms, bits))
+        slots = ws_slots(m, (bk, rh, stages, regs, loaders), sms, bits)
+        units = min(units, slots)
+        if stream_k:  # every resident program the same number of steps (at least 4), across tiles
+            steps = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16) * (k // bk)
+            per = max(4, triton.cdiv(steps, slots))
+            units, split = triton.cdiv(steps, per), 1
     _planes_ws_kernel[(units, )](x_desc, w_desc, s_desc, p_desc, slot, sc, alphas, bias if bias is not None else alphas,
-                            y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), split,
+                            y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), split, per,
                             ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
                             PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, BITS=bits, num_warps=4,
@@ -455,17 +485,44 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _ws_unit(u, K, NTN, NTM, SPLIT, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
-        """Work unit ``u`` → ``(off_m, off_n, first K step, K steps, first chunk (1.0/0.0), tile)``;
-        the last chunks of a split may be short or empty."""
-        pid_n = u % NTN
-        pid_m = (u // NTN) % NTM
-        kid = u // (NTN * NTM)
-        num_k_all = gl.cdiv(K, BK)
-        per = gl.cdiv(num_k_all, SPLIT)
-        k_first = kid * per
-        return (pid_m * BM, pid_n * BN, k_first, gl.minimum(per, num_k_all - k_first), (kid == 0).to(gl.float32),
-                pid_m * NTN + pid_n)
+    def _ws_npieces(K, NTN, NTM, SPLIT, PER, BK: gl.constexpr):
+        """How many pieces (a tile's K steps ``k_first … k_first + num_k − 1``) this program takes: with
+        ``PER`` = 0 the work units ``program_id, + grid, …`` of ``NTN·NTM·SPLIT`` (tile × K chunk); with
+        ``PER`` > 0 (stream-K) the tiles its ``PER`` consecutive steps of the ``NTN·NTM·K/BK`` touch."""
+        pid = gl.program_id(0)
+        KT = gl.cdiv(K, BK)
+        if PER > 0:
+            g0 = pid * PER
+            g1 = gl.minimum(g0 + PER, NTN * NTM * KT)
+            n = (g1 - 1) // KT - g0 // KT + 1
+        else:
+            n = gl.cdiv(NTN * NTM * SPLIT - pid, gl.num_programs(0))
+        return n
+
+    @gluon.jit
+    def _ws_piece(i, K, NTN, NTM, SPLIT, PER, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """This program's piece ``i`` → ``(off_m, off_n, first K step, K steps, 1.0 if it holds the tile's
+        step 0 else 0.0, tile, pieces of the tile)`` (:func:`_ws_npieces`; tile = row block · NTN +
+        feature block). Units: unit ``program_id + i·grid`` is tile ``u % (NTN·NTM)``, chunk ``u //
+        (NTN·NTM)`` of ``SPLIT`` (the last may be short or empty). Stream-K: the steps ``[g0, g1)`` of
+        this program, ``g0 = program_id·PER``, cut at tile boundaries."""
+        pid = gl.program_id(0)
+        KT = gl.cdiv(K, BK)
+        if PER > 0:
+            g0 = pid * PER
+            g1 = gl.minimum(g0 + PER, NTN * NTM * KT)
+            tile = g0 // KT + i
+            k_first = gl.maximum(g0 - tile * KT, 0)
+            num_k = gl.minimum(g1 - tile * KT, KT) - k_first
+            count = ((tile + 1) * KT - 1) // PER - (tile * KT) // PER + 1
+        else:
+            u = pid + i * gl.num_programs(0)
+            tile = u % (NTN * NTM)
+            per = gl.cdiv(KT, SPLIT)
+            k_first = (u // (NTN * NTM)) * per
+            num_k = gl.minimum(per, KT - k_first)
+            count = SPLIT
+        return ((tile // NTN) * BM, (tile % NTN) * BN, k_first, num_k, (k_first == 0).to(gl.float32), tile, count)
 
     @gluon.jit
     def _ws_load(p, ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, J: gl.constexpr,
@@ -474,7 +531,7 @@ if HAVE_GLUON:
         groups ``2 … 1 + G``, sign rows ``2 + G …``, it issues those whose number is ``J`` modulo
         ``LOADERS`` (every loader arrives on the stage's ``ready`` barrier with its own bytes)."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U) = p
+         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, PER) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -490,8 +547,8 @@ if HAVE_GLUON:
         nbytes: gl.constexpr = (N_X * x_desc.block_type.nbytes + N_W * w_desc.block_type.nbytes
                                 + N_S * s_desc.block_type.nbytes + N_P * p_desc.block_type.nbytes)
         it = 0  # K steps issued so far: the ring's position and phase
-        for u in range(gl.program_id(0), U, gl.num_programs(0)):
-            off_m, off_n, k_first, num_k, first, tile = _ws_unit(u, K, NTN, NTM, SPLIT, BM, BN, BK)
+        for i in range(_ws_npieces(K, NTN, NTM, SPLIT, PER, BK)):
+            off_m, off_n, k_first, num_k, first, tile, count = _ws_piece(i, K, NTN, NTM, SPLIT, PER, BM, BN, BK)
             srow = ()
             for r in gl.static_range(ROWS):
                 row = off_m + r
@@ -547,7 +604,7 @@ if HAVE_GLUON:
         for the eight rows of its own (N = 8, the same product in two consumers at 16 rows); the
         partial base sums meet in the split-K workspace."""
         (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U) = p
+         slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, PER) = p
         (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, bits_ptr) = q
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -566,8 +623,8 @@ if HAVE_GLUON:
         kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]
 
         it = 0  # K steps consumed so far: the ring's position and phase
-        for u in range(gl.program_id(0), U, gl.num_programs(0)):
-            off_m, off_n, k_first, num_k, first, tile = _ws_unit(u, K, NTN, NTM, SPLIT, BM, BN, BK)
+        for i in range(_ws_npieces(K, NTN, NTM, SPLIT, PER, BK)):
+            off_m, off_n, k_first, num_k, first, tile, count = _ws_piece(i, K, NTN, NTM, SPLIT, PER, BM, BN, BK)
             acc_b = gl.zeros([BN, NB], gl.float32, acc_b_l)
             if BITS:
                 # binary tensor cores (mma.sync m16n8k128 b1, AND + POPC): per row and 128 weights, the
@@ -705,15 +762,15 @@ if HAVE_GLUON:
                     alpha = gl.load(a_ptr + sl * stride_as + feat * 0, mask=fmask & ok, other=0.0)
                 out = base + alpha * sdot
                 m = fmask & (row < M)
-                if BS or SPLIT > 1:
+                if BS or count > 1:
                     gl.atomic_add(ws_ptr + row * N + feat, out, mask=m, sem="relaxed")
                 else:
                     if HAS_BIAS:
                         out = out + gl.load(b_ptr + feat, mask=fmask, other=0.0).to(gl.float32)
                     gl.store(y_ptr + row * stride_ym + feat, out.to(dtype), mask=m)
-            if BS or SPLIT > 1:
+            if BS or count > 1:
                 done_n = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # after this warpgroup's adds
-                if done_n == SPLIT * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
+                if done_n == count * NCONS - 1:  # the last of the tile: read (and zero) every row's sums, write y
                     for r in gl.static_range(ROWS):
                         row = off_m + r
                         m = fmask & (row < M)
@@ -737,7 +794,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _planes_ws_kernel(x_desc, w_desc, s_desc, p_desc, slot_ptr, sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                          bits_ptr, M, N, K, NSLOT, stride_as, stride_ym, SPLIT,
+                          bits_ptr, M, N, K, NSLOT, stride_as, stride_ym, SPLIT, PER,
                           ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
                           STAGES: gl.constexpr, INFLIGHT: gl.constexpr, CONS_REGS: gl.constexpr,
                           RH: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, BS: gl.constexpr,
@@ -746,7 +803,9 @@ if HAVE_GLUON:
         """Work units of ``ROWS`` (≤ 16) rows × 64 features × one of ``SPLIT`` K chunks, unit ``u`` =
         feature block + blocks·(row block + row blocks·chunk), program p taking units p, p + grid, …
         (one each when the grid is the unit count; fewer programs: persistent, the loaders filling
-        the ring for the next unit while the consumers finish the last). Per K step the base wgmma
+        the ring for the next unit while the consumers finish the last); or, with ``PER`` > 0
+        (stream-K), program p takes the ``PER`` steps from ``p·PER`` of all tiles' K steps laid end to
+        end, cut at tile boundaries, every piece of a tile adding into the workspace. Per K step the base wgmma
         (W from shared memory, swap-AB) and, per row, ``BK/32`` int8 wgmmas of its sign bits
         (registers) with its plane group (shared memory), at most ``INFLIGHT`` in flight per
         consumer, or (``BITS``) two binary mmas per 128 weights. Split K meets in a self-cleaning
@@ -759,7 +818,6 @@ if HAVE_GLUON:
         NCONS: gl.constexpr = ROWS // RH  # consumer warpgroups of RH rows each
         NTN = gl.cdiv(N, BN)
         NTM = gl.cdiv(M, BM)
-        U = NTN * NTM * SPLIT  # work units (feature block, row block, K chunk), feature block fastest
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
@@ -776,7 +834,7 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=LOADERS)
             mbarrier.init(empty.index(i), count=NCONS)
         p = (x_desc, w_desc, s_desc, p_desc, x_smem, w_smem, s_smem, p_smem, ready, empty,
-             slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, U)
+             slot_ptr, M, N, K, NSLOT, NTN, NTM, SPLIT, PER)
         q = (sc_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, stride_as, stride_ym, bits_ptr)
         A: gl.constexpr = ALPHA_PER_ROW
         B: gl.constexpr = HAS_BIAS

@@ -698,12 +698,14 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     # and persistent (one program per resident slot walking the work units; branch persist)
     variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True)), (("bits", True), ("persistent", True)),
                         (("bits", True), ("pdl", True), ("persistent", True))] if rows >= 4 else [])
+    # and stream-K (persistent, equal runs of steps across tiles; the split does not apply: timed once)
+    stream_k = [(("bits", True), ("stream_k", True)), (("bits", True), ("pdl", True), ("stream_k", True))] if rows >= 4 else []
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
         opts = variants + ([(("bits", True), ("base_spread", True))] if rows >= 8 and rows // min(rows, cfg[1]) > 1
                            else [])
         for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-            for opt in opts if split in (d, 1, 2, 4) else [()]:
+            for opt in (opts if split in (d, 1, 2, 4) else [()]) + (stream_k if split == d else []):
                 runs[("planes", cfg, split) + ((opt, ) if opt else ())] = (
                     lambda cfg=cfg, split=split, opt=opt: gluon_planes.bitdelta_linear_batched_planes(
                         x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled, **dict(opt)))

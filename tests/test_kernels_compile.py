@@ -169,7 +169,7 @@ if gb.HAVE_GLUON:
                 "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
                 "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
                 "ws_ptr": "*fp32", "cnt_ptr": "*i32", "bits_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                "NSLOT": "i32", "stride_as": "i32", "stride_ym": "i32", "SPLIT": "i32"}
+                "NSLOT": "i32", "stride_as": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32"}
     def planes_build(fn, name, bk, consts, options, tiled=False):
         sig = planes_sig(bk, tiled)
         sig.update({c: "constexpr" for c in consts})

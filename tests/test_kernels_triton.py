@@ -517,6 +517,36 @@ def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():
     assert ws_slots(8, (128, 4, 3, 80, 2), 132) == 264            # 12 warps at 80 registers, 3 × 26 KiB
 
 
+@pytest.mark.parametrize("tiles, kt, split, nprog, per", [
+    (160, 64, 1, 160, 0),    # one program per unit (qkv at T = 16)
+    (160, 64, 3, 132, 0),    # persistent over 480 units of 22, 22 and 20 steps
+    (160, 64, 1, 132, 78),   # stream-K: 10 240 steps in runs of 78 over 132 programs
+    (896, 64, 1, 132, 435),  # gate_up: runs longer than a tile
+    (3, 5, 1, 4, 4),         # runs longer than a tile of 5 steps, the last program short
+])
+def test_work_pieces_cover_every_tile_step_once_and_count_a_tiles_pieces(tiles, kt, split, nprog, per):
+    """The warp-specialised kernel's cut of the work (``ws_pieces``, the kernel's ``_ws_piece``
+    arithmetic): every (tile, K step) is in exactly one piece, each tile's step 0 in one, a tile's
+    piece count as every piece of it reports (the epilogue waits for that many), and under stream-K
+    no program gets more than ``per`` steps."""
+    from kernels.gluon_planes import ws_pieces
+
+    if per:
+        nprog = -(-tiles * kt // per)
+    seen = torch.zeros(tiles, kt, dtype=torch.int32)
+    pieces = {}
+    for pid in range(nprog):
+        steps = 0
+        for t, k0, nk, count in ws_pieces(pid, nprog, tiles, kt, split, per):
+            if nk > 0:
+                seen[t, k0:k0 + nk] += 1
+            pieces.setdefault(t, []).append(count)
+            steps += max(nk, 0)
+        assert not per or 0 < steps <= per
+    assert torch.equal(seen, torch.ones_like(seen))
+    assert all(len(c) == c[0] and len(set(c)) == 1 for c in pieces.values()), pieces
+
+
 def test_tile_signs_stores_each_k_step_tile_whole():
     """``tile_signs``: ``out[s, f, j]`` is the sign tile of slot s, features ``64f … 64f + 63`` (zero
     past N) and K step j, checked against slicing for both K steps; bad arguments refused."""
@@ -616,6 +646,9 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs += [dict(config=gp.WS_CONFIGS[rows][0], persistent=True, **extra) for extra in (
         dict(tiled=True), dict(tiled=True, bits=True), dict(tiled=True, bits=True, pdl=True),
         dict(bits=True, base_spread=True)) if k % 128 == 0 and gp.WS_CONFIGS[rows][0][0] == 128]
+    configs += [dict(config=gp.WS_CONFIGS[rows][0], stream_k=True, **extra) for extra in (
+        dict(tiled=True, bits=True), dict(bits=True, base_spread=True), dict(tiled=True))
+        if k % 128 == 0 and gp.WS_CONFIGS[rows][0][0] == 128]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):

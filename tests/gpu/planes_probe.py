@@ -80,6 +80,8 @@ def main(out: str, ts: list[int]) -> None:
                             config=cfg, tiled=True, bits=True, persistent=True)
                         configs["planes_tiled_bits_ps_pdl_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
                             config=cfg, tiled=True, bits=True, persistent=True, pdl=True)
+                        configs["planes_tiled_bits_sk_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                            config=cfg, tiled=True, bits=True, stream_k=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -91,11 +93,13 @@ def main(out: str, ts: list[int]) -> None:
                     # the row-layout configuration's best split only
                     untiled = {k2: v for k2, v in r.items()
                                if k2.startswith(cname.replace("_tiled", "").replace("_bits", "").replace("_bs", "")
-                                               .replace("_ps", "").replace("_pdl", "")
+                                               .replace("_ps", "").replace("_pdl", "").replace("_sk", "")
                                                + "_k")
                                and not k2.endswith("err") and isinstance(v, float)}
                     if untiled:
                         splits = [int(min(untiled, key=untiled.get).rsplit("_k", 1)[1])]
+                if config.get("stream_k"):  # the split does not apply
+                    splits = [1]
                 for split in splits:
                     fn = lambda: gp.bitdelta_linear_batched_planes(x, w, sg, alphas, slot, None, y, ws, cnt,  # noqa: E731
                                                                    split=split, **config)

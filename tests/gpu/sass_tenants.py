@@ -123,7 +123,7 @@ def analyse_planes(rows: int, config: tuple, tiled: bool = False, base_spread: b
                       else f"tensordesc<u8[{bn}, {bk // 8}],{sl!r}>"), "p_desc": f"tensordesc<i8[8, {bk}],{pl!r}>",
            "slot_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "bits_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32",
-           "stride_as": "i32", "stride_ym": "i32", "SPLIT": "i32"}
+           "stride_as": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=False, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
                   RH=min(rows, rh), PDL=False, LOADERS=loaders, BS=base_spread and rows // min(rows, rh) > 1, BITS=bits,
                   num_warps=4)

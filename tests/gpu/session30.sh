@@ -4,7 +4,7 @@
 # work units, the loaders filling the ring for the next unit during the consumers' epilogue) correct,
 # and faster at 16 variants than one program per unit (2.288× dense on main, target 2.20×; qkv at
 # 2.50× from 160 feature blocks on 132 multiprocessors)?
-# GPU0: the probe at T = 16 on tiled signs: int8 (for reference), bits, bits + spread, bits persistent (with and without
+# GPU0: the probe at T = 16 on tiled signs: int8 (for reference), bits, bits + spread, bits persistent and stream-K (with and without
 #       PDL), bits at 256-weight K steps (tile_signs(…, 256): if that wins, the serving layout's
 #       128-weight tiles can be read two per step), K splits 1/2/4/8.
 # GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests, then
