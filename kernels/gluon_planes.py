@@ -61,8 +61,8 @@ is 8 bit planes of one row's activations: ``x ≈ scale·q`` with ``q`` 16-bit t
 with ``w_p = 2^p`` and ``w_15 = −2^15``. Two mmas per row and 128 weights cover the 16 planes; the
 plane words (256 bytes per row and 128 weights, from global memory through L1, one K step ahead) are
 the only extra reads. Nothing is expanded on the CUDA cores: offline for sm_90a the consumers' K loop
-at 16 rows went from 254 to 65 instructions (``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2
-tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
+at 16 rows went from 254 to 65 instructions, 76 with the plane words loaded a step ahead
+(``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2 tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
 h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t, j]`` is mma
 ``m = j % 2``'s column ``2t + j // 2``, i.e. plane ``8·(j % 2) + 2t + j // 2`` of feature f. Measured
 on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
@@ -595,6 +595,19 @@ if HAVE_GLUON:
                 it += 1
 
     @gluon.jit
+    def _base_mma(w_buf, x_buf, acc_b, BS: gl.constexpr, XR0: gl.constexpr, NB: gl.constexpr, K0: gl.constexpr,
+                  KQ: gl.constexpr):
+        """Issue one K step's base wgmma (swap-AB: the W tile the 64-row A operand, x rows the B operand),
+        asynchronously: with ``BS`` the block's ``NB`` rows over this consumer's K slice ``K0 … K0 + KQ``,
+        else the eight rows from ``XR0`` over the whole step."""
+        if BS:
+            out = warpgroup_mma(w_buf.slice(K0, KQ, dim=1), x_buf.slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
+                                acc_b, is_async=True)
+        else:
+            out = warpgroup_mma(w_buf, x_buf.slice(XR0, 8, dim=0).permute((1, 0)), acc_b, is_async=True)
+        return out
+
+    @gluon.jit
     def _ws_consume(p, q, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr, RH: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr,
                     BS: gl.constexpr, BITS: gl.constexpr):
@@ -665,13 +678,7 @@ if HAVE_GLUON:
                         for c in gl.static_range(KW):
                             bw_next = bw_next + (gl.load(bits_ptr + brow[r] + kw + c * 64 + boff), )
                     mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                    if BS:
-                        acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
-                                              x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
-                                              acc_b, is_async=True)
-                    else:
-                        acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
-                                              acc_b, is_async=True)
+                    acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
                     new = ()
                     for r in gl.static_range(RH):
                         words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
@@ -695,13 +702,7 @@ if HAVE_GLUON:
                 for ki in range(num_k):
                     stage = it % STAGES
                     mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                    if BS:
-                        acc_b = warpgroup_mma(w_smem.index(stage).slice(K0, KQ, dim=1),
-                                              x_smem.index(stage).slice(XR0, NB, dim=0).slice(K0, KQ, dim=1).permute((1, 0)),
-                                              acc_b, is_async=True)
-                    else:
-                        acc_b = warpgroup_mma(w_smem.index(stage), x_smem.index(stage).slice(XR0, 8, dim=0).permute((1, 0)),
-                                              acc_b, is_async=True)
+                    acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
                     new = ()
                     for r in gl.static_range(RH):
                         words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
