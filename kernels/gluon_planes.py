@@ -84,7 +84,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _k_chunk, _tma_load
+    from kernels.gluon_bitdelta import _tma_load
 
     @gluon.jit
     def _gdc_wait():

@@ -649,6 +649,10 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs += [dict(config=gp.WS_CONFIGS[rows][0], stream_k=True, **extra) for extra in (
         dict(tiled=True, bits=True), dict(bits=True, base_spread=True), dict(tiled=True))
         if k % 128 == 0 and gp.WS_CONFIGS[rows][0][0] == 128]
+    # and at 256-weight K steps and with four loader warps, as the dispatcher also times them
+    configs += [dict(config=cfg, bits=True, **launch) for cfg in [c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1]
+                + [c for c in gp.WS_CONFIGS[rows] if c[4] == 4][:1] if k % cfg[0] == 0
+                for launch in (dict(persistent=True), dict(stream_k=True))]
     for config in configs:
         args = list(dev)
         if config.get("tiled"):
