@@ -382,7 +382,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                                    slot: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ws: torch.Tensor,
                                    cnt: torch.Tensor, config: tuple | None = None, split: int | None = None,
                                    pdl: bool = False, tiled: bool = False, base_spread: bool = False,
-                                   bits: bool = False, persistent: bool = False, stream_k: bool = False) -> torch.Tensor:
+                                   bits: bool = False, persistent: bool = False, stream_k: bool = False,
+                                   _copies_only: bool = False) -> torch.Tensor:
     """Launch the int8 tensor-core mixed-tenant kernel: ``y[m] = x[m]·(W + α_t·s_t)ᵀ (+ bias)``.
 
     Args:
@@ -413,6 +414,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         stream_k: persistent, and instead of whole K chunks each program takes an equal run of all
             tiles' K steps laid end to end (at least 4), so that no multiprocessor idles at the end
             (qkv's 160 feature blocks on 132 multiprocessors); ``split`` is ignored. Same ``pdl`` rule.
+        _copies_only: with ``bits``, a probe of the memory side alone: the same copies and barriers,
+            no products (``y`` is wrong). For tests/gpu/planes_probe.py (``PROBE_COPIES``).
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -474,7 +477,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                             y, ws, cnt, bitplanes, m, n, k, s, alphas.stride(0), y.stride(0), split, per,
                             ALPHA_PER_ROW=alphas.dim() == 2,
                             HAS_BIAS=bias is not None, ROWS=rows, STAGES=stages, INFLIGHT=4, CONS_REGS=regs, RH=rh,
-                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, BITS=bits, num_warps=4,
+                            PDL=pdl, LOADERS=loaders, BS=base_spread and rows // rh > 1 and rows >= 8, BITS=(2 if _copies_only else 1) if bits else 0, num_warps=4,
                             maxnreg=regs, launch_pdl=pdl)
     return y
 
@@ -678,12 +681,13 @@ if HAVE_GLUON:
                         for c in gl.static_range(KW):
                             bw_next = bw_next + (gl.load(bits_ptr + brow[r] + kw + c * 64 + boff), )
                     mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                    acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
+                    if BITS == 1:
+                        acc_b = _base_mma(w_smem.index(stage), x_smem.index(stage), acc_b, BS, XR0, NB, K0, KQ)
                     new = ()
                     for r in gl.static_range(RH):
                         words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
                         acc = acc_s[r]
-                        for c in gl.static_range(KW):
+                        for c in gl.static_range(KW if BITS == 1 else 0):  # BITS 2: the copies alone (a probe)
                             a = words.slice(4 * c, 4, dim=1).load(word_l3)                  # [BN, 4]
                             a3, _ = gl.broadcast(gl.expand_dims(a, 2), zero)
                             acc = gl.inline_asm_elementwise(_BMMA, "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 23 + "r",
@@ -691,7 +695,8 @@ if HAVE_GLUON:
                                                             pack=8)
                         new = new + (acc, )
                     acc_s = new
-                    acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+                    if BITS == 1:
+                        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
                     fence_async_shared()  # the sign words' shared loads come before the loader's next copy
                     mbarrier.arrive(empty.index(stage), count=1)
                     it += 1

@@ -7,6 +7,7 @@ the other tenant kernels on the Llama-2-70B layer set, per ring depth and K spli
     PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 …   # tiled only, also on the binary tensor cores
     … PROBE_BITS=1 PROBE_PERSIST=1 …   # and the binary path launched persistent
     … PROBE_BITS=1 PROBE_BITS_BK256=1 …   # and the binary path at 256-weight K steps
+    … PROBE_COPIES=1 …   # and the binary kernel's copies and barriers alone (no products; a bound)
 
 Prints and writes, per (layer, T): dense time, each configuration's time ÷ dense, and the summed
 ratio over the layer set (the figure ``kernels/bench.py`` reports).
@@ -82,6 +83,12 @@ def main(out: str, ts: list[int]) -> None:
                             config=cfg, tiled=True, bits=True, persistent=True, pdl=True)
                         configs["planes_tiled_bits_sk_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
                             config=cfg, tiled=True, bits=True, stream_k=True)
+            if os.environ.get("PROBE_COPIES") == "1":  # the binary kernel's copies and barriers alone
+                for cfg in [c for c in gp.WS_CONFIGS[rows_] if c[0] == 128][:1]:
+                    configs["copies_tiled_bits_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                        config=cfg, tiled=True, bits=True, _copies_only=True)
+                    configs["copies_tiled_bits_ps_bk{}_rh{}_s{}_r{}_l{}".format(*cfg)] = dict(
+                        config=cfg, tiled=True, bits=True, persistent=True, _copies_only=True)
             tiled_signs = {}
             for cname, config in configs.items():
                 d = gp.ws_split(t, n, k, config["config"], sms)
@@ -94,6 +101,7 @@ def main(out: str, ts: list[int]) -> None:
                     untiled = {k2: v for k2, v in r.items()
                                if k2.startswith(cname.replace("_tiled", "").replace("_bits", "").replace("_bs", "")
                                                .replace("_ps", "").replace("_pdl", "").replace("_sk", "")
+                                               .replace("copies_", "planes_")
                                                + "_k")
                                and not k2.endswith("err") and isinstance(v, float)}
                     if untiled:
@@ -145,6 +153,18 @@ def main(out: str, ts: list[int]) -> None:
                 by_cfg[c][1] += r["dense_ms"]
         print(f"T={t} per configuration, best split per layer: "
               + ", ".join(f"{c} {a / b:.3f}" for c, (a, b) in sorted(by_cfg.items(), key=lambda kv: kv[1][0] / kv[1][1])))
+    copies = {}
+    for r in rows:
+        for k2, v in r.items():
+            if k2.startswith("copies") and not k2.endswith("err") and isinstance(v, float):
+                c = (r["T"], k2.rsplit("_k", 1)[0])
+                best = copies.setdefault(c, {}).get(r["layer"])
+                copies[c][r["layer"]] = min(v, best) if best is not None else v
+    for (t, c), per_layer in sorted(copies.items()):
+        dense = {r["layer"]: r["dense_ms"] for r in rows if r["T"] == t}
+        tot = sum(per_layer[lay] * dense[lay] for lay in per_layer) / sum(dense[lay] for lay in per_layer)
+        print(f"T={t} copies only (no products, y wrong) {c}: {tot:.3f} "
+              + " ".join(f"{lay} {v:.3f}" for lay, v in per_layer.items()))
     Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary},
                                     indent=1))
 

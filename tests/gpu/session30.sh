@@ -6,7 +6,8 @@
 # 2.50× from 160 feature blocks on 132 multiprocessors)?
 # GPU0: the probe at T = 16 on tiled signs: int8 (for reference), bits, bits + spread, bits persistent and stream-K (with and without
 #       PDL), bits at 256-weight K steps (tile_signs(…, 256): if that wins, the serving layout's
-#       128-weight tiles can be read two per step), K splits 1/2/4/8.
+#       128-weight tiles can be read two per step), K splits 1/2/4/8; and the binary kernel's copies
+#       and barriers alone (PROBE_COPIES: no products) — how close the memory side itself gets to 2.20×.
 # GPU1: the int8 / binary kernels' GPU tests (with the persistent cases) and the bit-plane tests, then
 #       the CUDA-graph serving check (untimed picks are the binary path from four rows up on this branch).
 # Then, if persistent wins: let the dispatcher keep timing it (it already does on this branch), merge,
@@ -15,7 +16,7 @@ set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
 ( export CUDA_VISIBLE_DEVICES=0
-  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 PROBE_PERSIST=1 PROBE_BITS_BK256=1 timeout 420 \
+  PROBE_ONLY_TILED=1 PROBE_TILED=1 PROBE_BITS=1 PROBE_PERSIST=1 PROBE_BITS_BK256=1 PROBE_COPIES=1 timeout 420 \
       python3 tests/gpu/planes_probe.py $R/probe-persist.json 16 > $R/probe-persist.log 2>&1
   echo "probe rc $?" >> $R/probe-persist.log ) &
 ( export CUDA_VISIBLE_DEVICES=1 DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1
