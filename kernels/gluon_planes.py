@@ -645,7 +645,7 @@ if HAVE_GLUON:
             if BITS:
                 # binary tensor cores (mma.sync m16n8k128 b1, AND + POPC): per row and 128 weights, the
                 # row's 64 × 128 sign bits (A, two words per thread, read as stored) against its 16 bit
-                # planes (B, eight per mma); layout: module docstring, ``_BITS_LAYOUT``
+                # planes (B, eight per mma); the layout l3 below is described in the module docstring
                 l3: gl.constexpr = gl.DistributedLinearLayout(
                     reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
                     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
