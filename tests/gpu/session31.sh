@@ -7,7 +7,7 @@ set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
 NAME=bench-kernels-persist-rounds-$(date +%F)-h200
-CUDA_VISIBLE_DEVICES=0 timeout 520 python3 kernels/bench.py machine=h200 shapes=[llama2-70b] ms=[1,2048] \
+CUDA_VISIBLE_DEVICES=0 timeout 570 python3 kernels/bench.py machine=h200 shapes=[llama2-70b] ms=[1,2048] \
     tenants=[1,2,4,8,16] batched_impls=[] bitdelta_style=false sign_layout=tiled rounds=3 report_name=$NAME \
     > $R/bench.log 2>&1
 echo "bench rc $?" >> $R/bench.log
