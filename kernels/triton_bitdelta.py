@@ -700,11 +700,20 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
                         (("bits", True), ("pdl", True), ("persistent", True))] if rows >= 4 else [])
     # and stream-K (persistent, equal runs of steps across tiles; the split does not apply: timed once)
     stream_k = [(("bits", True), ("stream_k", True)), (("bits", True), ("pdl", True), ("stream_k", True))] if rows >= 4 else []
+    # At 16 rows only the binary path is timed (alone and with PDL at splits d, 1, 2, 4, and stream-K):
+    # int8, base spread and persistent never won there (the H200 probes of tests/gpu/session27.sh, and
+    # session30.sh on qkv: stream-K 2.14–2.23× dense, persistent ≥ 2.41×, one program per unit ≥ 2.53×),
+    # and each timed variant is one more compile (the full set took 210 s per layer shape).
+    sixteen = rows >= 16
+    if sixteen:
+        variants = [(("bits", True), ), (("bits", True), ("pdl", True))]
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
-        opts = variants + ([(("bits", True), ("base_spread", True))] if rows >= 8 and rows // min(rows, cfg[1]) > 1
-                           else [])
+        opts = variants + ([(("bits", True), ("base_spread", True))]
+                           if rows >= 8 and rows // min(rows, cfg[1]) > 1 and not sixteen else [])
         for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
+            if sixteen and split not in (d, 1, 2, 4):
+                continue
             for opt in (opts if split in (d, 1, 2, 4) else [()]) + (stream_k if split == d else []):
                 runs[("planes", cfg, split) + ((opt, ) if opt else ())] = (
                     lambda cfg=cfg, split=split, opt=opt: gluon_planes.bitdelta_linear_batched_planes(
