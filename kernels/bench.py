@@ -135,6 +135,7 @@ def run(cfg) -> dict:
 
     from kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs,
                          tile_signs)
+    from kernels import triton_bitdelta
     from kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     if cfg.get("sign_layout", "tiled") not in ("rows", "tiled"):
@@ -205,14 +206,17 @@ def run(cfg) -> dict:
                 if cfg.bitdelta_style:
                     t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
                 nbytes = 2 * n * k + t_count * (n * ((k + 7) // 8) + 4 * n) + 2 * t_count * (k + n)
+                # the dispatcher's pick for this shape (kernels.triton_bitdelta._TENANTS_CHOICE), for the record
+                choice = [repr(v) for key, v in triton_bitdelta._TENANTS_CHOICE.items()
+                          if key[:3] == (n, k, triton.next_power_of_2(t_count))]
                 rows.append({"kind": "tenants", "model": model, "layer": name, "N": n, "K": k, "T": t_count,
-                             "M": t_count, **{f"{key}_ms": v for key, v in t.items()},
+                             "M": t_count, "dispatcher_choice": choice, **{f"{key}_ms": v for key, v in t.items()},
                              **{f"{key}_over_dense": v / t["dense"] for key, v in t.items() if key != "dense"},
                              "triton_batched_GBps": nbytes / (t["triton_batched"] * 1e-3) / 1e9, "max_rel_err": err})
                 print(f"[{time.time() - t0:5.0f}s] {model} {name:8s} T={t_count:3d} dense {t['dense'] * 1e3:9.1f} us  "
                       f"batched {t['triton_batched'] / t['dense']:6.3f}x  "
-                      f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}",
-                      flush=True)
+                      f"bitdelta-style {t.get('bitdelta_style', float('nan')) / t['dense']:6.2f}x  err {err:.1e}  "
+                      f"pick {' '.join(choice)}", flush=True)
             del signs, kss
             _write_partial(cfg, copy_gbs, rows)
         del tensors
@@ -304,12 +308,12 @@ def plot(report: dict, path: Path) -> None:
                     label=f"BitDelta-style unpack + bmm ({model})")
     a1.axhline(TARGET_SINGLE, color="k", lw=0.8, ls=":", label="target 1.10×")
     a1.axhline(1.0625, color="grey", lw=0.8, ls="-.", label="limit 1.0625× (W + signs)")
-    a1.set(xscale="log", yscale="log", xlabel="tokens M (one variant)", ylabel="time ÷ dense bf16 matmul",
-           title="one variant, layer set")
+    a1.set(xscale="log" if cfg["ms"] else "linear", yscale="log" if cfg["ms"] else "linear", xlabel="tokens M (one variant)",
+           ylabel="time ÷ dense bf16 matmul", title="one variant, layer set")
     ts = report["config"]["tenants"]
     a2.plot(ts, [target_tenants(t) for t in ts], "k:", lw=0.8, label="target 1.1·(1 + T/16)")
     a2.plot(ts, [1 + t / 16 for t in ts], color="grey", ls="-.", lw=0.8, label="limit 1 + T/16")
-    a2.set(xscale="log", yscale="log", xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
+    a2.set(xscale="log" if ts else "linear", yscale="log" if ts else "linear", xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
            title="mixed variants in one call, layer set")
     for a in (a1, a2):
         a.grid(True, which="both", alpha=0.3)

@@ -128,12 +128,14 @@ BLOCK_N = 64       # features per program: the wgmma's M
 # 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out (a few
 # per cent, not the 2× the copy count suggested: the sign copies themselves, 64 pieces of 16 bytes a
 # sign row apart, are the cost; :func:`tile_signs`).
+# (128, 8, 4, 128, 2) was added for stream-K: the fastest on qkv at T = 16 in the probe of
+# tests/gpu/session30.sh (2.140× dense, against 2.156–2.234× for the other 128-step entries).
 WS_CONFIGS = {
     2: ((128, 2, 3, 80, 1), (256, 2, 2, 104, 1)),
     4: ((256, 4, 2, 104, 1), (128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (128, 4, 3, 80, 2)),
     8: ((128, 4, 3, 80, 2), (128, 4, 3, 80, 1), (256, 4, 3, 104, 1), (128, 4, 3, 80, 4), (256, 4, 3, 104, 4)),
     16: ((128, 4, 4, 96, 2), (128, 4, 4, 96, 1), (256, 8, 2, 128, 1), (256, 4, 2, 96, 4), (128, 4, 4, 96, 4),
-         (256, 8, 2, 128, 4)),
+         (256, 8, 2, 128, 4), (128, 8, 4, 128, 2)),
 }
 
 
