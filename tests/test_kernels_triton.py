@@ -653,6 +653,10 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs += [dict(config=cfg, bits=True, **launch) for cfg in [c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1]
                 + [c for c in gp.WS_CONFIGS[rows] if c[4] == 4][:1] if k % cfg[0] == 0
                 for launch in (dict(persistent=True), dict(stream_k=True))]
+    only = os.environ.get("DELTAFLEET_PLANES_TEST_ONLY")  # e.g. "persistent,stream_k": a device run's subset
+    if only:
+        configs = [c for c in configs if any(c.get(o) for o in only.split(","))]
+        assert configs, f"DELTAFLEET_PLANES_TEST_ONLY={only!r} selects no configuration"
     for config in configs:
         args = list(dev)
         if config.get("tiled"):
