@@ -68,6 +68,18 @@ h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t
 on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
 reports/bench-kernels-bits-rounds-2026-11-30-h200.*): T = 2 / 4 / 8 / 16 at 1.170 / 1.295 / 1.564 /
 2.288× (16: qkv / o / gate_up / down 2.51 / 2.23 / 2.33 / 2.13×).
+
+**Persistent and stream-K launches** (``persistent=True``, ``stream_k=True``; binary path only with
+PDL). The kernel walks work units (feature block × row block × K chunk) with its ring position and
+phase carried across them, so one program per resident slot (:func:`ws_slots`) can take several.
+With stream-K each resident program takes an equal run of at least four of all tiles' K steps, cut at
+tile boundaries; every piece adds into the float32 workspace and the epilogue waits for the tile's
+piece count (:func:`ws_pieces` mirrors the cut). Measured on an H200, T = 16, qkv (160 feature blocks
+on 132 multiprocessors; tests/gpu/session30.sh, reports/planes-probe-persist-streamk-2026-11-30-h200.jsonl):
+stream-K 2.14–2.23× dense over the 128-step configurations, persistent 2.47× at best, one program per
+unit 2.53×. The dispatcher's T = 16 figure over the layer set went from 2.288× to 2.206× and 2.180× in
+two runs (reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-T16-picks-…; it picked
+stream-K on qkv and gate_up, bits + PDL at split 1 on o and down).
 """
 from __future__ import annotations
 

@@ -54,7 +54,10 @@ the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×. Later runs
 register-operand kernel, reports/bench-kernels-prefill-2026-11-30-h200-rs.*); T = 2 / 4 / 8 / 16
 1.18 / 1.36 / 1.76 / 2.86× (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*); on tiled signs
 with the binary variants timed too, M = 1 1.093×, M = 2048 1.070×, T = 1 / 2 / 4 / 8 / 16 1.114 /
-1.170 / 1.295 / 1.564 / 2.288× (reports/bench-kernels-bits-rounds-2026-11-30-h200.*).
+1.170 / 1.295 / 1.564 / 2.288× (reports/bench-kernels-bits-rounds-2026-11-30-h200.*). With stream-K
+launches timed too (``gluon_planes``, ``stream_k=True``), T = 16 alone in two runs: 2.206× and 2.180×
+(reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-streamk-T16-picks-rounds-…; qkv 2.18
+/ 2.14× against 2.51× before).
 
 Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
 ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
@@ -663,7 +666,8 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     runs (``gluon_planes.planes_supported``), each of its configurations (``WS_CONFIGS``, on tiled signs
     those of 128-weight K steps) at K splits 1–8, and from four rows up also with the sign part on the
     binary tensor cores (``bits``: alone and with programmatic dependent launch at splits 1, 2, 4 and
-    the modelled one; from eight rows with the base spread); elsewhere each tile of the Hopper
+    the modelled one, persistent, and stream-K; from eight rows with the base spread; at sixteen rows
+    only bits alone and with PDL at those splits, and stream-K); elsewhere each tile of the Hopper
     CUDA-core kernel (``gluon_bitdelta.tenant_configs``, row signs only) and the table-lookup kernel.
     A candidate that fails to compile or launch is skipped.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
@@ -695,7 +699,7 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     # each also with the sign part on the binary tensor cores (bits), alone, with the base product
     # spread over the consumers, and with programmatic dependent launch (the H200 probe of
     # tests/gpu/session27.sh: bits fastest at T = 16 on every layer, spread best on qkv only)
-    # and persistent (one program per resident slot walking the work units; branch persist)
+    # and persistent (one program per resident slot walking the work units)
     variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True)), (("bits", True), ("persistent", True)),
                         (("bits", True), ("pdl", True), ("persistent", True))] if rows >= 4 else [])
     # and stream-K (persistent, equal runs of steps across tiles; the split does not apply: timed once)

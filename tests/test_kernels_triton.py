@@ -642,7 +642,7 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
                 if k % cfg[0] == 0 for tiled in (False, True) for spread in (False, True)
                 if not spread or rows // min(rows, cfg[1]) > 1]
     configs += [dict(config=gp.WS_CONFIGS[rows][0], bits=True, tiled=True, pdl=True)] if k % 128 == 0 else []
-    # persistent launches (one program per resident slot walking the units), branch persist
+    # persistent launches (one program per resident slot walking the units) and stream-K
     configs += [dict(config=gp.WS_CONFIGS[rows][0], persistent=True, **extra) for extra in (
         dict(tiled=True), dict(tiled=True, bits=True), dict(tiled=True, bits=True, pdl=True),
         dict(bits=True, base_spread=True)) if k % 128 == 0 and gp.WS_CONFIGS[rows][0][0] == 128]
