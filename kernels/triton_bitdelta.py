@@ -639,22 +639,42 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     return _PREFILL_CHOICE[key]
 
 
-def _fastest(runs: dict):
+def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3):
     """The key of the fastest of ``runs`` (key → a call with no arguments), each run once outside
     the timing (compiling, and autotuning a Triton kernel), then timed by CUDA-graph replay; a run
-    that fails (a configuration that does not fit this device) is skipped. None if all fail."""
-    from triton.testing import do_bench_cudagraph
+    that fails (a configuration that does not fit this device) is skipped. None if all fail.
+
+    The ``finalists`` fastest of that first pass are timed again, ``rounds`` times each in turn
+    (interleaved, so a clock or neighbour change hits all alike), and the lowest median wins: at 16
+    rows the best candidates lie within 1–2 % of each other, about the size of one timing's noise.
+    ``bench`` (a call → milliseconds) replaces ``do_bench_cudagraph`` (tests)."""
+    if bench is None:
+        from triton.testing import do_bench_cudagraph
+
+        def bench(fn):
+            return do_bench_cudagraph(fn, rep=20)
 
     times = {}
-    torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
     for key, fn in runs.items():
         try:
             fn()
-            torch.cuda.synchronize()
-            times[key] = do_bench_cudagraph(fn, rep=20)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[key] = bench(fn)
         except Exception:  # noqa: BLE001 - a configuration that does not fit this device is skipped
             continue
-    return min(times, key=times.get) if times else None
+    if not times:
+        return None
+    best = sorted(times, key=times.get)[:max(1, finalists)]
+    if len(best) == 1 or rounds < 1:
+        return best[0]
+    again = {key: [] for key in best}
+    for _ in range(rounds):
+        for key in best:
+            again[key].append(bench(runs[key]))
+    return min(best, key=lambda key: sorted(again[key])[len(again[key]) // 2])
 
 
 _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant config, or None for table lookup

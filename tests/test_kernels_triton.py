@@ -743,3 +743,36 @@ def test_autotune_off_keeps_one_tile_per_kernel():
             len(tb._mm_configs()), len(tb._lut_configs())]
     assert on.stdout.strip() == f"{full} True"
     assert off.stdout.strip() == "[1, 1, 1, 1, 1] False"
+
+
+def test_fastest_retimes_the_finalists_interleaved_and_takes_the_lowest_median():
+    """``_fastest``: a failing run is skipped; the first pass keeps the ``finalists`` fastest; those are
+    timed ``rounds`` times, interleaved, and the lowest median wins, not the first pass's minimum."""
+    from kernels.triton_bitdelta import _fastest
+
+    calls = []
+    first = {"a": 1.00, "b": 1.01, "c": 1.02, "d": 1.50}
+    again = {"a": iter([1.05, 1.06, 0.90]), "b": iter([1.00, 1.01, 1.00]), "c": iter([1.03, 1.03, 1.03])}
+    timed = []
+
+    def bench(fn):
+        key = fn()
+        timed.append(key)
+        return first[key] if timed.count(key) == 1 else next(again[key])
+
+    def run(key):
+        def fn():
+            calls.append(key)
+            return key
+        return fn
+
+    def broken():
+        raise RuntimeError("does not fit")
+
+    runs = {k: run(k) for k in first} | {"e": broken}
+    assert _fastest(runs, bench=bench, finalists=3, rounds=3) == "b"  # a's median 1.05 > b's 1.00
+    # first pass: a warm-up call and one timing each (e failed); then three interleaved rounds of a, b, c
+    assert timed == ["a", "b", "c", "d"] + ["a", "b", "c"] * 3
+    assert [k for k in calls if k == "d"] == ["d", "d"]
+    assert _fastest({"x": broken}, bench=bench) is None
+    assert _fastest({"a": run("a")}, bench=lambda fn: 1.0) == "a"
