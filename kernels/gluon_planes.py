@@ -73,11 +73,12 @@ reports/bench-kernels-bits-rounds-2026-11-30-h200.*): T = 2 / 4 / 8 / 16 at 1.17
 PDL). The kernel walks work units (feature block × row block × K chunk) with its ring position and
 phase carried across them, so one program per resident slot (:func:`ws_slots`) can take several.
 With stream-K each resident program takes an equal run of at least four of all tiles' K steps, cut at
-tile boundaries; every piece adds into the float32 workspace and the epilogue waits for the tile's
-piece count (:func:`ws_pieces` mirrors the cut). Measured on an H200, T = 16, qkv (160 feature blocks
+tile boundaries; every piece adds into the float32 workspace and counts itself in, and the piece
+that brings the tile's count to its total writes the output (:func:`ws_pieces` mirrors the cut). Measured on an H200, T = 16, qkv (160 feature blocks
 on 132 multiprocessors; tests/gpu/session30.sh, reports/planes-probe-persist-streamk-2026-11-30-h200.jsonl):
-stream-K 2.14–2.23× dense over the 128-step configurations, persistent 2.47× at best, one program per
-unit 2.53×. The dispatcher's T = 16 figure over the layer set went from 2.288× to 2.206× and 2.180× in
+stream-K 2.14–2.23× dense over the 128-step configurations; over those, persistent 2.47× at best
+and one program per unit 2.74× (2.41× and 2.53× with the 256-step configurations; the file holds ratios
+to ``dense_ms``). The dispatcher's T = 16 figure over the layer set went from 2.288× to 2.206× and 2.180× in
 two runs (reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-T16-picks-…; it picked
 stream-K on qkv and gate_up, bits + PDL at split 1 on o and down).
 """
@@ -123,6 +124,7 @@ if HAVE_GLUON:
         def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
             return buf._reinterpret(gl.int32, [BN, W], layout)
 
+SMEM_PER_SM = 233472  # bytes of shared memory per Hopper multiprocessor (228 KiB)
 BIT_MAX = 32767    # the largest |q| of the binary-plane copy: 16-bit two's complement
 TINY = tl.constexpr(1e-30)  # rows whose largest |x| is below this are quantised as zero (error ≤ 1e-30)
 PLANE_MAX = 32639  # 127·256 + 127: the largest |q| whose high byte still fits int8 after rounding
@@ -166,14 +168,18 @@ def ws_slots(m: int, config: tuple, sms: int, bits: bool = False) -> int:
     warps = 4 * triton.cdiv(4 * (rows // min(rows, rh)) + loaders, 4)
     smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8
                      + (0 if bits else triton.cdiv(rows, 4) * 8 * bk))
-    return sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
+    # 228 KiB per multiprocessor, of which each resident block takes its shared memory, 1 KiB the
+    # hardware reserves per block, and the barriers and scratch (under 1 KiB in the offline compiles:
+    # (128, 4, 3, 80, 1) at 4 rows is 77 116 bytes against the ring's 76 800, so two fit, not three)
+    return sms * max(1, min(65536 // (regs * 32 * warps), SMEM_PER_SM // (smem + 2048)))
 
 
 def ws_pieces(pid: int, nprog: int, tiles: int, kt: int, split: int, per: int) -> list[tuple[int, int, int, int]]:
     """Program ``pid``'s pieces as the kernel cuts them (``_ws_npieces`` / ``_ws_piece``, mirrored here
     for tests): ``(tile, first K step, K steps, pieces of that tile)`` for ``tiles`` output tiles of
     ``kt`` K steps, ``nprog`` programs, K chunks ``split`` (``per`` = 0) or stream-K runs of ``per``
-    steps."""
+    steps. A K chunk past the last step (``split`` > steps) is a piece of 0 steps: the kernel runs
+    no K loop for it but still counts it toward the tile's ``split`` pieces."""
     out = []
     if per > 0:
         g0, g1 = pid * per, min(pid * per + per, tiles * kt)
@@ -186,7 +192,7 @@ def ws_pieces(pid: int, nprog: int, tiles: int, kt: int, split: int, per: int) -
         for i in range(-(-(tiles * split - pid) // nprog)):
             u = pid + i * nprog
             k_first = (u // tiles) * chunk
-            out.append((u % tiles, k_first, min(chunk, kt - k_first), split))
+            out.append((u % tiles, k_first, max(0, min(chunk, kt - k_first)), split))
     return out
 
 
@@ -198,11 +204,8 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
     ties. It is the untimed default; the dispatcher times the candidate splits. Against the H200
     probe (tests/gpu/planes_probe.py, splits 1, 2 and 4) it picks the fastest measured split at
     T = 16 and is within 3 % of it at T = 8."""
-    bk, rh, stages, regs, loaders = config
-    rows = max(2, min(16, triton.next_power_of_2(m)))
-    warps = 4 * triton.cdiv(4 * (rows // rh) + loaders, 4)
-    smem = stages * (2 * 16 * bk + 2 * BLOCK_N * bk + rows * BLOCK_N * bk // 8 + triton.cdiv(rows, 4) * 8 * bk)
-    slots = sms * max(1, min(65536 // (regs * 32 * warps), (232448 - 1024) // smem))
+    bk = config[0]
+    slots = ws_slots(m, config, sms)
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
     steps = triton.cdiv(k, bk)
     splits = [s for s in range(1, 9) if steps // s >= 4] or [1]
@@ -266,8 +269,17 @@ def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor,
         ``x[r, k] ≈ scale_r·(256·hi + lo)`` to within ``scale_r/2``. ``pdl``: the kernel lets a
         following kernel launched with programmatic dependent launch start before it ends (that
         kernel must wait, ``griddepcontrol.wait``, before it reads the planes).
+
+    Raises:
+        ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, or K is not a
+            positive multiple of 32 (the permutation works on whole 32-blocks).
     """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
     m, k = x.shape
+    if k % 32 or k == 0:
+        raise ValueError(f"K = {k} is not a positive multiple of 32")
     planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # one program per row, whole blocks of up to 8192 activations per load: the kernel is a few
@@ -444,7 +456,12 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    bk, per_wg, stages, regs, loaders = config or default_config(rows, k) or WS_CONFIGS[rows][0]
+    config = config or default_config(rows, k) or WS_CONFIGS[rows][0]
+    if len(config) != 5:
+        raise ValueError(f"config must be (BLOCK_K, rows per warpgroup, stages, registers, loader warps), got {config!r}")
+    if split is not None and split < 1:
+        raise ValueError(f"split must be 1 or more K chunks, got {split}")
+    bk, per_wg, stages, regs, loaders = config
     rh = min(rows, per_wg)
     if rh not in (2, 4, 8) or rows % rh or rows // rh not in (1, 2, 4):
         raise ValueError(f"{per_wg} rows per warpgroup do not split {rows} rows into 1, 2 or 4 warpgroups of "

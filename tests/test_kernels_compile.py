@@ -215,6 +215,15 @@ if gb.HAVE_GLUON:
                      bk, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=stages, INFLIGHT=4, CONS_REGS=regs,
                               RH=rh, PDL=False, LOADERS=loaders, BS=bs, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs}, True)
+    # every 16-row configuration of 128-weight K steps on tiled signs, bits with programmatic dependent
+    # launch: what the dispatcher times at 16 rows (also persistent and stream-K: the same kernel)
+    for cfg in [c for c in gp.WS_CONFIGS[16] if c[0] == 128]:
+        bk_, rh_, st_, regs_, ld_ = cfg
+        planes_build(gp._planes_ws_kernel, "planes-ws-tiled-bits " + json.dumps({"rows": 16, "config": list(cfg),
+                                                                                 "pdl": True}),
+                     bk_, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=16, STAGES=st_, INFLIGHT=4, CONS_REGS=regs_,
+                               RH=rh_, PDL=True, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
+                     {"num_warps": 4, "maxnreg": regs_, "launch_pdl": True}, True)
     # and on row signs: the default of 4 and 8 rows (8 with programmatic dependent launch), and a
     # 16-row configuration of 256-weight K steps (two binary mmas per row and step)
     for rows, cfg, pdl in ((4, gp.WS_CONFIGS[4][0], False), (8, gp.WS_CONFIGS[8][0], True),
@@ -263,8 +272,10 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 8  # + the register-operand and int8 kernels on tiled signs,
                # the int8 kernel with its base product spread over the consumers, and on the binary
-               # tensor cores (bits): tiled with and without the spread, and three on row signs
+               # tensor cores (bits): tiled with and without the spread, and three on row signs,
+               # and each 16-row 128-step configuration tiled on bits with PDL
                + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
+               + len([c for c in gp.WS_CONFIGS[16] if c[0] == 128])
                ) if gb.HAVE_GLUON else 0
     n_tiled = 3 + 2  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel twice
     assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
@@ -315,12 +326,14 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
-    # + tiled, tiled spread, tiled bits, tiled bits spread, three bits on row signs
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 7
+    # + tiled, tiled spread, tiled bits, tiled bits spread, each 16-row 128-step configuration tiled
+    # bits with PDL, three bits on row signs
+    tiled16 = len([c for c in gp.WS_CONFIGS[16] if c[0] == 128])
+    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 7 + tiled16
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     bits = {k: v for k, v in planes.items() if "-bits" in k}
-    assert len(bits) == 5 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
+    assert len(bits) == 5 + tiled16 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
     assert all(v.get("griddep") for k, v in bits.items() if '"pdl": true' in k), bits
     bitplanes = {k: v for k, v in compiled.items() if k.startswith("bitplanes ")}
     assert len(bitplanes) == 2 and [v.get("griddep") for v in bitplanes.values()] == [False, True], bitplanes

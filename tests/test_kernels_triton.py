@@ -470,6 +470,23 @@ def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
         activation_bitplanes(x.t())
 
 
+def test_activation_planes_refuses_what_its_permutation_cannot_read():
+    """The int8 planes permute K within 32-blocks (logical ``4a + j`` ← physical ``a + 8j``): K = 40
+    would read up to index 57 of a 40-wide row, so it is refused, as are other dtypes and strides."""
+    from kernels.gluon_planes import activation_planes
+
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^K = 40 is not a positive multiple of 32$"):
+        activation_planes(x[:, :40].contiguous())
+    with pytest.raises(ValueError, match=r"^K = 0 is not a positive multiple of 32$"):
+        activation_planes(x[:, :0])
+    with pytest.raises(ValueError, match=r"^x must be a 2-D bf16/fp16 tensor with unit stride along K, got "
+                                         r"torch.float32 \(2, 64\)"):
+        activation_planes(x.float())
+    with pytest.raises(ValueError, match=r"unit stride along K, got torch.bfloat16 \(64, 2\) with strides \(1, 64\)"):
+        activation_planes(x.t())
+
+
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
@@ -501,6 +518,16 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
         bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
                                        torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
                                        (128, 4, 4, 96, 1), split=1, pdl=True, persistent=True)
+    for split in (0, -2):  # an empty grid would launch nothing and leave y as it was
+        with pytest.raises(ValueError, match=f"^split must be 1 or more K chunks, got {split}$"):
+            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                           (128, 4, 4, 96, 1), split=split)
+    with pytest.raises(ValueError, match=r"^config must be \(BLOCK_K, rows per warpgroup, stages, registers, loader "
+                                         r"warps\), got \(128, 4, 4, 96\)$"):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       (128, 4, 4, 96), split=1)
 
 
 def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():
@@ -515,6 +542,9 @@ def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():
     assert ws_slots(16, (128, 8, 3, 80, 2), 132, bits=False) == 132
     assert ws_slots(16, (128, 8, 6, 80, 2), 132, bits=True) == 132  # 216 KiB of ring: one program
     assert ws_slots(8, (128, 4, 3, 80, 2), 132) == 264            # 12 warps at 80 registers, 3 × 26 KiB
+    # 8 warps at 80 registers would allow three, but the 76 800-byte ring (77 116 bytes compiled) plus
+    # the 1 KiB the hardware reserves per block fits twice in 228 KiB, not three times
+    assert ws_slots(4, (128, 4, 3, 80, 1), 132) == 264
 
 
 @pytest.mark.parametrize("tiles, kt, split, nprog, per", [
@@ -653,6 +683,9 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     configs += [dict(config=cfg, bits=True, **launch) for cfg in [c for c in gp.WS_CONFIGS[rows] if c[0] == 256][:1]
                 + [c for c in gp.WS_CONFIGS[rows] if c[4] == 4][:1] if k % cfg[0] == 0
                 for launch in (dict(persistent=True), dict(stream_k=True))]
+    # at sixteen rows the dispatcher times every 128-step configuration as bits + PDL + stream-K
+    configs += [dict(config=cfg, bits=True, tiled=True, pdl=True, stream_k=True) for cfg in gp.WS_CONFIGS[rows]
+                if rows == 16 and cfg[0] == 128 and k % 128 == 0]
     only = os.environ.get("DELTAFLEET_PLANES_TEST_ONLY")  # e.g. "persistent,stream_k": a device run's subset
     if only:
         configs = [c for c in configs if any(c.get(o) for o in only.split(","))]
@@ -775,4 +808,18 @@ def test_fastest_retimes_the_finalists_interleaved_and_takes_the_lowest_median()
     assert timed == ["a", "b", "c", "d"] + ["a", "b", "c"] * 3
     assert [k for k in calls if k == "d"] == ["d", "d"]
     assert _fastest({"x": broken}, bench=bench) is None
+    # a finalist that fails while timed again (out of memory, …) drops out instead of raising
+    flaky_calls = []
+
+    def flaky():
+        flaky_calls.append(1)
+        if len(flaky_calls) > 2:
+            raise RuntimeError("out of memory")
+        return "f"
+
+    first["f"] = 0.5
+    again["c"] = iter([1.03, 1.03, 1.03])
+    again["b"] = iter([1.00, 1.01, 1.00])
+    timed.clear()
+    assert _fastest({"f": flaky, "b": run("b"), "c": run("c")}, bench=bench, finalists=3, rounds=3) == "b"
     assert _fastest({"a": run("a")}, bench=lambda fn: 1.0) == "a"
