@@ -327,7 +327,8 @@ def _bitplanes_kernel(x_ptr, b_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, C
         tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))  # int32 overflows from K = 65 664
 
 
-def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None = None,
+                         num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The 16 bit planes of a 16-bit fixed-point copy of the activations, for the binary tensor cores.
 
     ``x[r, k] ≈ scale_r·q[r, k]``, ``q = round(x/scale)`` in ``[−BIT_MAX, BIT_MAX]`` with ``scale_r =
@@ -340,6 +341,9 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
     Args:
         x: ``[M, K]`` bf16/fp16, K a multiple of 128, on a device Triton runs on.
         pdl: let a following kernel launched with programmatic dependent launch start early.
+        chunk: weights per program along K, a power of two from 128 to 8192 (default: 1024, or K
+            rounded up to a power of two if smaller); num_warps: warps per program (4 or 8). Both
+            only change the speed (``tests/gpu/bitplanes_probe.py`` times them), not the result.
 
     Source: BitDelta (arXiv:2402.10193) §3.1 Eq. 2 for the product; the bit-plane split of a fixed-point
     operand is the usual binary-network decomposition (e.g. DoReFa-Net, arXiv:1606.06160, §2.1).
@@ -350,8 +354,8 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
         (the packed signs' order); and float32 ``[M, 2]`` (``scale``, ``Σq`` per row).
 
     Raises:
-        ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, or K is not a
-            positive multiple of 128.
+        ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, K is not a
+            positive multiple of 128, or ``chunk`` / ``num_warps`` is not one of the values above.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
@@ -359,12 +363,16 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tens
     m, k = x.shape
     if k % 128 or k == 0:
         raise ValueError(f"K = {k} is not a positive multiple of 128")
+    if chunk is not None and (chunk < 128 or chunk > 8192 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk = {chunk} is not a power of two from 128 to 8192")
+    if num_warps not in (4, 8):
+        raise ValueError(f"num_warps = {num_warps}: the bit-plane kernel runs with 4 or 8")
     bits = torch.empty(m, k // 128, 64, dtype=torch.int32, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # programs over 1024-weight chunks: one program per row took 8 µs at 16 rows and K = 8192 (ncu, H200)
-    chunk = min(1024, triton.next_power_of_2(k))
+    chunk = chunk or min(1024, triton.next_power_of_2(k))
     _bitplanes_kernel[(m, triton.cdiv(k, chunk))](x, bits, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
-                                                  CHUNK=chunk, PDL=pdl, num_warps=4)
+                                                  CHUNK=chunk, PDL=pdl, num_warps=num_warps)
     return bits, sc
 
 

@@ -455,10 +455,29 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     assert torch.equal(got, (s.long() * q).sum(dim=1))
 
 
+def test_activation_bitplanes_chunk_and_warps_change_nothing_but_speed():
+    """Programs over 128- or 256-weight chunks with 8 warps write the same words and row sums as the
+    default (1024-weight chunks, 4 warps), K past one chunk and not a multiple of the largest."""
+    from kernels.gluon_planes import activation_bitplanes
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 384, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])).to(torch.bfloat16).to(DEVICE)
+    ref = activation_bitplanes(x)
+    for chunk, warps in ((128, 8), (256, 4), (512, 8)):
+        bits, sc = activation_bitplanes(x, chunk=chunk, num_warps=warps)
+        assert torch.equal(bits.cpu(), ref[0].cpu()), (chunk, warps)
+        assert torch.equal(sc.cpu(), ref[1].cpu()), (chunk, warps)
+
+
 def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
     from kernels.gluon_planes import activation_bitplanes
 
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    for chunk in (64, 384, 16384):
+        with pytest.raises(ValueError, match=f"^chunk = {chunk} is not a power of two from 128 to 8192$"):
+            activation_bitplanes(x, chunk=chunk)
+    with pytest.raises(ValueError, match=r"^num_warps = 2: the bit-plane kernel runs with 4 or 8$"):
+        activation_bitplanes(x, num_warps=2)
     with pytest.raises(ValueError, match=r"K = 200 is not a positive multiple of 128"):
         activation_bitplanes(x[:, :200].contiguous())
     with pytest.raises(ValueError, match=r"K = 0 is not a positive multiple of 128"):
