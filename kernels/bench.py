@@ -244,7 +244,7 @@ def _plain(cfg) -> dict:
     from omegaconf import OmegaConf
 
     keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
-            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine")
+            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine", "rounds")
     out = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
            for k in keys if k in cfg}
     out.setdefault("sign_layout", "rows")  # configurations from before the setting

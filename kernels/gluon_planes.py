@@ -77,7 +77,7 @@ tile boundaries; every piece adds into the float32 workspace and counts itself i
 that brings the tile's count to its total writes the output (:func:`ws_pieces` mirrors the cut). Measured on an H200, T = 16, qkv (160 feature blocks
 on 132 multiprocessors; tests/gpu/session30.sh, reports/planes-probe-persist-streamk-2026-11-30-h200.jsonl):
 stream-K 2.14–2.23× dense over the 128-step configurations; over those, persistent 2.47× at best
-and one program per unit 2.74× (2.41× and 2.53× with the 256-step configurations; the file holds ratios
+and one program per unit 2.72× (2.41× and 2.53× with the 256-step configurations; the file holds ratios
 to ``dense_ms``). The dispatcher's T = 16 figure over the layer set went from 2.288× to 2.206× and 2.180× in
 two runs (reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-T16-picks-…; it picked
 stream-K on qkv and gate_up, bits + PDL at split 1 on o and down).
@@ -162,7 +162,7 @@ def default_config(rows: int, k: int) -> tuple | None:
 def ws_slots(m: int, config: tuple, sms: int, bits: bool = False) -> int:
     """Programs of the warp-specialised kernel resident at once on ``sms`` multiprocessors, by its
     registers (``config``'s per thread × its warps, of 64 K) and shared memory (the ring: x, W, the
-    sign tiles and, without ``bits``, the int8 planes, of 227 KiB), for ``m`` rows."""
+    sign tiles and, without ``bits``, the int8 planes, of 228 KiB), for ``m`` rows."""
     bk, rh, stages, regs, loaders = config
     rows = max(2, min(16, triton.next_power_of_2(m)))
     warps = 4 * triton.cdiv(4 * (rows // min(rows, rh)) + loaders, 4)
@@ -196,16 +196,17 @@ def ws_pieces(pid: int, nprog: int, tiles: int, kt: int, split: int, per: int) -
     return out
 
 
-def ws_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
+def ws_split(m: int, n: int, k: int, config: tuple, sms: int, bits: bool = False) -> int:
     """K split of the warp-specialised kernel, by a wave model: ``sms`` × programs per multiprocessor
     (from registers and shared memory) run at once, so ``tiles × split`` programs take
     ``ceil(tiles·split / slots)`` waves of ``ceil(steps/split) + 3`` K steps each (3: filling the
     ring); the split (1–8, at least 4 K steps per chunk) with the fewest steps wins, the smaller on
     ties. It is the untimed default; the dispatcher times the candidate splits. Against the H200
     probe (tests/gpu/planes_probe.py, splits 1, 2 and 4) it picks the fastest measured split at
-    T = 16 and is within 3 % of it at T = 8."""
+    T = 16 and is within 3 % of it at T = 8. ``bits``: the binary path's ring (no int8 planes), which
+    can leave room for more programs per multiprocessor (:func:`ws_slots`)."""
     bk = config[0]
-    slots = ws_slots(m, config, sms)
+    slots = ws_slots(m, config, sms, bits)
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
     steps = triton.cdiv(k, bk)
     splits = [s for s in range(1, 9) if steps // s >= 4] or [1]
@@ -464,10 +465,11 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     n = weight.shape[0]
     s = signs.shape[0]
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    config = config or default_config(rows, k) or WS_CONFIGS[rows][0]
-    if len(config) != 5:
+    if config is None:
+        config = default_config(rows, k) or WS_CONFIGS[rows][0]
+    if not isinstance(config, (tuple, list)) or len(config) != 5:
         raise ValueError(f"config must be (BLOCK_K, rows per warpgroup, stages, registers, loader warps), got {config!r}")
-    if split is not None and split < 1:
+    if split is not None and (not isinstance(split, int) or split < 1):
         raise ValueError(f"split must be 1 or more K chunks, got {split}")
     bk, per_wg, stages, regs, loaders = config
     rh = min(rows, per_wg)
@@ -486,7 +488,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
                          "planes' deferred copies assume each program's first K steps fill the ring)")
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms)
+        split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms, bits)
     if bits:
         bitplanes, sc = activation_bitplanes(x, pdl=pdl)
         planes = bitplanes.view(torch.int8).view(-1, 256)  # an unused descriptor's tensor

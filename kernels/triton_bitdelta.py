@@ -667,7 +667,8 @@ def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3):
             continue
     if not times:
         return None
-    best = sorted(times, key=times.get)[:max(1, finalists)]
+    order = sorted(times, key=times.get)
+    best = order[:max(1, finalists)]
     if len(best) == 1 or rounds < 1:
         return best[0]
     again = {key: [] for key in best}
@@ -677,8 +678,8 @@ def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3):
                 again[key].append(bench(runs[key]))
             except Exception:  # noqa: BLE001 - a finalist that fails now (out of memory, …) drops out
                 del again[key]
-    if not again:
-        return best[0]
+    if not again:  # every finalist failed this time: the fastest of the rest, else none (table lookup)
+        return next(iter(order[len(best):]), None)
     return min(again, key=lambda key: sorted(again[key])[(len(again[key]) - 1) // 2])
 
 
@@ -687,22 +688,26 @@ _TENANTS_CHOICE: dict = {}  # (N, K, row bucket, dtype, flags) -> Gluon tenant c
 
 def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, tiled=False):
     """Pick the mixed-tenant kernel for this problem shape (M rounded up to a power of two), timing
-    candidates once with CUDA-graph replay and keeping the fastest: where the warp-specialised kernel
-    runs (``gluon_planes.planes_supported``), each of its configurations (``WS_CONFIGS``, on tiled signs
-    those of 128-weight K steps) at the modelled K split (``gluon_planes.ws_split``) and at 1, 2, 3, 4,
-    6 and 8, and from four rows up also with the sign part on the
-    binary tensor cores (``bits``: alone and with programmatic dependent launch at splits 1, 2, 4 and
-    the modelled one, persistent, and stream-K; from eight rows with the base spread; at sixteen rows
-    only bits alone and with PDL at those splits, and stream-K); elsewhere each tile of the Hopper
-    CUDA-core kernel (``gluon_bitdelta.tenant_configs``, row signs only) and the table-lookup kernel.
-    A candidate that fails to compile or launch is skipped.
+    candidates with CUDA-graph replay (``_fastest``: the four fastest again, lowest median kept):
+    where the warp-specialised kernel runs (``gluon_planes.planes_supported``), each of its
+    configurations (``WS_CONFIGS``, on tiled signs those of 128-weight K steps) at the modelled K
+    splits (``gluon_planes.ws_split`` for the int8 and the binary ring) and at 1, 2, 3, 4, 6 and 8;
+    from four rows up also with the sign part on the binary tensor cores (``bits``: alone, with
+    programmatic dependent launch, and persistent, at the modelled splits and 1, 2, 4; stream-K once;
+    from eight rows with the base spread); at sixteen rows only bits alone and with PDL at those
+    splits, and stream-K. Elsewhere each tile of the Hopper CUDA-core kernel
+    (``gluon_bitdelta.tenant_configs``, row signs only) and the table-lookup kernel. A candidate
+    that fails to compile or launch is skipped.
     While a CUDA graph is being captured, or with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests), nothing
     is timed and the default is used: the warp-specialised kernel (``gluon_planes.default_config``,
     from four rows up on the binary tensor cores) where it can run, else the Hopper CUDA-core kernel's
     default tile (the table-lookup kernel with ``DELTAFLEET_TRITON_AUTOTUNE=0``)."""
     m, k = x.shape
     rows = max(2, min(16, triton.next_power_of_2(m)))
-    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None, tiled)
+    # whether the int8/binary kernel can run is part of the key: a first call with signs not 16-byte
+    # aligned must not fix the choice for aligned ones
+    key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None, tiled,
+           gluon_planes.planes_supported(x, weight, signs))
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
     configs = [] if tiled else gluon_bitdelta.tenant_configs(rows)  # the CUDA-core kernel reads sign rows
@@ -739,12 +744,13 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
         variants = [(("bits", True), ), (("bits", True), ("pdl", True))]
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
+        d_bits = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms, bits=True)  # a smaller ring: more slots
         opts = variants + ([(("bits", True), ("base_spread", True))]
                            if rows >= 8 and rows // min(rows, cfg[1]) > 1 and not sixteen else [])
-        for split in sorted({d} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
-            if sixteen and split not in (d, 1, 2, 4):
+        for split in sorted({d, d_bits} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
+            if sixteen and split not in (d, d_bits, 1, 2, 4):
                 continue
-            for opt in (opts if split in (d, 1, 2, 4) else [()]) + (stream_k if split == d else []):
+            for opt in (opts if split in (d, d_bits, 1, 2, 4) else [()]) + (stream_k if split == d else []):
                 runs[("planes", cfg, split) + ((opt, ) if opt else ())] = (
                     lambda cfg=cfg, split=split, opt=opt: gluon_planes.bitdelta_linear_batched_planes(
                         x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled, **dict(opt)))

@@ -35,7 +35,8 @@ def main(out: str) -> None:
                                                   rep=30)
                     rows.append({"M": m, "K": k, "chunk": chunk, "warps": warps, "us": us, "same": same})
                     print(json.dumps(rows[-1]), flush=True)
-    Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+                    # after every row, so that a run cut short keeps what it measured
+                    Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

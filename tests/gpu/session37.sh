@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # For the next device session, right after session36.sh (2×H200, about 3 minutes): the GPU cases not yet
-# run on a GPU — the 16-row bits + PDL + stream-K cases over every 128-step configuration (GPU test
-# selection DELTAFLEET_PLANES_TEST_ONLY=stream_k, half the shapes on each GPU) — and the bit-plane
+# run on a GPU — every stream-K case of the tenant test (DELTAFLEET_PLANES_TEST_ONLY=stream_k: at every
+# row count, with the 16-row bits + PDL + stream-K cases over each 128-step configuration added after
+# session35; half the shapes on each GPU) — the small tests (refusals, _fastest, ws_slots) and the bit-plane
 # kernel's chunk / warp probe (tests/gpu/bitplanes_probe.py) on GPU0 once its tests are done.
 set -u
 R=$OUT/r; mkdir -p $R
