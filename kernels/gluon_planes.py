@@ -258,6 +258,18 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
     tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
 
 
+def _check_activations(x: torch.Tensor, multiple: int) -> tuple[int, int]:
+    """``(M, K)`` of activations an activation-plane kernel can read: a 2-D bf16/fp16 tensor with unit
+    stride along K, K a positive multiple of ``multiple``; else ValueError naming what is wrong."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    m, k = x.shape
+    if k % multiple or k == 0:
+        raise ValueError(f"K = {k} is not a positive multiple of {multiple}")
+    return m, k
+
+
 def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Split activations into the two int8 planes of a 16-bit fixed-point copy (module docstring).
 
@@ -275,12 +287,7 @@ def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor,
         ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, or K is not a
             positive multiple of 32 (the permutation works on whole 32-blocks).
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
-        raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
-                         f"{tuple(x.shape)} with strides {x.stride()}")
-    m, k = x.shape
-    if k % 32 or k == 0:
-        raise ValueError(f"K = {k} is not a positive multiple of 32")
+    m, k = _check_activations(x, 32)
     planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # one program per row, whole blocks of up to 8192 activations per load: the kernel is a few
@@ -358,12 +365,7 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None =
         ValueError: if x is not a 2-D bf16/fp16 tensor with unit stride along K, K is not a
             positive multiple of 128, or ``chunk`` / ``num_warps`` is not one of the values above.
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1:
-        raise ValueError(f"x must be a 2-D bf16/fp16 tensor with unit stride along K, got {x.dtype} "
-                         f"{tuple(x.shape)} with strides {x.stride()}")
-    m, k = x.shape
-    if k % 128 or k == 0:
-        raise ValueError(f"K = {k} is not a positive multiple of 128")
+    m, k = _check_activations(x, 128)
     if chunk is not None and (chunk < 128 or chunk > 8192 or chunk & (chunk - 1)):
         raise ValueError(f"chunk = {chunk} is not a power of two from 128 to 8192")
     if num_warps not in (4, 8):
