@@ -308,13 +308,15 @@ def plot(report: dict, path: Path) -> None:
                     label=f"BitDelta-style unpack + bmm ({model})")
     a1.axhline(TARGET_SINGLE, color="k", lw=0.8, ls=":", label="target 1.10×")
     a1.axhline(1.0625, color="grey", lw=0.8, ls="-.", label="limit 1.0625× (W + signs)")
-    a1.set(xscale="log" if cfg["ms"] else "linear", yscale="log" if cfg["ms"] else "linear", xlabel="tokens M (one variant)",
-           ylabel="time ÷ dense bf16 matmul", title="one variant, layer set")
+    scale = "log" if cfg["ms"] else "linear"  # log axes need data (a run of tenants only has none here)
+    a1.set(xscale=scale, yscale=scale, xlabel="tokens M (one variant)", ylabel="time ÷ dense bf16 matmul",
+           title="one variant, layer set")
     ts = report["config"]["tenants"]
     # marked too, so that a run of one T still shows its target and limit
     a2.plot(ts, [target_tenants(t) for t in ts], "k:_", lw=0.8, ms=16, label="target 1.1·(1 + T/16)")
     a2.plot(ts, [1 + t / 16 for t in ts], color="grey", ls="-.", marker="_", lw=0.8, ms=16, label="limit 1 + T/16")
-    a2.set(xscale="log" if ts else "linear", yscale="log" if ts else "linear", xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
+    scale = "log" if ts else "linear"
+    a2.set(xscale=scale, yscale=scale, xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
            title="mixed variants in one call, layer set")
     for a in (a1, a2):
         a.grid(True, which="both", alpha=0.3)

@@ -488,8 +488,9 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     if (persistent or stream_k) and pdl and not bits:
         raise ValueError("a persistent launch with programmatic dependent launch needs bits=True (the int8 "
                          "planes' deferred copies assume each program's first K steps fill the ring)")
-    if split is None:
+    if split is None or persistent or stream_k:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if split is None:
         split = ws_split(m, n, k, (bk, rh, stages, regs, loaders), sms, bits)
     if bits:
         bitplanes, sc = activation_bitplanes(x, pdl=pdl)
@@ -509,7 +510,6 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
     units = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16) * split
     per = 0
     if persistent or stream_k:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         slots = ws_slots(m, (bk, rh, stages, regs, loaders), sms, bits)
         units = min(units, slots)
         if stream_k:  # every resident program the same number of steps (at least 4), across tiles

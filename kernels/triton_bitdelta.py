@@ -706,14 +706,15 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     rows = max(2, min(16, triton.next_power_of_2(m)))
     # whether the int8/binary kernel can run is part of the key: a first call with signs not 16-byte
     # aligned must not fix the choice for aligned ones
+    can_planes = gluon_planes.planes_supported(x, weight, signs)
     key = (weight.shape[0], k, triton.next_power_of_2(m), x.dtype, alphas.dim(), bias is not None, tiled,
-           gluon_planes.planes_supported(x, weight, signs))
+           can_planes)
     if key in _TENANTS_CHOICE:
         return _TENANTS_CHOICE[key]
     configs = [] if tiled else gluon_bitdelta.tenant_configs(rows)  # the CUDA-core kernel reads sign rows
     # int8 tensor-core configurations that run here: with tiled signs those of 128-weight K steps
     planes = ([c for c in gluon_planes.WS_CONFIGS[rows] if k % c[0] == 0 and (not tiled or c[0] == 128)]
-              if gluon_planes.planes_supported(x, weight, signs) else [])
+              if can_planes else [])
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the warp-specialised kernel's default, from four rows up with the sign part on the
@@ -730,22 +731,25 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     # each also with the sign part on the binary tensor cores (bits), alone, with the base product
     # spread over the consumers, and with programmatic dependent launch (the H200 probe of
     # tests/gpu/session27.sh: bits fastest at T = 16 on every layer, spread best on qkv only)
-    # and persistent (one program per resident slot walking the work units)
-    variants = [()] + ([(("bits", True), ), (("bits", True), ("pdl", True)), (("bits", True), ("persistent", True)),
-                        (("bits", True), ("pdl", True), ("persistent", True))] if rows >= 4 else [])
-    # and stream-K (persistent, equal runs of steps across tiles; the split does not apply: timed once)
-    stream_k = [(("bits", True), ("stream_k", True)), (("bits", True), ("pdl", True), ("stream_k", True))] if rows >= 4 else []
+    # and persistent (one program per resident slot walking the work units), and stream-K (persistent,
+    # equal runs of steps across tiles; the split does not apply: timed once).
     # At 16 rows only the binary path is timed (alone and with PDL at splits d, 1, 2, 4, and stream-K):
     # int8, base spread and persistent never won there (the H200 probes of tests/gpu/session27.sh, and
     # session30.sh on qkv: stream-K 2.14–2.23× dense, persistent ≥ 2.41×, one program per unit ≥ 2.53×),
     # and each timed variant is one more compile (the full set took 210 s per layer shape).
+    bits, pdl = ("bits", True), ("pdl", True)
     sixteen = rows >= 16
     if sixteen:
-        variants = [(("bits", True), ), (("bits", True), ("pdl", True))]
+        variants = [(bits, ), (bits, pdl)]
+    elif rows >= 4:
+        variants = [(), (bits, ), (bits, pdl), (bits, ("persistent", True)), (bits, pdl, ("persistent", True))]
+    else:
+        variants = [()]
+    stream_k = [(bits, ("stream_k", True)), (bits, pdl, ("stream_k", True))] if rows >= 4 else []
     for cfg in planes:
         d = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms)
         d_bits = gluon_planes.ws_split(m, weight.shape[0], k, cfg, sms, bits=True)  # a smaller ring: more slots
-        opts = variants + ([(("bits", True), ("base_spread", True))]
+        opts = variants + ([(bits, ("base_spread", True))]
                            if rows >= 8 and rows // min(rows, cfg[1]) > 1 and not sixteen else [])
         for split in sorted({d, d_bits} | {s for s in (1, 2, 3, 4, 6, 8) if k // cfg[0] // s >= 4}):
             if sixteen and split not in (d, d_bits, 1, 2, 4):
@@ -846,12 +850,10 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         raise ValueError("impl='gluon' reads sign rows; tiled signs run with impl=None, 'fma', 'lut' or 'planes'")
     if impl is None and m >= 2 and not _interpret() and gluon_bitdelta.tenants_supported(x, weight, signs):
         config = _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, args, tiled)
-        if config is not None and config[0] == "planes":
-            if gluon_planes.planes_supported(x, weight, signs):
-                return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
-                                                                   config[1], config[2], tiled=tiled,
-                                                                   **dict(config[3] if len(config) > 3 else ()))
-            config = None  # chosen for this shape with 16-byte aligned signs; these are not: table lookup
+        if config is not None and config[0] == "planes":  # only chosen where planes_supported (in the key)
+            return gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
+                                                               config[1], config[2], tiled=tiled,
+                                                               **dict(config[3] if len(config) > 3 else ()))
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_batched_gluon(x, weight, signs, alphas, slot, bias, y, ws, cnt, config)
     if impl == "planes":
