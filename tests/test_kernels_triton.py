@@ -469,7 +469,7 @@ def test_activation_bitplanes_chunk_and_warps_change_nothing_but_speed():
         assert torch.equal(sc.cpu(), ref[1].cpu()), (chunk, warps)
 
 
-def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
+def test_activation_bitplanes_refuses_a_chunk_or_warp_count_it_does_not_take():
     from kernels.gluon_planes import activation_bitplanes
 
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -478,75 +478,66 @@ def test_activation_bitplanes_refuses_what_the_binary_mmas_cannot_read():
             activation_bitplanes(x, chunk=chunk)
     with pytest.raises(ValueError, match=r"^num_warps = 2: the bit-plane kernel runs with 4 or 8$"):
         activation_bitplanes(x, num_warps=2)
-    with pytest.raises(ValueError, match=r"K = 200 is not a positive multiple of 128"):
-        activation_bitplanes(x[:, :200].contiguous())
-    with pytest.raises(ValueError, match=r"K = 0 is not a positive multiple of 128"):
-        activation_bitplanes(x[:, :0])
-    with pytest.raises(ValueError, match=r"x must be a 2-D bf16/fp16 tensor with unit stride along K, got "
-                                         r"torch.float32 \(2, 256\)"):
-        activation_bitplanes(x.float())
-    with pytest.raises(ValueError, match=r"unit stride along K, got torch.bfloat16 \(256, 2\) with strides \(1, 256\)"):
-        activation_bitplanes(x.t())
 
 
-def test_activation_planes_refuses_what_its_permutation_cannot_read():
-    """The int8 planes permute K within 32-blocks (logical ``4a + j`` ← physical ``a + 8j``): K = 40
-    would read up to index 57 of a 40-wide row, so it is refused, as are other dtypes and strides."""
-    from kernels.gluon_planes import activation_planes
+@pytest.mark.parametrize("name, multiple, bad_k", [
+    ("activation_bitplanes", 128, 200),  # the binary mmas read 128 weights at a time
+    ("activation_planes", 32, 40),       # the permutation (logical 4a + j ← physical a + 8j) works on
+                                         # whole 32-blocks: K = 40 would read up to index 57 of the row
+])
+def test_activation_plane_kernels_refuse_what_they_cannot_read(name, multiple, bad_k):
+    """Both activation-plane wrappers refuse K not a positive multiple of their block, other dtypes
+    and a stride along K other than 1, before any launch."""
+    from kernels import gluon_planes
 
-    x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^K = 40 is not a positive multiple of 32$"):
-        activation_planes(x[:, :40].contiguous())
-    with pytest.raises(ValueError, match=r"^K = 0 is not a positive multiple of 32$"):
-        activation_planes(x[:, :0])
+    fn = getattr(gluon_planes, name)
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"^K = {bad_k} is not a positive multiple of {multiple}$"):
+        fn(x[:, :bad_k].contiguous())
+    with pytest.raises(ValueError, match=f"^K = 0 is not a positive multiple of {multiple}$"):
+        fn(x[:, :0])
     with pytest.raises(ValueError, match=r"^x must be a 2-D bf16/fp16 tensor with unit stride along K, got "
-                                         r"torch.float32 \(2, 64\)"):
-        activation_planes(x.float())
-    with pytest.raises(ValueError, match=r"unit stride along K, got torch.bfloat16 \(64, 2\) with strides \(1, 64\)"):
-        activation_planes(x.t())
+                                         r"torch.float32 \(2, 256\)"):
+        fn(x.float())
+    with pytest.raises(ValueError, match=r"unit stride along K, got torch.bfloat16 \(256, 2\) with strides \(1, 256\)"):
+        fn(x.t())
 
 
 def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     """16 rows in warpgroups of 2 would need 8 consumer warpgroups (the kernel has at most 4), 16 in
     one warpgroup would lose the base product of rows 8–15, and K must be a whole number of K steps:
-    all refused before any launch, as are loader warps other than 1, 2 or 4 and signs not tiled for the configuration."""
+    all refused before any launch, as are loader warps other than 1, 2 or 4, signs not tiled for the
+    configuration, persistent + PDL without bits, splits below 1 or fractional, and configurations
+    that are not five values."""
     from kernels.gluon_planes import bitdelta_linear_batched_planes
 
     x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
     signs, alphas = torch.zeros(1, 64, 16, dtype=torch.uint8), torch.ones(1)
+
+    def launch(config, split=1, **options):
+        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
+                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
+                                       config, split=split, **options)
+
     for rh in (2, 16):
         with pytest.raises(ValueError, match=f"{rh} rows per warpgroup do not split 16 rows into 1, 2 or 4"):
-            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, rh, 3, 96, 1), split=1)
+            launch((128, rh, 3, 96, 1))
     with pytest.raises(ValueError, match="K = 128 is not a multiple of the configuration's BLOCK_K = 256"):
-        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (256, 8, 2, 128, 1), split=1)
+        launch((256, 8, 2, 128, 1))
     with pytest.raises(ValueError, match=r"^tiled signs of shape \(1, 64, 16\) are not tile_signs\(…, 128\) of "
                                          r"\[S, 64, 16\]$"):
-        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (128, 4, 4, 96, 1), split=1, tiled=True)
+        launch((128, 4, 4, 96, 1), tiled=True)
     for loaders in (0, 3, 8):
         with pytest.raises(ValueError, match=f"^{loaders} loader warps: the kernel takes 1, 2 or 4$"):
-            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, 4, 4, 96, loaders), split=1)
+            launch((128, 4, 4, 96, loaders))
     with pytest.raises(ValueError, match=r"^a persistent launch with programmatic dependent launch needs bits=True"):
-        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (128, 4, 4, 96, 1), split=1, pdl=True, persistent=True)
+        launch((128, 4, 4, 96, 1), pdl=True, persistent=True)
     for split in (0, -2, 1.5):  # an empty grid would launch nothing and leave y as it was
         with pytest.raises(ValueError, match=f"^split must be 1 or more K chunks, got {split}$"):
-            bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                           torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                           (128, 4, 4, 96, 1), split=split)
+            launch((128, 4, 4, 96, 1), split=split)
     with pytest.raises(ValueError, match=r"^config must be \(BLOCK_K, rows per warpgroup, stages, registers, loader "
                                          r"warps\), got \(128, 4, 4, 96\)$"):
-        bitdelta_linear_batched_planes(x, w, signs, alphas, torch.zeros(16, dtype=torch.int32), None,
-                                       torch.empty(16, 64), torch.zeros(1024), torch.zeros(1, dtype=torch.int32),
-                                       (128, 4, 4, 96), split=1)
+        launch((128, 4, 4, 96))
 
 
 def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():

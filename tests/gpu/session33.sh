@@ -5,7 +5,7 @@
 set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
-NAME=bench-kernels-streamk-T16-rounds-$(date +%F)-h200
+NAME=${NAME:-bench-kernels-streamk-T16-rounds-$(date +%F)-h200}  # session34.sh passes its own
 CUDA_VISIBLE_DEVICES=0 timeout 500 python3 kernels/bench.py machine=h200 shapes=[llama2-70b] ms=[] \
     tenants=[16] batched_impls=[] bitdelta_style=false sign_layout=tiled rounds=3 report_name=$NAME \
     > $R/bench.log 2>&1
