@@ -365,7 +365,7 @@ def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     atol = TOL[dtype] * ref.abs().max().item()
     rows = max(2, min(16, triton.next_power_of_2(m)))
     for config in gb.tenant_configs(rows):
-        for split in (1, ) if config.get("stream_k") else (1, 3):  # stream-K cuts its own runs
+        for split in (1, 3):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
             ws, cnt = tb._workspace(y.device, m * n, m * triton.cdiv(n, 2))
             gb.bitdelta_linear_batched_gluon(*dev, y, ws, cnt, config, split=split)
