@@ -17,7 +17,8 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
   permuted K order by a small Triton kernel (:func:`activation_planes`). The planes of four rows are
   the eight columns of one ``m64n8k32`` B operand; row ``r`` reads its two columns of its own
   product. Integer sums are exact; the only rounding is ``x`` to 16 bits (≤ ``scale/2`` per element,
-  about 3·10⁻⁵ of the row's largest activation).
+  about 3·10⁻⁵ of the row's largest activation, plus the float32 rounding of ``1/scale``: up to
+  1.005·scale/2 measured on the CPU).
 * The base product ``W·xᵀ`` stays a bf16/fp16 wgmma with W as the 64-row A operand (swap-AB), as in
   ``_tenants_kernel``. W, x, the planes and every row's ``[64, BK/8]`` sign tile arrive by TMA
   through a ring of ``STAGES`` shared-memory buffers; a row without a variant (slot −1, out of range,
@@ -340,7 +341,8 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None =
     """The 16 bit planes of a 16-bit fixed-point copy of the activations, for the binary tensor cores.
 
     ``x[r, k] ≈ scale_r·q[r, k]``, ``q = round(x/scale)`` in ``[−BIT_MAX, BIT_MAX]`` with ``scale_r =
-    max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2`` = max|x|/65534; a row whose max|x| is below ``TINY`` =
+    max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2`` = max|x|/65534, plus the float32 rounding of
+    ``1/scale_r``: up to 1.005·scale_r/2 measured; a row whose max|x| is below ``TINY`` =
     1e-30, where ``BIT_MAX/max|x|`` would overflow float32, is quantised as zero; NaN is not handled), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
     A sign vector ``s ∈ {±1}`` with bits ``s' = (s + 1)/2`` then has ``s·q = 2·Σ_p w_p·popc(s' & b_p) −
     Σq``, ``w_p = 2^p`` (``−2^15`` for p = 15): the products the binary mmas of ``_planes_ws_kernel``
@@ -399,10 +401,13 @@ def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
         A new contiguous uint8 tensor on ``signs``' device.
 
     Raises:
-        ValueError: if ``block_k`` is not 128 or 256, or K/8 is not a multiple of ``block_k/8``.
+        ValueError: if ``block_k`` is not 128 or 256, ``signs`` is not 3-D uint8, or K/8 is not a
+            multiple of ``block_k/8``.
     """
     if block_k not in (128, 256):
         raise ValueError(f"block_k must be 128 or 256, got {block_k}")
+    if signs.dtype != torch.uint8 or signs.dim() != 3:
+        raise ValueError(f"signs must be uint8 [S, N, K/8], got {signs.dtype} {tuple(signs.shape)}")
     s, n, kb = signs.shape
     if kb % (block_k // 8):
         raise ValueError(f"{kb} sign bytes per row are not a whole number of {block_k // 8}-byte K steps")

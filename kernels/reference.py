@@ -133,6 +133,21 @@ def untile_signs(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return rows[..., :n, :packed_width(k)].contiguous()
 
 
+def check_tensors(**named: torch.Tensor | None) -> None:
+    """Every named argument a ``torch.Tensor`` (``None`` allowed), ``x`` of a floating dtype.
+
+    Raises:
+        ValueError: naming the first argument that is not a tensor (a Python float α, say), or an
+            integer or bool ``x`` (whose products would be truncated to its dtype).
+    """
+    for name, t in named.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    x = named.get("x")
+    if x is not None and not (x.dtype.is_floating_point):
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+
+
 def _check_alpha(alpha: torch.Tensor, n: int, what: str = "alpha") -> None:
     if alpha.dim() == 0 or (alpha.dim() == 1 and alpha.shape[0] == n):
         return
@@ -176,8 +191,10 @@ def bitdelta_linear(
         ``[M, N]`` (or ``[..., N]``) in ``x.dtype``; computed in float32.
 
     Raises:
-        ValueError: on mismatched shapes (x, weight, sign, alpha or bias).
+        ValueError: on mismatched shapes (x, weight, sign, alpha or bias), an argument that is not a
+            tensor, or an x that is not floating point.
     """
+    check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -194,7 +211,7 @@ def bitdelta_linear(
 
 
 def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
-    """``(N, K)`` of a ``[N, K]`` weight, after checking that ``bias`` (if any) is ``[N]``.
+    """``(N, K)`` of a ``[N, K]`` weight (K ≥ 1), after checking that ``bias`` (if any) is ``[N]``.
 
     Raises:
         ValueError: naming the argument whose shape does not fit.
@@ -202,6 +219,8 @@ def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tu
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
+    if k < 1:
+        raise ValueError(f"weight has {k} input features; K must be ≥ 1")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     return n, k
@@ -216,12 +235,16 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
     base only instead).
 
     Raises:
-        ValueError: naming the argument whose shape does not fit, a slot tensor that is not of an
-            integer dtype, or a slot outside ``[−1, S)``.
+        ValueError: naming the argument whose shape does not fit or that is not a tensor, an x
+            that is not floating point, a slot tensor that is not of an integer dtype, or a slot
+            outside ``[−1, S)``.
     """
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot)
     n, k = check_weight_and_bias(weight, None)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if signs.dim() not in (3, 5):
+        raise ValueError(f"signs must be [S, {n}, {packed_width(k)}] or tiled (5-D), got {tuple(signs.shape)}")
     s = signs.shape[0]
     if signs.dim() == 5:  # the tiled layout (tile_signs)
         if tuple(signs.shape[1:]) != tiled_shape(n, k):

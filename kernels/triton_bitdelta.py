@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
-from kernels.reference import check_batched_args, check_weight_and_bias, tiled_shape
+from kernels.reference import check_batched_args, check_tensors, check_weight_and_bias, tiled_shape
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
 
@@ -522,9 +522,17 @@ def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
                          triton.cdiv(m, bm or meta["BLOCK_M"]))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, sign_name: str) -> None:
+    """dtypes, and x, weight and the signs on one device: a kernel handed a pointer into another
+    device's memory faults and leaves the CUDA context unusable, so this is checked before any launch
+    (α, bias and slot are small and moved to x's device instead)."""
+    check_tensors(x=x, weight=weight, **{sign_name: sign})
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
+    for name, t in (("weight", weight), (sign_name, sign)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: x, weight and {sign_name} "
+                             f"must be on one device")
 
 
 def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
@@ -545,9 +553,11 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         accumulating tensor-core product.
 
     Raises:
-        ValueError: on a dtype or shape that does not fit the contract.
+        ValueError: on a dtype or shape that does not fit the contract, or weight or sign on another
+            device than x.
     """
-    _check(x, weight)
+    _check(x, weight, sign, "sign")
+    check_tensors(alpha=alpha, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -792,7 +802,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     (Hopper only, two rows or more, K a multiple of 64: ``kernels.gluon_bitdelta``, base product on
     the tensor cores, signs on the CUDA cores meanwhile), ``"planes"`` (Hopper only, two rows or
     more, K a multiple of 128: ``kernels.gluon_planes``, the sign part on the int8 tensor cores with
-    the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation) and ``"fma"``
+    the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation, to float32 rounding) and ``"fma"``
     (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
     row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each of its
     configurations (``gluon_planes.WS_CONFIGS``) is timed at its modelled K split and 1, 2, 3, 4, 6
@@ -817,14 +827,16 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: on a dtype or shape outside the contract, a slot outside ``[−1, S)`` (checked
+        ValueError: on a dtype or shape outside the contract, weight or signs on another device than
+            x, a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
             or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run (``"gluon"`` never
             reads tiled signs).
     """
-    _check(x, weight)
+    _check(x, weight, signs, "signs")
     if impl not in (None, "fma", "lut", "gluon", "planes"):
         raise ValueError(f"impl must be 'fma', 'lut', 'gluon' or 'planes', got {impl!r}")
+    check_tensors(alphas=alphas, slot=slot, bias=bias)
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")

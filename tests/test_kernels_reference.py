@@ -162,6 +162,12 @@ def test_bitdelta_linear_errors():
         bitdelta_linear(torch.randn(2, K), w, sign[:5], alpha)
     with pytest.raises(ValueError, match=r"alpha must have shape \[\] or \[6\]"):
         bitdelta_linear(torch.randn(2, K), w, sign, torch.rand(5))
+    with pytest.raises(ValueError, match="alpha must be a torch.Tensor, got float"):
+        bitdelta_linear(torch.randn(2, K), w, sign, 0.5)
+    with pytest.raises(ValueError, match="x must be a floating-point tensor, got torch.int64"):
+        bitdelta_linear(torch.ones(2, K, dtype=torch.long), w, sign, alpha)
+    with pytest.raises(ValueError, match="weight has 0 input features; K must be ≥ 1"):
+        bitdelta_linear(torch.randn(2, 0), torch.randn(6, 0), sign[:, :0], alpha)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +230,10 @@ def test_batched_errors():
         bitdelta_linear_batched(x, w, signs[:, :, :2], alphas, ok)
     with pytest.raises(ValueError, match=r"alphas must be \[3\] or \[3, 6\]"):
         bitdelta_linear_batched(x, w, signs, torch.rand(S, N + 1), ok)
+    with pytest.raises(ValueError, match=r"signs must be \[S, 6, 3\] or tiled \(5-D\), got \(\)"):
+        bitdelta_linear_batched(x, w, signs[0, 0, 0], alphas, ok)
+    with pytest.raises(ValueError, match="slot must be a torch.Tensor, got list"):
+        bitdelta_linear_batched(x, w, signs, alphas, [0, 1, -1])
 
 
 @settings(max_examples=60, deadline=None)

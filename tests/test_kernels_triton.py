@@ -80,6 +80,15 @@ def test_contract_errors():
         bitdelta_linear_triton(x, w, sign[:, :2], alpha)
     with pytest.raises(ValueError, match=r"alpha must be \[\] or \[16\]"):
         bitdelta_linear_triton(x, w, sign, torch.ones(5))
+    # another device's weight or signs: refused before a launch (on a GPU it faulted the context)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and sign must be on one"):
+        bitdelta_linear_triton(x, w.to("meta"), sign, alpha)
+    with pytest.raises(ValueError, match="sign is on meta but x is on cpu"):
+        bitdelta_linear_triton(x, w, sign.to("meta"), alpha)
+    with pytest.raises(ValueError, match="alpha must be a torch.Tensor, got float"):
+        bitdelta_linear_triton(x, w, sign, 0.5)
+    with pytest.raises(ValueError, match="weight has 0 input features; K must be ≥ 1"):
+        bitdelta_linear_triton(x[:, :0], w[:, :0], sign[:, :0], alpha)
 
 
 def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
@@ -158,6 +167,10 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="gemm")
     with pytest.raises(ValueError, match="impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="planes")
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and signs must be on one"):
+        bitdelta_linear_batched_triton(x, w.to("meta"), signs, torch.ones(2), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="signs is on meta but x is on cpu"):
+        bitdelta_linear_batched_triton(x, w, signs.to("meta"), torch.ones(2), torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -609,6 +622,10 @@ def test_tile_signs_stores_each_k_step_tile_whole():
         tile_signs(signs, 64)
     with pytest.raises(ValueError, match="^48 sign bytes per row are not a whole number of 32-byte K steps$"):
         tile_signs(signs[..., :48], 256)
+    with pytest.raises(ValueError, match=r"^signs must be uint8 \[S, N, K/8\], got torch.int8 \(3, 100, 64\)$"):
+        tile_signs(signs.to(torch.int8), 256)
+    with pytest.raises(ValueError, match=r"^signs must be uint8 \[S, N, K/8\], got torch.uint8 \(100, 64\)$"):
+        tile_signs(signs[0], 256)
 
 
 def test_untimed_configuration_is_the_first_whose_k_step_divides_k():
