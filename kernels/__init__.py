@@ -40,7 +40,8 @@ def _ops():
 
 
 def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bool(_ops())
+    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bool(_ops()))
 
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,

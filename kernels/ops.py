@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
+from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton, check_devices
 
 
 @torch.library.custom_op("deltafleet::bitdelta_linear", mutates_args=())
@@ -25,6 +25,7 @@ def bitdelta_linear_op(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor
 
 @bitdelta_linear_op.register_fake
 def _(x, weight, sign, alpha, bias=None):
+    check_devices(x, weight, sign, "sign")  # a meta argument dispatches here, not to the kernel's check
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -39,4 +40,5 @@ def bitdelta_linear_batched_op(x: torch.Tensor, weight: torch.Tensor, signs: tor
 
 @bitdelta_linear_batched_op.register_fake
 def _(x, weight, signs, alphas, slot, bias=None):
+    check_devices(x, weight, signs, "signs")
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -137,15 +137,17 @@ def check_tensors(**named: torch.Tensor | None) -> None:
     """Every named argument a ``torch.Tensor`` (``None`` allowed), ``x`` of a floating dtype.
 
     Raises:
-        ValueError: naming the first argument that is not a tensor (a Python float α, say), or an
-            integer or bool ``x`` (whose products would be truncated to its dtype).
+        ValueError: naming the first argument that is not a tensor (a Python float α, say), an
+            integer or bool ``x`` (whose products would be truncated to its dtype), or a 0-D ``x``.
     """
     for name, t in named.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     x = named.get("x")
-    if x is not None and not (x.dtype.is_floating_point):
+    if x is not None and not x.dtype.is_floating_point:
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x is not None and x.dim() == 0:
+        raise ValueError("x must have a feature dimension ([..., K]), got a 0-D tensor")
 
 
 def _check_alpha(alpha: torch.Tensor, n: int, what: str = "alpha") -> None:
@@ -291,6 +293,7 @@ def bitdelta_linear_batched(
         ValueError: on mismatched shapes (including bias), a non-integer slot tensor or a slot index
             outside ``[−1, S)``.
     """
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
     check_batched_args(x, weight, signs, alphas, slot)
     if signs.dim() == 5:

@@ -529,6 +529,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, sign_name:
     check_tensors(x=x, weight=weight, **{sign_name: sign})
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
+    check_devices(x, weight, sign, sign_name)
+
+
+def check_devices(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, sign_name: str) -> None:
+    """x, weight and the signs on one device (the custom ops' fake implementations check it too).
+
+    Raises:
+        ValueError: naming the first of weight and the signs that is not on ``x.device``.
+    """
     for name, t in (("weight", weight), (sign_name, sign)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}: x, weight and {sign_name} "

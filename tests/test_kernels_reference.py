@@ -168,6 +168,12 @@ def test_bitdelta_linear_errors():
         bitdelta_linear(torch.ones(2, K, dtype=torch.long), w, sign, alpha)
     with pytest.raises(ValueError, match="weight has 0 input features; K must be ≥ 1"):
         bitdelta_linear(torch.randn(2, 0), torch.randn(6, 0), sign[:, :0], alpha)
+    with pytest.raises(ValueError, match=r"x must have a feature dimension \(\[..., K\]\), got a 0-D tensor"):
+        bitdelta_linear(torch.tensor(1.0), w, sign, alpha)
+    import kernels  # the public dispatcher reads x before the reference checks it
+
+    with pytest.raises(ValueError, match="x must be a torch.Tensor, got list"):
+        kernels.bitdelta_linear([[1.0] * K], w, sign, alpha)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +240,8 @@ def test_batched_errors():
         bitdelta_linear_batched(x, w, signs[0, 0, 0], alphas, ok)
     with pytest.raises(ValueError, match="slot must be a torch.Tensor, got list"):
         bitdelta_linear_batched(x, w, signs, alphas, [0, 1, -1])
+    with pytest.raises(ValueError, match="bias must be a torch.Tensor, got float"):
+        bitdelta_linear_batched(x, w, signs, alphas, ok, bias=0.5)
 
 
 @settings(max_examples=60, deadline=None)

@@ -104,6 +104,9 @@ def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
                              fullgraph=True)
     torch.testing.assert_close(compiled(x, w, sign, alpha, b), 2 * bitdelta_linear_triton(x, w, sign, alpha, b),
                                rtol=0, atol=0)
+    # a meta argument dispatches to the fake implementation, not the kernel: it checks devices too
+    with pytest.raises(ValueError, match=f"weight is on meta but x is on {x.device.type}"):
+        torch.ops.deltafleet.bitdelta_linear(x, w.to("meta"), sign, alpha, b)
 
 
 def test_dispatcher_uses_the_reference_off_cuda():
@@ -207,6 +210,8 @@ def test_batched_custom_op_and_dispatcher():
     compiled = torch.compile(lambda *a: torch.ops.deltafleet.bitdelta_linear_batched(*a) + 1, backend="aot_eager",
                              fullgraph=True)
     torch.testing.assert_close(compiled(*dev), bitdelta_linear_batched_triton(*dev) + 1, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=f"signs is on meta but x is on {dev[0].device.type}"):
+        torch.ops.deltafleet.bitdelta_linear_batched(dev[0], dev[1], dev[2].to("meta"), *dev[3:])
     # the dispatcher: the reference off CUDA (exactly), the custom op on CUDA
     torch.testing.assert_close(kernels.bitdelta_linear_batched(x, w, signs, alphas, slot),
                                kernels.bitdelta_linear_batched_reference(x, w, signs, alphas, slot), rtol=0, atol=0)
