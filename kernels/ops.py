@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton, check_devices
+from kernels.reference import check_tensors
+from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
 
 
 @torch.library.custom_op("deltafleet::bitdelta_linear", mutates_args=())
@@ -25,7 +26,7 @@ def bitdelta_linear_op(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor
 
 @bitdelta_linear_op.register_fake
 def _(x, weight, sign, alpha, bias=None):
-    check_devices(x, weight, sign, "sign")  # a meta argument dispatches here, not to the kernel's check
+    check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)  # a meta argument dispatches here
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -40,5 +41,5 @@ def bitdelta_linear_batched_op(x: torch.Tensor, weight: torch.Tensor, signs: tor
 
 @bitdelta_linear_batched_op.register_fake
 def _(x, weight, signs, alphas, slot, bias=None):
-    check_devices(x, weight, signs, "signs")
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -134,20 +134,40 @@ def untile_signs(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def check_tensors(**named: torch.Tensor | None) -> None:
-    """Every named argument a ``torch.Tensor`` (``None`` allowed), ``x`` of a floating dtype.
+    """The arguments of a BitDelta linear before any is read: every one a ``torch.Tensor`` (only
+    ``bias`` may be ``None``), ``x`` floating point with a feature dimension, ``weight`` and the
+    signs (``sign`` or ``signs``) on ``x``'s device, and no argument on the ``meta`` device unless
+    ``x`` is (a meta tensor has no data: a CPU product with one returns uninitialised memory, and a
+    meta argument sends a custom op to its fake implementation). ``alpha(s)``, ``bias`` and ``slot``
+    may otherwise be elsewhere: the Triton wrappers move them to ``x``'s device. A kernel handed a
+    pointer into another device's memory faults and leaves the CUDA context unusable, hence the
+    check before any launch.
 
     Raises:
-        ValueError: naming the first argument that is not a tensor (a Python float α, say), an
-            integer or bool ``x`` (whose products would be truncated to its dtype), or a 0-D ``x``.
+        ValueError: naming the first argument that is missing or not a tensor (a Python float α,
+            say), an integer or bool ``x`` (whose products would be truncated to its dtype), a 0-D
+            ``x``, or an argument on the wrong device.
     """
     for name, t in named.items():
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     x = named.get("x")
-    if x is not None and not x.dtype.is_floating_point:
+    if x is None:
+        return
+    if not x.dtype.is_floating_point:
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-    if x is not None and x.dim() == 0:
+    if x.dim() == 0:
         raise ValueError("x must have a feature dimension ([..., K]), got a 0-D tensor")
+    for name, t in named.items():
+        if t is None or name == "x":
+            continue
+        if name in ("weight", "sign", "signs") and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: x, weight and the signs "
+                             f"must be on one device")
+        if t.device.type == "meta" != x.device.type:
+            raise ValueError(f"{name} is on the meta device (no data) but x is on {x.device}")
 
 
 def _check_alpha(alpha: torch.Tensor, n: int, what: str = "alpha") -> None:

@@ -522,26 +522,9 @@ def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
                          triton.cdiv(m, bm or meta["BLOCK_M"]))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, sign_name: str) -> None:
-    """dtypes, and x, weight and the signs on one device: a kernel handed a pointer into another
-    device's memory faults and leaves the CUDA context unusable, so this is checked before any launch
-    (α, bias and slot are small and moved to x's device instead)."""
-    check_tensors(x=x, weight=weight, **{sign_name: sign})
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}")
-    check_devices(x, weight, sign, sign_name)
-
-
-def check_devices(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, sign_name: str) -> None:
-    """x, weight and the signs on one device (the custom ops' fake implementations check it too).
-
-    Raises:
-        ValueError: naming the first of weight and the signs that is not on ``x.device``.
-    """
-    for name, t in (("weight", weight), (sign_name, sign)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: x, weight and {sign_name} "
-                             f"must be on one device")
 
 
 def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
@@ -562,11 +545,11 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         accumulating tensor-core product.
 
     Raises:
-        ValueError: on a dtype or shape that does not fit the contract, or weight or sign on another
-            device than x.
+        ValueError: on a dtype or shape that does not fit the contract, or an argument on the wrong
+            device (:func:`kernels.reference.check_tensors`).
     """
-    _check(x, weight, sign, "sign")
-    check_tensors(alpha=alpha, bias=bias)
+    check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)  # before any launch: devices
+    _check_dtypes(x, weight)
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -836,16 +819,16 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
         ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: on a dtype or shape outside the contract, weight or signs on another device than
-            x, a slot outside ``[−1, S)`` (checked
+        ValueError: on a dtype or shape outside the contract, an argument on the wrong device
+            (:func:`kernels.reference.check_tensors`), a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
             or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run (``"gluon"`` never
             reads tiled signs).
     """
-    _check(x, weight, signs, "signs")
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)  # before any launch
+    _check_dtypes(x, weight)
     if impl not in (None, "fma", "lut", "gluon", "planes"):
         raise ValueError(f"impl must be 'fma', 'lut', 'gluon' or 'planes', got {impl!r}")
-    check_tensors(alphas=alphas, slot=slot, bias=bias)
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")

@@ -174,6 +174,12 @@ def test_bitdelta_linear_errors():
 
     with pytest.raises(ValueError, match="x must be a torch.Tensor, got list"):
         kernels.bitdelta_linear([[1.0] * K], w, sign, alpha)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        kernels.bitdelta_linear(torch.randn(2, K), w.to("meta"), sign, alpha)
+    with pytest.raises(ValueError, match=r"alpha is on the meta device \(no data\) but x is on cpu"):
+        kernels.bitdelta_linear(torch.randn(2, K), w, sign, alpha.to("meta"))
+    with pytest.raises(ValueError, match="x must be a torch.Tensor, got NoneType"):
+        kernels.bitdelta_linear(None, w, sign, alpha)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,6 +248,13 @@ def test_batched_errors():
         bitdelta_linear_batched(x, w, signs, alphas, [0, 1, -1])
     with pytest.raises(ValueError, match="bias must be a torch.Tensor, got float"):
         bitdelta_linear_batched(x, w, signs, alphas, ok, bias=0.5)
+    # a CPU product with a meta tensor returns uninitialised memory instead of raising: refused first
+    with pytest.raises(ValueError, match="signs is on meta but x is on cpu: x, weight and the signs must be on one"):
+        bitdelta_linear_batched(x, w, signs.to("meta"), alphas, ok)
+    with pytest.raises(ValueError, match=r"slot is on the meta device \(no data\) but x is on cpu"):
+        bitdelta_linear_batched(x, w, signs, alphas, ok.to("meta"))
+    with pytest.raises(ValueError, match="weight must be a torch.Tensor, got NoneType"):
+        bitdelta_linear_batched(x, None, signs, alphas, ok)
 
 
 @settings(max_examples=60, deadline=None)

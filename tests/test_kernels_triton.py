@@ -81,7 +81,7 @@ def test_contract_errors():
     with pytest.raises(ValueError, match=r"alpha must be \[\] or \[16\]"):
         bitdelta_linear_triton(x, w, sign, torch.ones(5))
     # another device's weight or signs: refused before a launch (on a GPU it faulted the context)
-    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and sign must be on one"):
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and the signs must be on one device"):
         bitdelta_linear_triton(x, w.to("meta"), sign, alpha)
     with pytest.raises(ValueError, match="sign is on meta but x is on cpu"):
         bitdelta_linear_triton(x, w, sign.to("meta"), alpha)
@@ -107,6 +107,11 @@ def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
     # a meta argument dispatches to the fake implementation, not the kernel: it checks devices too
     with pytest.raises(ValueError, match=f"weight is on meta but x is on {x.device.type}"):
         torch.ops.deltafleet.bitdelta_linear(x, w.to("meta"), sign, alpha, b)
+    for i, name in ((3, "alpha"), (4, "bias")):  # α and bias may be elsewhere (moved), but not on meta
+        args = [x, w, sign, alpha, b]
+        args[i] = args[i].to("meta")
+        with pytest.raises(ValueError, match=f"{name} is on the meta device \\(no data\\) but x is on"):
+            torch.ops.deltafleet.bitdelta_linear(*args)
 
 
 def test_dispatcher_uses_the_reference_off_cuda():
@@ -170,7 +175,7 @@ def test_batched_contract_errors():
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="gemm")
     with pytest.raises(ValueError, match="impl='planes' needs a Hopper GPU, two rows or more, K a multiple of 128"):
         bitdelta_linear_batched_triton(x, w, signs, torch.ones(2), torch.tensor([0, 1]), impl="planes")
-    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and signs must be on one"):
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu: x, weight and the signs must be on one device"):
         bitdelta_linear_batched_triton(x, w.to("meta"), signs, torch.ones(2), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="signs is on meta but x is on cpu"):
         bitdelta_linear_batched_triton(x, w, signs.to("meta"), torch.ones(2), torch.tensor([0, 1]))
