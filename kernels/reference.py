@@ -250,18 +250,17 @@ def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tu
 
 def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                        slot: torch.Tensor, check_slot_values: bool = True) -> None:
-    """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it).
+    """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it, after
+    :func:`check_tensors` of all its arguments).
 
     ``check_slot_values=False`` skips the range check of the slot values, which for a slot tensor
     on a GPU would wait for the device (the Triton kernel then treats a slot outside ``[0, S)`` as
     base only instead).
 
     Raises:
-        ValueError: naming the argument whose shape does not fit or that is not a tensor, an x
-            that is not floating point, a slot tensor that is not of an integer dtype, or a slot
-            outside ``[−1, S)``.
+        ValueError: naming the argument whose shape does not fit, a slot tensor that is not of an
+            integer dtype, or a slot outside ``[−1, S)``.
     """
-    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot)
     n, k = check_weight_and_bias(weight, None)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
