@@ -134,7 +134,7 @@ def untile_signs(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def check_tensors(**named: torch.Tensor | None) -> None:
-    """The arguments of a BitDelta linear before any is read: every one a ``torch.Tensor`` (only
+    """The arguments of a BitDelta linear (``x`` among them) before any is read: every one a ``torch.Tensor`` (only
     ``bias`` may be ``None``), ``x`` floating point with a feature dimension, ``weight`` and the
     signs (``sign`` or ``signs``) on ``x``'s device, and no argument on the ``meta`` device unless
     ``x`` is (a meta tensor has no data: a CPU product with one returns uninitialised memory, and a
@@ -148,25 +148,22 @@ def check_tensors(**named: torch.Tensor | None) -> None:
             say), an integer or bool ``x`` (whose products would be truncated to its dtype), a 0-D
             ``x``, or an argument on the wrong device.
     """
-    for name, t in named.items():
-        if t is None and name == "bias":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    x = named.get("x")
-    if x is None:
-        return
+    x = named["x"]
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have a feature dimension ([..., K]), got a 0-D tensor")
     for name, t in named.items():
-        if t is None or name == "x":
+        if name == "x" or (t is None and name == "bias"):
             continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if name in ("weight", "sign", "signs") and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}: x, weight and the signs "
                              f"must be on one device")
-        if t.device.type == "meta" != x.device.type:
+        if t.device.type == "meta" and x.device.type != "meta":
             raise ValueError(f"{name} is on the meta device (no data) but x is on {x.device}")
 
 
