@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from serve.scheduler import END, Scheduler
 from serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
+VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
@@ -54,6 +57,11 @@ class VariantInUseError(RuntimeError):
     """The variant cannot be unloaded or replaced now: requests are running on it (HTTP 409)."""
 
 
+class GenerationError(RuntimeError):
+    """Generating one request failed on the server (HTTP 500), e.g. its logits were not finite. It ends
+    that request only; the other sequences of its batch go on."""
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked, e.g. the prompt is too long (HTTP 400)."""
 
@@ -72,7 +80,7 @@ class ModelCard:
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included): greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -398,7 +406,7 @@ class Engine:
                 (symbolic links resolved) or without ``bitdelta.json``.
             VariantUnavailableError: the artifact cannot be used.
         """
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name or ""):
+        if not re.fullmatch(VARIANT_NAME, name or ""):
             raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
                                       "letter or digit", "variant")
         mid = f"{self.family}-{name}"
@@ -628,11 +636,19 @@ class Engine:
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> int:
-    """Next token from fp32 logits ``[V]``: argmax if ``temperature == 0``, else softmax(logits/T)
-    restricted to the smallest set of tokens whose probability reaches ``top_p`` (Holtzman et al. 2019)."""
-    if temperature <= 0:
+    """Next token from fp32 logits ``[V]``: argmax if ``temperature < SAMPLING_EPS`` (0 included), else
+    softmax(logits/T) restricted to the smallest set of tokens whose probability reaches ``top_p``
+    (Holtzman et al. 2019). Any finite logits and any temperature give a token.
+
+    Raises:
+        GenerationError: the logits hold NaN or +inf, or are all −inf (a broken model or delta).
+    """
+    top = logits.max()
+    if not math.isfinite(float(top)):  # max propagates NaN
+        raise GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
+    if temperature < SAMPLING_EPS:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax((logits - top) / temperature, dim=-1)  # ≤ 0 before scaling: no overflow to NaN
     if top_p < 1.0:
         p, idx = torch.sort(probs, descending=True)
         outside = p.cumsum(0) - p > top_p  # tokens entirely past the nucleus; the top one always stays
@@ -641,36 +657,83 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
-class _TextStream:
-    """Incremental detokenizer with stop strings.
+def _failure_table(stop: str) -> list[int]:
+    """Knuth–Morris–Pratt: ``t[i]`` = the length of the longest proper prefix of ``stop[:i + 1]`` that
+    is also its suffix."""
+    t, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = t[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        t[i] = k
+    return t
 
-    Decodes all generated ids each step (cheap at these lengths and exact for byte-level BPE) and
-    releases only text that can no longer change: a trailing U+FFFD (an incomplete UTF-8
-    sequence) and any suffix that could begin a stop string are held back.
+
+class _TextStream:
+    """Incremental detokenizer with stop strings, in time linear in the new text.
+
+    Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
+    previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
+    the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
+    for the next token. Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
+    character once; the automata's longest partial match is the text held back, since it may still
+    begin a stop. The first stop completed ends the text just before it (of two completed by the
+    same character, the longer).
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock):
-        self.tokenizer, self.stop, self.lock = tokenizer, tuple(s for s in stop if s), lock
+        self.tokenizer, self.lock = tokenizer, lock
+        self.stops = [s for s in stop if s]
+        self.tables = [_failure_table(s) for s in self.stops]
+        self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
         self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of self.text already released
+        self.prefix = self.read = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
+        self.prefix_text = ""  # decode(ids[prefix:read])
+        self.fed = 0  # characters the window adds that went through the automata already
+        self.held = ""  # text checked but not released: it may begin a stop string
+
+    def _decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token: int) -> tuple[str, bool]:
         """Add a token; return (newly released text, whether a stop string was reached)."""
         self.ids.append(token)
-        with self.lock:
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            end = max(min(hits), self.sent)
-            out, self.sent = self.text[self.sent:end], end
-            return out, True
-        end = len(self.text.rstrip("\ufffd"))
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text[:end].endswith(s[:k])), default=0)
-        end = max(end - hold, self.sent)
-        out, self.sent = self.text[self.sent:end], end
+        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        stable = len(new.rstrip("\ufffd"))
+        chars, self.fed = new[self.fed:stable], max(self.fed, stable)
+        if stable == len(new):  # complete: the next window starts at this step's tokens
+            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix_text = self._decode(self.ids[self.prefix:self.read])
+            self.fed = 0
+        return self._check(chars)
+
+    def _check(self, chars: str) -> tuple[str, bool]:
+        if not self.stops:
+            return chars, False
+        for i, c in enumerate(chars):
+            hit = 0
+            for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
+                n = self.states[k]
+                while n and stop[n] != c:
+                    n = table[n - 1]
+                if stop[n] == c:
+                    n += 1
+                    if n == len(stop):
+                        hit, n = max(hit, n), table[n - 1]
+                self.states[k] = n
+            if hit:
+                text = self.held + chars[:i + 1]
+                self.held = ""
+                return text[:len(text) - hit], True
+        text = self.held + chars
+        cut = len(text) - max(self.states)
+        out, self.held = text[:cut], text[cut:]
         return out, False
 
     def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
+        """The text held back and not yet released (the generation ended)."""
+        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        out, self.held, self.fed = self.held + new[self.fed:], "", len(new)
         return out

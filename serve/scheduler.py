@@ -12,7 +12,9 @@ request's own thread), so a variant being loaded never holds up requests for the
 A sequence leaves the batch when it ends (eos, a stop string, ``max_tokens``) or its request is
 cancelled (the client went away); its cache row is free for the next request at once, and its
 hold on the variant ends (it may then be evicted). Steps reach each request through its own
-thread-safe queue, so the HTTP layer streams them as they come.
+thread-safe queue, so the HTTP layer streams them as they come. An error reaches every request
+it affects, as an exception in its queue: a failed batched forward ends every sequence of that
+step; a failure of one row (its sampling or detokenizing) ends that sequence alone.
 
 On a CUDA device the batched step is replayed as a CUDA graph, the batch padded to a bucket size
 (serve/graphs.py); on the CPU, or for a step that cannot be captured, it runs eagerly.
@@ -160,7 +162,7 @@ class Scheduler:
         p = req.params
         seq.text = _TextStream(eng.detokenizer, p.stop, eng._detok_lock)
         if p.temperature > 0 and p.seed is not None:
-            seq.gen = torch.Generator(eng.device).manual_seed(p.seed)
+            seq.gen = torch.Generator(eng.device).manual_seed(p.seed % 2**64)  # it takes 64 bits
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
         view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
@@ -199,22 +201,29 @@ class Scheduler:
             self._emit(s, lg)
 
     def _emit(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample the next token of ``seq`` from ``logits [V]`` and send its Step."""
+        """Sample the next token of ``seq`` from ``logits [V]`` and send its Step; an error here (its
+        logits not finite, say) is sent to ``seq`` alone and ends it."""
         from serve.engine import Step, sample
 
         eng, p = self.engine, seq.req.params
-        token = sample(logits, p.temperature, p.top_p, seq.gen)
-        seq.n += 1
-        if token in eng.eos_token_ids:
-            step = Step(token, seq.text.flush(), "stop")
-        else:
-            piece, stopped = seq.text.push(token)
-            if stopped:
-                step = Step(token, piece, "stop")
-            elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
-                step = Step(token, piece + seq.text.flush(), "length")
+        try:
+            token = sample(logits, p.temperature, p.top_p, seq.gen)
+            seq.n += 1
+            if token in eng.eos_token_ids:
+                step = Step(token, seq.text.flush(), "stop")
             else:
-                step = Step(token, piece)
+                piece, stopped = seq.text.push(token)
+                if stopped:
+                    step = Step(token, piece, "stop")
+                elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
+                    step = Step(token, piece + seq.text.flush(), "length")
+                else:
+                    step = Step(token, piece)
+        except Exception as e:  # noqa: BLE001 — this row's own failure ends this request only
+            log.error("generation failed for a request on %s", seq.req.model_id, exc_info=e)
+            seq.out.put(e)
+            seq.done = True
+            return
         seq.out.put(step)
         seq.token = token
         if step.finish_reason is not None:
