@@ -8,6 +8,7 @@
 #   make distill VARIANT=math  artifacts/math-distilled/: α fitted to the fine-tune's logits (BitDelta §3.2)
 #   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>_<time>.{md,json,png}
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
+#   make api-check             schemathesis against a running server's /openapi.json (URL=http://127.0.0.1:8000)
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
 #   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
@@ -46,7 +47,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
+.PHONY: api-check help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
 
 help:
 	@sed -n '3,/^[^#]/p' Makefile | sed '$$d' | sed 's/^# \{0,1\}//'
@@ -104,6 +105,19 @@ summary:
 
 serve: install
 	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)
+
+# Property-based checks of a running server against its own OpenAPI document (schemathesis, all of its
+# checks, 50 examples per operation), from a venv of its own. Generation requests name unknown models
+# unless ARGS pins them. CPython 3.11.7 trips Hypothesis ("AST constructor recursion depth mismatch"):
+# API_PYTHON=python3.12 or newer avoids it.
+URL        ?= http://$(HOST):$(PORT)
+API_PYTHON ?= python3
+API_VENV   ?= .venv-api-check
+api-check:
+	test -x $(API_VENV)/bin/schemathesis || { $(API_PYTHON) -m venv $(API_VENV) && \
+	  $(API_VENV)/bin/pip install -q 'schemathesis>=4.0,<5'; }
+	$(API_VENV)/bin/schemathesis run $(URL)/openapi.json --max-examples 50 --continue-on-failure \
+	  --request-timeout 60 --output-sanitize false --no-color $(ARGS)
 
 # Generates a random Llama-2-7B-shaped bf16 pair (2 × 13.5 GB) under outputs/bench/ once; the
 # naive path runs only where both checkpoints fit in free memory (naive=true forces it).

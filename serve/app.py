@@ -5,10 +5,18 @@ Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``
 ``stream_options.include_usage``), ``GET /health``, ``GET /metrics`` (Prometheus, vLLM-style names
 under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error objects
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
-404 unknown model, 413 a body over ``max_request_bytes`` (refused before it is parsed), 429 overloaded
-(with ``Retry-After``), 503 variant unavailable, 500 anything unexpected (a generic message; the
-details go to the server log) — none stops the server. OpenAI parameters this server does not implement
-(``echo``, ``logprobs``, ``tools``, ...) are a 400 unless their value asks for nothing.
+404 unknown model, 408 a body that did not arrive in ``request_timeout_s``, 413 a body over
+``max_request_bytes`` (refused before it is parsed), 429 overloaded (with ``Retry-After``), 503
+variant unavailable, 500 a failed generation (``generation_failed``) or anything unexpected (a
+generic message; the details go to the server log) — none stops the server, and ``/openapi.json``
+lists each route's. OpenAI parameters this server does not implement (``echo``, ``logprobs``,
+``tools``, ...) are a 400 unless their value asks for nothing. Request bodies are bounded before any
+work (serve/protocol.py).
+
+An error reaches every request it affects and only those: one request's failed generation ends it
+alone, never its batch. A stream's status line waits for its first token, so that an error until
+then is a status code; an error after it is an in-band error event before ``data: [DONE]``. A
+non-streaming request that fails is an error, never a 200 with cut text.
 
 Each request is fed by a worker thread from the engine's continuous batch (serve/scheduler.py:
 requests for the base and any variants decode together), through an asyncio queue, so the event
@@ -27,20 +35,23 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import AsyncIterator
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serve.engine import (
     Engine,
+    GenerationError,
     InvalidRequestError,
     ModelNotFoundError,
     SamplingParams,
@@ -48,116 +59,32 @@ from serve.engine import (
     VariantInUseError,
     VariantUnavailableError,
 )
+from serve.protocol import (
+    _OWN_ERRORS,
+    _UNION_TAGS,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DeltaCacheState,
+    ErrorResponse,
+    Health,
+    LoadedVariant,
+    LoadVariantRequest,
+    ModelInfo,
+    ModelList,
+    UnloadedVariant,
+    UnloadVariantRequest,
+)
 
 PREFIX = "deltafleet:"
 _DONE = object()  # end of a worker's queue
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 MAX_REQUEST_BYTES = 8 * 2**20  # request bodies larger than this are refused (413) unread
-MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 RETRY_AFTER_S = 1  # the Retry-After of a 429
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
-
-# ------------------------------------------------------------------------------------ schemas
-
-
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-
-
-# OpenAI parameters this server does not implement, with the test of a value that asks for nothing
-# (a client may send the default): any other value is a 400, never silently ignored. Parameters not
-# named here or in the schemas (``user``, ``metadata``, ...) change nothing and are ignored.
-UNSUPPORTED = {
-    "echo": lambda v: v is False,
-    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
-    "top_logprobs": lambda v: v == 0,
-    "best_of": lambda v: v == 1,
-    "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
-    "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: v == {"type": "text"},
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "logit_bias": lambda v: v == {},
-}
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept in model_extra, for check
-
-    # strict, as OpenAI: no true for 1 token, no 2.5 tokens, no "yes" for a bool (an int is still a float)
-    model: str
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63, strict=True)  # torch.Generator takes 64 bits
-    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
-    stream: bool = Field(False, strict=True)
-    stream_options: StreamOptions | None = None
-
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
-
-    def check(self) -> None:
-        """Raise a 400 APIError on more than :data:`MAX_STOP` stop sequences, ``stream_options``
-        without ``stream``, or a parameter of :data:`UNSUPPORTED` that asks for something."""
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise APIError(400, f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
-                           f"but got an array with length {len(self.stop)} instead.", param="stop",
-                           code="array_above_max_length")
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                           param="stream_options", code="invalid_value")
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value is not None and not UNSUPPORTED[name](value):
-                raise APIError(400, f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
-                               "by this server.", param=name, code="unsupported_parameter")
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise InvalidRequestError("only text content parts are supported", "messages")
-            parts.append(p["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-
-
-class LoadVariantRequest(BaseModel):
-    """``POST /v1/load_variant`` (vLLM's ``/v1/load_lora_adapter`` for deltas)."""
-
-    model_config = ConfigDict(extra="forbid")
-    variant: str = Field(description="name: served as <family>-<variant>")
-    path: str | None = Field(None, description="artifact folder, relative to (or inside) the artifact root; "
-                                               "default: <artifact root>/<variant>")
-
-
-class UnloadVariantRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    variant: str = Field(description="name or model id")
-
 
 # ------------------------------------------------------------------------------------ errors
 
@@ -187,6 +114,8 @@ def _api_error(e: Exception) -> APIError:
         return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable")
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
+    if isinstance(e, GenerationError):  # logged where it happened (serve/scheduler.py)
+        return APIError(500, f"Generation failed: {e}.", "server_error", None, "generation_failed")
     if isinstance(e, VariantInUseError):
         return APIError(409, f"{e}; retry when they have finished", "invalid_request_error", "variant",
                         "variant_in_use")
@@ -198,15 +127,21 @@ def _api_error(e: Exception) -> APIError:
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+
+    def where(e) -> list[str]:
+        return [str(x) for x in e.get("loc", ()) if x != "body" and x not in _UNION_TAGS]
+
+    loc = where(first)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
     if param is None:  # the body itself: empty, or JSON but not an object
         return APIError(400, "The request body is missing or is not a JSON object.", code="invalid_body")
+    if first.get("type") in _OWN_ERRORS:
+        return APIError(400, first["msg"], param=loc[0], code=first["type"])
     if first.get("type") == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
-    msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+    msgs = "; ".join(f"{'.'.join(where(e)) or 'body'}: {e.get('msg')}"
                      for e in errors[:5])
     return APIError(400, f"Invalid request: {msgs}", param=param, code="invalid_value")
 
@@ -226,20 +161,29 @@ class BodyLimit:
     (``request_too_large``) before the app parses any of it — at once by its Content-Length, or as
     soon as a chunked body passes the limit (uvicorn discards the rest). A body within the limit is
     read whole here and handed on as one message, unless it is not UTF-8 text (400 ``invalid_json``):
-    the JSON parser would otherwise guess UTF-16 from NUL bytes and let encoded surrogates through."""
+    the JSON parser would otherwise guess UTF-16 from NUL bytes and let encoded surrogates through.
+    A body that has not arrived whole ``timeout_s`` seconds after its head (None: no limit) is
+    answered 408 (``request_timeout``) and its connection closed."""
 
-    def __init__(self, app: ASGIApp, limit: int | None):
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int | None, timeout_s: float | None = None):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):  # no body read by the app
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if self.limit is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(scope, receive, send)
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else deadline - loop.time())
+            except TimeoutError:
+                error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                                 "invalid_request_error", None, "request_timeout", headers={"Connection": "close"})
+                return await error.response()(scope, receive, send)
             if message["type"] != "http.request":  # the client left: the app sees it
                 break
             chunks.append(message.get("body", b""))
@@ -268,6 +212,51 @@ class BodyLimit:
         error = APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes.",
                          "invalid_request_error", None, "request_too_large")
         await error.response()(scope, receive, send)
+
+
+def http_protocol(head_timeout_s: float | None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (``uvicorn.run(..., http=...)``), closing a connection whose client has
+    not sent a whole request head ``head_timeout_s`` seconds after connecting or after the previous
+    response (None: uvicorn's own, which waits for ever). Slow or silent clients then cannot hold
+    connections open; uvicorn's ``timeout_keep_alive`` still closes idle keep-alive connections sooner."""
+    if head_timeout_s is None:
+        return H11Protocol
+
+    class HeadTimeoutH11(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a whole head came
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # before: the next request's head may be handled within
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadTimeoutH11
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -338,12 +327,44 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+# Every status but 200 is an OpenAI error object (ErrorResponse); what each means, for /openapi.json.
+STATUS = {
+    400: "Invalid request: a body that is not JSON, a parameter out of range or not supported, a prompt "
+         "over the context.",
+    401: "No or a wrong API key (`Authorization: Bearer <key>`).",
+    404: "No model (or variant) is served under this id.",
+    408: "The request body did not arrive within the server's request timeout; the connection is closed.",
+    409: "The variant has requests in flight: retry when they have finished.",
+    413: "The request body is larger than the server's max_request_bytes.",
+    429: "Overloaded: too many requests are waiting already. Retry after `Retry-After` seconds.",
+    500: "An unexpected error, or the generation failed (the request's logits were not finite).",
+    503: "The variant exists but cannot be served now (its artifact cannot be used, or no room on the "
+         "device); for /health: the engine cannot generate any more.",
+}
+
+
+def _responses(*statuses: int, ok: type | None = None, ok_media: dict | None = None) -> dict:
+    out: dict = {s: {"model": ErrorResponse, "description": STATUS[s]} for s in sorted(statuses)}
+    if 429 in out:
+        out[429]["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+    if ok is not None or ok_media:
+        out[200] = ({"model": ok} if ok else {}) | ({"content": ok_media} if ok_media else {})
+    return out
+
+
 def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None,
-               max_request_bytes: int | None = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int | None = MAX_REQUEST_BYTES, request_timeout_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
 
     Args:
@@ -354,12 +375,20 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             ``Authorization: Bearer <api_key>`` (else 401, OpenAI's ``invalid_api_key``).
         max_request_bytes: a request body larger than this is refused with 413 before it is read
             whole or parsed (:class:`BodyLimit`); None: no limit.
+        request_timeout_s: a request body that has not arrived whole this many seconds after its
+            head is refused with 408 (:class:`BodyLimit`); None: no limit. The head's own limit is
+            the HTTP server's (:func:`http_protocol`).
     """
-    app = FastAPI(title="deltafleet", version="0.1.0")
+    app = FastAPI(title="deltafleet", version="0.1.0",
+                  description="OpenAI-compatible API over one base model and its BitDelta variants")
     # inside the API key check, added next
-    app.add_middleware(BodyLimit, limit=None if max_request_bytes is None else int(max_request_bytes))
+    app.add_middleware(BodyLimit, limit=None if max_request_bytes is None else int(max_request_bytes),
+                       timeout_s=request_timeout_s)
+    with_key = api_key is not None and str(api_key) != ""
+    guarded = (500, 401) if with_key else (500,)  # the statuses of every /v1 route
+    posted = guarded + (400, 408, 413)  # and of every one with a body
 
-    if api_key is not None and str(api_key) != "":
+    if with_key:
         expected = str(api_key).encode()
 
         @app.middleware("http")
@@ -381,6 +410,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def _on_api_error(request: Request, exc: APIError):
         return exc.response()
 
+    async def _on_engine_error(request: Request, exc: Exception):
+        return _api_error(exc).response()
+
+    for error in (InvalidRequestError, ModelNotFoundError, VariantUnavailableError, VariantInUseError, GenerationError):
+        app.add_exception_handler(error, _on_engine_error)  # answered, not re-raised as the last handler's are
+
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError):
         return _validation_error(exc).response()
@@ -391,8 +426,35 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             not_utf8 = isinstance(exc.__cause__, UnicodeDecodeError)
             return APIError(400, "The request body is not valid JSON: it is not UTF-8 text." if not_utf8 else
                             "The request body could not be parsed as JSON.", code="invalid_json").response()
-        code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code,
+                        headers=exc.headers).response()  # a 405's Allow
+
+    def openapi() -> dict:
+        """FastAPI's document without its 422 (this server answers 400 for what FastAPI calls 422),
+        every other status an OpenAI error object in JSON, and this engine's vocabulary size and
+        model ids (as examples: variants come and go)."""
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            for ops in doc["paths"].values():
+                for op in ops.values():
+                    op["responses"].pop("422", None)
+                    for status, response in op["responses"].items():
+                        if status != "200":  # also where the route's own answers are not JSON (/metrics)
+                            response["content"] = error
+            schemas = doc["components"]["schemas"]
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            for kind in schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"]:  # this model's token ids
+                if kind.get("items", {}).get("type") == "integer":
+                    kind["items"]["maximum"] = engine.model.args.vocab_size - 1
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                schemas[name]["properties"]["model"]["examples"] = [m.id for m in engine.models()]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception):
@@ -400,7 +462,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     # ---------------------------------------------------------------- plain endpoints
 
-    @app.get("/health")
+    @app.get("/health", responses=_responses(500, 503, ok=Health))
     async def health():
         fatal = engine.scheduler.fatal
         if fatal is not None:  # e.g. a tensor-parallel rank died: restart the server
@@ -408,8 +470,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                             "service_unavailable_error", None, "engine_failed").response()
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(500))
     async def prometheus():
+        """Prometheus text format."""
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     created = int(time.time())
@@ -418,14 +481,14 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         return {"id": card.id, "object": "model", "created": created, "owned_by": "deltafleet",
                 "parent": card.parent, "root": engine.family, "max_model_len": engine.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(*guarded, ok=ModelList))
     async def list_models():
         cards = await run_in_threadpool(engine.discover)
         for c in cards:
             metrics.add_model(c.id)
         return {"object": "list", "data": [model_card(c) for c in cards]}
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id}", responses=_responses(*guarded, 404, ok=ModelInfo))
     async def get_model(model_id: str):
         try:
             return model_card(await run_in_threadpool(engine.card, model_id))
@@ -434,7 +497,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     # ---------------------------------------------------------------- variants, hot
 
-    @app.post("/v1/load_variant")
+    @app.post("/v1/load_variant", responses=_responses(*posted, 404, 409, 503, ok=LoadedVariant))
     async def load_variant(body: LoadVariantRequest):
         """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
         deltas onto the device now (also a variant unloaded before). 400: the base, a path outside the
@@ -461,7 +524,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         return model_card(card) | {"loaded_from": events[-1] if events else "device",
                                    "load_seconds": round(time.perf_counter() - t0, 6)}
 
-    @app.post("/v1/unload_variant")
+    @app.post("/v1/unload_variant", responses=_responses(*posted, 404, 409, ok=UnloadedVariant))
     async def unload_variant(body: UnloadVariantRequest):
         """Stop serving a variant (vLLM's ``/v1/unload_lora_adapter``): its deltas leave the device
         and host tiers, and it is neither listed nor served (404) until ``/v1/load_variant`` loads it
@@ -476,7 +539,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             raise _api_error(e) from None
         return {"id": mid, "object": "model", "unloaded": True}
 
-    @app.get("/v1/delta_cache")
+    @app.get("/v1/delta_cache", responses=_responses(*guarded, ok=DeltaCacheState))
     async def delta_cache():
         """Where each variant's deltas are (device, host, disk), with bytes, requests in flight and
         the decayed request count that eviction ranks by."""
@@ -555,9 +618,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         queue, cancel = job
         mid, last = req.model_id, None
         try:
-            while (item := await queue.get()) is not _DONE and not cancel.is_set():
-                if isinstance(item, BaseException):
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):  # before the cancel check: run() sets it on errors
+                    metrics.requests.labels(mid, "error").inc()
                     raise item
+                if cancel.is_set():
+                    break
                 now = time.perf_counter()
                 if last is None:
                     metrics.ttft.labels(mid).observe(now - arrival)
@@ -594,36 +660,58 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 cancel.set()
             await asyncio.sleep(DISCONNECT_POLL_S)
 
-    def stream(req, arrival: float, chunk, include_usage: bool) -> StreamingResponse:
-        """SSE: ``chunk(text, finish_reason, first)`` per step with text or a finish; then usage; then [DONE]."""
-        job = start(req, arrival)  # before the 200 goes out, so that a 429 is still a status code
+    async def stream(req, arrival: float, http: Request, chunk, include_usage: bool) -> StreamingResponse:
+        """SSE: ``chunk(text, finish_reason, first)`` per step with text or a finish; then usage; then [DONE].
+
+        The status line waits for the first token, so that a 429 or an error of the prefill or the
+        first step is still a status code; an error after it is an in-band error event, then [DONE].
+        """
+        job = start(req, arrival)
+        items = steps(req, arrival, job)
+        watch = asyncio.create_task(cancel_on_disconnect(http, job[1]))
+        try:
+            head = [await anext(items)]
+        except StopAsyncIteration:  # cancelled before its first token: the client is gone
+            head = []
+        except Exception as e:
+            raise _api_error(e) from None
+        finally:
+            watch.cancel()
 
         async def events():
             n, first = 0, True
             try:
-                async for s in steps(req, arrival, job):
+                async for s in _chain(head, items):
                     n += 1
                     if s.text or s.finish_reason:
                         yield _sse(chunk(s.text, s.finish_reason, first))
                         first = False
             except Exception as e:  # the status line is sent already: report in-band, as vLLM does
                 yield _sse(_api_error(e).body())
-            if include_usage:
+                include = False
+            else:
+                include = include_usage
+            finally:
+                job[1].set()  # a client that hung up: stop its generation after the current step
+            if include:
                 yield _sse(chunk(None, None, False) | {"choices": [], "usage": _usage(len(req.prompt_ids), n)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
+    generating = posted + (404, 429, 503)
+    sse = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1 reads a stream's schema so)
+        "type": "object", "required": ["data"], "properties": {"data": {"type": "string", "description":
+            "a chunk (JSON), `[DONE]` last; an error after the first token is an in-band error object "
+            "(JSON) before `[DONE]`"}}}}}
+
+    @app.post("/v1/completions", responses=_responses(*generating, ok=Completion, ok_media=sse))
     async def completions(body: CompletionRequest, http: Request):
         arrival = time.perf_counter()
         body.check()
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt",
-                               code="unsupported_value")
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
             prompt = prompt[0]
         try:
             ids = await run_in_threadpool(engine.encode_prompt, prompt)
@@ -638,18 +726,19 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            return stream(req, arrival, chunk, bool(opts and opts.include_usage))
+            return await stream(req, arrival, http, chunk, bool(opts and opts.include_usage))
         text, reason, n = await run(req, arrival, http)
         out = chunk(text, reason, True)
         out["usage"] = _usage(len(ids), n)
         return out
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_responses(*generating, ok=ChatCompletion, ok_media=sse))
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         arrival = time.perf_counter()
         body.check()
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
             ids = await run_in_threadpool(engine.encode_chat, messages)
         except InvalidRequestError as e:
             raise _api_error(e) from None
@@ -664,7 +753,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            return stream(req, arrival, chunk, bool(opts and opts.include_usage))
+            return await stream(req, arrival, http, chunk, bool(opts and opts.include_usage))
         text, reason, n = await run(req, arrival, http)
         return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

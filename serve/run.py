@@ -50,15 +50,26 @@ def _threads(cfg: DictConfig, world: int = 1) -> int:
     return cfg.threads or max(1, (cores - 1) // world)
 
 
+def _check_timeouts(cfg: DictConfig) -> None:
+    """Raises ValueError unless ``timeout_request_s`` is null or > 0 and ``timeout_keep_alive_s`` > 0."""
+    for key, nullable in (("timeout_request_s", True), ("timeout_keep_alive_s", False)):
+        value = cfg[key]
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{key} must be a number of seconds > 0{' or null' if nullable else ''}, got {value!r}")
+
+
 def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
 
-    from serve.app import create_app
+    from serve.app import create_app, http_protocol
     from serve.engine import Engine
 
     torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
+        _check_timeouts(cfg)
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs)
@@ -76,8 +87,10 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         print(f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
               f"{torch.get_num_threads()} threads) at {url}", flush=True)
         api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
-        app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+        app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
+                         request_timeout_s=cfg.timeout_request_s)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                    http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s)
     finally:
         engine.shutdown()
 

@@ -105,6 +105,15 @@ def tiny_family(tmp_path_factory) -> TinyFamily:
     return build_tiny_family(tmp_path_factory.mktemp("tiny_family"))
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
     """Wait until the server process ``proc`` answers ``GET {url}/health`` with 200. If it exits or
     ``timeout_s`` seconds pass, kill it and fail the test with the end of its ``log``."""

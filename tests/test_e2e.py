@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 AUSTEN = REPO / "data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr"
@@ -35,12 +36,6 @@ def run(args: list[str], root: Path, timeout: float = 300) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible API's bodies (pydantic): requests, as validated once at the boundary, and
+responses and errors, as documented in ``/openapi.json``.
+
+Requests are strict, as OpenAI's are (no ``true`` for 1 token, no ``2.5`` tokens, no ``"yes"`` for a
+bool), and bounded before any work: more than :data:`MAX_MESSAGES` messages or :data:`MAX_STOP`
+stop sequences are refused before their items are validated, stop sequences hold at most
+:data:`MAX_STOP_CHARS` characters in all, token-id prompts are integers (not booleans, floats or
+numeric strings). The engine checks what depends on the model: token ids below the vocabulary size,
+the prompt's characters (per request, so per message too) against what the context can hold, and
+its tokens.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+from serve.engine import SAMPLING_EPS, VARIANT_NAME, InvalidRequestError, SamplingParams
+
+MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
+MAX_STOP_CHARS = 4096  # characters of a request's stop sequences, all together
+MAX_MESSAGES = 2048  # messages per chat request
+
+# ------------------------------------------------------------------------------------ requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+# OpenAI parameters this server does not implement, with the test of a value that asks for nothing
+# (a client may send the default): any other value is a 400, never silently ignored. Parameters not
+# named here or in the schemas (``user``, ``metadata``, ...) change nothing and are ignored.
+UNSUPPORTED = {
+    "echo": lambda v: v is False,
+    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
+    "top_logprobs": lambda v: v == 0,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+}
+
+
+def _too_many(param: str, limit: int):
+    """A before-validator: more than ``limit`` items is refused before any item is validated."""
+    def check(value):
+        if isinstance(value, list) and len(value) > limit:
+            raise PydanticCustomError("array_above_max_length", f"Invalid '{param}': array too long. Expected an array "
+                                      f"with maximum length {limit}, but got an array with length {len(value)} "
+                                      "instead.")
+        return value
+    return BeforeValidator(check)
+
+
+def _check_stop_chars(value):
+    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    n = sum(len(s) for s in stops if isinstance(s, str))
+    if n > MAX_STOP_CHARS:
+        raise PydanticCustomError("string_above_max_length", f"Invalid 'stop': {n} characters in all; at most "
+                                  f"{MAX_STOP_CHARS} characters of stop sequences are allowed per request.")
+    return value
+
+
+def _one_prompt(value):
+    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], str):
+        raise PydanticCustomError("unsupported_value", "only one prompt per request is supported")
+    return value
+
+
+def _prompt_kind(value) -> str:
+    if isinstance(value, list):
+        return "texts" if value and isinstance(value[0], str) else "tokens"
+    return "text"
+
+
+_UNION_TAGS = ("one", "list", "text", "texts", "tokens", "parts")  # the Tags above: not shown in an error's param
+# The codes of the PydanticCustomErrors above: reported as they are, not as "invalid_value".
+_OWN_ERRORS = ("array_above_max_length", "string_above_max_length", "unsupported_value")
+_TEXT = {"type": "string", "minLength": 1}  # "" is refused by the engine: an empty prompt (0 tokens)
+TokenId = Annotated[int, Field(ge=0, strict=True)]  # and below the vocabulary size: Engine.encode_prompt
+
+
+# JSON Schema of what check() refuses: stream_options only with stream: true.
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)  # extra: for check
+
+    # strict, as OpenAI: no true for 1 token, no 2.5 tokens, no "yes" for a bool (an int is still a float)
+    model: str
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False,
+                               description=f"below {SAMPLING_EPS:g} (0 included): greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
+    stop: Annotated[Annotated[Annotated[str, Tag("one")] | Annotated[list[str], Field(max_length=MAX_STOP),
+                                                                     _too_many("stop", MAX_STOP), Tag("list")],
+                              Discriminator(lambda v: "one" if isinstance(v, str) else "list")] | None,
+                    BeforeValidator(_check_stop_chars),
+                    Field(description=f"up to {MAX_STOP} sequences, {MAX_STOP_CHARS} characters in all; the text "
+                                      "ends before the first one generated")] = None
+    seed: int | None = Field(None, strict=True, description="any integer: seeds equal modulo 2**64 sample alike")
+    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
+    stream: bool = Field(False, strict=True)
+    stream_options: StreamOptions | None = None
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
+
+    def check(self) -> None:
+        """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of
+        :data:`UNSUPPORTED` that asks for something."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                      "stream_options", "invalid_value")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value is not None and not UNSUPPORTED[name](value):
+                raise InvalidRequestError(f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
+                                          "by this server.", name, "unsupported_parameter")
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[
+        Annotated[str, WithJsonSchema(_TEXT), Tag("text")]
+        | Annotated[list[Annotated[str, WithJsonSchema(_TEXT)]], Field(min_length=1, max_length=1), Tag("texts")]
+        | Annotated[list[TokenId], Field(min_length=1), Tag("tokens")],
+        Discriminator(_prompt_kind), BeforeValidator(_one_prompt),
+        Field(description="text, a list of one text, or token ids (each below the vocabulary size)")]
+    max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
+
+
+TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}}
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"] = Field(
+        description="developer: as system (OpenAI's newer name for it)")
+    content: Annotated[Annotated[str, Tag("text")] | Annotated[list[dict[str, Any]], WithJsonSchema(TEXT_PARTS),
+                                                               Tag("parts")],
+                       Discriminator(lambda v: "parts" if isinstance(v, list) else "text")] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InvalidRequestError("only text content parts are supported", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
+                        _too_many("messages", MAX_MESSAGES)]
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+
+
+class LoadVariantRequest(BaseModel):
+    """``POST /v1/load_variant`` (vLLM's ``/v1/load_lora_adapter`` for deltas)."""
+
+    model_config = ConfigDict(extra="forbid")
+    variant: str = Field(pattern=VARIANT_NAME, description="name (or model id): served as <family>-<variant>")
+    path: str | None = Field(None, description="artifact folder, relative to (or inside) the artifact root; "
+                                               "default: <artifact root>/<variant>")
+
+
+class UnloadVariantRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variant: str = Field(description="name or model id")
+
+
+# ------------------------------------------------------------------------------------ responses
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, rate_limit_error, server_error or "
+                                  "service_unavailable_error")
+    param: str | None = Field(description="the request parameter at fault, if any")
+    code: str | None = Field(description="e.g. model_not_found, context_length_exceeded, invalid_json")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every status but 200."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelInfo(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    parent: str | None = Field(description="the base's id for a variant, null for the base")
+    root: str = Field(description="the base's id")
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class LoadedVariant(ModelInfo):
+    loaded_from: Literal["device", "host", "disk"] = Field(description="the delta cache tier it came from")
+    load_seconds: float
+
+
+class UnloadedVariant(BaseModel):
+    id: str
+    object: Literal["model"]
+    unloaded: Literal[True]
+
+
+class DeltaCacheState(BaseModel):
+    object: Literal["delta_cache"]
+    device_bytes: int
+    device_budget_bytes: int
+    host_bytes: int
+    host_budget_bytes: int | None
+    variants: dict[str, dict[str, Any]] = Field(description="per model id: tier, bytes, requests in flight, "
+                                                            "decayed request count")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]

@@ -1,0 +1,495 @@
+"""One client must never hurt another: an error in a step reaches the requests it affects (a 5xx
+before the first byte, an in-band event after it) and ends only them; no sampling parameter the API
+accepts makes the sampler fail; stop strings are checked in time linear in the new text; request
+sizes are bounded before any work; the OpenAPI document lists what the server really answers;
+slow and silent connections are closed.
+
+The app in-process (``TestClient``) for what needs a fault injected; the real server
+(``python serve/run.py``, one request timeout of 1 s) for timing, memory and raw sockets.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import serve.engine
+from serve.app import create_app
+from serve.engine import Engine, _TextStream
+from serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
+from tests.conftest import free_port, stop_server, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = dict(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_family) -> Engine:
+    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+
+
+@pytest.fixture(scope="module")
+def tc(engine):
+    with TestClient(create_app(engine)) as tc:
+        yield tc
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _events(r) -> list:
+    """The data of an SSE response: JSON objects, and "[DONE]" as it is."""
+    data = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def _all_at_once(engine: Engine, calls: list) -> list:
+    """Run every ``call()`` in its own thread while the model is held, so that all their requests
+    enter the continuous batch in the same scheduler step; their results in order."""
+    results: list = [None] * len(calls)
+
+    def go(i, call):
+        results[i] = call()
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while sum(engine.scheduler.waiting().values()) < len(calls):
+            assert time.time() < deadline, engine.scheduler.waiting()
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    return results
+
+
+# ------------------------------------------------------------------------------------ step errors
+
+
+def test_a_tiny_temperature_samples_greedily(tc):
+    """The issue's repro: temperature 1e-40 made the sampler divide into NaN and the client got a
+    200 with empty text. Below 1e-5 a temperature is greedy (as in vLLM): the same completion as 0."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+    tiny = tc.post("/v1/completions", json={**body, "temperature": 1e-40})
+    greedy = tc.post("/v1/completions", json={**body, "temperature": 0})
+    assert tiny.status_code == greedy.status_code == 200
+    assert tiny.json()["choices"] == greedy.json()["choices"]
+    assert tiny.json()["usage"] == greedy.json()["usage"]
+    assert greedy.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_sampling_takes_any_finite_logits_and_refuses_nan():
+    huge = torch.tensor([3e38, -3e38, 1.0, 0.0])
+    for t in (1e-5, 1e-3, 2.0):  # logits / T would overflow to inf and softmax to NaN
+        assert serve.engine.sample(huge, t, 0.5) == 0
+    assert serve.engine.sample(torch.tensor([0.0, float("-inf"), 1.0]), 1.0, 1.0) in (0, 2)
+    for bad in ([float("nan"), 1.0], [float("inf"), 1.0], [float("-inf")] * 2):
+        with pytest.raises(serve.engine.GenerationError, match="not finite"):
+            serve.engine.sample(torch.tensor(bad), 1.0)
+        with pytest.raises(serve.engine.GenerationError):
+            serve.engine.sample(torch.tensor(bad), 0.0)
+
+
+@pytest.fixture
+def nan_writer(tiny_family, monkeypatch):
+    """An engine whose ``tiny-writer`` deltas make NaN logits (its final norm, stored in full in the
+    artifact, read as NaN), as a variant broken numerically would."""
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    read = engine.cache._read
+
+    def read_nan(model_id):
+        delta = read(model_id)
+        if model_id == "tiny-writer":
+            delta.full["model.norm.weight"] = torch.full_like(delta.full["model.norm.weight"], float("nan"))
+        return delta
+
+    monkeypatch.setattr(engine.cache, "_read", read_nan)
+    return engine
+
+
+def test_a_failed_request_is_a_500_and_its_batch_goes_on(nan_writer):
+    """Four requests enter one step: two on the NaN variant (plain and streaming) get a 500 error
+    object before any byte of a 200; the base's stream and the coder's completion decode to the end,
+    as each does alone. Before, the whole step failed and every client got a 200 with cut text."""
+    engine = nan_writer
+    ok_stream = {"model": "tiny", "prompt": "def main(", **GREEDY, "stream": True}
+    ok_plain = {"model": "tiny-coder", "prompt": "import os\n", **GREEDY}
+    with TestClient(create_app(engine)) as tc:
+        alone = [tc.post("/v1/completions", json=b) for b in (ok_stream, ok_plain)]
+        bad = {"model": "tiny-writer", "prompt": "The quick brown", **GREEDY}
+        got = _all_at_once(engine, [lambda b=b: tc.post("/v1/completions", json=b)
+                                    for b in (ok_stream, bad, {**bad, "stream": True}, ok_plain)])
+        assert tc.get("/health").json() == {"status": "ok"}
+        again = tc.post("/v1/completions", json=ok_plain)
+    for r in got[1:3]:
+        err = _error(r, 500)
+        assert err["type"] == "server_error" and err["code"] == "generation_failed"
+        assert "not finite" in err["message"]
+    assert got[0].status_code == 200 and _texts(got[0]) == _texts(alone[0])
+    assert got[3].status_code == 200
+    assert got[3].json()["choices"] == alone[1].json()["choices"] == again.json()["choices"]
+    assert got[3].json()["usage"] == alone[1].json()["usage"]
+
+
+def _texts(r) -> tuple[str, str]:
+    """A stream's whole text and its finish reason (it ends with a finish, then [DONE])."""
+    events = _events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_an_error_after_the_first_token_is_an_in_band_event(engine, monkeypatch):
+    """A stream whose generation fails at its third token: a 200 with its first two tokens, an
+    OpenAI error object as an event, then [DONE] (no usage: the count would be a lie); the same
+    request not streamed is a 500, never a 200 with cut text."""
+    calls = {"n": 0}
+    sample = serve.engine.sample
+
+    def failing_third(logits, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            logits = torch.full_like(logits, float("nan"))
+        return sample(logits, *args, **kwargs)
+
+    monkeypatch.setattr(serve.engine, "sample", failing_third)
+    body = {"model": "tiny", "prompt": "def main(", "temperature": 0, "max_tokens": 8}
+    with TestClient(create_app(engine)) as tc:
+        r = tc.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        calls["n"] = 0
+        plain = tc.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "Generation failed: the model's next-token logits for this request "
+                                               "are not finite (NaN or inf).", "type": "server_error",
+                                    "param": None, "code": "generation_failed"}}
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])  # no finish, no usage
+    assert _error(plain, 500)["code"] == "generation_failed"
+
+
+# ------------------------------------------------------------------------------------ stop strings
+
+
+class _CharTokenizer:
+    """Token i decodes to ``VOCAB[i]``; concatenation, as a byte-level BPE's decode is."""
+
+    VOCAB = ["a", "b", "c", "d", "ab", "cd", "abc", "x", " ", "\n"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None) -> tuple[str, bool, list[str]]:
+    ts = _TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock())
+    pieces = []
+    for t in ids:
+        piece, stopped = ts.push(t)
+        pieces.append(piece)
+        if stopped:
+            return "".join(pieces), True, pieces
+    pieces.append(ts.flush())
+    return "".join(pieces), False, pieces
+
+
+def _expected(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """The text up to the first stop string to end (of two ending together, the longer)."""
+    ends = [(text.find(s) + len(s), -len(s)) for s in stop if s and s in text]
+    if not ends:
+        return text, False
+    end, minus = min(ends)
+    return text[:end + minus], True
+
+
+def test_stop_strings_cut_the_text_before_the_first_one_and_hold_back_what_may_begin_one():
+    assert _stream([4, 5], ("cd",))[:2] == ("ab", True)  # "ab" | "cd"
+    assert _stream([0, 1, 2], ("cd", "bcx"))[2] == ["a", "", ""] + ["bc"]  # "bc" held, released at the end
+    assert _stream([6, 3], ("bcd", "cd"))[:2] == ("a", True)  # both end at "d": the longer wins
+    assert _stream([0, 2, 3, 1], ("cdb", "d"))[:2] == ("ac", True)  # "d" ends first
+    assert _stream([0, 0, 0, 1], ("aab",))[:2] == ("a", True)  # a partial match restarts (KMP)
+    assert _stream([0, 1], ("",))[:2] == ("ab", False)  # an empty stop never matches
+
+
+def test_stop_strings_match_a_brute_force_reference_on_random_tokens(engine):
+    """Random ids of the tiny family's byte-level BPE (partial UTF-8 included) and stops cut from
+    their text: the streamed pieces concatenate to the reference; no piece holds a stop."""
+    import random
+
+    rng = random.Random(0)
+    tok = engine.detokenizer
+    for _ in range(400):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 24))]
+        text = tok.decode(ids, skip_special_tokens=True)
+        stops = []
+        for _ in range(rng.randrange(0, 4)):
+            a = rng.randrange(len(text) + 1)
+            piece = text[a:a + rng.randrange(1, 6)].replace("\ufffd", "")
+            stops.append(piece or "zz")
+        out, stopped, _ = _stream(ids, tuple(stops), tok)
+        assert (out, stopped) == _expected(text, tuple(stops)), (ids, stops)
+
+
+def test_a_long_held_stop_prefix_costs_time_linear_in_the_new_text():
+    """A stop of MAX_STOP_CHARS characters whose every prefix the text keeps matching: each token
+    feeds the automata its new characters once (the old code re-scanned every prefix of the stop
+    on every token: len(stop)² character comparisons each)."""
+    n, held = 5000, MAX_STOP_CHARS - 1
+    stop = "a" * held + "b"
+    t0 = time.perf_counter()
+    out, stopped, pieces = _stream([0] * n + [1], (stop,))
+    elapsed = time.perf_counter() - t0
+    assert (out, stopped) == ("a" * (n - held), True)
+    assert pieces[:held] == [""] * held and pieces[held:n] == ["a"] * (n - held)
+    assert elapsed < 5.0, elapsed  # the old code: minutes
+
+
+# ------------------------------------------------------------------------------------ sizes and types
+
+
+@pytest.mark.parametrize("prompt", [[False, True], [1.0, 2.0], ["1", 2], [1, "2"], [-1], [], ""])
+def test_token_id_prompts_are_integers_only(tc, prompt):
+    err = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}), 400)
+    assert err["param"].startswith("prompt") and err["type"] == "invalid_request_error"
+
+
+def test_what_the_schema_admits_and_the_engine_refuses(tc, engine):
+    vocab = engine.model.args.vocab_size
+    assert tc.post("/v1/completions", json={"model": "tiny", "prompt": [vocab - 1], "max_tokens": 1}).status_code == 200
+    err = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": [vocab], "max_tokens": 1}), 400)
+    assert err["param"] == "prompt" and str(vocab) in err["message"]
+
+
+def test_more_messages_than_allowed_are_refused_by_count(tc):
+    body = {"model": "tiny", "messages": [{"role": "user"}] * (MAX_MESSAGES + 1)}
+    assert _error(tc.post("/v1/chat/completions", json=body), 400) == {
+        "message": f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
+                   f"but got an array with length {MAX_MESSAGES + 1} instead.",
+        "type": "invalid_request_error", "param": "messages", "code": "array_above_max_length"}
+    body["messages"] = body["messages"][:8]
+    assert tc.post("/v1/chat/completions", json={**body, "max_tokens": 1}).status_code == 200
+
+
+def test_stop_strings_over_the_limit_are_refused(tc):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    at_limit = ["s" * (MAX_STOP_CHARS // 4)] * 4
+    assert tc.post("/v1/completions", json={**body, "stop": at_limit}).status_code == 200
+    for stop in (at_limit[:3] + [at_limit[3] + "s"], "s" * (MAX_STOP_CHARS + 1)):
+        assert _error(tc.post("/v1/completions", json={**body, "stop": stop}), 400) == {
+            "message": f"Invalid 'stop': {MAX_STOP_CHARS + 1} characters in all; at most {MAX_STOP_CHARS} characters "
+                       "of stop sequences are allowed per request.",
+            "type": "invalid_request_error", "param": "stop", "code": "string_above_max_length"}
+
+
+def test_developer_is_the_system_role_and_tool_is_refused(tc):
+    base = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    dev = tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "developer", "content": "Be brief."},
+                                                                     {"role": "user", "content": "Hi"}]})
+    sys_ = tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "system", "content": "Be brief."},
+                                                                      {"role": "user", "content": "Hi"}]})
+    assert dev.status_code == 200 and dev.json()["choices"] == sys_.json()["choices"]
+    assert dev.json()["usage"] == sys_.json()["usage"]
+    err = _error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]}), 400)
+    assert err["param"] == "messages.0.role"
+
+
+# ------------------------------------------------------------------------------------ OpenAPI
+
+
+def test_the_openapi_document_lists_every_status_with_the_error_schema(tc):
+    doc = tc.get("/openapi.json").json()
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            for status, resp in op["responses"].items():
+                if status != "200":
+                    assert resp["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/"
+                                                                                      "ErrorResponse"}, (path, status)
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(doc["paths"][path]["post"]["responses"]["200"]["content"]) == {"application/json",
+                                                                                 "text/event-stream"}
+        assert set(doc["paths"][path]["post"]["responses"]) == {"200", "400", "404", "408", "413", "429", "500",
+                                                                "503"}
+    roles = doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
+    assert roles == ["system", "user", "assistant", "developer"]
+    assert doc["components"]["schemas"]["CompletionRequest"]["then"] == {
+        "required": ["stream"], "properties": {"stream": {"const": True}}}  # stream_options needs stream
+
+
+def test_every_answer_is_documented_for_its_operation(nan_writer):
+    """Real requests of every kind this server refuses or answers, each checked against the
+    document: its status is listed for the operation, with the media type the answer has."""
+    cases = [
+        ("get", "/health", None), ("get", "/metrics", None), ("get", "/v1/models", None),
+        ("get", "/v1/models/tiny", None), ("get", "/v1/models/nope", None), ("get", "/v1/delta_cache", None),
+        ("post", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+        ("post", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}),
+        ("post", "/v1/completions", {"model": "nope", "prompt": "x"}),
+        ("post", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6}),
+        ("post", "/v1/completions", b"{not json"),
+        ("post", "/v1/completions", {"model": "tiny", "prompt": "x" * 5000}),  # over max_request_bytes
+        ("post", "/v1/completions", {"model": "tiny-writer", "prompt": "x"}),  # NaN: 500
+        ("post", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                          "max_tokens": 2, "stream": True}),
+        ("post", "/v1/chat/completions", {"model": "tiny", "messages": []}),
+        ("post", "/v1/load_variant", {"variant": "../x"}), ("post", "/v1/load_variant", {"variant": "nothere"}),
+        ("post", "/v1/unload_variant", {"variant": "nothere"}),
+    ]
+    seen = set()
+    with TestClient(create_app(nan_writer, max_request_bytes=4096)) as tc:
+        doc = tc.get("/openapi.json").json()
+        for method, path, body in cases:
+            kw = {} if body is None else {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = tc.request(method, path, **kw)
+            template = next(t for t in doc["paths"] if re.fullmatch(re.sub(r"\{\w+\}", "[^/]+", t), path))
+            responses = doc["paths"][template][method]["responses"]
+            assert str(r.status_code) in responses, (path, body, r.status_code, r.text)
+            media = r.headers["content-type"].split(";")[0]
+            assert media in responses[str(r.status_code)]["content"], (path, r.status_code, media)
+            seen.add(r.status_code)
+    assert seen == {200, 400, 404, 413, 500}
+
+
+def test_405_keeps_its_allow_header(tc):
+    r = tc.delete("/v1/completions")
+    assert _error(r, 405)["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+
+
+# ------------------------------------------------------------------------------------ the real server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_family, tmp_path_factory):
+    """``python serve/run.py`` on the tiny family with ``timeout_request_s=1``; yields (url, pid)."""
+    port = free_port()
+    out = tmp_path_factory.mktemp("isolation")
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", "timeout_request_s=1", f"hydra.run.dir={out}"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, out / "server.log", 60)
+    yield url, proc.pid
+    stop_server(proc, log, 10)
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _four_tokens_meanwhile(url: str, send) -> tuple[httpx.Response, float]:
+    """``send()`` in a thread; meanwhile a 4-token request on another model. Returns the latter's
+    response and seconds."""
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-coder", "prompt": "def ", "max_tokens": 4,
+                                                  "temperature": 0}, timeout=30)
+    seconds = time.perf_counter() - t0
+    t.join(60)
+    return r, seconds
+
+
+def test_a_huge_chat_body_is_refused_at_once_without_holding_memory(server):
+    """The issue's 440,000 empty messages (7.9 MB) took 9–12 s to refuse and left the server 770 MB
+    larger; now the count is checked before any message is validated."""
+    url, pid = server
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 440_000}, separators=(",", ":"))
+    assert len(body) < 8 * 2**20
+    before = _rss_bytes(pid)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        assert time.perf_counter() - t0 < 1.0
+        assert _error(r, 400)["code"] == "array_above_max_length"
+    assert _rss_bytes(pid) - before < 200 * 2**20
+
+
+def test_a_400k_character_stop_is_refused_at_once_and_others_go_on(server):
+    url, _ = server
+    got = {}
+
+    def send():
+        got["r"] = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4,
+                                                             "stop": "x" * 400_000}, timeout=60)
+
+    r, seconds = _four_tokens_meanwhile(url, send)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1 and seconds < 1.0
+    assert _error(got["r"], 400)["code"] == "string_above_max_length"
+
+
+def test_stops_at_the_limit_do_not_slow_the_others(server):
+    url, _ = server
+    got = {}
+    stops = ["a" * (MAX_STOP_CHARS // 4 - 1) + c for c in "bcde"]
+
+    def send():
+        got["r"] = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 64,
+                                                             "temperature": 0, "stop": stops}, timeout=60)
+
+    r, seconds = _four_tokens_meanwhile(url, send)
+    assert r.status_code == 200 and seconds < 1.0
+    assert got["r"].status_code == 200
+
+
+@pytest.mark.parametrize("override,message", [
+    ("timeout_request_s=0", "timeout_request_s must be a number of seconds > 0 or null, got 0"),
+    ("timeout_keep_alive_s=null", "timeout_keep_alive_s must be a number of seconds > 0, got None"),
+])
+def test_bad_timeouts_are_refused_at_startup(tiny_family, override, message):
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", override], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"error: {message}" in out.stderr
+
+
+def _recv_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_and_silent_connections_are_closed_and_others_served(server):
+    """``timeout_request_s=1``: a connection that never sends a whole head is closed after about a
+    second (before, it stayed open for ever); a body that stops arriving gets a 408."""
+    url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    silent, slow, body = (socket.create_connection(("127.0.0.1", port)) for _ in range(3))
+    t0 = time.perf_counter()
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
+    body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": ")
+    assert httpx.get(f"{url}/health").status_code == 200  # a normal client meanwhile
+    for s in (silent, slow, body):
+        s.settimeout(10)
+    assert _recv_all(silent) == b"" and _recv_all(slow) == b""
+    answer = _recv_all(body)
+    assert time.perf_counter() - t0 < 5
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(payload)["error"]["code"] == "request_timeout"
+    for s in (silent, slow, body):
+        s.close()
