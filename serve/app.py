@@ -618,12 +618,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         queue, cancel = job
         mid, last = req.model_id, None
         try:
+            # To the end, even once cancelled: the worker stops after its current step, and on an error
+            # Engine.run sets the event too, before the steps it made are read here.
             while (item := await queue.get()) is not _DONE:
-                if isinstance(item, BaseException):  # before the cancel check: run() sets it on errors
+                if isinstance(item, BaseException):
                     metrics.requests.labels(mid, "error").inc()
                     raise item
-                if cancel.is_set():
-                    break
                 now = time.perf_counter()
                 if last is None:
                     metrics.ttft.labels(mid).observe(now - arrival)

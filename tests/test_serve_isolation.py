@@ -422,9 +422,11 @@ def test_a_huge_chat_body_is_refused_at_once_without_holding_memory(server):
         t0 = time.perf_counter()
         r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
                        timeout=60)
-        assert time.perf_counter() - t0 < 1.0
+        seconds = time.perf_counter() - t0
         assert _error(r, 400)["code"] == "array_above_max_length"
-    assert _rss_bytes(pid) - before < 200 * 2**20
+        assert seconds < 1.0, seconds
+    grown = _rss_bytes(pid) - before
+    assert grown < 200 * 2**20, grown
 
 
 def test_a_400k_character_stop_is_refused_at_once_and_others_go_on(server):
