@@ -80,7 +80,8 @@ from serve.protocol import (
 PREFIX = "deltafleet:"
 _DONE = object()  # end of a worker's queue
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
-MAX_REQUEST_BYTES = 8 * 2**20  # request bodies larger than this are refused (413) unread
+MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (413) unread
+MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
 RETRY_AFTER_S = 1  # the Retry-After of a 429
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -163,10 +164,15 @@ class BodyLimit:
     read whole here and handed on as one message, unless it is not UTF-8 text (400 ``invalid_json``):
     the JSON parser would otherwise guess UTF-16 from NUL bytes and let encoded surrogates through.
     A body that has not arrived whole ``timeout_s`` seconds after its head (None: no limit) is
-    answered 408 (``request_timeout``) and its connection closed."""
+    answered 408 (``request_timeout``), and one that would take the bytes of all bodies being received
+    at once past ``pending_limit`` (None: no limit) 503 (``server_busy``); either closes the connection.
+    Parsing a body holds the event loop (about 0.25 s per MiB of deeply nested JSON): the limits bound
+    that, and the memory slow clients can hold."""
 
-    def __init__(self, app: ASGIApp, limit: int | None, timeout_s: float | None = None):
-        self.app, self.limit, self.timeout_s = app, limit, timeout_s
+    def __init__(self, app: ASGIApp, limit: int | None, timeout_s: float | None = None,
+                 pending_limit: int | None = None):
+        self.app, self.limit, self.timeout_s, self.pending_limit = app, limit, timeout_s, pending_limit
+        self.pending = 0  # bytes of the bodies being received now (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):  # no body read by the app
@@ -177,26 +183,36 @@ class BodyLimit:
         chunks, size = [], 0
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), None if deadline is None else deadline - loop.time())
-            except TimeoutError:
-                error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
-                                 "invalid_request_error", None, "request_timeout", headers={"Connection": "close"})
-                return await error.response()(scope, receive, send)
-            if message["type"] != "http.request":  # the client left: the app sees it
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if self.limit is not None and size > self.limit:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body", False):
-                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                if not _is_utf8_json_text(message["body"]):
-                    error = APIError(400, "The request body is not valid JSON: it is not UTF-8 text.",
-                                     "invalid_request_error", None, "invalid_json")
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), None if deadline is None else deadline - loop.time())
+                except TimeoutError:
+                    error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                                     "invalid_request_error", None, "request_timeout", headers={"Connection": "close"})
                     return await error.response()(scope, receive, send)
-                break
+                if message["type"] != "http.request":  # the client left: the app sees it
+                    break
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                self.pending += len(chunks[-1])
+                if self.limit is not None and size > self.limit:
+                    return await self._refuse(scope, receive, send)
+                if self.pending_limit is not None and self.pending > self.pending_limit:
+                    error = APIError(503, "The server is receiving too many request bodies at once; retry later.",
+                                     "service_unavailable_error", None, "server_busy",
+                                     headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+                    return await error.response()(scope, receive, send)
+                if not message.get("more_body", False):
+                    message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                    if not _is_utf8_json_text(message["body"]):
+                        error = APIError(400, "The request body is not valid JSON: it is not UTF-8 text.",
+                                         "invalid_request_error", None, "invalid_json")
+                        return await error.response()(scope, receive, send)
+                    break
+        finally:
+            self.pending -= size
+            chunks.clear()
         first = message
 
         async def replay():
@@ -350,21 +366,24 @@ STATUS = {
     429: "Overloaded: too many requests are waiting already. Retry after `Retry-After` seconds.",
     500: "An unexpected error, or the generation failed (the request's logits were not finite).",
     503: "The variant exists but cannot be served now (its artifact cannot be used, or no room on the "
-         "device); for /health: the engine cannot generate any more.",
+         "device); the server is receiving too many request bodies at once (Retry-After); for /health: "
+         "the engine cannot generate any more.",
 }
 
 
 def _responses(*statuses: int, ok: type | None = None, ok_media: dict | None = None) -> dict:
     out: dict = {s: {"model": ErrorResponse, "description": STATUS[s]} for s in sorted(statuses)}
-    if 429 in out:
-        out[429]["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+    for status in {429, 503} & set(out):
+        out[status]["headers"] = {"Retry-After": {"description": "seconds (429; 503 when busy receiving bodies)",
+                                                  "schema": {"type": "integer"}}}
     if ok is not None or ok_media:
         out[200] = ({"model": ok} if ok else {}) | ({"content": ok_media} if ok_media else {})
     return out
 
 
 def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None,
-               max_request_bytes: int | None = MAX_REQUEST_BYTES, request_timeout_s: float | None = None) -> FastAPI:
+               max_request_bytes: int | None = MAX_REQUEST_BYTES, request_timeout_s: float | None = None,
+               max_pending_body_bytes: int | None = MAX_PENDING_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
 
     Args:
@@ -378,15 +397,17 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         request_timeout_s: a request body that has not arrived whole this many seconds after its
             head is refused with 408 (:class:`BodyLimit`); None: no limit. The head's own limit is
             the HTTP server's (:func:`http_protocol`).
+        max_pending_body_bytes: a request body that would take the bytes of all bodies being
+            received at once past this is refused with 503 (:class:`BodyLimit`); None: no limit.
     """
     app = FastAPI(title="deltafleet", version="0.1.0",
                   description="OpenAI-compatible API over one base model and its BitDelta variants")
     # inside the API key check, added next
     app.add_middleware(BodyLimit, limit=None if max_request_bytes is None else int(max_request_bytes),
-                       timeout_s=request_timeout_s)
+                       timeout_s=request_timeout_s, pending_limit=max_pending_body_bytes)
     with_key = api_key is not None and str(api_key) != ""
     guarded = (500, 401) if with_key else (500,)  # the statuses of every /v1 route
-    posted = guarded + (400, 408, 413)  # and of every one with a body
+    posted = guarded + (400, 408, 413, 503)  # and of every one with a body
 
     if with_key:
         expected = str(api_key).encode()
@@ -497,7 +518,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     # ---------------------------------------------------------------- variants, hot
 
-    @app.post("/v1/load_variant", responses=_responses(*posted, 404, 409, 503, ok=LoadedVariant))
+    @app.post("/v1/load_variant", responses=_responses(*posted, 404, 409, ok=LoadedVariant))
     async def load_variant(body: LoadVariantRequest):
         """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
         deltas onto the device now (also a variant unloaded before). 400: the base, a path outside the
@@ -700,7 +721,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    generating = posted + (404, 429, 503)
+    generating = posted + (404, 429)
     sse = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1 reads a stream's schema so)
         "type": "object", "required": ["data"], "properties": {"data": {"type": "string", "description":
             "a chunk (JSON), `[DONE]` last; an error after the first token is an in-band error object "

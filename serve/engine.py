@@ -36,6 +36,7 @@ from serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
 VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
+_MARK = re.compile("\ue000(\\d+)\ue001")  # encode_chat's placeholder of message i
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
 log = logging.getLogger(__name__)
@@ -497,23 +498,24 @@ class Engine:
         self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")  # templates may trim
         for m in messages:
             _check_unicode(m["content"], "messages")
-        with self._tok_lock:
+        if not any(s in m["content"] for m in messages for s in self._special_ids):
             text = self._render_chat(messages)
-            if not any(s in m["content"] for m in messages for s in self._special_ids):
+            with self._tok_lock:
                 return self.tokenizer.encode(text, add_special_tokens=False)
-            # Render with a placeholder for each content, cut the text at the (template's) special
-            # tokens, put the contents back into the pieces and encode each piece as plain text.
-            marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-            text = self._render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)])
-            ids = []
-            for piece in self._special_re.split(text):
-                if piece in self._special_ids:
-                    ids.append(self._special_ids[piece])
-                elif piece:
-                    for m, mark in zip(messages, marks):
-                        piece = piece.replace(mark, m["content"])
-                    ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
-            return ids
+        # Render with a placeholder for each content, cut the text at the (template's) special tokens,
+        # put the contents back into the pieces (one pass: a content is never searched for marks) and
+        # encode every piece as plain text, in one batch.
+        text = self._render_chat([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)])
+        pieces = [p for p in self._special_re.split(text) if p]
+        plain = [_MARK.sub(lambda match: messages[int(match[1])]["content"], p) for p in pieces
+                 if p not in self._special_ids]
+        with self._tok_lock:
+            encoded = iter(self.tokenizer(plain, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                           if plain else ())
+        ids = []
+        for p in pieces:
+            ids += [self._special_ids[p]] if p in self._special_ids else next(encoded)
+        return ids
 
     def _longest_token_chars(self) -> int:
         """The most characters of text that one token can stand for: the longest decoded token of the
@@ -732,8 +734,11 @@ class _TextStream:
         out, self.held = text[:cut], text[cut:]
         return out, False
 
-    def flush(self) -> str:
-        """The text held back and not yet released (the generation ended)."""
+    def flush(self) -> tuple[str, bool]:
+        """The generation ended: the rest of the text (what was held back, and an incomplete UTF-8
+        sequence's U+FFFD), cut before a stop string it completes; and whether it did."""
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
-        out, self.held, self.fed = self.held + new[self.fed:], "", len(new)
-        return out
+        rest, self.fed = new[self.fed:], len(new)
+        out, stopped = self._check(rest)
+        out, self.held = out + self.held, ""
+        return out, stopped

@@ -111,7 +111,7 @@ class _Sampling(BaseModel):
                     BeforeValidator(_check_stop_chars),
                     Field(description=f"up to {MAX_STOP} sequences, {MAX_STOP_CHARS} characters in all; the text "
                                       "ends before the first one generated")] = None
-    seed: int | None = Field(None, strict=True, description="any integer: seeds equal modulo 2**64 sample alike")
+    seed: int | None = Field(None, strict=True, description="any integer")
     n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None

@@ -88,7 +88,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
               f"{torch.get_num_threads()} threads) at {url}", flush=True)
         api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
         app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
-                         request_timeout_s=cfg.timeout_request_s)
+                         request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                     http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s)
     finally:

@@ -21,6 +21,7 @@ On a CUDA device the batched step is replayed as a CUDA graph, the batch padded 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -55,6 +56,13 @@ class _Seq:
 def _slot(req) -> int:
     """The variant slot a request runs with (serve/batch.py), −1 for the base."""
     return -1 if req.delta is None else req.delta.slot
+
+
+def _generator_seed(seed: int) -> int:
+    """A request's seed (any integer) as a torch.Generator seed: 64 bits of its BLAKE2b hash, so
+    that seeds equal modulo 2**64, or 2**32 (torch's CPU generator keeps the low 32 bits), still
+    sample apart."""
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little")
 
 
 class Scheduler:
@@ -162,7 +170,7 @@ class Scheduler:
         p = req.params
         seq.text = _TextStream(eng.detokenizer, p.stop, eng._detok_lock)
         if p.temperature > 0 and p.seed is not None:
-            seq.gen = torch.Generator(eng.device).manual_seed(p.seed % 2**64)  # it takes 64 bits
+            seq.gen = torch.Generator(eng.device).manual_seed(_generator_seed(p.seed))
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
         view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
@@ -210,13 +218,14 @@ class Scheduler:
             token = sample(logits, p.temperature, p.top_p, seq.gen)
             seq.n += 1
             if token in eng.eos_token_ids:
-                step = Step(token, seq.text.flush(), "stop")
+                step = Step(token, seq.text.flush()[0], "stop")
             else:
                 piece, stopped = seq.text.push(token)
                 if stopped:
                     step = Step(token, piece, "stop")
                 elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
-                    step = Step(token, piece + seq.text.flush(), "length")
+                    rest, stopped = seq.text.flush()
+                    step = Step(token, piece + rest, "stop" if stopped else "length")
                 else:
                     step = Step(token, piece)
         except Exception as e:  # noqa: BLE001 — this row's own failure ends this request only

@@ -105,6 +105,15 @@ def tiny_family(tmp_path_factory) -> TinyFamily:
     return build_tiny_family(tmp_path_factory.mktemp("tiny_family"))
 
 
+def api_error(r, status: int) -> dict:
+    """The OpenAI error object of the HTTP response ``r``, asserting its status and JSON shape."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     import socket

@@ -27,7 +27,7 @@ import serve.engine
 from serve.app import create_app
 from serve.engine import Engine, _TextStream
 from serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
-from tests.conftest import free_port, stop_server, wait_healthy
+from tests.conftest import api_error, free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -42,14 +42,6 @@ def engine(tiny_family) -> Engine:
 def tc(engine):
     with TestClient(create_app(engine)) as tc:
         yield tc
-
-
-def _error(r, status: int) -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
 
 
 def _events(r) -> list:
@@ -138,7 +130,7 @@ def test_a_failed_request_is_a_500_and_its_batch_goes_on(nan_writer):
         assert tc.get("/health").json() == {"status": "ok"}
         again = tc.post("/v1/completions", json=ok_plain)
     for r in got[1:3]:
-        err = _error(r, 500)
+        err = api_error(r, 500)
         assert err["type"] == "server_error" and err["code"] == "generation_failed"
         assert "not finite" in err["message"]
     assert got[0].status_code == 200 and _texts(got[0]) == _texts(alone[0])
@@ -181,7 +173,7 @@ def test_an_error_after_the_first_token_is_an_in_band_event(engine, monkeypatch)
                                                "are not finite (NaN or inf).", "type": "server_error",
                                     "param": None, "code": "generation_failed"}}
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])  # no finish, no usage
-    assert _error(plain, 500)["code"] == "generation_failed"
+    assert api_error(plain, 500)["code"] == "generation_failed"
 
 
 # ------------------------------------------------------------------------------------ stop strings
@@ -204,8 +196,9 @@ def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None) -> tuple[str,
         pieces.append(piece)
         if stopped:
             return "".join(pieces), True, pieces
-    pieces.append(ts.flush())
-    return "".join(pieces), False, pieces
+    rest, stopped = ts.flush()
+    pieces.append(rest)
+    return "".join(pieces), stopped, pieces
 
 
 def _expected(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
@@ -239,8 +232,7 @@ def test_stop_strings_match_a_brute_force_reference_on_random_tokens(engine):
         stops = []
         for _ in range(rng.randrange(0, 4)):
             a = rng.randrange(len(text) + 1)
-            piece = text[a:a + rng.randrange(1, 6)].replace("\ufffd", "")
-            stops.append(piece or "zz")
+            stops.append(text[a:a + rng.randrange(1, 6)] or "zz")  # U+FFFD too: an incomplete character
         out, stopped, _ = _stream(ids, tuple(stops), tok)
         assert (out, stopped) == _expected(text, tuple(stops)), (ids, stops)
 
@@ -264,20 +256,20 @@ def test_a_long_held_stop_prefix_costs_time_linear_in_the_new_text():
 
 @pytest.mark.parametrize("prompt", [[False, True], [1.0, 2.0], ["1", 2], [1, "2"], [-1], [], ""])
 def test_token_id_prompts_are_integers_only(tc, prompt):
-    err = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}), 400)
+    err = api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}), 400)
     assert err["param"].startswith("prompt") and err["type"] == "invalid_request_error"
 
 
 def test_what_the_schema_admits_and_the_engine_refuses(tc, engine):
     vocab = engine.model.args.vocab_size
     assert tc.post("/v1/completions", json={"model": "tiny", "prompt": [vocab - 1], "max_tokens": 1}).status_code == 200
-    err = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": [vocab], "max_tokens": 1}), 400)
+    err = api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": [vocab], "max_tokens": 1}), 400)
     assert err["param"] == "prompt" and str(vocab) in err["message"]
 
 
 def test_more_messages_than_allowed_are_refused_by_count(tc):
     body = {"model": "tiny", "messages": [{"role": "user"}] * (MAX_MESSAGES + 1)}
-    assert _error(tc.post("/v1/chat/completions", json=body), 400) == {
+    assert api_error(tc.post("/v1/chat/completions", json=body), 400) == {
         "message": f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
                    f"but got an array with length {MAX_MESSAGES + 1} instead.",
         "type": "invalid_request_error", "param": "messages", "code": "array_above_max_length"}
@@ -290,7 +282,7 @@ def test_stop_strings_over_the_limit_are_refused(tc):
     at_limit = ["s" * (MAX_STOP_CHARS // 4)] * 4
     assert tc.post("/v1/completions", json={**body, "stop": at_limit}).status_code == 200
     for stop in (at_limit[:3] + [at_limit[3] + "s"], "s" * (MAX_STOP_CHARS + 1)):
-        assert _error(tc.post("/v1/completions", json={**body, "stop": stop}), 400) == {
+        assert api_error(tc.post("/v1/completions", json={**body, "stop": stop}), 400) == {
             "message": f"Invalid 'stop': {MAX_STOP_CHARS + 1} characters in all; at most {MAX_STOP_CHARS} characters "
                        "of stop sequences are allowed per request.",
             "type": "invalid_request_error", "param": "stop", "code": "string_above_max_length"}
@@ -304,8 +296,20 @@ def test_developer_is_the_system_role_and_tool_is_refused(tc):
                                                                       {"role": "user", "content": "Hi"}]})
     assert dev.status_code == 200 and dev.json()["choices"] == sys_.json()["choices"]
     assert dev.json()["usage"] == sys_.json()["usage"]
-    err = _error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]}), 400)
+    err = api_error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]}), 400)
     assert err["param"] == "messages.0.role"
+
+
+def test_a_chat_that_spells_special_tokens_is_encoded_in_one_pass(engine):
+    """The placeholder path of ``encode_chat`` (a content spelling ``<|user|>``) puts each content back
+    once: a content that spells another message's placeholder stays as it is (it was replaced by that
+    message's content), and the spelled marker stays text."""
+    messages = [{"role": "user", "content": "\ue0001\ue001 and"}, {"role": "assistant", "content": "<|user|> x"}]
+    ids = engine.encode_chat(messages)
+    user = engine.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert ids.count(user) == 1  # the template's, for the first message
+    text = engine.tokenizer.decode(ids)
+    assert "\ue0001\ue001 and" in text and "<|user|> x" in text
 
 
 # ------------------------------------------------------------------------------------ OpenAPI
@@ -368,7 +372,7 @@ def test_every_answer_is_documented_for_its_operation(nan_writer):
 
 def test_405_keeps_its_allow_header(tc):
     r = tc.delete("/v1/completions")
-    assert _error(r, 405)["code"] == "method_not_allowed"
+    assert api_error(r, 405)["code"] == "method_not_allowed"
     assert r.headers["allow"] == "POST"
 
 
@@ -377,12 +381,14 @@ def test_405_keeps_its_allow_header(tc):
 
 @pytest.fixture(scope="module")
 def server(tiny_family, tmp_path_factory):
-    """``python serve/run.py`` on the tiny family with ``timeout_request_s=1``; yields (url, pid)."""
+    """``python serve/run.py`` on the tiny family with ``timeout_request_s=1`` and 8 MiB bodies (the
+    default is 2 MiB), so that a huge body reaches the parser; yields (url, pid)."""
     port = free_port()
     out = tmp_path_factory.mktemp("isolation")
     log = open(out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
-                             "log_level=warning", "timeout_request_s=1", f"hydra.run.dir={out}"],
+                             "log_level=warning", "timeout_request_s=1", "max_request_bytes=8388608",
+                             f"hydra.run.dir={out}"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, out / "server.log", 60)
@@ -423,7 +429,7 @@ def test_a_huge_chat_body_is_refused_at_once_without_holding_memory(server):
         r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
                        timeout=60)
         seconds = time.perf_counter() - t0
-        assert _error(r, 400)["code"] == "array_above_max_length"
+        assert api_error(r, 400)["code"] == "array_above_max_length"
         assert seconds < 1.0, seconds
     grown = _rss_bytes(pid) - before
     assert grown < 200 * 2**20, grown
@@ -439,7 +445,7 @@ def test_a_400k_character_stop_is_refused_at_once_and_others_go_on(server):
 
     r, seconds = _four_tokens_meanwhile(url, send)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1 and seconds < 1.0
-    assert _error(got["r"], 400)["code"] == "string_above_max_length"
+    assert api_error(got["r"], 400)["code"] == "string_above_max_length"
 
 
 def test_stops_at_the_limit_do_not_slow_the_others(server):
@@ -465,6 +471,55 @@ def test_bad_timeouts_are_refused_at_startup(tiny_family, override, message):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"error: {message}" in out.stderr
+
+
+def test_bodies_received_at_once_are_bounded_together():
+    """Two slow clients each hold part of a body: the one that takes all bodies being received past
+    ``pending_limit`` gets a 503 (Retry-After, connection closed); the first one goes on, and once it
+    is done the budget is free again."""
+    import asyncio
+
+    from serve.app import BodyLimit
+
+    async def echo(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    limit = BodyLimit(echo, limit=None, pending_limit=100)
+    scope = {"type": "http", "method": "POST", "headers": []}
+
+    async def client(chunks: list[bytes], gate: asyncio.Event | None, sent: list):
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                    for i, c in enumerate(chunks)]
+
+        async def receive():
+            if len(messages) == 1 and gate is not None:
+                await gate.wait()
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await limit(scope, receive, send)
+
+    async def main():
+        gate, first, second, third = asyncio.Event(), [], [], []
+        task = asyncio.create_task(client([b"a" * 60, b"b" * 10], gate, first))
+        await asyncio.sleep(0.01)  # the first holds 60 bytes, waiting for its last chunk
+        await client([b"c" * 30, b"d" * 30], None, second)  # 60 + 60 > 100
+        gate.set()
+        await task
+        await client([b"e" * 60, b"f" * 30], None, third)  # the budget is free again
+        return first, second, third
+
+    first, second, third = asyncio.run(main())
+    assert first[0]["status"] == 200 and first[1]["body"] == b"a" * 60 + b"b" * 10
+    assert second[0]["status"] == 503
+    headers = dict(second[0]["headers"])
+    assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
+    assert json.loads(second[1]["body"])["error"]["code"] == "server_busy"
+    assert third[0]["status"] == 200 and limit.pending == 0
 
 
 def _recv_all(sock: socket.socket) -> bytes:

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve.app import create_app
+from tests.conftest import api_error
 from serve.engine import Engine, SamplingParams
 
 GREEDY = dict(temperature=0, max_tokens=4)
@@ -28,13 +29,6 @@ def engine(tiny_family) -> Engine:
 def tc(engine):
     with TestClient(create_app(engine)) as tc:
         yield tc
-
-
-def _error(r, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
 
 
 def _post_raw(tc, path: str, raw: bytes):
@@ -60,7 +54,7 @@ def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(engin
     while a huge prompt is being encoded)."""
     n, per = engine.max_model_len, 26  # the longest token + 1 (test above)
     assert n == 128
-    tokenized = _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400)
+    tokenized = api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400)
     assert tokenized["message"].startswith("This model's maximum context length is 128 tokens, but there are ")
 
     calls = []
@@ -80,20 +74,20 @@ def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(engin
         t.join(20)
         assert not t.is_alive(), "an over-long prompt waited for the tokenizer"
     assert calls == []
-    assert _error(results["prompt"], 400) == {
+    assert api_error(results["prompt"], 400) == {
         "message": "This model's maximum context length is 128 tokens, but `prompt` holds 3329 characters: more than "
                    "128 tokens even at 26 characters per token (the most one token stands for), which leaves no room "
                    "for the completion. Please reduce the length of the prompt.",
         "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
     assert {k: tokenized[k] for k in ("type", "param", "code")} == \
         {"type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
-    assert _error(results["messages"], 400) == {
+    assert api_error(results["messages"], 400) == {
         "message": "This model's maximum context length is 128 tokens, but `messages` holds 3329 characters: more "
                    "than 128 tokens even at 26 characters per token (the most one token stands for), which leaves "
                    "no room for the completion. Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
     # At the bound it is tokenized as before (the lock is free again).
-    assert _error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400) == tokenized
+    assert api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400) == tokenized
     assert len(calls) == 1
 
 
@@ -108,7 +102,7 @@ def test_a_body_over_max_request_bytes_is_413_before_parsing(engine):
     with TestClient(create_app(engine, max_request_bytes=1000)) as tc:
         assert _post_raw(tc, "completions", at_limit).status_code == 200
         for raw in (at_limit + b" ", b"{not json" * 200):  # never parsed: not a 400
-            assert _error(_post_raw(tc, "completions", raw), 413) == {
+            assert api_error(_post_raw(tc, "completions", raw), 413) == {
                 "message": "The request body is larger than this server's limit of 1000 bytes.",
                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}
         assert tc.get("/health").json() == {"status": "ok"}
@@ -130,10 +124,10 @@ def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
             {"id": "tiny-coder", "object": "model", "unloaded": True}
         for _ in range(2):  # listing rescans the artifact root: it is not found again
             assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["tiny", "tiny-writer"]
-        assert _error(tc.get("/v1/models/tiny-coder"), 404) == gone
-        assert _error(tc.post("/v1/completions", json=body), 404) == gone
+        assert api_error(tc.get("/v1/models/tiny-coder"), 404) == gone
+        assert api_error(tc.post("/v1/completions", json=body), 404) == gone
         assert "tiny-coder" not in tc.get("/v1/delta_cache").json()["variants"]
-        assert _error(tc.post("/v1/unload_variant", json={"variant": "tiny-coder"}), 404) == gone | {"param": "variant"}
+        assert api_error(tc.post("/v1/unload_variant", json={"variant": "tiny-coder"}), 404) == gone | {"param": "variant"}
 
         r = tc.post("/v1/load_variant", json={"variant": "coder"})  # by name, from the artifact root
         assert r.status_code == 200 and r.json()["id"] == "tiny-coder" and r.json()["loaded_from"] == "disk"
@@ -145,7 +139,7 @@ def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
         assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
 
         held = engine.prepare("tiny-writer", engine.encode_prompt("x"), SamplingParams(**GREEDY))
-        assert _error(tc.post("/v1/unload_variant", json={"variant": "writer"}), 409) == {
+        assert api_error(tc.post("/v1/unload_variant", json={"variant": "writer"}), 409) == {
             "message": "variant `tiny-writer` has 1 requests in flight; retry when they have finished",
             "type": "invalid_request_error", "param": "variant", "code": "variant_in_use"}
         assert "tiny-writer" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
@@ -153,7 +147,7 @@ def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
         assert tc.post("/v1/unload_variant", json={"variant": "writer"}).status_code == 200
 
         for path, what in (("unload_variant", "unloaded"), ("load_variant", "loaded as a variant")):
-            assert _error(tc.post(f"/v1/{path}", json={"variant": "tiny"}), 400) == {
+            assert api_error(tc.post(f"/v1/{path}", json={"variant": "tiny"}), 400) == {
                 "message": f"`tiny` is the base model, which is always loaded: it cannot be {what}",
                 "type": "invalid_request_error", "param": "variant", "code": "base_model"}
         assert tc.post("/v1/completions", json={**body, "model": "tiny"}).status_code == 200
@@ -175,7 +169,7 @@ def test_a_synthetic_variant_unloaded_is_generated_again_by_load_variant(tmp_pat
         before = tc.post("/v1/completions", json=body).json()["choices"][0]["text"]
         assert tc.post("/v1/unload_variant", json={"variant": "v01"}).status_code == 200
         assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["syn", "syn-v00"]
-        assert _error(tc.post("/v1/completions", json=body), 404)["code"] == "model_not_found"
+        assert api_error(tc.post("/v1/completions", json=body), 404)["code"] == "model_not_found"
         r = tc.post("/v1/load_variant", json={"variant": "v01"})
         assert r.status_code == 200 and r.json()["id"] == "syn-v01" and r.json()["loaded_from"] == "disk"
         assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
@@ -219,7 +213,7 @@ STREAM_OPTIONS = {"message": "The 'stream_options' parameter is only allowed whe
 def test_loose_parameter_values_are_400(tc, path, extra, error):
     first = '"prompt": "x"' if path == "completions" else '"messages": [{"role": "user", "content": "x"}]'
     raw = f'{{"model": "tiny", {first}, "max_tokens": 2, {extra}}}'.encode()
-    assert _error(_post_raw(tc, path, raw), 400) == error
+    assert api_error(_post_raw(tc, path, raw), 400) == error
 
 
 def test_what_openai_accepts_is_still_accepted(tc):
@@ -232,23 +226,23 @@ def test_what_openai_accepts_is_still_accepted(tc):
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_a_body_that_is_not_utf8_is_invalid_json(tc, path):
     first = b'"prompt": "\xff"' if path == "completions" else b'"messages": [{"role": "user", "content": "\xe9t\xe9"}]'
-    err = _error(_post_raw(tc, path, b'{"model": "tiny", ' + first + b"}"), 400)
+    err = api_error(_post_raw(tc, path, b'{"model": "tiny", ' + first + b"}"), 400)
     assert err == {"message": "The request body is not valid JSON: it is not UTF-8 text.",
                    "type": "invalid_request_error", "param": None, "code": "invalid_json"}
-    assert _error(_post_raw(tc, path, b"{not json"), 400)["code"] == err["code"]  # as malformed JSON
+    assert api_error(_post_raw(tc, path, b"{not json"), 400)["code"] == err["code"]  # as malformed JSON
     # found by a second fresh user: an encoded surrogate (not UTF-8, though Python's JSON parser takes
     # it) and a UTF-16 body (the parser guesses the encoding) were let through
     surrogate = b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'
     utf16 = '{"model": "tiny", "prompt": "x", "max_tokens": 2}'.encode("utf-16-le")
-    assert _error(_post_raw(tc, path, surrogate), 400) == err
-    assert _error(_post_raw(tc, path, utf16), 400) == err
+    assert api_error(_post_raw(tc, path, surrogate), 400) == err
+    assert api_error(_post_raw(tc, path, utf16), 400) == err
 
 
 def test_lone_surrogate_and_second_prompt_have_error_codes(tc):
     r = tc.post("/v1/completions", content=b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}',
                 headers={"content-type": "application/json"})
-    assert _error(r, 400) == {"message": "`prompt` is not valid Unicode (a lone surrogate at character 1)",
+    assert api_error(r, 400) == {"message": "`prompt` is not valid Unicode (a lone surrogate at character 1)",
                               "type": "invalid_request_error", "param": "prompt", "code": "invalid_unicode"}
     r = tc.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2})
-    assert _error(r, 400) == {"message": "only one prompt per request is supported", "type": "invalid_request_error",
+    assert api_error(r, 400) == {"message": "only one prompt per request is supported", "type": "invalid_request_error",
                               "param": "prompt", "code": "unsupported_value"}
