@@ -72,10 +72,10 @@ $(AUSTEN):
 	test -f $@ && touch $@
 
 data: install
-	$(PY) -m train.data $(ARGS)
+	$(PY) -m deltafleet.train.data $(ARGS)
 
 data/manifest.json: | $(STAMP) $(AUSTEN)
-	$(PY) -m train.data
+	$(PY) -m deltafleet.train.data
 
 models/base/config.json: | data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)
@@ -101,7 +101,7 @@ artifacts/%/bitdelta.json: | models/base/config.json
 family: install $(foreach v,$(VARIANTS),artifacts/$(v)/bitdelta.json)
 
 summary:
-	$(PY) -m train.summary
+	$(PY) -m deltafleet.train.summary
 
 serve: install
 	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)

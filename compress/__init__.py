@@ -2,7 +2,7 @@
 
 See ``compress.bitdelta`` and ARCHITECTURE.md, "BitDelta artifact, format version 1".
 """
-from compress.bitdelta import (
+from deltafleet.compress.bitdelta import (
     Artifact,
     ArtifactError,
     FingerprintMismatchError,

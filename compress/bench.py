@@ -31,12 +31,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-try:
-    import compress.bitdelta  # noqa: F401
-except ImportError:  # `python compress/bench.py` puts compress/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.modules.pop("compress", None)
-
 import torch
 
 GB = 1e9
@@ -84,7 +78,7 @@ def generate_pair(pair_dir: Path, shape: dict, dtype: torch.dtype, delta_std: fl
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from compress.atomic import staged_dir
+    from deltafleet.atomic import staged_dir
 
     tensors = llama_tensors(shape)
     n_params = sum(torch.Size(s).numel() for _, s in tensors)
@@ -147,7 +141,7 @@ def generate_pair(pair_dir: Path, shape: dict, dtype: torch.dtype, delta_std: fl
 
 def export_streaming(pair_dir: Path, out_dir: Path, granularity: str, max_shard_bytes: int) -> dict:
     """The product path: :func:`compress.bitdelta.compress`."""
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
 
     manifest = compress(pair_dir / "base", pair_dir / "ft", out_dir, variant="bench",
                         granularity=granularity, max_shard_bytes=max_shard_bytes)
@@ -159,7 +153,7 @@ def export_naive(pair_dir: Path, out_dir: Path, granularity: str) -> dict:
     """Both checkpoints loaded whole, then one Δ per matrix: the path users of BitDelta's repo take."""
     from safetensors.torch import load_file, save_file
 
-    from kernels import pack_signs
+    from deltafleet.kernels import pack_signs
 
     def load(d: Path) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
@@ -187,7 +181,7 @@ def export_naive(pair_dir: Path, out_dir: Path, granularity: str) -> dict:
 
 def compare_artifacts(streaming_dir: Path, naive_dir: Path) -> dict:
     """Signs equal bit for bit, α equal to float32 summation error, the same full tensors."""
-    from compress.bitdelta import load_artifact
+    from deltafleet.compress.bitdelta import load_artifact
     from safetensors.torch import load_file
 
     art = load_artifact(streaming_dir)
@@ -321,7 +315,7 @@ def plot(report: dict, png: Path) -> None:
 def main(cfg) -> dict:
     from omegaconf import OmegaConf
 
-    from compress.atomic import write_text
+    from deltafleet.atomic import write_text
 
     shape = OmegaConf.to_container(cfg.shape, resolve=True)
     pair_dir, work = Path(cfg.pair_dir), Path(cfg.work_dir)

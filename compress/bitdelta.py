@@ -8,7 +8,7 @@ per weight, packed eight to a byte) and one scale α (Eq. 1), so that ``W_ft ≈
 not a same-shape 2-D matrix (norms, biases, resized embeddings, new parameters) is stored in full,
 and parameters identical to the base are left out.
 
-The export streams both checkpoints block of rows by block of rows (``compress.stream``: plain file
+The export streams both checkpoints block of rows by block of rows (``deltafleet.checkpoint``: plain file
 reads, no memory map), so its memory is one float32 block of Δ, the packed signs of the current
 output shard and that shard's serialisation — a few hundred MB to ~2 GB whatever the model size
 (``make bench-compress`` measures it on a 7B-shaped pair). The artifact is written to a temporary folder next to
@@ -43,9 +43,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from compress.atomic import fsync_path, staged_dir
-from compress.stream import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
-from kernels import pack_signs, packed_width, reconstruct
+from deltafleet.atomic import fsync_path, staged_dir
+from deltafleet.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
+from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
 FORMAT_VERSION = 1
@@ -68,7 +68,7 @@ _HASH_BLOCK = 1 << 20
 class ArtifactError(CheckpointError):
     """A BitDelta artifact (or the checkpoints it is built from) is missing, malformed or corrupt.
 
-    A subclass of :class:`compress.stream.CheckpointError`, which the checkpoint reader raises
+    A subclass of :class:`deltafleet.checkpoint.CheckpointError`, which the checkpoint reader raises
     for a truncated or malformed safetensors file: catching ``CheckpointError`` catches both."""
 
 

@@ -25,12 +25,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-try:
-    import compress.bitdelta  # noqa: F401
-except ImportError:  # `python compress/distill.py` puts compress/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.modules.pop("compress", None)
-
 import json
 import logging
 import math
@@ -50,8 +44,8 @@ from safetensors.torch import save_file
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from compress.atomic import fsync_path, staged_dir
-from compress.bitdelta import (
+from deltafleet.atomic import fsync_path, staged_dir
+from deltafleet.compress.bitdelta import (
     ALPHA_SUFFIX,
     DELTA_INDEX_NAME,
     DELTA_NAME,
@@ -64,9 +58,9 @@ from compress.bitdelta import (
     load_artifact,
     write_manifest,
 )
-from kernels import unpack_signs
+from deltafleet.kernels import unpack_signs
 
-log = logging.getLogger("compress.distill")
+log = logging.getLogger("deltafleet.compress.distill")
 
 LOSSES = ("mse", "kl")
 METHOD = "scale distillation (BitDelta arXiv:2402.10193 §3.2)"
@@ -548,7 +542,7 @@ def _finish_wandb() -> None:
 
 def _source_artifact(cfg, run_dir: Path) -> Path:
     """``cfg.artifact_dir``, or a fresh export of the requested granularity when it has another one."""
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
 
     artifact_dir = Path(cfg.artifact_dir)
     manifest = artifact_dir / MANIFEST_NAME
@@ -567,7 +561,7 @@ def _source_artifact(cfg, run_dir: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from compress.cli import user_errors
+    from deltafleet.cli import user_errors
 
     with user_errors("distill"):
         return _main(cfg)

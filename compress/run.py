@@ -8,21 +8,14 @@ Reads ``conf/export.yaml``: diffs ``models/<variant>/`` against ``models/base/``
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-try:
-    import compress.bitdelta  # noqa: F401
-except ImportError:  # `python compress/run.py` puts compress/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.modules.pop("compress", None)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from compress.bitdelta import compress, export_hf
-from compress.cli import stop_on_sigterm, user_errors
+from deltafleet.compress.bitdelta import compress, export_hf
+from deltafleet.cli import stop_on_sigterm, user_errors
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")

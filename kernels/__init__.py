@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import (
+from deltafleet.kernels.reference import (
     bitdelta_linear as bitdelta_linear_reference,
     bitdelta_linear_batched as bitdelta_linear_batched_reference,
     pack_signs,
@@ -31,7 +31,7 @@ def _ops():
     global _triton_ops
     if _triton_ops is None:
         try:
-            from kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
+            from deltafleet.kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
         except ImportError:
             _triton_ops = False
         else:

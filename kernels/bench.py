@@ -35,12 +35,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-try:
-    import kernels.reference  # noqa: F401
-except ImportError:  # `python kernels/bench.py` puts kernels/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.modules.pop("kernels", None)
-
 import torch
 
 TARGET_SINGLE = 1.10
@@ -107,7 +101,7 @@ def copy_bandwidth(nbytes: int, bench) -> float:
 
 
 def _naive(x, w, sign, alpha, k, dtype):
-    from kernels import unpack_signs
+    from deltafleet.kernels import unpack_signs
 
     a = alpha.to(dtype)[:, None] if alpha.dim() == 1 else alpha.to(dtype)
     return x @ (w + a * unpack_signs(sign, k, dtype)).t()
@@ -115,7 +109,7 @@ def _naive(x, w, sign, alpha, k, dtype):
 
 def _bitdelta_style(x, w, signs, alphas, k, dtype):
     """Unpack each tenant's signs to the activation dtype, then one bmm for the deltas."""
-    from kernels import unpack_signs
+    from deltafleet.kernels import unpack_signs
 
     base = x @ w.t()
     s = unpack_signs(signs, k, dtype)                                    # [T, N, K]
@@ -133,10 +127,10 @@ def run(cfg) -> dict:
         raise RuntimeError("make bench-kernels needs a CUDA GPU (the kernels' CPU tests are `make test`)")
     import triton
 
-    from kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs,
+    from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference, pack_signs,
                          tile_signs)
-    from kernels import triton_bitdelta
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels import triton_bitdelta
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     if cfg.get("sign_layout", "tiled") not in ("rows", "tiled"):
         raise ValueError(f"sign_layout must be rows or tiled, got {cfg.sign_layout!r}")
@@ -330,7 +324,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(cfg) -> dict:
-    from compress.cli import user_errors
+    from deltafleet.cli import user_errors
 
     if not torch.cuda.is_available():
         raise SystemExit("bench-kernels: needs a CUDA GPU (the kernels' CPU tests are `make test`)")

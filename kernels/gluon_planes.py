@@ -89,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
+from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -98,7 +98,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _tma_load
+    from deltafleet.kernels.gluon_bitdelta import _tma_load
 
     @gluon.jit
     def _gdc_wait():
@@ -412,7 +412,7 @@ def tile_signs(signs: torch.Tensor, block_k: int) -> torch.Tensor:
     if kb % (block_k // 8):
         raise ValueError(f"{kb} sign bytes per row are not a whole number of {block_k // 8}-byte K steps")
     if block_k == 128:  # the serving layout (kernels.reference.tile_signs), whose tiles are these
-        from kernels.reference import tile_signs as tile_128
+        from deltafleet.kernels.reference import tile_signs as tile_128
         return tile_128(signs)
     nt = triton.cdiv(n, BLOCK_N)
     padded = signs.new_zeros(s, nt * BLOCK_N, kb)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
+from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -51,7 +51,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.gluon_bitdelta import _tma_load
+    from deltafleet.kernels.gluon_bitdelta import _tma_load
 
 BLOCK_N = 128   # features per program: two consumer warpgroups of 64 (the wgmma's M)
 BLOCK_K = 64

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import check_tensors
-from kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
+from deltafleet.kernels.reference import check_tensors
+from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
 
 
 @torch.library.custom_op("deltafleet::bitdelta_linear", mutates_args=())

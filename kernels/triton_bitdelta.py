@@ -72,8 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
-from kernels.reference import check_batched_args, check_tensors, check_weight_and_bias, tiled_shape
+from deltafleet.kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
+from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias, tiled_shape
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
 

@@ -3,7 +3,7 @@
 Plain functions on one parameter's tensors, free of Lightning, so that the training callback
 (``train/callbacks.py``, issue 3) and the merge toolkit (issue 7) can stream a model tensor by tensor.
 """
-from merge.soup import (
+from deltafleet.merge.soup import (
     MERGE_METHODS,
     RANK_MODES,
     choose_rank,

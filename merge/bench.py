@@ -11,11 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import merge.methods  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,7 +60,7 @@ def _merge(cfg: DictConfig, spec, base: Path, models: list[Path], out: Path, log
 
 
 def main(cfg: DictConfig) -> dict:
-    from compress.atomic import write_text
+    from deltafleet.atomic import write_text
 
     base, ft, other = _inputs(cfg)
     ck_bytes = json.loads((Path(cfg.work_dir) / "a" / "pair.json").read_text())["checkpoint_bytes"]

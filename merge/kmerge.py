@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from merge.methods import opcm_project
+from deltafleet.merge.methods import opcm_project
 
 Policy = Literal["kmerge", "kmerge++", "budget_opcm"]
 Factors = dict[str, tuple[Tensor, Tensor]]  # module → (A [r, d_in], B [d_out, r])

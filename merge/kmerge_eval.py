@@ -18,11 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import merge.kmerge  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -65,7 +60,7 @@ class Scorer:
     def __init__(self, cfg: DictConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from train.datamodule import load_blocks
+        from deltafleet.train.datamodule import load_blocks
 
         self.model = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(cfg.base_dir)
@@ -77,7 +72,7 @@ class Scorer:
         self.calls = 0
 
     def loss(self, factors: dict | None, domain: str, split: str = "test") -> float:
-        from train.module import heldout_loss
+        from deltafleet.train.module import heldout_loss
 
         n = self.cfg.eval_batches if split == "test" else self.cfg.gate_batches
         saved = {}
@@ -97,8 +92,8 @@ class Scorer:
 def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float) -> tuple[dict, dict]:
     """Arrival-order slots (adapter i → slot i mod K), merged by averaging (``linear``) or TIES (``ties``)
     of the members' ΔW, re-factorised to ``rank``. Returns (slot → factors, task → slot)."""
-    from merge.kmerge import refactor
-    from merge.methods import get_method
+    from deltafleet.merge.kmerge import refactor
+    from deltafleet.merge.methods import get_method
 
     names = list(adapters)
     groups = {s: [n for i, n in enumerate(names) if i % k == s] for s in range(min(k, len(names)))}
@@ -121,8 +116,8 @@ def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float
 
 
 def main(cfg: DictConfig) -> dict:
-    from compress.atomic import write_text
-    from merge.kmerge import AdapterPool
+    from deltafleet.atomic import write_text
+    from deltafleet.merge.kmerge import AdapterPool
 
     t0 = time.perf_counter()
     specs = [(d, s) for s in cfg.seeds for d in cfg.domains] if cfg.order == "interleaved" else \

@@ -36,7 +36,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from merge.soup import merge_param
+from deltafleet.merge.soup import merge_param
 
 REGISTRY: dict[str, type[MergeMethod]] = {}
 

@@ -12,12 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
-try:
-    import merge.methods  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # `python merge/run.py` puts merge/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -25,10 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from compress.cli import stop_on_sigterm
-    from compress.stream import CheckpointError
-    from merge.methods import get_method
-    from merge.stream import merge_checkpoints
+    from deltafleet.cli import stop_on_sigterm
+    from deltafleet.checkpoint import CheckpointError
+    from deltafleet.merge.methods import get_method
+    from deltafleet.merge.stream import merge_checkpoints
 
     stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
     try:

@@ -1,6 +1,6 @@
 """Offline merges of Hugging Face checkpoints, one tensor at a time (mergekit's lazy merge).
 
-Every input is read with :class:`compress.stream.Checkpoint` (plain reads, no memory map), so the
+Every input is read with :class:`deltafleet.checkpoint.Checkpoint` (plain reads, no memory map), so the
 process holds one parameter of each input, its merge and the output shard being filled — a model
 larger than RAM merges. Elementwise methods merge blocks of rows
 (``MergeMethod.merge_rows``), and each shard's header is written from the inputs' headers before
@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from compress.atomic import staged_dir
-from compress.stream import Checkpoint
-from merge.methods import MergeMethod
+from deltafleet.atomic import staged_dir
+from deltafleet.checkpoint import Checkpoint
+from deltafleet.merge.methods import MergeMethod
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -80,7 +80,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         ValueError: no models, a missing base for a task-vector method, inputs whose tensor names or
             shapes differ (the message names the first difference), an ``out_dir`` that overlaps an
             input, is a file, or holds files of something other than a merge (without ``overwrite``).
-        FileNotFoundError / compress.stream.CheckpointError: an unreadable input.
+        FileNotFoundError / deltafleet.checkpoint.CheckpointError: an unreadable input.
     """
     if not model_dirs:
         raise ValueError("no models to merge")

@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serve.engine import (
+from deltafleet.serve.engine import (
     Engine,
     GenerationError,
     InvalidRequestError,
@@ -59,7 +59,7 @@ from serve.engine import (
     VariantInUseError,
     VariantUnavailableError,
 )
-from serve.protocol import (
+from deltafleet.serve.protocol import (
     _OWN_ERRORS,
     _UNION_TAGS,
     ChatCompletion,

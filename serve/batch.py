@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
@@ -39,7 +39,7 @@ def _sign_shapes(model, sign_layout: str) -> dict[str, tuple[tuple[int, int], tu
     """Per weight matrix of ``model`` with a delta (a tied pair once): ``name -> (rows shape
     [N, ceil(K/8)], the shape one slot holds its signs in, whether that is tiled)``. An embedding's
     signs are gathered by token, so they stay rows (also when a tied lm_head shares them)."""
-    from serve.model import DeltaEmbedding, DeltaLinear
+    from deltafleet.serve.model import DeltaEmbedding, DeltaLinear
 
     check_sign_layout(sign_layout)
     gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
@@ -90,7 +90,7 @@ class DeltaSlots:
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
             self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
-        from serve.model import _hf_name
+        from deltafleet.serve.model import _hf_name
 
         self.full: dict[str, Tensor] = {}
         for pname, p in model.named_parameters():
@@ -127,7 +127,7 @@ class DeltaSlots:
         Raises: ValueError for a variant storing a matrix in full, a delta for a weight the model
         lacks, or signs of another shape than the matrix's; RuntimeError when no slot is free (or
         ``slot`` is taken)."""
-        from serve.model import VariantDelta
+        from deltafleet.serve.model import VariantDelta
 
         bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
         if bad:

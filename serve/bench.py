@@ -42,11 +42,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-try:
-    import serve.engine  # noqa: F401  (installed with `pip install -e .`)  # pyflakes: ignore
-except ImportError:  # `python serve/bench.py` puts serve/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import numpy as np
 import torch
@@ -66,8 +61,8 @@ def random_sign_artifact(src: Path, dst: Path, variant: str, seed: int) -> None:
     of the same size and scales), hashes and manifest redone; atomic (staged folder + rename)."""
     from safetensors.torch import load_file, save_file
 
-    from compress.atomic import staged_dir
-    from compress.bitdelta import _sha256_file, write_manifest
+    from deltafleet.atomic import staged_dir
+    from deltafleet.compress.bitdelta import _sha256_file, write_manifest
 
     manifest = json.loads((src / "bitdelta.json").read_text())
     g = torch.Generator().manual_seed(seed)
@@ -99,7 +94,7 @@ def stdlib_tokenizer(out: Path, vocab_size: int, model_max_length: int):
     """
     import tempfile
 
-    from train.tokenizer import train_tokenizer
+    from deltafleet.train.tokenizer import train_tokenizer
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     with tempfile.TemporaryDirectory() as d:
@@ -113,7 +108,7 @@ def stdlib_tokenizer(out: Path, vocab_size: int, model_max_length: int):
 
 def build_tokenizer(cfg: DictConfig) -> Path:
     """Only the tokenizer of a synthetic family, ``<family_dir>/tokenizer`` (built once)."""
-    from compress.atomic import staged_dir
+    from deltafleet.atomic import staged_dir
 
     out = Path(cfg.family_dir) / "tokenizer"
     if not (out / "tokenizer.json").is_file():
@@ -124,9 +119,9 @@ def build_tokenizer(cfg: DictConfig) -> Path:
 
 def build_family(cfg: DictConfig) -> Path:
     """The benchmark family under ``cfg.family_dir`` (built once; see the module docstring)."""
-    from compress.atomic import staged_dir
-    from compress.bench import generate_pair
-    from compress.bitdelta import compress
+    from deltafleet.atomic import staged_dir
+    from deltafleet.compress.bench import generate_pair
+    from deltafleet.compress.bitdelta import compress
 
     out = Path(cfg.family_dir)
     if (out / "family.json").is_file():
@@ -358,7 +353,7 @@ def gpu_memory_used_mib(field: str = "memory.used") -> list[int] | None:
 
 def predicted_memory(cfg: DictConfig) -> list[dict]:
     """Bytes of tensors each rank of the server holds (``serve.synthetic.predict_memory``), per rank."""
-    from serve.synthetic import predict_memory
+    from deltafleet.serve.synthetic import predict_memory
 
     return [predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,
                            dtype=getattr(torch, cfg.dtype), max_batch=cfg.max_batch,
@@ -432,7 +427,7 @@ def plot(report: dict, png: Path) -> None:
 
 
 def main(cfg: DictConfig) -> dict:
-    from compress.atomic import write_text
+    from deltafleet.atomic import write_text
 
     import logging
 
@@ -511,7 +506,7 @@ def _synthetic_spec(cfg: DictConfig) -> dict | None:
     """How the server generates a synthetic family (its defaults for what the benchmark does not set)."""
     if not cfg.synthetic:
         return None
-    from serve.synthetic import DEFAULTS
+    from deltafleet.serve.synthetic import DEFAULTS
 
     return {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "std": DEFAULTS["std"],
             "alpha": DEFAULTS["alpha"]}

@@ -27,12 +27,12 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from transformers import AutoTokenizer
 
-from compress.bitdelta import ArtifactError, fingerprint, load_artifact
-from serve.batch import DeltaSlots, check_sign_layout
-from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
-from serve.model import Transformer, VariantDelta
-from serve.scheduler import END, Scheduler
-from serve.synthetic import read_synthetic
+from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifact
+from deltafleet.serve.batch import DeltaSlots, check_sign_layout
+from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
+from deltafleet.serve.model import Transformer, VariantDelta
+from deltafleet.serve.scheduler import END, Scheduler
+from deltafleet.serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
 VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
@@ -380,7 +380,7 @@ class Engine:
                 raise ValueError(f"it stores {full_matrix!r} in full (shape {tuple(delta.full[full_matrix].shape)}), "
                                  "which a batch of mixed variants cannot share (a resized vocabulary?)")
             if self.tp is not None:
-                from serve.tp import shard_delta
+                from deltafleet.serve.tp import shard_delta
 
                 delta = shard_delta(delta, self.tp.rank, self.tp.world)
         except (ArtifactError, OSError, ValueError) as e:

@@ -38,7 +38,7 @@ import sys
 import torch
 from torch import Tensor
 
-from serve.batch import BatchDeltas
+from deltafleet.serve.batch import BatchDeltas
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -125,7 +125,7 @@ class DecodeGraphs:
             return False
         if not with_deltas:
             return True
-        import kernels
+        from deltafleet import kernels
 
         return self.model.dtype in (torch.bfloat16, torch.float16) and bool(kernels._ops())
 
@@ -163,7 +163,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         # The graph holds the workspace's address; should a later, larger call replace it
         # (kernels/triton_bitdelta.py, _workspace), this reference keeps it allocated.
-        triton_mod = sys.modules.get("kernels.triton_bitdelta")
+        triton_mod = sys.modules.get("deltafleet.kernels.triton_bitdelta")
         workspace = getattr(triton_mod, "_WORKSPACE", {}).get(dev)
         graph = torch.cuda.CUDAGraph()
         # thread_local: request threads may copy a variant into its slot meanwhile (other memory)

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from kernels import bitdelta_linear, packed_width, unpack_signs
-from serve.batch import BatchDeltas, RowCache
+from deltafleet.kernels import bitdelta_linear, packed_width, unpack_signs
+from deltafleet.serve.batch import BatchDeltas, RowCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -493,7 +493,7 @@ class Transformer(nn.Module):
             model = cls(args)
         full_shapes = model.hf_param_shapes()  # what a (whole) variant's deltas are checked against
         if tp is not None:
-            from serve.tp import _kind, shard_model, slice_for
+            from deltafleet.serve.tp import _kind, shard_model, slice_for
 
             shard_model(model, *tp)
         index = d / "model.safetensors.index.json"

@@ -25,11 +25,6 @@ import os
 import sys
 from pathlib import Path
 
-try:
-    import serve.app  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # `python serve/run.py` puts serve/ first on sys.path, not the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -64,8 +59,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
 
-    from serve.app import create_app, http_protocol
-    from serve.engine import Engine
+    from deltafleet.serve.app import create_app, http_protocol
+    from deltafleet.serve.engine import Engine
 
     torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
@@ -122,13 +117,13 @@ def _write_synthetic(cfg: DictConfig) -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
-    from compress.atomic import staged_dir
-    from serve.synthetic import check_options, write_base_dir
+    from deltafleet.atomic import staged_dir
+    from deltafleet.serve.synthetic import check_options, write_base_dir
 
     opts = check_options(OmegaConf.to_container(cfg.synthetic, resolve=True))
     tok = opts["tokenizer_dir"]
     if tok is None:
-        from serve.bench import stdlib_tokenizer
+        from deltafleet.serve.bench import stdlib_tokenizer
 
         vocab = int(opts["shape"]["vocab_size"])
         tok = Path(cfg.paths.output_dir) / "synthetic" / f"tokenizer-stdlib-{vocab}"
@@ -145,8 +140,8 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from serve.engine import DTYPES
-    from serve.tp import TPContext, run_follower
+    from deltafleet.serve.engine import DTYPES
+    from deltafleet.serve.tp import TPContext, run_follower
 
     cfg = OmegaConf.create(cfg_dict)
     cuda = cfg.device == "cuda"

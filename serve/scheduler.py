@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from serve.batch import BatchDeltas, RowCache
-from serve.graphs import DecodeGraphs
+from deltafleet.serve.batch import BatchDeltas, RowCache
+from deltafleet.serve.graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 END = object()  # the last item of a request's queue
@@ -158,7 +158,7 @@ class Scheduler:
                 self._retire()
 
     def _prefill(self, seq: _Seq) -> None:
-        from serve.engine import _TextStream
+        from deltafleet.serve.engine import _TextStream
 
         eng, req = self.engine, seq.req
         if seq.on_start is not None:
@@ -211,7 +211,7 @@ class Scheduler:
     def _emit(self, seq: _Seq, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq`` from ``logits [V]`` and send its Step; an error here (its
         logits not finite, say) is sent to ``seq`` alone and ends it."""
-        from serve.engine import Step, sample
+        from deltafleet.serve.engine import Step, sample
 
         eng, p = self.engine, seq.req.params
         try:

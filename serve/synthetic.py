@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels import packed_width, tiled_shape
-from serve.batch import check_sign_layout
-from serve.model import ModelArgs, Transformer, VariantDelta
+from deltafleet.kernels import packed_width, tiled_shape
+from deltafleet.serve.batch import check_sign_layout
+from deltafleet.serve.model import ModelArgs, Transformer, VariantDelta
 
 SPEC_NAME = "synthetic.json"
 SOURCE_PREFIX = "synthetic:"  # a synthetic variant's `source` (what rank 0 tells the other ranks to load)
@@ -127,8 +127,8 @@ class SyntheticFamily:
             RuntimeError: the ranks generated different replicated weights (devices that do not draw
                 the same random numbers from the same seed).
         """
-        from serve.model import _hf_name
-        from serve.tp import shard_model, slice_for
+        from deltafleet.serve.model import _hf_name
+        from deltafleet.serve.tp import shard_model, slice_for
 
         args = self.args
         with torch.device("meta"):
@@ -186,7 +186,7 @@ class _SeededSigns(Mapping):
             shapes, seed_parts, device, alpha, rank, world
 
     def __getitem__(self, name: str) -> Tensor:
-        from serve.tp import shard_sign
+        from deltafleet.serve.tp import shard_sign
 
         n, k = self.shapes[name]
         g = _generator(self.device, _seed(*self.parts, name))
@@ -205,8 +205,8 @@ class _SeededSigns(Mapping):
 def _check_replicas(model: Transformer, group) -> None:
     """Raise RuntimeError unless every rank holds the same replicated parameters (embeddings, norms,
     head), compared by a checksum of a sample of each (a collective: every rank calls it)."""
-    from serve.model import _hf_name
-    from serve.tp import _kind
+    from deltafleet.serve.model import _hf_name
+    from deltafleet.serve.tp import _kind
 
     sums = [p.reshape(-1)[:: max(1, p.numel() // 65536)].double().sum()
             for n, p in model.named_parameters() if _kind(_hf_name(n)) is None]
@@ -261,7 +261,7 @@ def write_base_dir(out: str | Path, opts: Mapping, tokenizer_dir: str | Path) ->
     """
     from transformers import AutoTokenizer
 
-    from compress.atomic import staged_dir
+    from deltafleet.atomic import staged_dir
 
     opts = check_options(opts)
     shape = opts["shape"]

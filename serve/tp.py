@@ -61,7 +61,7 @@ def shard_model(model, rank: int, world: int, group=None) -> None:
         ValueError: if the heads, the MLP width or K/W of a row-parallel layer (in sign bytes) do not
             divide over ``world``.
     """
-    from serve.model import Attention, DeltaLinear
+    from deltafleet.serve.model import Attention, DeltaLinear
 
     a = model.args
     if a.n_head % world or a.n_local_heads % world:
@@ -112,7 +112,7 @@ def shard_sign(name: str, sign: Tensor, alpha: Tensor, rank: int, world: int) ->
 
 def shard_delta(delta, rank: int, world: int):
     """A variant's :class:`serve.model.VariantDelta` cut like :func:`shard_model` cuts the model."""
-    from serve.model import VariantDelta
+    from deltafleet.serve.model import VariantDelta
 
     if world == 1:
         return delta
@@ -174,10 +174,10 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
     ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
     Forwards only take part in the all-reduces; the logits are rank 0's to use. A synthetic family's
     folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
-    from compress.bitdelta import load_artifact
-    from serve.batch import BatchDeltas, DeltaSlots, RowCache
-    from serve.model import Transformer, VariantDelta
-    from serve.synthetic import SOURCE_PREFIX, read_synthetic
+    from deltafleet.compress.bitdelta import load_artifact
+    from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+    from deltafleet.serve.model import Transformer, VariantDelta
+    from deltafleet.serve.synthetic import SOURCE_PREFIX, read_synthetic
 
     synthetic = read_synthetic(base_dir)
     if synthetic is None:

@@ -41,7 +41,7 @@ class TinyFamily:
 def train_tiny_tokenizer(out_dir: Path, data_dir: Path, vocab_size: int = 512):
     """The family's byte-level BPE (``train.tokenizer``: eos ``<|endoftext|>``, role tokens, chat
     template), trained on a few stdlib modules."""
-    from train.tokenizer import train_tokenizer
+    from deltafleet.train.tokenizer import train_tokenizer
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def perturb(model, seed: int, scale: float = 0.5, norms: tuple[str, ...] = ()):
 
 
 def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer")) -> TinyFamily:
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
 
     models, artifacts = root / "models", root / "artifacts"
     base_dir = models / "base"

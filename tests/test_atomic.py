@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from compress import atomic
+from deltafleet import atomic
 
 
 def test_write_bytes_keeps_old_file_on_failure(tmp_path, monkeypatch):

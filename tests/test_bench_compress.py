@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.bench import llama_tensors
+from deltafleet.compress.bench import llama_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"name": "small", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,

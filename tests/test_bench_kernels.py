@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kernels import bench
+from deltafleet.kernels import bench
 
 
 def _cfg(tmp_path):

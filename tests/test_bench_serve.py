@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.bench import parse_load_seconds, summarize
+from deltafleet.serve.bench import parse_load_seconds, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import compress.bitdelta as bd
-from compress import (
+import deltafleet.compress.bitdelta as bd
+from deltafleet.compress import (
     Artifact,
     ArtifactError,
     FingerprintMismatchError,

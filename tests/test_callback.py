@@ -18,10 +18,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
-from merge.soup import merge_param
+from deltafleet.merge.soup import merge_param
 from test_soup import ref_monosoup, ref_rank_energy, ref_rank_effective, ref_truncate
-from train.callbacks import MonoSoupCallback
-from train.module import CausalLMModule
+from deltafleet.train.callbacks import MonoSoupCallback
+from deltafleet.train.module import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from train import data as D
+from deltafleet.train import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("train", "val", "test")
@@ -274,7 +274,7 @@ def test_hydra_entry_point(tmp_path):
                  "data.domains=[coder,math]", "data.val_fraction=0.1", "data.test_fraction=0.1",
                  "data.max_chars.coder=100000", "data.max_chars.math=40000", "data.math_problems=1000"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "train.data", *overrides], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "deltafleet.train.data", *overrides], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["coder", "manifest.json", "math"]

@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import compress.distill as distill
-from compress import FingerprintMismatchError, compress, fingerprint, load_artifact, materialize
-from compress.distill import EVAL_BLOCKS, METHOD, build_student, calibration_blocks, distill_scales
+import deltafleet.compress.distill as distill
+from deltafleet.compress import FingerprintMismatchError, compress, fingerprint, load_artifact, materialize
+from deltafleet.compress.distill import EVAL_BLOCKS, METHOD, build_student, calibration_blocks, distill_scales
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
@@ -60,7 +60,7 @@ def distilled(tiny_family, calib, tmp_path_factory):
     """The `writer` artifact (signs + matrix α + two norms in full) distilled with the MSE loss."""
     out = tmp_path_factory.mktemp("distilled") / "writer-distilled"
     calls, records = [], _Records()
-    logger = logging.getLogger("compress.distill")
+    logger = logging.getLogger("deltafleet.compress.distill")
     logger.addHandler(records)
     old_level = logger.level
     logger.setLevel(logging.INFO)
@@ -331,7 +331,7 @@ def test_failure_mid_write_leaves_nothing_and_keeps_an_existing_one(tiny_family,
 def test_calibration_blocks_are_the_training_blocks(tiny_family, tmp_path):
     from transformers import AutoTokenizer
 
-    from train.datamodule import load_blocks
+    from deltafleet.train.datamodule import load_blocks
 
     tok = AutoTokenizer.from_pretrained(tiny_family.base_dir)
     _write_corpus(tmp_path / "data" / "coder" / "train.jsonl")

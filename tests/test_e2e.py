@@ -43,7 +43,7 @@ def family(tmp_path_factory):
     if not AUSTEN.is_dir():
         pytest.fail(f"{AUSTEN} missing: run `make install` (it unpacks the Debian package r-cran-janeaustenr)")
     root = tmp_path_factory.mktemp("family")
-    run(["-m", "train.data", f"data.sources.austen={AUSTEN}", "data.max_chars.coder=300000",
+    run(["-m", "deltafleet.train.data", f"data.sources.austen={AUSTEN}", "data.max_chars.coder=300000",
          "data.max_chars.math=150000", "data.max_chars.writer=300000", "data.max_chars.legal=300000",
          "data.math_problems=4000"], root)
     base = run(["train/run.py", "variant=base", "trainer.max_steps=40", "variant.warmup_steps=5",
@@ -86,8 +86,8 @@ def test_export_hf_materialises_the_artifact_as_a_loadable_checkpoint(family):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train.datamodule import load_blocks
-    from train.module import heldout_loss
+    from deltafleet.train.datamodule import load_blocks
+    from deltafleet.train.module import heldout_loss
 
     root, _, _ = family
     run(["compress/run.py", "variant=coder", "format=hf"], root)

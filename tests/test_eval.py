@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import build_tiny_family
-from train.eval import (
+from deltafleet.train.eval import (
     Problem,
     checkpoint_bits_per_parameter,
     gain_recovered,
@@ -63,7 +63,7 @@ def test_split_problems_on_a_real_document():
 
 
 def test_split_problems_round_trips_the_data_generator():
-    from train.data import generate_math
+    from deltafleet.train.data import generate_math
 
     texts, _ = generate_math(60, seed=3)
     problems = split_problems("\n\n".join(texts))
@@ -87,7 +87,7 @@ def test_parse_answer_on_generated_text(text, expected):
 
 
 def test_load_problems_takes_the_first_n_in_file_order(tmp_path):
-    from train.data import generate_math
+    from deltafleet.train.data import generate_math
 
     texts, _ = generate_math(10, seed=1)
     (tmp_path / "math").mkdir()
@@ -136,7 +136,7 @@ def test_checkpoint_bits_per_parameter(tmp_path):
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """Tiny base + ``coder`` and ``math`` "fine-tunes", and data/{coder,math}/{train,test}.jsonl of real text."""
-    from train.data import generate_math
+    from deltafleet.train.data import generate_math
 
     root = tmp_path_factory.mktemp("eval_family")
     fam = build_tiny_family(root, variants=("coder", "math"))
@@ -157,7 +157,7 @@ def family(tmp_path_factory):
 def _blocks(fam, domain="coder", split="test", seq_len=32):
     from transformers import AutoTokenizer
 
-    from train.datamodule import load_blocks
+    from deltafleet.train.datamodule import load_blocks
 
     tok = AutoTokenizer.from_pretrained(fam.base_dir)
     return load_blocks(fam.root / "data", domain, split, tok, seq_len)
@@ -172,7 +172,7 @@ def _load(path):
 def test_token_metrics_match_heldout_loss_and_an_independent_kl(family):
     import torch.nn.functional as F
 
-    from train.module import heldout_loss
+    from deltafleet.train.module import heldout_loss
 
     blocks = _blocks(family)[:10]
     base, ft = _load(family.base_dir), _load(family.variants["coder"])
@@ -234,7 +234,7 @@ def _tree_digest(root: Path) -> str:
 
 
 def test_eval_cli_writes_the_report(family):
-    from train.module import heldout_loss
+    from deltafleet.train.module import heldout_loss
 
     root = family.root
     untouched = {d: _tree_digest(root / d) for d in ("models", "artifacts")}

@@ -27,7 +27,7 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_bitdelta as tb
+from deltafleet.kernels import triton_bitdelta as tb
 
 PTR = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*u8", "a_ptr": "*fp32", "slot_ptr": "*i32",
        "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -79,7 +79,7 @@ out[key("tiled-tenants-lut", tb._lut_configs()[0], {})] = build(tb._tenants_kern
 
 # the bit-plane kernel of the binary tenant path (a plain Triton kernel): a long K in 1024-weight
 # chunks, and a short one whose chunk is the whole row (with programmatic dependent launch)
-from kernels import gluon_planes as _gp
+from deltafleet.kernels import gluon_planes as _gp
 for block, chunk, pdl in ((8192, 1024, False), (512, 512, True)):
     try:
         _k = triton.compile(ASTSource(fn=_gp._bitplanes_kernel, signature={
@@ -92,7 +92,7 @@ for block, chunk, pdl in ((8192, 1024, False), (512, 512, True)):
         out["bitplanes " + json.dumps({"BLOCK": block, "CHUNK": chunk, "PDL": pdl})] = {
             "error": f"{type(e).__name__}: {str(e)[-400:]}"}
 
-from kernels import gluon_bitdelta as gb
+from deltafleet.kernels import gluon_bitdelta as gb
 if gb.HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -148,7 +148,7 @@ if gb.HAVE_GLUON:
                              "local": ptx.count("st.local")}
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
-    from kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_planes as gp
     import subprocess, tempfile
     from pathlib import Path as _P
     ptxas = _P(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -234,7 +234,7 @@ if gb.HAVE_GLUON:
                      bk_, dict(ALPHA_PER_ROW=True, HAS_BIAS=True, ROWS=rows, STAGES=st_, INFLIGHT=4, CONS_REGS=regs_,
                                RH=min(rows, rh_), PDL=pdl, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs_, "launch_pdl": pdl})
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
     for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
         try:
@@ -261,14 +261,14 @@ def compiled() -> dict:
 
 
 def test_every_configuration_compiles_for_sm90(compiled):
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import triton_bitdelta as tb
 
     n_decode, n_fma = len(tb._decode_configs(False)), len(tb._decode_configs(True))
-    from kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_bitdelta as gb
 
-    from kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_planes as gp
 
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 8  # + the register-operand and int8 kernels on tiled signs,
                # the int8 kernel with its base product spread over the consumers, and on the binary
@@ -295,7 +295,7 @@ def test_prefill_and_table_lookup_use_hopper_tensor_cores(compiled):
 def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compiled):
     """The point of the Gluon kernel: in its K loop it waits only until one wgmma is outstanding
     (``wgmma.wait_group 1``), so step k's sign expansion runs while step k − 1's product does."""
-    from kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_bitdelta as gb
 
     if not gb.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
@@ -307,7 +307,7 @@ def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compi
 def test_gluon_tenant_kernel_keeps_its_sums_in_registers(compiled):
     """Every usable (rows, tile) of the Hopper mixed-tenant kernel compiles without spilling to local
     memory: a thread's per-feature sums (at most 8 features, ``tenant_configs``) stay in registers."""
-    from kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_bitdelta as gb
 
     if not gb.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
@@ -321,7 +321,7 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     int8 wgmmas and compiles without ptxas serialising them (its C7512/C7515 "wgmma.mma_async
     instructions are serialized" diagnostic: too few registers, or an accumulator touched mid-pipeline),
     which in the non-specialised kernel had cost a factor of about two."""
-    from kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_planes as gp
 
     if not gp.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
@@ -346,7 +346,7 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
     """The register-operand prefill kernel (``kernels.gluon_prefill_rs``): every configuration issues
     wgmmas and ptxas keeps them asynchronous (no wgmma with a register operand stays in flight across
     the K loop's back edge, which would make ptxas serialise all of them)."""
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     if not pr.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")

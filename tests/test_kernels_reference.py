@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import (
+from deltafleet.kernels import (
     bitdelta_linear,
     bitdelta_linear_batched,
     pack_signs,
@@ -170,7 +170,7 @@ def test_bitdelta_linear_errors():
         bitdelta_linear(torch.randn(2, 0), torch.randn(6, 0), sign[:, :0], alpha)
     with pytest.raises(ValueError, match=r"x must have a feature dimension \(\[..., K\]\), got a 0-D tensor"):
         bitdelta_linear(torch.tensor(1.0), w, sign, alpha)
-    import kernels  # the public dispatcher reads x before the reference checks it
+    from deltafleet import kernels  # the public dispatcher reads x before the reference checks it
 
     with pytest.raises(ValueError, match="x must be a torch.Tensor, got list"):
         kernels.bitdelta_linear([[1.0] * K], w, sign, alpha)

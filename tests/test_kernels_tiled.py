@@ -12,8 +12,8 @@ DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import pack_signs  # noqa: E402
-from kernels.reference import (bitdelta_linear, bitdelta_linear_batched, tile_signs, tiled_shape,  # noqa: E402
+from deltafleet.kernels import pack_signs  # noqa: E402
+from deltafleet.kernels.reference import (bitdelta_linear, bitdelta_linear_batched, tile_signs, tiled_shape,  # noqa: E402
                                untile_signs)
 
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
@@ -66,7 +66,7 @@ triton = pytest.importorskip("triton")
     (40, 65, 300, True),    # the prefill (tensor-core) kernel
 ])
 def test_triton_single_variant_reads_tiled_signs(dtype, m, n, k, row_alpha):
-    from kernels.triton_bitdelta import bitdelta_linear_triton
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_triton
 
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -86,7 +86,7 @@ def test_triton_single_variant_reads_tiled_signs(dtype, m, n, k, row_alpha):
 @pytest.mark.parametrize("impl", ["fma", "lut"])
 @pytest.mark.parametrize("m, n, k", [(5, 70, 200), (18, 24, 1000)])
 def test_triton_mixed_tenants_read_tiled_signs(impl, m, n, k):
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     g = torch.Generator().manual_seed(m * 7 + k)
     dtype = torch.bfloat16
@@ -113,8 +113,8 @@ def test_triton_mixed_tenants_read_tiled_signs(impl, m, n, k):
 def test_gluon_prefill_kernels_read_tiled_signs(dtype, m, n, k):
     """Both Hopper prefill kernels on tiled signs: the register-operand kernel at each of its usable
     configurations and the shared-memory one at its default, against the row layout's reference."""
-    from kernels import gluon_bitdelta as gb
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
@@ -142,7 +142,7 @@ def test_gluon_prefill_kernels_read_tiled_signs(dtype, m, n, k):
 def test_dispatcher_runs_tiled_mixed_tenants_on_the_int8_kernel(m):
     """``bitdelta_linear_batched_triton`` with tiled signs and no ``impl`` on a Hopper GPU: the int8
     kernel at its first configuration of 128-weight K steps, equal to the reference."""
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")

@@ -22,9 +22,9 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kernels import pack_signs  # noqa: E402
-from kernels.reference import bitdelta_linear  # noqa: E402
-from kernels.triton_bitdelta import bitdelta_linear_triton  # noqa: E402
+from deltafleet.kernels import pack_signs  # noqa: E402
+from deltafleet.kernels.reference import bitdelta_linear  # noqa: E402
+from deltafleet.kernels.triton_bitdelta import bitdelta_linear_triton  # noqa: E402
 
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
@@ -94,7 +94,7 @@ def test_contract_errors():
 def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
     """torch.ops.deltafleet.bitdelta_linear: opcheck (schema, fake tensor, dispatch) and a
     fullgraph torch.compile (aot_eager) trace through the fake implementation."""
-    from kernels.ops import bitdelta_linear_op
+    from deltafleet.kernels.ops import bitdelta_linear_op
 
     x, w, sign, alpha, b = (t.to(DEVICE) if t is not None else None
                             for t in _case(3, 40, 24, torch.bfloat16, True, True))
@@ -115,7 +115,7 @@ def test_custom_op_traces_with_its_fake_and_matches_the_kernel():
 
 
 def test_dispatcher_uses_the_reference_off_cuda():
-    import kernels
+    from deltafleet import kernels
 
     x, w, sign, alpha, _ = _case(2, 16, 24, torch.bfloat16, False, False)
     torch.testing.assert_close(kernels.bitdelta_linear(x, w, sign, alpha),
@@ -135,8 +135,8 @@ def test_dispatcher_uses_the_reference_off_cuda():
     (18, 24, 1000, 5, True, False),  # two row blocks of 16 and K split across programs
 ])
 def test_batched_triton_matches_reference(impl, dtype, m, n, k, tenants, row_alpha, bias):
-    from kernels.reference import bitdelta_linear_batched
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     g = torch.Generator().manual_seed(m * 31 + k)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -162,7 +162,7 @@ def test_batched_triton_matches_reference(impl, dtype, m, n, k, tenants, row_alp
 
 
 def test_batched_contract_errors():
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     x = torch.randn(2, 16).bfloat16()
     w = torch.randn(8, 16).bfloat16()
@@ -186,7 +186,7 @@ def test_split_k_partial_sums_meet_and_the_workspace_is_left_zero(m):
     """K = 1000 spans two K-chunks of the decode kernel (interpreter tiles: 2 × 32 bytes = 512 k), so
     the two programs' partial sums meet in the float32 workspace; calling twice gives the same y and
     leaves the workspace and its counters at zero."""
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import triton_bitdelta as tb
 
     x, w, sign, alpha, b = _case(m, 24, 1000, torch.bfloat16, True, True, seed=3)
     ref = bitdelta_linear(x.float(), w.float(), sign, alpha, b.float())
@@ -200,9 +200,9 @@ def test_split_k_partial_sums_meet_and_the_workspace_is_left_zero(m):
 
 
 def test_batched_custom_op_and_dispatcher():
-    import kernels
-    from kernels.ops import bitdelta_linear_batched_op
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet import kernels
+    from deltafleet.kernels.ops import bitdelta_linear_batched_op
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 40, generator=g).bfloat16()
@@ -229,8 +229,8 @@ def test_batched_custom_op_and_dispatcher():
 def test_bias_is_checked_and_read_through_its_strides():
     """A bias that is a strided view gives the same y as a contiguous one; a bias of the wrong
     shape, or a weight that is not 2-D, is refused by the reference and both Triton paths alike."""
-    from kernels.reference import bitdelta_linear_batched
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     x, w, sign, alpha, _ = _case(3, 16, 24, torch.bfloat16, True, False, seed=7)
     wide = torch.randn(32, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -262,8 +262,8 @@ def test_bias_is_checked_and_read_through_its_strides():
 def test_batched_with_no_slots_is_the_base_product(impl):
     """S = 0 (no variant loaded) and every row base-only: y = x·Wᵀ, and nothing is read from the
     empty signs / alphas (the FMA kernel masks those loads by the row's slot)."""
-    from kernels.reference import bitdelta_linear_batched
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     x, w, sign, alpha, _ = _case(3, 16, 24, torch.bfloat16, True, False, seed=9)
     signs, alphas = sign[None][:0], alpha[None][:0]
@@ -276,8 +276,8 @@ def test_batched_with_no_slots_is_the_base_product(impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool], ids=str)
 def test_slot_must_be_an_integer_tensor(dtype):
-    from kernels.reference import bitdelta_linear_batched
-    from kernels.triton_bitdelta import bitdelta_linear_batched_triton
+    from deltafleet.kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
     x, w, sign, alpha, _ = _case(2, 8, 16, torch.bfloat16, True, False)
     slot = torch.tensor([0, 0]).to(dtype)
@@ -290,7 +290,7 @@ def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
     """A loop body waits for its U ring stages before releasing any (with PRE also for the next body's
     first), so a ring of fewer stages (with PRE: no more) than K steps per body would deadlock: the
     wrapper refuses it before launching, and no listed configuration is such."""
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     x, w, sign, alpha, _ = _case(4, 128, 256, torch.bfloat16, True, False)
     y = torch.empty(4, 128, dtype=torch.bfloat16)
@@ -314,7 +314,7 @@ def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
     ],
 )
 def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
-    from kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_bitdelta as gb
 
     x, w, sign, alpha, b = _case(m, n, k, dtype, row_alpha, bias)
     ref = bitdelta_linear(x.float(), w.float(), sign, alpha, None if b is None else b.float())
@@ -328,7 +328,7 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         gb.bitdelta_linear_gluon(x, w, sign, alpha, b, y, config)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"{config}: {s}")
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     assert pr.rs_supported(x, w, sign) == (k % 64 == 0)
     assert pr.usable_configs(x, w, sign) == [c for c in pr.CONFIGS if k % (64 * c[2]) == 0 and k % 64 == 0]
@@ -346,7 +346,7 @@ def _tenant_case(m, n, k, dtype, row_alpha, bias):
     """A mixed-tenant batch of three slots with row 0 base-only and the last row's slot out of range
     (a kernel gives it the base): the float32 reference and ``(x, w, signs, alphas, slot, bias)`` on
     the GPU."""
-    from kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels.reference import bitdelta_linear_batched
 
     g = torch.Generator().manual_seed(m * 1000 + n)
     n_slots = 3
@@ -378,8 +378,8 @@ def test_gluon_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     """The Hopper mixed-tenant kernel, every configuration usable for the row count, with K split
     and not: equal to the float32 reference, rows of slot −1 and of an out-of-range slot getting the
     base only, and the split-K workspace left zero."""
-    from kernels import gluon_bitdelta as gb
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import triton_bitdelta as tb
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
@@ -406,7 +406,7 @@ def test_activation_planes_split_x_into_two_int8_planes_in_the_permuted_order(k)
     ``scale·(256·hi + lo)`` to within ``scale/2``, with ``scale = max|x|/32639``, stored at logical
     position ``4a + j`` of its 32-block for physical ``a + 8j``; ``Σq`` is the sum of the integers.
     An all-zero row gets scale 0 and zero planes."""
-    from kernels.gluon_planes import PLANE_MAX, activation_planes
+    from deltafleet.kernels.gluon_planes import PLANE_MAX, activation_planes
 
     g = torch.Generator().manual_seed(5)
     m = 3
@@ -441,7 +441,7 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     identity the kernel uses, ``s·q = 2·Σ_p w_p·popc(s' & b_p) − Σq`` with ``w_15 = −2^15``, holds
     for packed sign bits s' (``kernels.reference.pack_signs``' bit order). An all-zero row gets
     scale 0 and zero planes."""
-    from kernels.gluon_planes import BIT_MAX, activation_bitplanes
+    from deltafleet.kernels.gluon_planes import BIT_MAX, activation_bitplanes
 
     g = torch.Generator().manual_seed(11)
     m = 4
@@ -481,7 +481,7 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
 def test_activation_bitplanes_chunk_and_warps_change_nothing_but_speed():
     """Programs over 128- or 256-weight chunks with 8 warps write the same words and row sums as the
     default (1024-weight chunks, 4 warps), K past one chunk and not a multiple of the largest."""
-    from kernels.gluon_planes import activation_bitplanes
+    from deltafleet.kernels.gluon_planes import activation_bitplanes
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(3, 384, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])).to(torch.bfloat16).to(DEVICE)
@@ -493,7 +493,7 @@ def test_activation_bitplanes_chunk_and_warps_change_nothing_but_speed():
 
 
 def test_activation_bitplanes_refuses_a_chunk_or_warp_count_it_does_not_take():
-    from kernels.gluon_planes import activation_bitplanes
+    from deltafleet.kernels.gluon_planes import activation_bitplanes
 
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     for chunk in (64, 384, 16384):
@@ -511,7 +511,7 @@ def test_activation_bitplanes_refuses_a_chunk_or_warp_count_it_does_not_take():
 def test_activation_plane_kernels_refuse_what_they_cannot_read(name, multiple, bad_k):
     """Both activation-plane wrappers refuse K not a positive multiple of their block, other dtypes
     and a stride along K other than 1, before any launch."""
-    from kernels import gluon_planes
+    from deltafleet.kernels import gluon_planes
 
     fn = getattr(gluon_planes, name)
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -532,7 +532,7 @@ def test_warp_specialised_kernel_refuses_a_configuration_it_cannot_launch():
     all refused before any launch, as are loader warps other than 1, 2 or 4, signs not tiled for the
     configuration, persistent + PDL without bits, splits below 1 or fractional, and configurations
     that are not five values."""
-    from kernels.gluon_planes import bitdelta_linear_batched_planes
+    from deltafleet.kernels.gluon_planes import bitdelta_linear_batched_planes
 
     x, w = torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
     signs, alphas = torch.zeros(1, 64, 16, dtype=torch.uint8), torch.ones(1)
@@ -568,7 +568,7 @@ def test_ws_slots_counts_resident_programs_by_registers_and_shared_memory():
     61 440 of the 65 536 registers, so one program per multiprocessor; two 8-row warpgroups and two
     loaders (12 warps) at 80 registers would allow two by registers, and with the binary path (no int8
     planes) three 36 KiB stages fit twice in 228 KiB, with the planes (40 KiB a stage) once."""
-    from kernels.gluon_planes import ws_slots
+    from deltafleet.kernels.gluon_planes import ws_slots
 
     assert ws_slots(16, (128, 4, 4, 96, 2), 132, bits=True) == 132
     assert ws_slots(16, (128, 8, 3, 80, 2), 132, bits=True) == 264
@@ -592,7 +592,7 @@ def test_work_pieces_cover_every_tile_step_once_and_count_a_tiles_pieces(tiles, 
     arithmetic): every (tile, K step) is in exactly one piece, each tile's step 0 in one, a tile's
     piece count as every piece of it reports (the epilogue waits for that many), and under stream-K
     no program gets more than ``per`` steps."""
-    from kernels.gluon_planes import ws_pieces
+    from deltafleet.kernels.gluon_planes import ws_pieces
 
     if per:
         nprog = -(-tiles * kt // per)
@@ -613,7 +613,7 @@ def test_work_pieces_cover_every_tile_step_once_and_count_a_tiles_pieces(tiles, 
 def test_tile_signs_stores_each_k_step_tile_whole():
     """``tile_signs``: ``out[s, f, j]`` is the sign tile of slot s, features ``64f … 64f + 63`` (zero
     past N) and K step j, checked against slicing for both K steps; bad arguments refused."""
-    from kernels.gluon_planes import tile_signs
+    from deltafleet.kernels.gluon_planes import tile_signs
 
     g = torch.Generator().manual_seed(3)
     signs = torch.randint(0, 256, (3, 100, 64), generator=g, dtype=torch.uint8)  # N = 100, K = 512
@@ -642,7 +642,7 @@ def test_untimed_configuration_is_the_first_whose_k_step_divides_k():
     """``default_config``: the first ``WS_CONFIGS`` entry whose ``BLOCK_K`` divides K (at four rows
     the default takes K steps of 256, so K = 384 falls to the first with steps of 128), None when
     none does."""
-    from kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_planes as gp
 
     assert gp.default_config(4, 8192) == gp.WS_CONFIGS[4][0] and gp.WS_CONFIGS[4][0][0] == 256
     assert gp.default_config(4, 384) == next(c for c in gp.WS_CONFIGS[4] if c[0] == 128)
@@ -653,7 +653,7 @@ def test_untimed_configuration_is_the_first_whose_k_step_divides_k():
 def test_warp_specialised_split_follows_the_wave_model():
     """``ws_split``: programs per multiprocessor from registers and shared memory, then the split
     with the fewest K steps over all waves, ``ceil(tiles·split/slots)·(ceil(steps/split) + 3)``."""
-    from kernels.gluon_planes import ws_split
+    from deltafleet.kernels.gluon_planes import ws_split
 
     # 16 rows, 5 warpgroups × 96 registers and 160 KiB of ring: one program per multiprocessor
     assert ws_split(16, 8192, 8192, (128, 4, 4, 96, 1), 132) == 1    # 128 tiles fill one wave: 67 steps
@@ -690,8 +690,8 @@ def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
     rows and tiled signs, spread or not, and with programmatic dependent launch), with K split and not: equal to the float32
     reference within the dtype tolerance, rows of slot −1 and of an out-of-range slot getting the
     base only, and the split-K workspace left zero."""
-    from kernels import gluon_planes as gp
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import gluon_planes as gp
+    from deltafleet.kernels import triton_bitdelta as tb
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
@@ -753,8 +753,8 @@ def test_every_autotuning_tile_is_correct_under_the_wrappers_even_rule(k):
     launch it (``EVEN`` = K a multiple of the longest K step, so no K masks), gives the reference
     result. K = 3072 is a multiple of 1024 but not of the 2048-weight step of ``BLOCK_KB = 256``: an
     ``EVEN`` rule of ``K % 1024`` read past every row there."""
-    from kernels import triton_bitdelta as tb
-    from kernels.reference import bitdelta_linear_batched
+    from deltafleet.kernels import triton_bitdelta as tb
+    from deltafleet.kernels.reference import bitdelta_linear_batched
 
     m, n = 2, 4
     x, w, sign, alpha, _ = _case(m, n, k, torch.bfloat16, True, False, seed=5)
@@ -811,7 +811,7 @@ def test_autotune_off_keeps_one_tile_per_kernel():
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, check=True)
     off = subprocess.run([sys.executable, "-c", code], env={**env, "DELTAFLEET_TRITON_AUTOTUNE": "0"},
                          capture_output=True, text=True, cwd=root, check=True)
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import triton_bitdelta as tb
 
     full = [len(tb._decode_configs(False)), len(tb._decode_configs(True)), len(tb._decode_configs(False)),
             len(tb._mm_configs()), len(tb._lut_configs())]
@@ -822,7 +822,7 @@ def test_autotune_off_keeps_one_tile_per_kernel():
 def test_fastest_retimes_the_finalists_interleaved_and_takes_the_lowest_median():
     """``_fastest``: a failing run is skipped; the first pass keeps the ``finalists`` fastest; those are
     timed ``rounds`` times, interleaved, and the lowest median wins, not the first pass's minimum."""
-    from kernels.triton_bitdelta import _fastest
+    from deltafleet.kernels.triton_bitdelta import _fastest
 
     calls = []
     first = {"a": 1.00, "b": 1.01, "c": 1.02, "d": 1.50}
@@ -889,9 +889,9 @@ def test_tenant_choice_is_kept_apart_for_signs_the_int8_kernel_cannot_read(monke
     launches. The timing itself (``_fastest``) is replaced by "the first candidate"."""
     from types import SimpleNamespace
 
-    from kernels import gluon_bitdelta as gb
-    from kernels import gluon_planes as gp
-    from kernels import triton_bitdelta as tb
+    from deltafleet.kernels import gluon_bitdelta as gb
+    from deltafleet.kernels import gluon_planes as gp
+    from deltafleet.kernels import triton_bitdelta as tb
 
     monkeypatch.delenv("DELTAFLEET_TRITON_QUICK_TUNE", raising=False)
     monkeypatch.setattr(tb, "AUTOTUNE", True)

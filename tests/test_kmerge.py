@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from merge.kmerge import AdapterPool, refactor, similarity
+from deltafleet.merge.kmerge import AdapterPool, refactor, similarity
 
 MODULES = {"q": (12, 10), "v": (8, 10)}  # name → (d_out, d_in)
 

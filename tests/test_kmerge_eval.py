@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merge.kmerge_eval import baseline_pool, load_factors
+from deltafleet.merge.kmerge_eval import baseline_pool, load_factors
 from tests.conftest import tiny_llama
 
 
@@ -39,7 +39,7 @@ def test_arrival_order_baselines():
     torch.testing.assert_close(b @ a, want, rtol=1e-9, atol=1e-9)
     slots, _ = baseline_pool("ties", 1, ad, rank=5, density=1.0)
     a, b = slots[0]["m"]
-    from merge.methods import disjoint_merge
+    from deltafleet.merge.methods import disjoint_merge
 
     dense = [x["m"][1] @ x["m"][0] for x in ad.values()]
     torch.testing.assert_close(b @ a, disjoint_merge(dense, [1, 1, 1]), rtol=1e-5, atol=1e-6)  # TIES runs in fp32

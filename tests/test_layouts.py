@@ -37,8 +37,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from compress.bitdelta import compress, export_hf, fingerprint, load_artifact, materialize
-from serve.model import Transformer, VariantDelta
+from deltafleet.compress.bitdelta import compress, export_hf, fingerprint, load_artifact, materialize
+from deltafleet.serve.model import Transformer, VariantDelta
 
 VOCAB = 200
 ADDED_TOKENS = 8

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from merge.methods import REGISTRY, get_method, opcm_project, trim_top
-from merge.soup import merge_param
+from deltafleet.merge.methods import REGISTRY, get_method, opcm_project, trim_top
+from deltafleet.merge.soup import merge_param
 
 
 def _setup(shape=(6, 5), n=3, seed=0):
@@ -73,7 +73,7 @@ def test_ties_matches_the_papers_algorithm(density, weights):
 
 def test_blocks_of_rows_give_the_same_ties_as_the_whole_tensor(monkeypatch):
     """TIES' thresholds are taken over the whole tensor, even when the rows come in blocks."""
-    import merge.methods as mm
+    import deltafleet.merge.methods as mm
 
     base, ms = _setup((64, 16), seed=8)
     whole = get_method("ties", density=0.3).merge("w", base, ms)

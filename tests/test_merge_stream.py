@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from merge.methods import get_method
-from merge.stream import merge_checkpoints
+from deltafleet.merge.methods import get_method
+from deltafleet.merge.stream import merge_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,8 +143,8 @@ def test_sigterm_removes_the_staged_folder(tmp_path):
     code = f"""
 import os, signal
 from pathlib import Path
-from compress.atomic import staged_dir
-from compress.cli import stop_on_sigterm
+from deltafleet.atomic import staged_dir
+from deltafleet.cli import stop_on_sigterm
 stop_on_sigterm()
 dst = Path({str(tmp_path / 'out')!r})
 with staged_dir(dst) as tmp:

@@ -21,9 +21,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from compress.bitdelta import compress
-from serve.app import create_app
-from serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
+from deltafleet.compress.bitdelta import compress
+from deltafleet.serve.app import create_app
+from deltafleet.serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
 from tests.conftest import api_error, free_port, perturb, stop_server, tiny_llama, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]

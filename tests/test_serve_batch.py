@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import tile_signs, untile_signs
-from serve.batch import BatchDeltas, DeltaSlots, RowCache
-from serve.engine import Engine
-from serve.model import DeltaLinear
+from deltafleet.kernels import tile_signs, untile_signs
+from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.engine import Engine
+from deltafleet.serve.model import DeltaLinear
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
     """``delta_cache.sign_layout: tiled`` (the default): the engine's slots hold the linears' signs
     tiled, and greedy completions of the base and both variants are a row-layout engine's, token for
     token."""
-    from serve.engine import SamplingParams
+    from deltafleet.serve.engine import SamplingParams
 
     tiled = engine
     rows = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", delta_cache={"sign_layout": "rows"})

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
+from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 
 
 class Delta:

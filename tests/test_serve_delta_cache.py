@@ -15,8 +15,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from serve.app import create_app
-from serve.engine import Engine, SamplingParams, VariantUnavailableError
+from deltafleet.serve.app import create_app
+from deltafleet.serve.engine import Engine, SamplingParams, VariantUnavailableError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -208,7 +208,7 @@ def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
 def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from compress.bitdelta import _sha256_file
+    from deltafleet.compress.bitdelta import _sha256_file
 
     bad = root / "artifacts" / "fullmat"
     shutil.copytree(root / "artifacts" / "coder", bad)

@@ -23,10 +23,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-import serve.engine
-from serve.app import create_app
-from serve.engine import Engine, _TextStream
-from serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
+from deltafleet.serve.app import create_app
+from deltafleet.serve import engine as serve_engine
+from deltafleet.serve.engine import Engine, _TextStream
+from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
 from tests.conftest import api_error, free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,13 +89,13 @@ def test_a_tiny_temperature_samples_greedily(tc):
 def test_sampling_takes_any_finite_logits_and_refuses_nan():
     huge = torch.tensor([3e38, -3e38, 1.0, 0.0])
     for t in (1e-5, 1e-3, 2.0):  # logits / T would overflow to inf and softmax to NaN
-        assert serve.engine.sample(huge, t, 0.5) == 0
-    assert serve.engine.sample(torch.tensor([0.0, float("-inf"), 1.0]), 1.0, 1.0) in (0, 2)
+        assert serve_engine.sample(huge, t, 0.5) == 0
+    assert serve_engine.sample(torch.tensor([0.0, float("-inf"), 1.0]), 1.0, 1.0) in (0, 2)
     for bad in ([float("nan"), 1.0], [float("inf"), 1.0], [float("-inf")] * 2):
-        with pytest.raises(serve.engine.GenerationError, match="not finite"):
-            serve.engine.sample(torch.tensor(bad), 1.0)
-        with pytest.raises(serve.engine.GenerationError):
-            serve.engine.sample(torch.tensor(bad), 0.0)
+        with pytest.raises(serve_engine.GenerationError, match="not finite"):
+            serve_engine.sample(torch.tensor(bad), 1.0)
+        with pytest.raises(serve_engine.GenerationError):
+            serve_engine.sample(torch.tensor(bad), 0.0)
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_an_error_after_the_first_token_is_an_in_band_event(engine, monkeypatch)
     OpenAI error object as an event, then [DONE] (no usage: the count would be a lie); the same
     request not streamed is a 500, never a 200 with cut text."""
     calls = {"n": 0}
-    sample = serve.engine.sample
+    sample = serve_engine.sample
 
     def failing_third(logits, *args, **kwargs):
         calls["n"] += 1
@@ -160,7 +160,7 @@ def test_an_error_after_the_first_token_is_an_in_band_event(engine, monkeypatch)
             logits = torch.full_like(logits, float("nan"))
         return sample(logits, *args, **kwargs)
 
-    monkeypatch.setattr(serve.engine, "sample", failing_third)
+    monkeypatch.setattr(serve_engine, "sample", failing_third)
     body = {"model": "tiny", "prompt": "def main(", "temperature": 0, "max_tokens": 8}
     with TestClient(create_app(engine)) as tc:
         r = tc.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
@@ -479,7 +479,7 @@ def test_bodies_received_at_once_are_bounded_together():
     is done the budget is free again."""
     import asyncio
 
-    from serve.app import BodyLimit
+    from deltafleet.serve.app import BodyLimit
 
     async def echo(scope, receive, send):
         body = (await receive())["body"]

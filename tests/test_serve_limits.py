@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import create_app
+from deltafleet.serve.app import create_app
 from tests.conftest import api_error
-from serve.engine import Engine, SamplingParams
+from deltafleet.serve.engine import Engine, SamplingParams
 
 GREEDY = dict(temperature=0, max_tokens=4)
 
@@ -155,8 +155,8 @@ def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
 
 
 def test_a_synthetic_variant_unloaded_is_generated_again_by_load_variant(tmp_path):
-    from serve.bench import stdlib_tokenizer
-    from serve.synthetic import write_base_dir
+    from deltafleet.serve.bench import stdlib_tokenizer
+    from deltafleet.serve.synthetic import write_base_dir
 
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)

@@ -12,9 +12,9 @@ import torch
 from torch.testing import assert_close
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from compress.bitdelta import compress, load_artifact
-from kernels import reconstruct
-from serve.model import ModelArgs, Transformer, VariantDelta
+from deltafleet.compress.bitdelta import compress, load_artifact
+from deltafleet.kernels import reconstruct
+from deltafleet.serve.model import ModelArgs, Transformer, VariantDelta
 from tests.conftest import perturb, tiny_llama
 
 TOL = dict(atol=1e-5, rtol=1e-5)

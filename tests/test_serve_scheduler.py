@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from serve.batch import BatchDeltas, DeltaSlots, RowCache
-from serve.engine import Engine, SamplingParams
+from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.engine import Engine, SamplingParams
 
 PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
 
@@ -122,7 +122,7 @@ def test_bad_batch_size_is_named(tiny_family):
 
 
 def test_buckets_and_the_padded_static_inputs(tiny_family):
-    from serve.graphs import DecodeGraphs, buckets
+    from deltafleet.serve.graphs import DecodeGraphs, buckets
 
     assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(12) == [1, 2, 4, 8, 12]
     engine = _engine(tiny_family, max_batch=2)
@@ -149,7 +149,7 @@ def test_padded_step_gives_the_real_rows_logits_and_writes_only_the_scratch_row(
     """What a graph replays, run eagerly on the CPU: 3 rows padded to 4 give the 3 rows' logits and
     cache of the unpadded step; the padding row writes the base's pad token at position 0 into the
     scratch row and nothing else."""
-    from serve.graphs import DecodeGraphs
+    from deltafleet.serve.graphs import DecodeGraphs
 
     engine = _engine(tiny_family, max_batch=1)
     model = engine.model
@@ -232,7 +232,7 @@ def test_the_scheduler_graph_path_matches_running_alone(tiny_family, alone, monk
     """The scheduler's graph branch (static inputs, buckets, graph per bucket, logits of the real
     rows) with the capture replaced by an eager stand-in: every step goes through it and each
     request gives what it gives alone."""
-    from serve.graphs import DecodeGraphs
+    from deltafleet.serve.graphs import DecodeGraphs
 
     engine = _engine(tiny_family, max_batch=8)
     sch = engine.scheduler
@@ -252,7 +252,7 @@ def test_the_scheduler_graph_path_matches_running_alone(tiny_family, alone, monk
 
 
 def test_a_failed_capture_falls_back_to_eager_decoding(tiny_family, alone, monkeypatch):
-    from serve.graphs import DecodeGraphs
+    from deltafleet.serve.graphs import DecodeGraphs
 
     engine = _engine(tiny_family, max_batch=2)
     sch = engine.scheduler

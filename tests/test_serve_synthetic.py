@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.batch import DeltaSlots
-from serve.synthetic import SyntheticFamily, check_options, predict_memory, read_synthetic, write_base_dir
+from deltafleet.serve.batch import DeltaSlots
+from deltafleet.serve.synthetic import SyntheticFamily, check_options, predict_memory, read_synthetic, write_base_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,7 +30,7 @@ LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from serve.bench import stdlib_tokenizer
+    from deltafleet.serve.bench import stdlib_tokenizer
 
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     stdlib_tokenizer(out, SHAPE["vocab_size"], SHAPE["max_position_embeddings"])
@@ -169,7 +169,7 @@ class _OneRank:
 def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(tokenizer_dir, tmp_path):
     """One slot for three variants: each load evicts the previous one to the host tier, and a load from
     there announces the variant's source again (it was lost with the slot's views)."""
-    from serve.engine import Engine, SamplingParams
+    from deltafleet.serve.engine import Engine, SamplingParams
 
     base = write_base_dir(tmp_path / "base", OPTS, tokenizer_dir)
     tp = _OneRank()
@@ -205,8 +205,8 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
     import httpx
     import openai
 
-    from serve.bench import hydra_value
-    from serve.engine import Engine, SamplingParams
+    from deltafleet.serve.bench import hydra_value
+    from deltafleet.serve.engine import Engine, SamplingParams
     from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
     port, tp_port = _free_ports(2)

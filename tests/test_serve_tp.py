@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from compress.bitdelta import load_artifact
-from serve.batch import BatchDeltas, DeltaSlots, RowCache
-from serve.model import Transformer, VariantDelta
-from serve.tp import shard_delta, shard_model
+from deltafleet.compress.bitdelta import load_artifact
+from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.model import Transformer, VariantDelta
+from deltafleet.serve.tp import shard_delta, shard_model
 
 PROMPTS = [[3, 17, 42, 9, 120, 7], [5, 6, 7], [200, 11, 31, 4]]
 
@@ -66,7 +66,7 @@ def _layout_family(root: Path, layout: str) -> tuple[Path, Path]:
     with a tied head for ``llama-bias-tied``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
 
     torch.manual_seed(0)
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -134,7 +134,7 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
 
     import openai
 
-    from serve.engine import Engine, SamplingParams
+    from deltafleet.serve.engine import Engine, SamplingParams
     from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
     repo = Path(__file__).resolve().parents[1]

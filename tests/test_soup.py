@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from merge.soup import choose_rank, merge_param, monosoup_update, summarize, svd_truncate
+from deltafleet.merge.soup import choose_rank, merge_param, monosoup_update, summarize, svd_truncate
 
 
 @pytest.fixture(autouse=True)

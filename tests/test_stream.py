@@ -1,4 +1,4 @@
-"""compress.stream: the no-mmap safetensors reader the export streams through."""
+"""deltafleet.checkpoint: the no-mmap safetensors reader the export streams through."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import compress.bitdelta as bd
-from compress.stream import Checkpoint, CheckpointError, read_header
-from kernels import pack_signs
+import deltafleet.compress.bitdelta as bd
+from deltafleet.checkpoint import Checkpoint, CheckpointError, read_header
+from deltafleet.kernels import pack_signs
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from train import data as D
-from train.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
+from deltafleet.train import data as D
+from deltafleet.train.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 700

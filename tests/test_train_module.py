@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
-from train.datamodule import load_blocks
-from train.module import CausalLMModule, heldout_loss
+from deltafleet.train.datamodule import load_blocks
+from deltafleet.train.module import CausalLMModule, heldout_loss
 
 
 def tiny_llama(vocab: int = 97) -> LlamaForCausalLM:

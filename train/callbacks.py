@@ -18,8 +18,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
-from train.distributed import deepspeed_module, full_shape, read_full_param, world_size, write_full_param
+from deltafleet.merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
+from deltafleet.train.distributed import deepspeed_module, full_shape, read_full_param, world_size, write_full_param
 
 
 class MonoSoupCallback(L.Callback):

@@ -51,7 +51,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from compress.atomic import write_bytes
+from deltafleet.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,7 @@ def math_units(cfg: dict) -> tuple[list[Unit], dict]:
         cands.append((f"math:gen#{j // PROBLEMS_PER_DOC}", lambda doc=doc: (doc,)))
     units = take_capped(cands, cfg["max_chars"]["math"], seed=cfg["seed"], domain="math",
                         chunk_chars=cfg["chunk_chars"])
-    return units, {"generator": "train.data.math_problem", "problems": len(problems), "rejected": rejected,
+    return units, {"generator": "deltafleet.train.data.math_problem", "problems": len(problems), "rejected": rejected,
                    "problems_per_doc": PROBLEMS_PER_DOC}
 
 

@@ -52,18 +52,13 @@ from datetime import date
 from pathlib import Path
 from typing import Mapping
 
-try:
-    import train  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # `python train/eval.py` from a checkout without the editable install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from compress.atomic import write_bytes, write_text
-from train.datamodule import load_blocks
+from deltafleet.atomic import write_bytes, write_text
+from deltafleet.train.datamodule import load_blocks
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ["setting", "bits/param", "loss", "ppl", "task metric", "KL(ft‖·)", "gain recovered (loss)",
@@ -289,7 +284,7 @@ def load_bitdelta(base_dir: str | Path, artifact_dir: str | Path, base_fingerpri
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from compress.bitdelta import load_artifact, materialize
+    from deltafleet.compress.bitdelta import load_artifact, materialize
 
     artifact = load_artifact(artifact_dir, base_fingerprint=base_fingerprint)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir), dtype=torch.float32)
@@ -322,13 +317,13 @@ def build_artifacts(cfg: DictConfig, variant: str, domain: str, tokenizer, work:
         setting name → ``{"dir": artifact folder, "manifest": its manifest, "seconds": build time,
         "distillation": provenance.distillation or None}``, in report order.
     """
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
 
     ft_dir = Path(cfg.paths.models_dir) / variant
     distill_scales = calib = None
     if cfg.distill.enabled:
         try:
-            from compress.distill import distill_scales
+            from deltafleet.compress.distill import distill_scales
         except ImportError as e:
             raise RuntimeError(f"distill.enabled=true but compress.distill cannot be imported ({e}); "
                                "run with distill.enabled=false") from e
@@ -578,7 +573,7 @@ def run(cfg: DictConfig) -> dict:
     """The whole report (module docstring); returns the JSON payload."""
     from transformers import AutoTokenizer
 
-    from compress.bitdelta import fingerprint
+    from deltafleet.compress.bitdelta import fingerprint
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -620,7 +615,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    from compress.cli import user_errors
+    from deltafleet.cli import user_errors
 
     with user_errors("eval"):
         missing = [v for v in cfg.variants if not (Path(cfg.paths.models_dir) / v / "config.json").is_file()]

@@ -27,21 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    import train  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # `python train/run.py` from a checkout without the editable install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from compress.atomic import staged_dir, write_text
-from train.datamodule import TextDataModule
-from train.distributed import ConsolidateOnTrainEnd
-from train.module import CausalLMModule, heldout_loss
+from deltafleet.atomic import staged_dir, write_text
+from deltafleet.train.datamodule import TextDataModule
+from deltafleet.train.distributed import ConsolidateOnTrainEnd
+from deltafleet.train.module import CausalLMModule, heldout_loss
 
 
 def build_model(cfg: DictConfig, tokenizer):
@@ -67,7 +62,7 @@ def load_tokenizer(cfg: DictConfig, run_dir: Path):
     from transformers import AutoTokenizer
 
     if cfg.variant.init == "scratch" and not cfg.model.name_or_path:
-        from train.tokenizer import train_tokenizer
+        from deltafleet.train.tokenizer import train_tokenizer
 
         corpus = Path(cfg.paths.data_dir) / cfg.variant.domain / "train.jsonl"
         if not corpus.is_file():
@@ -137,7 +132,7 @@ def train(cfg: DictConfig) -> dict:
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `make base` first")
     if cfg.variant.adapter not in (None, "lora"):
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
-    from compress.bitdelta import GRANULARITIES
+    from deltafleet.compress.bitdelta import GRANULARITIES
 
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
@@ -159,7 +154,7 @@ def train(cfg: DictConfig) -> dict:
     initial = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches) \
         if cfg.variant.init == "scratch" else None
     if cfg.variant.adapter == "lora":
-        from train.lora import apply_lora
+        from deltafleet.train.lora import apply_lora
 
         model = apply_lora(model, **OmegaConf.to_container(cfg.lora))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -201,7 +196,7 @@ def train(cfg: DictConfig) -> dict:
 def finish_lora(peft_model, out_dir: Path, trainer):
     """Save the PEFT adapter (rank 0) in a fresh staging folder beside ``out_dir``; return the
     model with the adapter merged in (the staging folder rides along as ``_deltafleet_adapter_dir``)."""
-    from train.lora import save_adapter_and_merge
+    from deltafleet.train.lora import save_adapter_and_merge
 
     if not trainer.is_global_zero:
         return None
@@ -258,7 +253,7 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     """Export ``artifacts/<variant>/`` and measure the held-out loss of the BitDelta model."""
     from transformers import AutoModelForCausalLM
 
-    from compress.bitdelta import compress, load_artifact, materialize
+    from deltafleet.compress.bitdelta import compress, load_artifact, materialize
 
     out = Path(cfg.export.out_dir)
     manifest = compress(cfg.base_dir, cfg.out_dir, out, variant=cfg.variant.name,

@@ -17,7 +17,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.gluon_planes import activation_bitplanes  # noqa: E402
+from deltafleet.kernels.gluon_planes import activation_bitplanes  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -57,7 +57,7 @@ REL_TOL = 0.02
 
 def build_family(root: Path) -> tuple[Path, Path]:
     """Tokenizer + base + variants + their BitDelta artifacts, as tests/conftest.py builds them."""
-    from compress.bitdelta import compress
+    from deltafleet.compress.bitdelta import compress
     from tests.conftest import perturb, tiny_llama, train_tiny_tokenizer
 
     base_dir, arts = root / "models" / "base", root / "artifacts"
@@ -81,8 +81,8 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 def check_logits(model, slots, views: dict) -> tuple[list[dict], dict, object]:
     """Part 1 (module docstring): per-batch results, the caches' comparison, the DecodeGraphs."""
-    from serve.batch import BatchDeltas, RowCache
-    from serve.graphs import DecodeGraphs
+    from deltafleet.serve.batch import BatchDeltas, RowCache
+    from deltafleet.serve.graphs import DecodeGraphs
 
     eager_cache = model.new_cache(MAX_BATCH + 1, SEQ)
     graphs = DecodeGraphs(model, slots, model.new_cache(MAX_BATCH + 1, SEQ))
@@ -132,7 +132,7 @@ def check_logits(model, slots, views: dict) -> tuple[list[dict], dict, object]:
 
 def time_steps(model, graphs, views: dict, n_steps: int = 100) -> list[dict]:
     """Part 2: ms per decode step, eager and by replay, at B = 1, 3, 8, 16 (variants mixed)."""
-    from serve.batch import BatchDeltas
+    from deltafleet.serve.batch import BatchDeltas
 
     dev = model.device
     order = [-1] + [views[v].slot for v in VARIANTS]
@@ -168,7 +168,7 @@ def time_steps(model, graphs, views: dict, n_steps: int = 100) -> list[dict]:
 
 def check_engine(base_dir: Path, arts: Path) -> dict:
     """Part 3: five greedy requests decoded together by the engine, graphs on and off."""
-    from serve.engine import Engine, SamplingParams
+    from deltafleet.serve.engine import Engine, SamplingParams
 
     jobs = ["tiny", "tiny-coder", "tiny-writer", "tiny-math", "tiny-coder"]
     prompts = ["def main(", "import os\nimport", "The quick brown", "x = 1 +", "class A:"]
@@ -208,10 +208,10 @@ def main(out_path: str) -> int:
         summary["skipped"] = "no CUDA device"
         Path(out_path).write_text(json.dumps(summary, indent=2))
         return 0
-    import kernels
-    from compress.bitdelta import load_artifact
-    from serve.batch import DeltaSlots
-    from serve.model import Transformer, VariantDelta
+    from deltafleet import kernels
+    from deltafleet.compress.bitdelta import load_artifact
+    from deltafleet.serve.batch import DeltaSlots
+    from deltafleet.serve.model import Transformer, VariantDelta
 
     summary.update(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=SHAPE,
                    max_batch=MAX_BATCH, dtype="bfloat16", rel_tol=REL_TOL)

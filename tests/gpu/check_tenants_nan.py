@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import bitdelta_linear_batched_reference as ref_fn  # noqa: E402
-from kernels import triton_bitdelta as tb  # noqa: E402
+from deltafleet.kernels import bitdelta_linear_batched_reference as ref_fn  # noqa: E402
+from deltafleet.kernels import triton_bitdelta as tb  # noqa: E402
 
 
 def case(n, k, t, impl, seed=0):

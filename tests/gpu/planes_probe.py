@@ -24,9 +24,9 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import gluon_bitdelta as gb  # noqa: E402
-from kernels import gluon_planes as gp  # noqa: E402
-from kernels import triton_bitdelta as tb  # noqa: E402
+from deltafleet.kernels import gluon_bitdelta as gb  # noqa: E402
+from deltafleet.kernels import gluon_planes as gp  # noqa: E402
+from deltafleet.kernels import triton_bitdelta as tb  # noqa: E402
 
 LAYERS = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 

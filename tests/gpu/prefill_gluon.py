@@ -12,9 +12,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import bitdelta_linear, pack_signs, unpack_signs  # noqa: E402
-from kernels import gluon_bitdelta as gb  # noqa: E402
-from kernels import gluon_prefill_rs as pr  # noqa: E402
+from deltafleet.kernels import bitdelta_linear, pack_signs, unpack_signs  # noqa: E402
+from deltafleet.kernels import gluon_bitdelta as gb  # noqa: E402
+from deltafleet.kernels import gluon_prefill_rs as pr  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=40)  # noqa: E731

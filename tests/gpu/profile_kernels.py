@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import triton_bitdelta as tb  # noqa: E402
+from deltafleet.kernels import triton_bitdelta as tb  # noqa: E402
 
 
 def main(case: str, n: int = 8192, k: int = 8192) -> None:
@@ -36,7 +36,7 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
     elif kind == "planesws":  # PLANES_CFG="BLOCK_K,rows per warpgroup,STAGES,registers,loaders[,split]"
         import os                # PLANES_TILED=1: the signs in tile_signs' layout (the serving default)
 
-        from kernels import gluon_planes as gp
+        from deltafleet.kernels import gluon_planes as gp
         bk, rh, st, regs, ld, *sp = (int(v) for v in os.environ["PLANES_CFG"].split(","))
         tiled = os.environ.get("PLANES_TILED") == "1"
         spread = os.environ.get("PLANES_BS") == "1"  # base_spread
@@ -51,12 +51,12 @@ def main(case: str, n: int = 8192, k: int = 8192) -> None:
     elif kind == "prefillrs":  # the register-operand prefill kernel, RS_CFG="BLOCK_T,STAGES,U,PRE (0/1),registers"
         import os
 
-        from kernels import gluon_prefill_rs as pr
+        from deltafleet.kernels import gluon_prefill_rs as pr
         cfg = tuple(int(v) for v in os.environ["RS_CFG"].split(","))
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         fn = lambda: pr.bitdelta_linear_prefill_rs(x, w, s[0], a[0], None, y, cfg)  # noqa: E731
     elif kind == "prefillss":  # the Gluon prefill kernel at its default configuration
-        from kernels import gluon_bitdelta as gb
+        from deltafleet.kernels import gluon_bitdelta as gb
         y = torch.empty(num, n, device="cuda", dtype=torch.bfloat16)
         fn = lambda: gb.bitdelta_linear_gluon(x, w, s[0], a[0], None, y)  # noqa: E731
     else:

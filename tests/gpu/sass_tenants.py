@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import gluon_bitdelta as gb  # noqa: E402
+from deltafleet.kernels import gluon_bitdelta as gb  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -110,7 +110,7 @@ def analyse_planes(rows: int, config: tuple, tiled: bool = False, base_spread: b
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_planes as gp
 
     bk, rh, stages, regs, loaders = config
     bn = gp.BLOCK_N
@@ -148,7 +148,7 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
     ``CONFIGS``: BLOCK_T, STAGES, U, PRE, registers): registers, spills, whether ptxas serialises its wgmmas, and the consumers'
     K-loop instructions per weight (each consumer thread forms 64·64/128 = 32 weights per K step, U
     steps per loop body)."""
-    from kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import gluon_prefill_rs as pr
 
     u = config[2]
     k = pr.compile_for_sm90(config, dtype)
@@ -163,12 +163,12 @@ def analyse_prefill_rs(config: tuple, dtype: str = "bf16") -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prefill-rs":  # python tests/gpu/sass_tenants.py prefill-rs [BT,STAGES,U,PRE,REGS]
-        from kernels import gluon_prefill_rs as pr
+        from deltafleet.kernels import gluon_prefill_rs as pr
         for config in ([tuple(int(v) for v in sys.argv[2].split(","))] if len(sys.argv) > 2 else pr.CONFIGS):
             print(analyse_prefill_rs(config), flush=True)
         sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "planes":  # … planes [ROWS BK,RH,STAGES,REGS,LOADERS] [tiled] [spread]
-        from kernels import gluon_planes as gp
+        from deltafleet.kernels import gluon_planes as gp
         flags = {a for a in sys.argv[2:] if a in ("tiled", "spread", "bits")}
         args = [a for a in sys.argv[2:] if a not in flags]
         cases = ([(int(args[0]), tuple(int(v) for v in args[1].split(",")))] if len(args) > 1 else

@@ -19,9 +19,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import pack_signs, unpack_signs  # noqa: E402
-from kernels import gluon_bitdelta as gb  # noqa: E402
-from kernels import triton_bitdelta as tb  # noqa: E402
+from deltafleet.kernels import pack_signs, unpack_signs  # noqa: E402
+from deltafleet.kernels import gluon_bitdelta as gb  # noqa: E402
+from deltafleet.kernels import triton_bitdelta as tb  # noqa: E402
 
 SHAPES = {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 bench = lambda f: triton.testing.do_bench_cudagraph(f, rep=40)  # noqa: E731  (what serving replays)
@@ -144,7 +144,7 @@ for t in TENANTS:
                                  triton.cdiv((k + 7) // 8, c.kwargs["BLOCK_K"] // 8 * c.kwargs["CHUNK_ITERS"]),
                                  triton.cdiv(t, kw_lut["BLOCK_M"])), args, kw_lut, c)))
         print(f"{'':40s}table-lookup kernel: best {res_lut[0][0]/t_dense:5.3f}x  {res_lut[0][1]}", flush=True)
-        from kernels.reference import bitdelta_linear_batched as ref_b
+        from deltafleet.kernels.reference import bitdelta_linear_batched as ref_b
         yb = tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot).float()
         rb = ref_b(x.float(), w.float(), signs, alphas, slot)
         errb = ((yb - rb).abs().max() / rb.abs().max()).item()

@@ -14,12 +14,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soup_fixtures import BlocksDataModule, tiny_llama  # noqa: E402
-from train.callbacks import MonoSoupCallback  # noqa: E402
-from train.module import CausalLMModule  # noqa: E402
+from deltafleet.train.callbacks import MonoSoupCallback  # noqa: E402
+from deltafleet.train.module import CausalLMModule  # noqa: E402
 
 MERGE_STEP = 3
 

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 
-from train.distributed import read_full_param as _read_full, write_full_param as _write_full  # noqa: E402
+from deltafleet.train.distributed import read_full_param as _read_full, write_full_param as _write_full  # noqa: E402
 
 
 def model() -> torch.nn.Module:

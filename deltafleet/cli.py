@@ -1,0 +1,99 @@
+"""The ``deltafleet`` command, and the plumbing its jobs share.
+
+``deltafleet <job> [Hydra overrides]`` runs a job's entry point as ``python <folder>/run.py
+[overrides]`` does, with the same configs (shipped inside the package) and overrides::
+
+    deltafleet train variant=coder
+    deltafleet export variant=coder format=hf
+    deltafleet serve port=9000
+    deltafleet serve --cfg job          # the composed config, printed by Hydra
+    deltafleet bench kernels machine=h200
+"""
+from __future__ import annotations
+
+import contextlib
+import runpy
+import signal
+import sys
+from typing import Iterator
+
+from deltafleet.checkpoint import CheckpointError
+
+# What a user can cause with a bad path, file or value: reported as one line, not a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
+
+
+@contextlib.contextmanager
+def user_errors(job: str) -> Iterator[None]:
+    """Turn a user-caused error (:data:`USER_ERRORS`, which includes ``ArtifactError``) into
+    ``SystemExit("<job>: <message>")``: exit status 1 and one line on stderr, where Hydra would
+    print a traceback. Anything else (a bug) keeps its traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (what ``timeout``, ``kill`` and job schedulers send) end the process the way
+    Ctrl-C does, by raising ``SystemExit(143)`` in the main thread: the ``finally``/``except`` blocks
+    run, so a staged output folder (``deltafleet.atomic.staged_dir``) is removed rather than left
+    behind half written. Call it from the main thread of an entry point."""
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
+# job: (module run as __main__, what it does, arguments put before the user's)
+JOBS = {
+    "data": ("deltafleet.train.data", "prepare the offline text of every domain (data/)", ()),
+    "train": ("deltafleet.train.run", "fine-tune a variant (variant=coder), or the base (variant=base), "
+              "then export its BitDelta artifact", ()),
+    "export": ("deltafleet.compress.run", "export a BitDelta artifact from a base and a fine-tune "
+               "(format=hf: a full Hugging Face checkpoint)", ()),
+    "distill": ("deltafleet.compress.distill", "fit an artifact's scales to the fine-tune's logits", ()),
+    "eval": ("deltafleet.train.eval", "quality report: base, fine-tune and BitDelta settings per variant", ()),
+    "summary": ("deltafleet.train.summary", "held-out losses of the trained family", ()),
+    "serve": ("deltafleet.serve.run", "the OpenAI-compatible server (127.0.0.1:8000)", ()),
+    "merge": ("deltafleet.merge.run", "offline merge of fine-tunes (ties, dare, opcm, ...)", ()),
+    "kmerge-eval": ("deltafleet.merge.kmerge_eval", "LoRA adapter pool: score against number of slots", ()),
+    "compare-merges": ("deltafleet.train.compare_merges", "the checkpoint-merge methods on the demo family", ()),
+}
+BENCHES = {
+    "compress": ("deltafleet.compress.bench", "BitDelta export of a 7B-shaped pair: streaming vs naive", ()),
+    "kernels": ("deltafleet.kernels.bench", "the Triton kernels against dense bf16 matmul (GPU)", ()),
+    "serve": ("deltafleet.serve.bench", "the server under a mixed load of variants vs base-only (GPU)", ()),
+    "serve-70b": ("deltafleet.serve.bench", "14 variants of a 70B-shaped family, tensor parallel (2 GPUs)",
+                  ("--config-name", "bench_serve_70b")),
+    "merge": ("deltafleet.merge.bench", "peak memory of merging two 7B-shaped checkpoints", ()),
+}
+
+
+def _usage(prog: str, table: dict, what: str) -> str:
+    width = max(map(len, table))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_, _) in table.items())
+    return f"usage: {prog} <{what}> [Hydra overrides ...]\n\n{what}s:\n{rows}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``deltafleet <job> [args]`` (``bench <name> [args]`` for a benchmark) as that job's module
+    run as a script; returns the exit status (a job that exits raises its SystemExit). ``<job>
+    --help`` is the job's own (Hydra's) help."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog, table, what = "deltafleet", JOBS, "command"
+    if args[:1] == ["bench"]:
+        prog, table, what, args = "deltafleet bench", BENCHES, "benchmark", args[1:]
+    if not args or args[0] in ("-h", "--help"):
+        usage = _usage(prog, table, what)
+        if table is JOBS:
+            usage += f"  {'bench':<{max(map(len, JOBS))}}  a benchmark: deltafleet bench --help\n"
+        print(usage, end="")
+        return 0 if args else 2
+    if args[0] not in table:
+        print(f"{prog}: unknown {what} {args[0]!r}\n\n{_usage(prog, table, what)}", end="", file=sys.stderr)
+        return 2
+    module, _, pre = table[args[0]]
+    sys.argv = [f"{prog} {args[0]}", *pre, *args[1:]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
+    return 0
