@@ -1,6 +1,6 @@
 """BitDelta export (``compress.run``) and the artifact reader the server imports.
 
-See ``compress.bitdelta`` and ARCHITECTURE.md, "BitDelta artifact, format version 1".
+See ``compress.bitdelta`` and docs/artifact.md (the format, version 1).
 """
 from deltafleet.compress.bitdelta import (
     Artifact,

@@ -1,4 +1,4 @@
-"""BitDelta export and the artifact reader (ARCHITECTURE.md, "BitDelta artifact, format version 1").
+"""BitDelta export and the artifact reader (docs/artifact.md: the format, version 1).
 
 BitDelta (Liu et al., arXiv:2402.10193, §3.1) compresses a fine-tune against its base one weight
 matrix at a time: with the task vector ``Δ = W_ft − W_base`` it keeps only ``sign(Δ)`` (one bit

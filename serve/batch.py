@@ -61,9 +61,9 @@ class DeltaSlots:
 
     With ``sign_layout="tiled"`` the linears' signs are held in ``kernels.tile_signs``' layout,
     ``[S, ceil(N/64), ceil(K/128), 64, 16]`` (each 64-row × 128-weight tile one contiguous KiB), which
-    every kernel reads and the int8 mixed-tenant kernel reads faster (on an H200 1.66× against
-    1.76× dense at 8 variants, 2.60× against 2.86× at 16: reports/planes-probe-tiled-2026-11-30-h200.json);
-    the embedding's stay rows (they are gathered by token).
+    every kernel reads, and the mixed-variant kernels read faster: one contiguous KiB per K step
+    instead of 64 pieces a sign row apart (docs/kernels.md, "Sign layouts"); the embedding's stay
+    rows (they are gathered by token).
 
     Args:
         model: the resident :class:`~serve.model.Transformer` (its device and dtype are used).

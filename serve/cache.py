@@ -1,4 +1,4 @@
-"""The tiered delta cache of the serving engine (ARCHITECTURE.md, "Serving").
+"""The tiered delta cache of the serving engine (docs/serving.md, "Delta cache").
 
 A variant's deltas (packed signs, scales, the few tensors kept in full; :class:`serve.model.VariantDelta`)
 live in one of three tiers:

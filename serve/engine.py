@@ -1,6 +1,6 @@
 """The serving engine: one resident base, BitDelta variants loaded on first use, a decode loop.
 
-Model ids (ARCHITECTURE.md, "Serving"): the base is served as the family name (``tiny``), each
+Model ids (docs/architecture.md, "Serving"): the base is served as the family name (``tiny``), each
 artifact folder ``<artifacts_dir>/<variant>/bitdelta.json`` as ``<family>-<variant>``. A variant's
 artifact is read on its first request, checked against the base's fingerprint, and kept in the
 tiered delta cache of serve/cache.py (device → host → disk, weighted-LRU eviction, pinning, never

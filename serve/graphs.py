@@ -28,8 +28,8 @@ Graphs are for CUDA in one process (``cuda_graphs`` in conf/serve.yaml); on the 
 parallelism (the other ranks run each step eagerly) or for a step that cannot be captured (see
 :meth:`DecodeGraphs.capturable`) the scheduler runs the step eagerly, as it does for good if a
 capture fails. The padding itself, :meth:`DecodeGraphs.pad` + :meth:`DecodeGraphs.forward_padded`,
-runs anywhere, which is how it is tested without a GPU; tests/gpu/check_serve_graphs.py checks
-graphs against the eager step on a GPU.
+runs anywhere, which is how it is tested without a GPU; the ``gpu`` tests of
+tests/test_serve_graphs.py (``make test-gpu``) check graphs against the eager step on a GPU.
 """
 from __future__ import annotations
 

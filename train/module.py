@@ -1,7 +1,7 @@
 """The LightningModule: a Hugging Face causal LM, AdamW, warmup + cosine schedule.
 
-Kept short on purpose (STYLE.md, nanoGPT): everything that is not the training step itself —
-checkpoint merging, export — lives in callbacks or in ``train/run.py``.
+Kept short on purpose, as nanoGPT's training loop is: everything that is not the training step
+itself — checkpoint merging, export — lives in callbacks or in ``train/run.py``.
 """
 from __future__ import annotations
 
