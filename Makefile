@@ -2,6 +2,7 @@
 #
 #   make demo                  install, build the embedded tiny family end to end, serve it
 #   make test                  the test suite (what CI runs)
+#   make test-gpu              the tests marked gpu, kernels compiled for the GPU (skipped without CUDA)
 #   make train VARIANT=math    fine-tune one variant (then exports its BitDelta artifact)
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
@@ -47,7 +48,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: api-check help install sources data base train export family serve test demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
+.PHONY: api-check help install sources data base train export family serve test test-gpu demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
 
 help:
 	@sed -n '3,/^[^#]/p' Makefile | sed '$$d' | sed 's/^# \{0,1\}//'
@@ -159,6 +160,17 @@ kmerge-eval: install
 
 test: install
 	$(PY) -m pytest $(ARGS)
+
+# The tests marked gpu (tests/conftest.py): with DELTAFLEET_TRITON_DEVICE=cuda every Triton kernel test
+# runs on the GPU (not the CPU interpreter), the Gluon ones on a Hopper GPU, and the CUDA-graph decode
+# is checked against the eager step. The autotuner times each tile with a few runs and the kernel
+# dispatchers take their untimed defaults (DELTAFLEET_TRITON_QUICK_TUNE=1). Kernel compiles are
+# CPU-bound: GPU_WORKERS pytest-xdist workers share the GPU. Without CUDA every test is skipped (in
+# one process).
+GPU_WORKERS ?= 8
+test-gpu: install
+	workers=$$($(PY) -c 'import torch; print($(GPU_WORKERS) if torch.cuda.is_available() else 0)'); \
+	DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1 $(PY) -m pytest -m gpu -n $$workers $(ARGS)
 
 demo: install family summary serve
 

@@ -18,7 +18,8 @@ import sysconfig
 
 # Triton's CPU interpreter must be chosen before anything imports triton (DeepSpeed and torch do,
 # early): set for the whole session unless the Triton tests are pointed at a GPU.
-if os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu") == "cpu":
+TRITON_DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
+if TRITON_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,24 +80,42 @@ def perturb(model, seed: int, scale: float = 0.5, norms: tuple[str, ...] = ()):
     return sd
 
 
-def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer")) -> TinyFamily:
+def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer"), **shape) -> TinyFamily:
+    """Tokenizer, base, the ``variants``' fine-tunes and their artifacts under ``root`` (module
+    docstring); ``shape``: ``LlamaConfig`` overrides of :func:`tiny_llama`'s shape (hidden_size, ...)."""
     from deltafleet.compress.bitdelta import compress
 
     models, artifacts = root / "models", root / "artifacts"
     base_dir = models / "base"
     tok = train_tiny_tokenizer(base_dir, root / "data")
-    base = tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    kw = dict(shape, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    base = tiny_llama(len(tok), seed=0, **kw)
     base.save_pretrained(base_dir)
     norms = {"writer": ("model.norm.weight", "model.layers.1.input_layernorm.weight")}
     out = {}
     for i, v in enumerate(variants):
         sd = perturb(base, seed=100 + i, norms=norms.get(v, ()))
-        ft = tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        ft = tiny_llama(len(tok), seed=0, **kw)
         ft.load_state_dict(sd)
         ft.save_pretrained(models / v)
         compress(base_dir, models / v, artifacts / v, variant=v)
         out[v] = models / v
     return TinyFamily(root, base_dir, artifacts, out)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only on a CUDA device with the Triton kernels compiled for it
+    (``DELTAFLEET_TRITON_DEVICE=cuda``, as ``make test-gpu`` sets; under the CPU interpreter a
+    kernel cannot launch on CUDA tensors inside a CUDA graph, and the Gluon kernels not at all);
+    elsewhere they are collected and skipped."""
+    if TRITON_DEVICE == "cuda" and torch.cuda.is_available():
+        return
+    why = ("no CUDA device" if not torch.cuda.is_available()
+           else "the Triton kernels run in the CPU interpreter: set DELTAFLEET_TRITON_DEVICE=cuda (make test-gpu)")
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

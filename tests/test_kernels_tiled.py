@@ -1,6 +1,7 @@
 """The tiled sign layout (``kernels.reference.tile_signs``): the layout itself, the reference ops on
-it, and the Triton kernels that read it (under ``TRITON_INTERPRET=1`` on the CPU, as
-``tests/test_kernels_triton.py``), each against the row layout's float32 reference."""
+it, and the Triton kernels that read it (under ``TRITON_INTERPRET=1`` on the CPU; on the GPU with
+``DELTAFLEET_TRITON_DEVICE=cuda``, ``make test-gpu``, as ``tests/test_kernels_triton.py``), each
+against the row layout's float32 reference."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from deltafleet.kernels import pack_signs  # noqa: E402
 from deltafleet.kernels.reference import (bitdelta_linear, bitdelta_linear_batched, tile_signs, tiled_shape,  # noqa: E402
                                untile_signs)
 
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # every case below then runs on the GPU
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
 
@@ -107,7 +109,7 @@ def test_triton_mixed_tenants_read_tiled_signs(impl, m, n, k):
         bitdelta_linear_batched_triton(x, w, tile_signs(signs), alphas, slot, impl="gluon")
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernels run on a Hopper GPU only (no interpreter)")
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m, n, k", [(300, 200, 512), (1100, 384, 4096)])
 def test_gluon_prefill_kernels_read_tiled_signs(dtype, m, n, k):
@@ -137,7 +139,7 @@ def test_gluon_prefill_kernels_read_tiled_signs(dtype, m, n, k):
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"ss: {s}")
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tenant kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
 @pytest.mark.parametrize("m", [2, 16])
 def test_dispatcher_runs_tiled_mixed_tenants_on_the_int8_kernel(m):
     """``bitdelta_linear_batched_triton`` with tiled signs and no ``impl`` on a Hopper GPU: the int8

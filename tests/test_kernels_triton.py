@@ -1,7 +1,8 @@
 """The Triton bitdelta_linear against the float32 torch reference.
 
-On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set here before triton is imported); on a
-CUDA machine set ``DELTAFLEET_TRITON_DEVICE=cuda`` to run the same cases on the GPU.
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set here before triton is imported). With
+``DELTAFLEET_TRITON_DEVICE=cuda`` (``make test-gpu``) every case runs on the GPU and the module is a
+``gpu`` test; the Gluon (Hopper) kernels' tests are ``gpu`` tests always, skipped off a Hopper GPU.
 
 Tolerance: the kernel rounds each reconstructed weight ``W + α·s`` once to the activation dtype
 before the float32-accumulating product, so against the float32 reference it may differ by about
@@ -21,6 +22,7 @@ DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # every case below then runs on the GPU
 
 from deltafleet.kernels import pack_signs  # noqa: E402
 from deltafleet.kernels.reference import bitdelta_linear  # noqa: E402
@@ -199,6 +201,37 @@ def test_split_k_partial_sums_meet_and_the_workspace_is_left_zero(m):
     assert ws.abs().max().item() == 0 and cnt.abs().max().item() == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fma", "lut"])
+@pytest.mark.parametrize("n, k, tenants", [(8192, 28672, 16), (57344, 8192, 16), (8192, 28672, 8)],
+                         ids=["down-T16", "gate_up-T16", "down-T8"])
+def test_mixed_tenant_kernels_at_70b_shapes_stay_finite_and_clean(impl, n, k, tenants):
+    """The CUDA-core mixed-tenant kernels (``"fma"``, ``"lut"``), autotuned, on Llama-2-70B's widest
+    layers (``down``: K = 28672; ``gate_up``: N = 57344) with one row per tenant: the shapes where K
+    is split over the most programs and the split-K workspace is largest. Called twice (the second
+    call reuses the tuned tile and the workspace the first left behind), each output has no NaN,
+    matches the float32 reference within the dtype tolerance, and leaves the workspace and its
+    counters zero."""
+    from deltafleet.kernels import triton_bitdelta as tb
+    from deltafleet.kernels.reference import bitdelta_linear_batched
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + tenants)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).bfloat16()
+    signs = torch.randint(0, 256, (tenants, n, k // 8), device="cuda", dtype=torch.uint8, generator=g)
+    alphas = 0.004 + 0.002 * torch.rand(tenants, n, device="cuda", generator=g)
+    slot = torch.arange(tenants, device="cuda", dtype=torch.int32)
+    x = torch.randn(tenants, k, device="cuda", generator=g).bfloat16()
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    atol = TOL[torch.bfloat16] * ref.abs().max().item()
+    for call in range(2):
+        y = tb.bitdelta_linear_batched_triton(x, w, signs, alphas, slot, impl=impl)
+        torch.cuda.synchronize()
+        assert not y.isnan().any(), f"call {call}: NaN in rows {y.isnan().any(1).nonzero().flatten().tolist()}"
+        torch.testing.assert_close(y.float(), ref, rtol=0, atol=atol, msg=lambda s, call=call: f"call {call}: {s}")
+        ws, cnt = tb._workspace(y.device, 0, 0)
+        assert not ws.any() and not cnt.any(), f"call {call} left the split-K workspace dirty"
+
+
 def test_batched_custom_op_and_dispatcher():
     from deltafleet import kernels
     from deltafleet.kernels.ops import bitdelta_linear_batched_op
@@ -301,7 +334,7 @@ def test_register_operand_prefill_refuses_a_ring_too_short_for_its_lookahead():
     assert all(stages >= u + pre for _, stages, u, pre, _ in pr.CONFIGS)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon prefill kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "m, n, k, row_alpha, bias",
@@ -362,7 +395,7 @@ def _tenant_case(m, n, k, dtype, row_alpha, bias):
     return ref, [t.cuda() if t is not None else None for t in (x, w, signs, alphas, slot, b)]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon mixed-tenant kernel runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "m, n, k, row_alpha, bias",
@@ -669,7 +702,7 @@ def test_warp_specialised_split_follows_the_wave_model():
     assert ws_split(16, 57344, 8192, (256, 8, 2, 128, 1), 132) == 1  # 896 tiles: 7 waves of 35 beat 14 of 19
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the int8 tensor-core tenant kernel runs on a Hopper GPU only")
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "m, n, k, row_alpha, bias",
