@@ -1,4 +1,4 @@
-"""Fused 1-bit delta linear: the contract of ARCHITECTURE.md ("Kernel").
+"""Fused 1-bit delta linear: the contract of docs/kernels.md ("Contract").
 
 ``bitdelta_linear`` dispatches to the fastest implementation for its inputs: the Triton custom op
 ``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device

@@ -11,8 +11,9 @@ same random tensors in one run:
 * ``triton``: :func:`kernels.bitdelta_linear` (the custom op; decode kernel for M ≤ 4, tensor-core
   kernel above), for M in ``ms``;
 * mixed tenants, T variants with one token each (M = T): ``dense`` at M = T,
-  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`), each of its two kernels on its own
-  (``batched_fma``, ``batched_lut``: ``batched_impls``) and, as a reference row,
+  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`, the dispatcher's pick), each
+  mixed-tenant kernel on its own (``batched_fma``, ``batched_lut``, ``batched_gluon``,
+  ``batched_planes``: ``batched_impls``; the Hopper ones from two rows up) and, as a reference row,
   ``bitdelta_style``: BitDelta's approach of unpacking each tenant's signs and a batched matmul
   (``x·Wᵀ`` shared, ``α_t ⊙ bmm(x_t, S_tᵀ)``; our torch code, not theirs).
 
@@ -64,7 +65,7 @@ def _timer(timing: str, rep_ms: int):
 def time_interleaved(bench, fns: dict, rounds: int) -> dict:
     """Median time of each callable in ``fns`` (name -> fn) over ``rounds`` rounds, the callables
     timed one after another within a round, so that a drift of the GPU's speed during a run weighs on
-    dense and the kernels alike (on a 2×H200 host dense gate_up measured 210–235 µs from run to run).
+    dense and the kernels alike (dense alone varies by several per cent from run to run).
 
     Args:
         bench: ``fn -> milliseconds`` (``_timer``'s).

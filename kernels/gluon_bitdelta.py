@@ -1,12 +1,13 @@
-"""Hopper (sm_90) prefill kernel for ``bitdelta_linear`` written in Gluon, Triton's lower-level
-dialect (ARCHITECTURE.md, "Kernel").
+"""Hopper (sm_90) kernels for ``bitdelta_linear`` (prefill) and ``bitdelta_linear_batched`` (the
+CUDA-core mixed-tenant kernel, ``impl="gluon"``) written in Gluon, Triton's lower-level dialect
+(contract: docs/kernels.md, "Contract").
 
 ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2) for many rows
 (prefill). Why a second prefill kernel: with ``tl.dot`` on an operand computed in registers,
-Triton 3.6 waits for every wgmma to finish before the next K step (``warp_group_dot_wait
-{pendings = 0}``), so the sign expansion and the tensor cores take turns and the Triton prefill
-kernel ran at 2.75× dense bf16 on an H200. Gluon exposes the pieces, so this kernel schedules them
-itself, one K step of ``BLOCK_K`` per iteration:
+Triton waits for every wgmma to finish before the next K step (``warp_group_dot_wait
+{pendings = 0}``), so in ``kernels.triton_bitdelta._mm_kernel`` the sign expansion and the tensor
+cores take turns. Gluon exposes the pieces, so this kernel schedules them itself, one K step of
+``BLOCK_K`` per iteration:
 
 1. TMA copies the x tile ``[BLOCK_M, BLOCK_K]`` and the W tile ``[BLOCK_N, BLOCK_K]`` into a ring of
    ``STAGES`` shared-memory buffers, ``STAGES − 1`` steps ahead (one mbarrier per stage). The
@@ -19,11 +20,10 @@ itself, one K step of ``BLOCK_K`` per iteration:
    and the warps go on to the next step while it runs; only the wgmma of the step before is
    waited for, so the expansion of step k overlaps the tensor-core product of step k − 1.
 
-Measured on an H200 (Triton 3.6; ``tests/gpu/prefill_gluon.py``,
-reports/prefill-gluon-2026-11-30-h200.json), time ÷ dense bf16 over the Llama-2-70B layer set at
-2048 tokens: 1.65× for the best configuration, 1.60× with the best per layer (the Triton kernel:
-2.75×); W from global memory into registers (``W_TMA=False``) 1.69×. Both configurations pass the
-GPU tests (``tests/test_kernels_triton.py -k gluon``).
+The dispatcher (``kernels.triton_bitdelta._prefill_choice``) times each of :data:`CONFIGS`
+against the register-operand kernel (``kernels.gluon_prefill_rs``), which keeps the reconstructed
+tile out of shared memory, and the Triton GEMM, once per shape; current figures: docs/kernels.md
+(``make bench-kernels``).
 
 Constraints (the wrapper falls back to the Triton kernel otherwise): compute capability 9.x, K a
 multiple of 8 (TMA needs 16-byte row strides), 16-byte aligned x and W, contiguous rows.
@@ -245,7 +245,7 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
 # (:func:`tenant_split`) so that there are about two programs per multiprocessor. A configuration
 # applies to a row count when it gives each thread 1–8 output features (:func:`tenant_configs`): more
 # features per thread share each activation's conversion among more weights, and above 8 the sums
-# no longer fit in registers (Triton 3.6, sm_90: 3.4–3.8 SASS instructions per row and weight at 8).
+# no longer fit in registers.
 TENANT_CONFIGS = ((64, 4), (128, 4), (256, 3), (64, 6), (128, 3))
 TENANT_BLOCK_K = 64
 

@@ -1,12 +1,14 @@
-"""Hopper (sm_90) mixed-tenant kernel with the sign part on the int8 tensor cores ("planes").
+"""Hopper (sm_90) mixed-tenant kernel with the sign part on the int8 or the binary tensor cores
+("planes").
 
 ``y[m] = x[m]·Wᵀ + α_t ⊙ (x[m]·S_tᵀ) (+ bias)``, ``t = slot[m]`` (BitDelta, arXiv:2402.10193, §3.1
-Eq. 2; ARCHITECTURE.md ``bitdelta_linear_batched``), for decode-sized M (every row its own variant).
+Eq. 2; the ``bitdelta_linear_batched`` contract of docs/kernels.md), for decode-sized M (every row
+its own variant).
 
-Why: the CUDA-core kernels spend 3.4–13 instructions per row and weight on the sign part
+Why: the CUDA-core kernels spend several instructions per row and weight on the sign part
 (``kernels.gluon_bitdelta._tenants_kernel``: shift, and-xor, add), which at 16 tenants leaves them
-issue-bound near 4× dense whatever the memory system does. Here the sign part is a matrix product on
-the tensor cores, and the CUDA cores only turn packed sign bits into wgmma operands:
+issue-bound whatever the memory system does. Here the sign part is a matrix product on the tensor
+cores, and the CUDA cores only turn packed sign bits into wgmma operands:
 
 * ``s·x = 2·(s'·x) − Σx`` with ``s' = (s + 1)/2 ∈ {0, 1}``: the sign bits themselves are the 0/1
   int8 operand. Bytes ``j = 0..3`` of one 32-bit A register are bits ``q, q+8, q+16, q+24`` of a
@@ -17,8 +19,8 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
   permuted K order by a small Triton kernel (:func:`activation_planes`). The planes of four rows are
   the eight columns of one ``m64n8k32`` B operand; row ``r`` reads its two columns of its own
   product. Integer sums are exact; the only rounding is ``x`` to 16 bits (≤ ``scale/2`` per element,
-  about 3·10⁻⁵ of the row's largest activation, plus the float32 rounding of ``1/scale``: up to
-  1.005·scale/2 measured on the CPU).
+  about 3·10⁻⁵ of the row's largest activation, plus the float32 rounding of ``1/scale``; the tests
+  hold the error to 1.01·scale/2).
 * The base product ``W·xᵀ`` stays a bf16/fp16 wgmma with W as the 64-row A operand (swap-AB), as in
   ``_tenants_kernel``. W, x, the planes and every row's ``[64, BK/8]`` sign tile arrive by TMA
   through a ring of ``STAGES`` shared-memory buffers; a row without a variant (slot −1, out of range,
@@ -27,32 +29,16 @@ the tensor cores, and the CUDA cores only turn packed sign bits into wgmma opera
 
 The kernel, :func:`_planes_ws_kernel`, is warp-specialised: 1, 2 or 4 loader warps issue the copies
 (each costs the issuing warp about twenty instructions of address and barrier work, 22 copies per K
-step at 16 rows) and one consumer warpgroup per 2, 4 or 8 rows does the products. A first version in
-which one warpgroup did everything ran at 1.27 / 1.50 / 2.33 / 7.01× at T = 2 / 4 / 8 / 16
-(reports/bench-kernels-tenants-planes-2026-11-30-h200.json, ``batched_planes``) and was removed.
-Offline (``python tests/gpu/sass_tenants.py planes``: a compile for sm_90a, no GPU) the consumers'
-K loop takes 0.9–1.1 instructions per row and weight, against 3.4–3.8 for the CUDA-core kernel;
-ptxas serialises the wgmmas (C7512/C7515) when a consumer has too few registers or more than four
-wgmmas in flight, so :data:`WS_CONFIGS` only lists configurations that compile without.
+step at 16 rows) and one consumer warpgroup per 2, 4 or 8 rows does the products; the consumers' K
+loop takes about one instruction per row and weight. ptxas serialises the wgmmas (C7512/C7515) when
+a consumer has too few registers or more than four wgmmas in flight, so :data:`WS_CONFIGS` only
+lists configurations that compile without.
 
-Measured on an H200 (Triton 3.6), time ÷ dense bf16 over the Llama-2-70B layer set, one token per
-variant, the dispatcher timing every :data:`WS_CONFIGS` entry: T = 2 / 4 / 8 / 16: 1.21 / 1.38 /
-1.72 / 2.84× (targets 1.24 / 1.38 / 1.65 / 2.20×; T = 2–8 from
-reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.json, after the faster activation-planes
-kernel; T = 16 from reports/bench-kernels-tenants-planes-2026-11-30-h200.json). ncu at T = 16 (``o``, 128 programs of 20
-warps, one per multiprocessor): issue slots 41 % busy, the L2 72 % and DRAM 56 % of
-peak. The L2 is the busiest unit: the x tile and the planes are read again by every column of
-programs, and 16-byte sign rows (K steps of 128) use half of each 32-byte sector.
-
-Later the same day (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*, with loader-warp
-configurations): T = 2 / 4 / 8 / 16: 1.18 / 1.36 / 1.76 / 2.86×. A probe with each K step's sign tile
-stored in one piece (:func:`tile_signs`, ``tiled=True``) ran at 1.34 / 1.66 / 2.60× at T = 4 / 8 / 16
-(reports/planes-probe-tiled-2026-11-30-h200.json): the 64 sign-row pieces of 16 bytes per tile are
-what costs, not the number of copies. Tiled signs are now the serving default
-(``serve.batch.DeltaSlots``; the dispatcher gives this kernel ``kernels.tile_signs``' layout, whose
-tiles are this kernel's at ``BLOCK_K`` 128): T = 2 / 4 / 8 / 16 at 1.198 / 1.345 / 1.643 / 2.598×, the
-row layout at 1.186 / 1.359 / 1.782 / 2.910× timed the same way on the same kind of host
-(reports/bench-kernels-tiled-rounds-2026-11-30-h200.*, bench-kernels-rows-rounds-2026-11-30-h200.*).
+Memory: the x tile and the planes are read again by every column of programs (from L2), and a
+K step of 128 weights is a 16-byte piece of each of 64 sign rows, half of a 32-byte sector each. With
+``tiled=True`` the signs are in :func:`tile_signs`' layout, each K step's sign tile one contiguous
+copy; for ``BLOCK_K`` 128 that is ``kernels.tile_signs``' layout, which the server's variant slots use
+(``serve.batch.DeltaSlots``).
 
 **Binary tensor cores** (``bits=True``): the sign part as ``mma.sync.m16n8k128`` on 1-bit operands
 (AND, then POPC, summed into int32), whose A operand is 16 features' sign words exactly as stored (two
@@ -61,27 +47,22 @@ is 8 bit planes of one row's activations: ``x ≈ scale·q`` with ``q`` 16-bit t
 (:func:`activation_bitplanes`, ``scale = max|x|/BIT_MAX``), ``s·q = 2·Σ_p w_p·popc(s' & b_p) − Σq``
 with ``w_p = 2^p`` and ``w_15 = −2^15``. Two mmas per row and 128 weights cover the 16 planes; the
 plane words (256 bytes per row and 128 weights, from global memory through L1, one K step ahead) are
-the only extra reads. Nothing is expanded on the CUDA cores: offline for sm_90a the consumers' K loop
-at 16 rows went from 254 to 65 instructions, 76 with the plane words loaded a step ahead
-(``tests/gpu/sass_tenants.py planes 16 128,4,4,96,2 tiled spread bits``). Accumulator layout ``l3`` over ``[64 features, 4, 4]``: register bits (m, pb,
-h), lane bits (t0, t1, g0, g1, g2), warp bits (features 16, 32); element ``[f, t, j]`` is mma
-``m = j % 2``'s column ``2t + j // 2``, i.e. plane ``8·(j % 2) + 2t + j // 2`` of feature f. Measured
-on an H200 with the dispatcher timing it beside the int8 path (tiled signs, 3 rounds,
-reports/bench-kernels-bits-rounds-2026-11-30-h200.*): T = 2 / 4 / 8 / 16 at 1.170 / 1.295 / 1.564 /
-2.288× (16: qkv / o / gate_up / down 2.51 / 2.23 / 2.33 / 2.13×).
+the only extra reads, and nothing is expanded on the CUDA cores. Accumulator layout ``l3`` over
+``[64 features, 4, 4]``: register bits (m, pb, h), lane bits (t0, t1, g0, g1, g2), warp bits
+(features 16, 32); element ``[f, t, j]`` is mma ``m = j % 2``'s column ``2t + j // 2``, i.e. plane
+``8·(j % 2) + 2t + j // 2`` of feature f.
 
 **Persistent and stream-K launches** (``persistent=True``, ``stream_k=True``; binary path only with
 PDL). The kernel walks work units (feature block × row block × K chunk) with its ring position and
 phase carried across them, so one program per resident slot (:func:`ws_slots`) can take several.
 With stream-K each resident program takes an equal run of at least four of all tiles' K steps, cut at
 tile boundaries; every piece adds into the float32 workspace and counts itself in, and the piece
-that brings the tile's count to its total writes the output (:func:`ws_pieces` mirrors the cut). Measured on an H200, T = 16, qkv (160 feature blocks
-on 132 multiprocessors; tests/gpu/session30.sh, reports/planes-probe-persist-streamk-2026-11-30-h200.jsonl):
-stream-K 2.14–2.23× dense over the 128-step configurations; over those, persistent 2.47× at best
-and one program per unit 2.72× (2.41× and 2.53× with the 256-step configurations; the file holds ratios
-to ``dense_ms``). The dispatcher's T = 16 figure over the layer set went from 2.288× to 2.206× and 2.180× in
-two runs (reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-T16-picks-…; it picked
-stream-K on qkv and gate_up, bits + PDL at split 1 on o and down).
+that brings the tile's count to its total writes the output (:func:`ws_pieces` mirrors the cut).
+Stream-K keeps every multiprocessor busy to the end where the tiles do not divide them evenly (qkv's
+160 feature blocks on 132 multiprocessors).
+
+Which configuration, split and launch runs is timed once per shape by
+``kernels.triton_bitdelta._tenants_choice``; current figures: docs/kernels.md (``make bench-kernels``).
 """
 from __future__ import annotations
 
@@ -133,18 +114,13 @@ BLOCK_K = 128      # a sign tile row is BLOCK_K/8 = 16 bytes, TMA's smallest inn
 BLOCK_N = 64       # features per program: the wgmma's M
 # Warp-specialised kernel, per row count: (BLOCK_K, rows per consumer warpgroup, STAGES, registers per
 # thread, loader warps). Registers × threads must fit the 64 K register file; ptxas serialises the
-# wgmmas when a consumer has too few (C7512), which the offline compile (tests/gpu/sass_tenants.py)
-# shows. The first of each is the default: the fastest over the 70B layer set at its best K splits in
-# both H200 probes of 2026-11-30 (tests/gpu/planes_probe.py in tests/gpu/session17.sh and session18.sh;
-# T = 4: 1.364 / 1.371× against 1.390 / 1.403× for the earlier default (128, 4, 3, 80); T = 8 with two
-# loader warps 1.796 / 1.805× against 1.811 / 1.822×; T = 16 with two 2.875 / 2.911× against 2.953 /
-# 2.951×). Configurations slowest in both were dropped (8 rows per warpgroup at T = 8 and 16).
-# Loader warps: each TMA copy costs its warp about twenty instructions, and a K step at 16 rows takes
-# 22 copies (x, W, four plane groups, sixteen sign tiles); several loader warps share them out (a few
-# per cent, not the 2× the copy count suggested: the sign copies themselves, 64 pieces of 16 bytes a
-# sign row apart, are the cost; :func:`tile_signs`).
-# (128, 8, 4, 128, 2) was added for stream-K: the fastest on qkv at T = 16 in the probe of
-# tests/gpu/session30.sh (2.140× dense, against 2.156–2.234× for the other 128-step entries).
+# wgmmas when a consumer has too few (C7512), so every entry compiles without
+# (tests/test_kernels_compile.py compiles each for sm_90a, no GPU needed, and checks). The first of
+# each row count is the untimed default, the fastest over the 70B layer set at its best K splits;
+# the dispatcher times the others. Loader warps: each TMA copy costs its warp about twenty
+# instructions, and a K step at 16 rows takes 22 copies (x, W, four plane groups, sixteen sign
+# tiles), which several loader warps share out. (128, 8, 4, 128, 2) is there for stream-K on layers
+# like qkv at 16 rows.
 WS_CONFIGS = {
     2: ((128, 2, 3, 80, 1), (256, 2, 2, 104, 1)),
     4: ((256, 4, 2, 104, 1), (128, 4, 3, 80, 1), (128, 4, 2, 80, 1), (128, 4, 3, 80, 2)),
@@ -202,10 +178,9 @@ def ws_split(m: int, n: int, k: int, config: tuple, sms: int, bits: bool = False
     (from registers and shared memory) run at once, so ``tiles × split`` programs take
     ``ceil(tiles·split / slots)`` waves of ``ceil(steps/split) + 3`` K steps each (3: filling the
     ring); the split (1–8, at least 4 K steps per chunk) with the fewest steps wins, the smaller on
-    ties. It is the untimed default; the dispatcher times the candidate splits. Against the H200
-    probe (tests/gpu/planes_probe.py, splits 1, 2 and 4) it picks the fastest measured split at
-    T = 16 and is within 3 % of it at T = 8. ``bits``: the binary path's ring (no int8 planes), which
-    can leave room for more programs per multiprocessor (:func:`ws_slots`)."""
+    ties. It is the untimed default; the dispatcher times the candidate splits. ``bits``: the binary
+    path's ring (no int8 planes), which can leave room for more programs per multiprocessor
+    (:func:`ws_slots`)."""
     bk = config[0]
     slots = ws_slots(m, config, sms, bits)
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, 16)
@@ -292,7 +267,7 @@ def activation_planes(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor,
     planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     # one program per row, whole blocks of up to 8192 activations per load: the kernel is a few
-    # round trips to memory, which at 16 rows and K = 8192 took 7.5 µs with blocks of 1024 (ncu)
+    # round trips to memory, so fewer, larger loads
     _planes_kernel[(m,)](x, planes, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
                          PDL=pdl, num_warps=8)
     return planes, sc
@@ -342,8 +317,9 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None =
 
     ``x[r, k] ≈ scale_r·q[r, k]``, ``q = round(x/scale)`` in ``[−BIT_MAX, BIT_MAX]`` with ``scale_r =
     max|x[r]|/BIT_MAX`` (error ≤ ``scale_r/2`` = max|x|/65534, plus the float32 rounding of
-    ``1/scale_r``: up to 1.005·scale_r/2 measured; a row whose max|x| is below ``TINY`` =
-    1e-30, where ``BIT_MAX/max|x|`` would overflow float32, is quantised as zero; NaN is not handled), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
+    ``1/scale_r``, held to 1.01·scale_r/2 by the tests; a row whose max|x| is below ``TINY`` =
+    1e-30, where ``BIT_MAX/max|x|`` would overflow float32, is quantised as zero; NaN is not
+    handled), ``q = Σ_{p<15} 2^p·b_p − 2^15·b_15`` (two's complement).
     A sign vector ``s ∈ {±1}`` with bits ``s' = (s + 1)/2`` then has ``s·q = 2·Σ_p w_p·popc(s' & b_p) −
     Σq``, ``w_p = 2^p`` (``−2^15`` for p = 15): the products the binary mmas of ``_planes_ws_kernel``
     form with ``bits=True``.
@@ -353,7 +329,7 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None =
         pdl: let a following kernel launched with programmatic dependent launch start early.
         chunk: weights per program along K, a power of two from 128 to 8192 (default: 1024, or K
             rounded up to a power of two if smaller); num_warps: warps per program (4 or 8). Both
-            only change the speed (``tests/gpu/bitplanes_probe.py`` times them), not the result.
+            only change the speed, not the result.
 
     Source: BitDelta (arXiv:2402.10193) §3.1 Eq. 2 for the product; the bit-plane split of a fixed-point
     operand is the usual binary-network decomposition (e.g. DoReFa-Net, arXiv:1606.06160, §2.1).
@@ -374,7 +350,7 @@ def activation_bitplanes(x: torch.Tensor, pdl: bool = False, chunk: int | None =
         raise ValueError(f"num_warps = {num_warps}: the bit-plane kernel runs with 4 or 8")
     bits = torch.empty(m, k // 128, 64, dtype=torch.int32, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
-    # programs over 1024-weight chunks: one program per row took 8 µs at 16 rows and K = 8192 (ncu, H200)
+    # programs over 1024-weight chunks, several per row: one program per row leaves the GPU idle
     chunk = chunk or min(1024, triton.next_power_of_2(k))
     _bitplanes_kernel[(m, triton.cdiv(k, chunk))](x, bits, sc, k, x.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
                                                   CHUNK=chunk, PDL=pdl, num_warps=num_warps)
@@ -437,15 +413,14 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         config: ``(BLOCK_K, rows per consumer warpgroup, STAGES, registers per thread, loader warps)``,
             default :func:`default_config`. split: K chunks (default :func:`ws_split`).
         pdl: launch with programmatic dependent launch, so that the copies of W, x and the signs for
-            the first ring overlap the activation-planes kernel (not yet measured on a GPU).
+            the first ring overlap the activation-planes kernel.
         tiled: ``signs`` is :func:`tile_signs` of the ``[S, N, K/8]`` signs for the configuration's
             ``BLOCK_K`` (each K step's sign tile one contiguous copy).
         base_spread: with 8 or 16 rows and two or four consumer warpgroups, each computes the base
             product of every row over its share of each K step's columns (one wgmma of N = rows on a
-            K slice), instead
-            of the whole step for eight rows (at 16 rows with four consumers the same product was
-            computed twice); the partial sums meet in the workspace, even without a K split. A
-            candidate for 16 variants, not yet timed on a GPU.
+            K slice) instead of the whole step for its group of eight rows (which at 16 rows with
+            four consumers computes each product twice); the partial sums meet in the workspace,
+            even without a K split.
         bits: the sign part on the binary tensor cores (``mma.sync`` b1, AND + POPC) with the
             activations' 16 bit planes (:func:`activation_bitplanes`) instead of on the int8 ones: each
             consumer thread reads two sign words per row and 128 weights as stored and expands nothing.
@@ -456,8 +431,8 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
         stream_k: persistent, and instead of whole K chunks each program takes an equal run of all
             tiles' K steps laid end to end (at least 4), so that no multiprocessor idles at the end
             (qkv's 160 feature blocks on 132 multiprocessors); ``split`` is ignored. Same ``pdl`` rule.
-        _copies_only: with ``bits``, a probe of the memory side alone: the same copies and barriers,
-            no products (``y`` is wrong). For tests/gpu/planes_probe.py (``PROBE_COPIES``).
+        _copies_only: with ``bits``, the memory side alone, for profiling: the same copies and
+            barriers, no products (``y`` is wrong).
 
     Returns:
         ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
@@ -735,7 +710,7 @@ if HAVE_GLUON:
                     for r in gl.static_range(RH):
                         words = _as_words(s_smem[ROW0 + r].index(stage), BN, SB // 4, word_l)
                         acc = acc_s[r]
-                        for c in gl.static_range(KW if BITS == 1 else 0):  # BITS 2: the copies alone (a probe)
+                        for c in gl.static_range(KW if BITS == 1 else 0):  # BITS 2: the copies alone (profiling)
                             a = words.slice(4 * c, 4, dim=1).load(word_l3)                  # [BN, 4]
                             a3, _ = gl.broadcast(gl.expand_dims(a, 2), zero)
                             acc = gl.inline_asm_elementwise(_BMMA, "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 23 + "r",

@@ -5,10 +5,8 @@ register operand of the wgmma (Gluon).
 
 Why a second Hopper prefill kernel: ``gluon_bitdelta._prefill_kernel`` writes every
 reconstructed ``W + α·s`` tile to shared memory, meets all its warps at a barrier, and lets the
-wgmma read it back (1.6× dense at 2048 tokens on an H200); a warp-specialised version that formed
-the tile in a warpgroup of its own was slower still (1.73×, removed). Here the product is computed
-transposed, ``yᵀ = (W + α·s) · xᵀ`` ("swap-AB"), so the reconstructed weight is the wgmma's A
-operand, which Hopper reads **from registers**:
+wgmma read it back. Here the product is computed transposed, ``yᵀ = (W + α·s) · xᵀ`` ("swap-AB"),
+so the reconstructed weight is the wgmma's A operand, which Hopper reads **from registers**:
 
 * a loader warpgroup (the default partition; it gives its registers to the consumers) copies the
   ``[BLOCK_T, BLOCK_K]`` tile of x (the tokens) and the ``[128, BLOCK_K]`` tile of W by TMA into a
@@ -24,13 +22,10 @@ operand, which Hopper reads **from registers**:
   flight at the loop's back edge (C7512), so the loop body covers ``U`` K steps and waits for its
   wgmmas at its end; the other consumer's wgmmas keep the tensor cores busy meanwhile.
 
-Measured on an H200 (Triton 3.6, 2048 tokens, time ÷ dense bf16 over the Llama-2-70B layer set):
-1.105× for ``(256, 4, 2, False, 240)`` in ``tests/gpu/prefill_gluon.py`` (qkv / o / gate_up / down
-1.103 / 1.077 / 1.111 / 1.104; that run had no PRE configurations), and 1.110× through the
-dispatcher in ``make bench-kernels`` (reports/bench-kernels-prefill-2026-11-30-h200-rs.json), against
-1.65× for ``gluon_bitdelta._prefill_kernel``. ncu (``o``): the SM 83 % busy, issue slots 25 %. A
-first version that loaded W with 4-byte global loads straight into the A layout ran at 1.60×: the
-loads kept the L1 78 % busy and the warps waiting on them.
+W reaches the registers through shared memory (TMA, then ``ldmatrix``), not by 4-byte global loads
+straight into the A layout, which keep the L1 busy and the warps waiting on them. The dispatcher
+(``kernels.triton_bitdelta._prefill_choice``) times :data:`CONFIGS` against the other prefill
+kernels once per shape; current figures: docs/kernels.md (``make bench-kernels``).
 
 Rounding: ``α`` is rounded to the activation dtype before the add (bf16: relative error ≤ 2⁻⁹ of
 ``α``, far below one ulp of a weight of the usual size); the sum is rounded once.
@@ -295,7 +290,7 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
 
 def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
     """Compile the kernel for sm_90a ahead of time, without a GPU (α per row, with a bias), for the
-    compile test (tests/test_kernels_compile.py) and the SASS inspection (tests/gpu/sass_tenants.py).
+    compile test (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
 
     Args:
         config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in

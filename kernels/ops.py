@@ -2,8 +2,8 @@
 the Triton kernels as torch custom ops.
 
 Registered with fake (meta) implementations so ``torch.compile`` traces through them without
-running them and CUDA graphs capture their launches (ARCHITECTURE.md, "Kernel": "Register them as
-torch custom ops"). Importing this module needs triton.
+running them and CUDA graphs capture their launches (docs/kernels.md, "Contract"). The fakes check
+devices as the kernels do: a meta argument dispatches to them. Importing this module needs triton.
 """
 from __future__ import annotations
 

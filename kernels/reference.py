@@ -1,10 +1,10 @@
-"""Plain-torch reference of the BitDelta kernel contract (ARCHITECTURE.md, "Kernel").
+"""Plain-torch reference of the BitDelta kernel contract (docs/kernels.md, "Contract").
 
 BitDelta (Liu et al., arXiv:2402.10193, §3.1, Eq. 1–2) approximates a fine-tuned weight as
 ``W_ft ≈ W_base + α · sign(Δ)`` with ``Δ = W_ft − W_base``. The sign matrix is stored packed,
-eight signs per byte, least significant bit first along the input dimension (artifact format v1):
-bit ``j`` of byte ``b`` in row ``r`` is 1 when ``Δ[r, 8b + j] > 0`` (meaning ``+α``) and 0 when
-``Δ[r, 8b + j] ≤ 0`` (meaning ``−α``); pad bits past ``K`` are 0.
+eight signs per byte, least significant bit first along the input dimension (artifact format v1,
+docs/artifact.md): bit ``j`` of byte ``b`` in row ``r`` is 1 when ``Δ[r, 8b + j] > 0`` (meaning
+``+α``) and 0 when ``Δ[r, 8b + j] ≤ 0`` (meaning ``−α``); pad bits past ``K`` are 0.
 
 These functions define the semantics the fused Triton kernels must match. They compute in
 float32 and unpack the signs of one matrix at a time, transiently: a per-variant dense copy of
@@ -95,9 +95,9 @@ def tiled_shape(n: int, k: int) -> tuple[int, int, int, int]:
 def tile_signs(signs: torch.Tensor) -> torch.Tensor:
     """Packed signs in the tiled layout: ``[..., N, KB]`` → ``[..., ceil(N/64), ceil(KB/16), 64, 16]``,
     so that the 64 rows × 16 bytes (128 weights of K) that a kernel reads per K step are one
-    contiguous KiB (tile ``(f, j)`` holds rows ``64f …`` and bytes ``16j …``; padding is zero). On an
-    H200 the int8 tenant kernel ran 10 % faster at 16 tenants reading this layout than 64 pieces of
-    16 bytes a sign row apart (reports/planes-probe-tiled-2026-11-30-h200.json).
+    contiguous KiB (tile ``(f, j)`` holds rows ``64f …`` and bytes ``16j …``; padding is zero): one
+    copy per K step instead of 64 pieces of 16 bytes a sign row apart. Every kernel reads both
+    layouts; the server's variant slots are tiled (docs/kernels.md, "Sign layouts").
 
     Args:
         signs: uint8 ``[..., N, KB]`` (one matrix ``[N, KB]`` or a slot stack ``[S, N, KB]``).

@@ -1,10 +1,12 @@
-"""Fused Triton kernels for ``bitdelta_linear`` and ``bitdelta_linear_batched`` (ARCHITECTURE.md,
-"Kernel").
+"""Fused Triton kernels for ``bitdelta_linear`` and ``bitdelta_linear_batched`` (docs/kernels.md,
+"Contract"), and the dispatch between them and the Hopper kernels of ``kernels.gluon_bitdelta``,
+``kernels.gluon_prefill_rs`` and ``kernels.gluon_planes``.
 
 ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2 applied to a
 linear layer). The packed sign bytes (one byte per 8 weights, least significant bit first: 1/16 of
 the bf16 bytes) are read once per tile and unpacked in registers; the reconstructed weight exists
-only in registers and nothing but ``y`` is written to memory.
+only in registers and nothing but ``y`` is written to memory. Every kernel here reads the signs as
+rows ``[N, ceil(K/8)]`` or in ``kernels.reference.tile_signs``' layout.
 
 Kernels:
 
@@ -20,15 +22,15 @@ Kernels:
   ``kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
   wgmma's register operand; K a multiple of 64·U) or the Gluon kernel of ``kernels.gluon_bitdelta``
   (TMA, asynchronous wgmma, the sign expansion of K step k overlapping the product of step k − 1),
-  whichever is faster for the shape (``_prefill_choice``); elsewhere, or when it does not apply (K not a multiple of 8,
-  unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
+  whichever is faster for the shape (``_prefill_choice``); elsewhere, or when it does not apply (K
+  not a multiple of 8, unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
   ``[BLOCK_N, BLOCK_K]`` tile of W and its ``[BLOCK_N, BLOCK_K/8]`` sign bytes are loaded (both
   pipelined through shared memory), ``W + α·s`` is formed in float32 and rounded once to the
   activation dtype, and multiplied with the x tile, accumulating in float32. ``W_AS_A`` chooses
   whether the reconstructed tile is the product's register operand (``yᵀ = (W + α·s)·xᵀ``) or
-  its shared-memory operand (``y = x·(W + α·s)ᵀ``). Triton 3.6 waits for each wgmma whose operand
-  is computed in registers, so here the expansion and the tensor cores take turns. Which of the
-  two runs is timed once per shape (``_prefill_choice``).
+  its shared-memory operand (``y = x·(W + α·s)ᵀ``). Triton waits for each wgmma whose operand is
+  computed in registers, so in this kernel the expansion and the tensor cores take turns: the
+  reason for the Gluon kernels.
 * **mixed tenants**, ``bitdelta_linear_batched``: decode batches in which every row has its own
   variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``): the base product of
   the rows on tensor cores, the signs by table lookup (see its docstring). On a Hopper GPU,
@@ -45,23 +47,17 @@ Kernels:
   each row forms its own tenant's ``W + α_t·s_t``. Bytes read: W once + each distinct tenant's
   signs, ``1 + T/16`` of a dense read for T tenants.
 
-Measured on an H200 (Triton 3.6, ``make bench-kernels``, reports/bench-kernels-2026-11-30-h200.* and
-reports/bench-kernels-tenants-planes-2026-11-30-h200.*), time ÷ dense bf16 over the Llama-2-70B
-layer set: decode M = 1 1.09×; M = 2048 1.62× (Gluon); mixed tenants T = 1 / 2 / 4 / 8 / 16: 1.10×
-(FMA), 1.21 / 1.38 / 1.72 / 2.84× (the warp-specialised int8 tensor-core kernel; T = 2–8 from
-reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.*), against targets of 1.1·(1 + T/16)×;
-the CUDA-core kernels it replaced ran at 1.66 / 2.21 / 3.56 / 7.12×. Later runs: M = 2048 1.11× (the
-register-operand kernel, reports/bench-kernels-prefill-2026-11-30-h200-rs.*); T = 2 / 4 / 8 / 16
-1.18 / 1.36 / 1.76 / 2.86× (reports/bench-kernels-tenants-loaders-2026-11-30-h200.*); on tiled signs
-with the binary variants timed too, M = 1 1.093×, M = 2048 1.070×, T = 1 / 2 / 4 / 8 / 16 1.114 /
-1.170 / 1.295 / 1.564 / 2.288× (reports/bench-kernels-bits-rounds-2026-11-30-h200.*). With stream-K
-launches timed too (``gluon_planes``, ``stream_k=True``), T = 16 alone in two runs: 2.206× and 2.180×
-(reports/bench-kernels-streamk-T16-rounds-2026-11-30-h200.*, …-streamk-T16-picks-rounds-…; qkv 2.18
-/ 2.14× against 2.51× before).
+Tuning: tile shapes are autotuned per problem shape on the GPU (``triton.autotune`` over the
+``_*_configs`` lists, aimed at H100/H200, timed by CUDA-graph replay as a serving engine replays
+decode steps); the choice between kernels for prefill and mixed tenants is timed once per shape
+(``_prefill_choice``, ``_tenants_choice``). ``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import):
+every kernel's first tile and the default kernel choices, nothing timed; during a CUDA-graph capture
+the kernel choices take their defaults too; ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests): each tile
+timed by a few runs, the kernel choices untimed. Each path's current time ÷ dense bf16 over the
+Llama-2-70B layer set is in docs/kernels.md ("Current figures"), from ``make bench-kernels``.
 
-Tile shapes are autotuned per problem shape on the GPU (configurations aimed at H100/H200); under
-``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is used,
-and because the interpreter computes bf16 ``tl.dot`` wrongly the prefill kernel multiplies the
+Under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, used by the tests) a fixed small tile is
+used, and because the interpreter computes bf16 ``tl.dot`` wrongly the prefill kernel multiplies the
 same rounded tiles in float32 there (``DOT_FP32``).
 """
 from __future__ import annotations
@@ -147,8 +143,7 @@ def _decode_kernel(
     K is split into chunks of ``CHUNK_ITERS`` steps across programs when N alone gives too few
     programs; their float32 partial sums meet in a workspace (see ``_emit``). ``LATE_REDUCE`` (one
     row per program): keep a partial sum per thread and reduce across threads once after the K loop
-    instead of every step (in the Triton 3.6 SASS of a step: no barrier, shuffle or shared-memory
-    round trip)."""
+    instead of every step (a step then has no barrier, shuffle or shared-memory round trip)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -306,8 +301,8 @@ def _tenants_kernel(
     (``lut_lo[b, e] = Σ_{j: bit j of e} x[8b + j]``, ``lut_hi`` the same for ``x[8b + 4 + j]``),
     from 8 strided loads of x; each sign byte of the row's tenant is loaded once and its two
     nibbles pick one entry each (``tl.gather``, warp shuffles): two lookups and adds per 8 weights
-    instead of unpacking and multiply-adding each bit. Triton 3.6 SASS of a row step: 1.7–2.5
-    instructions per (row, weight) depending on the tile, against ≈ 12 for the FMA kernel."""
+    instead of unpacking and multiply-adding each bit, several times fewer instructions per row and
+    weight than the FMA kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -389,8 +384,9 @@ NO_SPLIT = 1 << 20  # CHUNK_ITERS meaning "the whole K in one program"
 
 
 def _decode_configs(batched: bool):
-    """Decode tiles (BLOCK_N, BLOCK_KB, CHUNK_ITERS, warps), from a sweep on an H200 over the
-    Llama-2-70B layer shapes (tests/gpu/tune_kernels.py): few rows per program, 1–2 K bytes per step."""
+    """Decode tiles (BLOCK_N, BLOCK_KB, CHUNK_ITERS, warps) chosen for the Llama-2-70B layer shapes on
+    Hopper: few rows per program, 1–2 K bytes per step; ``batched``: the mixed-tenant (FMA) tiles,
+    with ``BLOCK_M`` rows per program."""
     if batched:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w)
                 for bm, bn, bkb, it, w in ((1, 4, 128, 1, 4), (1, 2, 128, NO_SPLIT, 4), (2, 4, 128, 1, 4),
@@ -399,8 +395,8 @@ def _decode_configs(batched: bool):
     tiles = ((2, 128, NO_SPLIT, 4), (1, 256, NO_SPLIT, 4), (2, 256, NO_SPLIT, 8), (1, 128, NO_SPLIT, 2),
              (2, 128, 2, 4), (2, 128, 4, 4), (4, 128, 2, 4), (1, 256, 2, 4), (2, 64, NO_SPLIT, 2), (4, 128, 1, 4),
              (4, 64, NO_SPLIT, 4))
-    # LATE_REDUCE (used when M = 1) for the best tiles of the sweep: fewer instructions per K step in
-    # the SASS (156 vs 179 for 2 × 1024 weights); not yet timed on a GPU, so the tuner chooses
+    # LATE_REDUCE (used when M = 1) variants of the leading tiles: fewer instructions per K step (one
+    # cross-thread reduction after the loop); the tuner chooses between them and the plain ones
     return [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it}, num_warps=w) for bn, bkb, it, w in tiles] \
         + [triton.Config({"BLOCK_N": bn, "BLOCK_KB": bkb, "CHUNK_ITERS": it, "LATE_REDUCE": True}, num_warps=w)
            for bn, bkb, it, w in tiles[:3] + tiles[4:5] + tiles[6:7]]
@@ -409,8 +405,8 @@ def _decode_configs(batched: bool):
 def _decode_configs_tiled():
     """Decode tiles for signs in ``tile_signs``' layout: the row tiles above plus tiles of 4–16 rows
     and 16–128 bytes per K step, so that a program reads whole 64–256-byte runs of a 64-row × 16-byte
-    sign tile (one or two rows per program read 16-byte pieces a KiB apart: on an H200 the row tiles
-    ran gate_up's 56 MiB of signs 7 % slower tiled than in rows, kernels/bench.py, 2026-11-30)."""
+    sign tile (a program of one or two rows reads 16-byte pieces a KiB apart there, slower than the
+    same tile on sign rows)."""
     tiles = ((4, 64, NO_SPLIT, 4), (8, 32, NO_SPLIT, 4), (16, 16, NO_SPLIT, 4), (8, 64, NO_SPLIT, 8),
              (16, 32, NO_SPLIT, 8), (4, 128, NO_SPLIT, 8), (8, 32, 4, 4), (4, 64, 2, 4), (16, 16, 8, 4))
     return _decode_configs(False) \
@@ -422,7 +418,7 @@ def _decode_configs_tiled():
 def _lut_configs():
     """Table-lookup mixed-tenant tiles (BLOCK_N, BLOCK_K, CHUNK_ITERS, warps, stages): two pipeline
     stages keep the shared memory of a program small; wide N tiles share each row's table among more
-    output features (Triton 3.6 SASS of a row step: 1.7–2.1 instructions per (row, weight))."""
+    output features."""
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "CHUNK_ITERS": it}, num_warps=w, num_stages=st)
             for bn, bk, it, w, st in ((128, 128, 8, 4, 2), (256, 128, 8, 4, 2), (256, 64, 8, 4, 2), (128, 64, 8, 4, 2))]
 
@@ -433,8 +429,8 @@ def _mm_configs():
                 (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (64, 256, 64, 8, 3, False),
                 (128, 128, 64, 8, 3, True), (128, 16, 128, 4, 4, True), (64, 16, 128, 4, 4, True),
                 (128, 32, 64, 4, 4, True), (128, 64, 64, 4, 4, True),
-                # BLOCK_K = 128: half as many K steps, so half as many of the waits Triton 3.6 puts after
-                # a wgmma with a computed operand (compiled, 139–199 KB shared memory; not yet timed)
+                # BLOCK_K = 128: half as many K steps, so half as many of the waits Triton puts after a
+                # wgmma with a computed operand (139–199 KB of shared memory)
                 (128, 256, 128, 8, 2, True), (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, True))]
 
 
@@ -477,9 +473,8 @@ def _quick_bench(fn, quantiles=None):
 
 def _graph_bench(fn, quantiles=None):
     """Autotuning timer: CUDA-graph replay, as a serving engine runs decode. Triton's default timer
-    launches eagerly, and for kernels of tens of µs its launch overhead and noise decided the choice:
-    on an H200 the eagerly tuned decode tile for the 70B ``o`` layer ran at 2.6× dense where the best
-    tile ran at 1.09× (reports/tune-kernels-2026-11-30-h200.json)."""
+    launches eagerly, and for kernels of tens of µs its launch overhead and noise, not the kernel,
+    decide the choice: it can keep a tile several times slower than the best."""
     from triton.testing import do_bench_cudagraph
 
     # do_bench_cudagraph times on a side stream that does not wait for the caller's stream: let the
@@ -720,25 +715,21 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
     untimed = (not AUTOTUNE or torch.cuda.is_current_stream_capturing()
                or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1")
     if untimed:  # the warp-specialised kernel's default, from four rows up with the sign part on the
-        # binary tensor cores (faster than int8 at T = 4–16 on every 70B layer in the H200 probe of
-        # tests/gpu/session27.sh and in the benchmark of session29)
+        # binary tensor cores (there the faster of the two sign paths on the 70B layer set)
         if planes:
             return ("planes", planes[0], None) + (((("bits", True), ), ) if rows >= 4 else ())
         return configs[0] if AUTOTUNE and configs else None
     runs = {}
-    # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: on
-    # the 70B layer set it is faster than every other tenant kernel from two rows up
-    # (tests/gpu/planes_probe.py), so the others are not timed
+    # each configuration of the warp-specialised int8 tensor-core kernel at several K splits: where it
+    # runs it is faster than every other tenant kernel from two rows up, so the others are not timed
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if planes else 0
-    # each also with the sign part on the binary tensor cores (bits), alone, with the base product
-    # spread over the consumers, and with programmatic dependent launch (the H200 probe of
-    # tests/gpu/session27.sh: bits fastest at T = 16 on every layer, spread best on qkv only)
-    # and persistent (one program per resident slot walking the work units), and stream-K (persistent,
-    # equal runs of steps across tiles; the split does not apply: timed once).
+    # from four rows up each also with the sign part on the binary tensor cores (bits): alone, with
+    # programmatic dependent launch, persistent (one program per resident slot walking the work
+    # units), from eight rows with the base product spread over the consumers, and stream-K
+    # (persistent, equal runs of steps across tiles; the split does not apply: timed once).
     # At 16 rows only the binary path is timed (alone and with PDL at splits d, 1, 2, 4, and stream-K):
-    # int8, base spread and persistent never won there (the H200 probes of tests/gpu/session27.sh, and
-    # session30.sh on qkv: stream-K 2.14–2.23× dense, persistent ≥ 2.41×, one program per unit ≥ 2.53×),
-    # and each timed variant is one more compile (the full set took 210 s per layer shape).
+    # int8, base spread and one program per resident slot are slower there, and each timed variant is
+    # one more compile per layer shape.
     bits, pdl = ("bits", True), ("pdl", True)
     sixteen = rows >= 16
     if sixteen:
@@ -803,11 +794,8 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     rows only bits alone, with PDL, and stream-K), once per shape, the four fastest timed again and the
     lowest median kept (``_tenants_choice``; untimed under CUDA-graph capture, with
     ``DELTAFLEET_TRITON_QUICK_TUNE=1`` or ``DELTAFLEET_TRITON_AUTOTUNE=0``: its default); elsewhere
-    ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. On an H200 with Triton
-    3.6 (70B layer set, ÷ dense, reports/bench-kernels-tenants-planes-2026-11-30-h200.json): the
-    default choice 1.10 / 1.21 / 1.38 / 1.72 / 2.84× at T = 1 / 2 / 4 / 8 / 16 tenants of one row
-    each (T = 2–8 from reports/bench-kernels-tenants-planes-prep-2026-11-30-h200.json; table lookup
-    alone 1.41 / 1.81 / 2.79 / 4.41 / 7.15×).
+    ``"lut"`` and each tile of ``"gluon"``. None of them rounds ``W + α·s``. Current times ÷ dense
+    per tenant count: docs/kernels.md ("Current figures", ``make bench-kernels``).
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``, or
