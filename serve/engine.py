@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -31,13 +30,13 @@ from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifa
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from deltafleet.serve.model import Transformer, VariantDelta
+from deltafleet.serve.sampling import SAMPLING_EPS  # noqa: F401  (re-exported: the API's greedy bound)
 from deltafleet.serve.scheduler import END, Scheduler
 from deltafleet.serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
 VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
 _MARK = re.compile("\ue000(\\d+)\ue001")  # encode_chat's placeholder of message i
-SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
@@ -85,6 +84,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0  # 0: no limit
 
 
 @dataclass
@@ -605,8 +605,9 @@ class Engine:
         """Generate: prefill the prompt, then one token per :class:`Step` until eos, a stop string or max_tokens.
 
         The request joins the continuous batch (serve/scheduler.py): it decodes together with the
-        other running requests, whatever their variants. Greedy when ``temperature == 0``, else
-        temperature + top-p (nucleus) sampling, seeded by ``seed`` if given. The texts of the steps
+        other running requests, whatever their variants. Greedy below ``SAMPLING_EPS``, else
+        temperature, top-k and top-p sampling (serve/sampling.py), seeded by ``seed`` if given (the
+        same seed, prompt and model give the same tokens, whatever shares the batch). The texts of the steps
         concatenate to the completion: a stop string is cut off (the text ends before it); partial
         UTF-8 and possible stop prefixes are held back until resolved. ``on_start`` is called once
         the request enters the batch; setting ``cancel`` (or closing this iterator) ends it after the
@@ -634,29 +635,6 @@ class Engine:
         steps = list(self.generate(model_id, ids, params))
         return Completion("".join(s.text for s in steps), steps[-1].finish_reason, len(ids), len(steps),
                           [s.token_id for s in steps])
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> int:
-    """Next token from fp32 logits ``[V]``: argmax if ``temperature < SAMPLING_EPS`` (0 included), else
-    softmax(logits/T) restricted to the smallest set of tokens whose probability reaches ``top_p``
-    (Holtzman et al. 2019). Any finite logits and any temperature give a token.
-
-    Raises:
-        GenerationError: the logits hold NaN or +inf, or are all −inf (a broken model or delta).
-    """
-    top = logits.max()
-    if not math.isfinite(float(top)):  # max propagates NaN
-        raise GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
-    if temperature < SAMPLING_EPS:
-        return int(torch.argmax(logits))
-    probs = torch.softmax((logits - top) / temperature, dim=-1)  # ≤ 0 before scaling: no overflow to NaN
-    if top_p < 1.0:
-        p, idx = torch.sort(probs, descending=True)
-        outside = p.cumsum(0) - p > top_p  # tokens entirely past the nucleus; the top one always stays
-        p[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, idx, p)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
 def _failure_table(stop: str) -> list[int]:

@@ -105,6 +105,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False,
                                description=f"below {SAMPLING_EPS:g} (0 included): greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, strict=True, description="the k most likely tokens only (vLLM's); "
+                                                                    "0, -1 or null: all")
     stop: Annotated[Annotated[Annotated[str, Tag("one")] | Annotated[list[str], Field(max_length=MAX_STOP),
                                                                      _too_many("stop", MAX_STOP), Tag("list")],
                               Discriminator(lambda v: "one" if isinstance(v, str) else "list")] | None,
@@ -118,7 +120,7 @@ class _Sampling(BaseModel):
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed)
+        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0))
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of

@@ -21,9 +21,9 @@ On a CUDA device the batched step is replayed as a CUDA graph, the batch padded 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
+import secrets
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -31,8 +31,10 @@ from typing import Callable
 
 import torch
 
+from deltafleet.serve import sampling
 from deltafleet.serve.batch import BatchDeltas, RowCache
 from deltafleet.serve.graphs import DecodeGraphs
+from deltafleet.serve.sampling import request_seed
 
 log = logging.getLogger(__name__)
 END = object()  # the last item of a request's queue
@@ -45,7 +47,7 @@ class _Seq:
     cancel: threading.Event
     on_start: Callable[[], None] | None
     text: object = None            # serve.engine._TextStream
-    gen: torch.Generator | None = None
+    seed: int = 0                  # the sampler's 64-bit seed (serve/sampling.py)
     row: int = -1
     pos: int = 0                   # position of the token fed next
     token: int = 0                 # the token fed next
@@ -56,13 +58,6 @@ class _Seq:
 def _slot(req) -> int:
     """The variant slot a request runs with (serve/batch.py), −1 for the base."""
     return -1 if req.delta is None else req.delta.slot
-
-
-def _generator_seed(seed: int) -> int:
-    """A request's seed (any integer) as a torch.Generator seed: 64 bits of its BLAKE2b hash, so
-    that seeds equal modulo 2**64, or 2**32 (torch's CPU generator keeps the low 32 bits), still
-    sample apart."""
-    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little")
 
 
 class Scheduler:
@@ -169,8 +164,7 @@ class Scheduler:
             return
         p = req.params
         seq.text = _TextStream(eng.detokenizer, p.stop, eng._detok_lock)
-        if p.temperature > 0 and p.seed is not None:
-            seq.gen = torch.Generator(eng.device).manual_seed(_generator_seed(p.seed))
+        seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
         view = [RowCache(c, rows, per_row_positions=False) for c in self.cache]
@@ -180,7 +174,7 @@ class Scheduler:
                                 torch.arange(n, device=eng.device), view, req.delta)[0, -1].float()
         seq.pos = n
         self.running.append(seq)
-        self._emit(seq, logits)
+        self._emit(seq, int(self._sample(logits[None], [seq], [n])[0]))
 
     def _decode(self) -> None:
         live = [s for s in self.running if not s.done]
@@ -204,18 +198,27 @@ class Scheduler:
                                                  self.cache, torch.tensor(rows, device=dev), delta).float()
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(live))
-        for s, lg in zip(live, logits):
+        for s, token in zip(live, self._sample(logits, live, [s.pos + 1 for s in live]).tolist()):  # one sync
             s.pos += 1
-            self._emit(s, lg)
+            self._emit(s, token)
 
-    def _emit(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample the next token of ``seq`` from ``logits [V]`` and send its Step; an error here (its
-        logits not finite, say) is sent to ``seq`` alone and ends it."""
-        from deltafleet.serve.engine import Step, sample
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq], positions: list[int]) -> torch.Tensor:
+        """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
+        row whose logits are not finite; ``positions``: those of the tokens sampled."""
+        batch = sampling.SamplingBatch.build(
+            [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, p)
+             for s, p in zip(seqs, positions)], logits.device)
+        return sampling.sample(logits, batch)
 
-        eng, p = self.engine, seq.req.params
+    def _emit(self, seq: _Seq, token: int) -> None:
+        """Send the Step of ``seq``'s sampled ``token``; a failure here (−1: its logits were not finite,
+        or its detokenizing failed) is sent to ``seq`` alone and ends it."""
+        from deltafleet.serve.engine import GenerationError, Step
+
+        eng = self.engine
         try:
-            token = sample(logits, p.temperature, p.top_p, seq.gen)
+            if token < 0:
+                raise GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
             seq.n += 1
             if token in eng.eos_token_ids:
                 step = Step(token, seq.text.flush()[0], "stop")

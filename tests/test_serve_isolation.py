@@ -24,8 +24,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from deltafleet.serve.app import create_app
-from deltafleet.serve import engine as serve_engine
+from deltafleet.serve import sampling
 from deltafleet.serve.engine import Engine, _TextStream
+from deltafleet.serve.sampling import SamplingBatch
 from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
 from tests.conftest import api_error, free_port, stop_server, wait_healthy
 
@@ -87,15 +88,14 @@ def test_a_tiny_temperature_samples_greedily(tc):
 
 
 def test_sampling_takes_any_finite_logits_and_refuses_nan():
-    huge = torch.tensor([3e38, -3e38, 1.0, 0.0])
-    for t in (1e-5, 1e-3, 2.0):  # logits / T would overflow to inf and softmax to NaN
-        assert serve_engine.sample(huge, t, 0.5) == 0
-    assert serve_engine.sample(torch.tensor([0.0, float("-inf"), 1.0]), 1.0, 1.0) in (0, 2)
-    for bad in ([float("nan"), 1.0], [float("inf"), 1.0], [float("-inf")] * 2):
-        with pytest.raises(serve_engine.GenerationError, match="not finite"):
-            serve_engine.sample(torch.tensor(bad), 1.0)
-        with pytest.raises(serve_engine.GenerationError):
-            serve_engine.sample(torch.tensor(bad), 0.0)
+    huge = torch.tensor([[3e38, -3e38, 1.0, 0.0]] * 3)
+    batch = SamplingBatch.build([(t, 0.5, 0, 7, 3) for t in (1e-5, 1e-3, 2.0)], "cpu")
+    assert sampling.sample(huge, batch).tolist() == [0, 0, 0]  # logits / T would overflow to NaN
+    bad = torch.tensor([[0.0, float("-inf"), 1.0], [float("nan"), 1.0, 0.0], [float("inf"), 1.0, 0.0],
+                        [float("-inf")] * 3])
+    for t in (1.0, 0.0):
+        tokens = sampling.sample(bad, SamplingBatch.build([(t, 1.0, 0, 7, 3)] * 4, "cpu")).tolist()
+        assert tokens[0] in (0, 2) and tokens[1:] == [-1, -1, -1]
 
 
 @pytest.fixture
@@ -152,15 +152,15 @@ def test_an_error_after_the_first_token_is_an_in_band_event(engine, monkeypatch)
     OpenAI error object as an event, then [DONE] (no usage: the count would be a lie); the same
     request not streamed is a 500, never a 200 with cut text."""
     calls = {"n": 0}
-    sample = serve_engine.sample
+    sample = sampling.sample
 
-    def failing_third(logits, *args, **kwargs):
+    def failing_third(logits, batch):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             logits = torch.full_like(logits, float("nan"))
-        return sample(logits, *args, **kwargs)
+        return sample(logits, batch)
 
-    monkeypatch.setattr(serve_engine, "sample", failing_third)
+    monkeypatch.setattr(sampling, "sample", failing_third)
     body = {"model": "tiny", "prompt": "def main(", "temperature": 0, "max_tokens": 8}
     with TestClient(create_app(engine)) as tc:
         r = tc.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})

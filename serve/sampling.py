@@ -1,0 +1,117 @@
+"""Sampling for a whole step at once, on the device: greedy, temperature, top-k, top-p and a seed per
+request, one host synchronisation per step.
+
+Every row's randomness is a pure function of its request's seed, the position of the token being
+sampled and the candidate token's id: a counter-based hash (MurmurHash3's 32-bit finaliser, applied
+in rounds) gives each candidate a uniform draw, and the Gumbel-max trick (the argmax of the scaled
+logits plus Gumbel noise, Gumbel 1954; Maddison et al. 2014) samples from the row's distribution,
+restricted to its top-k and top-p (nucleus, Holtzman et al. 2019) tokens. So a request samples the
+same tokens whatever else shares its batch, a seed reproduces a completion exactly, and nothing is
+drawn from a stateful generator. Requests without a seed get a random one when they are admitted.
+
+A row whose logits hold NaN or +inf (or are all −inf) gets token −1: its request fails alone
+(:class:`~deltafleet.serve.engine.GenerationError`), the others go on.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
+_M1, _M2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # MurmurHash3 fmix32's multipliers, as int32
+_GOLDEN = 0x9E3779B9 - 2**32
+
+
+def request_seed(seed: int) -> int:
+    """A request's seed (any integer) as the sampler's 64-bit seed: 64 bits of its BLAKE2b hash, so
+    that seeds equal modulo 2**32 or 2**64 still sample apart."""
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int32 ``x`` (``>>`` is arithmetic in torch)."""
+    return (x >> s) & ((1 << (32 - s)) - 1)
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's finaliser on int32 (multiplication wraps, as in C's uint32 arithmetic)."""
+    h = h ^ _shr(h, 16)
+    h = h * _M1
+    h = h ^ _shr(h, 13)
+    h = h * _M2
+    return h ^ _shr(h, 16)
+
+
+@dataclass
+class SamplingBatch:
+    """What a step samples with, one entry per row, on the logits' device.
+
+    Attributes:
+        temperature: float32 ``[B]``; below :data:`SAMPLING_EPS`: greedy.
+        top_p: float32 ``[B]`` in (0, 1]; 1: no nucleus.
+        top_k: int64 ``[B]``; 0: no limit.
+        key: int32 ``[B, 2]``: the request's 64-bit seed (:func:`request_seed`) as two words.
+        position: int32 ``[B]``: the position of the token each row samples (a new draw per step).
+        truncate: whether any row has ``top_p < 1`` or ``top_k > 0`` (known on the host: the sort
+            that truncation needs is skipped when none does).
+    """
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    key: Tensor
+    position: Tensor
+    truncate: bool
+
+    @classmethod
+    def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str) -> SamplingBatch:
+        """From ``(temperature, top_p, top_k, seed, position)`` per row, ``seed`` as
+        :func:`request_seed` gives it."""
+        temperature, top_p, top_k, seeds, position = zip(*rows)
+        keys = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds]
+        key = torch.tensor([[w - 2**32 if w >= 2**31 else w for w in k] for k in keys], dtype=torch.int32)
+        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
+                   torch.tensor(top_p, dtype=torch.float32, device=device),
+                   torch.tensor(top_k, dtype=torch.int64, device=device), key.to(device),
+                   torch.tensor(position, dtype=torch.int32, device=device),
+                   any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k))
+
+
+def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
+    """Gumbel(0, 1) draws, float32 ``[B, N]``: row b's draw for token ``tokens[b, n]`` (or ``tokens[n]``)
+    at ``position[b]`` under ``key[b]``; a pure function of those three."""
+    row = _fmix32(key[:, 0] ^ _fmix32(key[:, 1] ^ _fmix32(position * _GOLDEN + 1)))  # [B]
+    tok = _fmix32(tokens.to(torch.int32) * _GOLDEN + 0x165667B1)
+    h = _fmix32(row[:, None] ^ tok)
+    u = ((h & 0xFFFFFF).float() + 0.5) * (1.0 / 2**24)  # uniform in (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
+    from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
+    probability reaches top-p (the most likely token always stays). Returns int64 ``[B]`` on the
+    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf)."""
+    top = logits.amax(-1)
+    finite = torch.isfinite(top)  # amax propagates NaN
+    greedy = batch.temperature < SAMPLING_EPS
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = (logits - top[:, None]) / temperature[:, None]  # ≤ 0 before scaling: no overflow
+    if batch.truncate:
+        values, order = scaled.sort(-1, descending=True)
+        probs = values.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        k = batch.top_k[:, None]
+        drop = ((batch.top_p[:, None] < 1.0) & (before > batch.top_p[:, None])) | ((k > 0) & (rank >= k))
+        values = values.masked_fill(drop, float("-inf"))
+        pick = (values + gumbel_noise(batch.key, batch.position, order)).argmax(-1)
+        drawn = order.gather(-1, pick[:, None])[:, 0]
+    else:
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        drawn = (scaled + gumbel_noise(batch.key, batch.position, vocab)).argmax(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    return torch.where(finite, tokens, torch.full_like(tokens, -1))
