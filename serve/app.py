@@ -49,8 +49,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deltafleet.serve.engine import (
-    Engine,
+from deltafleet.serve.engine import Engine
+from deltafleet.serve.request import (
     GenerationError,
     InvalidRequestError,
     ModelNotFoundError,

@@ -7,7 +7,7 @@ signs once: ``1 + T/16`` of a dense read for T variants, BitDelta §4); it needs
 signs of a layer stacked in one tensor. :class:`DeltaSlots` holds those stacks: ``n_slots``
 variant slots on the serving device (the "GPU slots" of vLLM's multi-LoRA, here sized in
 variants), filled from a variant's host copy by :meth:`DeltaSlots.put`, which returns a
-:class:`~serve.model.VariantDelta` whose tensors are views into its slot, so the single-variant
+:class:`~serve.delta.VariantDelta` whose tensors are views into its slot, so the single-variant
 path (prefill) reads the same memory and no variant is held twice on the device.
 
 :class:`BatchDeltas` is what the layers receive in place of one ``VariantDelta``: the slots and
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deltafleet.kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.serve.delta import VariantDelta, hf_name
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
@@ -39,13 +40,12 @@ def _sign_shapes(model, sign_layout: str) -> dict[str, tuple[tuple[int, int], tu
     """Per weight matrix of ``model`` with a delta (a tied pair once): ``name -> (rows shape
     [N, ceil(K/8)], the shape one slot holds its signs in, whether that is tiled)``. An embedding's
     signs are gathered by token, so they stay rows (also when a tied lm_head shares them)."""
-    from deltafleet.serve.model import DeltaEmbedding, DeltaLinear
-
     check_sign_layout(sign_layout)
-    gathered = {f"{mod.name}.weight" for mod in model.modules() if isinstance(mod, DeltaEmbedding)}
+    kinds = {mod: getattr(mod, "delta_kind", None) for mod in model.modules()}  # "linear" / "embedding"
+    gathered = {f"{mod.name}.weight" for mod, kind in kinds.items() if kind == "embedding"}
     out = {}
-    for mod in model.modules():
-        name = f"{mod.name}.weight" if isinstance(mod, (DeltaLinear, DeltaEmbedding)) else None
+    for mod, kind in kinds.items():
+        name = f"{mod.name}.weight" if kind is not None else None
         if name is not None and name not in out:
             n, k = mod.weight.shape
             tiled = sign_layout == "tiled" and name not in gathered
@@ -90,13 +90,11 @@ class DeltaSlots:
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
             self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
-        from deltafleet.serve.model import _hf_name
-
         self.full: dict[str, Tensor] = {}
         for pname, p in model.named_parameters():
             if p.dim() == 1:
                 t = p.detach().unsqueeze(0).repeat(n_slots + 1, 1)
-                self.full[_hf_name(pname)] = t
+                self.full[hf_name(pname)] = t
         self._free = list(range(n_slots - 1, -1, -1))
         self._lock = threading.Lock()  # variants are loaded from several request threads at once
         self.slot_bytes = self.bytes_per_slot(model, sign_layout)
@@ -119,7 +117,7 @@ class DeltaSlots:
         return self._free[-1]
 
     def put(self, delta, slot: int | None = None):
-        """Copy a variant (a :class:`~serve.model.VariantDelta`, any device) into a free slot (``slot``,
+        """Copy a variant (a :class:`~serve.delta.VariantDelta`, any device) into a free slot (``slot``,
         or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set.
         Signs may come as rows (an artifact) or tiled (a host-tier copy of a slot's views), whatever
         the slots' layout; a copy that fails gives the slot back.
@@ -127,8 +125,6 @@ class DeltaSlots:
         Raises: ValueError for a variant storing a matrix in full, a delta for a weight the model
         lacks, or signs of another shape than the matrix's; RuntimeError when no slot is free (or
         ``slot`` is taken)."""
-        from deltafleet.serve.model import VariantDelta
-
         bad = [k for k, v in delta.full.items() if v.dim() != 1 or k not in self.full]
         if bad:
             raise ValueError(f"variant {delta.name!r} stores {bad[0]!r} in full (shape "

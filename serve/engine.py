@@ -19,9 +19,9 @@ import json
 import logging
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import AutoTokenizer
@@ -29,45 +29,31 @@ from transformers import AutoTokenizer
 from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifact
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
-from deltafleet.serve.model import Transformer, VariantDelta
-from deltafleet.serve.sampling import SAMPLING_EPS  # noqa: F401  (re-exported: the API's greedy bound)
+from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.loading import load_model
+from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingParams, Step: re-exported)
+    VARIANT_NAME,
+    Completion,
+    FinishReason,
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    Request,
+    SamplingParams,
+    Step,
+    VariantInUseError,
+    VariantUnavailableError,
+)
 from deltafleet.serve.scheduler import END, Scheduler
 from deltafleet.serve.synthetic import read_synthetic
 
 MANIFEST_NAME = "bitdelta.json"
-VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
 _MARK = re.compile("\ue000(\\d+)\ue001")  # encode_chat's placeholder of message i
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
 log = logging.getLogger(__name__)
-FinishReason = Literal["stop", "length"]
 # event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (load time for "load" and
 # "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction left: "device"/"host")
 DeltaListener = Callable[[str, str, float, "str | None"], None]
-
-
-class ModelNotFoundError(LookupError):
-    """No base or variant is served under this model id (HTTP 404)."""
-
-
-class VariantUnavailableError(RuntimeError):
-    """The variant exists but its artifact cannot be used, e.g. a fingerprint mismatch (HTTP 503)."""
-
-
-class VariantInUseError(RuntimeError):
-    """The variant cannot be unloaded or replaced now: requests are running on it (HTTP 409)."""
-
-
-class GenerationError(RuntimeError):
-    """Generating one request failed on the server (HTTP 500), e.g. its logits were not finite. It ends
-    that request only; the other sequences of its batch go on."""
-
-
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked, e.g. the prompt is too long (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -75,46 +61,6 @@ class ModelCard:
     id: str
     parent: str | None  # the base id for a variant, None for the base
     artifact_dir: Path | None = None
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # below SAMPLING_EPS (0 included): greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    top_k: int = 0  # 0: no limit
-
-
-@dataclass
-class Step:
-    """One sampled token: the text it releases ('' while held back) and, on the last, why it ended."""
-
-    token_id: int
-    text: str
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class Request:
-    """A checked request, ready to run: see :meth:`Engine.prepare`."""
-
-    model_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    params: SamplingParams
-    delta: VariantDelta | None
-    released: bool = False  # its hold on the variant's delta ended (Engine.release)
-
-
-@dataclass
-class Completion:
-    text: str
-    finish_reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int] = field(default_factory=list)
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
@@ -162,7 +108,7 @@ class Engine:
         cuda_graphs: on a CUDA device, replay decode steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         tp: rank 0's :class:`serve.tp.TPContext` when serving tensor parallel (the other ranks run
-            :func:`serve.tp.run_follower`); None: one process.
+            :func:`serve.follower.run_follower`); None: one process.
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -190,8 +136,7 @@ class Engine:
         self.tp = tp
         self.synthetic = read_synthetic(self.base_dir)  # None: a real checkpoint
         if self.synthetic is None:
-            self.model = Transformer.from_pretrained(self.base_dir, self.device, self.dtype,
-                                                     tp=None if tp is None else tp.shard)
+            self.model = load_model(self.base_dir, self.device, self.dtype, tp=None if tp is None else tp.shard)
         else:
             self.model = self.synthetic.build_base(self.device, self.dtype, tp=None if tp is None else tp.shard)
         self.max_model_len = self.model.args.max_seq_len
@@ -635,88 +580,3 @@ class Engine:
         steps = list(self.generate(model_id, ids, params))
         return Completion("".join(s.text for s in steps), steps[-1].finish_reason, len(ids), len(steps),
                           [s.token_id for s in steps])
-
-
-def _failure_table(stop: str) -> list[int]:
-    """Knuth–Morris–Pratt: ``t[i]`` = the length of the longest proper prefix of ``stop[:i + 1]`` that
-    is also its suffix."""
-    t, k = [0] * len(stop), 0
-    for i in range(1, len(stop)):
-        while k and stop[i] != stop[k]:
-            k = t[k - 1]
-        if stop[i] == stop[k]:
-            k += 1
-        t[i] = k
-    return t
-
-
-class _TextStream:
-    """Incremental detokenizer with stop strings, in time linear in the new text.
-
-    Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
-    previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
-    the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
-    for the next token. Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
-    character once; the automata's longest partial match is the text held back, since it may still
-    begin a stop. The first stop completed ends the text just before it (of two completed by the
-    same character, the longer).
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock):
-        self.tokenizer, self.lock = tokenizer, lock
-        self.stops = [s for s in stop if s]
-        self.tables = [_failure_table(s) for s in self.stops]
-        self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
-        self.prefix_text = ""  # decode(ids[prefix:read])
-        self.fed = 0  # characters the window adds that went through the automata already
-        self.held = ""  # text checked but not released: it may begin a stop string
-
-    def _decode(self, ids: list[int]) -> str:
-        with self.lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """Add a token; return (newly released text, whether a stop string was reached)."""
-        self.ids.append(token)
-        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
-        stable = len(new.rstrip("\ufffd"))
-        chars, self.fed = new[self.fed:stable], max(self.fed, stable)
-        if stable == len(new):  # complete: the next window starts at this step's tokens
-            self.prefix, self.read = self.read, len(self.ids)
-            self.prefix_text = self._decode(self.ids[self.prefix:self.read])
-            self.fed = 0
-        return self._check(chars)
-
-    def _check(self, chars: str) -> tuple[str, bool]:
-        if not self.stops:
-            return chars, False
-        for i, c in enumerate(chars):
-            hit = 0
-            for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
-                n = self.states[k]
-                while n and stop[n] != c:
-                    n = table[n - 1]
-                if stop[n] == c:
-                    n += 1
-                    if n == len(stop):
-                        hit, n = max(hit, n), table[n - 1]
-                self.states[k] = n
-            if hit:
-                text = self.held + chars[:i + 1]
-                self.held = ""
-                return text[:len(text) - hit], True
-        text = self.held + chars
-        cut = len(text) - max(self.states)
-        out, self.held = text[:cut], text[cut:]
-        return out, False
-
-    def flush(self) -> tuple[str, bool]:
-        """The generation ended: the rest of the text (what was held back, and an incomplete UTF-8
-        sequence's U+FFFD), cut before a stop string it completes; and whether it did."""
-        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
-        rest, self.fed = new[self.fed:], len(new)
-        out, stopped = self._check(rest)
-        out, self.held = out + self.held, ""
-        return out, stopped

@@ -17,20 +17,18 @@ also the artifact's keys, so the checkpoint loads without renaming and deltas ar
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor
 
-from deltafleet.kernels import bitdelta_linear, packed_width, unpack_signs
+from deltafleet.kernels import bitdelta_linear, unpack_signs
 from deltafleet.serve.batch import BatchDeltas, RowCache
+from deltafleet.serve.delta import VariantDelta, hf_name
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -121,86 +119,6 @@ transformer_configs = {
 
 
 # --------------------------------------------------------------------------------------------
-# The variant: a BitDelta artifact as the model reads it
-# --------------------------------------------------------------------------------------------
-
-
-class _ArtifactLike(Protocol):
-    signs: dict[str, Tensor]
-    alphas: dict[str, Tensor]
-    full: dict[str, Tensor]
-
-    @property
-    def variant(self) -> str: ...
-
-
-class VariantDelta:
-    """One variant's deltas, looked up by Hugging Face parameter name during ``forward``.
-
-    Holds only what the artifact holds — packed signs (uint8 ``[N, ceil(K/8)]``), scales (fp32
-    ``[]`` or ``[N]``) and the few tensors stored in full — moved to the model's device; floating
-    full tensors are cast to the model's dtype.
-    """
-
-    def __init__(self, artifact: _ArtifactLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        self.name = artifact.variant
-        self.signs = {k: v.to(device) for k, v in artifact.signs.items()}
-        self.alphas = {k: v.to(device, torch.float32) for k, v in artifact.alphas.items()}
-        self.full = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in artifact.full.items()}
-
-    def to(self, device: str | torch.device, pin: bool = False) -> VariantDelta:
-        """A copy on ``device`` (the tiers of serve/cache.py); ``pin``: into page-locked host memory,
-        from which a later copy to the GPU runs asynchronously at full PCIe speed."""
-        out = object.__new__(VariantDelta)
-        out.name = self.name
-
-        def move(t: Tensor) -> Tensor:
-            t = t.to(device, non_blocking=True, copy=True)  # never an alias (slots are reused)
-            return t.pin_memory() if pin and not t.is_pinned() else t
-
-        out.signs = {k: move(v) for k, v in self.signs.items()}
-        out.alphas = {k: move(v) for k, v in self.alphas.items()}
-        out.full = {k: move(v) for k, v in self.full.items()}
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)  # the copies are complete before a kernel reads them
-        return out
-
-    def sign_alpha(self, param: str) -> tuple[Tensor, Tensor] | None:
-        """``(sign, alpha)`` of a sign-compressed parameter, or None if it has none."""
-        sign = self.signs.get(param)
-        return None if sign is None else (sign, self.alphas[param])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.full) for t in d.values())
-
-    def check(self, shapes: dict[str, torch.Size]) -> None:
-        """Check every stored tensor against the model's parameter shapes (HF names).
-
-        Raises:
-            ValueError: on a parameter the model lacks, a sign/alpha/full tensor of the wrong
-                shape (e.g. a resized vocabulary), or a sign without its alpha.
-        """
-        for name, sign in self.signs.items():
-            shape = shapes.get(name)
-            if shape is None or len(shape) != 2:
-                raise ValueError(f"variant {self.name!r}: delta for {name!r}, which is not a weight matrix of the base")
-            n, k = shape
-            if tuple(sign.shape) != (n, packed_width(k)) or sign.dtype != torch.uint8:
-                raise ValueError(f"variant {self.name!r}: {name}.sign is {sign.dtype} {tuple(sign.shape)}, "
-                                 f"expected uint8 ({n}, {packed_width(k)})")
-            alpha = self.alphas.get(name)
-            if alpha is None or tuple(alpha.shape) not in ((), (n,)):
-                raise ValueError(f"variant {self.name!r}: {name}.alpha missing or not of shape [] or [{n}]")
-        for name, t in self.full.items():
-            if name not in shapes:
-                raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")
-            if t.shape != shapes[name]:
-                raise ValueError(f"variant {self.name!r}: {name} has shape {tuple(t.shape)}, the base "
-                                 f"{tuple(shapes[name])} (resized vocabularies are not served)")
-
-
-# --------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------
 
@@ -222,6 +140,8 @@ class KVCache:
 
 class DeltaLinear(nn.Module):
     """``nn.Linear`` over the base weight, plus the active variant's 1-bit delta if it has one."""
+
+    delta_kind = "linear"  # what serve/batch.py's variant slots hold signs for
 
     def __init__(self, in_features: int, out_features: int, bias: bool, name: str):
         super().__init__()
@@ -253,6 +173,8 @@ class DeltaLinear(nn.Module):
 
 class DeltaEmbedding(nn.Module):
     """Token embedding; a variant adds ``α·(2·bits − 1)`` to the rows it looks up (α scalar or per row)."""
+
+    delta_kind = "embedding"  # its signs are gathered by token: held as rows
 
     def __init__(self, vocab_size: int, dim: int, name: str):
         super().__init__()
@@ -469,56 +391,10 @@ class Transformer(nn.Module):
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:
         """Shapes by Hugging Face parameter name (what an artifact may hold deltas for)."""
-        shapes = {_hf_name(k): p.shape for k, p in self.named_parameters()}
+        shapes = {hf_name(k): p.shape for k, p in self.named_parameters()}
         if self.args.tie_word_embeddings:
             shapes.pop("lm_head.weight", None)
         return shapes
-
-    @classmethod
-    def from_pretrained(cls, checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, tp: tuple | None = None) -> Transformer:
-        """Load a Hugging Face safetensors checkpoint (single file or index + shards), one copy.
-
-        ``tp = (rank, world, group)``: this rank's tensor-parallel slice only (serve/tp.py); each
-        tensor is read from the file as that slice, so a rank never holds the whole model.
-
-        Raises:
-            FileNotFoundError: if ``config.json`` or the safetensors weights are missing.
-            NotImplementedError: on an unsupported architecture (see :meth:`ModelArgs.from_hf_config`).
-            ValueError: if the checkpoint's tensors do not match the config.
-        """
-        d = Path(checkpoint_dir)
-        args = ModelArgs.from_hf_config(json.loads((d / "config.json").read_text()))
-        with torch.device("meta"):
-            model = cls(args)
-        full_shapes = model.hf_param_shapes()  # what a (whole) variant's deltas are checked against
-        if tp is not None:
-            from deltafleet.serve.tp import _kind, shard_model, slice_for
-
-            shard_model(model, *tp)
-        index = d / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-        if not (d / files[0]).is_file():
-            raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
-        state: dict[str, Tensor] = {}
-        for f in files:
-            with safe_open(d / f, framework="pt", device="cpu") as sf:
-                for name in sf.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight"):
-                        continue
-                    if tp is not None and tp[0] != 0 and _kind(name) == "row" and name.endswith(".bias"):
-                        continue  # a row-parallel bias is added by rank 0 only
-                    if tp is None:
-                        t = sf.get_tensor(name)
-                    else:
-                        t = slice_for(name, sf.get_slice(name), tp[0], tp[1])
-                    t = t.to(device)
-                    state[name.removeprefix("model.")] = t.to(dtype) if t.is_floating_point() else t
-        keys = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-        missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
-        if missing or unexpected:
-            raise ValueError(f"{d}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return model.adopt(state, full_shapes, device)
 
     def adopt(self, state: dict[str, Tensor], full_shapes: dict[str, torch.Size],
               device: str | torch.device) -> Transformer:
@@ -534,7 +410,3 @@ class Transformer(nn.Module):
             p.requires_grad_(False)
         self.full_param_shapes = full_shapes
         return self.eval()
-
-
-def _hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else f"model.{name}"

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from deltafleet.serve.engine import SAMPLING_EPS, VARIANT_NAME, InvalidRequestError, SamplingParams
+from deltafleet.serve.request import VARIANT_NAME, InvalidRequestError, SamplingParams
+from deltafleet.serve.sampling import SAMPLING_EPS
 
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 4096  # characters of a request's stop sequences, all together

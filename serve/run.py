@@ -141,7 +141,8 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
     import torch.distributed as dist
 
     from deltafleet.serve.engine import DTYPES
-    from deltafleet.serve.tp import TPContext, run_follower
+    from deltafleet.serve.follower import run_follower
+    from deltafleet.serve.tp import TPContext
 
     cfg = OmegaConf.create(cfg_dict)
     cuda = cfg.device == "cuda"

@@ -33,7 +33,9 @@ import torch
 
 from deltafleet.serve import sampling
 from deltafleet.serve.batch import BatchDeltas, RowCache
+from deltafleet.serve.detokenize import TextStream
 from deltafleet.serve.graphs import DecodeGraphs
+from deltafleet.serve.request import GenerationError, Step
 from deltafleet.serve.sampling import request_seed
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class _Seq:
     out: queue.Queue
     cancel: threading.Event
     on_start: Callable[[], None] | None
-    text: object = None            # serve.engine._TextStream
+    text: TextStream | None = None
     seed: int = 0                  # the sampler's 64-bit seed (serve/sampling.py)
     row: int = -1
     pos: int = 0                   # position of the token fed next
@@ -153,8 +155,6 @@ class Scheduler:
                 self._retire()
 
     def _prefill(self, seq: _Seq) -> None:
-        from deltafleet.serve.engine import _TextStream
-
         eng, req = self.engine, seq.req
         if seq.on_start is not None:
             seq.on_start()
@@ -163,7 +163,7 @@ class Scheduler:
             self.running.append(seq)
             return
         p = req.params
-        seq.text = _TextStream(eng.detokenizer, p.stop, eng._detok_lock)
+        seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock)
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         n = len(req.prompt_ids)
         rows = torch.tensor([seq.row], device=eng.device)
@@ -213,8 +213,6 @@ class Scheduler:
     def _emit(self, seq: _Seq, token: int) -> None:
         """Send the Step of ``seq``'s sampled ``token``; a failure here (−1: its logits were not finite,
         or its detokenizing failed) is sent to ``seq`` alone and ends it."""
-        from deltafleet.serve.engine import GenerationError, Step
-
         eng = self.engine
         try:
             if token < 0:

@@ -37,7 +37,9 @@ from torch import Tensor
 
 from deltafleet.kernels import packed_width, tiled_shape
 from deltafleet.serve.batch import check_sign_layout
-from deltafleet.serve.model import ModelArgs, Transformer, VariantDelta
+from deltafleet.serve.delta import VariantDelta, hf_name
+from deltafleet.serve.model import ModelArgs, Transformer
+from deltafleet.serve.tp import _kind, shard_model, shard_sign, slice_for
 
 SPEC_NAME = "synthetic.json"
 SOURCE_PREFIX = "synthetic:"  # a synthetic variant's `source` (what rank 0 tells the other ranks to load)
@@ -118,7 +120,7 @@ class SyntheticFamily:
 
     def build_base(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                    tp: tuple | None = None) -> Transformer:
-        """The base as :meth:`serve.model.Transformer.from_pretrained` would load it from a checkpoint
+        """The base as :func:`serve.loading.load_model` would load it from a checkpoint
         holding these weights: on ``device`` in ``dtype``, and with ``tp = (rank, world, group)`` this
         rank's slice only (the whole of one parameter exists on the device at a time, in fp32).
 
@@ -127,9 +129,6 @@ class SyntheticFamily:
             RuntimeError: the ranks generated different replicated weights (devices that do not draw
                 the same random numbers from the same seed).
         """
-        from deltafleet.serve.model import _hf_name
-        from deltafleet.serve.tp import shard_model, slice_for
-
         args = self.args
         with torch.device("meta"):
             model = Transformer(args)
@@ -139,7 +138,7 @@ class SyntheticFamily:
             shard_model(model, *tp)
         state: dict[str, Tensor] = {}
         for pname, p in model.named_parameters():  # a tied head is the embedding: listed once
-            name = _hf_name(pname)
+            name = hf_name(pname)
             whole = self.base_tensor(name, device, dtype)
             t = slice_for(name, whole, rank, world)
             state[pname] = t.clone() if t.numel() < whole.numel() else t  # the slice only, not a view
@@ -155,7 +154,7 @@ class SyntheticFamily:
 
     def variant(self, name: str, device: str | torch.device = "cpu", tp: tuple | None = None) -> VariantDelta:
         """Variant ``name``'s deltas for this rank (``tp = (rank, world, group)``; None: whole), to pass
-        to :meth:`serve.batch.DeltaSlots.put`: a :class:`~serve.model.VariantDelta` whose ``signs``
+        to :meth:`serve.batch.DeltaSlots.put`: a :class:`~serve.delta.VariantDelta` whose ``signs``
         (uint8 ``[N, ceil(K/8)]``, cut like :func:`serve.tp.shard_delta` cuts an artifact's) are
         generated on ``device`` each time one is read and not kept; ``alphas`` fp32 ``[]``; no full
         tensors. ``source`` is ``"synthetic:<name>"``.
@@ -186,8 +185,6 @@ class _SeededSigns(Mapping):
             shapes, seed_parts, device, alpha, rank, world
 
     def __getitem__(self, name: str) -> Tensor:
-        from deltafleet.serve.tp import shard_sign
-
         n, k = self.shapes[name]
         g = _generator(self.device, _seed(*self.parts, name))
         sign = torch.randint(0, 256, (n, packed_width(k)), generator=g, dtype=torch.uint8, device=self.device)
@@ -205,11 +202,8 @@ class _SeededSigns(Mapping):
 def _check_replicas(model: Transformer, group) -> None:
     """Raise RuntimeError unless every rank holds the same replicated parameters (embeddings, norms,
     head), compared by a checksum of a sample of each (a collective: every rank calls it)."""
-    from deltafleet.serve.model import _hf_name
-    from deltafleet.serve.tp import _kind
-
     sums = [p.reshape(-1)[:: max(1, p.numel() // 65536)].double().sum()
-            for n, p in model.named_parameters() if _kind(_hf_name(n)) is None]
+            for n, p in model.named_parameters() if _kind(hf_name(n)) is None]
     lo = torch.stack(sums)
     hi = lo.clone()
     dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)

@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.model import Attention, DeltaLinear
+
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
@@ -61,8 +64,6 @@ def shard_model(model, rank: int, world: int, group=None) -> None:
         ValueError: if the heads, the MLP width or K/W of a row-parallel layer (in sign bytes) do not
             divide over ``world``.
     """
-    from deltafleet.serve.model import Attention, DeltaLinear
-
     a = model.args
     if a.n_head % world or a.n_local_heads % world:
         raise ValueError(f"{a.n_head} query / {a.n_local_heads} key-value heads do not split over {world} ranks")
@@ -111,8 +112,7 @@ def shard_sign(name: str, sign: Tensor, alpha: Tensor, rank: int, world: int) ->
 
 
 def shard_delta(delta, rank: int, world: int):
-    """A variant's :class:`serve.model.VariantDelta` cut like :func:`shard_model` cuts the model."""
-    from deltafleet.serve.model import VariantDelta
+    """A variant's :class:`serve.delta.VariantDelta` cut like :func:`shard_model` cuts the model."""
 
     if world == 1:
         return delta
@@ -166,56 +166,3 @@ class TPContext:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
-
-
-def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
-    """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
-    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout)``, ``("load", artifact_dir, slot)``,
-    ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
-    Forwards only take part in the all-reduces; the logits are rank 0's to use. A synthetic family's
-    folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
-    from deltafleet.compress.bitdelta import load_artifact
-    from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
-    from deltafleet.serve.model import Transformer, VariantDelta
-    from deltafleet.serve.synthetic import SOURCE_PREFIX, read_synthetic
-
-    synthetic = read_synthetic(base_dir)
-    if synthetic is None:
-        model = Transformer.from_pretrained(base_dir, device, dtype, tp=ctx.shard)
-    else:
-        model = synthetic.build_base(device, dtype, tp=ctx.shard)
-    slots = cache = None
-    views: dict[int, object] = {}
-    dev = model.device
-    while True:
-        cmd = ctx.recv()
-        op = cmd[0]
-        if op == "stop":
-            return
-        if op == "init":
-            _, n_slots, max_batch, max_seq_len, sign_layout = cmd
-            slots = DeltaSlots(model, n_slots, sign_layout)
-            cache = model.new_cache(max_batch, max_seq_len)
-        elif op == "load":
-            _, artifact_dir, slot = cmd
-            if synthetic is not None and artifact_dir.startswith(SOURCE_PREFIX):
-                delta = synthetic.variant(artifact_dir.removeprefix(SOURCE_PREFIX), dev, ctx.shard)
-            else:
-                delta = VariantDelta(load_artifact(artifact_dir, force=True, verify_hashes=False), "cpu", dtype)
-                delta = shard_delta(delta, ctx.rank, ctx.world)
-            views[slot] = slots.put(delta, slot)
-        elif op == "free":
-            slots.free(views.pop(cmd[1]))
-        elif op == "prefill":
-            _, row, ids, slot = cmd
-            view = [RowCache(c, torch.tensor([row], device=dev), per_row_positions=False) for c in cache]
-            with torch.inference_mode():
-                model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), view, views.get(slot))
-        elif op == "decode":
-            _, tokens, pos, rows, sl = cmd
-            delta = None if all(x < 0 for x in sl) else BatchDeltas(slots, torch.tensor(sl, device=dev))
-            with torch.inference_mode():
-                model.forward_rows(torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), cache,
-                                   torch.tensor(rows, device=dev), delta)
-        else:
-            raise ValueError(f"unknown tensor-parallel command {op!r}")

@@ -12,7 +12,7 @@ Tolerances: α is checked against a float64 mean to 1e-6 (a float32 mean is not 
 across memory layouts); with those α, weights are compared exactly (the same float32 arithmetic,
 then the same cast to the checkpoint dtype). Logits of two models with bit-identical weights, both run by transformers in
 float32, are compared at ``1e-5``. The served path (``serve.model``) always runs in float32 here
-(``Transformer.from_pretrained(dtype=float32)``) and reconstructs ``W_base + α·s`` on the fly
+(``load_model(dtype=float32)``) and reconstructs ``W_base + α·s`` on the fly
 without rounding it to the checkpoint dtype, so against an HF model with the *unrounded* float32
 reconstruction it matches at ``1e-5`` for every dtype, and against the ``export_hf`` checkpoint
 (whose weights are rounded to fp16/bf16) only to that rounding: see ``_export_vs_served_tol``.
@@ -38,7 +38,8 @@ from transformers import (
 )
 
 from deltafleet.compress.bitdelta import compress, export_hf, fingerprint, load_artifact, materialize
-from deltafleet.serve.model import Transformer, VariantDelta
+from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.loading import load_model
 
 VOCAB = 200
 ADDED_TOKENS = 8
@@ -205,7 +206,7 @@ def _hf_with(ft_dir: Path, state: dict):
 
 def _served(base_dir: Path, art, x: torch.Tensor) -> torch.Tensor:
     """Logits of the served path: the base resident once, the variant applied on the fly (float32)."""
-    model = Transformer.from_pretrained(base_dir, dtype=torch.float32)
+    model = load_model(base_dir, dtype=torch.float32)
     delta = VariantDelta(art, dtype=torch.float32)
     delta.check(model.hf_param_shapes())
     with torch.no_grad():
@@ -363,7 +364,7 @@ def test_resized_vocabulary_is_stored_in_full_and_exported_with_its_size(checkpo
         assert t.dtype == dtype and torch.equal(t, expected[name]), name
 
     # The served path refuses a resized vocabulary with a clear error rather than misreading it.
-    model = Transformer.from_pretrained(base_dir)
+    model = load_model(base_dir)
     with pytest.raises(ValueError, match="resized vocabularies are not served"):
         VariantDelta(art).check(model.hf_param_shapes())
 

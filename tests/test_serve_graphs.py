@@ -53,9 +53,10 @@ def test_graph_replay_matches_the_eager_step(family):
     from deltafleet.compress.bitdelta import load_artifact
     from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
     from deltafleet.serve.graphs import DecodeGraphs
-    from deltafleet.serve.model import Transformer, VariantDelta
+    from deltafleet.serve.delta import VariantDelta
+    from deltafleet.serve.loading import load_model
 
-    model = Transformer.from_pretrained(family.base_dir, "cuda", torch.bfloat16)
+    model = load_model(family.base_dir, "cuda", torch.bfloat16)
     slots = DeltaSlots(model, len(VARIANTS))
     views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
              for v in VARIANTS}

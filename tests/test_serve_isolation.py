@@ -25,7 +25,8 @@ from fastapi.testclient import TestClient
 
 from deltafleet.serve.app import create_app
 from deltafleet.serve import sampling
-from deltafleet.serve.engine import Engine, _TextStream
+from deltafleet.serve.detokenize import TextStream
+from deltafleet.serve.engine import Engine
 from deltafleet.serve.sampling import SamplingBatch
 from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
 from tests.conftest import api_error, free_port, stop_server, wait_healthy
@@ -189,7 +190,7 @@ class _CharTokenizer:
 
 
 def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None) -> tuple[str, bool, list[str]]:
-    ts = _TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock())
+    ts = TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock())
     pieces = []
     for t in ids:
         piece, stopped = ts.push(t)

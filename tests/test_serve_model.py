@@ -14,7 +14,9 @@ from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from deltafleet.compress.bitdelta import compress, load_artifact
 from deltafleet.kernels import reconstruct
-from deltafleet.serve.model import ModelArgs, Transformer, VariantDelta
+from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.loading import load_model
+from deltafleet.serve.model import ModelArgs
 from tests.conftest import perturb, tiny_llama
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -26,7 +28,7 @@ def _tokens(vocab: int, b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
 
 def _ours_vs_hf(hf, tmp_path, tol=TOL):
     hf.save_pretrained(tmp_path / "m")
-    ours = Transformer.from_pretrained(tmp_path / "m")
+    ours = load_model(tmp_path / "m")
     x = _tokens(hf.config.vocab_size)
     with torch.no_grad():
         ref = hf(x).logits
@@ -75,7 +77,7 @@ def test_qwen2_qkv_bias_matches_hf(tmp_path):
 def test_incremental_decode_with_kv_cache_equals_full_forward(tmp_path):
     hf = tiny_llama(97)
     hf.save_pretrained(tmp_path / "m")
-    model = Transformer.from_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m")
     x = _tokens(97, b=2, t=12)
     with torch.no_grad():
         full = model(x, torch.arange(12))
@@ -101,7 +103,7 @@ def _materialised_hf(base_dir, artifact) -> LlamaForCausalLM:
 def test_variant_logits_match_hf_of_materialised_weights(tiny_family, variant):
     base_dir = tiny_family.base_dir
     artifact = load_artifact(tiny_family.artifacts_dir / variant)
-    model = Transformer.from_pretrained(base_dir)
+    model = load_model(base_dir)
     delta = VariantDelta(artifact)
     delta.check(model.hf_param_shapes())
     # Every linear and the embedding carry a delta; writer also stores norms in full.
@@ -133,7 +135,7 @@ def test_row_granularity_delta_and_kv_cache(tiny_family, tmp_path):
     compress(tiny_family.base_dir, tiny_family.variants["coder"], out_dir, variant="coder", granularity="row")
     artifact = load_artifact(out_dir)
     assert next(iter(artifact.alphas.values())).dim() == 1
-    model = Transformer.from_pretrained(tiny_family.base_dir)
+    model = load_model(tiny_family.base_dir)
     delta = VariantDelta(artifact)
     x = _tokens(model.args.vocab_size, b=1, t=9)
     with torch.no_grad():
@@ -151,7 +153,7 @@ def test_delta_check_rejects_artifact_of_another_shape(tiny_family, tmp_path):
     ft.load_state_dict(perturb(other, seed=5))
     ft.save_pretrained(tmp_path / "other-ft")
     compress(tmp_path / "other", tmp_path / "other-ft", tmp_path / "art", variant="x")
-    model = Transformer.from_pretrained(tiny_family.base_dir)
+    model = load_model(tiny_family.base_dir)
     with pytest.raises(ValueError, match=r"\.sign is torch.uint8 \(97, 8\), expected uint8 \(512, 8\)"):
         VariantDelta(load_artifact(tmp_path / "art")).check(model.hf_param_shapes())
 

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from deltafleet.compress.bitdelta import load_artifact
 from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
-from deltafleet.serve.model import Transformer, VariantDelta
+from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.loading import load_model
 from deltafleet.serve.tp import shard_delta, shard_model
 
 PROMPTS = [[3, 17, 42, 9, 120, 7], [5, 6, 7], [200, 11, 31, 4]]
@@ -41,7 +42,7 @@ def _run(model, coder, writer) -> dict:
 
 
 def _load(base_dir: str, art_dir: str):
-    model = Transformer.from_pretrained(base_dir)
+    model = load_model(base_dir)
     coder = VariantDelta(load_artifact(Path(art_dir) / "coder"))
     writer = VariantDelta(load_artifact(Path(art_dir) / "writer"))
     return model, coder, writer
@@ -116,7 +117,7 @@ def test_two_ranks_give_the_logits_of_the_whole_model(tiny_family, tmp_path, lay
 
 
 def test_shapes_that_do_not_split_are_named(tiny_family):
-    model = Transformer.from_pretrained(tiny_family.base_dir)
+    model = load_model(tiny_family.base_dir)
     with pytest.raises(ValueError, match=r"4 query / 2 key-value heads do not split over 3 ranks"):
         shard_model(model, 0, 3)
     model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 24), requires_grad=False)

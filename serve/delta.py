@@ -1,0 +1,96 @@
+"""One variant as the model reads it: a BitDelta artifact's packed signs, scales and the few tensors
+it stores in full, looked up by Hugging Face parameter name (BitDelta, arXiv:2402.10193, Eq. 2:
+``W_ft ≈ W_base + α·sign(Δ)``).
+
+A leaf module (it needs only the kernels' sign helpers): the model, the variant slots, the delta
+cache and tensor parallelism all import it.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from deltafleet.kernels import packed_width
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a :class:`~deltafleet.serve.model.Transformer` parameter (its modules
+    drop the ``model.`` prefix that every parameter but the head carries in a checkpoint)."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+class _ArtifactLike(Protocol):
+    signs: dict[str, Tensor]
+    alphas: dict[str, Tensor]
+    full: dict[str, Tensor]
+
+    @property
+    def variant(self) -> str: ...
+
+
+class VariantDelta:
+    """One variant's deltas, looked up by Hugging Face parameter name during ``forward``.
+
+    Holds only what the artifact holds — packed signs (uint8 ``[N, ceil(K/8)]``), scales (fp32
+    ``[]`` or ``[N]``) and the few tensors stored in full — moved to the model's device; floating
+    full tensors are cast to the model's dtype.
+    """
+
+    def __init__(self, artifact: _ArtifactLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.name = artifact.variant
+        self.signs = {k: v.to(device) for k, v in artifact.signs.items()}
+        self.alphas = {k: v.to(device, torch.float32) for k, v in artifact.alphas.items()}
+        self.full = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in artifact.full.items()}
+
+    def to(self, device: str | torch.device, pin: bool = False) -> VariantDelta:
+        """A copy on ``device`` (the tiers of serve/cache.py); ``pin``: into page-locked host memory,
+        from which a later copy to the GPU runs asynchronously at full PCIe speed."""
+        out = object.__new__(VariantDelta)
+        out.name = self.name
+
+        def move(t: Tensor) -> Tensor:
+            t = t.to(device, non_blocking=True, copy=True)  # never an alias (slots are reused)
+            return t.pin_memory() if pin and not t.is_pinned() else t
+
+        out.signs = {k: move(v) for k, v in self.signs.items()}
+        out.alphas = {k: move(v) for k, v in self.alphas.items()}
+        out.full = {k: move(v) for k, v in self.full.items()}
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)  # the copies are complete before a kernel reads them
+        return out
+
+    def sign_alpha(self, param: str) -> tuple[Tensor, Tensor] | None:
+        """``(sign, alpha)`` of a sign-compressed parameter, or None if it has none."""
+        sign = self.signs.get(param)
+        return None if sign is None else (sign, self.alphas[param])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.full) for t in d.values())
+
+    def check(self, shapes: dict[str, torch.Size]) -> None:
+        """Check every stored tensor against the model's parameter shapes (HF names).
+
+        Raises:
+            ValueError: on a parameter the model lacks, a sign/alpha/full tensor of the wrong
+                shape (e.g. a resized vocabulary), or a sign without its alpha.
+        """
+        for name, sign in self.signs.items():
+            shape = shapes.get(name)
+            if shape is None or len(shape) != 2:
+                raise ValueError(f"variant {self.name!r}: delta for {name!r}, which is not a weight matrix of the base")
+            n, k = shape
+            if tuple(sign.shape) != (n, packed_width(k)) or sign.dtype != torch.uint8:
+                raise ValueError(f"variant {self.name!r}: {name}.sign is {sign.dtype} {tuple(sign.shape)}, "
+                                 f"expected uint8 ({n}, {packed_width(k)})")
+            alpha = self.alphas.get(name)
+            if alpha is None or tuple(alpha.shape) not in ((), (n,)):
+                raise ValueError(f"variant {self.name!r}: {name}.alpha missing or not of shape [] or [{n}]")
+        for name, t in self.full.items():
+            if name not in shapes:
+                raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")
+            if t.shape != shapes[name]:
+                raise ValueError(f"variant {self.name!r}: {name} has shape {tuple(t.shape)}, the base "
+                                 f"{tuple(shapes[name])} (resized vocabularies are not served)")

@@ -1,0 +1,92 @@
+"""Token ids to text as they come, with stop strings (the scheduler's per-row detokenizer).
+
+A leaf module.
+"""
+from __future__ import annotations
+
+import threading
+
+
+def _failure_table(stop: str) -> list[int]:
+    """Knuth–Morris–Pratt: ``t[i]`` = the length of the longest proper prefix of ``stop[:i + 1]`` that
+    is also its suffix."""
+    t, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = t[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        t[i] = k
+    return t
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings, in time linear in the new text.
+
+    Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
+    previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
+    the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
+    for the next token. Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
+    character once; the automata's longest partial match is the text held back, since it may still
+    begin a stop. The first stop completed ends the text just before it (of two completed by the
+    same character, the longer).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock):
+        self.tokenizer, self.lock = tokenizer, lock
+        self.stops = [s for s in stop if s]
+        self.tables = [_failure_table(s) for s in self.stops]
+        self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
+        self.prefix_text = ""  # decode(ids[prefix:read])
+        self.fed = 0  # characters the window adds that went through the automata already
+        self.held = ""  # text checked but not released: it may begin a stop string
+
+    def _decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token; return (newly released text, whether a stop string was reached)."""
+        self.ids.append(token)
+        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        stable = len(new.rstrip("\ufffd"))
+        chars, self.fed = new[self.fed:stable], max(self.fed, stable)
+        if stable == len(new):  # complete: the next window starts at this step's tokens
+            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix_text = self._decode(self.ids[self.prefix:self.read])
+            self.fed = 0
+        return self._check(chars)
+
+    def _check(self, chars: str) -> tuple[str, bool]:
+        if not self.stops:
+            return chars, False
+        for i, c in enumerate(chars):
+            hit = 0
+            for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
+                n = self.states[k]
+                while n and stop[n] != c:
+                    n = table[n - 1]
+                if stop[n] == c:
+                    n += 1
+                    if n == len(stop):
+                        hit, n = max(hit, n), table[n - 1]
+                self.states[k] = n
+            if hit:
+                text = self.held + chars[:i + 1]
+                self.held = ""
+                return text[:len(text) - hit], True
+        text = self.held + chars
+        cut = len(text) - max(self.states)
+        out, self.held = text[:cut], text[cut:]
+        return out, False
+
+    def flush(self) -> tuple[str, bool]:
+        """The generation ended: the rest of the text (what was held back, and an incomplete UTF-8
+        sequence's U+FFFD), cut before a stop string it completes; and whether it did."""
+        new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        rest, self.fed = new[self.fed:], len(new)
+        out, stopped = self._check(rest)
+        out, self.held = out + self.held, ""
+        return out, stopped

@@ -1,0 +1,80 @@
+"""What a request is, at every layer of the server: its sampling parameters, the steps it yields,
+the finished completion, and the errors that end it (each with the HTTP status the API gives it).
+
+A leaf module: the scheduler, the engine and the HTTP app import it, and it imports none of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from deltafleet.serve.delta import VariantDelta
+
+FinishReason = Literal["stop", "length"]
+VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # served as <family>-<name>
+
+
+class ModelNotFoundError(LookupError):
+    """No base or variant is served under this model id (HTTP 404)."""
+
+
+class VariantUnavailableError(RuntimeError):
+    """The variant exists but its artifact cannot be used, e.g. a fingerprint mismatch (HTTP 503)."""
+
+
+class VariantInUseError(RuntimeError):
+    """The variant cannot be unloaded or replaced now: requests are running on it (HTTP 409)."""
+
+
+class GenerationError(RuntimeError):
+    """Generating one request failed on the server (HTTP 500), e.g. its logits were not finite. It ends
+    that request only; the other sequences of its batch go on."""
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked, e.g. the prompt is too long (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # below sampling.SAMPLING_EPS (0 included): greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_k: int = 0  # 0: no limit
+
+
+@dataclass
+class Step:
+    """One sampled token: the text it releases ('' while held back) and, on the last, why it ended."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Request:
+    """A checked request, ready to run: see :meth:`Engine.prepare`."""
+
+    model_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    delta: VariantDelta | None
+    released: bool = False  # its hold on the variant's delta ended (Engine.release)
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)
