@@ -67,8 +67,7 @@ def test_serve_modules_import_each_other_without_a_cycle():
 
 def test_the_leaf_modules_import_no_other_serve_module():
     """Requests, sampling, detokenizing, the delta cache, a variant's deltas and the KV block pool are
-    leaves: anything may
-    import them, they import nothing of serve/."""
+    leaves: anything may import them, they import nothing of serve/."""
     for leaf in ("request", "sampling", "detokenize", "cache", "delta", "kv"):
         assert _imports(SERVE / f"{leaf}.py") == set(), leaf
     assert "engine" not in _imports(SERVE / "scheduler.py")
