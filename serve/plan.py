@@ -1,0 +1,173 @@
+"""What one engine step runs, planned from a token budget (vLLM v1's scheduler, at this size).
+
+Each step the planner decides, without touching the model: every running sequence that has its
+whole prompt in the KV cache decodes one token; the budget left goes to prompts, continuing the
+ones already started and then admitting waiting requests, each in chunks of at most what is left,
+so a long prompt is prefilled over several steps beside the running streams instead of stalling
+them. Waiting requests are admitted one per model queue in turn (a busy variant cannot starve a
+quiet one) and never past the first that does not fit (no head-of-line skipping within a queue).
+
+KV blocks come from a :class:`~deltafleet.serve.kv.BlockPool`. A running sequence that needs a new
+block when none is free preempts the most recently admitted running sequence (its blocks are
+freed and it goes back to the front of its queue, to be prefilled again, prompt and generated
+tokens, when there is room, before any other waiting request: vLLM's recompute preemption); a step
+that preempts admits nothing, and admission waits for free blocks rather than preempting. The pool never runs out mid-step, and no step is refused for memory.
+
+A leaf module but for the block pool: the runner executes a :class:`StepPlan` and reports back with
+:meth:`Planner.advance`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from deltafleet.serve.kv import BlockPool
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request as the planner sees it.
+
+    Attributes:
+        model_id: its queue (the base or a variant).
+        tokens: its prompt, then every token generated so far (what a recompute must prefill).
+        prompt_len: how many of ``tokens`` are the prompt.
+        computed: how many of ``tokens`` have their keys and values in the cache.
+    """
+
+    model_id: str
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    admitted: int = field(default=-1)  # the order it entered the running set (preemption picks the last)
+    preempted: bool = False  # waiting after a preemption: admitted before the others
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether two or more of its tokens lack keys and values (a prompt, or a recompute); else it
+        decodes: its last token is fed at position ``computed`` and the next one sampled."""
+        return self.computed < len(self.tokens) - 1
+
+
+@dataclass
+class StepPlan:
+    """One step: ``decode`` sequences feed their last token (at position ``computed``) and sample the
+    next; ``prefill`` feeds ``(seq, start, stop)`` chunks of ``seq.tokens``, and a chunk that ends at
+    ``len(seq.tokens)`` samples the next token too; ``preempted`` lost their blocks this step."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(stop - start for _, start, stop in self.prefill)
+
+
+class Planner:
+    """Plans steps over ``pool`` with at most ``max_running`` sequences and ``token_budget`` tokens
+    a step (see the module docstring).
+
+    Raises:
+        ValueError: ``max_running`` < 1, or ``token_budget`` < ``max_running`` (every running sequence
+            must be able to decode in every step).
+    """
+
+    def __init__(self, pool: BlockPool, max_running: int, token_budget: int):
+        if max_running < 1 or token_budget < max_running:
+            raise ValueError(f"need 1 ≤ max_running ≤ token_budget, got {max_running} and {token_budget}")
+        self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
+        self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()
+        self.running: list[Sequence] = []
+        self._admissions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request at the back of its model's queue."""
+        self.waiting.setdefault(seq.model_id, deque()).append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` ended (or was cancelled): its blocks go back, it leaves the running set or its queue."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            queue = self.waiting.get(seq.model_id)
+            if queue is not None and seq in queue:
+                queue.remove(seq)
+        self.pool.release(seq)
+
+    def advance(self, plan: StepPlan, new_tokens: dict[int, int]) -> None:
+        """The runner ran ``plan``: the chunks' and decodes' keys and values are cached; ``new_tokens``
+        maps ``id(seq)`` to the token each sampled (every decode, and each chunk that reached the end
+        of its sequence's tokens)."""
+        for seq, _, stop in plan.prefill:
+            seq.computed = stop
+        for seq in plan.decode:
+            seq.computed += 1
+        for seq in plan.decode + [s for s, _, _ in plan.prefill]:
+            if id(seq) in new_tokens:
+                seq.tokens.append(new_tokens[id(seq)])
+
+    # ---------------------------------------------------------------- planning
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.token_budget
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq not in self.running or seq.prefilling:
+                continue
+            while not self.pool.can_grow(seq, seq.computed + 1):  # the token it decodes needs a block
+                victim = max(self.running, key=lambda s: s.admitted)
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.pool.grow(seq, seq.computed + 1)
+                plan.decode.append(seq)
+                budget -= 1
+        for seq in sorted(self.running, key=lambda s: s.admitted):  # prompts already started
+            if budget == 0:
+                break
+            if seq.prefilling and seq not in plan.decode:
+                budget -= self._chunk(seq, budget, plan)
+        if plan.preempted:  # no room this step: admitting now would take the blocks just freed
+            return plan
+        while budget > 0 and len(self.running) < self.max_running and any(self.waiting.values()):
+            admitted = False
+            first = [m for m, q in self.waiting.items() if q and q[0].preempted]  # then the queues in turn
+            for model_id in first + [m for m in self.waiting if m not in first]:
+                queue = self.waiting[model_id]
+                if not queue or budget == 0 or len(self.running) >= self.max_running:
+                    continue
+                seq = queue[0]
+                if not self.pool.can_grow(seq, min(len(seq.tokens), budget)):
+                    continue  # no room yet: it keeps its place
+                queue.popleft()
+                self.waiting.move_to_end(model_id)  # the next admission starts with another queue
+                seq.admitted, self._admissions, seq.preempted = self._admissions, self._admissions + 1, False
+                self.running.append(seq)
+                budget -= self._chunk(seq, budget, plan)
+                admitted = True
+            if not admitted:
+                break
+        return plan
+
+    def _chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Plan the next prefill chunk of ``seq`` within ``budget``; returns its size (0: no blocks)."""
+        stop = min(len(seq.tokens), seq.computed + budget)
+        while stop > seq.computed and not self.pool.can_grow(seq, stop):
+            stop -= 1
+        if stop <= seq.computed:
+            return 0
+        self.pool.grow(seq, stop)
+        plan.prefill.append((seq, seq.computed, stop))
+        return stop - seq.computed
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq)
+        seq.computed, seq.admitted, seq.preempted = 0, -1, True
+        self.waiting.setdefault(seq.model_id, deque()).appendleft(seq)
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+        plan.prefill = [c for c in plan.prefill if c[0] is not seq]
+        plan.preempted.append(seq)
