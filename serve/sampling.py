@@ -57,6 +57,7 @@ class SamplingBatch:
         position: int32 ``[B]``: the position of the token each row samples (a new draw per step).
         truncate: whether any row has ``top_p < 1`` or ``top_k > 0`` (known on the host: the sort
             that truncation needs is skipped when none does).
+        draw: whether any row samples at all (no noise is made for a step of greedy rows).
     """
 
     temperature: Tensor
@@ -65,6 +66,7 @@ class SamplingBatch:
     key: Tensor
     position: Tensor
     truncate: bool
+    draw: bool = True
 
     @classmethod
     def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str) -> SamplingBatch:
@@ -77,7 +79,8 @@ class SamplingBatch:
                    torch.tensor(top_p, dtype=torch.float32, device=device),
                    torch.tensor(top_k, dtype=torch.int64, device=device), key.to(device),
                    torch.tensor(position, dtype=torch.int32, device=device),
-                   any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k))
+                   any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
+                   any(t >= SAMPLING_EPS for t in temperature))
 
 
 def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
@@ -97,6 +100,9 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf)."""
     top = logits.amax(-1)
     finite = torch.isfinite(top)  # amax propagates NaN
+    if not batch.draw:
+        tokens = logits.argmax(-1)
+        return torch.where(finite, tokens, torch.full_like(tokens, -1))
     greedy = batch.temperature < SAMPLING_EPS
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = (logits - top[:, None]) / temperature[:, None]  # ≤ 0 before scaling: no overflow

@@ -106,3 +106,21 @@ def test_top_k_through_the_api(tiny_family):
                 for k in ({}, {"top_k": -1}, {"top_k": 0}, {"top_k": None})]
         assert len({f["choices"][0]["text"] for f in free}) == 1 and free[0]["choices"][0]["text"] != greedy
         assert tc.post("/v1/completions", json={**body, "top_k": -2}).status_code == 400
+
+
+@pytest.mark.gpu
+def test_the_gpu_draws_what_the_cpu_draws():
+    """The hash is integer arithmetic (int32 products wrap alike on both), so the noise agrees to float
+    rounding and, on logits without near-ties, so do the tokens: a seed means the same on any device."""
+    torch.manual_seed(2)
+    logits = torch.randn(256, 32000) * 4
+    rows = [(t, p, k, request_seed(i), 100 + i) for i, (t, p, k) in
+            enumerate([(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 50), (0.0, 1.0, 0)] * 64)]
+    cpu = sample(logits, _batch(rows))
+    gpu = sample(logits.cuda(), _batch(rows, "cuda")).cpu()
+    assert (cpu == gpu).float().mean() >= 0.99
+    key = torch.tensor([[11, -7]], dtype=torch.int32)
+    pos = torch.tensor([3], dtype=torch.int32)
+    noise_cpu = gumbel_noise(key, pos, torch.arange(32000))
+    noise_gpu = gumbel_noise(key.cuda(), pos.cuda(), torch.arange(32000, device="cuda")).cpu()
+    assert torch.allclose(noise_cpu, noise_gpu, rtol=1e-5, atol=1e-5)
