@@ -175,4 +175,4 @@ test-gpu: install
 demo: install family summary serve
 
 clean:
-	rm -rf data models artifacts outputs wandb lightning_logs .pytest_cache
+	rm -rf data models artifacts outputs wandb lightning_logs .pytest_cache build *.egg-info

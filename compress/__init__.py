@@ -1,6 +1,6 @@
-"""BitDelta export (``compress.run``) and the artifact reader the server imports.
+"""BitDelta export (``deltafleet.compress.run``) and the artifact reader the server imports.
 
-See ``compress.bitdelta`` and docs/artifact.md (the format, version 1).
+See ``deltafleet.compress.bitdelta`` and docs/artifact.md (the format, version 1).
 """
 from deltafleet.compress.bitdelta import (
     Artifact,

@@ -7,7 +7,7 @@
    Llama-2-7B's tensor names and shapes as sharded Hugging Face safetensors checkpoints
    (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` + ``config.json``):
    base weights ~ N(0, 0.02²), fine-tune = base + N(0, delta_std²), norms near 1.
-2. Exports the pair in a child process with :func:`compress.bitdelta.compress` (streaming: blocks
+2. Exports the pair in a child process with :func:`deltafleet.compress.bitdelta.compress` (streaming: blocks
    of rows read with plain file reads, output shards of ``max_shard_bytes``).
 3. Exports it in another child process the naive way — ``safetensors.torch.load_file`` of every
    shard of both models (the whole pair resident), then Δ, signs and α per matrix and one
@@ -140,7 +140,7 @@ def generate_pair(pair_dir: Path, shape: dict, dtype: torch.dtype, delta_std: fl
 
 
 def export_streaming(pair_dir: Path, out_dir: Path, granularity: str, max_shard_bytes: int) -> dict:
-    """The product path: :func:`compress.bitdelta.compress`."""
+    """The product path: :func:`deltafleet.compress.bitdelta.compress`."""
     from deltafleet.compress.bitdelta import compress
 
     manifest = compress(pair_dir / "base", pair_dir / "ft", out_dir, variant="bench",

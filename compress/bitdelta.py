@@ -647,7 +647,7 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     """The approximate fine-tuned state dict: base + artifact, on the CPU, streamed from the base.
 
     Compressed parameters become ``W_base + α·(2·bits − 1)`` (BitDelta Eq. 2, via
-    :func:`kernels.reconstruct`, computed in float32) cast to the base dtype; parameters stored in
+    :func:`deltafleet.kernels.reconstruct`, computed in float32) cast to the base dtype; parameters stored in
     full replace (or add to) the base's; every other parameter is the base's.
 
     Args:

@@ -78,7 +78,7 @@ def calibration_blocks(jsonl_path: str | Path, tokenizer, seq_len: int, max_bloc
 
     Each record's ``text`` is tokenized without special tokens and followed by the tokenizer's
     eos; the documents are concatenated in file order and cut into blocks of ``seq_len`` tokens,
-    dropping the trailing partial block (the same blocks as ``train.datamodule.load_blocks``, first
+    dropping the trailing partial block (the same blocks as ``deltafleet.train.datamodule.load_blocks``, first
     ones first). Reading stops as soon as ``max_blocks`` blocks are full.
 
     Args:
@@ -192,7 +192,7 @@ def build_student(base_dir: str | Path, finetuned_dir: str | Path, artifact: Art
     Args:
         base_dir: the base Hugging Face safetensors checkpoint the artifact was exported against.
         finetuned_dir: the fine-tuned checkpoint (only its config is read here).
-        artifact: from :func:`compress.bitdelta.load_artifact`.
+        artifact: from :func:`deltafleet.compress.bitdelta.load_artifact`.
         device: where the model is placed; float32 throughout.
 
     Returns:
@@ -349,7 +349,7 @@ def distill_scales(
 
     ``loss_before`` / ``loss_after`` are the loss on a fixed evaluation slice, the first
     ``min(n_blocks, 8)`` calibration blocks, before the first and after the last step (no grad);
-    both are logged to the ``compress.distill`` logger. ``callback(step, loss)`` gets the training
+    both are logged to the ``deltafleet.compress.distill`` logger. ``callback(step, loss)`` gets the training
     batch's loss (before that step's update) at every ``log_every``-th step (1-based) and the last.
 
     The new artifact in ``out_dir`` has the source's layout and sharding (``delta.safetensors``, or

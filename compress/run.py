@@ -4,7 +4,7 @@
     python compress/run.py variant=coder granularity=row paths.root=/scratch/df
 
 Reads ``conf/export.yaml``: diffs ``models/<variant>/`` against ``models/base/`` and writes
-``artifacts/<variant>/`` (see ``compress.bitdelta.compress``), then prints a one-line summary.
+``artifacts/<variant>/`` (see ``deltafleet.compress.bitdelta.compress``), then prints a one-line summary.
 """
 from __future__ import annotations
 

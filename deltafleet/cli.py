@@ -71,9 +71,11 @@ BENCHES = {
 
 
 def _usage(prog: str, table: dict, what: str) -> str:
-    width = max(map(len, table))
+    width = max(map(len, JOBS))
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_, _) in table.items())
-    return f"usage: {prog} <{what}> [Hydra overrides ...]\n\n{what}s:\n{rows}\n"
+    if table is JOBS:
+        rows += f"\n  {'bench':<{width}}  a benchmark: deltafleet bench --help"
+    return f"usage: {prog} <{what}> [Hydra overrides ...]   ({prog} --version)\n\n{what}s:\n{rows}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["bench"]:
         prog, table, what, args = "deltafleet bench", BENCHES, "benchmark", args[1:]
     if not args or args[0] in ("-h", "--help"):
-        usage = _usage(prog, table, what)
-        if table is JOBS:
-            usage += f"  {'bench':<{max(map(len, JOBS))}}  a benchmark: deltafleet bench --help\n"
-        print(usage, end="")
+        print(_usage(prog, table, what), end="")
         return 0 if args else 2
+    if args[0] == "--version":
+        from deltafleet import __version__
+
+        print(f"deltafleet {__version__}")
+        return 0
     if args[0] not in table:
         print(f"{prog}: unknown {what} {args[0]!r}\n\n{_usage(prog, table, what)}", end="", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)``: the Triton custom op for bf16/fp16 CUDA tensors
-    (when triton is installed), else :func:`kernels.reference.bitdelta_linear` (same arguments,
+    (when triton is installed), else :func:`deltafleet.kernels.reference.bitdelta_linear` (same arguments,
     shapes and errors)."""
     if _on_triton(x, weight):
         return _ops()[0](x, weight, sign, alpha, bias)
@@ -58,8 +58,8 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
                             slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
     op for bf16/fp16 CUDA tensors (when triton is installed), else
-    :func:`kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
-    the slot values are not range-checked, see :func:`kernels.reference.check_batched_args`)."""
+    :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
+    the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`)."""
     if _on_triton(x, weight):
         return _ops()[1](x, weight, signs, alphas, slot, bias)
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)

@@ -8,10 +8,10 @@ same random tensors in one run:
 
 * ``dense``: ``x @ W.T`` in bf16 (cuBLAS) — the denominator of every ratio;
 * ``naive``: unpack the signs to bf16, ``W + α·S``, then the matmul (the path the kernel replaces);
-* ``triton``: :func:`kernels.bitdelta_linear` (the custom op; decode kernel for M ≤ 4, tensor-core
+* ``triton``: :func:`deltafleet.kernels.bitdelta_linear` (the custom op; decode kernel for M ≤ 4, tensor-core
   kernel above), for M in ``ms``;
 * mixed tenants, T variants with one token each (M = T): ``dense`` at M = T,
-  ``triton_batched`` (:func:`kernels.bitdelta_linear_batched`, the dispatcher's pick), each
+  ``triton_batched`` (:func:`deltafleet.kernels.bitdelta_linear_batched`, the dispatcher's pick), each
   mixed-tenant kernel on its own (``batched_fma``, ``batched_lut``, ``batched_gluon``,
   ``batched_planes``: ``batched_impls``; the Hopper ones from two rows up) and, as a reference row,
   ``bitdelta_style``: BitDelta's approach of unpacking each tenant's signs and a batched matmul

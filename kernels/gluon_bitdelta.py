@@ -5,7 +5,7 @@ CUDA-core mixed-tenant kernel, ``impl="gluon"``) written in Gluon, Triton's lowe
 ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2) for many rows
 (prefill). Why a second prefill kernel: with ``tl.dot`` on an operand computed in registers,
 Triton waits for every wgmma to finish before the next K step (``warp_group_dot_wait
-{pendings = 0}``), so in ``kernels.triton_bitdelta._mm_kernel`` the sign expansion and the tensor
+{pendings = 0}``), so in ``deltafleet.kernels.triton_bitdelta._mm_kernel`` the sign expansion and the tensor
 cores take turns. Gluon exposes the pieces, so this kernel schedules them itself, one K step of
 ``BLOCK_K`` per iteration:
 
@@ -20,8 +20,8 @@ cores take turns. Gluon exposes the pieces, so this kernel schedules them itself
    and the warps go on to the next step while it runs; only the wgmma of the step before is
    waited for, so the expansion of step k overlaps the tensor-core product of step k − 1.
 
-The dispatcher (``kernels.triton_bitdelta._prefill_choice``) times each of :data:`CONFIGS`
-against the register-operand kernel (``kernels.gluon_prefill_rs``), which keeps the reconstructed
+The dispatcher (``deltafleet.kernels.triton_bitdelta._prefill_choice``) times each of :data:`CONFIGS`
+against the register-operand kernel (``deltafleet.kernels.gluon_prefill_rs``), which keeps the reconstructed
 tile out of shared memory, and the Triton GEMM, once per shape; current figures: docs/kernels.md
 (``make bench-kernels``).
 
@@ -87,7 +87,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_col(kb, TILED: gl.constexpr):
         """``[1, B]`` offsets of the sign bytes ``kb`` from a row's start: ``kb`` in rows, ``(kb // 16)·1024
-        + kb % 16`` in ``kernels.reference.tile_signs``' layout (16 bytes per tile row, 1 KiB tiles)."""
+        + kb % 16`` in ``deltafleet.kernels.reference.tile_signs``' layout (16 bytes per tile row, 1 KiB tiles)."""
         if TILED:
             return gl.expand_dims(((kb >> 4) << 10) + (kb & 15), 0)  # kb ≥ 0
         else:
@@ -216,13 +216,13 @@ def bitdelta_linear_gluon(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     Args:
         x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 8 (:func:`supported`).
         weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), or the same in
-            ``kernels.reference.tile_signs``' layout (4-D). alpha: float32 ``[]``
+            ``deltafleet.kernels.reference.tile_signs``' layout (4-D). alpha: float32 ``[]``
             or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
         y: ``[M, N]`` output in ``x2.dtype`` (row stride ``y.stride(0)``).
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, W_TMA)``, one of :data:`CONFIGS`.
 
     Returns:
-        ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
+        ``y``. Arguments are checked by the caller (``deltafleet.kernels.triton_bitdelta``), not here.
     """
     bm, bn, bk, stages, warps, w_tma = config
     m, k = x2.shape
@@ -451,12 +451,12 @@ def bitdelta_linear_batched_gluon(x: torch.Tensor, weight: torch.Tensor, signs: 
         signs: uint8 ``[S, N, K/8]``. alphas: float32 ``[S]`` or ``[S, N]``. slot: int32 ``[M]`` on the
         device (−1 or out of range: the base only). bias: ``[N]`` or None. y: ``[M, N]`` in ``x.dtype``.
         ws, cnt: float32 zeros of at least ``M·N`` and int32 zeros of at least one per output tile
-            (``kernels.triton_bitdelta._workspace``); left zero.
+            (``deltafleet.kernels.triton_bitdelta._workspace``); left zero.
         config: ``(BLOCK_N, STAGES)``, one of :func:`tenant_configs` for the row count (default:
             its first). split: K chunks (default :func:`tenant_split`).
 
     Returns:
-        ``y``. Arguments are checked by the caller (``kernels.triton_bitdelta``), not here.
+        ``y``. Arguments are checked by the caller (``deltafleet.kernels.triton_bitdelta``), not here.
     """
     m, k = x.shape
     n = weight.shape[0]

@@ -6,7 +6,7 @@ Eq. 2; the ``bitdelta_linear_batched`` contract of docs/kernels.md), for decode-
 its own variant).
 
 Why: the CUDA-core kernels spend several instructions per row and weight on the sign part
-(``kernels.gluon_bitdelta._tenants_kernel``: shift, and-xor, add), which at 16 tenants leaves them
+(``deltafleet.kernels.gluon_bitdelta._tenants_kernel``: shift, and-xor, add), which at 16 tenants leaves them
 issue-bound whatever the memory system does. Here the sign part is a matrix product on the tensor
 cores, and the CUDA cores only turn packed sign bits into wgmma operands:
 
@@ -37,8 +37,8 @@ lists configurations that compile without.
 Memory: the x tile and the planes are read again by every column of programs (from L2), and a
 K step of 128 weights is a 16-byte piece of each of 64 sign rows, half of a 32-byte sector each. With
 ``tiled=True`` the signs are in :func:`tile_signs`' layout, each K step's sign tile one contiguous
-copy; for ``BLOCK_K`` 128 that is ``kernels.tile_signs``' layout, which the server's variant slots use
-(``serve.batch.DeltaSlots``).
+copy; for ``BLOCK_K`` 128 that is ``deltafleet.kernels.tile_signs``' layout, which the server's variant slots use
+(``deltafleet.serve.batch.DeltaSlots``).
 
 **Binary tensor cores** (``bits=True``): the sign part as ``mma.sync.m16n8k128`` on 1-bit operands
 (AND, then POPC, summed into int32), whose A operand is 16 features' sign words exactly as stored (two
@@ -62,7 +62,7 @@ Stream-K keeps every multiprocessor busy to the end where the tiles do not divid
 160 feature blocks on 132 multiprocessors).
 
 Which configuration, split and launch runs is timed once per shape by
-``kernels.triton_bitdelta._tenants_choice``; current figures: docs/kernels.md (``make bench-kernels``).
+``deltafleet.kernels.triton_bitdelta._tenants_choice``; current figures: docs/kernels.md (``make bench-kernels``).
 """
 from __future__ import annotations
 
@@ -435,7 +435,7 @@ def bitdelta_linear_batched_planes(x: torch.Tensor, weight: torch.Tensor, signs:
             barriers, no products (``y`` is wrong).
 
     Returns:
-        ``y``. The tensors are checked by the caller (``kernels.triton_bitdelta``), not here.
+        ``y``. The tensors are checked by the caller (``deltafleet.kernels.triton_bitdelta``), not here.
 
     Raises:
         ValueError: if ``persistent`` and ``pdl`` without ``bits``; if K is not a multiple of the

@@ -24,7 +24,7 @@ so the reconstructed weight is the wgmma's A operand, which Hopper reads **from 
 
 W reaches the registers through shared memory (TMA, then ``ldmatrix``), not by 4-byte global loads
 straight into the A layout, which keep the L1 busy and the warps waiting on them. The dispatcher
-(``kernels.triton_bitdelta._prefill_choice``) times :data:`CONFIGS` against the other prefill
+(``deltafleet.kernels.triton_bitdelta._prefill_choice``) times :data:`CONFIGS` against the other prefill
 kernels once per shape; current figures: docs/kernels.md (``make bench-kernels``).
 
 Rounding: ``α`` is rounded to the activation dtype before the add (bf16: relative error ≤ 2⁻⁹ of
@@ -91,7 +91,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _sign_words(s_ptr, rn, w, stride_sw, TILED: gl.constexpr):
         """Sign word ``w`` (weights ``32w … 32w + 31``) of the rows ``rn``, as int32: rows at
-        ``rn·stride_sw + w``, or in ``kernels.reference.tile_signs``' layout, where ``stride_sw`` is
+        ``rn·stride_sw + w``, or in ``deltafleet.kernels.reference.tile_signs``' layout, where ``stride_sw`` is
         one 64-row block's words and a tile row holds 4 words."""
         if TILED:
             # shifts and masks (the indices are never negative): no signed-division fix-ups
@@ -243,7 +243,7 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     Args:
         x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 64 (:func:`rs_supported`).
         weight: ``[N, K]`` same dtype. sign: uint8 ``[N, K/8]`` (LSB first), rows 4-byte aligned, or
-            the same in ``kernels.reference.tile_signs``' layout (4-D).
+            the same in ``deltafleet.kernels.reference.tile_signs``' layout (4-D).
             alpha: float32 ``[]`` or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
             y: ``[M, N]`` output in ``x2.dtype``, rows contiguous.
         config: ``(BLOCK_T, STAGES, U, PRE, registers)``, one of :data:`CONFIGS`; K must be a multiple
@@ -294,7 +294,7 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
 
     Args:
         config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in
-            ``kernels.reference.tile_signs``' layout.
+            ``deltafleet.kernels.reference.tile_signs``' layout.
 
     Returns:
         Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).

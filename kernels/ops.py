@@ -16,7 +16,7 @@ from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton, b
 @torch.library.custom_op("deltafleet::bitdelta_linear", mutates_args=())
 def bitdelta_linear_op(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` by :func:`kernels.triton_bitdelta.bitdelta_linear_triton`.
+    """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` by :func:`deltafleet.kernels.triton_bitdelta.bitdelta_linear_triton`.
 
     Shapes and dtypes as there: x ``[..., K]`` bf16/fp16, weight ``[N, K]``, sign uint8
     ``[N, ceil(K/8)]``, alpha float32 ``[]`` or ``[N]``, bias ``[N]`` → ``[..., N]`` in x's dtype.
@@ -33,7 +33,7 @@ def _(x, weight, sign, alpha, bias=None):
 @torch.library.custom_op("deltafleet::bitdelta_linear_batched", mutates_args=())
 def bitdelta_linear_batched_op(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                                slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Mixed tenants by :func:`kernels.triton_bitdelta.bitdelta_linear_batched_triton`: x ``[M, K]``,
+    """Mixed tenants by :func:`deltafleet.kernels.triton_bitdelta.bitdelta_linear_batched_triton`: x ``[M, K]``,
     weight ``[N, K]``, signs uint8 ``[S, N, ceil(K/8)]``, alphas float32 ``[S]``/``[S, N]``, slot
     ``[M]`` int (−1: base only), bias ``[N]`` → ``[M, N]`` in x's dtype."""
     return bitdelta_linear_batched_triton(x, weight, signs, alphas, slot, bias)

@@ -1,12 +1,12 @@
 """Fused Triton kernels for ``bitdelta_linear`` and ``bitdelta_linear_batched`` (docs/kernels.md,
-"Contract"), and the dispatch between them and the Hopper kernels of ``kernels.gluon_bitdelta``,
-``kernels.gluon_prefill_rs`` and ``kernels.gluon_planes``.
+"Contract"), and the dispatch between them and the Hopper kernels of ``deltafleet.kernels.gluon_bitdelta``,
+``deltafleet.kernels.gluon_prefill_rs`` and ``deltafleet.kernels.gluon_planes``.
 
 ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2 applied to a
 linear layer). The packed sign bytes (one byte per 8 weights, least significant bit first: 1/16 of
 the bf16 bytes) are read once per tile and unpacked in registers; the reconstructed weight exists
 only in registers and nothing but ``y`` is written to memory. Every kernel here reads the signs as
-rows ``[N, ceil(K/8)]`` or in ``kernels.reference.tile_signs``' layout.
+rows ``[N, ceil(K/8)]`` or in ``deltafleet.kernels.reference.tile_signs``' layout.
 
 Kernels:
 
@@ -19,8 +19,8 @@ Kernels:
   and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
   one launch does it all. Memory-bound: W and the signs are read once.
 * **prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the register-operand kernel of
-  ``kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
-  wgmma's register operand; K a multiple of 64·U) or the Gluon kernel of ``kernels.gluon_bitdelta``
+  ``deltafleet.kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
+  wgmma's register operand; K a multiple of 64·U) or the Gluon kernel of ``deltafleet.kernels.gluon_bitdelta``
   (TMA, asynchronous wgmma, the sign expansion of K step k overlapping the product of step k − 1),
   whichever is faster for the shape (``_prefill_choice``); elsewhere, or when it does not apply (K
   not a multiple of 8, unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
@@ -34,9 +34,9 @@ Kernels:
 * **mixed tenants**, ``bitdelta_linear_batched``: decode batches in which every row has its own
   variant (``slot[m]``, −1 = base only). ``_tenants_kernel`` (``impl="lut"``): the base product of
   the rows on tensor cores, the signs by table lookup (see its docstring). On a Hopper GPU,
-  ``kernels.gluon_bitdelta._tenants_kernel`` (``impl="gluon"``): the base product on the tensor
+  ``deltafleet.kernels.gluon_bitdelta._tenants_kernel`` (``impl="gluon"``): the base product on the tensor
   cores with the operands swapped while the same warps add each row's ±x on the CUDA cores. On a
-  Hopper GPU with K a multiple of 128, ``kernels.gluon_planes`` (``impl="planes"``, the default
+  Hopper GPU with K a multiple of 128, ``deltafleet.kernels.gluon_planes`` (``impl="planes"``, the default
   there): the sign part on the int8 tensor cores, the packed sign bits as the 0/1 operand and the
   activations as two int8 planes of a 16-bit fixed-point copy, in a warp-specialised kernel; or
   (``bits``) on the binary tensor cores, the sign words as stored against the 16 bit planes of that
@@ -119,7 +119,7 @@ def _finish_tile(pid_m, pid_n, SPLIT, M, N, y_ptr, stride_ym, ws_ptr, cnt_ptr, b
 @triton.jit
 def _sign_off(rn, kb, stride_sn, TILED: tl.constexpr):
     """Offset of packed sign byte ``kb`` of row ``rn`` within one matrix's signs (broadcast shapes).
-    Rows: ``rn·stride_sn + kb``. Tiled (``kernels.reference.tile_signs``): ``stride_sn`` is one
+    Rows: ``rn·stride_sn + kb``. Tiled (``deltafleet.kernels.reference.tile_signs``): ``stride_sn`` is one
     64-row block's bytes, and a block holds tiles of 64 rows × 16 bytes, each contiguous."""
     if TILED:
         return (rn >> 6) * stride_sn + ((kb >> 4) << 10) + ((rn & 63) << 4) + (kb & 15)  # indices ≥ 0
@@ -524,12 +524,12 @@ def _check_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``bitdelta_linear``: same contract as :func:`kernels.reference.bitdelta_linear`.
+    """Triton ``bitdelta_linear``: same contract as :func:`deltafleet.kernels.reference.bitdelta_linear`.
 
     Args:
         x: ``[..., K]`` bf16 or fp16 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         weight: ``[N, K]`` in ``x.dtype``.
-        sign: ``[N, ceil(K/8)]`` uint8, or the same in ``kernels.reference.tile_signs``' layout
+        sign: ``[N, ceil(K/8)]`` uint8, or the same in ``deltafleet.kernels.reference.tile_signs``' layout
             (4-D), which every kernel here reads.
         alpha: float32 ``[]`` or ``[N]``.
         bias: optional ``[N]``.
@@ -541,7 +541,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
 
     Raises:
         ValueError: on a dtype or shape that does not fit the contract, or an argument on the wrong
-            device (:func:`kernels.reference.check_tensors`).
+            device (:func:`deltafleet.kernels.reference.check_tensors`).
     """
     check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)  # before any launch: devices
     _check_dtypes(x, weight)
@@ -613,8 +613,8 @@ _PREFILL_CHOICE: dict = {}  # (N, K, M bucket, dtype, flags) -> Gluon config, or
 
 def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
     """Pick the prefill kernel for this problem shape (``bias``: on x's device and contiguous, or None): each configuration of the register-operand
-    kernel (``("rs", config)``, ``kernels.gluon_prefill_rs.CONFIGS``, where it runs) and of the Gluon
-    kernel (``kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel (None) are timed once
+    kernel (``("rs", config)``, ``deltafleet.kernels.gluon_prefill_rs.CONFIGS``, where it runs) and of the Gluon
+    kernel (``deltafleet.kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel (None) are timed once
     per shape (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a
     CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
     ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: the register-operand kernel's first
@@ -777,14 +777,14 @@ def _lut_launch(args: tuple, alphas: torch.Tensor, bias: torch.Tensor | None, ti
 def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor,
                                    alphas: torch.Tensor, slot: torch.Tensor,
                                    bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
-    """Triton mixed-tenant linear: same contract as :func:`kernels.reference.bitdelta_linear_batched`.
+    """Triton mixed-tenant linear: same contract as :func:`deltafleet.kernels.reference.bitdelta_linear_batched`.
 
     Every row ``m`` computes ``x[m] · (W + α_t·s_t)ᵀ`` with ``t = slot[m]`` (−1: ``x[m] · Wᵀ``); each
     base tile is loaded once per program and shared by the program's rows. Four kernels (``impl``):
     ``"lut"`` (``_tenants_kernel``: base product on tensor cores, signs by table lookup), ``"gluon"``
-    (Hopper only, two rows or more, K a multiple of 64: ``kernels.gluon_bitdelta``, base product on
+    (Hopper only, two rows or more, K a multiple of 64: ``deltafleet.kernels.gluon_bitdelta``, base product on
     the tensor cores, signs on the CUDA cores meanwhile), ``"planes"`` (Hopper only, two rows or
-    more, K a multiple of 128: ``kernels.gluon_planes``, the sign part on the int8 tensor cores with
+    more, K a multiple of 128: ``deltafleet.kernels.gluon_planes``, the sign part on the int8 tensor cores with
     the activations in 16-bit fixed point, error ≤ max|x|/65278 per activation, to float32 rounding) and ``"fma"``
     (``_decode_kernel``: ``W + α_t·s_t`` formed in float32 registers per row; the default for one
     row, with the decode tiles). By default, from two rows up where ``"planes"`` runs, each of its
@@ -799,7 +799,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
 
     Args:
         x: ``[M, K]`` bf16/fp16; weight ``[N, K]`` same dtype; signs uint8 ``[S, N, ceil(K/8)]``, or
-        the same in ``kernels.reference.tile_signs``' layout (5-D: each K step's 64 × 16-byte sign tile
+        the same in ``deltafleet.kernels.reference.tile_signs``' layout (5-D: each K step's 64 × 16-byte sign tile
         contiguous, read by every kernel here but ``"gluon"``); alphas float32 ``[S]`` or ``[S, N]``;
         slot ``[M]`` int (−1: base only); bias ``[N]``.
 
@@ -808,7 +808,7 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
 
     Raises:
         ValueError: on a dtype or shape outside the contract, an argument on the wrong device
-            (:func:`kernels.reference.check_tensors`), a slot outside ``[−1, S)`` (checked
+            (:func:`deltafleet.kernels.reference.check_tensors`), a slot outside ``[−1, S)`` (checked
             when ``slot`` is on the CPU; on a GPU such rows get the base only), an unknown ``impl``,
             or ``impl="gluon"`` / ``impl="planes"`` where that kernel cannot run (``"gluon"`` never
             reads tiled signs).

@@ -24,7 +24,7 @@ Non-floating tensors (integer buffers) are taken from the base.
 =================  =========================================================================================
 
 A method that needs statistics of the whole model (``opcm``: norms over every parameter) says so
-with ``two_pass = True``: :func:`merge.stream.merge_checkpoints` first shows it every tensor
+with ``two_pass = True``: :func:`deltafleet.merge.stream.merge_checkpoints` first shows it every tensor
 (:meth:`MergeMethod.observe`), then asks for the merged tensors.
 """
 from __future__ import annotations

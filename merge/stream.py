@@ -44,7 +44,7 @@ WRITTEN_BY = "deltafleet merge"  # merge.json's signature: a folder it describes
 
 
 def _not_merge_output(folder: Path) -> str | None:
-    """Why ``folder`` is not (only) an earlier merge's output, or None if it is: its ``merge.json``
+    """Why ``folder`` is not (only) an earlier merge's output, or None if it is: its ``deltafleet.merge.json``
     must be this tool's record (``written_by``) and list every file the folder holds."""
     try:
         record = json.loads((folder / "merge.json").read_text())
@@ -66,8 +66,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         base_dir: the common base (task vectors are taken against it); None only for ``linear``.
         model_dirs: one or more checkpoints with the base's tensor names and shapes.
         out_dir: the merged checkpoint folder. If it exists it is replaced atomically, but only if it is
-            empty, an earlier merge's output (it holds ``merge.json``) or ``overwrite`` is set.
-        method: a :class:`merge.methods.MergeMethod` (``get_method(name, **params)``).
+            empty, an earlier merge's output (it holds ``deltafleet.merge.json``) or ``overwrite`` is set.
+        method: a :class:`deltafleet.merge.methods.MergeMethod` (``get_method(name, **params)``).
         max_shard_bytes: output shard size in bytes.
         show_progress: a tqdm bar over tensors.
         overwrite: replace an existing ``out_dir`` whatever it holds.

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over an :class:`~serve.engine.Engine` (docs/architecture.md, "Serving").
+"""OpenAI-compatible HTTP API over an :class:`~deltafleet.serve.engine.Engine` (docs/architecture.md, "Serving").
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with SSE streaming ending ``data: [DONE]`` and

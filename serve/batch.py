@@ -2,12 +2,12 @@
 
 A decode step of continuous batching runs every running sequence at once, each with its own
 variant (or the base) and its own position. For the linears that is one
-``kernels.bitdelta_linear_batched`` call per layer (the base weight read once, each variant's
+``deltafleet.kernels.bitdelta_linear_batched`` call per layer (the base weight read once, each variant's
 signs once: ``1 + T/16`` of a dense read for T variants, BitDelta §4); it needs every variant's
 signs of a layer stacked in one tensor. :class:`DeltaSlots` holds those stacks: ``n_slots``
 variant slots on the serving device (the "GPU slots" of vLLM's multi-LoRA, here sized in
 variants), filled from a variant's host copy by :meth:`DeltaSlots.put`, which returns a
-:class:`~serve.delta.VariantDelta` whose tensors are views into its slot, so the single-variant
+:class:`~deltafleet.serve.delta.VariantDelta` whose tensors are views into its slot, so the single-variant
 path (prefill) reads the same memory and no variant is held twice on the device.
 
 :class:`BatchDeltas` is what the layers receive in place of one ``VariantDelta``: the slots and
@@ -59,16 +59,16 @@ class DeltaSlots:
     repeated over N), and every 1-D parameter (norm weights, biases) ``[S + 1, D]`` with the base's
     value in row ``S`` and in the slots of variants that do not change it.
 
-    With ``sign_layout="tiled"`` the linears' signs are held in ``kernels.tile_signs``' layout,
+    With ``sign_layout="tiled"`` the linears' signs are held in ``deltafleet.kernels.tile_signs``' layout,
     ``[S, ceil(N/64), ceil(K/128), 64, 16]`` (each 64-row × 128-weight tile one contiguous KiB), which
     every kernel reads, and the mixed-variant kernels read faster: one contiguous KiB per K step
     instead of 64 pieces a sign row apart (docs/kernels.md, "Sign layouts"); the embedding's stay
     rows (they are gathered by token).
 
     Args:
-        model: the resident :class:`~serve.model.Transformer` (its device and dtype are used).
+        model: the resident :class:`~deltafleet.serve.model.Transformer` (its device and dtype are used).
         n_slots: how many variants fit at once.
-        sign_layout: ``"tiled"`` (default: ``kernels.tile_signs``' layout, which the kernels read
+        sign_layout: ``"tiled"`` (default: ``deltafleet.kernels.tile_signs``' layout, which the kernels read
             fastest) or ``"rows"`` (the artifact's layout).
 
     Raises: ValueError for ``n_slots < 1`` or an unknown ``sign_layout``; from :meth:`put`,
@@ -117,7 +117,7 @@ class DeltaSlots:
         return self._free[-1]
 
     def put(self, delta, slot: int | None = None):
-        """Copy a variant (a :class:`~serve.delta.VariantDelta`, any device) into a free slot (``slot``,
+        """Copy a variant (a :class:`~deltafleet.serve.delta.VariantDelta`, any device) into a free slot (``slot``,
         or the next free one); return a ``VariantDelta`` of views into the slot, with ``.slot`` set.
         Signs may come as rows (an artifact) or tiled (a host-tier copy of a slot's views), whatever
         the slots' layout; a copy that fails gives the slot back.
@@ -230,7 +230,7 @@ class BatchDeltas:
 
 
 class RowCache:
-    """Rows ``rows`` of a static :class:`~serve.model.KVCache` as a cache of their own.
+    """Rows ``rows`` of a static :class:`~deltafleet.serve.model.KVCache` as a cache of their own.
 
     ``per_row_positions``: decode, one new token per row at ``input_pos[b]`` (``[B]``); otherwise the
     rows share ``input_pos`` (``[T]``, prefill of one sequence)."""

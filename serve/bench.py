@@ -17,7 +17,7 @@ Configuration: ``conf/bench_serve.yaml``. Steps:
 4. ``extra_for_host_tier`` variants hot-loaded past the device slots (evicting the coldest to
    the host tier), then requests for the evicted ones: cold loads from the host tier.
 5. Cold-load seconds by tier from the server's ``/metrics``, memory (GPU via ``nvidia-smi``,
-   per GPU, next to the bytes of tensors predicted by ``serve.synthetic.predict_memory``; the
+   per GPU, next to the bytes of tensors predicted by ``deltafleet.serve.synthetic.predict_memory``; the
    server's resident set), startup seconds, successful completions per model, JSON + PNG in
    ``reports/``.
 
@@ -352,7 +352,7 @@ def gpu_memory_used_mib(field: str = "memory.used") -> list[int] | None:
 
 
 def predicted_memory(cfg: DictConfig) -> list[dict]:
-    """Bytes of tensors each rank of the server holds (``serve.synthetic.predict_memory``), per rank."""
+    """Bytes of tensors each rank of the server holds (``deltafleet.serve.synthetic.predict_memory``), per rank."""
     from deltafleet.serve.synthetic import predict_memory
 
     return [predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,

@@ -1,6 +1,6 @@
 """The tiered delta cache of the serving engine (docs/serving.md, "Delta cache").
 
-A variant's deltas (packed signs, scales, the few tensors kept in full; :class:`serve.delta.VariantDelta`)
+A variant's deltas (packed signs, scales, the few tensors kept in full; :class:`deltafleet.serve.delta.VariantDelta`)
 live in one of three tiers:
 
 * **device** — on the serving device, under ``device_budget_bytes``; only these are served.

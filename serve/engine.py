@@ -101,14 +101,14 @@ class Engine:
         force: load artifacts even if their base fingerprint differs (not recommended).
         delta_cache: ``device_slots`` (variants on the device at once; default: the device budget
             over one slot's bytes, else the number of artifacts found, at least 1) and keyword
-            arguments of :class:`serve.cache.DeltaCache` (``device_budget_bytes``,
+            arguments of :class:`deltafleet.serve.cache.DeltaCache` (``device_budget_bytes``,
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
             ``half_life_s``, ``wait_timeout_s``).
         max_batch: sequences decoded together (continuous batching, serve/scheduler.py).
         cuda_graphs: on a CUDA device, replay decode steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
-        tp: rank 0's :class:`serve.tp.TPContext` when serving tensor parallel (the other ranks run
-            :func:`serve.follower.run_follower`); None: one process.
+        tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
+            :func:`deltafleet.serve.follower.run_follower`); None: one process.
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -126,6 +126,9 @@ class Engine:
                 "(or the whole demo family with `make demo`), or set base_dir=/path/to/hf/checkpoint"
             )
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
+        if self.artifacts_dir is not None and not self.artifacts_dir.is_dir():
+            log.warning("artifacts_dir %s is not a folder: serving the base alone until it exists "
+                        "(variants are found at their first request or by /v1/load_variant)", self.artifacts_dir)
         self.family, self.device, self.force = family, torch.device(device), force
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         # Special tokens (eos, role markers, ...) by text: only a chat template may emit them, see encode_chat.

@@ -57,9 +57,9 @@ class DecodeGraphs:
     """CUDA graphs of ``model.forward_rows`` over ``cache``, one per (bucket, any variant) pair.
 
     Args:
-        model: the resident :class:`~serve.model.Transformer`.
-        slots: the :class:`~serve.batch.DeltaSlots` the rows' variant slots index.
-        cache: the scheduler's KV cache, one :class:`~serve.model.KVCache` per layer with
+        model: the resident :class:`~deltafleet.serve.model.Transformer`.
+        slots: the :class:`~deltafleet.serve.batch.DeltaSlots` the rows' variant slots index.
+        cache: the scheduler's KV cache, one :class:`~deltafleet.serve.model.KVCache` per layer with
             ``max_batch + 1`` rows: rows ``[0, max_batch)`` hold sequences, row ``max_batch`` is
             the scratch row that padding rows write.
 

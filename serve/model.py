@@ -5,7 +5,7 @@ with grouped-query heads and a static KV cache written by index, a SwiGLU MLP. T
 that every weight can carry a variant's 1-bit delta (BitDelta, Liu et al., arXiv:2402.10193, Eq. 2:
 ``W_ft ≈ W_base + α·sign(Δ)``) that is applied on the fly:
 
-- a linear (q, k, v, o, gate, up, down, lm_head) with a delta runs ``kernels.bitdelta_linear``,
+- a linear (q, k, v, o, gate, up, down, lm_head) with a delta runs ``deltafleet.kernels.bitdelta_linear``,
   otherwise a plain ``F.linear`` on the base weight;
 - the token embedding adds ``α·(2·bits − 1)`` of the looked-up rows only;
 - a norm weight or bias that the artifact stores in full is used instead of the base's.

@@ -66,7 +66,7 @@ class Scheduler:
     """Continuous batching for ``engine`` (see the module docstring).
 
     Args:
-        engine: the :class:`~serve.engine.Engine` (its model, tokenizer, delta slots, release).
+        engine: the :class:`~deltafleet.serve.engine.Engine` (its model, tokenizer, delta slots, release).
         max_batch: sequences decoded together at most (rows of the KV cache).
         max_seq_len: tokens per sequence the cache holds (the model's context at most).
         cuda_graphs: on a CUDA device in one process, replay decode steps as CUDA graphs

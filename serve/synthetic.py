@@ -8,15 +8,15 @@ real one:
 
 * the base — every parameter generated whole on the device from its own seed (a hash of the
   family seed and the parameter's Hugging Face name), cut to this rank's slice by
-  :func:`serve.tp.slice_for` (as a checkpoint's tensors are read) after :func:`serve.tp.shard_model`
+  :func:`deltafleet.serve.tp.slice_for` (as a checkpoint's tensors are read) after :func:`deltafleet.serve.tp.shard_model`
   has cut the (meta) model, and the whole tensor freed at once. Weight matrices and biases are
   N(0, std²), norm weights 1. Every rank computes the same whole tensors (same seed, same kind of
   device; checked across ranks), so the slices form one model: W ranks serve the model one
   process serves.
 * variant ``v{i:02d}`` — for every weight matrix, packed sign bytes uniform in 0..255 (pad bits
   0) from a seed of (family seed, i, name) and one α (fp32, per matrix), cut by
-  :func:`serve.tp.shard_sign`. The signs are generated one matrix at a time as
-  :meth:`serve.batch.DeltaSlots.put` reads them, straight into the variant's device slot: nothing
+  :func:`deltafleet.serve.tp.shard_sign`. The signs are generated one matrix at a time as
+  :meth:`deltafleet.serve.batch.DeltaSlots.put` reads them, straight into the variant's device slot: nothing
   of a variant exists outside its slot (and one matrix in flight).
 
 The served folder (``base_dir``, :func:`write_base_dir`) holds ``config.json`` (the shape), the
@@ -91,7 +91,7 @@ class SyntheticFamily:
 
     @property
     def fingerprint(self) -> str:
-        """Stands for :func:`compress.bitdelta.fingerprint` of a checkpoint: ``"synthetic:sha256:<hex>"``
+        """Stands for :func:`deltafleet.compress.bitdelta.fingerprint` of a checkpoint: ``"synthetic:sha256:<hex>"``
         of the shape, seed and std (what fixes the base's weights)."""
         spec = json.dumps({"config": self.config, "seed": self.seed, "std": self.std}, sort_keys=True)
         return f"{SOURCE_PREFIX}sha256:{hashlib.sha256(spec.encode()).hexdigest()}"
@@ -120,12 +120,12 @@ class SyntheticFamily:
 
     def build_base(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                    tp: tuple | None = None) -> Transformer:
-        """The base as :func:`serve.loading.load_model` would load it from a checkpoint
+        """The base as :func:`deltafleet.serve.loading.load_model` would load it from a checkpoint
         holding these weights: on ``device`` in ``dtype``, and with ``tp = (rank, world, group)`` this
         rank's slice only (the whole of one parameter exists on the device at a time, in fp32).
 
         Raises:
-            ValueError: the shape does not split over ``world`` (:func:`serve.tp.shard_model`).
+            ValueError: the shape does not split over ``world`` (:func:`deltafleet.serve.tp.shard_model`).
             RuntimeError: the ranks generated different replicated weights (devices that do not draw
                 the same random numbers from the same seed).
         """
@@ -154,8 +154,8 @@ class SyntheticFamily:
 
     def variant(self, name: str, device: str | torch.device = "cpu", tp: tuple | None = None) -> VariantDelta:
         """Variant ``name``'s deltas for this rank (``tp = (rank, world, group)``; None: whole), to pass
-        to :meth:`serve.batch.DeltaSlots.put`: a :class:`~serve.delta.VariantDelta` whose ``signs``
-        (uint8 ``[N, ceil(K/8)]``, cut like :func:`serve.tp.shard_delta` cuts an artifact's) are
+        to :meth:`deltafleet.serve.batch.DeltaSlots.put`: a :class:`~deltafleet.serve.delta.VariantDelta` whose ``signs``
+        (uint8 ``[N, ceil(K/8)]``, cut like :func:`deltafleet.serve.tp.shard_delta` cuts an artifact's) are
         generated on ``device`` each time one is read and not kept; ``alphas`` fp32 ``[]``; no full
         tensors. ``source`` is ``"synthetic:<name>"``.
 
@@ -296,7 +296,7 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
                    dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, max_seq_len: int | None = None,
                    sign_layout: str = "tiled") -> dict:
     """Bytes of tensors one tensor-parallel rank holds when serving ``config``'s shape: its slice of
-    the base (:func:`serve.tp.shard_model`), ``n_slots`` variant slots (:class:`serve.batch.DeltaSlots`:
+    the base (:func:`deltafleet.serve.tp.shard_model`), ``n_slots`` variant slots (:class:`deltafleet.serve.batch.DeltaSlots`:
     packed signs uint8 and α fp32 per row of every weight matrix of the slice, and every 1-D
     parameter ``n_slots + 1`` times), and the scheduler's KV cache (``max_batch`` sequences of
     ``max_seq_len`` tokens, this rank's key/value heads). Pure arithmetic on the shape, nothing

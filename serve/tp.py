@@ -57,7 +57,7 @@ def slice_for(name: str, sl, rank: int, world: int) -> Tensor:
 
 
 def shard_model(model, rank: int, world: int, group=None) -> None:
-    """Cut ``model`` (a :class:`serve.model.Transformer`) in place to rank ``rank``'s slice of
+    """Cut ``model`` (a :class:`deltafleet.serve.model.Transformer`) in place to rank ``rank``'s slice of
     ``world``; row-parallel linears all-reduce their outputs over ``group``.
 
     Raises:
@@ -112,7 +112,7 @@ def shard_sign(name: str, sign: Tensor, alpha: Tensor, rank: int, world: int) ->
 
 
 def shard_delta(delta, rank: int, world: int):
-    """A variant's :class:`serve.delta.VariantDelta` cut like :func:`shard_model` cuts the model."""
+    """A variant's :class:`deltafleet.serve.delta.VariantDelta` cut like :func:`shard_model` cuts the model."""
 
     if world == 1:
         return delta

@@ -40,7 +40,7 @@ class TinyFamily:
 
 
 def train_tiny_tokenizer(out_dir: Path, data_dir: Path, vocab_size: int = 512):
-    """The family's byte-level BPE (``train.tokenizer``: eos ``<|endoftext|>``, role tokens, chat
+    """The family's byte-level BPE (``deltafleet.train.tokenizer``: eos ``<|endoftext|>``, role tokens, chat
     template), trained on a few stdlib modules."""
     from deltafleet.train.tokenizer import train_tokenizer
 

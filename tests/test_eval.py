@@ -1,8 +1,8 @@
 """`make eval` (train/eval.py): the math parser, the metrics, and the CLI end to end on a tiny family.
 
-The metrics are checked against independent computations (``train.module.heldout_loss``,
+The metrics are checked against independent computations (``deltafleet.train.module.heldout_loss``,
 ``torch.nn.functional.kl_div`` in float64, the manifests' own statistics); the CLI runs on tiny
-random Llama checkpoints with real text (Python's standard library, ``train.data``'s math
+random Llama checkpoints with real text (Python's standard library, ``deltafleet.train.data``'s math
 generator) in ``tmp_path``.
 """
 from __future__ import annotations

@@ -317,7 +317,7 @@ def test_gluon_tenant_kernel_keeps_its_sums_in_registers(compiled):
 
 
 def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
-    """Every configuration of the int8 tensor-core tenant kernels (``kernels.gluon_planes``) issues
+    """Every configuration of the int8 tensor-core tenant kernels (``deltafleet.kernels.gluon_planes``) issues
     int8 wgmmas and compiles without ptxas serialising them (its C7512/C7515 "wgmma.mma_async
     instructions are serialized" diagnostic: too few registers, or an accumulator touched mid-pipeline),
     which in the non-specialised kernel had cost a factor of about two."""
@@ -343,7 +343,7 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
 
 
 def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
-    """The register-operand prefill kernel (``kernels.gluon_prefill_rs``): every configuration issues
+    """The register-operand prefill kernel (``deltafleet.kernels.gluon_prefill_rs``): every configuration issues
     wgmmas and ptxas keeps them asynchronous (no wgmma with a register operand stays in flight across
     the K loop's back edge, which would make ptxas serialise all of them)."""
     from deltafleet.kernels import gluon_prefill_rs as pr

@@ -1,4 +1,4 @@
-"""The tiled sign layout (``kernels.reference.tile_signs``): the layout itself, the reference ops on
+"""The tiled sign layout (``deltafleet.kernels.reference.tile_signs``): the layout itself, the reference ops on
 it, and the Triton kernels that read it (under ``TRITON_INTERPRET=1`` on the CPU; on the GPU with
 ``DELTAFLEET_TRITON_DEVICE=cuda``, ``make test-gpu``, as ``tests/test_kernels_triton.py``), each
 against the row layout's float32 reference."""

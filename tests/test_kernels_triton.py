@@ -472,7 +472,7 @@ def test_activation_bitplanes_pack_the_16_bit_copy_as_the_binary_mmas_read_it(k)
     ``scale·q`` to within ``scale/2`` with ``scale = max|x|/32767``; bit p of ``q`` (16-bit two's
     complement) for weight ``128j + 32t + i`` is bit i of word ``[row, j, p % 8, t, p // 8]``; and the
     identity the kernel uses, ``s·q = 2·Σ_p w_p·popc(s' & b_p) − Σq`` with ``w_15 = −2^15``, holds
-    for packed sign bits s' (``kernels.reference.pack_signs``' bit order). An all-zero row gets
+    for packed sign bits s' (``deltafleet.kernels.reference.pack_signs``' bit order). An all-zero row gets
     scale 0 and zero planes."""
     from deltafleet.kernels.gluon_planes import BIT_MAX, activation_bitplanes
 
@@ -717,7 +717,7 @@ def test_warp_specialised_split_follows_the_wave_model():
     ],
 )
 def test_planes_tenants_match_reference(dtype, m, n, k, row_alpha, bias):
-    """The int8 tensor-core mixed-tenant kernel (``kernels.gluon_planes``), every configuration and
+    """The int8 tensor-core mixed-tenant kernel (``deltafleet.kernels.gluon_planes``), every configuration and
     the default with programmatic dependent launch, and with the base product spread over the
     consumers (``base_spread``), and with the sign part on the binary tensor cores (``bits``, on
     rows and tiled signs, spread or not, and with programmatic dependent launch), with K split and not: equal to the float32

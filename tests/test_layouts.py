@@ -11,7 +11,7 @@ here independently, in plain torch, from the two safetensors files:
 Tolerances: α is checked against a float64 mean to 1e-6 (a float32 mean is not bit-reproducible
 across memory layouts); with those α, weights are compared exactly (the same float32 arithmetic,
 then the same cast to the checkpoint dtype). Logits of two models with bit-identical weights, both run by transformers in
-float32, are compared at ``1e-5``. The served path (``serve.model``) always runs in float32 here
+float32, are compared at ``1e-5``. The served path (``deltafleet.serve.model``) always runs in float32 here
 (``load_model(dtype=float32)``) and reconstructs ``W_base + α·s`` on the fly
 without rounding it to the checkpoint dtype, so against an HF model with the *unrounded* float32
 reconstruction it matches at ``1e-5`` for every dtype, and against the ``export_hf`` checkpoint

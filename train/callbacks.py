@@ -4,7 +4,7 @@
     python train/run.py variant=coder merge=svd_soup merge.rank=4
     python train/run.py variant=coder merge=none
 
-The merge math lives in :mod:`merge.soup` (plain tensor functions); this file only decides when
+The merge math lives in :mod:`deltafleet.merge.soup` (plain tensor functions); this file only decides when
 to merge, moves one parameter at a time between ranks, and logs what happened.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class MonoSoupCallback(L.Callback):
     The *base* ``W_base`` is the model's weights when training first starts (for a variant: the
     weights of ``models/base``); the *best checkpoint* is a snapshot of the weights at the lowest
     ``monitor`` value seen at a validation end. At each merge step, for every parameter in turn,
-    :func:`merge.soup.merge_param` combines ``[current, best]`` over ``W_base`` and the result is
+    :func:`deltafleet.merge.soup.merge_param` combines ``[current, best]`` over ``W_base`` and the result is
     written back into the training model (and, under DeepSpeed, into the optimizer's fp32 master
     copy); training then continues with the optimizer state as it was.
 

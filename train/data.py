@@ -659,7 +659,10 @@ def format_summary(manifest: Mapping) -> str:
 def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     data_dir = Path(cfg.paths.data_dir)
-    manifest = prepare(cfg.data, data_dir)
+    try:
+        manifest = prepare(cfg.data, data_dir)
+    except SourceMissingError as e:  # what the user must install: one line, not a traceback
+        raise SystemExit(f"data: {e}") from None
     log.info("data written to %s in %.1f s\n%s", data_dir, time.perf_counter() - t0, format_summary(manifest))
 
 

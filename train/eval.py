@@ -10,16 +10,16 @@ base tokenizer) it evaluates these settings:
 
 - ``base`` and ``fine-tune`` (``models/base``, ``models/<variant>``);
 - ``bitdelta-<g>`` for each granularity ``g`` (``matrix``: one α per matrix, ``row``: one per
-  output row), exported afresh with :func:`compress.bitdelta.compress` into
+  output row), exported afresh with :func:`deltafleet.compress.bitdelta.compress` into
   ``<run dir>/artifacts/<variant>-<g>`` (``artifacts/`` and ``models/`` are only read);
 - ``bitdelta-<g>+distill-<loss>``: the same signs with scales distilled on the variant's train
-  split (:func:`compress.distill.distill_scales`) for each loss in ``distill.losses`` (``mse``:
+  split (:func:`deltafleet.compress.distill.distill_scales`) for each loss in ``distill.losses`` (``mse``:
   logit MSE, the paper's; ``kl``: KL(fine-tune ‖ compressed)), unless ``distill.enabled=false``.
 
 Metrics, all on the same test blocks:
 
 - loss: token-weighted mean next-token cross-entropy (nats/token, ``T − 1`` predictions per
-  block, as :func:`train.module.heldout_loss`), and perplexity ``exp(loss)``;
+  block, as :func:`deltafleet.train.module.heldout_loss`), and perplexity ``exp(loss)``;
 - task metric: exact-match accuracy of greedy answers to the first ``math.problems`` problems
   of the test split (all by default) for the math variant (:func:`exact_match`); next-token (top-1) accuracy
   for the others;
@@ -85,7 +85,7 @@ class Problem:
 
 
 def split_problems(text: str) -> list[Problem]:
-    """The problems of one math document (``train.data``'s format).
+    """The problems of one math document (``deltafleet.train.data``'s format).
 
     A document is ``"Question: <q>\\nAnswer: <int>"`` pairs separated by blank lines.
 
@@ -179,11 +179,11 @@ def token_metrics(models: Mapping[str, torch.nn.Module], blocks: torch.Tensor, b
 
     Every batch of ``blocks`` is run through the reference once and through each model once; the
     predictions are positions ``0 … T−2`` of each block (targets ``1 … T−1``), as in
-    :func:`train.module.heldout_loss`. A model that *is* the reference reuses its logits.
+    :func:`deltafleet.train.module.heldout_loss`. A model that *is* the reference reuses its logits.
 
     Args:
         models: name → causal LM returning ``.logits`` ``[B, T, V]``.
-        blocks: int64 ``[num_blocks, T]`` from :func:`train.datamodule.load_blocks`.
+        blocks: int64 ``[num_blocks, T]`` from :func:`deltafleet.train.datamodule.load_blocks`.
         batch_size: blocks per forward pass.
         reference: the distribution P of KL(P ‖ Q_model) (the fine-tune); ``None``: no KL.
         device: where to run.
@@ -277,7 +277,7 @@ def load_hf(checkpoint_dir: str | Path, device) -> torch.nn.Module:
 
 
 def load_bitdelta(base_dir: str | Path, artifact_dir: str | Path, base_fingerprint: str, device) -> torch.nn.Module:
-    """Base + BitDelta artifact (:func:`compress.bitdelta.materialize`) as a float32 causal LM.
+    """Base + BitDelta artifact (:func:`deltafleet.compress.bitdelta.materialize`) as a float32 causal LM.
 
     The model is built from the base's ``config.json``; the artifact is checked against the base
     fingerprint and its file hashes.

@@ -66,7 +66,7 @@ def heldout_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int, 
 
     Args:
         model: causal LM returning ``.logits`` ``[B, T, V]``.
-        blocks: int64 ``[num_blocks, T]`` from :func:`train.datamodule.load_blocks`.
+        blocks: int64 ``[num_blocks, T]`` from :func:`deltafleet.train.datamodule.load_blocks`.
         batch_size: blocks per forward pass.
         max_batches: evaluate only the first ``max_batches`` batches (all when ``None``).
         device: where to run.
