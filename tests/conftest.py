@@ -124,6 +124,25 @@ def tiny_family(tmp_path_factory) -> TinyFamily:
     return build_tiny_family(tmp_path_factory.mktemp("tiny_family"))
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_family):
+    """An engine serving the tiny family in-process (its own scheduler thread), one per test module."""
+    from deltafleet.serve.engine import Engine
+
+    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+
+
+@pytest.fixture(scope="module")
+def tc(engine):
+    """The app over ``engine`` through Starlette's ``TestClient``."""
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+
+    with TestClient(create_app(engine)) as tc:
+        yield tc
+
+
 def api_error(r, status: int) -> dict:
     """The OpenAI error object of the HTTP response ``r``, asserting its status and JSON shape."""
     assert r.status_code == status, r.text

@@ -35,17 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 GREEDY = dict(temperature=0, max_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_family) -> Engine:
-    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
-
-
-@pytest.fixture(scope="module")
-def tc(engine):
-    with TestClient(create_app(engine)) as tc:
-        yield tc
-
-
 def _events(r) -> list:
     """The data of an SSE response: JSON objects, and "[DONE]" as it is."""
     data = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]

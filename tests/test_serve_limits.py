@@ -20,17 +20,6 @@ from deltafleet.serve.engine import Engine, SamplingParams
 GREEDY = dict(temperature=0, max_tokens=4)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_family) -> Engine:
-    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
-
-
-@pytest.fixture(scope="module")
-def tc(engine):
-    with TestClient(create_app(engine)) as tc:
-        yield tc
-
-
 def _post_raw(tc, path: str, raw: bytes):
     return tc.post(f"/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
 
