@@ -709,13 +709,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         first = False
             except Exception as e:  # the status line is sent already: report in-band, as vLLM does
                 yield _sse(_api_error(e).body())
-                include = False
             else:
-                include = include_usage
+                if include_usage:
+                    yield _sse(chunk(None, None, False) | {"choices": [], "usage": _usage(len(req.prompt_ids), n)})
             finally:
                 job[1].set()  # a client that hung up: stop its generation after the current step
-            if include:
-                yield _sse(chunk(None, None, False) | {"choices": [], "usage": _usage(len(req.prompt_ids), n)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
