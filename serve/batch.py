@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltafleet.kernels import bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 from deltafleet.serve.delta import VariantDelta, hf_name
 
 
@@ -195,13 +195,25 @@ class BatchDeltas:
     """The variant of each row of a batch: ``slots`` int32 ``[B]``, −1 for the base (the layers'
     ``delta`` argument when rows differ; see serve/model.py)."""
 
-    def __init__(self, table: DeltaSlots, slots: Tensor):
+    def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None):
         self.table = table
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
+        self.runs = runs
+
+    def select(self, rows: Tensor) -> BatchDeltas:
+        """The variants of rows ``rows`` of this batch (no runs: the rows are few, read them batched)."""
+        return BatchDeltas(self.table, self.slots[rows])
 
     def linear(self, mod, x: Tensor) -> Tensor:
-        """``mod`` (a DeltaLinear) on ``x [B, T, K]``, row b with its own variant (T = 1 at decode)."""
+        """``mod`` (a DeltaLinear) on ``x [B, T, K]``, row b with its own variant (T = 1 at decode).
+
+        With ``runs`` (a flat engine step, T = 1: ``(first, stop, slot)`` for every stretch of rows of
+        one variant after the first ``runs[0][0]`` rows, the prefill chunks) the leading rows are
+        multiplied batched and each run by the one-variant kernel, which reads the base weight and the
+        variant's signs once for the whole run whatever its length (a long prompt is compute bound)."""
+        if self.runs:
+            return self._linear_runs(mod, x)
         b, t, k = x.shape
         name = f"{mod.name}.weight"
         x2 = x.reshape(b * t, k)
@@ -212,6 +224,23 @@ class BatchDeltas:
             rows = self._rows.repeat_interleave(t) if t > 1 else self._rows
             y = y + bias[rows]
         return y.view(b, t, -1)
+
+    def _linear_runs(self, mod, x: Tensor) -> Tensor:
+        name, bname = f"{mod.name}.weight", f"{mod.name}.bias"
+        x2 = x[:, 0]
+        signs, alphas, bias = self.table.signs[name], self.table.alphas[name], self.table.full.get(bname)
+        lead = self.runs[0][0]
+        parts = []
+        if lead:
+            y = bitdelta_linear_batched(x2[:lead], mod.weight, signs, alphas, self.slots[:lead])
+            parts.append(y if bias is None else y + bias[self._rows[:lead]])
+        for first, stop, slot in self.runs:
+            row_bias = None if bias is None else bias[slot if slot >= 0 else self.table.n_slots]
+            if slot < 0:
+                parts.append(F.linear(x2[first:stop], mod.weight, row_bias))
+            else:
+                parts.append(bitdelta_linear(x2[first:stop], mod.weight, signs[slot], alphas[slot], row_bias))
+        return torch.cat(parts)[:, None]
 
     def embedding(self, mod, tokens: Tensor) -> Tensor:
         """Token embedding of ``tokens [B, T]``: ``E[tok] + α_v[tok]·(2·bits_v[tok] − 1)`` per row."""

@@ -104,8 +104,16 @@ class Engine:
             arguments of :class:`deltafleet.serve.cache.DeltaCache` (``device_budget_bytes``,
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
             ``half_life_s``, ``wait_timeout_s``).
-        max_batch: sequences decoded together (continuous batching, serve/scheduler.py).
-        cuda_graphs: on a CUDA device, replay decode steps as CUDA graphs, one per batch-size
+        max_batch: sequences running at once at most (continuous batching, serve/scheduler.py).
+        max_num_batched_tokens: tokens one step feeds at most (decode rows + prefill chunks; vLLM's
+            name); raised to ``max_batch`` if below it.
+        kv_cache: the paged KV cache (serve/kv.py, serve/attention.py): ``block_size`` (tokens a
+            block, default 128), ``max_tokens`` (tokens in all; default: on CUDA what
+            ``gpu_memory_utilization`` (default 0.9) of the device leaves after the base and the
+            delta slots, elsewhere ``max_batch`` full contexts; never more than ``max_batch`` full
+            contexts). The served context is capped at the cache's size.
+        attention: the decode attention kernel: ``auto`` (FlexAttention on CUDA, else SDPA), ``flex``, ``sdpa``.
+        cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
             :func:`deltafleet.serve.follower.run_follower`); None: one process.
@@ -117,7 +125,8 @@ class Engine:
 
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
-                 delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True):
+                 delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True,
+                 max_num_batched_tokens: int = 2048, kv_cache: dict | None = None, attention: str = "auto"):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -174,8 +183,54 @@ class Engine:
                                 free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         self.discover()
-        with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout)):
-            self.scheduler = Scheduler(self, max_batch, self.max_model_len, cuda_graphs=cuda_graphs)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
+        if n_blocks * block_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",
+                        n_blocks * block_size, self.max_model_len)
+            self.max_model_len = n_blocks * block_size
+        self.kv_tokens = n_blocks * block_size
+        budget = max(int(max_num_batched_tokens), max_batch)
+        with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
+                              block_size, attention)):
+            self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
+                                       cuda_graphs=cuda_graphs, attention=attention)
+
+    def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
+        """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).
+
+        Raises:
+            ValueError: an unknown option, a block size < 1, a utilization outside (0, 1], or no
+                room for one block."""
+        from deltafleet.serve.attention import PagedKVCache
+        from deltafleet.serve.kv import BlockPool
+
+        block_size = int(opts.pop("block_size", None) or 128)
+        max_tokens = opts.pop("max_tokens", None)
+        utilization = float(opts.pop("gpu_memory_utilization", None) or 0.9)
+        if opts:
+            raise ValueError(f"unknown kv_cache option(s): {', '.join(sorted(opts))} "
+                             "(known: block_size, max_tokens, gpu_memory_utilization)")
+        if block_size < 1:
+            raise ValueError(f"kv_cache.block_size must be ≥ 1, got {block_size}")
+        attn = self.model.layers[0].self_attn
+        per_block = PagedKVCache.bytes_per_block(len(self.model.layers), attn.n_kv, attn.head_dim, block_size,
+                                                 self.dtype)
+        most = max_batch * -(-self.max_model_len // block_size)  # max_batch full contexts
+        if max_tokens is not None:
+            n_blocks = min(most, -(-int(max_tokens) // block_size))
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            left = free - (1 - utilization) * total  # vLLM's gpu_memory_utilization: of the whole device
+            # Tensor-parallel ranks hold equal slices: rank 0's figure is every rank's (sent with "init").
+            n_blocks = min(most, BlockPool.blocks_for_memory(max(0, int(left)), per_block, 1.0))
+        else:
+            n_blocks = most
+        if n_blocks < 1:
+            raise ValueError(f"no room for one KV block of {block_size} tokens ({per_block} bytes): lower "
+                             "delta_cache.device_slots or raise kv_cache.gpu_memory_utilization")
+        return block_size, n_blocks
 
     def collective(self, cmd: tuple):
         """Context for work every tensor-parallel rank must do together: announces ``cmd`` to the other

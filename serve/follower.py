@@ -6,25 +6,27 @@ from __future__ import annotations
 import torch
 
 from deltafleet.compress.bitdelta import load_artifact
-from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.delta import VariantDelta
 from deltafleet.serve.loading import load_model
+from deltafleet.serve.runner import ModelRunner
 from deltafleet.serve.synthetic import SOURCE_PREFIX, read_synthetic
 from deltafleet.serve.tp import TPContext, shard_delta
 
 
 def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
-    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout)``, ``("load", artifact_dir, slot)``,
-    ``("free", slot)``, ``("prefill", row, prompt_ids, slot)``, ``("decode", tokens, positions, rows, slots)``.
-    Forwards only take part in the all-reduces; the logits are rank 0's to use. A synthetic family's
+    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention)``,
+    ``("load", artifact_dir, slot)``, ``("free", slot)``, ``("step", StepInput)`` (serve/runner.py).
+    Steps only take part in the all-reduces (eagerly, over this rank's own paged KV cache of the
+    same blocks); the logits are rank 0's to use. A synthetic family's
     folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
     synthetic = read_synthetic(base_dir)
     if synthetic is None:
         model = load_model(base_dir, device, dtype, tp=ctx.shard)
     else:
         model = synthetic.build_base(device, dtype, tp=ctx.shard)
-    slots = cache = None
+    slots = runner = None
     views: dict[int, object] = {}
     dev = model.device
     while True:
@@ -33,9 +35,9 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
         if op == "stop":
             return
         if op == "init":
-            _, n_slots, max_batch, max_seq_len, sign_layout = cmd
+            _, n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention = cmd
             slots = DeltaSlots(model, n_slots, sign_layout)
-            cache = model.new_cache(max_batch, max_seq_len)
+            runner = ModelRunner(model, slots, n_blocks, block_size, max_batch, max_seq_len, attention=attention)
         elif op == "load":
             _, artifact_dir, slot = cmd
             if synthetic is not None and artifact_dir.startswith(SOURCE_PREFIX):
@@ -46,16 +48,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
             views[slot] = slots.put(delta, slot)
         elif op == "free":
             slots.free(views.pop(cmd[1]))
-        elif op == "prefill":
-            _, row, ids, slot = cmd
-            view = [RowCache(c, torch.tensor([row], device=dev), per_row_positions=False) for c in cache]
+        elif op == "step":
             with torch.inference_mode():
-                model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), view, views.get(slot))
-        elif op == "decode":
-            _, tokens, pos, rows, sl = cmd
-            delta = None if all(x < 0 for x in sl) else BatchDeltas(slots, torch.tensor(sl, device=dev))
-            with torch.inference_mode():
-                model.forward_rows(torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), cache,
-                                   torch.tensor(rows, device=dev), delta)
+                runner.forward(cmd[1])
         else:
             raise ValueError(f"unknown tensor-parallel command {op!r}")

@@ -265,6 +265,8 @@ class Attention(nn.Module):
         k = self.k_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if getattr(cache, "paged", False):  # serve/attention.py: a flat batch over the paged cache
+            return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1), delta)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)
         # Query head h reads key/value head h // (n_head / n_kv), as HF's repeat_kv does.
@@ -363,6 +365,34 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, input_pos, None if cache is None else cache[i], delta)
         return self.lm_head(self.norm(x, delta), delta)
+
+    def forward_paged(self, tokens: Tensor, positions: Tensor, step, delta: BatchDeltas | None,
+                      logits_rows: Tensor | None = None) -> Tensor:
+        """One engine step over the paged KV cache (serve/attention.py): a flat batch of ``T``
+        tokens, token ``i`` at ``positions[i]`` of its sequence, run with its own variant
+        (``delta.slots[i]``; None: every token on the base); decode rows and prefill chunks together.
+
+        Args:
+            tokens, positions: int64 ``[T]``.
+            step: a :class:`~deltafleet.serve.attention.PagedStep` (where keys go, what each token reads).
+            logits_rows: int64 ``[R]``, the tokens whose next-token logits are wanted (None: all).
+
+        Returns:
+            ``[R, vocab_size]`` logits in the model's dtype; equal (up to kernel rounding) to running
+            each sequence alone with :meth:`forward` and its own variant.
+        """
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [T, 1, 1, hd]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.embed_tokens(tokens[:, None], delta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None, positions, step.layer(i), delta)
+        if logits_rows is not None:
+            if not len(logits_rows):  # a step of prompt chunks that all go on: nothing samples
+                return x.new_empty(0, self.args.vocab_size)
+            x = x[logits_rows]
+            delta = None if delta is None else delta.select(logits_rows)
+        return self.lm_head(self.norm(x, delta), delta)[:, 0]
 
     def forward_rows(self, tokens: Tensor, input_pos: Tensor, cache: list[KVCache], rows: Tensor,
                      delta: BatchDeltas | None) -> Tensor:

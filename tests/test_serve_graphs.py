@@ -1,10 +1,11 @@
-"""Decode steps replayed as CUDA graphs (serve/graphs.py) against the eager step, on a GPU.
+"""Decode steps replayed as CUDA graphs (serve/graphs.py, FlexAttention over the paged cache) against
+the eager step (gathered SDPA), on a GPU.
 
 ``gpu`` tests (``make test-gpu``): a tiny random Llama family (the tests' BPE tokenizer; a base of
 width 256, 4 layers, 8 heads / 4 kv heads, so that the Triton mixed-tenant kernels run on their
 real paths; three BitDelta variants, ``writer`` also changing norms) loaded on CUDA in bfloat16.
 The padding and bucketing that the graphs rely on are tested without a GPU in
-tests/test_serve_scheduler.py.
+tests/test_serve_runner.py.
 
 Tolerance: the graph replays the eager step's kernels on the same inputs, but on a batch padded to
 its bucket, so a kernel may run another tile (the tuning key holds the row count) and sum its split-K
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.gpu
 
 VARIANTS = ("coder", "writer", "math")
 SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "max_position_embeddings": 256}
-MAX_BATCH, SEQ = 16, 128
+         "num_key_value_heads": 4, "max_position_embeddings": 512}
+MAX_BATCH, SEQ = 16, 512
 REL_TOL = 0.02
 
 
@@ -41,64 +42,91 @@ def _within(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return (got.float() - want.float()).abs().max().item(), bound
 
 
+def _slots_of(tables: dict, seq: int, start: int, stop: int, bs: int, free: list[int]) -> list[int]:
+    table = tables.setdefault(seq, [])
+    while len(table) * bs < stop:
+        table.append(free.pop())
+    return [table[t // bs] * bs + t % bs for t in range(start, stop)]
+
+
 def test_graph_replay_matches_the_eager_step(family):
-    """Mixed batches of 1, 3 and 5 rows (base and variants, at different positions, in scattered
-    cache rows) and a base-only batch of 2, prefilled identically into two copies of one KV cache
-    (16 sequence rows and the scratch row), then decoded 4 steps eagerly (``forward_rows``, the
-    scheduler's eager path) on one copy and by graph replay (``DecodeGraphs.run``) on the other, both
-    fed the eager step's greedy tokens. The 4th step moves each variant row to another variant: the
-    captured graph must read the slot tensor written in place. Each step's logits agree within the
-    module's bound; afterwards so do the two caches' sequence rows, and the eager cache's scratch row
-    is still zero."""
+    """Mixed batches of 1, 3 and 5 rows (base and variants, prompts of 100 to 300 tokens, so rows span
+    2 to 4 blocks of 128 at different depths, the blocks scattered) and a base-only batch of 2,
+    prefilled identically into two runners' paged caches, then decoded 4 steps eagerly with the
+    gathered-SDPA attention (``ModelRunner.forward``) on one and by graph replay with FlexAttention
+    (``DecodeGraphs.run``) on the other, both fed the eager step's greedy tokens. The 4th step moves
+    each variant row to another variant: the captured graph must read the slot tensor written in
+    place. Each step's logits agree within the module's bound; afterwards so do the two caches."""
     from deltafleet.compress.bitdelta import load_artifact
-    from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
-    from deltafleet.serve.graphs import DecodeGraphs
+    from deltafleet.serve.batch import DeltaSlots
     from deltafleet.serve.delta import VariantDelta
     from deltafleet.serve.loading import load_model
+    from deltafleet.serve.runner import ModelRunner, StepInput
 
     model = load_model(family.base_dir, "cuda", torch.bfloat16)
     slots = DeltaSlots(model, len(VARIANTS))
     views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
              for v in VARIANTS}
-    eager_cache = model.new_cache(MAX_BATCH + 1, SEQ)
-    graphs = DecodeGraphs(model, slots, model.new_cache(MAX_BATCH + 1, SEQ))
-    dev, vocab = model.device, model.args.vocab_size
+    bs, n_blocks = 128, 64
+    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="sdpa")
+    flex = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex")
+    graphs = flex.graphs
+    vocab = model.args.vocab_size
     gen = torch.Generator().manual_seed(0)
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    tables: dict[int, list[int]] = {}
     order = [-1] + [views[v].slot for v in VARIANTS]  # base → coder → writer → math → base
-    cases = [(["coder"], [7]), (["base", "coder", "writer"], [0, 9, 4]),
-             (["base", "coder", "writer", "math", "coder"], [1, 3, 15, 6, 11]), (["base", "base"], [2, 12])]
+    cases = [["coder"], ["base", "coder", "writer"], ["base", "coder", "writer", "math", "coder"], ["base", "base"]]
+    seq = 0
     with torch.inference_mode():
-        for models, rows in cases:
+        for models in cases:
             slot_list = [-1 if m == "base" else views[m].slot for m in models]
-            tokens, pos = [], []
-            for i, (m, r) in enumerate(zip(models, rows)):  # prefill each row, identically in both caches
-                prompt = torch.randint(1, vocab, (1, 3 + 2 * i), generator=gen).to(dev)
-                for cache in (eager_cache, graphs.cache):
-                    view = [RowCache(c, torch.tensor([r], device=dev), per_row_positions=False) for c in cache]
-                    logits = model(prompt, torch.arange(prompt.shape[1], device=dev), view,
-                                   None if m == "base" else views[m])[0, -1]
-                tokens.append(int(logits.argmax()))
-                pos.append(prompt.shape[1])
-            for step in range(4):
-                if step == 3 and any(s >= 0 for s in slot_list):  # other variants, the same captured graph
+            ids, step = [], StepInput()
+            for m, sl in zip(models, slot_list):  # one prefill step of every row's prompt, in both runners
+                prompt = torch.randint(1, vocab, (int(torch.randint(100, 300, (1,), generator=gen)),),
+                                       generator=gen).tolist()
+                first = len(step.tokens)
+                step.tokens += prompt
+                step.positions += range(len(prompt))
+                step.kv_slots += _slots_of(tables, seq + len(ids), 0, len(prompt), bs, free)
+                step.variants += [sl] * len(prompt)
+                step.chunks.append((first, len(prompt), 0, list(tables[seq + len(ids)])))
+                step.sample.append(len(step.tokens) - 1)
+                ids.append(prompt)
+            tokens = eager.forward(step).argmax(-1).tolist()
+            flex.forward(step)
+            for i, prompt in enumerate(ids):
+                prompt.append(tokens[i])
+            for k in range(4):
+                if k == 3 and any(s >= 0 for s in slot_list):  # other variants, the same captured graph
                     slot_list = [order[(order.index(s) + 1) % len(order)] for s in slot_list]
-                delta = (BatchDeltas(slots, torch.tensor(slot_list, device=dev))
-                         if any(s >= 0 for s in slot_list) else None)
-                want = model.forward_rows(torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev),
-                                          eager_cache, torch.tensor(rows, device=dev), delta)
-                got = graphs.run(tokens, pos, rows, slot_list).clone()
+                step = StepInput(n_decode=len(ids))
+                for i, (prompt, sl) in enumerate(zip(ids, slot_list)):
+                    p = len(prompt) - 1
+                    step.tokens.append(prompt[-1])
+                    step.positions.append(p)
+                    step.kv_slots += _slots_of(tables, seq + i, p, p + 1, bs, free)
+                    step.variants.append(sl)
+                    step.tables.append(list(tables[seq + i]))
+                step.sample = list(range(len(ids)))
+                want = eager.forward(step)
+                got = graphs.run(step, any(s >= 0 for s in slot_list)).clone()
                 err, bound = _within(got, want)
-                assert err <= bound, f"{models} (bucket {graphs.bucket(len(rows))}) step {step}: " \
+                assert err <= bound, f"{models} (bucket {graphs.bucket(len(ids))}) step {k}: " \
                                      f"max |graph − eager| {err:.3g} > {bound:.3g}"
-                tokens, pos = want.argmax(-1).tolist(), [p + 1 for p in pos]
+                for prompt, t in zip(ids, want.argmax(-1).tolist()):
+                    prompt.append(t)
+            seq += len(ids)
     torch.cuda.synchronize()
     assert graphs.replays == 4 * len(cases)
-    for layer, (e, g) in enumerate(zip(eager_cache, graphs.cache)):
-        for name in ("k", "v"):
-            a, b = getattr(e, name), getattr(g, name)
-            err, bound = _within(b[:MAX_BATCH], a[:MAX_BATCH])  # the sequence rows; the last is the scratch row
-            assert err <= bound, f"layer {layer} {name} cache: max |graph − eager| {err:.3g} > {bound:.3g}"
-            assert not a[MAX_BATCH].any(), f"layer {layer}: the eager step wrote the scratch row"
+    used = sorted(b for t in tables.values() for b in t)
+    for name in ("k", "v"):
+        a, b = getattr(eager.cache, name), getattr(flex.cache, name)
+        for blk in used:
+            sl = slice(blk * bs, (blk + 1) * bs)
+            err, bound = _within(b[:, :, sl], a[:, :, sl])
+            assert err <= bound, f"{name} cache block {blk}: max |graph − eager| {err:.3g} > {bound:.3g}"
+        assert not a[:, :, n_blocks * bs:].any(), "the eager step wrote the scratch block"
 
 
 def test_engine_decodes_every_step_by_graph_replay(family):
@@ -135,6 +163,6 @@ def test_engine_decodes_every_step_by_graph_replay(family):
         if graphs_on:
             sch = engine.scheduler
     assert sch.graphs is not None, "the scheduler fell back to eager decoding (see its log)"
-    assert sch.steps > 0 and sch.graphs.replays == sch.steps
+    assert sch.steps > 1 and sch.graphs.replays == sch.steps - 1  # one prefill step, then decode replays
     same = sum(a == b for a, b in zip(got[True], got[False]))
     assert same >= 3, f"only {same} of {len(jobs)} completions equal with and without graphs"

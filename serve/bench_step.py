@@ -1,0 +1,154 @@
+"""The engine's decode step against the memory-bandwidth floor, without HTTP (part of ``make
+bench-serve``; alone: ``python -m deltafleet.serve.bench_step``).
+
+A synthetic family (serve/synthetic.py: the base and ``variants`` BitDelta variants generated on the
+device) is put in one :class:`~deltafleet.serve.runner.ModelRunner` as the server holds it (variant
+slots, paged KV cache, CUDA graphs, FlexAttention). For each row count ``R`` and each mix — ``base``
+(every row on the base) and ``mixed`` (row ``i`` on variant ``i mod variants``) — a decode step of
+``R`` rows, each at position ``context`` (its keys and values in ``ceil((context + 1) / block_size)``
+scattered blocks), is run as the scheduler runs it (``ModelRunner.execute``: padding to the graph's
+bucket, the host-to-device copy of the inputs, the replay) and timed over ``iters`` steps after a
+warm-up, as is the sampling of its logits (serve/sampling.py).
+
+The floor is the bytes a step cannot avoid reading — every weight matrix the step multiplies by and
+the norms, each distinct variant's signs and scales, and the rows' live keys and values — divided by
+the device's copy bandwidth, timed in the same run (a 2 GiB device-to-device copy: bytes read +
+bytes written over its time). ``step_over_floor`` = step time ÷ floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+SHAPE_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 32}
+DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14}
+
+
+def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, iters: int = 10) -> float:
+    """Bytes per second of a device-to-device copy of ``n_bytes`` (read + write, as the floor counts reads)."""
+    x = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(2):
+        y.copy_(x)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        y.copy_(x)
+    torch.cuda.synchronize(device)
+    return 2 * n_bytes * iters / (time.perf_counter() - t)
+
+
+def step_bytes(model, slots, rows: int, distinct_variants: int, context: int) -> dict:
+    """The bytes a decode step of ``rows`` rows at position ``context`` must read (see the module docstring)."""
+    from deltafleet.serve.model import DeltaLinear
+
+    linears = {id(m.weight): m for m in model.modules() if isinstance(m, DeltaLinear)}  # a tied head once
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
+    weights += sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    per_variant = sum(slots.signs[f"{m.name}.weight"][0].numel() + 4 * slots.alphas[f"{m.name}.weight"].shape[1]
+                      for m in linears.values())
+    attn = model.layers[0].self_attn
+    kv = 2 * len(model.layers) * attn.n_kv * attn.head_dim * model.dtype.itemsize * rows * (context + 1)
+    return {"weights": weights, "signs": distinct_variants * per_variant, "kv": kv,
+            "total": weights + distinct_variants * per_variant + kv}
+
+
+def engine_steps(cfg) -> dict:
+    """Run the measurement (``cfg``: a mapping; keys as :data:`DEFAULTS`, plus ``shape`` (HF config
+    fields; default the Llama-2-7B shape), ``device``, ``dtype``, ``engine_steps`` (a mapping of
+    overrides of :data:`DEFAULTS`)). Returns ``{"step_over_floor": {"<R>": {"base", "mixed"}}, "rows":
+    [...], "copy_GBps", ...}``.
+
+    Raises:
+        RuntimeError: without a CUDA device (the floor is a GPU's).
+    """
+    from deltafleet.serve.batch import DeltaSlots
+    from deltafleet.serve.runner import ModelRunner, StepInput
+    from deltafleet.serve.sampling import SamplingBatch, sample
+    from deltafleet.serve.synthetic import SyntheticFamily
+
+    get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+    opts = {**DEFAULTS, **dict(get("engine_steps_options", None) or {})}
+    device = torch.device(get("device", "cuda"))
+    if device.type != "cuda":
+        raise RuntimeError("the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)")
+    dtype = getattr(torch, get("dtype", "bfloat16"))
+    shape = dict(get("shape_config", None) or SHAPE_7B)
+    context, bs, n_var = int(opts["context"]), int(opts["block_size"]), int(opts["variants"])
+    rows_list = [int(r) for r in opts["rows"]]
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), context + 2)
+    family = SyntheticFamily(shape, variants=n_var)
+    model = family.build_base(device, dtype)
+    slots = DeltaSlots(model, n_var)
+    views = [slots.put(family.variant(name, device)) for name in family.names]
+    per_row = math.ceil((context + 1) / bs)
+    max_rows = max(rows_list)
+    n_blocks = per_row * max_rows
+    runner = ModelRunner(model, slots, n_blocks, bs, max_rows, context + 2, cuda_graphs=True, attention="flex")
+    bw = copy_bandwidth(device)
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, as a busy pool hands them out
+    tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(max_rows)]
+    out: dict = {"shape": shape, "dtype": str(dtype), "context": context, "block_size": bs, "variants": n_var,
+                 "copy_GBps": bw / 1e9, "device": torch.cuda.get_device_name(device), "rows": [],
+                 "step_over_floor": {}}
+    for r in rows_list:
+        for mix in ("base", "mixed"):
+            variants = [-1] * r if mix == "base" else [views[i % n_var].slot for i in range(r)]
+            step = StepInput(tokens=torch.randint(1, shape["vocab_size"], (r,), generator=gen).tolist(),
+                             positions=[context] * r,
+                             kv_slots=[tables[i][context // bs] * bs + context % bs for i in range(r)],
+                             variants=variants, n_decode=r, tables=tables[:r], sample=list(range(r)))
+            with torch.inference_mode():
+                for _ in range(3):  # capture (FlexAttention and the kernels compile on the first)
+                    logits = runner.execute(step)
+                torch.cuda.synchronize(device)
+                t = time.perf_counter()
+                for _ in range(opts["iters"]):
+                    logits = runner.execute(step)
+                torch.cuda.synchronize(device)
+                step_s = (time.perf_counter() - t) / opts["iters"]
+                sampling = {}
+                for name, params in (("greedy", (0.0, 1.0, 0)), ("top_p", (0.8, 0.95, 0))):
+                    batch = SamplingBatch.build([(*params, i, context + 1) for i in range(r)], device)
+                    sample(logits, batch).tolist()
+                    t = time.perf_counter()
+                    for _ in range(opts["iters"]):
+                        sample(logits, SamplingBatch.build([(*params, i, context + 1) for i in range(r)],
+                                                           device)).tolist()
+                    sampling[name] = (time.perf_counter() - t) / opts["iters"] * 1e3
+            nbytes = step_bytes(model, slots, r, len({v for v in variants if v >= 0}), context)
+            floor_s = nbytes["total"] / bw
+            row = {"rows": r, "mix": mix, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
+                   "step_over_floor": step_s / floor_s, "bytes": nbytes, "sample_ms": sampling,
+                   "graph": runner.graphs is not None}
+            out["rows"].append(row)
+            out["step_over_floor"].setdefault(str(r), {})[mix] = row["step_over_floor"]
+            print(json.dumps({k: v for k, v in row.items() if k != "bytes"}), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=DEFAULTS["rows"])
+    p.add_argument("--context", type=int, default=DEFAULTS["context"])
+    p.add_argument("--iters", type=int, default=DEFAULTS["iters"])
+    p.add_argument("--variants", type=int, default=DEFAULTS["variants"])
+    p.add_argument("--out", help="write the result as JSON here")
+    a = p.parse_args(argv)
+    res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,
+                                                 "variants": a.variants}})
+    print(json.dumps(res["step_over_floor"], indent=1))
+    if a.out:
+        from deltafleet.atomic import write_text
+
+        write_text(a.out, json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

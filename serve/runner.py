@@ -1,0 +1,135 @@
+"""The model runner: executes one engine step, a flat batch of decode rows and prefill chunks, over
+the paged KV cache (vLLM v1's ``GPUModelRunner``, at this size).
+
+The scheduler (serve/scheduler.py) turns a :class:`~deltafleet.serve.plan.StepPlan` into a
+:class:`StepInput` of plain lists (which tensor-parallel ranks receive as it is, serve/follower.py);
+:meth:`ModelRunner.execute` puts it on the device and runs
+:meth:`Transformer.forward_paged <deltafleet.serve.model.Transformer.forward_paged>` once: every
+linear sees all the step's tokens (the decode rows multiplied batched over their variants, each
+prefill chunk by the one-variant kernel), attention reads each sequence's live blocks
+(serve/attention.py), and the head runs on the rows that sample only. A step of decode rows only is
+replayed as a CUDA graph when it can be (serve/graphs.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend
+from deltafleet.serve.batch import BatchDeltas
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    """One step as plain lists: ``T`` tokens, decode rows first.
+
+    Attributes:
+        tokens, positions, kv_slots, variants: per token: its id, its position, the cache slot its key
+            and value go to, its variant slot (−1: the base).
+        n_decode: the first ``n_decode`` tokens are decode rows (one per sequence).
+        tables: the decode rows' block tables.
+        chunks: per prefill chunk ``(flat start, length, start position, block table)``.
+        sample: the flat indices of the tokens whose next token is sampled (in the order the
+            scheduler reads them back).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+    variants: list[int] = field(default_factory=list)
+    n_decode: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    chunks: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    sample: list[int] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.chunks
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(first, stop, variant)`` of each prefill chunk (what :class:`BatchDeltas` multiplies by run)."""
+        return [(first, first + n, self.variants[first]) for first, n, _, _ in self.chunks]
+
+
+class ModelRunner:
+    """Runs steps of ``model`` over a paged KV cache of ``n_blocks`` blocks of ``block_size`` tokens.
+
+    Args:
+        model: the resident :class:`~deltafleet.serve.model.Transformer` (or this rank's slice of it).
+        slots: the :class:`~deltafleet.serve.batch.DeltaSlots` the variant ids index.
+        n_blocks, block_size: the cache (serve/kv.py's pool hands out block ids ``0 … n_blocks − 1``).
+        max_batch: decode rows a step has at most (CUDA graphs are captured up to it).
+        max_seq_len: the longest sequence (block-table width).
+        cuda_graphs: replay decode-only steps as CUDA graphs (CUDA only; serve/graphs.py).
+        attention: ``auto`` (FlexAttention on CUDA, SDPA elsewhere), ``flex`` or ``sdpa``.
+    """
+
+    def __init__(self, model, slots, n_blocks: int, block_size: int, max_batch: int, max_seq_len: int,
+                 cuda_graphs: bool = False, attention: str = "auto"):
+        self.model, self.slots = model, slots
+        self.device = model.device
+        attn = model.layers[0].self_attn
+        self.cache = PagedKVCache(len(model.layers), attn.n_kv, attn.head_dim, n_blocks, block_size, model.dtype,
+                                  self.device)
+        self.block_size, self.max_batch = block_size, max_batch
+        self.max_blocks = max_blocks(max_seq_len, block_size)
+        self.backend = pick_backend(attention, self.device)
+        self.masks = FlexMask(n_blocks, block_size, max_batch, self.device) if self.backend == "flex" else None
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from deltafleet.serve.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+        self.steps = 0
+
+    def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
+                   chunks: list[tuple[int, int, int, Tensor]]) -> PagedStep:
+        return PagedStep(self.cache, kv_slots, n_decode, tables, num_blocks, positions, chunks, self.backend,
+                         self.masks)
+
+    def execute(self, step: StepInput) -> Tensor:
+        """Run ``step``; returns the float32 logits ``[len(step.sample), vocab]`` of its sampled rows
+        (on a CUDA-graph replay, a view the next replay overwrites). Call under ``torch.inference_mode()``."""
+        self.steps += 1
+        if self.graphs is not None and step.decode_only and step.n_decode <= self.max_batch:
+            with_deltas = any(v >= 0 for v in step.variants)
+            if self.graphs.capturable(with_deltas):
+                try:
+                    return self.graphs.run(step, with_deltas).float()
+                except Exception:  # a capture that fails once fails again: serve eagerly (the step rewrites its KV)
+                    log.exception("decoding by CUDA graph failed; decoding eagerly from now on")
+                    self.graphs = None
+        return self.forward(step).float()
+
+    def forward(self, step: StepInput) -> Tensor:
+        """The eager step: logits ``[len(step.sample), vocab]`` in the model's dtype."""
+        dev = self.device
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
+        nd = step.n_decode
+        tokens, positions, kv_slots = as_long(step.tokens), as_long(step.positions), as_long(step.kv_slots)
+        if nd:
+            dec_pos = positions[:nd]
+            width = max(len(t) for t in step.tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in step.tables], dtype=torch.int32, device=dev)
+            num_blocks = (dec_pos // self.block_size + 1).to(torch.int32)
+        else:
+            dec_pos = positions[:0]
+            tables = torch.zeros(0, 1, dtype=torch.int32, device=dev)
+            num_blocks = torch.zeros(0, dtype=torch.int32, device=dev)
+        chunks = []
+        bs = self.block_size
+        for first, n, start, table in step.chunks:
+            logical = torch.arange(start + n, device=dev)
+            ctx = as_long(table)[logical // bs] * bs + logical % bs
+            chunks.append((first, n, start, ctx))
+        paged = self.paged_step(kv_slots, nd, tables, num_blocks, dec_pos, chunks)
+        delta = None
+        if any(v >= 0 for v in step.variants):
+            delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)
+        rows = None if step.sample == list(range(len(step.tokens))) else as_long(step.sample)
+        return self.model.forward_paged(tokens, positions, paged, delta, rows)

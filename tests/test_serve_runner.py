@@ -1,0 +1,241 @@
+"""The model runner over the paged KV cache (serve/runner.py, serve/attention.py, serve/graphs.py):
+a step mixing decode rows and prefill chunks of different variants gives each sequence's logits of
+running it alone; both decode attention backends agree; a padded (CUDA-graph) step gives the real
+rows' logits and writes nothing but the scratch block; and through the scheduler, long prompts in
+chunks and preempted sequences still give exactly what each request gives alone."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from deltafleet.serve.engine import Engine, SamplingParams
+from deltafleet.serve.runner import ModelRunner, StepInput
+
+PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
+BS = 4  # tokens a block: small, so sequences span several blocks
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_family) -> Engine:
+    return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=1)
+
+
+def _alone(engine: Engine, model_id: str, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` run alone, without a cache: the reference."""
+    with torch.inference_mode():
+        return engine.model(torch.tensor([ids]), torch.arange(len(ids)), None, engine.get_delta(model_id))[0]
+
+
+class _Tables:
+    """Block tables handed out by hand: sequence i gets blocks as it grows, interleaved with the others'."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}
+        self.next = 0
+
+    def slots(self, seq: int, start: int, stop: int) -> list[int]:
+        table = self.tables.setdefault(seq, [])
+        while len(table) * BS < stop:
+            table.append(self.next)
+            self.next += 1
+        return [table[t // BS] * BS + t % BS for t in range(start, stop)]
+
+
+def _step(tables: _Tables, decode: list[tuple[int, int, int, int]], chunks: list[tuple[int, list[int], int, int]]):
+    """A StepInput of decode rows ``(seq, token, position, variant)`` then chunks ``(seq, ids, start, variant)``;
+    every decode row and every chunk samples."""
+    st = StepInput()
+    for seq, tok, pos, var in decode:
+        st.tokens.append(tok)
+        st.positions.append(pos)
+        st.kv_slots += tables.slots(seq, pos, pos + 1)
+        st.variants.append(var)
+        st.tables.append(list(tables.tables[seq]))
+    st.n_decode = len(decode)
+    st.sample = list(range(st.n_decode))
+    for seq, ids, start, var in chunks:
+        first = len(st.tokens)
+        st.tokens += ids
+        st.positions += range(start, start + len(ids))
+        st.kv_slots += tables.slots(seq, start, start + len(ids))
+        st.variants += [var] * len(ids)
+        st.chunks.append((first, len(ids), start, list(tables.tables[seq])))
+        st.sample.append(len(st.tokens) - 1)
+    return st
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_decode_rows_and_prefill_chunks_of_mixed_variants_in_one_step(eng, backend):
+    """Three sequences of three models: A prefilled whole, B in two chunks, C joining late; steps mix
+    decode rows and chunks; every sampled row's logits equal the sequence's own, run alone."""
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention=backend)
+    slot = {m: -1 if eng.get_delta(m) is None else eng.get_delta(m).slot for m in PROMPTS}
+    ids = {m: eng.encode_prompt(PROMPTS[m] * 2) for m in PROMPTS}  # 6 to 10 tokens
+    a, b, c = "tiny", "tiny-coder", "tiny-writer"
+    t = _Tables()
+    seqs = {a: list(ids[a]), b: list(ids[b]), c: list(ids[c])}
+    with torch.inference_mode():
+        # step 1: A's whole prompt, B's first 5 tokens
+        out = runner.forward(_step(t, [], [(0, seqs[a], 0, slot[a]), (1, seqs[b][:5], 0, slot[b])]))
+        torch.testing.assert_close(out[0], _alone(eng, a, seqs[a])[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[1], _alone(eng, b, seqs[b][:5])[-1], rtol=1e-4, atol=1e-4)
+        seqs[a].append(int(out[0].argmax()))
+        # step 2: A decodes; the rest of B's prompt (from position 5); all of C
+        n = len(seqs[a]) - 1
+        out = runner.forward(_step(t, [(0, seqs[a][-1], n, slot[a])],
+                                   [(1, seqs[b][5:], 5, slot[b]), (2, seqs[c], 0, slot[c])]))
+        for row, m in enumerate((a, b, c)):
+            torch.testing.assert_close(out[row], _alone(eng, m, seqs[m])[-1], rtol=1e-4, atol=1e-4)
+            seqs[m].append(int(out[row].argmax()))
+        # steps 3…: all three decode, crossing block boundaries
+        for _ in range(6):
+            rows = [(i, seqs[m][-1], len(seqs[m]) - 1, slot[m]) for i, m in enumerate((a, b, c))]
+            out = runner.forward(_step(t, rows, []))
+            for row, m in enumerate((a, b, c)):
+                torch.testing.assert_close(out[row], _alone(eng, m, seqs[m])[-1], rtol=1e-4, atol=1e-4)
+                seqs[m].append(int(out[row].argmax()))
+    assert len({tuple(s[-6:]) for s in seqs.values()}) == 3  # the models really differ
+
+
+def test_the_backends_agree_on_a_partial_last_block(eng):
+    """FlexAttention's block mask (every block whole but the last, read to the row's position) against
+    gathering the rows' keys for SDPA, on rows whose last blocks are filled to different depths."""
+    from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, decode_sdpa
+
+    torch.manual_seed(0)
+    cache = PagedKVCache(1, 2, 16, n_blocks=12, block_size=BS, dtype=torch.float32, device="cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    tables = torch.tensor([[3, 7, 1], [0, 5, 5], [9, 2, 11]], dtype=torch.int32)
+    positions = torch.tensor([9, 4, 11])  # 2 blocks + 2, 1 block + 1, 3 full blocks
+    num_blocks = (positions // BS + 1).to(torch.int32)
+    q = torch.randn(3, 4, 1, 16)  # 4 query heads over 2 key/value heads
+    step = PagedStep(cache, torch.zeros(0, dtype=torch.int64), 3, tables, num_blocks, positions, [], "flex",
+                     FlexMask(12, BS, 3, "cpu"))
+    got = step.layer(0)._decode(q, cache.k[0], cache.v[0])
+    want = decode_sdpa(q, cache.k[0], cache.v[0], tables, positions, BS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # by hand for row 1: its keys are block 0 (positions 0-3) and slot 0 of block 5 (position 4)
+    keys = torch.cat([cache.k[0][:, 0:4], cache.k[0][:, 20:21]], 1).repeat_interleave(2, 0)  # [4, 5, 16]
+    vals = torch.cat([cache.v[0][:, 0:4], cache.v[0][:, 20:21]], 1).repeat_interleave(2, 0)
+    att = torch.softmax(q[1] @ keys.transpose(1, 2) / 4.0, -1) @ vals
+    torch.testing.assert_close(got[1], att, rtol=1e-5, atol=1e-5)
+
+
+def test_buckets_and_the_padded_static_inputs(eng):
+    from deltafleet.serve.graphs import DecodeGraphs, buckets
+
+    assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(12) == [1, 2, 4, 8, 12]
+    assert eng.scheduler.graphs is None  # the CPU path is the eager one
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=10, block_size=BS, max_batch=5, max_seq_len=12)
+    g = DecodeGraphs(runner)
+    assert g.max_batch == 5 and g.buckets == [1, 2, 4, 5] and g.tables.shape == (5, 3)
+    assert not g.capturable(False) and not g.capturable(True)  # graphs are for CUDA only
+    step = StepInput([7, 8, 9], [3, 4, 9], [3, 20, 9], [1, -1, 0], 3, [[0], [5, 6], [1, 0, 2]], [], [0, 1, 2])
+    assert g.pad(step) == 4
+    scratch = runner.cache.scratch_block
+    assert scratch == 10
+    assert g.static[:, :4].tolist() == [[7, 8, 9, 0], [3, 4, 9, 0], [3, 20, 9, 40], [1, -1, 0, -1]]
+    assert g.tables[:4].tolist() == [[0, 0, 0], [5, 6, 0], [1, 0, 2], [10, 10, 10]]
+    with pytest.raises(ValueError, match="a decode batch has 1 to 5 rows, got 6"):
+        g.pad(StepInput([1] * 6, [0] * 6, list(range(6)), [-1] * 6, 6, [[i] for i in range(6)], [], []))
+    with pytest.raises(ValueError, match="prefill chunks"):
+        g.pad(StepInput([1], [0], [0], [-1], 0, [], [(0, 1, 0, [0])], [0]))
+
+
+@pytest.mark.parametrize("with_deltas", [True, False], ids=["mixed", "base"])
+def test_a_padded_step_gives_the_real_rows_and_writes_only_the_scratch_block(eng, with_deltas):
+    """What a graph replays, run eagerly on the CPU: 3 rows padded to 4 give the logits and cache of
+    the unpadded step; the padding row writes the base's pad token at position 0 of the scratch
+    block and nothing else."""
+    from deltafleet.serve.graphs import DecodeGraphs
+
+    models = list(PROMPTS)
+    slot = {m: (eng.get_delta(m).slot if with_deltas and eng.get_delta(m) is not None else -1) for m in models}
+    assert (sorted(slot.values()) == [-1, 0, 1]) == with_deltas
+    runners = [ModelRunner(eng.model, eng.slots, n_blocks=16, block_size=BS, max_batch=6, max_seq_len=32)
+               for _ in range(2)]
+    eager, padded = runners
+    g = DecodeGraphs(padded)
+    g.pad_token = 5  # not 0: the pad token's embedding row is zero, and so would be its keys/values
+    t = _Tables()
+    seqs = [eng.encode_prompt(PROMPTS[m])[:n] for m, n in zip(models, (5, 9, 7))]
+    with torch.inference_mode():
+        prefill = _step(t, [], [(i, s, 0, slot[m]) for i, (m, s) in enumerate(zip(models, seqs))])
+        nxt = eager.forward(prefill).argmax(-1).tolist()
+        padded.forward(prefill)
+        for _ in range(3):
+            for s, tok in zip(seqs, nxt):
+                s.append(tok)
+            step = _step(t, [(i, s[-1], len(s) - 1, slot[m]) for i, (m, s) in enumerate(zip(models, seqs))], [])
+            want = eager.forward(step)
+            b = g.pad(step)
+            got = g.forward_padded(b, with_deltas)
+            assert b == 4 and got.shape == (4, eng.model.args.vocab_size)
+            torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+            nxt = want.argmax(-1).tolist()
+        alone = _alone(eng, "tiny", [5])[0]  # the padding row: the base on the pad token at position 0
+    torch.testing.assert_close(got[3], alone, rtol=1e-5, atol=1e-5)
+    used = t.next * BS  # slots of the blocks handed out
+    scratch = padded.cache.scratch_block * BS
+    for name in ("k", "v"):
+        a, p = getattr(eager.cache, name), getattr(padded.cache, name)
+        torch.testing.assert_close(p[:, :, :used], a[:, :, :used], rtol=1e-5, atol=1e-5)
+        assert not a[:, :, used:].any() and not p[:, :, used:scratch].any()  # no other block written
+        assert p[:, :, scratch].abs().sum() > 0 and not p[:, :, scratch + 1:].any()  # position 0 only
+
+
+# ------------------------------------------------------------------ through the scheduler
+
+
+def _run_all(engine: Engine, jobs: list[tuple[str, str, SamplingParams]]) -> list[list[int]]:
+    """Start every job while the model is held, so they are all waiting when the loop resumes."""
+    results: list = [None] * len(jobs)
+
+    def go(i, m, prompt, p):
+        results[i] = engine.complete(m, prompt, p).token_ids
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
+        for th in threads:
+            th.start()
+        deadline = time.time() + 30
+        while sum(engine.scheduler.waiting().values()) < len(jobs):
+            assert time.time() < deadline
+            time.sleep(0.01)
+    for th in threads:
+        th.join(120)
+    return results
+
+
+def test_long_prompts_in_chunks_and_preempted_sequences_give_what_they_give_alone(tiny_family, eng):
+    """A step budget of 12 tokens (prompts of up to about 60 tokens are prefilled over several steps
+    beside the running streams) and a cache of 24 blocks of 4 tokens (less than the six sequences need
+    at once: the latest admitted are preempted and recomputed): every request gives its tokens alone."""
+    text = "The quick brown fox. "
+    jobs = [(m, text * (1 + i), SamplingParams(max_tokens=12, temperature=0)) for i, m in enumerate(PROMPTS)]
+    jobs += [(m, p, SamplingParams(max_tokens=12, temperature=0.8, seed=3)) for m, p, _ in jobs]
+    want = [eng.complete(m, p, s).token_ids for m, p, s in jobs]
+    small = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=6,
+                   max_num_batched_tokens=12, kv_cache={"block_size": BS, "max_tokens": 24 * BS})
+    prompt_lens = [len(eng.encode_prompt(p)) for _, p, _ in jobs]
+    assert max(prompt_lens) > 12 and sum(prompt_lens) + 12 * len(jobs) > 24 * BS
+    got = _run_all(small, jobs)
+    assert got == want
+    sch = small.scheduler
+    assert sch.preemptions > 0 and sch.max_rows_seen >= 2
+    assert sch.pool.free_blocks == 24 and not sch.running  # every block back
+
+
+def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_family):
+    small = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=2,
+                   kv_cache={"block_size": 8, "max_tokens": 100})
+    assert small.kv_tokens == 104 and small.max_model_len == 104  # 13 blocks
+    with pytest.raises(ValueError, match="unknown kv_cache option\\(s\\): blocksize"):
+        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", kv_cache={"blocksize": 8})
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", attention="flash")
