@@ -12,7 +12,7 @@
 #   make api-check             schemathesis against a running server's /openapi.json (URL=http://127.0.0.1:8000)
 #   make bench-compress        BitDelta export of a 7B-shaped pair: streaming vs naive (reports/)
 #   make bench-kernels         Triton kernels vs dense bf16 matmul on 7B/70B layer shapes (GPU; reports/)
-#   make bench-serve           the server under a mixed load of 14 variants vs base-only (GPU; reports/)
+#   make bench-serve           engine steps, the server at 1-256 clients (base, 14 variants), transformers (GPU; reports/)
 #   make bench-serve-70b       14 variants of a 70B-shaped family generated on 2 GPUs, TP=2 (reports/)
 #   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
 #   make bench-merge           peak memory of merging two 7B-shaped checkpoints (reports/)
@@ -130,16 +130,22 @@ bench-compress: install
 bench-kernels: install
 	$(PY) kernels/bench.py $(ARGS)
 
-# A random Llama-2-7B-shaped family (base + 14 variants, built once under outputs/bench/), the real
-# server on 127.0.0.1 and a load generator: TTFT / inter-token latency per model, mixed ÷ base-only
-# throughput, cold loads per tier, memory. CPU smoke run:
-#   make bench-serve ARGS="shape=tiny device=cpu dtype=float32 variants=3 requests=12"
+# One run on one GPU (serve/bench.py, conf/bench_serve.yaml): the engine's decode step ÷ bandwidth floor
+# at 1-256 rows; the real server on 127.0.0.1 with a Llama-2-7B-shaped family of 14 variants generated
+# on the GPU, base-only and Zipf-mixed loads at 1/16/64/256 clients (lognormal lengths), TTFT at 16
+# clients, a burst of 64 context-long prompts; then transformers (continuous batching, static-cache
+# generate) on the same requests. tokens/s, TTFT / inter-token P50/P99, errors, goals. CPU smoke run:
+#   make bench-serve ARGS="shape=tiny device=cpu dtype=float32 variants=3 concurrency=[1,4] \
+#     summary_concurrency=4 max_position_embeddings=256 'requests={min:4,per_concurrency:2,max:8}' \
+#     'lengths={prompt_median:16,output_median:8,max:128}' 'ttft={concurrency:4,requests:8,prompt_tokens:16}' \
+#     'burst={requests:8}' server.max_batch=8 engine_steps=false client_processes=2"
 bench-serve: install
 	$(PY) serve/bench.py $(ARGS)
 
 # 14 variants of a Llama-2-70B-shaped family, resident and answering, tensor parallel over 2 GPUs: the
 # server generates the base's and the deltas' slices on each GPU (nothing on disk but a tokenizer).
-# Per-GPU memory, tokens/s, TTFT / inter-token latency, completions per model, startup seconds.
+# The loads of bench-serve at 1 and 16 clients, TTFT, the burst (no engine steps, no transformers);
+# per-GPU memory, startup seconds.
 #   make bench-serve-70b ARGS="machine=2xh200"
 bench-serve-70b: install
 	$(PY) serve/bench.py --config-name bench_serve_70b $(ARGS)

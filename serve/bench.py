@@ -1,33 +1,93 @@
-"""Serving benchmark (``make bench-serve``): a family of variants under a mixed load, against the
-same load on the base alone, through the real server and HTTP on loopback.
+"""Serving benchmark (``make bench-serve``): one run on one GPU that measures the engine's decode
+steps, the real server over HTTP at several concurrencies, and Hugging Face transformers on the
+same requests. Configuration: ``conf/bench_serve.yaml`` (``conf/bench_serve_70b.yaml``: a 70B-shaped
+family over 2 GPUs).
 
-Configuration: ``conf/bench_serve.yaml``. Steps:
+Steps, in this order, driven from one process (the engine steps and the peers run in it):
 
-1. A random family under ``family_dir``, built once: a Llama-shaped base (random bf16 weights), a
-   fine-tune = base + N(0, 10⁻⁶) exported with ``compress`` as variant ``v00``, and ``variants − 1``
-   more artifacts with the same scales and random signs (1 bit per weight, like any variant); a
-   byte-level BPE trained on the standard library's sources, padded with plain tokens to the
-   model's vocabulary, so every sampled id streams as text.
-2. ``serve/run.py`` started on 127.0.0.1 with ``device_slots = variants`` and a host tier.
-3. A warm-up touching every model (each variant's cold load from disk), then a base-only load
-   and a mixed load (each request's model drawn uniformly from the base and the variants), both
-   ``requests`` streamed completions of ``prompt_tokens`` random token ids and ``max_tokens``
-   tokens from ``concurrency`` clients. TTFT = first text chunk − send; inter-token latency =
-   gaps between chunks; throughput = completion tokens ÷ phase wall time.
-4. ``extra_for_host_tier`` variants hot-loaded past the device slots (evicting the coldest to
-   the host tier), then requests for the evicted ones: cold loads from the host tier.
-5. Cold-load seconds by tier from the server's ``/metrics``, memory (GPU via ``nvidia-smi``,
-   per GPU, next to the bytes of tensors predicted by ``deltafleet.serve.synthetic.predict_memory``; the
-   server's resident set), startup seconds, successful completions per model, JSON + PNG in
-   ``reports/``.
+1. **Engine steps** (``engine_steps: true``): ``deltafleet.serve.bench_step.engine_steps(cfg)``, no
+   HTTP: decode step time ÷ the bandwidth floor at 1/16/64/256 rows, base rows and rows over the
+   variants. Its whole return value goes to ``report["engine_steps"]``; it holds
+   ``"step_over_floor": {"<rows>": {"base": x, "mixed": y}}``. A missing module or an exception is
+   recorded as ``{"error": ...}`` and the run goes on. The device's cache is emptied afterwards.
+2. **The family.** ``synthetic: true`` (the default): only a tokenizer is written (a byte-level BPE
+   trained on a few standard-library modules, padded with plain tokens to the vocabulary, so every
+   sampled id streams as text); the server generates the base and ``variants`` variants on its
+   devices (serve/synthetic.py). ``synthetic: false``: a random family built once under
+   ``family_dir`` (a base, a fine-tune = base + N(0, 10⁻⁶) exported with ``compress`` as ``v00``,
+   and ``variants − 1`` artifacts with the same scales and random signs).
+3. **The server**, ``serve/run.py`` in a child process on 127.0.0.1: every variant in a device slot,
+   ``max_waiting=null`` (never a 429), tensor parallel over ``tp`` processes, plus every key of the
+   ``server`` dict forwarded verbatim as an override (``key=value`` in Hydra's grammar, e.g.
+   ``max_batch``, ``max_num_batched_tokens``, ``kv_cache``); ``max_waiting=null`` comes last.
+4. **The load**, streamed completions (``temperature`` 1.0, a seed per request, ``max_tokens`` each)
+   from ``client_processes`` client processes (asyncio + httpx each; the requests are handed out
+   from one shared counter, so exactly ``concurrency`` are in flight until the last ones):
 
-With ``synthetic: true`` (``conf/bench_serve_70b.yaml``: 14 variants of a Llama-2-70B-shaped family,
-tensor parallel over 2 GPUs) nothing of the family is written but its tokenizer: the server
-generates the base and the variants on its devices (serve/synthetic.py), and the host tier is not
-exercised.
+   * warm-up: one request per model (a non-synthetic variant's cold load from disk), then
+     ``max(concurrency)`` short requests at that concurrency; not counted.
+   * ``loads``: for every ``concurrency`` level c, ``requests_for(c)`` requests
+     (``clip(per_concurrency·c, min, max)``) whose prompt and output lengths are lognormal
+     (:func:`lognormal_lengths`: medians ``lengths.prompt_median`` / ``lengths.output_median``,
+     ``lengths.sigma``, clipped to ``[lengths.min, lengths.max]``, then cut so that prompt + output
+     fits ``max_position_embeddings``, :func:`fit_context`) and whose prompts are random token ids,
+     all from fixed seeds. Each set runs twice: ``base`` (every request to the base) and ``mixed``
+     (each request's model drawn from Zipf(``zipf_s``) over the base then ``v00``, ``v01``, …, in
+     that rank order, :func:`zipf_models`); same prompts, lengths and sampling seeds.
+   * ``ttft``: the fixed TTFT setting, ``ttft.requests`` requests of ``ttft.prompt_tokens`` prompt
+     tokens and ``ttft.max_tokens`` new tokens at ``ttft.concurrency``, base and mixed.
+   * ``burst``: ``burst.requests`` requests of ``burst.prompt_tokens`` (null: the context minus
+     ``burst.max_tokens``) prompt tokens, all sent at once, mixed models.
+
+   Per load (:func:`phase_stats`): tokens/s = completion tokens of the answered requests ÷ the
+   phase's wall time (first send to last byte); TTFT = first text chunk − send; inter-token
+   latency = gaps between text chunks; P50 and P99, overall, base vs variants, and per model;
+   every non-200 status, in-band error event or client exception is recorded (``errors``,
+   ``status_codes``); ``all_answered``; ``token_mismatches`` counts answered requests whose
+   ``completion_tokens`` differ from ``max_tokens`` (the random model rarely samples eos).
+5. **Non-synthetic only**: ``extra_for_host_tier`` variants hot-loaded past the device slots, then
+   requests for the evicted ones (cold loads from the host tier); cold-load seconds by tier from
+   ``/metrics``. Memory (``nvidia-smi`` per GPU, the tensors predicted per rank, the server's
+   resident set), then the server is stopped (the device is free again).
+6. **Peers** (``peers: true``): Hugging Face transformers on the same device and dtype, a
+   ``LlamaForCausalLM`` of the same shape initialised at random directly on the device
+   (``AutoModelForCausalLM.from_config`` under ``torch.device``), on the request set of
+   ``summary_concurrency`` (same prompts and output lengths), sampling at temperature 1 without
+   top-k/top-p and without eos, so each request gets exactly its length. A small warm-up run
+   first, outside the timed region. tokens/s = requested completion tokens ÷ wall:
+
+   * ``hf_continuous_batching`` (:func:`hf_continuous_batching`), ``hf.cb_api``:
+     ``manager`` (the default): ``model.continuous_batching_context_manager(...)`` — the manager
+     ``generate_batch`` itself drives — and one ``manager.add_request(ids, max_new_tokens=n)`` per
+     request, so each request generates exactly its own length (``generate_batch`` takes one
+     ``max_new_tokens`` for all). Timed from after the manager's start (its warm-up, e.g. CUDA
+     graph capture, is outside) to the last result. ``generate_batch``: one
+     ``model.generate_batch(inputs=..., max_new_tokens=<the longest>)`` call, the whole call timed,
+     only each request's first n tokens counted.
+     ``hf.cb_config`` is passed as ``ContinuousBatchingConfig(**cb_config)``, with the benchmark's
+     ``seed`` unless it sets one, and on the CPU a ``num_blocks`` that holds every request at once
+     unless it sets one (the library would size its cache from 90% of the free RAM).
+   * ``hf_static`` (:func:`hf_static`): ``model.generate(..., cache_implementation="static")`` in
+     batches of ``hf.static_batch`` in request order, left-padded with an attention mask, each
+     batch generating its longest output, only each request's own length counted; a short last
+     batch is filled up with copies of its rows (not counted) so that every call has the same
+     shape, and ``max_cache_len`` is the largest any batch needs, so that the cache (and on CUDA
+     the auto-compiled decode step) keeps one shape; the warm-up call compiles it.
+
+   An exception in a peer is recorded (``{"error": ...}``), not raised.
+7. **Report**: ``reports/<report_name>.json`` (atomic) and ``.png`` (tokens/s and TTFT against
+   concurrency, the peers as points, step ÷ floor bars). ``summary`` (printed at the end) holds
+   exactly ``step_over_floor`` (rows 16/64/256; nulls where not measured), ``tokens_per_s`` (base,
+   mixed, hf_continuous_batching, hf_static at ``summary_concurrency``), ``ttft_p50_s`` (base,
+   mixed, the ttft setting), ``machine`` and ``commit`` (``git rev-parse HEAD`` of the checkout,
+   else ``$DELTAFLEET_COMMIT``, else null). ``ratios`` and ``goals`` (bool, or null where an input
+   was not measured) sit beside it.
 """
+
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
 import platform
@@ -38,8 +98,9 @@ import subprocess
 import sys
 import sysconfig
 import time
+import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from pathlib import Path
 
 import hydra
@@ -49,6 +110,11 @@ from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_SOURCES = ("textwrap.py", "string.py", "fnmatch.py", "shlex.py", "argparse.py", "json/decoder.py")
+BASE_ID = "bench"  # the served family's name: the base's model id; variants are bench-v00, bench-v01, ...
+FIRST_PROMPT_ID = 4  # prompts are random token ids in [FIRST_PROMPT_ID, vocab_size)
+SUMMARY_ROWS = ("16", "64", "256")  # the engine-step rows the summary quotes
+# the seeds' streams (numpy SeedSequence entropy: [seed, stream, level])
+_LENGTHS, _ZIPF, _TTFT, _TTFT_ZIPF, _BURST, _WARMUP = range(6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,10 +125,10 @@ TOKENIZER_SOURCES = ("textwrap.py", "string.py", "fnmatch.py", "shlex.py", "argp
 def random_sign_artifact(src: Path, dst: Path, variant: str, seed: int) -> None:
     """Write the artifact ``dst`` = ``src`` with every ``*.sign`` replaced by random bytes (a variant
     of the same size and scales), hashes and manifest redone; atomic (staged folder + rename)."""
+    from deltafleet.compress.bitdelta import _sha256_file, write_manifest
     from safetensors.torch import load_file, save_file
 
     from deltafleet.atomic import staged_dir
-    from deltafleet.compress.bitdelta import _sha256_file, write_manifest
 
     manifest = json.loads((src / "bitdelta.json").read_text())
     g = torch.Generator().manual_seed(seed)
@@ -119,9 +185,10 @@ def build_tokenizer(cfg: DictConfig) -> Path:
 
 def build_family(cfg: DictConfig) -> Path:
     """The benchmark family under ``cfg.family_dir`` (built once; see the module docstring)."""
-    from deltafleet.atomic import staged_dir
     from deltafleet.compress.bench import generate_pair
     from deltafleet.compress.bitdelta import compress
+
+    from deltafleet.atomic import staged_dir
 
     out = Path(cfg.family_dir)
     if (out / "family.json").is_file():
@@ -149,7 +216,92 @@ def build_family(cfg: DictConfig) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# The server and the load
+# The workload
+# --------------------------------------------------------------------------------------------
+
+
+def lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: float, lo: int, hi: int) -> np.ndarray:
+    """``n`` token counts, lognormal with median ``median`` and log-space deviation ``sigma``, rounded
+    and clipped to ``[lo, hi]`` (int64)."""
+    if not (1 <= lo <= hi) or median <= 0 or sigma < 0:
+        raise ValueError(f"need 1 <= lo <= hi, median > 0, sigma >= 0; got {lo=} {hi=} {median=} {sigma=}")
+    x = rng.lognormal(np.log(median), sigma, n) if sigma > 0 else np.full(n, float(median))
+    return np.clip(np.rint(x), lo, hi).astype(np.int64)
+
+
+def fit_context(prompt: np.ndarray, output: np.ndarray, context: int, lo: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths cut so that ``prompt + output <= context``: the output to at most ``context − lo`` (room for
+    a prompt of ``lo``), then the prompt to what is left.
+
+    Raises:
+        ValueError: ``context < 2·lo`` (not even the shortest prompt and output fit).
+    """
+    if context < 2 * lo:
+        raise ValueError(f"a context of {context} tokens cannot hold a prompt and an output of {lo} tokens each")
+    output = np.minimum(output, context - lo)
+    return np.minimum(prompt, context - output), output
+
+
+def zipf_probabilities(n: int, s: float = 1.0) -> np.ndarray:
+    """P(rank k) ∝ 1 / k^s for k = 1..n."""
+    p = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
+    return p / p.sum()
+
+
+def zipf_models(models: list[str], n: int, s: float, seed: list[int]) -> list[str]:
+    """``n`` picks from ``models`` (rank order: the first is the most popular), Zipf(``s``), seeded."""
+    rng = np.random.default_rng(seed)
+    return [models[i] for i in rng.choice(len(models), n, p=zipf_probabilities(len(models), s))]
+
+
+def requests_for(cfg: DictConfig, concurrency: int) -> int:
+    """Requests of the load at ``concurrency``: ``clip(per_concurrency · concurrency, min, max)``."""
+    r = cfg.requests
+    return int(min(max(r.min, r.per_concurrency * concurrency), r.max))
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    return [rng.integers(FIRST_PROMPT_ID, vocab, int(k)).tolist() for k in lengths]
+
+
+def load_requests(cfg: DictConfig, concurrency: int, vocab: int) -> list[tuple[list[int], int]]:
+    """The (prompt ids, max_tokens) of the load at ``concurrency``: lognormal lengths fitted to the
+    context, random prompts, from the seed ``[cfg.seed, _LENGTHS, concurrency]`` (the same for the
+    base and the mixed load, and for the peers)."""
+    ln = cfg.lengths
+    rng = np.random.default_rng([cfg.seed, _LENGTHS, concurrency])
+    n = requests_for(cfg, concurrency)
+    prompt = lognormal_lengths(rng, n, ln.prompt_median, ln.sigma, ln.min, ln.max)
+    output = lognormal_lengths(rng, n, ln.output_median, ln.sigma, ln.min, ln.max)
+    prompt, output = fit_context(prompt, output, cfg.max_position_embeddings, ln.min)
+    return list(zip(random_prompts(rng, prompt, vocab), output.tolist()))
+
+
+def fixed_requests(n: int, prompt_tokens: int, max_tokens: int, vocab: int,
+                   seed: list[int]) -> list[tuple[list[int], int]]:
+    """``n`` requests of ``prompt_tokens`` random prompt ids and ``max_tokens`` new tokens each."""
+    rng = np.random.default_rng(seed)
+    return [(p, int(max_tokens)) for p in random_prompts(rng, [prompt_tokens] * n, vocab)]
+
+
+def burst_prompt_tokens(cfg: DictConfig) -> int:
+    b = cfg.burst
+    return int(b.prompt_tokens if b.prompt_tokens is not None else cfg.max_position_embeddings - b.max_tokens)
+
+
+def check_workload(cfg: DictConfig) -> None:
+    """Raises ValueError where a fixed setting does not fit the served context, or a level is missing."""
+    ctx = cfg.max_position_embeddings
+    if not list(cfg.concurrency):
+        raise ValueError("concurrency: at least one level")
+    for name, p, o in (("ttft", cfg.ttft.prompt_tokens, cfg.ttft.max_tokens),
+                       ("burst", burst_prompt_tokens(cfg), cfg.burst.max_tokens)):
+        if p < 1 or o < 1 or p + o > ctx:
+            raise ValueError(f"{name}: {p} prompt + {o} new tokens do not fit a context of {ctx}")
+
+
+# --------------------------------------------------------------------------------------------
+# The server
 # --------------------------------------------------------------------------------------------
 
 
@@ -183,16 +335,20 @@ def synthetic_shape(cfg: DictConfig) -> dict:
 def server_overrides(cfg: DictConfig, family: Path, tp_port: int) -> list[str]:
     """``serve/run.py``'s overrides for the benchmark's server: the family of ``family`` (a built one,
     or with ``cfg.synthetic`` its tokenizer and a generated family of ``cfg.variants``), every variant
-    in a device slot, tensor parallel over ``cfg.tp`` processes."""
-    out = ["model.name=bench", f"port={cfg.port}", f"device={cfg.device}", f"dtype={cfg.dtype}",
-           f"max_batch={cfg.max_batch}", "max_waiting=null", f"delta_cache.device_slots={cfg.variants}",
-           f"delta_cache.sign_layout={cfg.get('sign_layout', 'tiled')}",
+    in a device slot, tensor parallel over ``cfg.tp`` processes; then every key of ``cfg.server``
+    verbatim (``key=<hydra_value(value)>``: a dict merges into the served config's dict of that
+    name); ``max_waiting=null`` last (the benchmark's loads queue, never a 429)."""
+    out = [f"model.name={BASE_ID}", f"port={cfg.port}", f"device={cfg.device}", f"dtype={cfg.dtype}",
+           f"delta_cache.device_slots={cfg.variants}", f"delta_cache.sign_layout={cfg.get('sign_layout', 'tiled')}",
            "log_level=warning", f"tp={cfg.tp}", f"tp_port={tp_port}"]
     if cfg.synthetic:
         syn = {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "tokenizer_dir": family}
-        return out + ["delta_cache.host_budget_gb=0", f"synthetic={hydra_value(syn)}"]
-    return out + [f"base_dir={family / 'base'}", f"artifacts_dir={family / 'artifacts'}",
-                  "delta_cache.host_budget_gb=1000"]
+        out += ["delta_cache.host_budget_gb=0", f"synthetic={hydra_value(syn)}"]
+    else:
+        out += [f"base_dir={family / 'base'}", f"artifacts_dir={family / 'artifacts'}",
+                "delta_cache.host_budget_gb=1000"]
+    extra = OmegaConf.to_container(cfg.server, resolve=True) if cfg.get("server") else {}
+    return out + [f"{k}={hydra_value(v)}" for k, v in extra.items()] + ["max_waiting=null"]
 
 
 def free_port() -> int:
@@ -206,18 +362,19 @@ def free_port() -> int:
 
 class Server:
     """``serve/run.py`` in a child process (its own session, so that every rank of it can be stopped)
-    on 127.0.0.1; ``startup_s``: seconds from the start to a healthy ``/health``."""
+    on 127.0.0.1; ``startup_s``: seconds from the start to a healthy ``/health``; ``overrides``: its own
+    (:func:`server_overrides`)."""
 
     def __init__(self, cfg: DictConfig, family: Path, log: Path):
         self.url = f"http://127.0.0.1:{cfg.port}"
-        args = [sys.executable, str(REPO / "serve" / "run.py"), *server_overrides(cfg, family, free_port()),
-                f"hydra.run.dir={log.parent}"]
+        self.overrides = server_overrides(cfg, family, free_port())
+        args = [sys.executable, str(REPO / "serve" / "run.py"), *self.overrides, f"hydra.run.dir={log.parent}"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         if not cfg.get("kernel_autotune", True):  # kernels.triton_bitdelta.AUTOTUNE
             env["DELTAFLEET_TRITON_AUTOTUNE"] = "0"
         if cfg.synthetic and cfg.device == "cuda":  # the GPUs end up nearly full: fragmentation matters
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        self.log = open(log, "w")
+        self.log = open(log, "w")  # noqa: SIM115 - open while the server runs; closed by stop()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -266,68 +423,409 @@ class Server:
             pass
 
 
-def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion; the send time, the arrival time of every text chunk, usage."""
+# --------------------------------------------------------------------------------------------
+# The load generator: client processes, asyncio + httpx in each
+# --------------------------------------------------------------------------------------------
+
+_NEXT = None  # in a client process: the shared counter of requests handed out (multiprocessing.Value)
+
+
+def _client_init(counter) -> None:
+    global _NEXT
+    _NEXT = counter
+
+
+def _client_ready(processes: int, timeout_s: float) -> int:
+    """Import what the clients need, then wait until ``processes`` processes have come this far (a
+    barrier on the shared counter: a waiting process takes no other task, so each runs one)."""
+    import httpx  # noqa: F401
+
+    with _NEXT.get_lock():
+        _NEXT.value += 1
+    deadline = time.monotonic() + timeout_s
+    while _NEXT.value < processes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def _next_job(n: int) -> int | None:
+    with _NEXT.get_lock():
+        i = _NEXT.value
+        if i >= n:
+            return None
+        _NEXT.value = i + 1
+    return i
+
+
+def _client_run(url: str, jobs: list, workers: int) -> list[tuple[int, dict]]:
+    """In a client process: ``workers`` concurrent clients taking ``jobs`` (model, prompt, max_tokens,
+    seed) from the shared counter until none is left; (index, result) of each request it sent."""
+    return asyncio.run(_clients(url, jobs, workers))
+
+
+async def _clients(url: str, jobs: list, workers: int) -> list[tuple[int, dict]]:
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": 0,
+    out: list[tuple[int, dict]] = []
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=120.0)) as client:
+        async def worker():
+            while (i := _next_job(len(jobs))) is not None:
+                out.append((i, await stream_completion(client, *jobs[i])))
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+    return out
+
+
+async def stream_completion(client, model: str, prompt: list[int], max_tokens: int, seed: int) -> dict:
+    """One streamed completion: ``status`` (None: no response), send time, arrival time of every chunk
+    with text, ``end`` (the last byte), ``completion_tokens`` of the usage chunk, ``done`` (``[DONE]``
+    seen), ``error`` (a non-200 body, an in-band error event or a client exception; None if none)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0, chunks, usage = time.perf_counter(), [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
-        if r.status_code != 200:
-            return {"model": model, "error": f"{r.status_code} {r.read().decode()[:300]}"}
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if obj.get("usage"):
-                usage = obj["usage"]
-            elif obj["choices"] and obj["choices"][0]["text"]:
-                chunks.append(time.perf_counter())
-    return {"model": model, "sent": t0, "chunks": chunks, "completion_tokens": (usage or {}).get("completion_tokens", 0)}
+    out = {"model": model, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "status": None, "chunks": [],
+           "completion_tokens": 0, "done": False, "error": None}
+    chunks = out["chunks"]
+    out["sent"] = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                out["error"] = (await r.aread()).decode(errors="replace")[:300]
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        out["done"] = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        out["error"] = json.dumps(obj["error"])[:300]
+                    elif obj.get("usage"):
+                        out["completion_tokens"] = obj["usage"]["completion_tokens"]
+                    elif obj.get("choices") and obj["choices"][0].get("text"):
+                        chunks.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - connection refused or reset, timeouts, a malformed event: recorded
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+    out["end"] = time.perf_counter()
+    return out
 
 
-def run_phase(url: str, models: list[str], cfg: DictConfig, rng: np.random.Generator, vocab: int,
-              balanced: bool = False) -> dict:
-    """``cfg.requests`` requests over ``models`` from ``cfg.concurrency`` clients: each request's model
-    drawn uniformly, or (``balanced``) every model ``requests // len(models)`` times or once more, in a
-    random order. ``answered``: successful completions per model (0 for a model that got none)."""
-    if balanced:
-        picks = [models[i % len(models)] for i in range(cfg.requests)]
-        rng.shuffle(picks)
-        jobs = [(m, rng.integers(4, vocab, cfg.prompt_tokens).tolist()) for m in picks]
-    else:
-        jobs = [(models[int(rng.integers(len(models)))], rng.integers(4, vocab, cfg.prompt_tokens).tolist())
-                for _ in range(cfg.requests)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(cfg.concurrency) as pool:
-        results = list(pool.map(lambda j: one_request(url, j[0], j[1], cfg.max_tokens), jobs))
-    wall = time.perf_counter() - t0
-    errors = [r["error"] for r in results if "error" in r]
-    ok = [r for r in results if "error" not in r and r["chunks"]]
-    per_model = {}
-    for m in sorted({r["model"] for r in ok}):
-        rs = [r for r in ok if r["model"] == m]
-        ttft = np.array([r["chunks"][0] - r["sent"] for r in rs])
-        itl = np.concatenate([np.diff(r["chunks"]) for r in rs]) if any(len(r["chunks"]) > 1 for r in rs) \
-            else np.array([np.nan])
-        per_model[m] = {"requests": len(rs), "ttft_p50_s": float(np.percentile(ttft, 50)),
-                        "ttft_p99_s": float(np.percentile(ttft, 99)), "itl_p50_s": float(np.nanpercentile(itl, 50)),
-                        "itl_p99_s": float(np.nanpercentile(itl, 99))}
+class LoadGenerator:
+    """Streamed completions from ``processes`` client processes (spawned once; time.perf_counter is
+    the system's monotonic clock, the same in every process). :meth:`run` keeps ``concurrency``
+    requests in flight, split over the processes, each request handed to whichever client is free."""
+
+    def __init__(self, processes: int):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = mp.get_context("spawn")  # not fork: this process may hold CUDA and threads
+        self.processes = max(1, int(processes))
+        self.counter = ctx.Value("q", 0)
+        self.pool = ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_client_init,
+                                        initargs=(self.counter,))
+        futures = [self.pool.submit(_client_ready, self.processes, 300.0) for _ in range(self.processes)]
+        self.pids = sorted({f.result() for f in futures})  # one per process, unless the barrier timed out
+
+    def run(self, url: str, jobs: list[tuple[str, list[int], int, int]], concurrency: int) -> list[dict]:
+        """``jobs`` (model, prompt ids, max_tokens, seed) at ``concurrency``; their results in order."""
+        with self.counter.get_lock():
+            self.counter.value = 0
+        c = max(1, min(concurrency, len(jobs)))
+        workers = [c // self.processes + (i < c % self.processes) for i in range(self.processes)]
+        futures = [self.pool.submit(_client_run, url, jobs, w) for w in workers if w > 0]
+        out: list = [None] * len(jobs)
+        for f in futures:
+            for i, r in f.result():
+                out[i] = r
+        missing = [i for i, r in enumerate(out) if r is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests were never sent")
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pct(x: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(x, dtype=np.float64), q)) if len(x) else None
+
+
+def latency_stats(results: list[dict]) -> dict:
+    """TTFT (first text chunk − send) and inter-token latency (gaps between text chunks) P50/P99 of
+    ``results``, pooled; None where there is no sample."""
+    ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
+    itl = [g for r in results for g in np.diff(r["chunks"]).tolist()]
+    return {"requests": len(results), "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99)}
+
+
+def answered(r: dict) -> bool:
+    """A 200 whose stream ended with ``[DONE]`` and no error event."""
+    return r["status"] == 200 and r["done"] and r["error"] is None
+
+
+def phase_stats(results: list[dict], base_id: str = BASE_ID) -> dict:
+    """One load's figures (see the module docstring); ``results`` from :meth:`LoadGenerator.run`."""
+    ok = [r for r in results if answered(r)]
+    wall = max(r["end"] for r in results) - min(r["sent"] for r in results) if results else 0.0
     tokens = sum(r["completion_tokens"] for r in ok)
-    answered = {m: sum(r["model"] == m and r["completion_tokens"] > 0 for r in ok) for m in models}
-    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
-            "per_model": per_model, "answered": answered}
+    codes = Counter("none" if r["status"] is None else str(r["status"]) for r in results)
+    errors = [{"model": r["model"], "status": r["status"], "error": r["error"] or "the stream ended without [DONE]"}
+              for r in results if not answered(r)]
+    out = {**latency_stats(ok), "requests": len(results), "answered": len(ok), "all_answered": len(ok) == len(results),
+           "status_codes": dict(sorted(codes.items())),
+           "no_5xx": not any(r["status"] is not None and r["status"] >= 500 for r in results),
+           "errors": errors, "wall_s": wall, "completion_tokens": tokens,
+           "requested_tokens": sum(r["max_tokens"] for r in results),
+           "prompt_tokens": sum(r["prompt_tokens"] for r in results),
+           "tokens_per_s": tokens / wall if wall > 0 else None,
+           "token_mismatches": sum(r["completion_tokens"] != r["max_tokens"] for r in ok)}
+    out["base"] = latency_stats([r for r in ok if r["model"] == base_id])
+    out["variants"] = latency_stats([r for r in ok if r["model"] != base_id])
+    out["per_model"] = {m: latency_stats([r for r in ok if r["model"] == m]) for m in sorted({r["model"] for r in ok})}
+    return out
+
+
+def run_load(gen: LoadGenerator, url: str, name: str, requests: list[tuple[list[int], int]], models: list[str],
+             concurrency: int) -> dict:
+    """``requests`` (prompt, max_tokens) sent to ``models`` (one per request) at ``concurrency``:
+    :func:`phase_stats`, and ``concurrency``."""
+    jobs = [(m, p, n, i) for i, (m, (p, n)) in enumerate(zip(models, requests))]
+    stats = phase_stats(gen.run(url, jobs, concurrency))
+    stats["concurrency"] = concurrency
+    tps = stats["tokens_per_s"]
+    ttft = stats["ttft_p50_s"]
+    print(f"{name:>16} c={concurrency:<4} {stats['answered']}/{stats['requests']} answered, "
+          f"{tps or 0:.1f} tokens/s, TTFT P50 {(ttft or 0) * 1e3:.1f} ms, codes {stats['status_codes']}, "
+          f"{stats['token_mismatches']} length mismatches", flush=True)
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# Engine steps (serve/bench_step.py) and the peers (Hugging Face transformers)
+# --------------------------------------------------------------------------------------------
+
+
+def _error(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_engine_steps(cfg: DictConfig) -> dict | None:
+    """``deltafleet.serve.bench_step.engine_steps(cfg)`` (None with ``engine_steps: false``); a missing
+    module or an exception is returned as ``{"error": ...}``."""
+    if not cfg.get("engine_steps", True):
+        return None
+    try:
+        from deltafleet.serve.bench_step import engine_steps
+    except ImportError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        return engine_steps(cfg)
+    except Exception as e:  # noqa: BLE001 - recorded in the report; the HTTP loads still run
+        return _error(e)
+    finally:
+        free_device_memory()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def hf_model(cfg: DictConfig):
+    """A transformers ``LlamaForCausalLM`` of the served shape and context, random weights (the library's
+    own init, std ``initializer_range`` = 0.02), made directly on ``cfg.device`` in ``cfg.dtype``; no eos."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    conf = LlamaConfig(**synthetic_shape(cfg), bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                       tie_word_embeddings=False)
+    torch.manual_seed(cfg.seed)
+    with torch.device(cfg.device):
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch_dtype(cfg.dtype),
+                                                 attn_implementation=cfg.hf.attn_implementation)
+    return model.eval()
+
+
+def _sampling(**kw):
+    """Temperature-1 sampling over the whole vocabulary (as the server's requests: no top-k, no top-p), no eos."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0,
+                            **kw)
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peer_result(requests: list[tuple[list[int], int]], generated: list[int | None], wall: float, **extra) -> dict:
+    """tokens/s = tokens of the requested lengths that were generated ÷ ``wall``; ``generated[i]``: tokens
+    request i got (None: it failed)."""
+    counted = sum(min(g, n) for (_, n), g in zip(requests, generated) if g is not None)
+    return {"requests": len(requests), "failed": sum(g is None for g in generated),
+            "short": sum(g is not None and g < n for (_, n), g in zip(requests, generated)),
+            "requested_tokens": sum(n for _, n in requests), "counted_tokens": counted,
+            "generated_tokens": sum(g or 0 for g in generated), "wall_s": wall,
+            "tokens_per_s": counted / wall if wall > 0 else None, **extra}
+
+
+def hf_continuous_batching(model, cfg: DictConfig, requests: list[tuple[list[int], int]]) -> dict:
+    """transformers' continuous batching on ``requests`` (prompt ids, new tokens); see the module
+    docstring for ``hf.cb_api`` (``manager``: per-request lengths; ``generate_batch``: one call at the
+    longest length, each request's first n tokens counted)."""
+    import dataclasses
+    import logging
+
+    from transformers.generation import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # INFO lines per manager otherwise
+    api = cfg.hf.cb_api
+    cb_opts = OmegaConf.to_container(cfg.hf.cb_config, resolve=True) if cfg.hf.get("cb_config") else {}
+    if dataclasses.is_dataclass(ContinuousBatchingConfig) and "seed" in {
+            f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
+        cb_opts.setdefault("seed", cfg.seed)  # its sampling seed (else a random one)
+    if cfg.device == "cpu" and cb_opts.get("num_blocks") is None:  # else sized from free RAM: 90% of it
+        probe = ContinuousBatchingConfig(**cb_opts)
+        page = getattr(probe, "page_size", None) or getattr(probe, "block_size", None) or 256
+        cb_opts["num_blocks"] = sum(-(-(len(p) + n) // page) for p, n in requests) + 1  # every request at once
+    longest = max(n for _, n in requests)
+    original_attn = model.config._attn_implementation
+
+    def run(reqs) -> tuple[list[int | None], float]:
+        gen = _sampling(max_new_tokens=max(n for _, n in reqs))
+        cb = ContinuousBatchingConfig(**cb_opts)  # a new one each time: the manager resolves it in place
+        if api == "generate_batch":
+            t0 = time.perf_counter()
+            out = model.generate_batch(inputs=[p for p, _ in reqs], generation_config=gen,
+                                       continuous_batching_config=cb, max_new_tokens=max(n for _, n in reqs),
+                                       progress_bar=False)
+            _sync(cfg.device)
+            wall = time.perf_counter() - t0
+            res = list(out.values())
+            if len(res) != len(reqs):
+                raise RuntimeError(f"generate_batch returned {len(res)} of {len(reqs)} requests")
+            return [None if r.error is not None else len(r.generated_tokens) for r in res], wall
+        if api != "manager":
+            raise ValueError(f"hf.cb_api: manager or generate_batch, got {api!r}")
+        hints = _workload_hints(reqs)
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       block=True, timeout=60, **hints) as manager:
+            t0 = time.perf_counter()  # the manager is started: its warm-up (graph capture) is behind us
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in reqs]
+            done: dict = {}
+            while len(done) < len(ids):
+                r = manager.get_result(timeout=1)
+                if r is None:
+                    if not manager.is_running():
+                        break
+                elif r.is_finished():
+                    done[r.request_id] = r
+            _sync(cfg.device)
+            wall = time.perf_counter() - t0
+        return [len(done[i].generated_tokens) if i in done and done[i].error is None else None for i in ids], wall
+
+    try:
+        run([(p[:16], min(n, 4)) for p, n in requests[:8]])  # warm-up: a small run, not timed
+        free_device_memory()
+        generated, wall = run(requests)
+    finally:
+        if model.config._attn_implementation != original_attn:
+            model.set_attn_implementation(original_attn)
+    return _peer_result(requests, generated, wall, api=api, cb_config=cb_opts, longest=longest)
+
+
+def _workload_hints(reqs) -> dict:
+    """``workload_hints=`` as ``generate_batch`` passes it (where this transformers has it)."""
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:
+        return {}
+    return {"workload_hints": WorkloadHints(max_prompt_length=max(len(p) for p, _ in reqs),
+                                            max_generated_length=max(n for _, n in reqs), num_requests=len(reqs))}
+
+
+def hf_static(model, cfg: DictConfig, requests: list[tuple[list[int], int]]) -> dict:
+    """``model.generate(..., cache_implementation="static")`` in batches of ``hf.static_batch`` (see the
+    module docstring)."""
+    bs = int(cfg.hf.static_batch)
+    batches = [requests[i:i + bs] for i in range(0, len(requests), bs)]
+    max_cache_len = max(max(len(p) for p, _ in b) + max(n for _, n in b) for b in batches)
+    dev = torch.device(cfg.device)
+
+    def generate(batch, new_tokens: int) -> int:
+        rows = [batch[i % len(batch)][0] for i in range(bs)]  # a short batch: its rows again (not counted)
+        width = max(map(len, rows))
+        ids = torch.zeros(bs, width, dtype=torch.long)
+        mask = torch.zeros(bs, width, dtype=torch.long)
+        for j, p in enumerate(rows):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        gen = _sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
+                        max_cache_len=max_cache_len)
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen)
+        return out.shape[1] - width  # every row: no eos, so all run to the batch's length
+
+    generate(batches[0], min(8, max(n for _, n in batches[0])))  # warm-up (on CUDA: compiles the decode step)
+    _sync(cfg.device)
+    generated: list[int | None] = []
+    t0 = time.perf_counter()
+    for b in batches:
+        g = generate(b, max(n for _, n in b))
+        generated += [g] * len(b)
+    _sync(cfg.device)
+    return _peer_result(requests, generated, time.perf_counter() - t0, batch=bs, batches=len(batches),
+                        max_cache_len=max_cache_len)
+
+
+def run_peers(cfg: DictConfig, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """Both peers on ``requests`` (the load at ``concurrency``); each one's exception recorded, not raised."""
+    import transformers
+
+    out: dict = {"transformers": transformers.__version__, "concurrency": concurrency, "requests": len(requests),
+                 "prompt_tokens": sum(len(p) for p, _ in requests), "requested_tokens": sum(n for _, n in requests),
+                 "device": cfg.device, "dtype": cfg.dtype}
+    try:
+        model = hf_model(cfg)
+    except Exception as e:  # noqa: BLE001
+        err = _error(e)
+        return {**out, "hf_continuous_batching": err, "hf_static": err}
+    out["attn_implementation"] = model.config._attn_implementation
+    for name, fn in (("hf_continuous_batching", hf_continuous_batching), ("hf_static", hf_static)):
+        free_device_memory()
+        t0 = time.perf_counter()
+        try:
+            out[name] = fn(model, cfg, requests)
+        except Exception as e:  # noqa: BLE001 - recorded in the report, as a peer that did not run
+            out[name] = _error(e)
+        out[name]["seconds_with_warmup"] = time.perf_counter() - t0
+        tps = out[name].get("tokens_per_s")
+        print(f"{name:>24}: " + (f"{tps:.1f} tokens/s" if tps else f"failed: {out[name].get('error')}"), flush=True)
+    del model
+    free_device_memory()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------
 
 
 def parse_load_seconds(metrics: str) -> dict:
     """Cold-load seconds by tier from /metrics: ``{tier: {"count", "mean_s", "per_model": {id: mean}}}``."""
     sums, counts = {}, {}
     for m in re.finditer(r'^deltafleet:delta_load_seconds_(sum|count)\{model_name="([^"]+)",tier="([^"]+)"\} (\S+)$',
-                         metrics, re.M):
+                         metrics, re.MULTILINE):
         (sums if m.group(1) == "sum" else counts)[(m.group(2), m.group(3))] = float(m.group(4))
     out: dict = {}
     for (model, tier), n in counts.items():
@@ -345,161 +843,190 @@ def gpu_memory_used_mib(field: str = "memory.used") -> list[int] | None:
     """``nvidia-smi``'s ``field`` (MiB) of every GPU, in index order; None without GPUs."""
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
+                             check=False, capture_output=True, text=True, timeout=30)
         return [int(x) for x in out.stdout.split()] if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
 
 
-def predicted_memory(cfg: DictConfig) -> list[dict]:
-    """Bytes of tensors each rank of the server holds (``deltafleet.serve.synthetic.predict_memory``), per rank."""
-    from deltafleet.serve.synthetic import predict_memory
+def predicted_memory(cfg: DictConfig) -> list[dict] | dict:
+    """Bytes of tensors each rank of the server holds, per rank: the base's slice and the variant slots
+    (``deltafleet.serve.synthetic.predict_memory``), and the paged KV cache of ``kv_cache_tokens``
+    tokens: ``server.kv_cache.max_tokens``, else on the CPU ``max_batch`` full contexts, else (on
+    CUDA the server sizes it from the free memory) None, and the KV cache out of ``total_bytes``.
+    ``{"error": ...}`` where that cannot be computed."""
+    try:
+        from deltafleet.serve.synthetic import predict_memory
 
-    return [predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,
-                           dtype=getattr(torch, cfg.dtype), max_batch=cfg.max_batch,
-                           max_seq_len=cfg.max_position_embeddings, sign_layout=cfg.get("sign_layout", "tiled"))
-            for r in range(cfg.tp)]
+        server = OmegaConf.to_container(cfg.server, resolve=True) if cfg.get("server") else {}
+        ctx = cfg.max_position_embeddings
+        tokens = (server.get("kv_cache") or {}).get("max_tokens")
+        if tokens is None and cfg.device == "cpu":
+            tokens = server.get("max_batch", 8) * ctx
+        out = []
+        for r in range(cfg.tp):
+            one = predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,
+                                 dtype=torch_dtype(cfg.dtype), max_batch=1, max_seq_len=ctx,
+                                 sign_layout=cfg.get("sign_layout", "tiled"))  # KV: one full context
+            kv = None if tokens is None else one["kv_cache_bytes"] // ctx * tokens
+            out.append({**one, "kv_cache_tokens": tokens, "kv_cache_bytes": kv,
+                        "total_bytes": one["base_bytes"] + one["slots_bytes"] + (kv or 0)})
+        return out
+    except Exception as e:  # noqa: BLE001 - a figure of the report, not a reason to lose the run
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of this checkout; else ``$DELTAFLEET_COMMIT``; else None."""
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True,
+                           timeout=30)
+        if r.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", r.stdout.strip()):
+            return r.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("DELTAFLEET_COMMIT") or None
+
+
+def machine_info(cfg: DictConfig) -> dict:
+    cuda = cfg.device == "cuda" and torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    gpus = torch.cuda.device_count() if cuda else 0
+    name = f"{cfg.machine}: {f'{gpus}x ' if gpus > 1 else ''}{device}" + ("" if cuda else f", {os.cpu_count()} CPUs")
+    return {"name": name, "tag": cfg.machine, "device": device, "cpus": os.cpu_count(), "gpus": gpus,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def summarize(report: dict) -> dict:
-    """Variant ÷ base TTFT and inter-token latency (P50, mixed load), throughput mixed ÷ base-only."""
-    mixed, base_only = report["phases"]["mixed"], report["phases"]["base_only"]
-    base = mixed["per_model"].get(report["base_id"])
-    variants = [v for m, v in mixed["per_model"].items() if m != report["base_id"]]
-    out = {"throughput_mixed_over_base_only": mixed["tokens_per_s"] / base_only["tokens_per_s"]}
-    if base and variants:
-        out["variant_over_base_ttft_p50"] = float(np.median([v["ttft_p50_s"] for v in variants])) / base["ttft_p50_s"]
-        out["variant_over_base_itl_p50"] = float(np.median([v["itl_p50_s"] for v in variants])) / base["itl_p50_s"]
-    b1 = base_only["per_model"].get(report["base_id"])
-    if b1 and variants:
-        out["variant_mixed_over_base_only_ttft_p50"] = \
-            float(np.median([v["ttft_p50_s"] for v in variants])) / b1["ttft_p50_s"]
-        out["variant_mixed_over_base_only_itl_p50"] = \
-            float(np.median([v["itl_p50_s"] for v in variants])) / b1["itl_p50_s"]
-    out["targets"] = {"variant_over_base_ttft_p50 <= 1.05": out.get("variant_over_base_ttft_p50", np.inf) <= 1.05,
-                      "variant_over_base_itl_p50 <= 1.08": out.get("variant_over_base_itl_p50", np.inf) <= 1.08,
-                      "throughput_mixed_over_base_only >= 0.6": out["throughput_mixed_over_base_only"] >= 0.6}
-    return out
+    """The ``summary`` block (see the module docstring) of a report."""
+    es = report.get("engine_steps")
+    sof = es.get("step_over_floor") if isinstance(es, dict) else None
+    sof = sof if isinstance(sof, dict) else {}
+
+    def rows(k: str) -> dict:
+        v = sof.get(k, sof.get(int(k)))
+        v = v if isinstance(v, dict) else {}
+        return {"base": _num(v.get("base")), "mixed": _num(v.get("mixed"))}
+
+    load = report["loads"].get(str(report["summary_concurrency"])) or {}
+    peers = report.get("peers") or {}
+    return {"step_over_floor": {k: rows(k) for k in SUMMARY_ROWS},
+            "tokens_per_s": {"base": _num((load.get("base") or {}).get("tokens_per_s")),
+                             "mixed": _num((load.get("mixed") or {}).get("tokens_per_s")),
+                             **{k: _num((peers.get(k) or {}).get("tokens_per_s"))
+                                for k in ("hf_continuous_batching", "hf_static")}},
+            "ttft_p50_s": {k: _num(report["ttft"][k]["ttft_p50_s"]) for k in ("base", "mixed")},
+            "machine": report["machine"]["name"], "commit": report["commit"]}
+
+
+def ratios_and_goals(report: dict) -> tuple[dict, dict]:
+    """Ratios of the summary's figures, and the issue's goals: True/False, None where an input is missing."""
+    s = report["summary"]
+    tps, ttft = s["tokens_per_s"], s["ttft_p50_s"]
+    steps = [v for r in s["step_over_floor"].values() for v in r.values() if v is not None]
+    ttft_mixed = report["ttft"]["mixed"]
+    ratios = {"mixed_over_base_tokens_per_s": _ratio(tps["mixed"], tps["base"]),
+              "base_over_hf_continuous_batching": _ratio(tps["base"], tps["hf_continuous_batching"]),
+              "base_over_hf_static": _ratio(tps["base"], tps["hf_static"]),
+              "mixed_over_hf_continuous_batching": _ratio(tps["mixed"], tps["hf_continuous_batching"]),
+              "mixed_over_hf_static": _ratio(tps["mixed"], tps["hf_static"]),
+              "ttft_variant_over_base_p50": _ratio(ttft_mixed["variants"]["ttft_p50_s"],
+                                                   ttft_mixed["base"]["ttft_p50_s"]),
+              "ttft_mixed_over_base_p50": _ratio(ttft["mixed"], ttft["base"]),
+              "step_over_floor_max": max(steps) if steps else None}
+
+    def at_least(x, bound):
+        return None if x is None else bool(x >= bound)
+
+    phases = [p for c in report["loads"].values() for p in c.values()]
+    phases += [*report["ttft"].values(), report["burst"]]
+    ttfts = [ttft["base"], ttft["mixed"]]
+    goals = {"step_over_floor <= 1.3": bool(max(steps) <= 1.3) if steps else None,
+             "base >= 4x hf_continuous_batching": at_least(ratios["base_over_hf_continuous_batching"], 4.0),
+             "base >= 2x hf_static": at_least(ratios["base_over_hf_static"], 2.0),
+             "mixed/base >= 0.85": at_least(ratios["mixed_over_base_tokens_per_s"], 0.85),
+             "ttft_p50 <= 0.1 s": None if None in ttfts else bool(max(ttfts) <= 0.1),
+             "variant/base ttft <= 1.05": None if ratios["ttft_variant_over_base_p50"] is None
+             else bool(ratios["ttft_variant_over_base_p50"] <= 1.05),
+             "burst answered, no 5xx": bool(report["burst"]["all_answered"] and report["burst"]["no_5xx"]),
+             "every request answered": all(p["all_answered"] for p in phases),
+             "every completion max_tokens long": sum(p["token_mismatches"] for p in phases) == 0}
+    return ratios, goals
 
 
 def plot(report: dict, png: Path) -> None:
+    """tokens/s and TTFT P50/P99 against concurrency (base, mixed; the peers as points), step ÷ floor bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mixed, base_only = report["phases"]["mixed"]["per_model"], report["phases"]["base_only"]["per_model"]
-    models = list(mixed)
-    used = report["memory"].get("gpu_memory_used_mib")
-    fig, axes = plt.subplots(1, 3 if used else 2, figsize=(max(10, 0.7 * len(models) + 4) + (4 if used else 0), 4.5),
-                             gridspec_kw={"width_ratios": [3, 3, 1] if used else [1, 1]})
-    for ax, key, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
-        x = np.arange(len(models))
-        ax.bar(x - 0.2, [mixed[m][f"{key}_p50_s"] * 1e3 for m in models], 0.4, label="P50, mixed load")
-        ax.bar(x + 0.2, [mixed[m][f"{key}_p99_s"] * 1e3 for m in models], 0.4, label="P99, mixed load")
-        b = base_only.get(report["base_id"])
-        if b:
-            ax.axhline(b[f"{key}_p50_s"] * 1e3, color="k", ls=":", label="base P50, base-only load")
-        ax.set_xticks(x, models, rotation=60, fontsize=7)
-        ax.set_ylabel("ms")
-        ax.set_title(title)
+    levels = sorted(report["loads"], key=int)
+    x = [int(c) for c in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    for load, style in (("base", "o-"), ("mixed", "s-")):
+        ax.plot(x, [report["loads"][c][load]["tokens_per_s"] or np.nan for c in levels], style, label=load)
+    peers = report.get("peers") or {}
+    for name, marker in (("hf_continuous_batching", "^"), ("hf_static", "v")):
+        tps = (peers.get(name) or {}).get("tokens_per_s")
+        if tps:
+            ax.plot([peers["concurrency"]], [tps], marker, ms=10, ls="none", label=f"{name} (transformers)")
+    ax.set(xscale="log", yscale="log", xlabel="concurrency (clients)", ylabel="completion tokens/s",
+           title="throughput")
+    ax.set_xticks(x, [str(c) for c in x], minor=False)
+    ax.set_xticks([], minor=True)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for load, color in (("base", "C0"), ("mixed", "C1")):
+        for q, ls in (("p50", "-"), ("p99", ":")):
+            ys = [(report["loads"][c][load][f"ttft_{q}_s"] or np.nan) * 1e3 for c in levels]
+            ax.plot(x, ys, ls, color=color, marker="o", label=f"{load} {q.upper()}")
+    t = report["ttft"]
+    for load, color in (("base", "C0"), ("mixed", "C1")):
+        if t[load]["ttft_p50_s"] is not None:
+            ax.plot([t[load]["concurrency"]], [t[load]["ttft_p50_s"] * 1e3], "*", color=color, ms=12,
+                    label=f"{load} P50, {report['config']['ttft']['prompt_tokens']}-token prompts")
+    ax.set(xscale="log", yscale="log", xlabel="concurrency (clients)", ylabel="ms", title="time to first token")
+    ax.set_xticks(x, [str(c) for c in x], minor=False)
+    ax.set_xticks([], minor=True)
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    es = report.get("engine_steps")
+    sof = es.get("step_over_floor") if isinstance(es, dict) else None
+    if isinstance(sof, dict) and sof:
+        rows = sorted(sof, key=lambda k: int(k))
+        xs = np.arange(len(rows))
+        for i, load in enumerate(("base", "mixed")):
+            ax.bar(xs + (i - 0.5) * 0.4, [_num((sof[r] or {}).get(load)) or np.nan for r in rows], 0.4, label=load)
+        ax.axhline(1.3, color="k", ls=":", label="goal 1.3")
+        ax.set_xticks(xs, [str(r) for r in rows])
+        ax.set(xlabel="rows in the decode step", ylabel="step time ÷ bandwidth floor", title="engine decode steps")
         ax.legend(fontsize=7)
-    if used:  # per GPU: nvidia-smi after the load, the tensors predicted for its rank, the capacity
-        ax, x = axes[2], np.arange(len(used))
-        pred = [p["total_bytes"] / 2**30 for p in report["memory"]["predicted_bytes_per_rank"]]
-        ax.bar(x - 0.2, [u / 1024 for u in used], 0.4, label="used (nvidia-smi)")
-        ax.bar(x[:len(pred)] + 0.2, pred, 0.4, label="tensors, predicted")
-        for i, t in enumerate(report["memory"].get("gpu_memory_total_mib") or []):
-            ax.hlines(t / 1024, i - 0.4, i + 0.4, color="k", ls=":")
-        ax.set_xticks(x, [f"GPU {i}" for i in x], fontsize=7)
-        ax.set_ylabel("GiB (dotted: capacity)")
-        ax.set_title("memory per GPU")
-        ax.legend(fontsize=7, loc="lower center")
-    s, c = report["summary"], report["config"]
+    else:
+        why = es.get("error", "not measured") if isinstance(es, dict) else "not run (engine_steps: false)"
+        ax.text(0.5, 0.5, f"engine steps:\n{why[:120]}", ha="center", va="center", wrap=True, fontsize=8)
+        ax.set_axis_off()
+    c, s = report["config"], report["summary"]
     tp = f", TP={c['tp']}" if c.get("tp", 1) > 1 else ""
     fig.suptitle(f"{c['shape']} family{' (synthetic)' if c.get('synthetic') else ''}, {c['variants']} variants{tp} — "
-                 f"mixed {report['phases']['mixed']['tokens_per_s']:.0f} tokens/s, "
-                 f"÷ base-only {s['throughput_mixed_over_base_only']:.2f} — "
-                 f"{report['machine']['device']} — {report['date']}", fontsize=9)
+                 f"{s['machine']} — {report['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
-def main(cfg: DictConfig) -> dict:
-    from deltafleet.atomic import write_text
-
-    import logging
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
-    vocab = cfg.shapes[cfg.shape].vocab_size
-    from hydra.core.hydra_config import HydraConfig
-
-    # the run's own folder (Hydra does not change the working directory)
-    out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(cfg, family, out_dir / "server.log")
-    print(f"server healthy after {server.startup_s:.1f} s", flush=True)
-    rng = np.random.default_rng(cfg.seed)
-    import httpx
-
-    try:
-        url = server.url
-        mem_started = gpu_memory_used_mib()
-        listed = [{"id": m["id"], "parent": m["parent"]} for m in httpx.get(url + "/v1/models").json()["data"]]
-        models = [m["id"] for m in listed]
-        base_id, variants = "bench", [m for m in models if m != "bench"]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(min(cfg.concurrency, len(models))) as pool:  # every cold load from disk
-            warm = list(pool.map(lambda m: one_request(url, m, [5, 6, 7], 2), models))
-        warm_s = time.perf_counter() - t0
-        phases = {"base_only": run_phase(url, [base_id], cfg, rng, vocab)}
-        print(f"base-only: {phases['base_only']['tokens_per_s']:.1f} tokens/s", flush=True)
-        phases["mixed"] = run_phase(url, [base_id] + variants, cfg, rng, vocab, balanced=cfg.balanced_mix)
-        print(f"mixed:     {phases['mixed']['tokens_per_s']:.1f} tokens/s", flush=True)
-        mem = {"gpu_memory_used_mib": gpu_memory_used_mib(), "gpu_memory_total_mib": gpu_memory_used_mib("memory.total"),
-               "gpu_memory_used_mib_after_startup": mem_started, "predicted_bytes_per_rank": predicted_memory(cfg),
-               "server_rss_bytes": server.rss_bytes()}
-        print(f"GPU memory used (MiB): {mem['gpu_memory_used_mib']}; tensors predicted per rank (GiB): "
-              f"{[round(p['total_bytes'] / 2**30, 2) for p in mem['predicted_bytes_per_rank']]}", flush=True)
-        for i in range(cfg.extra_for_host_tier):  # past the slots: the coldest go to the host tier
-            r = httpx.post(url + "/v1/load_variant", json={"variant": f"extra{i}", "path": "v00"}, timeout=600)
-            r.raise_for_status()
-        cache = httpx.get(url + "/v1/delta_cache").json()
-        on_host = [m for m, v in cache["variants"].items() if v["tier"] == "host"]
-        for m in on_host:
-            one_request(url, m, [5, 6, 7], 2)
-        loads = parse_load_seconds(httpx.get(url + "/metrics").text)
-        answered = phases["mixed"]["answered"]
-        report = {
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": {"tag": cfg.machine, "device": torch.cuda.get_device_name() if cfg.device == "cuda"
-                        else platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                        "gpus": torch.cuda.device_count() if cfg.device == "cuda" else 0,
-                        "torch": torch.__version__, "python": platform.python_version()},
-            "config": OmegaConf.to_container(cfg, resolve=True),
-            "synthetic": _synthetic_spec(cfg),
-            "startup_s": server.startup_s,
-            "base_id": base_id, "variant_ids": variants, "models": listed,
-            "warmup": {"seconds": warm_s, "errors": [w["error"] for w in warm if "error" in w]},
-            "phases": phases, "answered_mixed": answered,
-            "all_variants_answered": len(variants) == cfg.variants and all(answered[v] > 0 for v in variants),
-            "cold_load_seconds_by_tier": loads, "evicted_to_host": on_host,
-            "memory": mem, "delta_cache": cache,
-        }
-        report["summary"] = summarize(report)
-    finally:
-        server.stop()
-    reports = Path(cfg.paths.reports_dir)
-    reports.mkdir(parents=True, exist_ok=True)
-    write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
-    plot(report, reports / f"{cfg.report_name}.png")
-    s = report["summary"]
-    print(json.dumps(s, indent=1), flush=True)
-    print(f"every variant answered: {report['all_variants_answered']} {report['answered_mixed']}", flush=True)
-    print(f"wrote {reports / cfg.report_name}.json and .png", flush=True)
-    return report
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
 
 
 def _synthetic_spec(cfg: DictConfig) -> dict | None:
@@ -510,6 +1037,128 @@ def _synthetic_spec(cfg: DictConfig) -> dict | None:
 
     return {"shape": synthetic_shape(cfg), "variants": cfg.variants, "seed": cfg.seed, "std": DEFAULTS["std"],
             "alpha": DEFAULTS["alpha"]}
+
+
+def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, vocab: int,
+                   loads: dict[int, list]) -> None:
+    """Steps 3-5 of the module docstring: the server, its loads, memory and cold loads, into ``report``;
+    the server stopped at the end, whatever happens."""
+    import httpx
+
+    levels = sorted(loads)
+    gen = LoadGenerator(cfg.client_processes)
+    try:
+        server = Server(cfg, family, out_dir / "server.log")
+    except BaseException:
+        gen.close()
+        raise
+    print(f"server healthy after {server.startup_s:.1f} s; {len(gen.pids)} client processes", flush=True)
+    try:
+        url = server.url
+        mem_started = gpu_memory_used_mib()
+        listed = [{"id": m["id"], "parent": m["parent"]} for m in httpx.get(url + "/v1/models").json()["data"]]
+        variants = sorted(m["id"] for m in listed if m["id"] != BASE_ID)
+        ranked = [BASE_ID] + variants  # Zipf rank order: the base, then v00, v01, ...
+        report["server"] = {"startup_s": server.startup_s, "overrides": server.overrides, "models": listed,
+                            "base_id": BASE_ID, "variant_ids": variants, "client_processes": len(gen.pids)}
+
+        t0 = time.perf_counter()  # warm-up: every model once (a variant's cold load), then the widest batch
+        every = phase_stats(gen.run(url, [(m, [5, 6, 7], 2, 0) for m in ranked], min(len(ranked), max(levels))))
+        n = max(levels)
+        rng = np.random.default_rng([cfg.seed, _WARMUP, 0])
+        ln = cfg.lengths
+        prompt = lognormal_lengths(rng, n, ln.prompt_median, ln.sigma, ln.min, ln.max)
+        prompt, _ = fit_context(prompt, np.full(n, cfg.warmup.max_tokens), cfg.max_position_embeddings, ln.min)
+        reqs = [(p, int(cfg.warmup.max_tokens)) for p in random_prompts(rng, prompt, vocab)]
+        wide = run_load(gen, url, "warm-up", reqs, zipf_models(ranked, n, cfg.zipf_s, [cfg.seed, _WARMUP, 1]), n)
+        report["warmup"] = {"seconds": time.perf_counter() - t0, "every_model": every, "widest": wide,
+                            "models_answered": sorted(every["per_model"]),
+                            "all_variants_answered": len(variants) == cfg.variants and every["all_answered"]}
+
+        report["loads"] = {}
+        for c in levels:
+            reqs = loads[c]
+            report["loads"][str(c)] = {
+                "base": run_load(gen, url, "base", reqs, [BASE_ID] * len(reqs), c),
+                "mixed": run_load(gen, url, "mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
+                                                                       [cfg.seed, _ZIPF, c]), c)}
+        t = cfg.ttft
+        reqs = fixed_requests(t.requests, t.prompt_tokens, t.max_tokens, vocab, [cfg.seed, _TTFT, 0])
+        report["ttft"] = {
+            "base": run_load(gen, url, "ttft base", reqs, [BASE_ID] * len(reqs), t.concurrency),
+            "mixed": run_load(gen, url, "ttft mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
+                                                                        [cfg.seed, _TTFT_ZIPF, 0]), t.concurrency)}
+        b = cfg.burst
+        reqs = fixed_requests(b.requests, burst_prompt_tokens(cfg), b.max_tokens, vocab, [cfg.seed, _BURST, 0])
+        report["burst"] = run_load(gen, url, "burst", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
+                                                                        [cfg.seed, _BURST, 1]), len(reqs))
+        report["burst"]["prompt_tokens_each"] = burst_prompt_tokens(cfg)
+
+        report["memory"] = {"gpu_memory_used_mib": gpu_memory_used_mib(),
+                            "gpu_memory_total_mib": gpu_memory_used_mib("memory.total"),
+                            "gpu_memory_used_mib_after_startup": mem_started,
+                            "predicted_bytes_per_rank": predicted_memory(cfg), "server_rss_bytes": server.rss_bytes()}
+        print(f"GPU memory used (MiB): {report['memory']['gpu_memory_used_mib']}", flush=True)
+        on_host, host = [], None
+        if not cfg.synthetic:  # past the device slots: the coldest variants go to the host tier
+            for i in range(cfg.extra_for_host_tier):
+                r = httpx.post(url + "/v1/load_variant", json={"variant": f"extra{i}", "path": "v00"}, timeout=600)
+                r.raise_for_status()
+            cache = httpx.get(url + "/v1/delta_cache").json()
+            on_host = sorted(m for m, v in cache["variants"].items() if v["tier"] == "host")
+            if on_host:
+                host = phase_stats(gen.run(url, [(m, [5, 6, 7], 2, 0) for m in on_host], 1))
+        report["host_tier"] = {"evicted_to_host": on_host, "requests": host}
+        report["cold_load_seconds_by_tier"] = parse_load_seconds(httpx.get(url + "/metrics").text)
+        report["delta_cache"] = httpx.get(url + "/v1/delta_cache").json()
+    finally:
+        server.stop()
+        gen.close()
+
+
+def main(cfg: DictConfig) -> dict:
+    import logging
+
+    from deltafleet.atomic import write_text
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    check_workload(cfg)
+    levels = sorted({int(c) for c in cfg.concurrency})
+    summary_c = int(cfg.summary_concurrency)
+    if summary_c not in levels:
+        raise ValueError(f"summary_concurrency={summary_c} is not one of the concurrency levels {levels}")
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(cfg), "commit": git_commit(),
+                    "config": OmegaConf.to_container(cfg, resolve=True), "synthetic": _synthetic_spec(cfg),
+                    "summary_concurrency": summary_c}
+
+    t0 = time.perf_counter()
+    report["engine_steps"] = run_engine_steps(cfg)
+    es = report["engine_steps"]
+    print(f"engine steps: {'off' if es is None else es.get('error') or 'done'} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+
+    family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
+    vocab = int(cfg.shapes[cfg.shape].vocab_size)
+    loads = {c: load_requests(cfg, c, vocab) for c in levels}
+    from hydra.core.hydra_config import HydraConfig
+
+    # the run's own folder (Hydra does not change the working directory)
+    out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    serve_and_load(cfg, report, family, out_dir, vocab, loads)
+
+    report["peers"] = run_peers(cfg, loads[summary_c], summary_c) if cfg.peers else None
+    report["summary"] = summarize(report)
+    report["ratios"], report["goals"] = ratios_and_goals(report)
+    reports = Path(cfg.paths.reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
+    plot(report, reports / f"{cfg.report_name}.png")
+    print(json.dumps(report["summary"], indent=1), flush=True)
+    print("goals: " + json.dumps(report["goals"]), flush=True)
+    print("ratios: " + json.dumps(report["ratios"]), flush=True)
+    print(f"wrote {reports / cfg.report_name}.json and .png", flush=True)
+    return report
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")

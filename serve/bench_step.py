@@ -59,9 +59,9 @@ def step_bytes(model, slots, rows: int, distinct_variants: int, context: int) ->
 
 
 def engine_steps(cfg) -> dict:
-    """Run the measurement (``cfg``: a mapping; keys as :data:`DEFAULTS`, plus ``shape`` (HF config
-    fields; default the Llama-2-7B shape), ``device``, ``dtype``, ``engine_steps`` (a mapping of
-    overrides of :data:`DEFAULTS`)). Returns ``{"step_over_floor": {"<R>": {"base", "mixed"}}, "rows":
+    """Run the measurement. ``cfg``: a mapping (conf/bench_serve.yaml's): ``shapes[shape]`` (HF config
+    fields; default the Llama-2-7B shape), ``device``, ``dtype``, ``variants``, and
+    ``engine_steps_options`` (overrides of :data:`DEFAULTS`). Returns ``{"step_over_floor": {"<R>": {"base", "mixed"}}, "rows":
     [...], "copy_GBps", ...}``.
 
     Raises:
@@ -72,13 +72,16 @@ def engine_steps(cfg) -> dict:
     from deltafleet.serve.sampling import SamplingBatch, sample
     from deltafleet.serve.synthetic import SyntheticFamily
 
-    get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+    get = cfg.get
     opts = {**DEFAULTS, **dict(get("engine_steps_options", None) or {})}
+    opts["rows"] = list(opts["rows"])
     device = torch.device(get("device", "cuda"))
     if device.type != "cuda":
         raise RuntimeError("the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)")
     dtype = getattr(torch, get("dtype", "bfloat16"))
-    shape = dict(get("shape_config", None) or SHAPE_7B)
+    shapes, name = get("shapes", None), get("shape", None)
+    shape = dict(get("shape_config", None) or (shapes[name] if shapes and name else SHAPE_7B))
+    opts["variants"] = int(get("variants", opts["variants"]))
     context, bs, n_var = int(opts["context"]), int(opts["block_size"]), int(opts["variants"])
     rows_list = [int(r) for r in opts["rows"]]
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), context + 2)

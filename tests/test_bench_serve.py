@@ -1,104 +1,354 @@
-"""The serving benchmark (serve/bench.py): its arithmetic on hand-made numbers, and a real CPU run
-(the tiny shape, 3 variants) through the server on loopback."""
+"""The serving benchmark (serve/bench.py): the workload's lengths and model picks, the load's and the
+summary's arithmetic on hand-made numbers, the engine-step hook, the transformers peers on a tiny
+model, and real CPU runs through the server on loopback (the tiny shape: a built family with its
+host tier, and the 70B config's synthetic family over 2 gloo ranks)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import types
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
-
-from deltafleet.serve.bench import parse_load_seconds, summarize
+from deltafleet.serve import bench
+from deltafleet.serve.bench import (
+    fit_context,
+    lognormal_lengths,
+    phase_stats,
+    ratios_and_goals,
+    summarize,
+    zipf_models,
+    zipf_probabilities,
+)
+from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+# the CPU workload of the end-to-end run (Hydra overrides); the tests below recompute its requests
+TINY = ["shape=tiny", "device=cpu", "dtype=float32", "variants=3", "concurrency=[1,4]", "summary_concurrency=4",
+        "max_position_embeddings=128", "lengths={prompt_median:16,output_median:8,sigma:0.8,min:2,max:96}",
+        "requests={min:4,per_concurrency:2,max:8}", "ttft={concurrency:4,requests:8,prompt_tokens:16,max_tokens:8}",
+        "burst={requests:8,max_tokens:4}", "server={max_batch:4}", "client_processes=2", "warmup={max_tokens:2}",
+        "hf.cb_config={block_size:16,num_blocks:64,max_batch_tokens:128}", "hf.static_batch=4"]
+
+
+def compose_cfg(name: str = "bench_serve", overrides: list[str] = ()):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+# --------------------------------------------------------------------------------------------
+# The workload
+# --------------------------------------------------------------------------------------------
+
+
+def test_lognormal_lengths_are_seeded_bounded_and_centred():
+    draw = lambda seed, n=20000: lognormal_lengths(np.random.default_rng(seed), n, 256, 0.8, 8, 4096)
+    a, b, c = draw(3), draw(3), draw(4)
+    assert a.dtype == np.int64 and np.array_equal(a, b) and not np.array_equal(a, c)
+    assert a.min() >= 8 and a.max() <= 4096
+    assert abs(np.median(a) / 256 - 1) < 0.03  # the median is the configured one
+    assert 300 < a.mean() < 380  # long-tailed: mean = median · exp(σ²/2) ≈ 353
+    wide = lognormal_lengths(np.random.default_rng(0), 5000, 256, 3.0, 8, 4096)
+    assert wide.min() == 8 and wide.max() == 4096  # clipped on both sides
+    assert np.array_equal(lognormal_lengths(np.random.default_rng(0), 4, 100, 0.0, 8, 50), [50] * 4)
+    with pytest.raises(ValueError):
+        lognormal_lengths(np.random.default_rng(0), 4, 100, 0.5, 10, 5)
+
+
+def test_lengths_are_cut_to_fit_the_context():
+    p, o = fit_context(np.array([100, 4000, 4096, 8]), np.array([50, 200, 4096, 8]), 4096, 8)
+    assert p.tolist() == [100, 3896, 8, 8] and o.tolist() == [50, 200, 4088, 8]
+    assert (p + o <= 4096).all() and (p >= 8).all()
+    with pytest.raises(ValueError):
+        fit_context(np.array([4]), np.array([4]), 7, 4)
+
+
+def test_load_requests_are_deterministic_and_fit(tmp_path):
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])  # the GPU defaults: 4096 context, medians 256 / 128
+    assert [bench.requests_for(cfg, c) for c in (1, 16, 64, 256, 1000)] == [32, 64, 256, 512, 512]
+    r1, r2 = bench.load_requests(cfg, 64, 32000), bench.load_requests(cfg, 64, 32000)
+    assert r1 == r2 and len(r1) == 256
+    assert r1 != bench.load_requests(cfg, 16, 32000)[:256]  # each level has its own requests
+    prompt = np.array([len(p) for p, _ in r1])
+    out = np.array([n for _, n in r1])
+    assert (prompt + out <= 4096).all() and prompt.min() >= 8 and out.min() >= 8
+    assert 200 < np.median(prompt) < 320 and 100 < np.median(out) < 160
+    assert min(min(p) for p, _ in r1) >= bench.FIRST_PROMPT_ID and max(max(p) for p, _ in r1) < 32000
+    fixed = bench.fixed_requests(5, 128, 64, 32000, [0, 1])
+    assert fixed == bench.fixed_requests(5, 128, 64, 32000, [0, 1])
+    assert [(len(p), n) for p, n in fixed] == [(128, 64)] * 5
+    assert bench.burst_prompt_tokens(cfg) == 4096 - 8
+
+
+def test_zipf_popularity_follows_the_rank_order():
+    p = zipf_probabilities(15, 1.0)
+    assert p.sum() == pytest.approx(1.0) and p[0] / p[1] == pytest.approx(2.0) and p[0] / p[14] == pytest.approx(15)
+    models = ["bench"] + [f"bench-v{i:02d}" for i in range(14)]
+    picks = zipf_models(models, 200_000, 1.0, [0, 1, 64])
+    assert picks == zipf_models(models, 200_000, 1.0, [0, 1, 64])  # seeded
+    freq = np.array([Counter(picks)[m] for m in models]) / len(picks)
+    assert np.abs(freq - p).max() < 0.004
+    assert freq[0] > freq[1] > freq[2] > freq[3] > freq[5] > freq[8] > freq[14]  # the base first, then v00, ...
+    assert freq[0] == pytest.approx(0.302, abs=0.005)  # 1 / H(15)
+    assert Counter(zipf_models(["a", "b"], 100_000, 2.0, [1]))["a"] / 100_000 == pytest.approx(0.8, abs=0.01)
+
+
+def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_path):
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", "+server.max_num_batched_tokens=4096",
+                                 "+server.kv_cache={block_size:64,max_tokens:null}", "+server.max_waiting=8"])
+    out = bench.server_overrides(cfg, tmp_path / "tok", 1234)
+    assert "max_batch=256" in out and "max_num_batched_tokens=4096" in out
+    assert "kv_cache={block_size:64,max_tokens:null}" in out
+    assert out[-1] == "max_waiting=null" and out.index("max_waiting=8") < len(out) - 1  # null wins: it comes last
+    assert any(o.startswith("synthetic={shape:{vocab_size:32000,") and "max_position_embeddings:4096" in o for o in out)
+    assert "tp=1" in out and "tp_port=1234" in out and "delta_cache.device_slots=14" in out
+
+
+# --------------------------------------------------------------------------------------------
+# A load's figures, the summary, the goals
+# --------------------------------------------------------------------------------------------
+
+
+def result(model, sent, chunks, n, status=200, done=True, error=None, tokens=None):
+    return {"model": model, "prompt_tokens": 10, "max_tokens": n, "status": status, "chunks": chunks, "sent": sent,
+            "end": (chunks[-1] if chunks else sent) + 0.01, "completion_tokens": n if tokens is None else tokens,
+            "done": done, "error": error}
+
+
+def test_phase_stats_count_tokens_errors_and_latencies():
+    rs = [result("b", 0.0, [0.1, 0.2, 0.3], 3), result("b-v00", 0.0, [0.3, 0.5], 2),
+          result("b-v01", 0.1, [0.2, 0.25, 0.3, 0.35], 4, tokens=3),  # ended early (eos): a mismatch
+          result("b", 0.0, [], 5, status=503, done=False, error="busy"),
+          result("b-v00", 0.0, [0.4], 5, error='{"message": "boom"}'),  # an in-band error after the first token
+          result("b", 0.0, [], 5, status=None, done=False, error="ConnectError: refused")]
+    s = phase_stats(rs, base_id="b")
+    assert s["requests"] == 6 and s["answered"] == 3 and s["all_answered"] is False and s["no_5xx"] is False
+    assert s["status_codes"] == {"200": 4, "503": 1, "none": 1}
+    assert [e["status"] for e in s["errors"]] == [503, 200, None]
+    assert s["completion_tokens"] == 3 + 2 + 3 and s["token_mismatches"] == 1
+    assert s["wall_s"] == pytest.approx(0.51)  # first send → last byte
+    assert s["tokens_per_s"] == pytest.approx(8 / 0.51)
+    assert s["ttft_p50_s"] == pytest.approx(0.1)  # TTFTs 0.1, 0.3, 0.1
+    assert s["base"]["ttft_p50_s"] == pytest.approx(0.1) and s["variants"]["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["itl_p50_s"] == pytest.approx(0.075)  # gaps 0.1, 0.1, 0.2, 0.05, 0.05, 0.05
+    assert s["per_model"]["b"]["requests"] == 1 and set(s["per_model"]) == {"b", "b-v00", "b-v01"}
+    ok = phase_stats([result("b", 0.0, [0.1], 1)], base_id="b")
+    assert ok["all_answered"] and ok["no_5xx"] and ok["itl_p50_s"] is None and ok["variants"]["ttft_p50_s"] is None
+
+
+def hand_report(engine_steps, peers, burst_ok=True):
+    def load(tps, ttft, vttft=None):
+        return {"tokens_per_s": tps, "ttft_p50_s": ttft, "all_answered": True, "token_mismatches": 0,
+                "base": {"ttft_p50_s": ttft}, "variants": {"ttft_p50_s": vttft}}
+
+    return {"engine_steps": engine_steps, "summary_concurrency": 64, "peers": peers, "commit": "c0ffee",
+            "machine": {"name": "h200: NVIDIA H200"},
+            "loads": {"16": {"base": load(900.0, 0.05), "mixed": load(850.0, 0.05)},
+                      "64": {"base": load(2000.0, 0.08), "mixed": load(1800.0, 0.09)}},
+            "ttft": {"base": load(500.0, 0.04, None), "mixed": load(480.0, 0.05, 0.0515)},
+            "burst": {"all_answered": burst_ok, "no_5xx": burst_ok, "token_mismatches": 0}}
+
+
+def test_summary_ratios_and_goals():
+    steps = {"step_over_floor": {1: {"base": 1.05, "mixed": 1.1}, "16": {"base": 1.1, "mixed": 1.2},
+                                 64: {"base": 1.15, "mixed": 1.25}, "256": {"base": 1.2, "mixed": 1.35}}, "x": 1}
+    peers = {"hf_continuous_batching": {"tokens_per_s": 400.0}, "hf_static": {"error": "OOM"}}
+    r = hand_report(steps, peers)
+    r["summary"] = s = summarize(r)
+    assert set(s) == {"step_over_floor", "tokens_per_s", "ttft_p50_s", "machine", "commit"}
+    assert s["step_over_floor"] == {"16": {"base": 1.1, "mixed": 1.2}, "64": {"base": 1.15, "mixed": 1.25},
+                                    "256": {"base": 1.2, "mixed": 1.35}}  # string or int keys; rows 16-256 only
+    assert s["tokens_per_s"] == {"base": 2000.0, "mixed": 1800.0, "hf_continuous_batching": 400.0, "hf_static": None}
+    assert s["ttft_p50_s"] == {"base": 0.04, "mixed": 0.05} and s["machine"] == "h200: NVIDIA H200"
+    ratios, goals = ratios_and_goals(r)
+    assert ratios["base_over_hf_continuous_batching"] == pytest.approx(5.0) and ratios["base_over_hf_static"] is None
+    assert ratios["mixed_over_base_tokens_per_s"] == pytest.approx(0.9)
+    assert ratios["ttft_variant_over_base_p50"] == pytest.approx(1.03) and ratios["step_over_floor_max"] == 1.35
+    assert goals == {"step_over_floor <= 1.3": False, "base >= 4x hf_continuous_batching": True,
+                     "base >= 2x hf_static": None, "mixed/base >= 0.85": True, "ttft_p50 <= 0.1 s": True,
+                     "variant/base ttft <= 1.05": True, "burst answered, no 5xx": True,
+                     "every request answered": True, "every completion max_tokens long": True}
+    r = hand_report({"error": "ImportError: no bench_step"}, None, burst_ok=False)
+    r["summary"] = s = summarize(r)
+    assert s["step_over_floor"]["64"] == {"base": None, "mixed": None}
+    assert s["tokens_per_s"]["hf_static"] is None and s["tokens_per_s"]["hf_continuous_batching"] is None
+    _, goals = ratios_and_goals(r)
+    assert goals["step_over_floor <= 1.3"] is None and goals["base >= 4x hf_continuous_batching"] is None
+    assert goals["burst answered, no 5xx"] is False and goals["every request answered"] is False
 
 
 def test_load_seconds_are_read_per_tier_from_metrics():
-    text = "\n".join([
-        'deltafleet:delta_load_seconds_sum{model_name="b-v1",tier="disk"} 0.5',
-        'deltafleet:delta_load_seconds_count{model_name="b-v1",tier="disk"} 1.0',
-        'deltafleet:delta_load_seconds_sum{model_name="b-v2",tier="disk"} 1.5',
-        'deltafleet:delta_load_seconds_count{model_name="b-v2",tier="disk"} 1.0',
-        'deltafleet:delta_load_seconds_sum{model_name="b-v1",tier="host"} 0.03',
-        'deltafleet:delta_load_seconds_count{model_name="b-v1",tier="host"} 3.0',
-        'deltafleet:delta_load_seconds_sum{model_name="b-v2",tier="host"} 0.0',
-        'deltafleet:delta_load_seconds_count{model_name="b-v2",tier="host"} 0.0',
-    ])
-    out = parse_load_seconds(text)
+    rows = [("sum", "b-v1", "disk", 0.5), ("count", "b-v1", "disk", 1.0), ("sum", "b-v2", "disk", 1.5),
+            ("count", "b-v2", "disk", 1.0), ("sum", "b-v1", "host", 0.03), ("count", "b-v1", "host", 3.0),
+            ("sum", "b-v2", "host", 0.0), ("count", "b-v2", "host", 0.0)]
+    text = "".join(f'deltafleet:delta_load_seconds_{k}{{model_name="{m}",tier="{t}"}} {v}\n' for k, m, t, v in rows)
+    out = bench.parse_load_seconds(text)
     assert out["disk"]["count"] == 2 and out["disk"]["mean_s"] == pytest.approx(1.0)
     assert out["host"]["count"] == 3 and out["host"]["mean_s"] == pytest.approx(0.01)
     assert out["host"]["per_model"] == {"b-v1": pytest.approx(0.01)}
 
 
-def test_summary_ratios():
-    pm = lambda t, i: {"ttft_p50_s": t, "itl_p50_s": i, "ttft_p99_s": t, "itl_p99_s": i, "requests": 1}  # noqa: E731
-    report = {"base_id": "b", "phases": {
-        "base_only": {"tokens_per_s": 200.0, "per_model": {"b": pm(0.1, 0.02)}},
-        "mixed": {"tokens_per_s": 150.0, "per_model": {"b": pm(0.2, 0.04), "b-v1": pm(0.21, 0.04),
-                                                       "b-v2": pm(0.25, 0.05), "b-v3": pm(0.22, 0.041)}}}}
-    s = summarize(report)
-    assert s["throughput_mixed_over_base_only"] == pytest.approx(0.75)
-    assert s["variant_over_base_ttft_p50"] == pytest.approx(0.22 / 0.2)  # median of the variants' P50s
-    assert s["variant_over_base_itl_p50"] == pytest.approx(0.041 / 0.04)
-    assert s["variant_mixed_over_base_only_itl_p50"] == pytest.approx(0.041 / 0.02)
-    assert s["targets"] == {"variant_over_base_ttft_p50 <= 1.05": False, "variant_over_base_itl_p50 <= 1.08": True,
-                            "throughput_mixed_over_base_only >= 0.6": True}
+def test_engine_steps_hook(monkeypatch, tmp_path):
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])
+    monkeypatch.setitem(sys.modules, "deltafleet.serve.bench_step", None)  # the module missing: recorded
+    assert bench.run_engine_steps(cfg)["error"].startswith(("ImportError", "ModuleNotFoundError"))
+    seen = []
+    fake = types.ModuleType("deltafleet.serve.bench_step")
+    fake.engine_steps = lambda c: seen.append(c) or {"step_over_floor": {"16": {"base": 1.1, "mixed": 1.2}}, "n": 3}
+    monkeypatch.setitem(sys.modules, "deltafleet.serve.bench_step", fake)
+    assert bench.run_engine_steps(cfg) == {"step_over_floor": {"16": {"base": 1.1, "mixed": 1.2}}, "n": 3}
+    assert seen == [cfg]  # called with the benchmark's own config
+    fake.engine_steps = lambda c: 1 / 0
+    out = bench.run_engine_steps(cfg)
+    assert out["error"] == "ZeroDivisionError: division by zero" and "Traceback" in out["traceback"]
+    cfg.engine_steps = False
+    assert bench.run_engine_steps(cfg) is None
 
 
-def test_a_cpu_run_through_the_real_server(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "serve/bench.py", "shape=tiny", "device=cpu", "dtype=float32", "variants=3",
-            "requests=8", "concurrency=4", "prompt_tokens=16", "max_tokens=8", "max_batch=4",
-            "extra_for_host_tier=1", "max_position_embeddings=128", f"family_dir={tmp_path / 'fam'}",
-            f"paths.root={tmp_path}", "port=8139", "machine=test", f"hydra.run.dir={tmp_path / 'run'}"]
-    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    reports = list((tmp_path / "reports").glob("bench-serve-*-test-tiny-3v.json"))
-    assert len(reports) == 1 and reports[0].with_suffix(".png").is_file()
+# --------------------------------------------------------------------------------------------
+# The peers: transformers on a tiny model
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_transformers_peers_count_only_the_requested_tokens(tmp_path):
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY])
+    reqs = [([5 + i] * (3 + 4 * i), n) for i, n in enumerate([3, 9, 5, 12, 2])]
+    out = bench.run_peers(cfg, reqs, 4)
+    assert out["requests"] == 5 and out["requested_tokens"] == 31 and out["transformers"]
+    cb, st = out["hf_continuous_batching"], out["hf_static"]
+    assert "error" not in cb, cb.get("traceback")
+    assert "error" not in st, st.get("traceback")
+    assert cb["api"] == "manager" and cb["failed"] == cb["short"] == 0
+    assert cb["counted_tokens"] == cb["generated_tokens"] == 31  # each request exactly its own length
+    assert cb["tokens_per_s"] == pytest.approx(31 / cb["wall_s"]) and cb["tokens_per_s"] > 0
+    assert st["batches"] == 2 and st["counted_tokens"] == 31 and st["short"] == 0
+    assert st["generated_tokens"] == 4 * 12 + 1 * 2  # each batch runs to its longest request
+    assert st["max_cache_len"] == max(15 + 12, 19 + 2) and st["tokens_per_s"] > 0
+    cfg.hf.cb_api = "generate_batch"
+    cfg.hf.static_batch = 0  # a broken peer is recorded, not raised
+    out = bench.run_peers(cfg, reqs, 4)
+    cb = out["hf_continuous_batching"]
+    assert "error" not in cb, cb.get("traceback")
+    assert cb["api"] == "generate_batch" and cb["generated_tokens"] == 5 * 12 and cb["counted_tokens"] == 31
+    assert out["hf_static"]["error"].startswith("ValueError") and out["hf_static"]["seconds_with_warmup"] >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# Real runs through the server on loopback
+# --------------------------------------------------------------------------------------------
+
+
+def run_bench(args: list[str], tmp_path: Path) -> dict:
+    r = subprocess.run([sys.executable, "serve/bench.py", *args, f"paths.root={tmp_path}", "machine=test",
+                        f"hydra.run.dir={tmp_path / 'run'}"], check=False, cwd=REPO, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    log = tmp_path / "run" / "server.log"
+    assert r.returncode == 0, r.stderr[-3000:] + (log.read_text()[-3000:] if log.is_file() else "")
+    reports = list((tmp_path / "reports").glob("bench-serve-*-test-tiny-*.json"))
+    assert len(reports) == 1 and reports[0].with_suffix(".png").stat().st_size > 10_000
     d = json.loads(reports[0].read_text())
-    assert d["base_id"] == "bench" and d["variant_ids"] == ["bench-v00", "bench-v01", "bench-v02"]
-    for phase in ("base_only", "mixed"):
-        p = d["phases"][phase]
-        assert p["errors"] == [] and p["completion_tokens"] == 8 * 8  # every request ran to max_tokens
-        assert p["tokens_per_s"] == pytest.approx(p["completion_tokens"] / p["wall_s"])
-    assert set(d["phases"]["base_only"]["per_model"]) == {"bench"}
-    assert sum(v["requests"] for v in d["phases"]["mixed"]["per_model"].values()) == 8
+    assert json.loads(r.stdout[r.stdout.index("{\n"):r.stdout.index("\n}\n") + 2]) == d["summary"]  # printed
+    return d
+
+
+def check_load(stats: dict, requests: list, models: list[str]) -> None:
+    """Every request answered with exactly its tokens; the figures those of ``requests`` sent to ``models``."""
+    n = len(requests)
+    assert stats["requests"] == stats["answered"] == n and stats["all_answered"] and stats["errors"] == []
+    assert stats["status_codes"] == {"200": n} and stats["no_5xx"] and stats["token_mismatches"] == 0
+    assert stats["completion_tokens"] == stats["requested_tokens"] == sum(k for _, k in requests)
+    assert stats["prompt_tokens"] == sum(len(p) for p, _ in requests)
+    assert stats["tokens_per_s"] == pytest.approx(stats["completion_tokens"] / stats["wall_s"]) and stats["wall_s"] > 0
+    assert {m: v["requests"] for m, v in stats["per_model"].items()} == dict(Counter(models))
+    assert 0 < stats["ttft_p50_s"] <= stats["ttft_p99_s"] < stats["wall_s"] + 1e-9
+
+
+def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
+    args = [*TINY, "synthetic=false", "extra_for_host_tier=1", "engine_steps=false", "port=8139",
+            f"family_dir={tmp_path / 'fam'}"]
+    d = run_bench(args, tmp_path)
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *args])
+    s = d["summary"]
+    assert set(s) == {"step_over_floor", "tokens_per_s", "ttft_p50_s", "machine", "commit"}
+    assert s["step_over_floor"] == {k: {"base": None, "mixed": None} for k in ("16", "64", "256")}  # not run
+    assert d["engine_steps"] is None
+    assert all(isinstance(v, float) and v > 0 for v in s["tokens_per_s"].values()), s
+    assert all(isinstance(v, float) and 0 < v < 60 for v in s["ttft_p50_s"].values()), s
+    assert s["machine"].startswith("test: ")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True)
+    assert s["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+
+    ranked = ["bench", "bench-v00", "bench-v01", "bench-v02"]
+    assert d["server"]["variant_ids"] == ranked[1:] and d["warmup"]["all_variants_answered"]
+    assert d["server"]["overrides"][-2:] == ["max_batch=4", "max_waiting=null"]
+    assert d["server"]["client_processes"] == 2  # two client processes shared the load
+    assert sorted(d["loads"]) == ["1", "4"]
+    for c in (1, 4):
+        reqs = bench.load_requests(cfg, c, 1024)  # the same requests, recomputed from the seed
+        assert len(reqs) == {1: 4, 4: 8}[c]
+        check_load(d["loads"][str(c)]["base"], reqs, ["bench"] * len(reqs))
+        check_load(d["loads"][str(c)]["mixed"], reqs, zipf_models(ranked, len(reqs), 1.0, [0, bench._ZIPF, c]))
+    assert s["tokens_per_s"]["base"] == d["loads"]["4"]["base"]["tokens_per_s"]
+    ttft = bench.fixed_requests(8, 16, 8, 1024, [0, bench._TTFT, 0])
+    check_load(d["ttft"]["base"], ttft, ["bench"] * 8)
+    check_load(d["ttft"]["mixed"], ttft, zipf_models(ranked, 8, 1.0, [0, bench._TTFT_ZIPF, 0]))
+    assert s["ttft_p50_s"] == {k: d["ttft"][k]["ttft_p50_s"] for k in ("base", "mixed")}
+    burst = d["burst"]
+    assert burst["prompt_tokens_each"] == 128 - 4 and burst["concurrency"] == 8
+    check_load(burst, bench.fixed_requests(8, 124, 4, 1024, [0, bench._BURST, 0]),
+               zipf_models(ranked, 8, 1.0, [0, bench._BURST, 1]))
+
+    peers = d["peers"]
+    assert peers["concurrency"] == 4 and peers["requested_tokens"] == d["loads"]["4"]["base"]["requested_tokens"]
+    for name in ("hf_continuous_batching", "hf_static"):
+        p = peers[name]
+        assert "error" not in p, p.get("traceback")
+        assert p["counted_tokens"] == p["requested_tokens"] == peers["requested_tokens"] and p["failed"] == 0
+        assert s["tokens_per_s"][name] == p["tokens_per_s"]
+    tps = s["tokens_per_s"]
+    assert d["ratios"]["base_over_hf_static"] == pytest.approx(tps["base"] / tps["hf_static"])
+    g = d["goals"]
+    assert g["burst answered, no 5xx"] is True and g["every request answered"] is True
+    assert g["every completion max_tokens long"] is True and g["step_over_floor <= 1.3"] is None
+    assert all(isinstance(v, bool) for k, v in g.items() if k != "step_over_floor <= 1.3")
+
+    assert d["host_tier"]["evicted_to_host"] and d["host_tier"]["requests"]["all_answered"]
     loads = d["cold_load_seconds_by_tier"]
     assert loads["disk"]["count"] == 4  # the three variants + the hot-loaded extra
-    assert loads["host"]["count"] == len(d["evicted_to_host"]) == 1
-    again = summarize(d)
-    assert d["summary"]["targets"] == again["targets"]
-    for k, v in again.items():
-        if k != "targets":
-            assert d["summary"][k] == pytest.approx(v, rel=1e-12), k
+    assert loads["host"]["count"] == len(d["host_tier"]["evicted_to_host"]) == 1
     assert d["memory"]["server_rss_bytes"] > 0
     assert (tmp_path / "run" / "server.log").is_file() and not (REPO / "server.log").exists()  # the run's folder
 
 
-def test_the_70b_benchmark_path_on_cpu_with_a_tiny_synthetic_family(tmp_path):
+def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     """``--config-name bench_serve_70b`` shrunk to the tiny shape: the server (2 gloo ranks) generates the
-    family, every variant answers in the balanced mixed load, memory is predicted per rank."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    args = [sys.executable, "serve/bench.py", "--config-name", "bench_serve_70b", "shape=tiny", "device=cpu",
-            "shapes.tiny.intermediate_size=352",  # 344 / 2 ranks is not a whole number of sign bytes
-            "dtype=float32", "variants=3", "requests=8", "concurrency=4", "prompt_tokens=16", "max_tokens=8",
-            "max_batch=4", "max_position_embeddings=128", f"paths.root={tmp_path}", "port=8141", "machine=test",
-            f"hydra.run.dir={tmp_path / 'run'}"]
-    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:] + (tmp_path / "run" / "server.log").read_text()[-3000:]
-    reports = list((tmp_path / "reports").glob("bench-serve-*-test-tiny-synthetic-tp2-3v.json"))
-    assert len(reports) == 1 and reports[0].with_suffix(".png").is_file()
-    d = json.loads(reports[0].read_text())
+    family; its loads, TTFT setting and burst are answered; no engine steps, no peers."""
+    d = run_bench(["--config-name", "bench_serve_70b", "shape=tiny", "device=cpu", "dtype=float32", "variants=3",
+                   "shapes.tiny.intermediate_size=352",  # 344 / 2 ranks is not a whole number of sign bytes
+                   "max_position_embeddings=64", "concurrency=[2]", "summary_concurrency=2",
+                   "lengths={prompt_median:8,output_median:4,min:2,max:32}", "requests={min:4,per_concurrency:2,max:4}",
+                   "ttft={concurrency:2,requests:4,prompt_tokens:8,max_tokens:4}", "burst={requests:4,max_tokens:2}",
+                   "client_processes=1", "warmup={max_tokens:2}", "port=8141"], tmp_path)
     assert not (tmp_path / "outputs" / "bench" / "serve-synthetic-tiny" / "base").exists()  # only a tokenizer
-    assert d["models"] == [{"id": "bench", "parent": None}] + [{"id": f"bench-v0{i}", "parent": "bench"} for i in range(3)]
-    mixed = d["phases"]["mixed"]
-    assert mixed["errors"] == [] and mixed["completion_tokens"] == 8 * 8
-    assert d["answered_mixed"] == {"bench": 2, "bench-v00": 2, "bench-v01": 2, "bench-v02": 2}  # balanced: 8 over 4
-    assert d["all_variants_answered"] is True
-    assert {m: v["tier"] for m, v in d["delta_cache"]["variants"].items()} == {f"bench-v0{i}": "device" for i in range(3)}
-    assert d["startup_s"] > 0 and d["synthetic"]["variants"] == 3 and d["config"]["tp"] == 2
+    assert d["server"]["models"] == [{"id": "bench", "parent": None}] + [
+        {"id": f"bench-v0{i}", "parent": "bench"} for i in range(3)]
+    assert d["config"]["tp"] == 2 and d["synthetic"]["variants"] == 3 and d["server"]["startup_s"] > 0
+    assert d["engine_steps"] is None and d["peers"] is None and d["warmup"]["all_variants_answered"]
+    for stats in [*d["loads"]["2"].values(), *d["ttft"].values(), d["burst"]]:
+        assert stats["all_answered"] and stats["token_mismatches"] == 0 and stats["completion_tokens"] > 0
+    assert d["burst"]["prompt_tokens_each"] == 62 and d["goals"]["burst answered, no 5xx"] is True
+    s = d["summary"]
+    assert s["tokens_per_s"]["base"] > 0 and s["tokens_per_s"]["hf_static"] is None
+    tiers = {m: v["tier"] for m, v in d["delta_cache"]["variants"].items()}
+    assert tiers == {f"bench-v0{i}": "device" for i in range(3)}
+    assert d["host_tier"] == {"evicted_to_host": [], "requests": None}
     pred = d["memory"]["predicted_bytes_per_rank"]
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
-    assert pred[0]["kv_cache_bytes"] == 2 * 2 * 4 * 1 * 128 * 32 * 4  # K, V · 2 layers · 4 rows · 1 of 2 KV heads
+    assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
+    assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
