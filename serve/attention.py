@@ -46,6 +46,11 @@ def _flex():
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # One compiled kernel per decode bucket (1, 2, 4, … 256 rows): more than dynamo's default
+        # recompile limit (8), past which it would fall back to the unfused implementation.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _FLEX = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _FLEX
 
@@ -81,10 +86,11 @@ class PagedStep:
         cache: the :class:`PagedKVCache`.
         kv_slots: int64 ``[T]``, the cache slot each token's key and value go to.
         n_decode: the first ``n_decode`` tokens are decode rows.
-        tables: int32 ``[n_decode, max_blocks]``, the decode rows' block tables (padded with any
-            block id: only the first ``num_blocks[b]`` are read).
-        num_blocks: int32 ``[n_decode]``, the blocks each decode row reads.
-        positions: int64 ``[n_decode]``, each decode row's position (it attends to ``0 … position``).
+        tables: int32 ``[R, max_blocks]``, the decode rows' block tables (padded with any block id:
+            only the first ``num_blocks[b]`` are read), ``R ≥ n_decode``: rows past ``n_decode`` are
+            padding (a scratch-block table, position 0) that keeps FlexAttention's shapes to a few.
+        num_blocks: int32 ``[R]``, the blocks each decode row reads.
+        positions: int64 ``[R]``, each decode row's position (it attends to ``0 … position``).
         chunks: per prefill chunk ``(flat start, length, start position, context slots)``: the chunk's
             tokens are ``flat start …`` of the batch at positions ``start position …``, and its context
             slots (int64, ``start position + length`` of them) are where its sequence's keys lie.
@@ -112,21 +118,29 @@ class PagedStep:
         if self._mask is None:
             from torch.nn.attention.flex_attention import BlockMask
 
-            bs, b = self.cache.block_size, self.n_decode
-            last = (self.positions // bs).to(torch.int64)
-            last_block = self.tables.gather(1, last[:, None]).to(torch.int32)  # [B, 1]
+            bs, b = self.cache.block_size, self.tables.shape[0]  # decode rows and any padding rows
             self.masks.update(self.tables, self.num_blocks, self.positions)
-            tables = self.tables
-            if not tables.is_cuda:  # eager FlexAttention makes a dense mask: a column per block of the cache
-                width = self.cache.k.shape[2] // bs
-                tables = F.pad(tables, (0, width - tables.shape[1]))
-                last_block = F.pad(last_block, (0, width - 1))
+            # eager FlexAttention (off CUDA) makes a dense mask: a column per block of the cache
+            width = None if self.tables.is_cuda else self.cache.k.shape[2] // bs
+            partial, full = block_lists(self.tables, self.positions, bs, width)
             self._mask = BlockMask.from_kv_blocks(
-                torch.ones(b, 1, 1, dtype=torch.int32, device=tables.device), last_block.reshape(b, 1, 1, -1),
-                (self.num_blocks - 1).view(b, 1, 1), tables.reshape(b, 1, 1, -1),
+                torch.ones(b, 1, 1, dtype=torch.int32, device=full.device), partial.view(b, 1, 1, -1),
+                (self.num_blocks - 1).view(b, 1, 1), full.view(b, 1, 1, -1),
                 BLOCK_SIZE=(128, bs), mask_mod=self.masks.mask_mod, seq_lengths=(1, self.cache.k.shape[2]),
                 compute_q_blocks=False)
         return self._mask
+
+
+def block_lists(tables: Tensor, positions: Tensor, block_size: int, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """FlexAttention's two block lists for decode rows: ``(partial, full)``, int32 ``[B, W]`` of one shape
+    and strides (the kernels index both with the partial list's strides): ``partial[b, 0]`` is row b's
+    last block (read up to its position), ``full[b]`` its table (the first ``num_blocks − 1`` read
+    whole). ``width``: pad both to this many columns (None: the tables' own width)."""
+    tables = tables.to(torch.int32).contiguous()
+    if width is not None:
+        tables = F.pad(tables, (0, width - tables.shape[1]))
+    last = tables.gather(1, (positions // block_size).to(torch.int64)[:, None])
+    return torch.cat([last, tables[:, 1:]], 1), tables
 
 
 class FlexMask:
@@ -201,14 +215,16 @@ class PagedLayer:
         st = self.step
         gqa = kc.shape[0] != q.shape[1]
         if st.backend == "flex":
-            b = q.shape[0]
+            n, b = q.shape[0], st.tables.shape[0]
+            if b > n:  # padding rows (see PagedStep): they read the scratch block, their output is dropped
+                q = torch.cat([q, q.new_zeros(b - n, *q.shape[1:])])
             kk = kc.unsqueeze(0).expand(b, -1, -1, -1)
             vv = vc.unsqueeze(0).expand(b, -1, -1, -1)
             if q.is_cuda:
                 flex = _flex()
             else:  # eager: materializes the scores (tests on the CPU)
                 from torch.nn.attention.flex_attention import flex_attention as flex
-            return flex(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)
+            return flex(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
         return decode_sdpa(q, kc, vc, st.tables, st.positions, st.cache.block_size)
 
 

@@ -18,6 +18,7 @@ also the artifact's keys, so the checkpoint loads without renaming and deltas ar
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,53 @@ from deltafleet.serve.batch import BatchDeltas, RowCache
 from deltafleet.serve.delta import VariantDelta, hf_name
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+FUSE = os.environ.get("DELTAFLEET_FUSE", "1") != "0"  # 0: the elementwise ops below stay unfused on CUDA too
+
+
+def fused(fn):
+    """``fn`` compiled by ``torch.compile`` (dynamic shapes, one graph) when its first argument is a CUDA
+    tensor, so that its elementwise chain is one kernel instead of one per op (at decode, launches
+    rather than bytes bound these); eager elsewhere, and with ``DELTAFLEET_FUSE=0``."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if FUSE and args[0].is_cuda:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            return compiled(*args)
+        return fn(*args)
+
+    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    return call
+
+
+@fused
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) in fp32, as HF's Llama: ``weight · (x / rms(x))`` in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@fused
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(h, rms_norm(h))`` for the residual ``h = x + y``."""
+    h = x + y
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return h, weight * hf.to(h.dtype)
+
+
+@fused
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``q`` and ``k`` rotated by position (:func:`apply_rope`)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+@fused
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 @dataclass
@@ -206,16 +254,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.name = name
 
-    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+    def weight_for(self, delta: VariantDelta | BatchDeltas | None) -> Tensor:
+        """The weight ``delta`` runs with: ``[D]``, or ``[B, 1, D]`` (each row's own) for a batch."""
         if delta is None:
-            weight = self.weight
-        elif isinstance(delta, BatchDeltas):
-            weight = delta.norm_weight(self)  # [B, 1, D]: each row's own
-        else:
-            weight = delta.full.get(f"{self.name}.weight", self.weight)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+            return self.weight
+        if isinstance(delta, BatchDeltas):
+            return delta.norm_weight(self)
+        return delta.full.get(f"{self.name}.weight", self.weight)
+
+    def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
+        return rms_norm(x, self.weight_for(delta), self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -264,7 +312,7 @@ class Attention(nn.Module):
         q = self.q_proj(x, delta).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope_qk(q, k, cos, sin)
         if getattr(cache, "paged", False):  # serve/attention.py: a flat batch over the paged cache
             return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1), delta)
         if cache is not None:
@@ -285,7 +333,7 @@ class MLP(nn.Module):
         self.down_proj = DeltaLinear(args.intermediate_size, args.dim, args.mlp_bias, f"{prefix}.down_proj")
 
     def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, delta)) * self.up_proj(x, delta), delta)
+        return self.down_proj(silu_mul(self.gate_proj(x, delta), self.up_proj(x, delta)), delta)
 
 
 class Block(nn.Module):
@@ -299,8 +347,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x, delta), cos, sin, mask, input_pos, cache, delta)
-        return h + self.mlp(self.post_attention_layernorm(h, delta), delta)
+        a = self.self_attn(self.input_layernorm(x, delta), cos, sin, mask, input_pos, cache, delta)
+        norm = self.post_attention_layernorm
+        h, n = add_rms_norm(x, a, norm.weight_for(delta), norm.eps)
+        return h + self.mlp(n, delta)
 
 
 # --------------------------------------------------------------------------------------------

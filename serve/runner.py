@@ -20,6 +20,7 @@ from torch import Tensor
 
 from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend
 from deltafleet.serve.batch import BatchDeltas
+from deltafleet.serve.graphs import buckets
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,16 @@ class ModelRunner:
         self.max_blocks = max_blocks(max_seq_len, block_size)
         self.backend = pick_backend(attention, self.device)
         self.masks = FlexMask(n_blocks, block_size, max_batch, self.device) if self.backend == "flex" else None
+        self._buckets = buckets(max_batch)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from deltafleet.serve.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
         self.steps = 0
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self._buckets if b >= n)
 
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
                    chunks: list[tuple[int, int, int, Tensor]]) -> PagedStep:
@@ -114,8 +119,15 @@ class ModelRunner:
         tokens, positions, kv_slots = as_long(step.tokens), as_long(step.positions), as_long(step.kv_slots)
         if nd:
             dec_pos = positions[:nd]
-            width = max(len(t) for t in step.tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in step.tables], dtype=torch.int32, device=dev)
+            host_tables, width = step.tables, max(len(t) for t in step.tables)
+            if self.backend == "flex":
+                # FlexAttention is compiled for fixed shapes: decode rows padded to a graph bucket and
+                # tables to the full width, as a replay has them, or every row count would compile anew.
+                width, pad = self.max_blocks, self._bucket(nd) - nd
+                scratch = self.cache.scratch_block
+                host_tables = host_tables + [[scratch]] * pad
+                dec_pos = torch.cat([dec_pos, dec_pos.new_zeros(pad)])
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in host_tables], dtype=torch.int32, device=dev)
             num_blocks = (dec_pos // self.block_size + 1).to(torch.int32)
         else:
             dec_pos = positions[:0]

@@ -7,10 +7,13 @@ real paths; three BitDelta variants, ``writer`` also changing norms) loaded on C
 The padding and bucketing that the graphs rely on are tested without a GPU in
 tests/test_serve_runner.py.
 
-Tolerance: the graph replays the eager step's kernels on the same inputs, but on a batch padded to
-its bucket, so a kernel may run another tile (the tuning key holds the row count) and sum its split-K
-partials in another order. The two paths then differ by bf16 roundings through 4 layers: we allow
-``max |graph − eager| ≤ 0.02 · max(1, max |eager|)`` over the real rows' logits.
+Tolerance: the graph replays FlexAttention over the paged cache on a batch padded to its bucket,
+the eager reference gathers the rows' keys for SDPA: two attention kernels, each accumulating bf16
+in its own order, and the linears may run another tile for the padded row count. The two paths then
+differ by bf16 roundings through 4 layers (0.14 on logits of about 7 seen on an H200): we allow
+``max |graph − eager| ≤ 0.05 · max(1, max |eager|)`` over the real rows' logits. A row that reads a
+wrong block of the cache is off by the logits' own size (10.5 seen when the block lists were read
+with the wrong strides).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ VARIANTS = ("coder", "writer", "math")
 SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4, "max_position_embeddings": 512}
 MAX_BATCH, SEQ = 16, 512
-REL_TOL = 0.02
+REL_TOL = 0.05
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,20 @@ def test_the_backends_agree_on_a_partial_last_block(eng):
     torch.testing.assert_close(got[1], att, rtol=1e-5, atol=1e-5)
 
 
+def test_the_block_lists_share_one_shape_and_name_each_rows_blocks():
+    """FlexAttention's kernels read the full-block list with the partial list's strides: a partial list
+    of one column beside tables of four read other rows' blocks (seen on an H200: logits off by 10)."""
+    from deltafleet.serve.attention import block_lists
+
+    tables = torch.tensor([[3, 7, 1, 0], [0, 5, 0, 0], [9, 2, 11, 4]], dtype=torch.int32)
+    positions = torch.tensor([9, 4, 13])
+    partial, full = block_lists(tables, positions, BS)
+    assert partial.shape == full.shape == (3, 4) and partial.stride() == full.stride()
+    assert partial[:, 0].tolist() == [1, 5, 4] and full.tolist() == tables.tolist()
+    wide, _ = block_lists(tables, positions, BS, width=13)
+    assert wide.shape == (3, 13) and wide[:, 0].tolist() == [1, 5, 4] and not wide[:, 4:].any()
+
+
 def test_buckets_and_the_padded_static_inputs(eng):
     from deltafleet.serve.graphs import DecodeGraphs, buckets
 
