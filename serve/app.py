@@ -18,10 +18,11 @@ alone, never its batch. A stream's status line waits for its first token, so tha
 then is a status code; an error after it is an in-band error event before ``data: [DONE]``. A
 non-streaming request that fails is an error, never a 200 with cut text.
 
-Each request is fed by a worker thread from the engine's continuous batch (serve/scheduler.py:
-requests for the base and any variants decode together), through an asyncio queue, so the event
-loop keeps serving ``/health``, ``/metrics`` and new requests meanwhile. A client that hangs up
-cancels its generation (between two tokens), streaming or not, which frees its KV-cache row and
+Each request is fed from the engine's continuous batch (serve/scheduler.py: requests for the base
+and any variants decode together) through an asyncio queue: the scheduler hands a step's items to
+the event loop at once (``Outbox``), so the loop wakes once per step, not once per token, and keeps
+serving ``/health``, ``/metrics`` and new requests meanwhile. A client that hangs up
+cancels its generation (between two tokens), streaming or not, which frees its KV blocks and
 its hold on the variant. Hot load/unload of variants (as vLLM's LoRA adapters: an unloaded variant is
 not served until it is loaded again): ``POST /v1/load_variant``, ``POST /v1/unload_variant``,
 ``GET /v1/delta_cache``; an optional API key guards ``/v1/*``.
@@ -59,6 +60,7 @@ from deltafleet.serve.request import (
     VariantInUseError,
     VariantUnavailableError,
 )
+from deltafleet.serve.scheduler import Outbox
 from deltafleet.serve.protocol import (
     _OWN_ERRORS,
     _UNION_TAGS,
@@ -78,7 +80,7 @@ from deltafleet.serve.protocol import (
 )
 
 PREFIX = "deltafleet:"
-_DONE = object()  # end of a worker's queue
+_DONE = object()  # the last item of a request's queue
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (413) unread
 MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
@@ -578,25 +580,32 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         metrics.add_model(model)
         return req
 
-    def start(req, arrival: float) -> tuple[asyncio.Queue, threading.Event]:
-        """Admit ``req`` (429 past ``max_waiting``) and start it in a worker thread feeding a queue.
+    outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
 
-        The worker keeps every gauge and counter right by itself, so a response that is never
-        consumed leaks nothing; setting the returned event stops it after its current step.
-        """
+    def outbox() -> Outbox:
+        """This event loop's :class:`~deltafleet.serve.scheduler.Outbox` (made, and registered with the
+        scheduler, on first use)."""
         loop = asyncio.get_running_loop()
+        box = outboxes.get(loop)
+        if box is None:
+            box = outboxes[loop] = Outbox(loop, _DONE)
+            engine.scheduler.add_step_listener(box.flush)
+        return box
+
+    def start(req, arrival: float) -> tuple[asyncio.Queue, threading.Event]:
+        """Admit ``req`` (429 past ``max_waiting``) and submit it to the scheduler, its steps coming
+        to an asyncio queue through this loop's outbox (one hand-over per engine step).
+
+        The gauges and counters are kept right when the request ends (its last item, in the loop),
+        so a response that is never consumed leaks nothing; setting the returned event ends the
+        request after its current step.
+        """
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         mid = req.model_id
         state = {"started": False}
 
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                cancel.set()
-
-        def on_start() -> None:
+        def on_start() -> None:  # in the scheduler's thread
             state["started"] = True
             with queued_lock:
                 queued["n"] -= 1
@@ -604,23 +613,14 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             metrics.running.labels(mid).inc()
             metrics.queue.labels(mid).observe(time.perf_counter() - arrival)
 
-        def work() -> None:
-            try:
-                for step in engine.run(req, cancel=cancel, on_start=on_start):
-                    put(step)
-                    if cancel.is_set():
-                        break
-            except BaseException as e:  # noqa: BLE001 — reported to the request, never kills the server
-                put(e)
-            finally:
-                engine.release(req)  # the variant may be evicted again (also if run() never started)
-                if state["started"]:
-                    metrics.running.labels(mid).dec()
-                else:
-                    metrics.waiting.labels(mid).dec()
-                    with queued_lock:
-                        queued["n"] -= 1
-                put(_DONE)
+        def on_end() -> None:  # in the loop, before the queue's last item
+            engine.release(req)  # the variant may be evicted again
+            if state["started"]:
+                metrics.running.labels(mid).dec()
+            else:
+                metrics.waiting.labels(mid).dec()
+                with queued_lock:
+                    queued["n"] -= 1
 
         with queued_lock:
             if max_waiting is not None and queued["n"] >= max_waiting:
@@ -631,7 +631,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             queued["n"] += 1
         metrics.waiting.labels(mid).inc()
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
-        threading.Thread(target=work, name=f"generate-{mid}", daemon=True).start()
+        engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end))
         return queue, cancel
 
     async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[Step]:
@@ -639,8 +639,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         queue, cancel = job
         mid, last = req.model_id, None
         try:
-            # To the end, even once cancelled: the worker stops after its current step, and on an error
-            # Engine.run sets the event too, before the steps it made are read here.
+            # To the end, even once cancelled: the scheduler ends the request after its current step
+            # and sends the last item then.
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, BaseException):
                     metrics.requests.labels(mid, "error").inc()

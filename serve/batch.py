@@ -1,4 +1,4 @@
-"""Rows of different variants in one forward pass: variant slots and per-row KV-cache views.
+"""Rows of different variants in one forward pass: the variant slots, and each row's variant.
 
 A decode step of continuous batching runs every running sequence at once, each with its own
 variant (or the base) and its own position. For the linears that is one
@@ -11,8 +11,8 @@ variants), filled from a variant's host copy by :meth:`DeltaSlots.put`, which re
 path (prefill) reads the same memory and no variant is held twice on the device.
 
 :class:`BatchDeltas` is what the layers receive in place of one ``VariantDelta``: the slots and
-the slot of each row (−1: the base). :class:`RowCache` lets rows of one static KV cache be read
-and written by row index and per-row position.
+the slot of each row (−1: the base), and for an engine step with prefill chunks the runs of rows of
+one variant, which the one-variant kernel multiplies whole.
 """
 from __future__ import annotations
 
@@ -256,24 +256,3 @@ class BatchDeltas:
     def norm_weight(self, mod) -> Tensor:
         """``[B, 1, D]``: each row's norm weight (the variant's if it stores one, else the base's)."""
         return self.table.full[f"{mod.name}.weight"][self._rows].unsqueeze(1)
-
-
-class RowCache:
-    """Rows ``rows`` of a static :class:`~deltafleet.serve.model.KVCache` as a cache of their own.
-
-    ``per_row_positions``: decode, one new token per row at ``input_pos[b]`` (``[B]``); otherwise the
-    rows share ``input_pos`` (``[T]``, prefill of one sequence)."""
-
-    def __init__(self, cache, rows: Tensor, per_row_positions: bool):
-        self.cache, self.rows, self.per_row = cache, rows.long(), per_row_positions
-        self.k, self.v = cache.k, cache.v  # the whole cache (callers read its shape)
-
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        ck, cv = self.cache.k, self.cache.v
-        if self.per_row:  # k [B, H, 1, D] → row b, position input_pos[b]
-            ck[self.rows, :, input_pos] = k[:, :, 0]
-            cv[self.rows, :, input_pos] = v[:, :, 0]
-        else:  # k [B, H, T, D] → rows, positions input_pos
-            ck[self.rows[:, None], :, input_pos[None, :]] = k.transpose(1, 2)
-            cv[self.rows[:, None], :, input_pos[None, :]] = v.transpose(1, 2)
-        return ck[self.rows], cv[self.rows]

@@ -76,7 +76,7 @@ def engine_steps(cfg) -> dict:
     opts = {**DEFAULTS, **dict(get("engine_steps_options", None) or {})}
     opts["rows"] = list(opts["rows"])
     device = torch.device(get("device", "cuda"))
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)")
     dtype = getattr(torch, get("dtype", "bfloat16"))
     shapes, name = get("shapes", None), get("shape", None)

@@ -8,9 +8,10 @@ evicting a variant with requests in flight). Loading is single-flight per varian
 first requests wait for one load, and loads of other variants are not blocked. A request holds
 its variant from :meth:`Engine.prepare` until it ends (:meth:`Engine.release`).
 
-Generation is continuous batching (serve/scheduler.py): every running request, whatever its
-variant, advances one token per batched step; each request reads its steps as a plain iterator of
-:class:`Step`, so the HTTP layer can drive it from a worker thread and stream.
+Generation is continuous batching (serve/scheduler.py): each step, every running request, whatever
+its variant, advances one token while new prompts are prefilled in chunks beside them, over a paged
+KV cache; a request's steps come as a plain iterator of :class:`Step` (:meth:`Engine.run`), or to
+any sink with ``put`` (the HTTP layer's, serve/app.py).
 """
 from __future__ import annotations
 
@@ -163,6 +164,7 @@ class Engine:
         self.detokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         self._detok_lock = threading.Lock()
         self._gen_lock = threading.Lock()  # one generation at a time
+        self._release_lock = threading.Lock()
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
@@ -348,9 +350,11 @@ class Engine:
 
     def release(self, request: Request) -> None:
         """End ``request``'s hold on its variant (idempotent; :meth:`run` does it when it ends)."""
-        if not request.released:
+        with self._release_lock:  # the scheduler's thread and the request's may both end it
+            if request.released:
+                return
             request.released = True
-            self.release_delta(request.model_id)
+        self.release_delta(request.model_id)
 
     def _artifact_stamp(self, model_id: str):
         """(size, mtime, inode) of the variant's manifest, or None once it is gone."""
@@ -614,7 +618,7 @@ class Engine:
         concatenate to the completion: a stop string is cut off (the text ends before it); partial
         UTF-8 and possible stop prefixes are held back until resolved. ``on_start`` is called once
         the request enters the batch; setting ``cancel`` (or closing this iterator) ends it after the
-        current step and frees its KV-cache row and its hold on the variant.
+        current step and frees its KV blocks and its hold on the variant.
         """
         out, cancel = self.scheduler.submit(request, cancel, on_start)
         ended = False

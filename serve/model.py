@@ -1,7 +1,10 @@
 """A Llama-family decoder that serves a base and its BitDelta variants from one copy of the weights.
 
 Read like gpt-fast's ``model.py``: a config dataclass with named presets, RMSNorm, RoPE, attention
-with grouped-query heads and a static KV cache written by index, a SwiGLU MLP. The one new idea is
+with grouped-query heads, a SwiGLU MLP. :meth:`Transformer.forward` runs one sequence (or a batch of
+equal ones) over a static KV cache written by index, the reference path; the serving engine runs
+:meth:`Transformer.forward_paged`, a flat batch of many sequences over the paged KV cache of
+serve/attention.py. The one new idea is
 that every weight can carry a variant's 1-bit delta (BitDelta, Liu et al., arXiv:2402.10193, Eq. 2:
 ``W_ft ≈ W_base + α·sign(Δ)``) that is applied on the fly:
 
@@ -18,7 +21,6 @@ also the artifact's keys, so the checkpoint loads without renaming and deltas ar
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,31 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deltafleet.kernels import bitdelta_linear, unpack_signs
-from deltafleet.serve.batch import BatchDeltas, RowCache
+from deltafleet.serve.batch import BatchDeltas
 from deltafleet.serve.delta import VariantDelta, hf_name
+from deltafleet.serve.fuse import fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-FUSE = os.environ.get("DELTAFLEET_FUSE", "1") != "0"  # 0: the elementwise ops below stay unfused on CUDA too
-
-
-def fused(fn):
-    """``fn`` compiled by ``torch.compile`` (dynamic shapes, one graph) when its first argument is a CUDA
-    tensor, so that its elementwise chain is one kernel instead of one per op (at decode, launches
-    rather than bytes bound these); eager elsewhere, and with ``DELTAFLEET_FUSE=0``."""
-    compiled = None
-
-    def call(*args):
-        nonlocal compiled
-        if FUSE and args[0].is_cuda:
-            if compiled is None:
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-            return compiled(*args)
-        return fn(*args)
-
-    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
-    return call
-
-
 @fused
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm (Zhang & Sennrich 2019) in fp32, as HF's Llama: ``weight · (x / rms(x))`` in x's dtype."""
@@ -442,31 +424,6 @@ class Transformer(nn.Module):
                 return x.new_empty(0, self.args.vocab_size)
             x = x[logits_rows]
             delta = None if delta is None else delta.select(logits_rows)
-        return self.lm_head(self.norm(x, delta), delta)[:, 0]
-
-    def forward_rows(self, tokens: Tensor, input_pos: Tensor, cache: list[KVCache], rows: Tensor,
-                     delta: BatchDeltas | None) -> Tensor:
-        """One decode step of a continuous batch: row b is sequence ``rows[b]`` of ``cache`` (a cache
-        made with ``new_cache(max_batch)``), its new token ``tokens[b]`` at position ``input_pos[b]``,
-        run with its own variant (``delta.slots[b]``, −1 the base).
-
-        Args:
-            tokens: int64 ``[B]``. input_pos: int64 ``[B]``. rows: int64 ``[B]``, distinct.
-            cache: one :class:`KVCache` per layer with at least ``max(rows) + 1`` sequences.
-            delta: the rows' variants, or None when every row runs the base.
-
-        Returns:
-            ``[B, vocab_size]`` logits in the model's dtype; equal (up to kernel rounding) to running
-            each row alone with :meth:`forward` and its own variant.
-        """
-        s = cache[0].k.shape[2]
-        mask = (torch.arange(s, device=tokens.device)[None, :] <= input_pos[:, None])[:, None, None, :]
-        freqs = input_pos[:, None].float() * self.inv_freq[None, :]  # [B, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [B, 1, 1, hd]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        x = self.embed_tokens(tokens[:, None], delta)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, input_pos, RowCache(cache[i], rows, per_row_positions=True), delta)
         return self.lm_head(self.norm(x, delta), delta)[:, 0]
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deltafleet.serve.fuse import fused
+
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 _M1, _M2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # MurmurHash3 fmix32's multipliers, as int32
 _GOLDEN = 0x9E3779B9 - 2**32
@@ -97,27 +99,50 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
     from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
     probability reaches top-p (the most likely token always stays). Returns int64 ``[B]`` on the
-    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf)."""
-    top = logits.amax(-1)
-    finite = torch.isfinite(top)  # amax propagates NaN
+    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA each case
+    is one compiled function (serve/fuse.py): the hash, the noise and the argmax fuse."""
     if not batch.draw:
-        tokens = logits.argmax(-1)
-        return torch.where(finite, tokens, torch.full_like(tokens, -1))
-    greedy = batch.temperature < SAMPLING_EPS
-    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    scaled = (logits - top[:, None]) / temperature[:, None]  # ≤ 0 before scaling: no overflow
+        return _greedy(logits)
     if batch.truncate:
-        values, order = scaled.sort(-1, descending=True)
-        probs = values.softmax(-1)
-        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
-        rank = torch.arange(logits.shape[-1], device=logits.device)
-        k = batch.top_k[:, None]
-        drop = ((batch.top_p[:, None] < 1.0) & (before > batch.top_p[:, None])) | ((k > 0) & (rank >= k))
-        values = values.masked_fill(drop, float("-inf"))
-        pick = (values + gumbel_noise(batch.key, batch.position, order)).argmax(-1)
-        drawn = order.gather(-1, pick[:, None])[:, 0]
-    else:
-        vocab = torch.arange(logits.shape[-1], device=logits.device)
-        drawn = (scaled + gumbel_noise(batch.key, batch.position, vocab)).argmax(-1)
+        return _truncated(logits, batch.temperature, batch.top_p, batch.top_k, batch.key, batch.position)
+    return _plain(logits, batch.temperature, batch.key, batch.position)
+
+
+@fused
+def _greedy(logits: Tensor) -> Tensor:
+    tokens = logits.argmax(-1)
+    return torch.where(torch.isfinite(logits.amax(-1)), tokens, torch.full_like(tokens, -1))  # amax keeps NaN
+
+
+def _scaled(logits: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logits − max) / T`` (≤ 0 before scaling: no overflow; T = 1 for greedy rows), greedy, finite."""
+    top = logits.amax(-1)
+    greedy = temperature < SAMPLING_EPS
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    return (logits - top[:, None]) / t[:, None], greedy, torch.isfinite(top)
+
+
+@fused
+def _plain(logits: Tensor, temperature: Tensor, key: Tensor, position: Tensor) -> Tensor:
+    scaled, greedy, finite = _scaled(logits, temperature)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    drawn = (scaled + gumbel_noise(key, position, vocab)).argmax(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    return torch.where(finite, tokens, torch.full_like(tokens, -1))
+
+
+@fused
+def _truncated(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, key: Tensor,
+               position: Tensor) -> Tensor:
+    scaled, greedy, finite = _scaled(logits, temperature)
+    values, order = scaled.sort(-1, descending=True)
+    probs = values.softmax(-1)
+    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    k = top_k[:, None]
+    drop = ((top_p[:, None] < 1.0) & (before > top_p[:, None])) | ((k > 0) & (rank >= k))
+    values = values.masked_fill(drop, float("-inf"))
+    pick = (values + gumbel_noise(key, position, order)).argmax(-1)
+    drawn = order.gather(-1, pick[:, None])[:, 0]
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
     return torch.where(finite, tokens, torch.full_like(tokens, -1))

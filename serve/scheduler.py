@@ -93,6 +93,7 @@ class Scheduler:
         self.preemptions = 0
         self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0  # most decode rows in one step
+        self._step_listeners: list[Callable[[], None]] = []
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     @property
@@ -105,12 +106,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, req, cancel: threading.Event | None = None,
-               on_start: Callable[[], None] | None = None) -> tuple[queue.Queue, threading.Event]:
-        """Queue a prepared request; returns (its queue of Steps, an exception or :data:`END`; its
-        cancel event — set it to end the request after the current step)."""
-        seq = _Seq(req.model_id, list(req.prompt_ids), len(req.prompt_ids), req=req, out=queue.Queue(),
-                   cancel=cancel or threading.Event(), on_start=on_start)
+    def submit(self, req, cancel: threading.Event | None = None, on_start: Callable[[], None] | None = None,
+               out=None) -> tuple[queue.Queue, threading.Event]:
+        """Queue a prepared request; returns (where its items go: ``out``, an object with ``put(item)``,
+        or a new ``queue.Queue``; its cancel event — set it to end the request after the current step).
+        The items are its Steps, an exception if it fails, and :data:`END` last."""
+        seq = _Seq(req.model_id, list(req.prompt_ids), len(req.prompt_ids), req=req,
+                   out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
+                   on_start=on_start)
         with self._cv:
             self.planner.add(seq)
             self._cv.notify()
@@ -119,6 +122,11 @@ class Scheduler:
     def waiting(self) -> dict[str, int]:
         with self._cv:
             return {m: len(q) for m, q in self.planner.waiting.items() if q}
+
+    def add_step_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (in the scheduler's thread) after every step, once its items are put: an
+        :class:`Outbox` hands them to an event loop at once, not one wake-up per token."""
+        self._step_listeners.append(fn)
 
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use."""
@@ -152,6 +160,8 @@ class Scheduler:
                         seq.out.put(e)
                         seq.done = True
                 self._retire(failed)
+            for fn in self._step_listeners:
+                fn()
 
     def _drop_cancelled(self) -> None:
         """End the requests cancelled since the last step, waiting or running."""
@@ -255,3 +265,48 @@ class Scheduler:
         for seq in seqs:
             self.engine.release(seq.req)
             seq.out.put(END)
+
+
+class Outbox:
+    """Items for the requests of one asyncio event loop, handed to it once per step.
+
+    A request's items go to ``outbox.sink(queue, on_end)`` (its ``out`` in :meth:`Scheduler.submit`);
+    :meth:`flush` (a step listener) passes everything put since the last flush to the loop in one
+    ``call_soon_threadsafe``, which puts each item in its ``asyncio.Queue`` (:data:`END` as
+    ``done``, after calling the sink's ``on_end`` there). One wake-up of the loop per step, and no
+    thread per request.
+    """
+
+    def __init__(self, loop, done: object = END):
+        self.loop, self.done = loop, done
+        self._pending: list = []
+        self._lock = threading.Lock()
+
+    def sink(self, queue, on_end: Callable[[], None] | None = None) -> _Sink:
+        return _Sink(self, queue, on_end)
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        if items:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
+
+    def _deliver(self, items: list) -> None:
+        for sink, item in items:
+            if item is END:
+                if sink.on_end is not None:
+                    sink.on_end()
+                item = self.done
+            sink.queue.put_nowait(item)
+
+
+class _Sink:
+    def __init__(self, outbox: Outbox, queue, on_end):
+        self.outbox, self.queue, self.on_end = outbox, queue, on_end
+
+    def put(self, item) -> None:
+        with self.outbox._lock:
+            self.outbox._pending.append((self, item))

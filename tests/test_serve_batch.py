@@ -1,14 +1,16 @@
-"""Rows of different variants in one decode step (serve/batch.py): the stacked variant slots, and
-a continuous batch of base + two variants at different positions against each sequence run alone."""
+"""Rows of different variants in one step (serve/batch.py): the stacked variant slots, and a batch of
+base + two variants — prefilled together (each prompt a run of the one-variant kernel), then decoded
+together at different positions (the mixed-variant kernel) — against each sequence run alone."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from deltafleet.kernels import tile_signs, untile_signs
-from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.model import DeltaLinear
+from deltafleet.serve.runner import ModelRunner, StepInput
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +43,28 @@ def test_a_mixed_batch_decodes_each_row_as_if_alone(engine, layout):
     steps = 6
     with torch.inference_mode():
         want = {m: _alone(model, p, deltas[m], steps) for m, p in prompts.items()}
-        # rows 3, 0, 5 of an 8-sequence cache; each prompt prefilled into its row with its own variant
+        # one prefill step of the three prompts, then decode steps of the three rows, over a paged cache
         order = ["tiny-writer", "tiny", "tiny-coder"]
-        rows = torch.tensor([3, 0, 5])
-        cache = model.new_cache(8, 64)
-        nxt, pos = [], []
-        for r, m in zip(rows.tolist(), order):
+        slot = [-1 if deltas[m] is None else deltas[m].slot for m in order]
+        runner = ModelRunner(model, slots, n_blocks=24, block_size=4, max_batch=4, max_seq_len=32)
+        tables = [list(range(8 * i + 7, 8 * i - 1, -1)) for i in range(3)]  # blocks in no particular order
+        where = lambda b, t: tables[b][t // 4] * 4 + t % 4  # noqa: E731
+        step = StepInput()
+        for b, m in enumerate(order):
             p = prompts[m]
-            view = [RowCache(c, torch.tensor([r]), per_row_positions=False) for c in cache]
-            logits = model(torch.tensor([p]), torch.arange(len(p)), view, deltas[m])[0, -1].float()
-            torch.testing.assert_close(logits, want[m][0], rtol=1e-5, atol=1e-5)
-            nxt.append(int(logits.argmax()))
-            pos.append(len(p))
-        batch = BatchDeltas(slots, torch.tensor([writer.slot, -1, coder.slot]))
+            step.chunks.append((len(step.tokens), len(p), 0, tables[b]))
+            step.tokens += p
+            step.positions += range(len(p))
+            step.kv_slots += [where(b, t) for t in range(len(p))]
+            step.variants += [slot[b]] * len(p)
+            step.sample.append(len(step.tokens) - 1)
+        logits = runner.forward(step).float()
+        for b, m in enumerate(order):
+            torch.testing.assert_close(logits[b], want[m][0], rtol=1e-5, atol=1e-5)
+        nxt, pos = logits.argmax(-1).tolist(), [len(prompts[m]) for m in order]
         for i in range(1, steps):
-            logits = model.forward_rows(torch.tensor(nxt), torch.tensor(pos), cache, rows, batch).float()
+            step = StepInput(nxt, pos, [where(b, q) for b, q in enumerate(pos)], slot, 3, tables, [], [0, 1, 2])
+            logits = runner.forward(step).float()
             for b, m in enumerate(order):
                 torch.testing.assert_close(logits[b], want[m][i], rtol=1e-4, atol=1e-4, msg=lambda s: f"{m} step {i}: {s}")
             nxt = logits.argmax(-1).tolist()

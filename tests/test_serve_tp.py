@@ -10,9 +10,10 @@ import torch
 import torch.multiprocessing as mp
 
 from deltafleet.compress.bitdelta import load_artifact
-from deltafleet.serve.batch import BatchDeltas, DeltaSlots, RowCache
+from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.delta import VariantDelta
 from deltafleet.serve.loading import load_model
+from deltafleet.serve.runner import ModelRunner, StepInput
 from deltafleet.serve.tp import shard_delta, shard_model
 
 PROMPTS = [[3, 17, 42, 9, 120, 7], [5, 6, 7], [200, 11, 31, 4]]
@@ -27,16 +28,22 @@ def _run(model, coder, writer) -> dict:
             out[name] = model(ids, torch.arange(ids.shape[1]), None, d)[0].float()
         slots = DeltaSlots(model, 2)
         views = {"coder": slots.put(coder), "writer": slots.put(writer)}
-        cache = model.new_cache(4, 32)
-        rows, nxt, pos = [2, 0, 1], [], []
-        for r, p, d in zip(rows, PROMPTS, (None, views["coder"], views["writer"])):
-            view = [RowCache(c, torch.tensor([r]), per_row_positions=False) for c in cache]
-            lg = model(torch.tensor([p]), torch.arange(len(p)), view, d)[0, -1].float()
-            nxt.append(int(lg.argmax()))
-            pos.append(len(p))
-        batch = BatchDeltas(slots, torch.tensor([-1, views["coder"].slot, views["writer"].slot]))
-        out["mixed_step"] = model.forward_rows(torch.tensor(nxt), torch.tensor(pos), cache, torch.tensor(rows),
-                                               batch).float()
+        runner = ModelRunner(model, slots, n_blocks=12, block_size=8, max_batch=4, max_seq_len=32)
+        tables = [[2 + 3 * b, 1 + 3 * b, 3 * b] for b in range(3)]
+        variants = [-1, views["coder"].slot, views["writer"].slot]
+        step = StepInput()
+        for b, p in enumerate(PROMPTS):  # the three prompts prefilled in one step
+            step.chunks.append((len(step.tokens), len(p), 0, tables[b]))
+            step.tokens += p
+            step.positions += range(len(p))
+            step.kv_slots += [tables[b][0] * 8 + t for t in range(len(p))]
+            step.variants += [variants[b]] * len(p)
+            step.sample.append(len(step.tokens) - 1)
+        nxt = runner.forward(step).float().argmax(-1).tolist()
+        pos = [len(p) for p in PROMPTS]
+        step = StepInput(nxt, pos, [tables[b][0] * 8 + q for b, q in enumerate(pos)], variants, 3, tables, [],
+                         [0, 1, 2])
+        out["mixed_step"] = runner.forward(step).float()
         out["first_tokens"] = torch.tensor(nxt)
     return out
 
