@@ -63,7 +63,8 @@ JOBS = {
 BENCHES = {
     "compress": ("deltafleet.compress.bench", "BitDelta export of a 7B-shaped pair: streaming vs naive", ()),
     "kernels": ("deltafleet.kernels.bench", "the Triton kernels against dense bf16 matmul (GPU)", ()),
-    "serve": ("deltafleet.serve.bench", "the server under a mixed load of variants vs base-only (GPU)", ()),
+    "serve": ("deltafleet.serve.bench", "engine steps, the server at 1-256 clients (base, 14-variant "
+              "Zipf mix), transformers (GPU)", ()),
     "serve-70b": ("deltafleet.serve.bench", "14 variants of a 70B-shaped family, tensor parallel (2 GPUs)",
                   ("--config-name", "bench_serve_70b")),
     "merge": ("deltafleet.merge.bench", "peak memory of merging two 7B-shaped checkpoints", ()),
