@@ -208,3 +208,29 @@ def complete_concurrently(client, jobs: list[tuple[str, str]], max_tokens: int, 
     for t in threads:
         t.join(timeout_s)
     return got
+
+
+def complete_together(engine, jobs: list[tuple]) -> list[list[int]]:
+    """The token ids of ``engine.complete(model, prompt, params)`` for every ``(model, prompt, params)``
+    of ``jobs``, all submitted while the model is held, so they are all waiting when the scheduler's
+    loop resumes (one batch, whatever else the test checks about it)."""
+    import threading
+    import time
+
+    results: list = [None] * len(jobs)
+
+    def go(i, model, prompt, params):
+        results[i] = engine.complete(model, prompt, params).token_ids
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
+        for th in threads:
+            th.start()
+        deadline = time.time() + 30
+        while sum(engine.scheduler.waiting().values()) < len(jobs):
+            assert time.time() < deadline, "the requests did not all reach the scheduler's queues"
+            time.sleep(0.01)
+    for th in threads:
+        th.join(120)
+    return results
+

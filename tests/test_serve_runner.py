@@ -5,14 +5,13 @@ rows' logits and writes nothing but the scratch block; and through the scheduler
 chunks and preempted sequences still give exactly what each request gives alone."""
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
 
 from deltafleet.serve.engine import Engine, SamplingParams
 from deltafleet.serve.runner import ModelRunner, StepInput
+from tests.conftest import complete_together
 
 PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
 BS = 4  # tokens a block: small, so sequences span several blocks
@@ -206,26 +205,6 @@ def test_a_padded_step_gives_the_real_rows_and_writes_only_the_scratch_block(eng
 # ------------------------------------------------------------------ through the scheduler
 
 
-def _run_all(engine: Engine, jobs: list[tuple[str, str, SamplingParams]]) -> list[list[int]]:
-    """Start every job while the model is held, so they are all waiting when the loop resumes."""
-    results: list = [None] * len(jobs)
-
-    def go(i, m, prompt, p):
-        results[i] = engine.complete(m, prompt, p).token_ids
-
-    with engine._gen_lock:
-        threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
-        for th in threads:
-            th.start()
-        deadline = time.time() + 30
-        while sum(engine.scheduler.waiting().values()) < len(jobs):
-            assert time.time() < deadline
-            time.sleep(0.01)
-    for th in threads:
-        th.join(120)
-    return results
-
-
 def test_long_prompts_in_chunks_and_preempted_sequences_give_what_they_give_alone(tiny_family, eng):
     """A step budget of 12 tokens (prompts of up to about 60 tokens are prefilled over several steps
     beside the running streams) and a cache of 24 blocks of 4 tokens (less than the six sequences need
@@ -238,7 +217,7 @@ def test_long_prompts_in_chunks_and_preempted_sequences_give_what_they_give_alon
                    max_num_batched_tokens=12, kv_cache={"block_size": BS, "max_tokens": 24 * BS})
     prompt_lens = [len(eng.encode_prompt(p)) for _, p, _ in jobs]
     assert max(prompt_lens) > 12 and sum(prompt_lens) + 12 * len(jobs) > 24 * BS
-    got = _run_all(small, jobs)
+    got = complete_together(small, jobs)
     assert got == want
     sch = small.scheduler
     assert sch.preemptions > 0 and sch.max_rows_seen >= 2

@@ -11,6 +11,7 @@ import torch
 
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine, SamplingParams
+from tests.conftest import complete_together
 
 PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
 
@@ -31,31 +32,11 @@ def alone(tiny_family) -> dict:
     return out
 
 
-def _run_all(engine: Engine, jobs: list[tuple[str, SamplingParams]]) -> list[list[int]]:
-    """Start every job while the model is held, so they all enter the batch together."""
-    results: list = [None] * len(jobs)
-
-    def go(i, m, p):
-        results[i] = engine.complete(m, PROMPTS[m], p).token_ids
-
-    with engine._gen_lock:
-        threads = [threading.Thread(target=go, args=(i, m, p)) for i, (m, p) in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 30
-        while sum(engine.scheduler.waiting().values()) < len(jobs):
-            assert time.time() < deadline
-            time.sleep(0.01)
-    for t in threads:
-        t.join(60)
-    return results
-
-
 def test_mixed_variants_decode_together_and_match_running_alone(tiny_family, alone):
     engine = _engine(tiny_family, max_batch=8)
     jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] + \
         [(m, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5)) for m in PROMPTS]
-    got = _run_all(engine, jobs)
+    got = complete_together(engine, [(m, PROMPTS[m], p) for m, p in jobs])
     for (m, p), ids in zip(jobs, got):
         assert ids == alone[(m, "greedy" if p.temperature == 0 else "seeded")], m
     assert engine.scheduler.max_rows_seen == 6  # all six decoded in the same steps
@@ -66,7 +47,7 @@ def test_mixed_variants_decode_together_and_match_running_alone(tiny_family, alo
 def test_more_requests_than_rows_wait_for_a_free_row(tiny_family, alone):
     engine = _engine(tiny_family, max_batch=2)
     jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] * 2
-    got = _run_all(engine, jobs)
+    got = complete_together(engine, [(m, PROMPTS[m], p) for m, p in jobs])
     for (m, _), ids in zip(jobs, got):
         assert ids == alone[(m, "greedy")]
     assert engine.scheduler.max_rows_seen == 2
@@ -164,7 +145,7 @@ def test_the_scheduler_graph_path_matches_running_alone(tiny_family, alone, monk
         monkeypatch.setattr(sch.graphs, "_capture", lambda b, d: _EagerGraph.capture(sch.graphs, b, d))
     jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] + \
         [(m, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5)) for m in PROMPTS]
-    got = _run_all(engine, jobs)
+    got = complete_together(engine, [(m, PROMPTS[m], p) for m, p in jobs])
     for (m, p), ids in zip(jobs, got):
         assert ids == alone[(m, "greedy" if p.temperature == 0 else "seeded")], m
     assert sch.max_rows_seen == 6 and (8, True) in sch.graphs.graphs  # 6 rows ran in the bucket of 8
