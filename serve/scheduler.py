@@ -94,6 +94,7 @@ class Scheduler:
         self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0  # most decode rows in one step
         self._step_listeners: list[Callable[[], None]] = []
+        self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     @property
@@ -178,7 +179,7 @@ class Scheduler:
         step, sampled = self._inputs(plan)
         with self.engine.collective(("step", step)), torch.inference_mode():
             logits = self.runner.execute(step)
-            tokens = self._sample(logits, sampled).tolist() if sampled else []  # the step's one sync
+            tokens = self._fetch(self._sample(logits, sampled)) if sampled else []  # the step's one sync
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
         self.planner.advance(plan, {id(s): t for s, t in zip(sampled, tokens) if t >= 0})
@@ -218,6 +219,22 @@ class Scheduler:
                 st.sample.append(len(st.tokens) - 1)
                 sampled.append(seq)
         return st, sampled
+
+    def _fetch(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled ``tokens`` on the host. On CUDA they are copied into pinned memory behind the
+        step and waited for on an event, which lets the HTTP thread run while the GPU works (a plain
+        ``tolist`` would wait holding the interpreter)."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist()
+        n = tokens.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 2 * self.max_batch), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.tolist()
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
