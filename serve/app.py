@@ -280,6 +280,23 @@ def http_protocol(head_timeout_s: float | None) -> type[H11Protocol]:
 # ------------------------------------------------------------------------------------ metrics
 
 
+class _EngineCollector:
+    """The scheduler's own state, read at each scrape: the KV cache's use and the preemptions so far
+    (vLLM's ``kv_cache_usage_perc`` and ``num_preemptions``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sch = self.engine.scheduler
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the paged KV cache's blocks in use "
+                                "(1 = full).", value=sch.kv_usage())
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted (their KV blocks freed, to be "
+                                  "recomputed) because the KV cache was full.", value=sch.preemptions)
+
+
 class Metrics:
     """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``)."""
 
@@ -426,6 +443,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
     metrics = Metrics([m.id for m in engine.models()])
+    metrics.registry.register(_EngineCollector(engine))
     engine.add_listener(metrics.on_delta_event)
     app.state.engine, app.state.metrics = engine, metrics
 

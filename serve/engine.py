@@ -28,6 +28,7 @@ import torch
 from transformers import AutoTokenizer
 
 from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifact
+from deltafleet.serve.attention import pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from deltafleet.serve.delta import VariantDelta
@@ -187,13 +188,17 @@ class Engine:
         self.discover()
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told
         block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
         if n_blocks * block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",
                         n_blocks * block_size, self.max_model_len)
             self.max_model_len = n_blocks * block_size
         self.kv_tokens = n_blocks * block_size
-        budget = max(int(max_num_batched_tokens), max_batch)
+        budget = int(max_num_batched_tokens)
+        if budget < max_batch:  # every running sequence must be able to decode in every step
+            log.warning("max_num_batched_tokens=%d is below max_batch=%d: raised to %d", budget, max_batch, max_batch)
+            budget = max_batch
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
                               block_size, attention)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
@@ -208,20 +213,31 @@ class Engine:
         from deltafleet.serve.attention import PagedKVCache
         from deltafleet.serve.kv import BlockPool
 
-        block_size = int(opts.pop("block_size", None) or 128)
-        max_tokens = opts.pop("max_tokens", None)
-        utilization = float(opts.pop("gpu_memory_utilization", None) or 0.9)
+        def number(key: str, default, kind, ok, what: str):
+            value = opts.pop(key, None)
+            if value is None:
+                return default
+            try:
+                value = kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_cache.{key} must be {what}, got {value!r}") from None
+            if not ok(value):
+                raise ValueError(f"kv_cache.{key} must be {what}, got {value!r}")
+            return value
+
+        block_size = number("block_size", 128, int, lambda v: v >= 1, "an integer ≥ 1")
+        max_tokens = number("max_tokens", None, int, lambda v: v >= block_size,
+                            f"null or an integer ≥ kv_cache.block_size ({block_size})")
+        utilization = number("gpu_memory_utilization", 0.9, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
         if opts:
             raise ValueError(f"unknown kv_cache option(s): {', '.join(sorted(opts))} "
                              "(known: block_size, max_tokens, gpu_memory_utilization)")
-        if block_size < 1:
-            raise ValueError(f"kv_cache.block_size must be ≥ 1, got {block_size}")
         attn = self.model.layers[0].self_attn
         per_block = PagedKVCache.bytes_per_block(len(self.model.layers), attn.n_kv, attn.head_dim, block_size,
                                                  self.dtype)
         most = max_batch * -(-self.max_model_len // block_size)  # max_batch full contexts
         if max_tokens is not None:
-            n_blocks = min(most, -(-int(max_tokens) // block_size))
+            n_blocks = min(most, max_tokens // block_size)  # whole blocks within the cap, as vLLM rounds
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             left = free - (1 - utilization) * total  # vLLM's gpu_memory_utilization: of the whole device

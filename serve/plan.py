@@ -11,7 +11,10 @@ KV blocks come from a :class:`~deltafleet.serve.kv.BlockPool`. A running sequenc
 block when none is free preempts the most recently admitted running sequence (its blocks are
 freed and it goes back to the front of its queue, to be prefilled again, prompt and generated
 tokens, when there is room, before any other waiting request: vLLM's recompute preemption); a step
-that preempts admits nothing, and admission waits for free blocks rather than preempting. The pool never runs out mid-step, and no step is refused for memory.
+that preempts admits nothing, and admission waits until the blocks of the request's whole prompt are
+free rather than preempting (admitting a prompt whose first chunk only fits would have it preempted
+again and again as the running sequences grow). The pool never runs out mid-step, and no step is
+refused for memory.
 
 A leaf module but for the block pool: the runner executes a :class:`StepPlan` and reports back with
 :meth:`Planner.advance`.
@@ -139,8 +142,8 @@ class Planner:
                 if not queue or budget == 0 or len(self.running) >= self.max_running:
                     continue
                 seq = queue[0]
-                if not self.pool.can_grow(seq, min(len(seq.tokens), budget)):
-                    continue  # no room yet: it keeps its place
+                if not self.pool.can_grow(seq, len(seq.tokens)):
+                    continue  # no room for its whole prompt yet: it keeps its place
                 queue.popleft()
                 self.waiting.move_to_end(model_id)  # the next admission starts with another queue
                 seq.admitted, self._admissions, seq.preempted = self._admissions, self._admissions + 1, False

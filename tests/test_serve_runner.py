@@ -206,29 +206,49 @@ def test_a_padded_step_gives_the_real_rows_and_writes_only_the_scratch_block(eng
 
 
 def test_long_prompts_in_chunks_and_preempted_sequences_give_what_they_give_alone(tiny_family, eng):
-    """A step budget of 12 tokens (prompts of up to about 60 tokens are prefilled over several steps
+    """A step budget of 12 tokens (prompts of about 20 and 40 tokens are prefilled over several steps
     beside the running streams) and a cache of 24 blocks of 4 tokens (less than the six sequences need
-    at once: the latest admitted are preempted and recomputed): every request gives its tokens alone."""
+    at once as they grow: the latest admitted are preempted and recomputed): every request gives its
+    tokens alone."""
     text = "The quick brown fox. "
-    jobs = [(m, text * (1 + i), SamplingParams(max_tokens=12, temperature=0)) for i, m in enumerate(PROMPTS)]
-    jobs += [(m, p, SamplingParams(max_tokens=12, temperature=0.8, seed=3)) for m, p, _ in jobs]
+    jobs = [(m, text * (1 + i % 2), SamplingParams(max_tokens=24, temperature=0)) for i, m in enumerate(PROMPTS)]
+    jobs += [(m, p, SamplingParams(max_tokens=24, temperature=0.8, seed=3)) for m, p, _ in jobs]
     want = [eng.complete(m, p, s).token_ids for m, p, s in jobs]
     small = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=6,
                    max_num_batched_tokens=12, kv_cache={"block_size": BS, "max_tokens": 24 * BS})
     prompt_lens = [len(eng.encode_prompt(p)) for _, p, _ in jobs]
-    assert max(prompt_lens) > 12 and sum(prompt_lens) + 12 * len(jobs) > 24 * BS
+    assert max(prompt_lens) > 12 and sum(prompt_lens) + 24 * len(jobs) > 24 * BS
     got = complete_together(small, jobs)
     assert got == want
     sch = small.scheduler
     assert sch.preemptions > 0 and sch.max_rows_seen >= 2
     assert sch.pool.free_blocks == 24 and not sch.running  # every block back
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+
+    with TestClient(create_app(small)) as tc:  # what /metrics tells of it
+        samples = dict(line.rsplit(" ", 1) for line in tc.get("/metrics").text.splitlines()
+                       if line and not line.startswith("#"))
+    assert float(samples["deltafleet:kv_cache_usage_perc"]) == 0.0
+    assert float(samples["deltafleet:num_preemptions_total"]) == sch.preemptions
 
 
 def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_family):
-    small = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=2,
-                   kv_cache={"block_size": 8, "max_tokens": 100})
-    assert small.kv_tokens == 104 and small.max_model_len == 104  # 13 blocks
-    with pytest.raises(ValueError, match="unknown kv_cache option\\(s\\): blocksize"):
-        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", kv_cache={"blocksize": 8})
+    def engine(**kw):
+        return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", **kw)
+
+    small = engine(max_batch=2, kv_cache={"block_size": 8, "max_tokens": 100})
+    assert small.kv_tokens == 96 and small.max_model_len == 96  # whole blocks within the cap: 12
+    assert small.scheduler.planner.token_budget == 2048
+    bad = [({"blocksize": 8}, "unknown kv_cache option\\(s\\): blocksize"),
+           ({"block_size": 0}, "kv_cache.block_size must be an integer ≥ 1, got 0"),
+           ({"block_size": "abc"}, "kv_cache.block_size must be an integer ≥ 1, got 'abc'"),
+           ({"max_tokens": 0}, "kv_cache.max_tokens must be null or an integer ≥ kv_cache.block_size \\(128\\), got 0"),
+           ({"gpu_memory_utilization": 7}, "kv_cache.gpu_memory_utilization must be a number in \\(0, 1\\], got 7.0")]
+    for opts, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine(kv_cache=opts)
     with pytest.raises(ValueError, match="attention must be one of"):
-        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", attention="flash")
+        engine(attention="flash")
+    assert engine(max_batch=4, max_num_batched_tokens=2).scheduler.planner.token_budget == 4  # raised, logged
