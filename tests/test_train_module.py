@@ -73,3 +73,20 @@ def test_load_blocks_packs_documents_with_eos(tmp_path):
         load_blocks(tmp_path, "d", "train", hf, seq_len=8)
     with pytest.raises(ValueError, match="fewer than one block"):
         load_blocks(tmp_path, "d", "test", hf, seq_len=10_000, cache_dir=tmp_path / "cache")
+
+
+def test_a_resume_is_checked_before_training(tmp_path):
+    """``ckpt_path`` is refused when it is missing, another variant's, or already at ``max_steps``
+    (Lightning would skip training and leave nothing to export)."""
+    from deltafleet.train.run import check_resume
+
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 200, "hyper_parameters": {"variant": "writer"}}, ckpt)
+    check_resume(str(ckpt), "writer", 201)  # one step left: fine
+    check_resume(None, "writer", 10)
+    with pytest.raises(ValueError, match="is at step 200, at or past max_steps=160: nothing would be trained"):
+        check_resume(str(ckpt), "writer", 160)
+    with pytest.raises(ValueError, match="is a checkpoint of variant 'writer', not 'legal'"):
+        check_resume(str(ckpt), "legal", 500)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_resume(str(tmp_path / "missing.ckpt"), "writer", 500)

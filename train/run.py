@@ -86,18 +86,24 @@ def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: P
             shutil.move(str(adapter_dir), tmp / "adapter")
 
 
-def check_resume(ckpt_path: str | None, variant: str) -> None:
-    """Refuse a ``ckpt_path`` that is missing or was written by another variant's run."""
+def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None) -> None:
+    """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, or is already at
+    or past ``max_steps`` (nothing would be trained)."""
     if not ckpt_path:
         return
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path {ckpt_path} does not exist")
     if path.is_file():  # DeepSpeed checkpoints are folders; Lightning checks those itself
-        hp = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters", {})
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        hp = ckpt.get("hyper_parameters", {})
         if hp.get("variant") not in (None, variant):
             raise ValueError(f"ckpt_path {ckpt_path} is a checkpoint of variant {hp['variant']!r}, "
                              f"not {variant!r}: resume a {variant} run, or train from models/base")
+        step = ckpt.get("global_step")
+        if max_steps is not None and max_steps >= 0 and step is not None and step >= max_steps:
+            raise ValueError(f"ckpt_path {ckpt_path} is at step {step}, at or past max_steps={max_steps}: "
+                             "nothing would be trained; raise max_steps to train further")
 
 
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
@@ -136,7 +142,7 @@ def train(cfg: DictConfig) -> dict:
 
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
-    check_resume(cfg.ckpt_path, variant)
+    check_resume(cfg.ckpt_path, variant, cfg.trainer.get("max_steps"))
     if cfg.checkpoint.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
