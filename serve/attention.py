@@ -26,13 +26,14 @@ same with 16-token pages was 5–10× slower, gathering then SDPA 4–40×, and 
 (SDPA masked over 1,024 positions) read every row's whole context. FlashInfer and FlashAttention's
 paged kernels do not install on the GPU image; FlexAttention ships with PyTorch.
 
-A leaf module (torch only).
+A leaf module (torch and numpy only).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -226,6 +227,16 @@ class PagedLayer:
                 from torch.nn.attention.flex_attention import flex_attention as flex
             return flex(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
         return decode_sdpa(q, kc, vc, st.tables, st.positions, st.cache.block_size)
+
+
+def table_tensor(tables: list[list[int]], width: int, pad_rows: int = 0, pad_block: int = 0) -> Tensor:
+    """Block tables as an int32 CPU tensor ``[len(tables) + pad_rows, width]``: each table left-aligned
+    and padded with block 0, then ``pad_rows`` rows of ``pad_block`` (padding rows' tables)."""
+    out = np.zeros((len(tables) + pad_rows, width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    out[len(tables):] = pad_block
+    return torch.from_numpy(out)
 
 
 def decode_sdpa(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, positions: Tensor, block_size: int) -> Tensor:

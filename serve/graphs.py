@@ -36,6 +36,7 @@ import sys
 import torch
 from torch import Tensor
 
+from deltafleet.serve.attention import table_tensor
 from deltafleet.serve.batch import BatchDeltas
 
 
@@ -95,11 +96,8 @@ class DecodeGraphs:
         host = torch.tensor([step.tokens + [self.pad_token] * k, step.positions + [0] * k,
                              step.kv_slots + [scratch * self.runner.block_size] * k, step.variants + [-1] * k],
                             dtype=torch.int64)
-        width = self.tables.shape[1]
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in step.tables] + [[scratch] * width] * k,
-                              dtype=torch.int32)
         self.static[:, :b].copy_(host)
-        self.tables[:b].copy_(tables)
+        self.tables[:b].copy_(table_tensor(step.tables, self.tables.shape[1], k, scratch))
         return b
 
     def forward_padded(self, bucket: int, with_deltas: bool) -> Tensor:

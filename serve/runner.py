@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend
+from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend, table_tensor
 from deltafleet.serve.batch import BatchDeltas
 from deltafleet.serve.graphs import buckets
 
@@ -119,15 +119,13 @@ class ModelRunner:
         tokens, positions, kv_slots = as_long(step.tokens), as_long(step.positions), as_long(step.kv_slots)
         if nd:
             dec_pos = positions[:nd]
-            host_tables, width = step.tables, max(len(t) for t in step.tables)
+            width, pad = max(len(t) for t in step.tables), 0
             if self.backend == "flex":
                 # FlexAttention is compiled for fixed shapes: decode rows padded to a graph bucket and
                 # tables to the full width, as a replay has them, or every row count would compile anew.
                 width, pad = self.max_blocks, self._bucket(nd) - nd
-                scratch = self.cache.scratch_block
-                host_tables = host_tables + [[scratch]] * pad
                 dec_pos = torch.cat([dec_pos, dec_pos.new_zeros(pad)])
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in host_tables], dtype=torch.int32, device=dev)
+            tables = table_tensor(step.tables, width, pad, self.cache.scratch_block).to(dev)
             num_blocks = (dec_pos // self.block_size + 1).to(torch.int32)
         else:
             dec_pos = positions[:0]
