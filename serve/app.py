@@ -60,7 +60,7 @@ from deltafleet.serve.request import (
     VariantInUseError,
     VariantUnavailableError,
 )
-from deltafleet.serve.scheduler import Outbox
+from deltafleet.serve.scheduler import END, Outbox
 from deltafleet.serve.protocol import (
     _OWN_ERRORS,
     _UNION_TAGS,
@@ -80,7 +80,6 @@ from deltafleet.serve.protocol import (
 )
 
 PREFIX = "deltafleet:"
-_DONE = object()  # the last item of a request's queue
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (413) unread
 MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
@@ -606,7 +605,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         loop = asyncio.get_running_loop()
         box = outboxes.get(loop)
         if box is None:
-            box = outboxes[loop] = Outbox(loop, _DONE)
+            box = outboxes[loop] = Outbox(loop)
             engine.scheduler.add_step_listener(box.flush)
         return box
 
@@ -659,7 +658,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         try:
             # To the end, even once cancelled: the scheduler ends the request after its current step
             # and sends the last item then.
-            while (item := await queue.get()) is not _DONE:
+            while (item := await queue.get()) is not END:
                 if isinstance(item, BaseException):
                     metrics.requests.labels(mid, "error").inc()
                     raise item

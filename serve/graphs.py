@@ -52,6 +52,11 @@ def buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def bucket(n: int, max_batch: int) -> int:
+    """The smallest of :func:`buckets` holding ``n ≤ max_batch`` rows."""
+    return min(1 << (n - 1).bit_length(), max_batch)
+
+
 class DecodeGraphs:
     """CUDA graphs of ``runner``'s decode-only steps, one per (bucket, any variant) pair.
 
@@ -77,7 +82,7 @@ class DecodeGraphs:
         """The smallest bucket holding ``n`` rows (ValueError outside ``[1, max_batch]``)."""
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"a decode batch has 1 to {self.max_batch} rows, got {n}")
-        return next(b for b in self.buckets if b >= n)
+        return bucket(n, self.max_batch)
 
     def pad(self, step) -> int:
         """Write the decode rows of ``step`` (a :class:`~deltafleet.serve.runner.StepInput` without

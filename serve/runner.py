@@ -20,7 +20,7 @@ from torch import Tensor
 
 from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend, table_tensor
 from deltafleet.serve.batch import BatchDeltas
-from deltafleet.serve.graphs import buckets
+from deltafleet.serve.graphs import bucket
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,12 @@ class ModelRunner:
         self.max_blocks = max_blocks(max_seq_len, block_size)
         self.backend = pick_backend(attention, self.device)
         self.masks = FlexMask(n_blocks, block_size, max_batch, self.device) if self.backend == "flex" else None
-        self._buckets = buckets(max_batch)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from deltafleet.serve.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
         self.steps = 0
-
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self._buckets if b >= n)
 
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
                    chunks: list[tuple[int, int, int, Tensor]]) -> PagedStep:
@@ -123,7 +119,7 @@ class ModelRunner:
             if self.backend == "flex":
                 # FlexAttention is compiled for fixed shapes: decode rows padded to a graph bucket and
                 # tables to the full width, as a replay has them, or every row count would compile anew.
-                width, pad = self.max_blocks, self._bucket(nd) - nd
+                width, pad = self.max_blocks, bucket(nd, self.max_batch) - nd
                 dec_pos = torch.cat([dec_pos, dec_pos.new_zeros(pad)])
             tables = table_tensor(step.tables, width, pad, self.cache.scratch_block).to(dev)
             num_blocks = (dec_pos // self.block_size + 1).to(torch.int32)

@@ -204,7 +204,7 @@ class Scheduler:
             st.positions.append(pos)
             st.kv_slots += pool.slots(seq, pos, pos + 1)
             st.variants.append(_slot(seq.req))
-            st.tables.append(list(pool.table(seq)))
+            st.tables.append(pool.table(seq))  # read before the table next grows
         st.n_decode = len(plan.decode)
         st.sample = list(range(st.n_decode))
         sampled = list(plan.decode)
@@ -214,7 +214,7 @@ class Scheduler:
             st.positions += range(start, stop)
             st.kv_slots += pool.slots(seq, start, stop)
             st.variants += [_slot(seq.req)] * (stop - start)
-            st.chunks.append((first, stop - start, start, list(pool.table(seq))))
+            st.chunks.append((first, stop - start, start, pool.table(seq)))
             if stop == len(seq.tokens):
                 st.sample.append(len(st.tokens) - 1)
                 sampled.append(seq)
@@ -289,13 +289,13 @@ class Outbox:
 
     A request's items go to ``outbox.sink(queue, on_end)`` (its ``out`` in :meth:`Scheduler.submit`);
     :meth:`flush` (a step listener) passes everything put since the last flush to the loop in one
-    ``call_soon_threadsafe``, which puts each item in its ``asyncio.Queue`` (:data:`END` as
-    ``done``, after calling the sink's ``on_end`` there). One wake-up of the loop per step, and no
+    ``call_soon_threadsafe``, which puts each item in its ``asyncio.Queue`` (:data:`END` last, after
+    calling the sink's ``on_end`` there). One wake-up of the loop per step, and no
     thread per request.
     """
 
-    def __init__(self, loop, done: object = END):
-        self.loop, self.done = loop, done
+    def __init__(self, loop):
+        self.loop = loop
         self._pending: list = []
         self._lock = threading.Lock()
 
@@ -313,10 +313,8 @@ class Outbox:
 
     def _deliver(self, items: list) -> None:
         for sink, item in items:
-            if item is END:
-                if sink.on_end is not None:
-                    sink.on_end()
-                item = self.done
+            if item is END and sink.on_end is not None:
+                sink.on_end()
             sink.queue.put_nowait(item)
 
 
