@@ -54,6 +54,20 @@ def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, a
     return bitdelta_linear_reference(x, weight, sign, alpha, bias)
 
 
+def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                            slot: torch.Tensor, bias: torch.Tensor | None = None, groups=None) -> torch.Tensor:
+    """:func:`bitdelta_linear_batched`'s contract with the rows grouped by variant first: the base
+    product once (``torch.addmm``), then each variant's sign product over its own rows
+    (``deltafleet.kernels.triton_grouped``) for bf16/fp16 CUDA tensors when triton is installed; else the
+    reference. ``groups``: ``triton_grouped.group_rows(slot, S)``, computed once by a caller that
+    multiplies the same rows by many matrices (an engine step's layers)."""
+    if _on_triton(x, weight):
+        from deltafleet.kernels.triton_grouped import bitdelta_linear_grouped as grouped
+
+        return grouped(x, weight, signs, alphas, slot, bias, groups)
+    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
+
+
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                             slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
@@ -70,6 +84,7 @@ __all__ = [
     "bitdelta_linear_reference",
     "bitdelta_linear_batched",
     "bitdelta_linear_batched_reference",
+    "bitdelta_linear_grouped",
     "pack_signs",
     "packed_width",
     "reconstruct",

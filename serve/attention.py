@@ -58,6 +58,12 @@ def _flex():
 
 _FLEX = None
 
+# FlexAttention's decoding kernel (one query per row) on CUDA: 64-key tiles, two pipeline stages,
+# four warps. Its defaults (one stage, two warps) leave the loads unpipelined; docs/serving.md
+# ("Attention") has the sweep these come from. Passed only where that kernel runs: a power-of-two
+# ratio of query to key-value heads, else FlexAttention takes its main kernel.
+FLEX_DECODE_OPTIONS = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4}
+
 
 class PagedKVCache:
     """Keys and values of every layer: ``k[l]``, ``v[l]`` of shape ``[n_kv_heads, (n_blocks + 1) ·
@@ -221,22 +227,30 @@ class PagedLayer:
                 q = torch.cat([q, q.new_zeros(b - n, *q.shape[1:])])
             kk = kc.unsqueeze(0).expand(b, -1, -1, -1)
             vv = vc.unsqueeze(0).expand(b, -1, -1, -1)
-            if q.is_cuda:
-                flex = _flex()
-            else:  # eager: materializes the scores (tests on the CPU)
-                from torch.nn.attention.flex_attention import flex_attention as flex
-            return flex(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
+            if not q.is_cuda:  # eager: materializes the scores (tests on the CPU)
+                from torch.nn.attention.flex_attention import flex_attention
+
+                return flex_attention(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
+            ratio = q.shape[1] // kc.shape[0]
+            opts = FLEX_DECODE_OPTIONS if ratio & (ratio - 1) == 0 else None
+            return _flex()(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa, kernel_options=opts)[:n]
         return decode_sdpa(q, kc, vc, st.tables, st.positions, st.cache.block_size)
 
 
-def table_tensor(tables: list[list[int]], width: int, pad_rows: int = 0, pad_block: int = 0) -> Tensor:
-    """Block tables as an int32 CPU tensor ``[len(tables) + pad_rows, width]``: each table left-aligned
-    and padded with block 0, then ``pad_rows`` rows of ``pad_block`` (padding rows' tables)."""
-    out = np.zeros((len(tables) + pad_rows, width), dtype=np.int32)
+def fill_tables(out: np.ndarray, tables: list[list[int]], pad_block: int = 0) -> np.ndarray:
+    """Write block tables into ``out`` (int32 ``[R, width]``, ``R ≥ len(tables)``): each table
+    left-aligned and padded with block 0, then the rows past ``len(tables)`` all ``pad_block``
+    (padding rows' tables). Returns ``out``."""
+    out[:len(tables)] = 0
     for i, t in enumerate(tables):
         out[i, :len(t)] = t
     out[len(tables):] = pad_block
-    return torch.from_numpy(out)
+    return out
+
+
+def table_tensor(tables: list[list[int]], width: int, pad_rows: int = 0, pad_block: int = 0) -> Tensor:
+    """Block tables as an int32 CPU tensor ``[len(tables) + pad_rows, width]`` (see :func:`fill_tables`)."""
+    return torch.from_numpy(fill_tables(np.empty((len(tables) + pad_rows, width), dtype=np.int32), tables, pad_block))
 
 
 def decode_sdpa(q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, positions: Tensor, block_size: int) -> Tensor:

@@ -23,11 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 from deltafleet.serve.delta import VariantDelta, hf_name
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
+# decode batches of more rows than this are multiplied grouped by variant on a GPU (below it the
+# per-row kernels of bitdelta_linear_batched are faster: docs/kernels.md, "Grouped mixed batches")
+GROUPED_MIN_ROWS = 129
 
 
 def check_sign_layout(sign_layout: str, key: str = "sign_layout") -> None:
@@ -193,13 +196,31 @@ class DeltaSlots:
 
 class BatchDeltas:
     """The variant of each row of a batch: ``slots`` int32 ``[B]``, −1 for the base (the layers'
-    ``delta`` argument when rows differ; see serve/model.py)."""
+    ``delta`` argument when rows differ; see serve/model.py).
+
+    On a GPU, rows of a decode batch are multiplied grouped by variant
+    (``deltafleet.kernels.bitdelta_linear_grouped``: the base product of every row once, then each
+    variant's signs over its own rows); the grouping depends on the slots only, so it is computed on
+    the device once per batch, at the first layer, and reused by every other."""
 
     def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None):
         self.table = table
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
         self.runs = runs
+        self._groups = None
+
+    def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:
+        """Rows ``x2 [M, K]`` by ``weight`` plus each row's variant (slots ``[M]``), grouped where it runs."""
+        signs, alphas = self.table.signs[name], self.table.alphas[name]
+        if x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
+            key = (slots.data_ptr(), slots.shape[0])
+            if self._groups is None or self._groups[0] != key:
+                from deltafleet.kernels.triton_grouped import group_rows
+
+                self._groups = (key, group_rows(slots, self.table.n_slots))
+            return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1])
+        return bitdelta_linear_batched(x2, weight, signs, alphas, slots)
 
     def select(self, rows: Tensor) -> BatchDeltas:
         """The variants of rows ``rows`` of this batch (no runs: the rows are few, read them batched)."""
@@ -218,7 +239,7 @@ class BatchDeltas:
         name = f"{mod.name}.weight"
         x2 = x.reshape(b * t, k)
         slots = self.slots.repeat_interleave(t) if t > 1 else self.slots
-        y = bitdelta_linear_batched(x2, mod.weight, self.table.signs[name], self.table.alphas[name], slots)
+        y = self._batched(x2, mod.weight, name, slots)
         bias = self.table.full.get(f"{mod.name}.bias")
         if bias is not None:
             rows = self._rows.repeat_interleave(t) if t > 1 else self._rows
@@ -232,7 +253,7 @@ class BatchDeltas:
         lead = self.runs[0][0]
         parts = []
         if lead:
-            y = bitdelta_linear_batched(x2[:lead], mod.weight, signs, alphas, self.slots[:lead])
+            y = self._batched(x2[:lead], mod.weight, name, self.slots[:lead])
             parts.append(y if bias is None else y + bias[self._rows[:lead]])
         for first, stop, slot in self.runs:
             row_bias = None if bias is None else bias[slot if slot >= 0 else self.table.n_slots]

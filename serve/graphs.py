@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from deltafleet.serve.attention import table_tensor
+from deltafleet.serve.attention import fill_tables
 from deltafleet.serve.batch import BatchDeltas
 
 
@@ -74,6 +75,13 @@ class DecodeGraphs:
         # rows: tokens, positions, cache slots, variant slots
         self.static = torch.zeros(4, self.max_batch, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(self.max_batch, runner.max_blocks, dtype=torch.int32, device=dev)
+        # Host staging of the same, pinned on CUDA so the copies do not wait for the device: a
+        # pageable copy would first drain the stream, leaving the GPU idle while the next step is
+        # prepared. ``_copied`` marks when the last copies have read the staging buffers.
+        pin = dev.type == "cuda"
+        self._host = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=pin)
+        self._host_tables = torch.zeros(self.max_batch, runner.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor, object]] = {}
         self.pool = None  # one memory pool for every bucket's graph: they never run at once
         self.replays = 0
@@ -98,11 +106,16 @@ class DecodeGraphs:
         b = self.bucket(n)
         k = b - n
         scratch = self.runner.cache.scratch_block
-        host = torch.tensor([step.tokens + [self.pad_token] * k, step.positions + [0] * k,
-                             step.kv_slots + [scratch * self.runner.block_size] * k, step.variants + [-1] * k],
-                            dtype=torch.int64)
-        self.static[:, :b].copy_(host)
-        self.tables[:b].copy_(table_tensor(step.tables, self.tables.shape[1], k, scratch))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the buffers
+        host = self._host.numpy()
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = step.tokens, step.positions, step.kv_slots, step.variants
+        host[:, n:b] = np.array([[self.pad_token], [0], [scratch * self.runner.block_size], [-1]])
+        fill_tables(self._host_tables.numpy()[:b], step.tables, scratch)
+        self.static[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        self.tables[:b].copy_(self._host_tables[:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return b
 
     def forward_padded(self, bucket: int, with_deltas: bool) -> Tensor:

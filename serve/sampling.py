@@ -99,8 +99,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
     from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
     probability reaches top-p (the most likely token always stays). Returns int64 ``[B]`` on the
-    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA each case
-    is one compiled function (serve/fuse.py): the hash, the noise and the argmax fuse."""
+    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA the greedy
+    and the untruncated cases are compiled functions (serve/fuse.py): the hash, the noise and the
+    argmax fuse. The truncated case runs eagerly: inductor (torch 2.11) fails to generate its
+    cumulative sum over a dynamic vocabulary dimension, and its sort dominates it anyway."""
     if not batch.draw:
         return _greedy(logits)
     if batch.truncate:
@@ -131,7 +133,6 @@ def _plain(logits: Tensor, temperature: Tensor, key: Tensor, position: Tensor) -
     return torch.where(finite, tokens, torch.full_like(tokens, -1))
 
 
-@fused
 def _truncated(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, key: Tensor,
                position: Tensor) -> Tensor:
     scaled, greedy, finite = _scaled(logits, temperature)

@@ -1,0 +1,198 @@
+"""Grouped mixed-variant linear: the base product of every row once, by cuBLAS, then each variant's
+sign product over its own rows, its signs read once per group of up to ``BLOCK_M`` rows.
+
+``y[m] = x[m] · Wᵀ + α_t ⊙ (x[m] · S_tᵀ)`` with ``t = slot[m]`` (−1: the base only) and
+``S_t = 2·bits_t − 1``. A decode batch of a serving engine holds M rows over T distinct variants
+in any order and any group sizes. Reading ``W + α_t·S_t`` per row (the per-tenant kernels of
+``deltafleet.kernels.triton_bitdelta``) pays for each variant's signs once per row, or once per tile of rows
+that mixes variants; here the rows are grouped by variant first, so the bytes read are W once
+(``torch.addmm``, at the bandwidth of the vendor's GEMM) plus each present variant's signs once
+per group of ``BLOCK_M`` rows: ``1 + T/16`` of a dense read for groups of up to ``BLOCK_M`` rows.
+
+Two parts:
+
+* :func:`group_rows` (torch ops on the device, no host synchronisation, so a CUDA graph records it):
+  the rows sorted by variant (stable), and the first sorted row of each block of at most
+  ``BLOCK_M`` rows of one variant. Its result depends on the slots only, so an engine step computes
+  it once and every layer reuses it (``serve/batch.py``).
+* ``_grouped_kernel``: program ``(n tile, block)`` loads its block's rows of x (gathered through the
+  sort order), walks K, unpacks a ``[BLOCK_N, BLOCK_K]`` tile of its variant's sign bits to ±1 in
+  registers and multiplies on the tensor cores (``tl.dot``, float32 accumulation), then scales by
+  ``α_t`` and adds the product into those rows of ``y``, which already hold the base product. The
+  grid has a fixed size (an upper bound on the number of blocks); programs past the last block
+  return at once.
+
+Rounding: the base product is rounded to ``x.dtype`` by the GEMM, the sum once more; the
+reconstructed weight ``W + α·S`` is never formed.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias
+
+BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class RowGroups:
+    """Rows of a batch grouped by variant (:func:`group_rows`).
+
+    Attributes:
+        order: int32 ``[M]``, the rows sorted by slot (stable; base rows and slots outside
+            ``[0, S)`` last).
+        key: int32 ``[M]``, the sorted rows' slots (``S`` for the base rows).
+        first: int32 ``[max_blocks]``, the first sorted row of each block (``M`` past the last).
+        n_slots: S.
+    """
+
+    order: torch.Tensor
+    key: torch.Tensor
+    first: torch.Tensor
+    n_slots: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.first.shape[0]
+
+
+def max_blocks(m: int, n_slots: int, block_m: int = BLOCK_M) -> int:
+    """An upper bound on the blocks of :func:`group_rows`: each variant's rows make
+    ``ceil(m_t / block_m) ≤ m_t / block_m + 1`` blocks."""
+    return max(1, min(m, triton.cdiv(m, block_m) + n_slots))
+
+
+def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowGroups:
+    """Group the rows of a batch by variant: ``slot`` int ``[M]`` (−1 or anything outside ``[0,
+    n_slots)``: the base). Device ops only, of shapes fixed by ``M`` and ``n_slots``."""
+    m, dev = slot.shape[0], slot.device
+    slot = slot.to(torch.int64)
+    key = torch.where((slot >= 0) & (slot < n_slots), slot, n_slots)
+    key, order = torch.sort(key, stable=True)
+    idx = torch.arange(m, device=dev)
+    new_group = torch.ones(m, dtype=torch.bool, device=dev)
+    new_group[1:] = key[1:] != key[:-1]
+    group_start = torch.cummax(torch.where(new_group, idx, 0), 0).values
+    starts = ((idx - group_start) % block_m == 0) & (key < n_slots)
+    nb = max_blocks(m, n_slots, block_m)
+    block = torch.where(starts, torch.cumsum(starts, 0) - 1, nb)  # non-starts go to a sink entry
+    first = torch.full((nb + 1,), m, dtype=torch.int32, device=dev)
+    first.scatter_(0, block, idx.to(torch.int32))
+    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb], n_slots)
+
+
+@triton.jit
+def _grouped_kernel(
+    x_ptr, s_ptr, a_ptr, y_ptr, order_ptr, key_ptr, first_ptr,
+    M, N, K, KB,
+    stride_xm, stride_ss, stride_sn, stride_as, stride_ym,
+    ALPHA_PER_ROW: tl.constexpr, TILED: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    first = tl.load(first_ptr + tl.program_id(1))
+    if first >= M:
+        return
+    slot = tl.load(key_ptr + first)
+    rows = first + tl.arange(0, BLOCK_M)
+    live = rows < M
+    live = live & (tl.load(key_ptr + rows, mask=live, other=-1) == slot)
+    xrow = tl.load(order_ptr + rows, mask=live, other=0)
+    x_rows = x_ptr + xrow.to(tl.int64) * stride_xm                                    # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N  # rows past N re-read row n mod N (in bounds, never written)
+    BKB: tl.constexpr = BLOCK_K // 8
+    offs_b = tl.arange(0, BKB)
+    s_base = s_ptr + slot.to(tl.int64) * stride_ss
+    # yᵀ tile [BN, BM]: the signs are the left operand; the K step of 8·BKB weights is taken as 8
+    # bit planes, plane j holding weights 8b + j (b < BKB), so no unpacked tile is ever reshaped
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 8 + offs_b
+        if TILED:
+            off = (rn[:, None] >> 6) * stride_sn + ((kb[None, :] >> 4) << 10) + ((rn[:, None] & 63) << 4) \
+                + (kb[None, :] & 15)
+        else:
+            off = rn[:, None] * stride_sn + kb[None, :]
+        byte = tl.load(s_base + off, mask=(kb < KB)[None, :], other=0).to(tl.int32)    # [BN, BKB]
+        for j in tl.static_range(8):
+            k = kb * 8 + j
+            xt = tl.load(x_rows[None, :] + k[:, None], mask=live[None, :] & (k < K)[:, None], other=0.0)  # [BKB, BM]
+            pm = (((byte >> j) & 1) * 2 - 1)
+            if DOT_FP32:
+                acc += tl.dot(pm.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc = tl.dot(pm.to(xt.dtype), xt, acc)
+    if ALPHA_PER_ROW:
+        alpha = tl.load(a_ptr + slot * stride_as + rn)
+    else:
+        alpha = tl.load(a_ptr + slot * stride_as + rn * 0)
+    y_off = xrow[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    ymask = live[None, :] & (offs_n < N)[:, None]
+    y = tl.load(y_ptr + y_off, mask=ymask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + y_off, (y + acc * alpha[:, None]).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def _block_n(n: int, blocks: int) -> int:
+    """Output features per program: 64 (one sign tile) unless that leaves the GPU short of programs."""
+    if _interpret():
+        return 16
+    for bn in (64, 32):
+        if triton.cdiv(n, bn) * blocks >= 264:
+            return bn
+    return 16
+
+
+CONFIG = {"BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # per program, besides BLOCK_N (_block_n)
+
+
+def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups,
+                      y: torch.Tensor, block_n: int | None = None, **config) -> torch.Tensor:
+    """``y[m] += α_t ⊙ (x[m] · S_tᵀ)`` for every row of a variant, in place (``y`` ``[M, N]``
+    contiguous, in ``x.dtype``); returns ``y``. Trusts its inputs: :func:`bitdelta_linear_grouped`
+    checks them."""
+    m, k = x.shape
+    n = y.shape[1]
+    if m == 0:
+        return y
+    tiled = signs.dim() == 5
+    bn = block_n or _block_n(n, groups.max_blocks)
+    config = {**CONFIG, **config}
+    _grouped_kernel[(triton.cdiv(n, bn), groups.max_blocks)](
+        x, signs, alphas, y, groups.order, groups.key, groups.first,
+        m, n, k, (k + 7) // 8,
+        x.stride(0), signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0),
+        ALPHA_PER_ROW=alphas.dim() == 2, TILED=tiled, DOT_FP32=_interpret(),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, **config)
+    return y
+
+
+def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                            slot: torch.Tensor, bias: torch.Tensor | None = None,
+                            groups: RowGroups | None = None) -> torch.Tensor:
+    """The contract of :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments,
+    shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then
+    :func:`add_sign_products`. ``groups``: :func:`group_rows` of ``slot``, when the caller has it
+    (it is the same for every layer of a step)."""
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
+    if signs.dtype != torch.uint8:
+        raise ValueError(f"signs must be uint8, got {signs.dtype}")
+    check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
+    check_weight_and_bias(weight, bias)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+    if groups is None:
+        groups = group_rows(slot, signs.shape[0])
+    alphas = alphas.to(device=x.device, dtype=torch.float32)
+    return add_sign_products(x, signs.contiguous(), alphas.contiguous(), groups, y)

@@ -1,0 +1,106 @@
+"""The grouped mixed-variant linear (kernels/triton_grouped.py) against the float32 reference.
+
+On the CPU the kernel runs under ``TRITON_INTERPRET=1``; with ``DELTAFLEET_TRITON_DEVICE=cuda``
+(``make test-gpu``) every case runs on the GPU. Tolerance as in tests/test_kernels_triton.py: the
+base product is rounded to the activation dtype once and the sum once more, so ``atol = c ·
+max|y_ref|`` with c = 2⁻⁶ (bf16) / 2⁻⁹ (fp16); each case also checks that every row used its own
+variant (another variant's signs would miss by far more than that).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+from deltafleet.kernels import pack_signs, tile_signs  # noqa: E402
+from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
+from deltafleet.kernels.triton_grouped import BLOCK_M, bitdelta_linear_grouped, group_rows, max_blocks  # noqa: E402
+
+TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
+
+
+def _zipf_slots(m: int, tenants: int, g: torch.Generator) -> torch.Tensor:
+    """Rows over the base (−1) and ``tenants`` variants with Zipf(1) popularity, shuffled."""
+    p = 1.0 / torch.arange(1, tenants + 2, dtype=torch.float64)
+    return (torch.multinomial(p, m, replacement=True, generator=g) - 1).to(torch.int32)
+
+
+SLOTS = {
+    "zipf": lambda m, t, g: _zipf_slots(m, t, g),
+    "own": lambda m, t, g: torch.arange(m, dtype=torch.int32) % t,           # every row its own variant (m ≤ t)
+    "one": lambda m, t, g: torch.full((m,), t - 1, dtype=torch.int32),        # all rows one variant
+    "base": lambda m, t, g: torch.full((m,), -1, dtype=torch.int32),          # no variant at all
+    "gap": lambda m, t, g: torch.randint(0, 2, (m,), generator=g, dtype=torch.int32) * (t - 1),  # variants 1…t−2 absent
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m, n, k, tenants, slots, tiled, row_alpha, bias", [
+    (37, 130, 260, 4, "zipf", True, True, False),    # ragged N and K, groups over one block of 16
+    (14, 64, 128, 14, "own", True, False, True),     # every row its own variant, matrix α, bias
+    (40, 72, 200, 3, "one", False, True, False),     # one variant over three blocks, sign rows
+    (5, 40, 72, 3, "base", True, True, True),        # base rows only: the base product alone
+    (33, 96, 384, 6, "gap", False, False, False),    # empty groups between the present ones
+    (2, 20, 13, 2, "zipf", False, True, True),       # K < 16, two rows
+])
+def test_grouped_matches_reference(dtype, m, n, k, tenants, slots, tiled, row_alpha, bias):
+    g = torch.Generator().manual_seed(m * 31 + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = (0.03 + 0.05 * torch.rand(tenants, n, generator=g)) if row_alpha else 0.03 + 0.05 * torch.rand(tenants, generator=g)
+    slot = SLOTS[slots](m, tenants, g)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, None if b is None else b.float())
+    held = tile_signs(signs) if tiled else signs
+    y = bitdelta_linear_grouped(*(t.to(DEVICE) if t is not None else None for t in (x, w, held, alphas, slot, b)))
+    assert y.shape == (m, n) and y.dtype == dtype
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    rows = slot >= 0
+    if tenants > 1 and rows.any():  # each row used its own variant's signs
+        swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot,
+                                          None if b is None else b.float())
+        assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
+
+
+def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
+    slot = torch.tensor([2, -1, 0, 2, 2, 0, 7, 2, 2])
+    gr = group_rows(slot, 3, block_m=2)
+    # variant 0: rows 2, 5; variant 2: rows 0, 3, 4, 7, 8; the base (−1) and the out-of-range 7 last
+    assert gr.order.tolist() == [2, 5, 0, 3, 4, 7, 8, 1, 6]
+    assert gr.key.tolist() == [0, 0, 2, 2, 2, 2, 2, 3, 3]
+    assert gr.first.tolist() == [0, 2, 4, 6, 9, 9, 9, 9]  # blocks {2,5} {0,3} {4,7} {8}, then unused
+    assert gr.max_blocks == max_blocks(9, 3, 2) == 8  # ceil(9 / 2) + 3
+
+
+def test_max_blocks_bounds_every_grouping():
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 15, 16, 17, 64, 255):
+        for tenants in (1, 4, 14):
+            slot = _zipf_slots(m, tenants, g)
+            counts = torch.bincount(slot[slot >= 0].long(), minlength=tenants)
+            needed = int(((counts + BLOCK_M - 1) // BLOCK_M).sum())
+            gr = group_rows(slot, tenants)
+            assert int((gr.first < m).sum()) == needed <= gr.max_blocks
+
+
+def test_grouped_contract_errors():
+    x = torch.randn(2, 16).bfloat16()
+    w = torch.randn(8, 16).bfloat16()
+    signs = torch.zeros(2, 8, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"slot indices must lie in \[-1, 2\), got \[-1, 2\]"):
+        bitdelta_linear_grouped(x, w, signs, torch.ones(2), torch.tensor([-1, 2]))
+    with pytest.raises(ValueError, match=r"alphas must be \[2\] or \[2, 8\]"):
+        bitdelta_linear_grouped(x, w, signs, torch.ones(3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="signs must be uint8"):
+        bitdelta_linear_grouped(x, w, signs.int(), torch.ones(2), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="x and weight must share a floating dtype"):
+        bitdelta_linear_grouped(x, w.half(), signs, torch.ones(2), torch.tensor([0, 1]))
