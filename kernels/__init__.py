@@ -4,7 +4,9 @@
 ``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device
 when triton is installed, the plain-torch reference (kernels/reference.py) everywhere else.
 ``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched`` on CUDA,
-the reference elsewhere.
+the reference elsewhere. Outside ``torch.compile`` tracing the Triton wrappers are called directly
+rather than through the custom ops: the same code, without the dispatcher's Python layers on every
+call of an eager engine step (the ops exist for tracing, kernels/ops.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from deltafleet.kernels.reference import (
     untile_signs,
 )
 
-_triton_ops = None  # (bitdelta_linear_op, bitdelta_linear_batched_op) once imported; False without triton
+_triton_ops = None  # (the two custom ops, the two Triton wrappers) once imported; False without triton
 
 
 def _ops():
@@ -32,11 +34,18 @@ def _ops():
     if _triton_ops is None:
         try:
             from deltafleet.kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
+            from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
         except ImportError:
             _triton_ops = False
         else:
-            _triton_ops = (bitdelta_linear_op, bitdelta_linear_batched_op)
+            _triton_ops = (bitdelta_linear_op, bitdelta_linear_batched_op, bitdelta_linear_triton,
+                           bitdelta_linear_batched_triton)
     return _triton_ops
+
+
+def _triton(i: int):
+    """Custom op ``i`` (0: one variant, 1: batched) while ``torch.compile`` traces, else its wrapper."""
+    return _ops()[i] if torch.compiler.is_compiling() else _ops()[i + 2]
 
 
 def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -50,7 +59,7 @@ def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, a
     (when triton is installed), else :func:`deltafleet.kernels.reference.bitdelta_linear` (same arguments,
     shapes and errors)."""
     if _on_triton(x, weight):
-        return _ops()[0](x, weight, sign, alpha, bias)
+        return _triton(0)(x, weight, sign, alpha, bias)
     return bitdelta_linear_reference(x, weight, sign, alpha, bias)
 
 
@@ -75,7 +84,7 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
     the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`)."""
     if _on_triton(x, weight):
-        return _ops()[1](x, weight, signs, alphas, slot, bias)
+        return _triton(1)(x, weight, signs, alphas, slot, bias)
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
 
 

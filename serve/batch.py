@@ -210,10 +210,15 @@ class BatchDeltas:
         self.runs = runs
         self._groups = None
 
+    @staticmethod
+    def _grouped(x2: Tensor) -> bool:
+        """Whether rows ``x2`` are multiplied grouped by variant (see :data:`GROUPED_MIN_ROWS`)."""
+        return x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+
     def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:
         """Rows ``x2 [M, K]`` by ``weight`` plus each row's variant (slots ``[M]``), grouped where it runs."""
         signs, alphas = self.table.signs[name], self.table.alphas[name]
-        if x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
+        if self._grouped(x2):
             key = (slots.data_ptr(), slots.shape[0])
             if self._groups is None or self._groups[0] != key:
                 from deltafleet.kernels.triton_grouped import group_rows

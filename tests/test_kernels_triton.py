@@ -250,13 +250,16 @@ def test_batched_custom_op_and_dispatcher():
     torch.testing.assert_close(compiled(*dev), bitdelta_linear_batched_triton(*dev) + 1, rtol=0, atol=0)
     with pytest.raises(ValueError, match=f"signs is on meta but x is on {dev[0].device.type}"):
         torch.ops.deltafleet.bitdelta_linear_batched(dev[0], dev[1], dev[2].to("meta"), *dev[3:])
-    # the dispatcher: the reference off CUDA (exactly), the custom op on CUDA
+    # the dispatcher: the reference off CUDA (exactly), the Triton kernel on CUDA
     torch.testing.assert_close(kernels.bitdelta_linear_batched(x, w, signs, alphas, slot),
                                kernels.bitdelta_linear_batched_reference(x, w, signs, alphas, slot), rtol=0, atol=0)
     if torch.cuda.is_available():
         cuda = [t.cuda() for t in (x, w, signs, alphas, slot)]
         torch.testing.assert_close(kernels.bitdelta_linear_batched(*cuda), bitdelta_linear_batched_triton(*cuda),
                                    rtol=0, atol=0)
+        # traced, the dispatcher hands torch.compile the custom op (a whole graph, through its fake)
+        traced = torch.compile(kernels.bitdelta_linear_batched, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(traced(*cuda), bitdelta_linear_batched_triton(*cuda), rtol=0, atol=0)
 
 
 def test_bias_is_checked_and_read_through_its_strides():

@@ -173,3 +173,41 @@ def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
         assert a.token_ids == got[model_id], model_id
     # the variants' deltas matter here (a layout read as zeros would answer like the base)
     assert got["tiny-coder"] != got["tiny"] and got["tiny-writer"] != got["tiny"]
+
+
+def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
+    """The GPU path for large decode batches (``BatchDeltas._grouped``: rows grouped by variant once
+    per step, the grouping reused by every layer) run here under Triton's interpreter, against the
+    per-row reference path on the same step: same logits, and one grouping for the whole forward."""
+    pytest.importorskip("triton")
+    from deltafleet.kernels import triton_grouped
+    from deltafleet.serve import batch
+
+    model = engine.model
+    slots = DeltaSlots(model, n_slots=2, sign_layout="tiled")
+    coder = slots.put(engine.get_delta("tiny-coder"))
+    writer = slots.put(engine.get_delta("tiny-writer"))
+    variants = [writer.slot, -1, coder.slot, coder.slot, -1, writer.slot, coder.slot]
+    n = len(variants)
+    tables = [[i] for i in range(n)]
+    step = StepInput(tokens=[5 + i for i in range(n)], positions=[0] * n, kv_slots=[4 * i for i in range(n)],
+                     variants=variants, n_decode=n, tables=tables, sample=list(range(n)))
+    with torch.inference_mode():
+        want = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
+        groupings, real = [], triton_grouped.group_rows
+
+        def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
+            groupings.append(slot.tolist())
+            return real(slot, n_slots, block_m)
+
+        monkeypatch.setattr(batch.BatchDeltas, "_grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
+        monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
+        monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
+        got = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
+    assert groupings == [variants]  # once per step, whatever the number of layers and linears
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the variants matter here: all rows on the base would answer differently
+    base = StepInput(**{**step.__dict__, "variants": [-1] * n})
+    with torch.inference_mode():
+        alone = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(base).float()
+    assert not torch.allclose(alone, want, atol=1e-3)
