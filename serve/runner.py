@@ -53,8 +53,17 @@ class StepInput:
         return not self.chunks
 
     def runs(self) -> list[tuple[int, int, int]]:
-        """``(first, stop, variant)`` of each prefill chunk (what :class:`BatchDeltas` multiplies by run)."""
-        return [(first, first + n, self.variants[first]) for first, n, _, _ in self.chunks]
+        """``(first, stop, variant)`` of each stretch of prefill chunks of one variant, adjacent chunks of
+        the same variant as one run (what :class:`BatchDeltas` multiplies by run: one call per run
+        and layer, whatever the number of prompts in it)."""
+        out: list[tuple[int, int, int]] = []
+        for first, n, _, _ in self.chunks:
+            v = self.variants[first]
+            if out and out[-1][1] == first and out[-1][2] == v:
+                out[-1] = (out[-1][0], first + n, v)
+            else:
+                out.append((first, first + n, v))
+        return out
 
 
 class ModelRunner:

@@ -208,7 +208,8 @@ class Scheduler:
         st.n_decode = len(plan.decode)
         st.sample = list(range(st.n_decode))
         sampled = list(plan.decode)
-        for seq, start, stop in plan.prefill:
+        # chunks of one variant side by side: their linears run as one call (StepInput.runs)
+        for seq, start, stop in sorted(plan.prefill, key=lambda c: _slot(c[0].req)):
             first = len(st.tokens)
             st.tokens += seq.tokens[start:stop]
             st.positions += range(start, stop)

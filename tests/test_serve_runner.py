@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deltafleet.serve.engine import Engine, SamplingParams
+from deltafleet.serve.model import DeltaLinear
 from deltafleet.serve.runner import ModelRunner, StepInput
 from tests.conftest import complete_together
 
@@ -252,3 +253,28 @@ def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_famil
     with pytest.raises(ValueError, match="attention must be one of"):
         engine(attention="flash")
     assert engine(max_batch=4, max_num_batched_tokens=2).scheduler.planner.token_budget == 4  # raised, logged
+
+
+def test_adjacent_chunks_of_one_variant_run_as_one_and_answer_as_alone(eng, monkeypatch):
+    """Four prompts, two per variant, side by side: ``StepInput.runs`` merges each variant's adjacent
+    chunks into one run (one one-variant call per layer and linear for both prompts), and every
+    prompt's logits are still its own."""
+    from deltafleet.serve import batch
+
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64)
+    coder, writer = (eng.get_delta(m).slot for m in ("tiny-coder", "tiny-writer"))
+    prompts = [("tiny-coder", "def f(x):", coder), ("tiny-coder", "import sys", coder),
+               ("tiny-writer", "Once upon", writer), ("tiny-writer", "The sea", writer)]
+    t = _Tables()
+    step = _step(t, [], [(i, eng.encode_prompt(p), 0, v) for i, (_, p, v) in enumerate(prompts)])
+    n = [len(eng.encode_prompt(p)) for _, p, _ in prompts]
+    assert step.runs() == [(0, n[0] + n[1], coder), (n[0] + n[1], sum(n), writer)]
+    calls = []
+    real = batch.bitdelta_linear
+    monkeypatch.setattr(batch, "bitdelta_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        out = runner.forward(step)
+    linears = sum(1 for m in eng.model.layers.modules() if isinstance(m, DeltaLinear))  # the head: sampled rows only
+    assert len(calls) == 2 * linears and set(calls) == {n[0] + n[1], n[2] + n[3]}
+    for row, (m, p, _) in enumerate(prompts):
+        torch.testing.assert_close(out[row], _alone(eng, m, eng.encode_prompt(p))[-1], rtol=1e-4, atol=1e-4)
