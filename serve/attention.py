@@ -98,9 +98,14 @@ class PagedStep:
             padding (a scratch-block table, position 0) that keeps FlexAttention's shapes to a few.
         num_blocks: int32 ``[R]``, the blocks each decode row reads.
         positions: int64 ``[R]``, each decode row's position (it attends to ``0 … position``).
-        chunks: per prefill chunk ``(flat start, length, start position, context slots)``: the chunk's
-            tokens are ``flat start …`` of the batch at positions ``start position …``, and its context
-            slots (int64, ``start position + length`` of them) are where its sequence's keys lie.
+        chunks: per prefill chunk that continues a sequence ``(flat start, length, start position,
+            context slots)``: the chunk's tokens are ``flat start …`` of the batch at positions ``start
+            position …``, and its context slots (int64, ``start position + length`` of them) are where
+            its sequence's keys lie.
+        prompts: the chunks that start a sequence (position 0), by length: ``(length, flat starts,
+            rows)`` with ``rows`` the int64 flat indices of all their tokens (None for one chunk).
+            They attend to their own keys only, so these are read from the step, not the cache, and
+            chunks of one length are one batched call.
         backend: ``"flex"`` or ``"sdpa"`` for the decode rows.
     """
 
@@ -114,6 +119,7 @@ class PagedStep:
     backend: str = "sdpa"
     masks: FlexMask | None = None  # flex: the mask buffers and mask_mod, reused every step
     _mask: object = None
+    prompts: list[tuple[int, list[int], Tensor | None]] = field(default_factory=list)
 
     def layer(self, i: int) -> PagedLayer:
         return PagedLayer(self, i)
@@ -202,11 +208,24 @@ class PagedLayer:
         kc.index_copy_(1, st.kv_slots, k[:, :, 0].transpose(0, 1))
         vc.index_copy_(1, st.kv_slots, v[:, :, 0].transpose(0, 1))
         nd = st.n_decode
-        if not st.chunks:
+        if not st.chunks and not st.prompts:
             return self._decode(q, kc, vc)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kc, vc)
+        gqa = k.shape[1] != q.shape[1]
+        for n, firsts, rows in st.prompts:  # whole prompts: their own keys, one call per length
+            if rows is None:
+                f = firsts[0]
+                qc, kk, vv = (t[f:f + n, :, 0].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                y = F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, enable_gqa=gqa)
+                out[f:f + n, :, 0] = y[0].transpose(0, 1)
+            else:
+                b = len(firsts)
+                qc, kk, vv = (t.index_select(0, rows)[:, :, 0].view(b, n, t.shape[1], -1).transpose(1, 2)
+                              for t in (q, k, v))                           # [b, heads, n, hd]
+                y = F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, enable_gqa=gqa)
+                out.index_copy_(0, rows, y.transpose(1, 2).reshape(b * n, q.shape[1], 1, -1))
         for first, n, start, ctx in st.chunks:
             qc = q[first:first + n, :, 0].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             kk, vv = kc[:, ctx].unsqueeze(0), vc[:, ctx].unsqueeze(0)    # [1, KV, start + n, hd]

@@ -98,9 +98,9 @@ class ModelRunner:
         self.steps = 0
 
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
-                   chunks: list[tuple[int, int, int, Tensor]]) -> PagedStep:
+                   chunks: list[tuple[int, int, int, Tensor]], prompts=()) -> PagedStep:
         return PagedStep(self.cache, kv_slots, n_decode, tables, num_blocks, positions, chunks, self.backend,
-                         self.masks)
+                         self.masks, prompts=list(prompts))
 
     def execute(self, step: StepInput) -> Tensor:
         """Run ``step``; returns the float32 logits ``[len(step.sample), vocab]`` of its sampled rows
@@ -136,13 +136,18 @@ class ModelRunner:
             dec_pos = positions[:0]
             tables = torch.zeros(0, 1, dtype=torch.int32, device=dev)
             num_blocks = torch.zeros(0, dtype=torch.int32, device=dev)
-        chunks = []
+        chunks, whole = [], {}
         bs = self.block_size
         for first, n, start, table in step.chunks:
+            if start == 0:  # a whole prompt (or its first chunk): attends to its own keys only
+                whole.setdefault(n, []).append(first)
+                continue
             logical = torch.arange(start + n, device=dev)
             ctx = as_long(table)[logical // bs] * bs + logical % bs
             chunks.append((first, n, start, ctx))
-        paged = self.paged_step(kv_slots, nd, tables, num_blocks, dec_pos, chunks)
+        prompts = [(n, firsts, None if len(firsts) == 1 else as_long([f + i for f in firsts for i in range(n)]))
+                   for n, firsts in whole.items()]
+        paged = self.paged_step(kv_slots, nd, tables, num_blocks, dec_pos, chunks, prompts)
         delta = None
         if any(v >= 0 for v in step.variants):
             delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)

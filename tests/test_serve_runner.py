@@ -278,3 +278,35 @@ def test_adjacent_chunks_of_one_variant_run_as_one_and_answer_as_alone(eng, monk
     assert len(calls) == 2 * linears and set(calls) == {n[0] + n[1], n[2] + n[3]}
     for row, (m, p, _) in enumerate(prompts):
         torch.testing.assert_close(out[row], _alone(eng, m, eng.encode_prompt(p))[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_whole_prompts_of_one_length_attend_in_one_call_beside_decode_rows(eng, backend):
+    """A step with a decode row, three whole prompts of one length (three variants), one of another
+    length, and a continuing chunk: the equal prompts are one batched attention call over their own
+    keys, and every row's logits equal its sequence's own."""
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention=backend)
+    slot = {m: -1 if eng.get_delta(m) is None else eng.get_delta(m).slot for m in PROMPTS}
+    ids = {m: eng.encode_prompt(PROMPTS[m] * 3) for m in PROMPTS}
+    n = min(len(v) for v in ids.values()) - 1
+    a, b, c = "tiny", "tiny-coder", "tiny-writer"
+    t = _Tables()
+    seqs = {0: list(ids[a][:n]), 1: list(ids[b][:n]), 2: list(ids[c][:n]), 3: list(ids[b][:n - 2]),
+            4: list(ids[c]), 5: list(ids[a][:5])}
+    model = {0: a, 1: b, 2: c, 3: b, 4: c, 5: a}
+    seen = []
+    real = runner.paged_step
+    runner.paged_step = lambda *args: seen.append(args[-1]) or real(*args)  # the step's prompts
+    with torch.inference_mode():
+        out = runner.forward(_step(t, [], [(5, seqs[5], 0, slot[a]), (4, seqs[4][:6], 0, slot[c])]))
+        seqs[5].append(int(out[0].argmax()))
+        # the step under test: 5 decodes, 4 continues, 0-3 start
+        out = runner.forward(_step(t, [(5, seqs[5][-1], len(seqs[5]) - 1, slot[a])],
+                                   [(4, seqs[4][6:], 6, slot[c])]
+                                   + [(i, seqs[i], 0, slot[model[i]]) for i in range(4)]))
+    lengths = {length: (firsts, rows) for length, firsts, rows in seen[-1]}
+    assert sorted(lengths) == [n - 2, n] and len(lengths[n][0]) == 3 and lengths[n][1].numel() == 3 * n
+    assert lengths[n - 2][1] is None  # one prompt of that length: sliced, not gathered
+    for row, i in enumerate((5, 4, 0, 1, 2, 3)):
+        torch.testing.assert_close(out[row], _alone(eng, model[i], seqs[i])[-1], rtol=1e-4, atol=1e-4)
