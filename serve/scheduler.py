@@ -15,10 +15,18 @@ queued (``Engine.prepare`` loads it, single flight, in the request's own thread)
 loaded never holds up requests for the others.
 
 A sequence leaves when it ends (eos, a stop string, ``max_tokens``) or its request is cancelled (the
-client went away); its blocks are free for the next step and its hold on the variant ends. Steps
-reach each request through its own thread-safe queue, so the HTTP layer streams them as they come.
-An error reaches every request it affects, as an exception in its queue: a failed step ends every
-sequence in it; a failure of one row (its sampling or detokenizing) ends that sequence alone.
+client went away); its blocks are free for the next step and its hold on the variant ends.
+
+Detokenizing is off the model's thread (vLLM v1's output processor, at this size): after each step
+the scheduler hands the step's sampled ids, with what it decided at the token level (eos,
+``max_tokens``, a row's failure, a request's end), to the ``detokenizer`` thread in one batch. That
+thread turns ids into text with stop strings (serve/detokenize.py), puts each request's Steps in its
+own thread-safe queue, in order, and then calls the step listeners (an :class:`Outbox` hands them to
+the HTTP event loop). A stop string is found there, a step or two after its token was sampled: the
+thread sends the final Step and asks the scheduler to end the sequence at its next step, and the
+tokens sampled meanwhile are dropped. An error reaches every request it affects, as an exception
+in its queue: a failed step ends every sequence in it; a failure of one row (its sampling or
+detokenizing) ends that sequence alone.
 """
 from __future__ import annotations
 
@@ -53,8 +61,10 @@ class _Seq(Sequence):
     seed: int = 0                           # the sampler's 64-bit seed (serve/sampling.py)
     n: int = 0                              # tokens generated
     started: bool = False                   # on_start called (once, however often it is preempted)
-    done: bool = False                      # its last Step (or error) is sent
+    done: bool = False                      # it ends at the token level (eos, max_tokens, an error): retire it
     ended: bool = False                     # retired: blocks and variant given back, END sent
+    finished: bool = False                  # (detokenizer) its last Step or error is sent; later tokens dropped
+    stop_hit: bool = False                  # (detokenizer) a stop string ended it: the scheduler retires it
 
 
 def _slot(req) -> int:
@@ -93,8 +103,9 @@ class Scheduler:
         self.preemptions = 0
         self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0  # most decode rows in one step
-        self._step_listeners: list[Callable[[], None]] = []
         self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
+        self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
+        self.detokenizer = _Detokenizer(engine.eos_token_ids)
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     @property
@@ -125,9 +136,9 @@ class Scheduler:
             return {m: len(q) for m, q in self.planner.waiting.items() if q}
 
     def add_step_listener(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` (in the scheduler's thread) after every step, once its items are put: an
+        """Call ``fn()`` (in the detokenizer's thread) after every step's items are put: an
         :class:`Outbox` hands them to an event loop at once, not one wake-up per token."""
-        self._step_listeners.append(fn)
+        self.detokenizer.listeners.append(fn)
 
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use."""
@@ -158,17 +169,18 @@ class Scheduler:
                 failed = [] if plan is None else plan.decode + [s for s, _, _ in plan.prefill]
                 for seq in failed:
                     if not seq.done:
-                        seq.out.put(e)
+                        self._items.append(("error", seq, e))
                         seq.done = True
                 self._retire(failed)
-            for fn in self._step_listeners:
-                fn()
+            items, self._items = self._items, []
+            self.detokenizer.submit(items)
 
     def _drop_cancelled(self) -> None:
-        """End the requests cancelled since the last step, waiting or running."""
+        """End the requests cancelled since the last step, waiting or running, and those a stop string
+        ended (found by the detokenizer)."""
         with self._cv:
-            gone = [s for q in self.planner.waiting.values() for s in q if s.cancel.is_set()]
-            gone += [s for s in self.planner.running if s.cancel.is_set()]
+            gone = [s for q in self.planner.waiting.values() for s in q if s.cancel.is_set() or s.stop_hit]
+            gone += [s for s in self.planner.running if s.cancel.is_set() or s.stop_hit]
         self._retire(gone)
 
     def _step(self, plan: StepPlan) -> None:
@@ -246,32 +258,23 @@ class Scheduler:
         return sampling.sample(logits, batch)
 
     def _emit(self, seq: _Seq, token: int) -> None:
-        """Send the Step of ``seq``'s sampled ``token``; a failure here (−1: its logits were not finite,
-        or its detokenizing failed) is sent to ``seq`` alone and ends it."""
-        eng = self.engine
-        try:
-            if token < 0:
-                raise GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
-            seq.n += 1
-            if token in eng.eos_token_ids:
-                step = Step(token, seq.text.flush()[0], "stop")
-            else:
-                piece, stopped = seq.text.push(token)
-                if stopped:
-                    step = Step(token, piece, "stop")
-                elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
-                    rest, stopped = seq.text.flush()
-                    step = Step(token, piece + rest, "stop" if stopped else "length")
-                else:
-                    step = Step(token, piece)
-        except Exception as e:  # noqa: BLE001 — this row's own failure ends this request only
-            log.error("generation failed for a request on %s", seq.req.model_id, exc_info=e)
-            seq.out.put(e)
+        """Queue ``seq``'s sampled ``token`` for the detokenizer, with its end at the token level: eos,
+        ``max_tokens`` (or a cancelled request), or −1 (its logits were not finite: an error for
+        ``seq`` alone)."""
+        if token < 0:
+            err = GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
+            self._items.append(("error", seq, err))
             seq.done = True
             return
-        seq.out.put(step)
-        if step.finish_reason is not None:
-            seq.done = True
+        seq.n += 1
+        if token in self.engine.eos_token_ids:
+            end = "eos"
+        elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
+            end = "length"
+        else:
+            end = None
+        self._items.append(("token", seq, token, end))
+        seq.done = end is not None
 
     def _retire(self, seqs: list[_Seq]) -> None:
         """End ``seqs``: their blocks go back, their hold on the variant ends, their queue ends."""
@@ -282,7 +285,75 @@ class Scheduler:
                 self.planner.finish(seq)
         for seq in seqs:
             self.engine.release(seq.req)
+            self._items.append(("end", seq))
+
+
+class _Detokenizer:
+    """The thread that turns each step's sampled ids into Steps and delivers every item of every
+    request, in order (see the module docstring). Work comes as one list per step of
+
+    - ``("token", seq, token, end)``: ``end`` None (the sequence goes on), ``"eos"`` or ``"length"``;
+    - ``("error", seq, exception)``: the sequence failed (sent unless its last Step went already);
+    - ``("end", seq)``: the sequence is retired: :data:`END`.
+
+    After each list it calls :attr:`listeners`."""
+
+    def __init__(self, eos_token_ids):
+        self.eos = eos_token_ids
+        self.listeners: list[Callable[[], None]] = []
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="detokenizer", daemon=True).start()
+
+    def submit(self, items: list[tuple]) -> None:
+        if items:
+            self._work.put(items)
+
+    def _loop(self) -> None:
+        while True:
+            for item in self._work.get():
+                try:
+                    self._handle(item)
+                except Exception:  # noqa: BLE001 - never let one item stop every request's output
+                    log.exception("delivering an item failed")
+            for fn in self.listeners:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    log.exception("a step listener failed")
+
+    def _handle(self, item: tuple) -> None:
+        kind, seq = item[0], item[1]
+        if kind == "end":
             seq.out.put(END)
+            return
+        if seq.finished:  # a stop string ended it: tokens sampled since are dropped
+            return
+        if kind == "error":
+            seq.finished = True
+            seq.out.put(item[2])
+            return
+        token, end = item[2], item[3]
+        try:
+            if end == "eos":
+                step = Step(token, seq.text.flush()[0], "stop")
+            else:
+                piece, stopped = seq.text.push(token)
+                if stopped:
+                    step = Step(token, piece, "stop")
+                elif end == "length":
+                    rest, stopped = seq.text.flush()
+                    step = Step(token, piece + rest, "stop" if stopped else "length")
+                else:
+                    step = Step(token, piece)
+        except Exception as e:  # noqa: BLE001 — this row's own failure ends this request only
+            log.error("detokenizing failed for a request on %s", seq.req.model_id, exc_info=e)
+            seq.finished = seq.stop_hit = True
+            seq.out.put(e)
+            return
+        seq.out.put(step)
+        if step.finish_reason is not None:
+            seq.finished = True
+            seq.stop_hit = end is None  # ended by a stop string: the scheduler retires it next step
 
 
 class Outbox:

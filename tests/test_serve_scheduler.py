@@ -173,3 +173,31 @@ def test_a_failed_capture_falls_back_to_eager_decoding(tiny_family, alone, monke
     got = engine.complete("tiny-coder", PROMPTS["tiny-coder"], SamplingParams(max_tokens=10, temperature=0))
     assert got.token_ids == alone[("tiny-coder", "greedy")]  # the failed step too, eagerly
     assert calls == [(1, True)] and sch.graphs is None  # tried once, then graphs are off
+
+
+def test_text_is_made_off_the_model_thread_and_a_stop_string_ends_the_sequence(tiny_family, monkeypatch):
+    """Every token is detokenized on the ``detokenizer`` thread, never the scheduler's; a stop string
+    found there ends the request with the text before it, no token past it reaches the client, and
+    the sequence's row and blocks are free again."""
+    from deltafleet.serve import detokenize
+
+    engine = _engine(tiny_family, max_batch=2)
+    full = engine.complete("tiny-coder", PROMPTS["tiny-coder"], SamplingParams(max_tokens=24, temperature=0))
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop and text.find(stop) > 0
+    threads = set()
+    real = detokenize.TextStream.push
+    monkeypatch.setattr(detokenize.TextStream, "push",
+                        lambda self, t: threads.add(threading.current_thread().name) or real(self, t))
+    req = engine.prepare("tiny-coder", engine.encode_prompt(PROMPTS["tiny-coder"]),
+                         SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
+    steps = list(engine.run(req))
+    assert threads == {"detokenizer"}
+    assert "".join(s.text for s in steps) == text[:text.find(stop)]
+    assert steps[-1].finish_reason == "stop" and all(s.finish_reason is None for s in steps[:-1])
+    assert [s.token_id for s in steps] == full.token_ids[:len(steps)]  # nothing sampled after the stop was sent
+    deadline = time.time() + 30
+    while engine.scheduler.running or engine.scheduler.pool.usage:
+        assert time.time() < deadline
+        time.sleep(0.01)
