@@ -115,6 +115,9 @@ class Engine:
             delta slots, elsewhere ``max_batch`` full contexts; never more than ``max_batch`` full
             contexts). The served context is capped at the cache's size.
         attention: the decode attention kernel: ``auto`` (FlexAttention on CUDA, else SDPA), ``flex``, ``sdpa``.
+        scheduler_delay_factor: admission pacing (vLLM's name; serve/plan.py): while sequences run, a
+            waiting request is admitted once it has waited this many times the last admitting step;
+            0 (default): at once.
         cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
@@ -128,7 +131,8 @@ class Engine:
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
                  delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True,
-                 max_num_batched_tokens: int = 2048, kv_cache: dict | None = None, attention: str = "auto"):
+                 max_num_batched_tokens: int = 2048, kv_cache: dict | None = None, attention: str = "auto",
+                 scheduler_delay_factor: float = 0.0):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -189,6 +193,9 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told
+        if isinstance(scheduler_delay_factor, bool) or not isinstance(scheduler_delay_factor, (int, float)) \
+                or not scheduler_delay_factor >= 0:
+            raise ValueError(f"scheduler_delay_factor must be a number ≥ 0, got {scheduler_delay_factor!r}")
         block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
         if n_blocks * block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",
@@ -202,7 +209,8 @@ class Engine:
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
                               block_size, attention)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
-                                       cuda_graphs=cuda_graphs, attention=attention)
+                                       cuda_graphs=cuda_graphs, attention=attention,
+                                       delay_factor=float(scheduler_delay_factor))
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
         """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).

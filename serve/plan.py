@@ -16,13 +16,21 @@ free rather than preempting (admitting a prompt whose first chunk only fits woul
 again and again as the running sequences grow). The pool never runs out mid-step, and no step is
 refused for memory.
 
+Admission can be paced (vLLM's ``scheduler_delay_factor``): with a factor ``f > 0``, while sequences
+are running, waiting requests are admitted only once the longest-waiting one has waited ``f`` times
+the last step that admitted prompts. Under a steady stream of arrivals prompts then join in groups
+rather than one per step, so fewer steps carry prefill chunks (an engine step with chunks is not
+replayed from a CUDA graph); a request waits at most that long more for its first token.
+
 A leaf module but for the block pool: the runner executes a :class:`StepPlan` and reports back with
 :meth:`Planner.advance`.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from deltafleet.serve.kv import BlockPool
 
@@ -44,6 +52,7 @@ class Sequence:
     computed: int = 0
     admitted: int = field(default=-1)  # the order it entered the running set (preemption picks the last)
     preempted: bool = False  # waiting after a preemption: admitted before the others
+    arrival: float = 0.0  # when it was queued (the planner's clock)
 
     @property
     def prefilling(self) -> bool:
@@ -69,24 +78,39 @@ class StepPlan:
 
 class Planner:
     """Plans steps over ``pool`` with at most ``max_running`` sequences and ``token_budget`` tokens
-    a step (see the module docstring).
+    a step, admission paced by ``delay_factor`` (0: admit at once), time read from ``clock`` (see the
+    module docstring).
 
     Raises:
-        ValueError: ``max_running`` < 1, or ``token_budget`` < ``max_running`` (every running sequence
-            must be able to decode in every step).
+        ValueError: ``max_running`` < 1, ``token_budget`` < ``max_running`` (every running sequence
+            must be able to decode in every step), or ``delay_factor`` < 0.
     """
 
-    def __init__(self, pool: BlockPool, max_running: int, token_budget: int):
+    def __init__(self, pool: BlockPool, max_running: int, token_budget: int, delay_factor: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         if max_running < 1 or token_budget < max_running:
             raise ValueError(f"need 1 ≤ max_running ≤ token_budget, got {max_running} and {token_budget}")
+        if not delay_factor >= 0:
+            raise ValueError(f"scheduler_delay_factor must be ≥ 0, got {delay_factor}")
         self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
+        self.delay_factor, self.clock = float(delay_factor), clock
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()
         self.running: list[Sequence] = []
         self._admissions = 0
+        self._admitted_at: float | None = None  # when the last step that admitted was planned
+        self._admit_step_s = 0.0  # how long that step took (until the next plan)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request at the back of its model's queue."""
+        seq.arrival = self.clock()
         self.waiting.setdefault(seq.model_id, deque()).append(seq)
+
+    def _may_admit(self, now: float) -> bool:
+        """Pacing (the module docstring): nothing running, no factor, or the oldest waited long enough."""
+        if self.delay_factor == 0 or not self.running:
+            return True
+        oldest = min((q[0].arrival for q in self.waiting.values() if q), default=now)
+        return now - oldest >= self.delay_factor * self._admit_step_s
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` ended (or was cancelled): its blocks go back, it leaves the running set or its queue."""
@@ -115,6 +139,9 @@ class Planner:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.token_budget
+        now = self.clock()
+        if self._admitted_at is not None:
+            self._admit_step_s, self._admitted_at = now - self._admitted_at, None
         for seq in sorted(self.running, key=lambda s: s.admitted):
             if seq not in self.running or seq.prefilling:
                 continue
@@ -134,6 +161,9 @@ class Planner:
                 budget -= self._chunk(seq, budget, plan)
         if plan.preempted:  # no room this step: admitting now would take the blocks just freed
             return plan
+        if not self._may_admit(now):
+            return plan
+        admissions = self._admissions
         while budget > 0 and len(self.running) < self.max_running and any(self.waiting.values()):
             admitted = False
             first = [m for m, q in self.waiting.items() if q and q[0].preempted]  # then the queues in turn
@@ -152,6 +182,8 @@ class Planner:
                 admitted = True
             if not admitted:
                 break
+        if self._admissions != admissions:
+            self._admitted_at = now
         return plan
 
     def _chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:

@@ -84,10 +84,11 @@ class Scheduler:
         cuda_graphs: on a CUDA device in one process, replay decode-only steps as CUDA graphs
             (serve/graphs.py).
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
+        delay_factor: admission pacing (serve/plan.py; 0: admit at once).
     """
 
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
-                 token_budget: int, cuda_graphs: bool = False, attention: str = "auto"):
+                 token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -97,7 +98,7 @@ class Scheduler:
         self.runner = ModelRunner(self.model, engine.slots, n_blocks, block_size, max_batch, max_seq_len,
                                   cuda_graphs=graphs, attention=attention)
         self.pool = BlockPool(n_blocks, block_size)
-        self.planner = Planner(self.pool, max_batch, token_budget)
+        self.planner = Planner(self.pool, max_batch, token_budget, delay_factor)
         self._cv = threading.Condition()  # guards the planner's queues (submit runs in request threads)
         self.steps = 0  # steps run (tests, metrics)
         self.preemptions = 0

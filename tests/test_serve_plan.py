@@ -114,3 +114,34 @@ def test_random_traffic_finishes_every_request_within_budget_and_blocks():
 def test_a_budget_below_the_running_set_is_refused():
     with pytest.raises(ValueError, match="max_running ≤ token_budget"):
         Planner(BlockPool(4, 4), max_running=8, token_budget=4)
+
+
+def test_paced_admission_groups_arrivals_while_streams_run():
+    """``delay_factor`` 2: with a stream running, waiting requests join only once the oldest has waited
+    twice the last admitting step (10 s on the fake clock), then together; with nothing running they
+    join at once; a factor of 0 admits at every step."""
+    now = [0.0]
+    planner = Planner(BlockPool(64, 4), max_running=8, token_budget=64, delay_factor=2.0, clock=lambda: now[0])
+    stream = _seq("tiny", 3)
+    planner.add(stream)
+    plan = planner.schedule()  # nothing runs: admitted at once
+    assert [s for s, _, _ in plan.prefill] == [stream]
+    now[0] += 10.0  # that admitting step took 10 s
+    _run(planner, plan)
+    a, b = _seq("tiny-coder", 4), _seq("tiny-writer", 4)
+    planner.add(a)
+    assert planner.schedule().prefill == []  # a waited 0 s < 2 × 10 s
+    now[0] += 15.0
+    _run(planner, planner.schedule())  # 15 s: still waits; b arrives meanwhile
+    planner.add(b)
+    now[0] += 6.0  # a has now waited 21 s ≥ 20 s: a and b join in one step
+    plan = planner.schedule()
+    assert {s.model_id for s, _, _ in plan.prefill} == {"tiny-coder", "tiny-writer"} and plan.decode == [stream]
+    unpaced = Planner(BlockPool(64, 4), max_running=8, token_budget=64, clock=lambda: now[0])
+    for s in (_seq("tiny", 3), _seq("tiny-coder", 4)):
+        unpaced.add(s)
+        plan = unpaced.schedule()
+        assert [x for x, _, _ in plan.prefill] == [s]  # admitted in the step after it came
+        _run(unpaced, plan)
+    with pytest.raises(ValueError, match="scheduler_delay_factor must be ≥ 0, got -1"):
+        Planner(BlockPool(8, 4), 2, 8, delay_factor=-1)

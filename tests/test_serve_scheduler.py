@@ -97,6 +97,18 @@ def test_a_cancelled_request_frees_its_row_and_its_variant(tiny_family):
 def test_bad_batch_size_is_named(tiny_family):
     with pytest.raises(ValueError, match="max_batch must be ≥ 1, got 0"):
         _engine(tiny_family, max_batch=0)
+    with pytest.raises(ValueError, match="scheduler_delay_factor must be a number ≥ 0, got -0.5"):
+        _engine(tiny_family, scheduler_delay_factor=-0.5)
+
+
+def test_paced_admission_answers_as_alone(tiny_family, alone):
+    """With admission paced (``scheduler_delay_factor``), requests arriving while others decode still
+    get exactly what they get alone."""
+    engine = _engine(tiny_family, max_batch=4, scheduler_delay_factor=1.0)
+    jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] * 2
+    got = complete_together(engine, [(m, PROMPTS[m], p) for m, p in jobs])
+    for (m, _), ids in zip(jobs, got):
+        assert ids == alone[(m, "greedy")]
 
 
 def test_variant_slots_are_overwritten_in_place(tiny_family):
