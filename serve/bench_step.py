@@ -14,6 +14,11 @@ The floor is the bytes a step cannot avoid reading — every weight matrix the s
 the norms, each distinct variant's signs and scales, and the rows' live keys and values — divided by
 the device's copy bandwidth, timed in the same run (a 2 GiB device-to-device copy: bytes read +
 bytes written over its time). ``step_over_floor`` = step time ÷ floor.
+
+Each row also times two eager steps (``ModelRunner.forward``, no CUDA graph, as the scheduler runs a
+step with a prefill chunk): the same decode rows (``eager_ms``), and the decode rows plus one
+``prompt``-token prompt of the mix's first model (``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is
+what running a step from Python rather than from a graph costs.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 
 SHAPE_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32}
-DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14}
+DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompt": 256}
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, iters: int = 10) -> float:
@@ -56,6 +61,30 @@ def step_bytes(model, slots, rows: int, distinct_variants: int, context: int) ->
     kv = 2 * len(model.layers) * attn.n_kv * attn.head_dim * model.dtype.itemsize * rows * (context + 1)
     return {"weights": weights, "signs": distinct_variants * per_variant, "kv": kv,
             "total": weights + distinct_variants * per_variant + kv}
+
+
+def _with_prompt(step, prompt: int, table: list[int], bs: int, gen: torch.Generator, vocab: int):
+    """``step``'s decode rows and one ``prompt``-token prompt (positions 0 …) of its first row's model
+    in ``table``'s blocks, every row and the prompt's last token sampling."""
+    from deltafleet.serve.runner import StepInput
+
+    r = step.n_decode
+    return StepInput(tokens=step.tokens + torch.randint(1, vocab, (prompt,), generator=gen).tolist(),
+                     positions=step.positions + list(range(prompt)),
+                     kv_slots=step.kv_slots + [table[p // bs] * bs + p % bs for p in range(prompt)],
+                     variants=step.variants + [step.variants[0]] * prompt, n_decode=r, tables=step.tables,
+                     chunks=[(r, prompt, 0, table)], sample=list(range(r)) + [r + prompt - 1])
+
+
+def _eager_ms(runner, step, iters: int, device) -> float:
+    """Milliseconds per eager step (``ModelRunner.forward``), launched back to back."""
+    runner.forward(step)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        runner.forward(step)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / iters * 1e3
 
 
 def engine_steps(cfg) -> dict:
@@ -91,12 +120,14 @@ def engine_steps(cfg) -> dict:
     views = [slots.put(family.variant(name, device)) for name in family.names]
     per_row = math.ceil((context + 1) / bs)
     max_rows = max(rows_list)
-    n_blocks = per_row * max_rows
+    prompt = int(opts["prompt"])
+    n_blocks = per_row * max_rows + math.ceil(prompt / bs)
     runner = ModelRunner(model, slots, n_blocks, bs, max_rows, context + 2, cuda_graphs=True, attention="flex")
     bw = copy_bandwidth(device)
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, as a busy pool hands them out
     tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(max_rows)]
+    prompt_table = blocks[per_row * max_rows:]  # the prompt's own blocks
     out: dict = {"shape": shape, "dtype": str(dtype), "context": context, "block_size": bs, "variants": n_var,
                  "copy_GBps": bw / 1e9, "device": torch.cuda.get_device_name(device), "rows": [],
                  "step_over_floor": {}}
@@ -116,6 +147,9 @@ def engine_steps(cfg) -> dict:
                     logits = runner.execute(step)
                 torch.cuda.synchronize(device)
                 step_s = (time.perf_counter() - t) / opts["iters"]
+                eager = {name: _eager_ms(runner, st, opts["iters"], device) for name, st in
+                         (("eager_ms", step), ("with_prompt_ms", _with_prompt(step, prompt, prompt_table, bs, gen,
+                                                                              shape["vocab_size"])))}
                 sampling = {}
                 for name, params in (("greedy", (0.0, 1.0, 0)), ("top_p", (0.8, 0.95, 0))):
                     batch = SamplingBatch.build([(*params, i, context + 1) for i in range(r)], device)
@@ -128,7 +162,7 @@ def engine_steps(cfg) -> dict:
             nbytes = step_bytes(model, slots, r, len({v for v in variants if v >= 0}), context)
             floor_s = nbytes["total"] / bw
             row = {"rows": r, "mix": mix, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
-                   "step_over_floor": step_s / floor_s, "bytes": nbytes, "sample_ms": sampling,
+                   "step_over_floor": step_s / floor_s, **eager, "bytes": nbytes, "sample_ms": sampling,
                    "graph": runner.graphs is not None}
             out["rows"].append(row)
             out["step_over_floor"].setdefault(str(r), {})[mix] = row["step_over_floor"]
@@ -142,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=DEFAULTS["context"])
     p.add_argument("--iters", type=int, default=DEFAULTS["iters"])
     p.add_argument("--variants", type=int, default=DEFAULTS["variants"])
+    p.add_argument("--prompt", type=int, default=DEFAULTS["prompt"], help="tokens of the prompt in the with_prompt step")
     p.add_argument("--out", help="write the result as JSON here")
     a = p.parse_args(argv)
     res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,
-                                                 "variants": a.variants}})
+                                                 "variants": a.variants, "prompt": a.prompt}})
     print(json.dumps(res["step_over_floor"], indent=1))
     if a.out:
         from deltafleet.atomic import write_text
