@@ -16,7 +16,8 @@ def _cfg(tmp_path):
         "shapes": ["llama2-70b"], "layer_shapes": {"llama2-70b": {"a": [4, 8], "b": [2, 8]}}, "ms": [1, 2048],
         "tenants": [1, 16], "dtype": "bfloat16", "alpha_granularity": "row", "timing": "cuda_graph", "rep_ms": 10,
         "bitdelta_style": True, "batched_impls": ["lut"], "copy_bytes": 1024, "seed": 0, "machine": "test",
-        "paths": {"reports_dir": str(tmp_path)}, "report_name": "r"})
+        "paths": {"reports_dir": str(tmp_path)}, "report_name": "r",
+        "grouped": {"ms": [64], "tenants": [4], "zipf_s": 1.0}})
 
 
 def _rows():
@@ -30,6 +31,10 @@ def _rows():
         for layer, d, t in (("a", 1.0, ba), ("b", 3.0, bb)):
             rows.append({"kind": "tenants", "model": "llama2-70b", "layer": layer, "T": t_count, "dense_ms": d,
                          "triton_batched_ms": t, "batched_lut_ms": t, "bitdelta_style_ms": 5 * d})
+    # grouped, M=64 over 4 variants (3 present): batched (2 + 5) / 4 = 1.75, grouped (1.2 + 4) / 4 = 1.3
+    for layer, d, b, gr in (("a", 1.0, 2.0, 1.2), ("b", 3.0, 5.0, 4.0)):
+        rows.append({"kind": "grouped", "model": "llama2-70b", "layer": layer, "M": 64, "T": 4, "distinct": 3,
+                     "floor": 1 + 3 / 16, "dense_ms": d, "triton_batched_ms": b, "grouped_ms": gr})
     return rows
 
 
@@ -46,6 +51,23 @@ def test_summary_is_the_ratio_of_sums_and_checks_the_targets(tmp_path):
     assert s["tenants"]["llama2-70b/T=16"]["bitdelta_style"] == pytest.approx(5.0)
     assert s["tenants"]["llama2-70b/T=16"]["batched_lut"] == pytest.approx(2.25)
     assert "target 70B T=16     2.250x ≤ 2.200x: NOT met" in s["lines"]
+    # grouped: the better of the two against 1.1 · (1 + 4/16) = 1.375
+    g = s["grouped"]["llama2-70b/M=64/T=4"]
+    assert g["triton_batched"] == pytest.approx(1.75) and g["grouped"] == pytest.approx(1.3)
+    assert g["floor"] == pytest.approx(1.1875) and g["bound"] == pytest.approx(1.375)
+    assert s["targets"]["llama2-70b M=64 T=4"] == {"ratio": pytest.approx(1.3), "bound": pytest.approx(1.375),
+                                                  "met": True}
+    assert "target llama2-70b M=64 T=4  1.300x ≤ 1.375x: met" in s["lines"]
+
+
+def test_zipf_slots_favour_the_base_and_the_first_variants_and_repeat_by_seed():
+    a = bench.zipf_slots(4000, 14, 1.0, seed=3)
+    assert a.dtype == torch.int32 and int(a.min()) == -1 and int(a.max()) == 13
+    counts = torch.bincount((a + 1).long(), minlength=15).float() / 4000
+    want = 1.0 / torch.arange(1, 16, dtype=torch.float64)
+    torch.testing.assert_close(counts.double(), want / want.sum(), atol=0.02, rtol=0)
+    assert torch.equal(a, bench.zipf_slots(4000, 14, 1.0, seed=3))
+    assert not torch.equal(a, bench.zipf_slots(4000, 14, 1.0, seed=4))
 
 
 def test_plot_writes_a_png(tmp_path):
