@@ -34,18 +34,23 @@ SHAPE_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008
 DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompt": 256}
 
 
+def _seconds(fn, iters: int, device, warmup: int = 1) -> float:
+    """Seconds per call of ``fn`` launched ``iters`` times back to back, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / iters
+
+
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, iters: int = 10) -> float:
     """Bytes per second of a device-to-device copy of ``n_bytes`` (read + write, as the floor counts reads)."""
     x = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    for _ in range(2):
-        y.copy_(x)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        y.copy_(x)
-    torch.cuda.synchronize(device)
-    return 2 * n_bytes * iters / (time.perf_counter() - t)
+    return 2 * n_bytes / _seconds(lambda: y.copy_(x), iters, device, warmup=2)
 
 
 def step_bytes(model, slots, rows: int, distinct_variants: int, context: int) -> dict:
@@ -74,17 +79,6 @@ def _with_prompt(step, prompt: int, table: list[int], bs: int, gen: torch.Genera
                      kv_slots=step.kv_slots + [table[p // bs] * bs + p % bs for p in range(prompt)],
                      variants=step.variants + [step.variants[0]] * prompt, n_decode=r, tables=step.tables,
                      chunks=[(r, prompt, 0, table)], sample=list(range(r)) + [r + prompt - 1])
-
-
-def _eager_ms(runner, step, iters: int, device) -> float:
-    """Milliseconds per eager step (``ModelRunner.forward``), launched back to back."""
-    runner.forward(step)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        runner.forward(step)
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t) / iters * 1e3
 
 
 def engine_steps(cfg) -> dict:
@@ -139,26 +133,16 @@ def engine_steps(cfg) -> dict:
                              kv_slots=[tables[i][context // bs] * bs + context % bs for i in range(r)],
                              variants=variants, n_decode=r, tables=tables[:r], sample=list(range(r)))
             with torch.inference_mode():
-                for _ in range(3):  # capture (FlexAttention and the kernels compile on the first)
-                    logits = runner.execute(step)
-                torch.cuda.synchronize(device)
-                t = time.perf_counter()
-                for _ in range(opts["iters"]):
-                    logits = runner.execute(step)
-                torch.cuda.synchronize(device)
-                step_s = (time.perf_counter() - t) / opts["iters"]
-                eager = {name: _eager_ms(runner, st, opts["iters"], device) for name, st in
-                         (("eager_ms", step), ("with_prompt_ms", _with_prompt(step, prompt, prompt_table, bs, gen,
-                                                                              shape["vocab_size"])))}
-                sampling = {}
-                for name, params in (("greedy", (0.0, 1.0, 0)), ("top_p", (0.8, 0.95, 0))):
-                    batch = SamplingBatch.build([(*params, i, context + 1) for i in range(r)], device)
-                    sample(logits, batch).tolist()
-                    t = time.perf_counter()
-                    for _ in range(opts["iters"]):
-                        sample(logits, SamplingBatch.build([(*params, i, context + 1) for i in range(r)],
-                                                           device)).tolist()
-                    sampling[name] = (time.perf_counter() - t) / opts["iters"] * 1e3
+                # three warm-up steps: the first captures (FlexAttention and the kernels compile)
+                step_s = _seconds(lambda: runner.execute(step), opts["iters"], device, warmup=3)
+                with_prompt = _with_prompt(step, prompt, prompt_table, bs, gen, shape["vocab_size"])
+                eager = {name: _seconds(lambda st=st: runner.forward(st), opts["iters"], device) * 1e3
+                         for name, st in (("eager_ms", step), ("with_prompt_ms", with_prompt))}
+                logits = runner.execute(step)
+                # a step's sampling as the scheduler does it: the batch built, sampled, read back
+                sampling = {name: _seconds(lambda p=params: sample(logits, SamplingBatch.build(
+                    [(*p, i, context + 1) for i in range(r)], device)).tolist(), opts["iters"], device) * 1e3
+                    for name, params in (("greedy", (0.0, 1.0, 0)), ("top_p", (0.8, 0.95, 0)))}
             nbytes = step_bytes(model, slots, r, len({v for v in variants if v >= 0}), context)
             floor_s = nbytes["total"] / bw
             row = {"rows": r, "mix": mix, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
