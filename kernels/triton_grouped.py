@@ -33,11 +33,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from deltafleet.kernels.reference import (
-    check_batched_args,
-    check_tensors,
-    check_weight_and_bias,
-)
+
+from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
 
