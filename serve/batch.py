@@ -28,7 +28,7 @@ from deltafleet.serve.delta import VariantDelta, hf_name
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
-# decode batches of more rows than this are multiplied grouped by variant on a GPU (below it the
+# decode batches of this many rows or more are multiplied grouped by variant on a GPU (below, the
 # per-row kernels of bitdelta_linear_batched are faster: docs/kernels.md, "Grouped mixed batches")
 GROUPED_MIN_ROWS = 129
 
@@ -198,10 +198,10 @@ class BatchDeltas:
     """The variant of each row of a batch: ``slots`` int32 ``[B]``, −1 for the base (the layers'
     ``delta`` argument when rows differ; see serve/model.py).
 
-    On a GPU, rows of a decode batch are multiplied grouped by variant
-    (``deltafleet.kernels.bitdelta_linear_grouped``: the base product of every row once, then each
-    variant's signs over its own rows); the grouping depends on the slots only, so it is computed on
-    the device once per batch, at the first layer, and reused by every other."""
+    On a GPU, decode batches of :data:`GROUPED_MIN_ROWS` rows or more are multiplied grouped by
+    variant (``deltafleet.kernels.bitdelta_linear_grouped``: the base product of every row once, then
+    each variant's signs over its own rows); the grouping depends on the slots only, so it is
+    computed on the device once per batch, at the first layer, and reused by every other."""
 
     def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None):
         self.table = table
