@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -194,8 +195,8 @@ class Engine:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told
         if isinstance(scheduler_delay_factor, bool) or not isinstance(scheduler_delay_factor, (int, float)) \
-                or not scheduler_delay_factor >= 0:
-            raise ValueError(f"scheduler_delay_factor must be a number ≥ 0, got {scheduler_delay_factor!r}")
+                or not 0 <= scheduler_delay_factor < math.inf:
+            raise ValueError(f"scheduler_delay_factor must be a finite number ≥ 0, got {scheduler_delay_factor!r}")
         block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
         if n_blocks * block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",

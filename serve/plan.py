@@ -27,6 +27,7 @@ A leaf module but for the block pool: the runner executes a :class:`StepPlan` an
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -90,8 +91,8 @@ class Planner:
                  clock: Callable[[], float] = time.monotonic):
         if max_running < 1 or token_budget < max_running:
             raise ValueError(f"need 1 ≤ max_running ≤ token_budget, got {max_running} and {token_budget}")
-        if not delay_factor >= 0:
-            raise ValueError(f"scheduler_delay_factor must be ≥ 0, got {delay_factor}")
+        if not 0 <= delay_factor < math.inf:  # inf would admit nothing while anything runs
+            raise ValueError(f"scheduler_delay_factor must be finite and ≥ 0, got {delay_factor}")
         self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
         self.delay_factor, self.clock = float(delay_factor), clock
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()

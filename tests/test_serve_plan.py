@@ -143,5 +143,6 @@ def test_paced_admission_groups_arrivals_while_streams_run():
         plan = unpaced.schedule()
         assert [x for x, _, _ in plan.prefill] == [s]  # admitted in the step after it came
         _run(unpaced, plan)
-    with pytest.raises(ValueError, match="scheduler_delay_factor must be ≥ 0, got -1"):
-        Planner(BlockPool(8, 4), 2, 8, delay_factor=-1)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"scheduler_delay_factor must be finite and ≥ 0, got {bad}"):
+            Planner(BlockPool(8, 4), 2, 8, delay_factor=bad)

@@ -97,8 +97,9 @@ def test_a_cancelled_request_frees_its_row_and_its_variant(tiny_family):
 def test_bad_batch_size_is_named(tiny_family):
     with pytest.raises(ValueError, match="max_batch must be ≥ 1, got 0"):
         _engine(tiny_family, max_batch=0)
-    with pytest.raises(ValueError, match="scheduler_delay_factor must be a number ≥ 0, got -0.5"):
-        _engine(tiny_family, scheduler_delay_factor=-0.5)
+    for bad in (-0.5, float("inf"), "0.5"):
+        with pytest.raises(ValueError, match=f"scheduler_delay_factor must be a finite number ≥ 0, got {bad!r}"):
+            _engine(tiny_family, scheduler_delay_factor=bad)
 
 
 def test_paced_admission_answers_as_alone(tiny_family, alone):
