@@ -15,19 +15,19 @@ Two parts:
   the rows sorted by variant (stable), and the first sorted row of each block of at most
   ``BLOCK_M`` rows of one variant. Its result depends on the slots only, so an engine step computes
   it once and every layer reuses it (``serve/batch.py``).
-* ``_grouped_kernel``: program ``(n tile, block)`` loads its block's rows of x (gathered through the
-  sort order), walks K, unpacks a ``[BLOCK_N, BLOCK_K]`` tile of its variant's sign bits to ±1 in
-  registers and multiplies on the tensor cores (``tl.dot``, float32 accumulation), then scales by
-  ``α_t`` and adds the product into those rows of ``y``, which already hold the base product. The
-  grid has a fixed size (an upper bound on the number of blocks); programs past the last block
-  return at once.
+* ``_grouped_kernel``: program ``(n tile, block)`` computes ``yᵀ`` for its block's rows of x
+  (gathered through the sort order). It walks K in steps of ``BLOCK_K`` weights, each taken as 8
+  bit planes of ``BLOCK_K / 8`` sign bytes: plane j, unpacked to ±1, is the left operand of a
+  tensor-core product (``tl.dot``, float32 accumulation) with the x columns ``8b + j``, so no
+  unpacked tile is reshaped. It then scales by ``α_t`` and adds the product into those rows of
+  ``y``, which already hold the base product. The grid has a fixed size (an upper bound on the
+  number of blocks); programs past the last block return at once.
 
 Rounding: the base product is rounded to ``x.dtype`` by the GEMM, the sum once more; the
 reconstructed weight ``W + α·S`` is never formed.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +35,9 @@ import triton
 import triton.language as tl
 
 from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias
+from deltafleet.kernels.triton_bitdelta import _interpret
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass
@@ -52,13 +49,11 @@ class RowGroups:
             ``[0, S)`` last).
         key: int32 ``[M]``, the sorted rows' slots (``S`` for the base rows).
         first: int32 ``[max_blocks]``, the first sorted row of each block (``M`` past the last).
-        n_slots: S.
     """
 
     order: torch.Tensor
     key: torch.Tensor
     first: torch.Tensor
-    n_slots: int
 
     @property
     def max_blocks(self) -> int:
@@ -87,7 +82,7 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowG
     block = torch.where(starts, torch.cumsum(starts, 0) - 1, nb)  # non-starts go to a sink entry
     first = torch.full((nb + 1,), m, dtype=torch.int32, device=dev)
     first.scatter_(0, block, idx.to(torch.int32))
-    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb], n_slots)
+    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb])
 
 
 @triton.jit
@@ -113,8 +108,7 @@ def _grouped_kernel(
     BKB: tl.constexpr = BLOCK_K // 8
     offs_b = tl.arange(0, BKB)
     s_base = s_ptr + slot.to(tl.int64) * stride_ss
-    # yᵀ tile [BN, BM]: the signs are the left operand; the K step of 8·BKB weights is taken as 8
-    # bit planes, plane j holding weights 8b + j (b < BKB), so no unpacked tile is ever reshaped
+    # yᵀ tile [BN, BM]; plane j of a K step holds weights 8b + j (b < BKB): see the module docstring
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // 8 + offs_b

@@ -226,14 +226,11 @@ class PagedLayer:
                               for t in (q, k, v))                           # [b, heads, n, hd]
                 y = F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, enable_gqa=gqa)
                 out.index_copy_(0, rows, y.transpose(1, 2).reshape(b * n, q.shape[1], 1, -1))
-        for first, n, start, ctx in st.chunks:
+        for first, n, start, ctx in st.chunks:  # chunks that continue a sequence: causal from `start`
             qc = q[first:first + n, :, 0].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             kk, vv = kc[:, ctx].unsqueeze(0), vc[:, ctx].unsqueeze(0)    # [1, KV, start + n, hd]
-            if start == 0:
-                y = F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, enable_gqa=kk.shape[1] != qc.shape[1])
-            else:
-                mask = torch.arange(start + n, device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
-                y = F.scaled_dot_product_attention(qc, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != qc.shape[1])
+            mask = torch.arange(start + n, device=q.device) <= torch.arange(start, start + n, device=q.device)[:, None]
+            y = F.scaled_dot_product_attention(qc, kk, vv, attn_mask=mask, enable_gqa=gqa)
             out[first:first + n, :, 0] = y[0].transpose(0, 1)
         return out
 
