@@ -46,7 +46,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from deltafleet.kernels.gluon_bitdelta import _tma_load
+    from deltafleet.kernels.gluon_bitdelta import _cta_barrier, _tma_load
 
 BLOCK_N = 128   # features per program: two consumer warpgroups of 64 (the wgmma's M)
 BLOCK_K = 64
@@ -57,6 +57,11 @@ BLOCK_K = 64
 # the loader warpgroup then gives registers up and the consumers take them (setmaxnreg).
 CONFIGS = ((256, 4, 2, False, 240), (256, 4, 2, True, 240), (256, 4, 4, False, 240), (256, 4, 1, True, 240),
            (256, 3, 2, True, 240))
+# Decode batches and short prefill chunks (2–128 tokens): the wgmma's N shrinks to the rows, the ring
+# deepens (a W tile is 16 KiB; the x tile is small), and K is split across programs (``split``) so that
+# a matrix of few 128-feature tiles still spreads its bytes over every multiprocessor.
+SMALL_CONFIGS = ((8, 8, 2, True, 240), (16, 8, 2, True, 240), (32, 8, 2, True, 240), (64, 6, 2, True, 240),
+                 (128, 4, 2, True, 240), (16, 6, 1, True, 240), (32, 10, 2, True, 240))
 LAUNCH_REGS = 168
 
 if HAVE_GLUON:
@@ -101,25 +106,24 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_load(p, STAGES: gl.constexpr):
-        """The loader: the x and W tiles of each K step by TMA, ``STAGES`` steps ahead of the slower
-        consumer."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
+        """The loader: the x and W tiles of each of the program's K steps by TMA, ``STAGES`` steps
+        ahead of the slower consumer."""
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k) = p
         BK: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-        num_k = K // BK
         for ki in range(num_k):
             stage = ki % STAGES
             mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # both consumers are done with it
             mbarrier.expect(ready.index(stage), nbytes)
-            _tma_load(x_desc, [off_t, ki * BK], ready.index(stage), x_smem.index(stage))
-            _tma_load(w_desc, [off_n, ki * BK], ready.index(stage), w_smem.index(stage))
+            _tma_load(x_desc, [off_t, (k_first + ki) * BK], ready.index(stage), x_smem.index(stage))
+            _tma_load(w_desc, [off_n, (k_first + ki) * BK], ready.index(stage), w_smem.index(stage))
 
     @gluon.jit
     def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K) = p
-        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym) = q
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k) = p
+        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, SPLIT, tile) = q
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         H: gl.constexpr = BK // 32  # 32 weights per sign word
@@ -132,11 +136,12 @@ if HAVE_GLUON:
         rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
         sh = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)), 0)      # bit of each weight
         nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
-        num_b = K // (BK * U)  # loop bodies of U K steps
+        num_b = num_k // U  # loop bodies of U K steps
+        b0 = k_first // U   # the first one's index in the whole K
 
         s_nxt = ()
         for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
-            s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, j, stride_sw, TILED), 1), )
+            s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, b0 * (U * H) + j, stride_sw, TILED), 1), )
         acc = gl.zeros([RW, BT], gl.float32, acc_l)
         if PRE:  # the first slice, formed before the loop (then each body forms the next body's)
             mbarrier.wait(ready.index(0), 0)
@@ -144,7 +149,7 @@ if HAVE_GLUON:
             a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
         for bi in range(num_b):
             s_cur = s_nxt
-            bn = gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
+            bn = b0 + gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
             s_nxt = ()
             for j in gl.static_range(U * H):
                 s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, bn * (U * H) + j, stride_sw, TILED), 1), )
@@ -175,32 +180,53 @@ if HAVE_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         feat = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, acc_l))
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
-        # yᵀ tile → y: through shared memory, so each thread writes 16 contiguous bytes of a y row
-        st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-        out = gl.convert_layout(acc.to(dtype), st_l)
-        fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
-        to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
-        y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
-        mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
-        gl.store(y_ptrs, out, mask=mask)
+        if SPLIT > 1:  # K split: the partial sums meet in the float32 workspace; the last chunk writes y
+            tok = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+            ws_ptrs = ws_ptr + gl.expand_dims(tok, 0) * N + gl.expand_dims(feat, 1)  # M·N < 2³¹ (the wrapper)
+            wmask = gl.expand_dims(feat < N, 1) & gl.expand_dims(tok < M, 0)
+            gl.atomic_add(ws_ptrs, acc, mask=wmask, sem="relaxed")
+            _cta_barrier()  # every warp of this warpgroup has added its sums before the count
+            done = gl.atomic_add(cnt_ptr + 2 * tile + ROW0 // RW, 1, sem="acq_rel")
+            if done == SPLIT - 1:  # the last chunk of this warpgroup's features: read (and zero) the sums
+                tot = gl.atomic_xchg(ws_ptrs, gl.zeros([RW, BT], gl.float32, acc_l), mask=wmask, sem="relaxed")
+                if HAS_BIAS:
+                    tot = tot + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
+                y_ptrs = y_ptr + gl.expand_dims(tok.to(gl.int64), 0) * stride_ym + gl.expand_dims(feat, 1)
+                gl.store(y_ptrs, tot.to(dtype), mask=wmask)
+                gl.atomic_xchg(cnt_ptr + 2 * tile + ROW0 // RW, 0, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                acc = acc + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
+            # yᵀ tile → y: through shared memory, so each thread writes 16 contiguous bytes of a y row
+            st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+            out = gl.convert_layout(acc.to(dtype), st_l)
+            fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
+            to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
+            y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
+            mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
+            gl.store(y_ptrs, out, mask=mask)
 
     @gluon.jit
-    def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, M, N, K, stride_sw, stride_ym,
+    def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sw,
+                           stride_ym, SPLIT, PER,
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                            U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr,
                            TILED: gl.constexpr = False):
-        """One ``[BLOCK_T tokens, 128 features]`` output tile per program: consumer warpgroup 0 (the
-        default partition) and 1, and the loader warp (module docstring). Programs along the tokens
-        are consecutive, so the programs that share a W panel run together and read it from HBM
-        about once."""
+        """One ``[BLOCK_T tokens, 128 features]`` output tile and one chunk of ``PER`` K steps (of
+        ``SPLIT``) per program: consumer warpgroup 0 (the default partition) and 1, and the loader
+        warp (module docstring). Programs along the tokens are consecutive, then the K chunks of a
+        tile, so the programs that share a W panel run together and read it from HBM about once."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         pid = gl.program_id(0)
         num_t = gl.cdiv(M, BT)
-        off_t = (pid % num_t) * BT
-        off_n = (pid // num_t) * 128
+        pid_t = pid % num_t
+        pid_k = (pid // num_t) % SPLIT
+        pid_n = pid // (num_t * SPLIT)
+        off_t = pid_t * BT
+        off_n = pid_n * 128
+        k_first = pid_k * PER
+        num_k = gl.minimum(PER, K // BK - k_first)  # ≥ U: the wrapper leaves no chunk short or empty
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 128, BK], w_desc.layout)
@@ -209,8 +235,8 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K)
-        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym)
+        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k)
+        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, SPLIT, pid_n * num_t + pid_t)
         gl.warp_specialize([
             (_rs_load, (p, STAGES)),
             (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS, TILED)),
@@ -227,18 +253,45 @@ def rs_supported(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> 
 
 
 def usable_configs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> list[tuple]:
-    """The :data:`CONFIGS` that :func:`bitdelta_linear_prefill_rs` runs for these tensors, in order
-    (the first is the untimed default): none unless :func:`rs_supported`, then those whose loop body
-    (``64·U`` weights of K) divides K."""
+    """The configurations that :func:`bitdelta_linear_prefill_rs` runs for these tensors, in order
+    (the first is the untimed default): none unless :func:`rs_supported`; up to 128 rows those of
+    :data:`SMALL_CONFIGS` whose token tile is at most twice the rows (at least 8), beyond that
+    :data:`CONFIGS`; each only if its loop body (``64·U`` weights of K) divides K."""
     if not rs_supported(x2, weight, sign):
         return []
-    return [c for c in CONFIGS if x2.shape[-1] % (BLOCK_K * c[2]) == 0]
+    m, k = x2.shape
+    if m <= 128:
+        cap = max(8, 2 * triton.next_power_of_2(m))
+        fits = [c for c in SMALL_CONFIGS if c[0] <= cap]
+        fits.sort(key=lambda c: (c[0] < m, c[0]))  # the smallest tile that holds every row first
+    else:
+        fits = list(CONFIGS)
+    return [c for c in fits if k % (BLOCK_K * c[2]) == 0]
+
+
+def default_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
+    """K chunks per output tile, by a wave model: one program per multiprocessor (the register file
+    holds one), so ``tiles × split`` programs take ``ceil(tiles·split / sms)`` waves of
+    ``steps/split + 3`` K steps (3: a memory latency to fill the ring, about two or three steps'
+    streaming time); the split with the fewest steps wins, the smaller on ties. Each chunk holds
+    whole loop bodies of ``U`` steps."""
+    bt, u = config[0], config[2]
+    tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
+    bodies = k // (BLOCK_K * u)
+    best, best_cost = 1, None
+    for s in range(1, 17):
+        per = triton.cdiv(bodies, s)
+        s_eff = triton.cdiv(bodies, per)
+        cost = triton.cdiv(tiles * s_eff, sms) * (per * u + 3)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s_eff, cost
+    return best
 
 
 def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                                bias: torch.Tensor | None, y: torch.Tensor,
-                               config: tuple = CONFIGS[0]) -> torch.Tensor:
-    """Launch the register-operand prefill kernel: ``y[M, N] = x2 · (W + α·s)ᵀ (+ bias)``.
+                               config: tuple = CONFIGS[0], split: int = 1) -> torch.Tensor:
+    """Launch the register-operand kernel: ``y[M, N] = x2 · (W + α·s)ᵀ (+ bias)``.
 
     Args:
         x2: ``[M, K]`` bf16/fp16, rows contiguous, K a multiple of 64 (:func:`rs_supported`).
@@ -246,8 +299,12 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
             the same in ``deltafleet.kernels.reference.tile_signs``' layout (4-D).
             alpha: float32 ``[]`` or ``[N]`` on the device. bias: ``[N]`` contiguous or None.
             y: ``[M, N]`` output in ``x2.dtype``, rows contiguous.
-        config: ``(BLOCK_T, STAGES, U, PRE, registers)``, one of :data:`CONFIGS`; K must be a multiple
-            of ``64·U``.
+        config: ``(BLOCK_T, STAGES, U, PRE, registers)``, one of :data:`CONFIGS` or
+            :data:`SMALL_CONFIGS`; K must be a multiple of ``64·U``.
+        split: K chunks per output tile (:func:`default_split`), at most one per loop body; the
+            chunks' float32 sums meet in the split-K workspace of
+            ``deltafleet.kernels.triton_bitdelta`` and the last chunk of each tile writes ``y``.
+            It is rounded down to a count that leaves no chunk short of a body.
 
     Returns:
         ``y``.
@@ -255,13 +312,16 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     Raises:
         ValueError: if the tensors are not ones this kernel runs on (:func:`rs_supported`), M is 0,
             alpha is not float32 ``[]`` or ``[N]``, y rows are not contiguous, K is not a multiple of
-            ``64·U``, or the ring is too short for the loop body (``STAGES < U``, or ``STAGES ≤ U`` with
-            PRE), which would deadlock.
+            ``64·U``, the ring is too short for the loop body (``STAGES < U``, or ``STAGES ≤ U`` with
+            PRE), which would deadlock, split is not a positive integer, or ``M·N`` is too large for
+            the split-K workspace (2³¹ sums).
     """
     bt, stages, u, pre, regs = config
     if stages < u + pre:  # a body waits for its U steps (and with PRE the next one) before releasing any
         need = "PRE needs more ring stages than" if pre else "the ring needs at least as many stages as"
         raise ValueError(f"config {config}: {need} K steps per loop body (STAGES {'>' if pre else '≥'} U)")
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split must be 1 or more K chunks, got {split!r}")
     if not rs_supported(x2, weight, sign):
         raise ValueError("the register-operand prefill kernel needs a Hopper GPU, K a multiple of 64, "
                          "16-byte aligned contiguous rows of x and W and 4-byte aligned sign rows")
@@ -275,16 +335,28 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     m, k = x2.shape
     if k % (BLOCK_K * u):
         raise ValueError(f"K = {k} is not a multiple of {BLOCK_K * u}, the K of one loop body of {config}")
+    bodies = k // (BLOCK_K * u)
+    per = triton.cdiv(bodies, min(split, bodies))  # bodies per chunk
+    split = triton.cdiv(bodies, per)               # no empty chunk
+    tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
+    if split > 1:
+        if m * n >= 2**31:
+            raise ValueError(f"M·N = {m * n} sums do not fit the split-K workspace; use split=1")
+        from deltafleet.kernels.triton_bitdelta import _workspace
+
+        ws, cnt = _workspace(x2.device, m * n, 2 * tiles)
+    else:
+        ws = cnt = y  # not read
     dt = _gl_dtype(x2.dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bt, BLOCK_K], gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
     words = sign.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
-    grid = (triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N),)
-    _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, m, n, k,
-                             words.stride(0), y.stride(0), ALPHA_PER_ROW=alpha.dim() == 1,
-                             HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
-                             maxnreg=LAUNCH_REGS, TILED=sign.dim() == 4)
+    _prefill_rs_kernel[(tiles * split,)](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, ws,
+                                         cnt, m, n, k, words.stride(0), y.stride(0), split, per * u,
+                                         ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, STAGES=stages,
+                                         U=u, PRE=pre, REGS=regs, num_warps=4, maxnreg=LAUNCH_REGS,
+                                         TILED=sign.dim() == 4)
     return y
 
 
@@ -293,7 +365,7 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
     compile test (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
 
     Args:
-        config: one of :data:`CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in
+        config: one of :data:`CONFIGS` or :data:`SMALL_CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in
             ``deltafleet.kernels.reference.tile_signs``' layout.
 
     Returns:
@@ -308,13 +380,13 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
     wl = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gdt)
     sig = {"x_desc": f"tensordesc<{dtype}[{bt}, {BLOCK_K}],{xl!r}>",
            "w_desc": f"tensordesc<{dtype}[{BLOCK_N}, {BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
-           "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32",
-           "stride_sw": "i32", "stride_ym": "i32"}
+           "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_sw": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
                   TILED=tiled)
     sig.update({c: "constexpr" for c in consts})
     names = _prefill_rs_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "N", "K", "stride_sw", "stride_ym")}
+             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_sw", "stride_ym")}
     return triton.compile(GluonASTSource(fn=_prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": LAUNCH_REGS})

@@ -568,6 +568,8 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         return y.reshape(*lead, n)
     flags = dict(ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, TILED=tiled)
     b = bias.to(x.device).contiguous() if bias is not None else alpha  # the kernels read bias[n] densely
+    dev_bias = b if bias is not None else None  # on x's device, contiguous
+    hopper = not _interpret() and gluon_bitdelta.supported(x2, weight)
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
         ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
@@ -577,18 +579,26 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
             _decode_kernel[(triton.cdiv(n, 8), triton.cdiv(kb, 64), 1)](
                 *args, ONE_DELTA=True, **flags, EVEN=k % 256 == 0, BLOCK_M=bm, BLOCK_N=8, BLOCK_KB=32, CHUNK_ITERS=2,
                 LATE_REDUCE=bm == 1)
-        else:
-            tuned = _decode_tiled_tuned if tiled else _decode_tuned
-            tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0,
-                                              BLOCK_M=bm)
-        return y.reshape(*lead, n)
-    strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
-    if not _interpret() and gluon_bitdelta.supported(x2, weight):
-        dev_bias = b if bias is not None else None  # on x's device, contiguous
+            return y.reshape(*lead, n)
+        tuned = _decode_tiled_tuned if tiled else _decode_tuned
+
+        def decode():
+            tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=bm)
+
+        # from two rows up on a Hopper GPU, the register-operand kernel competes (its token tile of 8)
+        config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, _strides(x2, weight, sign, y), flags, b,
+                                 decode) if m > 1 and hopper else "decode"
+        if config in ("decode", None):  # None: every candidate failed to run
+            decode()
+            return y.reshape(*lead, n)
+        return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y, config[1],
+                                                           config[2]).reshape(*lead, n)
+    strides = _strides(x2, weight, sign, y)
+    if hopper:
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
-            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y,
-                                                               config[1]).reshape(*lead, n)
+            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y, config[1],
+                                                               config[2]).reshape(*lead, n)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, dev_bias, y, config).reshape(*lead, n)
     if _interpret():
@@ -598,6 +608,11 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     else:
         _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
     return y.reshape(*lead, n)
+
+
+def _strides(x2, weight, sign, y) -> tuple[int, int, int, int]:
+    """Row strides of the ``_mm_kernel`` arguments."""
+    return x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0)
 
 
 def _mm_triton(x2, weight, sign, alpha, b, y, strides, flags) -> None:
@@ -611,27 +626,50 @@ def _mm_triton(x2, weight, sign, alpha, b, y, strides, flags) -> None:
 _PREFILL_CHOICE: dict = {}  # (N, K, M bucket, dtype, flags) -> Gluon config, or None for the Triton kernel
 
 
-def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b):
-    """Pick the prefill kernel for this problem shape (``bias``: on x's device and contiguous, or None): each configuration of the register-operand
-    kernel (``("rs", config)``, ``deltafleet.kernels.gluon_prefill_rs.CONFIGS``, where it runs) and of the Gluon
-    kernel (``deltafleet.kernels.gluon_bitdelta.CONFIGS``) and the autotuned Triton kernel (None) are timed once
-    per shape (M rounded up to a power of two) with CUDA-graph replay, and the fastest is kept. While a
-    CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
-    ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: the register-operand kernel's first
-    configuration where it runs, else the Gluon kernel's default."""
+def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=None):
+    """Pick the kernel for this problem shape beyond one row (``bias``: on x's device and
+    contiguous, or None), timed once per shape (M rounded up to a power of two) by CUDA-graph replay
+    (``_fastest``), the fastest kept:
+
+    * the register-operand kernel (``("rs", config, split)``), each of
+      ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its modelled K split
+      (``gluon_prefill_rs.default_split``), half and twice that, where it runs;
+    * up to 64 rows where it runs, only those, and ``decode`` (the CUDA-core kernel, a call with no
+      arguments, given up to ``GEMV_MAX_M`` rows) as ``"decode"``;
+    * else also the Gluon kernel (``deltafleet.kernels.gluon_bitdelta.CONFIGS``) and the autotuned
+      Triton kernel (None).
+
+    While a CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
+    ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: ``"decode"`` when given, else the
+    register-operand kernel's first configuration at its modelled split where it runs, else the
+    Gluon kernel's default."""
     m, k = x2.shape
-    key = (weight.shape[0], k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))
+    n = weight.shape[0]
+    key = (n, k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())), decode is not None)
     if key in _PREFILL_CHOICE:
         return _PREFILL_CHOICE[key]
-    rs = [("rs", cfg) for cfg in gluon_prefill_rs.usable_configs(x2, weight, sign)]
+    configs = gluon_prefill_rs.usable_configs(x2, weight, sign)
+    sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if configs else 0
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
-        return rs[0] if rs else gluon_bitdelta.DEFAULT_CONFIG
-    runs = {cfg: (lambda cfg=cfg: gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, bias, y,
-                                                                              cfg[1])) for cfg in rs}
-    runs.update({cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y, cfg))
-                 for cfg in gluon_bitdelta.CONFIGS})
-    runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
+        if decode is not None:
+            return "decode"
+        if configs:
+            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms))
+        return gluon_bitdelta.DEFAULT_CONFIG
+    runs = {}
+    for cfg in configs:
+        d = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
+        for split in sorted({d, max(1, d // 2), min(16, 2 * d)}):
+            runs[("rs", cfg, split)] = (lambda cfg=cfg, split=split: gluon_prefill_rs.bitdelta_linear_prefill_rs(
+                x2, weight, sign, alpha, bias, y, cfg, split))
+    if decode is not None:
+        runs["decode"] = decode
+    if not configs or m > 64:
+        runs.update({cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y,
+                                                                                cfg))
+                     for cfg in gluon_bitdelta.CONFIGS})
+        runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
     _PREFILL_CHOICE[key] = _fastest(runs)
     return _PREFILL_CHOICE[key]
 

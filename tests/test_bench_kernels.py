@@ -13,7 +13,7 @@ from deltafleet.kernels import bench
 
 def _cfg(tmp_path):
     return OmegaConf.create({
-        "shapes": ["llama2-70b"], "layer_shapes": {"llama2-70b": {"a": [4, 8], "b": [2, 8]}}, "ms": [1, 2048],
+        "shapes": ["llama2-70b"], "layer_shapes": {"llama2-70b": {"a": [4, 8], "b": [2, 8]}}, "ms": [1, 16, 256, 2048],
         "tenants": [1, 16], "dtype": "bfloat16", "alpha_granularity": "row", "timing": "cuda_graph", "rep_ms": 10,
         "bitdelta_style": True, "batched_impls": ["lut"], "copy_bytes": 1024, "seed": 0, "machine": "test",
         "paths": {"reports_dir": str(tmp_path)}, "report_name": "r",
@@ -23,7 +23,8 @@ def _cfg(tmp_path):
 def _rows():
     rows = []
     # layer a: dense 1.0 ms, layer b: dense 3.0 ms; triton 1.2 and 3.0 → set ratio (1.2 + 3.0) / 4 = 1.05
-    for m, (ta, tb) in {1: (1.2, 3.0), 2048: (1.5, 3.5)}.items():
+    # M=16: (1.2 + 3.4) / 4 = 1.15 (met, ≤ 1.15); M=256: (1.1 + 3.4) / 4 = 1.125 (not met, > 1.10)
+    for m, (ta, tb) in {1: (1.2, 3.0), 16: (1.2, 3.4), 256: (1.1, 3.4), 2048: (1.5, 3.5)}.items():
         for layer, d, t in (("a", 1.0, ta), ("b", 3.0, tb)):
             rows.append({"kind": "single", "model": "llama2-70b", "layer": layer, "M": m, "dense_ms": d,
                          "naive_ms": 10 * d, "triton_ms": t})
@@ -45,6 +46,11 @@ def test_summary_is_the_ratio_of_sums_and_checks_the_targets(tmp_path):
     assert s["single"]["llama2-70b/M=1"]["naive"] == pytest.approx(10.0)
     assert s["targets"]["M=1"] == {"ratio": pytest.approx(1.05), "bound": 1.10, "met": True}
     assert s["targets"]["M=2048"]["met"] is False
+    # issue 26: one variant in small batches on every shape, 1.15 up to 64 rows and 1.10 at 256
+    assert s["targets"]["llama2-70b M=16"] == {"ratio": pytest.approx(1.15), "bound": 1.15, "met": True}
+    assert s["targets"]["llama2-70b M=256"] == {"ratio": pytest.approx(1.125), "bound": 1.10, "met": False}
+    assert "llama2-70b M=1" not in s["targets"] and "llama2-70b M=2048" not in s["targets"]
+    assert "target llama2-70b M=256  1.125x ≤ 1.100x: NOT met" in s["lines"]
     # T=1: (1.0 + 3.6) / 4 = 1.15 ≤ 1.1·(1 + 1/16) = 1.16875; T=16: 9/4 = 2.25 > 2.2
     assert s["targets"]["T=1"]["met"] is True and s["targets"]["T=1"]["bound"] == pytest.approx(1.16875)
     assert s["targets"]["T=16"]["ratio"] == pytest.approx(2.25) and s["targets"]["T=16"]["met"] is False

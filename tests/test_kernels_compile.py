@@ -235,7 +235,8 @@ if gb.HAVE_GLUON:
                                RH=min(rows, rh_), PDL=pdl, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs_, "launch_pdl": pdl})
     from deltafleet.kernels import gluon_prefill_rs as pr
-    for config, tiled in [(c, False) for c in pr.CONFIGS] + [(pr.CONFIGS[0], True)]:
+    for config, tiled in ([(c, False) for c in pr.CONFIGS + pr.SMALL_CONFIGS]
+                          + [(pr.CONFIGS[0], True), (pr.SMALL_CONFIGS[1], True)]):
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
         try:
             k = pr.compile_for_sm90(config, tiled=tiled)
@@ -270,7 +271,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from deltafleet.kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + 8  # + the register-operand and int8 kernels on tiled signs,
+    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 9  # + the register-operand
+               # kernel on tiled signs (a prefill and a small-batch configuration), the int8 kernel on tiled signs,
                # the int8 kernel with its base product spread over the consumers, and on the binary
                # tensor cores (bits): tiled with and without the spread, and three on row signs,
                # and each 16-row 128-step configuration tiled on bits with PDL
@@ -351,5 +353,5 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
     if not pr.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
-    assert len(rs) == len(pr.CONFIGS) + 1  # + the first on tiled signs
+    assert len(rs) == len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 2  # + two on tiled signs
     assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs

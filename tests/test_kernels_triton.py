@@ -367,7 +367,13 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
     from deltafleet.kernels import gluon_prefill_rs as pr
 
     assert pr.rs_supported(x, w, sign) == (k % 64 == 0)
-    assert pr.usable_configs(x, w, sign) == [c for c in pr.CONFIGS if k % (64 * c[2]) == 0 and k % 64 == 0]
+    usable = pr.usable_configs(x, w, sign)
+    if k % 64:
+        assert usable == []
+    elif m > 128:
+        assert usable == [c for c in pr.CONFIGS if k % (64 * c[2]) == 0]
+    else:  # the smallest token tile that holds every row first, none over twice the rows (at least 8)
+        assert usable and usable[0][0] >= m and all(c[0] <= max(8, 2 * triton.next_power_of_2(m)) for c in usable)
     for config in pr.CONFIGS if k % 64 == 0 else ():  # the register-operand prefill kernel (α rounded to the dtype)
         y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         if k % (64 * config[2]):
@@ -376,6 +382,94 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
             continue
         pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol, msg=lambda s: f"rs {config}: {s}")
+
+
+@pytest.mark.gpu  # a Hopper GPU only: Gluon has no interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, row_alpha, bias, tiled",
+    [
+        (2, 264, 640, True, True, False),     # 10 K steps: splits 1…5 of 5 two-step bodies, N past a tile
+        (16, 384, 1024, False, False, True),  # tiled signs, one α
+        (37, 200, 1152, True, False, False),  # rows past a token tile of 32, N below one feature tile
+        (128, 256, 512, True, True, True),
+    ],
+)
+def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_alpha, bias, tiled):
+    """Every small-batch configuration (``gluon_prefill_rs.SMALL_CONFIGS``) at K splits of 1, 2, 3
+    and 16 (more chunks than loop bodies: rounded down) matches the reference, and leaves the
+    split-K workspace as it found it (zeros), so the next call is right too."""
+    from deltafleet.kernels import gluon_prefill_rs as pr
+    from deltafleet.kernels import tile_signs
+    from deltafleet.kernels.triton_bitdelta import _workspace
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    x, w, sign, alpha, b = _case(m, n, k, dtype, row_alpha, bias, seed=3)
+    ref = bitdelta_linear(x.float(), w.float(), sign, alpha, None if b is None else b.float())
+    x, w, alpha = x.cuda(), w.cuda(), alpha.cuda()
+    sign = (tile_signs(sign) if tiled else sign).cuda()
+    b = b.cuda() if b is not None else None
+    atol = TOL[dtype] * ref.abs().max().item()
+    for config in pr.SMALL_CONFIGS:
+        for split in (1, 2, 3, 16):
+            for _ in range(2):  # twice: the second call reads the workspace the first one left
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config, split)
+                torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol,
+                                           msg=lambda s: f"{config} split {split}: {s}")
+    ws, cnt = _workspace(x.device, 1, 1)
+    assert not ws.any() and not cnt.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 16, 24, 64, 100])
+def test_dispatcher_from_two_rows_matches_reference(m):
+    """``bitdelta_linear`` from two rows up (on a Hopper GPU the register-operand kernel with K split
+    competes with the CUDA-core decode kernel up to four rows) matches the reference, untimed (the
+    tests' quick tuning) and timed."""
+    from deltafleet.kernels import triton_bitdelta as tb
+
+    x, w, sign, alpha, b = _case(m, 512, 1024, torch.bfloat16, True, True, seed=m)
+    ref = bitdelta_linear(x.float(), w.float(), sign, alpha, b.float())
+    args = [t.cuda() for t in (x, w, sign, alpha, b)]
+    atol = TOL[torch.bfloat16] * ref.abs().max().item()
+    torch.testing.assert_close(tb.bitdelta_linear_triton(*args).float().cpu(), ref, rtol=0, atol=atol)
+    tb._PREFILL_CHOICE.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("DELTAFLEET_TRITON_QUICK_TUNE", raising=False)
+        mp.setattr(tb, "AUTOTUNE", True)
+        y = tb.bitdelta_linear_triton(*args)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    if torch.cuda.get_device_capability()[0] == 9 and m <= 64:  # the register-operand kernel or decode
+        (pick, ) = tb._PREFILL_CHOICE.values()
+        assert pick[0] == "rs" if m > 4 else pick == "decode" or pick[0] == "rs"
+
+
+def test_register_operand_split_model_spreads_few_tiles_over_the_multiprocessors():
+    """The K split's wave model (``gluon_prefill_rs.default_split``): a matrix of few 128-feature tiles
+    is split until its programs fill the multiprocessors, one of many tiles is not, and every chunk
+    holds at least one loop body."""
+    from deltafleet.kernels import gluon_prefill_rs as pr
+
+    cfg = (16, 8, 2, True, 240)
+    assert pr.default_split(16, 4096, 4096, cfg, 132) >= 4       # Llama-2-7B o: 32 tiles
+    assert pr.default_split(16, 4096, 11008 // 64 * 64, cfg, 132) >= 4
+    assert pr.default_split(16, 57344, 8192, cfg, 132) <= 2       # 70B gate_up: 448 tiles, 3.4 waves
+    assert pr.default_split(16, 128, 128, cfg, 132) == 1          # one body of K: nothing to split
+    for n, k in ((4096, 4096), (12288, 4096), (8192, 28672)):
+        s = pr.default_split(16, n, k, cfg, 132)
+        assert 1 <= s <= k // 128
+
+
+def test_register_operand_refuses_a_split_that_is_not_a_count():
+    from deltafleet.kernels import gluon_prefill_rs as pr
+
+    x, w, sign, alpha, _ = _case(4, 128, 256, torch.bfloat16, True, False)
+    y = torch.empty(4, 128, dtype=torch.bfloat16)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=f"split must be 1 or more K chunks, got {bad}"):
+            pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, None, y, pr.SMALL_CONFIGS[0], bad)
 
 
 def _tenant_case(m, n, k, dtype, row_alpha, bias):
