@@ -50,7 +50,7 @@ def _triton(i: int):
 
 def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and bool(_ops()))
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _ops() is not False)
 
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,

@@ -167,7 +167,10 @@ def run(cfg) -> dict:
                 w, sign, alpha = tensors[name]
                 ks = tile_signs(sign) if tiled else sign  # what the kernels read
                 x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-                y = bitdelta_linear(x, w, ks, alpha)
+                before = set(triton_bitdelta._PREFILL_CHOICE)
+                y = bitdelta_linear(x, w, ks, alpha)  # the dispatcher's choice for this shape, timed once
+                new = [v for key, v in triton_bitdelta._PREFILL_CHOICE.items() if key not in before]
+                pick = str(new[0]) if new else ("decode" if m <= triton_bitdelta.GEMV_MAX_M else "as before")
                 ref = _naive(x.float(), w.float(), sign, alpha.float(), k, torch.float32)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = time_interleaved(bench, {"dense": lambda: x @ w.t(),
@@ -179,10 +182,10 @@ def run(cfg) -> dict:
                              "triton_over_dense": t["triton"] / t["dense"], "naive_over_dense": t["naive"] / t["dense"],
                              "triton_GBps": nbytes / (t["triton"] * 1e-3) / 1e9,
                              "dense_GBps": (2 * n * k + 2 * m * (k + n)) / (t["dense"] * 1e-3) / 1e9,
-                             "max_rel_err": err})
+                             "max_rel_err": err, "pick": pick})
                 print(f"[{time.time() - t0:5.0f}s] {model} {name:8s} M={m:5d} dense {t['dense'] * 1e3:9.1f} us  "
                       f"triton {t['triton'] / t['dense']:6.3f}x  naive {t['naive'] / t['dense']:6.2f}x  "
-                      f"{rows[-1]['triton_GBps']:6.0f} GB/s  err {err:.1e}", flush=True)
+                      f"{rows[-1]['triton_GBps']:6.0f} GB/s  err {err:.1e}  {pick}", flush=True)
         for t_count in cfg.tenants:
             for name, (n, k) in layers.items():
                 w = tensors[name][0]

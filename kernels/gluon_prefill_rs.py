@@ -105,25 +105,42 @@ if HAVE_GLUON:
             return gl.load(s_ptr + rn * stride_sw + w)
 
     @gluon.jit
+    def _unit(u, M, N, K, SPLIT, PER, BT: gl.constexpr, BK: gl.constexpr):
+        """Work unit ``u``: ``(off_t, off_n, first K step, K steps, tile)``. Units run along the tokens,
+        then the K chunks of a tile, then the feature tiles, so the units running at once share W
+        panels; a chunk has ``PER`` steps (the last may be shorter, never empty: the wrapper)."""
+        num_t = gl.cdiv(M, BT)
+        pid_t = u % num_t
+        pid_k = (u // num_t) % SPLIT
+        pid_n = u // (num_t * SPLIT)
+        k_first = pid_k * PER
+        return pid_t * BT, pid_n * 128, k_first, gl.minimum(PER, K // BK - k_first), pid_n * num_t + pid_t
+
+    @gluon.jit
     def _rs_load(p, STAGES: gl.constexpr):
-        """The loader: the x and W tiles of each of the program's K steps by TMA, ``STAGES`` steps
-        ahead of the slower consumer."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k) = p
+        """The loader: the x and W tiles of each K step of the program's units by TMA, ``STAGES``
+        steps ahead of the slower consumer (across units: the ring stays full between them)."""
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS) = p
+        BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-        for ki in range(num_k):
-            stage = ki % STAGES
-            mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # both consumers are done with it
-            mbarrier.expect(ready.index(stage), nbytes)
-            _tma_load(x_desc, [off_t, (k_first + ki) * BK], ready.index(stage), x_smem.index(stage))
-            _tma_load(w_desc, [off_n, (k_first + ki) * BK], ready.index(stage), w_smem.index(stage))
+        it = 0
+        for u in range(gl.program_id(0), UNITS, gl.num_programs(0)):
+            off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+            for ki in range(num_k):
+                stage = it % STAGES
+                mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # both consumers are done with it
+                mbarrier.expect(ready.index(stage), nbytes)
+                _tma_load(x_desc, [off_t, (k_first + ki) * BK], ready.index(stage), x_smem.index(stage))
+                _tma_load(w_desc, [off_n, (k_first + ki) * BK], ready.index(stage), w_smem.index(stage))
+                it += 1
 
     @gluon.jit
     def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr):
-        """A consumer warpgroup: features ``off_n + ROW0 … + 63`` for the program's ``BLOCK_T`` tokens."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k) = p
-        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, SPLIT, tile) = q
+        """A consumer warpgroup: features ``off_n + ROW0 … + 63`` of each of the program's units."""
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS) = p
+        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr) = q
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         H: gl.constexpr = BK // 32  # 32 weights per sign word
@@ -133,78 +150,82 @@ if HAVE_GLUON:
                                                         instr_shape=[16, BT, 16])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
 
-        rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
         sh = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)), 0)      # bit of each weight
-        nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
-        num_b = num_k // U  # loop bodies of U K steps
-        b0 = k_first // U   # the first one's index in the whole K
+        it0 = 0  # the ring position of the unit's first K step
+        for u in range(gl.program_id(0), UNITS, gl.num_programs(0)):
+            off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+            rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
+            nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
+            num_b = num_k // U  # loop bodies of U K steps
+            b0 = k_first // U   # the first one's index in the whole K
 
-        s_nxt = ()
-        for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
-            s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, b0 * (U * H) + j, stride_sw, TILED), 1), )
-        acc = gl.zeros([RW, BT], gl.float32, acc_l)
-        if PRE:  # the first slice, formed before the loop (then each body forms the next body's)
-            mbarrier.wait(ready.index(0), 0)
-            w = w_smem.index(0).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
-            a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
-        for bi in range(num_b):
-            s_cur = s_nxt
-            bn = b0 + gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
             s_nxt = ()
-            for j in gl.static_range(U * H):
-                s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, bn * (U * H) + j, stride_sw, TILED), 1), )
-            for j in gl.static_range(U * H):  # slice j: W from shared memory (ldmatrix), formed, multiplied
-                ki = bi * U + j // H
-                stage = ki % STAGES
-                if PRE and j == 0:
-                    a = a_pre
-                else:
-                    if j % H == 0:
-                        mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
-                    w = w_smem.index(stage).slice(ROW0, RW, dim=0).slice(32 * (j % H), 32, dim=1).load(dot_a)
-                    a = _expand_pairs(w, s_cur[j], sh, nab, dtype)
-                # asynchronous: the next slice is read and formed while this wgmma runs
-                acc = warpgroup_mma(a, x_smem.index(stage).slice(32 * (j % H), 32, dim=1).permute((1, 0)),
-                                    acc, is_async=True)
-            if PRE:  # the next body's first slice, while this body's wgmmas finish
-                if bi + 1 < num_b:
-                    kn = (bi + 1) * U
-                    mbarrier.wait(ready.index(kn % STAGES), (kn // STAGES) & 1)
-                    w = w_smem.index(kn % STAGES).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
-                    a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
-            # no wgmma stays in flight across the loop's back edge: ptxas would serialise every wgmma
-            # whose register operand does (C7512); the other consumer's wgmmas fill the gap
+            for j in gl.static_range(U * H):  # sign words of 32-weight slice j of the first body
+                s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, b0 * (U * H) + j, stride_sw, TILED), 1), )
+            acc = gl.zeros([RW, BT], gl.float32, acc_l)
+            if PRE:  # the first slice, formed before the loop (then each body forms the next body's)
+                mbarrier.wait(ready.index(it0 % STAGES), (it0 // STAGES) & 1)
+                w = w_smem.index(it0 % STAGES).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
+                a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
+            for bi in range(num_b):
+                s_cur = s_nxt
+                bn = b0 + gl.minimum(bi + 1, num_b - 1)  # the next body's signs (the last loads itself again)
+                s_nxt = ()
+                for j in gl.static_range(U * H):
+                    s_nxt = s_nxt + (gl.expand_dims(_sign_words(s_ptr, rn, bn * (U * H) + j, stride_sw, TILED), 1), )
+                for j in gl.static_range(U * H):  # slice j: W from shared memory (ldmatrix), formed, multiplied
+                    ki = it0 + bi * U + j // H
+                    stage = ki % STAGES
+                    if PRE and j == 0:
+                        a = a_pre
+                    else:
+                        if j % H == 0:
+                            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+                        w = w_smem.index(stage).slice(ROW0, RW, dim=0).slice(32 * (j % H), 32, dim=1).load(dot_a)
+                        a = _expand_pairs(w, s_cur[j], sh, nab, dtype)
+                    # asynchronous: the next slice is read and formed while this wgmma runs
+                    acc = warpgroup_mma(a, x_smem.index(stage).slice(32 * (j % H), 32, dim=1).permute((1, 0)),
+                                        acc, is_async=True)
+                if PRE:  # the next body's first slice, while this body's wgmmas finish
+                    if bi + 1 < num_b:
+                        kn = it0 + (bi + 1) * U
+                        mbarrier.wait(ready.index(kn % STAGES), (kn // STAGES) & 1)
+                        w = w_smem.index(kn % STAGES).slice(ROW0, RW, dim=0).slice(0, 32, dim=1).load(dot_a)
+                        a_pre = _expand_pairs(w, s_nxt[0], sh, nab, dtype)
+                # no wgmma stays in flight across the loop's back edge: ptxas would serialise every wgmma
+                # whose register operand does (C7512); the other consumer's wgmmas fill the gap
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                for v in gl.static_range(U):
+                    mbarrier.arrive(empty.index((it0 + bi * U + v) % STAGES), count=1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            for u in gl.static_range(U):
-                mbarrier.arrive(empty.index((bi * U + u) % STAGES), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-        feat = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, acc_l))
-        if SPLIT > 1:  # K split: the partial sums meet in the float32 workspace; the last chunk writes y
-            tok = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
-            ws_ptrs = ws_ptr + gl.expand_dims(tok, 0) * N + gl.expand_dims(feat, 1)  # M·N < 2³¹ (the wrapper)
-            wmask = gl.expand_dims(feat < N, 1) & gl.expand_dims(tok < M, 0)
-            gl.atomic_add(ws_ptrs, acc, mask=wmask, sem="relaxed")
-            _cta_barrier()  # every warp of this warpgroup has added its sums before the count
-            done = gl.atomic_add(cnt_ptr + 2 * tile + ROW0 // RW, 1, sem="acq_rel")
-            if done == SPLIT - 1:  # the last chunk of this warpgroup's features: read (and zero) the sums
-                tot = gl.atomic_xchg(ws_ptrs, gl.zeros([RW, BT], gl.float32, acc_l), mask=wmask, sem="relaxed")
+            feat = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, acc_l))
+            if SPLIT > 1:  # K split: the partial sums meet in the float32 workspace; the last chunk writes y
+                tok = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+                ws_ptrs = ws_ptr + gl.expand_dims(tok, 0) * N + gl.expand_dims(feat, 1)  # M·N < 2³¹ (the wrapper)
+                wmask = gl.expand_dims(feat < N, 1) & gl.expand_dims(tok < M, 0)
+                gl.atomic_add(ws_ptrs, acc, mask=wmask, sem="relaxed")
+                _cta_barrier()  # every warp of this warpgroup has added its sums before the count
+                done = gl.atomic_add(cnt_ptr + 2 * tile + ROW0 // RW, 1, sem="acq_rel")
+                if done == SPLIT - 1:  # the last chunk of this warpgroup's features: read (and zero) the sums
+                    tot = gl.atomic_xchg(ws_ptrs, gl.zeros([RW, BT], gl.float32, acc_l), mask=wmask, sem="relaxed")
+                    if HAS_BIAS:
+                        tot = tot + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
+                    y_ptrs = y_ptr + gl.expand_dims(tok.to(gl.int64), 0) * stride_ym + gl.expand_dims(feat, 1)
+                    gl.store(y_ptrs, tot.to(dtype), mask=wmask)
+                    gl.atomic_xchg(cnt_ptr + 2 * tile + ROW0 // RW, 0, sem="relaxed")
+            else:
                 if HAS_BIAS:
-                    tot = tot + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
-                y_ptrs = y_ptr + gl.expand_dims(tok.to(gl.int64), 0) * stride_ym + gl.expand_dims(feat, 1)
-                gl.store(y_ptrs, tot.to(dtype), mask=wmask)
-                gl.atomic_xchg(cnt_ptr + 2 * tile + ROW0 // RW, 0, sem="relaxed")
-        else:
-            if HAS_BIAS:
-                acc = acc + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
-            # yᵀ tile → y: through shared memory, so each thread writes 16 contiguous bytes of a y row
-            st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-            out = gl.convert_layout(acc.to(dtype), st_l)
-            fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
-            to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
-            y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
-            mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
-            gl.store(y_ptrs, out, mask=mask)
+                    acc = acc + gl.expand_dims(gl.load(b_ptr + feat % N).to(gl.float32), 1)
+                # yᵀ tile → y: through shared memory, so each thread writes 16 contiguous bytes of a y row
+                st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+                out = gl.convert_layout(acc.to(dtype), st_l)
+                fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
+                to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
+                y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
+                mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
+                gl.store(y_ptrs, out, mask=mask)
+            it0 += num_k
 
     @gluon.jit
     def _prefill_rs_kernel(x_desc, w_desc, s_ptr, a_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sw,
@@ -212,21 +233,13 @@ if HAVE_GLUON:
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                            U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr,
                            TILED: gl.constexpr = False):
-        """One ``[BLOCK_T tokens, 128 features]`` output tile and one chunk of ``PER`` K steps (of
-        ``SPLIT``) per program: consumer warpgroup 0 (the default partition) and 1, and the loader
-        warp (module docstring). Programs along the tokens are consecutive, then the K chunks of a
-        tile, so the programs that share a W panel run together and read it from HBM about once."""
+        """Work units of one ``[BLOCK_T tokens, 128 features]`` output tile and one chunk of ``PER`` K
+        steps (of ``SPLIT``): unit ``program_id, + num_programs, …`` (one per program, or persistent
+        programs walking several with the ring kept full between them). Consumer warpgroup 0 (the
+        default partition) and 1, and the loader warp (module docstring)."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        pid = gl.program_id(0)
-        num_t = gl.cdiv(M, BT)
-        pid_t = pid % num_t
-        pid_k = (pid // num_t) % SPLIT
-        pid_n = pid // (num_t * SPLIT)
-        off_t = pid_t * BT
-        off_n = pid_n * 128
-        k_first = pid_k * PER
-        num_k = gl.minimum(PER, K // BK - k_first)  # ≥ U: the wrapper leaves no chunk short or empty
+        UNITS = gl.cdiv(M, BT) * gl.cdiv(N, 128) * SPLIT
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 128, BK], w_desc.layout)
@@ -235,8 +248,8 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, off_t, off_n, M, N, K, k_first, num_k)
-        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, SPLIT, pid_n * num_t + pid_t)
+        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS)
+        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr)
         gl.warp_specialize([
             (_rs_load, (p, STAGES)),
             (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS, TILED)),
@@ -269,28 +282,42 @@ def usable_configs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -
     return [c for c in fits if k % (BLOCK_K * c[2]) == 0]
 
 
-def default_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
+def default_split(m: int, n: int, k: int, config: tuple, sms: int, persistent: bool = False) -> int:
     """K chunks per output tile, by a wave model: one program per multiprocessor (the register file
-    holds one), so ``tiles × split`` programs take ``ceil(tiles·split / sms)`` waves of
-    ``steps/split + 3`` K steps (3: a memory latency to fill the ring, about two or three steps'
-    streaming time); the split with the fewest steps wins, the smaller on ties. Each chunk holds
-    whole loop bodies of ``U`` steps."""
+    holds one). One program per unit: ``tiles × split`` units take ``ceil(tiles·split / sms)`` waves
+    of ``steps/split + 3`` K steps (3: a memory latency to fill the ring, about two or three steps'
+    streaming time). Persistent (``sms`` programs walking the units, the ring kept full between
+    them): ``ceil(tiles·split / sms) · (steps/split + ¼) + 3`` (¼: adding a unit's partial sums to
+    the workspace, when split). The split with the fewest steps wins, the
+    smaller on ties; splits of up to 16 (32 persistent) chunks, each of whole loop bodies of ``U``
+    steps."""
     bt, u = config[0], config[2]
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
     bodies = k // (BLOCK_K * u)
     best, best_cost = 1, None
-    for s in range(1, 17):
+    for s in range(1, 33 if persistent else 17):
         per = triton.cdiv(bodies, s)
         s_eff = triton.cdiv(bodies, per)
-        cost = triton.cdiv(tiles * s_eff, sms) * (per * u + 3)
+        waves = triton.cdiv(tiles * s_eff, sms)
+        sums = 0.25 if s_eff > 1 else 0.0  # a unit's partial sums to the workspace, about a quarter step
+        cost = waves * (per * u + sums) + 3 if persistent else waves * (per * u + 3)
         if best_cost is None or cost < best_cost:
             best, best_cost = s_eff, cost
     return best
 
 
+_SMS: dict = {}  # device index -> multiprocessors
+
+
+def _sms(device: torch.device) -> int:
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
 def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                                bias: torch.Tensor | None, y: torch.Tensor,
-                               config: tuple = CONFIGS[0], split: int = 1) -> torch.Tensor:
+                               config: tuple = CONFIGS[0], split: int = 1, persistent: bool = False) -> torch.Tensor:
     """Launch the register-operand kernel: ``y[M, N] = x2 · (W + α·s)ᵀ (+ bias)``.
 
     Args:
@@ -305,6 +332,9 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
             chunks' float32 sums meet in the split-K workspace of
             ``deltafleet.kernels.triton_bitdelta`` and the last chunk of each tile writes ``y``.
             It is rounded down to a count that leaves no chunk short of a body.
+        persistent: launch one program per multiprocessor, each walking the work units (a tile's
+            K chunk) ``program, + programs, …`` with its ring kept full between them, instead of
+            one program per unit.
 
     Returns:
         ``y``.
@@ -339,24 +369,23 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     per = triton.cdiv(bodies, min(split, bodies))  # bodies per chunk
     split = triton.cdiv(bodies, per)               # no empty chunk
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
-    if split > 1:
-        if m * n >= 2**31:
-            raise ValueError(f"M·N = {m * n} sums do not fit the split-K workspace; use split=1")
-        from deltafleet.kernels.triton_bitdelta import _workspace
+    if split > 1 and m * n >= 2**31:
+        raise ValueError(f"M·N = {m * n} sums do not fit the split-K workspace; use split=1")
+    from deltafleet.kernels.triton_bitdelta import _workspace
 
-        ws, cnt = _workspace(x2.device, m * n, 2 * tiles)
-    else:
-        ws = cnt = y  # not read
+    # (not read without a split, but typed: the kernel's split branch is compiled either way)
+    ws, cnt = _workspace(x2.device, m * n if split > 1 else 1, 2 * tiles if split > 1 else 1)
     dt = _gl_dtype(x2.dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bt, BLOCK_K], gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], dt))
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
     words = sign.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
-    _prefill_rs_kernel[(tiles * split,)](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, ws,
-                                         cnt, m, n, k, words.stride(0), y.stride(0), split, per * u,
-                                         ALPHA_PER_ROW=alpha.dim() == 1, HAS_BIAS=bias is not None, STAGES=stages,
-                                         U=u, PRE=pre, REGS=regs, num_warps=4, maxnreg=LAUNCH_REGS,
-                                         TILED=sign.dim() == 4)
+    units = tiles * split
+    grid = (min(units, _sms(x2.device)) if persistent else units, )
+    _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, ws, cnt, m, n, k,
+                             words.stride(0), y.stride(0), split, per * u, ALPHA_PER_ROW=alpha.dim() == 1,
+                             HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
+                             maxnreg=LAUNCH_REGS, TILED=sign.dim() == 4)
     return y
 
 

@@ -591,14 +591,14 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         if config in ("decode", None):  # None: every candidate failed to run
             decode()
             return y.reshape(*lead, n)
-        return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y, config[1],
-                                                           config[2]).reshape(*lead, n)
+        return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y,
+                                                           *config[1:]).reshape(*lead, n)
     strides = _strides(x2, weight, sign, y)
     if hopper:
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
-            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y, config[1],
-                                                               config[2]).reshape(*lead, n)
+            return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y,
+                                                               *config[1:]).reshape(*lead, n)
         if config is not None:
             return gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, dev_bias, y, config).reshape(*lead, n)
     if _interpret():
@@ -631,9 +631,10 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     contiguous, or None), timed once per shape (M rounded up to a power of two) by CUDA-graph replay
     (``_fastest``), the fastest kept:
 
-    * the register-operand kernel (``("rs", config, split)``), each of
-      ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its modelled K split
-      (``gluon_prefill_rs.default_split``), half and twice that, where it runs;
+    * the register-operand kernel (``("rs", config, split, persistent)``), each of the first four
+      of ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its modelled K split
+      (``gluon_prefill_rs.default_split``), half and twice that, with one program per work unit and
+      persistent, where it runs;
     * up to 64 rows where it runs, only those, and ``decode`` (the CUDA-core kernel, a call with no
       arguments, given up to ``GEMV_MAX_M`` rows) as ``"decode"``;
     * else also the Gluon kernel (``deltafleet.kernels.gluon_bitdelta.CONFIGS``) and the autotuned
@@ -641,8 +642,8 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
 
     While a CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
     ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: ``"decode"`` when given, else the
-    register-operand kernel's first configuration at its modelled split where it runs, else the
-    Gluon kernel's default."""
+    register-operand kernel's first configuration, persistent at its modelled split, where it runs,
+    else the Gluon kernel's default."""
     m, k = x2.shape
     n = weight.shape[0]
     key = (n, k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())), decode is not None)
@@ -655,14 +656,16 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
         if decode is not None:
             return "decode"
         if configs:
-            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms))
+            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms, True), True)
         return gluon_bitdelta.DEFAULT_CONFIG
     runs = {}
-    for cfg in configs:
-        d = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
-        for split in sorted({d, max(1, d // 2), min(16, 2 * d)}):
-            runs[("rs", cfg, split)] = (lambda cfg=cfg, split=split: gluon_prefill_rs.bitdelta_linear_prefill_rs(
-                x2, weight, sign, alpha, bias, y, cfg, split))
+    for cfg in configs[:4]:  # (up to 128 rows: the smallest token tiles that hold the rows first)
+        for persistent in (False, True):
+            d = gluon_prefill_rs.default_split(m, n, k, cfg, sms, persistent)
+            for split in sorted({d, max(1, d // 2), 2 * d}):
+                runs[("rs", cfg, split, persistent)] = (
+                    lambda cfg=cfg, split=split, persistent=persistent: gluon_prefill_rs.bitdelta_linear_prefill_rs(
+                        x2, weight, sign, alpha, bias, y, cfg, split, persistent))
     if decode is not None:
         runs["decode"] = decode
     if not configs or m > 64:

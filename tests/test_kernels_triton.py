@@ -393,12 +393,14 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
         (16, 384, 1024, False, False, True),  # tiled signs, one α
         (37, 200, 1152, True, False, False),  # rows past a token tile of 32, N below one feature tile
         (128, 256, 512, True, True, True),
+        (100, 2048, 1024, True, True, False),  # 208+ work units: persistent programs walk several each
     ],
 )
 def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_alpha, bias, tiled):
     """Every small-batch configuration (``gluon_prefill_rs.SMALL_CONFIGS``) at K splits of 1, 2, 3
-    and 16 (more chunks than loop bodies: rounded down) matches the reference, and leaves the
-    split-K workspace as it found it (zeros), so the next call is right too."""
+    and 16 (more chunks than loop bodies: rounded down), one program per work unit and persistent,
+    matches the reference, and leaves the split-K workspace as it found it (zeros), so the next call
+    is right too."""
     from deltafleet.kernels import gluon_prefill_rs as pr
     from deltafleet.kernels import tile_signs
     from deltafleet.kernels.triton_bitdelta import _workspace
@@ -413,11 +415,12 @@ def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_
     atol = TOL[dtype] * ref.abs().max().item()
     for config in pr.SMALL_CONFIGS:
         for split in (1, 2, 3, 16):
-            for _ in range(2):  # twice: the second call reads the workspace the first one left
-                y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config, split)
-                torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol,
-                                           msg=lambda s: f"{config} split {split}: {s}")
+            for persistent in (False, True):
+                for _ in range(2):  # twice: the second call reads the workspace the first one left
+                    y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                    pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config, split, persistent)
+                    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol,
+                                               msg=lambda s: f"{config} split {split} persistent {persistent}: {s}")
     ws, cnt = _workspace(x.device, 1, 1)
     assert not ws.any() and not cnt.any()
 
@@ -458,8 +461,12 @@ def test_register_operand_split_model_spreads_few_tiles_over_the_multiprocessors
     assert pr.default_split(16, 57344, 8192, cfg, 132) <= 2       # 70B gate_up: 448 tiles, 3.4 waves
     assert pr.default_split(16, 128, 128, cfg, 132) == 1          # one body of K: nothing to split
     for n, k in ((4096, 4096), (12288, 4096), (8192, 28672)):
-        s = pr.default_split(16, n, k, cfg, 132)
-        assert 1 <= s <= k // 128
+        for persistent in (False, True):
+            s = pr.default_split(16, n, k, cfg, 132, persistent)
+            assert 1 <= s <= k // 128
+    # persistent programs fill the ring once, so chunks may be finer: 7B gate_up's 172 tiles of 64
+    # steps (1.3 waves unsplit) balance at 3 or more chunks
+    assert pr.default_split(16, 22016, 4096, cfg, 132, persistent=True) >= 3
 
 
 def test_register_operand_refuses_a_split_that_is_not_a_count():
