@@ -20,7 +20,8 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    ``max_waiting=null`` (never a 429), tensor parallel over ``tp`` processes, plus every key of the
    ``server`` dict forwarded verbatim as an override (``key=value`` in Hydra's grammar, e.g.
    ``max_batch``, ``max_num_batched_tokens``, ``kv_cache``); ``max_waiting=null`` comes last.
-4. **The load**, streamed completions (``temperature`` 1.0, a seed per request, ``max_tokens`` each)
+4. **The load**, streamed completions (``temperature`` 1.0, a seed per request, ``max_tokens`` each,
+   ``ignore_eos``: every completion runs to its length, as the peers' do)
    from ``client_processes`` client processes (asyncio + httpx each; the requests are handed out
    from one shared counter, so exactly ``concurrency`` are in flight until the last ones):
 
@@ -44,7 +45,7 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    latency = gaps between text chunks; P50 and P99, overall, base vs variants, and per model;
    every non-200 status, in-band error event or client exception is recorded (``errors``,
    ``status_codes``); ``all_answered``; ``token_mismatches`` counts answered requests whose
-   ``completion_tokens`` differ from ``max_tokens`` (the random model rarely samples eos).
+   ``completion_tokens`` differ from ``max_tokens`` (none should: ``ignore_eos``).
 5. **Non-synthetic only**: ``extra_for_host_tier`` variants hot-loaded past the device slots, then
    requests for the evicted ones (cold loads from the host tier); cold-load seconds by tier from
    ``/metrics``. Memory (``nvidia-smi`` per GPU, the tensors predicted per rank, the server's
@@ -482,7 +483,7 @@ async def stream_completion(client, model: str, prompt: list[int], max_tokens: i
     with text, ``end`` (the last byte), ``completion_tokens`` of the usage chunk, ``done`` (``[DONE]``
     seen), ``error`` (a non-200 body, an in-band error event or a client exception; None if none)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = {"model": model, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "status": None, "chunks": [],
            "completion_tokens": 0, "done": False, "error": None}
     chunks = out["chunks"]

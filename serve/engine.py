@@ -625,11 +625,19 @@ class Engine:
 
         Raises:
             ModelNotFoundError: unknown model id (404).
-            InvalidRequestError: empty prompt, or prompt + max_tokens beyond the context (400).
+            InvalidRequestError: empty prompt, prompt + max_tokens beyond the context, min_tokens above
+                max_tokens, or a stop token id outside the vocabulary (400).
             VariantUnavailableError: the variant's artifact cannot be used (503).
         """
         self.card(model_id)
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})",
+                                      "min_tokens")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
         return Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id))
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,

@@ -22,6 +22,7 @@ from deltafleet.serve.sampling import SAMPLING_EPS
 
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 4096  # characters of a request's stop sequences, all together
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_MESSAGES = 2048  # messages per chat request
 
 # ------------------------------------------------------------------------------------ requests
@@ -48,6 +49,20 @@ UNSUPPORTED = {
     "presence_penalty": lambda v: v == 0,
     "frequency_penalty": lambda v: v == 0,
     "logit_bias": lambda v: v == {},
+    # vLLM's extras not implemented here: refused unless they ask for nothing
+    "repetition_penalty": lambda v: v == 1,
+    "min_p": lambda v: v == 0,
+    "skip_special_tokens": lambda v: v is True,
+    "spaces_between_special_tokens": lambda v: v is True,
+    "include_stop_str_in_output": lambda v: v is False,
+    "chat_template_kwargs": lambda v: v == {},
+    "prompt_logprobs": lambda v: False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "guided_decoding_backend": lambda v: False,
+    "structured_outputs": lambda v: False,
 }
 
 
@@ -115,13 +130,21 @@ class _Sampling(BaseModel):
                     Field(description=f"up to {MAX_STOP} sequences, {MAX_STOP_CHARS} characters in all; the text "
                                       "ends before the first one generated")] = None
     seed: int | None = Field(None, strict=True, description="any integer")
+    ignore_eos: bool = Field(False, strict=True, description="vLLM's: eos does not end the completion")
+    min_tokens: int = Field(0, ge=0, strict=True, description="vLLM's: eos and stop_token_ids cannot be "
+                                                                "sampled before this many tokens")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS),
+                              _too_many("stop_token_ids", MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"vLLM's: up to {MAX_STOP_TOKEN_IDS} token ids (each below the vocabulary size) that end "
+                          "the completion (finish reason stop, left out of the text)")
     n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0))
+        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
+                              self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()))
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of

@@ -48,6 +48,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_k: int = 0  # 0: no limit
+    ignore_eos: bool = False               # eos is a token like any other: generate to max_tokens
+    min_tokens: int = 0                    # eos and stop_token_ids cannot be sampled before this many
+    stop_token_ids: tuple[int, ...] = ()   # end the completion (finish "stop"), left out of the text
 
 
 @dataclass

@@ -60,6 +60,8 @@ class SamplingBatch:
         truncate: whether any row has ``top_p < 1`` or ``top_k > 0`` (known on the host: the sort
             that truncation needs is skipped when none does).
         draw: whether any row samples at all (no noise is made for a step of greedy rows).
+        banned: ``(rows, tokens)`` int64 index tensors of the tokens that cannot be drawn this step
+            (a request's eos and stop token ids before its ``min_tokens``), or None.
     """
 
     temperature: Tensor
@@ -69,11 +71,13 @@ class SamplingBatch:
     position: Tensor
     truncate: bool
     draw: bool = True
+    banned: tuple[Tensor, Tensor] | None = None
 
     @classmethod
-    def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str) -> SamplingBatch:
+    def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str,
+              banned: list[tuple[int, int]] = ()) -> SamplingBatch:
         """From ``(temperature, top_p, top_k, seed, position)`` per row, ``seed`` as
-        :func:`request_seed` gives it."""
+        :func:`request_seed` gives it, and the ``(row, token)`` pairs that cannot be drawn."""
         temperature, top_p, top_k, seeds, position = zip(*rows)
         keys = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds]
         key = torch.tensor([[w - 2**32 if w >= 2**31 else w for w in k] for k in keys], dtype=torch.int32)
@@ -82,7 +86,9 @@ class SamplingBatch:
                    torch.tensor(top_k, dtype=torch.int64, device=device), key.to(device),
                    torch.tensor(position, dtype=torch.int32, device=device),
                    any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
-                   any(t >= SAMPLING_EPS for t in temperature))
+                   any(t >= SAMPLING_EPS for t in temperature),
+                   tuple(torch.tensor(list(v), dtype=torch.int64).to(device, non_blocking=True)
+                         for v in zip(*banned)) if banned else None)
 
 
 def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
@@ -98,11 +104,13 @@ def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
     from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
-    probability reaches top-p (the most likely token always stays). Returns int64 ``[B]`` on the
+    probability reaches top-p (the most likely token always stays); ``batch.banned`` tokens never. Returns int64 ``[B]`` on the
     device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA the greedy
     and the untruncated cases are compiled functions (serve/fuse.py): the hash, the noise and the
     argmax fuse. The truncated case runs eagerly: inductor (torch 2.11) fails to generate its
     cumulative sum over a dynamic vocabulary dimension, and its sort dominates it anyway."""
+    if batch.banned is not None:  # (in place: the step's logits are not read again)
+        logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if not batch.draw:
         return _greedy(logits)
     if batch.truncate:

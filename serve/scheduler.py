@@ -253,23 +253,30 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``."""
+        banned = []  # before min_tokens: the row's eos (unless ignored) and stop token ids
+        for i, s in enumerate(seqs):
+            p = s.req.params
+            if s.n < p.min_tokens:
+                ids = set(p.stop_token_ids) if p.ignore_eos else self.engine.eos_token_ids | set(p.stop_token_ids)
+                banned += [(i, t) for t in ids]
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
-             for s in seqs], logits.device)
+             for s in seqs], logits.device, banned)
         return sampling.sample(logits, batch)
 
     def _emit(self, seq: _Seq, token: int) -> None:
-        """Queue ``seq``'s sampled ``token`` for the detokenizer, with its end at the token level: eos,
-        ``max_tokens`` (or a cancelled request), or −1 (its logits were not finite: an error for
-        ``seq`` alone)."""
+        """Queue ``seq``'s sampled ``token`` for the detokenizer, with its end at the token level: eos
+        (unless the request ignores it) or one of its stop token ids, ``max_tokens`` (or a cancelled
+        request), or −1 (its logits were not finite: an error for ``seq`` alone)."""
         if token < 0:
             err = GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
             self._items.append(("error", seq, err))
             seq.done = True
             return
         seq.n += 1
-        if token in self.engine.eos_token_ids:
-            end = "eos"
+        params = seq.req.params
+        if (token in self.engine.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            end = "eos"  # finish "stop", the token left out of the text
         elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
             end = "length"
         else:

@@ -156,6 +156,79 @@ def test_stop_strings_cut_the_text_also_when_streaming(client, engine):
     assert streamed == expected
 
 
+def _fresh_index(ids: list[int], start: int = 1) -> int:
+    """The first index from ``start`` whose token does not occur before it."""
+    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+
+def test_stop_token_ids_end_the_completion_and_leave_the_token_out(client, engine):
+    """vLLM's ``stop_token_ids``: the first generated id among them ends the completion (finish
+    "stop", counted, not in the text); the text is what the tokens before it give."""
+    ids = engine.complete("tiny", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12)).token_ids
+    j = _fresh_index(ids, 2)
+    before = engine.complete("tiny", PROMPTS[0], SamplingParams(temperature=0, max_tokens=j)).text
+    for stream in (False, True):
+        args = dict(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=12,
+                    extra_body={"stop_token_ids": [ids[j], 3 if ids[j] != 3 else 4]})
+        if stream:
+            chunks = list(client.completions.create(stream=True, **args))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert text == before and finish == ["stop"]
+        else:
+            r = client.completions.create(**args)
+            assert r.choices[0].text == before and r.choices[0].finish_reason == "stop"
+            assert r.usage.completion_tokens == j + 1
+
+
+def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(client, engine):
+    """Before ``min_tokens`` tokens a request's stop token ids (and eos) cannot be drawn: greedy
+    decoding then takes the next most likely token instead; min_tokens above max_tokens is a 400."""
+    ids = engine.complete("tiny", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8)).token_ids
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=8,
+                                  extra_body={"stop_token_ids": [ids[0]], "min_tokens": 3})
+    same = engine.complete("tiny", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(ids[0],),
+                                                               min_tokens=3))
+    assert same.token_ids[0] != ids[0] and ids[0] not in same.token_ids[:3]
+    assert r.choices[0].text == same.text and r.usage.completion_tokens == len(same.token_ids) >= 3
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2, extra_body={"min_tokens": 3})
+    assert e.value.body["param"] == "min_tokens" and "min_tokens (3) must be at most max_tokens (2)" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2,
+                                  extra_body={"stop_token_ids": [10**9]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
+def test_ignore_eos_generates_to_max_tokens(engine, monkeypatch):
+    """With a greedy token taken as eos, a request ends there (finish "stop") unless it sets
+    ``ignore_eos``: then it runs to ``max_tokens`` with the same tokens as before (finish "length")."""
+    ids = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10)).token_ids
+    j = _fresh_index(ids)
+    monkeypatch.setattr(engine, "eos_token_ids", engine.eos_token_ids | {ids[j]})
+    ended = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10))
+    assert ended.finish_reason == "stop" and ended.token_ids == ids[:j + 1]
+    full = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert full.finish_reason == "length" and full.token_ids == ids
+    # and min_tokens keeps the eos out of the first tokens: greedy takes another token at j
+    held = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, min_tokens=j + 1))
+    assert held.token_ids[:j] == ids[:j] and held.token_ids[j] != ids[j]
+
+
+def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
+    """A vLLM sampling extra this server does not implement is a 400 naming it, unless it asks for
+    nothing (its default), which is accepted."""
+    base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2)
+    for name, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {"type": "object"}),
+                        ("guided_choice", ["a", "b"]), ("skip_special_tokens", False), ("chat_template_kwargs", {"x": 1})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**base, extra_body={name: value})
+        assert e.value.body["param"] == name and e.value.body["code"] == "unsupported_parameter"
+    r = client.completions.create(**base, extra_body={"repetition_penalty": 1.0, "min_p": 0.0,
+                                                      "skip_special_tokens": True})
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_seeded_sampling_is_reproducible(client):
     args = dict(model="tiny-coder", prompt=PROMPTS[0], temperature=1.0, top_p=0.9, max_tokens=12)
     a = client.completions.create(seed=123, **args).choices[0].text

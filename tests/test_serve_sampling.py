@@ -53,6 +53,21 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert tokens[[0, 1, 3, 4]].tolist() == logits[[0, 1, 3, 4]].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.9, 5)])
+def test_banned_tokens_are_never_drawn_and_other_rows_are_untouched(temperature, top_p, top_k):
+    """``banned`` (row, token) pairs (a request's eos and stop token ids before its min_tokens): the
+    row never draws them, greedy takes the best token left, and rows without bans draw as before."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).expand(400, -1).contiguous()
+    rows = [(temperature, top_p, top_k, request_seed(s), 3) for s in range(400)]
+    free = sample(logits.clone(), _batch(rows))
+    banned = [(i, t) for i in range(0, 400, 2) for t in (0, 1)]  # even rows: tokens 0 and 1 banned
+    got = sample(logits.clone(), SamplingBatch.build(rows, "cpu", banned))
+    assert torch.equal(got[1::2], free[1::2])
+    assert not torch.isin(got[0::2], torch.tensor([0, 1])).any()
+    if temperature == 0.0:
+        assert got[0::2].tolist() == [2] * 200
+
+
 def test_a_row_samples_the_same_alone_as_in_any_batch():
     """Batch invariance, the property continuous batching needs: each row's token depends only on its
     logits, parameters, seed and position, whoever else is in the step."""
