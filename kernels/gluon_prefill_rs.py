@@ -1,7 +1,7 @@
-"""Hopper (sm_90) prefill kernel for ``bitdelta_linear`` with the reconstructed weight as the
-register operand of the wgmma (Gluon).
+"""Hopper (sm_90) kernel for ``bitdelta_linear`` from two rows up (decode batches, prefill chunks,
+prefill) with the reconstructed weight as the register operand of the wgmma (Gluon).
 
-``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2) for many rows.
+``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta, arXiv:2402.10193, §3.1 Eq. 2).
 
 Why a second Hopper prefill kernel: ``gluon_bitdelta._prefill_kernel`` writes every
 reconstructed ``W + α·s`` tile to shared memory, meets all its warps at a barrier, and lets the
@@ -23,9 +23,17 @@ so the reconstructed weight is the wgmma's A operand, which Hopper reads **from 
   wgmmas at its end; the other consumer's wgmmas keep the tensor cores busy meanwhile.
 
 W reaches the registers through shared memory (TMA, then ``ldmatrix``), not by 4-byte global loads
-straight into the A layout, which keep the L1 busy and the warps waiting on them. The dispatcher
-(``deltafleet.kernels.triton_bitdelta._prefill_choice``) times :data:`CONFIGS` against the other prefill
-kernels once per shape; current figures: docs/kernels.md (``make bench-kernels``).
+straight into the A layout, which keep the L1 busy and the warps waiting on them.
+
+Small batches (:data:`SMALL_CONFIGS`, 8–128 tokens per tile): a matrix of few 128-feature tiles
+would leave most multiprocessors idle, so the K steps of a tile are split into chunks; a work unit
+is one tile's chunk. Each unit's float32 sums are added into the split-K workspace and the last
+unit of a tile (an atomic counter per consumer warpgroup) writes ``y`` and zeroes its sums.
+Programs are one per unit, or persistent (one per multiprocessor, walking units ``program,
++ programs, …`` with the ring kept full between them). The dispatcher
+(``deltafleet.kernels.triton_bitdelta._prefill_choice``) times the configurations, splits and launch
+forms against the other kernels once per shape; current figures: docs/kernels.md
+(``make bench-kernels``).
 
 Rounding: ``α`` is rounded to the activation dtype before the add (bf16: relative error ≤ 2⁻⁹ of
 ``α``, far below one ulp of a weight of the usual size); the sum is rounded once.

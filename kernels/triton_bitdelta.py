@@ -17,10 +17,12 @@ Kernels:
   multiply-adds it with each of the M activation rows. When N alone gives too few programs, K is
   split across programs (``CHUNK_ITERS``): their float32 partial sums are added into a workspace
   and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
-  one launch does it all. Memory-bound: W and the signs are read once.
-* **prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the register-operand kernel of
+  one launch does it all. Memory-bound: W and the signs are read once. On a Hopper GPU from two
+  rows up it competes with the register-operand kernel below (``_prefill_choice``).
+* **small batches and prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the register-operand kernel of
   ``deltafleet.kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
-  wgmma's register operand; K a multiple of 64·U) or the Gluon kernel of ``deltafleet.kernels.gluon_bitdelta``
+  wgmma's register operand; K a multiple of 64·U; up to 128 rows with small token tiles, K split
+  and persistent programs, and then alone up to 64 rows) or the Gluon kernel of ``deltafleet.kernels.gluon_bitdelta``
   (TMA, asynchronous wgmma, the sign expansion of K step k overlapping the product of step k − 1),
   whichever is faster for the shape (``_prefill_choice``); elsewhere, or when it does not apply (K
   not a multiple of 8, unaligned rows), ``_mm_kernel``: a tensor-core GEMM in Triton. Per K step a
