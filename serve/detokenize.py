@@ -29,11 +29,13 @@ class TextStream:
     for the next token. Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
     character once; the automata's longest partial match is the text held back, since it may still
     begin a stop. The first stop completed ends the text just before it (of two completed by the
-    same character, the longer).
+    same character, the longer); before ``min_tokens`` tokens none does, as in vLLM (a stop that
+    begins before and is completed after counts).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock):
+    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0):
         self.tokenizer, self.lock = tokenizer, lock
+        self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
         self.stops = [s for s in stop if s]
         self.tables = [_failure_table(s) for s in self.stops]
         self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
@@ -73,7 +75,7 @@ class TextStream:
                     if n == len(stop):
                         hit, n = max(hit, n), table[n - 1]
                 self.states[k] = n
-            if hit:
+            if hit and len(self.ids) >= self.min_tokens:  # (one completed earlier ends nothing)
                 text = self.held + chars[:i + 1]
                 self.held = ""
                 return text[:len(text) - hit], True

@@ -12,6 +12,7 @@ its tokens.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, WithJsonSchema
@@ -35,35 +36,54 @@ class StreamOptions(BaseModel):
 # OpenAI parameters this server does not implement, with the test of a value that asks for nothing
 # (a client may send the default): any other value is a 400, never silently ignored. Parameters not
 # named here or in the schemas (``user``, ``metadata``, ...) change nothing and are ignored.
+def _number(value) -> Callable[[Any], bool]:
+    """The no-op test of a numeric parameter: equal to ``value`` and a number (``true`` is not 1)."""
+    return lambda v: v == value and isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 UNSUPPORTED = {
     "echo": lambda v: v is False,
     "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
-    "top_logprobs": lambda v: v == 0,
-    "best_of": lambda v: v == 1,
+    "top_logprobs": _number(0),
+    "best_of": _number(1),
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
     "function_call": lambda v: v in ("none", "auto"),
     "response_format": lambda v: v == {"type": "text"},
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": _number(0),
+    "frequency_penalty": _number(0),
     "logit_bias": lambda v: v == {},
-    # vLLM's extras not implemented here: refused unless they ask for nothing
-    "repetition_penalty": lambda v: v == 1,
-    "min_p": lambda v: v == 0,
+    # vLLM's extras not implemented here (and any guided_*): refused unless they ask for nothing
+    "repetition_penalty": _number(1),
+    "length_penalty": _number(1),
+    "min_p": _number(0),
     "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
+    "use_beam_search": lambda v: v is False,
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "chat_template": lambda v: False,
     "chat_template_kwargs": lambda v: v == {},
+    "allowed_token_ids": lambda v: False,
+    "bad_words": lambda v: v == [],
+    "logits_processors": lambda v: v == [],
+    "truncate_prompt_tokens": lambda v: False,
     "prompt_logprobs": lambda v: False,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "guided_decoding_backend": lambda v: False,
     "structured_outputs": lambda v: False,
+    "structural_tag": lambda v: False,
 }
+
+
+def _unsupported(name: str, value) -> bool:
+    """Whether extra parameter ``name`` asks for something this server does not do."""
+    if value is None:
+        return False
+    if name.startswith("guided_"):  # vLLM's guided decoding, every one of its parameters
+        return True
+    return name in UNSUPPORTED and not UNSUPPORTED[name](value)
 
 
 def _too_many(param: str, limit: int):
@@ -153,7 +173,7 @@ class _Sampling(BaseModel):
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value is not None and not UNSUPPORTED[name](value):
+            if _unsupported(name, value):
                 raise InvalidRequestError(f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
                                           "by this server.", name, "unsupported_parameter")
 

@@ -203,7 +203,7 @@ class Scheduler:
     def _start(self, seq: _Seq) -> None:
         p, eng = seq.req.params, self.engine
         seq.started = True
-        seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock)
+        seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens)
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         if seq.on_start is not None:
             seq.on_start()

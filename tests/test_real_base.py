@@ -21,12 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("real") / "models" / "smollm2-base"
+    """The converted base, written through a symbolic link (to an empty directory on "another disk"):
+    the link's target is what gets the checkpoint."""
+    root = tmp_path_factory.mktemp("real")
+    target = root / "disk" / "smollm2-base"
+    target.mkdir(parents=True)
+    (root / "models").mkdir()
+    out = root / "models" / "smollm2-base"
+    out.symlink_to(target)
     r = subprocess.run([sys.executable, "train/real_base.py", f"out_dir={out}",
                         f"hydra.run.dir={out.parent.parent / 'run'}"], cwd=REPO, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{out}: 134,515,008 parameters (float32), perplexity" in r.stdout
+    assert out.is_symlink() and (target / "model.safetensors").is_file()
     return out
 
 
@@ -40,7 +48,8 @@ def test_the_checkpoint_is_plain_llama_with_the_smollm2_shape(converted):
         "LICENSE", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "real_base.json", "tokenizer.json", "tokenizer_config.json"]
     assert "Apache License" in (converted / "LICENSE").read_text()
-    assert oct(converted.stat().st_mode & 0o777) == "0o755"
+    assert oct(converted.stat().st_mode & 0o777) == "0o755"  # readable by whoever serves it
+    assert {oct(p.stat().st_mode & 0o777) for p in converted.iterdir()} == {"0o644"}
 
 
 def test_the_saved_model_computes_what_the_gguf_computes(converted):
@@ -81,14 +90,47 @@ def test_the_chat_template_and_the_recorded_check(converted):
 
 def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
     out = tmp_path / "models" / "smollm2-base"
+    (tmp_path / "models" / ".smollm2-base.killed").mkdir(parents=True)  # left by a run killed outright
     with pytest.raises(ValueError, match=r"perplexity on the check text is [0-9.]+, above max_perplexity 1.0"):
         real_base.convert(out, max_perplexity=1.0)
-    assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor its temporary one
+    assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor a temporary one
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got 'int8'"):
         real_base.convert(out, dtype="int8")
     with pytest.raises(FileNotFoundError, match="no GGUF file at"):
         real_base.convert(out, gguf=tmp_path / "missing.gguf")
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="max_perplexity must be a positive number"):
+            real_base.convert(out, max_perplexity=bad)
     assert not out.exists()
+
+
+def test_a_directory_it_did_not_write_is_never_replaced(tmp_path):
+    """``out_dir`` holding anything but this job's own checkpoint (no ``real_base.json``) is refused
+    before any work, and left as it was."""
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="is not a checkpoint this job wrote"):
+        real_base.convert(mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_a_terminated_run_leaves_no_temporary_directory(tmp_path):
+    """SIGTERM (a timeout, a cancelled job) during the save unwinds like Ctrl-C: nothing is left."""
+    import signal
+    import time
+
+    out = tmp_path / "models" / "smollm2-base"
+    proc = subprocess.Popen([sys.executable, "train/real_base.py", f"out_dir={out}",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    models, deadline = tmp_path / "models", time.time() + 600
+    while not (models.is_dir() and any(models.glob(".smollm2-base.*"))):  # until it begins saving
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it began saving"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    assert list((tmp_path / "models").iterdir()) == []
 
 
 def test_the_server_answers_chat_on_the_real_base_as_transformers_does(converted, tmp_path):

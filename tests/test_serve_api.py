@@ -220,12 +220,15 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
     nothing (its default), which is accepted."""
     base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2)
     for name, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {"type": "object"}),
-                        ("guided_choice", ["a", "b"]), ("skip_special_tokens", False), ("chat_template_kwargs", {"x": 1})):
+                        ("guided_choice", ["a", "b"]), ("skip_special_tokens", False), ("chat_template_kwargs", {"x": 1}),
+                        ("repetition_penalty", True), ("best_of", True), ("min_p", False),  # a bool is not a number
+                        ("guided_whitespace_pattern", "\\s"), ("use_beam_search", True), ("allowed_token_ids", [1])):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**base, extra_body={name: value})
         assert e.value.body["param"] == name and e.value.body["code"] == "unsupported_parameter"
-    r = client.completions.create(**base, extra_body={"repetition_penalty": 1.0, "min_p": 0.0,
-                                                      "skip_special_tokens": True})
+    r = client.completions.create(**base, extra_body={"repetition_penalty": 1.0, "min_p": 0, "best_of": 1,
+                                                      "skip_special_tokens": True, "use_beam_search": False,
+                                                      "guided_json": None})
     assert r.choices[0].finish_reason in ("length", "stop")
 
 

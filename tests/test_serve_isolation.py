@@ -178,8 +178,8 @@ class _CharTokenizer:
         return "".join(self.VOCAB[i] for i in ids)
 
 
-def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None) -> tuple[str, bool, list[str]]:
-    ts = TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock())
+def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None, min_tokens: int = 0) -> tuple[str, bool, list[str]]:
+    ts = TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock(), min_tokens)
     pieces = []
     for t in ids:
         piece, stopped = ts.push(t)
@@ -207,6 +207,15 @@ def test_stop_strings_cut_the_text_before_the_first_one_and_hold_back_what_may_b
     assert _stream([0, 2, 3, 1], ("cdb", "d"))[:2] == ("ac", True)  # "d" ends first
     assert _stream([0, 0, 0, 1], ("aab",))[:2] == ("a", True)  # a partial match restarts (KMP)
     assert _stream([0, 1], ("",))[:2] == ("ab", False)  # an empty stop never matches
+
+
+def test_stop_strings_end_nothing_before_min_tokens():
+    """vLLM's ``min_tokens``: a stop string completed within the first ``min_tokens`` tokens ends
+    nothing (its text is released); one completed later ends the text, also when it began earlier."""
+    assert _stream([0, 1, 0, 1], ("ab",), min_tokens=3)[:2] == ("ab", True)  # the first "ab" (token 2) passes
+    assert _stream([0, 1, 0, 1], ("ab",), min_tokens=2)[:2] == ("", True)    # token 2 counts
+    assert _stream([0, 1, 2], ("bc",), min_tokens=3)[:2] == ("a", True)      # begun at 2, completed at 3
+    assert _stream([0, 1], ("b",), min_tokens=5)[:2] == ("ab", False)
 
 
 def test_stop_strings_match_a_brute_force_reference_on_random_tokens(engine):

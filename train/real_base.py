@@ -107,18 +107,29 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
 
     Raises:
         FileNotFoundError: no GGUF file.
-        ValueError: ``dtype`` is not float32, bfloat16 or float16, or the saved checkpoint's
-            perplexity on ``text`` is above ``max_perplexity`` (nothing is written then).
+        FileExistsError: ``out_dir`` exists and is neither empty nor a checkpoint this job wrote
+            (with a ``real_base.json``): it is never deleted then.
+        ValueError: ``dtype`` is not float32, bfloat16 or float16, ``max_perplexity`` is not a
+            positive number, or the saved checkpoint's perplexity on ``text`` is above
+            ``max_perplexity`` (nothing is written then).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if not max_perplexity > 0 or math.isinf(max_perplexity):
+        raise ValueError(f"max_perplexity must be a positive number, got {max_perplexity!r}")
     gguf = Path(gguf) if gguf is not None else default_gguf()
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # a symbolic link: its target is replaced
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir())
+                                                      and not (out_dir / "real_base.json").is_file())):
+        raise FileExistsError(f"{out_dir} exists and is not a checkpoint this job wrote (no real_base.json): "
+                              "give another out_dir, or remove it yourself")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a run killed outright
+        shutil.rmtree(stale, ignore_errors=True)
     model, tokenizer = load_gguf(gguf, dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -144,7 +155,9 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
                   "check": {"text": "Pride and Prejudice, chapter 1 (opening)", "tokens": tokens, "perplexity": ppl,
                             "max_perplexity": max_perplexity}}
         (tmp / "real_base.json").write_text(json.dumps(record, indent=2) + "\n")
-        tmp.chmod(0o755)  # (mkdtemp made it private)
+        tmp.chmod(0o755)  # (mkdtemp made it private, and safetensors its file)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -155,6 +168,11 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
 
 
 def main(cfg) -> dict:
+    import signal
+    import sys
+
+    # a SIGTERM (timeout, a cancelled job) unwinds like Ctrl-C, so the temporary directory goes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if cfg.get("threads"):
         import torch
 
