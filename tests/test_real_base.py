@@ -165,3 +165,45 @@ def test_the_server_answers_chat_on_the_real_base_as_transformers_does(converted
         stop_server(proc, log, 10)
     assert r.choices[0].message.content == want and "Paris" in want
     assert r.usage.prompt_tokens == ids["input_ids"].shape[1]
+
+
+def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
+    """``python train/run.py variant=coder model=smollm2`` (a short CPU run) fine-tunes the real base
+    at the family's learning rate into ``models/smollm2-coder/`` and exports
+    ``artifacts/smollm2/coder/``; ``serve/run.py model=smollm2`` then serves the base and the variant."""
+    import openai
+
+    from tests.conftest import free_port, stop_server, wait_healthy
+
+    src = [p for p in sorted(Path(json.__file__).parent.glob("*.py"))]  # real Python source, the coder domain
+    texts = [p.read_text() for p in src]
+    for split, part in (("train", texts[:-1]), ("val", texts[-1:]), ("test", texts[-1:])):
+        (tmp_path / "data" / "coder").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "coder" / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                                            for t in part))
+    common = [f"paths.root={tmp_path}", f"base_dir={converted}", f"model.name_or_path={converted}"]
+    r = subprocess.run([sys.executable, "train/run.py", "variant=coder", "model=smollm2", *common, "logger=csv",
+                        "trainer.max_steps=2", "variant.batch_size=2", "variant.seq_len=32",
+                        "variant.val_check_interval=2", "variant.limit_val_batches=1", "eval_batches=1",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "heldout/base_loss" in json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["hyper_parameters"]["lr"] == pytest.approx(2e-5)  # the family's, not the variant's 1e-3
+    manifest = json.loads((tmp_path / "artifacts" / "smollm2" / "coder" / "bitdelta.json").read_text())
+    assert manifest["variant"] == "coder"
+    assert not (tmp_path / "models" / "coder").exists() and not (tmp_path / "artifacts" / "coder").exists()
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", "model=smollm2", *common[:2], f"port={port}",
+                             "log_level=warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        assert sorted(m.id for m in client.models.list().data) == ["smollm2", "smollm2-coder"]
+        out = client.completions.create(model="smollm2-coder", prompt="def parse(", max_tokens=4, temperature=0)
+    finally:
+        stop_server(proc, log, 10)
+    assert out.usage.completion_tokens == 4 or out.choices[0].finish_reason == "stop"

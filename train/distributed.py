@@ -69,7 +69,8 @@ def full_shape(p: torch.nn.Parameter) -> torch.Size:
 
 
 def consolidated_state_dict(trainer, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """Every parameter of ``model`` in full fp32 on the CPU of rank 0 (``None`` on other ranks).
+    """Every parameter of ``model`` in full fp32 on the CPU of rank 0 (``None`` on other ranks), a
+    tied one under each of its names (as ``state_dict`` has them), so ``load_state_dict`` takes it.
 
     Gathers one parameter at a time, so peak extra memory is one parameter per GPU plus the
     CPU copy on rank 0. Persistent buffers are copied as they are (they are not sharded).
@@ -77,7 +78,13 @@ def consolidated_state_dict(trainer, model: torch.nn.Module) -> dict[str, torch.
     ds = deepspeed_module(trainer)
     rank0 = trainer.is_global_zero
     state: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    first: dict[int, str] = {}  # a tied parameter (tie_word_embeddings) is gathered once, under every name
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            if rank0:
+                state[name] = state[first[id(param)]]
+            continue
+        first[id(param)] = name
         full = read_full_param(param, ds)
         if rank0:
             state[name] = full.to("cpu", copy=True)

@@ -276,6 +276,11 @@ def load_hf(checkpoint_dir: str | Path, device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(device).eval()
 
 
+def finetuned_dir(cfg, variant: str) -> Path:
+    """The family's fine-tune of ``variant``: ``models/<model.dirs.prefix><variant>``."""
+    return Path(cfg.paths.models_dir) / f"{cfg.model.dirs.prefix}{variant}"
+
+
 def load_bitdelta(base_dir: str | Path, artifact_dir: str | Path, base_fingerprint: str, device) -> torch.nn.Module:
     """Base + BitDelta artifact (:func:`deltafleet.compress.bitdelta.materialize`) as a float32 causal LM.
 
@@ -319,7 +324,7 @@ def build_artifacts(cfg: DictConfig, variant: str, domain: str, tokenizer, work:
     """
     from deltafleet.compress.bitdelta import compress
 
-    ft_dir = Path(cfg.paths.models_dir) / variant
+    ft_dir = finetuned_dir(cfg, variant)
     distill_scales = calib = None
     if cfg.distill.enabled:
         try:
@@ -364,7 +369,7 @@ def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint:
                      device) -> dict:
     """Build and evaluate every setting of one variant; returns its section of the report."""
     domain = variant_domain(variant)
-    ft_dir = Path(cfg.paths.models_dir) / variant
+    ft_dir = finetuned_dir(cfg, variant)
     if not (ft_dir / "config.json").is_file():
         raise FileNotFoundError(f"no fine-tune at {ft_dir}: run `make train VARIANT={variant}` (or `make family`)")
     t_start = time.perf_counter()
@@ -618,7 +623,7 @@ def main(cfg: DictConfig) -> float | None:
     from deltafleet.cli import user_errors
 
     with user_errors("eval"):
-        missing = [v for v in cfg.variants if not (Path(cfg.paths.models_dir) / v / "config.json").is_file()]
+        missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
         if missing or not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"no checkpoint for {', '.join(missing) or 'the base'} under {cfg.paths.models_dir}: "

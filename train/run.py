@@ -46,7 +46,8 @@ def build_model(cfg: DictConfig, tokenizer):
     if cfg.variant.init == "scratch":
         if cfg.model.name_or_path:
             return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32).train()
-        shape = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "name_or_path")}
+        shape = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
+                 if k not in ("name", "name_or_path", "dirs", "finetune_lr")}
         shape["vocab_size"] = len(tokenizer)
         config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
@@ -55,6 +56,13 @@ def build_model(cfg: DictConfig, tokenizer):
         # from_pretrained returns the model in eval mode; Lightning keeps each module's mode
         return AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).train()
     raise ValueError(f"variant.init must be 'scratch' or 'base', got {cfg.variant.init!r}")
+
+
+def learning_rate(cfg: DictConfig) -> float:
+    """The variant's ``lr``, or for a fine-tune (``init: base``) the family's ``model.finetune_lr``
+    where it sets one (a pretrained base needs a far smaller step than the tiny family)."""
+    family = cfg.model.get("finetune_lr")
+    return float(family) if cfg.variant.init == "base" and family is not None else float(cfg.variant.lr)
 
 
 def load_tokenizer(cfg: DictConfig, run_dir: Path):
@@ -171,7 +179,7 @@ def train(cfg: DictConfig) -> dict:
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable}
     try:
-        module = CausalLMModule(model, lr=cfg.variant.lr, weight_decay=cfg.variant.weight_decay,
+        module = CausalLMModule(model, lr=learning_rate(cfg), weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
                                 min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant)
         consolidate = ConsolidateOnTrainEnd()
