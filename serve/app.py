@@ -72,10 +72,12 @@ from deltafleet.serve.protocol import (
     ErrorResponse,
     Health,
     LoadedVariant,
+    LoadLoraAdapterRequest,
     LoadVariantRequest,
     ModelInfo,
     ModelList,
     UnloadedVariant,
+    UnloadLoraAdapterRequest,
     UnloadVariantRequest,
 )
 
@@ -296,6 +298,52 @@ class _EngineCollector:
                                   "recomputed) because the KV cache was full.", value=sch.preemptions)
 
 
+class _VllmCollector:
+    """vLLM's own server-wide series, read at each scrape. The Kubernetes Gateway API Inference
+    Extension's endpoint picker reads them (its Model Server Protocol) to route by load, KV use and
+    adapter affinity:
+
+    - ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``: every model's, summed (one
+      series, ``model_name`` the family);
+    - ``vllm:kv_cache_usage_perc`` and its older name ``vllm:gpu_cache_usage_perc``;
+    - ``vllm:lora_requests_info``: the variants (model ids) with requests running and waiting, each
+      list comma-separated, and ``max_lora`` the device delta slots; the value is the scrape time,
+      as vLLM's (the picker keeps the newest sample)."""
+
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+
+    @staticmethod
+    def _per_model(gauge) -> dict[str, float]:
+        return {s.labels["model_name"]: s.value for m in gauge.collect() for s in m.samples}
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = self.engine.family
+        running, waiting = self._per_model(self.metrics.running), self._per_model(self.metrics.waiting)
+        for name, counts, text in (("num_requests_running", running, "Requests generating now, all models."),
+                                   ("num_requests_waiting", waiting, "Requests waiting, all models.")):
+            g = GaugeMetricFamily("vllm:" + name, text, labels=["model_name"])
+            g.add_metric([family], sum(counts.values()))
+            yield g
+        usage = self.engine.scheduler.kv_usage()
+        for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
+            g = GaugeMetricFamily("vllm:" + name, "Fraction of the paged KV cache's blocks in use (1 = full).",
+                                  labels=["model_name"])
+            g.add_metric([family], usage)
+            yield g
+
+        def variants(counts):
+            return ",".join(sorted(m for m, n in counts.items() if n > 0 and m != family))
+
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Variants with requests running and waiting, and the "
+                                 "device delta slots (value: the scrape time).",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([variants(running), variants(waiting), str(self.engine.slots.n_slots)], time.time())
+        yield info
+
+
 class Metrics:
     """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``)."""
 
@@ -443,6 +491,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     queued_lock = threading.Lock()
     metrics = Metrics([m.id for m in engine.models()])
     metrics.registry.register(_EngineCollector(engine))
+    metrics.registry.register(_VllmCollector(engine, metrics))
     engine.add_listener(metrics.on_delta_event)
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -578,6 +627,28 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         except Exception as e:
             raise _api_error(e) from None
         return {"id": mid, "object": "model", "unloaded": True}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_responses(*posted, 404, 409))
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        """vLLM's route, as the Gateway API Inference Extension's adapter sync calls it: ``lora_name``
+        is the model id to serve (``<family>-<variant>``, or the variant's name), ``lora_path`` its
+        artifact folder; the same as ``/v1/load_variant``, answered as vLLM does (plain text)."""
+        try:
+            await load_variant(LoadVariantRequest(variant=body.lora_name, path=body.lora_path))
+        except APIError as e:  # its parameters by vLLM's names
+            e.param = {"variant": "lora_name", "path": "lora_path"}.get(e.param, e.param)
+            raise
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_responses(*posted, 404, 409))
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        """vLLM's route: ``/v1/unload_variant`` of ``lora_name``, answered as vLLM does (plain text)."""
+        try:
+            await unload_variant(UnloadVariantRequest(variant=body.lora_name))
+        except APIError as e:
+            e.param = {"variant": "lora_name"}.get(e.param, e.param)
+            raise
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/v1/delta_cache", responses=_responses(*guarded, ok=DeltaCacheState))
     async def delta_cache():

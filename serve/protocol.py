@@ -230,6 +230,24 @@ class UnloadVariantRequest(BaseModel):
     variant: str = Field(description="name or model id")
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body, for :class:`LoadVariantRequest`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=VARIANT_NAME, description="the model id to serve (<family>-<variant>) or the "
+                                                             "variant's name")
+    lora_path: str | None = Field(None, description="artifact folder, as LoadVariantRequest.path")
+    load_inplace: bool = Field(False, description="vLLM's: replace an adapter of that name (a load always does)")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = Field(None, description="vLLM's numeric id: not used")
+
+
 # ------------------------------------------------------------------------------------ responses
 
 

@@ -561,6 +561,42 @@ def test_overload_is_429_with_openai_error_object(engine):
     assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] >= 1
 
 
+def test_vllm_series_for_the_endpoint_picker(engine):
+    """The series the Gateway API Inference Extension's endpoint picker reads, under vLLM's names and
+    labels: requests running and waiting over all models, the KV cache's use (both names), and the
+    variants waiting in ``vllm:lora_requests_info`` with the device slots as ``max_lora``."""
+    app = create_app(engine)
+    results = []
+
+    def samples(text):
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("vllm:")}
+
+    with TestClient(app) as tc:
+        idle = samples(tc.get("/metrics").text)
+        for name in ("num_requests_running", "num_requests_waiting"):
+            assert idle[f'vllm:{name}{{model_name="tiny"}}'] == 0.0
+        assert 0.0 <= idle['vllm:kv_cache_usage_perc{model_name="tiny"}'] \
+            == idle['vllm:gpu_cache_usage_perc{model_name="tiny"}'] <= 1.0
+        info = f'vllm:lora_requests_info{{max_lora="{engine.slots.n_slots}",running_lora_adapters="",' \
+               'waiting_lora_adapters=""}'
+        assert abs(idle[info] - time.time()) < 60  # its value: the scrape time
+        engine._gen_lock.acquire()  # the model is busy: a variant's request waits
+        try:
+            t = threading.Thread(target=lambda: results.append(tc.post("/v1/completions", json={
+                "model": "tiny-coder", "prompt": "x", "max_tokens": 2})))
+            t.start()
+            deadline = time.time() + 10
+            while 'vllm:num_requests_waiting{model_name="tiny"} 1.0' not in (text := tc.get("/metrics").text):
+                assert time.time() < deadline
+                time.sleep(0.02)
+            assert f'waiting_lora_adapters="tiny-coder"' in text and 'running_lora_adapters=""' in text
+        finally:
+            engine._gen_lock.release()
+        t.join(timeout=30)
+    assert results[0].status_code == 200
+
+
 def test_text_that_spells_a_special_token_stays_text(server, client, engine):
     """Only the chat template's own markers are special tokens: a message cannot forge a turn with
     ``<|assistant|>`` (nor a completion prompt an eos); a plain chat is encoded as before."""

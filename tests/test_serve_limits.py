@@ -102,6 +102,27 @@ def test_a_body_over_max_request_bytes_is_413_before_parsing(engine):
 # ------------------------------------------------------------------------------------ unload
 
 
+def test_vllm_lora_adapter_routes_unload_and_load_a_variant(tiny_family):
+    """vLLM's ``/v1/unload_lora_adapter`` and ``/v1/load_lora_adapter`` (what the Gateway API
+    Inference Extension's adapter sync calls), with ``lora_name`` the model id: the same as our
+    routes, answered in vLLM's plain text; bad names and unknown adapters are OpenAI errors."""
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    body = {"model": "tiny-coder", "prompt": "def ", **GREEDY}
+    with TestClient(create_app(engine)) as tc:
+        before = tc.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        r = tc.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-coder"})
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-coder' removed successfully."
+        assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["tiny", "tiny-writer"]
+        gone = api_error(tc.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-coder"}), 404)
+        assert (gone["code"], gone["param"]) == ("model_not_found", "lora_name")
+        r = tc.post("/v1/load_lora_adapter", json={"lora_name": "tiny-coder", "lora_path": "coder"})
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-coder' added successfully."
+        assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+        assert api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "../x"}), 400)["param"] == "lora_name"
+        missing = api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "tiny-nothing"}), 400)
+        assert (missing["code"], missing["param"]) == ("artifact_not_found", "lora_path")
+
+
 def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
     engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
     body = {"model": "tiny-coder", "prompt": "def ", **GREEDY}
