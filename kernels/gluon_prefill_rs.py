@@ -317,7 +317,8 @@ def default_split(m: int, n: int, k: int, config: tuple, sms: int, persistent: b
 _SMS: dict = {}  # device index -> multiprocessors
 
 
-def _sms(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device`` (asked once per device)."""
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device.index]
@@ -389,7 +390,7 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
     words = sign.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
     units = tiles * split
-    grid = (min(units, _sms(x2.device)) if persistent else units, )
+    grid = (min(units, multiprocessors(x2.device)) if persistent else units, )
     _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, ws, cnt, m, n, k,
                              words.stride(0), y.stride(0), split, per * u, ALPHA_PER_ROW=alpha.dim() == 1,
                              HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,

@@ -572,6 +572,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     b = bias.to(x.device).contiguous() if bias is not None else alpha  # the kernels read bias[n] densely
     dev_bias = b if bias is not None else None  # on x's device, contiguous
     hopper = not _interpret() and gluon_bitdelta.supported(x2, weight)
+    strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
         ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
@@ -588,14 +589,13 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
             tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=bm)
 
         # from two rows up on a Hopper GPU, the register-operand kernel competes (its token tile of 8)
-        config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, _strides(x2, weight, sign, y), flags, b,
-                                 decode) if m > 1 and hopper else "decode"
+        config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b, decode) \
+            if m > 1 and hopper else "decode"
         if config in ("decode", None):  # None: every candidate failed to run
             decode()
             return y.reshape(*lead, n)
         return gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, dev_bias, y,
                                                            *config[1:]).reshape(*lead, n)
-    strides = _strides(x2, weight, sign, y)
     if hopper:
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b)
         if config is not None and config[0] == "rs":
@@ -610,11 +610,6 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     else:
         _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
     return y.reshape(*lead, n)
-
-
-def _strides(x2, weight, sign, y) -> tuple[int, int, int, int]:
-    """Row strides of the ``_mm_kernel`` arguments."""
-    return x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0)
 
 
 def _mm_triton(x2, weight, sign, alpha, b, y, strides, flags) -> None:
@@ -648,11 +643,11 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     else the Gluon kernel's default."""
     m, k = x2.shape
     n = weight.shape[0]
-    key = (n, k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())), decode is not None)
+    key = (n, k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))  # (decode: rows ≤ 4)
     if key in _PREFILL_CHOICE:
         return _PREFILL_CHOICE[key]
     configs = gluon_prefill_rs.usable_configs(x2, weight, sign)
-    sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if configs else 0
+    sms = gluon_prefill_rs.multiprocessors(x2.device) if configs else 0
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
         if decode is not None:

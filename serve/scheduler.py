@@ -59,6 +59,7 @@ class _Seq(Sequence):
     on_start: Callable[[], None] | None = None
     text: TextStream | None = None
     seed: int = 0                           # the sampler's 64-bit seed (serve/sampling.py)
+    enders: frozenset = frozenset()         # tokens that end it (eos unless ignored, its stop token ids)
     n: int = 0                              # tokens generated
     started: bool = False                   # on_start called (once, however often it is preempted)
     done: bool = False                      # it ends at the token level (eos, max_tokens, an error): retire it
@@ -106,7 +107,7 @@ class Scheduler:
         self.max_rows_seen = 0  # most decode rows in one step
         self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
-        self.detokenizer = _Detokenizer(engine.eos_token_ids)
+        self.detokenizer = _Detokenizer()
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     @property
@@ -204,6 +205,7 @@ class Scheduler:
         p, eng = seq.req.params, self.engine
         seq.started = True
         seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens)
+        seq.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids))
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         if seq.on_start is not None:
             seq.on_start()
@@ -253,12 +255,8 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``."""
-        banned = []  # before min_tokens: the row's eos (unless ignored) and stop token ids
-        for i, s in enumerate(seqs):
-            p = s.req.params
-            if s.n < p.min_tokens:
-                ids = set(p.stop_token_ids) if p.ignore_eos else self.engine.eos_token_ids | set(p.stop_token_ids)
-                banned += [(i, t) for t in ids]
+        # before min_tokens, the tokens that would end a row cannot be drawn
+        banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens for t in s.enders]
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
              for s in seqs], logits.device, banned)
@@ -274,8 +272,7 @@ class Scheduler:
             seq.done = True
             return
         seq.n += 1
-        params = seq.req.params
-        if (token in self.engine.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in seq.enders:
             end = "eos"  # finish "stop", the token left out of the text
         elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
             end = "length"
@@ -306,8 +303,7 @@ class _Detokenizer:
 
     After each list it calls :attr:`listeners`."""
 
-    def __init__(self, eos_token_ids):
-        self.eos = eos_token_ids
+    def __init__(self):
         self.listeners: list[Callable[[], None]] = []
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="detokenizer", daemon=True).start()

@@ -90,7 +90,7 @@ def test_the_chat_template_and_the_recorded_check(converted):
 
 def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
     out = tmp_path / "models" / "smollm2-base"
-    (tmp_path / "models" / ".smollm2-base.killed").mkdir(parents=True)  # left by a run killed outright
+    (tmp_path / "models" / ".smollm2-base.tmp-killed").mkdir(parents=True)  # left by a run killed outright
     with pytest.raises(ValueError, match=r"perplexity on the check text is [0-9.]+, above max_perplexity 1.0"):
         real_base.convert(out, max_perplexity=1.0)
     assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor a temporary one

