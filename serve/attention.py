@@ -12,9 +12,9 @@ decode rows (one token each, of distinct sequences), the rest prefill chunks (a 
 sequence's consecutive tokens). Every token's key and value are written to its slot first; then
 
 - **decode rows** attend to their sequence's blocks: FlexAttention (``torch.nn.attention.
-  flex_attention``) over the whole cache, with a block mask made from the block tables (every block
-  of the row but its last is read whole, the last up to the row's position), so the kernel reads
-  only live blocks and nothing is gathered. Off CUDA, or with ``backend="sdpa"``, the rows' keys are
+  flex_attention``) over the whole cache, with a block mask made from the block tables in blocks of
+  :data:`FLEX_MASK_BLOCK` keys (every mask block of the row before its position's is read whole,
+  that one up to the row's position), so the kernel reads only live blocks and nothing is gathered. Off CUDA, or with ``backend="sdpa"``, the rows' keys are
   gathered and read by ``F.scaled_dot_product_attention`` (the reference the tests compare with);
 - **a prefill chunk** of tokens ``start … start + n − 1`` gathers its sequence's keys ``0 … start +
   n − 1`` and runs ``F.scaled_dot_product_attention`` (causal from position ``start``): prefill is
@@ -63,6 +63,17 @@ _FLEX = None
 # ("Attention") has the sweep these come from. Passed only where that kernel runs: a power-of-two
 # ratio of query to key-value heads, else FlexAttention takes its main kernel.
 FLEX_DECODE_OPTIONS = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4}
+# Keys per block of the FlexAttention block mask, a divisor of the cache's block size, and so the
+# decoding kernel's largest key tile (BLOCK_N must divide it). A row's last mask block is read whole
+# and masked: with 128-key mask blocks over 128-token cache blocks a row at position 256 reads 384
+# keys for its 257, with 32-key blocks 288 (docs/serving.md, "Attention", has the measurement).
+FLEX_MASK_BLOCK = 32
+
+
+def mask_block(block_size: int) -> int:
+    """The FlexAttention mask's keys per block for a cache of ``block_size``-token blocks:
+    :data:`FLEX_MASK_BLOCK` where it divides the block size, else the block size."""
+    return FLEX_MASK_BLOCK if block_size % FLEX_MASK_BLOCK == 0 else block_size
 
 
 class PagedKVCache:
@@ -125,35 +136,47 @@ class PagedStep:
         return PagedLayer(self, i)
 
     def block_mask(self):
-        """The FlexAttention block mask of the decode rows (made once per step, shared by every layer):
-        a row reads its first ``num_blocks − 1`` blocks whole ("full" blocks: no mask evaluated) and
-        its last one slot by slot; :class:`FlexMask`'s ``mask_mod`` gives the whole mask."""
+        """The FlexAttention block mask of the decode rows (made once per step, shared by every layer),
+        in blocks of :func:`mask_block` keys: a row reads the mask blocks before its position's whole
+        ("full" blocks: no mask evaluated) and its position's one slot by slot; :class:`FlexMask`'s
+        ``mask_mod`` gives the whole mask."""
         if self._mask is None:
             from torch.nn.attention.flex_attention import BlockMask
 
             bs, b = self.cache.block_size, self.tables.shape[0]  # decode rows and any padding rows
+            mb = mask_block(bs)
             self.masks.update(self.tables, self.num_blocks, self.positions)
             # eager FlexAttention (off CUDA) makes a dense mask: a column per block of the cache
             width = None if self.tables.is_cuda else self.cache.k.shape[2] // bs
-            partial, full = block_lists(self.tables, self.positions, bs, width)
+            partial, full, n_full = block_lists(self.tables, self.positions, bs, mb, width)
             self._mask = BlockMask.from_kv_blocks(
                 torch.ones(b, 1, 1, dtype=torch.int32, device=full.device), partial.view(b, 1, 1, -1),
-                (self.num_blocks - 1).view(b, 1, 1), full.view(b, 1, 1, -1),
-                BLOCK_SIZE=(128, bs), mask_mod=self.masks.mask_mod, seq_lengths=(1, self.cache.k.shape[2]),
+                n_full.view(b, 1, 1), full.view(b, 1, 1, -1),
+                BLOCK_SIZE=(128, mb), mask_mod=self.masks.mask_mod, seq_lengths=(1, self.cache.k.shape[2]),
                 compute_q_blocks=False)
         return self._mask
 
 
-def block_lists(tables: Tensor, positions: Tensor, block_size: int, width: int | None = None) -> tuple[Tensor, Tensor]:
-    """FlexAttention's two block lists for decode rows: ``(partial, full)``, int32 ``[B, W]`` of one shape
-    and strides (the kernels index both with the partial list's strides): ``partial[b, 0]`` is row b's
-    last block (read up to its position), ``full[b]`` its table (the first ``num_blocks − 1`` read
-    whole). ``width``: pad both to this many columns (None: the tables' own width)."""
+def block_lists(tables: Tensor, positions: Tensor, block_size: int, mask_block: int | None = None,
+                width: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """FlexAttention's block lists for decode rows, in mask blocks of ``mask_block`` keys (a divisor of
+    ``block_size``; default the block size): ``(partial, full, n_full)``. ``partial`` and ``full`` are
+    int32 ``[B, W]`` of one shape and strides (the kernels index both with the partial list's
+    strides): ``full[b]`` lists row b's mask blocks in token order (cache block ``t`` is mask blocks
+    ``t·r … t·r + r − 1``, ``r = block_size / mask_block``), ``partial[b, 0]`` is the one holding its
+    position (read up to it), and ``n_full[b]`` (int32 ``[B]``) counts those before it (read whole).
+    ``width``: pad the tables to this many cache blocks first (None: their own width)."""
+    mb = mask_block or block_size
+    r = block_size // mb
     tables = tables.to(torch.int32).contiguous()
     if width is not None:
         tables = F.pad(tables, (0, width - tables.shape[1]))
-    last = tables.gather(1, (positions // block_size).to(torch.int64)[:, None])
-    return torch.cat([last, tables[:, 1:]], 1), tables
+    if r > 1:
+        sub = torch.arange(r, dtype=torch.int32, device=tables.device)
+        tables = (tables[:, :, None] * r + sub).reshape(tables.shape[0], -1)
+    n_full = (positions // mb).to(torch.int64)
+    last = tables.gather(1, n_full[:, None])
+    return torch.cat([last, tables[:, 1:]], 1), tables, n_full.to(torch.int32)
 
 
 class FlexMask:
@@ -248,7 +271,11 @@ class PagedLayer:
 
                 return flex_attention(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
             ratio = q.shape[1] // kc.shape[0]
-            opts = FLEX_DECODE_OPTIONS if ratio & (ratio - 1) == 0 else None
+            mb = mask_block(st.cache.block_size)
+            if ratio & (ratio - 1) == 0:  # the decoding kernel
+                opts = {**FLEX_DECODE_OPTIONS, "BLOCK_N": min(FLEX_DECODE_OPTIONS["BLOCK_N"], mb)}
+            else:  # the main kernel, its own options but a key tile that divides the mask's blocks
+                opts = {"BLOCK_N": mb} if mb < 128 else None
             return _flex()(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa, kernel_options=opts)[:n]
         return decode_sdpa(q, kc, vc, st.tables, st.positions, st.cache.block_size)
 

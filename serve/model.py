@@ -201,6 +201,24 @@ class DeltaLinear(nn.Module):
         return bitdelta_linear(x, self.weight, sa[0], sa[1], bias)
 
 
+def fuse_rows(*mods: DeltaLinear) -> tuple[Tensor, Tensor | None, list[int]]:
+    """Put the weights (and biases) of linears that read the same input into one matrix, each
+    module's weight becoming a row view of it (gpt-fast's ``wqkv``): the base product of all of them
+    is then one GEMM, and no weight is stored twice. Returns ``(weight, bias or None, out sizes)``."""
+    weight = torch.cat([m.weight.detach() for m in mods])
+    has_bias = [m.bias is not None for m in mods]
+    bias = torch.cat([m.bias.detach() for m in mods]) if all(has_bias) else None
+    sizes, first = [m.weight.shape[0] for m in mods], 0
+    for m, n in zip(mods, sizes):
+        m.weight = nn.Parameter(weight[first:first + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[first:first + n], requires_grad=False)
+        first += n
+    if any(has_bias) and bias is None:  # some biased, some not: the fused product cannot add them
+        return weight, None, []
+    return weight, bias, sizes
+
+
 class DeltaEmbedding(nn.Module):
     """Token embedding; a variant adds ``α·(2·bits − 1)`` to the rows it looks up (α scalar or per row)."""
 
@@ -287,13 +305,32 @@ class Attention(nn.Module):
         self.k_proj = DeltaLinear(args.dim, kv_out, args.qkv_bias, f"{prefix}.k_proj")
         self.v_proj = DeltaLinear(args.dim, kv_out, args.qkv_bias, f"{prefix}.v_proj")
         self.o_proj = DeltaLinear(q_out, args.dim, args.o_bias, f"{prefix}.o_proj")
+        self.qkv: tuple[Tensor, Tensor | None, list[int]] | None = None  # fuse(): one base GEMM
+
+    def fuse(self) -> None:
+        """q, k and v weights as row views of one matrix (:func:`fuse_rows`)."""
+        self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+
+    def _apply(self, fn, recurse=True):  # .to(), .half(), …: convert, then fuse the new tensors again
+        out = super()._apply(fn, recurse)
+        if self.qkv is not None:
+            self.fuse()
+        return out
+
+    def project(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q, k, v)`` of ``x``: the base's by one GEMM once fused, else one linear each."""
+        if delta is None and self.qkv is not None and self.qkv[2]:
+            weight, bias, sizes = self.qkv
+            return F.linear(x, weight, bias).split(sizes, -1)
+        return self.q_proj(x, delta), self.k_proj(x, delta), self.v_proj(x, delta)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x, delta).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x, delta).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x, delta)
+        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = rope_qk(q, k, cos, sin)
         if getattr(cache, "paged", False):  # serve/attention.py: a flat batch over the paged cache
             return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1), delta)
@@ -313,9 +350,25 @@ class MLP(nn.Module):
         self.gate_proj = DeltaLinear(args.dim, args.intermediate_size, args.mlp_bias, f"{prefix}.gate_proj")
         self.up_proj = DeltaLinear(args.dim, args.intermediate_size, args.mlp_bias, f"{prefix}.up_proj")
         self.down_proj = DeltaLinear(args.intermediate_size, args.dim, args.mlp_bias, f"{prefix}.down_proj")
+        self.gate_up: tuple[Tensor, Tensor | None, list[int]] | None = None  # fuse(): one base GEMM
+
+    def fuse(self) -> None:
+        """gate and up weights as row views of one matrix (:func:`fuse_rows`)."""
+        self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
+
+    def _apply(self, fn, recurse=True):  # as Attention._apply
+        out = super()._apply(fn, recurse)
+        if self.gate_up is not None:
+            self.fuse()
+        return out
 
     def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x, delta), self.up_proj(x, delta)), delta)
+        if delta is None and self.gate_up is not None and self.gate_up[2]:
+            weight, bias, sizes = self.gate_up
+            gate, up = F.linear(x, weight, bias).split(sizes, -1)
+        else:
+            gate, up = self.gate_proj(x, delta), self.up_proj(x, delta)
+        return self.down_proj(silu_mul(gate, up), delta)
 
 
 class Block(nn.Module):
@@ -433,15 +486,24 @@ class Transformer(nn.Module):
             shapes.pop("lm_head.weight", None)
         return shapes
 
+    def fuse_projections(self) -> None:
+        """The base products of q, k, v and of gate, up as one GEMM each (:func:`fuse_rows`); call it
+        again after replacing those weights (serve/tp.py's ``shard_model`` does)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def adopt(self, state: dict[str, Tensor], full_shapes: dict[str, torch.Size],
               device: str | torch.device) -> Transformer:
         """Take ``state`` (parameter name → tensor, already on ``device`` and of this rank's slice) as
-        the weights: tie the head to the embedding if the config says so, put the RoPE frequencies on
+        the weights: tie the head to the embedding if the config says so, fuse the base's q/k/v and
+        gate/up matrices (:func:`fuse_rows`), put the RoPE frequencies on
         ``device``, freeze every parameter and record ``full_shapes`` (the unsharded HF shapes, which
         artifacts are checked against). Returns ``self`` in eval mode."""
         self.load_state_dict(state, strict=False, assign=True)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fuse_projections()
         self.inv_freq = rope_inv_freq(self.args).to(device)
         for p in self.parameters():
             p.requires_grad_(False)

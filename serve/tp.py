@@ -92,6 +92,8 @@ def shard_model(model, rank: int, world: int, group=None) -> None:
     model.args.n_head //= world
     model.args.n_local_heads //= world
     model.tp = (rank, world)
+    if model.layers[0].self_attn.qkv is not None:  # fused before the cut: fuse the slices again
+        model.fuse_projections()
 
 
 def shard_sign(name: str, sign: Tensor, alpha: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:

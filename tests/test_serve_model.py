@@ -48,6 +48,27 @@ def test_base_logits_match_hf_llama(tmp_path, kv_heads, tied):
         assert ours.lm_head.weight is ours.embed_tokens.weight
 
 
+def test_fused_base_projections_are_views_and_survive_conversion(tmp_path):
+    """q/k/v and gate/up of the base run as one GEMM each over one matrix whose row views are the
+    modules' weights; ``.to()`` fuses the converted tensors again (a stale matrix would be float32)."""
+    hf = tiny_llama(97, num_key_value_heads=2, attention_bias=True)
+    ours = _ours_vs_hf(hf, tmp_path)
+    attn, mlp = ours.layers[0].self_attn, ours.layers[0].mlp
+    weight, bias, sizes = attn.qkv
+    assert sizes == [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+    assert attn.k_proj.weight.data_ptr() == weight[sizes[0]:].data_ptr() and bias is not None
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][mlp.gate_proj.weight.shape[0]:].data_ptr()
+    x = _tokens(97)
+    ours = ours.to(torch.float64)
+    assert attn.qkv[0].dtype == torch.float64 and attn.v_proj.weight.data_ptr() == attn.qkv[0][-attn.v_proj.weight.shape[0]:].data_ptr()
+    with torch.no_grad():
+        fused = ours(x, torch.arange(x.shape[1]))
+        for layer in ours.layers:
+            layer.self_attn.qkv = layer.mlp.gate_up = None  # one linear each
+        plain = ours(x, torch.arange(x.shape[1]))
+    assert_close(fused, plain, atol=1e-12, rtol=1e-12)
+
+
 def test_attention_and_mlp_bias_and_llama3_rope_match_hf(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8}

@@ -101,11 +101,16 @@ def test_decode_rows_and_prefill_chunks_of_mixed_variants_in_one_step(eng, backe
     assert len({tuple(s[-6:]) for s in seqs.values()}) == 3  # the models really differ
 
 
-def test_the_backends_agree_on_a_partial_last_block(eng):
-    """FlexAttention's block mask (every block whole but the last, read to the row's position) against
-    gathering the rows' keys for SDPA, on rows whose last blocks are filled to different depths."""
+@pytest.mark.parametrize("mask_block", [BS, BS // 2, 1], ids=["page", "half-page", "one-key"])
+def test_the_backends_agree_on_a_partial_last_block(eng, monkeypatch, mask_block):
+    """FlexAttention's block mask (every mask block whole but the one at the row's position, read to
+    it) against gathering the rows' keys for SDPA, on rows whose last blocks are filled to different
+    depths, with mask blocks of a whole cache block or a part of one."""
+    from deltafleet.serve import attention
     from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, decode_sdpa
 
+    monkeypatch.setattr(attention, "FLEX_MASK_BLOCK", mask_block)
+    assert attention.mask_block(BS) == mask_block
     torch.manual_seed(0)
     cache = PagedKVCache(1, 2, 16, n_blocks=12, block_size=BS, dtype=torch.float32, device="cpu")
     cache.k.normal_()
@@ -133,11 +138,21 @@ def test_the_block_lists_share_one_shape_and_name_each_rows_blocks():
 
     tables = torch.tensor([[3, 7, 1, 0], [0, 5, 0, 0], [9, 2, 11, 4]], dtype=torch.int32)
     positions = torch.tensor([9, 4, 13])
-    partial, full = block_lists(tables, positions, BS)
+    partial, full, n_full = block_lists(tables, positions, BS)
     assert partial.shape == full.shape == (3, 4) and partial.stride() == full.stride()
     assert partial[:, 0].tolist() == [1, 5, 4] and full.tolist() == tables.tolist()
-    wide, _ = block_lists(tables, positions, BS, width=13)
+    assert n_full.tolist() == [2, 1, 3]
+    wide, _, _ = block_lists(tables, positions, BS, width=13)
     assert wide.shape == (3, 13) and wide[:, 0].tolist() == [1, 5, 4] and not wide[:, 4:].any()
+    # mask blocks of half a cache block: cache block t is mask blocks 2t, 2t + 1
+    half = BS // 2
+    partial, full, n_full = block_lists(tables, positions, BS, half)
+    assert partial.shape == full.shape == (3, 8) and partial.stride() == full.stride()
+    assert full[0].tolist() == [6, 7, 14, 15, 2, 3, 0, 1]
+    assert n_full.tolist() == [p // half for p in positions.tolist()]
+    # each row's partial block is the mask block holding its position
+    assert partial[:, 0].tolist() == [2 * int(tables[i, p // BS]) + (p % BS) // half
+                                      for i, p in enumerate(positions.tolist())]
 
 
 def test_buckets_and_the_padded_static_inputs(eng):
