@@ -76,7 +76,10 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
      the auto-compiled decode step) keeps one shape; the warm-up call compiles it.
 
    An exception in a peer is recorded (``{"error": ...}``), not raised.
-7. **Report**: ``reports/<report_name>.json`` (atomic) and ``.png`` (tokens/s and TTFT against
+7. **Report**: after each phase (the engine steps, each concurrency's loads, the TTFT setting, the
+   burst) what is measured so far is rewritten to ``reports/<report_name>.partial.json``
+   (``phases_done`` lists them), so a run stopped midway keeps it; at the end
+   ``reports/<report_name>.json`` (atomic) and ``.png`` replace it (tokens/s and TTFT against
    concurrency, the peers as points, step ÷ floor bars). ``summary`` (printed at the end) holds
    exactly ``step_over_floor`` (rows 16/64/256; nulls where not measured), ``tokens_per_s`` (base,
    mixed, hf_continuous_batching, hf_static at ``summary_concurrency``), ``ttft_p50_s`` (base,
@@ -1041,9 +1044,9 @@ def _synthetic_spec(cfg: DictConfig) -> dict | None:
 
 
 def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, vocab: int,
-                   loads: dict[int, list]) -> None:
+                   loads: dict[int, list], checkpoint=lambda phase: None) -> None:
     """Steps 3-5 of the module docstring: the server, its loads, memory and cold loads, into ``report``;
-    the server stopped at the end, whatever happens."""
+    ``checkpoint(phase)`` after each load; the server stopped at the end, whatever happens."""
     import httpx
 
     levels = sorted(loads)
@@ -1083,17 +1086,20 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
                 "base": run_load(gen, url, "base", reqs, [BASE_ID] * len(reqs), c),
                 "mixed": run_load(gen, url, "mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
                                                                        [cfg.seed, _ZIPF, c]), c)}
+            checkpoint(f"loads at {c}")
         t = cfg.ttft
         reqs = fixed_requests(t.requests, t.prompt_tokens, t.max_tokens, vocab, [cfg.seed, _TTFT, 0])
         report["ttft"] = {
             "base": run_load(gen, url, "ttft base", reqs, [BASE_ID] * len(reqs), t.concurrency),
             "mixed": run_load(gen, url, "ttft mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
                                                                         [cfg.seed, _TTFT_ZIPF, 0]), t.concurrency)}
+        checkpoint("ttft")
         b = cfg.burst
         reqs = fixed_requests(b.requests, burst_prompt_tokens(cfg), b.max_tokens, vocab, [cfg.seed, _BURST, 0])
         report["burst"] = run_load(gen, url, "burst", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
                                                                         [cfg.seed, _BURST, 1]), len(reqs))
         report["burst"]["prompt_tokens_each"] = burst_prompt_tokens(cfg)
+        checkpoint("burst")
 
         report["memory"] = {"gpu_memory_used_mib": gpu_memory_used_mib(),
                             "gpu_memory_total_mib": gpu_memory_used_mib("memory.total"),
@@ -1132,11 +1138,21 @@ def main(cfg: DictConfig) -> dict:
                     "config": OmegaConf.to_container(cfg, resolve=True), "synthetic": _synthetic_spec(cfg),
                     "summary_concurrency": summary_c}
 
+    reports = Path(cfg.paths.reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    partial = reports / f"{cfg.report_name}.partial.json"
+
+    def checkpoint(phase: str) -> None:
+        """What is measured so far, in ``<report_name>.partial.json`` (a run stopped midway keeps it)."""
+        report["phases_done"] = [*report.get("phases_done", []), phase]
+        write_text(partial, json.dumps(report, indent=1, default=str) + "\n")
+
     t0 = time.perf_counter()
     report["engine_steps"] = run_engine_steps(cfg)
     es = report["engine_steps"]
     print(f"engine steps: {'off' if es is None else es.get('error') or 'done'} ({time.perf_counter() - t0:.1f} s)",
           flush=True)
+    checkpoint("engine steps")
 
     family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
     vocab = int(cfg.shapes[cfg.shape].vocab_size)
@@ -1146,15 +1162,15 @@ def main(cfg: DictConfig) -> dict:
     # the run's own folder (Hydra does not change the working directory)
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    serve_and_load(cfg, report, family, out_dir, vocab, loads)
+    serve_and_load(cfg, report, family, out_dir, vocab, loads, checkpoint)
 
     report["peers"] = run_peers(cfg, loads[summary_c], summary_c) if cfg.peers else None
+    report.pop("phases_done", None)
     report["summary"] = summarize(report)
     report["ratios"], report["goals"] = ratios_and_goals(report)
-    reports = Path(cfg.paths.reports_dir)
-    reports.mkdir(parents=True, exist_ok=True)
     write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
     plot(report, reports / f"{cfg.report_name}.png")
+    partial.unlink(missing_ok=True)
     print(json.dumps(report["summary"], indent=1), flush=True)
     print("goals: " + json.dumps(report["goals"]), flush=True)
     print("ratios: " + json.dumps(report["ratios"]), flush=True)

@@ -211,6 +211,28 @@ def test_engine_steps_hook(monkeypatch, tmp_path):
     assert bench.run_engine_steps(cfg) is None
 
 
+def test_a_run_stopped_midway_keeps_what_it_measured(monkeypatch, tmp_path):
+    """Each phase rewrites ``<report_name>.partial.json``: a run stopped after its first load leaves the
+    engine steps and that load there, and no report."""
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, "report_name=stopped"])
+    monkeypatch.setattr(bench, "run_engine_steps", lambda c: {"step_over_floor": {"16": {"base": 1.4, "mixed": 3.0}}})
+    monkeypatch.setattr(bench, "build_tokenizer", lambda c: tmp_path / "tok")
+
+    def stopped(cfg, report, family, out_dir, vocab, loads, checkpoint):
+        report["loads"] = {"1": {"base": {"tokens_per_s": 12.5}}}
+        checkpoint("loads at 1")
+        raise KeyboardInterrupt  # the device call's time limit
+
+    monkeypatch.setattr(bench, "serve_and_load", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(cfg)
+    reports = Path(cfg.paths.reports_dir)
+    d = json.loads((reports / "stopped.partial.json").read_text())
+    assert d["phases_done"] == ["engine steps", "loads at 1"]
+    assert d["engine_steps"]["step_over_floor"]["16"]["base"] == 1.4 and d["loads"]["1"]["base"]["tokens_per_s"] == 12.5
+    assert not (reports / "stopped.json").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # The peers: transformers on a tiny model
 # --------------------------------------------------------------------------------------------
@@ -324,6 +346,7 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
     assert loads["host"]["count"] == len(d["host_tier"]["evicted_to_host"]) == 1
     assert d["memory"]["server_rss_bytes"] > 0
     assert (tmp_path / "run" / "server.log").is_file() and not (REPO / "server.log").exists()  # the run's folder
+    assert "phases_done" not in d and not list((tmp_path / "reports").glob("*.partial.json"))  # complete: no partial
 
 
 def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
