@@ -14,8 +14,9 @@ sequence's consecutive tokens). Every token's key and value are written to its s
 - **decode rows** attend to their sequence's blocks: FlexAttention (``torch.nn.attention.
   flex_attention``) over the whole cache, with a block mask made from the block tables in blocks of
   :data:`FLEX_MASK_BLOCK` keys (every mask block of the row before its position's is read whole,
-  that one up to the row's position), so the kernel reads only live blocks and nothing is gathered. Off CUDA, or with ``backend="sdpa"``, the rows' keys are
-  gathered and read by ``F.scaled_dot_product_attention`` (the reference the tests compare with);
+  that one up to the row's position), so the kernel reads only live blocks and nothing is gathered.
+  Off CUDA, or with ``backend="sdpa"``, the rows' keys are gathered and read by
+  ``F.scaled_dot_product_attention`` (the reference the tests compare with);
 - **a prefill chunk** of tokens ``start … start + n − 1`` gathers its sequence's keys ``0 … start +
   n − 1`` and runs ``F.scaled_dot_product_attention`` (causal from position ``start``): prefill is
   compute bound, and the gather costs a few per cent of it.

@@ -15,10 +15,11 @@ the norms, each distinct variant's signs and scales, and the rows' live keys and
 the device's copy bandwidth, timed in the same run (a 2 GiB device-to-device copy: bytes read +
 bytes written over its time). ``step_over_floor`` = step time ÷ floor.
 
-Each row also times two eager steps (``ModelRunner.forward``, no CUDA graph, as the scheduler runs a
-step with a prefill chunk): the same decode rows (``eager_ms``), and the decode rows plus one
-``prompt``-token prompt of the mix's first model (``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is
-what running a step from Python rather than from a graph costs.
+Each row also times two eager steps (``ModelRunner.forward``, no CUDA graph): the same decode rows
+(``eager_ms``), and the decode rows plus one ``prompt``-token prompt of the mix's first model
+(``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is what running a step from Python rather than from a
+graph costs. ``with_prompt_step_ms`` is the latter step as ``ModelRunner.execute`` runs it: by
+piecewise CUDA graphs (serve/graphs.py) when every token is on the base, else eagerly.
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def engine_steps(cfg) -> dict:
     max_rows = max(rows_list)
     prompt = int(opts["prompt"])
     n_blocks = per_row * max_rows + math.ceil(prompt / bs)
-    runner = ModelRunner(model, slots, n_blocks, bs, max_rows, context + 2, cuda_graphs=True, attention="flex")
+    runner = ModelRunner(model, slots, n_blocks, bs, max_rows, context + 2, cuda_graphs=True, attention="flex",
+                         prefill_graphs=max_rows + prompt)
     bw = copy_bandwidth(device)
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, as a busy pool hands them out
@@ -138,6 +140,9 @@ def engine_steps(cfg) -> dict:
                 with_prompt = _with_prompt(step, prompt, prompt_table, bs, gen, shape["vocab_size"])
                 eager = {name: _seconds(lambda st=st: runner.forward(st), opts["iters"], device) * 1e3
                          for name, st in (("eager_ms", step), ("with_prompt_ms", with_prompt))}
+                # as the scheduler runs it: piecewise graphs for base rows, eagerly with a variant's prompt
+                eager["with_prompt_step_ms"] = _seconds(lambda: runner.execute(with_prompt), opts["iters"], device,
+                                                        warmup=2) * 1e3
                 logits = runner.execute(step)
                 # a step's sampling as the scheduler does it: the batch built, sampled, read back
                 sampling = {name: _seconds(lambda p=params: sample(logits, SamplingBatch.build(

@@ -121,6 +121,8 @@ class Engine:
             0 (default): at once.
         cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
+        prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks of base rows as
+            piecewise CUDA graphs (serve/graphs.py, ``PiecewiseGraphs``).
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
             :func:`deltafleet.serve.follower.run_follower`); None: one process.
 
@@ -132,7 +134,8 @@ class Engine:
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
                  delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True,
-                 max_num_batched_tokens: int = 2048, kv_cache: dict | None = None, attention: str = "auto",
+                 prefill_graphs: bool = False, max_num_batched_tokens: int = 2048, kv_cache: dict | None = None,
+                 attention: str = "auto",
                  scheduler_delay_factor: float = 0.0):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
@@ -210,7 +213,7 @@ class Engine:
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
                               block_size, attention)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
-                                       cuda_graphs=cuda_graphs, attention=attention,
+                                       cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
                                        delay_factor=float(scheduler_delay_factor))
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:

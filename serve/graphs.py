@@ -23,7 +23,8 @@ PyTorch CUDA-graphs recipe): they compile FlexAttention and the Triton kernels f
 allocate the kernels' split-K workspace, none of which may happen during capture. The eager runs
 write the same keys and values the replay then writes again, so they change nothing.
 
-Steps with prefill chunks, steps on the CPU, under tensor parallelism (the other ranks run each step
+Steps with prefill chunks of base rows can run as piecewise graphs (:class:`PiecewiseGraphs`); other
+steps with prefill chunks, steps on the CPU, under tensor parallelism (the other ranks run each step
 eagerly) and steps that cannot be captured (:meth:`DecodeGraphs.capturable`) run eagerly, as every
 step does for good if a capture fails. The padding itself (:meth:`DecodeGraphs.pad` +
 :meth:`DecodeGraphs.forward_padded`) runs anywhere, which is how it is tested without a GPU; the
@@ -183,3 +184,158 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out, workspace
+
+
+def token_buckets(max_tokens: int, first: int = 16) -> list[int]:
+    """The padded token counts of steps with prefill chunks: ``first``, twice that, … below
+    ``max_tokens``, then ``max_tokens`` (``token_buckets(100) == [16, 32, 64, 100]``)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    out, b = [], first
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_tokens]
+
+
+class PiecewiseGraphs:
+    """Steps with prefill chunks, every token on the base, as CUDA graphs of everything but attention
+    (vLLM's piecewise CUDA graphs).
+
+    Attention's shapes follow a step's chunks, so such a step cannot be one graph; everything else in a
+    layer is shaped by the step's token count alone. With the tokens padded to a bucket
+    (:func:`token_buckets`), each bucket has one graph per *segment*: segment 0 is the embedding and
+    layer 0 up to its attention; segment ``l`` is layer ``l − 1`` from its attention's output on, then
+    layer ``l`` up to its attention; segment ``L`` is the last layer's rest, the final norm and the head
+    over the sampling rows. Between two replays attention runs eagerly on the real tokens
+    (serve/attention.py: the cache writes, the decode rows, the chunks), reading ``q, k, v`` from static
+    buffers and writing its output into one. A step then costs ``L + 1`` replays and ``L`` attention
+    calls from Python, where the eager step makes every launch of every layer.
+
+    Every buffer a segment reads or writes is allocated once, for ``max_tokens`` tokens, and a bucket
+    uses its first rows (fixed addresses); what a segment allocates inside its graph is dead by the
+    time the next one runs, so all segments of all buckets share one memory pool. Padding tokens run
+    token 0 at position 0; attention never reads them, and their rows are dropped. Graphs are
+    captured on a bucket's first use, after one eager pass of its segments on a side stream (it
+    compiles the fused functions for the shapes); ``capture=False`` runs the same segments eagerly
+    (how it is tested off the GPU).
+
+    Only base rows: a variant's prefill chunks run the one-variant kernels per run of chunks
+    (serve/batch.py), whose bounds are Python values, not data a graph can read.
+    """
+
+    def __init__(self, runner, max_tokens: int, max_sample: int, capture: bool = True):
+        m = runner.model
+        a, dev, dt = m.args, runner.device, m.dtype
+        self.runner, self.model = runner, m
+        self.max_tokens, self.max_sample, self.capture = max_tokens, max_sample, capture
+        self.buckets = token_buckets(max_tokens)
+        attn = m.layers[0].self_attn
+        n_head, n_kv, hd = attn.n_head, attn.n_kv, attn.head_dim
+        t = max_tokens
+        self.tokens = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(max_sample, dtype=torch.int64, device=dev)
+        self.cos = torch.zeros(t, 1, 1, hd, dtype=dt, device=dev)
+        self.sin = torch.zeros(t, 1, 1, hd, dtype=dt, device=dev)
+        self.x = torch.zeros(t, 1, a.dim, dtype=dt, device=dev)
+        self.q = torch.zeros(t, n_head, 1, hd, dtype=dt, device=dev)
+        self.k = torch.zeros(t, n_kv, 1, hd, dtype=dt, device=dev)
+        self.v = torch.zeros(t, n_kv, 1, hd, dtype=dt, device=dev)
+        self.attn = torch.zeros(t, n_head, 1, hd, dtype=dt, device=dev)
+        self.logits = torch.zeros(max_sample, a.vocab_size, dtype=dt, device=dev)
+        pin = dev.type == "cuda"
+        self._host = torch.zeros(2, t, dtype=torch.int64, pin_memory=pin)
+        self._host_rows = torch.zeros(max_sample, dtype=torch.int64, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool = None
+        self.replays = 0
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding ``n`` tokens (ValueError outside ``[1, max_tokens]``)."""
+        if not 1 <= n <= self.max_tokens:
+            raise ValueError(f"a step has 1 to {self.max_tokens} tokens here, got {n}")
+        return next(b for b in self.buckets if b >= n)
+
+    def accepts(self, step) -> bool:
+        """Whether ``step`` (a :class:`~deltafleet.serve.runner.StepInput`) runs here: every token on the
+        base, at most ``max_tokens`` tokens, at most ``max_sample`` sampling rows."""
+        return (0 < len(step.tokens) <= self.max_tokens and len(step.sample) <= self.max_sample
+                and all(v < 0 for v in step.variants))
+
+    def segment(self, b: int, i: int) -> None:
+        """Segment ``i`` of bucket ``b`` (see the class docstring), on the static buffers."""
+        m = self.model
+        n_layers = len(m.layers)
+        if i == 0:
+            cos, sin = m.rope(self.positions[:b])
+            self.cos[:b].copy_(cos)
+            self.sin[:b].copy_(sin)
+            x = m.embed_tokens(self.tokens[:b, None], None)
+        else:
+            prev = m.layers[i - 1]
+            x = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], None), None)
+        if i < n_layers:
+            self.x[:b].copy_(x)
+            q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], None)
+            self.q[:b].copy_(q)
+            self.k[:b].copy_(k)
+            self.v[:b].copy_(v)
+        else:
+            s = min(b, self.max_sample)
+            self.logits[:s].copy_(m.head(x[self.rows[:s]], None))
+
+    def run(self, step) -> Tensor:
+        """Run ``step`` (:meth:`accepts` it); returns its logits ``[len(step.sample), vocab]`` in the
+        model's dtype: a view of a static buffer that the next step overwrites. Call under
+        ``torch.inference_mode()``."""
+        n, s = len(step.tokens), len(step.sample)
+        b = self.bucket(n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        host = self._host.numpy()
+        host[0, :n], host[1, :n] = step.tokens, step.positions
+        host[:, n:b] = 0
+        rows = self._host_rows.numpy()
+        rows[:s] = step.sample
+        rows[s:] = 0
+        self.tokens[:b].copy_(self._host[0, :b], non_blocking=True)
+        self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        _, _, paged, _, _ = self.runner.prepare(step)
+        graphs = None
+        if self.capture:
+            if b not in self.graphs:
+                self.graphs[b] = self._capture(b)
+            graphs = self.graphs[b]
+        for i in range(len(self.model.layers) + 1):
+            if graphs is None:
+                self.segment(b, i)
+            else:
+                graphs[i].replay()
+            if i < len(self.model.layers):
+                self.attn[:n].copy_(paged.layer(i).attend(self.q[:n], self.k[:n], self.v[:n]))
+        self.replays += graphs is not None
+        return self.logits[:s]
+
+    def _capture(self, b: int) -> list[torch.cuda.CUDAGraph]:
+        dev = self.runner.device
+        n_seg = len(self.model.layers) + 1
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile the fused functions for these shapes: not during capture
+            for i in range(n_seg):
+                self.segment(b, i)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graphs = []
+        for i in range(n_seg):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                self.segment(b, i)
+            if self.pool is None:
+                self.pool = g.pool()
+            graphs.append(g)
+        return graphs

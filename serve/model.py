@@ -324,22 +324,32 @@ class Attention(nn.Module):
             return F.linear(x, weight, bias).split(sizes, -1)
         return self.q_proj(x, delta), self.k_proj(x, delta), self.v_proj(x, delta)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
-                cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
+    def qkv_heads(self, x: Tensor, cos: Tensor, sin: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` of ``x [B, T, D]``, heads first (``[B, heads, T, hd]``), q and k rotated."""
         b, t, _ = x.shape
         q, k, v = self.project(x, delta)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = rope_qk(q, k, cos, sin)
+        return q, k, v
+
+    def out(self, y: Tensor, delta) -> Tensor:
+        """The output projection of the attention ``y [B, H, T, hd]``: ``[B, T, D]``."""
+        b, _, t, _ = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1), delta)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
+                cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
+        q, k, v = self.qkv_heads(x, cos, sin, delta)
         if getattr(cache, "paged", False):  # serve/attention.py: a flat batch over the paged cache
-            return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1), delta)
+            return self.out(cache.attend(q, k, v), delta)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)
         # Query head h reads key/value head h // (n_head / n_kv), as HF's repeat_kv does.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv != self.n_head)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1), delta)
+        return self.out(y, delta)
 
 
 class MLP(nn.Module):
@@ -383,6 +393,14 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
         a = self.self_attn(self.input_layernorm(x, delta), cos, sin, mask, input_pos, cache, delta)
+        return self.after_attention(x, a, delta)
+
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer up to its attention: ``q, k, v`` of the residual stream ``x``."""
+        return self.self_attn.qkv_heads(self.input_layernorm(x, delta), cos, sin, delta)
+
+    def after_attention(self, x: Tensor, a: Tensor, delta) -> Tensor:
+        """The layer from its attention's projected output ``a`` on: the next residual stream."""
         norm = self.post_attention_layernorm
         h, n = add_rms_norm(x, a, norm.weight_for(delta), norm.eps)
         return h + self.mlp(n, delta)
@@ -466,9 +484,7 @@ class Transformer(nn.Module):
             ``[R, vocab_size]`` logits in the model's dtype; equal (up to kernel rounding) to running
             each sequence alone with :meth:`forward` and its own variant.
         """
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [T, 1, 1, hd]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens[:, None], delta)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None, positions, step.layer(i), delta)
@@ -477,6 +493,16 @@ class Transformer(nn.Module):
                 return x.new_empty(0, self.args.vocab_size)
             x = x[logits_rows]
             delta = None if delta is None else delta.select(logits_rows)
+        return self.head(x, delta)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` ``[T, 1, 1, hd]`` in the model's dtype for the flat batch's ``positions [T]``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [T, 1, 1, hd]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def head(self, x: Tensor, delta) -> Tensor:
+        """Logits ``[R, vocab]`` of the flat batch's rows ``x [R, 1, D]``: final norm, then the head."""
         return self.lm_head(self.norm(x, delta), delta)[:, 0]
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:

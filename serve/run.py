@@ -67,7 +67,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         _check_timeouts(cfg)
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
-                        cuda_graphs=cfg.cuda_graphs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens,
                         kv_cache=OmegaConf.to_container(cfg.kv_cache), attention=cfg.attention,
                         scheduler_delay_factor=cfg.scheduler_delay_factor)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served

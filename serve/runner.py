@@ -77,10 +77,13 @@ class ModelRunner:
         max_seq_len: the longest sequence (block-table width).
         cuda_graphs: replay decode-only steps as CUDA graphs (CUDA only; serve/graphs.py).
         attention: ``auto`` (FlexAttention on CUDA, SDPA elsewhere), ``flex`` or ``sdpa``.
+        prefill_graphs: with ``cuda_graphs`` on CUDA, steps with prefill chunks of up to this many
+            tokens, all on the base, run as piecewise CUDA graphs (serve/graphs.py,
+            :class:`~deltafleet.serve.graphs.PiecewiseGraphs`); 0: eagerly.
     """
 
     def __init__(self, model, slots, n_blocks: int, block_size: int, max_batch: int, max_seq_len: int,
-                 cuda_graphs: bool = False, attention: str = "auto"):
+                 cuda_graphs: bool = False, attention: str = "auto", prefill_graphs: int = 0):
         self.model, self.slots = model, slots
         self.device = model.device
         attn = model.layers[0].self_attn
@@ -95,6 +98,11 @@ class ModelRunner:
             from deltafleet.serve.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
+        self.piecewise = None
+        if cuda_graphs and prefill_graphs > 0 and self.device.type == "cuda":
+            from deltafleet.serve.graphs import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(self, prefill_graphs, max_batch)
         self.steps = 0
 
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
@@ -114,10 +122,23 @@ class ModelRunner:
                 except Exception:  # a capture that fails once fails again: serve eagerly (the step rewrites its KV)
                     log.exception("decoding by CUDA graph failed; decoding eagerly from now on")
                     self.graphs = None
+        if self.piecewise is not None and not step.decode_only and self.piecewise.accepts(step):
+            try:
+                return self.piecewise.run(step).float()
+            except Exception:  # as above
+                log.exception("a step with prefill chunks by piecewise CUDA graphs failed; "
+                              "running such steps eagerly from now on")
+                self.piecewise = None
         return self.forward(step).float()
 
     def forward(self, step: StepInput) -> Tensor:
         """The eager step: logits ``[len(step.sample), vocab]`` in the model's dtype."""
+        tokens, positions, paged, delta, rows = self.prepare(step)
+        return self.model.forward_paged(tokens, positions, paged, delta, rows)
+
+    def prepare(self, step: StepInput) -> tuple[Tensor, Tensor, PagedStep, BatchDeltas | None, Tensor | None]:
+        """``step`` on the device: ``(tokens, positions, paged step, deltas or None, rows that sample or
+        None for all)``, the arguments of ``Transformer.forward_paged``."""
         dev = self.device
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
         nd = step.n_decode
@@ -152,4 +173,4 @@ class ModelRunner:
         if any(v >= 0 for v in step.variants):
             delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)
         rows = None if step.sample == list(range(len(step.tokens))) else as_long(step.sample)
-        return self.model.forward_paged(tokens, positions, paged, delta, rows)
+        return tokens, positions, paged, delta, rows

@@ -84,12 +84,15 @@ class Scheduler:
         token_budget: tokens a step feeds at most (decode rows + prefill chunks; ≥ ``max_batch``).
         cuda_graphs: on a CUDA device in one process, replay decode-only steps as CUDA graphs
             (serve/graphs.py).
+        prefill_graphs: with ``cuda_graphs``, also steps with prefill chunks of base rows, as piecewise
+            CUDA graphs of up to ``token_budget`` tokens.
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
         delay_factor: admission pacing (serve/plan.py; 0: admit at once).
     """
 
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
-                 token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0):
+                 token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0,
+                 prefill_graphs: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -97,7 +100,8 @@ class Scheduler:
         # Not with tensor parallelism: the other ranks run each step eagerly (serve/tp.py).
         graphs = cuda_graphs and engine.device.type == "cuda" and engine.tp is None
         self.runner = ModelRunner(self.model, engine.slots, n_blocks, block_size, max_batch, max_seq_len,
-                                  cuda_graphs=graphs, attention=attention)
+                                  cuda_graphs=graphs, attention=attention,
+                                  prefill_graphs=token_budget if prefill_graphs else 0)
         self.pool = BlockPool(n_blocks, block_size)
         self.planner = Planner(self.pool, max_batch, token_budget, delay_factor)
         self._cv = threading.Condition()  # guards the planner's queues (submit runs in request threads)

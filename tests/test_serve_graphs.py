@@ -169,3 +169,68 @@ def test_engine_decodes_every_step_by_graph_replay(family):
     assert sch.steps > 1 and sch.graphs.replays == sch.steps - 1  # one prefill step, then decode replays
     same = sum(a == b for a, b in zip(got[True], got[False]))
     assert same >= 3, f"only {same} of {len(jobs)} completions equal with and without graphs"
+
+
+def test_piecewise_graphs_match_the_eager_step(family):
+    """Base-only steps with prefill chunks (two new prompts of 150 and 90 tokens; then two decode rows
+    beside a third prompt's two chunks) by piecewise CUDA graphs (``ModelRunner.execute`` with
+    ``prefill_graphs``) and eagerly (``ModelRunner.forward``) on two runners with their own caches:
+    the sampled rows' logits agree within the module's bound, each bucket is captured once (one graph
+    per segment: 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    from deltafleet.serve.loading import load_model
+    from deltafleet.serve.batch import DeltaSlots
+    from deltafleet.serve.runner import ModelRunner, StepInput
+
+    model = load_model(family.base_dir, "cuda", torch.bfloat16)
+    slots = DeltaSlots(model, 1)
+    bs, n_blocks = 128, 32
+    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="flex")
+    piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex",
+                        prefill_graphs=512)
+    pw = piece.piecewise
+    assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 512]
+    gen = torch.Generator().manual_seed(1)
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    tables: dict[int, list[int]] = {}
+    vocab = model.args.vocab_size
+    prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in ((0, 150), (1, 90), (2, 200))}
+
+    def chunk(st, seq, ids, start):
+        first = len(st.tokens)
+        st.tokens += ids
+        st.positions += range(start, start + len(ids))
+        st.kv_slots += _slots_of(tables, seq, start, start + len(ids), bs, free)
+        st.variants += [-1] * len(ids)
+        st.chunks.append((first, len(ids), start, list(tables[seq])))
+        st.sample.append(len(st.tokens) - 1)
+
+    with torch.inference_mode():
+        one = StepInput()
+        chunk(one, 0, prompts[0], 0)
+        chunk(one, 1, prompts[1], 0)
+        want, got = eager.forward(one).float(), piece.execute(one)
+        err, bound = _within(got, want)
+        assert err <= bound, (err, bound)
+        assert list(pw.graphs) == [256] and len(pw.graphs[256]) == len(model.layers) + 1
+        two = StepInput()
+        for seq in (0, 1):  # decode rows first
+            pos = len(prompts[seq])
+            two.tokens.append(int(want[seq].argmax()))
+            two.positions.append(pos)
+            two.kv_slots += _slots_of(tables, seq, pos, pos + 1, bs, free)
+            two.variants.append(-1)
+            two.tables.append(list(tables[seq]))
+        two.n_decode, two.sample = 2, [0, 1]
+        chunk(two, 2, prompts[2][:120], 0)
+        want, got = eager.forward(two).float(), piece.execute(two)
+        err, bound = _within(got, want)
+        assert err <= bound, (err, bound)
+        three = StepInput()
+        chunk(three, 2, prompts[2][120:], 120)
+        want, got = eager.forward(three).float(), piece.execute(three)
+        err, bound = _within(got, want)
+        assert err <= bound, (err, bound)
+    assert pw.replays == 3 and sorted(pw.graphs) == [128, 256]
+    for c_e, c_p in ((eager.cache.k, piece.cache.k), (eager.cache.v, piece.cache.v)):
+        err, bound = _within(c_p, c_e)
+        assert err <= bound, (err, bound)

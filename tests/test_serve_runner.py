@@ -325,3 +325,36 @@ def test_whole_prompts_of_one_length_attend_in_one_call_beside_decode_rows(eng, 
     assert lengths[n - 2][1] is None  # one prompt of that length: sliced, not gathered
     for row, i in enumerate((5, 4, 0, 1, 2, 3)):
         torch.testing.assert_close(out[row], _alone(eng, model[i], seqs[i])[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_piecewise_segments_give_the_eager_steps_logits(eng, backend):
+    """Steps with prefill chunks run as PiecewiseGraphs' segments (eagerly here: what each graph
+    records), the tokens padded to a bucket, attention between segments: the logits of the sampled rows
+    equal the eager step's, and each sequence's own run alone."""
+    from deltafleet.serve.graphs import PiecewiseGraphs, token_buckets
+
+    assert token_buckets(100) == [16, 32, 64, 100] and token_buckets(16) == [16]
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention=backend)
+    pw = PiecewiseGraphs(runner, max_tokens=40, max_sample=4, capture=False)
+    a, b = eng.encode_prompt(PROMPTS["tiny"] * 2), eng.encode_prompt(PROMPTS["tiny-coder"] * 3)
+    t = _Tables()
+    with torch.inference_mode():
+        # a whole prompt and the first chunk of another: 16-token bucket, two sampling rows
+        first = _step(t, [], [(0, a, 0, -1), (1, b[:5], 0, -1)])
+        assert pw.bucket(len(first.tokens)) == 16 > len(first.tokens) and pw.accepts(first)
+        got = pw.run(first).clone()
+        torch.testing.assert_close(got, runner.forward(first), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], _alone(eng, "tiny", a)[-1], rtol=1e-4, atol=1e-4)
+        # a decode row beside the rest of the second prompt
+        nxt = int(got[0].argmax())
+        second = _step(t, [(0, nxt, len(a), -1)], [(1, b[5:], 5, -1)])
+        got = pw.run(second).clone()
+        torch.testing.assert_close(got, runner.forward(second), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], _alone(eng, "tiny", a + [nxt])[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], _alone(eng, "tiny", b)[-1], rtol=1e-4, atol=1e-4)
+    coder = eng.get_delta("tiny-coder").slot
+    assert not pw.accepts(_step(_Tables(), [], [(0, a, 0, coder)]))  # a variant's chunk: eager
+    with pytest.raises(ValueError, match="1 to 40 tokens"):
+        pw.bucket(41)
