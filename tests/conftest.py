@@ -51,6 +51,67 @@ def train_tiny_tokenizer(out_dir: Path, data_dir: Path, vocab_size: int = 512):
     return train_tokenizer([corpus], vocab_size, out_dir)
 
 
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, dim: int = 64, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, ffn: int = 160, seed: int = 0) -> Path:
+    """A small random Llama as a GGUF file, written with the ``gguf`` package the way llama.cpp lays one
+    out: the byte-level BPE of ``tokenizer_dir`` (``tokenizer.ggml.model = gpt2``: its tokens, merges,
+    special tokens as control tokens, chat template), float32 tensors under llama.cpp's names, and no
+    ``output.weight`` (a tied head, as SmolLM2's). Returns ``path``."""
+    import gguf
+    import numpy as np
+
+    tj = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    vocab = {**tj["model"]["vocab"], **added}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))  # dense ids
+    eos = added["<|endoftext|>"]
+    hd, rng = dim // heads, np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama-test")
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in added else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(eos)
+    w.add_eos_token_id(eos)
+    w.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
+
+    def add(name: str, *shape: int, scale: float = 0.08, one: bool = False):
+        x = scale * rng.standard_normal(shape)
+        w.add_tensor(name, ((1.0 + x) if one else x).astype(np.float32))
+
+    add("token_embd.weight", len(tokens), dim, scale=0.1)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", dim, scale=0.1, one=True)
+        add(f"blk.{i}.attn_q.weight", dim, dim)
+        add(f"blk.{i}.attn_k.weight", kv_heads * hd, dim)
+        add(f"blk.{i}.attn_v.weight", kv_heads * hd, dim)
+        add(f"blk.{i}.attn_output.weight", dim, dim)
+        add(f"blk.{i}.ffn_norm.weight", dim, scale=0.1, one=True)
+        add(f"blk.{i}.ffn_gate.weight", ffn, dim)
+        add(f"blk.{i}.ffn_up.weight", ffn, dim)
+        add(f"blk.{i}.ffn_down.weight", dim, ffn)
+    add("output_norm.weight", dim, scale=0.1, one=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     """A random tiny LlamaForCausalLM with non-trivial norms (so that norms matter in comparisons)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -207,3 +207,73 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     finally:
         stop_server(proc, log, 10)
     assert out.usage.completion_tokens == 4 or out.choices[0].finish_reason == "stop"
+
+
+def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
+    """The whole path on a GGUF written here with the ``gguf`` package (a 2-layer Llama with grouped-query
+    attention, a tied head and the tests' byte-level BPE with its chat template): converted (its logits
+    and tokens equal transformers' own GGUF loading), fine-tuned 2 steps and exported with
+    ``model=smollm2``, then served; the greedy chat answers of the base and of the variant equal
+    transformers' ``generate`` on the converted checkpoint and on the materialised BitDelta weights."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deltafleet.compress.bitdelta import load_artifact, materialize
+    from tests.conftest import free_port, stop_server, train_tiny_tokenizer, wait_healthy, write_tiny_gguf
+
+    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
+    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
+    base = tmp_path / "models" / "tiny-gguf-base"
+    record = real_base.convert(base, gguf=gguf, max_perplexity=5000.0)  # random weights: about the vocabulary
+    assert record["model"] == "tiny-llama-test" and record["source"]["package"] is None
+    assert record["source"]["sha256"] and math.isfinite(record["check"]["perplexity"])
+    assert not (base / "LICENSE").exists()  # no licence claimed for a file given by path
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    saved = AutoModelForCausalLM.from_pretrained(base).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    assert saved.config.tie_word_embeddings and saved.config.num_key_value_heads == 2
+    ids = tok("def parse(line):\n    return line.split()", return_tensors="pt").input_ids
+    assert ids.tolist() == AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(
+        "def parse(line):\n    return line.split()", return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+    texts = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]  # the coder domain
+    for split, part in (("train", texts[:-1]), ("val", texts[-1:]), ("test", texts[-1:])):
+        (tmp_path / "data" / "coder").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "coder" / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                                            for t in part))
+    common = [f"paths.root={tmp_path}", f"base_dir={base}", f"model.name_or_path={base}"]
+    r = subprocess.run([sys.executable, "train/run.py", "variant=coder", "model=smollm2", *common, "logger=csv",
+                        "trainer.max_steps=2", "variant.batch_size=2", "variant.seq_len=32", "variant.lr=1e-2",
+                        "model.finetune_lr=1e-2", "variant.val_check_interval=2", "variant.limit_val_batches=1",
+                        "eval_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    artifact = load_artifact(tmp_path / "artifacts" / "smollm2" / "coder")
+    variant = AutoModelForCausalLM.from_pretrained(base).eval()
+    variant.load_state_dict({**variant.state_dict(), **materialize(base, artifact)})
+
+    messages = [{"role": "user", "content": "Write a function that parses a line."}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    want = {}
+    for name, model in (("smollm2", saved), ("smollm2-coder", variant)):
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+        want[name] = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert want["smollm2"] and want["smollm2"] != want["smollm2-coder"]  # the fine-tune changed the answer
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", "model=smollm2", *common[:2], f"port={port}",
+                             "log_level=warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        got = {m: client.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=8)
+               for m in want}
+    finally:
+        stop_server(proc, log, 10)
+    assert {m: c.choices[0].message.content for m, c in got.items()} == want
+    assert got["smollm2"].usage.prompt_tokens == prompt["input_ids"].shape[1]

