@@ -564,6 +564,9 @@ def main(cfg: DictConfig) -> dict:
     from deltafleet.cli import user_errors
 
     with user_errors("distill"):
+        from deltafleet.threads import set_threads
+
+        set_threads(cfg)
         return _main(cfg)
 
 

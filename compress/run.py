@@ -22,6 +22,9 @@ from deltafleet.cli import stop_on_sigterm, user_errors
 def main(cfg: DictConfig) -> dict:
     stop_on_sigterm()  # a stopped export leaves no half artifact
     with user_errors("export"):
+        from deltafleet.threads import set_threads
+
+        set_threads(cfg)
         return _main(cfg)
 
 

@@ -106,6 +106,9 @@ def main(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_merge")
 def _entry(cfg: DictConfig) -> None:
+    from deltafleet.threads import set_threads
+
+    set_threads(cfg)
     main(cfg)
 
 

@@ -207,6 +207,9 @@ def main(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="kmerge_eval")
 def _entry(cfg: DictConfig) -> None:
+    from deltafleet.threads import set_threads
+
+    set_threads(cfg)
     main(cfg)
 
 

@@ -24,7 +24,10 @@ def main(cfg: DictConfig) -> None:
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
 
+    from deltafleet.threads import set_threads
+
     stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
+    set_threads(cfg)
     try:
         params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
         method = get_method(cfg.method, **params)

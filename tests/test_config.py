@@ -104,3 +104,43 @@ def test_multirun_sweep_dir_resolves_before_any_job_runs():
     sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=True)
     assert sweep["dir"].startswith("outputs/multirun/")
     assert sweep["subdir"] == "0_coder"
+
+
+# the CPU jobs (the server has its own default, serve/run.py), each with a `threads` setting
+JOBS = ("train", "export", "distill", "eval", "merge_models", "kmerge_eval", "prepare", "bench_merge", "real_base",
+        "serve")
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_job_takes_a_thread_setting(job, tmp_path):
+    import torch
+
+    from deltafleet.threads import set_threads
+
+    need = ["variant=coder"] if job in ("export", "distill") else []
+    cfg = compose_cfg(job, [f"paths.root={tmp_path}", "threads=1", *need])
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(cfg) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert compose_cfg(job, [f"paths.root={tmp_path}", *need]).threads is None  # torch's own default unless set
+
+
+def test_a_bad_thread_setting_is_refused_by_name():
+    from deltafleet.threads import set_threads
+
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=r"threads must be null or a positive integer"):
+            set_threads(OmegaConf.create({"threads": bad}))
+    assert set_threads(OmegaConf.create({})) is None and set_threads(OmegaConf.create({"threads": None})) is None
+
+
+def test_a_job_started_with_a_bad_thread_setting_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", "threads=0"],
+                       cwd=CONF.parent, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode != 0 and "threads must be null or a positive integer, got 0" in r.stderr

@@ -657,6 +657,9 @@ def format_summary(manifest: Mapping) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
+    from deltafleet.threads import set_threads
+
+    set_threads(cfg)
     t0 = time.perf_counter()
     data_dir = Path(cfg.paths.data_dir)
     try:

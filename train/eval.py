@@ -623,6 +623,9 @@ def main(cfg: DictConfig) -> float | None:
     from deltafleet.cli import user_errors
 
     with user_errors("eval"):
+        from deltafleet.threads import set_threads
+
+        set_threads(cfg)
         missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
         if missing or not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(

@@ -182,10 +182,9 @@ def main(cfg) -> dict:
 
     # a SIGTERM (timeout, a cancelled job) unwinds like Ctrl-C, so the temporary directory goes too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if cfg.get("threads"):
-        import torch
+    from deltafleet.threads import set_threads
 
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg)
     record = convert(Path(cfg.out_dir), cfg.gguf, cfg.dtype, float(cfg.max_perplexity))
     print(f"{cfg.out_dir}: {record['parameters']:,} parameters ({record['dtype']}), perplexity "
           f"{record['check']['perplexity']:.2f} on {record['check']['tokens']} tokens of the check text")

@@ -326,6 +326,9 @@ def _finish_wandb() -> None:
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    from deltafleet.threads import set_threads
+
+    set_threads(cfg)
     metrics = train(cfg)
     return metrics.get("heldout/loss")
 

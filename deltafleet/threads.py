@@ -1,0 +1,24 @@
+"""A job's ``threads`` setting: how many CPU threads torch's operators use (``torch.set_num_threads``).
+
+Every job's config has ``threads: null`` (torch's default: one per core). Set it to share a machine
+between jobs, or to keep a job from oversubscribing cores that data-loader workers or another
+process need. The server has its own default (``serve/run.py``: one core left to the event loop).
+"""
+from __future__ import annotations
+
+
+def set_threads(cfg) -> int | None:
+    """Apply ``cfg.threads`` (None or absent: leave torch's default); returns what was set.
+
+    Raises:
+        ValueError: if it is neither null nor a positive integer.
+    """
+    n = cfg.get("threads") if hasattr(cfg, "get") else None
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads must be null or a positive integer, got {n!r}")
+    import torch
+
+    torch.set_num_threads(n)
+    return n
