@@ -257,7 +257,14 @@ def test_eval_cli_writes_the_report(family):
     for s in payload["variants"]:
         v = s["variant"]
         rows = {r["setting"]: r for r in s["rows"]}
-        assert [r["setting"] for r in s["rows"]] == SETTINGS
+        assert [r["setting"] for r in s["rows"]] == SETTINGS + ["exported"]
+        # the family's own artifact (artifacts/<variant>, matrix α), scored as it is: the same matrix
+        # setting the eval builds afresh, so the same numbers
+        exported = rows.pop("exported")
+        assert exported["artifact"] == str(root / "artifacts" / v)
+        manifest = json.loads((root / "artifacts" / v / "bitdelta.json").read_text())
+        assert exported["bits_per_parameter"] == manifest["stats"]["bits_per_parameter"]
+        assert exported["loss"] == rows["bitdelta-matrix"]["loss"] and exported["kl"] == rows["bitdelta-matrix"]["kl"]
         assert s["test_blocks"] == 6 and s["tokens"] == 6 * 31
         base, ft = rows["base"], rows["fine-tune"]
         assert (base["bits_per_parameter"], ft["bits_per_parameter"]) == (0.0, 32.0)
@@ -294,7 +301,8 @@ def test_eval_cli_writes_the_report(family):
     assert md.count(HEADER) == 2
     for v in ("coder", "math"):
         section = md.split(f"## {v} ")[1].split("\n\n")[1].splitlines()
-        assert section[0] == HEADER and [line.split(" | ")[0].lstrip("| ") for line in section[2:]] == SETTINGS
+        assert section[0] == HEADER and [line.split(" | ")[0].lstrip("| ") for line in section[2:]] == SETTINGS + [
+            "exported"]
     assert "exact-match accuracy on 5 problems" in md and "Machine: " in md and "seq_len 32" in md
     assert "## Best setting at ≤ 1.5 bits/param (goal: gain recovered ≥ 0.95)" in md
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -308,5 +316,35 @@ def test_eval_cli_writes_the_report(family):
     (table,) = (root / "outputs/wandb").glob("offline-run-*/files/media/table/eval_*.table.json")
     table = json.loads(table.read_text())
     assert table["columns"][:3] == ["variant", "setting", "bits_per_parameter"]
-    assert [row[:2] for row in table["data"]] == [[v, name] for v in ("coder", "math") for name in SETTINGS]
+    assert [row[:2] for row in table["data"]] == [[v, name] for v in ("coder", "math") for name in SETTINGS + ["exported"]]
     assert {d: _tree_digest(root / d) for d in ("models", "artifacts")} == untouched
+
+
+def test_eval_scores_existing_artifacts_without_building(family, tmp_path):
+    """``build=false``: only the base, the fine-tune and the artifacts named in ``existing`` (one per
+    variant through ``{variant}``); a folder without an artifact is skipped and said so."""
+    root = family.root
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "train/eval.py", f"paths.root={root}", f"hydra.run.dir={tmp_path / 'run'}", "variants=[coder]",
+         "seq_len=32", "batch_size=4", "max_test_blocks=4", "build=false", "~logger", "report.name=eval-existing",
+         f"report.dir={tmp_path}", "~existing", f"+existing={{shipped: '{root}/artifacts/{{variant}}', gone: '{tmp_path}/nowhere'}}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (section,) = json.loads((tmp_path / "eval-existing.json").read_text())["variants"]
+    assert [r["setting"] for r in section["rows"]] == ["base", "fine-tune", "shipped"]
+    assert section["rows"][2]["artifact"] == str(root / "artifacts" / "coder")
+    assert f"[eval] coder: no artifact at {tmp_path}/nowhere: setting 'gone' skipped" in proc.stdout
+    assert not (tmp_path / "run" / "artifacts").exists()  # nothing built
+
+
+def test_eval_settings_are_checked_before_any_work():
+    from omegaconf import OmegaConf
+
+    from deltafleet.train.eval import check_settings
+
+    with pytest.raises(ValueError, match=r"setting names \['bitdelta-row', 'fine-tune'\] are reserved"):
+        check_settings(OmegaConf.create({"build": True, "existing": {"fine-tune": "a", "bitdelta-row": "b", "ok": "c"}}))
+    with pytest.raises(ValueError, match="build=false and no existing artifacts"):
+        check_settings(OmegaConf.create({"build": False, "existing": {}}))
+    check_settings(OmegaConf.create({"build": False, "existing": {"exported": "x/{variant}"}}))

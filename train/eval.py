@@ -14,7 +14,12 @@ base tokenizer) it evaluates these settings:
   ``<run dir>/artifacts/<variant>-<g>`` (``artifacts/`` and ``models/`` are only read);
 - ``bitdelta-<g>+distill-<loss>``: the same signs with scales distilled on the variant's train
   split (:func:`deltafleet.compress.distill.distill_scales`) for each loss in ``distill.losses`` (``mse``:
-  logit MSE, the paper's; ``kl``: KL(fine-tune ‖ compressed)), unless ``distill.enabled=false``.
+  logit MSE, the paper's; ``kl``: KL(fine-tune ‖ compressed)), unless ``distill.enabled=false``;
+  ``build=false`` builds none of these;
+- artifacts that already exist, scored as they are: ``existing`` maps a setting name to a folder
+  (``{variant}`` stands for the variant), by default ``exported``: what ``make export`` (or the
+  end of a training run) wrote for the variant. A folder without an artifact is skipped; an
+  artifact of another base is refused (its fingerprint).
 
 Metrics, all on the same test blocks:
 
@@ -365,6 +370,31 @@ def build_artifacts(cfg: DictConfig, variant: str, domain: str, tokenizer, work:
 # --------------------------------------------------------------------------------------------
 
 
+def existing_artifacts(cfg: DictConfig, variant: str) -> dict[str, dict]:
+    """The settings of ``cfg.existing`` (name → folder, ``{variant}`` replaced) whose folder holds an
+    artifact, as :func:`build_artifacts` returns them; a folder without one is skipped, and said so."""
+    out: dict[str, dict] = {}
+    for name, pattern in (cfg.get("existing") or {}).items():
+        folder = Path(str(pattern).replace("{variant}", variant))
+        if not (folder / "bitdelta.json").is_file():
+            print(f"[eval] {variant}: no artifact at {folder}: setting {name!r} skipped", flush=True)
+            continue
+        manifest = json.loads((folder / "bitdelta.json").read_text())
+        out[name] = {"dir": folder, "manifest": manifest, "seconds": 0.0,
+                     "distillation": (manifest.get("provenance") or {}).get("distillation")}
+    return out
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Raises ValueError for an ``existing`` setting named as a built one, or nothing to compare."""
+    names = set(cfg.get("existing") or {})
+    clash = sorted(n for n in names if n in ("base", "fine-tune") or n.startswith("bitdelta-"))
+    if clash:
+        raise ValueError(f"existing: setting names {clash} are reserved (base, fine-tune, bitdelta-*)")
+    if not cfg.build and not names:
+        raise ValueError("build=false and no existing artifacts: nothing compressed to evaluate")
+
+
 def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint: str, work: Path, run_id: str,
                      device) -> dict:
     """Build and evaluate every setting of one variant; returns its section of the report."""
@@ -376,7 +406,8 @@ def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint:
     blocks = load_blocks(cfg.paths.data_dir, domain, "test", tokenizer, cfg.seq_len)
     if cfg.max_test_blocks is not None:
         blocks = blocks[: cfg.max_test_blocks]
-    artifacts = build_artifacts(cfg, variant, domain, tokenizer, work, run_id, device)
+    artifacts = build_artifacts(cfg, variant, domain, tokenizer, work, run_id, device) if cfg.build else {}
+    artifacts.update(existing_artifacts(cfg, variant))
 
     models = {"base": load_hf(cfg.base_dir, device), "fine-tune": load_hf(ft_dir, device)}
     for name, a in artifacts.items():
@@ -584,6 +615,7 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     if not cfg.variants:
         raise ValueError("variants is empty: nothing to evaluate")
+    check_settings(cfg)
     if not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `make base` first")
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() \
@@ -597,8 +629,9 @@ def run(cfg: DictConfig) -> dict:
     try:
         sections = []
         for variant in cfg.variants:
-            print(f"[eval] {variant}: building and evaluating {2 + len(cfg.granularities) * (1 + cfg.distill.enabled * len(cfg.distill.losses))} "
-                  f"settings", flush=True)
+            built = len(cfg.granularities) * (1 + cfg.distill.enabled * len(cfg.distill.losses)) if cfg.build else 0
+            print(f"[eval] {variant}: building {built} settings, evaluating them, the base, the fine-tune and "
+                  f"what exists of {sorted(cfg.get('existing') or {})}", flush=True)
             s = evaluate_variant(cfg, variant, tokenizer, base_fp, run_dir / "artifacts", f"eval/{run_dir.name}",
                                  device)
             print("\n".join([f"[eval] {variant} ({s['test_blocks']} test blocks, task metric: {s['task_metric']})",
