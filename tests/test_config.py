@@ -22,7 +22,7 @@ def compose_cfg(name: str, overrides: list[str]):
 
 
 def test_groups_are_the_documented_ones():
-    assert group_options("variant") == ["base", "coder", "legal", "math", "writer"]
+    assert group_options("variant") == ["base", "chat", "coder", "legal", "math", "writer"]
     assert set(group_options("trainer")) == {"cpu", "gpu", "ddp_cpu", "deepspeed_zero2", "deepspeed_zero3", "offload"}
     assert group_options("logger") == ["csv", "wandb"]
     assert "tiny" in group_options("model")
@@ -37,7 +37,7 @@ def test_every_variant_resolves(variant, tmp_path):
     assert c["export"]["out_dir"] == f"{tmp_path}/artifacts/{variant}"
     assert c["trainer"]["max_steps"] == c["variant"]["max_steps"]
     assert c["variant"]["init"] == ("scratch" if variant == "base" else "base")
-    assert (Path(c["paths"]["data_dir"]) / c["variant"]["domain"]).name in {"general", "coder", "math", "writer", "legal"}
+    assert (Path(c["paths"]["data_dir"]) / c["variant"]["domain"]).name in {"general", "coder", "math", "writer", "legal", "chat"}
 
 
 @pytest.mark.parametrize("trainer", group_options("trainer"))

@@ -26,7 +26,8 @@ def small_cfg(**over):
     cfg = OmegaConf.load(REPO / "conf/data/default.yaml")
     cfg.merge_with({
         "val_fraction": 0.1, "test_fraction": 0.1, "chunk_chars": 1000, "math_problems": 1200,
-        "max_chars": {"coder": 300_000, "math": 50_000, "writer": 150_000, "legal": 120_000},
+        "max_chars": {"coder": 300_000, "math": 50_000, "writer": 150_000, "legal": 120_000, "chat": 150_000},
+        "chat_math_problems": 200,
     })
     if cfg.sources.austen is None:   # the copy `make install` unpacks into the checkout's data/
         cfg.sources.austen = str(D.find_austen(None, REPO / "data").parent)
@@ -48,15 +49,19 @@ def built(tmp_path_factory):
 
 def test_every_domain_and_split_is_written(built):
     data_dir, manifest = built
-    assert list(manifest["domains"]) == ["general", "coder", "math", "writer", "legal"]
+    assert list(manifest["domains"]) == ["general", "coder", "math", "writer", "legal", "chat"]
     for domain in D.DOMAINS:
         for split in SPLITS:
             recs = read(data_dir, domain, split)
             assert len(recs) >= D.MIN_DOCS_PER_SPLIT, (domain, split)
-            assert all(set(r) == {"text", "source"} and r["text"].strip() for r in recs)
+            if domain == "chat":
+                assert all(set(r) == {"messages", "source"} and [m["role"] for m in r["messages"]] == ["user", "assistant"]
+                           and all(m["content"].strip() for m in r["messages"]) for r in recs)
+            else:
+                assert all(set(r) == {"text", "source"} and r["text"].strip() for r in recs)
             stats = manifest["domains"][domain][split]
             assert stats["docs"] == len(recs)
-            assert stats["chars"] == sum(len(r["text"]) for r in recs)
+            assert stats["chars"] == sum(D.record_chars(r) for r in recs)
             blob = (data_dir / domain / f"{split}.jsonl").read_bytes()
             assert stats["sha256"] == hashlib.sha256(blob).hexdigest()
         total = sum(manifest["domains"][domain][s]["chars"] for s in SPLITS)
@@ -100,13 +105,13 @@ def test_general_mix_comes_from_the_same_split_of_every_domain(built):
     for split in SPLITS:
         general = read(data_dir, "general", split)
         by_domain = {d: {(r["text"], r["source"]) for r in read(data_dir, d, split)}
-                     for d in D.VARIANT_DOMAINS}
+                     for d in D.TEXT_DOMAINS}
         seen = set()
         for r in general:
-            domain = prefix[r["source"].split(":", 1)[0]]
+            domain = prefix[r["source"].split(":", 1)[0]]  # never a conversation ("chat:…")
             assert (r["text"], r["source"]) in by_domain[domain]
             seen.add(domain)
-        assert seen == set(D.VARIANT_DOMAINS), split
+        assert seen == set(D.TEXT_DOMAINS), split
         expected = sum(max(1, round(0.25 * len(v))) for v in by_domain.values())
         assert len(general) == expected
     # interleaved, not one domain after another
@@ -119,7 +124,7 @@ def test_two_runs_write_identical_bytes(built, tmp_path):
     D.prepare(small_cfg(), tmp_path)
     files = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert len(files) == 5 * 3 + 1
+    assert len(files) == len(D.DOMAINS) * 3 + 1 == 6 * 3 + 1
     for f in files:
         assert (data_dir / f).read_bytes() == (tmp_path / f).read_bytes(), f
 
@@ -280,3 +285,56 @@ def test_hydra_entry_point(tmp_path):
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["coder", "manifest.json", "math"]
     assert "train docs" in proc.stdout + proc.stderr
     assert list((tmp_path / "outputs" / "prepare").iterdir())
+
+
+def test_chat_conversations_come_from_the_real_sources(built):
+    """Each conversation is a user turn and an assistant turn: a stdlib function written from its
+    signature and docstring (the answer parses and defines it) or explained by its docstring, a
+    verified math answer, or the next paragraph of an Austen chapter."""
+    data_dir, manifest = built
+    recs = [r for s in SPLITS for r in read(data_dir, "chat", s)]
+    kinds = {k: [r for r in recs if r["source"].startswith(f"chat:{k}:")] for k in ("stdlib", "math", "austen")}
+    assert all(kinds.values()) and sum(map(len, kinds.values())) == len(recs)
+    assert manifest["sources"]["chat"]["conversations"] == {k: len(v) for k, v in kinds.items()}
+    wrote = explained = 0
+    for r in kinds["stdlib"]:
+        user, answer = (m["content"] for m in r["messages"])
+        if user.startswith("Write a Python function `"):
+            code = answer.removeprefix("```python\n").removesuffix("\n```")
+            name = user.split("`")[1].split("(")[0]
+            (fn,) = ast.parse(code).body
+            assert fn.name == name and ast.get_docstring(fn)
+            wrote += 1
+        else:
+            assert user.startswith("What does this Python function do?")
+            assert answer in " ".join(user.split())  # the docstring's first paragraph, from the code shown
+            explained += 1
+    assert wrote and explained
+    for r in kinds["math"]:
+        question, answer = (m["content"] for m in r["messages"])
+        n = int(re.fullmatch(r"The answer is (-?\d+)\.", answer).group(1))
+        assert f"Question: {question}\nAnswer: {n}" in D.generate_math(200, 1)[0]  # the chat's own seed
+    for r in kinds["austen"][:20]:
+        user, answer = (m["content"] for m in r["messages"])
+        assert user.startswith("Continue this passage from Jane Austen's *") and 200 <= len(answer) <= 1500
+
+
+def test_conversations_are_tokenised_through_the_models_chat_template(built, tmp_path):
+    """``load_blocks`` renders a conversation with the tokenizer's own template (its role tokens
+    appear), and refuses a tokenizer without one, by name."""
+    from transformers import AutoTokenizer
+
+    from deltafleet.train.datamodule import load_blocks
+    from tests.conftest import train_tiny_tokenizer
+
+    data_dir, _ = built
+    tok = train_tiny_tokenizer(tmp_path / "tok", tmp_path / "corpus")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    blocks = load_blocks(data_dir, "chat", "val", tok, 64, cache_dir=tmp_path / "cache")
+    first = read(data_dir, "chat", "val")[0]["messages"]
+    rendered = tok(tok.apply_chat_template(first, tokenize=False), add_special_tokens=False).input_ids
+    assert blocks.flatten()[:64].tolist() == rendered[:64]
+    assert tok.convert_tokens_to_ids("<|user|>") in blocks.flatten().tolist()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="holds conversations, but the tokenizer has no chat template"):
+        load_blocks(data_dir, "chat", "val", tok, 64, cache_dir=tmp_path / "cache2")

@@ -10,7 +10,12 @@ already on the machine or comes from a Debian package, so nothing is downloaded 
   Format: ``Question: What is 347 + 85?\\nAnswer: 432``; the answer is always one integer.
 - ``writer``: Jane Austen's six novels (Debian ``r-cran-janeaustenr``, public domain).
 - ``legal``:  licence texts: ``/usr/share/common-licenses`` and ``/usr/share/doc/*/copyright``.
-- ``general``: the base's mix, ``general_fraction`` of every other domain's documents per split.
+- ``chat``:   instruction-following conversations, ``{"messages": [{"role", "content"}, …],
+  "source"}`` (rendered by each model's own chat template when it is tokenised,
+  ``deltafleet.train.datamodule``), made from the sources above: write a standard-library function
+  from its signature and docstring, explain one, answer a math problem, continue an Austen passage.
+- ``general``: the base's mix, ``general_fraction`` of every text domain's documents per split
+  (not ``chat``).
 
 Units, caps and splits. ``source`` names a *unit*: a stdlib file (``stdlib:json/decoder.py``), a
 chapter (``austen:emma#12``), a licence file (``license:/usr/share/common-licenses/GPL-3``), a block
@@ -56,8 +61,15 @@ from deltafleet.atomic import write_bytes
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
-VARIANT_DOMAINS = ("coder", "math", "writer", "legal")
+TEXT_DOMAINS = ("coder", "math", "writer", "legal")
+CHAT_DOMAINS = ("chat",)   # records hold "messages", not "text"
+VARIANT_DOMAINS = TEXT_DOMAINS + CHAT_DOMAINS
 DOMAINS = ("general",) + VARIANT_DOMAINS
+CHAT_MAX_FUNCTION_LINES = 30
+CHAT_PASSAGES_PER_CHAPTER = 2
+AUSTEN_TITLES = {"emma": "Emma", "mansfieldpark": "Mansfield Park", "northangerabbey": "Northanger Abbey",
+                 "persuasion": "Persuasion", "prideprejudice": "Pride and Prejudice",
+                 "sensesensibility": "Sense and Sensibility"}
 MIN_DOCS_PER_SPLIT = 3       # fewer documents than this in any split is an error, not a warning
 PROBLEMS_PER_DOC = 8
 MANIFEST_VERSION = 1
@@ -488,6 +500,82 @@ def writer_units(cfg: dict, data_dir: Path) -> tuple[list[Unit], dict]:
     return units, {"path": str(where), "novels": sorted(novels), "chapters_available": len(cands)}
 
 
+# ----------------------------------------------------------------------------- chat
+
+
+def _conversation(user: str, assistant: str) -> str:
+    """One conversation as the JSON document a chat unit holds."""
+    return json.dumps([{"role": "user", "content": user}, {"role": "assistant", "content": assistant}],
+                      ensure_ascii=False)
+
+
+def function_conversations(text: str, key: tuple) -> list[str]:
+    """Conversations about the documented top-level functions of one Python source ``text`` (at most
+    :data:`CHAT_MAX_FUNCTION_LINES` lines each): write it from its signature and the first sentence of
+    its docstring, or explain it with its docstring's first paragraph (which one: a salted hash of
+    ``key`` and the name)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        src = ast.get_source_segment(text, node)
+        if not doc or not src or src.count("\n") >= CHAT_MAX_FUNCTION_LINES:
+            continue
+        para = " ".join(doc.strip().split("\n\n")[0].split())
+        sentence = para.split(". ")[0].rstrip(".")
+        if len(sentence) < 20:
+            continue
+        signature = f"{node.name}({ast.unparse(node.args)})"
+        if stable_key(*key, node.name) % 2:
+            out.append(_conversation(f"Write a Python function `{signature}`: {sentence[0].lower()}{sentence[1:]}.",
+                                     f"```python\n{src}\n```"))
+        else:
+            out.append(_conversation(f"What does this Python function do?\n\n```python\n{src}\n```", para))
+    return out
+
+
+def chat_units(cfg: dict, data_dir: Path) -> tuple[list[Unit], dict]:
+    """Conversations from the standard library (one unit per file), the math generator (seeded apart
+    from the math domain's; blocks of :data:`PROBLEMS_PER_DOC`) and Austen's chapters (each pair of
+    neighbouring paragraphs of 200 to 1,500 characters, at most :data:`CHAT_PASSAGES_PER_CHAPTER`
+    a chapter: continue the first), capped at ``max_chars.chat`` characters of JSON."""
+    root = stdlib_dir(cfg["sources"].get("python_stdlib"))
+    seed = cfg["seed"]
+    cands: list[tuple[str, Callable[[], tuple[str, ...]]]] = []
+    for path in stdlib_files(root):
+        rel = path.relative_to(root).as_posix()
+
+        def load(path=path, rel=rel) -> tuple[str, ...]:
+            try:
+                return tuple(function_conversations(path.read_bytes().decode("utf-8"), (seed, "chat", rel)))
+            except (UnicodeDecodeError, OSError):
+                return ()
+        cands.append((f"chat:stdlib:{rel}", load))
+    problems, _ = generate_math(cfg["chat_math_problems"], seed + 1)
+    for j in range(0, len(problems), PROBLEMS_PER_DOC):
+        docs = tuple(_conversation(q.removeprefix("Question: "), f"The answer is {a}.")
+                     for q, a in (p.split("\nAnswer: ") for p in problems[j:j + PROBLEMS_PER_DOC]))
+        cands.append((f"chat:math:gen#{j // PROBLEMS_PER_DOC}", lambda docs=docs: docs))
+    where = find_austen(cfg["sources"].get("austen"), data_dir)
+    for name, lines in read_r_lazyload(where).items():
+        for i, chapter in enumerate(novel_chapters(lines), start=1):
+            pairs = [(a, b) for a, b in zip(chapter, chapter[1:])
+                     if 200 <= len(a) <= 1500 and 200 <= len(b) <= 1500]
+            pairs = sorted(pairs, key=lambda ab: stable_key(seed, "chat", name, i, ab[0]))[:CHAT_PASSAGES_PER_CHAPTER]
+            title = AUSTEN_TITLES.get(name, name)
+            docs = tuple(_conversation(f"Continue this passage from Jane Austen's *{title}*:\n\n{a}", b)
+                         for a, b in pairs)
+            cands.append((f"chat:austen:{name}#{i}", lambda docs=docs: docs))
+    units = take_capped(cands, cfg["max_chars"]["chat"], seed=seed, domain="chat", chunk_chars=cfg["chunk_chars"])
+    kinds = {k: sum(len(u.docs) for u in units if u.source.startswith(f"chat:{k}:")) for k in ("stdlib", "math", "austen")}
+    return units, {"conversations": kinds, "stdlib": str(root), "austen": str(where)}
+
+
 # ----------------------------------------------------------------------------- legal
 
 
@@ -576,6 +664,13 @@ def general_mix(splits: Mapping[str, Mapping[str, list[Unit]]], fraction: float,
     return out
 
 
+def record_chars(record: Mapping) -> int:
+    """Characters of a record: its text, or its conversation as JSON (what ``max_chars`` counts)."""
+    if "messages" in record:
+        return len(json.dumps(record["messages"], ensure_ascii=False))
+    return len(record["text"])
+
+
 def _jsonl(records: Iterable[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
 
@@ -604,9 +699,9 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
     unknown = sorted(set(domains) - set(DOMAINS))
     if unknown:
         raise ValueError(f"unknown data domains {unknown}; known: {list(DOMAINS)}")
-    build = VARIANT_DOMAINS if "general" in domains else tuple(d for d in VARIANT_DOMAINS if d in domains)
+    build = tuple(d for d in VARIANT_DOMAINS if d in domains or ("general" in domains and d in TEXT_DOMAINS))
     builders = {"coder": coder_units, "math": math_units, "legal": legal_units,
-                "writer": lambda c: writer_units(c, data_dir)}
+                "writer": lambda c: writer_units(c, data_dir), "chat": lambda c: chat_units(c, data_dir)}
     splits: dict[str, dict[str, list[Unit]]] = {}
     sources: dict[str, dict] = {}
     for domain in build:
@@ -617,11 +712,12 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
         log.debug("%s: %d units in %.2f s", domain, len(units), time.perf_counter() - t0)
 
     records: dict[str, dict[str, list[dict]]] = {
-        d: {s: [{"text": t, "source": u.source} for u in splits[d][s] for t in u.docs] for s in SPLITS}
+        d: {s: [{"messages": json.loads(t), "source": u.source} if d in CHAT_DOMAINS else {"text": t, "source": u.source}
+                for u in splits[d][s] for t in u.docs] for s in SPLITS}
         for d in build
     }
     if "general" in domains:
-        records["general"] = general_mix(splits, cfg["general_fraction"], cfg["seed"])
+        records["general"] = general_mix({d: splits[d] for d in TEXT_DOMAINS}, cfg["general_fraction"], cfg["seed"])
     for domain in domains:
         for split in SPLITS:
             n = len(records[domain][split])
@@ -639,7 +735,7 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
             write_bytes(data_dir / domain / f"{split}.jsonl", blob)
             manifest["domains"][domain][split] = {
                 "docs": len(recs), "units": len({r["source"] for r in recs}),
-                "chars": sum(len(r["text"]) for r in recs), "sha256": hashlib.sha256(blob).hexdigest(),
+                "chars": sum(record_chars(r) for r in recs), "sha256": hashlib.sha256(blob).hexdigest(),
             }
     text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
     write_bytes(data_dir / "manifest.json", text.encode("utf-8"))

@@ -28,7 +28,8 @@ def load_blocks(
     """Tokenize one split of one domain into packed blocks.
 
     Args:
-        data_dir: folder holding ``<domain>/<split>.jsonl`` (records with a ``text`` field).
+        data_dir: folder holding ``<domain>/<split>.jsonl`` (records with a ``text`` field, or
+            ``messages``: a conversation, rendered by the tokenizer's own chat template).
         domain: e.g. ``"coder"`` or ``"general"``.
         split: ``"train"``, ``"val"`` or ``"test"``.
         tokenizer: a Hugging Face tokenizer with an ``eos_token_id``.
@@ -40,7 +41,8 @@ def load_blocks(
 
     Raises:
         FileNotFoundError: if the split file is missing (run ``make data``).
-        ValueError: if the split holds fewer than ``seq_len`` tokens.
+        ValueError: if the split holds fewer than ``seq_len`` tokens, or conversations and the
+            tokenizer has no chat template.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -51,8 +53,13 @@ def load_blocks(
     ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(cache_dir))
     eos = tokenizer.eos_token_id
 
+    chat = "messages" in ds.column_names
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{path} holds conversations, but the tokenizer has no chat template to render them")
+
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+        texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]] if chat else batch["text"]
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
 
     ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, desc=f"tokenize {domain}/{split}")
