@@ -30,6 +30,7 @@ not served until it is loaded again): ``POST /v1/load_variant``, ``POST /v1/unlo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -536,8 +537,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
             for kind in schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"]:  # this model's token ids
-                if kind.get("items", {}).get("type") == "integer":
-                    kind["items"]["maximum"] = engine.model.args.vocab_size - 1
+                items = kind.get("items", {})
+                items = items.get("items", {}) if items.get("type") == "array" else items
+                if items.get("type") == "integer":
+                    items["maximum"] = engine.model.args.vocab_size - 1
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 schemas[name]["properties"]["model"]["examples"] = [m.id for m in engine.models()]
             app.openapi_schema = doc
@@ -668,6 +671,37 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         metrics.add_model(model)
         return req
 
+    async def prepare_all(model: str, prompts: list[list[int]], params: SamplingParams, n: int,
+                          param: str) -> list:
+        """One request per prompt and choice (prompt i's choice j at ``i·n + j``; with a seed, choice j
+        samples with seed + j); all checked before any starts, none kept if one fails."""
+        reqs = []
+        try:
+            for ids in prompts:
+                for j in range(n):
+                    p = params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
+                    reqs.append(await prepare(model, ids, p, param))
+        except BaseException:
+            for r in reqs:
+                engine.release(r)
+            raise
+        return reqs
+
+    def start_all(reqs, arrival: float) -> list[tuple[asyncio.Queue, threading.Event]]:
+        """:func:`start` each request; if one is refused (429), the started ones are cancelled and the
+        rest released."""
+        jobs = []
+        try:
+            for r in reqs:
+                jobs.append(start(r, arrival))
+        except BaseException:
+            for _, cancel in jobs:
+                cancel.set()
+            for r in reqs[len(jobs) + 1:]:  # start() released its own
+                engine.release(r)
+            raise
+        return jobs
+
     outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
 
     def outbox() -> Outbox:
@@ -747,19 +781,27 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         finally:
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
-    async def run(req, arrival: float, http: Request) -> tuple[str, str, int]:
-        job = start(req, arrival)
-        watch = asyncio.create_task(cancel_on_disconnect(http, job[1]))
-        parts, reason, n = [], "length", 0
-        try:
+    async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int]]:
+        """Run ``reqs`` together; ``(text, finish reason, tokens)`` of each, in order."""
+        jobs = start_all(reqs, arrival)
+        watches = [asyncio.create_task(cancel_on_disconnect(http, job[1])) for job in jobs]
+
+        async def one(req, job) -> tuple[str, str, int]:
+            parts, reason, n = [], "length", 0
             async for s in steps(req, arrival, job):
                 parts.append(s.text)
                 reason, n = s.finish_reason or reason, n + 1
+            return "".join(parts), reason, n
+
+        try:
+            return await asyncio.gather(*(one(r, j) for r, j in zip(reqs, jobs)))
         except Exception as e:
+            for _, cancel in jobs:  # one failed: the others are not answered either
+                cancel.set()
             raise _api_error(e) from None
         finally:
-            watch.cancel()
-        return "".join(parts), reason, n
+            for w in watches:
+                w.cancel()
 
     async def cancel_on_disconnect(http: Request, cancel: threading.Event) -> None:
         """Set ``cancel`` once the client of a non-streaming request hangs up (Starlette cancels a
@@ -769,39 +811,67 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 cancel.set()
             await asyncio.sleep(DISCONNECT_POLL_S)
 
-    async def stream(req, arrival: float, http: Request, chunk, include_usage: bool) -> StreamingResponse:
-        """SSE: ``chunk(text, finish_reason, first)`` per step with text or a finish; then usage; then [DONE].
+    async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
+                     prompt_tokens: int) -> StreamingResponse:
+        """SSE: ``chunk(text, finish_reason, first, index)`` per step of choice ``index`` (of ``reqs``)
+        with text or a finish, the choices' steps interleaved as they come; then usage; then [DONE].
 
-        The status line waits for the first token, so that a 429 or an error of the prefill or the
-        first step is still a status code; an error after it is an in-band error event, then [DONE].
+        The status line waits for every choice's first token, so that a 429 or an error of a prefill
+        or a first step is still a status code; an error after it is an in-band error event, then
+        [DONE].
         """
-        job = start(req, arrival)
-        items = steps(req, arrival, job)
-        watch = asyncio.create_task(cancel_on_disconnect(http, job[1]))
+        jobs = start_all(reqs, arrival)
+        items = [steps(r, arrival, j) for r, j in zip(reqs, jobs)]
+        watches = [asyncio.create_task(cancel_on_disconnect(http, j[1])) for j in jobs]
+        heads: list[list] = []
         try:
-            head = [await anext(items)]
-        except StopAsyncIteration:  # cancelled before its first token: the client is gone
-            head = []
+            for it in items:
+                try:
+                    heads.append([await anext(it)])
+                except StopAsyncIteration:  # cancelled before its first token: the client is gone
+                    heads.append([])
         except Exception as e:
+            for _, cancel in jobs:
+                cancel.set()
             raise _api_error(e) from None
         finally:
-            watch.cancel()
+            for w in watches:
+                w.cancel()
 
         async def events():
-            n, first = 0, True
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def feed(i: int):
+                try:
+                    async for s in _chain(heads[i], items[i]):
+                        await merged.put((i, s))
+                    await merged.put((i, None))
+                except Exception as e:
+                    await merged.put((i, e))
+
+            feeders = [asyncio.create_task(feed(i)) for i in range(len(items))]
+            n, first, live = 0, [True] * len(items), len(items)
             try:
-                async for s in _chain(head, items):
-                    n += 1
-                    if s.text or s.finish_reason:
-                        yield _sse(chunk(s.text, s.finish_reason, first))
-                        first = False
-            except Exception as e:  # the status line is sent already: report in-band, as vLLM does
-                yield _sse(_api_error(e).body())
-            else:
-                if include_usage:
-                    yield _sse(chunk(None, None, False) | {"choices": [], "usage": _usage(len(req.prompt_ids), n)})
+                while live:
+                    i, s = await merged.get()
+                    if s is None:
+                        live -= 1
+                    elif isinstance(s, Exception):  # the status line is sent already: in-band, as vLLM does
+                        yield _sse(_api_error(s).body())
+                        break
+                    else:
+                        n += 1
+                        if s.text or s.finish_reason:
+                            yield _sse(chunk(s.text, s.finish_reason, first[i], i))
+                            first[i] = False
+                else:
+                    if include_usage:
+                        yield _sse(chunk(None, None, False, 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})
             finally:
-                job[1].set()  # a client that hung up: stop its generation after the current step
+                for f in feeders:
+                    f.cancel()
+                for _, cancel in jobs:  # a client that hung up: stop the generations after their step
+                    cancel.set()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -817,26 +887,27 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def completions(body: CompletionRequest, http: Request):
         arrival = time.perf_counter()
         body.check()
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
         try:
-            ids = await run_in_threadpool(engine.encode_prompt, prompt)
+            prompts = [await run_in_threadpool(engine.encode_prompt, p) for p in body.prompts()]
         except InvalidRequestError as e:
             raise _api_error(e) from None
-        req = await prepare(body.model, ids, body.sampling(body.max_tokens), "prompt")
+        reqs = await prepare_all(body.model, prompts, body.sampling(body.max_tokens), body.n, "prompt")
         rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
 
-        def chunk(text, finish_reason, first):
+        def chunk(text, finish_reason, first, index):
             return {"id": rid, "object": "text_completion", "created": created_at, "model": body.model,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "text": text or "", "logprobs": None,
+                                 "finish_reason": finish_reason}]}
 
         if body.stream:
             opts = body.stream_options
-            return await stream(req, arrival, http, chunk, bool(opts and opts.include_usage))
-        text, reason, n = await run(req, arrival, http)
-        out = chunk(text, reason, True)
-        out["usage"] = _usage(len(ids), n)
+            return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
+        done = await run(reqs, arrival, http)
+        out = chunk("", None, True, 0)
+        out["choices"] = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                          for i, (text, reason, _) in enumerate(done)]
+        out["usage"] = _usage(prompt_tokens, sum(n for _, _, n in done))
         return out
 
     @app.post("/v1/chat/completions", responses=_responses(*generating, ok=ChatCompletion, ok_media=sse))
@@ -850,21 +921,21 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         except InvalidRequestError as e:
             raise _api_error(e) from None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
-        req = await prepare(body.model, ids, body.sampling(max_tokens), "messages")
+        reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text, finish_reason, first):
+        def chunk(text, finish_reason, first, index):
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
         if body.stream:
             opts = body.stream_options
-            return await stream(req, arrival, http, chunk, bool(opts and opts.include_usage))
-        text, reason, n = await run(req, arrival, http)
+            return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), len(ids))
+        done = await run(reqs, arrival, http)
         return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": reason}],
-                "usage": _usage(len(ids), n)}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason} for i, (text, reason, _) in enumerate(done)],
+                "usage": _usage(len(ids), sum(n for _, _, n in done))}
 
     return app

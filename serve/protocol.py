@@ -25,6 +25,8 @@ MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 4096  # characters of a request's stop sequences, all together
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_MESSAGES = 2048  # messages per chat request
+MAX_PROMPTS = 256  # prompts per completions request (a list of texts or of token-id lists)
+MAX_N = 128  # choices per prompt (OpenAI's limit)
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -45,7 +47,7 @@ UNSUPPORTED = {
     "echo": lambda v: v is False,
     "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
     "top_logprobs": _number(0),
-    "best_of": _number(1),
+    "best_of": lambda v: v is None,  # checked against n in check(): only best_of = n (no ranking)
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
@@ -106,19 +108,15 @@ def _check_stop_chars(value):
     return value
 
 
-def _one_prompt(value):
-    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], str):
-        raise PydanticCustomError("unsupported_value", "only one prompt per request is supported")
-    return value
-
-
 def _prompt_kind(value) -> str:
     if isinstance(value, list):
-        return "texts" if value and isinstance(value[0], str) else "tokens"
+        if value and isinstance(value[0], str):
+            return "texts"
+        return "token_lists" if value and isinstance(value[0], list) else "tokens"
     return "text"
 
 
-_UNION_TAGS = ("one", "list", "text", "texts", "tokens", "parts")  # the Tags above: not shown in an error's param
+_UNION_TAGS = ("one", "list", "text", "texts", "tokens", "token_lists", "parts")  # Tags: not shown in a param
 # The codes of the PydanticCustomErrors above: reported as they are, not as "invalid_value".
 _OWN_ERRORS = ("array_above_max_length", "string_above_max_length", "unsupported_value")
 _TEXT = {"type": "string", "minLength": 1}  # "" is refused by the engine: an empty prompt (0 tokens)
@@ -157,7 +155,8 @@ class _Sampling(BaseModel):
                               _too_many("stop_token_ids", MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description=f"vLLM's: up to {MAX_STOP_TOKEN_IDS} token ids (each below the vocabulary size) that end "
                           "the completion (finish reason stop, left out of the text)")
-    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_N, strict=True, description="choices per prompt; with a seed, choice j "
+                                                                  "samples with seed + j")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
 
@@ -172,8 +171,13 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and (type(best_of) is not int or best_of != self.n):
+            raise InvalidRequestError(f"The parameter `best_of` (here {json.dumps(best_of)[:100]}) is not supported "
+                                      f"by this server unless it equals n ({self.n}): choices are not ranked.",
+                                      "best_of", "unsupported_parameter")
         for name, value in (self.model_extra or {}).items():
-            if _unsupported(name, value):
+            if name != "best_of" and _unsupported(name, value):
                 raise InvalidRequestError(f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
                                           "by this server.", name, "unsupported_parameter")
 
@@ -181,11 +185,20 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Annotated[
         Annotated[str, WithJsonSchema(_TEXT), Tag("text")]
-        | Annotated[list[Annotated[str, WithJsonSchema(_TEXT)]], Field(min_length=1, max_length=1), Tag("texts")]
-        | Annotated[list[TokenId], Field(min_length=1), Tag("tokens")],
-        Discriminator(_prompt_kind), BeforeValidator(_one_prompt),
-        Field(description="text, a list of one text, or token ids (each below the vocabulary size)")]
+        | Annotated[list[Annotated[str, WithJsonSchema(_TEXT)]], Field(min_length=1, max_length=MAX_PROMPTS),
+                    _too_many("prompt", MAX_PROMPTS), Tag("texts")]
+        | Annotated[list[TokenId], Field(min_length=1), Tag("tokens")]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS),
+                    _too_many("prompt", MAX_PROMPTS), Tag("token_lists")],
+        Discriminator(_prompt_kind),
+        Field(description=f"text, token ids (each below the vocabulary size), or a list of up to {MAX_PROMPTS} of "
+                          "either: one choice per prompt and n, choice i·n + j for prompt i")]
     max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids."""
+        p = self.prompt
+        return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
 TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {

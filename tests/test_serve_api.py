@@ -106,6 +106,54 @@ def test_completions_greedy_deterministic_match_engine_and_variants_differ(clien
         assert any(outputs[variant, p] != outputs["tiny", p] for p in PROMPTS), variant
 
 
+def test_prompt_lists_and_n_choices(client, engine):
+    """A list of prompts (texts, or token-id lists) gives one choice per prompt and n, choice i·n + j
+    for prompt i; greedy choices of one prompt are equal, each the engine's own answer; prompt tokens
+    count once per prompt. Sampled with a seed, choice j draws as a request with seed + j would."""
+    refs = [engine.complete("tiny-coder", p, SamplingParams(**GREEDY)) for p in PROMPTS]
+    r = client.completions.create(model="tiny-coder", prompt=PROMPTS, n=2, **GREEDY)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [ref.text for ref in refs for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(ref.prompt_tokens for ref in refs)
+    assert r.usage.completion_tokens == 2 * sum(ref.completion_tokens for ref in refs)
+    ids = [engine.encode_prompt(p) for p in PROMPTS[:2]]
+    by_ids = client.completions.create(model="tiny-coder", prompt=ids, **GREEDY)  # a list of token-id lists
+    assert [c.text for c in by_ids.choices] == [ref.text for ref in refs[:2]]
+
+    sampled = dict(model="tiny", prompt=PROMPTS[0], temperature=1.0, max_tokens=8)
+    many = client.completions.create(n=3, seed=11, **sampled)
+    alone = [client.completions.create(seed=11 + j, **sampled).choices[0].text for j in range(3)]
+    assert [c.text for c in many.choices] == alone and len(set(alone)) > 1
+    chat = client.chat.completions.create(model="tiny-writer", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          seed=3, temperature=1.0, max_tokens=8)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+    assert client.completions.create(best_of=2, n=2, **GREEDY, model="tiny", prompt="x").choices[1].index == 1
+
+
+def test_streamed_choices_interleave_with_their_indices(client):
+    """Streaming n choices over two prompts: every chunk names its choice; each choice's text and
+    finish reason equal the non-streamed answer's; usage counts every choice."""
+    kw = dict(model="tiny-writer", prompt=PROMPTS[:2], n=2, seed=5, temperature=1.0, max_tokens=10)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, reasons = {}, {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert texts == {c.index: c.text for c in full.choices} and reasons == {c.index: c.finish_reason for c in full.choices}
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, seed=1, temperature=1.0, max_tokens=6)
+    full = client.chat.completions.create(**chat)
+    seen: dict[int, list] = {}
+    for c in client.chat.completions.create(stream=True, **chat):
+        for choice in c.choices:
+            seen.setdefault(choice.index, []).append(choice.delta)
+    assert sorted(seen) == [0, 1, 2] and all(d[0].role == "assistant" for d in seen.values())
+    assert {i: "".join(d.content or "" for d in ds) for i, ds in seen.items()} == {
+        c.index: c.message.content for c in full.choices}
+
+
 def test_chat_completions_match_engine(client, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
     for model in MODELS:
@@ -323,10 +371,12 @@ def test_unknown_model_is_404_with_openai_error_object(server, client):
 @pytest.mark.parametrize("path,body,param", [
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": 5}, "temperature"),
-    ("completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 0}, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 129}, "n"),
     ("completions", {"model": "tiny"}, "prompt"),
     ("completions", {"model": "tiny", "prompt": ""}, "prompt"),
-    ("completions", {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [[5, 6], []]}, "prompt.1"),
+    ("completions", {"model": "tiny", "prompt": ["a"] * 257}, "prompt"),
     ("chat/completions", {"model": "tiny"}, "messages"),
     ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
