@@ -42,6 +42,7 @@ from typing import AsyncIterator
 import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -70,6 +71,8 @@ from deltafleet.serve.protocol import (
     Completion,
     CompletionRequest,
     DeltaCacheState,
+    Detokenized,
+    DetokenizeRequest,
     ErrorResponse,
     Health,
     LoadedVariant,
@@ -77,7 +80,10 @@ from deltafleet.serve.protocol import (
     LoadVariantRequest,
     ModelInfo,
     ModelList,
+    Tokenized,
+    TokenizeRequest,
     UnloadedVariant,
+    Version,
     UnloadLoraAdapterRequest,
     UnloadVariantRequest,
 )
@@ -450,7 +456,7 @@ def _responses(*statuses: int, ok: type | None = None, ok_media: dict | None = N
 
 def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str | None = None,
                max_request_bytes: int | None = MAX_REQUEST_BYTES, request_timeout_s: float | None = None,
-               max_pending_body_bytes: int | None = MAX_PENDING_BODY_BYTES) -> FastAPI:
+               max_pending_body_bytes: int | None = MAX_PENDING_BODY_BYTES, cors: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``'s base and variants (see the module docstring).
 
     Args:
@@ -466,6 +472,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             the HTTP server's (:func:`http_protocol`).
         max_pending_body_bytes: a request body that would take the bytes of all bodies being
             received at once past this is refused with 503 (:class:`BodyLimit`); None: no limit.
+        cors: Starlette's ``CORSMiddleware`` options (``allow_origins``, ``allow_methods``,
+            ``allow_headers``, ``allow_credentials``), outside every other check, so a browser's
+            preflight is answered without the API key; None: no CORS headers.
     """
     app = FastAPI(title="deltafleet", version="0.1.0",
                   description="OpenAI-compatible API over one base model and its BitDelta variants")
@@ -487,6 +496,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     return APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
                                     "invalid_request_error", None, "invalid_api_key").response()
             return await call_next(request)
+
+    if cors is not None:  # added last: the outermost layer
+        app.add_middleware(CORSMiddleware, **cors)
 
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
@@ -561,6 +573,39 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             return APIError(503, f"the server cannot generate any more: {type(fatal).__name__}",
                             "service_unavailable_error", None, "engine_failed").response()
         return {"status": "ok"}
+
+    @app.get("/version", responses=_responses(*guarded, ok=Version))
+    async def version():
+        """This server's version (vLLM's route)."""
+        from deltafleet import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize", responses=_responses(*posted, 404, ok=Tokenized))
+    async def tokenize(body: TokenizeRequest):
+        """Token ids of a prompt or chat, as generation encodes them (vLLM's route)."""
+        body.check()
+        engine.card(body.model or engine.family)  # 404 for a model this server does not serve
+        try:
+            if body.messages is not None:
+                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                            for m in body.messages]
+                ids = await run_in_threadpool(engine.encode_chat, messages)
+            else:
+                ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens)
+        except InvalidRequestError as e:
+            raise _api_error(e) from None
+        strs = await run_in_threadpool(engine.token_strs, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", responses=_responses(*posted, 404, ok=Detokenized))
+    async def detokenize(body: DetokenizeRequest):
+        """Text of token ids (vLLM's route)."""
+        engine.card(body.model or engine.family)
+        try:
+            return {"prompt": await run_in_threadpool(engine.decode, body.tokens)}
+        except InvalidRequestError as e:
+            raise _api_error(e) from None
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(500))
     async def prometheus():

@@ -507,9 +507,10 @@ class Engine:
 
     # ---------------------------------------------------------------- tokens
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt: plain text, so ``"<|user|>"`` in it is text, not the special
-        token (special tokens as the tokenizer adds them, e.g. BOS, are added). Token ids pass as they are."""
+        token (special tokens as the tokenizer adds them, e.g. BOS, are added unless
+        ``add_special_tokens`` is false). Token ids pass as they are."""
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
             if bad:
@@ -518,7 +519,24 @@ class Engine:
         self._check_chars(len(prompt), "prompt")
         _check_unicode(prompt, "prompt")
         with self._tok_lock:
-            return self.tokenizer.encode(prompt, split_special_tokens=True)
+            return self.tokenizer.encode(prompt, split_special_tokens=True, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens kept), as ``/detokenize`` answers.
+
+        Raises:
+            InvalidRequestError: an id outside the vocabulary.
+        """
+        bad = [t for t in ids if not 0 <= t < self.model.args.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "tokens")
+        with self._tok_lock:
+            return self.tokenizer.decode(ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The vocabulary's string of each id (byte-level pieces as the tokenizer spells them)."""
+        with self._tok_lock:
+            return self.tokenizer.convert_ids_to_tokens(ids)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat (``[{"role", "content": str}]``), rendered with the tokenizer's chat

@@ -229,6 +229,49 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a completion ``prompt`` or chat ``messages``, as generation would
+    encode them."""
+
+    model: str | None = Field(None, description="a served model id; null: the base")
+    prompt: Annotated[str, WithJsonSchema(_TEXT)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
+                        _too_many("messages", MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = Field(True, strict=True, description="prompt: the tokenizer's own (e.g. BOS)")
+    add_generation_prompt: bool = Field(True, strict=True, description="messages: only true (as generation)")
+    return_token_strs: bool = Field(False, strict=True)
+
+    def check(self) -> None:
+        """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise InvalidRequestError("`add_generation_prompt: false` is not supported by this server",
+                                      "add_generation_prompt", "unsupported_parameter")
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text (special tokens kept)."""
+
+    model: str | None = Field(None, description="a served model id; null: the base")
+    tokens: list[TokenId]
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
+
+
 class LoadVariantRequest(BaseModel):
     """``POST /v1/load_variant`` (vLLM's ``/v1/load_lora_adapter`` for deltas)."""
 

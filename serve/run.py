@@ -45,6 +45,26 @@ def _threads(cfg: DictConfig, world: int = 1) -> int:
     return cfg.threads or max(1, (cores - 1) // world)
 
 
+CORS_KEYS = ("allow_origins", "allow_methods", "allow_headers", "allow_credentials")
+
+
+def _check_cors(cfg: DictConfig) -> None:
+    """Raises ValueError unless ``cors`` is null or a mapping of :data:`CORS_KEYS` (lists of strings,
+    and a bool for ``allow_credentials``)."""
+    cors = cfg.get("cors")
+    if cors is None:
+        return
+    c = OmegaConf.to_container(cors) if isinstance(cors, DictConfig) else cors
+    if not isinstance(c, dict) or set(c) - set(CORS_KEYS):
+        raise ValueError(f"cors must be null or a mapping of {', '.join(CORS_KEYS)}, got {c!r}")
+    for key, value in c.items():
+        ok = isinstance(value, bool) if key == "allow_credentials" else (
+            isinstance(value, list) and all(isinstance(v, str) for v in value))
+        if not ok:
+            raise ValueError(f"cors.{key} must be {'true or false' if key == 'allow_credentials' else 'a list of strings'}, "
+                             f"got {value!r}")
+
+
 def _check_timeouts(cfg: DictConfig) -> None:
     """Raises ValueError unless ``timeout_request_s`` is null or > 0 and ``timeout_keep_alive_s`` > 0."""
     for key, nullable in (("timeout_request_s", True), ("timeout_keep_alive_s", False)):
@@ -65,6 +85,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
         _check_timeouts(cfg)
+        _check_cors(cfg)
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,
@@ -86,7 +107,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
               f"{torch.get_num_threads()} threads) at {url}", flush=True)
         api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
         app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
-                         request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes)
+                         request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
+                         cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                     http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s)
     finally:

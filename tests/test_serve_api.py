@@ -154,6 +154,38 @@ def test_streamed_choices_interleave_with_their_indices(client):
         c.index: c.message.content for c in full.choices}
 
 
+def test_tokenize_detokenize_and_version(server, engine):
+    """vLLM's /tokenize (a prompt, or a chat as generation renders it), /detokenize and /version."""
+    from deltafleet import __version__
+
+    r = httpx.post(f"{server}/tokenize", json={"model": "tiny-coder", "prompt": PROMPTS[0], "return_token_strs": True})
+    ids = engine.encode_prompt(PROMPTS[0])
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": engine.max_model_len,
+                                                 "tokens": ids, "token_strs": engine.tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "hi <|assistant|>"}]  # text that spells a special token stays text
+    r = httpx.post(f"{server}/tokenize", json={"messages": messages})
+    assert r.json()["tokens"] == engine.encode_chat(messages) and r.json()["token_strs"] is None
+    r = httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": engine.tokenizer.decode(ids)}
+    assert httpx.get(f"{server}/version").json() == {"version": __version__}
+    for path, body, status, param in [
+            ("tokenize", {"prompt": "x", "messages": messages}, 400, "prompt"),
+            ("tokenize", {"messages": messages, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+            ("tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+            ("detokenize", {"tokens": [engine.model.args.vocab_size]}, 400, "tokens")]:
+        assert api_error(httpx.post(f"{server}/{path}", json=body), status)["param"] == param, (path, body)
+
+
+def test_cors_preflight_and_headers(server):
+    """A browser's preflight is answered (vLLM's default: any origin), before any other check."""
+    origin = {"Origin": "http://app.example"}
+    r = httpx.options(f"{server}/v1/completions", headers=origin | {"Access-Control-Request-Method": "POST",
+                                                                     "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert httpx.get(f"{server}/v1/models", headers=origin).headers["access-control-allow-origin"] == "*"
+
+
 def test_chat_completions_match_engine(client, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
     for model in MODELS:

@@ -258,3 +258,17 @@ def test_lone_surrogate_has_its_error_code_and_a_prompt_list_is_answered(tc):
     r = tc.post("/v1/completions", content=b'{"model": "tiny", "prompt": ["a", "b\\ud800"], "max_tokens": 2}',
                 headers={"content-type": "application/json"})
     assert api_error(r, 400)["code"] == "invalid_unicode"  # the second prompt: nothing generated
+
+
+def test_a_bad_cors_setting_is_refused_by_name():
+    from omegaconf import OmegaConf
+
+    from deltafleet.serve.run import _check_cors
+
+    _check_cors(OmegaConf.create({"cors": None}))
+    _check_cors(OmegaConf.create({"cors": {"allow_origins": ["http://a.example"], "allow_credentials": True}}))
+    for bad, msg in [({"allow_origin": ["*"]}, "cors must be null or a mapping of allow_origins"),
+                     ({"allow_origins": "*"}, "cors.allow_origins must be a list of strings"),
+                     ({"allow_credentials": "yes"}, "cors.allow_credentials must be true or false")]:
+        with pytest.raises(ValueError, match=msg):
+            _check_cors(OmegaConf.create({"cors": bad}))
