@@ -54,13 +54,9 @@ UNSUPPORTED = {
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
     "function_call": lambda v: v in ("none", "auto"),
     "response_format": lambda v: v == {"type": "text"},
-    "presence_penalty": _number(0),
-    "frequency_penalty": _number(0),
     "logit_bias": lambda v: v == {},
     # vLLM's extras not implemented here (and any guided_*): refused unless they ask for nothing
-    "repetition_penalty": _number(1),
     "length_penalty": _number(1),
-    "min_p": _number(0),
     "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
@@ -155,6 +151,15 @@ class _Sampling(BaseModel):
                               _too_many("stop_token_ids", MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description=f"vLLM's: up to {MAX_STOP_TOKEN_IDS} token ids (each below the vocabulary size) that end "
                           "the completion (finish reason stop, left out of the text)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, strict=True, allow_inf_nan=False,
+                                    description="subtracted once from the logit of any token of the output")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, strict=True, allow_inf_nan=False,
+                                     description="subtracted from a token's logit once per time it is in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, strict=True, allow_inf_nan=False,
+                                      description="vLLM's: a prompt or output token's positive logit divided by it, "
+                                                  "a negative one multiplied; 1: none")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
+                         description="vLLM's: tokens below min_p × the likeliest token's probability are not drawn")
     n: int = Field(1, ge=1, le=MAX_N, strict=True, description="choices per prompt; with a seed, choice j "
                                                                   "samples with seed + j")
     stream: bool = Field(False, strict=True)
@@ -163,7 +168,8 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
-                              self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()))
+                              self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()),
+                              self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p)
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of

@@ -51,6 +51,14 @@ class SamplingParams:
     ignore_eos: bool = False               # eos is a token like any other: generate to max_tokens
     min_tokens: int = 0                    # eos and stop_token_ids cannot be sampled before this many
     stop_token_ids: tuple[int, ...] = ()   # end the completion (finish "stop"), left out of the text
+    repetition_penalty: float = 1.0        # vLLM's (> 0; 1: none): prompt and output tokens
+    frequency_penalty: float = 0.0         # OpenAI's (−2…2): × each token's count in the output
+    presence_penalty: float = 0.0          # OpenAI's (−2…2): once for any token of the output
+    min_p: float = 0.0                     # vLLM's (0…1): tokens below min_p × the likeliest's probability dropped
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass

@@ -5,7 +5,12 @@ Every row's randomness is a pure function of its request's seed, the position of
 sampled and the candidate token's id: a counter-based hash (MurmurHash3's 32-bit finaliser, applied
 in rounds) gives each candidate a uniform draw, and the Gumbel-max trick (the argmax of the scaled
 logits plus Gumbel noise, Gumbel 1954; Maddison et al. 2014) samples from the row's distribution,
-restricted to its top-k and top-p (nucleus, Holtzman et al. 2019) tokens. So a request samples the
+restricted to its top-k and top-p (nucleus, Holtzman et al. 2019) tokens and, with ``min_p``, to
+those at least ``min_p`` times as likely as the most likely (Nguyen et al. 2024). Before that, a
+row's penalties change its logits (vLLM's semantics): ``repetition_penalty`` r divides a positive
+logit by r and multiplies a negative one by r for every token of its prompt or output (Keskar et al.
+2019); ``frequency_penalty`` subtracts f times the token's count in its output and
+``presence_penalty`` p once for any token of its output (OpenAI's). So a request samples the
 same tokens whatever else shares its batch, a seed reproduces a completion exactly, and nothing is
 drawn from a stateful generator. Requests without a seed get a random one when they are admitted.
 
@@ -62,6 +67,10 @@ class SamplingBatch:
         draw: whether any row samples at all (no noise is made for a step of greedy rows).
         banned: ``(rows, tokens)`` int64 index tensors of the tokens that cannot be drawn this step
             (a request's eos and stop token ids before its ``min_tokens``), or None.
+        penalties: ``(rows, tokens, counts, repetition, frequency, presence)``: one entry per (row,
+            token) seen in the row's prompt or output, ``counts`` (float32) its count in the output,
+            the others (float32) the row's penalties; None when no row has one.
+        min_p: float32 ``[B]``, or None when no row has one.
     """
 
     temperature: Tensor
@@ -72,13 +81,23 @@ class SamplingBatch:
     truncate: bool
     draw: bool = True
     banned: tuple[Tensor, Tensor] | None = None
+    penalties: tuple[Tensor, ...] | None = None
+    min_p: Tensor | None = None
 
     @classmethod
     def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str,
-              banned: list[tuple[int, int]] = ()) -> SamplingBatch:
+              banned: list[tuple[int, int]] = (), penalties: list[tuple[int, int, int, float, float, float]] = (),
+              min_p: list[float] | None = None) -> SamplingBatch:
         """From ``(temperature, top_p, top_k, seed, position)`` per row, ``seed`` as
-        :func:`request_seed` gives it, and the ``(row, token)`` pairs that cannot be drawn."""
+        :func:`request_seed` gives it, the ``(row, token)`` pairs that cannot be drawn, the
+        ``(row, token, output count, repetition, frequency, presence)`` entries of the rows with
+        penalties, and each row's ``min_p`` (None: no row has one)."""
         temperature, top_p, top_k, seeds, position = zip(*rows)
+        pen = None
+        if penalties:
+            r, t, c, rep, freq, pres = zip(*penalties)
+            pen = tuple(torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True) for v in (r, t)) + tuple(
+                torch.tensor(v, dtype=torch.float32).to(device, non_blocking=True) for v in (c, rep, freq, pres))
         keys = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds]
         key = torch.tensor([[w - 2**32 if w >= 2**31 else w for w in k] for k in keys], dtype=torch.int32)
         return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -88,7 +107,8 @@ class SamplingBatch:
                    any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
                    any(t >= SAMPLING_EPS for t in temperature),
                    tuple(torch.tensor(list(v), dtype=torch.int64).to(device, non_blocking=True)
-                         for v in zip(*banned)) if banned else None)
+                         for v in zip(*banned)) if banned else None,
+                   pen, None if min_p is None else torch.tensor(min_p, dtype=torch.float32, device=device))
 
 
 def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
@@ -109,13 +129,34 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     and the untruncated cases are compiled functions (serve/fuse.py): the hash, the noise and the
     argmax fuse. The truncated case runs eagerly: inductor (torch 2.11) fails to generate its
     cumulative sum over a dynamic vocabulary dimension, and its sort dominates it anyway."""
-    if batch.banned is not None:  # (in place: the step's logits are not read again)
+    if batch.penalties is not None:  # (in place, as below: the step's logits are not read again)
+        _penalize(logits, *batch.penalties)
+    if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.min_p is not None:
+        _min_p(logits, batch.min_p, batch.temperature)
     if not batch.draw:
         return _greedy(logits)
     if batch.truncate:
         return _truncated(logits, batch.temperature, batch.top_p, batch.top_k, batch.key, batch.position)
     return _plain(logits, batch.temperature, batch.key, batch.position)
+
+
+def _penalize(logits: Tensor, rows: Tensor, tokens: Tensor, counts: Tensor, repetition: Tensor, frequency: Tensor,
+              presence: Tensor) -> None:
+    """Apply the penalties of :class:`SamplingBatch` to ``logits`` in place (see the module docstring)."""
+    v = logits[rows, tokens]
+    v = torch.where(v > 0, v / repetition, v * repetition)
+    v = v - frequency * counts - presence * (counts > 0).float()
+    logits[rows, tokens] = v
+
+
+def _min_p(logits: Tensor, min_p: Tensor, temperature: Tensor) -> None:
+    """Drop, in place, the tokens below ``min_p`` times the likeliest one's probability at the row's
+    temperature: logit < max + T·log(min_p). Greedy rows keep their argmax; ``min_p`` 0 drops nothing."""
+    t = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
+    floor = logits.amax(-1) + t * torch.log(min_p)  # −inf where min_p is 0
+    logits.masked_fill_(logits < floor[:, None], float("-inf"))
 
 
 @fused

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import Counter
 import secrets
 import threading
 from dataclasses import dataclass
@@ -261,9 +262,19 @@ class Scheduler:
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``."""
         # before min_tokens, the tokens that would end a row cannot be drawn
         banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens for t in s.enders]
+        penalties = []
+        for i, s in enumerate(seqs):
+            p = s.req.params
+            if p.penalized:  # the output's counts, and the prompt's tokens (count 0) for the repetition penalty
+                seen = Counter(s.tokens[s.prompt_len:])
+                if p.repetition_penalty != 1.0:
+                    seen.update(dict.fromkeys(set(s.tokens[:s.prompt_len]) - seen.keys(), 0))
+                penalties += [(i, t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                              for t, c in seen.items()]
+        min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
-             for s in seqs], logits.device, banned)
+             for s in seqs], logits.device, banned, penalties, min_p)
         return sampling.sample(logits, batch)
 
     def _emit(self, seq: _Seq, token: int) -> None:

@@ -299,9 +299,9 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
     """A vLLM sampling extra this server does not implement is a 400 naming it, unless it asks for
     nothing (its default), which is accepted."""
     base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2)
-    for name, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {"type": "object"}),
+    for name, value in (("length_penalty", 1.2), ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
                         ("guided_choice", ["a", "b"]), ("skip_special_tokens", False), ("chat_template_kwargs", {"x": 1}),
-                        ("repetition_penalty", True), ("best_of", True), ("min_p", False),  # a bool is not a number
+                        ("length_penalty", True), ("best_of", True),  # a bool is not a number
                         ("guided_whitespace_pattern", "\\s"), ("use_beam_search", True), ("allowed_token_ids", [1])):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**base, extra_body={name: value})
@@ -310,6 +310,22 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
                                                       "skip_special_tokens": True, "use_beam_search": False,
                                                       "guided_json": None})
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_penalties_and_min_p_are_checked_and_applied(client, engine):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty and min_p: out of range
+    is a 400 naming them; in range, the answer is the engine's with the same parameters."""
+    base = dict(model="tiny-writer", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                        ("min_p", 1.5), ("repetition_penalty", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**base, extra_body={name: value})
+        assert e.value.body["param"] == name
+    kw = dict(presence_penalty=1.0, frequency_penalty=0.5)
+    r = client.completions.create(**base, **kw, extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    ref = engine.complete("tiny-writer", PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3,
+                                                                    min_p=0.05, **kw))
+    assert r.choices[0].text == ref.text
 
 
 def test_seeded_sampling_is_reproducible(client):
@@ -484,14 +500,13 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("completions", {"logprobs": 5}),
     ("completions", {"best_of": 2}),
     ("completions", {"suffix": "}"}),
-    ("completions", {"presence_penalty": 0.5}),
+    ("completions", {"length_penalty": 0.5}),
     ("completions", {"logit_bias": {"5": 10}}),
     ("chat/completions", {"logprobs": True}),
     ("chat/completions", {"top_logprobs": 2}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("chat/completions", {"response_format": {"type": "json_object"}}),
-    ("chat/completions", {"frequency_penalty": -1.0}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):
     body = {"model": "tiny", "max_tokens": 2}

@@ -103,6 +103,77 @@ def test_gumbel_noise_is_standard_gumbel():
     assert abs(float(g.var()) - math.pi ** 2 / 6) < 0.05
 
 
+def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float,
+               pres: float) -> torch.Tensor:
+    """The penalties written plainly, token by token (vLLM's semantics)."""
+    out = logits.clone()
+    for t in set(prompt) | set(output) if rep != 1.0 else set(output):
+        v = float(out[t])
+        v = v / rep if v > 0 else v * rep
+        out[t] = v - freq * output.count(t) - pres * (t in output)
+    return out
+
+
+def test_penalties_match_their_plain_reference_and_leave_other_rows_alone():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40) * 3
+    prompt, output = [1, 2, 3, 2], [5, 5, 9, 3, 5]
+    cases = [(1.3, 0.0, 0.0), (1.0, 0.7, 0.4), (0.8, -0.5, 1.5)]
+    for rep, freq, pres in cases:
+        want = _penalized(logits[0], prompt, output, rep, freq, pres)
+        seen = {t: output.count(t) for t in output} | ({t: 0 for t in set(prompt) - set(output)} if rep != 1.0 else {})
+        entries = [(0, t, c, rep, freq, pres) for t, c in seen.items()]
+        got = logits.clone()
+        rows = [(0.0, 1.0, 0, 1, 7)] * 3
+        batch = SamplingBatch.build(rows, "cpu", penalties=entries)
+        tokens = sample(got, batch)  # applies the penalties to `got` in place, then greedy
+        torch.testing.assert_close(got[0], want)
+        assert torch.equal(got[1:], logits[1:]) and tokens[0] == want.argmax()
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_min_p_drops_the_unlikely_tokens_at_the_rows_temperature(temperature):
+    """``min_p``: a token is drawn only if its probability at the row's temperature is at least min_p
+    times the likeliest's; the rest follow the renormalised softmax; min_p 0 changes nothing."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -2.0])
+    n, min_p = 40_000, 0.3
+    rows = [(temperature, 1.0, 0, request_seed(s), 4) for s in range(n)]
+    tokens = sample(logits.expand(n, -1).contiguous(), SamplingBatch.build(rows, "cpu", min_p=[min_p] * n))
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = p >= min_p * p.max()
+    want = torch.where(keep, p, 0) / p[keep].sum()
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / n
+    assert freq[~keep].sum() == 0 and keep.sum() < len(logits)
+    assert torch.all((freq - want).abs() <= 5 * torch.sqrt(want * (1 - want) / n) + 1e-12), (freq, want)
+    free = sample(logits.expand(n, -1).contiguous(), _batch(rows))
+    assert torch.equal(sample(logits.expand(n, -1).contiguous(), SamplingBatch.build(rows, "cpu", min_p=[0.0] * n)),
+                       free)
+
+
+def test_penalties_through_the_engine_match_a_plain_greedy_loop(tiny_family):
+    """Greedy generation with every penalty, through the scheduler's batched sampler, equals a loop
+    written here: the whole sequence's logits, the penalties applied by hand, the argmax."""
+    from deltafleet.serve.engine import Engine
+    from deltafleet.serve.request import SamplingParams
+
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    prompt = engine.encode_prompt("def main(x):\n    return x")
+    params = dict(repetition_penalty=1.4, frequency_penalty=0.8, presence_penalty=0.5)
+    got = [s.token_id for s in engine.generate("tiny-coder", prompt, SamplingParams(
+        max_tokens=16, temperature=0.0, ignore_eos=True, **params))]
+    ids, out = list(prompt), []
+    delta = engine.get_delta("tiny-coder")
+    with torch.inference_mode():
+        for _ in range(16):
+            logits = engine.model(torch.tensor([ids]), torch.arange(len(ids)), None, delta)[0, -1].float()
+            tok = int(_penalized(logits, prompt, out, 1.4, 0.8, 0.5).argmax())
+            ids.append(tok)
+            out.append(tok)
+    plain = [s.token_id for s in engine.generate("tiny-coder", prompt, SamplingParams(
+        max_tokens=16, temperature=0.0, ignore_eos=True))]
+    assert got == out and got != plain  # the penalties change this completion
+
+
 def test_top_k_through_the_api(tiny_family):
     """``top_k`` (vLLM's parameter, ignored before): 1 at any temperature is greedy; -1, 0 and null
     are no limit; below -1 is a 400."""
