@@ -15,7 +15,8 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, WithJsonSchema
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, WithJsonSchema,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from deltafleet.serve.request import VARIANT_NAME, InvalidRequestError, SamplingParams
@@ -126,8 +127,20 @@ _STREAM_OPTIONS_NEED_STREAM = {
 }
 
 
+# Sampling fields where null means the default, as OpenAI and vLLM take it (clients send nulls).
+NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p", "ignore_eos", "min_tokens")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)  # extra: for check
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
 
     # strict, as OpenAI: no true for 1 token, no 2.5 tokens, no "yes" for a bool (an int is still a float)
     model: str

@@ -328,6 +328,20 @@ def test_penalties_and_min_p_are_checked_and_applied(client, engine):
     assert r.choices[0].text == ref.text
 
 
+def test_nulls_mean_the_defaults_as_openai_and_vllm_take_them(server, engine):
+    """``temperature``, ``top_p``, ``n``, ``stream`` (and vLLM's extras) sent as null are their
+    defaults: the answer is the one without them; ``seed: -1`` is a seed like any other."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "seed": -1}
+    plain = httpx.post(f"{server}/v1/completions", json=body).json()
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+                               "repetition_penalty", "min_p", "ignore_eos", "min_tokens")}
+    r = httpx.post(f"{server}/v1/completions", json=body | nulls)
+    assert r.status_code == 200 and r.json()["choices"] == plain["choices"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": None,
+            "top_p": None, "n": None, "stream": None}
+    assert httpx.post(f"{server}/v1/chat/completions", json=chat).status_code == 200
+
+
 def test_seeded_sampling_is_reproducible(client):
     args = dict(model="tiny-coder", prompt=PROMPTS[0], temperature=1.0, top_p=0.9, max_tokens=12)
     a = client.completions.create(seed=123, **args).choices[0].text
