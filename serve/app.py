@@ -590,7 +590,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if body.messages is not None:
                 messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                             for m in body.messages]
-                ids = await run_in_threadpool(engine.encode_chat, messages)
+                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
             else:
                 ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens)
         except InvalidRequestError as e:
@@ -962,7 +962,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         try:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in body.messages]
-            ids = await run_in_threadpool(engine.encode_chat, messages)
+            ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
         except InvalidRequestError as e:
             raise _api_error(e) from None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context

@@ -33,9 +33,11 @@ class TextStream:
     begins before and is completed after counts).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
         self.tokenizer, self.lock = tokenizer, lock
         self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
+        self.skip_special_tokens = skip_special_tokens  # vLLM's: false keeps e.g. a role token in the text
         self.stops = [s for s in stop if s]
         self.tables = [_failure_table(s) for s in self.stops]
         self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
@@ -47,7 +49,7 @@ class TextStream:
 
     def _decode(self, ids: list[int]) -> str:
         with self.lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token: int) -> tuple[str, bool]:
         """Add a token; return (newly released text, whether a stop string was reached)."""

@@ -538,9 +538,11 @@ class Engine:
         with self._tok_lock:
             return self.tokenizer.convert_ids_to_tokens(ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a chat (``[{"role", "content": str}]``), rendered with the tokenizer's chat
-        template and the generation prompt.
+        template and the generation prompt; ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are
+        more variables for the template (not ``messages``, ``add_generation_prompt``, ``tokenize``).
 
         Only the template's own markers (role tokens, eos) are special tokens: a message that spells
         one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn.
@@ -552,13 +554,14 @@ class Engine:
         for m in messages:
             _check_unicode(m["content"], "messages")
         if not any(s in m["content"] for m in messages for s in self._special_ids):
-            text = self._render_chat(messages)
+            text = self._render_chat(messages, template_kwargs)
             with self._tok_lock:
                 return self.tokenizer.encode(text, add_special_tokens=False)
         # Render with a placeholder for each content, cut the text at the (template's) special tokens,
         # put the contents back into the pieces (one pass: a content is never searched for marks) and
         # encode every piece as plain text, in one batch.
-        text = self._render_chat([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)])
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        text = self._render_chat(marked, template_kwargs)
         pieces = [p for p in self._special_re.split(text) if p]
         plain = [_MARK.sub(lambda match: messages[int(match[1])]["content"], p) for p in pieces
                  if p not in self._special_ids]
@@ -596,9 +599,13 @@ class Engine:
                 param, "context_length_exceeded",
             )
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
+        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation"} & set(template_kwargs or {})
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # jinja errors: a message shape the template rejects
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
 

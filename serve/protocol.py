@@ -58,14 +58,12 @@ UNSUPPORTED = {
     "logit_bias": lambda v: v == {},
     # vLLM's extras not implemented here (and any guided_*): refused unless they ask for nothing
     "length_penalty": _number(1),
-    "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
     "use_beam_search": lambda v: v is False,
     "add_generation_prompt": lambda v: v is True,
     "continue_final_message": lambda v: v is False,
     "chat_template": lambda v: False,
-    "chat_template_kwargs": lambda v: v == {},
     "allowed_token_ids": lambda v: False,
     "bad_words": lambda v: v == [],
     "logits_processors": lambda v: v == [],
@@ -129,7 +127,7 @@ _STREAM_OPTIONS_NEED_STREAM = {
 
 # Sampling fields where null means the default, as OpenAI and vLLM take it (clients send nulls).
 NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_p", "ignore_eos", "min_tokens")
+                   "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens")
 
 
 class _Sampling(BaseModel):
@@ -173,6 +171,8 @@ class _Sampling(BaseModel):
                                                   "a negative one multiplied; 1: none")
     min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
                          description="vLLM's: tokens below min_p × the likeliest token's probability are not drawn")
+    skip_special_tokens: bool = Field(True, strict=True, description="vLLM's: false keeps the special tokens the "
+                                                                     "model generates in the text")
     n: int = Field(1, ge=1, le=MAX_N, strict=True, description="choices per prompt; with a seed, choice j "
                                                                   "samples with seed + j")
     stream: bool = Field(False, strict=True)
@@ -182,7 +182,8 @@ class _Sampling(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
                               self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()),
-                              self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p)
+                              self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p,
+                              self.skip_special_tokens)
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of
@@ -245,6 +246,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
                         _too_many("messages", MAX_MESSAGES)]
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: more variables for the model's chat template (e.g. a template's own switches)")
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
@@ -258,6 +261,7 @@ class TokenizeRequest(BaseModel):
                         _too_many("messages", MAX_MESSAGES)] | None = None
     add_special_tokens: bool = Field(True, strict=True, description="prompt: the tokenizer's own (e.g. BOS)")
     add_generation_prompt: bool = Field(True, strict=True, description="messages: only true (as generation)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as in chat completions")
     return_token_strs: bool = Field(False, strict=True)
 
     def check(self) -> None:

@@ -55,6 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0         # OpenAI's (−2…2): × each token's count in the output
     presence_penalty: float = 0.0          # OpenAI's (−2…2): once for any token of the output
     min_p: float = 0.0                     # vLLM's (0…1): tokens below min_p × the likeliest's probability dropped
+    skip_special_tokens: bool = True       # vLLM's: special tokens the model generates are left out of the text
 
     @property
     def penalized(self) -> bool:

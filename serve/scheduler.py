@@ -209,7 +209,7 @@ class Scheduler:
     def _start(self, seq: _Seq) -> None:
         p, eng = seq.req.params, self.engine
         seq.started = True
-        seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens)
+        seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens, p.skip_special_tokens)
         seq.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids))
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         if seq.on_start is not None:

@@ -300,7 +300,8 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
     nothing (its default), which is accepted."""
     base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2)
     for name, value in (("length_penalty", 1.2), ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
-                        ("guided_choice", ["a", "b"]), ("skip_special_tokens", False), ("chat_template_kwargs", {"x": 1}),
+                        ("guided_choice", ["a", "b"]), ("spaces_between_special_tokens", False),
+                        ("include_stop_str_in_output", True),
                         ("length_penalty", True), ("best_of", True),  # a bool is not a number
                         ("guided_whitespace_pattern", "\\s"), ("use_beam_search", True), ("allowed_token_ids", [1])):
         with pytest.raises(openai.BadRequestError) as e:
@@ -310,6 +311,12 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
                                                       "skip_special_tokens": True, "use_beam_search": False,
                                                       "guided_json": None})
     assert r.choices[0].finish_reason in ("length", "stop")
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"unused": 1},
+                                                               "skip_special_tokens": False}).choices
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert e.value.body["param"] == "chat_template_kwargs"
 
 
 def test_penalties_and_min_p_are_checked_and_applied(client, engine):

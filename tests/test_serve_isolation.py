@@ -549,3 +549,34 @@ def test_slow_and_silent_connections_are_closed_and_others_served(server):
     assert json.loads(payload)["error"]["code"] == "request_timeout"
     for s in (silent, slow, body):
         s.close()
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
+    """vLLM's ``skip_special_tokens``: true (the default) leaves a generated special token out of the
+    text, false keeps it as the tokenizer spells it."""
+    tok = engine.tokenizer
+    ids = tok.encode("def f", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|user|>")] + tok.encode(
+        " x", add_special_tokens=False)
+    texts = {}
+    for skip in (True, False):
+        ts = TextStream(tok, (), threading.Lock(), 0, skip)
+        texts[skip] = "".join(ts.push(t)[0] for t in ids) + ts.flush()[0]
+    assert texts[True] == "def f x" and texts[False] == "def f<|user|> x"
+
+
+def test_chat_template_kwargs_reach_the_template(engine):
+    """vLLM's ``chat_template_kwargs`` are variables of the template's rendering; the ones the server
+    sets itself are refused by name."""
+    from deltafleet.serve.request import InvalidRequestError
+
+    messages = [{"role": "user", "content": "hi"}]
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = "{% if shout %}LOUD {% endif %}" + template
+    try:
+        quiet, loud = engine.encode_chat(messages), engine.encode_chat(messages, {"shout": True})
+        assert engine.tokenizer.decode(loud).startswith("LOUD ") and engine.tokenizer.decode(loud)[5:] == \
+            engine.tokenizer.decode(quiet)
+        with pytest.raises(InvalidRequestError, match=r"may not set \['add_generation_prompt'\]"):
+            engine.encode_chat(messages, {"add_generation_prompt": False})
+    finally:
+        engine.tokenizer.chat_template = template
