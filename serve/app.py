@@ -411,6 +411,32 @@ class Metrics:
 # ------------------------------------------------------------------------------------ app
 
 
+def completion_logprobs(steps: list, offset: int = 0) -> dict | None:
+    """OpenAI's completions ``logprobs`` of ``steps`` (None if they carry none); ``offset``: the
+    characters of the tokens before the first step's. A token's offset is the length of the tokens
+    before it, each decoded alone (as vLLM counts; a piece of a UTF-8 character counts as one "�")."""
+    steps = [s for s in steps if s.logprob is not None]
+    if not steps:
+        return None
+    offsets = []
+    for s in steps:
+        offsets.append(offset)
+        offset += len(s.token_str)
+    return {"tokens": [s.token_str for s in steps], "token_logprobs": [s.logprob for s in steps],
+            "top_logprobs": [dict(s.top_logprobs) | {s.token_str: s.logprob} for s in steps],  # vLLM's: the token too
+            "text_offset": offsets}
+
+
+def chat_logprobs(steps: list) -> dict | None:
+    """OpenAI's chat ``logprobs`` (``{"content": [...]}``) of ``steps``, None if they carry none."""
+    steps = [s for s in steps if s.logprob is not None]
+    if not steps:
+        return None
+    entry = lambda t, v: {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+    return {"content": [entry(s.token_str, s.logprob) | {"top_logprobs": [entry(t, v) for t, v in s.top_logprobs]}
+                        for s in steps]}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -826,17 +852,18 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         finally:
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
-    async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int]]:
-        """Run ``reqs`` together; ``(text, finish reason, tokens)`` of each, in order."""
+    async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int, list]]:
+        """Run ``reqs`` together; ``(text, finish reason, tokens, steps)`` of each, in order."""
         jobs = start_all(reqs, arrival)
         watches = [asyncio.create_task(cancel_on_disconnect(http, job[1])) for job in jobs]
 
-        async def one(req, job) -> tuple[str, str, int]:
-            parts, reason, n = [], "length", 0
+        async def one(req, job) -> tuple[str, str, int, list]:
+            parts, reason, all_steps = [], "length", []
             async for s in steps(req, arrival, job):
                 parts.append(s.text)
-                reason, n = s.finish_reason or reason, n + 1
-            return "".join(parts), reason, n
+                reason = s.finish_reason or reason
+                all_steps.append(s)
+            return "".join(parts), reason, len(all_steps), all_steps
 
         try:
             return await asyncio.gather(*(one(r, j) for r, j in zip(reqs, jobs)))
@@ -885,6 +912,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         async def events():
             merged: asyncio.Queue = asyncio.Queue()
+            sent = [0] * len(items)  # characters of each choice's tokens so far (completions' text_offset)
 
             async def feed(i: int):
                 try:
@@ -906,12 +934,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         break
                     else:
                         n += 1
-                        if s.text or s.finish_reason:
-                            yield _sse(chunk(s.text, s.finish_reason, first[i], i))
+                        if s.text or s.finish_reason or s.logprob is not None:
+                            yield _sse(chunk(s.text, s.finish_reason, first[i], i, [s], sent[i]))
                             first[i] = False
+                            sent[i] += len(s.token_str or "")
                 else:
                     if include_usage:
-                        yield _sse(chunk(None, None, False, 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})
+                        yield _sse(chunk(None, None, False, 0, [], 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})
             finally:
                 for f in feeders:
                     f.cancel()
@@ -940,9 +969,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
 
-        def chunk(text, finish_reason, first, index):
+        def chunk(text, finish_reason, first, index, steps=(), offset=0):
             return {"id": rid, "object": "text_completion", "created": created_at, "model": body.model,
-                    "choices": [{"index": index, "text": text or "", "logprobs": None,
+                    "choices": [{"index": index, "text": text or "", "logprobs": completion_logprobs(steps, offset),
                                  "finish_reason": finish_reason}]}
 
         if body.stream:
@@ -950,9 +979,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
         done = await run(reqs, arrival, http)
         out = chunk("", None, True, 0)
-        out["choices"] = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                          for i, (text, reason, _) in enumerate(done)]
-        out["usage"] = _usage(prompt_tokens, sum(n for _, _, n in done))
+        out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st), "finish_reason": reason}
+                          for i, (text, reason, _, st) in enumerate(done)]
+        out["usage"] = _usage(prompt_tokens, sum(n for _, _, n, _ in done))
         return out
 
     @app.post("/v1/chat/completions", responses=_responses(*generating, ok=ChatCompletion, ok_media=sse))
@@ -969,10 +998,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text, finish_reason, first, index):
+        def chunk(text, finish_reason, first, index, steps=(), offset=0):
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(steps),
+                                 "finish_reason": finish_reason}]}
 
         if body.stream:
             opts = body.stream_options
@@ -980,7 +1010,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         done = await run(reqs, arrival, http)
         return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": reason} for i, (text, reason, _) in enumerate(done)],
-                "usage": _usage(len(ids), sum(n for _, _, n in done))}
+                             "logprobs": chat_logprobs(st), "finish_reason": reason}
+                            for i, (text, reason, _, st) in enumerate(done)],
+                "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
 
     return app

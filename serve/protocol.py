@@ -28,6 +28,7 @@ MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_MESSAGES = 2048  # messages per chat request
 MAX_PROMPTS = 256  # prompts per completions request (a list of texts or of token-id lists)
 MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_LOGPROBS = 20  # likeliest tokens' log-probabilities per token (OpenAI's limit)
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -46,8 +47,6 @@ def _number(value) -> Callable[[Any], bool]:
 
 UNSUPPORTED = {
     "echo": lambda v: v is False,
-    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int (even 0 asks for logprobs)
-    "top_logprobs": _number(0),
     "best_of": lambda v: v is None,  # checked against n in check(): only best_of = n (no ranking)
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
@@ -178,12 +177,16 @@ class _Sampling(BaseModel):
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
 
+    def logprob_count(self) -> int | None:
+        """How many likeliest tokens' log-probabilities each token reports (None: no log-probabilities)."""
+        return None
+
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
                               self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()),
                               self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p,
-                              self.skip_special_tokens)
+                              self.skip_special_tokens, self.logprob_count())
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of
@@ -214,6 +217,12 @@ class CompletionRequest(_Sampling):
         Field(description=f"text, token ids (each below the vocabulary size), or a list of up to {MAX_PROMPTS} of "
                           "either: one choice per prompt and n, choice i·n + j for prompt i")]
     max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True,
+                                 description="each generated token's log-probability and those of the "
+                                             f"`logprobs` likeliest (up to {MAX_LOGPROBS})")
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or token ids."""
@@ -248,6 +257,17 @@ class ChatCompletionRequest(_Sampling):
                         _too_many("messages", MAX_MESSAGES)]
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: more variables for the model's chat template (e.g. a template's own switches)")
+    logprobs: bool | None = Field(False, strict=True, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True,
+                                     description="with logprobs: those of this many likeliest tokens too")
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
@@ -353,10 +373,20 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions shape: per generated token, its text, log-probability, the likeliest
+    tokens' (text → log-probability) and where its text starts in the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 
@@ -374,10 +404,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 

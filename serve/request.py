@@ -56,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0          # OpenAI's (−2…2): once for any token of the output
     min_p: float = 0.0                     # vLLM's (0…1): tokens below min_p × the likeliest's probability dropped
     skip_special_tokens: bool = True       # vLLM's: special tokens the model generates are left out of the text
+    logprobs: int | None = None            # each token's log-probability and its `logprobs` likeliest (0–20); None: none
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +70,9 @@ class Step:
     token_id: int
     text: str
     finish_reason: FinishReason | None = None
+    logprob: float | None = None                       # the model's log-softmax of this token (logprobs asked)
+    token_str: str | None = None                       # the token decoded alone (logprobs asked)
+    top_logprobs: list[tuple[str, float]] | None = None  # the `logprobs` likeliest tokens: (decoded, log-probability)
 
 
 @dataclass

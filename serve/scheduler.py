@@ -198,12 +198,12 @@ class Scheduler:
         step, sampled = self._inputs(plan)
         with self.engine.collective(("step", step)), torch.inference_mode():
             logits = self.runner.execute(step)
-            tokens = self._fetch(self._sample(logits, sampled)) if sampled else []  # the step's one sync
+            tokens, lps = self._fetch(*self._sample(logits, sampled)) if sampled else ([], {})  # the one sync
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
         self.planner.advance(plan, {id(s): t for s, t in zip(sampled, tokens) if t >= 0})
-        for seq, token in zip(sampled, tokens):
-            self._emit(seq, token)
+        for i, (seq, token) in enumerate(zip(sampled, tokens)):
+            self._emit(seq, token, lps.get(i))
         self._retire([s for s in sampled if s.done])
 
     def _start(self, seq: _Seq) -> None:
@@ -241,21 +241,38 @@ class Scheduler:
                 sampled.append(seq)
         return st, sampled
 
-    def _fetch(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled ``tokens`` on the host. On CUDA they are copied into pinned memory behind the
-        step and waited for on an event, which lets the HTTP thread run while the GPU works (a plain
-        ``tolist`` would wait holding the interpreter)."""
-        if tokens.device.type != "cuda":
-            return tokens.tolist()
-        n = tokens.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 2 * self.max_batch), dtype=torch.int64, pin_memory=True)
-        host = self._pinned[:n]
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return host.tolist()
+    def _fetch(self, tokens: torch.Tensor, lp: tuple | None = None) -> tuple[list[int], dict]:
+        """The sampled ``tokens`` on the host, and the log-probabilities of the rows that asked for them
+        (row → ``(logprob, [(id, logprob), …])``). On CUDA they are copied into pinned memory behind
+        the step, as one float64 tensor, and waited for on an event, which lets the HTTP thread run
+        while the GPU works (a plain ``tolist`` would wait holding the interpreter)."""
+        parts = [tokens.double()]
+        if lp is not None:
+            rows, chosen, top_lp, top_id = lp
+            parts += [chosen.double(), top_lp.double().flatten(), top_id.double().flatten()]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if flat.device.type != "cuda":
+            values = flat.tolist()
+        else:
+            n = flat.numel()
+            if self._pinned is None or self._pinned.numel() < n:
+                self._pinned = torch.empty(max(n, 2 * self.max_batch), dtype=torch.float64, pin_memory=True)
+            host = self._pinned[:n]
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            values = host.tolist()
+        b = tokens.numel()
+        out = [int(v) for v in values[:b]]
+        lps: dict[int, tuple] = {}
+        if lp is not None:
+            rows, k = lp[0], lp[2].shape[1]
+            r = len(rows)
+            chosen, tl, ti = values[b:b + r], values[b + r:b + r + r * k], values[b + r + r * k:]
+            for j, row in enumerate(rows):
+                lps[row] = (chosen[j], [(int(ti[j * k + c]), tl[j * k + c]) for c in range(k)])
+        return out, lps
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
@@ -275,9 +292,21 @@ class Scheduler:
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
              for s in seqs], logits.device, banned, penalties, min_p)
-        return sampling.sample(logits, batch)
+        want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
+        lp = None
+        if want:  # the model's own distribution, before penalties, bans and truncation change the logits
+            rows = torch.tensor(want, device=logits.device)
+            k = max(seqs[i].req.params.logprobs for i in want)
+            logp = logits[rows].log_softmax(-1)
+            top = logp.topk(k, -1) if k else None
+        tokens = sampling.sample(logits, batch)
+        if want:
+            chosen = logp.gather(1, tokens[rows].clamp(min=0)[:, None])[:, 0]
+            empty = logp.new_zeros(len(want), 0)
+            lp = (want, chosen, top.values if k else empty, top.indices if k else empty.long())
+        return tokens, lp
 
-    def _emit(self, seq: _Seq, token: int) -> None:
+    def _emit(self, seq: _Seq, token: int, lp: tuple | None = None) -> None:
         """Queue ``seq``'s sampled ``token`` for the detokenizer, with its end at the token level: eos
         (unless the request ignores it) or one of its stop token ids, ``max_tokens`` (or a cancelled
         request), or −1 (its logits were not finite: an error for ``seq`` alone)."""
@@ -293,7 +322,7 @@ class Scheduler:
             end = "length"
         else:
             end = None
-        self._items.append(("token", seq, token, end))
+        self._items.append(("token", seq, token, end, lp))
         seq.done = end is not None
 
     def _retire(self, seqs: list[_Seq]) -> None:
@@ -312,7 +341,8 @@ class _Detokenizer:
     """The thread that turns each step's sampled ids into Steps and delivers every item of every
     request, in order (see the module docstring). Work comes as one list per step of
 
-    - ``("token", seq, token, end)``: ``end`` None (the sequence goes on), ``"eos"`` or ``"length"``;
+    - ``("token", seq, token, end, logprobs)``: ``end`` None (the sequence goes on), ``"eos"`` or
+      ``"length"``; ``logprobs`` ``(logprob, [(id, logprob), …])`` or None;
     - ``("error", seq, exception)``: the sequence failed (sent unless its last Step went already);
     - ``("end", seq)``: the sequence is retired: :data:`END`.
 
@@ -351,7 +381,7 @@ class _Detokenizer:
             seq.finished = True
             seq.out.put(item[2])
             return
-        token, end = item[2], item[3]
+        token, end, lp = item[2], item[3], item[4]
         try:
             if end == "eos":
                 step = Step(token, seq.text.flush()[0], "stop")
@@ -369,6 +399,12 @@ class _Detokenizer:
             seq.finished = seq.stop_hit = True
             seq.out.put(e)
             return
+        if lp is not None:  # the token and the likeliest ones decoded alone, here, off the model thread
+            top = lp[1][:seq.req.params.logprobs]
+            with seq.text.lock:
+                strs = [seq.text.tokenizer.decode([i]) for i in [token] + [i for i, _ in top]]
+            step.logprob, step.token_str = lp[0], strs[0]
+            step.top_logprobs = [(s, v) for s, (_, v) in zip(strs[1:], top)]
         seq.out.put(step)
         if step.finish_reason is not None:
             seq.finished = True

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from deltafleet.compress.bitdelta import compress
@@ -349,6 +350,62 @@ def test_nulls_mean_the_defaults_as_openai_and_vllm_take_them(server, engine):
     assert httpx.post(f"{server}/v1/chat/completions", json=chat).status_code == 200
 
 
+def _reference_logprobs(engine, model: str, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits at each generated position, from one whole-sequence forward."""
+    ids = prompt_ids + tokens
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([ids]), torch.arange(len(ids)), None, engine.get_delta(model))[0]
+    return logits[len(prompt_ids) - 1:-1].float().log_softmax(-1)
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
+    """Completions ``logprobs: k`` and chat ``logprobs`` + ``top_logprobs``: each generated token's
+    log-probability and the k likeliest tokens', equal to a whole-sequence forward's log_softmax; the
+    tokens spell the text, and streaming gives the same numbers."""
+    k = 3
+    r = client.completions.create(model="tiny-coder", prompt=PROMPTS[0], logprobs=k, **GREEDY)
+    lp = r.choices[0].logprobs
+    prompt_ids = engine.encode_prompt(PROMPTS[0])
+    tokens = [s.token_id for s in engine.generate("tiny-coder", prompt_ids, SamplingParams(**GREEDY))]
+    ref = _reference_logprobs(engine, "tiny-coder", prompt_ids, tokens)
+    assert len(lp.tokens) == len(tokens) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text  # nothing held back or cut here
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(tokens))]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), ref.gather(1, torch.tensor(tokens)[:, None])[:, 0],
+                               rtol=0, atol=1e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        values, ids = ref[i].topk(k)
+        by_text: dict[str, list[float]] = {}  # two ids may decode alike (a piece of a UTF-8 character: "�")
+        for v, t in zip(values.tolist(), ids.tolist()):
+            by_text.setdefault(engine.tokenizer.decode([t]), []).append(v)
+        assert top[lp.tokens[i]] == lp.token_logprobs[i]  # greedy: the token is among the likeliest
+        assert set(top) == set(by_text) and all(min(abs(top[t] - v) for v in by_text[t]) < 1e-4 for t in top)
+
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny-coder", prompt=PROMPTS[0], logprobs=k, stream=True, **GREEDY) if c.choices[0].logprobs]
+    assert [t for c in streamed for t in c.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": "Write a function."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    chat_ids = engine.encode_chat(messages)
+    tokens = [s.token_id for s in engine.generate("tiny", chat_ids, SamplingParams(**GREEDY))]
+    ref = _reference_logprobs(engine, "tiny", chat_ids, tokens)
+    assert len(content) == len(tokens) and all(c.bytes == list(c.token.encode()) for c in content)
+    torch.testing.assert_close(torch.tensor([c.logprob for c in content]), ref.max(-1).values, rtol=0, atol=1e-4)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    plain = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **extra)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=21)
+    assert e.value.body["param"] == "logprobs"
+
+
 def test_seeded_sampling_is_reproducible(client):
     args = dict(model="tiny-coder", prompt=PROMPTS[0], temperature=1.0, top_p=0.9, max_tokens=12)
     a = client.completions.create(seed=123, **args).choices[0].text
@@ -517,14 +574,10 @@ def test_unserved_dtype_is_refused_at_startup(root):
 
 @pytest.mark.parametrize("path,extra", [
     ("completions", {"echo": True}),
-    ("completions", {"logprobs": 0}),
-    ("completions", {"logprobs": 5}),
     ("completions", {"best_of": 2}),
     ("completions", {"suffix": "}"}),
     ("completions", {"length_penalty": 0.5}),
     ("completions", {"logit_bias": {"5": 10}}),
-    ("chat/completions", {"logprobs": True}),
-    ("chat/completions", {"top_logprobs": 2}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("chat/completions", {"response_format": {"type": "json_object"}}),
