@@ -177,14 +177,22 @@ def test_tokenize_detokenize_and_version(server, engine):
         assert api_error(httpx.post(f"{server}/{path}", json=body), status)["param"] == param, (path, body)
 
 
-def test_cors_preflight_and_headers(server):
-    """A browser's preflight is answered (vLLM's default: any origin), before any other check."""
+def test_cors_is_off_by_default_and_answers_preflights_when_set(server, engine):
+    """No CORS headers unless ``cors`` is set; set, a browser's preflight is answered before any
+    other check (the API key included)."""
     origin = {"Origin": "http://app.example"}
-    r = httpx.options(f"{server}/v1/completions", headers=origin | {"Access-Control-Request-Method": "POST",
-                                                                     "Access-Control-Request-Headers": "content-type"})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
-    assert "POST" in r.headers["access-control-allow-methods"]
-    assert httpx.get(f"{server}/v1/models", headers=origin).headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(f"{server}/v1/models", headers=origin).headers
+    cors = {"allow_origins": ["http://app.example"], "allow_methods": ["*"], "allow_headers": ["*"]}
+    with TestClient(create_app(engine, api_key="k", cors=cors)) as tc:
+        r = tc.options("/v1/completions", headers=origin | {"Access-Control-Request-Method": "POST",
+                                                             "Access-Control-Request-Headers": "authorization"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = tc.get("/v1/models", headers=origin | {"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        other = tc.options("/v1/completions", headers={"Origin": "http://evil.example",
+                                                       "Access-Control-Request-Method": "POST"})
+        assert other.status_code == 400  # an origin not allowed: no CORS grant
 
 
 def test_chat_completions_match_engine(client, engine):
