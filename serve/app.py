@@ -759,12 +759,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         return reqs
 
     def start_all(reqs, arrival: float) -> list[tuple[asyncio.Queue, threading.Event]]:
-        """:func:`start` each request; if one is refused (429), the started ones are cancelled and the
-        rest released."""
+        """:func:`start` the requests of one HTTP request (its prompts and choices), admitted together:
+        ``max_waiting`` counts the HTTP request once, so that ``n`` above it is not always refused."""
         jobs = []
         try:
-            for r in reqs:
-                jobs.append(start(r, arrival))
+            for i, r in enumerate(reqs):
+                jobs.append(start(r, arrival, admit=i == 0))
         except BaseException:
             for _, cancel in jobs:
                 cancel.set()
@@ -785,9 +785,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             engine.scheduler.add_step_listener(box.flush)
         return box
 
-    def start(req, arrival: float) -> tuple[asyncio.Queue, threading.Event]:
-        """Admit ``req`` (429 past ``max_waiting``) and submit it to the scheduler, its steps coming
-        to an asyncio queue through this loop's outbox (one hand-over per engine step).
+    def start(req, arrival: float, admit: bool = True) -> tuple[asyncio.Queue, threading.Event]:
+        """Admit ``req`` (429 past ``max_waiting``; ``admit=False``: already admitted with its
+        request's other choices) and submit it to the scheduler, its steps coming to an asyncio
+        queue through this loop's outbox (one hand-over per engine step).
 
         The gauges and counters are kept right when the request ends (its last item, in the loop),
         so a response that is never consumed leaks nothing; setting the returned event ends the
@@ -816,7 +817,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     queued["n"] -= 1
 
         with queued_lock:
-            if max_waiting is not None and queued["n"] >= max_waiting:
+            if admit and max_waiting is not None and queued["n"] >= max_waiting:
                 engine.release(req)
                 raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
                                "Retry later.", "rate_limit_error", None, "overloaded",

@@ -740,6 +740,14 @@ def test_overload_is_429_with_openai_error_object(engine):
     assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_request_of_many_choices_is_admitted_as_one(engine):
+    """``max_waiting`` counts an HTTP request once, whatever its prompts and ``n``: with room for one
+    waiting request, one with 2 prompts × 3 choices is answered, not refused."""
+    with TestClient(create_app(engine, max_waiting=1)) as tc:
+        r = tc.post("/v1/completions", json={"model": "tiny", "prompt": ["x", "y"], "n": 3, "max_tokens": 2})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == list(range(6))
+
+
 def test_vllm_series_for_the_endpoint_picker(engine):
     """The series the Gateway API Inference Extension's endpoint picker reads, under vLLM's names and
     labels: requests running and waiting over all models, the KV cache's use (both names), and the
