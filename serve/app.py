@@ -427,6 +427,20 @@ def completion_logprobs(steps: list, offset: int = 0) -> dict | None:
             "text_offset": offsets}
 
 
+def echo_logprobs(first: str, steps: list, keep: int) -> dict:
+    """Completions ``logprobs`` with ``echo``: the prompt's tokens (``first``, decoded, then those the
+    first Step's ``prompt_logprobs`` carry), then the first ``keep`` generated steps'."""
+    prompt = steps[0].prompt_logprobs or []
+    tokens = [first] + [t for t, _, _ in prompt]
+    out = {"tokens": tokens, "token_logprobs": [None] + [v for _, v, _ in prompt],
+           "top_logprobs": [None] + [dict(top) | {t: v} for t, v, top in prompt],
+           "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
+    generated = completion_logprobs(steps[:keep], sum(len(t) for t in tokens))
+    for key in out if generated else ():
+        out[key] = out[key] + generated[key]
+    return out
+
+
 def chat_logprobs(steps: list) -> dict | None:
     """OpenAI's chat ``logprobs`` (``{"content": [...]}``) of ``steps``, None if they carry none."""
     steps = [s for s in steps if s.logprob is not None]
@@ -980,8 +994,18 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
         done = await run(reqs, arrival, http)
         out = chunk("", None, True, 0)
-        out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st), "finish_reason": reason}
-                          for i, (text, reason, _, st) in enumerate(done)]
+        if body.echo:  # the prompt before each choice's text; max_tokens 0: the one token generated is dropped
+            drop = body.max_tokens == 0
+            texts = [p if isinstance(p, str) else await run_in_threadpool(engine.decode, p) for p in body.prompts()]
+            firsts = await run_in_threadpool(engine.token_texts, [ids[0] for ids in prompts])
+            done = [("", "length", 0, st) if drop else (text, reason, n, st) for text, reason, n, st in done]
+            out["choices"] = [{"index": i, "text": texts[i // body.n] + text, "finish_reason": reason,
+                               "logprobs": None if body.logprobs is None else
+                               echo_logprobs(firsts[i // body.n], st, 0 if drop else len(st))}
+                              for i, (text, reason, _, st) in enumerate(done)]
+        else:
+            out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
+                               "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
         out["usage"] = _usage(prompt_tokens, sum(n for _, _, n, _ in done))
         return out
 

@@ -533,6 +533,11 @@ class Engine:
         with self._tok_lock:
             return self.tokenizer.decode(ids)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone (special tokens kept), as log-probabilities name tokens."""
+        with self._tok_lock:
+            return [self.tokenizer.decode([i]) for i in ids]
+
     def token_strs(self, ids: list[int]) -> list[str]:
         """The vocabulary's string of each id (byte-level pieces as the tokenizer spells them)."""
         with self._tok_lock:

@@ -260,9 +260,9 @@ class PiecewiseGraphs:
 
     def accepts(self, step) -> bool:
         """Whether ``step`` (a :class:`~deltafleet.serve.runner.StepInput`) runs here: every token on the
-        base, at most ``max_tokens`` tokens, at most ``max_sample`` sampling rows."""
+        base, at most ``max_tokens`` tokens, at most ``max_sample`` sampling rows, no scored rows."""
         return (0 < len(step.tokens) <= self.max_tokens and len(step.sample) <= self.max_sample
-                and all(v < 0 for v in step.variants))
+                and not step.score and all(v < 0 for v in step.variants))
 
     def segment(self, b: int, i: int) -> None:
         """Segment ``i`` of bucket ``b`` (see the class docstring), on the static buffers."""

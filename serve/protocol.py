@@ -11,6 +11,7 @@ its tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -46,7 +47,6 @@ def _number(value) -> Callable[[Any], bool]:
 
 
 UNSUPPORTED = {
-    "echo": lambda v: v is False,
     "best_of": lambda v: v is None,  # checked against n in check(): only best_of = n (no ranking)
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
@@ -216,13 +216,32 @@ class CompletionRequest(_Sampling):
         Discriminator(_prompt_kind),
         Field(description=f"text, token ids (each below the vocabulary size), or a list of up to {MAX_PROMPTS} of "
                           "either: one choice per prompt and n, choice i·n + j for prompt i")]
-    max_tokens: int | None = Field(16, ge=1, strict=True)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0, strict=True, description="OpenAI's default 16; 0 only with echo")
+    echo: bool = Field(False, strict=True, description="the prompt before the completion, with its tokens' "
+                                                         "log-probabilities when logprobs is set (not streamed)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True,
                                  description="each generated token's log-probability and those of the "
                                              f"`logprobs` likeliest (up to {MAX_LOGPROBS})")
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("`max_tokens: 0` needs `echo: true` (the prompt's log-probabilities only)",
+                                      "max_tokens", "invalid_value")
+        if self.echo and self.stream:
+            raise InvalidRequestError("The parameter `echo` is not supported by this server with `stream: true`.",
+                                      "echo", "unsupported_parameter")
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """As every request's, at least one token (``max_tokens: 0`` generates one that the answer
+        drops), with the prompt's log-probabilities when ``echo`` and ``logprobs`` are set."""
+        params = super().sampling(None if max_tokens is None else max(max_tokens, 1))
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or token ids."""
@@ -374,12 +393,13 @@ FinishReason = Literal["stop", "length"]
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's completions shape: per generated token, its text, log-probability, the likeliest
-    tokens' (text → log-probability) and where its text starts in the completion."""
+    """OpenAI's completions shape: per token (with ``echo``, the prompt's first), its text,
+    log-probability, the likeliest tokens' (text → log-probability) and where its text starts; the
+    prompt's first token has null for both (nothing comes before it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -57,6 +57,7 @@ class SamplingParams:
     min_p: float = 0.0                     # vLLM's (0…1): tokens below min_p × the likeliest's probability dropped
     skip_special_tokens: bool = True       # vLLM's: special tokens the model generates are left out of the text
     logprobs: int | None = None            # each token's log-probability and its `logprobs` likeliest (0–20); None: none
+    prompt_logprobs: int | None = None     # the same for each prompt token after the first (echo); None: none
 
     @property
     def penalized(self) -> bool:
@@ -73,6 +74,7 @@ class Step:
     logprob: float | None = None                       # the model's log-softmax of this token (logprobs asked)
     token_str: str | None = None                       # the token decoded alone (logprobs asked)
     top_logprobs: list[tuple[str, float]] | None = None  # the `logprobs` likeliest tokens: (decoded, log-probability)
+    prompt_logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None  # first Step: prompt tokens 2…
 
 
 @dataclass

@@ -37,6 +37,8 @@ class StepInput:
         chunks: per prefill chunk ``(flat start, length, start position, block table)``.
         sample: the flat indices of the tokens whose next token is sampled (in the order the
             scheduler reads them back).
+        score: more flat indices whose logits are wanted, after ``sample``'s (prompt positions of
+            requests that asked for the prompt's log-probabilities).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -47,6 +49,7 @@ class StepInput:
     tables: list[list[int]] = field(default_factory=list)
     chunks: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     sample: list[int] = field(default_factory=list)
+    score: list[int] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -111,7 +114,8 @@ class ModelRunner:
                          self.masks, prompts=list(prompts))
 
     def execute(self, step: StepInput) -> Tensor:
-        """Run ``step``; returns the float32 logits ``[len(step.sample), vocab]`` of its sampled rows
+        """Run ``step``; returns the float32 logits ``[len(step.sample) + len(step.score), vocab]`` of its
+        sampled then scored rows
         (on a CUDA-graph replay, a view the next replay overwrites). Call under ``torch.inference_mode()``."""
         self.steps += 1
         if self.graphs is not None and step.decode_only and step.n_decode <= self.max_batch:
@@ -172,5 +176,6 @@ class ModelRunner:
         delta = None
         if any(v >= 0 for v in step.variants):
             delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)
-        rows = None if step.sample == list(range(len(step.tokens))) else as_long(step.sample)
+        wanted = step.sample + step.score
+        rows = None if wanted == list(range(len(step.tokens))) else as_long(wanted)
         return tokens, positions, paged, delta, rows

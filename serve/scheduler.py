@@ -67,6 +67,8 @@ class _Seq(Sequence):
     ended: bool = False                     # retired: blocks and variant given back, END sent
     finished: bool = False                  # (detokenizer) its last Step or error is sent; later tokens dropped
     stop_hit: bool = False                  # (detokenizer) a stop string ended it: the scheduler retires it
+    scored: int = 0                         # prompt positions whose next token's log-probability is taken
+    prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
 
 
 def _slot(req) -> int:
@@ -195,10 +197,19 @@ class Scheduler:
         for seq, start, _ in plan.prefill:
             if not seq.started:
                 self._start(seq)
-        step, sampled = self._inputs(plan)
+        step, sampled, scored = self._inputs(plan)
         with self.engine.collective(("step", step)), torch.inference_mode():
             logits = self.runner.execute(step)
-            tokens, lps = self._fetch(*self._sample(logits, sampled)) if sampled else ([], {})  # the one sync
+            tokens, lps, scores = [], {}, []
+            if sampled or scored:
+                n = len(sampled)
+                score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
+                sample, lp = self._sample(logits[:n], sampled) if sampled else (logits.new_zeros(0).long(), None)
+                tokens, lps, scores = self._fetch(sample, lp, score)  # the step's one sync
+        for (seq, target), (value, top) in zip(scored, scores):
+            if seq.prompt_lp is None:
+                seq.prompt_lp = []
+            seq.prompt_lp.append((target, value, top[:seq.req.params.prompt_logprobs]))
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
         self.planner.advance(plan, {id(s): t for s, t in zip(sampled, tokens) if t >= 0})
@@ -227,7 +238,7 @@ class Scheduler:
             st.tables.append(pool.table(seq))  # read before the table next grows
         st.n_decode = len(plan.decode)
         st.sample = list(range(st.n_decode))
-        sampled = list(plan.decode)
+        sampled, scored = list(plan.decode), []
         # chunks of one variant side by side: their linears run as one call (StepInput.runs)
         for seq, start, stop in sorted(plan.prefill, key=lambda c: _slot(c[0].req)):
             first = len(st.tokens)
@@ -239,17 +250,39 @@ class Scheduler:
             if stop == len(seq.tokens):
                 st.sample.append(len(st.tokens) - 1)
                 sampled.append(seq)
-        return st, sampled
+            if seq.req.params.prompt_logprobs is not None:  # each prompt position once (not again on a recompute)
+                for p in range(max(start, seq.scored), min(stop, seq.prompt_len - 1)):
+                    st.score.append(first + p - start)
+                    scored.append((seq, seq.tokens[p + 1]))
+                seq.scored = max(seq.scored, min(stop, seq.prompt_len - 1))
+        return st, sampled, scored
 
-    def _fetch(self, tokens: torch.Tensor, lp: tuple | None = None) -> tuple[list[int], dict]:
-        """The sampled ``tokens`` on the host, and the log-probabilities of the rows that asked for them
-        (row → ``(logprob, [(id, logprob), …])``). On CUDA they are copied into pinned memory behind
-        the step, as one float64 tensor, and waited for on an event, which lets the HTTP thread run
-        while the GPU works (a plain ``tolist`` would wait holding the interpreter)."""
+    def _score(self, logits: torch.Tensor, scored: list) -> tuple:
+        """The log-probability of each scored row's next prompt token, and its rows' likeliest tokens'
+        (as many as the most any of them asks for), on the device."""
+        logp = logits.log_softmax(-1)
+        targets = torch.tensor([t for _, t in scored], device=logits.device)
+        k = max(s.req.params.prompt_logprobs for s, _ in scored)
+        chosen = logp.gather(1, targets[:, None])[:, 0]
+        if k:
+            top = logp.topk(k, -1)
+            return chosen, top.values, top.indices
+        empty = logp.new_zeros(len(scored), 0)
+        return chosen, empty, empty.long()
+
+    def _fetch(self, tokens: torch.Tensor, lp: tuple | None = None,
+               score: tuple | None = None) -> tuple[list[int], dict, list]:
+        """The sampled ``tokens`` on the host, the log-probabilities of the rows that asked for them
+        (row → ``(logprob, [(id, logprob), …])``) and the scored rows' (``(logprob, [(id, logprob),
+        …])`` in order). On CUDA they are copied into pinned memory behind the step, as one float64
+        tensor, and waited for on an event, which lets the HTTP thread run while the GPU works (a
+        plain ``tolist`` would wait holding the interpreter)."""
         parts = [tokens.double()]
         if lp is not None:
             rows, chosen, top_lp, top_id = lp
             parts += [chosen.double(), top_lp.double().flatten(), top_id.double().flatten()]
+        if score is not None:
+            parts += [t.double().flatten() for t in score]
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]
         if flat.device.type != "cuda":
             values = flat.tolist()
@@ -265,16 +298,19 @@ class Scheduler:
             values = host.tolist()
         b = tokens.numel()
         out = [int(v) for v in values[:b]]
-        lps: dict[int, tuple] = {}
-        if lp is not None:
-            rows, k = lp[0], lp[2].shape[1]
-            r = len(rows)
-            chosen, tl, ti = values[b:b + r], values[b + r:b + r + r * k], values[b + r + r * k:]
-            for j, row in enumerate(rows):
-                lps[row] = (chosen[j], [(int(ti[j * k + c]), tl[j * k + c]) for c in range(k)])
-        return out, lps
+        at = b
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        def unpack(r: int, k: int) -> list[tuple]:
+            nonlocal at
+            chosen, tl, ti = values[at:at + r], values[at + r:at + r + r * k], values[at + r + r * k:at + r + 2 * r * k]
+            at += r + 2 * r * k
+            return [(chosen[j], [(int(ti[j * k + c]), tl[j * k + c]) for c in range(k)]) for j in range(r)]
+
+        lps = dict(zip(lp[0], unpack(len(lp[0]), lp[2].shape[1]))) if lp is not None else {}
+        scores = unpack(score[0].numel(), score[1].shape[1]) if score is not None else []
+        return out, lps, scores
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, tuple | None]:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``."""
         # before min_tokens, the tokens that would end a row cannot be drawn
@@ -322,7 +358,8 @@ class Scheduler:
             end = "length"
         else:
             end = None
-        self._items.append(("token", seq, token, end, lp))
+        self._items.append(("token", seq, token, end, lp, seq.prompt_lp))
+        seq.prompt_lp = None
         seq.done = end is not None
 
     def _retire(self, seqs: list[_Seq]) -> None:
@@ -341,8 +378,9 @@ class _Detokenizer:
     """The thread that turns each step's sampled ids into Steps and delivers every item of every
     request, in order (see the module docstring). Work comes as one list per step of
 
-    - ``("token", seq, token, end, logprobs)``: ``end`` None (the sequence goes on), ``"eos"`` or
-      ``"length"``; ``logprobs`` ``(logprob, [(id, logprob), …])`` or None;
+    - ``("token", seq, token, end, logprobs, prompt logprobs)``: ``end`` None (the sequence goes
+      on), ``"eos"`` or ``"length"``; ``logprobs`` ``(logprob, [(id, logprob), …])`` or None; the
+      prompt's ``[(next prompt token, logprob, [(id, logprob), …]), …]`` (first Step only) or None;
     - ``("error", seq, exception)``: the sequence failed (sent unless its last Step went already);
     - ``("end", seq)``: the sequence is retired: :data:`END`.
 
@@ -381,7 +419,7 @@ class _Detokenizer:
             seq.finished = True
             seq.out.put(item[2])
             return
-        token, end, lp = item[2], item[3], item[4]
+        token, end, lp, prompt_lp = item[2], item[3], item[4], item[5]
         try:
             if end == "eos":
                 step = Step(token, seq.text.flush()[0], "stop")
@@ -405,6 +443,10 @@ class _Detokenizer:
                 strs = [seq.text.tokenizer.decode([i]) for i in [token] + [i for i, _ in top]]
             step.logprob, step.token_str = lp[0], strs[0]
             step.top_logprobs = [(s, v) for s, (_, v) in zip(strs[1:], top)]
+        if prompt_lp is not None:
+            with seq.text.lock:
+                dec = lambda i: seq.text.tokenizer.decode([i])
+                step.prompt_logprobs = [(dec(t), v, [(dec(i), w) for i, w in top]) for t, v, top in prompt_lp]
         seq.out.put(step)
         if step.finish_reason is not None:
             seq.finished = True

@@ -414,6 +414,42 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     assert e.value.body["param"] == "logprobs"
 
 
+def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
+    """``echo`` with ``logprobs``: the prompt's text before the completion, and each prompt token's
+    log-probability (the first's null) equal to a whole-sequence forward's log_softmax, also when the
+    prompt is prefilled in chunks over several steps; ``max_tokens: 0`` scores the prompt alone."""
+    prompt = "def parse(line):\n    return line.split(',')\n" * 3
+    small = Engine(root / "models" / "base", root / "artifacts", family="tiny", max_batch=2, max_num_batched_tokens=16)
+    ids = small.encode_prompt(prompt)
+    assert len(ids) > 40  # several 16-token chunks
+    with torch.inference_mode():
+        ref = small.model(torch.tensor([ids]), torch.arange(len(ids)), None, small.get_delta("tiny-coder"))[0]
+    ref = ref.float().log_softmax(-1)
+    want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    with TestClient(create_app(small)) as tc:
+        r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 2,
+                                             "max_tokens": 0})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), want, rtol=0, atol=1e-4)
+        assert all(len(top) >= 2 and max(top.values()) <= 0 for top in lp["top_logprobs"][1:])
+        greedy = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "max_tokens": 4,
+                                                  "temperature": 0}).json()["choices"][0]["text"]
+        both = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 0,
+                                                "max_tokens": 4, "temperature": 0}).json()["choices"][0]
+    assert both["text"] == prompt + greedy and len(both["logprobs"]["tokens"]) == len(ids) + 4
+    torch.testing.assert_close(torch.tensor(both["logprobs"]["token_logprobs"][1:len(ids)]), want, rtol=0, atol=1e-4)
+    for body, param in (({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="x", **body)
+        assert e.value.body["param"] == param
+    small.shutdown()
+
+
 def test_seeded_sampling_is_reproducible(client):
     args = dict(model="tiny-coder", prompt=PROMPTS[0], temperature=1.0, top_p=0.9, max_tokens=12)
     a = client.completions.create(seed=123, **args).choices[0].text
@@ -581,7 +617,6 @@ def test_unserved_dtype_is_refused_at_startup(root):
 
 
 @pytest.mark.parametrize("path,extra", [
-    ("completions", {"echo": True}),
     ("completions", {"best_of": 2}),
     ("completions", {"suffix": "}"}),
     ("completions", {"length_penalty": 0.5}),
