@@ -441,6 +441,15 @@ def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
                                                   "temperature": 0}).json()["choices"][0]["text"]
         both = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 0,
                                                 "max_tokens": 4, "temperature": 0}).json()["choices"][0]
+        # lm-eval's local-completions loglikelihood request: a batch of token-id prompts, echo, 1 token
+        batch = [ids[:20], ids[:9]]
+        lm = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": batch, "echo": True, "logprobs": 1,
+                                              "max_tokens": 1, "temperature": 0, "seed": 1234}).json()["choices"]
+    assert [c["index"] for c in lm] == [0, 1]
+    for c, b in zip(lm, batch):
+        assert len(c["logprobs"]["token_logprobs"]) == len(b) + 1  # the prompt's, then the generated token's
+        torch.testing.assert_close(torch.tensor(c["logprobs"]["token_logprobs"][1:len(b)]), want[:len(b) - 1],
+                                   rtol=0, atol=1e-4)
     assert both["text"] == prompt + greedy and len(both["logprobs"]["tokens"]) == len(ids) + 4
     torch.testing.assert_close(torch.tensor(both["logprobs"]["token_logprobs"][1:len(ids)]), want, rtol=0, atol=1e-4)
     for body, param in (({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo")):
