@@ -312,7 +312,9 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, tuple | None]:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
-        row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``."""
+        row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``. Also, for
+        the rows that ask for log-probabilities, ``(rows, sampled token's, top values, top ids)`` of
+        the model's own log-softmax (None if no row asks), all on the device."""
         # before min_tokens, the tokens that would end a row cannot be drawn
         banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens for t in s.enders]
         penalties = []
