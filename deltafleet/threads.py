@@ -7,6 +7,12 @@ process need. The server has its own default (``serve/run.py``: one core left to
 from __future__ import annotations
 
 
+def check_threads(n) -> None:
+    """Raises ValueError unless ``n`` is None or a positive integer."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"threads must be null or a positive integer, got {n!r}")
+
+
 def set_threads(cfg) -> int | None:
     """Apply ``cfg.threads`` (None or absent: leave torch's default); returns what was set.
 
@@ -14,10 +20,9 @@ def set_threads(cfg) -> int | None:
         ValueError: if it is neither null nor a positive integer.
     """
     n = cfg.get("threads") if hasattr(cfg, "get") else None
+    check_threads(n)
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"threads must be null or a positive integer, got {n!r}")
     import torch
 
     torch.set_num_threads(n)

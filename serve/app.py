@@ -423,8 +423,18 @@ def completion_logprobs(steps: list, offset: int = 0) -> dict | None:
         offsets.append(offset)
         offset += len(s.token_str)
     return {"tokens": [s.token_str for s in steps], "token_logprobs": [s.logprob for s in steps],
-            "top_logprobs": [dict(s.top_logprobs) | {s.token_str: s.logprob} for s in steps],  # vLLM's: the token too
+            "top_logprobs": [_top_dict(s.top_logprobs + [(s.token_str, s.logprob)]) for s in steps],  # the token too
             "text_offset": offsets}
+
+
+def _top_dict(pairs) -> dict[str, float]:
+    """``{text: log-probability}``, the highest where several tokens decode alike (pieces of one
+    UTF-8 character all read "�")."""
+    out: dict[str, float] = {}
+    for t, v in pairs:
+        if t not in out or v > out[t]:
+            out[t] = v
+    return out
 
 
 def echo_logprobs(first: str, steps: list, keep: int) -> dict:
@@ -433,7 +443,7 @@ def echo_logprobs(first: str, steps: list, keep: int) -> dict:
     prompt = steps[0].prompt_logprobs or []
     tokens = [first] + [t for t, _, _ in prompt]
     out = {"tokens": tokens, "token_logprobs": [None] + [v for _, v, _ in prompt],
-           "top_logprobs": [None] + [dict(top) | {t: v} for t, v, top in prompt],
+           "top_logprobs": [None] + [_top_dict(top + [(t, v)]) for t, v, top in prompt],
            "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
     generated = completion_logprobs(steps[:keep], sum(len(t) for t in tokens))
     for key in out if generated else ():

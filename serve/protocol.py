@@ -30,6 +30,7 @@ MAX_MESSAGES = 2048  # messages per chat request
 MAX_PROMPTS = 256  # prompts per completions request (a list of texts or of token-id lists)
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # likeliest tokens' log-probabilities per token (OpenAI's limit)
+MAX_TEMPLATE_KWARGS_CHARS = 4096  # JSON characters of chat_template_kwargs
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -102,15 +103,24 @@ def _check_stop_chars(value):
     return value
 
 
+def _check_template_kwargs(value):
+    """At most :data:`MAX_TEMPLATE_KWARGS_CHARS` characters of JSON: a template's switches, not text
+    (which would skip the prompt's length checks)."""
+    if isinstance(value, dict) and len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise PydanticCustomError("string_above_max_length", "Invalid 'chat_template_kwargs': more than "
+                                  f"{MAX_TEMPLATE_KWARGS_CHARS} characters of JSON.")
+    return value
+
+
 def _prompt_kind(value) -> str:
     if isinstance(value, list):
         if value and isinstance(value[0], str):
             return "texts"
-        return "token_lists" if value and isinstance(value[0], list) else "tokens"
+        return "id_lists" if value and isinstance(value[0], list) else "ids"
     return "text"
 
 
-_UNION_TAGS = ("one", "list", "text", "texts", "tokens", "token_lists", "parts")  # Tags: not shown in a param
+_UNION_TAGS = ("one", "list", "text", "texts", "ids", "id_lists", "parts")  # Tags: not shown in a param
 # The codes of the PydanticCustomErrors above: reported as they are, not as "invalid_value".
 _OWN_ERRORS = ("array_above_max_length", "string_above_max_length", "unsupported_value")
 _TEXT = {"type": "string", "minLength": 1}  # "" is refused by the engine: an empty prompt (0 tokens)
@@ -210,9 +220,9 @@ class CompletionRequest(_Sampling):
         Annotated[str, WithJsonSchema(_TEXT), Tag("text")]
         | Annotated[list[Annotated[str, WithJsonSchema(_TEXT)]], Field(min_length=1, max_length=MAX_PROMPTS),
                     _too_many("prompt", MAX_PROMPTS), Tag("texts")]
-        | Annotated[list[TokenId], Field(min_length=1), Tag("tokens")]
+        | Annotated[list[TokenId], Field(min_length=1), Tag("ids")]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS),
-                    _too_many("prompt", MAX_PROMPTS), Tag("token_lists")],
+                    _too_many("prompt", MAX_PROMPTS), Tag("id_lists")],
         Discriminator(_prompt_kind),
         Field(description=f"text, token ids (each below the vocabulary size), or a list of up to {MAX_PROMPTS} of "
                           "either: one choice per prompt and n, choice i·n + j for prompt i")]
@@ -274,8 +284,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
                         _too_many("messages", MAX_MESSAGES)]
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="vLLM's: more variables for the model's chat template (e.g. a template's own switches)")
+    chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_check_template_kwargs)] = Field(
+        None, description="vLLM's: more variables for the model's chat template (e.g. a template's own switches), "
+                          f"{MAX_TEMPLATE_KWARGS_CHARS} characters of JSON at most")
     logprobs: bool | None = Field(False, strict=True, description="each generated token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True,
                                      description="with logprobs: those of this many likeliest tokens too")
@@ -300,7 +311,8 @@ class TokenizeRequest(BaseModel):
                         _too_many("messages", MAX_MESSAGES)] | None = None
     add_special_tokens: bool = Field(True, strict=True, description="prompt: the tokenizer's own (e.g. BOS)")
     add_generation_prompt: bool = Field(True, strict=True, description="messages: only true (as generation)")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as in chat completions")
+    chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_check_template_kwargs)] = Field(
+        None, description="messages: as in chat completions")
     return_token_strs: bool = Field(False, strict=True)
 
     def check(self) -> None:

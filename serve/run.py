@@ -39,6 +39,14 @@ def _cache_options(cfg: DictConfig) -> dict:
 
 
 def _threads(cfg: DictConfig, world: int = 1) -> int:
+    """``threads`` (checked as every job's: deltafleet/threads.py), else the cores less one per rank.
+
+    Raises:
+        ValueError: ``threads`` is neither null nor a positive integer.
+    """
+    from deltafleet.threads import check_threads
+
+    check_threads(cfg.get("threads"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # Leave a core to the HTTP event loop: on a busy CPU, intra-op threads spinning at every op's
     # barrier starve it, and a one-token decode step gains nothing from them (10-20x slower on 2 cores).
@@ -82,8 +90,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     from deltafleet.serve.app import create_app, http_protocol
     from deltafleet.serve.engine import Engine
 
-    torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
     try:
+        torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
         _check_timeouts(cfg)
         _check_cors(cfg)
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,

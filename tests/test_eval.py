@@ -336,6 +336,11 @@ def test_eval_scores_existing_artifacts_without_building(family, tmp_path):
     assert section["rows"][2]["artifact"] == str(root / "artifacts" / "coder")
     assert f"[eval] coder: no artifact at {tmp_path}/nowhere: setting 'gone' skipped" in proc.stdout
     assert not (tmp_path / "run" / "artifacts").exists()  # nothing built
+    proc = subprocess.run(
+        [sys.executable, "train/eval.py", f"paths.root={root}", f"hydra.run.dir={tmp_path / 'run2'}", "variants=[coder]",
+         "build=false", "~logger", f"report.dir={tmp_path}", "~existing", f"+existing={{gone: '{tmp_path}/nowhere'}}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "coder: no artifact in any folder of existing" in proc.stderr
 
 
 def test_eval_settings_are_checked_before_any_work():
@@ -347,4 +352,6 @@ def test_eval_settings_are_checked_before_any_work():
         check_settings(OmegaConf.create({"build": True, "existing": {"fine-tune": "a", "bitdelta-row": "b", "ok": "c"}}))
     with pytest.raises(ValueError, match="build=false and no existing artifacts"):
         check_settings(OmegaConf.create({"build": False, "existing": {}}))
+    with pytest.raises(ValueError, match=r"the folders of \['bad', 'empty'\] must be paths"):
+        check_settings(OmegaConf.create({"build": True, "existing": {"bad": 5, "empty": "", "ok": "x"}}))
     check_settings(OmegaConf.create({"build": False, "existing": {"exported": "x/{variant}"}}))

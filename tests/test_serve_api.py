@@ -173,7 +173,11 @@ def test_tokenize_detokenize_and_version(server, engine):
             ("tokenize", {"prompt": "x", "messages": messages}, 400, "prompt"),
             ("tokenize", {"messages": messages, "add_generation_prompt": False}, 400, "add_generation_prompt"),
             ("tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
-            ("detokenize", {"tokens": [engine.model.args.vocab_size]}, 400, "tokens")]:
+            ("detokenize", {"tokens": [engine.model.args.vocab_size]}, 400, "tokens"),
+            ("detokenize", {"model": "tiny"}, 400, "tokens"),
+            ("detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+            ("tokenize", {"messages": messages, "chat_template_kwargs": {"x": "y" * 5000}}, 400,
+             "chat_template_kwargs")]:
         assert api_error(httpx.post(f"{server}/{path}", json=body), status)["param"] == param, (path, body)
 
 

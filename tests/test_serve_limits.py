@@ -272,3 +272,23 @@ def test_a_bad_cors_setting_is_refused_by_name():
                      ({"allow_credentials": "yes"}, "cors.allow_credentials must be true or false")]:
         with pytest.raises(ValueError, match=msg):
             _check_cors(OmegaConf.create({"cors": bad}))
+
+
+def test_duplicate_token_texts_keep_their_highest_log_probability():
+    """Completions' top_logprobs are keyed by text: tokens that decode alike (pieces of one UTF-8
+    character, "�") keep the highest log-probability, whatever their order."""
+    from deltafleet.serve.app import _top_dict
+
+    assert _top_dict([("a", -1.0), ("\ufffd", -2.0), ("\ufffd", -1.5), ("b", -3.0), ("\ufffd", -2.5)]) == {
+        "a": -1.0, "\ufffd": -1.5, "b": -3.0}
+
+
+def test_the_server_checks_its_thread_setting_as_every_job():
+    from omegaconf import OmegaConf
+
+    from deltafleet.serve.run import _threads
+
+    assert _threads(OmegaConf.create({"threads": 3})) == 3
+    for bad in (0, -3, True, 1.5):
+        with pytest.raises(ValueError, match="threads must be null or a positive integer"):
+            _threads(OmegaConf.create({"threads": bad}))

@@ -220,7 +220,8 @@ def split_units(units: list[Unit], *, seed: int, domain: str, val_fraction: floa
     if min(n_docs.values()) < min_docs:
         raise ValueError(f"{domain}: {len(units)} units / {sum(n_docs.values())} documents are too few for "
                          f"train/val/test with >= {min_docs} documents each ({n_docs}); "
-                         f"raise data.max_chars.{domain} (or data.math_problems)")
+                         f"raise data.max_chars.{domain}"
+                         + {"math": " (or data.math_problems)", "chat": " (or data.chat_math_problems)"}.get(domain, ""))
     return out
 
 

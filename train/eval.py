@@ -379,15 +379,22 @@ def existing_artifacts(cfg: DictConfig, variant: str) -> dict[str, dict]:
         if not (folder / "bitdelta.json").is_file():
             print(f"[eval] {variant}: no artifact at {folder}: setting {name!r} skipped", flush=True)
             continue
-        manifest = json.loads((folder / "bitdelta.json").read_text())
+        try:
+            manifest = json.loads((folder / "bitdelta.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"existing.{name}: {folder / 'bitdelta.json'} is not valid JSON ({e})") from None
         out[name] = {"dir": folder, "manifest": manifest, "seconds": 0.0,
                      "distillation": (manifest.get("provenance") or {}).get("distillation")}
     return out
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Raises ValueError for an ``existing`` setting named as a built one, or nothing to compare."""
+    """Raises ValueError for an ``existing`` setting named as a built one or whose folder is not a
+    text, or nothing to compare."""
     names = set(cfg.get("existing") or {})
+    bad = sorted(n for n, v in (cfg.get("existing") or {}).items() if not isinstance(v, str) or not v)
+    if bad:
+        raise ValueError(f"existing: the folders of {bad} must be paths (text, with {{variant}} for the variant)")
     clash = sorted(n for n in names if n in ("base", "fine-tune") or n.startswith("bitdelta-"))
     if clash:
         raise ValueError(f"existing: setting names {clash} are reserved (base, fine-tune, bitdelta-*)")
@@ -408,6 +415,9 @@ def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint:
         blocks = blocks[: cfg.max_test_blocks]
     artifacts = build_artifacts(cfg, variant, domain, tokenizer, work, run_id, device) if cfg.build else {}
     artifacts.update(existing_artifacts(cfg, variant))
+    if not artifacts:  # build=false and none of the existing folders holds an artifact
+        raise FileNotFoundError(f"{variant}: no artifact in any folder of existing ({dict(cfg.existing)}) and "
+                                "build=false: nothing compressed to evaluate")
 
     models = {"base": load_hf(cfg.base_dir, device), "fine-tune": load_hf(ft_dir, device)}
     for name, a in artifacts.items():
