@@ -5,6 +5,7 @@ keeps its chat template and licence, passes its perplexity check, and a failed c
 nothing behind."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -36,6 +37,40 @@ def converted(tmp_path_factory) -> Path:
     assert f"{out}: 134,515,008 parameters (float32), perplexity" in r.stdout
     assert out.is_symlink() and (target / "model.safetensors").is_file()
     return out
+
+
+def _fine_tune_coder(root: Path, base: Path, *overrides: str) -> None:
+    """``python train/run.py variant=coder model=smollm2`` for 2 steps on real Python source (the coder
+    domain, written under ``root/data``) from ``base``, exporting ``root/artifacts/smollm2/coder``."""
+    texts = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    (root / "data" / "coder").mkdir(parents=True, exist_ok=True)
+    for split, part in (("train", texts[:-1]), ("val", texts[-1:]), ("test", texts[-1:])):
+        (root / "data" / "coder" / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    common = [f"paths.root={root}", f"base_dir={base}", f"model.name_or_path={base}"]
+    r = subprocess.run([sys.executable, "train/run.py", "variant=coder", "model=smollm2", *common, "logger=csv",
+                        "trainer.max_steps=2", "variant.batch_size=2", "variant.seq_len=32",
+                        "variant.val_check_interval=2", "variant.limit_val_batches=1", "eval_batches=1", *overrides,
+                        f"hydra.run.dir={root / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def _smollm2_server(root: Path, base: Path):
+    """``serve/run.py model=smollm2`` over ``base`` and ``root``'s artifacts, on loopback: its client."""
+    import openai
+
+    from tests.conftest import free_port, stop_server, wait_healthy
+
+    port = free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", "model=smollm2", f"paths.root={root}", f"base_dir={base}",
+                             f"port={port}", "log_level=warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, root / "server.log", 120)
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    finally:
+        stop_server(proc, log, 10)
 
 
 def test_the_checkpoint_is_plain_llama_with_the_smollm2_shape(converted):
@@ -171,22 +206,7 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     """``python train/run.py variant=coder model=smollm2`` (a short CPU run) fine-tunes the real base
     at the family's learning rate into ``models/smollm2-coder/`` and exports
     ``artifacts/smollm2/coder/``; ``serve/run.py model=smollm2`` then serves the base and the variant."""
-    import openai
-
-    from tests.conftest import free_port, stop_server, wait_healthy
-
-    src = [p for p in sorted(Path(json.__file__).parent.glob("*.py"))]  # real Python source, the coder domain
-    texts = [p.read_text() for p in src]
-    for split, part in (("train", texts[:-1]), ("val", texts[-1:]), ("test", texts[-1:])):
-        (tmp_path / "data" / "coder").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "data" / "coder" / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
-                                                                            for t in part))
-    common = [f"paths.root={tmp_path}", f"base_dir={converted}", f"model.name_or_path={converted}"]
-    r = subprocess.run([sys.executable, "train/run.py", "variant=coder", "model=smollm2", *common, "logger=csv",
-                        "trainer.max_steps=2", "variant.batch_size=2", "variant.seq_len=32",
-                        "variant.val_check_interval=2", "variant.limit_val_batches=1", "eval_batches=1",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _fine_tune_coder(tmp_path, converted)
     assert "heldout/base_loss" in json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["hyper_parameters"]["lr"] == pytest.approx(2e-5)  # the family's, not the variant's 1e-3
@@ -194,18 +214,9 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     assert manifest["variant"] == "coder"
     assert not (tmp_path / "models" / "coder").exists() and not (tmp_path / "artifacts" / "coder").exists()
 
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", "model=smollm2", *common[:2], f"port={port}",
-                             "log_level=warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, tmp_path / "server.log", 120)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    with _smollm2_server(tmp_path, converted) as client:
         assert sorted(m.id for m in client.models.list().data) == ["smollm2", "smollm2-coder"]
         out = client.completions.create(model="smollm2-coder", prompt="def parse(", max_tokens=4, temperature=0)
-    finally:
-        stop_server(proc, log, 10)
     assert out.usage.completion_tokens == 4 or out.choices[0].finish_reason == "stop"
 
 
@@ -215,11 +226,10 @@ def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
     and tokens equal transformers' own GGUF loading), fine-tuned 2 steps and exported with
     ``model=smollm2``, then served; the greedy chat answers of the base and of the variant equal
     transformers' ``generate`` on the converted checkpoint and on the materialised BitDelta weights."""
-    import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deltafleet.compress.bitdelta import load_artifact, materialize
-    from tests.conftest import free_port, stop_server, train_tiny_tokenizer, wait_healthy, write_tiny_gguf
+    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
 
     train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
     gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
@@ -238,18 +248,7 @@ def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(saved(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
-    texts = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]  # the coder domain
-    for split, part in (("train", texts[:-1]), ("val", texts[-1:]), ("test", texts[-1:])):
-        (tmp_path / "data" / "coder").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "data" / "coder" / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
-                                                                            for t in part))
-    common = [f"paths.root={tmp_path}", f"base_dir={base}", f"model.name_or_path={base}"]
-    r = subprocess.run([sys.executable, "train/run.py", "variant=coder", "model=smollm2", *common, "logger=csv",
-                        "trainer.max_steps=2", "variant.batch_size=2", "variant.seq_len=32", "variant.lr=1e-2",
-                        "model.finetune_lr=1e-2", "variant.val_check_interval=2", "variant.limit_val_batches=1",
-                        "eval_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _fine_tune_coder(tmp_path, base, "variant.lr=1e-2", "model.finetune_lr=1e-2")
     artifact = load_artifact(tmp_path / "artifacts" / "smollm2" / "coder")
     variant = AutoModelForCausalLM.from_pretrained(base).eval()
     variant.load_state_dict({**variant.state_dict(), **materialize(base, artifact)})
@@ -263,17 +262,8 @@ def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
         want[name] = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert want["smollm2"] and want["smollm2"] != want["smollm2-coder"]  # the fine-tune changed the answer
 
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", "model=smollm2", *common[:2], f"port={port}",
-                             "log_level=warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, tmp_path / "server.log", 120)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    with _smollm2_server(tmp_path, base) as client:
         got = {m: client.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=8)
                for m in want}
-    finally:
-        stop_server(proc, log, 10)
     assert {m: c.choices[0].message.content for m, c in got.items()} == want
     assert got["smollm2"].usage.prompt_tokens == prompt["input_ids"].shape[1]
