@@ -93,6 +93,7 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (413) unread
 MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
 RETRY_AFTER_S = 1  # the Retry-After of a 429
+MAX_CHOICES = 2048  # prompts × n of one request
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -770,6 +771,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                           param: str) -> list:
         """One request per prompt and choice (prompt i's choice j at ``i·n + j``; with a seed, choice j
         samples with seed + j); all checked before any starts, none kept if one fails."""
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts × n = {n} is {len(prompts) * n} choices; at most "
+                           f"{MAX_CHOICES} per request", "invalid_request_error", "n", "invalid_value")
         reqs = []
         try:
             for ids in prompts:
@@ -825,8 +829,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         def on_start() -> None:  # in the scheduler's thread
             state["started"] = True
-            with queued_lock:
-                queued["n"] -= 1
+            if admit:  # the HTTP request waits (counts against max_waiting) until its first choice starts
+                with queued_lock:
+                    queued["n"] -= 1
             metrics.waiting.labels(mid).dec()
             metrics.running.labels(mid).inc()
             metrics.queue.labels(mid).observe(time.perf_counter() - arrival)
@@ -837,8 +842,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 metrics.running.labels(mid).dec()
             else:
                 metrics.waiting.labels(mid).dec()
-                with queued_lock:
-                    queued["n"] -= 1
+                if admit:
+                    with queued_lock:
+                        queued["n"] -= 1
 
         with queued_lock:
             if admit and max_waiting is not None and queued["n"] >= max_waiting:
@@ -846,7 +852,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
                                "Retry later.", "rate_limit_error", None, "overloaded",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            queued["n"] += 1
+            if admit:
+                queued["n"] += 1
         metrics.waiting.labels(mid).inc()
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
         engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end))
@@ -880,7 +887,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int, list]]:
         """Run ``reqs`` together; ``(text, finish reason, tokens, steps)`` of each, in order."""
         jobs = start_all(reqs, arrival)
-        watches = [asyncio.create_task(cancel_on_disconnect(http, job[1])) for job in jobs]
+        watch = asyncio.create_task(cancel_on_disconnect(http, [c for _, c in jobs]))
 
         async def one(req, job) -> tuple[str, str, int, list]:
             parts, reason, all_steps = [], "length", []
@@ -897,15 +904,16 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 cancel.set()
             raise _api_error(e) from None
         finally:
-            for w in watches:
-                w.cancel()
+            watch.cancel()
 
-    async def cancel_on_disconnect(http: Request, cancel: threading.Event) -> None:
-        """Set ``cancel`` once the client of a non-streaming request hangs up (Starlette cancels a
-        streaming response by itself), so that an abandoned generation does not hold the model."""
-        while not cancel.is_set():
+    async def cancel_on_disconnect(http: Request, cancels: list[threading.Event]) -> None:
+        """Set every event of ``cancels`` (a request's choices) once its client hangs up (Starlette
+        cancels a streaming response by itself), so that an abandoned generation does not hold the
+        model. One watcher per HTTP request, however many choices it has."""
+        while not all(c.is_set() for c in cancels):
             if await http.is_disconnected():
-                cancel.set()
+                for c in cancels:
+                    c.set()
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
@@ -919,7 +927,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         """
         jobs = start_all(reqs, arrival)
         items = [steps(r, arrival, j) for r, j in zip(reqs, jobs)]
-        watches = [asyncio.create_task(cancel_on_disconnect(http, j[1])) for j in jobs]
+        watch = asyncio.create_task(cancel_on_disconnect(http, [c for _, c in jobs]))
         heads: list[list] = []
         try:
             for it in items:
@@ -932,8 +940,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 cancel.set()
             raise _api_error(e) from None
         finally:
-            for w in watches:
-                w.cancel()
+            watch.cancel()
 
         async def events():
             merged: asyncio.Queue = asyncio.Queue()

@@ -106,7 +106,8 @@ def _check_stop_chars(value):
 def _check_template_kwargs(value):
     """At most :data:`MAX_TEMPLATE_KWARGS_CHARS` characters of JSON: a template's switches, not text
     (which would skip the prompt's length checks)."""
-    if isinstance(value, dict) and len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_CHARS:
+    if isinstance(value, dict) and len(json.dumps(value, separators=(",", ":"), ensure_ascii=False)) > \
+            MAX_TEMPLATE_KWARGS_CHARS:
         raise PydanticCustomError("string_above_max_length", "Invalid 'chat_template_kwargs': more than "
                                   f"{MAX_TEMPLATE_KWARGS_CHARS} characters of JSON.")
     return value
@@ -136,7 +137,7 @@ _STREAM_OPTIONS_NEED_STREAM = {
 
 # Sampling fields where null means the default, as OpenAI and vLLM take it (clients send nulls).
 NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens")
+                   "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens", "echo")
 
 
 class _Sampling(BaseModel):

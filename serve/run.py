@@ -94,6 +94,9 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
         _check_timeouts(cfg)
         _check_cors(cfg)
+        if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)
+                                            or cfg.max_waiting < 1):
+            raise ValueError(f"max_waiting must be null or a positive integer, got {cfg.max_waiting!r}")
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,

@@ -796,6 +796,37 @@ def test_a_request_of_many_choices_is_admitted_as_one(engine):
     assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == list(range(6))
 
 
+def test_a_waiting_request_of_many_choices_counts_once_for_the_others(engine):
+    """While a request of many choices waits, another client is refused only if max_waiting HTTP
+    requests wait, not max_waiting choices; prompts × n above MAX_CHOICES is a 400 naming n."""
+    from deltafleet.serve.app import MAX_CHOICES
+
+    with TestClient(create_app(engine, max_waiting=2)) as tc:
+        engine._gen_lock.acquire()  # the model is busy: everything waits
+        try:
+            results = []
+            t = threading.Thread(target=lambda: results.append(tc.post("/v1/completions", json={
+                "model": "tiny", "prompt": "x", "n": 5, "max_tokens": 2})))
+            t.start()
+            deadline = time.time() + 10
+            while 'deltafleet:num_requests_waiting{model_name="tiny"} 5.0' not in tc.get("/metrics").text:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            other = threading.Thread(target=lambda: results.append(tc.post("/v1/completions", json={
+                "model": "tiny-coder", "prompt": "y", "max_tokens": 2})))
+            other.start()
+            time.sleep(0.3)
+        finally:
+            engine._gen_lock.release()
+        t.join(timeout=30)
+        other.join(timeout=30)
+        assert sorted(r.status_code for r in results) == [200, 200]
+        r = tc.post("/v1/completions", json={"model": "tiny", "prompt": ["x"] * 17, "n": MAX_CHOICES // 16})
+        assert api_error(r, 400)["param"] == "n"
+        assert tc.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                "echo": None}).status_code == 200
+
+
 def test_vllm_series_for_the_endpoint_picker(engine):
     """The series the Gateway API Inference Extension's endpoint picker reads, under vLLM's names and
     labels: requests running and waiting over all models, the KV cache's use (both names), and the

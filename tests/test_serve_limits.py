@@ -6,6 +6,9 @@ chunked bodies, a good request beside a huge one) is in tests/test_serve_api.py.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -16,6 +19,8 @@ from fastapi.testclient import TestClient
 from deltafleet.serve.app import create_app
 from tests.conftest import api_error
 from deltafleet.serve.engine import Engine, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
 
 GREEDY = dict(temperature=0, max_tokens=4)
 
@@ -292,3 +297,10 @@ def test_the_server_checks_its_thread_setting_as_every_job():
     for bad in (0, -3, True, 1.5):
         with pytest.raises(ValueError, match="threads must be null or a positive integer"):
             _threads(OmegaConf.create({"threads": bad}))
+
+
+def test_a_max_waiting_below_one_is_refused_at_startup(tmp_path):
+    """``max_waiting`` 0 or less would refuse every request: the server does not start, and says why."""
+    r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "max_waiting=0"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "max_waiting must be null or a positive integer, got 0" in r.stderr
