@@ -639,8 +639,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         engine.card(body.model or engine.family)  # 404 for a model this server does not serve
         try:
             if body.messages is not None:
-                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                            for m in body.messages]
+                messages = [m.as_dict() for m in body.messages]
                 ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
             else:
                 ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens)
@@ -1031,8 +1030,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         arrival = time.perf_counter()
         body.check()
         try:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages]
+            messages = [m.as_dict() for m in body.messages]
             ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
         except InvalidRequestError as e:
             raise _api_error(e) from None

@@ -271,6 +271,10 @@ class ChatMessage(BaseModel):
                                                                Tag("parts")],
                        Discriminator(lambda v: "parts" if isinstance(v, list) else "text")] | None = None
 
+    def as_dict(self) -> dict[str, str]:
+        """``{"role", "content"}`` as the chat template reads it (``developer`` is ``system``)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
