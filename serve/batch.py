@@ -211,14 +211,19 @@ class BatchDeltas:
         self._groups = None
 
     @staticmethod
-    def _grouped(x2: Tensor) -> bool:
+    def grouped(x2: Tensor) -> bool:
         """Whether rows ``x2`` are multiplied grouped by variant (see :data:`GROUPED_MIN_ROWS`)."""
         return x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+
+    def use_groups(self, groups) -> None:
+        """Multiply grouped by ``groups``: ``triton_grouped.group_rows`` of these slots, computed by the
+        caller (a piecewise graph's first segment, for all the others)."""
+        self._groups = ((self.slots.data_ptr(), self.slots.shape[0]), groups)
 
     def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:
         """Rows ``x2 [M, K]`` by ``weight`` plus each row's variant (slots ``[M]``), grouped where it runs."""
         signs, alphas = self.table.signs[name], self.table.alphas[name]
-        if self._grouped(x2):
+        if self.grouped(x2):
             key = (slots.data_ptr(), slots.shape[0])
             if self._groups is None or self._groups[0] != key:
                 from deltafleet.kernels.triton_grouped import group_rows

@@ -121,7 +121,7 @@ class Engine:
             0 (default): at once.
         cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
-        prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks of base rows as
+        prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks as
             piecewise CUDA graphs (serve/graphs.py, ``PiecewiseGraphs``).
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
             :func:`deltafleet.serve.follower.run_follower`); None: one process.

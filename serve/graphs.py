@@ -23,8 +23,8 @@ PyTorch CUDA-graphs recipe): they compile FlexAttention and the Triton kernels f
 allocate the kernels' split-K workspace, none of which may happen during capture. The eager runs
 write the same keys and values the replay then writes again, so they change nothing.
 
-Steps with prefill chunks of base rows can run as piecewise graphs (:class:`PiecewiseGraphs`); other
-steps with prefill chunks, steps on the CPU, under tensor parallelism (the other ranks run each step
+Steps with prefill chunks can run as piecewise graphs (:class:`PiecewiseGraphs`); steps that score
+prompt tokens, steps on the CPU, under tensor parallelism (the other ranks run each step
 eagerly) and steps that cannot be captured (:meth:`DecodeGraphs.capturable`) run eagerly, as every
 step does for good if a capture fails. The padding itself (:meth:`DecodeGraphs.pad` +
 :meth:`DecodeGraphs.forward_padded`) runs anywhere, which is how it is tested without a GPU; the
@@ -199,8 +199,8 @@ def token_buckets(max_tokens: int, first: int = 16) -> list[int]:
 
 
 class PiecewiseGraphs:
-    """Steps with prefill chunks, every token on the base, as CUDA graphs of everything but attention
-    (vLLM's piecewise CUDA graphs).
+    """Steps with prefill chunks as CUDA graphs of everything but attention (vLLM's piecewise CUDA
+    graphs).
 
     Attention's shapes follow a step's chunks, so such a step cannot be one graph; everything else in a
     layer is shaped by the step's token count alone. With the tokens padded to a bucket
@@ -220,8 +220,12 @@ class PiecewiseGraphs:
     compiles the fused functions for the shapes); ``capture=False`` runs the same segments eagerly
     (how it is tested off the GPU).
 
-    Only base rows: a variant's prefill chunks run the one-variant kernels per run of chunks
-    (serve/batch.py), whose bounds are Python values, not data a graph can read.
+    Rows of variants: each token's variant slot is a static buffer too, and the segments multiply
+    through :class:`~deltafleet.serve.batch.BatchDeltas` on it (the mixed-variant kernels, grouped by
+    variant from :data:`~deltafleet.serve.batch.GROUPED_MIN_ROWS` tokens on), so the variant layout is
+    data, as in a decode graph; a bucket has one set of graphs for base-only steps (the plain
+    ``F.linear`` path) and one for steps with a variant. Segment 0 groups the tokens by variant into
+    static buffers (``deltafleet.kernels.triton_grouped.group_rows``) that every later segment reads.
     """
 
     def __init__(self, runner, max_tokens: int, max_sample: int, capture: bool = True):
@@ -235,6 +239,8 @@ class PiecewiseGraphs:
         t = max_tokens
         self.tokens = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.variants = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.groups: dict[int, object] = {}  # bucket -> static RowGroups (tokens grouped by variant)
         self.rows = torch.zeros(max_sample, dtype=torch.int64, device=dev)
         self.cos = torch.zeros(t, 1, 1, hd, dtype=dt, device=dev)
         self.sin = torch.zeros(t, 1, 1, hd, dtype=dt, device=dev)
@@ -245,12 +251,13 @@ class PiecewiseGraphs:
         self.attn = torch.zeros(t, n_head, 1, hd, dtype=dt, device=dev)
         self.logits = torch.zeros(max_sample, a.vocab_size, dtype=dt, device=dev)
         pin = dev.type == "cuda"
-        self._host = torch.zeros(2, t, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(3, t, dtype=torch.int64, pin_memory=pin)
         self._host_rows = torch.zeros(max_sample, dtype=torch.int64, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
         self.replays = 0
+        self._workspaces = []  # the kernels' split-K workspaces the graphs were captured with (kept alive)
 
     def bucket(self, n: int) -> int:
         """The smallest bucket holding ``n`` tokens (ValueError outside ``[1, max_tokens]``)."""
@@ -259,32 +266,57 @@ class PiecewiseGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def accepts(self, step) -> bool:
-        """Whether ``step`` (a :class:`~deltafleet.serve.runner.StepInput`) runs here: every token on the
-        base, at most ``max_tokens`` tokens, at most ``max_sample`` sampling rows, no scored rows."""
+        """Whether ``step`` (a :class:`~deltafleet.serve.runner.StepInput`) runs here: at most
+        ``max_tokens`` tokens, at most ``max_sample`` sampling rows, no scored rows."""
         return (0 < len(step.tokens) <= self.max_tokens and len(step.sample) <= self.max_sample
-                and not step.score and all(v < 0 for v in step.variants))
+                and not step.score)
 
-    def segment(self, b: int, i: int) -> None:
-        """Segment ``i`` of bucket ``b`` (see the class docstring), on the static buffers."""
+    def _deltas(self, b: int, i: int) -> BatchDeltas:
+        """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
+        grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
+        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, max_blocks
+
+        table, slots = self.runner.slots, self.variants[:b]
+        delta = BatchDeltas(table, slots)
+        if not BatchDeltas.grouped(self.x[:b, 0]):
+            return delta
+        if b not in self.groups:
+            nb = max_blocks(b, table.n_slots)
+            zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
+            self.groups[b] = RowGroups(zeros(b), zeros(b), zeros(nb))
+        static = self.groups[b]
+        if i == 0:
+            g = group_rows(slots, table.n_slots)
+            static.order.copy_(g.order)
+            static.key.copy_(g.key)
+            static.first.copy_(g.first)
+        delta.use_groups(static)
+        return delta
+
+    def segment(self, b: int, i: int, with_deltas: bool = False) -> None:
+        """Segment ``i`` of bucket ``b`` (see the class docstring), on the static buffers; with
+        ``with_deltas`` through each token's variant."""
         m = self.model
         n_layers = len(m.layers)
+        delta = self._deltas(b, i) if with_deltas else None
         if i == 0:
             cos, sin = m.rope(self.positions[:b])
             self.cos[:b].copy_(cos)
             self.sin[:b].copy_(sin)
-            x = m.embed_tokens(self.tokens[:b, None], None)
+            x = m.embed_tokens(self.tokens[:b, None], delta)
         else:
             prev = m.layers[i - 1]
-            x = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], None), None)
+            x = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], delta), delta)
         if i < n_layers:
             self.x[:b].copy_(x)
-            q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], None)
+            q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], delta)
             self.q[:b].copy_(q)
             self.k[:b].copy_(k)
             self.v[:b].copy_(v)
         else:
             s = min(b, self.max_sample)
-            self.logits[:s].copy_(m.head(x[self.rows[:s]], None))
+            rows = self.rows[:s]
+            self.logits[:s].copy_(m.head(x[rows], None if delta is None else delta.select(rows)))
 
     def run(self, step) -> Tensor:
         """Run ``step`` (:meth:`accepts` it); returns its logits ``[len(step.sample), vocab]`` in the
@@ -292,28 +324,32 @@ class PiecewiseGraphs:
         ``torch.inference_mode()``."""
         n, s = len(step.tokens), len(step.sample)
         b = self.bucket(n)
+        with_deltas = any(v >= 0 for v in step.variants)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         host = self._host.numpy()
-        host[0, :n], host[1, :n] = step.tokens, step.positions
-        host[:, n:b] = 0
+        host[0, :n], host[1, :n], host[2, :n] = step.tokens, step.positions, step.variants
+        host[:2, n:b] = 0
+        host[2, n:b] = -1  # padding tokens: the base
         rows = self._host_rows.numpy()
         rows[:s] = step.sample
         rows[s:] = 0
         self.tokens[:b].copy_(self._host[0, :b], non_blocking=True)
         self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
+        self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
         self.rows.copy_(self._host_rows, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        _, _, paged, _, _ = self.runner.prepare(step)
+        _, _, paged, _, _ = self.runner.prepare(step, deltas=False)
         graphs = None
         if self.capture:
-            if b not in self.graphs:
-                self.graphs[b] = self._capture(b)
-            graphs = self.graphs[b]
+            key = (b, with_deltas)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(b, with_deltas)
+            graphs = self.graphs[key]
         for i in range(len(self.model.layers) + 1):
             if graphs is None:
-                self.segment(b, i)
+                self.segment(b, i, with_deltas)
             else:
                 graphs[i].replay()
             if i < len(self.model.layers):
@@ -321,20 +357,24 @@ class PiecewiseGraphs:
         self.replays += graphs is not None
         return self.logits[:s]
 
-    def _capture(self, b: int) -> list[torch.cuda.CUDAGraph]:
+    def _capture(self, b: int, with_deltas: bool) -> list[torch.cuda.CUDAGraph]:
         dev = self.runner.device
         n_seg = len(self.model.layers) + 1
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compile the fused functions for these shapes: not during capture
             for i in range(n_seg):
-                self.segment(b, i)
+                self.segment(b, i, with_deltas)
         torch.cuda.current_stream(dev).wait_stream(side)
+        # the split-K workspace the kernels write (kernels/triton_bitdelta.py, _workspace): should a
+        # later, larger call replace it, this reference keeps the graphs' copy allocated
+        triton_mod = sys.modules.get("deltafleet.kernels.triton_bitdelta")
+        self._workspaces.append(getattr(triton_mod, "_WORKSPACE", {}).get(dev))
         graphs = []
         for i in range(n_seg):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                self.segment(b, i)
+                self.segment(b, i, with_deltas)
             if self.pool is None:
                 self.pool = g.pool()
             graphs.append(g)

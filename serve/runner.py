@@ -81,7 +81,7 @@ class ModelRunner:
         cuda_graphs: replay decode-only steps as CUDA graphs (CUDA only; serve/graphs.py).
         attention: ``auto`` (FlexAttention on CUDA, SDPA elsewhere), ``flex`` or ``sdpa``.
         prefill_graphs: with ``cuda_graphs`` on CUDA, steps with prefill chunks of up to this many
-            tokens, all on the base, run as piecewise CUDA graphs (serve/graphs.py,
+            tokens run as piecewise CUDA graphs (serve/graphs.py,
             :class:`~deltafleet.serve.graphs.PiecewiseGraphs`); 0: eagerly.
     """
 
@@ -140,9 +140,11 @@ class ModelRunner:
         tokens, positions, paged, delta, rows = self.prepare(step)
         return self.model.forward_paged(tokens, positions, paged, delta, rows)
 
-    def prepare(self, step: StepInput) -> tuple[Tensor, Tensor, PagedStep, BatchDeltas | None, Tensor | None]:
+    def prepare(self, step: StepInput, deltas: bool = True) -> tuple[Tensor, Tensor, PagedStep, BatchDeltas | None,
+                                                                     Tensor | None]:
         """``step`` on the device: ``(tokens, positions, paged step, deltas or None, rows that sample or
-        None for all)``, the arguments of ``Transformer.forward_paged``."""
+        None for all)``, the arguments of ``Transformer.forward_paged``; ``deltas=False`` leaves the
+        deltas None (a piecewise graph reads the variants from its own buffer)."""
         dev = self.device
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
         nd = step.n_decode
@@ -174,7 +176,7 @@ class ModelRunner:
                    for n, firsts in whole.items()]
         paged = self.paged_step(kv_slots, nd, tables, num_blocks, dec_pos, chunks, prompts)
         delta = None
-        if any(v >= 0 for v in step.variants):
+        if deltas and any(v >= 0 for v in step.variants):
             delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)
         wanted = step.sample + step.score
         rows = None if wanted == list(range(len(step.tokens))) else as_long(wanted)

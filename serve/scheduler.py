@@ -87,7 +87,7 @@ class Scheduler:
         token_budget: tokens a step feeds at most (decode rows + prefill chunks; ≥ ``max_batch``).
         cuda_graphs: on a CUDA device in one process, replay decode-only steps as CUDA graphs
             (serve/graphs.py).
-        prefill_graphs: with ``cuda_graphs``, also steps with prefill chunks of base rows, as piecewise
+        prefill_graphs: with ``cuda_graphs``, also steps with prefill chunks, as piecewise
             CUDA graphs of up to ``token_budget`` tokens.
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
         delay_factor: admission pacing (serve/plan.py; 0: admit at once).

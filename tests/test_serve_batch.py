@@ -200,7 +200,7 @@ def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
             groupings.append(slot.tolist())
             return real(slot, n_slots, block_m)
 
-        monkeypatch.setattr(batch.BatchDeltas, "_grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
+        monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
         monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
         monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
         got = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()

@@ -172,17 +172,24 @@ def test_engine_decodes_every_step_by_graph_replay(family):
 
 
 def test_piecewise_graphs_match_the_eager_step(family):
-    """Base-only steps with prefill chunks (two new prompts of 150 and 90 tokens; then two decode rows
-    beside a third prompt's two chunks) by piecewise CUDA graphs (``ModelRunner.execute`` with
+    """Steps with prefill chunks by piecewise CUDA graphs (``ModelRunner.execute`` with
     ``prefill_graphs``) and eagerly (``ModelRunner.forward``) on two runners with their own caches:
-    the sampled rows' logits agree within the module's bound, each bucket is captured once (one graph
+    base-only steps (two new prompts of 150 and 90 tokens; then two decode rows beside a third
+    prompt's first chunk; then its second chunk), then steps with variants (a coder prompt of 200
+    tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
+    decode row beside a math prompt of 20: 21 tokens, per-row kernels). The sampled rows' logits
+    agree within the module's bound, each (bucket, with variants) pair is captured once (one graph
     per segment: 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    from deltafleet.compress.bitdelta import load_artifact
+    from deltafleet.serve.batch import GROUPED_MIN_ROWS, DeltaSlots
+    from deltafleet.serve.delta import VariantDelta
     from deltafleet.serve.loading import load_model
-    from deltafleet.serve.batch import DeltaSlots
     from deltafleet.serve.runner import ModelRunner, StepInput
 
     model = load_model(family.base_dir, "cuda", torch.bfloat16)
-    slots = DeltaSlots(model, 1)
+    slots = DeltaSlots(model, len(VARIANTS))
+    views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
+             for v in VARIANTS}
     bs, n_blocks = 128, 32
     eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="flex")
     piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex",
@@ -193,44 +200,59 @@ def test_piecewise_graphs_match_the_eager_step(family):
     free = torch.randperm(n_blocks, generator=gen).tolist()
     tables: dict[int, list[int]] = {}
     vocab = model.args.vocab_size
-    prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in ((0, 150), (1, 90), (2, 200))}
+    prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist()
+               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 20))}
 
-    def chunk(st, seq, ids, start):
+    def chunk(st, seq, ids, start, variant=-1):
         first = len(st.tokens)
         st.tokens += ids
         st.positions += range(start, start + len(ids))
         st.kv_slots += _slots_of(tables, seq, start, start + len(ids), bs, free)
-        st.variants += [-1] * len(ids)
+        st.variants += [variant] * len(ids)
         st.chunks.append((first, len(ids), start, list(tables[seq])))
         st.sample.append(len(st.tokens) - 1)
 
+    def decode(st, seq, token, pos, variant=-1):  # decode rows come first in a step
+        st.tokens.append(token)
+        st.positions.append(pos)
+        st.kv_slots += _slots_of(tables, seq, pos, pos + 1, bs, free)
+        st.variants.append(variant)
+        st.tables.append(list(tables[seq]))
+        st.sample.append(st.n_decode)
+        st.n_decode += 1
+
+    def check(st):
+        want, got = eager.forward(st).float(), piece.execute(st)
+        err, bound = _within(got, want)
+        assert err <= bound, (err, bound)
+        return want
+
+    coder, writer, maths = (views[v].slot for v in ("coder", "writer", "math"))
     with torch.inference_mode():
         one = StepInput()
         chunk(one, 0, prompts[0], 0)
         chunk(one, 1, prompts[1], 0)
-        want, got = eager.forward(one).float(), piece.execute(one)
-        err, bound = _within(got, want)
-        assert err <= bound, (err, bound)
-        assert list(pw.graphs) == [256] and len(pw.graphs[256]) == len(model.layers) + 1
+        want = check(one)
+        assert list(pw.graphs) == [(256, False)] and len(pw.graphs[256, False]) == len(model.layers) + 1
         two = StepInput()
-        for seq in (0, 1):  # decode rows first
-            pos = len(prompts[seq])
-            two.tokens.append(int(want[seq].argmax()))
-            two.positions.append(pos)
-            two.kv_slots += _slots_of(tables, seq, pos, pos + 1, bs, free)
-            two.variants.append(-1)
-            two.tables.append(list(tables[seq]))
-        two.n_decode, two.sample = 2, [0, 1]
+        for seq in (0, 1):
+            decode(two, seq, int(want[seq].argmax()), len(prompts[seq]))
         chunk(two, 2, prompts[2][:120], 0)
-        want, got = eager.forward(two).float(), piece.execute(two)
-        err, bound = _within(got, want)
-        assert err <= bound, (err, bound)
+        check(two)
         three = StepInput()
         chunk(three, 2, prompts[2][120:], 120)
-        want, got = eager.forward(three).float(), piece.execute(three)
-        err, bound = _within(got, want)
-        assert err <= bound, (err, bound)
-    assert pw.replays == 3 and sorted(pw.graphs) == [128, 256]
+        check(three)
+        four = StepInput()  # variants, grouped: 241 tokens
+        decode(four, 0, 7, len(prompts[0]) + 1)
+        chunk(four, 3, prompts[3], 0, coder)
+        chunk(four, 4, prompts[4], 0, writer)
+        assert len(four.tokens) >= GROUPED_MIN_ROWS
+        want = check(four)
+        five = StepInput()  # a variant's decode row beside another's prompt: per-row kernels
+        decode(five, 3, int(want[1].argmax()), len(prompts[3]), coder)
+        chunk(five, 5, prompts[5], 0, maths)
+        check(five)
+    assert pw.replays == 5 and sorted(pw.graphs) == [(32, True), (128, False), (256, False), (256, True)]
     for c_e, c_p in ((eager.cache.k, piece.cache.k), (eager.cache.v, piece.cache.v)):
         err, bound = _within(c_p, c_e)
         assert err <= bound, (err, bound)

@@ -354,7 +354,59 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend):
         torch.testing.assert_close(got, runner.forward(second), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[0], _alone(eng, "tiny", a + [nxt])[-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[1], _alone(eng, "tiny", b)[-1], rtol=1e-4, atol=1e-4)
-    coder = eng.get_delta("tiny-coder").slot
-    assert not pw.accepts(_step(_Tables(), [], [(0, a, 0, coder)]))  # a variant's chunk: eager
+        # variants: a coder prompt beside a base one, then a coder decode row beside a writer's chunk
+        coder, writer = eng.get_delta("tiny-coder").slot, eng.get_delta("tiny-writer").slot
+        t = _Tables()
+        third = _step(t, [], [(0, b, 0, coder), (1, a[:7], 0, -1)])
+        assert pw.accepts(third)
+        got = pw.run(third).clone()
+        torch.testing.assert_close(got, runner.forward(third), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], _alone(eng, "tiny-coder", b)[-1], rtol=1e-4, atol=1e-4)
+        nxt = int(got[0].argmax())
+        w = eng.encode_prompt(PROMPTS["tiny-writer"])
+        fourth = _step(t, [(0, nxt, len(b), coder)], [(2, w, 0, writer)])
+        got = pw.run(fourth).clone()
+        torch.testing.assert_close(got, runner.forward(fourth), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], _alone(eng, "tiny-coder", b + [nxt])[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], _alone(eng, "tiny-writer", w)[-1], rtol=1e-4, atol=1e-4)
+    scored = _step(_Tables(), [], [(0, a, 0, -1)])
+    scored.score = [0]
+    assert not pw.accepts(scored)  # a step that scores prompt tokens: eager
     with pytest.raises(ValueError, match="1 to 40 tokens"):
         pw.bucket(41)
+
+
+def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch):
+    """On a GPU a piecewise step of many tokens multiplies grouped by variant
+    (``BatchDeltas.grouped``); here under Triton's interpreter with the threshold at two tokens: the
+    first segment groups the tokens once (into the bucket's static buffers), every later segment
+    reads that grouping (the head groups its sampling rows), and the logits equal the eager step's."""
+    pytest.importorskip("triton")
+    from deltafleet.kernels import triton_grouped
+    from deltafleet.serve import batch
+    from deltafleet.serve.graphs import PiecewiseGraphs
+
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64)
+    pw = PiecewiseGraphs(runner, max_tokens=40, max_sample=4, capture=False)
+    coder, writer = eng.get_delta("tiny-coder").slot, eng.get_delta("tiny-writer").slot
+    a, b = eng.encode_prompt(PROMPTS["tiny"]), eng.encode_prompt(PROMPTS["tiny-coder"] * 2)
+    w = eng.encode_prompt(PROMPTS["tiny-writer"])
+    step = _step(_Tables(), [], [(0, b, 0, coder), (1, a, 0, -1), (2, w, 0, writer)])
+    with torch.inference_mode():
+        want = runner.forward(step).float()
+        groupings, real = [], triton_grouped.group_rows
+
+        def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
+            groupings.append(slot.tolist())
+            return real(slot, n_slots, block_m)
+
+        monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
+        monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
+        monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
+        got = pw.run(step).float()
+    n = len(step.tokens)
+    # the bucket's tokens once (padding tokens on the base), then the head's sampling rows (padded
+    # to max_sample with token 0)
+    heads = [step.variants[i] for i in step.sample] + [step.variants[0]] * (pw.max_sample - len(step.sample))
+    assert groupings == [step.variants + [-1] * (pw.bucket(n) - n), heads]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
