@@ -27,7 +27,8 @@ same with 16-token pages was 5–10× slower, gathering then SDPA 4–40×, and 
 (SDPA masked over 1,024 positions) read every row's whole context. FlashInfer and FlashAttention's
 paged kernels do not install on the GPU image; FlexAttention ships with PyTorch.
 
-A leaf module (torch and numpy only).
+A leaf module (torch and numpy; on CUDA, serve/rope_cache.py's Triton kernel is imported on first
+use).
 """
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def _flex():
 
 
 _FLEX = None
+_ROPE_STORE = None  # serve/rope_cache.rope_store once imported; False without triton
+
+
+def _rope_store():
+    """serve/rope_cache.py's ``rope_store`` (imported on first use on CUDA), or None without triton."""
+    global _ROPE_STORE
+    if _ROPE_STORE is None:
+        try:
+            from deltafleet.serve.rope_cache import rope_store
+        except ImportError:
+            rope_store = False
+        _ROPE_STORE = rope_store
+    return _ROPE_STORE or None
 
 # FlexAttention's decoding kernel (one query per row) on CUDA: 64-key tiles, two pipeline stages,
 # four warps. Its defaults (one stage, two warps) leave the loads unpipelined; docs/serving.md
@@ -224,13 +238,24 @@ class PagedLayer:
     def __init__(self, step: PagedStep, i: int):
         self.step, self.i = step, i
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write ``k``, ``v`` (``[T, n_kv, 1, hd]``) to their slots, then attend ``q`` (``[T, H, 1, hd]``,
-        rotated) as the module docstring says; returns ``[T, H, 1, hd]``."""
+    @staticmethod
+    def rotates(q: Tensor) -> bool:
+        """Whether :meth:`attend` can rotate ``q`` and the keys itself (``rope``): on CUDA, with triton."""
+        return q.is_cuda and _rope_store() is not None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Write ``k``, ``v`` (``[T, n_kv, 1, hd]``) to their slots, then attend ``q`` (``[T, H, 1, hd]``)
+        as the module docstring says; returns ``[T, H, 1, hd]``. ``q`` and ``k`` come rotated, or, where
+        :meth:`rotates`, with ``rope = (cos, sin)`` are rotated here, by the same kernel that writes
+        the cache (serve/rope_cache.py)."""
         st = self.step
         kc, vc = st.cache.k[self.i], st.cache.v[self.i]  # [KV, S, hd]
-        kc.index_copy_(1, st.kv_slots, k[:, :, 0].transpose(0, 1))
-        vc.index_copy_(1, st.kv_slots, v[:, :, 0].transpose(0, 1))
+        if rope is not None:
+            assert self.rotates(q)
+            q, k = _rope_store()(q, k, v, *rope, kc, vc, st.kv_slots)
+        else:
+            kc.index_copy_(1, st.kv_slots, k[:, :, 0].transpose(0, 1))
+            vc.index_copy_(1, st.kv_slots, v[:, :, 0].transpose(0, 1))
         nd = st.n_decode
         if not st.chunks and not st.prompts:
             return self._decode(q, kc, vc)

@@ -324,13 +324,19 @@ class Attention(nn.Module):
             return F.linear(x, weight, bias).split(sizes, -1)
         return self.q_proj(x, delta), self.k_proj(x, delta), self.v_proj(x, delta)
 
-    def qkv_heads(self, x: Tensor, cos: Tensor, sin: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v`` of ``x [B, T, D]``, heads first (``[B, heads, T, hd]``), q and k rotated."""
+    def heads(self, x: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` of ``x [B, T, D]``, heads first (``[B, heads, T, hd]``), not rotated (views of
+        the projections)."""
         b, t, _ = x.shape
         q, k, v = self.project(x, delta)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def qkv_heads(self, x: Tensor, cos: Tensor, sin: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` of ``x [B, T, D]``, heads first (``[B, heads, T, hd]``), q and k rotated."""
+        q, k, v = self.heads(x, delta)
         q, k = rope_qk(q, k, cos, sin)
         return q, k, v
 
@@ -341,9 +347,13 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
-        q, k, v = self.qkv_heads(x, cos, sin, delta)
         if getattr(cache, "paged", False):  # serve/attention.py: a flat batch over the paged cache
+            q, k, v = self.heads(x, delta)
+            if cache.rotates(q):  # rotation and the cache write in one kernel
+                return self.out(cache.attend(q, k, v, rope=(cos, sin)), delta)
+            q, k = rope_qk(q, k, cos, sin)
             return self.out(cache.attend(q, k, v), delta)
+        q, k, v = self.qkv_heads(x, cos, sin, delta)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)
         # Query head h reads key/value head h // (n_head / n_kv), as HF's repeat_kv does.
