@@ -303,20 +303,20 @@ class PiecewiseGraphs:
             cos, sin = m.rope(self.positions[:b])
             self.cos[:b].copy_(cos)
             self.sin[:b].copy_(sin)
-            x = m.embed_tokens(self.tokens[:b, None], delta)
+            x, r = m.embed_tokens(self.tokens[:b, None], delta), None
         else:
             prev = m.layers[i - 1]
-            x = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], delta), delta)
+            x, r = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], delta), delta)
         if i < n_layers:
-            self.x[:b].copy_(x)
-            q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], delta)
+            h, q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], delta, r)
+            self.x[:b].copy_(h)
             self.q[:b].copy_(q)
             self.k[:b].copy_(k)
             self.v[:b].copy_(v)
         else:
             s = min(b, self.max_sample)
             rows = self.rows[:s]
-            self.logits[:s].copy_(m.head(x[rows], None if delta is None else delta.select(rows)))
+            self.logits[:s].copy_(m.head(x[rows], None if delta is None else delta.select(rows), r[rows])[:, 0])
 
     def run(self, step) -> Tensor:
         """Run ``step`` (:meth:`accepts` it); returns its logits ``[len(step.sample), vocab]`` in the

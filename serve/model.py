@@ -400,20 +400,37 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, f"{prefix}.post_attention_layernorm")
         self.mlp = MLP(args, f"{prefix}.mlp")
 
+    # The residual stream leaves a layer as two terms, ``(h, m)`` with ``h + m`` the stream (``m`` the
+    # MLP's output): the next layer's input norm adds them in the same kernel (``add_rms_norm``), so
+    # no layer launches a kernel for the residual add alone. ``residual=None``: the stream is ``x``.
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
-                cache: KVCache | None, delta: VariantDelta | None) -> Tensor:
-        a = self.self_attn(self.input_layernorm(x, delta), cos, sin, mask, input_pos, cache, delta)
-        return self.after_attention(x, a, delta)
+                cache: KVCache | None, delta: VariantDelta | None,
+                residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The residual stream ``x + residual`` through the layer: the next one's ``(h, m)``."""
+        h, n = self.input_norm(x, residual, delta)
+        a = self.self_attn(n, cos, sin, mask, input_pos, cache, delta)
+        return self.after_attention(h, a, delta)
 
-    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
-        """The layer up to its attention: ``q, k, v`` of the residual stream ``x``."""
-        return self.self_attn.qkv_heads(self.input_layernorm(x, delta), cos, sin, delta)
+    def input_norm(self, x: Tensor, residual: Tensor | None, delta) -> tuple[Tensor, Tensor]:
+        """``(stream, its input norm)`` for the stream ``x + residual``."""
+        norm = self.input_layernorm
+        if residual is None:
+            return x, norm(x, delta)
+        return add_rms_norm(x, residual, norm.weight_for(delta), norm.eps)
 
-    def after_attention(self, x: Tensor, a: Tensor, delta) -> Tensor:
-        """The layer from its attention's projected output ``a`` on: the next residual stream."""
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta,
+                         residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer up to its attention: the stream ``x + residual`` and ``q, k, v`` of it."""
+        h, n = self.input_norm(x, residual, delta)
+        return (h, *self.self_attn.qkv_heads(n, cos, sin, delta))
+
+    def after_attention(self, h: Tensor, a: Tensor, delta) -> tuple[Tensor, Tensor]:
+        """The layer from its attention's projected output ``a`` on (the stream ``h`` before it): the
+        next stream as ``(h + a, MLP output)``."""
         norm = self.post_attention_layernorm
-        h, n = add_rms_norm(x, a, norm.weight_for(delta), norm.eps)
-        return h + self.mlp(n, delta)
+        h, n = add_rms_norm(h, a, norm.weight_for(delta), norm.eps)
+        return h, self.mlp(n, delta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,10 +491,10 @@ class Transformer(nn.Module):
         freqs = input_pos[:, None].float() * self.inv_freq[None, :]  # [T, hd/2], fp32 as in HF
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        x = self.embed_tokens(tokens, delta)
+        x, r = self.embed_tokens(tokens, delta), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, input_pos, None if cache is None else cache[i], delta)
-        return self.lm_head(self.norm(x, delta), delta)
+            x, r = layer(x, cos, sin, mask, input_pos, None if cache is None else cache[i], delta, r)
+        return self.head(x, delta, r)
 
     def forward_paged(self, tokens: Tensor, positions: Tensor, step, delta: BatchDeltas | None,
                       logits_rows: Tensor | None = None) -> Tensor:
@@ -495,15 +512,15 @@ class Transformer(nn.Module):
             each sequence alone with :meth:`forward` and its own variant.
         """
         cos, sin = self.rope(positions)
-        x = self.embed_tokens(tokens[:, None], delta)
+        x, r = self.embed_tokens(tokens[:, None], delta), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None, positions, step.layer(i), delta)
+            x, r = layer(x, cos, sin, None, positions, step.layer(i), delta, r)
         if logits_rows is not None:
             if not len(logits_rows):  # a step of prompt chunks that all go on: nothing samples
                 return x.new_empty(0, self.args.vocab_size)
-            x = x[logits_rows]
+            x, r = x[logits_rows], r[logits_rows]
             delta = None if delta is None else delta.select(logits_rows)
-        return self.head(x, delta)
+        return self.head(x, delta, r)[:, 0]
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` ``[T, 1, 1, hd]`` in the model's dtype for the flat batch's ``positions [T]``."""
@@ -511,9 +528,12 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]    # [T, 1, 1, hd]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def head(self, x: Tensor, delta) -> Tensor:
-        """Logits ``[R, vocab]`` of the flat batch's rows ``x [R, 1, D]``: final norm, then the head."""
-        return self.lm_head(self.norm(x, delta), delta)[:, 0]
+    def head(self, x: Tensor, delta, residual: Tensor | None = None) -> Tensor:
+        """Logits ``[B, T, vocab]`` of the stream ``x + residual`` (``[B, T, D]``): final norm, then
+        the head."""
+        norm = self.norm
+        n = norm(x, delta) if residual is None else add_rms_norm(x, residual, norm.weight_for(delta), norm.eps)[1]
+        return self.lm_head(n, delta)
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:
         """Shapes by Hugging Face parameter name (what an artifact may hold deltas for)."""
