@@ -174,9 +174,11 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
                             groups: RowGroups | None = None) -> torch.Tensor:
     """The contract of :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments,
-    shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then
-    :func:`add_sign_products`. ``groups``: :func:`group_rows` of ``slot``, when the caller has it
-    (it is the same for every layer of a step)."""
+    shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then the
+    sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
+    tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
+    ``groups``: :func:`group_rows` of ``slot`` (with :data:`BLOCK_M`), when the caller has it (it is
+    the same for every layer of a step)."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
@@ -188,5 +190,11 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
     if groups is None:
         groups = group_rows(slot, signs.shape[0])
-    alphas = alphas.to(device=x.device, dtype=torch.float32)
-    return add_sign_products(x, signs.contiguous(), alphas.contiguous(), groups, y)
+    alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
+    signs = signs.contiguous()
+    if not _interpret():
+        from deltafleet.kernels import gluon_grouped
+
+        if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
+            return gluon_grouped.add_sign_products_planes(x, signs, alphas, groups, y, block_m=BLOCK_M)
+    return add_sign_products(x, signs, alphas, groups, y)

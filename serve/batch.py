@@ -28,9 +28,11 @@ from deltafleet.serve.delta import VariantDelta, hf_name
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
-# decode batches of this many rows or more are multiplied grouped by variant on a GPU (below, the
-# per-row kernels of bitdelta_linear_batched are faster: docs/kernels.md, "Grouped mixed batches")
-GROUPED_MIN_ROWS = 129
+# batches of this many rows or more are multiplied grouped by variant on a GPU (the base product once,
+# each variant's sign tiles once per 16 of its rows); below, the per-row kernels of
+# bitdelta_linear_batched, tuned for decode batches of a few rows (docs/kernels.md, "Grouped mixed
+# batches")
+GROUPED_MIN_ROWS = 17
 
 
 def check_sign_layout(sign_layout: str, key: str = "sign_layout") -> None:

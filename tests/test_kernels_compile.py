@@ -245,6 +245,38 @@ if gb.HAVE_GLUON:
                          "serialized": "serialized" in ptxas_log(ptx)}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    # the grouped sign product on the int8 tensor cores (deltafleet.kernels.gluon_grouped): every
+    # configuration with y in bf16 and α per feature, the first of each block_m also with y in fp16 and
+    # one α per matrix, and with y in fp32. Its ptxas report comes from the ptxas Triton itself runs for
+    # sm_90 (from Triton 3.7 on the CUDA 13 one: bin/ptxas rejects the PTX version Triton emits, and
+    # its report is then empty), and must exist.
+    import re
+    from deltafleet.kernels import gluon_grouped as gg
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        sm90_ptxas = get_ptxas(90).path
+    except (ImportError, AttributeError):
+        sm90_ptxas = ptxas
+    def sm90_report(ptx):
+        with tempfile.TemporaryDirectory() as d:
+            (_P(d) / "k.ptx").write_text(ptx)
+            return subprocess.run([str(sm90_ptxas), "-arch=sm_90a", "-v", str(_P(d) / "k.ptx"), "-o",
+                                   str(_P(d) / "k.o")], capture_output=True, text=True).stderr
+    for bm, cfgs in gg.CONFIGS.items():
+        for i, cfg in enumerate(cfgs):
+            for dt, per_row in [("bf16", True)] + ([("fp16", False), ("fp32", True)] if i == 0 else []):
+                name = "grouped-planes " + json.dumps({"config": list(cfg), "dtype": dt, "alpha_per_row": per_row})
+                try:
+                    k = gg.compile_for_sm90(cfg, dt, per_row)
+                    ptx = k.asm["ptx"]
+                    log = sm90_report(ptx)
+                    spills = re.search(r"(\d+) bytes spill stores", log)
+                    out[name] = {"shared": k.metadata.shared, "ring": cfg.smem(), "wgmma": "wgmma.mma_async" in ptx,
+                                 "igmma": ".s32.s8.s8" in ptx, "report": "Used " in log,
+                                 "serialized": "serialized" in log or "C7512" in log or "C7515" in log,
+                                 "spills": int(spills.group(1)) if spills else -1}
+                except Exception as e:
+                    out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -280,8 +312,12 @@ def test_every_configuration_compiles_for_sm90(compiled):
                + len([c for c in gp.WS_CONFIGS[16] if c[0] == 128])
                ) if gb.HAVE_GLUON else 0
     n_tiled = 3 + 2  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel twice
+    from deltafleet.kernels import gluon_grouped as gg
+
+    # the grouped int8 kernel: every configuration, the first of each block_m twice more (fp16, fp32)
+    n_grouped = sum(len(c) + 2 for c in gg.CONFIGS.values()) if gb.HAVE_GLUON else 0
     assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
-                             + n_tiled)
+                             + n_tiled + n_grouped)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
     too_big = {k: v["shared"] for k, v in compiled.items() if v["shared"] > SMEM_LIMIT}
@@ -355,3 +391,25 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
     rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
     assert len(rs) == len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 2  # + two on tiled signs
     assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs
+
+
+def test_grouped_int8_kernel_compiles_without_serialised_wgmmas_or_spills(compiled):
+    """Every configuration of the grouped sign-product kernel (``deltafleet.kernels.gluon_grouped``)
+    compiles for sm_90a with int8 wgmmas, within the shared memory of one block (its ring and under
+    1 KiB of barriers and scratch: the epilogue stays in the accumulator's registers), and ptxas,
+    the one Triton runs for sm_90, reports no wgmma serialisation (C7512/C7515) and at most 128 bytes
+    of spills (none with Triton 3.9; Triton 3.6 spills about 100 bytes in the epilogue of the 64-row
+    two-consumer configurations, after the K loop)."""
+    from deltafleet.kernels import gluon_grouped as gg
+
+    if not gg.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    grouped = {k: v for k, v in compiled.items() if k.startswith("grouped-planes ")}
+    assert len(grouped) == sum(len(c) + 2 for c in gg.CONFIGS.values())
+    assert all(v["report"] for v in grouped.values()), "ptxas gave no -v report"
+    assert all(v["wgmma"] and v["igmma"] for v in grouped.values()), grouped
+    assert all(v["ring"] <= v["shared"] <= v["ring"] + 1024 <= gg.SMEM_PER_BLOCK for v in grouped.values()), grouped
+    serialized = sorted(k for k, v in grouped.items() if v["serialized"])
+    assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
+    spilled = {k: v["spills"] for k, v in grouped.items() if not 0 <= v["spills"] <= 128}
+    assert not spilled, f"ptxas spilled (bytes): {spilled}"

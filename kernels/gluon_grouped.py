@@ -1,0 +1,524 @@
+"""Hopper (sm_90a) grouped sign product on the int8 tensor cores (Gluon): one sign tile per block of
+rows that share a variant.
+
+``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` in place for every row m whose variant ``t = slot[m]`` is in ``[0, S)``
+(BitDelta, arXiv:2402.10193, §3.1 Eq. 2, the delta term), ``S_t = 2·bits_t − 1``; base rows are left
+untouched. It is ``deltafleet.kernels.triton_grouped.add_sign_products``' contract: the caller has
+already written the base product ``x·Wᵀ`` of every row into ``y`` (``torch.mm``, cuBLAS), and the rows
+come grouped by variant (:class:`~deltafleet.kernels.triton_grouped.RowGroups` from
+``group_rows(slot, S, block_m)``: rows sorted by variant, ``first[b]`` the first sorted row of block b,
+M past the last, a block up to ``block_m`` rows of one variant).
+
+Why: ``triton_grouped._grouped_kernel`` unpacks every sign bit to a ±1 bf16 operand (about five
+instructions per weight) for every block of rows, and is bound by that, not by memory. Here the sign
+product is an int8 tensor-core product whose sign operand is the packed bits themselves, as in
+``deltafleet.kernels.gluon_planes._planes_ws_kernel``, but with one expanded sign tile per *block of
+rows*, not per row:
+
+* ``s·x = 2·(s'·x) − Σx`` with ``s' = (s + 1)/2 ∈ {0, 1}``: bytes ``j = 0..3`` of one 32-bit A register
+  are bits ``q, q+8, q+16, q+24`` of a sign word, ``(word >> q) & 0x01010101`` (two instructions for
+  four weights), so logical K position ``4q + j`` of every 32-block is physical ``q + 8j`` on both
+  operands.
+* The activations are a 16-bit fixed-point copy with one scale per row, ``x ≈ scale·(256·hi + lo)``,
+  ``scale = max|x|/32639``, stored as two int8 planes in that permuted K order (``gluon_planes``'
+  ``_planes_kernel`` arithmetic, :func:`sorted_planes`). Integer sums are exact; the only rounding is
+  ``x`` to 16 bits, at most ``scale/2`` per element (plus the float32 rounding of ``1/scale``), so
+  the sign term of a row is off by at most ``α·K·1.01·scale/2``, and in practice by about
+  ``α·√K·scale/√12``.
+* The planes are stored in *sorted* row order: :func:`sorted_planes` reads row ``order[i]`` of x into
+  planes rows ``2i`` (hi) and ``2i + 1`` (lo), so block b's rows are the consecutive planes rows
+  ``2·first[b] …`` and one TMA box ``[2·BLOCK_M, BLOCK_K]`` loads them all. Rows of the box beyond the
+  block (another variant's, base rows, or past M) are multiplied too and discarded at the store; the
+  planes of base rows are not even written (their contents never reach ``y``).
+* One int8 wgmma ``m64 n(2·BLOCK_M) k32`` per 64 features and 32 weights: A the 64 features' sign bits
+  (registers), B the block's planes (shared memory), so each sign tile is expanded once per block and
+  multiplied by all its rows; accumulator columns ``2i`` and ``2i + 1`` are row i's hi and lo sums.
+
+Grid: ``(max_blocks, ceil(N / BLOCK_N))``, program ``(b, f)`` takes ``BLOCK_N`` = 64·NSUB features of
+block b. The grid depends on M, S and ``block_m`` only (``group_rows``' upper bound on the blocks), so
+a CUDA graph records it; programs past the last block (``first[b] ≥ M``) return at once; nothing
+synchronises with the host. Blocks run fastest, so the blocks of one variant, which read the same sign
+tiles, run side by side and share them through L2 (one variant's signs of a large matrix do not fit
+in L2: blocks of a variant far apart in launch order would each read them from HBM); the planes,
+``2·M·K`` bytes, stay in L2 whatever the order. ``BLOCK_N`` above 64 shares one planes tile among
+several sign tiles: per K step a program reads ``BLOCK_N·BLOCK_K/8`` sign bytes and ``2·BLOCK_M·BLOCK_K``
+plane bytes (from L2, again for every column of programs), so the plane traffic into the
+multiprocessors is ``16·BLOCK_M/BLOCK_N`` times the sign traffic.
+
+Pipeline (warp-specialised, as ``_planes_ws_kernel``): one loader warp issues per K step NSUB sign
+copies (each the ``BLOCK_K/128`` consecutive 64 × 128 tiles of one feature tile in
+``deltafleet.kernels.tile_signs``' layout, one contiguous piece) and one planes copy into a ring of
+``STAGES`` buffers (``ready``/``empty`` mbarriers); one, two or four consumer warpgroups each own
+``NSUB/CONSUMERS`` feature tiles: per K step and 32 weights each reads its tiles' sign words from
+shared memory, forms the A registers and issues asynchronous wgmmas against the shared planes, all of
+the step's wgmmas in flight together (or at most ``inflight`` after each feature tile), and waits for
+them at the end of the step: a wgmma with a register operand in flight across the loop's back edge
+makes ptxas serialise them all, and so do too few registers (C7512/C7515). :data:`CONFIGS` lists only
+configurations that compile without either and without spills (tests/test_kernels_compile.py).
+With ``BLOCK_K`` 256 the last step of an odd number of 128-weight tiles reads a sign tile past the
+feature tile's K range (the next tile's bits, or zeros past the tensor) against planes past K, which
+TMA fills with zeros: it adds nothing.
+
+Epilogue, per consumer and feature tile, in the accumulator's own register layout (no shared-memory
+scratch): ``(hi, lo)`` = the accumulator's column pairs (int32, held by one thread),
+``s·x = scale·(512·hi + 2·lo − Σq)`` in float32 (``Σq`` of the quantised row, from
+:func:`sorted_planes`), times ``α_t`` (per feature, ``[S, N]``, or one per matrix, ``[S]``), added to
+``y`` at row ``order[first + i]`` for the live rows (``i < first[b + 1] − first[b]``, the same variant,
+``< M``) and features ``< N``, rounded once to ``y``'s dtype. Each (row, feature) belongs to exactly
+one program, so no atomics are needed. Live rows are bounded by the next block's start, so groups cut
+with a *smaller* ``block_m`` than the kernel's are still right (just slower); a *larger* one would
+drop rows: call ``group_rows`` with :attr:`GroupedConfig.block_m` of the configuration launched.
+
+Constraints (:func:`supported`): compute capability 9.x with Gluon, x bf16/fp16 with K a multiple of
+128, signs in the tiled layout of 128-weight K steps (``[S, ceil(N/64), K/128, 64, 16]``), contiguous
+and 16-byte aligned, y ``[M, N]`` with unit stride along N.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
+from deltafleet.kernels.gluon_planes import _round_q, _row_inv
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from deltafleet.kernels.gluon_bitdelta import _tma_load
+    from deltafleet.kernels.gluon_planes import _as_words
+
+TILE_N = 64    # features per sign tile: the wgmma's M
+TILE_K = 128   # weights per sign tile (tile_signs' K step): 64 rows × 16 bytes, one contiguous KiB
+SMEM_PER_BLOCK = 232448  # bytes of shared memory one Hopper block may use (227 KiB)
+
+
+class GroupedConfig(NamedTuple):
+    """A launch configuration of :func:`add_sign_products_planes`.
+
+    Attributes:
+        block_m: rows per block (16, 32 or 64); ``group_rows`` must cut the blocks with the same
+            ``block_m`` (a smaller one is also correct). The wgmma's N is ``2·block_m``.
+        block_n: features per program, 64·NSUB (64, 128 or 256), NSUB sign tiles sharing one planes tile.
+        block_k: weights per K step (128 or 256; at most 256, the TMA box's longest side).
+        stages: ring buffers (sign tiles + planes per K step).
+        consumers: consumer warpgroups (1, 2 or 4), each owning ``block_n / 64 / consumers`` feature tiles.
+        regs: registers per thread of the launch (``maxnreg``), which sets the program's register
+            allocation; the loader gives up all but 24 (``setmaxnreg``) and one consumer takes them,
+            two or four get ``regs`` each.
+        inflight: after each feature tile's wgmmas of a K step, wait until at most this many are in
+            flight (fewer live A registers); 0: wait only at the end of the step.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    consumers: int
+    regs: int
+    inflight: int = 0
+
+    def smem(self) -> int:
+        """Bytes of the ring: per stage the sign tiles and the block's planes (the barriers come on
+        top)."""
+        return self.stages * (self.block_n * self.block_k // 8 + 2 * self.block_m * self.block_k)
+
+
+# Per block_m, configurations that compile for sm_90a without spills or wgmma serialisation
+# (tests/test_kernels_compile.py), in order of preference: :func:`choose_config` takes the first that
+# gives the GPU enough programs. ``regs`` sets the launch's register allocation, ``regs × 32 × 4·(consumers
+# + 1)`` per program (the loader warp is padded to a warpgroup); with one consumer its warpgroup takes the
+# loader's share too (``setmaxnreg``), so 80 still leaves it 136, and three programs fit a multiprocessor
+# by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile.
+CONFIGS: dict[int, tuple[GroupedConfig, ...]] = {
+    16: (GroupedConfig(16, 128, 256, 4, 1, 80), GroupedConfig(16, 256, 256, 4, 1, 128),
+         GroupedConfig(16, 64, 256, 6, 1, 80), GroupedConfig(16, 256, 256, 4, 2, 128)),
+    32: (GroupedConfig(32, 128, 256, 4, 1, 128), GroupedConfig(32, 64, 256, 4, 1, 80),
+         GroupedConfig(32, 256, 256, 3, 2, 168), GroupedConfig(32, 128, 128, 6, 2, 128)),
+    64: (GroupedConfig(64, 128, 128, 4, 2, 168), GroupedConfig(64, 64, 128, 6, 1, 96),
+         GroupedConfig(64, 64, 256, 3, 1, 96), GroupedConfig(64, 128, 256, 3, 2, 168)),
+}
+BLOCK_MS = tuple(CONFIGS)
+
+
+def default_config(block_m: int = 16) -> GroupedConfig:
+    """The first configuration of :data:`CONFIGS` for blocks of ``block_m`` rows (16, 32 or 64).
+
+    Raises:
+        ValueError: if ``block_m`` is not one of :data:`BLOCK_MS`.
+    """
+    if block_m not in CONFIGS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS}, got {block_m}")
+    return CONFIGS[block_m][0]
+
+
+def choose_config(n: int, max_blocks: int, block_m: int = 16, sms: int = 132) -> GroupedConfig:
+    """The untimed configuration for N features and a grid of ``max_blocks`` row blocks: the first
+    of :data:`CONFIGS` ``[block_m]`` whose grid ``ceil(N / block_n) × max_blocks`` is at least two
+    programs per multiprocessor (of ``sms``), else the one of the smallest ``block_n`` (the most
+    programs). ``max_blocks`` is ``group_rows``' upper bound, so the live programs may be fewer.
+
+    Raises:
+        ValueError: if ``block_m`` is not one of :data:`BLOCK_MS`.
+    """
+    default_config(block_m)  # checks block_m
+    configs = CONFIGS[block_m]
+    for cfg in configs:
+        if triton.cdiv(n, cfg.block_n) * max_blocks >= 2 * sms:
+            return cfg
+    return min(configs, key=lambda c: c.block_n)
+
+
+def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = None) -> bool:
+    """Whether :func:`add_sign_products_planes` can run: Gluon and a CUDA device of compute capability
+    9.x, x a 2-D bf16/fp16 tensor with K a positive multiple of 128, signs contiguous and 16-byte
+    aligned in ``deltafleet.kernels.tile_signs``' layout (``[S, ceil(N/64), K/128, 64, 16]`` uint8),
+    and (if given) y ``[M, N]`` in x's dtype or float32 with unit stride along N."""
+    if not HAVE_GLUON or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % TILE_K or x.shape[1] == 0:
+        return False
+    m, k = x.shape
+    if (signs.dtype != torch.uint8 or signs.dim() != 5 or tuple(signs.shape[2:]) != (k // TILE_K, TILE_N, 16)
+            or not signs.is_contiguous() or signs.data_ptr() % 16 or signs.device != x.device):
+        return False
+    if y is not None:
+        if (y.dim() != 2 or y.shape[0] != m or triton.cdiv(y.shape[1], TILE_N) != signs.shape[1]
+                or y.dtype not in (x.dtype, torch.float32) or y.stride(1) != 1 or y.device != x.device):
+            return False
+    return True
+
+
+@triton.jit(do_not_specialize=["NSLOT"])
+def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, stride_xm, NSLOT, BLOCK: tl.constexpr):
+    """Program i: sorted row i = x row ``order[i]``, unless it is a base row (``key[i] ≥ NSLOT``, whose
+    planes no store ever uses: left unwritten). As ``gluon_planes._planes_kernel``: ``scale =
+    max|x|/PLANE_MAX``, ``q = round(x/scale)``, planes ``p[2i] = hi``, ``p[2i + 1] = lo`` with ``q =
+    256·hi + lo`` in the permuted K order (logical ``4a + j`` of each 32-block ← physical ``a + 8j``),
+    ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
+    i = tl.program_id(0)
+    if tl.load(key_ptr + i) >= NSLOT:
+        return
+    r = tl.load(order_ptr + i).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
+    qsum = tl.zeros([BLOCK], tl.int32)
+    for k0 in range(0, K, BLOCK):
+        kl = k0 + offs
+        phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
+        q = _round_q(tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv)
+        hi = (q + 128) >> 8
+        lo = q - hi * 256
+        tl.store(p_ptr + (2 * i) * K + kl, hi.to(tl.int8), mask=kl < K)
+        tl.store(p_ptr + (2 * i + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
+        qsum += q
+    tl.store(sc_ptr + 2 * i, a / 32639.0)
+    tl.store(sc_ptr + 2 * i + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
+
+
+def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 activation planes of x's rows in sorted order (``gluon_planes.activation_planes`` of
+    ``x[order]``, without forming ``x[order]``).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, K a multiple of 32, unit stride along K.
+        order, key: int32 ``[M]``, ``RowGroups.order`` and ``RowGroups.key``.
+        n_slots: S; sorted rows with ``key ≥ S`` (base rows) are skipped.
+
+    Returns:
+        ``(planes, sc)``: int8 ``[2M, K]`` (rows ``2i``, ``2i + 1``: hi and lo bytes of x row
+        ``order[i]``, K permuted within 32-blocks) and float32 ``[M, 2]`` (``scale``, ``Σq``), with
+        ``x[order[i], k] ≈ scale_i·(256·hi + lo)`` to within ``scale_i/2``, ``scale_i = max|x|/PLANE_MAX``.
+        Rows of base rows are left uninitialised.
+    """
+    m, k = x.shape
+    planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
+    sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
+    if m:
+        _sorted_planes_kernel[(m,)](x, order, key, planes, sc, k, x.stride(0), n_slots,
+                                    BLOCK=min(8192, triton.next_power_of_2(k)), num_warps=8)
+    return planes, sc
+
+
+def _descriptors(signs: torch.Tensor, planes: torch.Tensor, cfg: GroupedConfig):
+    """TMA descriptors of the tiled signs (rows of 128 bytes, a box of ``BLOCK_K/128`` tiles of one
+    feature tile) and of the planes (a box of the block's ``2·BLOCK_M`` rows × ``BLOCK_K``)."""
+    unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)  # read back as words
+    s_desc = TensorDescriptor.from_tensor(signs.view(-1, 128), [8 * (cfg.block_k // TILE_K), 128], unswizzled)
+    pl = gl.NVMMASharedLayout.get_default_for([2 * cfg.block_m, cfg.block_k], gl.int8)
+    p_desc = TensorDescriptor.from_tensor(planes, [2 * cfg.block_m, cfg.block_k], pl)
+    return s_desc, p_desc
+
+
+def _check_config(cfg: GroupedConfig) -> None:
+    if cfg.block_m not in (16, 32, 64):
+        raise ValueError(f"block_m must be 16, 32 or 64, got {cfg.block_m}")
+    if cfg.block_k not in (128, 256):
+        raise ValueError(f"block_k must be 128 or 256, got {cfg.block_k}")
+    if cfg.block_n not in (64, 128, 256) or cfg.consumers not in (1, 2, 4) or (cfg.block_n // TILE_N) % cfg.consumers:
+        raise ValueError(f"block_n = {cfg.block_n} (64, 128 or 256) must split into {cfg.consumers} consumer "
+                         "warpgroups (1, 2 or 4) of whole 64-feature tiles")
+    if cfg.stages < 2:
+        raise ValueError(f"stages must be 2 or more, got {cfg.stages}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
+                             block_m: int = 16, **config) -> torch.Tensor:
+    """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 (:func:`supported`: K a multiple of 128, unit stride along K).
+        signs: ``deltafleet.kernels.tile_signs`` of the ``[S, N, K/8]`` signs: uint8
+            ``[S, ceil(N/64), K/128, 64, 16]``, contiguous, 16-byte aligned.
+        alphas: float32 ``[S]`` (one per matrix) or ``[S, N]`` (per feature), contiguous rows.
+        groups: ``triton_grouped.group_rows(slot, S, block_m)`` with **this** ``block_m`` (a smaller
+            one is also correct; a larger one drops rows).
+        y: ``[M, N]`` in x's dtype (or float32), unit stride along N, holding the base product; the
+            sign term is added in float32 and the sum rounded once to y's dtype.
+        block_m: rows per block, 16, 32 or 64 (the wgmma's N is twice that).
+        config: fields of :class:`GroupedConfig` other than ``block_m`` (``block_n``, ``block_k``,
+            ``stages``, ``consumers``, ``regs``, ``inflight``) overriding ``default_config(block_m)``;
+            without any, :func:`choose_config` picks one by the grid size.
+
+    Returns:
+        ``y``. Trusts its inputs, as ``triton_grouped.add_sign_products`` does (check with
+        :func:`supported`); no host synchronisation, so a CUDA graph can record it.
+
+    Raises:
+        ValueError: if ``block_m`` or a configuration field is not one the kernel takes.
+    """
+    m, k = x.shape
+    n = y.shape[1]
+    cfg = default_config(block_m)  # checks block_m
+    if config:
+        cfg = cfg._replace(**config)
+    else:
+        cfg = choose_config(n, groups.max_blocks, block_m, _sms(x.device))
+    _check_config(cfg)
+    if m == 0:
+        return y
+    s = signs.shape[0]
+    planes, sc = sorted_planes(x, groups.order, groups.key, s)
+    s_desc, p_desc = _descriptors(signs, planes, cfg)
+    grid = (groups.max_blocks, triton.cdiv(n, cfg.block_n))  # blocks fastest: see the module docstring
+    _grouped_planes_kernel[grid](
+        s_desc, p_desc, groups.order, groups.key, groups.first, sc, alphas, y,
+        m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
+        ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
+        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, num_warps=4, maxnreg=cfg.regs)
+    return y
+
+
+def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: bool = True):
+    """Compile the kernel for sm_90a ahead of time, without a GPU, for the compile test
+    (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
+
+    Args:
+        cfg: a :class:`GroupedConfig`. dtype: y's element type, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        alpha_per_row: α per output feature (``[S, N]``) rather than one per matrix.
+
+    Returns:
+        Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    _check_config(cfg)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    pl = gl.NVMMASharedLayout.get_default_for([2 * cfg.block_m, cfg.block_k], gl.int8)
+    sig = {"s_desc": f"tensordesc<u8[{8 * (cfg.block_k // TILE_K)}, 128],{sl!r}>",
+           "p_desc": f"tensordesc<i8[{2 * cfg.block_m}, {cfg.block_k}],{pl!r}>",
+           "order_ptr": "*i32", "key_ptr": "*i32", "first_ptr": "*i32", "sc_ptr": "*fp32", "a_ptr": "*fp32",
+           "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32", "NBLK": "i32",
+           "stride_as": "i32", "stride_ym": "i32"}
+    consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
+                  CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, num_warps=4)
+    sig.update({c: "constexpr" for c in consts})
+    names = _grouped_planes_kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("order_ptr", "key_ptr", "first_ptr", "sc_ptr", "a_ptr", "y_ptr", "N", "K", "stride_ym")}
+    return triton.compile(GluonASTSource(fn=_grouped_planes_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": cfg.regs})
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel: a loader warp issues the TMA copies; consumer warpgroups own 64-feature sign tiles.
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _gp_load(p, NSUB: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: per K step, wait until the consumers have freed the stage, then copy the
+        NSUB sign boxes (feature tiles ``f0 … f0 + NSUB − 1`` of the block's variant) and the block's
+        planes box into it."""
+        (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
+        BK: gl.constexpr = p_desc.block_type.shape[1]
+        R: gl.constexpr = s_desc.block_type.shape[0]  # 128-byte rows of one box: 8 per 128-weight tile
+        nbytes: gl.constexpr = NSUB * s_desc.block_type.nbytes + p_desc.block_type.nbytes
+        NT = gl.cdiv(N, 64)
+        KT = K // 128
+        # first 128-byte row of (slot, feature tile off_n/64, K tile 0); tiles past NT belong to the
+        # next slot or lie past the tensor (zeros): their features are ≥ N and never stored
+        srow = (slot * NT + off_n // 64) * KT * 8
+        for ki in range(gl.cdiv(K, BK)):
+            stage = ki % STAGES
+            mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            for j in gl.static_range(NSUB):
+                _tma_load(s_desc, [srow + j * KT * 8 + ki * R, 0], bar, s_smem.index(stage * NSUB + j))
+            _tma_load(p_desc, [2 * first, ki * BK], bar, p_smem.index(stage))
+
+    @gluon.jit
+    def _gp_consume(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                    ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr):
+        """Feature tiles ``T0 … T0 + NW − 1`` of the program's NSUB, as one warpgroup: the K loop of
+        int8 wgmmas (A: the tile's sign bits as 0/1 bytes in registers, B: the block's planes), then
+        the epilogue into y."""
+        (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
+        (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
+        BK: gl.constexpr = p_desc.block_type.shape[1]
+        BM2: gl.constexpr = p_desc.block_type.shape[0]  # 2·BLOCK_M plane rows: the wgmma's N
+        BM: gl.constexpr = BM2 // 2
+        KS: gl.constexpr = BK // 128                      # 128-weight sign tiles per K step
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BM2, 32])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
+
+        acc = ()
+        for t in gl.static_range(NW):
+            acc = acc + (gl.zeros([64, BM2], gl.int32, acc_l), )
+        for ki in range(gl.cdiv(K, BK)):
+            stage = ki % STAGES
+            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+            pbuf = p_smem.index(stage)
+            new = ()
+            for t in gl.static_range(NW):
+                words = _as_words(s_smem.index(stage * NSUB + T0 + t), 64 * KS, 4, word_l)  # [64·KS, 4] int32
+                a_t = acc[t]
+                for c in gl.static_range(BK // 32):
+                    # chunk c: word c % 4 of the 64 feature rows of 128-weight tile c // 4
+                    wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)  # [64, 1]
+                    a = gl.inline_asm_elementwise(
+                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    b = pbuf.slice(32 * c, 32, dim=1).permute((1, 0))                               # [32, 2·BM]
+                    a_t = warpgroup_mma(a, b, a_t, is_async=True)
+                if INFLIGHT > 0:
+                    a_t = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(a_t, ))
+                new = new + (a_t, )
+            done = warpgroup_mma_wait(num_outstanding=0, deps=new)
+            if NW == 1:  # one dependency comes back as a tensor, not a tuple
+                acc = (done, )
+            else:
+                acc = done
+            fence_async_shared()  # the sign words' shared loads come before the loader's next copy
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # epilogue, in the accumulator's own layout (no shared-memory scratch, no layout conversion):
+        # (hi, lo) of row i are the accumulator's columns (2i, 2i + 1), which one thread holds
+        h0, _ = gl.split(gl.reshape(acc[0], [64, BM, 2]))
+        out_l: gl.constexpr = h0.type.layout                  # [64 features, BM rows]
+        i = gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
+        srow = first + i                                      # the box's sorted rows
+        nxt = gl.load(first_ptr + gl.program_id(0) + 1, mask=gl.program_id(0) + 1 < NBLK, other=M)
+        live = (srow < nxt) & (srow < M)                      # this block's rows ...
+        live = live & (gl.load(key_ptr + srow, mask=live, other=-1) == slot)  # ... of its variant
+        orow = gl.load(order_ptr + srow, mask=live, other=0).to(gl.int64)
+        scale = gl.expand_dims(gl.load(sc_ptr + 2 * srow, mask=live, other=0.0), 0)      # [1, BM]
+        qsum = gl.expand_dims(gl.load(sc_ptr + 2 * srow + 1, mask=live, other=0.0), 0)
+        live2 = gl.expand_dims(live, 0)
+        yrow = gl.expand_dims(orow * stride_ym, 0)
+        for t in gl.static_range(NW):
+            hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
+            feat = off_n + (T0 + t) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+            fmask = feat < N
+            if ALPHA_PER_ROW:
+                alpha = gl.load(a_ptr + slot * stride_as + feat, mask=fmask, other=0.0)
+            else:
+                alpha = gl.load(a_ptr + slot * stride_as + feat * 0, mask=fmask, other=0.0)
+            # s·x = 2·(s'·x) − Σx with x = scale·(256·hi + lo)
+            sdot = scale * (512.0 * hi.to(gl.float32) + 2.0 * lo.to(gl.float32) - qsum)
+            m2 = gl.expand_dims(fmask, 1) & live2
+            ptrs = y_ptr + yrow + gl.expand_dims(feat, 1)
+            base = gl.load(ptrs, mask=m2, other=0.0).to(gl.float32)
+            gl.store(ptrs, (base + gl.expand_dims(alpha, 1) * sdot).to(y_ptr.dtype.element_ty), mask=m2)
+
+    @gluon.jit
+    def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                   ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr):
+        """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``."""
+        if LOADER:
+            _gp_load(p, NSUB, STAGES)
+        else:
+            _gp_consume(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, INFLIGHT)
+
+    # M, S and the block count vary with every serving step: no recompile when one of them is 1 or a
+    # multiple of 16
+    @gluon.jit(do_not_specialize=["M", "NSLOT", "NBLK"])
+    def _grouped_planes_kernel(s_desc, p_desc, order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr,
+                               M, N, K, NSLOT, NBLK, stride_as, stride_ym,
+                               ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
+                               CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
+                               num_warps: gl.constexpr):
+        """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
+        first = gl.load(first_ptr + gl.program_id(0))
+        if first < M:  # programs past the last block do nothing
+            slot = gl.load(key_ptr + first)
+            off_n = gl.program_id(1) * (64 * NSUB)
+            BK: gl.constexpr = p_desc.block_type.shape[1]
+            s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NSUB, s_desc.block_type.shape[0],
+                                                          s_desc.block_type.shape[1]], s_desc.layout)
+            p_smem = gl.allocate_shared_memory(gl.int8, [STAGES, p_desc.block_type.shape[0], BK], p_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+                mbarrier.init(empty.index(s), count=CONSUMERS)
+            p = (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT)
+            q = (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym)
+            NW: gl.constexpr = NSUB // CONSUMERS
+            A: gl.constexpr = ALPHA_PER_ROW
+            I: gl.constexpr = INFLIGHT
+            # consumer 0 is the default partition; the other consumers and the loader warp are workers
+            # (a partition list is a literal: Gluon tuples cannot hold functions)
+            if CONSUMERS == 1:
+                gl.warp_specialize([
+                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                ], [1], [24])
+            elif CONSUMERS == 2:
+                gl.warp_specialize([
+                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                ], [4, 1], [CONS_REGS, 24])
+            elif CONSUMERS == 4:
+                gl.warp_specialize([
+                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
+            else:
+                gl.static_assert(False, "1, 2 or 4 consumer warpgroups")
+

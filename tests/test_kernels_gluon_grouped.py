@@ -1,0 +1,212 @@
+"""The grouped sign product on the int8 tensor cores (kernels/gluon_grouped.py).
+
+The kernel (Gluon) runs on a Hopper GPU only: those tests are marked ``gpu`` and skipped elsewhere
+(tests/conftest.py; ``make test-gpu`` sets ``DELTAFLEET_TRITON_DEVICE=cuda``). The sorted-planes kernel
+(plain Triton), the configuration table and the wrapper's argument checks are tested on the CPU too,
+under ``TRITON_INTERPRET=1``.
+
+Tolerances. With y in float32 (zeros) the kernel's output is the sign term alone, and is held to
+(1) the same product with the activations quantised as ``sorted_planes`` quantises them, computed here
+in float64, to within a few float32 roundings of ``512·Σhi`` (≤ ``α·scale·K/32``, also covering a
+quantised value one off where the device's division rounds ``1/scale`` differently); (2) the exact
+sign term to within the quantisation bound ``α·K·0.505·scale`` (each activation within ``scale/2``, plus
+the float32 rounding of ``x/scale``: tests/test_kernels_triton.py's activation-plane test), plus (1).
+With y in the activation dtype holding ``torch.mm``'s base product, the result is held to the float32
+reference as tests/test_kernels_grouped.py holds the Triton kernel (``c·max|y_ref|``, c = 2⁻⁶ bf16,
+2⁻⁹ fp16), base rows must come back bit for bit, and each row must have used its own variant.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from deltafleet.kernels import pack_signs, tile_signs, unpack_signs  # noqa: E402
+from deltafleet.kernels import gluon_grouped as gg  # noqa: E402
+from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
+from deltafleet.kernels.triton_grouped import group_rows  # noqa: E402
+
+TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
+
+
+def _zipf(m: int, tenants: int, g: torch.Generator) -> torch.Tensor:
+    """Rows over the base (−1) and ``tenants`` variants with Zipf(1) popularity: odd group sizes."""
+    p = 1.0 / torch.arange(1, tenants + 2, dtype=torch.float64)
+    return (torch.multinomial(p, m, replacement=True, generator=g) - 1).to(torch.int32)
+
+
+SLOTS = {
+    "zipf": _zipf,
+    "own": lambda m, t, g: torch.randperm(t, generator=g)[:m].to(torch.int32),   # every row its own variant
+    "one": lambda m, t, g: torch.full((m,), t - 1, dtype=torch.int32),           # all rows one variant
+    # variants 1 … t − 2 absent (empty groups), base rows mixed in
+    "gap": lambda m, t, g: torch.randint(-1, 2, (m,), generator=g, dtype=torch.int32) * (t - 1),
+    # base rows as −1 and as slots past S, among odd groups
+    "oob": lambda m, t, g: torch.where(torch.rand(m, generator=g) < 0.2, t + 3, _zipf(m, t, g)).to(torch.int32),
+}
+
+CASES = [  # (M, slots, variants, N, K, α per feature)
+    (1, "one", 3, 200, 384, True),      # one row; N ragged (a part tile); K three 128-tiles (odd)
+    (5, "own", 5, 520, 384, False),     # every row its own variant; feature tiles past N in the last column
+    (16, "zipf", 4, 200, 1024, True),   # odd group sizes with base rows
+    (16, "own", 16, 136, 256, False),   # sixteen rows, sixteen variants
+    (37, "oob", 4, 200, 384, True),     # out-of-range slots and −1 among odd groups
+    (64, "gap", 6, 520, 384, False),    # empty groups between the present ones
+    (64, "one", 3, 200, 1024, True),    # one variant over one to four blocks
+    (256, "zipf", 14, 520, 384, True),  # a serving step's mix
+    (256, "one", 2, 136, 256, False),   # one variant, 4 to 16 blocks
+]
+
+
+def _case(m, pattern, tenants, n, k, row_alpha, dtype):
+    g = torch.Generator().manual_seed(m * 131 + n + k + tenants)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x[0, 3] = 9.0  # an outlier sets row 0's scale
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = (0.03 + 0.05 * torch.rand((tenants, n) if row_alpha else (tenants,), generator=g))
+    slot = SLOTS[pattern](m, tenants, g)
+    return x, w, signs, alphas, slot
+
+
+def _sign_terms(x, signs, alphas, slot, k):
+    """float64 ``[M, N]``: ``α_t ⊙ (x·S_tᵀ)`` exactly and with x quantised as ``sorted_planes`` does
+    it; the per-row scale. Rows without a variant: zeros."""
+    n_slots, n = signs.shape[0], signs.shape[1]
+    xf = x.float()
+    a = xf.abs().amax(dim=1)
+    a = torch.where(a >= 1e-30, a, torch.zeros_like(a))
+    inv = torch.where(a > 0, torch.tensor(32639.0) / a, torch.zeros_like(a))       # float32, as the kernel
+    v = xf * inv[:, None]
+    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc().double()                       # round half away
+    scale = (a / 32639.0).double()
+    exact = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    quant = torch.zeros_like(exact)
+    for t in range(n_slots):
+        rows = (slot == t).nonzero(as_tuple=True)[0]
+        if len(rows) == 0:
+            continue
+        s = unpack_signs(signs[t], k, torch.float64)                                 # [N, K] of ±1
+        al = alphas[t].double()
+        exact[rows] = (xf[rows].double() @ s.t()) * al
+        quant[rows] = (q[rows] @ s.t()) * scale[rows, None] * al
+    return exact, quant, scale
+
+
+def test_sorted_planes_are_the_planes_of_the_rows_in_sorted_order():
+    """``sorted_planes`` writes, for every sorted row of a variant, the planes and (scale, Σq) that
+    ``gluon_planes.activation_planes`` computes for that row of ``x[order]``; base rows are skipped."""
+    from deltafleet.kernels.gluon_planes import activation_planes
+
+    g = torch.Generator().manual_seed(0)
+    m, k, tenants = 19, 96, 3
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    slot = _zipf(m, tenants, g)
+    slot[4] = tenants + 2  # out of range: a base row
+    groups = group_rows(slot.to(DEVICE), tenants, 16)
+    planes, sc = gg.sorted_planes(x.to(DEVICE), groups.order, groups.key, tenants)
+    ref_planes, ref_sc = activation_planes(x.to(DEVICE)[groups.order.long()])
+    live = (groups.key < tenants).cpu()
+    assert live.sum() == ((slot >= 0) & (slot < tenants)).sum() > 0
+    rows2 = torch.stack([2 * torch.arange(m), 2 * torch.arange(m) + 1], 1)[live].flatten()
+    assert torch.equal(planes.cpu()[rows2], ref_planes.cpu()[rows2])
+    assert torch.equal(sc.cpu()[live], ref_sc.cpu()[live])
+
+
+def test_configurations_are_ones_the_kernel_takes():
+    """Every entry of the table is launchable (``_check_config``), filed under its own block_m, within
+    one block's shared memory; the chooser takes the first with two programs per multiprocessor, else
+    the most programs."""
+    for bm, cfgs in gg.CONFIGS.items():
+        assert cfgs[0] == gg.default_config(bm)
+        for cfg in cfgs:
+            gg._check_config(cfg)
+            assert cfg.block_m == bm and cfg.smem() + 1024 <= gg.SMEM_PER_BLOCK
+    assert gg.choose_config(57344, 30, 16) == gg.CONFIGS[16][0]       # 224 columns × 30 blocks
+    assert gg.choose_config(4096, 2, 16).block_n == 64                # 7B o at 16 rows of one variant
+    assert gg.choose_config(4096, 2, 64).block_n == 64
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        gg.default_config(48)
+
+
+def test_wrapper_refuses_what_the_kernel_cannot_launch():
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    signs = tile_signs(torch.zeros(2, 64, 16, dtype=torch.uint8))
+    groups = group_rows(torch.zeros(4, dtype=torch.int32), 2, 16)
+    y = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert not gg.supported(x, signs, y)  # not on a Hopper GPU
+    for bad, match in ((dict(block_m=48), "block_m must be one of"), (dict(block_k=512), "block_k must be 128 or 256"),
+                       (dict(consumers=3), "must split into 3 consumer"), (dict(stages=1), "stages must be 2"),
+                       (dict(blockn=64), "unexpected field")):
+        with pytest.raises(ValueError, match=match):
+            gg.add_sign_products_planes(x, signs, torch.ones(2), groups, y, **bad)
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not gg.HAVE_GLUON:
+        pytest.skip("not a Hopper GPU with Gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", gg.BLOCK_MS)
+@pytest.mark.parametrize("m, pattern, tenants, n, k, row_alpha", CASES,
+                         ids=[f"m{c[0]}-{c[1]}-t{c[2]}-n{c[3]}-k{c[4]}-{'feat' if c[5] else 'mat'}" for c in CASES])
+def test_grouped_planes_match_reference(block_m, m, pattern, tenants, n, k, row_alpha):
+    """Every configuration of ``block_m`` and the chooser's (bf16; the default also fp16), against the float32
+    reference, the quantised and exact sign terms (float32 y), base rows untouched, each row its own
+    variant's signs."""
+    _hopper()
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, signs, alphas, slot = _case(m, pattern, tenants, n, k, row_alpha, dtype)
+        variant = (slot >= 0) & (slot < tenants)
+        ref_slot = torch.where(variant, slot, -1)
+        ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, ref_slot)
+        exact, quant, scale = _sign_terms(x, signs, alphas, slot, k)
+        xd, wd, sd, ad, slotd = (t.cuda() for t in (x, w, tile_signs(signs), alphas, slot))
+        assert gg.supported(xd, sd, torch.empty(m, n, device="cuda", dtype=dtype))
+        groups = group_rows(slotd, tenants, block_m)
+        base = torch.mm(xd, wd.t())
+        a_max = alphas.double().reshape(tenants, -1).amax(dim=1)[slot.clamp(0, tenants - 1).long()]  # [M]
+        bound_q = (a_max * scale * k / 32)[:, None] + 2**-20 * quant.abs()
+        bound_x = (a_max * scale * k * 0.505)[:, None] + bound_q
+        atol = TOL[dtype] * ref.abs().max().item()
+        # every configuration in bf16, and choose_config's pick (no configuration given); the default in fp16
+        configs = [*gg.CONFIGS[block_m], None] if dtype == torch.bfloat16 else gg.CONFIGS[block_m][:1]
+        for cfg in configs:
+            what = f"{cfg or 'chosen'} {dtype}"
+            kw = cfg._asdict() if cfg else {"block_m": block_m}
+            y = base.clone()
+            gg.add_sign_products_planes(xd, sd, ad, groups, y, **kw)
+            term = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+            gg.add_sign_products_planes(xd, sd, ad, groups, term, **kw)
+            torch.cuda.synchronize()
+            y, term = y.cpu(), term.cpu().double()
+            assert torch.equal(y[~variant], base.cpu()[~variant]), f"{what}: a base row changed"
+            assert not term[~variant].any(), f"{what}: a base row got a sign term"
+            err_q = (term - quant).abs()
+            assert (err_q <= bound_q).all(), f"{what}: off the quantised product by {(err_q / bound_q).max():.3g}×"
+            err_x = (term - exact).abs()
+            assert (err_x <= bound_x).all(), f"{what}: over the quantisation bound by {(err_x / bound_x).max():.3g}×"
+            torch.testing.assert_close(y.float(), ref, rtol=0, atol=atol, msg=lambda s, what=what: f"{what}: {s}")
+        if tenants > 1 and variant.any():  # another variant's signs would miss by far more
+            swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), ref_slot)
+            assert (swapped[variant] - y.float()[variant]).abs().max() > 4 * atol
+
+
+@pytest.mark.gpu
+def test_groups_cut_smaller_than_the_kernel_block_are_still_right():
+    """Groups of ``group_rows(…, 16)`` under the 64-row kernel: each program's box holds the next
+    blocks' rows too, which it must leave to their own programs (live rows end at ``first[b + 1]``)."""
+    _hopper()
+    x, w, signs, alphas, slot = _case(256, "zipf", 4, 200, 384, True, torch.bfloat16)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    xd, wd, sd, ad, slotd = (t.cuda() for t in (x, w, tile_signs(signs), alphas, slot))
+    y = torch.mm(xd, wd.t())
+    gg.add_sign_products_planes(xd, sd, ad, group_rows(slotd, 4, 16), y, block_m=64)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
