@@ -123,6 +123,8 @@ class Engine:
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks as
             piecewise CUDA graphs (serve/graphs.py, ``PiecewiseGraphs``).
+        capture_at_start: with ``cuda_graphs``, capture every graph bucket before serving (else each
+            on its first use, in the step that needs it).
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
             :func:`deltafleet.serve.follower.run_follower`); None: one process.
 
@@ -134,7 +136,8 @@ class Engine:
     def __init__(self, base_dir: str | Path, artifacts_dir: str | Path | None = None, family: str = "tiny",
                  device: str = "cpu", dtype: str | torch.dtype = "float32", force: bool = False,
                  delta_cache: dict | None = None, max_batch: int = 8, tp=None, cuda_graphs: bool = True,
-                 prefill_graphs: bool = False, max_num_batched_tokens: int = 2048, kv_cache: dict | None = None,
+                 prefill_graphs: bool = False, capture_at_start: bool = False, max_num_batched_tokens: int = 2048,
+                 kv_cache: dict | None = None,
                  attention: str = "auto",
                  scheduler_delay_factor: float = 0.0):
         self.base_dir = Path(base_dir)
@@ -214,7 +217,7 @@ class Engine:
                               block_size, attention)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
                                        cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
-                                       delay_factor=float(scheduler_delay_factor))
+                                       delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start)
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
         """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).

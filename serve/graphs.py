@@ -130,6 +130,23 @@ class DecodeGraphs:
         delta = BatchDeltas(r.slots, variants) if with_deltas else None
         return r.model.forward_paged(tokens, positions, step, delta)
 
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now, base-only and (where :meth:`capturable`) with variants,
+        on padding rows (the scratch block, the base); returns the graphs captured. A server calls
+        it before it serves (vLLM does the same), so no request waits for a capture."""
+        scratch = self.runner.cache.scratch_block * self.runner.block_size
+        kinds = [False] + ([True] if self.capturable(True) else [])
+        n = 0
+        for b in self.buckets:
+            for with_deltas in kinds:
+                if (b, with_deltas) in self.graphs:
+                    continue
+                self.static[:, :b].copy_(torch.tensor([[self.pad_token], [0], [scratch], [-1]]))
+                self.tables[:b].fill_(self.runner.cache.scratch_block)
+                self.graphs[b, with_deltas] = self._capture(b, with_deltas)
+                n += 1
+        return n
+
     def capturable(self, with_deltas: bool) -> bool:
         """Whether a step can be captured: on CUDA, and, for batches with variant rows, when the
         mixed-tenant linear runs the Triton op (bf16/fp16 and triton installed); the plain-torch
@@ -264,6 +281,23 @@ class PiecewiseGraphs:
         if not 1 <= n <= self.max_tokens:
             raise ValueError(f"a step has 1 to {self.max_tokens} tokens here, got {n}")
         return next(b for b in self.buckets if b >= n)
+
+    def capture_all(self, with_deltas: bool) -> int:
+        """Capture every bucket's segments now, base-only and, with ``with_deltas``, with variants
+        (on token 0 at position 0, the base); returns the buckets captured. See
+        :meth:`DecodeGraphs.capture_all`."""
+        n = 0
+        for b in self.buckets:
+            for kind in (False, True) if with_deltas else (False,):
+                if (b, kind) in self.graphs:
+                    continue
+                self.tokens[:b].zero_()
+                self.positions[:b].zero_()
+                self.variants[:b].fill_(-1)
+                self.rows.zero_()
+                self.graphs[b, kind] = self._capture(b, kind)
+                n += 1
+        return n
 
     def accepts(self, step) -> bool:
         """Whether ``step`` (a :class:`~deltafleet.serve.runner.StepInput`) runs here: at most

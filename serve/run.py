@@ -100,6 +100,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,
+                        capture_at_start=cfg.capture_at_start,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                         kv_cache=OmegaConf.to_container(cfg.kv_cache), attention=cfg.attention,
                         scheduler_delay_factor=cfg.scheduler_delay_factor)

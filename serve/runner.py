@@ -108,6 +108,18 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphs(self, prefill_graphs, max_batch)
         self.steps = 0
 
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph this runner replays (decode buckets, and piecewise buckets with
+        ``prefill_graphs``) before the first step; returns how many were captured (0 without graphs)."""
+        n = 0
+        with torch.inference_mode():
+            if self.graphs is not None:
+                n += self.graphs.capture_all()
+            if self.piecewise is not None:
+                with_deltas = self.graphs.capturable(True) if self.graphs is not None else False
+                n += self.piecewise.capture_all(with_deltas)
+        return n
+
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
                    chunks: list[tuple[int, int, int, Tensor]], prompts=()) -> PagedStep:
         return PagedStep(self.cache, kv_slots, n_decode, tables, num_blocks, positions, chunks, self.backend,

@@ -35,6 +35,7 @@ import queue
 from collections import Counter
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,11 +92,12 @@ class Scheduler:
             CUDA graphs of up to ``token_budget`` tokens.
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
         delay_factor: admission pacing (serve/plan.py; 0: admit at once).
+        capture_at_start: capture every CUDA graph bucket here, before the scheduler thread starts.
     """
 
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
                  token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0,
-                 prefill_graphs: bool = False):
+                 prefill_graphs: bool = False, capture_at_start: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -115,6 +117,10 @@ class Scheduler:
         self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
         self.detokenizer = _Detokenizer()
+        if capture_at_start and graphs:
+            t0 = time.perf_counter()
+            n = self.runner.capture_graphs()
+            log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     @property

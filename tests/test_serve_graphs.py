@@ -133,19 +133,28 @@ def test_graph_replay_matches_the_eager_step(family):
 
 
 def test_engine_decodes_every_step_by_graph_replay(family):
-    """The engine end to end, ``Engine(..., cuda_graphs=True)`` and ``False``: five greedy requests
-    (the base and the three variants) decoded together. With graphs on, the scheduler kept its
-    graphs and every decode step was a replay, and at least 3 of the 5 completions equal the eager
-    engine's token for token (a bf16 near-tie may flip one greedy choice, after which that sequence
-    diverges; the logits test above is the strict one)."""
+    """The engine end to end, ``Engine(..., cuda_graphs=True, prefill_graphs=True,
+    capture_at_start=True)`` and ``cuda_graphs=False``: five greedy requests (the base and the three
+    variants) decoded together. With graphs on, every bucket was captured before the first request
+    (decode and piecewise, base-only and with variants) and none after; the prefill step was a
+    piecewise replay and every decode step a replay; and at least 3 of the 5 completions equal the
+    eager engine's token for token (a bf16 near-tie may flip one greedy choice, after which that
+    sequence diverges; the logits test above is the strict one)."""
     from deltafleet.serve.engine import Engine, SamplingParams
+    from deltafleet.serve.graphs import buckets, token_buckets
 
     jobs = ["tiny", "tiny-coder", "tiny-writer", "tiny-math", "tiny-coder"]
     prompts = ["def main(", "import os\nimport", "The quick brown", "x = 1 +", "class A:"]
     got, sch = {}, None
     for graphs_on in (True, False):
         engine = Engine(family.base_dir, family.artifacts_dir, family="tiny", device="cuda", dtype="bfloat16",
-                        max_batch=8, cuda_graphs=graphs_on)
+                        max_batch=8, cuda_graphs=graphs_on, prefill_graphs=graphs_on, capture_at_start=graphs_on,
+                        max_num_batched_tokens=256)
+        if graphs_on:
+            runner = engine.scheduler.runner
+            captured = (sorted(runner.graphs.graphs), sorted(runner.piecewise.graphs))
+            assert captured == (sorted((b, v) for b in buckets(8) for v in (False, True)),
+                                sorted((b, v) for b in token_buckets(256) for v in (False, True)))
         results = [None] * len(jobs)
 
         def complete(i, engine=engine, results=results):
@@ -167,6 +176,8 @@ def test_engine_decodes_every_step_by_graph_replay(family):
             sch = engine.scheduler
     assert sch.graphs is not None, "the scheduler fell back to eager decoding (see its log)"
     assert sch.steps > 1 and sch.graphs.replays == sch.steps - 1  # one prefill step, then decode replays
+    assert sch.runner.piecewise.replays == 1
+    assert (sorted(sch.runner.graphs.graphs), sorted(sch.runner.piecewise.graphs)) == captured  # none since
     same = sum(a == b for a, b in zip(got[True], got[False]))
     assert same >= 3, f"only {same} of {len(jobs)} completions equal with and without graphs"
 
@@ -177,7 +188,7 @@ def test_piecewise_graphs_match_the_eager_step(family):
     base-only steps (two new prompts of 150 and 90 tokens; then two decode rows beside a third
     prompt's first chunk; then its second chunk), then steps with variants (a coder prompt of 200
     tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
-    decode row beside a math prompt of 20: 21 tokens, per-row kernels). The sampled rows' logits
+    decode row beside a math prompt of 12: 13 tokens, per-row kernels). The sampled rows' logits
     agree within the module's bound, each (bucket, with variants) pair is captured once (one graph
     per segment: 5 for 4 layers) and replayed, and afterwards the caches agree."""
     from deltafleet.compress.bitdelta import load_artifact
@@ -201,7 +212,7 @@ def test_piecewise_graphs_match_the_eager_step(family):
     tables: dict[int, list[int]] = {}
     vocab = model.args.vocab_size
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist()
-               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 20))}
+               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 12))}
 
     def chunk(st, seq, ids, start, variant=-1):
         first = len(st.tokens)
@@ -251,8 +262,14 @@ def test_piecewise_graphs_match_the_eager_step(family):
         five = StepInput()  # a variant's decode row beside another's prompt: per-row kernels
         decode(five, 3, int(want[1].argmax()), len(prompts[3]), coder)
         chunk(five, 5, prompts[5], 0, maths)
+        assert len(five.tokens) < GROUPED_MIN_ROWS
         check(five)
-    assert pw.replays == 5 and sorted(pw.graphs) == [(32, True), (128, False), (256, False), (256, True)]
+    assert pw.replays == 5 and sorted(pw.graphs) == [(16, True), (128, False), (256, False), (256, True)]
+    # The caches hold every layer's keys of the variant steps too, where the eager step multiplies a
+    # variant's chunk by the one-variant kernel and the graph by the grouped one (which rounds the
+    # base product before adding the sign term): their roundings compound through the layers (0.47
+    # on values of about 9 seen on an H200), so twice the logits' bound; a misplaced write is off by
+    # the values' own size.
     for c_e, c_p in ((eager.cache.k, piece.cache.k), (eager.cache.v, piece.cache.v)):
         err, bound = _within(c_p, c_e)
-        assert err <= bound, (err, bound)
+        assert err <= 2 * bound, (err, 2 * bound)
