@@ -83,7 +83,7 @@ import triton
 import triton.language as tl
 
 from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
-from deltafleet.kernels.gluon_planes import _round_q, _row_inv
+from deltafleet.kernels.gluon_planes import _row_planes
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -206,21 +206,7 @@ def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, stride_xm
     i = tl.program_id(0)
     if tl.load(key_ptr + i) >= NSLOT:
         return
-    r = tl.load(order_ptr + i).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
-    qsum = tl.zeros([BLOCK], tl.int32)
-    for k0 in range(0, K, BLOCK):
-        kl = k0 + offs
-        phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
-        q = _round_q(tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv)
-        hi = (q + 128) >> 8
-        lo = q - hi * 256
-        tl.store(p_ptr + (2 * i) * K + kl, hi.to(tl.int8), mask=kl < K)
-        tl.store(p_ptr + (2 * i + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
-        qsum += q
-    tl.store(sc_ptr + 2 * i, a / 32639.0)
-    tl.store(sc_ptr + 2 * i + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
+    _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, stride_xm, BLOCK)
 
 
 def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int

@@ -210,14 +210,11 @@ def _round_q(v):
 
 
 @triton.jit
-def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per row: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``; planes
-    ``p[2r] = hi``, ``p[2r+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order (logical
-    ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2r] = scale``, ``sc[2r+1] = Σq``.
-    ``PDL``: let the next kernel (launched with programmatic dependent launch) start at once."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    r = tl.program_id(0)
+def _row_planes(x_ptr, r, out, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    """x row ``r`` as planes row pair ``out``: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``;
+    planes ``p[2·out] = hi``, ``p[2·out+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order
+    (logical ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2·out] = scale``,
+    ``sc[2·out+1] = Σq``."""
     offs = tl.arange(0, BLOCK)
     a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
     qsum = tl.zeros([BLOCK], tl.int32)
@@ -227,11 +224,21 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
         q = _round_q(tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv)
         hi = (q + 128) >> 8
         lo = q - hi * 256
-        tl.store(p_ptr + (2 * r) * K + kl, hi.to(tl.int8), mask=kl < K)
-        tl.store(p_ptr + (2 * r + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
+        tl.store(p_ptr + (2 * out) * K + kl, hi.to(tl.int8), mask=kl < K)
+        tl.store(p_ptr + (2 * out + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
         qsum += q
-    tl.store(sc_ptr + 2 * r, a / 32639.0)
-    tl.store(sc_ptr + 2 * r + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
+    tl.store(sc_ptr + 2 * out, a / 32639.0)
+    tl.store(sc_ptr + 2 * out + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
+
+
+@triton.jit
+def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per row r: its planes as row pair r (:func:`_row_planes`). ``PDL``: let the next
+    kernel (launched with programmatic dependent launch) start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0)
+    _row_planes(x_ptr, r, r, p_ptr, sc_ptr, K, stride_xm, BLOCK)
 
 
 def _check_activations(x: torch.Tensor, multiple: int) -> tuple[int, int]:

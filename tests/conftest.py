@@ -164,6 +164,25 @@ def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer"
     return TinyFamily(root, base_dir, artifacts, out)
 
 
+def record_groupings(monkeypatch) -> list[list[int]]:
+    """Make ``BatchDeltas`` multiply grouped by variant from two rows on (the GPU path, run here under
+    Triton's interpreter) and record every grouping: the slots each ``group_rows`` call was given,
+    in the returned list."""
+    from deltafleet.kernels import triton_grouped
+    from deltafleet.serve import batch
+
+    groupings, real = [], triton_grouped.group_rows
+
+    def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
+        groupings.append(slot.tolist())
+        return real(slot, n_slots, block_m)
+
+    monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
+    monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
+    monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
+    return groupings
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only on a CUDA device with the Triton kernels compiled for it
     (``DELTAFLEET_TRITON_DEVICE=cuda``, as ``make test-gpu`` sets; under the CPU interpreter a

@@ -176,12 +176,11 @@ def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
 
 
 def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
-    """The GPU path for large decode batches (``BatchDeltas._grouped``: rows grouped by variant once
+    """The GPU path for large decode batches (``BatchDeltas.grouped``: rows grouped by variant once
     per step, the grouping reused by every layer) run here under Triton's interpreter, against the
     per-row reference path on the same step: same logits, and one grouping for the whole forward."""
     pytest.importorskip("triton")
-    from deltafleet.kernels import triton_grouped
-    from deltafleet.serve import batch
+    from tests.conftest import record_groupings
 
     model = engine.model
     slots = DeltaSlots(model, n_slots=2, sign_layout="tiled")
@@ -194,15 +193,7 @@ def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
                      variants=variants, n_decode=n, tables=tables, sample=list(range(n)))
     with torch.inference_mode():
         want = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
-        groupings, real = [], triton_grouped.group_rows
-
-        def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
-            groupings.append(slot.tolist())
-            return real(slot, n_slots, block_m)
-
-        monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
-        monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
-        monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
+        groupings = record_groupings(monkeypatch)
         got = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
     assert groupings == [variants]  # once per step, whatever the number of layers and linears
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -382,9 +382,8 @@ def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch):
     first segment groups the tokens once (into the bucket's static buffers), every later segment
     reads that grouping (the head groups its sampling rows), and the logits equal the eager step's."""
     pytest.importorskip("triton")
-    from deltafleet.kernels import triton_grouped
-    from deltafleet.serve import batch
     from deltafleet.serve.graphs import PiecewiseGraphs
+    from tests.conftest import record_groupings
 
     runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64)
     pw = PiecewiseGraphs(runner, max_tokens=40, max_sample=4, capture=False)
@@ -394,15 +393,7 @@ def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch):
     step = _step(_Tables(), [], [(0, b, 0, coder), (1, a, 0, -1), (2, w, 0, writer)])
     with torch.inference_mode():
         want = runner.forward(step).float()
-        groupings, real = [], triton_grouped.group_rows
-
-        def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
-            groupings.append(slot.tolist())
-            return real(slot, n_slots, block_m)
-
-        monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
-        monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
-        monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
+        groupings = record_groupings(monkeypatch)
         got = pw.run(step).float()
     n = len(step.tokens)
     # the bucket's tokens once (padding tokens on the base), then the head's sampling rows (padded
