@@ -105,7 +105,6 @@ class DecodeGraphs:
             raise ValueError("a step with prefill chunks is not replayed as a graph")
         n = step.n_decode
         b = self.bucket(n)
-        k = b - n
         scratch = self.runner.cache.scratch_block
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the buffers

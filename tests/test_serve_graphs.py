@@ -39,6 +39,21 @@ def family(tmp_path_factory):
     return build_tiny_family(tmp_path_factory.mktemp("graphs_family"), VARIANTS, **SHAPE)
 
 
+def _loaded(family):
+    """The family's base on CUDA in bf16, and slots holding its variants: ``(model, slots, {variant:
+    its slot's view})``."""
+    from deltafleet.compress.bitdelta import load_artifact
+    from deltafleet.serve.batch import DeltaSlots
+    from deltafleet.serve.delta import VariantDelta
+    from deltafleet.serve.loading import load_model
+
+    model = load_model(family.base_dir, "cuda", torch.bfloat16)
+    slots = DeltaSlots(model, len(VARIANTS))
+    views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
+             for v in VARIANTS}
+    return model, slots, views
+
+
 def _within(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """``(max |got − want|, its bound REL_TOL · max(1, max |want|))``."""
     bound = REL_TOL * max(1.0, want.float().abs().max().item())
@@ -60,16 +75,9 @@ def test_graph_replay_matches_the_eager_step(family):
     (``DecodeGraphs.run``) on the other, both fed the eager step's greedy tokens. The 4th step moves
     each variant row to another variant: the captured graph must read the slot tensor written in
     place. Each step's logits agree within the module's bound; afterwards so do the two caches."""
-    from deltafleet.compress.bitdelta import load_artifact
-    from deltafleet.serve.batch import DeltaSlots
-    from deltafleet.serve.delta import VariantDelta
-    from deltafleet.serve.loading import load_model
     from deltafleet.serve.runner import ModelRunner, StepInput
 
-    model = load_model(family.base_dir, "cuda", torch.bfloat16)
-    slots = DeltaSlots(model, len(VARIANTS))
-    views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
-             for v in VARIANTS}
+    model, slots, views = _loaded(family)
     bs, n_blocks = 128, 64
     eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="sdpa")
     flex = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex")
@@ -195,16 +203,10 @@ def test_piecewise_graphs_match_the_eager_step(family):
     decode row beside a math prompt of 12: 13 tokens, per-row kernels). The sampled rows' logits
     agree within the module's bound, each (bucket, with variants) pair is captured once (one graph
     per segment: 5 for 4 layers) and replayed, and afterwards the caches agree."""
-    from deltafleet.compress.bitdelta import load_artifact
-    from deltafleet.serve.batch import GROUPED_MIN_ROWS, DeltaSlots
-    from deltafleet.serve.delta import VariantDelta
-    from deltafleet.serve.loading import load_model
+    from deltafleet.serve.batch import GROUPED_MIN_ROWS
     from deltafleet.serve.runner import ModelRunner, StepInput
 
-    model = load_model(family.base_dir, "cuda", torch.bfloat16)
-    slots = DeltaSlots(model, len(VARIANTS))
-    views = {v: slots.put(VariantDelta(load_artifact(family.artifacts_dir / v), "cuda", torch.bfloat16))
-             for v in VARIANTS}
+    model, slots, views = _loaded(family)
     bs, n_blocks = 128, 32
     eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="flex")
     piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex",
