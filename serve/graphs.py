@@ -42,6 +42,14 @@ from deltafleet.serve.attention import fill_tables
 from deltafleet.serve.batch import BatchDeltas
 
 
+def kernel_workspace(dev):
+    """The split-K workspace the Triton kernels write on ``dev`` (kernels/triton_bitdelta.py,
+    ``_workspace``), or None. A graph holds its address: should a later, larger call replace it, a
+    reference kept with the graph keeps it allocated."""
+    triton_mod = sys.modules.get("deltafleet.kernels.triton_bitdelta")
+    return getattr(triton_mod, "_WORKSPACE", {}).get(dev)
+
+
 def buckets(max_batch: int) -> list[int]:
     """The padded batch sizes for ``max_batch`` rows: powers of two below it, then ``max_batch``
     (``buckets(12) == [1, 2, 4, 8, 12]``). Raises ValueError if ``max_batch < 1``."""
@@ -189,10 +197,7 @@ class DecodeGraphs:
             for _ in range(2):  # compile, autotune, allocate the split-K workspace: not during capture
                 self.forward_padded(bucket, with_deltas)
         torch.cuda.current_stream(dev).wait_stream(side)
-        # The graph holds the workspace's address; should a later, larger call replace it
-        # (kernels/triton_bitdelta.py, _workspace), this reference keeps it allocated.
-        triton_mod = sys.modules.get("deltafleet.kernels.triton_bitdelta")
-        workspace = getattr(triton_mod, "_WORKSPACE", {}).get(dev)
+        workspace = kernel_workspace(dev)
         graph = torch.cuda.CUDAGraph()
         # thread_local: request threads may copy a variant into its slot meanwhile (other memory)
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
@@ -399,10 +404,7 @@ class PiecewiseGraphs:
             for i in range(n_seg):
                 self.segment(b, i, with_deltas)
         torch.cuda.current_stream(dev).wait_stream(side)
-        # the split-K workspace the kernels write (kernels/triton_bitdelta.py, _workspace): should a
-        # later, larger call replace it, this reference keeps the graphs' copy allocated
-        triton_mod = sys.modules.get("deltafleet.kernels.triton_bitdelta")
-        self._workspaces.append(getattr(triton_mod, "_WORKSPACE", {}).get(dev))
+        self._workspaces.append(kernel_workspace(dev))
         graphs = []
         for i in range(n_seg):
             g = torch.cuda.CUDAGraph()

@@ -265,6 +265,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
         return rms_norm(x, self.weight_for(delta), self.eps)
 
+    def add(self, x: Tensor, residual: Tensor | None, delta) -> tuple[Tensor, Tensor]:
+        """``(h, norm of h)`` for the residual stream ``h = x + residual`` (``residual=None``: ``x``),
+        the add and the norm in one kernel (``add_rms_norm``)."""
+        if residual is None:
+            return x, self(x, delta)
+        return add_rms_norm(x, residual, self.weight_for(delta), self.eps)
+
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
     """RoPE inverse frequencies ``[head_dim/2]`` (Su et al. 2021), with linear or Llama-3 scaling."""
@@ -408,28 +415,20 @@ class Block(nn.Module):
                 cache: KVCache | None, delta: VariantDelta | None,
                 residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The residual stream ``x + residual`` through the layer: the next one's ``(h, m)``."""
-        h, n = self.input_norm(x, residual, delta)
+        h, n = self.input_layernorm.add(x, residual, delta)
         a = self.self_attn(n, cos, sin, mask, input_pos, cache, delta)
         return self.after_attention(h, a, delta)
-
-    def input_norm(self, x: Tensor, residual: Tensor | None, delta) -> tuple[Tensor, Tensor]:
-        """``(stream, its input norm)`` for the stream ``x + residual``."""
-        norm = self.input_layernorm
-        if residual is None:
-            return x, norm(x, delta)
-        return add_rms_norm(x, residual, norm.weight_for(delta), norm.eps)
 
     def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta,
                          residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The layer up to its attention: the stream ``x + residual`` and ``q, k, v`` of it."""
-        h, n = self.input_norm(x, residual, delta)
+        h, n = self.input_layernorm.add(x, residual, delta)
         return (h, *self.self_attn.qkv_heads(n, cos, sin, delta))
 
     def after_attention(self, h: Tensor, a: Tensor, delta) -> tuple[Tensor, Tensor]:
         """The layer from its attention's projected output ``a`` on (the stream ``h`` before it): the
         next stream as ``(h + a, MLP output)``."""
-        norm = self.post_attention_layernorm
-        h, n = add_rms_norm(h, a, norm.weight_for(delta), norm.eps)
+        h, n = self.post_attention_layernorm.add(h, a, delta)
         return h, self.mlp(n, delta)
 
 
@@ -531,9 +530,7 @@ class Transformer(nn.Module):
     def head(self, x: Tensor, delta, residual: Tensor | None = None) -> Tensor:
         """Logits ``[B, T, vocab]`` of the stream ``x + residual`` (``[B, T, D]``): final norm, then
         the head."""
-        norm = self.norm
-        n = norm(x, delta) if residual is None else add_rms_norm(x, residual, norm.weight_for(delta), norm.eps)[1]
-        return self.lm_head(n, delta)
+        return self.lm_head(self.norm.add(x, residual, delta)[1], delta)
 
     def hf_param_shapes(self) -> dict[str, torch.Size]:
         """Shapes by Hugging Face parameter name (what an artifact may hold deltas for)."""
