@@ -75,7 +75,6 @@ and 16-byte aligned, y ``[M, N]`` with unit stride along N.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -84,6 +83,7 @@ import triton.language as tl
 
 from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
 from deltafleet.kernels.gluon_planes import _row_planes
+from deltafleet.kernels.gluon_prefill_rs import multiprocessors
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -256,15 +256,6 @@ def _check_config(cfg: GroupedConfig) -> None:
         raise ValueError(f"stages must be 2 or more, got {cfg.stages}")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
                              block_m: int = 16, **config) -> torch.Tensor:
     """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
@@ -296,7 +287,7 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     if config:
         cfg = cfg._replace(**config)
     else:
-        cfg = choose_config(n, groups.max_blocks, block_m, _sms(x.device))
+        cfg = choose_config(n, groups.max_blocks, block_m, multiprocessors(x.device))
     _check_config(cfg)
     if m == 0:
         return y
