@@ -17,14 +17,21 @@ sequence's consecutive tokens). Every token's key and value are written to its s
   that one up to the row's position), so the kernel reads only live blocks and nothing is gathered.
   Off CUDA, or with ``backend="sdpa"``, the rows' keys are gathered and read by
   ``F.scaled_dot_product_attention`` (the reference the tests compare with);
-- **a prefill chunk** of tokens ``start … start + n − 1`` gathers its sequence's keys ``0 … start +
-  n − 1`` and runs ``F.scaled_dot_product_attention`` (causal from position ``start``): prefill is
-  compute bound, and the gather costs a few per cent of it.
+- **the prefill chunks**, with FlexAttention: every chunk's tokens, whole prompts and continuing
+  ones alike, in one call per layer over the cache (:class:`PrefillLists`): query blocks of
+  :data:`PREFILL_Q_BLOCK` tokens, each reading its chunks' blocks up to their positions, whole where
+  every query of the block sees all of a block (causal, no mask evaluated), through the mask
+  elsewhere; the query length is padded to a power of two (few shapes to compile). With SDPA (off
+  CUDA, or ``backend="sdpa"``), a chunk of tokens ``start … start + n − 1`` gathers its sequence's
+  keys ``0 … start + n − 1`` and runs ``F.scaled_dot_product_attention`` (causal from ``start``),
+  whole prompts of one length in one call over their own keys.
 
 Why these kernels (measured on an H200, Llama-2-7B attention shape, one layer, decode): FlexAttention
 over 128-token pages ran at about 1.1–2× the live KV bytes' read time from 16 to 256 rows, where the
 same with 16-token pages was 5–10× slower, gathering then SDPA 4–40×, and the former static cache
-(SDPA masked over 1,024 positions) read every row's whole context. FlashInfer and FlashAttention's
+(SDPA masked over 1,024 positions) read every row's whole context. For prefill, one FlexAttention call
+replaces per-chunk gathers and SDPA calls with a dense mask (no causal skipping): docs/serving.md
+("Attention") has the measurement. FlashInfer and FlashAttention's
 paged kernels do not install on the GPU image; FlexAttention ships with PyTorch.
 
 A leaf module (torch and numpy; on CUDA, serve/rope_cache.py's Triton kernel is imported on first
@@ -146,6 +153,13 @@ class PagedStep:
     masks: FlexMask | None = None  # flex: the mask buffers and mask_mod, reused every step
     _mask: object = None
     prompts: list[tuple[int, list[int], Tensor | None]] = field(default_factory=list)
+    prefill: PrefillLists | None = None  # flex: every chunk's tokens in one FlexAttention call
+    # A step of fixed shapes (serve/graphs.py, FullGraphs): all T tokens go through the prefill call
+    # (``prefill.length == T``, decode rows see nothing there) and the first R through the decode call;
+    # bool [R] says which of those R are decode rows, whose output is the decode call's.
+    decode_rows: Tensor | None = None
+    _prefill_mask: object = None
+    _masks_set: bool = False
 
     def layer(self, i: int) -> PagedLayer:
         return PagedLayer(self, i)
@@ -160,7 +174,7 @@ class PagedStep:
 
             bs, b = self.cache.block_size, self.tables.shape[0]  # decode rows and any padding rows
             mb = mask_block(bs)
-            self.masks.update(self.tables, self.num_blocks, self.positions)
+            self._set_masks()
             # eager FlexAttention (off CUDA) makes a dense mask: a column per block of the cache
             width = None if self.tables.is_cuda else self.cache.k.shape[2] // bs
             partial, full, n_full = block_lists(self.tables, self.positions, bs, mb, width)
@@ -170,6 +184,112 @@ class PagedStep:
                 BLOCK_SIZE=(128, mb), mask_mod=self.masks.mask_mod, seq_lengths=(1, self.cache.k.shape[2]),
                 compute_q_blocks=False)
         return self._mask
+
+    def prefill_mask(self):
+        """The FlexAttention block mask of the prefill tokens (:class:`PrefillLists`), made once per
+        step and shared by every layer: query blocks of :data:`PREFILL_Q_BLOCK` tokens over cache
+        blocks, a block read whole where every token of the query block sees all of it."""
+        if self._prefill_mask is None:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            p, bs = self.prefill, self.cache.block_size
+            self._set_masks()
+            self._prefill_mask = BlockMask.from_kv_blocks(
+                p.kv_num[None, None], p.kv_idx[None, None], p.full_num[None, None], p.full_idx[None, None],
+                BLOCK_SIZE=(PREFILL_Q_BLOCK, bs), mask_mod=self.masks.prefill_mod,
+                seq_lengths=(p.length, self.cache.k.shape[2]), compute_q_blocks=False)
+        return self._prefill_mask
+
+    def _set_masks(self) -> None:
+        """Fill the mask buffers (:meth:`FlexMask.update`) once per step, for whichever mask comes first."""
+        if not self._masks_set:
+            self._masks_set = True
+            p = self.prefill
+            self.masks.update(self.tables, self.num_blocks, self.positions,
+                              None if p is None else (p.blocks, p.owners, p.logical, p.seq, p.pos))
+
+
+# Query tokens per block of the prefill tokens' FlexAttention block mask (FlexAttention's default).
+PREFILL_Q_BLOCK = 128
+
+
+@dataclass
+class PrefillLists:
+    """The prefill tokens of a step as FlexAttention sees them (:func:`prefill_lists`), on the device.
+
+    Attributes:
+        length: the query length, the prefill tokens padded (a power of two, at least 16: few shapes
+            to compile); token ``i`` is the step's token ``n_decode + i``.
+        kv_num, kv_idx, full_num, full_idx: int32 ``[Q]``, ``[Q, W]``: per query block of
+            :data:`PREFILL_Q_BLOCK` tokens, the cache blocks read through the mask and those read whole.
+        blocks, owners, logical: int64, per cache block of a chunk's sequence: its id, the owner id of
+            its sequence (``first_owner + c`` for chunk ``c``) and its index in the sequence's table.
+        seq, pos: per query token: its sequence's owner id (−1 for padding: it sees nothing) and its
+            position.
+    """
+
+    length: int
+    kv_num: Tensor
+    kv_idx: Tensor
+    full_num: Tensor
+    full_idx: Tensor
+    blocks: Tensor
+    owners: Tensor
+    logical: Tensor
+    seq: Tensor
+    pos: Tensor
+
+
+def prefill_length(n: int) -> int:
+    """The padded query length of ``n`` prefill tokens: the next power of two, at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def prefill_lists(chunks: list[tuple[int, int, int, list[int]]], n_decode: int, n_cache_blocks: int,
+                  block_size: int, first_owner: int, length: int | None = None) -> dict[str, np.ndarray | int]:
+    """The block lists of :class:`PrefillLists` on the host (numpy), for ``chunks`` ``(flat start,
+    length, start position, block table)`` whose tokens follow ``n_decode`` decode rows in the step.
+
+    Chunk ``c``'s token at position ``p`` reads its sequence's keys ``0 … p`` (its own among them:
+    they are in the cache before attention runs). Per query block, a chunk's blocks wholly before the
+    block's first token of that chunk are read whole ("full", no mask evaluated) when the query block
+    holds that chunk's tokens alone (with padding at most); every other block it needs is read
+    through the mask. The lists are ``n_cache_blocks`` wide, so no step can overflow them.
+    ``length``: the query length (default :func:`prefill_length` of the chunks' tokens)."""
+    if length is None:
+        length = prefill_length(sum(c[1] for c in chunks))
+    nq = -(-length // PREFILL_Q_BLOCK)
+    seq = np.full(length, -1, dtype=np.int32)
+    pos = np.zeros(length, dtype=np.int64)
+    pieces: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(nq)]
+    blocks, owners, logical = [], [], []
+    for c, (first, m, start, table) in enumerate(chunks):
+        a, owner = first - n_decode, first_owner + c
+        seq[a:a + m] = owner
+        pos[a:a + m] = np.arange(start, start + m)
+        used = (start + m - 1) // block_size + 1
+        blocks += table[:used]
+        owners += [owner] * used
+        logical += range(used)
+        for j in range(a // PREFILL_Q_BLOCK, (a + m - 1) // PREFILL_Q_BLOCK + 1):
+            lo, hi = max(a, j * PREFILL_Q_BLOCK), min(a + m, (j + 1) * PREFILL_Q_BLOCK)
+            pieces[j].append((start + lo - a, start + hi - 1 - a, c, table))
+    kv_num = np.zeros(nq, dtype=np.int32)
+    full_num = np.zeros(nq, dtype=np.int32)
+    kv_idx = np.zeros((nq, n_cache_blocks), dtype=np.int32)
+    full_idx = np.zeros((nq, n_cache_blocks), dtype=np.int32)
+    for j, ps in enumerate(pieces):
+        partial, full = [], []
+        for lo, hi, _, table in ps:
+            whole = (lo + 1) // block_size if len(ps) == 1 else 0  # blocks whose last key is ≤ lo
+            full += table[:whole]
+            partial += table[whole:hi // block_size + 1]
+        kv_num[j], full_num[j] = len(partial), len(full)
+        kv_idx[j, :len(partial)] = partial
+        full_idx[j, :len(full)] = full
+    return {"length": length, "kv_num": kv_num, "kv_idx": kv_idx, "full_num": full_num, "full_idx": full_idx,
+            "blocks": np.asarray(blocks, dtype=np.int64), "owners": np.asarray(owners, dtype=np.int64),
+            "logical": np.asarray(logical, dtype=np.int64), "seq": seq, "pos": pos}
 
 
 def block_lists(tables: Tensor, positions: Tensor, block_size: int, mask_block: int | None = None,
@@ -217,17 +337,42 @@ class FlexMask:
             return mine & (logical[blk] * bs + kv_idx % bs <= row_pos[b])
 
         self.mask_mod = mask_mod
+        # prefill tokens (PrefillLists): each token's sequence (an owner id) and position, grown as needed
+        self.seq_q = torch.full((16,), -1, dtype=torch.int32, device=device)
+        self.pos_q = torch.zeros(16, dtype=torch.int64, device=device)
 
-    def update(self, tables: Tensor, num_blocks: Tensor, positions: Tensor) -> None:
-        """Record the rows' blocks (``tables [B, W]``, the first ``num_blocks[b]`` of row b) and positions."""
+        def prefill_mod(b, h, q_idx, kv_idx):
+            blk = kv_idx // bs
+            return (owner[blk] == self.seq_q[q_idx]) & (logical[blk] * bs + kv_idx % bs <= self.pos_q[q_idx])
+
+        self.prefill_mod = prefill_mod
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` prefill tokens in the buffers (before a CUDA graph captures them)."""
+        if self.seq_q.numel() < n:
+            self.seq_q = torch.full((n,), -1, dtype=torch.int32, device=self.seq_q.device)
+            self.pos_q = torch.zeros(n, dtype=torch.int64, device=self.pos_q.device)
+
+    def update(self, tables: Tensor, num_blocks: Tensor, positions: Tensor,
+               chunks: tuple[Tensor, ...] | None = None) -> None:
+        """Record the rows' blocks (``tables [B, W]``, the first ``num_blocks[b]`` of row b) and positions,
+        and ``chunks``: the prefill tokens' ``(blocks, owners, logical, seq, pos)`` (:class:`PrefillLists`)."""
         b, w = tables.shape
-        cols = torch.arange(w, device=tables.device, dtype=torch.int32).expand(b, w)
-        rows = torch.arange(b, device=tables.device, dtype=torch.int32)[:, None].expand(b, w)
-        target = torch.where(cols < num_blocks[:, None], tables, self.scratch + 1).reshape(-1).to(torch.int64)
         self.owner.fill_(-1)
-        self.owner.scatter_(0, target, rows.reshape(-1))
-        self.logical.scatter_(0, target, cols.reshape(-1))
-        self.row_pos[:b].copy_(positions)
+        if b:
+            cols = torch.arange(w, device=tables.device, dtype=torch.int32).expand(b, w)
+            rows = torch.arange(b, device=tables.device, dtype=torch.int32)[:, None].expand(b, w)
+            target = torch.where(cols < num_blocks[:, None], tables, self.scratch + 1).reshape(-1).to(torch.int64)
+            self.owner.scatter_(0, target, rows.reshape(-1))
+            self.logical.scatter_(0, target, cols.reshape(-1))
+            self.row_pos[:b].copy_(positions)
+        if chunks is not None:
+            blocks, owners, logical, seq, pos = chunks
+            self.owner.scatter_(0, blocks, owners.to(torch.int32))
+            self.logical.scatter_(0, blocks, logical.to(torch.int32))
+            self.reserve(seq.numel())
+            self.seq_q[:seq.numel()].copy_(seq)
+            self.pos_q[:pos.numel()].copy_(pos)
 
 
 class PagedLayer:
@@ -257,12 +402,19 @@ class PagedLayer:
             kc.index_copy_(1, st.kv_slots, k[:, :, 0].transpose(0, 1))
             vc.index_copy_(1, st.kv_slots, v[:, :, 0].transpose(0, 1))
         nd = st.n_decode
-        if not st.chunks and not st.prompts:
+        if st.decode_rows is not None:  # fixed shapes: both calls over the whole batch, then pick
+            out = self._prefill(q, kc, vc)
+            out[:nd] = torch.where(st.decode_rows[:, None, None, None], self._decode(q[:nd], kc, vc), out[:nd])
+            return out
+        if not st.chunks and not st.prompts and st.prefill is None:
             return self._decode(q, kc, vc)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kc, vc)
         gqa = k.shape[1] != q.shape[1]
+        if st.prefill is not None:  # every chunk's tokens in one call, over the cache
+            out[nd:] = self._prefill(q[nd:], kc, vc)
+            return out
         for n, firsts, rows in st.prompts:  # whole prompts: their own keys, one call per length
             if rows is None:
                 f = firsts[0]
@@ -282,6 +434,26 @@ class PagedLayer:
             y = F.scaled_dot_product_attention(qc, kk, vv, attn_mask=mask, enable_gqa=gqa)
             out[first:first + n, :, 0] = y[0].transpose(0, 1)
         return out
+
+    def _prefill(self, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        """The prefill tokens ``q [P, H, 1, hd]`` (the step's tokens after its decode rows) attending
+        to their sequences' keys in the cache, by one FlexAttention call (:meth:`PagedStep.prefill_mask`)."""
+        st, n = self.step, q.shape[0]
+        length = st.prefill.length
+        if length > n:
+            q = torch.cat([q, q.new_zeros(length - n, *q.shape[1:])])
+        qq = q[:, :, 0].transpose(0, 1).unsqueeze(0)  # [1, H, length, hd]
+        kk, vv = kc.unsqueeze(0), vc.unsqueeze(0)
+        gqa = kc.shape[0] != q.shape[1]
+        if not q.is_cuda:  # eager (tests on the CPU)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(qq, kk, vv, block_mask=st.prefill_mask(), enable_gqa=gqa)
+        else:
+            bs = st.cache.block_size
+            opts = None if bs >= 128 else {"BLOCK_N": bs}
+            y = _flex()(qq, kk, vv, block_mask=st.prefill_mask(), enable_gqa=gqa, kernel_options=opts)
+        return y[0, :, :n].transpose(0, 1).unsqueeze(2)
 
     def _decode(self, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
         st = self.step

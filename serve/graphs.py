@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from deltafleet.serve.attention import fill_tables
+from deltafleet.serve.attention import PagedLayer, fill_tables
 from deltafleet.serve.batch import BatchDeltas
 
 
@@ -229,8 +229,9 @@ class PiecewiseGraphs:
     layer 0 up to its attention; segment ``l`` is layer ``l − 1`` from its attention's output on, then
     layer ``l`` up to its attention; segment ``L`` is the last layer's rest, the final norm and the head
     over the sampling rows. Between two replays attention runs eagerly on the real tokens
-    (serve/attention.py: the cache writes, the decode rows, the chunks), reading ``q, k, v`` from static
-    buffers and writing its output into one. A step then costs ``L + 1`` replays and ``L`` attention
+    (serve/attention.py: the cache writes, with the rotation of q and k on CUDA; the decode rows; the
+    chunks, in one FlexAttention call), reading ``q, k, v`` from static buffers and writing its output
+    into one. A step then costs ``L + 1`` replays and ``L`` attention
     calls from Python, where the eager step makes every launch of every layer.
 
     Every buffer a segment reads or writes is allocated once, for ``max_tokens`` tokens, and a bucket
@@ -279,6 +280,9 @@ class PiecewiseGraphs:
         self.pool = None
         self.replays = 0
         self._workspaces = []  # the kernels' split-K workspaces the graphs were captured with (kept alive)
+        # On CUDA with triton, attention rotates q and k as it writes the cache (serve/rope_cache.py):
+        # the segments hand it q and k unrotated.
+        self.rotates = PagedLayer.rotates(self.q)
 
     def bucket(self, n: int) -> int:
         """The smallest bucket holding ``n`` tokens (ValueError outside ``[1, max_tokens]``)."""
@@ -346,7 +350,7 @@ class PiecewiseGraphs:
             prev = m.layers[i - 1]
             x, r = prev.after_attention(self.x[:b], prev.self_attn.out(self.attn[:b], delta), delta)
         if i < n_layers:
-            h, q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], delta, r)
+            h, q, k, v = m.layers[i].before_attention(x, self.cos[:b], self.sin[:b], delta, r, not self.rotates)
             self.x[:b].copy_(h)
             self.q[:b].copy_(q)
             self.k[:b].copy_(k)
@@ -391,7 +395,8 @@ class PiecewiseGraphs:
             else:
                 graphs[i].replay()
             if i < len(self.model.layers):
-                self.attn[:n].copy_(paged.layer(i).attend(self.q[:n], self.k[:n], self.v[:n]))
+                rope = (self.cos[:n], self.sin[:n]) if self.rotates else None
+                self.attn[:n].copy_(paged.layer(i).attend(self.q[:n], self.k[:n], self.v[:n], rope))
         self.replays += graphs is not None
         return self.logits[:s]
 
@@ -414,3 +419,146 @@ class PiecewiseGraphs:
                 self.pool = g.pool()
             graphs.append(g)
         return graphs
+
+
+class FullGraphs(PiecewiseGraphs):
+    """Steps with prefill chunks as one CUDA graph each, attention included (vLLM's full CUDA graphs
+    for mixed batches), with the ``flex`` attention backend.
+
+    A :class:`PiecewiseGraphs` step leaves attention to Python between its segments, and so pays a
+    few launches and two compiled FlexAttention calls per layer from the host, about as long as the
+    GPU takes for a step of a few hundred tokens. Here the attention's inputs are static tensors
+    too, so a bucket of ``b`` tokens is one graph: every token is rotated and written to the cache
+    (padding tokens to the scratch block), the first ``R = min(b, max_batch)`` tokens go through
+    FlexAttention's decoding call (the step's decode rows; the rest of the ``R`` read the scratch
+    block) and all ``b`` through its prefill call over the cache (serve/attention.py,
+    :class:`~deltafleet.serve.attention.PrefillLists`; decode rows and padding see nothing there);
+    each decode row keeps the decoding call's output. Per step the host writes the inputs and the
+    block lists into pinned buffers, copies them, and replays one graph.
+    """
+
+    def __init__(self, runner, max_tokens: int, max_sample: int, capture: bool = True):
+        super().__init__(runner, max_tokens, max_sample, capture)
+        from deltafleet.serve.attention import PREFILL_Q_BLOCK
+
+        t, dev, r = max_tokens, runner.device, runner
+        self.rows_max = min(t, r.max_batch)
+        self.width = r.cache.n_blocks + 1
+        nq = -(-t // PREFILL_Q_BLOCK)
+        rm, w = self.rows_max, self.width
+        # int64: cache slots [t], decode positions [R], chunk blocks / owners / logical [w], positions [t]
+        self._long_sizes = [t, rm, w, w, w, t]
+        # int32: decode tables [R · max_blocks], decode rows [R], kv_num, full_num [nq], kv_idx, full_idx
+        # [nq · w], the tokens' owners [t]
+        self._int_sizes = [rm * r.max_blocks, rm, nq, nq, nq * w, nq * w, t]
+        pin = dev.type == "cuda"
+        self._host_longs = torch.zeros(sum(self._long_sizes), dtype=torch.int64, pin_memory=pin)
+        self._host_ints = torch.zeros(sum(self._int_sizes), dtype=torch.int32, pin_memory=pin)
+        self.longs = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=dev)
+        self.ints = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=dev)
+        r.masks.reserve(t)
+
+    def _views(self, longs: Tensor, ints: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        return list(longs.split(self._long_sizes)), list(ints.split(self._int_sizes))
+
+    def paged(self, b: int):
+        """The static :class:`~deltafleet.serve.attention.PagedStep` of bucket ``b`` (its tensors are
+        views of the static buffers)."""
+        from deltafleet.serve.attention import PREFILL_Q_BLOCK, PrefillLists
+
+        r = self.runner
+        rows, nq, w = min(b, r.max_batch), -(-b // PREFILL_Q_BLOCK), self.width
+        (slots, dec_pos, blocks, owners, logical, pos), (tables, is_dec, kv_num, full_num, kv_idx, full_idx, seq) = \
+            self._views(self.longs, self.ints)
+        tables = tables.view(self.rows_max, r.max_blocks)[:rows]
+        num_blocks = (dec_pos[:rows] // r.block_size + 1).to(torch.int32)
+        step = r.paged_step(slots[:b], rows, tables, num_blocks, dec_pos[:rows], [])
+        step.prefill = PrefillLists(b, kv_num[:nq], kv_idx.view(-1, w)[:nq], full_num[:nq], full_idx.view(-1, w)[:nq],
+                                    blocks, owners, logical, seq[:b], pos[:b])
+        step.decode_rows = is_dec[:rows] != 0
+        return step
+
+    def step(self, b: int, with_deltas: bool) -> None:
+        """The whole step of bucket ``b`` on the static buffers (what a graph records)."""
+        paged = self.paged(b)
+        n_layers = len(self.model.layers)
+        for i in range(n_layers + 1):
+            self.segment(b, i, with_deltas)
+            if i < n_layers:
+                rope = (self.cos[:b], self.sin[:b]) if self.rotates else None
+                self.attn[:b].copy_(paged.layer(i).attend(self.q[:b], self.k[:b], self.v[:b], rope))
+
+    def capture_all(self, with_deltas: bool) -> int:
+        self._host_longs.zero_()
+        self._host_ints.zero_()
+        longs, _ = self._views(self._host_longs, self._host_ints)
+        longs[0].fill_(self.runner.cache.scratch_block * self.runner.block_size)  # every token: the scratch block
+        self.longs.copy_(self._host_longs)
+        self.ints.copy_(self._host_ints)
+        return super().capture_all(with_deltas)
+
+    def run(self, step) -> Tensor:
+        from deltafleet.serve.attention import fill_tables, prefill_lists
+
+        n, s, nd = len(step.tokens), len(step.sample), step.n_decode
+        b = self.bucket(n)
+        rows = min(b, self.runner.max_batch)
+        with_deltas = any(v >= 0 for v in step.variants)
+        r = self.runner
+        h = prefill_lists(step.chunks, 0, self.width, r.block_size, rows, length=b)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        host = self._host.numpy()
+        host[0, :n], host[1, :n], host[2, :n] = step.tokens, step.positions, step.variants
+        host[:2, n:b] = 0
+        host[2, n:b] = -1
+        sample = self._host_rows.numpy()
+        sample[:s] = step.sample
+        sample[s:] = 0
+        (slots, dec_pos, blocks, owners, logical, pos), (tables, is_dec, kv_num, full_num, kv_idx, full_idx, seq) = \
+            (list(map(Tensor.numpy, v)) for v in self._views(self._host_longs, self._host_ints))
+        scratch = r.cache.scratch_block
+        slots[:n], slots[n:b] = step.kv_slots, scratch * r.block_size
+        dec_pos[:nd], dec_pos[nd:rows] = step.positions[:nd], 0
+        fill_tables(tables.reshape(self.rows_max, r.max_blocks)[:rows], step.tables, scratch)
+        is_dec[:nd], is_dec[nd:rows] = 1, 0
+        m = len(h["blocks"])
+        blocks[:m], blocks[m:] = h["blocks"], scratch + 1  # the owner table's sink entry
+        owners[:m], logical[:m] = h["owners"], h["logical"]
+        nq = len(h["kv_num"])
+        kv_num[:nq], full_num[:nq] = h["kv_num"], h["full_num"]
+        kv_idx.reshape(-1, self.width)[:nq], full_idx.reshape(-1, self.width)[:nq] = h["kv_idx"], h["full_idx"]
+        seq[:b], pos[:b] = h["seq"], h["pos"]
+        self.tokens[:b].copy_(self._host[0, :b], non_blocking=True)
+        self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
+        self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        self.longs.copy_(self._host_longs, non_blocking=True)
+        self.ints.copy_(self._host_ints, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if not self.capture:
+            self.step(b, with_deltas)
+        else:
+            key = (b, with_deltas)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(b, with_deltas)
+            self.graphs[key].replay()
+            self.replays += 1
+        return self.logits[:s]
+
+    def _capture(self, b: int, with_deltas: bool) -> torch.cuda.CUDAGraph:
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile for these shapes: not during capture
+            for _ in range(2):
+                self.step(b, with_deltas)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self._workspaces.append(kernel_workspace(dev))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            self.step(b, with_deltas)
+        if self.pool is None:
+            self.pool = g.pool()
+        return g

@@ -419,10 +419,13 @@ class Block(nn.Module):
         a = self.self_attn(n, cos, sin, mask, input_pos, cache, delta)
         return self.after_attention(h, a, delta)
 
-    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta,
-                         residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The layer up to its attention: the stream ``x + residual`` and ``q, k, v`` of it."""
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor, delta, residual: Tensor | None = None,
+                         rotate: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer up to its attention: the stream ``x + residual`` and ``q, k, v`` of it (q and k
+        rotated unless ``rotate`` is False: the attention rotates them, serve/rope_cache.py)."""
         h, n = self.input_layernorm.add(x, residual, delta)
+        if not rotate:
+            return (h, *self.self_attn.heads(n, delta))
         return (h, *self.self_attn.qkv_heads(n, cos, sin, delta))
 
     def after_attention(self, h: Tensor, a: Tensor, delta) -> tuple[Tensor, Tensor]:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, max_blocks, pick_backend, table_tensor
+from deltafleet.serve.attention import (FlexMask, PagedKVCache, PagedStep, PrefillLists, max_blocks, pick_backend,
+                                       prefill_length, prefill_lists, table_tensor)
 from deltafleet.serve.batch import BatchDeltas
 from deltafleet.serve.graphs import bucket
 
@@ -103,9 +105,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self)
         self.piecewise = None
         if cuda_graphs and prefill_graphs > 0 and self.device.type == "cuda":
-            from deltafleet.serve.graphs import PiecewiseGraphs
+            from deltafleet.serve.graphs import FullGraphs, PiecewiseGraphs
 
-            self.piecewise = PiecewiseGraphs(self, prefill_graphs, max_batch)
+            # with FlexAttention, attention's inputs are static too: one graph a step
+            kind = FullGraphs if self.backend == "flex" else PiecewiseGraphs
+            self.piecewise = kind(self, prefill_graphs, max_batch)
         self.steps = 0
 
     def capture_graphs(self) -> int:
@@ -118,7 +122,29 @@ class ModelRunner:
             if self.piecewise is not None:
                 with_deltas = self.graphs.capturable(True) if self.graphs is not None else False
                 n += self.piecewise.capture_all(with_deltas)
+                self.compile_prefill_attention(self.piecewise.max_tokens)
         return n
+
+    def compile_prefill_attention(self, max_tokens: int) -> None:
+        """Compile FlexAttention for every padded prefill length up to ``max_tokens`` tokens (a
+        compile takes seconds: not in the step that first needs it), on one dummy chunk over the
+        scratch block (read, not written). Only with the ``flex`` backend on CUDA."""
+        if self.backend != "flex" or self.device.type != "cuda":
+            return
+        attn = self.model.layers[0].self_attn
+        length = 16
+        while length <= prefill_length(max_tokens):
+            table = [self.cache.scratch_block] * -(-length // self.block_size)
+            chunk = StepInput(tokens=[0] * length, positions=list(range(length)), variants=[-1] * length,
+                              chunks=[(0, length, 0, table)])
+            paged = self.paged_step(torch.zeros(0, dtype=torch.int64, device=self.device), 0,
+                                    torch.zeros(0, 1, dtype=torch.int32, device=self.device),
+                                    torch.zeros(0, dtype=torch.int32, device=self.device),
+                                    torch.zeros(0, dtype=torch.int64, device=self.device), [])
+            paged.prefill = self.prefill_lists(chunk.chunks, 0, 0)
+            q = torch.zeros(length, attn.n_head, 1, attn.head_dim, dtype=self.model.dtype, device=self.device)
+            paged.layer(0)._prefill(q, self.cache.k[0], self.cache.v[0])
+            length *= 2
 
     def paged_step(self, kv_slots: Tensor, n_decode: int, tables: Tensor, num_blocks: Tensor, positions: Tensor,
                    chunks: list[tuple[int, int, int, Tensor]], prompts=()) -> PagedStep:
@@ -152,6 +178,20 @@ class ModelRunner:
         tokens, positions, paged, delta, rows = self.prepare(step)
         return self.model.forward_paged(tokens, positions, paged, delta, rows)
 
+    def prefill_lists(self, chunks: list, n_decode: int, first_owner: int) -> PrefillLists:
+        """:func:`~deltafleet.serve.attention.prefill_lists` of ``chunks`` on the device (two copies)."""
+        h = prefill_lists(chunks, n_decode, self.cache.n_blocks + 1, self.block_size, first_owner)
+        nq, n_chunk_blocks = len(h["kv_num"]), len(h["blocks"])
+        ints = np.concatenate([h["kv_num"], h["full_num"], h["kv_idx"].ravel(), h["full_idx"].ravel(), h["seq"]])
+        longs = np.concatenate([h["blocks"], h["owners"], h["logical"], h["pos"]])
+        ints = torch.from_numpy(ints).to(self.device, non_blocking=True)
+        longs = torch.from_numpy(longs).to(self.device, non_blocking=True)
+        w = self.cache.n_blocks + 1
+        kv_num, full_num, kv_idx, full_idx, seq = ints.split([nq, nq, nq * w, nq * w, h["length"]])
+        blocks, owners, logical, pos = longs.split([n_chunk_blocks] * 3 + [h["length"]])
+        return PrefillLists(h["length"], kv_num, kv_idx.view(nq, w), full_num, full_idx.view(nq, w),
+                            blocks, owners, logical, seq, pos)
+
     def prepare(self, step: StepInput, deltas: bool = True) -> tuple[Tensor, Tensor, PagedStep, BatchDeltas | None,
                                                                      Tensor | None]:
         """``step`` on the device: ``(tokens, positions, paged step, deltas or None, rows that sample or
@@ -175,9 +215,11 @@ class ModelRunner:
             dec_pos = positions[:0]
             tables = torch.zeros(0, 1, dtype=torch.int32, device=dev)
             num_blocks = torch.zeros(0, dtype=torch.int32, device=dev)
-        chunks, whole = [], {}
+        chunks, whole, prefill = [], {}, None
         bs = self.block_size
-        for first, n, start, table in step.chunks:
+        if self.backend == "flex" and step.chunks:  # every chunk in one FlexAttention call
+            prefill = self.prefill_lists(step.chunks, nd, tables.shape[0])
+        for first, n, start, table in ([] if prefill is not None else step.chunks):
             if start == 0:  # a whole prompt (or its first chunk): attends to its own keys only
                 whole.setdefault(n, []).append(first)
                 continue
@@ -187,6 +229,7 @@ class ModelRunner:
         prompts = [(n, firsts, None if len(firsts) == 1 else as_long([f + i for f in firsts for i in range(n)]))
                    for n, firsts in whole.items()]
         paged = self.paged_step(kv_slots, nd, tables, num_blocks, dec_pos, chunks, prompts)
+        paged.prefill = prefill
         delta = None
         if deltas and any(v >= 0 for v in step.variants):
             delta = BatchDeltas(self.slots, as_long(step.variants), step.runs() or None)

@@ -194,25 +194,29 @@ def test_engine_decodes_every_step_by_graph_replay(family):
     assert first >= 2, f"only {first} of {len(jobs) - 1} variant requests' first tokens equal with and without graphs"
 
 
-def test_piecewise_graphs_match_the_eager_step(family):
-    """Steps with prefill chunks by piecewise CUDA graphs (``ModelRunner.execute`` with
-    ``prefill_graphs``) and eagerly (``ModelRunner.forward``) on two runners with their own caches:
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_piecewise_graphs_match_the_eager_step(family, attention):
+    """Steps with prefill chunks by CUDA graphs (``ModelRunner.execute`` with ``prefill_graphs``: with
+    FlexAttention one graph a step, ``FullGraphs``; with SDPA one graph a segment, ``PiecewiseGraphs``)
+    and eagerly (``ModelRunner.forward``) on two runners with their own caches:
     base-only steps (two new prompts of 150 and 90 tokens; then two decode rows beside a third
     prompt's first chunk; then its second chunk), then steps with variants (a coder prompt of 200
     tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
     decode row beside a math prompt of 12: 13 tokens, per-row kernels). The sampled rows' logits
-    agree within the module's bound, each (bucket, with variants) pair is captured once (one graph
-    per segment: 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    agree within the module's bound, each (bucket, with variants) pair is captured once (piecewise:
+    one graph per segment, 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    from deltafleet.serve.graphs import FullGraphs
     from deltafleet.serve.batch import GROUPED_MIN_ROWS
     from deltafleet.serve.runner import ModelRunner, StepInput
 
     model, slots, views = _loaded(family)
     bs, n_blocks = 128, 32
-    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="flex")
-    piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex",
+    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention=attention)
+    piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention=attention,
                         prefill_graphs=512)
     pw = piece.piecewise
     assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 512]
+    assert isinstance(pw, FullGraphs) == (attention == "flex")
     gen = torch.Generator().manual_seed(1)
     free = torch.randperm(n_blocks, generator=gen).tolist()
     tables: dict[int, list[int]] = {}
@@ -250,7 +254,9 @@ def test_piecewise_graphs_match_the_eager_step(family):
         chunk(one, 0, prompts[0], 0)
         chunk(one, 1, prompts[1], 0)
         want = check(one)
-        assert list(pw.graphs) == [(256, False)] and len(pw.graphs[256, False]) == len(model.layers) + 1
+        assert list(pw.graphs) == [(256, False)]
+        graphs = pw.graphs[256, False]
+        assert isinstance(graphs, torch.cuda.CUDAGraph) if attention == "flex" else len(graphs) == len(model.layers) + 1
         two = StepInput()
         for seq in (0, 1):
             decode(two, seq, int(want[seq].argmax()), len(prompts[seq]))

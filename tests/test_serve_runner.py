@@ -155,6 +155,58 @@ def test_the_block_lists_share_one_shape_and_name_each_rows_blocks():
                                       for i, p in enumerate(positions.tolist())]
 
 
+def test_the_prefill_lists_read_each_chunks_blocks_whole_only_where_every_query_sees_them(monkeypatch):
+    """FlexAttention's lists for the prefill tokens, query blocks of 4 tokens here: a query block of one
+    chunk reads the blocks wholly before its first token whole and the rest through the mask; one
+    holding two chunks reads all of both through the mask; padding tokens see nothing."""
+    from deltafleet.serve import attention
+    from deltafleet.serve.attention import prefill_length, prefill_lists
+
+    monkeypatch.setattr(attention, "PREFILL_Q_BLOCK", 4)
+    assert [prefill_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    # after 2 decode rows: chunk 0 continues its sequence at position 9 (blocks 3, 7, 1 of 4 tokens),
+    # 6 tokens; chunk 1 is a whole 3-token prompt in block 5
+    h = prefill_lists([(2, 6, 9, [3, 7, 1, 0]), (8, 3, 0, [5])], 2, 12, BS, first_owner=4)
+    assert h["length"] == 16 and h["kv_idx"].shape == h["full_idx"].shape == (4, 12)
+    assert h["seq"].tolist() == [4] * 6 + [5] * 3 + [-1] * 7
+    assert h["pos"][:9].tolist() == [9, 10, 11, 12, 13, 14, 0, 1, 2]
+    # query block 0: positions 9-12 of chunk 0: blocks 3, 7 whole (keys 0-7 ≤ 9), 1 and 0 masked
+    assert h["full_num"][0] == 2 and h["full_idx"][0, :2].tolist() == [3, 7]
+    assert h["kv_num"][0] == 2 and h["kv_idx"][0, :2].tolist() == [1, 0]
+    # query block 1: positions 13, 14 of chunk 0 and 0, 1 of chunk 1: everything masked
+    assert h["full_num"][1] == 0 and h["kv_idx"][1, :h["kv_num"][1]].tolist() == [3, 7, 1, 0, 5]
+    # query block 2: position 2 of chunk 1 and padding; block 3: padding only
+    assert h["kv_idx"][2, :h["kv_num"][2]].tolist() == [5] and h["full_num"][2] == 0
+    assert h["kv_num"][3] == h["full_num"][3] == 0
+    assert h["blocks"].tolist() == [3, 7, 1, 0, 5] and h["owners"].tolist() == [4, 4, 4, 4, 5]
+    assert h["logical"].tolist() == [0, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("q_block", [4, 128], ids=["q-block-4", "q-block-128"])
+def test_flex_prefill_over_query_blocks_gives_each_sequences_own_logits(eng, monkeypatch, q_block):
+    """The prefill tokens' FlexAttention over the cache (eager here), with query blocks that hold one
+    chunk (blocks read whole) or several: two continuing chunks and a whole prompt beside a decode row
+    give every sequence's logits of running it alone."""
+    from deltafleet.serve import attention
+
+    monkeypatch.setattr(attention, "PREFILL_Q_BLOCK", q_block)
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention="flex")
+    ids = {m: eng.encode_prompt(PROMPTS[m] * 3) for m in PROMPTS}
+    a, b, c = ids["tiny"], ids["tiny-coder"], ids["tiny-writer"]
+    coder = eng.get_delta("tiny-coder").slot
+    t = _Tables()
+    with torch.inference_mode():
+        out = runner.forward(_step(t, [], [(0, a[:9], 0, -1), (1, b[:6], 0, coder)]))
+        nxt = int(out[0].argmax())
+        seqs = {0: a[:9] + [nxt], 1: b, 2: c}
+        step = _step(t, [(0, nxt, 9, -1)], [(1, b[6:], 6, coder), (2, c, 0, -1)])
+        out = runner.forward(step)
+    assert out.shape[0] == 3
+    for row, (i, m) in enumerate(((0, "tiny"), (1, "tiny-coder"), (2, "tiny"))):
+        torch.testing.assert_close(out[row], _alone(eng, m, seqs[i])[-1], rtol=1e-4, atol=1e-4)
+
+
 def test_buckets_and_the_padded_static_inputs(eng):
     from deltafleet.serve.graphs import DecodeGraphs, buckets
 
@@ -298,8 +350,9 @@ def test_adjacent_chunks_of_one_variant_run_as_one_and_answer_as_alone(eng, monk
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_whole_prompts_of_one_length_attend_in_one_call_beside_decode_rows(eng, backend):
     """A step with a decode row, three whole prompts of one length (three variants), one of another
-    length, and a continuing chunk: the equal prompts are one batched attention call over their own
-    keys, and every row's logits equal its sequence's own."""
+    length, and a continuing chunk: with SDPA the equal prompts are one batched attention call over
+    their own keys (FlexAttention takes every chunk in one call), and every row's logits equal its
+    sequence's own."""
     runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
                          attention=backend)
     slot = {m: -1 if eng.get_delta(m) is None else eng.get_delta(m).slot for m in PROMPTS}
@@ -320,24 +373,29 @@ def test_whole_prompts_of_one_length_attend_in_one_call_beside_decode_rows(eng, 
         out = runner.forward(_step(t, [(5, seqs[5][-1], len(seqs[5]) - 1, slot[a])],
                                    [(4, seqs[4][6:], 6, slot[c])]
                                    + [(i, seqs[i], 0, slot[model[i]]) for i in range(4)]))
-    lengths = {length: (firsts, rows) for length, firsts, rows in seen[-1]}
-    assert sorted(lengths) == [n - 2, n] and len(lengths[n][0]) == 3 and lengths[n][1].numel() == 3 * n
-    assert lengths[n - 2][1] is None  # one prompt of that length: sliced, not gathered
+    if backend == "sdpa":
+        lengths = {length: (firsts, rows) for length, firsts, rows in seen[-1]}
+        assert sorted(lengths) == [n - 2, n] and len(lengths[n][0]) == 3 and lengths[n][1].numel() == 3 * n
+        assert lengths[n - 2][1] is None  # one prompt of that length: sliced, not gathered
+    else:  # FlexAttention: every chunk, continuing or whole, in one call over the cache
+        assert seen[-1] == []
     for row, i in enumerate((5, 4, 0, 1, 2, 3)):
         torch.testing.assert_close(out[row], _alone(eng, model[i], seqs[i])[-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_piecewise_segments_give_the_eager_steps_logits(eng, backend):
-    """Steps with prefill chunks run as PiecewiseGraphs' segments (eagerly here: what each graph
-    records), the tokens padded to a bucket, attention between segments: the logits of the sampled rows
-    equal the eager step's, and each sequence's own run alone."""
-    from deltafleet.serve.graphs import PiecewiseGraphs, token_buckets
+@pytest.mark.parametrize("backend,full", [("sdpa", False), ("flex", False), ("flex", True)],
+                         ids=["sdpa-piecewise", "flex-piecewise", "flex-full"])
+def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
+    """Steps with prefill chunks run as PiecewiseGraphs' segments, attention between them, or as
+    FullGraphs' one step of static attention inputs (eagerly here: what the graphs record), the tokens
+    padded to a bucket: the logits of the sampled rows equal the eager step's, and each sequence's own
+    run alone."""
+    from deltafleet.serve.graphs import FullGraphs, PiecewiseGraphs, token_buckets
 
     assert token_buckets(100) == [16, 32, 64, 100] and token_buckets(16) == [16]
     runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
                          attention=backend)
-    pw = PiecewiseGraphs(runner, max_tokens=40, max_sample=4, capture=False)
+    pw = (FullGraphs if full else PiecewiseGraphs)(runner, max_tokens=40, max_sample=4, capture=False)
     a, b = eng.encode_prompt(PROMPTS["tiny"] * 2), eng.encode_prompt(PROMPTS["tiny-coder"] * 3)
     t = _Tables()
     with torch.inference_mode():
