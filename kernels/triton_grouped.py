@@ -49,11 +49,13 @@ class RowGroups:
             ``[0, S)`` last).
         key: int32 ``[M]``, the sorted rows' slots (``S`` for the base rows).
         first: int32 ``[max_blocks]``, the first sorted row of each block (``M`` past the last).
+        block_m: rows a block holds at most (the kernels multiply blocks of this many rows).
     """
 
     order: torch.Tensor
     key: torch.Tensor
     first: torch.Tensor
+    block_m: int = BLOCK_M
 
     @property
     def max_blocks(self) -> int:
@@ -82,7 +84,7 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowG
     block = torch.where(starts, torch.cumsum(starts, 0) - 1, nb)  # non-starts go to a sink entry
     first = torch.full((nb + 1,), m, dtype=torch.int32, device=dev)
     first.scatter_(0, block, idx.to(torch.int32))
-    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb])
+    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb], block_m)
 
 
 @triton.jit
@@ -166,7 +168,7 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
         m, n, k, (k + 7) // 8,
         x.stride(0), signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, TILED=tiled, DOT_FP32=_interpret(),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, **config)
+        BLOCK_M=groups.block_m, BLOCK_N=bn, **config)
     return y
 
 
@@ -177,8 +179,8 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then the
     sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
     tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
-    ``groups``: :func:`group_rows` of ``slot`` (with :data:`BLOCK_M`), when the caller has it (it is
-    the same for every layer of a step)."""
+    ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
+    of a step); its ``block_m`` (16, 32 or 64) is the rows a program multiplies."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
@@ -196,5 +198,5 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
         from deltafleet.kernels import gluon_grouped
 
         if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
-            return gluon_grouped.add_sign_products_planes(x, signs, alphas, groups, y, block_m=BLOCK_M)
+            return gluon_grouped.add_sign_products_planes(x, signs, alphas, groups, y, block_m=groups.block_m)
     return add_sign_products(x, signs, alphas, groups, y)

@@ -71,6 +71,24 @@ def test_grouped_matches_reference(dtype, m, n, k, tenants, slots, tiled, row_al
         assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_groups_of_larger_blocks_multiply_every_row(block_m):
+    """Rows grouped in blocks of ``block_m`` (what a step of a long prompt uses): one variant's run of
+    150 rows beside Zipf rows; the kernel multiplies blocks of that many rows, and none is dropped."""
+    g = torch.Generator().manual_seed(block_m)
+    m, n, k, tenants, dtype = 190, 96, 256, 4, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    slot = torch.cat([torch.full((150,), 2, dtype=torch.int32), _zipf_slots(m - 150, tenants, g)])
+    groups = group_rows(slot.to(DEVICE), tenants, block_m)
+    assert groups.block_m == block_m and groups.max_blocks == max_blocks(m, tenants, block_m)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, tile_signs(signs), alphas, slot)), groups=groups)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())
+
+
 def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
     slot = torch.tensor([2, -1, 0, 2, 2, 0, 7, 2, 2])
     gr = group_rows(slot, 3, block_m=2)
