@@ -83,6 +83,20 @@ def _check_timeouts(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be a number of seconds > 0{' or null' if nullable else ''}, got {value!r}")
 
 
+def _switch_interval(cfg: DictConfig) -> float:
+    """``gil_switch_interval_ms`` in seconds, for ``sys.setswitchinterval``. The model thread gives the
+    GIL up in every CUDA call that waits and then waits to get it back from the HTTP and detokenizer
+    threads, up to the interval (Python's default, 5 ms, is a decode step's length).
+
+    Raises:
+        ValueError: it is not a number > 0.
+    """
+    value = cfg.get("gil_switch_interval_ms", 0.5)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"gil_switch_interval_ms must be a number of milliseconds > 0, got {value!r}")
+    return value / 1000
+
+
 def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
@@ -92,6 +106,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
 
     try:
         torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
+        sys.setswitchinterval(_switch_interval(cfg))
         _check_timeouts(cfg)
         _check_cors(cfg)
         if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)

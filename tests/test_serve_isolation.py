@@ -464,6 +464,7 @@ def test_stops_at_the_limit_do_not_slow_the_others(server):
 @pytest.mark.parametrize("override,message", [
     ("timeout_request_s=0", "timeout_request_s must be a number of seconds > 0 or null, got 0"),
     ("timeout_keep_alive_s=null", "timeout_keep_alive_s must be a number of seconds > 0, got None"),
+    ("gil_switch_interval_ms=0", "gil_switch_interval_ms must be a number of milliseconds > 0, got 0"),
 ])
 def test_bad_timeouts_are_refused_at_startup(tiny_family, override, message):
     out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", override], cwd=REPO,
