@@ -120,7 +120,7 @@ class DecodeGraphs:
         host[0, :n], host[1, :n], host[2, :n], host[3, :n] = step.tokens, step.positions, step.kv_slots, step.variants
         host[:, n:b] = np.array([[self.pad_token], [0], [scratch * self.runner.block_size], [-1]])
         fill_tables(self._host_tables.numpy()[:b], step.tables, scratch)
-        self.static[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        self.static.copy_(self._host, non_blocking=True)  # whole: a column slice is not contiguous
         self.tables[:b].copy_(self._host_tables[:b], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,12 +99,14 @@ class SamplingBatch:
             r, t, c, rep, freq, pres = zip(*penalties)
             pen = tuple(torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True) for v in (r, t)) + tuple(
                 torch.tensor(v, dtype=torch.float32).to(device, non_blocking=True) for v in (c, rep, freq, pres))
-        keys = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds]
-        key = torch.tensor([[w - 2**32 if w >= 2**31 else w for w in k] for k in keys], dtype=torch.int32)
-        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
-                   torch.tensor(top_p, dtype=torch.float32, device=device),
-                   torch.tensor(top_k, dtype=torch.int64, device=device), key.to(device),
-                   torch.tensor(position, dtype=torch.int32, device=device),
+        # two host-to-device copies for the whole batch (each waits for the step's forward to end)
+        seeds = np.array(seeds, dtype=np.int64).view(np.uint64)  # two's complement bits
+        ints = np.stack([np.array(top_k, dtype=np.int64), (seeds & 0xFFFFFFFF).astype(np.int64),
+                         (seeds >> np.uint64(32)).astype(np.int64), np.array(position, dtype=np.int64)])
+        floats = torch.from_numpy(np.array([temperature, top_p], dtype=np.float32)).to(device)
+        ints = torch.from_numpy(ints).to(device)
+        key = ints[1:3].t().to(torch.int32).contiguous()  # the seed's two 32-bit words, wrapped to int32
+        return cls(floats[0], floats[1], ints[0], key, ints[3].to(torch.int32),
                    any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
                    any(t >= SAMPLING_EPS for t in temperature),
                    tuple(torch.tensor(list(v), dtype=torch.int64).to(device, non_blocking=True)
