@@ -33,6 +33,7 @@ from deltafleet.serve.attention import pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.grammar import Grammars
 from deltafleet.serve.loading import load_model
 from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingParams, Step: re-exported)
     VARIANT_NAME,
@@ -175,6 +176,7 @@ class Engine:
         # not stall every running sequence's next token.
         self.detokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         self._detok_lock = threading.Lock()
+        self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time
         self._release_lock = threading.Lock()
         opts = dict(delta_cache or {})
@@ -674,7 +676,12 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
-        return Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id))
+        grammar = None
+        if params.constraint is not None:  # compiled here, in the request's thread: a bad schema is its 400
+            grammar = self.grammars.compile(*params.constraint, param=params.constraint_param)
+        req = Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id))
+        req.grammar = grammar
+        return req
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,
             on_start: Callable[[], None] | None = None) -> Iterator[Step]:

@@ -31,6 +31,7 @@ MAX_PROMPTS = 256  # prompts per completions request (a list of texts or of toke
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # likeliest tokens' log-probabilities per token (OpenAI's limit)
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # JSON characters of chat_template_kwargs
+MAX_CONSTRAINT_CHARS = 65536  # characters of a request's grammar, regular expression, schema or choices (as JSON)
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -54,7 +55,6 @@ UNSUPPORTED = {
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools: no call
     "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: v == {"type": "text"},
     "logit_bias": lambda v: v == {},
     # vLLM's extras not implemented here (and any guided_*): refused unless they ask for nothing
     "length_penalty": _number(1),
@@ -69,7 +69,6 @@ UNSUPPORTED = {
     "logits_processors": lambda v: v == [],
     "truncate_prompt_tokens": lambda v: False,
     "prompt_logprobs": lambda v: False,
-    "structured_outputs": lambda v: False,
     "structural_tag": lambda v: False,
 }
 
@@ -126,6 +125,44 @@ _UNION_TAGS = ("one", "list", "text", "texts", "ids", "id_lists", "parts")  # Ta
 _OWN_ERRORS = ("array_above_max_length", "string_above_max_length", "unsupported_value")
 _TEXT = {"type": "string", "minLength": 1}  # "" is refused by the engine: an empty prompt (0 tokens)
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # and below the vocabulary size: Engine.encode_prompt
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output follows")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON Schema, a regular expression, a choice of strings,
+    an EBNF grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _json_text(value, param: str) -> str:
+    """A JSON Schema (an object, or its JSON text) as canonical JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"`{param}` is not valid JSON: {e}", param, "invalid_value") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"`{param}` must be a JSON Schema object", param, "invalid_value")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 # JSON Schema of what check() refuses: stream_options only with stream: true.
@@ -187,17 +224,70 @@ class _Sampling(BaseModel):
                                                                   "samples with seed + j")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the output "
+                                                                       "follows it (structured output)")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: the output follows this JSON Schema")
+    guided_regex: str | None = Field(None, description="vLLM's: the output matches this regular expression")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM's: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM's: the output follows this EBNF grammar")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's newer form of the guided_* "
+                                                                             "fields")
 
     def logprob_count(self) -> int | None:
         """How many likeliest tokens' log-probabilities each token reports (None: no log-probabilities)."""
         return None
 
+    def constraint(self) -> tuple[str, str | None, str] | None:
+        """The output's grammar as ``(kind, spec, the field it came from)`` (serve/grammar.py), or None.
+
+        Raises:
+            InvalidRequestError: two fields ask for one, or one is malformed.
+        """
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                asked.append(("json_object", None, "response_format"))
+            elif rf.json_schema is None:
+                raise InvalidRequestError("`response_format` of type json_schema needs `json_schema`",
+                                          "response_format", "invalid_value")
+            else:
+                asked.append(("json", _json_text(rf.json_schema.schema_, "response_format"), "response_format"))
+        so = self.structured_outputs
+        fields = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        if so is not None:
+            fields.update({"structured_outputs.json": so.json_, "structured_outputs.regex": so.regex,
+                           "structured_outputs.choice": so.choice, "structured_outputs.grammar": so.grammar})
+            if so.json_object:
+                asked.append(("json_object", None, "structured_outputs"))
+        for name, value in fields.items():
+            if value is None:
+                continue
+            kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+            if kind == "json":
+                asked.append(("json", _json_text(value, name), name))
+            elif kind == "choice":
+                asked.append(("choice", json.dumps(value), name))
+            else:
+                asked.append((kind, value, name))
+        if len(asked) > 1:
+            raise InvalidRequestError(f"only one structured-output constraint per request, got {len(asked)}: "
+                                      f"{', '.join(a[2] for a in asked)}", asked[1][2], "invalid_value")
+        if asked and len(asked[0][1] or "") > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(f"`{asked[0][2]}` is longer than {MAX_CONSTRAINT_CHARS} characters",
+                                      asked[0][2], "invalid_value")
+        return asked[0] if asked else None
+
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        constraint = self.constraint()
         return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
                               self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()),
                               self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p,
-                              self.skip_special_tokens, self.logprob_count())
+                              self.skip_special_tokens, self.logprob_count(),
+                              constraint=None if constraint is None else constraint[:2],
+                              constraint_param=constraint[2] if constraint else "response_format")
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of
@@ -214,6 +304,7 @@ class _Sampling(BaseModel):
             if name != "best_of" and _unsupported(name, value):
                 raise InvalidRequestError(f"The parameter `{name}` (here {json.dumps(value)[:100]}) is not supported "
                                           "by this server.", name, "unsupported_parameter")
+        self.constraint()
 
 
 class CompletionRequest(_Sampling):

@@ -58,6 +58,8 @@ class SamplingParams:
     skip_special_tokens: bool = True       # vLLM's: special tokens the model generates are left out of the text
     logprobs: int | None = None            # each token's log-probability and its `logprobs` likeliest (0–20); None: none
     prompt_logprobs: int | None = None     # the same for each prompt token after the first (echo); None: none
+    constraint: tuple[str, str | None] | None = None  # (kind, spec) of serve/grammar.py: the output's grammar
+    constraint_param: str = "response_format"  # the request field it came from (named in its errors)
 
     @property
     def penalized(self) -> bool:
@@ -87,6 +89,7 @@ class Request:
     params: SamplingParams
     delta: VariantDelta | None
     released: bool = False  # its hold on the variant's delta ended (Engine.release)
+    grammar: object = None  # params.constraint compiled (serve/grammar.py), None without one
 
 
 @dataclass

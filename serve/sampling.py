@@ -72,6 +72,9 @@ class SamplingBatch:
             token) seen in the row's prompt or output, ``counts`` (float32) its count in the output,
             the others (float32) the row's penalties; None when no row has one.
         min_p: float32 ``[B]``, or None when no row has one.
+        allowed: ``(rows, bitmask)``: int64 ``[R]`` rows held to a grammar (serve/grammar.py) and int32
+            ``[R, ceil(V / 32)]`` their allowed tokens in xgrammar's layout (bit ``j`` of word ``i``:
+            token ``32·i + j``); None when no row is.
     """
 
     temperature: Tensor
@@ -84,6 +87,7 @@ class SamplingBatch:
     banned: tuple[Tensor, Tensor] | None = None
     penalties: tuple[Tensor, ...] | None = None
     min_p: Tensor | None = None
+    allowed: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str,
@@ -114,6 +118,12 @@ class SamplingBatch:
                    pen, None if min_p is None else torch.tensor(min_p, dtype=torch.float32, device=device))
 
 
+def unpack_bitmask(bitmask: Tensor, vocab: int) -> Tensor:
+    """The bool ``[R, vocab]`` of a token bitmask in xgrammar's layout (see :class:`SamplingBatch`)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
 def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
     """Gumbel(0, 1) draws, float32 ``[B, N]``: row b's draw for token ``tokens[b, n]`` (or ``tokens[n]``)
     at ``position[b]`` under ``key[b]``; a pure function of those three."""
@@ -136,6 +146,9 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
         _penalize(logits, *batch.penalties)
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        rows, bitmask = batch.allowed
+        logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
     if batch.min_p is not None:
         _min_p(logits, batch.min_p, batch.temperature)
     if not batch.draw:

@@ -70,6 +70,7 @@ class _Seq(Sequence):
     stop_hit: bool = False                  # (detokenizer) a stop string ended it: the scheduler retires it
     scored: int = 0                         # prompt positions whose next token's log-probability is taken
     prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
+    matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
 
 
 def _slot(req) -> int:
@@ -229,6 +230,8 @@ class Scheduler:
         seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens, p.skip_special_tokens)
         seq.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids))
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
+        if seq.req.grammar is not None and seq.matcher is None:  # kept through a preemption: its tokens stay
+            seq.matcher = eng.grammars.matcher(seq.req.grammar)
         if seq.on_start is not None:
             seq.on_start()
 
@@ -336,6 +339,12 @@ class Scheduler:
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
              for s in seqs], logits.device, banned, penalties, min_p)
+        held = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if held:  # the grammars' allowed tokens, written while the GPU runs the forward
+            bitmask = self.engine.grammars.bitmask(len(held))
+            for j, i in enumerate(held):
+                seqs[i].matcher.fill_next_token_bitmask(bitmask, j)
+            batch.allowed = (torch.tensor(held, device=logits.device), bitmask.to(logits.device))
         want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
         lp = None
         if want:  # the model's own distribution, before penalties, bans and truncation change the logits
@@ -360,7 +369,12 @@ class Scheduler:
             seq.done = True
             return
         seq.n += 1
-        if token in seq.enders:
+        if seq.matcher is not None and not seq.matcher.accept_token(token):  # the sampler kept it to the grammar
+            err = GenerationError(f"token {token} is outside the request's grammar")
+            self._items.append(("error", seq, err))
+            seq.done = True
+            return
+        if token in seq.enders or (seq.matcher is not None and seq.matcher.is_terminated()):
             end = "eos"  # finish "stop", the token left out of the text
         elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
             end = "length"

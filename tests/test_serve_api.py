@@ -312,8 +312,8 @@ def test_vllm_extras_not_implemented_are_refused_not_ignored(client):
     """A vLLM sampling extra this server does not implement is a 400 naming it, unless it asks for
     nothing (its default), which is accepted."""
     base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2)
-    for name, value in (("length_penalty", 1.2), ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
-                        ("guided_choice", ["a", "b"]), ("spaces_between_special_tokens", False),
+    for name, value in (("length_penalty", 1.2), ("bad_words", ["x"]), ("guided_decoding_backend", "outlines"),
+                        ("structural_tag", "{}"), ("spaces_between_special_tokens", False),
                         ("include_stop_str_in_output", True),
                         ("length_penalty", True), ("best_of", True),  # a bool is not a number
                         ("guided_whitespace_pattern", "\\s"), ("use_beam_search", True), ("allowed_token_ids", [1])):
@@ -636,7 +636,6 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("completions", {"logit_bias": {"5": 10}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
-    ("chat/completions", {"response_format": {"type": "json_object"}}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):
     body = {"model": "tiny", "max_tokens": 2}

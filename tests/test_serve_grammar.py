@@ -1,0 +1,233 @@
+"""Structured output (serve/grammar.py): constraints compiled by xgrammar, applied as token bitmasks
+in the batched sampler; through the engine and through the real server with the official OpenAI
+client (``response_format``, ``beta.chat.completions.parse``, vLLM's ``guided_*``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pydantic
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltafleet.serve.engine import SamplingParams
+from deltafleet.serve.grammar import Grammars, choice_grammar
+from deltafleet.serve.request import InvalidRequestError
+from deltafleet.serve.sampling import SamplingBatch, request_seed, sample, unpack_bitmask
+from tests.conftest import api_error, free_port, stop_server, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def grammars(engine) -> Grammars:
+    return engine.grammars
+
+
+def _walk(grammars: Grammars, compiled, seed: int, max_steps: int = 300, temperature: float = 1.0) -> tuple[str, bool]:
+    """Sample random logits through the batched sampler under ``compiled``'s bitmask until the grammar
+    ends: (the text, whether it ended)."""
+    vocab = grammars.vocab_size
+    matcher, tokens = grammars.matcher(compiled), []
+    g = torch.Generator().manual_seed(seed)
+    for pos in range(max_steps):
+        bitmask = grammars.bitmask(1)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        batch = SamplingBatch.build([(temperature, 1.0, 0, request_seed(seed), pos)], "cpu")
+        batch.allowed = (torch.tensor([0]), bitmask)
+        token = int(sample(torch.randn(1, vocab, generator=g) * 3, batch)[0])
+        assert matcher.accept_token(token), token  # never outside the grammar
+        if matcher.is_terminated():
+            return grammars.tokenizer.decode(tokens), True
+        tokens.append(token)
+    return grammars.tokenizer.decode(tokens), False
+
+
+# ------------------------------------------------------------------------------------ the sampler
+
+
+def test_the_bitmask_holds_constrained_rows_and_leaves_free_rows_alone():
+    """Rows 0 and 2 of four under bitmasks (xgrammar's layout: bit j of word i is token 32·i + j);
+    rows 1 and 3 free: they draw what they draw without any bitmask, the others only allowed tokens."""
+    vocab = 100
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g)
+    allowed = {0: [3, 40, 99], 2: [64]}
+    bitmask = torch.zeros(2, 4, dtype=torch.int32)
+    for j, (row, toks) in enumerate(allowed.items()):
+        for t in toks:
+            bitmask[j, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    assert unpack_bitmask(bitmask, vocab)[0].nonzero()[:, 0].tolist() == [3, 40, 99]
+    rows = [(t, 1.0, 0, request_seed(i), 7) for i, t in enumerate((1.0, 0.0, 0.7, 1.0))]
+    free = sample(logits.clone(), SamplingBatch.build(rows, "cpu"))
+    batch = SamplingBatch.build(rows, "cpu")
+    batch.allowed = (torch.tensor([0, 2]), bitmask)
+    held = sample(logits.clone(), batch)
+    assert held[0].item() in allowed[0] and held[2].item() == 64
+    assert held[1] == free[1] and held[3] == free[3]
+
+
+def test_compiled_constraints_are_refused_by_name(grammars):
+    with pytest.raises(InvalidRequestError, match="json constraint cannot be compiled") as e:
+        grammars.compile("json", '{"type": "object", "properties": {"a": {"type": "no-such-type"}}}', "guided_json")
+    assert e.value.param == "guided_json" and e.value.code == "invalid_constraint"
+    with pytest.raises(InvalidRequestError, match="regex constraint"):
+        grammars.compile("regex", "(unclosed")
+    with pytest.raises(InvalidRequestError, match="grammar constraint"):
+        grammars.compile("grammar", "root ::= undefined_rule")
+    assert choice_grammar(['say "hi"', "a\\b"]) == r'root ::= "say \"hi\"" | "a\\b"'
+
+
+SCHEMAS = st.recursive(
+    st.one_of(st.just({"type": "boolean"}), st.just({"type": "null"}),
+              st.lists(st.sampled_from(["red", "green", "a b", "x\"y"]), min_size=1, max_size=3, unique=True)
+              .map(lambda v: {"enum": v})),
+    lambda inner: st.one_of(
+        st.dictionaries(st.sampled_from(["a", "b", "name", "k_2"]), inner, min_size=1, max_size=3)
+        .map(lambda p: {"type": "object", "properties": p, "required": sorted(p)}),
+        inner.map(lambda i: {"type": "array", "items": i, "minItems": 1, "maxItems": 2})),
+    max_leaves=6)
+
+
+def _conforms(value, schema) -> bool:
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema["type"]
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "null":
+        return value is None
+    if kind == "array":
+        return isinstance(value, list) and 1 <= len(value) <= 2 and all(_conforms(v, schema["items"]) for v in value)
+    return isinstance(value, dict) and set(value) == set(schema["properties"]) and all(
+        _conforms(value[k], s) for k, s in schema["properties"].items())
+
+
+@settings(max_examples=25, deadline=None)
+@given(schema=SCHEMAS, seed=st.integers(0, 2**16))
+def test_sampling_under_a_schema_never_leaves_it(grammars, schema, seed):
+    """Random JSON Schemas (enums, booleans, nulls, nested objects and arrays), random logits: the
+    sampler under the bitmask never draws a token the grammar refuses, and what it writes parses
+    and conforms to the schema."""
+    text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), seed)
+    assert ended, text
+    assert _conforms(json.loads(text), schema), (text, schema)
+
+
+def test_regex_choice_and_any_object(grammars):
+    text, ended = _walk(grammars, grammars.compile("regex", "[0-9]{3}-(yes|no)"), 1)
+    assert ended and len(text) in (6, 7) and text[:3].isdigit() and text[4:] in ("yes", "no")
+    for seed in range(3):
+        text, ended = _walk(grammars, grammars.compile("choice", json.dumps(["left", "right", "up"])), seed)
+        assert ended and text in ("left", "right", "up")
+    text, ended = _walk(grammars, grammars.compile("json_object", None), 2, temperature=0.0)
+    if ended:  # greedy random logits may also keep a string open to the step limit
+        assert isinstance(json.loads(text), dict)
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"]}
+
+
+def test_constrained_and_free_requests_of_different_variants_share_steps(engine):
+    """Constrained requests on the base and on a variant beside free ones: the constrained outputs
+    parse and conform; the free ones equal their outputs alone."""
+    constraint = ("json", json.dumps(SCHEMA))
+    free = {m: engine.complete(m, "The quick brown", SamplingParams(max_tokens=12, temperature=0))
+            for m in ("tiny", "tiny-writer")}
+    import threading
+
+    got = {}
+
+    def run(key, model, params):
+        got[key] = engine.complete(model, "The quick brown", params)
+
+    jobs = [("c-tiny", "tiny", SamplingParams(max_tokens=64, temperature=0.8, seed=1, constraint=constraint)),
+            ("c-coder", "tiny-coder", SamplingParams(max_tokens=64, temperature=0, constraint=constraint)),
+            ("f-tiny", "tiny", SamplingParams(max_tokens=12, temperature=0)),
+            ("f-writer", "tiny-writer", SamplingParams(max_tokens=12, temperature=0))]
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for key in ("c-tiny", "c-coder"):
+        assert got[key].finish_reason == "stop", got[key]
+        value = json.loads(got[key].text)
+        assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
+    assert got["f-tiny"].text == free["tiny"].text and got["f-writer"].text == free["tiny-writer"].text
+
+
+# ------------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def client(tiny_family, tmp_path_factory):
+    port = free_port()
+    out = tmp_path_factory.mktemp("grammar_server")
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", f"hydra.run.dir={out}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, out / "server.log", 60)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    stop_server(proc, log, 10)
+
+
+class Verdict(pydantic.BaseModel):
+    answer: str
+    sure: bool
+
+
+MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+
+
+def test_response_format_json_schema_and_parse_through_the_openai_client(client):
+    for model in ("tiny", "tiny-coder"):
+        r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=64, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "verdict", "schema": SCHEMA, "strict": True}})
+        value = json.loads(r.choices[0].message.content)
+        assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
+        assert r.choices[0].finish_reason == "stop"
+    parsed = client.beta.chat.completions.parse(model="tiny-writer", messages=MESSAGES, max_tokens=96,
+                                                temperature=0.7, seed=3, response_format=Verdict)
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
+
+
+def test_guided_fields_and_streaming(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.9, seed=5,
+                                       extra_body={"guided_choice": ["sunny", "rainy"]})
+    assert r.choices[0].message.content in ("sunny", "rainy")
+    r = client.completions.create(model="tiny-coder", prompt="Code: ", max_tokens=16, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}})
+    assert len(r.choices[0].text) == 4 and r.choices[0].text[:2].isupper() and r.choices[0].text[2:].isdigit()
+    stream = client.chat.completions.create(model="tiny-writer", messages=MESSAGES, max_tokens=64, temperature=0,
+                                            stream=True, extra_body={"guided_json": SCHEMA})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert json.loads(text)["answer"] in ("yes", "no", "maybe")
+
+
+def test_bad_constraints_are_400s_that_name_the_field(client):
+    import httpx
+
+    url = str(client.base_url)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    r = httpx.post(f"{url}chat/completions", json=body | {"guided_json": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}, timeout=30)
+    assert api_error(r, 400)["param"] == "guided_json"
+    r = httpx.post(f"{url}chat/completions", json=body | {"guided_regex": "a+", "guided_choice": ["a"]}, timeout=30)
+    err = api_error(r, 400)
+    assert "only one structured-output constraint" in err["message"] and err["param"] == "guided_choice"
+    r = httpx.post(f"{url}chat/completions", json=body | {"response_format": {"type": "json_schema"}}, timeout=30)
+    assert api_error(r, 400)["param"] == "response_format"
+    r = httpx.post(f"{url}chat/completions", json=body | {"guided_decoding_backend": "outlines"}, timeout=30)
+    assert api_error(r, 400)["param"] == "guided_decoding_backend"
