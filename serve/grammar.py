@@ -13,7 +13,8 @@ the GPU runs the step's forward), the sampler drops the others (serve/sampling.p
 same step are untouched, whatever their variant.
 
 JSON is generated compact (no whitespace between tokens but the separators ``", "`` and ``": "``):
-free whitespace lets a model emit it forever. ``strict`` JSON Schemas (OpenAI's ``strict: true``)
+free whitespace lets a model emit it forever. A string with ``minLength``/``maxLength`` holds no
+escapes (:func:`string_lengths`). ``strict`` JSON Schemas (OpenAI's ``strict: true``)
 and plain ones are compiled the same, objects without properties beyond the schema's, as OpenAI's
 strict mode has them.
 
@@ -51,7 +52,8 @@ class Grammars:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec, any_whitespace=False)
+                return compiler.compile_json_schema(json.dumps(string_lengths(json.loads(spec), param)),
+                                                    any_whitespace=False)
             if kind == "json_object":  # any object: not strict, or a schema without properties allows only {}
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
@@ -89,7 +91,35 @@ class Grammars:
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar of exactly one of ``choices``: ``root ::= "a" | "b"``."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar of exactly one of ``choices``: ``root ::= "a" | "b"`` (characters past U+FFFF
+    as they are: the grammar reads a JSON escape's surrogate pair as two characters)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# What a string of a JSON Schema with minLength/maxLength may hold (xgrammar 0.2.9 lets control
+# characters into such strings, which no JSON parser takes): no quote, backslash or control character.
+_PLAIN = r'[^"\\\x00-\x1f]'
+
+
+def string_lengths(schema, param: str = "response_format"):
+    """``schema`` with every string's ``minLength``/``maxLength`` written as a ``pattern`` of
+    :data:`_PLAIN` characters (a string with a length limit holds no escapes). xgrammar's own length
+    limit lets control characters in, and it ignores the limit beside a ``pattern``.
+
+    Raises:
+        InvalidRequestError: a string has both a pattern and a length limit (not supported).
+    """
+    if isinstance(schema, list):
+        return [string_lengths(s, param) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: string_lengths(v, param) for k, v in schema.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out):
+        if "pattern" in out:
+            raise InvalidRequestError("a string with both `pattern` and `minLength`/`maxLength` is not supported "
+                                      "in structured output", param, "invalid_constraint")
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^{_PLAIN}{{{lo},{hi}}}$"
+    return out
 
 

@@ -155,14 +155,15 @@ class StructuredOutputs(BaseModel):
 
 def _json_text(value, param: str) -> str:
     """A JSON Schema (an object, or its JSON text) as canonical JSON text."""
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, str):
             value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"`{param}` is not valid JSON: {e}", param, "invalid_value") from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"`{param}` must be a JSON Schema object", param, "invalid_value")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"`{param}` must be a JSON Schema object", param, "invalid_value")
+        return json.dumps(value, separators=(",", ":"))  # the properties' order is the output's
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "is nested too deeply" if isinstance(e, RecursionError) else f"is not valid JSON: {e}"
+        raise InvalidRequestError(f"`{param}` {why}", param, "invalid_value") from None
 
 
 # JSON Schema of what check() refuses: stream_options only with stream: true.

@@ -324,8 +324,9 @@ class Scheduler:
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``. Also, for
         the rows that ask for log-probabilities, ``(rows, sampled token's, top values, top ids)`` of
         the model's own log-softmax (None if no row asks), all on the device."""
-        # before min_tokens, the tokens that would end a row cannot be drawn
-        banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens for t in s.enders]
+        # before min_tokens, the tokens that would end a row cannot be drawn (a grammar's end decides for its rows)
+        banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens and s.matcher is None
+                  for t in s.enders]
         penalties = []
         for i, s in enumerate(seqs):
             p = s.req.params

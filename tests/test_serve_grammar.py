@@ -84,7 +84,7 @@ def test_compiled_constraints_are_refused_by_name(grammars):
 
 
 SCHEMAS = st.recursive(
-    st.one_of(st.just({"type": "boolean"}), st.just({"type": "null"}),
+    st.one_of(st.just({"type": "boolean"}), st.just({"type": "null"}), st.just({"type": "string", "maxLength": 3}),
               st.lists(st.sampled_from(["red", "green", "a b", "x\"y"]), min_size=1, max_size=3, unique=True)
               .map(lambda v: {"enum": v})),
     lambda inner: st.one_of(
@@ -98,6 +98,8 @@ def _conforms(value, schema) -> bool:
     if "enum" in schema:
         return value in schema["enum"]
     kind = schema["type"]
+    if kind == "string":  # U+FFFD: random logits over a byte-level vocabulary can split a character
+        return isinstance(value, str) and (len(value) <= schema["maxLength"] or "\ufffd" in value)
     if kind == "boolean":
         return isinstance(value, bool)
     if kind == "null":
@@ -111,12 +113,30 @@ def _conforms(value, schema) -> bool:
 @settings(max_examples=25, deadline=None)
 @given(schema=SCHEMAS, seed=st.integers(0, 2**16))
 def test_sampling_under_a_schema_never_leaves_it(grammars, schema, seed):
-    """Random JSON Schemas (enums, booleans, nulls, nested objects and arrays), random logits: the
-    sampler under the bitmask never draws a token the grammar refuses, and what it writes parses
-    and conforms to the schema."""
+    """Random JSON Schemas (enums, booleans, nulls, strings of at most 3 characters, nested objects
+    and arrays), random logits: the sampler under the bitmask never draws a token the grammar
+    refuses, and what it writes parses (no control character in a string: xgrammar's own maxLength
+    lets them in) and conforms to the schema."""
     text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), seed)
     assert ended, text
     assert _conforms(json.loads(text), schema), (text, schema)
+
+
+def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
+    """Strings with a length limit become a pattern of plain characters; a pattern beside a length
+    limit (which xgrammar would ignore) is refused; properties come out in the schema's order;
+    choices keep characters past U+FFFF."""
+    for seed in range(6):
+        text, ended = _walk(grammars, grammars.compile("json", json.dumps(
+            {"type": "object", "properties": {"zed": {"type": "string", "maxLength": 4}, "a": {"type": "boolean"}},
+             "required": ["zed", "a"]})), seed)
+        assert ended and text.startswith('{"zed": "') and len(json.loads(text)["zed"]) <= 4, text
+    with pytest.raises(InvalidRequestError, match="both `pattern` and `minLength`/`maxLength`") as e:
+        grammars.compile("json", json.dumps({"type": "string", "pattern": "^a+$", "maxLength": 3}), "guided_json")
+    assert e.value.param == "guided_json"
+    for seed in range(3):
+        text, ended = _walk(grammars, grammars.compile("choice", json.dumps(["😀x", "b"])), seed)
+        assert ended and text in ("😀x", "b"), text
 
 
 def test_regex_choice_and_any_object(grammars):
@@ -164,6 +184,10 @@ def test_constrained_and_free_requests_of_different_variants_share_steps(engine)
         value = json.loads(got[key].text)
         assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
     assert got["f-tiny"].text == free["tiny"].text and got["f-writer"].text == free["tiny-writer"].text
+    # min_tokens does not hold back a grammar's end (the grammar then allows only eos)
+    held = engine.complete("tiny", "Hi", SamplingParams(max_tokens=20, min_tokens=8, temperature=0,
+                                                         constraint=("choice", '["yes", "no"]')))
+    assert held.finish_reason == "stop" and held.text in ("yes", "no")
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -231,3 +255,8 @@ def test_bad_constraints_are_400s_that_name_the_field(client):
     assert api_error(r, 400)["param"] == "response_format"
     r = httpx.post(f"{url}chat/completions", json=body | {"guided_decoding_backend": "outlines"}, timeout=30)
     assert api_error(r, 400)["param"] == "guided_decoding_backend"
+    deep = '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000  # under the size limit, past json's depth
+    err = api_error(httpx.post(f"{url}completions", json={"model": "tiny", "prompt": "x", "guided_json": deep},
+                               timeout=30), 400)
+    assert err["param"] == "guided_json" and "nested too deeply" in err["message"]
+    assert client.models.list().data  # and the server goes on
