@@ -74,4 +74,5 @@ def test_the_leaf_modules_import_no_other_serve_module():
         assert _imports(SERVE / f"{leaf}.py") == set(), leaf
     assert _imports(SERVE / "sampling.py") == {"fuse"}
     assert _imports(SERVE / "attention.py") == {"rope_cache"}
+    assert _imports(SERVE / "grammar.py") == {"request"}  # structured output: its errors are the request's
     assert "engine" not in _imports(SERVE / "scheduler.py")
