@@ -89,6 +89,8 @@ from deltafleet.serve.protocol import (
 )
 
 PREFIX = "deltafleet:"
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (413) unread
 MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
@@ -382,8 +384,26 @@ class Metrics:
         self.load_seconds = Histogram(PREFIX + "delta_load_seconds", "Time to bring a delta onto the device, by "
                                       "the tier it came from (host: a copy; disk: read and checked).",
                                       L + ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        # the engine's steps (every model's tokens together): vLLM's iteration_tokens_total, and where a
+        # step's time goes (kind: decode rows only, or with prefill chunks)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens fed to the model per engine "
+                                          "step.", buckets=TOKEN_BUCKETS, registry=r)
+        self.step_seconds = Histogram(PREFIX + "engine_step_seconds", "One engine step on the model thread, from "
+                                      "its plan to its sampled tokens on the host.", ["kind"],
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.launch_seconds = Histogram(PREFIX + "engine_step_launch_seconds", "The host's part of a step: "
+                                        "preparing and launching its forward (ModelRunner.execute).", ["kind"],
+                                        buckets=STEP_BUCKETS, registry=r)
+        for kind in ("decode", "prefill"):
+            self.step_seconds.labels(kind)
+            self.launch_seconds.labels(kind)
         for mid in model_ids:
             self.add_model(mid)
+
+    def on_step(self, kind: str, seconds: float, launch: float, tokens: int) -> None:
+        self.iteration_tokens.observe(tokens)
+        self.step_seconds.labels(kind).observe(seconds)
+        self.launch_seconds.labels(kind).observe(launch)
 
     def add_model(self, model_id: str) -> None:
         """Create every series of a model at zero, so it shows in /metrics before its first request."""
@@ -557,6 +577,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     metrics.registry.register(_EngineCollector(engine))
     metrics.registry.register(_VllmCollector(engine, metrics))
     engine.add_listener(metrics.on_delta_event)
+    engine.scheduler.step_observers.append(metrics.on_step)
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.exception_handler(APIError)

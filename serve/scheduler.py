@@ -118,6 +118,9 @@ class Scheduler:
         self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
         self.detokenizer = _Detokenizer()
+        # called after every step on this thread: (kind "decode" or "prefill", the step's seconds, the
+        # seconds ModelRunner.execute took to prepare and launch it, the tokens it fed)
+        self.step_observers: list[Callable[[str, float, float, int], None]] = []
         if capture_at_start and graphs:
             t0 = time.perf_counter()
             n = self.runner.capture_graphs()
@@ -200,13 +203,16 @@ class Scheduler:
         self._retire(gone)
 
     def _step(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
         self.preemptions += len(plan.preempted)
         for seq, start, _ in plan.prefill:
             if not seq.started:
                 self._start(seq)
         step, sampled, scored = self._inputs(plan)
         with self.engine.collective(("step", step)), torch.inference_mode():
+            t1 = time.perf_counter()
             logits = self.runner.execute(step)
+            launch = time.perf_counter() - t1
             tokens, lps, scores = [], {}, []
             if sampled or scored:
                 n = len(sampled)
@@ -223,6 +229,13 @@ class Scheduler:
         for i, (seq, token) in enumerate(zip(sampled, tokens)):
             self._emit(seq, token, lps.get(i))
         self._retire([s for s in sampled if s.done])
+        if self.step_observers:
+            kind, seconds = "prefill" if plan.prefill else "decode", time.perf_counter() - t0
+            for fn in self.step_observers:
+                try:
+                    fn(kind, seconds, launch, len(step.tokens))
+                except Exception:  # noqa: BLE001 - an observer never stops the model thread
+                    log.exception("a step observer failed")
 
     def _start(self, seq: _Seq) -> None:
         p, eng = seq.req.params, self.engine

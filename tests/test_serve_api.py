@@ -760,6 +760,29 @@ def test_metrics_after_traffic(server, client):
     assert httpx.get(f"{server}/health").status_code == 200  # still up after all the bad requests
 
 
+def test_engine_steps_are_in_the_metrics(engine):
+    """A request alone: its prompt's tokens, then each generated token but the last, are fed to the
+    model once each, and every step is counted once, by kind (prefill: with prompt chunks)."""
+    def samples(tc):
+        text = tc.get("/metrics").text
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                          if line and not line.startswith("#"))}
+
+    with TestClient(create_app(engine)) as tc:
+        before, steps = samples(tc), engine.scheduler.steps
+        r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": PROMPTS[1], "max_tokens": 5,
+                                             "temperature": 0, "ignore_eos": True}).json()
+        after = samples(tc)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    usage = r["usage"]
+    assert delta["deltafleet:iteration_tokens_total_sum"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    counts = {kind: delta[f'deltafleet:engine_step_seconds_count{{kind="{kind}"}}'] for kind in ("decode", "prefill")}
+    assert counts == {"decode": usage["completion_tokens"] - 1, "prefill": 1.0}
+    assert sum(counts.values()) == engine.scheduler.steps - steps == delta["deltafleet:iteration_tokens_total_count"]
+    launch = delta['deltafleet:engine_step_launch_seconds_sum{kind="decode"}']
+    assert 0 < launch <= delta['deltafleet:engine_step_seconds_sum{kind="decode"}']
+
+
 def test_overload_is_429_with_openai_error_object(engine):
     """With ``max_waiting=1``: one request waits for the busy model, the next is refused with 429
     (also for a stream: before its 200 goes out), and the waiting one then completes."""
