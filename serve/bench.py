@@ -599,8 +599,10 @@ def run_load(gen: LoadGenerator, url: str, name: str, requests: list[tuple[list[
     """``requests`` (prompt, max_tokens) sent to ``models`` (one per request) at ``concurrency``:
     :func:`phase_stats`, and ``concurrency``."""
     jobs = [(m, p, n, i) for i, (m, (p, n)) in enumerate(zip(models, requests))]
+    before = _scrape(url)
     stats = phase_stats(gen.run(url, jobs, concurrency))
     stats["concurrency"] = concurrency
+    stats["engine_steps"] = step_stats(before, _scrape(url))
     tps = stats["tokens_per_s"]
     ttft = stats["ttft_p50_s"]
     print(f"{name:>16} c={concurrency:<4} {stats['answered']}/{stats['requests']} answered, "
@@ -823,6 +825,46 @@ def run_peers(cfg: DictConfig, requests: list[tuple[list[int], int]], concurrenc
 # --------------------------------------------------------------------------------------------
 # The report
 # --------------------------------------------------------------------------------------------
+
+
+def _scrape(url: str) -> str:
+    import httpx
+
+    try:
+        return httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return ""
+
+
+def parse_step_metrics(metrics: str) -> dict:
+    """The engine-step series of /metrics (serve/app.py): ``{name: value}`` for the ``_sum`` and
+    ``_count`` of ``iteration_tokens_total`` and, by kind, ``engine_step_seconds`` and
+    ``engine_step_launch_seconds``."""
+    out = {}
+    for m in re.finditer(r'^deltafleet:(iteration_tokens_total|engine_step_seconds|engine_step_launch_seconds)_'
+                         r'(sum|count)(?:\{kind="([^"]+)"\})? (\S+)$', metrics, re.MULTILINE):
+        out[(m.group(1), m.group(2), m.group(3))] = float(m.group(4))
+    return out
+
+
+def step_stats(before: str, after: str) -> dict:
+    """The engine steps between two scrapes of /metrics: per kind (``decode``, ``prefill``) the steps,
+    their mean seconds and mean launch seconds and the launch's share of the step; and the mean
+    tokens a step fed. Empty where the server has no such series."""
+    b, a = parse_step_metrics(before), parse_step_metrics(after)
+    d = {k: v - b.get(k, 0.0) for k, v in a.items()}
+    out: dict = {}
+    for kind in ("decode", "prefill"):
+        n = d.get(("engine_step_seconds", "count", kind), 0.0)
+        if n > 0:
+            step = d[("engine_step_seconds", "sum", kind)] / n
+            launch = d.get(("engine_step_launch_seconds", "sum", kind), 0.0) / n
+            out[kind] = {"steps": int(n), "mean_s": step, "mean_launch_s": launch,
+                         "launch_share": launch / step if step > 0 else None}
+    n = d.get(("iteration_tokens_total", "count", None), 0.0)
+    if n > 0:
+        out["mean_tokens"] = d[("iteration_tokens_total", "sum", None)] / n
+    return out
 
 
 def parse_load_seconds(metrics: str) -> dict:

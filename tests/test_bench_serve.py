@@ -194,6 +194,26 @@ def test_load_seconds_are_read_per_tier_from_metrics():
     assert out["host"]["per_model"] == {"b-v1": pytest.approx(0.01)}
 
 
+def test_engine_step_stats_are_the_difference_of_two_scrapes():
+    def text(decode, prefill, tokens):
+        lines = [f"deltafleet:iteration_tokens_total_sum {tokens[0]}", f"deltafleet:iteration_tokens_total_count {tokens[1]}"]
+        for kind, (n, s, launch) in (("decode", decode), ("prefill", prefill)):
+            lines += [f'deltafleet:engine_step_seconds_count{{kind="{kind}"}} {n}',
+                      f'deltafleet:engine_step_seconds_sum{{kind="{kind}"}} {s}',
+                      f'deltafleet:engine_step_launch_seconds_sum{{kind="{kind}"}} {launch}',
+                      f'deltafleet:engine_step_seconds_bucket{{kind="{kind}",le="0.01"}} {n}']
+        return "\n".join(lines) + "\n"
+
+    before = text((10, 0.1, 0.01), (2, 0.1, 0.02), (100, 12))
+    after = text((30, 0.5, 0.11), (2, 0.1, 0.02), (1100, 32))
+    out = bench.step_stats(before, after)
+    assert set(out) == {"decode", "mean_tokens"}  # no prefill step in between
+    assert out["decode"]["steps"] == 20 and out["decode"]["mean_s"] == pytest.approx(0.02)
+    assert out["decode"]["mean_launch_s"] == pytest.approx(0.005) and out["decode"]["launch_share"] == pytest.approx(0.25)
+    assert out["mean_tokens"] == pytest.approx(50.0)
+    assert bench.step_stats("", "") == {}
+
+
 def test_engine_steps_hook(monkeypatch, tmp_path):
     cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])
     monkeypatch.setitem(sys.modules, "deltafleet.serve.bench_step", None)  # the module missing: recorded
