@@ -481,12 +481,14 @@ async def _clients(url: str, jobs: list, workers: int) -> list[tuple[int, dict]]
     return out
 
 
-async def stream_completion(client, model: str, prompt: list[int], max_tokens: int, seed: int) -> dict:
+async def stream_completion(client, model: str, prompt: list[int], max_tokens: int, seed: int,
+                            extra: dict | None = None) -> dict:
     """One streamed completion: ``status`` (None: no response), send time, arrival time of every chunk
     with text, ``end`` (the last byte), ``completion_tokens`` of the usage chunk, ``done`` (``[DONE]``
-    seen), ``error`` (a non-200 body, an in-band error event or a client exception; None if none)."""
+    seen), ``error`` (a non-200 body, an in-band error event or a client exception; None if none);
+    ``extra``: more body fields (a structured-output constraint)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     out = {"model": model, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "status": None, "chunks": [],
            "completion_tokens": 0, "done": False, "error": None}
     chunks = out["chunks"]
@@ -595,10 +597,11 @@ def phase_stats(results: list[dict], base_id: str = BASE_ID) -> dict:
 
 
 def run_load(gen: LoadGenerator, url: str, name: str, requests: list[tuple[list[int], int]], models: list[str],
-             concurrency: int) -> dict:
-    """``requests`` (prompt, max_tokens) sent to ``models`` (one per request) at ``concurrency``:
-    :func:`phase_stats`, and ``concurrency``."""
-    jobs = [(m, p, n, i) for i, (m, (p, n)) in enumerate(zip(models, requests))]
+             concurrency: int, extra: dict | None = None) -> dict:
+    """``requests`` (prompt, max_tokens) sent to ``models`` (one per request) at ``concurrency``, each
+    body with ``extra``'s fields: :func:`phase_stats`, ``concurrency`` and the server's
+    ``engine_steps`` meanwhile (:func:`step_stats`)."""
+    jobs = [(m, p, n, i, extra) for i, (m, (p, n)) in enumerate(zip(models, requests))]
     before = _scrape(url)
     stats = phase_stats(gen.run(url, jobs, concurrency))
     stats["concurrency"] = concurrency
@@ -987,7 +990,8 @@ def ratios_and_goals(report: dict) -> tuple[dict, dict]:
               "ttft_variant_over_base_p50": _ratio(ttft_mixed["variants"]["ttft_p50_s"],
                                                    ttft_mixed["base"]["ttft_p50_s"]),
               "ttft_mixed_over_base_p50": _ratio(ttft["mixed"], ttft["base"]),
-              "step_over_floor_max": max(steps) if steps else None}
+              "step_over_floor_max": max(steps) if steps else None,
+              "structured_over_base_decode_step": _structured_step_ratio(report)}
 
     def at_least(x, bound):
         return None if x is None else bool(x >= bound)
@@ -1004,8 +1008,18 @@ def ratios_and_goals(report: dict) -> tuple[dict, dict]:
              else bool(ratios["ttft_variant_over_base_p50"] <= 1.05),
              "burst answered, no 5xx": bool(report["burst"]["all_answered"] and report["burst"]["no_5xx"]),
              "every request answered": all(p["all_answered"] for p in phases),
-             "every completion max_tokens long": sum(p["token_mismatches"] for p in phases) == 0}
+             "every completion max_tokens long": sum(p["token_mismatches"] for p in phases) == 0,
+             "structured decode step <= 1.05x": None if ratios["structured_over_base_decode_step"] is None
+             else bool(ratios["structured_over_base_decode_step"] <= 1.05)}
     return ratios, goals
+
+
+def _structured_step_ratio(report: dict) -> float | None:
+    """The structured load's mean decode step ÷ the base load's (same requests, summary concurrency)."""
+    load = report["loads"].get(str(report["summary_concurrency"])) or {}
+    means = [((load.get(k) or {}).get("engine_steps") or {}).get("decode", {}).get("mean_s")
+             for k in ("structured", "base")]
+    return _ratio(*means)
 
 
 def plot(report: dict, png: Path) -> None:
@@ -1128,6 +1142,11 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
                 "base": run_load(gen, url, "base", reqs, [BASE_ID] * len(reqs), c),
                 "mixed": run_load(gen, url, "mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
                                                                        [cfg.seed, _ZIPF, c]), c)}
+            st = cfg.get("structured")
+            if st is not None and st.enabled and c == int(cfg.summary_concurrency):  # the base load, every
+                # request held to a grammar that outlasts it: the mask's cost beside the same steps free
+                report["loads"][str(c)]["structured"] = run_load(gen, url, "structured", reqs, [BASE_ID] * len(reqs),
+                                                                 c, {"guided_regex": st.regex})
             checkpoint(f"loads at {c}")
         t = cfg.ttft
         reqs = fixed_requests(t.requests, t.prompt_tokens, t.max_tokens, vocab, [cfg.seed, _TTFT, 0])
