@@ -350,14 +350,15 @@ class Scheduler:
                 penalties += [(i, t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
                               for t, c in seen.items()]
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
-        batch = sampling.SamplingBatch.build(
-            [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
-             for s in seqs], logits.device, banned, penalties, min_p)
         held = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if held:  # the grammars' allowed tokens, written while the GPU runs the forward
+        if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(held))
             for j, i in enumerate(held):
                 seqs[i].matcher.fill_next_token_bitmask(bitmask, j)
+        batch = sampling.SamplingBatch.build(
+            [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
+             for s in seqs], logits.device, banned, penalties, min_p)
+        if held:
             batch.allowed = (torch.tensor(held, device=logits.device), bitmask.to(logits.device))
         want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
         lp = None
