@@ -364,9 +364,27 @@ class PiecewiseGraphs:
         """Run ``step`` (:meth:`accepts` it); returns its logits ``[len(step.sample), vocab]`` in the
         model's dtype: a view of a static buffer that the next step overwrites. Call under
         ``torch.inference_mode()``."""
-        n, s = len(step.tokens), len(step.sample)
+        n = len(step.tokens)
         b = self.bucket(n)
         with_deltas = any(v >= 0 for v in step.variants)
+        self._stage(step, b)
+        _, _, paged, _, _ = self.runner.prepare(step, deltas=False)
+        graphs = self._graph(b, with_deltas) if self.capture else None
+        for i in range(len(self.model.layers) + 1):
+            if graphs is None:
+                self.segment(b, i, with_deltas)
+            else:
+                graphs[i].replay()
+            if i < len(self.model.layers):
+                rope = (self.cos[:n], self.sin[:n]) if self.rotates else None
+                self.attn[:n].copy_(paged.layer(i).attend(self.q[:n], self.k[:n], self.v[:n], rope))
+        self.replays += graphs is not None
+        return self.logits[:len(step.sample)]
+
+    def _stage(self, step, b: int) -> None:
+        """Write ``step``'s tokens, positions, variants and sampling rows, padded to bucket ``b``, into
+        the pinned staging buffers (with :meth:`_stage_more`'s), and copy them to the static ones."""
+        n, s = len(step.tokens), len(step.sample)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         host = self._host.numpy()
@@ -380,25 +398,19 @@ class PiecewiseGraphs:
         self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
         self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
         self.rows.copy_(self._host_rows, non_blocking=True)
+        self._stage_more(step, b)
         if self._copied is not None:
             self._copied.record()
-        _, _, paged, _, _ = self.runner.prepare(step, deltas=False)
-        graphs = None
-        if self.capture:
-            key = (b, with_deltas)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(b, with_deltas)
-            graphs = self.graphs[key]
-        for i in range(len(self.model.layers) + 1):
-            if graphs is None:
-                self.segment(b, i, with_deltas)
-            else:
-                graphs[i].replay()
-            if i < len(self.model.layers):
-                rope = (self.cos[:n], self.sin[:n]) if self.rotates else None
-                self.attn[:n].copy_(paged.layer(i).attend(self.q[:n], self.k[:n], self.v[:n], rope))
-        self.replays += graphs is not None
-        return self.logits[:s]
+
+    def _stage_more(self, step, b: int) -> None:
+        """More static inputs of the step (a subclass's), staged and copied as :meth:`_stage`'s."""
+
+    def _graph(self, b: int, with_deltas: bool):
+        """The graph(s) of bucket ``b``, captured on first use."""
+        key = (b, with_deltas)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(b, with_deltas)
+        return self.graphs[key]
 
     def _capture(self, b: int, with_deltas: bool) -> list[torch.cuda.CUDAGraph]:
         dev = self.runner.device
@@ -498,23 +510,24 @@ class FullGraphs(PiecewiseGraphs):
         return super().capture_all(with_deltas)
 
     def run(self, step) -> Tensor:
+        b = self.bucket(len(step.tokens))
+        with_deltas = any(v >= 0 for v in step.variants)
+        self._stage(step, b)
+        if not self.capture:
+            self.step(b, with_deltas)
+        else:
+            self._graph(b, with_deltas).replay()
+            self.replays += 1
+        return self.logits[:len(step.sample)]
+
+    def _stage_more(self, step, b: int) -> None:
+        """Attention's static inputs: cache slots, the decode rows' tables and positions, the prefill
+        block lists (padding tokens write the scratch block; rows past the decode rows read it)."""
         from deltafleet.serve.attention import fill_tables, prefill_lists
 
-        n, s, nd = len(step.tokens), len(step.sample), step.n_decode
-        b = self.bucket(n)
-        rows = min(b, self.runner.max_batch)
-        with_deltas = any(v >= 0 for v in step.variants)
-        r = self.runner
+        n, nd, r = len(step.tokens), step.n_decode, self.runner
+        rows = min(b, r.max_batch)
         h = prefill_lists(step.chunks, 0, self.width, r.block_size, rows, length=b)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have read the staging buffers
-        host = self._host.numpy()
-        host[0, :n], host[1, :n], host[2, :n] = step.tokens, step.positions, step.variants
-        host[:2, n:b] = 0
-        host[2, n:b] = -1
-        sample = self._host_rows.numpy()
-        sample[:s] = step.sample
-        sample[s:] = 0
         (slots, dec_pos, blocks, owners, logical, pos), (tables, is_dec, kv_num, full_num, kv_idx, full_idx, seq) = \
             (list(map(Tensor.numpy, v)) for v in self._views(self._host_longs, self._host_ints))
         scratch = r.cache.scratch_block
@@ -529,23 +542,8 @@ class FullGraphs(PiecewiseGraphs):
         kv_num[:nq], full_num[:nq] = h["kv_num"], h["full_num"]
         kv_idx.reshape(-1, self.width)[:nq], full_idx.reshape(-1, self.width)[:nq] = h["kv_idx"], h["full_idx"]
         seq[:b], pos[:b] = h["seq"], h["pos"]
-        self.tokens[:b].copy_(self._host[0, :b], non_blocking=True)
-        self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
-        self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
-        self.rows.copy_(self._host_rows, non_blocking=True)
         self.longs.copy_(self._host_longs, non_blocking=True)
         self.ints.copy_(self._host_ints, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        if not self.capture:
-            self.step(b, with_deltas)
-        else:
-            key = (b, with_deltas)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(b, with_deltas)
-            self.graphs[key].replay()
-            self.replays += 1
-        return self.logits[:s]
 
     def _capture(self, b: int, with_deltas: bool) -> torch.cuda.CUDAGraph:
         dev = self.runner.device
