@@ -135,13 +135,11 @@ class ModelRunner:
         length = 16
         while length <= prefill_length(max_tokens):
             table = [self.cache.scratch_block] * -(-length // self.block_size)
-            chunk = StepInput(tokens=[0] * length, positions=list(range(length)), variants=[-1] * length,
-                              chunks=[(0, length, 0, table)])
             paged = self.paged_step(torch.zeros(0, dtype=torch.int64, device=self.device), 0,
                                     torch.zeros(0, 1, dtype=torch.int32, device=self.device),
                                     torch.zeros(0, dtype=torch.int32, device=self.device),
                                     torch.zeros(0, dtype=torch.int64, device=self.device), [])
-            paged.prefill = self.prefill_lists(chunk.chunks, 0, 0)
+            paged.prefill = self.prefill_lists([(0, length, 0, table)], 0, 0)
             q = torch.zeros(length, attn.n_head, 1, attn.head_dim, dtype=self.model.dtype, device=self.device)
             paged.layer(0)._prefill(q, self.cache.k[0], self.cache.v[0])
             length *= 2
