@@ -31,6 +31,7 @@ from deltafleet.serve.fuse import fused
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 _M1, _M2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # MurmurHash3 fmix32's multipliers, as int32
 _GOLDEN = 0x9E3779B9 - 2**32
+_U_MAX = 1.0 - 2**-24  # the largest float32 below 1
 
 
 def request_seed(seed: int) -> int:
@@ -130,7 +131,10 @@ def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
     row = _fmix32(key[:, 0] ^ _fmix32(key[:, 1] ^ _fmix32(position * _GOLDEN + 1)))  # [B]
     tok = _fmix32(tokens.to(torch.int32) * _GOLDEN + 0x165667B1)
     h = _fmix32(row[:, None] ^ tok)
-    u = ((h & 0xFFFFFF).float() + 0.5) * (1.0 / 2**24)  # uniform in (0, 1), 24 bits
+    # uniform in (0, 1), 24 bits. In float32 the largest, (2^24 − 0.5)/2^24, rounds to 1, whose noise is
+    # +inf, and −inf + inf is NaN, which argmax picks: a banned or masked token would be drawn. Clamped
+    # to the largest float32 below 1, every noise is finite.
+    u = (((h & 0xFFFFFF).float() + 0.5) * (1.0 / 2**24)).clamp(max=_U_MAX)
     return -torch.log(-torch.log(u))
 
 

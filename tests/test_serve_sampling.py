@@ -103,6 +103,38 @@ def test_gumbel_noise_is_standard_gumbel():
     assert abs(float(g.var()) - math.pi ** 2 / 6) < 0.05
 
 
+def _all_ones_hash(key: torch.Tensor, vocab: int) -> tuple[int, int]:
+    """The first ``(position, token)`` whose hash under ``key`` has its low 24 bits all ones (the draw
+    that rounds to 1 in float32), searched position by position (about one in 500 holds one)."""
+    from deltafleet.serve import sampling as s
+
+    tok = s._fmix32(torch.arange(vocab, dtype=torch.int32) * s._GOLDEN + 0x165667B1)
+    for p0 in range(0, 1 << 16, 256):
+        pos = torch.arange(p0, p0 + 256, dtype=torch.int32)
+        row = s._fmix32(key[0, 0] ^ s._fmix32(key[0, 1] ^ s._fmix32(pos * s._GOLDEN + 1)))
+        hit = ((s._fmix32(row[:, None] ^ tok) & 0xFFFFFF) == 0xFFFFFF).nonzero()
+        if len(hit):
+            return p0 + int(hit[0, 0]), int(hit[0, 1])
+    raise AssertionError("no all-ones hash in 65 536 positions")
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_banned_token_is_not_drawn_when_its_uniform_draw_rounds_to_one(top_k):
+    """(2^24 − 0.5)/2^24 rounds to 1 in float32, whose Gumbel noise would be +inf: on a banned token
+    (−inf) that made NaN, which argmax takes. At exactly that position and token, the noise is finite
+    and the banned token (also one outside the top k) is never drawn."""
+    vocab, seed = 32000, request_seed(7)
+    key = _batch([(1.0, 1.0, 0, seed, 0)]).key
+    position, token = _all_ones_hash(key, vocab)
+    noise = gumbel_noise(key, torch.tensor([position], dtype=torch.int32), torch.arange(vocab))
+    assert torch.isfinite(noise).all()
+    logits = torch.linspace(0.0, 1.0, vocab)[None]
+    logits[0, token] = -5.0  # the least likely: outside the top k too
+    batch = SamplingBatch.build([(1.0, 1.0, top_k, seed, position)], "cpu", banned=[(0, token)])
+    drawn = int(sample(logits.clone(), batch)[0])
+    assert drawn != token and 0 <= drawn < vocab
+
+
 def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float,
                pres: float) -> torch.Tensor:
     """The penalties written plainly, token by token (vLLM's semantics)."""
