@@ -7,8 +7,9 @@ A request names its constraint as ``(kind, spec)`` (:data:`KINDS`; serve/protoco
 compiles it once per distinct constraint against the served tokenizer (xgrammar keeps the compiled
 grammars in its own cache), when the request is prepared, so a schema the library refuses is the
 request's 400 and never reaches the model thread. The scheduler keeps one matcher per sequence:
-before each step's sampling it writes every constrained row's allowed tokens into a bitmask (while
-the GPU runs the step's forward), the sampler drops the others (serve/sampling.py,
+before each step's sampling it writes every constrained row's allowed tokens into a bitmask in one
+call (xgrammar's batch matcher, on its own threads, while the GPU runs the step's forward), the
+sampler drops the others (serve/sampling.py,
 ``SamplingBatch.allowed``), and the sampled token advances the matcher. Unconstrained rows of the
 same step are untouched, whatever their variant.
 
@@ -23,6 +24,7 @@ A leaf module but for serve/request.py's errors (xgrammar is imported on first u
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from deltafleet.serve.request import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")  # json: spec a JSON Schema; json_object: none
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # threads filling a step's bitmask rows
 
 
 class Grammars:
@@ -39,6 +42,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._compiler = None
+        self._batch = None  # the scheduler thread's xgrammar BatchGrammarMatcher (made on first use)
         self._lock = threading.Lock()
 
     def compile(self, kind: str, spec: str | None, param: str = "response_format"):
@@ -73,6 +77,17 @@ class Grammars:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        """Write each matcher's allowed next tokens into its row of ``bitmask`` (row i: ``matchers[i]``),
+        all in one call: xgrammar's batch matcher fills the rows on its own threads, outside the
+        interpreter, where one call per row would take the interpreter back 64 times a step from the
+        HTTP threads. Called by the scheduler thread only."""
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """A host bitmask for ``rows`` rows (int32 ``[rows, ceil(vocab / 32)]``, all tokens allowed)."""

@@ -353,8 +353,7 @@ class Scheduler:
         held = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(held))
-            for j, i in enumerate(held):
-                seqs[i].matcher.fill_next_token_bitmask(bitmask, j)
+            self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask)
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
              for s in seqs], logits.device, banned, penalties, min_p)
