@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from deltafleet.serve import tools
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.request import (
     GenerationError,
@@ -1052,27 +1053,49 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         body.check()
         try:
             messages = [m.as_dict() for m in body.messages]
-            ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
+            ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts())
         except InvalidRequestError as e:
             raise _api_error(e) from None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        calls_tools = body.calls_tools()
+        tool_streams: dict[int, tools.ToolStream] = {}  # per choice: its text split into content and calls
 
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
+            calls = []
+            if calls_tools:
+                ts = tool_streams.setdefault(index, tools.ToolStream())
+                text, calls = ts.feed(text or "")
+                if finish_reason is not None:
+                    text += ts.finish()
+                    finish_reason = "tool_calls" if ts.calls and finish_reason == "stop" else finish_reason
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            if calls:
+                delta["tool_calls"] = calls
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
                     "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(steps),
                                  "finish_reason": finish_reason}]}
+
+        def message(text: str, reason: str) -> tuple[dict, str]:
+            """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""
+            if calls_tools:
+                content, calls = tools.parse(text)
+                if calls:
+                    return ({"role": "assistant", "content": content,
+                             "tool_calls": [tools.as_tool_call(c) for c in calls]},
+                            "tool_calls" if reason == "stop" else reason)
+            return {"role": "assistant", "content": text}, reason
 
         if body.stream:
             opts = body.stream_options
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), len(ids))
         done = await run(reqs, arrival, http)
+        choices = []
+        for i, (text, reason, _, st) in enumerate(done):
+            msg, reason = message(text, reason)
+            choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": chat_logprobs(st), "finish_reason": reason}
-                            for i, (text, reason, _, st) in enumerate(done)],
-                "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
+                "choices": choices, "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
 
     return app

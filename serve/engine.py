@@ -548,30 +548,44 @@ class Engine:
         with self._tok_lock:
             return self.tokenizer.convert_ids_to_tokens(ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of a chat (``[{"role", "content": str}]``), rendered with the tokenizer's chat
-        template and the generation prompt; ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are
-        more variables for the template (not ``messages``, ``add_generation_prompt``, ``tokenize``).
+    def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat (``[{"role", "content": str}]``, an assistant's ``tool_calls`` and a tool
+        result's ``tool_call_id`` too), rendered with the tokenizer's chat template and the generation
+        prompt; ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are more variables for the
+        template (not ``messages``, ``add_generation_prompt``, ``tokenize``, ``tools``); ``tools``
+        (OpenAI's) are rendered by the template, which must take them.
 
         Only the template's own markers (role tokens, eos) are special tokens: a message that spells
-        one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn.
-        A chat without such text is encoded exactly as ``apply_chat_template(tokenize=True)`` does.
+        one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn;
+        tools and tool calls that spell one are refused. A chat without such text is encoded exactly
+        as ``apply_chat_template(tokenize=True)`` does.
         """
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
-        self._check_chars(sum(len(m["content"].strip()) for m in messages), "messages")  # templates may trim
+        calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+        if tools or calls:
+            if "tools" not in template or "tool_calls" not in template:
+                raise InvalidRequestError(f"model `{self.family}`'s chat template does not support tools",
+                                          "tools" if tools else "messages", "tools_not_supported")
+            for text, param in [(json.dumps(tools or [], ensure_ascii=False), "tools")] + [(c, "messages") for c in calls]:
+                _check_unicode(text, param)
+                if any(s in text for s in self._special_ids):
+                    raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens",
+                                              param, "invalid_value")
+        self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls)), "messages")
         for m in messages:
             _check_unicode(m["content"], "messages")
         if not any(s in m["content"] for m in messages for s in self._special_ids):
-            text = self._render_chat(messages, template_kwargs)
+            text = self._render_chat(messages, template_kwargs, tools)
             with self._tok_lock:
                 return self.tokenizer.encode(text, add_special_tokens=False)
         # Render with a placeholder for each content, cut the text at the (template's) special tokens,
         # put the contents back into the pieces (one pass: a content is never searched for marks) and
         # encode every piece as plain text, in one batch.
         marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        text = self._render_chat(marked, template_kwargs)
+        text = self._render_chat(marked, template_kwargs, tools)
         pieces = [p for p in self._special_re.split(text) if p]
         plain = [_MARK.sub(lambda match: messages[int(match[1])]["content"], p) for p in pieces
                  if p not in self._special_ids]
@@ -609,13 +623,14 @@ class Engine:
                 param, "context_length_exceeded",
             )
 
-    def _render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
-        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation"} & set(template_kwargs or {})
+    def _render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> str:
+        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation", "tools"} & set(template_kwargs or {})
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                      **(template_kwargs or {}))
+                                                      **(template_kwargs or {}), **({"tools": tools} if tools else {}))
         except Exception as e:  # jinja errors: a message shape the template rejects
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
 

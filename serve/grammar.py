@@ -19,7 +19,8 @@ escapes (:func:`string_lengths`). ``strict`` JSON Schemas (OpenAI's ``strict: tr
 and plain ones are compiled the same, objects without properties beyond the schema's, as OpenAI's
 strict mode has them.
 
-A leaf module but for serve/request.py's errors (xgrammar is imported on first use).
+A leaf module but for serve/request.py's errors and serve/tools.py's call format (xgrammar is
+imported on first use).
 """
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ import threading
 
 import torch
 
+from deltafleet.serve import tools
 from deltafleet.serve.request import InvalidRequestError
+from deltafleet.serve.tools import call_schema
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")  # json: spec a JSON Schema; json_object: none
+# json: spec a JSON Schema; json_object: none; tool_call: {"tools": [...], "name": one of them or null} as JSON
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_call")
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # threads filling a step's bitmask rows
 
 
@@ -48,7 +52,8 @@ class Grammars:
     def compile(self, kind: str, spec: str | None, param: str = "response_format"):
         """The compiled grammar of the constraint ``(kind, spec)``: ``json`` (``spec`` a JSON Schema as
         JSON text), ``json_object`` (any JSON object; no spec), ``regex``, ``choice`` (a JSON list of
-        strings) or ``grammar`` (EBNF, xgrammar's dialect of GBNF).
+        strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF) or ``tool_call`` (one call to one of
+        the tools, or to the one named, in serve/tools.py's format).
 
         Raises:
             InvalidRequestError: the library refuses it (``param`` names the request field).
@@ -66,6 +71,15 @@ class Grammars:
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
             if kind == "grammar":
                 return compiler.compile_grammar(spec)
+            if kind == "tool_call":  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (serve/tools.py)
+                import xgrammar as xgr
+
+                asked = json.loads(spec)
+                schema = string_lengths(call_schema(asked["tools"], asked["name"]), param)
+                return compiler.compile_grammar(xgr.Grammar.concat(
+                    xgr.Grammar.from_ebnf(f'root ::= "{tools.START}"'),
+                    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                    xgr.Grammar.from_ebnf(f'root ::= "{tools.END}"')))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from these
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {first[:300]}", param,

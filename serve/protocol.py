@@ -27,6 +27,7 @@ MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 4096  # characters of a request's stop sequences, all together
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_MESSAGES = 2048  # messages per chat request
+MAX_TOOLS = 128  # tools per chat request, and tool calls per message
 MAX_PROMPTS = 256  # prompts per completions request (a list of texts or of token-id lists)
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # likeliest tokens' log-probabilities per token (OpenAI's limit)
@@ -356,16 +357,39 @@ TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", 
     "type": {"const": "text"}, "text": {"type": "string"}}}}
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    """A tool call: in an assistant message of the history, and in an answer."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"] = Field(
-        description="developer: as system (OpenAI's newer name for it)")
+    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(
+        description="developer: as system (OpenAI's newer name for it); tool: a tool's result")
     content: Annotated[Annotated[str, Tag("text")] | Annotated[list[dict[str, Any]], WithJsonSchema(TEXT_PARTS),
                                                                Tag("parts")],
                        Discriminator(lambda v: "parts" if isinstance(v, list) else "text")] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: its tool calls")
+    tool_call_id: str | None = Field(None, description="tool: the call it answers")
 
-    def as_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` as the chat template reads it (``developer`` is ``system``)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+    def as_dict(self) -> dict[str, Any]:
+        """``{"role", "content"}`` as the chat template reads it (``developer`` is ``system``), with an
+        assistant's ``tool_calls`` (arguments as an object, as Hugging Face templates take them) and a
+        tool result's ``tool_call_id``."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -378,9 +402,50 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def _arguments(text: str) -> dict[str, Any]:
+    """A tool call's arguments (JSON text of an object) as an object; InvalidRequestError otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("a tool call's `arguments` must be the JSON text of an object", "messages",
+                                  "invalid_value")
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted; required and named calls always follow the schema")
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
                         _too_many("messages", MAX_MESSAGES)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS), _too_many("tools", MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call, rendered by its chat template (Hermes format: "
+                          "<tool_call>{...}</tool_call>)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (the default with tools): the model decides; required or a named function: the "
+                          "output is one call, held to the tool's schema; none: no call is parsed")
+    parallel_tool_calls: bool | None = Field(None, strict=True, description="accepted; with required or a named "
+                                                                            "function, one call")
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_check_template_kwargs)] = Field(
         None, description="vLLM's: more variables for the model's chat template (e.g. a template's own switches), "
                           f"{MAX_TEMPLATE_KWARGS_CHARS} characters of JSON at most")
@@ -395,6 +460,42 @@ class ChatCompletionRequest(_Sampling):
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("two tools have one name", "tools", "invalid_value")
+        choice = self.tool_choice
+        if not names and choice not in (None, "none", "auto"):
+            raise InvalidRequestError("`tool_choice` is only allowed when `tools` are specified", "tool_choice",
+                                      "invalid_value")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError(f"`tool_choice` names {choice.function.name!r}, which is not one of the "
+                                      "tools", "tool_choice", "invalid_value")
+
+    def calls_tools(self) -> bool:
+        """Whether the answer's tool-call blocks are parsed into ``tool_calls``: tools given and
+        ``tool_choice`` not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def constraint(self) -> tuple[str, str | None, str] | None:
+        """As for every request, and ``tool_choice: "required"`` or a named function: one call, held
+        to the tool's schema (serve/grammar.py's ``tool_call``)."""
+        asked = super().constraint()
+        choice = self.tool_choice
+        if not self.tools or choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+            return asked
+        if asked is not None:
+            raise InvalidRequestError(f"only one structured-output constraint per request, got 2: tool_choice, "
+                                      f"{asked[2]}", asked[2], "invalid_value")
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        spec = json.dumps({"tools": self.tool_dicts(), "name": name})
+        if len(spec) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(f"`tools` is longer than {MAX_CONSTRAINT_CHARS} characters as JSON", "tools",
+                                      "invalid_value")
+        return "tool_call", spec, "tools"
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
@@ -498,7 +599,7 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -530,7 +631,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls only")
+    tool_calls: list[ToolCall] | None = Field(None, description="with tools: the calls the answer made")
 
 
 class TopLogprob(BaseModel):

@@ -634,7 +634,7 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("completions", {"suffix": "}"}),
     ("completions", {"length_penalty": 0.5}),
     ("completions", {"logit_bias": {"5": 10}}),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):

@@ -287,7 +287,7 @@ def test_stop_strings_over_the_limit_are_refused(tc):
             "type": "invalid_request_error", "param": "stop", "code": "string_above_max_length"}
 
 
-def test_developer_is_the_system_role_and_tool_is_refused(tc):
+def test_developer_is_the_system_role_and_an_unknown_role_is_refused(tc):
     base = {"model": "tiny", "max_tokens": 4, "temperature": 0}
     dev = tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "developer", "content": "Be brief."},
                                                                      {"role": "user", "content": "Hi"}]})
@@ -295,8 +295,11 @@ def test_developer_is_the_system_role_and_tool_is_refused(tc):
                                                                       {"role": "user", "content": "Hi"}]})
     assert dev.status_code == 200 and dev.json()["choices"] == sys_.json()["choices"]
     assert dev.json()["usage"] == sys_.json()["usage"]
-    err = api_error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]}), 400)
+    err = api_error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "function", "content": "1"}]}),
+                    400)
     assert err["param"] == "messages.0.role"
+    tool = tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]})
+    assert tool.status_code == 200  # a tool's result: the demo template renders it as a user turn
 
 
 def test_a_chat_that_spells_special_tokens_is_encoded_in_one_pass(engine):
@@ -330,7 +333,7 @@ def test_the_openapi_document_lists_every_status_with_the_error_schema(tc):
         assert set(doc["paths"][path]["post"]["responses"]) == {"200", "400", "404", "408", "413", "429", "500",
                                                                 "503"}
     roles = doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
-    assert roles == ["system", "user", "assistant", "developer"]
+    assert roles == ["system", "user", "assistant", "developer", "tool"]
     assert doc["components"]["schemas"]["CompletionRequest"]["then"] == {
         "required": ["stream"], "properties": {"stream": {"const": True}}}  # stream_options needs stream
 

@@ -102,7 +102,24 @@ def test_chat_template_exact(tok):
                      add_special_tokens=False)
     assert ids[0] == 2 and ids.count(0) == 1 and ids[-2] == 3
     with pytest.raises(Exception, match="unknown chat role"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tok.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+
+
+def test_the_chat_template_renders_tools_calls_and_results_in_the_hermes_format(tok):
+    """With ``tools``: a system turn listing them after the system message's content; an assistant's
+    calls as ``<tool_call>`` blocks (serve/tools.py parses the same); a tool's result as a user turn."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    assert tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True) == (
+        "<|system|>\nBe brief.\n\nYou may call these functions (their arguments are JSON Schemas):\n<tools>\n"
+        '{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}\n</tools>\n'
+        'To call one, answer <tool_call>{"name": <name>, "arguments": <object>}</tool_call>.<|endoftext|>\n'
+        "<|user|>\n1 + 2?<|endoftext|>\n"
+        '<|assistant|>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|endoftext|>\n'
+        "<|user|>\n<tool_response>\n3\n</tool_response><|endoftext|>\n<|assistant|>\n")
 
 
 def test_saved_in_hugging_face_format(tok_dir):

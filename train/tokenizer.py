@@ -9,7 +9,10 @@ appends it), ``<|system|>``, ``<|user|>``, ``<|assistant|>``. The chat template 
     <|system|>\\n{content}<|endoftext|>\\n<|user|>\\n{content}<|endoftext|>\\n<|assistant|>\\n
 
 (the last part only with ``add_generation_prompt=True``), so a reply ends at ``<|endoftext|>``.
-Saved in Hugging Face format (``tokenizer.json``, ``tokenizer_config.json``, ...): any tool reads
+With ``tools`` it first lists them in a system turn and asks for calls in the Hermes format
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, which serve/tools.py parses); an
+assistant's ``tool_calls`` are rendered in that format, and a ``tool`` message as a user turn in
+``<tool_response>`` tags. Saved in Hugging Face format (``tokenizer.json``, ``tokenizer_config.json``, ...): any tool reads
 it with ``AutoTokenizer.from_pretrained(dir)``.
 """
 from __future__ import annotations
@@ -29,11 +32,32 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 SPECIAL_TOKENS = [EOT, *ROLE_TOKENS.values()]
 
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{- raise_exception('unknown chat role: ' + message['role']) }}"
+    # with tools: a system turn listing them (the system message's content first), in the Hermes format
+    # that serve/tools.py parses: a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    "{%- if tools %}"
+    "{{- '<|system|>\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- 'You may call these functions (their arguments are JSON Schemas):\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call one, answer <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>." + EOT
+    + "\\n' }}"
     "{%- endif %}"
-    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '" + EOT + "\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown chat role: ' + message['role']) }}"
+    "{%- elif message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>" + EOT + "\\n' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '" + EOT + "\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
