@@ -662,7 +662,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         try:
             if body.messages is not None:
                 messages = [m.as_dict() for m in body.messages]
-                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs)
+                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts())
             else:
                 ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens)
         except InvalidRequestError as e:
@@ -1060,17 +1060,22 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         calls_tools = body.calls_tools()
+        max_calls = 1 if body.parallel_tool_calls is False else None
         tool_streams: dict[int, tools.ToolStream] = {}  # per choice: its text split into content and calls
 
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
             calls = []
             if calls_tools:
-                ts = tool_streams.setdefault(index, tools.ToolStream())
+                ts = tool_streams.setdefault(index, tools.ToolStream(max_calls))
                 text, calls = ts.feed(text or "")
                 if finish_reason is not None:
-                    text += ts.finish()
+                    rest, more = ts.finish()
+                    text, calls = text + rest, calls + more
                     finish_reason = "tool_calls" if ts.calls and finish_reason == "stop" else finish_reason
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            if first:  # content null, not "", when it starts as tool calls (as the non-streamed answer has it)
+                delta = {"role": "assistant", "content": text or (None if calls_tools else "")}
+            else:
+                delta = {"content": text} if text else {}
             if calls:
                 delta["tool_calls"] = calls
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
@@ -1080,7 +1085,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         def message(text: str, reason: str) -> tuple[dict, str]:
             """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""
             if calls_tools:
-                content, calls = tools.parse(text)
+                content, calls = tools.parse(text, max_calls)
                 if calls:
                     return ({"role": "assistant", "content": content,
                              "tool_calls": [tools.as_tool_call(c) for c in calls]},

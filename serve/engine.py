@@ -565,16 +565,21 @@ class Engine:
         if not template:
             raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
         calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+        calls += [m["tool_call_id"] for m in messages if m.get("tool_call_id")]
+        listed = json.dumps(tools or [], ensure_ascii=False)
         if tools or calls:
             if "tools" not in template or "tool_calls" not in template:
                 raise InvalidRequestError(f"model `{self.family}`'s chat template does not support tools",
                                           "tools" if tools else "messages", "tools_not_supported")
-            for text, param in [(json.dumps(tools or [], ensure_ascii=False), "tools")] + [(c, "messages") for c in calls]:
+            self._check_chars(len(listed), "tools")
+            for text, param in [(listed, "tools")] + [(c, "messages") for c in calls]:
                 _check_unicode(text, param)
-                if any(s in text for s in self._special_ids):
-                    raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens",
-                                              param, "invalid_value")
-        self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls)), "messages")
+                # neither a template marker nor the placeholders of the contents (below) may be spelled
+                if any(s in text for s in self._special_ids) or "\ue000" in text or "\ue001" in text:
+                    raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens "
+                                              "(or U+E000 / U+E001)", param, "invalid_value")
+        self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls))
+                          + (len(listed) if tools else 0), "messages")
         for m in messages:
             _check_unicode(m["content"], "messages")
         if not any(s in m["content"] for m in messages for s in self._special_ids):

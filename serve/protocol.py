@@ -402,6 +402,27 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """OpenAI's rules for tool calls in a history: only assistant messages make calls, and a ``tool``
+    message answers one of the calls of the assistant message before it (other results between).
+
+    Raises: InvalidRequestError naming the message."""
+    open_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}]: only assistant messages have `tool_calls`",
+                                      f"messages.{i}.tool_calls", "invalid_value")
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequestError(f"messages[{i}]: a tool message needs `tool_call_id`",
+                                          f"messages.{i}.tool_call_id", "invalid_value")
+            if m.tool_call_id not in open_calls:
+                raise InvalidRequestError(f"messages[{i}]: a tool message must answer a call of the assistant "
+                                          "message before it", f"messages.{i}.tool_call_id", "invalid_value")
+        else:
+            open_calls = {c.id for c in m.tool_calls or ()}
+
+
 def _arguments(text: str) -> dict[str, Any]:
     """A tool call's arguments (JSON text of an object) as an object; InvalidRequestError otherwise."""
     try:
@@ -463,6 +484,12 @@ class ChatCompletionRequest(_Sampling):
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
             raise InvalidRequestError("two tools have one name", "tools", "invalid_value")
+        for t in self.tools or ():
+            params = t.function.parameters
+            if params is not None and params.get("type", "object") != "object":
+                raise InvalidRequestError(f"tool {t.function.name!r}: `parameters` must be a JSON Schema of an "
+                                          "object", "tools", "invalid_value")
+        check_tool_messages(self.messages)
         choice = self.tool_choice
         if not names and choice not in (None, "none", "auto"):
             raise InvalidRequestError("`tool_choice` is only allowed when `tools` are specified", "tool_choice",
@@ -511,12 +538,21 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = Field(True, strict=True, description="messages: only true (as generation)")
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_check_template_kwargs)] = Field(
         None, description="messages: as in chat completions")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS), _too_many("tools", MAX_TOOLS)] | None = Field(
+        None, description="messages: rendered as in chat completions")
     return_token_strs: bool = Field(False, strict=True)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def check(self) -> None:
         """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
+        if self.tools and self.messages is None:
+            raise InvalidRequestError("`tools` go with `messages`", "tools", "invalid_value")
+        if self.messages is not None:
+            check_tool_messages(self.messages)
         if self.messages is not None and not self.add_generation_prompt:
             raise InvalidRequestError("`add_generation_prompt: false` is not supported by this server",
                                       "add_generation_prompt", "unsupported_parameter")

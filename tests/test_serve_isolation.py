@@ -298,8 +298,9 @@ def test_developer_is_the_system_role_and_an_unknown_role_is_refused(tc):
     err = api_error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "function", "content": "1"}]}),
                     400)
     assert err["param"] == "messages.0.role"
-    tool = tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]})
-    assert tool.status_code == 200  # a tool's result: the demo template renders it as a user turn
+    err = api_error(tc.post("/v1/chat/completions", json={**base, "messages": [{"role": "tool", "content": "1"}]}),
+                    400)
+    assert err["param"] == "messages.0.tool_call_id"  # a tool's result answers a call (tests/test_serve_tools.py)
 
 
 def test_a_chat_that_spells_special_tokens_is_encoded_in_one_pass(engine):

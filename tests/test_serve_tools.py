@@ -43,50 +43,57 @@ def _weather_ok(args: dict) -> bool:
 
 
 def test_parse_takes_the_blocks_out_and_leaves_the_rest():
-    text = ('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
-            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    text = ('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>\n'
+            '<tool_call> {"name": "get_time", "arguments": {}} </tool_call>')
     content, calls = tools.parse(text)
-    assert content == "Let me look."
+    assert content == "Let me look. "  # text kept as it is; whitespace alone beside a call dropped
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
                      {"name": "get_time", "arguments": "{}"}]
-    assert tools.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>') == (None, [{"name": "f",
-                                                                                          "arguments": "{}"}])
+    assert tools.parse(text, max_calls=1) == ("Let me look. " + text[text.index("\n") + 1:],
+                                              calls[:1])  # parallel_tool_calls: false
+    # the JSON decoder finds the object's end: a closing tag inside a string does not end the block
+    assert tools.parse('<tool_call>{"name": "f", "arguments": {"c": "</tool_call>"}}</tool_call>') == (
+        None, [{"name": "f", "arguments": '{"c": "</tool_call>"}'}])
+    # a lone surrogate escape stays an escape (the arguments remain UTF-8 JSON text)
+    assert tools.parse('<tool_call>{"name": "f", "arguments": {"s": "\\ud800 é"}}</tool_call>') == (
+        None, [{"name": "f", "arguments": '{"s": "\\ud800 \\u00e9"}'}])
     for bad in ("<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
-                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "no call here", "<tool_call>{}"):
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "no call here", "<tool_call>{}",
+                '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>'):
         assert tools.parse(bad) == (bad, [])
+    # a malformed block stays text beside a well-formed one
+    assert tools.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>x</tool_call>') == (
+        "<tool_call>x</tool_call>", [{"name": "f", "arguments": "{}"}])
 
 
 PIECES = st.lists(st.sampled_from([
-    "hello ", "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": {"zone": "UTC"}}', "<", "<tool",
-    "_call>", "{", "x", "</tool", "_call>", "\n"]), max_size=12)
+    "hello ", " ", "\n", "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": {"zone": "UTC"}}',
+    '{"name": "f", "arguments": {"c": "</tool_call>"}}', "<", "<tool", "_call>", "{", "x", "</tool", "_call>",
+    '"', "NaN"]), max_size=14)
 
 
-@settings(max_examples=300, deadline=None)
-@given(pieces=PIECES, cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_the_stream_sends_what_parse_finds_however_the_text_is_cut(pieces, cuts):
-    """Whatever the text and wherever it is cut into pieces, the streamed content and calls are those
-    of :func:`tools.parse` on the whole text (content up to whitespace around removed blocks), and
-    the content is never a prefix of a block."""
+@settings(max_examples=400, deadline=None)
+@given(pieces=PIECES, cuts=st.lists(st.integers(0, 300), max_size=10), one=st.booleans())
+def test_the_stream_sends_what_parse_finds_however_the_text_is_cut(pieces, cuts, one):
+    """Whatever the text and wherever it is cut into pieces, the streamed content and calls are
+    exactly :func:`tools.parse`'s of the whole text (with one call at most too)."""
     text = "".join(pieces)
+    max_calls = 1 if one else None
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    ts, content, calls = tools.ToolStream(), "", []
+    ts, content, calls = tools.ToolStream(max_calls), "", []
     for a, b in zip(bounds, bounds[1:]):
         piece, deltas = ts.feed(text[a:b])
-        assert tools.START not in piece or "</tool_call>" in piece  # a block is sent as a call or whole
         content += piece
         calls += deltas
-    content += ts.finish()
+    piece, deltas = ts.finish()
+    content, calls = content + piece, calls + deltas
     assert [d["index"] for d in calls] == list(range(len(calls)))
     assert all(d["id"].startswith("call_") and d["type"] == "function" for d in calls)
-    whole_content, whole_calls = tools.parse(text)
-    if whole_calls:
-        assert [d["function"] for d in calls] == whole_calls
-        assert content.split() == (whole_content or "").split()
-    else:
-        # no well-formed block in the whole text: the stream may still take a well-formed one out
-        # (parse gives up on all at the first malformed one); without any, it sends the text as it is
-        if not calls:
-            assert content == text
+    whole_content, whole_calls = tools.parse(text, max_calls)
+    assert [d["function"] for d in calls] == whole_calls
+    assert (content or None) == (whole_content or None)
 
 
 # ------------------------------------------------------------------------------------ the grammar
@@ -136,6 +143,29 @@ def test_sampling_under_a_tool_call_grammar_gives_a_call_that_follows_its_schema
     assert call["name"] == (name or call["name"]) and call["name"] in ("get_weather", "get_time")
     args = json.loads(call["arguments"])
     assert _weather_ok(args) if call["name"] == "get_weather" else args in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def test_references_and_a_function_without_parameters_under_the_grammar(grammars):
+    """A tool's ``$ref``s (to its ``$defs``, and ``#`` to itself) resolve against its own schema; a
+    function without ``parameters`` takes no arguments (``{}``), as OpenAI reads it."""
+    nested = {"type": "function", "function": {"name": "q", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}, "next": {"$ref": "#"}},
+        "required": ["unit"], "additionalProperties": False,
+        "$defs": {"Unit": {"type": "object", "properties": {"u": {"enum": ["m", "s"]}}, "required": ["u"],
+                           "additionalProperties": False}}}}}
+    bare = {"type": "function", "function": {"name": "ping"}}
+    compiled = grammars.compile("tool_call", json.dumps({"tools": [nested, bare], "name": None}), "tools")
+
+    def accepts(text):
+        m = grammars.matcher(compiled)
+        return all(m.accept_token(t) for t in grammars.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('<tool_call>{"name": "q", "arguments": {"unit": {"u": "m"}, "next": {"unit": {"u": "s"}}}}'
+                   '</tool_call>')
+    assert accepts('<tool_call>{"name": "ping", "arguments": {}}</tool_call>')
+    assert not accepts('<tool_call>{"name": "ping", "arguments": {"a": 1}}</tool_call>')
+    assert not accepts('<tool_call>{"name": "q", "arguments": {"unit": {"u": "m"}, "next": {"name": "q"}}}'
+                       '</tool_call>')
 
 
 def test_a_template_without_tools_is_refused_by_name(engine):
@@ -244,3 +274,25 @@ def test_bad_tool_requests_are_400s_that_name_the_field(client):
     r = httpx.post(f"{url}completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "tools": [WEATHER]},
                    timeout=30)
     assert api_error(r, 400)["param"] == "tools"  # completions take no tools
+    array = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    assert api_error(post({"tools": [array]}), 400)["param"] == "tools"
+    marker = {"type": "function", "function": {"name": "f", "description": "\ue0000\ue001"}}
+    assert api_error(post({"tools": [marker], "messages": [{"role": "user", "content": "<|user|>"}]}),
+                     400)["param"] == "tools"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for messages, param in [
+            ([{"role": "tool", "tool_call_id": "call_1", "content": "1"}], "messages.0.tool_call_id"),
+            ([{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "1"}], "messages.1.tool_call_id"),
+            ([{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_2", "content": "1"}],
+             "messages.1.tool_call_id"),
+            ([{"role": "user", "content": "x", "tool_calls": [call]}], "messages.0.tool_calls")]:
+        assert api_error(post({"messages": messages, "tools": [WEATHER]}), 400)["param"] == param, messages
+
+
+def test_tokenize_renders_the_tools_as_the_chat_does(client):
+    url = str(client.base_url).removesuffix("v1/")
+    plain = httpx.post(f"{url}tokenize", json={"model": "tiny", "messages": ASK}, timeout=30).json()["count"]
+    listed = httpx.post(f"{url}tokenize", json={"model": "tiny", "messages": ASK, "tools": [WEATHER]},
+                        timeout=30).json()["count"]
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=1)
+    assert listed == r.usage.prompt_tokens > plain
