@@ -274,6 +274,26 @@ def stop_server(proc, log, timeout_s: float) -> None:
     log.close()
 
 
+def openai_client_of_server(root: Path, out: Path):
+    """A generator for a module fixture: ``serve/run.py`` over the family under ``root`` on a free
+    loopback port (its log and Hydra run folder in ``out``), yielding an ``openai.OpenAI`` client of it,
+    then stopping it."""
+    import subprocess
+    import sys
+
+    import openai
+
+    port = free_port()
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={root}", f"port={port}", "log_level=warning",
+                             f"hydra.run.dir={out}"], cwd=Path(__file__).resolve().parents[1], stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, out / "server.log", 60)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    stop_server(proc, log, 10)
+
+
 def complete_concurrently(client, jobs: list[tuple[str, str]], max_tokens: int, timeout_s: float) -> dict:
     """Send every ``(model, prompt)`` of ``jobs`` at once (one thread each) through the ``openai``
     ``client`` as a greedy completion of ``max_tokens``, so a server batches them together; returns

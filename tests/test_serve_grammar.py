@@ -4,11 +4,7 @@ client (``response_format``, ``beta.chat.completions.parse``, vLLM's ``guided_*`
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import openai
 import pydantic
 import pytest
 import torch
@@ -19,9 +15,7 @@ from deltafleet.serve.engine import SamplingParams
 from deltafleet.serve.grammar import Grammars, choice_grammar
 from deltafleet.serve.request import InvalidRequestError
 from deltafleet.serve.sampling import SamplingBatch, request_seed, sample, unpack_bitmask
-from tests.conftest import api_error, free_port, stop_server, wait_healthy
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import api_error, openai_client_of_server
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +189,7 @@ def test_constrained_and_free_requests_of_different_variants_share_steps(engine)
 
 @pytest.fixture(scope="module")
 def client(tiny_family, tmp_path_factory):
-    port = free_port()
-    out = tmp_path_factory.mktemp("grammar_server")
-    log = open(out / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
-                             "log_level=warning", f"hydra.run.dir={out}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, out / "server.log", 60)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-    stop_server(proc, log, 10)
+    yield from openai_client_of_server(tiny_family.root, tmp_path_factory.mktemp("grammar_server"))
 
 
 class Verdict(pydantic.BaseModel):

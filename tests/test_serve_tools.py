@@ -5,12 +5,8 @@ server with the official OpenAI client (tools rendered by the demo family's temp
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,9 +15,8 @@ from hypothesis import strategies as st
 from deltafleet.serve import tools
 from deltafleet.serve.request import InvalidRequestError
 from deltafleet.serve.sampling import SamplingBatch, request_seed, sample
-from tests.conftest import api_error, free_port, stop_server, wait_healthy
+from tests.conftest import api_error, openai_client_of_server
 
-REPO = Path(__file__).resolve().parents[1]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -185,15 +180,7 @@ def test_a_template_without_tools_is_refused_by_name(engine):
 
 @pytest.fixture(scope="module")
 def client(family, tmp_path_factory):
-    port = free_port()
-    out = tmp_path_factory.mktemp("tools_server")
-    log = open(out / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={family.root}", f"port={port}",
-                             "log_level=warning", f"hydra.run.dir={out}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, out / "server.log", 60)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-    stop_server(proc, log, 10)
+    yield from openai_client_of_server(family.root, tmp_path_factory.mktemp("tools_server"))
 
 
 ASK = [{"role": "user", "content": "What is the weather in Oslo for two days?"}]
