@@ -578,7 +578,7 @@ class Engine:
                 if any(s in text for s in self._special_ids) or "\ue000" in text or "\ue001" in text:
                     raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens "
                                               "(or U+E000 / U+E001)", param, "invalid_value")
-        self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls))
+        self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls))  # templates may trim
                           + (len(listed) if tools else 0), "messages")
         for m in messages:
             _check_unicode(m["content"], "messages")

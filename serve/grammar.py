@@ -32,7 +32,6 @@ import torch
 
 from deltafleet.serve import tools
 from deltafleet.serve.request import InvalidRequestError
-from deltafleet.serve.tools import call_schema
 
 # json: spec a JSON Schema; json_object: none; tool_call: {"tools": [...], "name": one of them or null} as JSON
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_call")
@@ -75,7 +74,7 @@ class Grammars:
                 import xgrammar as xgr
 
                 asked = json.loads(spec)
-                schema = string_lengths(call_schema(asked["tools"], asked["name"]), param)
+                schema = string_lengths(tools.call_schema(asked["tools"], asked["name"]), param)
                 return compiler.compile_grammar(xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf(f'root ::= "{tools.START}"'),
                     xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),

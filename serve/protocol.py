@@ -512,7 +512,7 @@ class ChatCompletionRequest(_Sampling):
         to the tool's schema (serve/grammar.py's ``tool_call``)."""
         asked = super().constraint()
         choice = self.tool_choice
-        if not self.tools or choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+        if not self.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
             return asked
         if asked is not None:
             raise InvalidRequestError(f"only one structured-output constraint per request, got 2: tool_choice, "
