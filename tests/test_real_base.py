@@ -103,14 +103,59 @@ def test_the_saved_model_computes_what_the_gguf_computes(converted):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
 
+SMOLLM2_TEMPLATE = (  # the chat template SmolLM2-135M-Instruct's GGUF carries
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_chatml_template_is_given_tools_and_renders_chats_as_before(tmp_path):
+    """``chatml_with_tools`` on SmolLM2's template: every chat without tools renders as the original
+    does; with tools, a system turn lists them after the system prompt, a call is a Hermes block and a
+    tool's result a user turn. Templates that are not ChatML, or take tools already, are left alone."""
+    from tests.conftest import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tmp_path / "tok", tmp_path / "data")
+    new = real_base.chatml_with_tools(SMOLLM2_TEMPLATE)
+    chats = [[{"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "It's {x}"}]]
+    for chat in chats:
+        for prompt in (True, False):
+            assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt, chat_template=new) == \
+                tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt,
+                                        chat_template=SMOLLM2_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+                                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                                    {"role": "tool", "tool_call_id": "c1", "content": "3"}],
+                                   tools=tools, tokenize=False, add_generation_prompt=True, chat_template=new)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text
+    assert text.endswith('<|im_start|>user\n1+2?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n'
+                         '{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n<|im_start|>user\n'
+                         '<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    from deltafleet.train.tokenizer import CHAT_TEMPLATE
+
+    assert real_base.chatml_with_tools(CHAT_TEMPLATE) is None  # takes tools already
+    assert real_base.chatml_with_tools("{{ messages[0]['content'] }}") is None and real_base.chatml_with_tools(None) is None
+
+
 def test_the_chat_template_and_the_recorded_check(converted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(converted)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    listed = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False)
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in listed  # the template takes tools (serve/tools.py)
     record = json.loads((converted / "real_base.json").read_text())
+    assert record["chat_template"] == "the GGUF's, with tools (Hermes format)"
     assert record["source"]["file"] == real_base.GGUF_NAME and len(record["source"]["sha256"]) == 64
     assert record["parameters"] == 134_515_008 and record["licence"] == "Apache-2.0"
     # the recorded perplexity is the checkpoint's, recomputed here by hand from the mean token loss

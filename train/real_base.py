@@ -31,6 +31,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,49 @@ CHECK_TEXT = (
     "wife impatiently. \"You want to tell me, and I have no objection to hearing it.\" This was invitation "
     "enough."
 )
+
+
+# ChatML with tools in the Hermes format (serve/tools.py), as Qwen2.5's template has them; @SYSTEM@: the
+# template's own default system prompt. Without tools it renders as SmolLM2's ChatML template does.
+_CHATML_TOOLS = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- else %}{%- set system = '@SYSTEM@' %}{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + system + '\\n\\n# Tools\\n\\nYou may call one or more functions to assist "
+    "with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' and not tools %}"
+    "{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}{%- for call in message['tool_calls'] %}"
+    "{{- '<tool_call>\\n' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '\\n</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_CHATML_SYSTEM = re.compile(r"'<\|im_start\|>system\n([^'\\\n{}]*)<\|im_end\|>\n'")
+
+
+def chatml_with_tools(template: str | None) -> str | None:
+    """``template`` rewritten to take ``tools`` (a system turn listing them, calls and results in the
+    Hermes format that serve/tools.py parses), when it is a ChatML template without them that adds a
+    default system prompt, as SmolLM2's does: a chat without tools renders as before. None for any
+    other template (it is kept as it is, and a request with tools gets a 400 naming it)."""
+    if not template or "tools" in template or "'<|im_start|>' + message['role']" not in template:
+        return None
+    found = _CHATML_SYSTEM.search(template)
+    return None if found is None else _CHATML_TOOLS.replace("@SYSTEM@", found.group(1))
 
 
 def default_gguf() -> Path:
@@ -151,6 +195,9 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
     for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # staged_dir's, left by a run killed outright
         shutil.rmtree(stale, ignore_errors=True)
     model, tokenizer = load_gguf(gguf, dtype)
+    tools_template = chatml_with_tools(getattr(tokenizer, "chat_template", None))
+    if tools_template is not None:  # chats render as before; tools and tool calls now render too
+        tokenizer.chat_template = tools_template
     with staged_dir(out_dir) as tmp:  # renamed into place whole, or removed
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -170,6 +217,7 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
             name, licence = _gguf_field(gguf, "general.name"), _gguf_field(gguf, "general.license")
         record = {"source": {**source, "file": gguf.name, "sha256": _sha256(gguf)}, "model": name, "licence": licence,
                   "dtype": dtype, "parameters": sum(p.numel() for p in saved.parameters()),
+                  "chat_template": "the GGUF's, with tools (Hermes format)" if tools_template else "the GGUF's",
                   "check": {"text": "Pride and Prejudice, chapter 1 (opening)", "tokens": tokens, "perplexity": ppl,
                             "max_perplexity": max_perplexity}}
         (tmp / "real_base.json").write_text(json.dumps(record, indent=2) + "\n")
