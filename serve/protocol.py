@@ -402,6 +402,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template takes them (None without tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def check_tool_messages(messages: list[ChatMessage]) -> None:
     """OpenAI's rules for tool calls in a history: only assistant messages make calls, and a ``tool``
     message answers one of the calls of the assistant message before it (other results between).
@@ -504,8 +509,7 @@ class ChatCompletionRequest(_Sampling):
         return bool(self.tools) and self.tool_choice != "none"
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template takes them (None without tools)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return _tool_dicts(self.tools)
 
     def constraint(self) -> tuple[str, str | None, str] | None:
         """As for every request, and ``tool_choice: "required"`` or a named function: one call, held
@@ -543,7 +547,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = Field(False, strict=True)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return _tool_dicts(self.tools)
 
     def check(self) -> None:
         """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given."""

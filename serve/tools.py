@@ -78,25 +78,22 @@ def _block(text: str, i: int, final: bool) -> tuple[dict | None, int] | None:
     j = _skip_ws(text, i)
     try:
         obj, k = _DECODER.raw_decode(text, j)
-    except json.JSONDecodeError as e:
-        incomplete = e.pos >= len(text) or e.msg.startswith("Unterminated string")
-        if incomplete and not final:
-            return None
-        end = text.find(END, i)
-        if end < 0:
-            return None if not final else (None, len(text))
-        return None, end + len(END)
-    except ValueError:  # NaN / Infinity
-        end = text.find(END, i)
-        if end < 0:
-            return None if not final else (None, len(text))
-        return None, end + len(END)
+    except ValueError as e:  # malformed JSON, NaN / Infinity, or (not final) JSON still coming
+        incomplete = isinstance(e, json.JSONDecodeError) and (
+            e.pos >= len(text) or e.msg.startswith("Unterminated string"))
+        return None if incomplete and not final else _malformed(text, i, final)
     k2 = _skip_ws(text, k)
     if text.startswith(END, k2):
         return _call(obj), k2 + len(END)
     if not final and END.startswith(text[k2:]):  # the closing tag is still coming
         return None
-    end = text.find(END, k)
+    return _malformed(text, k, final)
+
+
+def _malformed(text: str, i: int, final: bool) -> tuple[None, int] | None:
+    """A malformed block, as text up to the first closing tag from ``i`` (or, ``final``, to the end);
+    None while that tag has not come."""
+    end = text.find(END, i)
     if end < 0:
         return None if not final else (None, len(text))
     return None, end + len(END)
