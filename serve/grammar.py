@@ -19,13 +19,22 @@ escapes (:func:`string_lengths`). ``strict`` JSON Schemas (OpenAI's ``strict: tr
 and plain ones are compiled the same, objects without properties beyond the schema's, as OpenAI's
 strict mode has them.
 
+Every JSON number the grammar writes is bounded in length (:func:`bounded_numbers`): at most
+:data:`INTEGER_DIGITS` digits before the point, :data:`FRACTION_DIGITS` after it and
+:data:`EXPONENT_DIGITS` in the exponent. xgrammar's digit runs are unbounded, and a small model
+decoding greedily can repeat a digit until ``max_tokens`` (``1.25000000000000012500…``), leaving
+JSON that never parses. A JSON Schema is turned into xgrammar's EBNF, bounded, and compiled as
+text: xgrammar caches the compiled grammar by that text, and :func:`json_grammar` keeps the text.
+
 A leaf module but for serve/request.py's errors and serve/tools.py's call format (xgrammar is
 imported on first use).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import threading
 
 import torch
@@ -36,6 +45,10 @@ from deltafleet.serve.request import InvalidRequestError
 # json: spec a JSON Schema; json_object: none; tool_call: {"tools": [...], "name": one of them or null} as JSON
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_call")
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # threads filling a step's bitmask rows
+# Digits a JSON number may have (bounded_numbers): integers up to 15 digits are exact in float64 (below
+# 2**53, JavaScript's safe integers); 17 significant digits round-trip any float64, so any double of
+# magnitude 0.1 or more can be written without an exponent; float64 exponents run from -324 to 308.
+INTEGER_DIGITS, FRACTION_DIGITS, EXPONENT_DIGITS = 15, 17, 3
 
 
 class Grammars:
@@ -60,10 +73,9 @@ class Grammars:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(json.dumps(string_lengths(json.loads(spec), param)),
-                                                    any_whitespace=False)
+                return compiler.compile_grammar(json_grammar(json.dumps(string_lengths(json.loads(spec), param))))
             if kind == "json_object":  # any object: not strict, or a schema without properties allows only {}
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return compiler.compile_grammar(json_grammar('{"type": "object"}', strict=False))
             if kind == "regex":
                 return compiler.compile_regex(spec)
             if kind == "choice":
@@ -75,10 +87,10 @@ class Grammars:
 
                 asked = json.loads(spec)
                 schema = string_lengths(tools.call_schema(asked["tools"], asked["name"]), param)
-                return compiler.compile_grammar(xgr.Grammar.concat(
+                return compiler.compile_grammar(str(xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf(f'root ::= "{tools.START}"'),
-                    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-                    xgr.Grammar.from_ebnf(f'root ::= "{tools.END}"')))
+                    xgr.Grammar.from_ebnf(json_grammar(json.dumps(schema))),
+                    xgr.Grammar.from_ebnf(f'root ::= "{tools.END}"'))))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from these
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {first[:300]}", param,
@@ -151,3 +163,160 @@ def string_lengths(schema, param: str = "response_format"):
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def json_grammar(schema: str, strict: bool = True) -> str:
+    """The EBNF of the JSON Schema ``schema`` (JSON text): xgrammar's compact grammar (separators
+    ``", "`` and ``": "``, no other whitespace; ``strict``: no properties beyond the schema's) with
+    its numbers bounded (:func:`bounded_numbers`). Memoized, so a repeated constraint is converted
+    once; xgrammar's compiler caches the compiled grammar by this text.
+
+    Raises:
+        RuntimeError: xgrammar refuses the schema.
+    """
+    import xgrammar as xgr
+
+    return bounded_numbers(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)))
+
+
+_RULE = re.compile(r"(\w+) ::= (.+)")
+# a token of a rule's body: whitespace, a string literal, a character class, a repetition {n, m} or
+# {n}, a name (or Regex / json_string / true of a Regex rule), a punctuation mark
+_TOKEN = re.compile(r'\s+|"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\d+(?:, ?-?\d+)?\}|\w+|[()|*+?,=]')
+_ONE_DIGIT = re.compile(r'\[[0-9-]+\]|"[0-9]"')
+_UNBOUNDED = re.compile(r"[*+]|\{(\d+), ?-1\}")
+_COUNTER = re.compile(r"(\w+_multiple_of_\d+)_mod_\d+")  # a state of an integer's multipleOf automaton
+_COUNTER_BODY = re.compile(r'\((?:""|\("\d" \w+\))(?: \| (?:""|\("\d" \w+\)))*\)')
+_COUNTER_STEP = re.compile(r'\("(\d)" (\w+)\)')
+
+
+def bounded_numbers(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's printed grammar of a JSON Schema, one ``name ::= body`` a line) with every
+    JSON number's digit runs bounded: :data:`INTEGER_DIGITS` before the point, :data:`FRACTION_DIGITS`
+    after it, :data:`EXPONENT_DIGITS` in the exponent. The grammar is otherwise the same.
+
+    Two shapes are bounded, wherever they are (plain numbers and integers, ``basic_any``'s numbers,
+    the open side of a ``minimum``/``maximum`` range, a number's rules copied for a ``multipleOf``):
+
+    - an unbounded repetition (``*``, ``+``, ``{n, -1}``) of one digit (``[0-9]``, or a rule that is
+      just ``[0-9]``): after a ``"."`` it is a fraction, after ``[eE]`` (and the sign's rule) an
+      exponent, after one digit the rest of an integer part (``{n, -1}`` becomes ``{n, max(n, 14)}``,
+      so a range's least length stands);
+    - the states ``<prefix>_multiple_of_<m>_mod_<k>`` of an integer's ``multipleOf`` automaton
+      (right-linear, ``"" | "0" state | ...``), entered after the first digit: unrolled into one rule
+      per state and digits left (``…_mod_<k>_len<d>``), so a multiple of ``m`` has at most
+      :data:`INTEGER_DIGITS` digits. Its grammar grows with ``m`` × :data:`INTEGER_DIGITS` rules
+      (xgrammar writes the automaton for ``m`` up to 1024, a plain integer past that: some 15 000
+      rules at most, about two seconds to compile on a CPU).
+
+    Bounded ranges, enums and consts are already finite and left as they are; so is what xgrammar
+    writes as a ``Regex``. A string ``format`` written in the same shapes (relative-json-pointer's
+    leading integer) is bounded alike. The shapes are those of xgrammar 0.2.9;
+    tests/test_serve_grammar_numbers.py fails if a number of its grammars is left unbounded.
+
+    Raises:
+        ValueError: a line or a token that is not of xgrammar's printed EBNF.
+    """
+    rules: dict[str, str] = {}
+    for line in ebnf.splitlines():
+        if line.strip():
+            m = _RULE.fullmatch(line)
+            if not m or m.group(1) in rules:
+                raise ValueError(f"unexpected line in xgrammar's EBNF: {line[:200]!r}")
+            rules[m.group(1)] = m.group(2)
+    digit_rules = {name for name, body in rules.items() if body == "(([0-9]))"}
+    rules = {name: _bound_runs(body, digit_rules) for name, body in rules.items()}
+    _bound_counters(rules)
+    return "".join(f"{name} ::= {body}\n" for name, body in rules.items())
+
+
+def _tokens(body: str) -> list[re.Match]:
+    """The tokens of a rule's ``body`` (:data:`_TOKEN`, whitespace left out)."""
+    out, pos = [], 0
+    while pos < len(body):
+        m = _TOKEN.match(body, pos)
+        if not m:
+            raise ValueError(f"unexpected text in xgrammar's EBNF: {body[pos:pos + 80]!r}")
+        if not m.group().isspace():
+            out.append(m)
+        pos = m.end()
+    return out
+
+
+def _bound_runs(body: str, digit_rules: set[str]) -> str:
+    """``body`` with its unbounded repetitions of one digit bounded by what precedes them (a fraction,
+    an exponent or an integer part, :func:`bounded_numbers`); others as they are."""
+    toks = _tokens(body)
+    for i in range(len(toks) - 1, 0, -1):
+        q = _UNBOUNDED.fullmatch(toks[i].group())
+        if not q or not (toks[i - 1].group() == "[0-9]" or toks[i - 1].group() in digit_rules):
+            continue
+        before = [t.group() for t in toks[max(0, i - 3):i - 1]]
+        if before[-1:] == ['"."']:
+            most = FRACTION_DIGITS
+        elif "[eE]" in before:
+            most = EXPONENT_DIGITS
+        elif before and _ONE_DIGIT.fullmatch(before[-1]):
+            most = INTEGER_DIGITS - 1
+        else:
+            continue
+        least = int(q.group(1)) if q.group(1) else int(q.group() == "+")
+        body = f"{body[:toks[i].start()]}{{{least}, {max(least, most)}}}{body[toks[i].end():]}"
+    return body
+
+
+def _bound_counters(rules: dict[str, str]) -> None:
+    """Unroll each ``multipleOf`` automaton of ``rules`` (in place) into states × digits left
+    (:func:`bounded_numbers`). One not of the expected shape, or entered other than after one digit,
+    is left as it is."""
+    families: dict[str, list[str]] = {}
+    for name in rules:
+        m = _COUNTER.fullmatch(name)
+        if m:
+            families.setdefault(m.group(1), []).append(name)
+    for members in families.values():
+        if not all(_COUNTER_BODY.fullmatch(rules[n]) for n in members):
+            continue
+        steps = {n: _COUNTER_STEP.findall(rules[n]) for n in members}
+        if any(to not in steps for s in steps.values() for _, to in s):
+            continue
+        fewest = {n: 0 for n in members if rules[n].startswith('("" |') or rules[n] == '("")'}  # digits to an end
+        changed = True
+        while changed:
+            changed = False
+            for n, s in steps.items():
+                d = min((fewest[to] + 1 for _, to in s if to in fewest), default=None)
+                if d is not None and d < fewest.get(n, d + 1):
+                    fewest[n], changed = d, True
+        entries = {}  # rules outside the automaton that enter it: their tokens and which of them do
+        for name, body in rules.items():
+            if name not in steps:
+                toks = _tokens(body)
+                at = [i for i, t in enumerate(toks) if t.group() in steps]
+                if at:
+                    entries[name] = (toks, at)
+        left = INTEGER_DIGITS - 1
+        if not entries or any(i == 0 or not _ONE_DIGIT.fullmatch(toks[i - 1].group())
+                              or fewest.get(toks[i].group(), left + 1) > left
+                              for toks, at in entries.values() for i in at):
+            continue
+        unrolled, todo = {}, [(toks[i].group(), left) for toks, at in entries.values() for i in at]
+        while todo:
+            n, d = todo.pop()
+            if f"{n}_len{d}" in unrolled:
+                continue
+            alts = ['""'] if fewest[n] == 0 else []
+            for digit, to in steps[n]:
+                if fewest.get(to, d) <= d - 1:
+                    alts.append(f'("{digit}" {to}_len{d - 1})')
+                    todo.append((to, d - 1))
+            unrolled[f"{n}_len{d}"] = f"({' | '.join(alts)})"
+        if any(n in rules for n in unrolled):
+            continue
+        for name, (toks, at) in entries.items():
+            body = rules[name]
+            for i in reversed(at):
+                body = f"{body[:toks[i].start()]}{toks[i].group()}_len{left}{body[toks[i].end():]}"
+            rules[name] = body
+        for n in members:
+            del rules[n]
+        rules.update(unrolled)
