@@ -59,6 +59,7 @@ class Grammars:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._compiler = None
         self._batch = None  # the scheduler thread's xgrammar BatchGrammarMatcher (made on first use)
+        self._pinned = None  # the scheduler thread's page-locked bitmask (bitmask(pinned=True))
         self._lock = threading.Lock()
 
     def compile(self, kind: str, spec: str | None, param: str = "response_format"):
@@ -114,11 +115,27 @@ class Grammars:
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """A host bitmask for ``rows`` rows (int32 ``[rows, ceil(vocab / 32)]``, all tokens allowed)."""
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each of ``matchers`` by its token of ``tokens``, all in one call (xgrammar's batch
+        matcher); whether each matcher took its token. Called by the scheduler thread only."""
         import xgrammar as xgr
 
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
+    def bitmask(self, rows: int, pinned: bool = False) -> torch.Tensor:
+        """A host bitmask for ``rows`` rows (int32 ``[rows, ceil(vocab / 32)]``), all tokens allowed.
+        ``pinned``: a view of one page-locked buffer instead, kept and reused (grown as needed) so a
+        step's copy to the GPU does not wait for the host; its rows hold whatever the last use left
+        (:meth:`fill` writes every word of a row) and stay valid until the next call. Called by the
+        scheduler thread only."""
+        import xgrammar as xgr
+
+        if not pinned:
+            return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        if self._pinned is None or self._pinned.shape[0] < rows:
+            shape = xgr.get_bitmask_shape(max(rows, 64), self.vocab_size)
+            self._pinned = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        return self._pinned[:rows]
 
     def _get_compiler(self):
         with self._lock:

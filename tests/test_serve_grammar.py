@@ -144,6 +144,40 @@ def test_regex_choice_and_any_object(grammars):
         assert isinstance(json.loads(text), dict)
 
 
+def test_one_call_advances_a_steps_matchers_as_one_call_each_would(grammars):
+    """Grammars.accept (the step's rows in one call) takes and refuses what accept_token takes and
+    refuses, and leaves each matcher where accept_token leaves it."""
+    compiled = grammars.compile("regex", "[0-9]{3}-(yes|no)")
+    tok = grammars.tokenizer
+    digit, dash, letter = (tok.convert_tokens_to_ids(t) for t in ("7", "-", "x"))
+    one = [grammars.matcher(compiled) for _ in range(3)]
+    batch = [grammars.matcher(compiled) for _ in range(3)]
+    for tokens in ([digit, digit, letter], [digit, digit, digit], [dash, digit, digit]):
+        want = [m.accept_token(t) for m, t in zip(one, tokens)]
+        assert grammars.accept(batch, tokens) == want
+    assert want == [False, True, True]  # "77-" is refused: three digits come first
+    masks = grammars.bitmask(3), grammars.bitmask(3)
+    grammars.fill(one, masks[0])
+    grammars.fill(batch, masks[1])
+    assert torch.equal(*masks)
+
+
+@pytest.mark.gpu
+def test_the_pinned_bitmask_is_one_reused_buffer_filled_as_a_fresh_one(grammars):
+    if not torch.cuda.is_available():
+        pytest.skip("page-locked memory needs CUDA")
+    compiled = grammars.compile("regex", "[a-c]+")
+    matchers = [grammars.matcher(compiled) for _ in range(5)]
+    fresh = grammars.bitmask(5)
+    grammars.fill(matchers, fresh)
+    first = grammars.bitmask(3, pinned=True)
+    first.fill_(0)
+    pinned = grammars.bitmask(5, pinned=True)
+    assert pinned.is_pinned() and pinned.data_ptr() == first.data_ptr() and pinned.shape == fresh.shape
+    grammars.fill(matchers, pinned)
+    assert torch.equal(pinned, fresh) and torch.equal(pinned.cuda(non_blocking=True).cpu(), fresh)
+
+
 # ------------------------------------------------------------------------------------ the engine
 
 
