@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pydantic
 import pytest
 import torch
 from hypothesis import given, settings
@@ -283,3 +284,77 @@ def test_tokenize_renders_the_tools_as_the_chat_does(client):
                         timeout=30).json()["count"]
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=1)
     assert listed == r.usage.prompt_tokens > plain
+
+
+# ------------------------------------------------------------------------------------ agent frameworks
+
+
+class Forecast(pydantic.BaseModel):
+    """The arguments of WEATHER as a pydantic model (what LangChain users hand over)."""
+    city: str = pydantic.Field(max_length=12)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def _chat_model(client, **kw):
+    """LangChain's ``ChatOpenAI`` pointed at the test server."""
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model="tiny", base_url=str(client.base_url), api_key="x", max_retries=0, timeout=60,
+                      max_tokens=96, temperature=0.8, seed=5, **kw)
+
+
+def test_langchain_structured_output_and_bound_tools(client):
+    """LangChain (langchain-openai) as its users call it: ``with_structured_output`` by JSON Schema and
+    by function calling returns a valid object; ``bind_tools`` with a required choice returns a call
+    whose arguments follow the schema, and its streamed chunks add up to the same call."""
+    import functools
+    import operator
+
+    for method in ("json_schema", "function_calling"):
+        out = _chat_model(client).with_structured_output(Forecast, method=method).invoke(ASK[0]["content"])
+        assert isinstance(out, Forecast), method  # pydantic validated it: lengths and range hold
+    bound = _chat_model(client).bind_tools([WEATHER], tool_choice="required")
+    msg = bound.invoke(ASK[0]["content"])
+    assert not msg.invalid_tool_calls and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call["name"] == "get_weather" and _weather_ok(call["args"])
+    streamed = functools.reduce(operator.add, bound.stream(ASK[0]["content"]))
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+def test_a_langgraph_tool_loop_runs_against_the_server(client):
+    """A two-step tool loop in LangGraph: the model calls the tool (required on the first turn), the
+    graph's ToolNode runs it, and the model answers with the tool's result in its history (no tools
+    on that turn: the tiny model's free text could be anything, a call included)."""
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    ran = []
+
+    @tool(args_schema=Forecast)
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city"""
+        ran.append((city, days))
+        return f"{days} days of sun in {city}"
+
+    first = _chat_model(client).bind_tools([get_weather], tool_choice="required")
+    then = _chat_model(client).bind_tools([get_weather], tool_choice="none")
+
+    def agent(state: MessagesState) -> dict:
+        called = any(isinstance(m, ToolMessage) for m in state["messages"])
+        return {"messages": [(then if called else first).invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([get_weather]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", lambda s: "tools" if s["messages"][-1].tool_calls else END, ["tools", END])
+    graph.add_edge("tools", "agent")
+    out = graph.compile().invoke({"messages": [("user", ASK[0]["content"])]}, {"recursion_limit": 8})["messages"]
+    kinds = [type(m).__name__ for m in out]
+    assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"], kinds
+    (city, days), = ran
+    assert out[2].content == f"{days} days of sun in {city}" and out[2].tool_call_id == out[1].tool_calls[0]["id"]
+    assert isinstance(out[3], AIMessage) and not out[3].tool_calls and isinstance(out[3].content, str)
