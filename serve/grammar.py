@@ -104,23 +104,17 @@ class Grammars:
 
         return xgr.GrammarMatcher(compiled)
 
-    def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        """Write each matcher's allowed next tokens into its row of ``bitmask`` (row i: ``matchers[i]``),
-        all in one call: xgrammar's batch matcher fills the rows on its own threads, outside the
-        interpreter, where one call per row would take the interpreter back 64 times a step from the
-        HTTP threads. Called by the scheduler thread only."""
+    def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Write each matcher's allowed next tokens into its row of ``bitmask`` (``matchers[i]`` into row
+        ``rows[i]``, or row i), all in one call: xgrammar's batch matcher fills the rows on its own
+        threads, outside the interpreter, where one call per row would take the interpreter back 64
+        times a step from the HTTP threads. Other rows are left as they are. Called by the scheduler
+        thread only."""
         if self._batch is None:
             import xgrammar as xgr
 
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-
-    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
-        """Advance each of ``matchers`` by its token of ``tokens``, all in one call (xgrammar's batch
-        matcher); whether each matcher took its token. Called by the scheduler thread only."""
-        import xgrammar as xgr
-
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     def bitmask(self, rows: int, pinned: bool = False) -> torch.Tensor:
         """A host bitmask for ``rows`` rows (int32 ``[rows, ceil(vocab / 32)]``), all tokens allowed.

@@ -73,9 +73,9 @@ class SamplingBatch:
             token) seen in the row's prompt or output, ``counts`` (float32) its count in the output,
             the others (float32) the row's penalties; None when no row has one.
         min_p: float32 ``[B]``, or None when no row has one.
-        allowed: ``(rows, bitmask)``: int64 ``[R]`` rows held to a grammar (serve/grammar.py) and int32
-            ``[R, ceil(V / 32)]`` their allowed tokens in xgrammar's layout (bit ``j`` of word ``i``:
-            token ``32·i + j``); None when no row is.
+        allowed: int32 ``[B, ceil(V / 32)]``, every row's allowed tokens in xgrammar's layout (bit ``j``
+            of word ``i``: token ``32·i + j``), all bits set for a row not held to a grammar
+            (serve/grammar.py); None when no row is.
     """
 
     temperature: Tensor
@@ -88,7 +88,7 @@ class SamplingBatch:
     banned: tuple[Tensor, Tensor] | None = None
     penalties: tuple[Tensor, ...] | None = None
     min_p: Tensor | None = None
-    allowed: tuple[Tensor, Tensor] | None = None
+    allowed: Tensor | None = None
 
     @classmethod
     def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str,
@@ -151,8 +151,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.allowed is not None:
-        rows, bitmask = batch.allowed
-        logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+        logits = _masked(logits, batch.allowed)
     if batch.min_p is not None:
         _min_p(logits, batch.min_p, batch.temperature)
     if not batch.draw:
@@ -177,6 +176,13 @@ def _min_p(logits: Tensor, min_p: Tensor, temperature: Tensor) -> None:
     t = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
     floor = logits.amax(-1) + t * torch.log(min_p)  # −inf where min_p is 0
     logits.masked_fill_(logits < floor[:, None], float("-inf"))
+
+
+@fused
+def _masked(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """``logits`` with the tokens ``bitmask`` does not allow at −inf: one kernel on CUDA, whatever the
+    number of rows held to a grammar (free rows have every bit set)."""
+    return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
 
 
 @fused

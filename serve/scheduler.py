@@ -226,11 +226,8 @@ class Scheduler:
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
         self.planner.advance(plan, {id(s): t for s, t in zip(sampled, tokens) if t >= 0})
-        held = [i for i, (seq, token) in enumerate(zip(sampled, tokens)) if seq.matcher is not None and token >= 0]
-        taken = dict(zip(held, self.engine.grammars.accept([sampled[i].matcher for i in held],
-                                                           [tokens[i] for i in held]))) if held else {}
         for i, (seq, token) in enumerate(zip(sampled, tokens)):
-            self._emit(seq, token, lps.get(i), taken.get(i, True))
+            self._emit(seq, token, lps.get(i))
         self._retire([s for s in sampled if s.done])
         if self.step_observers:
             kind, seconds = "prefill" if plan.prefill else "decode", time.perf_counter() - t0
@@ -355,15 +352,16 @@ class Scheduler:
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
         held = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
-            bitmask = self.engine.grammars.bitmask(len(held), pinned=logits.is_cuda)
-            self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask)
+            bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)
+            bitmask.fill_(-1)  # every token, for the free rows
+            self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
              for s in seqs], logits.device, banned, penalties, min_p)
         if held:
             # pinned on CUDA: the copy queues behind the forward without holding the host (the buffer is
             # reused next step, after this step's sync in _fetch)
-            batch.allowed = (torch.tensor(held, device=logits.device), bitmask.to(logits.device, non_blocking=True))
+            batch.allowed = bitmask.to(logits.device, non_blocking=True)
         want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
         lp = None
         if want:  # the model's own distribution, before penalties, bans and truncation change the logits
@@ -378,19 +376,17 @@ class Scheduler:
             lp = (want, chosen, top.values if k else empty, top.indices if k else empty.long())
         return tokens, lp
 
-    def _emit(self, seq: _Seq, token: int, lp: tuple | None = None, taken: bool = True) -> None:
+    def _emit(self, seq: _Seq, token: int, lp: tuple | None = None) -> None:
         """Queue ``seq``'s sampled ``token`` for the detokenizer, with its end at the token level: eos
         (unless the request ignores it) or one of its stop token ids, ``max_tokens`` (or a cancelled
-        request), or −1 (its logits were not finite: an error for ``seq`` alone). ``taken``: whether
-        ``seq``'s grammar matcher, if any, has already accepted the token (:meth:`Grammars.accept
-        <deltafleet.serve.grammar.Grammars.accept>`, one call for the step's rows)."""
+        request), or −1 (its logits were not finite: an error for ``seq`` alone)."""
         if token < 0:
             err = GenerationError("the model's next-token logits for this request are not finite (NaN or inf)")
             self._items.append(("error", seq, err))
             seq.done = True
             return
         seq.n += 1
-        if seq.matcher is not None and not taken:  # the sampler kept it to the grammar
+        if seq.matcher is not None and not seq.matcher.accept_token(token):  # the sampler kept it to the grammar
             err = GenerationError(f"token {token} is outside the request's grammar")
             self._items.append(("error", seq, err))
             seq.done = True

@@ -33,7 +33,7 @@ def _walk(grammars: Grammars, compiled, seed: int, max_steps: int = 300, tempera
         bitmask = grammars.bitmask(1)
         matcher.fill_next_token_bitmask(bitmask, 0)
         batch = SamplingBatch.build([(temperature, 1.0, 0, request_seed(seed), pos)], "cpu")
-        batch.allowed = (torch.tensor([0]), bitmask)
+        batch.allowed = bitmask
         token = int(sample(torch.randn(1, vocab, generator=g) * 3, batch)[0])
         assert matcher.accept_token(token), token  # never outside the grammar
         if matcher.is_terminated():
@@ -52,15 +52,17 @@ def test_the_bitmask_holds_constrained_rows_and_leaves_free_rows_alone():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=g)
     allowed = {0: [3, 40, 99], 2: [64]}
-    bitmask = torch.zeros(2, 4, dtype=torch.int32)
-    for j, (row, toks) in enumerate(allowed.items()):
+    bitmask = torch.full((4, 4), -1, dtype=torch.int32)  # free rows: every bit set
+    for row, toks in allowed.items():
+        bitmask[row] = 0
         for t in toks:
-            bitmask[j, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+            bitmask[row, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
     assert unpack_bitmask(bitmask, vocab)[0].nonzero()[:, 0].tolist() == [3, 40, 99]
+    assert unpack_bitmask(bitmask, vocab)[1].all()
     rows = [(t, 1.0, 0, request_seed(i), 7) for i, t in enumerate((1.0, 0.0, 0.7, 1.0))]
     free = sample(logits.clone(), SamplingBatch.build(rows, "cpu"))
     batch = SamplingBatch.build(rows, "cpu")
-    batch.allowed = (torch.tensor([0, 2]), bitmask)
+    batch.allowed = bitmask
     held = sample(logits.clone(), batch)
     assert held[0].item() in allowed[0] and held[2].item() == 64
     assert held[1] == free[1] and held[3] == free[3]
@@ -144,24 +146,6 @@ def test_regex_choice_and_any_object(grammars):
         assert isinstance(json.loads(text), dict)
 
 
-def test_one_call_advances_a_steps_matchers_as_one_call_each_would(grammars):
-    """Grammars.accept (the step's rows in one call) takes and refuses what accept_token takes and
-    refuses, and leaves each matcher where accept_token leaves it."""
-    compiled = grammars.compile("regex", "[0-9]{3}-(yes|no)")
-    tok = grammars.tokenizer
-    digit, dash, letter = (tok.convert_tokens_to_ids(t) for t in ("7", "-", "x"))
-    one = [grammars.matcher(compiled) for _ in range(3)]
-    batch = [grammars.matcher(compiled) for _ in range(3)]
-    for tokens in ([digit, digit, letter], [digit, digit, digit], [dash, digit, digit]):
-        want = [m.accept_token(t) for m, t in zip(one, tokens)]
-        assert grammars.accept(batch, tokens) == want
-    assert want == [False, True, True]  # "77-" is refused: three digits come first
-    masks = grammars.bitmask(3), grammars.bitmask(3)
-    grammars.fill(one, masks[0])
-    grammars.fill(batch, masks[1])
-    assert torch.equal(*masks)
-
-
 @pytest.mark.gpu
 def test_the_pinned_bitmask_is_one_reused_buffer_filled_as_a_fresh_one(grammars):
     if not torch.cuda.is_available():
@@ -174,8 +158,20 @@ def test_the_pinned_bitmask_is_one_reused_buffer_filled_as_a_fresh_one(grammars)
     first.fill_(0)
     pinned = grammars.bitmask(5, pinned=True)
     assert pinned.is_pinned() and pinned.data_ptr() == first.data_ptr() and pinned.shape == fresh.shape
-    grammars.fill(matchers, pinned)
-    assert torch.equal(pinned, fresh) and torch.equal(pinned.cuda(non_blocking=True).cpu(), fresh)
+    pinned.fill_(-1)
+    grammars.fill(matchers[:2], pinned, [1, 3])  # rows 1 and 3 held, the others free
+    assert torch.equal(pinned[[1, 3]], fresh[:2]) and (pinned[[0, 2, 4]] == -1).all()
+    # the sampler's mask on the GPU (one compiled kernel) keeps what the CPU's keeps
+    logits = torch.randn(5, grammars.vocab_size, generator=torch.Generator().manual_seed(3))
+    rows = [(t, 1.0, 0, request_seed(i), 9) for i, t in enumerate((0.0, 1.0, 0.0, 1.0, 0.7))]
+    on = {}
+    for dev in ("cpu", "cuda"):
+        batch = SamplingBatch.build(rows, dev)
+        batch.allowed = pinned.to(dev, non_blocking=True)
+        on[dev] = sample(logits.to(dev), batch).cpu()
+    assert torch.equal(on["cpu"], on["cuda"])
+    allowed = unpack_bitmask(pinned, grammars.vocab_size)
+    assert allowed[1, on["cpu"][1]] and allowed[3, on["cpu"][3]] and not allowed[1].all()
 
 
 # ------------------------------------------------------------------------------------ the engine

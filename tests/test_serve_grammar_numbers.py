@@ -140,7 +140,7 @@ def test_a_model_that_keeps_writing_digits_is_made_to_stop(grammars, kind, spec,
         bitmask = grammars.bitmask(1)
         matcher.fill_next_token_bitmask(bitmask, 0)
         batch = SamplingBatch.build([(0.0, 1.0, 0, request_seed(0), pos)], "cpu")
-        batch.allowed = (torch.tensor([0]), bitmask)
+        batch.allowed = bitmask
         token = int(sample(logits.clone()[None], batch)[0])
         assert matcher.accept_token(token)
         if matcher.is_terminated():

@@ -126,7 +126,7 @@ def test_sampling_under_a_tool_call_grammar_gives_a_call_that_follows_its_schema
         bitmask = grammars.bitmask(1)
         grammars.fill([matcher], bitmask)
         batch = SamplingBatch.build([(1.0, 1.0, 0, request_seed(seed), pos)], "cpu")
-        batch.allowed = (torch.tensor([0]), bitmask)
+        batch.allowed = bitmask
         token = int(sample(torch.randn(1, grammars.vocab_size, generator=g) * 3, batch)[0])
         assert matcher.accept_token(token)
         if matcher.is_terminated():
