@@ -940,7 +940,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
                      prompt_tokens: int) -> StreamingResponse:
         """SSE: ``chunk(text, finish_reason, first, index)`` per step of choice ``index`` (of ``reqs``)
-        with text or a finish, the choices' steps interleaved as they come; then usage; then [DONE].
+        with text or a finish (unless it returns None), the choices' steps interleaved as they come;
+        then usage; then [DONE].
 
         The status line waits for every choice's first token, so that a 429 or an error of a prefill
         or a first step is still a status code; an error after it is an in-band error event, then
@@ -988,8 +989,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     else:
                         n += 1
                         if s.text or s.finish_reason or s.logprob is not None:
-                            yield _sse(chunk(s.text, s.finish_reason, first[i], i, [s], sent[i]))
-                            first[i] = False
+                            c = chunk(s.text, s.finish_reason, first[i], i, [s], sent[i])
+                            if c is not None:  # None: the step adds nothing yet (text a tool call holds)
+                                yield _sse(c)
+                                first[i] = False
                             sent[i] += len(s.token_str or "")
                 else:
                     if include_usage:
@@ -1078,9 +1081,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 delta = {"content": text} if text else {}
             if calls:
                 delta["tool_calls"] = calls
+            lp = chat_logprobs(steps)
+            if steps and not first and not delta and finish_reason is None and lp is None:
+                return None  # text the tool-call scanner holds back: no empty delta per token
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(steps),
-                                 "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
 
         def message(text: str, reason: str) -> tuple[dict, str]:
             """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""

@@ -207,9 +207,10 @@ def test_a_streamed_call_comes_as_deltas_that_assemble_into_it(client):
     kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=96, temperature=0.8,
               seed=4)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
-    calls, reasons, content = {}, [], ""
+    calls, reasons, content, empty = {}, [], "", 0
     for chunk in client.chat.completions.create(**kw, stream=True):
         for ch in chunk.choices:
+            empty += not (ch.delta.role or ch.delta.content or ch.delta.tool_calls or ch.finish_reason)
             content += ch.delta.content or ""
             for d in ch.delta.tool_calls or ():
                 entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
@@ -218,6 +219,7 @@ def test_a_streamed_call_comes_as_deltas_that_assemble_into_it(client):
             if ch.finish_reason:
                 reasons.append(ch.finish_reason)
     assert reasons == ["tool_calls"] and content == ""
+    assert empty == 0  # the tokens a call is made of are held back, not sent as empty deltas
     assert calls == {0: {"name": whole.name, "arguments": whole.arguments}}  # the same seed: the same call
     assert _weather_ok(json.loads(calls[0]["arguments"]))
 
