@@ -49,6 +49,10 @@ FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # threads filling a s
 # 2**53, JavaScript's safe integers); 17 significant digits round-trip any float64, so any double of
 # magnitude 0.1 or more can be written without an exponent; float64 exponents run from -324 to 308.
 INTEGER_DIGITS, FRACTION_DIGITS, EXPONENT_DIGITS = 15, 17, 3
+# An integer's multipleOf automaton of more states than this is left unbounded: unrolled, it takes
+# states × INTEGER_DIGITS rules (for 1,000 some 15,000 rules, 5 MB of grammar and seconds of
+# compiling per field: a request could tie up the server with a few).
+UNROLL_STATES = 128
 
 
 class Grammars:
@@ -215,9 +219,9 @@ def bounded_numbers(ebnf: str) -> str:
     - the states ``<prefix>_multiple_of_<m>_mod_<k>`` of an integer's ``multipleOf`` automaton
       (right-linear, ``"" | "0" state | ...``), entered after the first digit: unrolled into one rule
       per state and digits left (``…_mod_<k>_len<d>``), so a multiple of ``m`` has at most
-      :data:`INTEGER_DIGITS` digits. Its grammar grows with ``m`` × :data:`INTEGER_DIGITS` rules
-      (xgrammar writes the automaton for ``m`` up to 1024, a plain integer past that: some 15 000
-      rules at most, about two seconds to compile on a CPU).
+      :data:`INTEGER_DIGITS` digits. Its grammar grows with ``m`` × :data:`INTEGER_DIGITS` rules, so
+      only automata of up to :data:`UNROLL_STATES` states are unrolled; a larger one (xgrammar writes
+      it for ``m`` up to 1024) is left as it is, its integer unbounded.
 
     Bounded ranges, enums and consts are already finite and left as they are; so is what xgrammar
     writes as a ``Regex``. A string ``format`` written in the same shapes (relative-json-pointer's
@@ -285,7 +289,7 @@ def _bound_counters(rules: dict[str, str]) -> None:
         if m:
             families.setdefault(m.group(1), []).append(name)
     for members in families.values():
-        if not all(_COUNTER_BODY.fullmatch(rules[n]) for n in members):
+        if len(members) > UNROLL_STATES or not all(_COUNTER_BODY.fullmatch(rules[n]) for n in members):
             continue
         steps = {n: _COUNTER_STEP.findall(rules[n]) for n in members}
         if any(to not in steps for s in steps.values() for _, to in s):

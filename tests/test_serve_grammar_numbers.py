@@ -79,7 +79,8 @@ def test_numbers_are_bounded_wherever_they_are(grammars, place):
     ({"type": "number", "minimum": 0, "maximum": 10}, ["0", "9.5", "10"], ["10.5", "-0.5"]),
     ({"type": "integer", "multipleOf": 3}, ["0", "-3", "999999999999999"], ["4", "1000000000000002"]),
     ({"type": "integer", "multipleOf": 7}, ["14", "-7", "999999999999994"], ["15", "1000000000000001"]),
-    ({"type": "integer", "multipleOf": 1000}, ["-3000", "999999999999000"], ["3001", "1000000000000000"]),
+    # past UNROLL_STATES the automaton stays as xgrammar writes it: multiples held, length not
+    ({"type": "integer", "multipleOf": 1000}, ["-3000", "999999999999000", "1000000000000000"], ["3001"]),
     ({"type": "number", "multipleOf": 0.5}, ["1.5", "-3.25"], ["1" * 16]),  # xgrammar ignores it on numbers
     ({"enum": [1, 2.5, "a"]}, ["1", "2.5", '"a"'], ["3", "25"]),
     ({"const": 123456789}, ["123456789"], ["12345678", "1234567890"]),
@@ -217,3 +218,16 @@ def test_a_constraint_is_converted_and_compiled_once(grammars):
     grammars.compile("json", spec)
     assert json_grammar.cache_info().hits == hits + 1
     assert grammars._get_compiler().get_cache_size_bytes() == size
+
+
+def test_a_large_multiple_of_is_not_unrolled():
+    """An integer multipleOf automaton past UNROLL_STATES is left as xgrammar writes it: the grammar
+    stays about xgrammar's size (unrolled, 1,000 states would be some 15,000 rules)."""
+    import xgrammar as xgr
+
+    text = json.dumps({"type": "object", "properties": {f"v{i}": {"type": "integer", "multipleOf": 1000 + i}
+                                                        for i in range(4)}})
+    raw = str(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+    assert len(json_grammar(text)) < 1.1 * len(raw)
+    small = json.dumps({"type": "object", "properties": {"v": {"type": "integer", "multipleOf": 7}}})
+    assert not _unbounded_runs(json_grammar(small))
