@@ -83,8 +83,8 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    concurrency, the peers as points, step ÷ floor bars). ``summary`` (printed at the end) holds
    exactly ``step_over_floor`` (rows 16/64/256; nulls where not measured), ``tokens_per_s`` (base,
    mixed, hf_continuous_batching, hf_static at ``summary_concurrency``), ``ttft_p50_s`` (base,
-   mixed, the ttft setting), ``machine`` and ``commit`` (``git rev-parse HEAD`` of the checkout,
-   else ``$DELTAFLEET_COMMIT``, else null). ``ratios`` and ``goals`` (bool, or null where an input
+   mixed, the ttft setting), ``machine`` and ``commit`` (``$DELTAFLEET_COMMIT`` where set, else
+   ``git rev-parse HEAD`` of the checkout, else null). ``ratios`` and ``goals`` (bool, or null where an input
    was not measured) sit beside it.
 """
 
@@ -926,7 +926,11 @@ def predicted_memory(cfg: DictConfig) -> list[dict] | dict:
 
 
 def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of this checkout; else ``$DELTAFLEET_COMMIT``; else None."""
+    """``$DELTAFLEET_COMMIT`` where it is set (a copy of the code whose git metadata is not the code's:
+    the one running it says which commit it is); else ``git rev-parse HEAD`` of this checkout; else
+    None."""
+    if os.environ.get("DELTAFLEET_COMMIT"):
+        return os.environ["DELTAFLEET_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True,
                            timeout=30)
@@ -934,7 +938,7 @@ def git_commit() -> str | None:
             return r.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return os.environ.get("DELTAFLEET_COMMIT") or None
+    return None
 
 
 def machine_info(cfg: DictConfig) -> dict:

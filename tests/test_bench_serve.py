@@ -408,3 +408,15 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
     assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
     assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
+
+
+def test_the_report_names_the_commit_it_is_told_before_the_checkouts(monkeypatch):
+    """A copy of the code whose git metadata is stale (a device's copy) names its commit through
+    DELTAFLEET_COMMIT; without it, the checkout's HEAD."""
+    from deltafleet.serve import bench
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bench.REPO, capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("DELTAFLEET_COMMIT", raising=False)
+    assert bench.git_commit() == (head or None)
+    monkeypatch.setenv("DELTAFLEET_COMMIT", "6977b21")
+    assert bench.git_commit() == "6977b21"
