@@ -123,8 +123,7 @@ class Grammars:
     def bitmask(self, rows: int, pinned: bool = False) -> torch.Tensor:
         """A host bitmask for ``rows`` rows (int32 ``[rows, ceil(vocab / 32)]``), all tokens allowed.
         ``pinned``: a view of one page-locked buffer instead, kept and reused (grown as needed) so a
-        step's copy to the GPU does not wait for the host; its rows hold whatever the last use left
-        (:meth:`fill` writes every word of a row) and stay valid until the next call. Called by the
+        step's copy to the GPU does not wait for the host; valid until the next call. Called by the
         scheduler thread only."""
         import xgrammar as xgr
 
@@ -133,7 +132,7 @@ class Grammars:
         if self._pinned is None or self._pinned.shape[0] < rows:
             shape = xgr.get_bitmask_shape(max(rows, 64), self.vocab_size)
             self._pinned = torch.empty(shape, dtype=torch.int32, pin_memory=True)
-        return self._pinned[:rows]
+        return self._pinned[:rows].fill_(-1)
 
     def _get_compiler(self):
         with self._lock:

@@ -352,8 +352,7 @@ class Scheduler:
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
         held = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
-            bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)
-            bitmask.fill_(-1)  # every token, for the free rows
+            bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)  # free rows: every token
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))

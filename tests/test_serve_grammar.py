@@ -158,7 +158,7 @@ def test_the_pinned_bitmask_is_one_reused_buffer_filled_as_a_fresh_one(grammars)
     first.fill_(0)
     pinned = grammars.bitmask(5, pinned=True)
     assert pinned.is_pinned() and pinned.data_ptr() == first.data_ptr() and pinned.shape == fresh.shape
-    pinned.fill_(-1)
+    pinned = grammars.bitmask(5, pinned=True)  # all allowed again
     grammars.fill(matchers[:2], pinned, [1, 3])  # rows 1 and 3 held, the others free
     assert torch.equal(pinned[[1, 3]], fresh[:2]) and (pinned[[0, 2, 4]] == -1).all()
     # the sampler's mask on the GPU (one compiled kernel) keeps what the CPU's keeps
