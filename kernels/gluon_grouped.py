@@ -55,6 +55,15 @@ the step's wgmmas in flight together (or at most ``inflight`` after each feature
 them at the end of the step: a wgmma with a register operand in flight across the loop's back edge
 makes ptxas serialise them all, and so do too few registers (C7512/C7515). :data:`CONFIGS` lists only
 configurations that compile without either and without spills (tests/test_kernels_compile.py).
+
+``sync_mma`` (the configurations of ``block_m`` 8): the consumer multiplies by per-warp ``mma.sync``
+m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes loaded into
+B registers once and shared by the consumer's tiles. Nothing is asynchronous, so the warps' sign
+expansion and products interleave freely, and blocks of 8 rows (n16) waste fewer tensor-core rows on
+a variant's short run than wgmma's blocks of 16; for decode steps of up to 64 rows this is the faster
+path (``triton_grouped.grouped_block_m``), above that the wgmma's larger blocks expand each sign tile
+fewer times.
+
 With ``BLOCK_K`` 256 the last step of an odd number of 128-weight tiles reads a sign tile past the
 feature tile's K range (the next tile's bits, or zeros past the tensor) against planes past K, which
 TMA fills with zeros: it adds nothing.
@@ -88,6 +97,7 @@ from deltafleet.kernels.gluon_prefill_rs import multiprocessors
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -104,8 +114,8 @@ class GroupedConfig(NamedTuple):
     """A launch configuration of :func:`add_sign_products_planes`.
 
     Attributes:
-        block_m: rows per block (16, 32 or 64); ``group_rows`` must cut the blocks with the same
-            ``block_m`` (a smaller one is also correct). The wgmma's N is ``2·block_m``.
+        block_m: rows per block (8, 16, 32 or 64); ``group_rows`` must cut the blocks with the same
+            ``block_m`` (a smaller one is also correct). The product's N is ``2·block_m``.
         block_n: features per program, 64·NSUB (64, 128 or 256), NSUB sign tiles sharing one planes tile.
         block_k: weights per K step (128 or 256; at most 256, the TMA box's longest side).
         stages: ring buffers (sign tiles + planes per K step).
@@ -114,7 +124,9 @@ class GroupedConfig(NamedTuple):
             allocation; the loader gives up all but 24 (``setmaxnreg``) and one consumer takes them,
             two or four get ``regs`` each.
         inflight: after each feature tile's wgmmas of a K step, wait until at most this many are in
-            flight (fewer live A registers); 0: wait only at the end of the step.
+            flight (fewer live A registers); 0: wait only at the end of the step. Register operand only.
+        sync_mma: multiply by ``mma.sync`` per warp (m16n8k32) instead of the warpgroup's wgmma, whose
+            register operand makes each K step wait for its own products (module docstring).
     """
 
     block_m: int
@@ -124,6 +136,7 @@ class GroupedConfig(NamedTuple):
     consumers: int
     regs: int
     inflight: int = 0
+    sync_mma: bool = False
 
     def smem(self) -> int:
         """Bytes of the ring: per stage the sign tiles and the block's planes (the barriers come on
@@ -138,6 +151,7 @@ class GroupedConfig(NamedTuple):
 # loader's share too (``setmaxnreg``), so 80 still leaves it 136, and three programs fit a multiprocessor
 # by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile.
 CONFIGS: dict[int, tuple[GroupedConfig, ...]] = {
+    8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True), ),
     16: (GroupedConfig(16, 128, 256, 4, 1, 80), GroupedConfig(16, 256, 256, 4, 1, 128),
          GroupedConfig(16, 64, 256, 6, 1, 80), GroupedConfig(16, 256, 256, 4, 2, 128)),
     32: (GroupedConfig(32, 128, 256, 4, 1, 128), GroupedConfig(32, 64, 256, 4, 1, 80),
@@ -149,7 +163,7 @@ BLOCK_MS = tuple(CONFIGS)
 
 
 def default_config(block_m: int = 16) -> GroupedConfig:
-    """The first configuration of :data:`CONFIGS` for blocks of ``block_m`` rows (16, 32 or 64).
+    """The first configuration of :data:`CONFIGS` for blocks of ``block_m`` rows (8, 16, 32 or 64).
 
     Raises:
         ValueError: if ``block_m`` is not one of :data:`BLOCK_MS`.
@@ -245,8 +259,8 @@ def _descriptors(signs: torch.Tensor, planes: torch.Tensor, cfg: GroupedConfig):
 
 
 def _check_config(cfg: GroupedConfig) -> None:
-    if cfg.block_m not in (16, 32, 64):
-        raise ValueError(f"block_m must be 16, 32 or 64, got {cfg.block_m}")
+    if cfg.block_m not in (8, 16, 32, 64):
+        raise ValueError(f"block_m must be 8, 16, 32 or 64, got {cfg.block_m}")
     if cfg.block_k not in (128, 256):
         raise ValueError(f"block_k must be 128 or 256, got {cfg.block_k}")
     if cfg.block_n not in (64, 128, 256) or cfg.consumers not in (1, 2, 4) or (cfg.block_n // TILE_N) % cfg.consumers:
@@ -269,9 +283,9 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
             one is also correct; a larger one drops rows).
         y: ``[M, N]`` in x's dtype (or float32), unit stride along N, holding the base product; the
             sign term is added in float32 and the sum rounded once to y's dtype.
-        block_m: rows per block, 16, 32 or 64 (the wgmma's N is twice that).
+        block_m: rows per block, 8 (``mma.sync``), 16, 32 or 64 (wgmma); the product's N is twice that.
         config: fields of :class:`GroupedConfig` other than ``block_m`` (``block_n``, ``block_k``,
-            ``stages``, ``consumers``, ``regs``, ``inflight``) overriding ``default_config(block_m)``;
+            ``stages``, ``consumers``, ``regs``, ``inflight``, ``sync_mma``) overriding ``default_config(block_m)``;
             without any, :func:`choose_config` picks one by the grid size.
 
     Returns:
@@ -299,7 +313,7 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         s_desc, p_desc, groups.order, groups.key, groups.first, sc, alphas, y,
         m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
-        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, num_warps=4, maxnreg=cfg.regs)
+        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, num_warps=4, maxnreg=cfg.regs)
     return y
 
 
@@ -326,7 +340,8 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
            "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "NSLOT": "i32", "NBLK": "i32",
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
-                  CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, num_warps=4)
+                  CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma,
+                  num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = _grouped_planes_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -369,7 +384,6 @@ if HAVE_GLUON:
         int8 wgmmas (A: the tile's sign bits as 0/1 bytes in registers, B: the block's planes), then
         the epilogue into y."""
         (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
-        (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
         BK: gl.constexpr = p_desc.block_type.shape[1]
         BM2: gl.constexpr = p_desc.block_type.shape[0]  # 2·BLOCK_M plane rows: the wgmma's N
         BM: gl.constexpr = BM2 // 2
@@ -410,6 +424,13 @@ if HAVE_GLUON:
             fence_async_shared()  # the sign words' shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
+        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW)
+
+    @gluon.jit
+    def _gp_epilogue(acc, first, slot, off_n, M, N, q, BM: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                     ALPHA_PER_ROW: gl.constexpr):
+        """Add ``α·(s·x)`` of the consumer's NW feature tiles (int32 accumulators ``[64, 2·BM]``) into y."""
+        (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
         # epilogue, in the accumulator's own layout (no shared-memory scratch, no layout conversion):
         # (hi, lo) of row i are the accumulator's columns (2i, 2i + 1), which one thread holds
         h0, _ = gl.split(gl.reshape(acc[0], [64, BM, 2]))
@@ -440,11 +461,56 @@ if HAVE_GLUON:
             gl.store(ptrs, (base + gl.expand_dims(alpha, 1) * sdot).to(y_ptr.dtype.element_ty), mask=m2)
 
     @gluon.jit
+    def _gp_consume_mma(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                        ALPHA_PER_ROW: gl.constexpr):
+        """As :func:`_gp_consume`, by ``mma.sync`` (m16n8k32, int8) instead of wgmma (``sync_mma``).
+        Each warp of the warpgroup owns 16 of a tile's 64 features and expands its own sign words into
+        its A registers; a K chunk's planes are loaded into B registers once and shared by the NW
+        tiles. Nothing waits on an asynchronous product, so one warp's expansion overlaps another's
+        products: at ``block_m`` 8 (n = 16 plane rows) this beats the wgmma path, whose smallest
+        useful N leaves the tensor cores idle while the signs are expanded."""
+        (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
+        BK: gl.constexpr = p_desc.block_type.shape[1]
+        BM2: gl.constexpr = p_desc.block_type.shape[0]
+        BM: gl.constexpr = BM2 // 2
+        KS: gl.constexpr = BK // 128
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=4)
+        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
+
+        acc = ()
+        for t in gl.static_range(NW):
+            acc = acc + (gl.zeros([64, BM2], gl.int32, acc_l), )
+        for ki in range(gl.cdiv(K, BK)):
+            stage = ki % STAGES
+            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+            pbuf = p_smem.index(stage)
+            for c in gl.static_range(BK // 32):
+                b = pbuf.slice(32 * c, 32, dim=1).permute((1, 0)).load(dot_b)                   # [32, 2·BM]
+                new = ()
+                for t in gl.static_range(NW):
+                    words = _as_words(s_smem.index(stage * NSUB + T0 + t), 64 * KS, 4, word_l)
+                    wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)  # [64, 1]
+                    a = gl.inline_asm_elementwise(
+                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    new = new + (mma_v2(a, b, acc[t]), )
+                acc = new
+            fence_async_shared()  # the shared loads come before the loader's next copy
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW)
+
+    @gluon.jit
     def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
-                   ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr):
+                   ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr):
         """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``."""
         if LOADER:
             _gp_load(p, NSUB, STAGES)
+        elif SYNC_MMA:
+            _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
         else:
             _gp_consume(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, INFLIGHT)
 
@@ -455,7 +521,7 @@ if HAVE_GLUON:
                                M, N, K, NSLOT, NBLK, stride_as, stride_ym,
                                ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               SYNC_MMA: gl.constexpr, num_warps: gl.constexpr):
         """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
         first = gl.load(first_ptr + gl.program_id(0))
         if first < M:  # programs past the last block do nothing
@@ -477,24 +543,25 @@ if HAVE_GLUON:
             I: gl.constexpr = INFLIGHT
             # consumer 0 is the default partition; the other consumers and the loader warp are workers
             # (a partition list is a literal: Gluon tuples cannot hold functions)
+            SM: gl.constexpr = SYNC_MMA
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
                 ], [1], [24])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
                 ], [4, 1], [CONS_REGS, 24])
             elif CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_gp_consume, (p, q, NSUB, STAGES, 0, NW, A, I)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")

@@ -38,6 +38,7 @@ from deltafleet.kernels.reference import check_batched_args, check_tensors, chec
 from deltafleet.kernels.triton_bitdelta import _interpret
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
+SYNC_MMA_MAX_ROWS = 64  # up to this many rows, Hopper groups blocks of 8 (grouped_block_m)
 
 
 @dataclass
@@ -68,6 +69,20 @@ def max_blocks(m: int, n_slots: int, block_m: int = BLOCK_M) -> int:
     return max(1, min(m, triton.cdiv(m, block_m) + n_slots))
 
 
+def grouped_block_m(m: int, device: torch.device | str) -> int:
+    """The ``block_m`` to group an M-row batch on ``device`` with: 8 on a Hopper GPU with Gluon for
+    up to :data:`SYNC_MMA_MAX_ROWS` rows (``gluon_grouped``'s ``mma.sync`` configurations, which
+    waste fewer tensor-core rows on a variant's short run), else :data:`BLOCK_M`. Host-side, from
+    M and the device only, so a CUDA graph's grouping is fixed at capture."""
+    device = torch.device(device)
+    if m <= SYNC_MMA_MAX_ROWS and device.type == "cuda" and not _interpret():
+        from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
+
+        if HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9:
+            return 8
+    return BLOCK_M
+
+
 def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowGroups:
     """Group the rows of a batch by variant: ``slot`` int ``[M]`` (−1 or anything outside ``[0,
     n_slots)``: the base). Device ops only, of shapes fixed by ``M`` and ``n_slots``."""
@@ -90,18 +105,20 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowG
 @triton.jit
 def _grouped_kernel(
     x_ptr, s_ptr, a_ptr, y_ptr, order_ptr, key_ptr, first_ptr,
-    M, N, K, KB,
+    M, N, K, KB, NBLK,
     stride_xm, stride_ss, stride_sn, stride_as, stride_ym,
     ALPHA_PER_ROW: tl.constexpr, TILED: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    first = tl.load(first_ptr + tl.program_id(1))
+    b = tl.program_id(1)
+    first = tl.load(first_ptr + b)
     if first >= M:
         return
     slot = tl.load(key_ptr + first)
     rows = first + tl.arange(0, BLOCK_M)
-    live = rows < M
+    # the block's rows end where the next block starts (groups cut smaller than BLOCK_M)
+    live = rows < tl.minimum(tl.load(first_ptr + b + 1, mask=b + 1 < NBLK, other=M), M)
     live = live & (tl.load(key_ptr + rows, mask=live, other=-1) == slot)
     xrow = tl.load(order_ptr + rows, mask=live, other=0)
     x_rows = x_ptr + xrow.to(tl.int64) * stride_xm                                    # [BM]
@@ -165,10 +182,10 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
     config = {**CONFIG, **config}
     _grouped_kernel[(triton.cdiv(n, bn), groups.max_blocks)](
         x, signs, alphas, y, groups.order, groups.key, groups.first,
-        m, n, k, (k + 7) // 8,
+        m, n, k, (k + 7) // 8, groups.max_blocks,
         x.stride(0), signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, TILED=tiled, DOT_FP32=_interpret(),
-        BLOCK_M=groups.block_m, BLOCK_N=bn, **config)
+        BLOCK_M=max(groups.block_m, BLOCK_M), BLOCK_N=bn, **config)  # smaller blocks: fewer live rows
     return y
 
 
@@ -180,7 +197,8 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
     tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
     ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
-    of a step); its ``block_m`` (16, 32 or 64) is the rows a program multiplies."""
+    of a step); its ``block_m`` (8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
+    program multiplies."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
@@ -191,7 +209,7 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
     if groups is None:
-        groups = group_rows(slot, signs.shape[0])
+        groups = group_rows(slot, signs.shape[0], grouped_block_m(x.shape[0], x.device))
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
     signs = signs.contiguous()
     if not _interpret():

@@ -200,13 +200,25 @@ def test_grouped_planes_match_reference(block_m, m, pattern, tenants, n, k, row_
 
 
 @pytest.mark.gpu
-def test_groups_cut_smaller_than_the_kernel_block_are_still_right():
-    """Groups of ``group_rows(…, 16)`` under the 64-row kernel: each program's box holds the next
-    blocks' rows too, which it must leave to their own programs (live rows end at ``first[b + 1]``)."""
+def test_hopper_groups_decode_steps_by_8():
+    """Up to 64 rows the engine groups blocks of 8 for the mma.sync configurations (``CONFIGS[8]``)."""
+    _hopper()
+    from deltafleet.kernels.triton_grouped import SYNC_MMA_MAX_ROWS, grouped_block_m
+
+    rows = (1, SYNC_MMA_MAX_ROWS, SYNC_MMA_MAX_ROWS + 1)
+    assert [grouped_block_m(m, "cuda") for m in rows] == [8, 8, 16]
+    assert all(cfg.sync_mma for cfg in gg.CONFIGS[8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cut, block_m", [(16, 64), (8, 16)])
+def test_groups_cut_smaller_than_the_kernel_block_are_still_right(cut, block_m):
+    """Groups of ``group_rows(…, cut)`` under the ``block_m``-row kernel: each program's box holds the
+    next blocks' rows too, which it must leave to their own programs (live rows end at ``first[b + 1]``)."""
     _hopper()
     x, w, signs, alphas, slot = _case(256, "zipf", 4, 200, 384, True, torch.bfloat16)
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
     xd, wd, sd, ad, slotd = (t.cuda() for t in (x, w, tile_signs(signs), alphas, slot))
     y = torch.mm(xd, wd.t())
-    gg.add_sign_products_planes(xd, sd, ad, group_rows(slotd, 4, 16), y, block_m=64)
+    gg.add_sign_products_planes(xd, sd, ad, group_rows(slotd, 4, cut), y, block_m=block_m)
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())

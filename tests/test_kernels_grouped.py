@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from deltafleet.kernels import pack_signs, tile_signs  # noqa: E402
 from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
-from deltafleet.kernels.triton_grouped import BLOCK_M, bitdelta_linear_grouped, group_rows, max_blocks  # noqa: E402
+from deltafleet.kernels.triton_grouped import (BLOCK_M, bitdelta_linear_grouped, group_rows,  # noqa: E402
+                                               grouped_block_m, max_blocks)
 
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
@@ -71,10 +72,11 @@ def test_grouped_matches_reference(dtype, m, n, k, tenants, slots, tiled, row_al
         assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
-@pytest.mark.parametrize("block_m", [32, 64])
-def test_groups_of_larger_blocks_multiply_every_row(block_m):
-    """Rows grouped in blocks of ``block_m`` (what a step of a long prompt uses): one variant's run of
-    150 rows beside Zipf rows; the kernel multiplies blocks of that many rows, and none is dropped."""
+@pytest.mark.parametrize("block_m", [8, 32, 64])
+def test_groups_of_other_blocks_multiply_every_row(block_m):
+    """Rows grouped in blocks of ``block_m`` (32 or 64: a step of a long prompt; 8: a Hopper decode
+    step, which the Triton kernel multiplies as blocks of 16 with half their rows dead): one variant's
+    run of 150 rows beside Zipf rows; none is dropped or counted twice."""
     g = torch.Generator().manual_seed(block_m)
     m, n, k, tenants, dtype = 190, 96, 256, 4, torch.bfloat16
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -97,6 +99,11 @@ def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
     assert gr.key.tolist() == [0, 0, 2, 2, 2, 2, 2, 3, 3]
     assert gr.first.tolist() == [0, 2, 4, 6, 9, 9, 9, 9]  # blocks {2,5} {0,3} {4,7} {8}, then unused
     assert gr.max_blocks == max_blocks(9, 3, 2) == 8  # ceil(9 / 2) + 3
+
+
+def test_grouped_block_m_is_16_off_hopper():
+    """Blocks of 8 are for the Hopper kernel's mma.sync path only; the CPU (and the interpreter) group by 16."""
+    assert [grouped_block_m(m, "cpu") for m in (1, 64, 65, 256)] == [BLOCK_M] * 4
 
 
 def test_max_blocks_bounds_every_grouping():
