@@ -29,10 +29,10 @@ from deltafleet.serve.delta import VariantDelta, hf_name
 
 SIGN_LAYOUTS = ("rows", "tiled")
 # batches of this many rows or more are multiplied grouped by variant on a GPU (the base product once,
-# each variant's sign tiles once per 16 of its rows); below, the per-row kernels of
+# each variant's sign tiles once per block of its rows); below, the per-row kernels of
 # bitdelta_linear_batched, tuned for decode batches of a few rows (docs/kernels.md, "Grouped mixed
 # batches")
-GROUPED_MIN_ROWS = 17
+GROUPED_MIN_ROWS = 9
 
 
 def check_sign_layout(sign_layout: str, key: str = "sign_layout") -> None:
@@ -228,9 +228,10 @@ class BatchDeltas:
         if self.grouped(x2):
             key = (slots.data_ptr(), slots.shape[0])
             if self._groups is None or self._groups[0] != key:
-                from deltafleet.kernels.triton_grouped import group_rows
+                from deltafleet.kernels.triton_grouped import group_rows, grouped_block_m
 
-                self._groups = (key, group_rows(slots, self.table.n_slots))
+                bm = grouped_block_m(slots.shape[0], slots.device)
+                self._groups = (key, group_rows(slots, self.table.n_slots, bm))
             return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1])
         return bitdelta_linear_batched(x2, weight, signs, alphas, slots)
 

@@ -316,19 +316,19 @@ class PiecewiseGraphs:
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
         grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
-        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, max_blocks
+        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, grouped_block_m, max_blocks
 
         table, slots = self.runner.slots, self.variants[:b]
         delta = BatchDeltas(table, slots)
         if not BatchDeltas.grouped(self.x[:b, 0]):
             return delta
         if b not in self.groups:
-            nb = max_blocks(b, table.n_slots)
+            bm = grouped_block_m(b, slots.device)
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
-            self.groups[b] = RowGroups(zeros(b), zeros(b), zeros(nb))
+            self.groups[b] = RowGroups(zeros(b), zeros(b), zeros(max_blocks(b, table.n_slots, bm)), bm)
         static = self.groups[b]
         if i == 0:
-            g = group_rows(slots, table.n_slots)
+            g = group_rows(slots, table.n_slots, static.block_m)
             static.order.copy_(g.order)
             static.key.copy_(g.key)
             static.first.copy_(g.first)
