@@ -138,7 +138,7 @@ def run(cfg) -> dict:
 
     from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference,
                                     bitdelta_linear_grouped, pack_signs, tile_signs)
-    from deltafleet.kernels.triton_grouped import group_rows
+    from deltafleet.kernels.triton_grouped import group_rows, grouped_block_m
     from deltafleet.kernels import triton_bitdelta
     from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
@@ -231,7 +231,7 @@ def run(cfg) -> dict:
             for t_count in grouped.get("tenants", []):
                 slot = zipf_slots(m, t_count, float(grouped.get("zipf_s", 1.0)), cfg.seed + 31 * m + t_count).cuda()
                 distinct = len({v for v in slot.tolist() if v >= 0})
-                groups = group_rows(slot, t_count)
+                groups = group_rows(slot, t_count, grouped_block_m(m, slot.device))  # as the engine groups
                 for name, (n, k) in layers.items():
                     w = tensors[name][0]
                     signs = torch.randint(0, 256, (t_count, n, (k + 7) // 8), device="cuda", dtype=torch.uint8,
@@ -353,49 +353,51 @@ def _summary(rows: list[dict], cfg) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Two panels: single-variant ratio vs M, and mixed-tenant ratio vs T (log scale), with the targets."""
+    """One panel per part the run measured: one variant's ratio vs M, mixed tenants' ratio vs T, and
+    decode batches of mixed variants vs M (log scales), each with its targets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg = report["config"]
-    grouped = report["summary"].get("grouped") or {}
-    fig, axes = plt.subplots(1, 3 if grouped else 2, figsize=(19 if grouped else 13, 5))
-    a1, a2 = axes[:2]
-    for model, style in zip(cfg["shapes"], ("-", "--")):
-        ms = cfg["ms"]
-        s = report["summary"]["single"]
-        a1.plot(ms, [s[f"{model}/M={m}"]["triton"] for m in ms], "o" + style, color="C0", label=f"triton ({model})")
-        a1.plot(ms, [s[f"{model}/M={m}"]["naive"] for m in ms], "s" + style, color="C3", label=f"naive unpack ({model})")
-        ts = cfg["tenants"]
-        s = report["summary"]["tenants"]
-        a2.plot(ts, [s[f"{model}/T={t}"]["triton_batched"] for t in ts], "o" + style, color="C0",
-                label=f"triton batched ({model})")
-        for i, impl in enumerate(cfg.get("batched_impls", [])):
-            a2.plot(ts, [s[f"{model}/T={t}"][f"batched_{impl}"] for t in ts], "^v"[i % 2] + style, color=f"C{2 + i}",
-                    label=f"triton batched, {impl} kernel ({model})")
-        if cfg["bitdelta_style"]:
-            a2.plot(ts, [s[f"{model}/T={t}"]["bitdelta_style"] for t in ts], "s" + style, color="C1",
-                    label=f"BitDelta-style unpack + bmm ({model})")
-    a1.axhline(TARGET_SINGLE, color="k", lw=0.8, ls=":", label="target 1.10×")
-    a1.axhline(1.0625, color="grey", lw=0.8, ls="-.", label="limit 1.0625× (W + signs)")
-    scale = "log" if cfg["ms"] else "linear"  # log axes need data (a run of tenants only has none here)
-    a1.set(xscale=scale, yscale=scale, xlabel="tokens M (one variant)", ylabel="time ÷ dense bf16 matmul",
-           title="one variant, layer set")
-    ts = report["config"]["tenants"]
-    # marked too, so that a run of one T still shows its target and limit
-    a2.plot(ts, [target_tenants(t) for t in ts], "k:_", lw=0.8, ms=16, label="target 1.1·(1 + T/16)")
-    a2.plot(ts, [1 + t / 16 for t in ts], color="grey", ls="-.", marker="_", lw=0.8, ms=16, label="limit 1 + T/16")
-    scale = "log" if ts else "linear"
-    a2.set(xscale=scale, yscale=scale, xlabel="tenants T (one token each, M = T)", ylabel="time ÷ dense bf16 matmul",
-           title="mixed variants in one call, layer set")
-    if grouped:
-        a3, g = axes[2], cfg["grouped"]
-        for j, model in enumerate(cfg["shapes"]):
+    cfg, summary = report["config"], report["summary"]
+    grouped = summary.get("grouped") or {}
+    parts = [p for p, on in (("single", cfg["ms"]), ("tenants", cfg["tenants"]), ("grouped", grouped)) if on]
+    if not parts:
+        return
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 5), squeeze=False)
+    axes = dict(zip(parts, axes[0]))
+    styles = list(zip(cfg["shapes"], ("-", "--")))
+    if "single" in axes:
+        a1, ms, s = axes["single"], cfg["ms"], summary["single"]
+        for model, style in styles:
+            a1.plot(ms, [s[f"{model}/M={m}"]["triton"] for m in ms], "o" + style, color="C0", label=f"triton ({model})")
+            a1.plot(ms, [s[f"{model}/M={m}"]["naive"] for m in ms], "s" + style, color="C3",
+                    label=f"naive unpack ({model})")
+        a1.axhline(TARGET_SINGLE, color="k", lw=0.8, ls=":", label="target 1.10×")
+        a1.axhline(1.0625, color="grey", lw=0.8, ls="-.", label="limit 1.0625× (W + signs)")
+        a1.set(xscale="log", yscale="log", xlabel="tokens M (one variant)", title="one variant, layer set")
+    if "tenants" in axes:
+        a2, ts, s = axes["tenants"], cfg["tenants"], summary["tenants"]
+        for model, style in styles:
+            a2.plot(ts, [s[f"{model}/T={t}"]["triton_batched"] for t in ts], "o" + style, color="C0",
+                    label=f"triton batched ({model})")
+            for i, impl in enumerate(cfg.get("batched_impls", [])):
+                a2.plot(ts, [s[f"{model}/T={t}"][f"batched_{impl}"] for t in ts], "^v"[i % 2] + style,
+                        color=f"C{2 + i}", label=f"triton batched, {impl} kernel ({model})")
+            if cfg["bitdelta_style"]:
+                a2.plot(ts, [s[f"{model}/T={t}"]["bitdelta_style"] for t in ts], "s" + style, color="C1",
+                        label=f"BitDelta-style unpack + bmm ({model})")
+        # marked too, so that a run of one T still shows its target and limit
+        a2.plot(ts, [target_tenants(t) for t in ts], "k:_", lw=0.8, ms=16, label="target 1.1·(1 + T/16)")
+        a2.plot(ts, [1 + t / 16 for t in ts], color="grey", ls="-.", marker="_", lw=0.8, ms=16, label="limit 1 + T/16")
+        a2.set(xscale="log", yscale="log", xlabel="tenants T (one token each, M = T)",
+               title="mixed variants in one call, layer set")
+    if "grouped" in axes:
+        a3, g = axes["grouped"], cfg["grouped"]
+        for j, (model, style) in enumerate(styles):
             for i, t in enumerate(g["tenants"]):
                 v = [grouped[f"{model}/M={m}/T={t}"] for m in g["ms"]]
-                style = "-" if j == 0 else "--"
                 a3.plot(g["ms"], [x["triton_batched"] for x in v], "o" + style, color=f"C{i}",
                         label=f"T={t} batched ({model})")
                 a3.plot(g["ms"], [x["grouped"] for x in v], "s" + style, color=f"C{i}", alpha=0.6,
@@ -404,13 +406,15 @@ def plot(report: dict, path: Path) -> None:
                     a3.plot(g["ms"], [x["bound"] for x in v], ":_", color=f"C{i}", lw=0.8, ms=16,
                             label=f"T={t} bound 1.1·(1 + T/16)")
         a3.set(xscale="log", yscale="log", xlabel="rows M (Zipf over the base and T variants)",
-               ylabel="time ÷ dense bf16 matmul", title="decode batches of mixed variants, layer set")
-    for a in axes:
+               title="decode batches of mixed variants, layer set")
+    for a in axes.values():
+        a.set_ylabel("time ÷ dense bf16 matmul")
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=7)
     m = report["machine"]
-    fig.suptitle(f"BitDelta kernels vs dense bf16 — {m['gpu']}, torch {m['torch']}, triton {m['triton']}, "
-                 f"{report['config']['timing']} timing, {report['date'][:10]}", fontsize=10)
+    sep = "\n" if len(parts) == 1 else ", "  # one panel is too narrow for one line
+    fig.suptitle(f"BitDelta kernels vs dense bf16 — {m['gpu']}{sep}torch {m['torch']}, triton {m['triton']}, "
+                 f"{cfg['timing']} timing, {report['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -85,6 +85,21 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_only_the_parts_the_run_measured(tmp_path):
+    """A run of decode batches only (``ms=[] tenants=[]``) gets one panel, not two empty ones beside it."""
+    from matplotlib.image import imread
+
+    widths = {}
+    for name, over in (("all", {}), ("grouped", {"ms": [], "tenants": []})):
+        cfg = OmegaConf.merge(_cfg(tmp_path), over)
+        rows = [r for r in _rows() if r["kind"] == "grouped" or not over]
+        report = {"config": bench._plain(cfg), "summary": bench._summary(rows, cfg), "date": "2026-11-29T00:00:00",
+                  "machine": {"gpu": "none", "torch": torch.__version__, "triton": "-"}}
+        bench.plot(report, tmp_path / f"{name}.png")
+        widths[name] = imread(tmp_path / f"{name}.png").shape[1]
+    assert widths["grouped"] * 3 == pytest.approx(widths["all"], abs=3)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_run_needs_a_gpu(tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
