@@ -378,6 +378,26 @@ if HAVE_GLUON:
             _tma_load(p_desc, [2 * first, ki * BK], bar, p_smem.index(stage))
 
     @gluon.jit
+    def _int_accumulators(NW: gl.constexpr, BM2: gl.constexpr, acc_l: gl.constexpr):
+        """NW zero int32 accumulators ``[64, BM2]`` (one per feature tile) in layout ``acc_l``."""
+        acc = ()
+        for t in gl.static_range(NW):
+            acc = acc + (gl.zeros([64, BM2], gl.int32, acc_l), )
+        return acc
+
+    @gluon.jit
+    def _sign_operand(tile, c: gl.constexpr, KS: gl.constexpr, dot_a: gl.constexpr):
+        """K chunk c (32 weights) of a staged sign tile as the A operand: 0/1 int8 in ``dot_a``. Chunk c
+        is word ``c % 4`` of the 64 feature rows of 128-weight tile ``c // 4``; byte j of the register
+        of column group q is bit ``q + 8j`` of the word, ``(word >> q) & 0x01010101`` (module docstring)."""
+        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
+        words = _as_words(tile, 64 * KS, 4, word_l)                                      # [64·KS, 4] int32
+        wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)    # [64, 1]
+        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
+                                         "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
     def _gp_consume(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr):
         """Feature tiles ``T0 … T0 + NW − 1`` of the program's NSUB, as one warpgroup: the K loop of
@@ -391,26 +411,17 @@ if HAVE_GLUON:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BM2, 32])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
 
-        acc = ()
-        for t in gl.static_range(NW):
-            acc = acc + (gl.zeros([64, BM2], gl.int32, acc_l), )
+        acc = _int_accumulators(NW, BM2, acc_l)
         for ki in range(gl.cdiv(K, BK)):
             stage = ki % STAGES
             mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
             pbuf = p_smem.index(stage)
             new = ()
             for t in gl.static_range(NW):
-                words = _as_words(s_smem.index(stage * NSUB + T0 + t), 64 * KS, 4, word_l)  # [64·KS, 4] int32
                 a_t = acc[t]
                 for c in gl.static_range(BK // 32):
-                    # chunk c: word c % 4 of the 64 feature rows of 128-weight tile c // 4
-                    wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)  # [64, 1]
-                    a = gl.inline_asm_elementwise(
-                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    a = _sign_operand(s_smem.index(stage * NSUB + T0 + t), c, KS, dot_a)
                     b = pbuf.slice(32 * c, 32, dim=1).permute((1, 0))                               # [32, 2·BM]
                     a_t = warpgroup_mma(a, b, a_t, is_async=True)
                 if INFLIGHT > 0:
@@ -477,12 +488,8 @@ if HAVE_GLUON:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=4)
-        word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
 
-        acc = ()
-        for t in gl.static_range(NW):
-            acc = acc + (gl.zeros([64, BM2], gl.int32, acc_l), )
+        acc = _int_accumulators(NW, BM2, acc_l)
         for ki in range(gl.cdiv(K, BK)):
             stage = ki % STAGES
             mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
@@ -491,11 +498,7 @@ if HAVE_GLUON:
                 b = pbuf.slice(32 * c, 32, dim=1).permute((1, 0)).load(dot_b)                   # [32, 2·BM]
                 new = ()
                 for t in gl.static_range(NW):
-                    words = _as_words(s_smem.index(stage * NSUB + T0 + t), 64 * KS, 4, word_l)
-                    wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)  # [64, 1]
-                    a = gl.inline_asm_elementwise(
-                        "{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                        "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+                    a = _sign_operand(s_smem.index(stage * NSUB + T0 + t), c, KS, dot_a)
                     new = new + (mma_v2(a, b, acc[t]), )
                 acc = new
             fence_async_shared()  # the shared loads come before the loader's next copy
