@@ -83,10 +83,12 @@ def grouped_block_m(m: int, device: torch.device | str) -> int:
     return BLOCK_M
 
 
-def group_rows(slot: torch.Tensor, n_slots: int, block_m: int = BLOCK_M) -> RowGroups:
+def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None) -> RowGroups:
     """Group the rows of a batch by variant: ``slot`` int ``[M]`` (−1 or anything outside ``[0,
-    n_slots)``: the base). Device ops only, of shapes fixed by ``M`` and ``n_slots``."""
+    n_slots)``: the base), in blocks of ``block_m`` rows (None: :func:`grouped_block_m` of M and
+    slot's device). Device ops only, of shapes fixed by ``M`` and ``n_slots``."""
     m, dev = slot.shape[0], slot.device
+    block_m = block_m or grouped_block_m(m, dev)
     slot = slot.to(torch.int64)
     key = torch.where((slot >= 0) & (slot < n_slots), slot, n_slots)
     key, order = torch.sort(key, stable=True)
@@ -209,7 +211,7 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
     if groups is None:
-        groups = group_rows(slot, signs.shape[0], grouped_block_m(x.shape[0], x.device))
+        groups = group_rows(slot, signs.shape[0])
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
     signs = signs.contiguous()
     if not _interpret():

@@ -228,10 +228,9 @@ class BatchDeltas:
         if self.grouped(x2):
             key = (slots.data_ptr(), slots.shape[0])
             if self._groups is None or self._groups[0] != key:
-                from deltafleet.kernels.triton_grouped import group_rows, grouped_block_m
+                from deltafleet.kernels.triton_grouped import group_rows
 
-                bm = grouped_block_m(slots.shape[0], slots.device)
-                self._groups = (key, group_rows(slots, self.table.n_slots, bm))
+                self._groups = (key, group_rows(slots, self.table.n_slots))
             return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1])
         return bitdelta_linear_batched(x2, weight, signs, alphas, slots)
 

@@ -173,7 +173,7 @@ def record_groupings(monkeypatch) -> list[list[int]]:
 
     groupings, real = [], triton_grouped.group_rows
 
-    def group_rows(slot, n_slots, block_m=triton_grouped.BLOCK_M):
+    def group_rows(slot, n_slots, block_m=None):
         groupings.append(slot.tolist())
         return real(slot, n_slots, block_m)
 

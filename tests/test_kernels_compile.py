@@ -396,8 +396,9 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
 
 def test_grouped_int8_kernel_compiles_without_serialised_wgmmas_or_spills(compiled):
     """Every configuration of the grouped sign-product kernel (``deltafleet.kernels.gluon_grouped``)
-    compiles for sm_90a with int8 wgmmas (``mma.sync`` for ``sync_mma``), within the shared memory of one block (its ring and under
-    1 KiB of barriers and scratch: the epilogue stays in the accumulator's registers), and ptxas,
+    compiles for sm_90a with int8 wgmmas (``mma.sync`` for ``sync_mma``), within the shared memory of
+    one block (its ring and under 1 KiB of barriers and scratch: the epilogue stays in the
+    accumulator's registers), and ptxas,
     the one Triton runs for sm_90, reports no wgmma serialisation (C7512/C7515) and at most 128 bytes
     of spills (none with Triton 3.9; Triton 3.6 spills about 100 bytes in the epilogue of the 64-row
     two-consumer configurations, after the K loop)."""

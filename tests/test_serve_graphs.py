@@ -202,8 +202,8 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     base-only steps (two new prompts of 150 and 90 tokens; then two decode rows beside a third
     prompt's first chunk; then its second chunk), then steps with variants (a coder prompt of 200
     tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
-    decode row beside a math prompt of 6: 7 tokens, per-row kernels eagerly and grouped in the graph of 16). The sampled rows' logits
-    agree within the module's bound, each (bucket, with variants) pair is captured once (piecewise:
+    decode row beside a math prompt of 6: 7 tokens, per-row kernels eagerly and grouped in the graph
+    of 16). The sampled rows' logits agree within the module's bound, each (bucket, with variants) pair is captured once (piecewise:
     one graph per segment, 5 for 4 layers) and replayed, and afterwards the caches agree."""
     from deltafleet.serve.graphs import FullGraphs
     from deltafleet.serve.batch import GROUPED_MIN_ROWS
