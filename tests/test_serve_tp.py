@@ -64,6 +64,9 @@ def _worker(rank: int, world: int, base_dir: str, art_dir: str, init: str, out: 
         res = _run(model, shard_delta(coder, rank, world), shard_delta(writer, rank, world))
         res["q_rows"] = torch.tensor(model.layers[0].self_attn.q_proj.weight.shape[0])
         torch.save(res, f"{out}.{rank}")
+        # No rank tears gloo down while its peer may still be inside the last collective: without
+        # this barrier one rank sometimes aborted ("terminate called without an active exception").
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
