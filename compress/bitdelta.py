@@ -1,10 +1,14 @@
-"""BitDelta export and the artifact reader (docs/artifact.md: the format, version 1).
+"""BitDelta export and the artifact reader (docs/artifact.md: the format, versions 1 and 2).
 
 BitDelta (Liu et al., arXiv:2402.10193, §3.1) compresses a fine-tune against its base one weight
 matrix at a time: with the task vector ``Δ = W_ft − W_base`` it keeps only ``sign(Δ)`` (one bit
 per weight, packed eight to a byte) and one scale α (Eq. 1), so that ``W_ft ≈ W_base + α·sign(Δ)``
 (Eq. 2). The α minimising the L2 error of that approximation is ``mean|Δ|`` (§3.1); with
-``granularity="row"`` each output row gets its own ``α_r = mean_j |Δ_rj|``. Everything that is
+``granularity="row"`` each output row gets its own ``α_r = mean_j |Δ_rj|``. ``granularity="rowcol"``
+(format version 2) scales the signs from both sides, ``W_ft ≈ W_base + diag(α)·sign(Δ)·diag(β)``,
+with a float16 α per output row and a float16 β per input column (OneBit's sign-value-independent
+decomposition, arXiv:2402.11295, applied to the delta): the export starts from the row solution
+(α_r = mean_j |Δ_rj|, β = 1) and scale distillation (compress/distill.py) fits both. Everything that is
 not a same-shape 2-D matrix (norms, biases, resized embeddings, new parameters) is stored in full,
 and parameters identical to the base are left out.
 
@@ -18,7 +22,8 @@ Layout of an artifact folder (format version 1)::
 
     bitdelta.json          manifest: format, format_version, variant, base, granularity, files,
                            stats, provenance
-    delta.safetensors      P.sign (uint8 [d_out, ceil(d_in/8)]), P.alpha (float32 [] or [d_out]),
+    delta.safetensors      P.sign (uint8 [d_out, ceil(d_in/8)]), P.alpha (float32 [] or [d_out];
+                           float16 [d_out] for rowcol), P.beta (rowcol only: float16 [d_in]),
                            P (full tensor, original dtype)
 
 or shards ``delta-0000i-of-0000N.safetensors`` with ``delta.safetensors.index.json`` (Hugging Face
@@ -48,13 +53,15 @@ from deltafleet.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, 
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what matrix and row artifacts are written as; rowcol needs version 2
+FORMAT_VERSIONS = (1, 2)  # what the reader reads
 MANIFEST_NAME = "bitdelta.json"
 DELTA_NAME = "delta.safetensors"
 DELTA_INDEX_NAME = "delta.safetensors.index.json"
 SIGN_SUFFIX = ".sign"
 ALPHA_SUFFIX = ".alpha"
-GRANULARITIES = ("matrix", "row")
+BETA_SUFFIX = ".beta"
+GRANULARITIES = ("matrix", "row", "rowcol")
 DEFAULT_MAX_SHARD_BYTES = 1_000_000_000
 VOCAB_MATRIX_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")  # Llama, Mistral, Qwen2 names
 
@@ -189,10 +196,18 @@ def _blocks(ft: Checkpoint, names: list[str], block_elements: int) -> list[tuple
     return out
 
 
+def format_version(granularity: str) -> int:
+    """The format version an artifact of ``granularity`` is written as: 2 for ``rowcol`` (its
+    ``P.beta`` and float16 scales are what version 2 adds), else 1, which every reader reads."""
+    return 2 if granularity == "rowcol" else 1
+
+
 def _compress_matrix(
-    name: str, shape: tuple[int, int], per_row: bool, blocks: Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]
+    name: str, shape: tuple[int, int], per_row: bool, blocks: Iterator[tuple[int, int, torch.Tensor, torch.Tensor]],
+    two_sided: bool = False,
 ) -> dict[str, torch.Tensor] | None:
-    """Signs and α of one same-shape 2-D matrix from its blocks of rows; None if Δ is all zero.
+    """Signs and α (and, ``two_sided``, β) of one same-shape 2-D matrix from its blocks of rows;
+    None if Δ is all zero.
 
     ``blocks`` yields ``(r0, r1, W_ft[r0:r1], W_base[r0:r1])`` covering the rows in order. Only
     one block of float32 Δ is alive at a time, next to the packed signs of the whole matrix (1/16
@@ -210,7 +225,10 @@ def _compress_matrix(
     if not bool(abs_sum.any()):  # |Δ| sums to 0 only where every Δ is 0 (or the matrix is empty)
         return None
     # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity
-    alpha = abs_sum / d_in if per_row else abs_sum.sum() / (d_out * d_in)
+    alpha = abs_sum / d_in if per_row or two_sided else abs_sum.sum() / (d_out * d_in)
+    if two_sided:  # the row solution, β = 1: distillation fits both sides (module docstring)
+        return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float16).contiguous(),
+                name + BETA_SUFFIX: torch.ones(d_in, dtype=torch.float16)}
     return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous()}
 
 
@@ -251,7 +269,7 @@ def _compress_tensors(
             fi = ft.info(name)
             if matrix(name):
                 per_row = granularity == "row" or is_vocab_matrix(name)
-                stored = _compress_matrix(name, fi.shape, per_row, blocks_of(name))
+                stored = _compress_matrix(name, fi.shape, per_row, blocks_of(name), granularity == "rowcol")
                 yield (name, fi.numel, {}, None) if stored is None else (name, fi.numel, stored, "compressed")
                 continue
             w_ft = ft.get(name)
@@ -274,7 +292,8 @@ def compress(
     max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
     show_progress: bool = False,
 ) -> dict:
-    """Export a fine-tuned checkpoint as a BitDelta artifact (format version 1) against its base.
+    """Export a fine-tuned checkpoint as a BitDelta artifact against its base (format version 1;
+    version 2 for ``granularity="rowcol"``).
 
     For every parameter ``P`` of the fine-tuned checkpoint (streamed one tensor at a time):
 
@@ -283,7 +302,8 @@ def compress(
       and ``P.alpha`` (float32; ``[]`` with α = mean|Δ| for ``granularity="matrix"``, BitDelta
       arXiv:2402.10193 §3.1 Eq. 1–2; ``[d_out]`` with α_r = mean_j |Δ_rj| for ``"row"``).
       Vocabulary matrices (``embed_tokens``, ``lm_head``: :func:`is_vocab_matrix`) always get
-      row α, whatever the granularity.
+      row α, whatever the granularity. ``"rowcol"``: float16 α ``[d_out]`` (α_r = mean_j |Δ_rj|)
+      and ``P.beta`` float16 ``[d_in]`` of ones, for every matrix (the vocabulary's too).
       Omitted if Δ is exactly zero everywhere.
     - anything else (1-D, 0-D, shape changed, not in the base): stored in full as ``P`` in its
       original dtype, unless it is exactly equal to the base (same dtype, shape and values).
@@ -298,7 +318,8 @@ def compress(
             ``lm_head`` simply has no tensor of its own in either).
         out_dir: artifact folder to create or replace (``artifacts/<variant>/``).
         variant: variant name recorded in the manifest (e.g. ``"coder"``).
-        granularity: ``"matrix"`` (one α per matrix, the paper's choice) or ``"row"``.
+        granularity: ``"matrix"`` (one α per matrix, the paper's choice), ``"row"`` or
+            ``"rowcol"`` (α per row and β per column, to be fitted by scale distillation).
         provenance: extra provenance merged over the defaults ``run_id`` (a fresh UUID),
             ``config`` (None), ``created`` (ISO 8601 UTC, now), ``finetuned`` (path and
             fingerprint), ``deltafleet_version``.
@@ -368,7 +389,7 @@ def compress(
             if kind == "full" and name.endswith(SIGN_SUFFIX):
                 raise ArtifactError(
                     f"parameter {name!r} would be stored in full under a name ending in "
-                    f"{SIGN_SUFFIX!r}, which format v1 reserves for packed signs"
+                    f"{SIGN_SUFFIX!r}, which the format reserves for packed signs"
                 )
             size = sum(t.numel() * t.element_size() for t in stored.values())
             if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
@@ -406,7 +427,7 @@ def compress(
         prov.update(provenance or {})
         manifest = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": format_version(granularity),
             "variant": variant,
             "base": {
                 "name_or_path": base_name_or_path if base_name_or_path is not None else str(base_dir),
@@ -450,7 +471,9 @@ class Artifact:
         path: the artifact folder.
         manifest: the parsed ``bitdelta.json``.
         signs: ``P`` → uint8 ``[d_out, ceil(d_in/8)]`` packed signs (keys without ``.sign``).
-        alphas: ``P`` → float32 ``[]`` (matrix granularity) or ``[d_out]`` (row granularity).
+        alphas: ``P`` → float32 ``[]`` (matrix granularity) or ``[d_out]`` (row granularity), or
+            float16 ``[d_out]`` (rowcol).
+        betas: ``P`` → float16 ``[d_in]`` column scales (rowcol only; empty otherwise).
         full: ``P`` → parameters stored uncompressed, in their original dtype.
     """
 
@@ -459,6 +482,7 @@ class Artifact:
     signs: dict[str, torch.Tensor] = field(default_factory=dict)
     alphas: dict[str, torch.Tensor] = field(default_factory=dict)
     full: dict[str, torch.Tensor] = field(default_factory=dict)
+    betas: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def variant(self) -> str:
@@ -470,10 +494,10 @@ class Artifact:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensors held (signs + alphas + full tensors)."""
+        """Bytes of the tensors held (signs + scales + full tensors)."""
         return sum(
             t.numel() * t.element_size()
-            for d in (self.signs, self.alphas, self.full)
+            for d in (self.signs, self.alphas, self.betas, self.full)
             for t in d.values()
         )
 
@@ -493,10 +517,10 @@ def _read_manifest(path: Path) -> dict:
             f"{manifest_path}: format is {manifest.get('format')!r}, expected {FORMAT!r}"
         )
     version = manifest.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in FORMAT_VERSIONS:
         raise ArtifactError(
             f"{manifest_path}: format_version {version!r} is not supported "
-            f"(this reader reads version {FORMAT_VERSION})"
+            f"(this reader reads versions {', '.join(map(str, FORMAT_VERSIONS))})"
         )
     for key in ("variant", "base", "granularity", "files"):
         if key not in manifest:
@@ -505,6 +529,9 @@ def _read_manifest(path: Path) -> dict:
         raise ArtifactError(
             f"{manifest_path}: granularity {manifest['granularity']!r} is not one of {GRANULARITIES}"
         )
+    if version < format_version(manifest["granularity"]):
+        raise ArtifactError(f"{manifest_path}: granularity {manifest['granularity']!r} needs format_version "
+                            f"{format_version(manifest['granularity'])}, the manifest says {version}")
     base = manifest["base"]
     if not isinstance(base, dict) or not isinstance(base.get("fingerprint"), str):
         raise ArtifactError(f"{manifest_path}: base.fingerprint is missing")
@@ -550,14 +577,15 @@ def load_artifact(
     device: str | torch.device = "cpu",
     verify_hashes: bool = True,
 ) -> Artifact:
-    """Read and validate a BitDelta artifact folder (format version 1).
+    """Read and validate a BitDelta artifact folder (format version 1 or 2).
 
-    Checks, in order: ``bitdelta.json`` exists and parses; ``format == "bitdelta"`` and
-    ``format_version == 1``; the base fingerprint (when ``base_fingerprint`` is given); every file
-    in ``files`` exists and (``verify_hashes``) matches its sha256; every ``P.sign`` is uint8
-    ``[d_out, ceil(d_in/8)]`` with a float32, finite, non-negative ``P.alpha`` of shape ``[]``
-    (granularity matrix) or ``[d_out]`` (granularity row). A tensor named ``X.alpha`` with no
-    ``X.sign`` is a parameter stored in full.
+    Checks, in order: ``bitdelta.json`` exists and parses; ``format == "bitdelta"``,
+    ``format_version`` 1 or 2, and 2 for granularity rowcol; the base fingerprint (when
+    ``base_fingerprint`` is given); every file in ``files`` exists and (``verify_hashes``) matches
+    its sha256; every ``P.sign`` is uint8 ``[d_out, ceil(d_in/8)]`` with a finite, non-negative
+    ``P.alpha``: float32 ``[]`` (granularity matrix) or ``[d_out]`` (granularity row), or float16
+    ``[d_out]`` with a finite, non-negative float16 ``P.beta`` ``[d_in]`` (granularity rowcol). A
+    tensor named ``X.alpha`` or ``X.beta`` with no ``X.sign`` is a parameter stored in full.
 
     Args:
         path: the artifact folder (``artifacts/<variant>/``).
@@ -616,6 +644,8 @@ def load_artifact(
 
     art = Artifact(path=path, manifest=manifest)
     row = manifest["granularity"] == "row"
+    two_sided = manifest["granularity"] == "rowcol"
+    scale_dtype = torch.float16 if two_sided else torch.float32
     for name, t in tensors.items():
         if name.endswith(SIGN_SUFFIX):
             p = name[: -len(SIGN_SUFFIX)]
@@ -626,28 +656,46 @@ def load_artifact(
                 raise ArtifactError(
                     f"{path}: {name} must be uint8 [d_out, ceil(d_in/8)], got {t.dtype} {list(t.shape)}"
                 )
-            want = [t.shape[0]] if row or is_vocab_matrix(p) else []
-            if alpha.dtype != torch.float32 or list(alpha.shape) != want:
+            want = [t.shape[0]] if row or two_sided or is_vocab_matrix(p) else []
+            if alpha.dtype != scale_dtype or list(alpha.shape) != want:
                 raise ArtifactError(
-                    f"{path}: {p + ALPHA_SUFFIX} must be float32 {want} for granularity "
-                    f"{manifest['granularity']!r} and {name} {list(t.shape)}, "
+                    f"{path}: {p + ALPHA_SUFFIX} must be {str(scale_dtype).removeprefix('torch.')} {want} for "
+                    f"granularity {manifest['granularity']!r} and {name} {list(t.shape)}, "
                     f"got {alpha.dtype} {list(alpha.shape)}"
                 )
-            if not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()):
-                raise ArtifactError(f"{path}: {p + ALPHA_SUFFIX} has negative or non-finite values")
+            _check_scale(path, p + ALPHA_SUFFIX, alpha)
             art.signs[p], art.alphas[p] = t, alpha
-        elif name.endswith(ALPHA_SUFFIX) and name[: -len(ALPHA_SUFFIX)] + SIGN_SUFFIX in tensors:
+            beta = tensors.get(p + BETA_SUFFIX)
+            if two_sided:
+                if beta is None:
+                    raise ArtifactError(f"{path}: {name} has no matching {p + BETA_SUFFIX} (granularity rowcol)")
+                d_in_max = 8 * t.shape[1]
+                if beta.dtype != torch.float16 or beta.dim() != 1 or not d_in_max - 8 < beta.shape[0] <= d_in_max:
+                    raise ArtifactError(f"{path}: {p + BETA_SUFFIX} must be float16 [d_in] with ceil(d_in/8) = "
+                                        f"{t.shape[1]}, got {beta.dtype} {list(beta.shape)}")
+                _check_scale(path, p + BETA_SUFFIX, beta)
+                art.betas[p] = beta
+            elif beta is not None:
+                raise ArtifactError(f"{path}: {p + BETA_SUFFIX} is only valid with granularity 'rowcol', "
+                                    f"not {manifest['granularity']!r}")
+        elif name.endswith((ALPHA_SUFFIX, BETA_SUFFIX)) and name.rsplit(".", 1)[0] + SIGN_SUFFIX in tensors:
             continue  # taken with its sign
         else:
             art.full[name] = t
     return art
 
 
+def _check_scale(path: Path, name: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise ArtifactError(f"{path}: {name} has negative or non-finite values")
+
+
 def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Tensor]:
     """The approximate fine-tuned state dict: base + artifact, on the CPU, streamed from the base.
 
-    Compressed parameters become ``W_base + α·(2·bits − 1)`` (BitDelta Eq. 2, via
-    :func:`deltafleet.kernels.reconstruct`, computed in float32) cast to the base dtype; parameters stored in
+    Compressed parameters become ``W_base + α·(2·bits − 1)`` (BitDelta Eq. 2; rowcol:
+    ``W_base + α_r·β_c·(2·bits − 1)``, via :func:`deltafleet.kernels.reconstruct`, computed in
+    float32) cast to the base dtype; parameters stored in
     full replace (or add to) the base's; every other parameter is the base's.
 
     Args:
@@ -676,14 +724,15 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
         w = base.get(name)
         if name in artifact.signs:
             sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
+            beta = artifact.betas[name].cpu() if name in artifact.betas else None
             if w.dim() != 2 or sign.shape != (w.shape[0], packed_width(w.shape[1])) or (
                 alpha.dim() == 1 and alpha.shape[0] != w.shape[0]
-            ):
+            ) or (beta is not None and beta.shape[0] != w.shape[1]):
                 raise ArtifactError(
                     f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
                     f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
                 )
-            w = reconstruct(w, sign, alpha).to(w.dtype)
+            w = reconstruct(w, sign, alpha, beta).to(w.dtype)
         out[name] = w
     for name, t in artifact.full.items():
         out[name] = t.cpu()

@@ -173,20 +173,30 @@ def _check_alpha(alpha: torch.Tensor, n: int, what: str = "alpha") -> None:
     raise ValueError(f"{what} must have shape [] or [{n}], got {tuple(alpha.shape)}")
 
 
-def reconstruct(weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """``W_base + α · (2·bits − 1)`` as a float32 ``[N, K]`` tensor (tests, export to HF format).
+def _check_beta(beta: torch.Tensor | None, k: int, lead: tuple[int, ...] = ()) -> None:
+    if beta is not None and tuple(beta.shape) != (*lead, k):
+        raise ValueError(f"beta{'s' if lead else ''} must have shape {[*lead, k]}, got {tuple(beta.shape)}")
+
+
+def reconstruct(weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                beta: torch.Tensor | None = None) -> torch.Tensor:
+    """``W_base + α · (2·bits − 1)`` (with ``beta``: ``W_base + α_r · β_c · (2·bits − 1)``) as a
+    float32 ``[N, K]`` tensor (tests, export to HF format).
 
     Args:
         weight: ``[N, K]`` base weight, any floating dtype.
         sign: ``[N, ceil(K/8)]`` uint8 packed signs.
-        alpha: float32 ``[]`` (one scale per matrix) or ``[N]`` (one per output row).
+        alpha: ``[]`` (one scale per matrix) or ``[N]`` (one per output row), any floating dtype.
+        beta: optional ``[K]`` column scales (format version 2, granularity rowcol).
     """
     n, k = weight.shape
     if sign.shape[0] != n:
         raise ValueError(f"sign has {sign.shape[0]} rows, weight has {n}")
     _check_alpha(alpha, n)
+    _check_beta(beta, k)
     a = alpha.float().reshape(-1, 1) if alpha.dim() == 1 else alpha.float()
-    return weight.float() + a * unpack_signs(sign, k, torch.float32)
+    s = unpack_signs(sign, k, torch.float32)
+    return weight.float() + a * (s if beta is None else s * beta.float())
 
 
 def bitdelta_linear(
@@ -195,8 +205,10 @@ def bitdelta_linear(
     sign: torch.Tensor,
     alpha: torch.Tensor,
     bias: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta Eq. 2 applied to a linear).
+    """Reference ``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)`` (BitDelta Eq. 2 applied to a linear);
+    with column scales ``beta``, ``y = x · Wᵀ + α ⊙ ((x ⊙ β) · (2·bits − 1)ᵀ)``.
 
     Args:
         x: ``[M, K]`` (or ``[..., K]``) activations, fp32/bf16/fp16.
@@ -205,6 +217,7 @@ def bitdelta_linear(
             (:func:`tile_signs`, ``[ceil(N/64), ceil(K/128), 64, 16]``).
         alpha: float32 ``[]`` or ``[N]`` scale(s).
         bias: optional ``[N]``.
+        beta: optional ``[K]`` column scales (granularity rowcol).
 
     Returns:
         ``[M, N]`` (or ``[..., N]``) in ``x.dtype``; computed in float32.
@@ -222,8 +235,10 @@ def bitdelta_linear(
     if sign.shape != (n, packed_width(k)):
         raise ValueError(f"sign must have shape [{n}, {packed_width(k)}], got {tuple(sign.shape)}")
     _check_alpha(alpha, n)
+    _check_beta(beta, k)
     xf = x.float()
-    y = xf @ weight.float().t() + (xf @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
+    xs = xf if beta is None else xf * beta.float()
+    y = xf @ weight.float().t() + (xs @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -246,7 +261,7 @@ def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tu
 
 
 def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                       slot: torch.Tensor, check_slot_values: bool = True) -> None:
+                       slot: torch.Tensor, check_slot_values: bool = True, betas: torch.Tensor | None = None) -> None:
     """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it, after
     :func:`check_tensors` of all its arguments).
 
@@ -272,6 +287,7 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"signs must be [S, {n}, {packed_width(k)}], got {tuple(signs.shape)}")
     if alphas.shape not in ((s,), (s, n)):
         raise ValueError(f"alphas must be [{s}] or [{s}, {n}], got {tuple(alphas.shape)}")
+    _check_beta(betas, k, (s,))
     if slot.shape != (x.shape[0],):
         raise ValueError(f"slot must be [{x.shape[0]}], got {tuple(slot.shape)}")
     if slot.dtype.is_floating_point or slot.dtype.is_complex or slot.dtype == torch.bool:
@@ -287,11 +303,13 @@ def bitdelta_linear_batched(
     alphas: torch.Tensor,
     slot: torch.Tensor,
     bias: torch.Tensor | None = None,
+    betas: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of the mixed-tenant linear: each row of ``x`` uses its own slot's delta.
 
     ``y[m] = x[m] · Wᵀ + α_s ⊙ (x[m] · S_sᵀ)`` with ``s = slot[m]``; ``slot[m] = −1`` means base
-    only. The base product ``x · Wᵀ`` is shared by the whole batch.
+    only. The base product ``x · Wᵀ`` is shared by the whole batch. With column scales ``betas``
+    the sign product reads ``x[m] ⊙ β_s``.
 
     Args:
         x: ``[M, K]`` activations.
@@ -301,6 +319,7 @@ def bitdelta_linear_batched(
         alphas: float32 ``[S]`` (matrix granularity) or ``[S, N]`` (row granularity).
         slot: ``[M]`` int32/int64 slot index per row, −1 for base only.
         bias: optional ``[N]``.
+        betas: optional float32 ``[S, K]`` column scales (granularity rowcol; 1 for slots without).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -311,7 +330,7 @@ def bitdelta_linear_batched(
     """
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
-    check_batched_args(x, weight, signs, alphas, slot)
+    check_batched_args(x, weight, signs, alphas, slot, betas=betas)
     if signs.dim() == 5:
         signs = untile_signs(signs, n, k)
     xf = x.float()
@@ -321,7 +340,8 @@ def bitdelta_linear_batched(
             continue
         rows = (slot == t).nonzero(as_tuple=True)[0]
         a = alphas[t].float()
-        y[rows] += (xf[rows] @ unpack_signs(signs[t], k, torch.float32).t()) * a
+        xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
+        y[rows] += (xs @ unpack_signs(signs[t], k, torch.float32).t()) * a
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

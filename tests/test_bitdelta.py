@@ -352,7 +352,8 @@ def test_tampered_file_is_rejected(artifact_dir, tmp_path):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        ({"format_version": 2}, "format_version 2 is not supported"),
+        ({"format_version": 3}, r"format_version 3 is not supported \(this reader reads versions 1, 2\)"),
+        ({"granularity": "rowcol"}, "granularity 'rowcol' needs format_version 2, the manifest says 1"),
         ({"format_version": "1"}, "format_version '1' is not supported"),
         ({"format": "lora"}, "format is 'lora'"),
         ({"granularity": "column"}, "granularity 'column'"),
@@ -558,7 +559,7 @@ def test_run_py_end_to_end(family, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("granularity=column", "export: ValueError: granularity must be one of ('matrix', 'row'), got 'column'"),
+        ("granularity=column", "export: ValueError: granularity must be one of ('matrix', 'row', 'rowcol'), got 'column'"),
         ("max_shard_bytes=-5", "export: ValueError: max_shard_bytes must be a positive integer (bytes) or None, got -5"),
         ("variant=writer", "export: FileNotFoundError: "),
     ],
@@ -622,3 +623,61 @@ def test_sharded_export_matches_the_single_file_one(tmp_path):
     for k, t in materialize(base_dir, a).items():
         assert torch.equal(t, from_sharded[k])
     assert single["stats"]["parameters"] == sharded["stats"]["parameters"]
+
+
+@pytest.fixture(scope="session")
+def rowcol_dir(family, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "coder-rowcol"
+    compress(*family, out, variant="coder", granularity="rowcol")
+    return out
+
+
+def test_rowcol_export_is_format_2_with_row_alpha_and_unit_beta(family, rowcol_dir):
+    """Granularity rowcol (format version 2): float16 α per row = mean_j |Δ_rj| (rounded), float16 β
+    per column = 1 (scale distillation fits it); a β written afterwards reaches the materialised weight
+    as α_r·β_c; the bits count the β."""
+    base_dir, ft_dir = family
+    art = load_artifact(rowcol_dir)
+    assert art.manifest["format_version"] == 2 and art.granularity == "rowcol"
+    base, ft = load_file(base_dir / "model.safetensors"), load_file(ft_dir / "model.safetensors")
+    assert art.signs.keys() == art.alphas.keys() == art.betas.keys() and W in art.signs
+    for name, a in art.alphas.items():
+        d = ft[name].float() - base[name].float()
+        assert a.dtype == torch.float16 and art.betas[name].dtype == torch.float16
+        torch.testing.assert_close(a, d.abs().mean(1).half(), rtol=0, atol=0)
+        assert art.betas[name].shape == (d.shape[1],) and bool((art.betas[name] == 1).all())
+    row = compress(*family, rowcol_dir.parent / "coder-row", variant="coder", granularity="row")
+    extra = sum(2 * b.numel() - 2 * a.numel() for a, b in zip(art.alphas.values(), art.betas.values()))
+    assert art.manifest["stats"]["bytes"] - row["stats"]["bytes"] == pytest.approx(extra, abs=4096)  # headers
+    # a β ≠ 1 (as distillation writes it) is applied column by column
+    beta = torch.linspace(0.5, 2.0, art.betas[W].numel()).half()
+    art.betas[W] = beta
+    w = bd.materialize(base_dir, art)[W]
+    sign = torch.where(ft[W].float() - base[W].float() > 0, 1.0, -1.0)
+    want = base[W].float() + art.alphas[W].float()[:, None] * beta.float()[None, :] * sign
+    torch.testing.assert_close(w.float(), want.to(w.dtype).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda t: t.pop(W + ".beta"), r"gate_proj.weight.sign has no matching .*\.beta \(granularity rowcol\)"),
+        (lambda t: t.update({W + ".beta": t[W + ".beta"].float()}), r"beta must be float16 \[d_in\]"),
+        (lambda t: t.update({W + ".beta": t[W + ".beta"][:-8]}), r"beta must be float16 \[d_in\]"),
+        (lambda t: t.update({W + ".beta": -t[W + ".beta"]}), r"beta has negative or non-finite values"),
+        (lambda t: t.update({W + ".alpha": t[W + ".alpha"].float()}), r"alpha must be float16 \[64\]"),
+    ],
+)
+def test_malformed_rowcol_tensors_are_rejected(rowcol_dir, tmp_path, edit, match):
+    art = _copy_artifact(rowcol_dir, tmp_path / "art")
+    _rewrite_delta(art, edit)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art)
+
+
+def test_beta_in_a_row_artifact_is_rejected(family, tmp_path):
+    art = tmp_path / "art"
+    compress(*family, art, variant="coder", granularity="row")
+    _rewrite_delta(art, lambda t: t.update({W + ".beta": torch.ones(32, dtype=torch.float16)}))
+    with pytest.raises(ArtifactError, match=r"gate_proj.weight.beta is only valid with granularity 'rowcol'"):
+        load_artifact(art)

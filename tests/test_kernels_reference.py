@@ -276,3 +276,21 @@ def test_reconstruct_over_shapes_and_dtypes(n, k, dtype, row_alpha, seed):
     a = alpha[:, None] if row_alpha else alpha
     assert got.shape == (n, k)
     torch.testing.assert_close(got.float(), w.float() + a * sign, rtol=0, atol=0)
+
+
+def test_column_scales_equal_the_reconstructed_weight():
+    """``bitdelta_linear(…, beta)`` (granularity rowcol) is ``x · (W + diag(α)·S·diag(β))ᵀ``, for one
+    variant and through the dispatching entry point; a β of the wrong length is named."""
+    from deltafleet.kernels import bitdelta_linear as dispatched
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 24, 37
+    w, d = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    sign, alpha, beta = pack_signs(d), torch.rand(n, generator=g), 0.5 + torch.rand(k, generator=g)
+    x, bias = torch.randn(2, 5, k, generator=g), torch.randn(n, generator=g)
+    want_w = w + alpha[:, None] * beta[None, :] * torch.where(d > 0, 1.0, -1.0)
+    torch.testing.assert_close(reconstruct(w, sign, alpha, beta), want_w)
+    for fn in (bitdelta_linear, dispatched):
+        torch.testing.assert_close(fn(x, w, sign, alpha, bias, beta), x @ want_w.t() + bias, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"beta must have shape \[37\], got \(36,\)"):
+        bitdelta_linear(x, w, sign, alpha, None, beta[:-1])
