@@ -1,7 +1,9 @@
-"""BitDelta scale distillation: fit the α of an artifact to the fine-tune's logits (format v1 in, v1 out).
+"""BitDelta scale distillation: fit the scales of an artifact to the fine-tune's logits (the source's
+format version in, the same out).
 
     python compress/distill.py variant=math                  # artifacts/math → artifacts/math-distilled
     python compress/distill.py variant=math granularity=row  # from a row-α export of models/math
+    python compress/distill.py variant=math granularity=rowcol loss=kl   # α per row and β per column
     python compress/distill.py variant=math loss=kl steps=400 logger=wandb
 
 BitDelta (Liu et al., arXiv:2402.10193, §3.2) keeps the signs ``sign(Δ)`` of an export fixed and
@@ -12,12 +14,13 @@ steps of 4 samples of 128 tokens, lr 1e-4; its reference code, FasterDecoding/Bi
 ``bitdelta/train.py``, uses AdamW with a cosine schedule — here plain Adam at a constant lr).
 Starting from α = mean|Δ| (the per-matrix L2 optimum, §3.1), this corrects the errors the 1-bit
 approximation makes *in the model's outputs*, which the per-matrix optimum does not see; unlike the
-reference code, α is clamped to ≥ 0 after every step, as format v1 requires.
+reference code, α is clamped to ≥ 0 after every step, as the format requires.
 
 Here the student is a Hugging Face model whose compressed weights are ``torch.nn.utils.parametrize``
 parametrizations (:class:`ScaledSign`) of the frozen base weights; the α of each matrix (shape
 ``[]``) or row (``[d_out]``, always for ``embed_tokens`` / ``lm_head``) is the only trainable
-tensor. The result is a new artifact folder with the same signs, full tensors and sharding as the
+tensor, with the column scales β (``[d_in]``) of a rowcol artifact (format version 2), which start at
+1 and only distillation moves. The result is a new artifact folder with the same signs, full tensors and sharding as the
 source and only the α replaced, written atomically; ``provenance.distillation`` records how.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ from tqdm.auto import tqdm
 from deltafleet.atomic import fsync_path, staged_dir
 from deltafleet.compress.bitdelta import (
     ALPHA_SUFFIX,
+    BETA_SUFFIX,
     DELTA_INDEX_NAME,
     DELTA_NAME,
     MANIFEST_NAME,
@@ -146,27 +150,34 @@ def calibration_blocks(jsonl_path: str | Path, tokenizer, seq_len: int, max_bloc
 
 
 class ScaledSign(torch.nn.Module):
-    """Parametrization ``W ↦ W + α·sign(Δ)`` of one compressed weight (BitDelta Eq. 2, §3.2).
+    """Parametrization ``W ↦ W + α·sign(Δ)`` of one compressed weight (BitDelta Eq. 2, §3.2), or
+    ``W ↦ W + diag(α)·sign(Δ)·diag(β)`` with column scales (granularity rowcol).
 
     Args:
-        sign: uint8 ``[d_out, ceil(d_in/8)]`` packed signs of the artifact (format v1 bit order).
-        alpha: float32 ``[]`` or ``[d_out]``: the initial scale(s); becomes the trainable
+        sign: uint8 ``[d_out, ceil(d_in/8)]`` packed signs of the artifact (the format's bit order).
+        alpha: ``[]`` or ``[d_out]``: the initial scale(s); becomes the trainable float32
             parameter ``alpha`` (a copy).
         d_in: columns of the weight.
+        beta: optional ``[d_in]`` initial column scales; becomes the trainable float32 parameter
+            ``beta`` (a copy). None: ``beta`` is None.
 
     The signs are unpacked once to an int8 ``[d_out, d_in]`` buffer of ±1 (one byte a weight);
-    ``forward(W_base)`` returns ``W_base + α·sign`` in ``W_base``'s dtype, so the gradient of any
-    loss reaches α and nothing else (the base weight it is applied to is frozen).
+    ``forward(W_base)`` returns the weight in ``W_base``'s dtype, so the gradient of any loss
+    reaches the scales and nothing else (the base weight it is applied to is frozen).
     """
 
-    def __init__(self, sign: torch.Tensor, alpha: torch.Tensor, d_in: int):
+    def __init__(self, sign: torch.Tensor, alpha: torch.Tensor, d_in: int, beta: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("sign", unpack_signs(sign, d_in, torch.int8), persistent=False)
         self.alpha = torch.nn.Parameter(alpha.detach().to(torch.float32).clone())
+        self.beta = None if beta is None else torch.nn.Parameter(beta.detach().to(torch.float32).clone())
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         a = self.alpha.unsqueeze(1) if self.alpha.dim() == 1 else self.alpha
-        return weight + a.to(weight.dtype) * self.sign.to(weight.dtype)
+        s = self.sign.to(weight.dtype)
+        if self.beta is not None:
+            s = s * self.beta.to(weight.dtype)
+        return weight + a.to(weight.dtype) * s
 
 
 def _owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:
@@ -180,8 +191,10 @@ def _owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str
 
 
 def build_student(base_dir: str | Path, finetuned_dir: str | Path, artifact: Artifact,
-                  device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
-    """The base model with ``W_base + α·sign(Δ)`` for every compressed weight, α trainable only.
+                  device: str | torch.device = "cpu"
+                  ) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
+    """The base model with ``W_base + α·sign(Δ)`` for every compressed weight (rowcol:
+    ``W_base + diag(α)·sign(Δ)·diag(β)``), the scales trainable only.
 
     The model is the base checkpoint loaded in float32 with the fine-tuned checkpoint's
     ``config.json`` (so that a resized vocabulary, stored in full in the artifact, fits); the
@@ -196,8 +209,9 @@ def build_student(base_dir: str | Path, finetuned_dir: str | Path, artifact: Art
         device: where the model is placed; float32 throughout.
 
     Returns:
-        ``(model, alphas)``: the model in eval mode and ``{P: α parameter}`` (float32 ``[]`` or
-        ``[d_out]``, initialised from the artifact's α).
+        ``(model, alphas, betas)``: the model in eval mode, ``{P: α parameter}`` (float32 ``[]`` or
+        ``[d_out]``, initialised from the artifact's α) and ``{P: β parameter}`` (float32
+        ``[d_in]``, from the artifact's β; empty unless granularity rowcol).
 
     Raises:
         ArtifactError: if a full or compressed tensor of the artifact is not a parameter of the
@@ -232,16 +246,24 @@ def build_student(base_dir: str | Path, finetuned_dir: str | Path, artifact: Art
 
     owners = _owners(model)
     alphas: dict[str, torch.nn.Parameter] = {}
+    betas: dict[str, torch.nn.Parameter] = {}
     for name, sign in artifact.signs.items():
         weight = model.get_parameter(name)
         if weight.dim() != 2 or tuple(sign.shape) != (weight.shape[0], (weight.shape[1] + 7) // 8):
             raise ArtifactError(f"{artifact.path}: {name}.sign {list(sign.shape)} does not fit "
                                 f"weight {list(weight.shape)}")
-        p = ScaledSign(sign.to(device), artifact.alphas[name].to(device), weight.shape[1])
+        beta = artifact.betas.get(name)
+        if beta is not None and beta.shape != (weight.shape[1],):
+            raise ArtifactError(f"{artifact.path}: {name}.beta {list(beta.shape)} does not fit weight "
+                                f"{list(weight.shape)}")
+        p = ScaledSign(sign.to(device), artifact.alphas[name].to(device), weight.shape[1],
+                       None if beta is None else beta.to(device))
         for module, attr in owners[id(weight)]:
             parametrize.register_parametrization(module, attr, p)
         alphas[name] = p.alpha
-    return model, alphas
+        if p.beta is not None:
+            betas[name] = p.beta
+    return model, alphas, betas
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,6 +354,7 @@ def distill_scales(
     batch_size: int = 4,
     loss: Literal["mse", "kl"] = "mse",
     seed: int = 0,
+    beta_lr: float = 1e-2,
     device: str | torch.device = "cpu",
     log_every: int = 20,
     show_progress: bool = False,
@@ -343,9 +366,12 @@ def distill_scales(
     The student is the base with every compressed weight ``W_base + α·sign(Δ)`` (signs from the
     artifact, fixed) and the artifact's full tensors; the teacher is the fine-tuned model; both
     float32 on ``device``, in eval mode. Only the α (float32 ``[]`` per matrix or ``[d_out]`` per
-    row, as in the artifact) are trained: Adam(``lr``) for ``steps`` steps on batches of
-    ``batch_size`` calibration blocks (a seeded random order, reshuffled each pass), minimising
-    :func:`distill_loss`. After each step α is clamped to ≥ 0 (format v1 rejects negative α).
+    row, as in the artifact) are trained, and for granularity rowcol the column scales β too (float32
+    ``[d_in]`` near 1, at their own learning rate ``beta_lr``): Adam(``lr``) for ``steps`` steps on
+    batches of ``batch_size`` calibration blocks (a seeded random order, reshuffled each pass),
+    minimising :func:`distill_loss`. After each step the scales are clamped to ≥ 0 (the format
+    rejects negative ones). Scales are written back in the artifact's dtype (float32; float16 for
+    rowcol).
 
     ``loss_before`` / ``loss_after`` are the loss on a fixed evaluation slice, the first
     ``min(n_blocks, 8)`` calibration blocks, before the first and after the last step (no grad);
@@ -376,6 +402,7 @@ def distill_scales(
         loss: ``"mse"`` on logits (the paper's) or ``"kl"`` (teacher ‖ student), see
             :func:`distill_loss`.
         seed: seeds the batch order (the only randomness).
+        beta_lr: Adam learning rate of the column scales β (granularity rowcol; > 0).
         device: ``"cpu"``, ``"cuda"``, ...
         log_every: log and call ``callback`` every this many steps; < 1: only at the last step.
         show_progress: a tqdm bar over the steps.
@@ -410,7 +437,7 @@ def distill_scales(
 
     teacher = AutoModelForCausalLM.from_pretrained(finetuned_dir, dtype=torch.float32).to(device).eval()
     teacher.requires_grad_(False)
-    student, alphas = build_student(base_dir, finetuned_dir, artifact, device)
+    student, alphas, betas = build_student(base_dir, finetuned_dir, artifact, device)
     vocab = teacher.get_output_embeddings().weight.shape[0]
     if int(calibration.min()) < 0 or int(calibration.max()) >= vocab:
         raise ValueError(f"calibration token ids must lie in [0, {vocab}), got "
@@ -418,14 +445,18 @@ def distill_scales(
 
     n_blocks, seq_len = calibration.shape
     eval_blocks = calibration[: min(n_blocks, EVAL_BLOCKS)]
-    n_alpha = sum(a.numel() for a in alphas.values())
+    n_alpha = sum(a.numel() for a in [*alphas.values(), *betas.values()])
     log.info("distilling %d α (%d matrices) of %s: %d blocks × %d tokens, %d steps, batch %d, lr %g, loss %s",
              n_alpha, len(alphas), artifact_dir, n_blocks, seq_len, steps, batch_size, lr, loss)
     loss_before = evaluate(student, teacher, eval_blocks, loss=loss, batch_size=batch_size, device=device)
     log.info("step 0: %s on the evaluation slice (%d blocks) %.6g", loss, eval_blocks.shape[0], loss_before)
 
-    params = list(alphas.values())
-    opt = torch.optim.Adam(params, lr=lr) if params else None
+    if betas and not beta_lr > 0:
+        raise ValueError(f"beta_lr must be > 0, got {beta_lr}")
+    params = [*alphas.values(), *betas.values()]
+    groups = [{"params": list(alphas.values()), "lr": lr}] + ([{"params": list(betas.values()), "lr": beta_lr}]
+                                                              if betas else [])
+    opt = torch.optim.Adam(groups, lr=lr) if params else None
     batches = _batches(n_blocks, batch_size, seed)
     progress = tqdm(range(1, steps + 1), desc=f"distil {artifact.variant}", unit="step",
                     disable=not show_progress)
@@ -440,7 +471,7 @@ def distill_scales(
             opt.step()
             with torch.no_grad():
                 for a in params:
-                    a.clamp_(min=0.0)  # format v1: α ≥ 0
+                    a.clamp_(min=0.0)  # the format: scales ≥ 0
         if step == steps or (log_every >= 1 and step % log_every == 0):
             v = float(value.detach())
             progress.set_postfix(loss=f"{v:.4g}")
@@ -453,7 +484,9 @@ def distill_scales(
              steps, loss, loss_after, loss_before, 100 * (1 - loss_after / loss_before) if loss_before else 0.0,
              time.perf_counter() - t0)
 
-    new_alphas = {name: a.detach().to("cpu", torch.float32).contiguous() for name, a in alphas.items()}
+    stored = {**{name + ALPHA_SUFFIX: (a, artifact.alphas[name].dtype) for name, a in alphas.items()},
+              **{name + BETA_SUFFIX: (b, artifact.betas[name].dtype) for name, b in betas.items()}}
+    new_scales = {key: t.detach().to("cpu", dtype).contiguous() for key, (t, dtype) in stored.items()}
     distillation = {
         "method": METHOD,
         "source_artifact": str(artifact_dir),
@@ -464,15 +497,17 @@ def distill_scales(
         "seq_len": int(seq_len),
         "calibration_blocks": int(n_blocks),
         "seed": seed,
+        **({"beta_lr": float(beta_lr)} if betas else {}),
         "loss_before": loss_before,
         "loss_after": loss_after,
     }
-    return _write_distilled(artifact, new_alphas, out_dir, distillation, provenance)
+    return _write_distilled(artifact, new_scales, out_dir, distillation, provenance)
 
 
-def _write_distilled(artifact: Artifact, alphas: dict[str, torch.Tensor], out_dir: Path,
+def _write_distilled(artifact: Artifact, scales: dict[str, torch.Tensor], out_dir: Path,
                      distillation: dict, provenance: dict | None) -> dict:
-    """Copy ``artifact`` to ``out_dir`` (atomically) with every ``P.alpha`` replaced by ``alphas[P]``."""
+    """Copy ``artifact`` to ``out_dir`` (atomically) with every stored scale tensor (``P.alpha``,
+    ``P.beta``) replaced by ``scales[that name]``."""
     src, manifest = artifact.path, artifact.manifest
     files = manifest["files"]
     index = None
@@ -488,18 +523,17 @@ def _write_distilled(artifact: Artifact, alphas: dict[str, torch.Tensor], out_di
                 metadata = f.metadata()
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             for key in tensors:
-                p = key[: -len(ALPHA_SUFFIX)]
-                if key.endswith(ALPHA_SUFFIX) and p in alphas:
-                    if alphas[p].shape != tensors[key].shape:
-                        raise ArtifactError(f"distilled {key} has shape {list(alphas[p].shape)}, "
-                                            f"the source's {list(tensors[key].shape)}")
-                    tensors[key] = alphas[p]
-                    replaced.add(p)
+                if key in scales:
+                    if scales[key].shape != tensors[key].shape or scales[key].dtype != tensors[key].dtype:
+                        raise ArtifactError(f"distilled {key} is {scales[key].dtype} {list(scales[key].shape)}, "
+                                            f"the source's {tensors[key].dtype} {list(tensors[key].shape)}")
+                    tensors[key] = scales[key]
+                    replaced.add(key)
             save_file(tensors, tmp / file, metadata=metadata)
             fsync_path(tmp / file)
             del tensors
-        if replaced != set(alphas):
-            raise ArtifactError(f"{src}: α of {sorted(set(alphas) - replaced)[:5]} not found in its files")
+        if replaced != set(scales):
+            raise ArtifactError(f"{src}: scales {sorted(set(scales) - replaced)[:5]} not found in its files")
         if index is not None:
             index.setdefault("metadata", {})["total_size"] = sum((tmp / f).stat().st_size for f in tensor_files)
             (tmp / DELTA_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
@@ -600,6 +634,7 @@ def _main(cfg: DictConfig) -> dict:
         manifest = distill_scales(
             cfg.base_dir, cfg.finetuned_dir, source, cfg.out_dir, calibration,
             steps=cfg.steps, lr=cfg.lr, batch_size=cfg.batch_size, loss=cfg.loss, seed=cfg.seed,
+            beta_lr=cfg.beta_lr,
             device=cfg.device, log_every=cfg.log_every, show_progress=True, callback=callback,
             provenance={"run_id": f"distill/{variant}/{run_dir.name}",
                         "config": OmegaConf.to_container(cfg, resolve=True)},

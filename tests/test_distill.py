@@ -186,7 +186,7 @@ def test_callback_and_log(distilled):
 
 def test_gradient_reaches_alpha_only_and_the_student_is_base_plus_alpha_sign(tiny_family, calib):
     art = load_artifact(tiny_family.artifacts_dir / "writer")
-    student, alphas = build_student(tiny_family.base_dir, tiny_family.variants["writer"], art)
+    student, alphas, _ = build_student(tiny_family.base_dir, tiny_family.variants["writer"], art)
     trainable = [n for n, p in student.named_parameters() if p.requires_grad]
     assert len(trainable) == len(alphas) == 16 and all(n.endswith(".alpha") for n in trainable)
     assert {id(p) for n, p in student.named_parameters() if p.requires_grad} == {id(a) for a in alphas.values()}
@@ -216,7 +216,7 @@ def test_tied_embeddings_share_one_alpha(tmp_path):
     compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="t")
     art = load_artifact(tmp_path / "art")
     assert "lm_head.weight" not in art.signs and "model.embed_tokens.weight" in art.signs
-    student, alphas = build_student(tmp_path / "base", tmp_path / "ft", art)
+    student, alphas, _ = build_student(tmp_path / "base", tmp_path / "ft", art)
     assert student.lm_head.weight.data_ptr() != base.lm_head.weight.data_ptr()
     torch.testing.assert_close(student.lm_head.weight, student.model.embed_tokens.weight, rtol=0, atol=0)
     ids = torch.arange(24).view(2, 12)
@@ -356,8 +356,9 @@ def test_distill_config_composes():
     c = OmegaConf.to_container(cfg, resolve=True)
     assert c["artifact_dir"] == "/r/artifacts/math" and c["out_dir"] == "/r/artifacts/math-distilled"
     assert c["base_dir"] == "/r/models/base" and c["finetuned_dir"] == "/r/models/math"
-    assert (c["steps"], c["lr"], c["batch_size"], c["seq_len"], c["loss"]) == (200, 1e-4, 4, 128, "mse")
+    assert (c["steps"], c["lr"], c["batch_size"], c["seq_len"], c["loss"]) == (800, 3e-4, 4, 128, "mse")
     assert c["granularity"] is None and c["split"] == "train" and c.get("logger") is None
+    assert c["beta_lr"] == 1e-2 and c["max_calibration_blocks"] == 3200
 
 
 @pytest.mark.slow
@@ -392,3 +393,28 @@ def test_distill_py_end_to_end(tiny_family, tmp_path):
     assert len(run_dirs) == 1 and (run_dirs[0] / "source-row" / "bitdelta.json").is_file()
     metrics = list((root / "outputs" / "csv").rglob("metrics.csv"))
     assert len(metrics) == 1 and "distill/mse" in metrics[0].read_text()
+
+
+def test_rowcol_distillation_fits_alpha_and_beta_in_float16(tiny_family, calib, tmp_path):
+    """Granularity rowcol: both scales train (β at ``beta_lr``), come back in the artifact's float16,
+    the signs and everything else byte for byte; the KL to the fine-tune falls further than with the
+    row α alone at the same steps, and the student is exactly base + diag(α)·S·diag(β)."""
+    base, ft = tiny_family.base_dir, tiny_family.variants["coder"]
+    for g in ("row", "rowcol"):
+        compress(base, ft, tmp_path / g, variant="coder", granularity=g)
+        distill_scales(base, ft, tmp_path / g, tmp_path / f"{g}-kl", calib, steps=16, lr=1e-3, loss="kl", seed=1)
+    src, out = load_artifact(tmp_path / "rowcol"), load_artifact(tmp_path / "rowcol-kl")
+    assert out.manifest["format_version"] == 2 and out.manifest["provenance"]["distillation"]["beta_lr"] == 1e-2
+    assert all(out.alphas[k].dtype == out.betas[k].dtype == torch.float16 for k in out.signs)
+    assert all(torch.equal(out.signs[k], src.signs[k]) for k in src.signs) and out.full.keys() == src.full.keys()
+    moved = [k for k in out.betas if not bool((out.betas[k] == 1).all())]
+    assert len(moved) == len(out.betas) and all(bool((b >= 0).all()) for b in out.betas.values())
+    kl = {g: _reference_loss(base, ft, tmp_path / f"{g}-kl", calib[:EVAL_BLOCKS], "kl") for g in ("row", "rowcol")}
+    before = _reference_loss(base, ft, tmp_path / "rowcol", calib[:EVAL_BLOCKS], "kl")
+    assert kl["rowcol"] < kl["row"] < before
+    student, alphas, betas = build_student(base, ft, out)
+    assert betas.keys() == alphas.keys() == out.signs.keys()
+    reference = _hf_model(ft)
+    reference.load_state_dict(materialize(base, out), strict=False)
+    ids = calib[:2]
+    torch.testing.assert_close(student(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-4)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltafleet.compress.bitdelta import load_artifact
 from tests.conftest import build_tiny_family
 from deltafleet.train.eval import (
     Problem,
@@ -33,7 +34,8 @@ from deltafleet.train.eval import (
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ["base", "fine-tune", "bitdelta-matrix", "bitdelta-matrix+distill-mse", "bitdelta-matrix+distill-kl",
-            "bitdelta-row", "bitdelta-row+distill-mse", "bitdelta-row+distill-kl"]
+            "bitdelta-row", "bitdelta-row+distill-mse", "bitdelta-row+distill-kl",
+            "bitdelta-rowcol", "bitdelta-rowcol+distill-mse", "bitdelta-rowcol+distill-kl"]
 HEADER = ("| setting | bits/param | loss | ppl | task metric | KL(ft‖·) | gain recovered (loss) | "
           "gain recovered (task) |")
 
@@ -276,13 +278,21 @@ def test_eval_cli_writes_the_report(family):
             assert r["artifact"] == str(art)
             manifest = json.loads((art / "bitdelta.json").read_text())
             assert r["bits_per_parameter"] == manifest["stats"]["bits_per_parameter"]
-            assert manifest["granularity"] == ("row" if "row" in name else "matrix")
+            g = name.removeprefix("bitdelta-").split("+")[0]
+            assert manifest["granularity"] == g and manifest["format_version"] == (2 if g == "rowcol" else 1)
             assert 0 < r["kl"] < base["kl"] * 10
             expected = (r["loss"] - base["loss"]) / (ft["loss"] - base["loss"])
             assert r["gain_recovered_loss"] == pytest.approx(expected)
             assert (r["distillation"] is not None) == ("+distill-" in name)
         assert rows["bitdelta-row+distill-mse"]["distillation"]["steps"] == 2
         assert rows["bitdelta-row+distill-kl"]["distillation"]["loss"] == "kl"
+        # rowcol: the export is the row solution with β = 1 (float16); distillation moves β too
+        rc = load_artifact(run_dir / "artifacts" / f"{v}-rowcol")
+        assert rc.betas.keys() == rc.signs.keys() and all(bool((b == 1).all()) for b in rc.betas.values())
+        assert rows["bitdelta-rowcol"]["loss"] == pytest.approx(rows["bitdelta-row"]["loss"], abs=1e-3)
+        rc_kl = load_artifact(run_dir / "artifacts" / f"{v}-rowcol-distill-kl")
+        assert any(not bool((b == 1).all()) for b in rc_kl.betas.values())
+        assert rows["bitdelta-rowcol+distill-kl"]["distillation"]["beta_lr"] == 1e-2
         # the best compressed setting within the bit budget (1.5 here: tiny models pay more for headers)
         within = [r for r in s["rows"][2:] if r["bits_per_parameter"] <= 1.5]
         assert within, "the matrix settings of this tiny family take about 1.4 bits/param"

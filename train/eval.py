@@ -10,7 +10,7 @@ base tokenizer) it evaluates these settings:
 
 - ``base`` and ``fine-tune`` (``models/base``, ``models/<variant>``);
 - ``bitdelta-<g>`` for each granularity ``g`` (``matrix``: one α per matrix, ``row``: one per
-  output row), exported afresh with :func:`deltafleet.compress.bitdelta.compress` into
+  output row, ``rowcol``: one per row and a column scale β per input, format version 2), exported afresh with :func:`deltafleet.compress.bitdelta.compress` into
   ``<run dir>/artifacts/<variant>-<g>`` (``artifacts/`` and ``models/`` are only read);
 - ``bitdelta-<g>+distill-<loss>``: the same signs with scales distilled on the variant's train
   split (:func:`deltafleet.compress.distill.distill_scales`) for each loss in ``distill.losses`` (``mse``:
@@ -352,7 +352,7 @@ def build_artifacts(cfg: DictConfig, variant: str, domain: str, tokenizer, work:
             t0 = time.perf_counter()
             d = cfg.distill
             dart = work / f"{variant}-{g}-distill-{loss}"
-            dman = distill_scales(cfg.base_dir, ft_dir, art, dart, calib, steps=d.steps, lr=d.lr,
+            dman = distill_scales(cfg.base_dir, ft_dir, art, dart, calib, steps=d.steps, lr=d.lr, beta_lr=d.beta_lr,
                                   batch_size=d.batch_size, loss=loss, seed=cfg.seed, device=str(device),
                                   log_every=d.log_every, show_progress=False, provenance={"run_id": run_id})
             info = dman.get("provenance", {}).get("distillation")
@@ -501,7 +501,8 @@ def report_markdown(payload: dict) -> str:
     cfg = payload["config"]
     d = cfg["distill"]
     distill = (f"scale distillation: {d['steps']} steps of {' and of '.join(d['losses'])} on ≤ {d['max_calibration_blocks']} train "
-               f"blocks (batch {d['batch_size']}, lr {d['lr']})" if d["enabled"] else "scale distillation: off")
+               f"blocks (batch {d['batch_size']}, lr {d['lr']}; β lr {d.get('beta_lr')} for rowcol)"
+               if d["enabled"] else "scale distillation: off")
     lines = [f"# BitDelta quality — {payload['date']}", "",
              f"Machine: {payload['machine']}; device {payload['device']}. Command: `{payload['command']}`. "
              f"Wall time: {payload['seconds']:.0f} s.",
