@@ -54,35 +54,51 @@ def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)``: the Triton custom op for bf16/fp16 CUDA tensors
     (when triton is installed), else :func:`deltafleet.kernels.reference.bitdelta_linear` (same arguments,
-    shapes and errors)."""
+    shapes and errors). With column scales ``beta`` ``[K]`` (granularity rowcol) the sign product reads
+    ``x ⊙ β``: on CUDA through :func:`bitdelta_linear_grouped`, one group of every row."""
+    if beta is not None:
+        if not (_on_triton(x, weight) and sign.dim() in (2, 4)):
+            return bitdelta_linear_reference(x, weight, sign, alpha, bias, beta)
+        x2 = x.reshape(-1, x.shape[-1])
+        slot = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
+        y = bitdelta_linear_grouped(x2, weight, sign[None], alpha[None] if alpha.dim() else alpha.reshape(1), slot,
+                                    bias, betas=beta[None])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if _on_triton(x, weight):
         return _triton(0)(x, weight, sign, alpha, bias)
     return bitdelta_linear_reference(x, weight, sign, alpha, bias)
 
 
 def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                            slot: torch.Tensor, bias: torch.Tensor | None = None, groups=None) -> torch.Tensor:
+                            slot: torch.Tensor, bias: torch.Tensor | None = None, groups=None,
+                            betas: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`bitdelta_linear_batched`'s contract with the rows grouped by variant first: the base
     product once (``torch.addmm``), then each variant's sign product over its own rows
     (``deltafleet.kernels.triton_grouped``) for bf16/fp16 CUDA tensors when triton is installed; else the
     reference. ``groups``: ``triton_grouped.group_rows(slot, S)``, computed once by a caller that
-    multiplies the same rows by many matrices (an engine step's layers)."""
+    multiplies the same rows by many matrices (an engine step's layers). ``betas``: as in
+    :func:`bitdelta_linear_batched`."""
     if _on_triton(x, weight):
         from deltafleet.kernels.triton_grouped import bitdelta_linear_grouped as grouped
 
-        return grouped(x, weight, signs, alphas, slot, bias, groups)
-    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
+        return grouped(x, weight, signs, alphas, slot, bias, groups, betas)
+    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias, betas)
 
 
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                            slot: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                            slot: torch.Tensor, bias: torch.Tensor | None = None,
+                            betas: torch.Tensor | None = None) -> torch.Tensor:
     """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
     op for bf16/fp16 CUDA tensors (when triton is installed), else
     :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
-    the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`)."""
+    the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`).
+    With column scales ``betas`` ``[S, K]`` (granularity rowcol; ones for a slot without) the sign
+    products read ``x ⊙ β_slot``: on CUDA through :func:`bitdelta_linear_grouped`."""
+    if betas is not None:
+        return bitdelta_linear_grouped(x, weight, signs, alphas, slot, bias, betas=betas)
     if _on_triton(x, weight):
         return _triton(1)(x, weight, signs, alphas, slot, bias)
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)

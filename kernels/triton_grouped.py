@@ -193,23 +193,26 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
 
 def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
-                            groups: RowGroups | None = None) -> torch.Tensor:
+                            groups: RowGroups | None = None, betas: torch.Tensor | None = None) -> torch.Tensor:
     """The contract of :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments,
     shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then the
     sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
     tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
     ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
     of a step); its ``block_m`` (8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
-    program multiplies."""
+    program multiplies. ``betas`` (float32 ``[S, K]``, granularity rowcol): the sign products read
+    ``x ⊙ β_slot``, rounded to ``x.dtype`` (one elementwise product; the kernels are unchanged)."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
     if signs.dtype != torch.uint8:
         raise ValueError(f"signs must be uint8, got {signs.dtype}")
-    check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
+    check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu", betas=betas)
     check_weight_and_bias(weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+    if betas is not None:  # base rows (slot −1) read some slot's β: their sign product is never added
+        x = (x.float() * betas.to(x.device, torch.float32)[slot.long().clamp(0, betas.shape[0] - 1)]).to(x.dtype)
     if groups is None:
         groups = group_rows(slot, signs.shape[0])
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()

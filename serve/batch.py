@@ -58,6 +58,11 @@ def _sign_shapes(model, sign_layout: str) -> dict[str, tuple[tuple[int, int], tu
     return out
 
 
+def _in_features(model) -> dict[str, int]:
+    """K of every weight matrix of ``model`` with a delta (HF name)."""
+    return {f"{m.name}.weight": m.weight.shape[1] for m in model.modules() if getattr(m, "delta_kind", None)}
+
+
 class DeltaSlots:
     """``n_slots`` variant slots, per parameter of ``model``: packed signs ``[S, N, ceil(K/8)]``
     uint8 and scales ``[S, N]`` float32 of every weight matrix (a matrix-granularity α is stored
@@ -70,18 +75,24 @@ class DeltaSlots:
     instead of 64 pieces a sign row apart (docs/kernels.md, "Sign layouts"); the embedding's stay
     rows (they are gathered by token).
 
+    With ``col_scales`` every weight matrix also gets column scales β ``[S, K]`` float32 (ones for a
+    variant without them): the slots then take variants of granularity rowcol (format version 2), and
+    every mixed product reads ``x ⊙ β_slot`` (``bitdelta_linear_batched``'s ``betas``). Without, such
+    a variant is refused: the products a CUDA graph recorded would not read its β.
+
     Args:
         model: the resident :class:`~deltafleet.serve.model.Transformer` (its device and dtype are used).
         n_slots: how many variants fit at once.
         sign_layout: ``"tiled"`` (default: ``deltafleet.kernels.tile_signs``' layout, which the kernels read
             fastest) or ``"rows"`` (the artifact's layout).
+        col_scales: hold column scales (above).
 
     Raises: ValueError for ``n_slots < 1`` or an unknown ``sign_layout``; from :meth:`put`,
     RuntimeError when every slot is taken and ValueError for a variant that stores a weight matrix in
     full (a resized vocabulary), which rows cannot share.
     """
 
-    def __init__(self, model, n_slots: int, sign_layout: str = "tiled"):
+    def __init__(self, model, n_slots: int, sign_layout: str = "tiled", col_scales: bool = False):
         if n_slots < 1:
             raise ValueError(f"n_slots must be ≥ 1, got {n_slots}")
         shapes = _sign_shapes(model, sign_layout)
@@ -90,11 +101,14 @@ class DeltaSlots:
         dev = model.device
         self.signs: dict[str, Tensor] = {}
         self.alphas: dict[str, Tensor] = {}
+        self.betas: dict[str, Tensor] = {}  # empty unless col_scales
         self.tiled = {name for name, (_, _, tiled) in shapes.items() if tiled}  # held tiled
         self.rows_shape = {name: rows for name, (rows, _, _) in shapes.items()}  # [N, ceil(K/8)] as rows
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
             self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
+            if col_scales:
+                self.betas[name] = torch.ones(n_slots, _in_features(model)[name], dtype=torch.float32, device=dev)
         self.full: dict[str, Tensor] = {}
         for pname, p in model.named_parameters():
             if p.dim() == 1:
@@ -102,13 +116,15 @@ class DeltaSlots:
                 self.full[hf_name(pname)] = t
         self._free = list(range(n_slots - 1, -1, -1))
         self._lock = threading.Lock()  # variants are loaded from several request threads at once
-        self.slot_bytes = self.bytes_per_slot(model, sign_layout)
+        self.slot_bytes = self.bytes_per_slot(model, sign_layout, col_scales)
 
     @staticmethod
-    def bytes_per_slot(model, sign_layout: str = "tiled") -> int:
+    def bytes_per_slot(model, sign_layout: str = "tiled", col_scales: bool = False) -> int:
         """What one slot of :class:`DeltaSlots` over ``model`` takes, without allocating it (tiled
         signs are padded to whole 64 × 16-byte tiles)."""
-        total = sum(math.prod(held) + 4 * rows[0] for rows, held, _ in _sign_shapes(model, sign_layout).values())
+        k = _in_features(model)
+        total = sum(math.prod(held) + 4 * rows[0] + (4 * k[name] if col_scales else 0)
+                    for name, (rows, held, _) in _sign_shapes(model, sign_layout).items())
         return total + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
 
     @property
@@ -137,6 +153,10 @@ class DeltaSlots:
         unknown = [k for k in delta.signs if k not in self.signs]
         if unknown:
             raise ValueError(f"variant {delta.name!r}: delta for {unknown[0]!r}, which is not a weight of the model")
+        betas = getattr(delta, "betas", {})
+        if betas and not self.betas:
+            raise ValueError(f"variant {delta.name!r} has column scales (granularity rowcol), which these slots do "
+                             "not hold: restart the server with the variant in its artifacts folder")
         with self._lock:
             if slot is None:
                 i = self.next_free()
@@ -155,6 +175,7 @@ class DeltaSlots:
         view.name = delta.name
         view.signs = {k: self.signs[k][i] for k in delta.signs}
         view.alphas = {k: self.alphas[k][i] for k in delta.signs}
+        view.betas = {k: self.betas[k][i] for k in getattr(delta, "betas", {})}
         view.full = {k: self.full[k][i] for k in delta.full}
         view.slot = i
         return view
@@ -168,6 +189,13 @@ class DeltaSlots:
             else:
                 s[i].zero_()
                 a[i].zero_()  # α = 0: W + 0·s = W
+            if self.betas:
+                b = self.betas[name]
+                beta = getattr(delta, "betas", {}).get(name)
+                if beta is not None and tuple(beta.shape) != (b.shape[1],):
+                    raise ValueError(f"variant {delta.name!r}: {name}.beta has shape {tuple(beta.shape)}, "
+                                     f"expected [{b.shape[1]}]")
+                b[i].copy_(beta) if beta is not None else b[i].fill_(1.0)
         for name, t in self.full.items():
             t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
 
@@ -224,15 +252,15 @@ class BatchDeltas:
 
     def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:
         """Rows ``x2 [M, K]`` by ``weight`` plus each row's variant (slots ``[M]``), grouped where it runs."""
-        signs, alphas = self.table.signs[name], self.table.alphas[name]
-        if self.grouped(x2):
+        signs, alphas, betas = self.table.signs[name], self.table.alphas[name], self.table.betas.get(name)
+        if self.grouped(x2) or (betas is not None and x2.is_cuda):  # column scales: the grouped path at any M
             key = (slots.data_ptr(), slots.shape[0])
             if self._groups is None or self._groups[0] != key:
                 from deltafleet.kernels.triton_grouped import group_rows
 
                 self._groups = (key, group_rows(slots, self.table.n_slots))
-            return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1])
-        return bitdelta_linear_batched(x2, weight, signs, alphas, slots)
+            return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1], betas=betas)
+        return bitdelta_linear_batched(x2, weight, signs, alphas, slots, betas=betas)
 
     def select(self, rows: Tensor) -> BatchDeltas:
         """The variants of rows ``rows`` of this batch (no runs: the rows are few, read them batched)."""
@@ -272,7 +300,9 @@ class BatchDeltas:
             if slot < 0:
                 parts.append(F.linear(x2[first:stop], mod.weight, row_bias))
             else:
-                parts.append(bitdelta_linear(x2[first:stop], mod.weight, signs[slot], alphas[slot], row_bias))
+                betas = self.table.betas.get(name)
+                parts.append(bitdelta_linear(x2[first:stop], mod.weight, signs[slot], alphas[slot], row_bias,
+                                             None if betas is None else betas[slot]))
         return torch.cat(parts)[:, None]
 
     def embedding(self, mod, tokens: Tensor) -> Tensor:
@@ -284,6 +314,9 @@ class BatchDeltas:
         sign_rows = signs[slot, tokens]                                   # [B, T, KB]
         scale = alphas[slot, tokens] * (self.slots >= 0).float()[:, None]  # [B, T]; base rows: 0
         pm1 = unpack_signs(sign_rows, mod.weight.shape[1], torch.float32)
+        betas = self.table.betas.get(name)
+        if betas is not None:  # column scales: one per embedding feature
+            pm1 = pm1 * betas[slot]
         return (x.float() + scale.unsqueeze(-1) * pm1).to(x.dtype)
 
     def norm_weight(self, mod) -> Tensor:

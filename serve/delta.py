@@ -25,6 +25,7 @@ class _ArtifactLike(Protocol):
     signs: dict[str, Tensor]
     alphas: dict[str, Tensor]
     full: dict[str, Tensor]
+    betas: dict[str, Tensor]
 
     @property
     def variant(self) -> str: ...
@@ -34,14 +35,15 @@ class VariantDelta:
     """One variant's deltas, looked up by Hugging Face parameter name during ``forward``.
 
     Holds only what the artifact holds — packed signs (uint8 ``[N, ceil(K/8)]``), scales (fp32
-    ``[]`` or ``[N]``) and the few tensors stored in full — moved to the model's device; floating
-    full tensors are cast to the model's dtype.
+    ``[]`` or ``[N]``), column scales β (fp32 ``[K]``, granularity rowcol only) and the few tensors
+    stored in full — moved to the model's device; floating full tensors are cast to the model's dtype.
     """
 
     def __init__(self, artifact: _ArtifactLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.name = artifact.variant
         self.signs = {k: v.to(device) for k, v in artifact.signs.items()}
         self.alphas = {k: v.to(device, torch.float32) for k, v in artifact.alphas.items()}
+        self.betas = {k: v.to(device, torch.float32) for k, v in getattr(artifact, "betas", {}).items()}
         self.full = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in artifact.full.items()}
 
     def to(self, device: str | torch.device, pin: bool = False) -> VariantDelta:
@@ -56,6 +58,7 @@ class VariantDelta:
 
         out.signs = {k: move(v) for k, v in self.signs.items()}
         out.alphas = {k: move(v) for k, v in self.alphas.items()}
+        out.betas = {k: move(v) for k, v in self.betas.items()}
         out.full = {k: move(v) for k, v in self.full.items()}
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)  # the copies are complete before a kernel reads them
@@ -66,9 +69,14 @@ class VariantDelta:
         sign = self.signs.get(param)
         return None if sign is None else (sign, self.alphas[param])
 
+    def beta(self, param: str) -> Tensor | None:
+        """The column scales β ``[K]`` of a sign-compressed parameter (granularity rowcol), or None."""
+        return self.betas.get(param)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.full) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.betas, self.full)
+                   for t in d.values())
 
     def check(self, shapes: dict[str, torch.Size]) -> None:
         """Check every stored tensor against the model's parameter shapes (HF names).
@@ -88,6 +96,12 @@ class VariantDelta:
             alpha = self.alphas.get(name)
             if alpha is None or tuple(alpha.shape) not in ((), (n,)):
                 raise ValueError(f"variant {self.name!r}: {name}.alpha missing or not of shape [] or [{n}]")
+            beta = self.betas.get(name)
+            if beta is not None and tuple(beta.shape) != (k,):
+                raise ValueError(f"variant {self.name!r}: {name}.beta has shape {tuple(beta.shape)}, expected [{k}]")
+        for name in self.betas:
+            if name not in self.signs:
+                raise ValueError(f"variant {self.name!r}: {name}.beta without {name}.sign")
         for name, t in self.full.items():
             if name not in shapes:
                 raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")

@@ -74,6 +74,14 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return dt
 
 
+def _granularity(manifest: Path) -> str | None:
+    """The ``granularity`` of an artifact manifest, or None if it cannot be read (its load says why)."""
+    try:
+        return json.loads(manifest.read_text()).get("granularity")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_unicode(text: str, param: str) -> None:
     """Raise InvalidRequestError on text that is not valid Unicode: JSON lets a client send a lone
     surrogate (``"\\ud83d"``), which neither UTF-8 nor the tokenizer can take."""
@@ -189,12 +197,15 @@ class Engine:
             n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
                 self.artifacts_dir.is_dir() else 0
             n_slots = max(1, n_art + (self.synthetic.variants if self.synthetic else 0))
-        per_slot = DeltaSlots.bytes_per_slot(self.model, sign_layout)
+        # variants of granularity rowcol at start: the slots hold column scales (DeltaSlots, col_scales)
+        col_scales = any(_granularity(m) == "rowcol" for m in self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")) \
+            if self.artifacts_dir and self.artifacts_dir.is_dir() else False
+        per_slot = DeltaSlots.bytes_per_slot(self.model, sign_layout, col_scales)
         if budget is not None:
             if budget < per_slot:
                 raise ValueError(f"device_budget_bytes={budget} is less than one variant slot ({per_slot} bytes)")
             n_slots = budget // per_slot
-        self.slots = DeltaSlots(self.model, int(n_slots), sign_layout)
+        self.slots = DeltaSlots(self.model, int(n_slots), sign_layout, col_scales)
         self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
                                 free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
@@ -216,7 +227,7 @@ class Engine:
             log.warning("max_num_batched_tokens=%d is below max_batch=%d: raised to %d", budget, max_batch, max_batch)
             budget = max_batch
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
-                              block_size, attention)):
+                              block_size, attention, col_scales)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
                                        cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
                                        delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start)

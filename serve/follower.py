@@ -16,7 +16,7 @@ from deltafleet.serve.tp import TPContext, shard_delta
 
 def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
-    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention)``,
+    ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention, col_scales)``,
     ``("load", artifact_dir, slot)``, ``("free", slot)``, ``("step", StepInput)`` (serve/runner.py).
     Steps only take part in the all-reduces (eagerly, over this rank's own paged KV cache of the
     same blocks); the logits are rank 0's to use. A synthetic family's
@@ -35,8 +35,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
         if op == "stop":
             return
         if op == "init":
-            _, n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention = cmd
-            slots = DeltaSlots(model, n_slots, sign_layout)
+            _, n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention, col_scales = cmd
+            slots = DeltaSlots(model, n_slots, sign_layout, col_scales)
             runner = ModelRunner(model, slots, n_blocks, block_size, max_batch, max_seq_len, attention=attention)
         elif op == "load":
             _, artifact_dir, slot = cmd

@@ -198,7 +198,7 @@ class DeltaLinear(nn.Module):
         sa = delta.sign_alpha(f"{self.name}.weight")
         if sa is None:
             return F.linear(x, self.weight, bias)
-        return bitdelta_linear(x, self.weight, sa[0], sa[1], bias)
+        return bitdelta_linear(x, self.weight, sa[0], sa[1], bias, delta.beta(f"{self.name}.weight"))
 
 
 def fuse_rows(*mods: DeltaLinear) -> tuple[Tensor, Tensor | None, list[int]]:
@@ -243,6 +243,9 @@ class DeltaEmbedding(nn.Module):
             return x
         sign, alpha = sa
         signs = unpack_signs(sign[tokens], self.weight.shape[1], torch.float32)  # [..., dim] of ±1
+        beta = delta.beta(f"{self.name}.weight")
+        if beta is not None:  # column scales (granularity rowcol): one per embedding feature
+            signs = signs * beta
         scale = alpha if alpha.dim() == 0 else alpha[tokens].unsqueeze(-1)
         return (x.float() + scale * signs).to(x.dtype)  # same rounding as reconstructing W in fp32
 

@@ -172,6 +172,7 @@ class SyntheticFamily:
         out.name = name
         out.signs = _SeededSigns(shapes, (self.seed, "variant", self.names.index(name)), device, alpha, rank, world)
         out.alphas = {k: alpha for k in shapes}
+        out.betas = {}
         out.full = {}
         out.source = f"{SOURCE_PREFIX}{name}"
         return out

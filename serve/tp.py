@@ -119,9 +119,11 @@ def shard_delta(delta, rank: int, world: int):
     if world == 1:
         return delta
     out = object.__new__(VariantDelta)
-    out.name, out.signs, out.alphas, out.full = delta.name, {}, {}, {}
+    out.name, out.signs, out.alphas, out.full, out.betas = delta.name, {}, {}, {}, {}
     for name, s in delta.signs.items():
         out.signs[name], out.alphas[name] = shard_sign(name, s, delta.alphas[name], rank, world)
+    for name, b in getattr(delta, "betas", {}).items():  # β scales columns: cut with K (row parallel)
+        out.betas[name] = _cut(b, 0, rank, world, name) if _kind(name) == "row" else b
     for name, t in delta.full.items():
         kind = _kind(name)
         if kind == "column":

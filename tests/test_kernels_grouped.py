@@ -129,3 +129,40 @@ def test_grouped_contract_errors():
         bitdelta_linear_grouped(x, w, signs.int(), torch.ones(2), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="x and weight must share a floating dtype"):
         bitdelta_linear_grouped(x, w.half(), signs, torch.ones(2), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_column_scales_multiply_each_rows_own_input(tiled):
+    """Granularity rowcol: the sign product of a row reads ``x ⊙ β`` of the row's own variant, in the
+    grouped kernel as in the float32 reference; both equal ``x · (W + diag(α)·S·diag(β))ᵀ``."""
+    from deltafleet.kernels import reconstruct
+
+    g = torch.Generator().manual_seed(7)
+    m, n, k, tenants, dtype = 29, 72, 200, 3, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    betas = 0.2 + 2 * torch.rand(tenants, k, generator=g)
+    slot = _zipf_slots(m, tenants, g)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, betas=betas)
+    dense = torch.stack([x[i].float() @ (w.float() if t < 0 else reconstruct(w, signs[t], alphas[t], betas[t])).t()
+                         for i, t in enumerate(slot.tolist())])
+    torch.testing.assert_close(ref, dense, rtol=1e-5, atol=1e-5)
+    held = tile_signs(signs) if tiled else signs
+    y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, held, alphas, slot)), betas=betas.to(DEVICE))
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    rows = slot >= 0  # β of another variant (or none) misses by far more than the rounding
+    for wrong in (betas.flip(0), torch.ones_like(betas)):
+        off = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, betas=wrong)
+        assert (off[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
+
+
+def test_column_scales_of_the_wrong_shape_are_named():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    signs, alphas, slot = torch.zeros(2, 8, 2, dtype=torch.uint8), torch.ones(2, 8), torch.tensor([0, 1, -1])
+    with pytest.raises(ValueError, match=r"betas must have shape \[2, 16\], got \(2, 15\)"):
+        bitdelta_linear_grouped(x, w, signs, alphas, slot, betas=torch.ones(2, 15))
+    with pytest.raises(ValueError, match=r"betas must have shape \[2, 16\], got \(16,\)"):
+        bitdelta_linear_batched(x, w, signs, alphas, slot, betas=torch.ones(16))

@@ -185,3 +185,25 @@ def test_mixed_decode_rows_equal_each_sequence_alone_with_biases_and_tied_head(t
             ids = torch.tensor([p + [int(got["first_tokens"][b])]])
             alone = model(ids, torch.arange(ids.shape[1]), None, d)[0, -1].float()
             torch.testing.assert_close(got["mixed_step"][b], alone, rtol=1e-4, atol=1e-4, msg=lambda s: f"row {b}: {s}")
+
+
+def test_column_scales_are_cut_with_the_input_features():
+    """Granularity rowcol: β scales the input columns, so a row-parallel weight (o_proj, down_proj: K
+    cut over the ranks) gets its rank's slice of β, as its signs get their slice of K; a column-parallel
+    one (q, k, v, gate, up: N cut) keeps β whole, and the embedding (replicated) too."""
+    from deltafleet.kernels import pack_signs
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (32, 64), "model.layers.0.mlp.down_proj.weight": (64, 128),
+              "model.embed_tokens.weight": (100, 64)}
+    delta = object.__new__(VariantDelta)
+    delta.name, delta.full = "v", {}
+    delta.signs = {k: pack_signs(torch.randn(*s, generator=g)) for k, s in shapes.items()}
+    delta.alphas = {k: torch.rand(s[0], generator=g) for k, s in shapes.items()}
+    delta.betas = {k: torch.rand(s[1], generator=g) for k, s in shapes.items()}
+    for rank in range(2):
+        part = shard_delta(delta, rank, 2)
+        q, down, emb = shapes
+        assert torch.equal(part.betas[q], delta.betas[q]) and torch.equal(part.betas[emb], delta.betas[emb])
+        assert torch.equal(part.betas[down], delta.betas[down][64 * rank:64 * (rank + 1)])
+        assert part.signs[down].shape == (64, 8) and part.alphas[down].shape == (64,)
