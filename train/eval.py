@@ -10,7 +10,8 @@ base tokenizer) it evaluates these settings:
 
 - ``base`` and ``fine-tune`` (``models/base``, ``models/<variant>``);
 - ``bitdelta-<g>`` for each granularity ``g`` (``matrix``: one α per matrix, ``row``: one per
-  output row, ``rowcol``: one per row and a column scale β per input, format version 2), exported afresh with :func:`deltafleet.compress.bitdelta.compress` into
+  output row, ``rowcol``: one per row and a column scale β per input, format version 2), exported
+  afresh with :func:`deltafleet.compress.bitdelta.compress` into
   ``<run dir>/artifacts/<variant>-<g>`` (``artifacts/`` and ``models/`` are only read);
 - ``bitdelta-<g>+distill-<loss>``: the same signs with scales distilled on the variant's train
   split (:func:`deltafleet.compress.distill.distill_scales`) for each loss in ``distill.losses`` (``mse``:
