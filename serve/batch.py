@@ -104,11 +104,12 @@ class DeltaSlots:
         self.betas: dict[str, Tensor] = {}  # empty unless col_scales
         self.tiled = {name for name, (_, _, tiled) in shapes.items() if tiled}  # held tiled
         self.rows_shape = {name: rows for name, (rows, _, _) in shapes.items()}  # [N, ceil(K/8)] as rows
+        in_features = _in_features(model)
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
             self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
             if col_scales:
-                self.betas[name] = torch.ones(n_slots, _in_features(model)[name], dtype=torch.float32, device=dev)
+                self.betas[name] = torch.ones(n_slots, in_features[name], dtype=torch.float32, device=dev)
         self.full: dict[str, Tensor] = {}
         for pname, p in model.named_parameters():
             if p.dim() == 1:
@@ -195,7 +196,10 @@ class DeltaSlots:
                 if beta is not None and tuple(beta.shape) != (b.shape[1],):
                     raise ValueError(f"variant {delta.name!r}: {name}.beta has shape {tuple(beta.shape)}, "
                                      f"expected [{b.shape[1]}]")
-                b[i].copy_(beta) if beta is not None else b[i].fill_(1.0)
+                if beta is None:
+                    b[i].fill_(1.0)  # β = 1: the signs as row α scales them
+                else:
+                    b[i].copy_(beta)
         for name, t in self.full.items():
             t[i].copy_(delta.full[name] if name in delta.full else t[self.n_slots])
 
