@@ -334,3 +334,32 @@ def complete_together(engine, jobs: list[tuple]) -> list[list[int]]:
         th.join(120)
     return results
 
+
+
+def decode_alone(model, prompt: list[int], delta, steps: int) -> list[torch.Tensor]:
+    """Greedy decode of one sequence through the one-variant path of ``model``
+    (serve/model.py, a contiguous cache): the float32 logits of every step."""
+    cache = model.new_cache(1, len(prompt) + steps)
+    tokens, pos, out = torch.tensor([prompt]), torch.arange(len(prompt)), []
+    for i in range(steps):
+        logits = model(tokens, pos, cache, delta)[0, -1].float()
+        out.append(logits)
+        tokens, pos = torch.tensor([[int(logits.argmax())]]), torch.tensor([len(prompt) + i])
+    return out
+
+
+def prefill_step(prompts: list[list[int]], slots: list[int], tables: list[list[int]], where):
+    """One engine step (serve/runner.py ``StepInput``) prefilling every prompt whole, sequence b
+    with variant slot ``slots[b]``, block table ``tables[b]`` and cache slot ``where(b, position)``;
+    the last token of each prompt samples."""
+    from deltafleet.serve.runner import StepInput
+
+    step = StepInput()
+    for b, p in enumerate(prompts):
+        step.chunks.append((len(step.tokens), len(p), 0, tables[b]))
+        step.tokens += p
+        step.positions += range(len(p))
+        step.kv_slots += [where(b, t) for t in range(len(p))]
+        step.variants += [slots[b]] * len(p)
+        step.sample.append(len(step.tokens) - 1)
+    return step

@@ -11,23 +11,12 @@ from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.model import DeltaLinear
 from deltafleet.serve.runner import ModelRunner, StepInput
+from tests.conftest import decode_alone, prefill_step
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_family) -> Engine:
     return Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
-
-
-def _alone(model, prompt, delta, steps):
-    """Greedy decode of one sequence with the single-variant path; the logits of every step."""
-    cache = model.new_cache(1, len(prompt) + steps)
-    tokens, pos, out = torch.tensor([prompt]), torch.arange(len(prompt)), []
-    for i in range(steps):
-        logits = model(tokens, pos, cache, delta)[0, -1].float()
-        out.append(logits)
-        nxt = int(logits.argmax())
-        tokens, pos = torch.tensor([[nxt]]), torch.tensor([len(prompt) + i])
-    return out
 
 
 @pytest.mark.parametrize("layout", ["rows", "tiled"])
@@ -42,23 +31,14 @@ def test_a_mixed_batch_decodes_each_row_as_if_alone(engine, layout):
     deltas = {"tiny": None, "tiny-coder": coder, "tiny-writer": writer}
     steps = 6
     with torch.inference_mode():
-        want = {m: _alone(model, p, deltas[m], steps) for m, p in prompts.items()}
+        want = {m: decode_alone(model, p, deltas[m], steps) for m, p in prompts.items()}
         # one prefill step of the three prompts, then decode steps of the three rows, over a paged cache
         order = ["tiny-writer", "tiny", "tiny-coder"]
         slot = [-1 if deltas[m] is None else deltas[m].slot for m in order]
         runner = ModelRunner(model, slots, n_blocks=24, block_size=4, max_batch=4, max_seq_len=32)
         tables = [list(range(8 * i + 7, 8 * i - 1, -1)) for i in range(3)]  # blocks in no particular order
         where = lambda b, t: tables[b][t // 4] * 4 + t % 4  # noqa: E731
-        step = StepInput()
-        for b, m in enumerate(order):
-            p = prompts[m]
-            step.chunks.append((len(step.tokens), len(p), 0, tables[b]))
-            step.tokens += p
-            step.positions += range(len(p))
-            step.kv_slots += [where(b, t) for t in range(len(p))]
-            step.variants += [slot[b]] * len(p)
-            step.sample.append(len(step.tokens) - 1)
-        logits = runner.forward(step).float()
+        logits = runner.forward(prefill_step([prompts[m] for m in order], slot, tables, where)).float()
         for b, m in enumerate(order):
             torch.testing.assert_close(logits[b], want[m][0], rtol=1e-5, atol=1e-5)
         nxt, pos = logits.argmax(-1).tolist(), [len(prompts[m]) for m in order]
@@ -70,7 +50,7 @@ def test_a_mixed_batch_decodes_each_row_as_if_alone(engine, layout):
             nxt = logits.argmax(-1).tolist()
             pos = [q + 1 for q in pos]
     # the variants really differ from the base (the test would not notice a row using the wrong one)
-    assert not torch.allclose(want["tiny-coder"][0], _alone(model, prompts["tiny-coder"], None, 1)[0], atol=1e-3)
+    assert not torch.allclose(want["tiny-coder"][0], decode_alone(model, prompts["tiny-coder"], None, 1)[0], atol=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["rows", "tiled"])

@@ -14,6 +14,7 @@ from deltafleet.compress.distill import calibration_blocks, distill_scales
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine, SamplingParams
 from deltafleet.serve.runner import ModelRunner, StepInput
+from tests.conftest import decode_alone, prefill_step
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +46,6 @@ def engine(tiny_family, rowcol_family) -> Engine:
     return Engine(tiny_family.base_dir, rowcol_family, family="tiny")
 
 
-def _alone(model, prompt, delta, steps):
-    cache = model.new_cache(1, len(prompt) + steps)
-    tokens, pos, out = torch.tensor([prompt]), torch.arange(len(prompt)), []
-    for i in range(steps):
-        logits = model(tokens, pos, cache, delta)[0, -1].float()
-        out.append(logits)
-        tokens, pos = torch.tensor([[int(logits.argmax())]]), torch.tensor([len(prompt) + i])
-    return out
-
-
 def test_a_step_mixing_rowcol_row_and_base_decodes_each_row_as_if_alone(engine):
     model = engine.model
     assert engine.slots.betas, "an artifact of granularity rowcol at start: the slots hold column scales"
@@ -67,20 +58,12 @@ def test_a_step_mixing_rowcol_row_and_base_decodes_each_row_as_if_alone(engine):
     deltas = [coder, writer, None]
     steps = 5
     with torch.inference_mode():
-        want = [_alone(model, p, d, steps) for p, d in zip(prompts, deltas)]
+        want = [decode_alone(model, p, d, steps) for p, d in zip(prompts, deltas)]
         slot = [coder.slot, writer.slot, -1]
         runner = ModelRunner(model, slots, n_blocks=24, block_size=4, max_batch=4, max_seq_len=32)
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
         where = lambda b, t: tables[b][t // 4] * 4 + t % 4  # noqa: E731
-        step = StepInput()
-        for b, p in enumerate(prompts):  # prefill: each prompt a run of the one-variant path
-            step.chunks.append((len(step.tokens), len(p), 0, tables[b]))
-            step.tokens += p
-            step.positions += range(len(p))
-            step.kv_slots += [where(b, t) for t in range(len(p))]
-            step.variants += [slot[b]] * len(p)
-            step.sample.append(len(step.tokens) - 1)
-        logits = runner.forward(step).float()
+        logits = runner.forward(prefill_step(prompts, slot, tables, where)).float()  # each prompt a run
         for i in range(steps):
             for b in range(3):
                 torch.testing.assert_close(logits[b], want[b][i], rtol=1e-4, atol=1e-4, msg=lambda s: f"row {b} step {i}: {s}")
@@ -91,7 +74,7 @@ def test_a_step_mixing_rowcol_row_and_base_decodes_each_row_as_if_alone(engine):
     plain = engine.get_delta("tiny-coder")
     plain.betas = {k: torch.ones_like(v) for k, v in plain.betas.items()}
     with torch.inference_mode():
-        assert not torch.allclose(_alone(model, prompts[0], plain, 1)[0], want[0][0], atol=1e-3)
+        assert not torch.allclose(decode_alone(model, prompts[0], plain, 1)[0], want[0][0], atol=1e-3)
 
 
 def test_greedy_completion_equals_transformers_on_the_materialised_checkpoint(engine, tiny_family, rowcol_family,
