@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -63,8 +64,10 @@ ALPHA_SUFFIX = ".alpha"
 BETA_SUFFIX = ".beta"
 GRANULARITIES = ("matrix", "row", "rowcol")
 DEFAULT_MAX_SHARD_BYTES = 1_000_000_000
+log = logging.getLogger(__name__)
 VOCAB_MATRIX_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")  # Llama, Mistral, Qwen2 names
 
+_FP16_TINY = float(torch.finfo(torch.float16).tiny)  # below: subnormal, fewer significant bits
 _FINGERPRINT_SCHEME = b"deltafleet-fingerprint-v1\0"
 _SAMPLE_ROWS = 8  # rows hashed per >=2-D tensor
 _SMALL_1D = 1 << 16  # 1-D tensors up to this many elements are hashed whole
@@ -227,6 +230,10 @@ def _compress_matrix(
     # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity
     alpha = abs_sum / d_in if per_row or two_sided else abs_sum.sum() / (d_out * d_in)
     if two_sided:  # the row solution, β = 1: distillation fits both sides (module docstring)
+        small = int((alpha[alpha > 0] < _FP16_TINY).sum())
+        if small:
+            log.warning("%s: %d row scale(s) below %.2g lose precision in float16 (granularity rowcol); "
+                        "granularity row keeps them in float32", name, small, _FP16_TINY)
         return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float16).contiguous(),
                 name + BETA_SUFFIX: torch.ones(d_in, dtype=torch.float16)}
     return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous()}

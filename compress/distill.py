@@ -68,6 +68,7 @@ log = logging.getLogger("deltafleet.compress.distill")
 
 LOSSES = ("mse", "kl")
 METHOD = "scale distillation (BitDelta arXiv:2402.10193 §3.2)"
+FP16_MAX = float(torch.finfo(torch.float16).max)  # rowcol scales are stored in float16
 EVAL_BLOCKS = 8  # loss_before / loss_after are measured on the first min(n_blocks, 8) blocks
 
 
@@ -446,7 +447,7 @@ def distill_scales(
     n_blocks, seq_len = calibration.shape
     eval_blocks = calibration[: min(n_blocks, EVAL_BLOCKS)]
     n_alpha = sum(a.numel() for a in [*alphas.values(), *betas.values()])
-    log.info("distilling %d α (%d matrices) of %s: %d blocks × %d tokens, %d steps, batch %d, lr %g, loss %s",
+    log.info("distilling %d scales (%d matrices) of %s: %d blocks × %d tokens, %d steps, batch %d, lr %g, loss %s",
              n_alpha, len(alphas), artifact_dir, n_blocks, seq_len, steps, batch_size, lr, loss)
     loss_before = evaluate(student, teacher, eval_blocks, loss=loss, batch_size=batch_size, device=device)
     log.info("step 0: %s on the evaluation slice (%d blocks) %.6g", loss, eval_blocks.shape[0], loss_before)
@@ -470,8 +471,8 @@ def distill_scales(
             value.backward()
             opt.step()
             with torch.no_grad():
-                for a in params:
-                    a.clamp_(min=0.0)  # the format: scales ≥ 0
+                for a in params:  # the format: scales ≥ 0, and float16 ones finite
+                    a.clamp_(0.0, FP16_MAX if artifact.granularity == "rowcol" else None)
         if step == steps or (log_every >= 1 and step % log_every == 0):
             v = float(value.detach())
             progress.set_postfix(loss=f"{v:.4g}")

@@ -212,7 +212,9 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
     if betas is not None:  # base rows (slot −1) read some slot's β: their sign product is never added
-        x = (x.float() * betas.to(x.device, torch.float32)[slot.long().clamp(0, betas.shape[0] - 1)]).to(x.dtype)
+        b = betas.to(x.device, torch.float32)
+        b = b[0] if b.shape[0] == 1 else b[slot.long().clamp(0, b.shape[0] - 1)]  # one variant: broadcast
+        x = (x.float() * b).to(x.dtype)
     if groups is None:
         groups = group_rows(slot, signs.shape[0])
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()

@@ -62,7 +62,7 @@ def step_bytes(model, slots, rows: int, distinct_variants: int, context: int) ->
     weights = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     weights += sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
     per_variant = sum(slots.signs[f"{m.name}.weight"][0].numel() + 4 * slots.alphas[f"{m.name}.weight"].shape[1]
-                      for m in linears.values())
+                      + (4 * m.weight.shape[1] if slots.betas else 0) for m in linears.values())
     attn = model.layers[0].self_attn
     kv = 2 * len(model.layers) * attn.n_kv * attn.head_dim * model.dtype.itemsize * rows * (context + 1)
     return {"weights": weights, "signs": distinct_variants * per_variant, "kv": kv,

@@ -430,6 +430,9 @@ class Engine:
             if full_matrix is not None:
                 raise ValueError(f"it stores {full_matrix!r} in full (shape {tuple(delta.full[full_matrix].shape)}), "
                                  "which a batch of mixed variants cannot share (a resized vocabulary?)")
+            if delta.betas and not self.slots.betas:  # refused here, before any rank is told to load it
+                raise ValueError("it has column scales (granularity rowcol) and the server started without a rowcol "
+                                 "variant, so its slots do not hold them: restart it with the variant in place")
             if self.tp is not None:
                 from deltafleet.serve.tp import shard_delta
 

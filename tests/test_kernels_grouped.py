@@ -166,3 +166,25 @@ def test_column_scales_of_the_wrong_shape_are_named():
         bitdelta_linear_grouped(x, w, signs, alphas, slot, betas=torch.ones(2, 15))
     with pytest.raises(ValueError, match=r"betas must have shape \[2, 16\], got \(16,\)"):
         bitdelta_linear_batched(x, w, signs, alphas, slot, betas=torch.ones(16))
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_one_variant_with_column_scales_takes_the_grouped_path(monkeypatch, tiled):
+    """``kernels.bitdelta_linear(…, beta)`` on a GPU: every row one group of the grouped kernel (here the
+    dispatch is told it is on a GPU, and the kernel runs where the other cases do), ``[B, T, K]`` in,
+    ``[B, T, N]`` out, against the reconstructed weight."""
+    import deltafleet.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_on_triton", lambda x, w: True)
+    g = torch.Generator().manual_seed(11)
+    n, k, dtype = 80, 136, torch.bfloat16
+    x = torch.randn(2, 9, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    sign = pack_signs(torch.randn(n, k, generator=g))
+    alpha, beta = 0.03 + 0.05 * torch.rand(n, generator=g), 0.2 + 2 * torch.rand(k, generator=g)
+    bias = torch.randn(n, generator=g).to(dtype)
+    ref = x.float() @ kernels.reconstruct(w, sign, alpha, beta).t() + bias.float()
+    held = tile_signs(sign) if tiled else sign
+    y = kernels.bitdelta_linear(*(t.to(DEVICE) for t in (x, w, held, alpha, bias, beta)))
+    assert y.shape == (2, 9, n) and y.dtype == dtype
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())

@@ -13,6 +13,7 @@ from deltafleet.compress.bitdelta import compress, export_hf, load_artifact
 from deltafleet.compress.distill import calibration_blocks, distill_scales
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine, SamplingParams
+from deltafleet.serve.request import VariantUnavailableError
 from deltafleet.serve.runner import ModelRunner, StepInput
 from tests.conftest import decode_alone, prefill_step
 
@@ -92,13 +93,19 @@ def test_greedy_completion_equals_transformers_on_the_materialised_checkpoint(en
 
 
 def test_an_engine_started_without_rowcol_variants_refuses_one_added_later(tiny_family, rowcol_family, tmp_path):
+    """Refused as unavailable (HTTP 503) when its artifact is read, before it takes a slot (or, with
+    tensor parallelism, before any rank is told to load it); the resident variants stay served."""
     arts = tmp_path / "artifacts"
     shutil.copytree(tiny_family.artifacts_dir / "writer", arts / "writer")
-    engine = Engine(tiny_family.base_dir, arts, family="tiny")
+    engine = Engine(tiny_family.base_dir, arts, family="tiny", delta_cache={"device_slots": 1})
     assert not engine.slots.betas
+    params = SamplingParams(temperature=0, max_tokens=3)
+    before = engine.complete("tiny-writer", "The", params).token_ids
+    assert engine.slots.free_slots == 0
     shutil.copytree(rowcol_family / "coder", arts / "coder")
     engine.discover()
-    with pytest.raises(ValueError, match="'coder' has column scales \\(granularity rowcol\\), which these slots do not"):
-        engine.complete("tiny-coder", "import", SamplingParams(temperature=0, max_tokens=2))
-    # the engine still serves what it could before
-    assert engine.complete("tiny-writer", "The", SamplingParams(temperature=0, max_tokens=2)).token_ids
+    with pytest.raises(VariantUnavailableError, match=r"variant `tiny-coder` is unavailable: it has column scales "
+                                                      r"\(granularity rowcol\) and the server started without"):
+        engine.complete("tiny-coder", "import", params)
+    assert engine.cache.tier("tiny-writer") == "device"  # not evicted to make room for it
+    assert engine.complete("tiny-writer", "The", params).token_ids == before
