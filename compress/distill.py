@@ -20,8 +20,9 @@ Here the student is a Hugging Face model whose compressed weights are ``torch.nn
 parametrizations (:class:`ScaledSign`) of the frozen base weights; the α of each matrix (shape
 ``[]``) or row (``[d_out]``, always for ``embed_tokens`` / ``lm_head``) is the only trainable
 tensor, with the column scales β (``[d_in]``) of a rowcol artifact (format version 2), which start at
-1 and only distillation moves. The result is a new artifact folder with the same signs, full tensors and sharding as the
-source and only the α replaced, written atomically; ``provenance.distillation`` records how.
+1 and only distillation moves. The result is a new artifact folder with the same signs, full
+tensors and sharding as the source and only the scales replaced, written atomically;
+``provenance.distillation`` records how.
 """
 from __future__ import annotations
 
@@ -455,9 +456,8 @@ def distill_scales(
     if betas and not beta_lr > 0:
         raise ValueError(f"beta_lr must be > 0, got {beta_lr}")
     params = [*alphas.values(), *betas.values()]
-    groups = [{"params": list(alphas.values()), "lr": lr}] + ([{"params": list(betas.values()), "lr": beta_lr}]
-                                                              if betas else [])
-    opt = torch.optim.Adam(groups, lr=lr) if params else None
+    groups = [{"params": list(alphas.values()), "lr": lr}, {"params": list(betas.values()), "lr": beta_lr}]
+    opt = torch.optim.Adam([g for g in groups if g["params"]]) if params else None
     batches = _batches(n_blocks, batch_size, seed)
     progress = tqdm(range(1, steps + 1), desc=f"distil {artifact.variant}", unit="step",
                     disable=not show_progress)
