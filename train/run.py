@@ -47,7 +47,7 @@ def build_model(cfg: DictConfig, tokenizer):
         if cfg.model.name_or_path:
             return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32).train()
         shape = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
-                 if k not in ("name", "name_or_path", "dirs", "finetune_lr")}
+                 if k not in ("name", "name_or_path", "dirs", "finetune_lr", "distill_lr")}
         shape["vocab_size"] = len(tokenizer)
         config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
