@@ -95,6 +95,21 @@ def test_every_job_config_composes(name, tmp_path):
     OmegaConf.to_container(cfg, resolve=True)
 
 
+@pytest.mark.parametrize("job", ["eval", "distill"])
+def test_scale_distillation_takes_the_familys_lr(job, tmp_path):
+    # Adam moves each α by about lr per step: the lr is the family's, since α's size is the model's
+    need = ["variant=coder"] if job == "distill" else []
+    lrs = {}
+    for model in ("tiny", "smollm2"):
+        cfg = compose_cfg(job, [f"paths.root={tmp_path}", f"model={model}", *need])
+        c = OmegaConf.to_container(cfg, resolve=True)
+        lrs[model] = c["distill"]["lr"] if job == "eval" else c["lr"]
+        assert lrs[model] == c["model"]["distill_lr"]
+    assert lrs == {"tiny": 3.0e-4, "smollm2": 1.5e-5}
+    cfg = compose_cfg(job, [f"paths.root={tmp_path}", "model=smollm2", "model.distill_lr=1e-6", *need])
+    assert (cfg.distill.lr if job == "eval" else cfg.lr) == 1e-6
+
+
 def test_multirun_sweep_dir_resolves_before_any_job_runs():
     # Hydra resolves hydra.sweep.* in the launcher, before HydraConfig (and so ${hydra:runtime.cwd},
     # which paths.root uses) exists: `train/run.py -m variant=a,b` failed at once when it did.
