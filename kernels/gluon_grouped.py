@@ -16,9 +16,11 @@ product is an int8 tensor-core product whose sign operand is the packed bits the
 rows*, not per row:
 
 * ``s·x = 2·(s'·x) − Σx`` with ``s' = (s + 1)/2 ∈ {0, 1}``: bytes ``j = 0..3`` of one 32-bit A register
-  are bits ``q, q+8, q+16, q+24`` of a sign word, ``(word >> q) & 0x01010101`` (two instructions for
-  four weights), so logical K position ``4q + j`` of every 32-block is physical ``q + 8j`` on both
-  operands.
+  hold bits ``q, q+8, q+16, q+24`` of a sign word in their bit 7, ``(word · 2^(7−q)) & 0x80808080``
+  (two instructions for four weights: a multiply on the FMA pipe and an AND on the integer pipe, which
+  a shift and an AND would load twice as much), so each byte is ``−128·s'`` and the sums are divided
+  by −128 (exactly) in the epilogue; logical K position ``4q + j`` of every 32-block is physical
+  ``q + 8j`` on both operands.
 * The activations are a 16-bit fixed-point copy with one scale per row, ``x ≈ scale·(256·hi + lo)``,
   ``scale = max|x|/32639``, stored as two int8 planes in that permuted K order (``gluon_planes``'
   ``_planes_kernel`` arithmetic, :func:`sorted_planes`). Integer sums are exact; the only rounding is
@@ -387,15 +389,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _sign_operand(tile, c: gl.constexpr, KS: gl.constexpr, dot_a: gl.constexpr):
-        """K chunk c (32 weights) of a staged sign tile as the A operand: 0/1 int8 in ``dot_a``. Chunk c
-        is word ``c % 4`` of the 64 feature rows of 128-weight tile ``c // 4``; byte j of the register
-        of column group q is bit ``q + 8j`` of the word, ``(word >> q) & 0x01010101`` (module docstring)."""
+        """K chunk c (32 weights) of a staged sign tile as the A operand: ``−128·s'`` int8 in ``dot_a``.
+        Chunk c is word ``c % 4`` of the 64 feature rows of 128-weight tile ``c // 4``; byte j of the
+        register of column group q is bit ``q + 8j`` of the word, ``(word · 2^(7−q)) & 0x80808080``
+        (module docstring)."""
         word_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         kq = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)) // 4, 0)  # [1, 32]: q of 4q + j
         words = _as_words(tile, 64 * KS, 4, word_l)                                      # [64·KS, 4] int32
         wc = words.slice(64 * (c // 4), 64, dim=0).slice(c % 4, 1, dim=1).load(dot_a)    # [64, 1]
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, $5; and.b32 $0, t, 0x01010101; }",
-                                         "=r,r,r,r,r,r,r,r,r", [wc, kq], dtype=gl.int8, is_pure=True, pack=4)
+        # bit q of each byte to the byte's bit 7 by a multiply (the FMA pipe) and an AND (the integer
+        # pipe), rather than a shift and an AND both on the integer pipe: bytes 0 or −128
+        return gl.inline_asm_elementwise("{ .reg .b32 t; mul.lo.u32 t, $1, $5; and.b32 $0, t, 0x80808080; }",
+                                         "=r,r,r,r,r,r,r,r,r", [wc, 128 >> kq], dtype=gl.int8, is_pure=True,
+                                         pack=4)
 
     @gluon.jit
     def _gp_consume(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
@@ -458,6 +464,8 @@ if HAVE_GLUON:
         yrow = gl.expand_dims(orow * stride_ym, 0)
         for t in gl.static_range(NW):
             hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
+            hi = -(hi >> 7)  # sums of −128·s'·plane: exact multiples of −128
+            lo = -(lo >> 7)
             feat = off_n + (T0 + t) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
             fmask = feat < N
             if ALPHA_PER_ROW:
