@@ -110,6 +110,7 @@ if HAVE_GLUON:
 TILE_N = 64    # features per sign tile: the wgmma's M
 TILE_K = 128   # weights per sign tile (tile_signs' K step): 64 rows × 16 bytes, one contiguous KiB
 SMEM_PER_BLOCK = 232448  # bytes of shared memory one Hopper block may use (227 KiB)
+MAX_K = 130944  # int32 sums of K products up to 128·128 (sign bytes −128·s' times plane bytes) stay below 2³¹
 
 
 class GroupedConfig(NamedTuple):
@@ -194,12 +195,14 @@ def choose_config(n: int, max_blocks: int, block_m: int = 16, sms: int = 132) ->
 
 def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = None) -> bool:
     """Whether :func:`add_sign_products_planes` can run: Gluon and a CUDA device of compute capability
-    9.x, x a 2-D bf16/fp16 tensor with K a positive multiple of 128, signs contiguous and 16-byte
+    9.x, x a 2-D bf16/fp16 tensor with K a positive multiple of 128 up to :data:`MAX_K`, signs contiguous and 16-byte
     aligned in ``deltafleet.kernels.tile_signs``' layout (``[S, ceil(N/64), K/128, 64, 16]`` uint8),
     and (if given) y ``[M, N]`` in x's dtype or float32 with unit stride along N."""
     if not HAVE_GLUON or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % TILE_K or x.shape[1] == 0:
+        return False
+    if x.shape[1] > MAX_K:  # int32 sums of K products of ±128·128 would overflow
         return False
     m, k = x.shape
     if (signs.dtype != torch.uint8 or signs.dim() != 5 or tuple(signs.shape[2:]) != (k // TILE_K, TILE_N, 16)
