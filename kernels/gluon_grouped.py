@@ -34,7 +34,8 @@ rows*, not per row:
   planes of base rows are not even written (their contents never reach ``y``).
 * One int8 wgmma ``m64 n(2·BLOCK_M) k32`` per 64 features and 32 weights: A the 64 features' sign bits
   (registers), B the block's planes (shared memory), so each sign tile is expanded once per block and
-  multiplied by all its rows; accumulator columns ``2i`` and ``2i + 1`` are row i's hi and lo sums.
+  multiplied by all its rows; accumulator columns ``2i`` and ``2i + 1`` are −128 times row i's hi and lo
+  sums.
 
 Grid: ``(max_blocks, ceil(N / BLOCK_N))``, program ``(b, f)`` takes ``BLOCK_N`` = 64·NSUB features of
 block b. The grid depends on M, S and ``block_m`` only (``group_rows``' upper bound on the blocks), so
@@ -71,8 +72,8 @@ feature tile's K range (the next tile's bits, or zeros past the tensor) against 
 TMA fills with zeros: it adds nothing.
 
 Epilogue, per consumer and feature tile, in the accumulator's own register layout (no shared-memory
-scratch): ``(hi, lo)`` = the accumulator's column pairs (int32, held by one thread),
-``s·x = scale·(512·hi + 2·lo − Σq)`` in float32 (``Σq`` of the quantised row, from
+scratch): ``(hi, lo)`` = the accumulator's column pairs (int32, held by one thread) divided by −128
+(exactly: ``−(acc >> 7)``), ``s·x = scale·(512·hi + 2·lo − Σq)`` in float32 (``Σq`` of the quantised row, from
 :func:`sorted_planes`), times ``α_t`` (per feature, ``[S, N]``, or one per matrix, ``[S]``), added to
 ``y`` at row ``order[first + i]`` for the live rows (``i < first[b + 1] − first[b]``, the same variant,
 ``< M``) and features ``< N``, rounded once to ``y``'s dtype. Each (row, feature) belongs to exactly
@@ -81,7 +82,7 @@ with a *smaller* ``block_m`` than the kernel's are still right (just slower); a 
 drop rows: call ``group_rows`` with :attr:`GroupedConfig.block_m` of the configuration launched.
 
 Constraints (:func:`supported`): compute capability 9.x with Gluon, x bf16/fp16 with K a multiple of
-128, signs in the tiled layout of 128-weight K steps (``[S, ceil(N/64), K/128, 64, 16]``), contiguous
+128 up to :data:`MAX_K` (beyond it the int32 sums could overflow), signs in the tiled layout of 128-weight K steps (``[S, ceil(N/64), K/128, 64, 16]``), contiguous
 and 16-byte aligned, y ``[M, N]`` with unit stride along N.
 """
 from __future__ import annotations
@@ -280,7 +281,8 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
 
     Args:
-        x: ``[M, K]`` bf16/fp16 (:func:`supported`: K a multiple of 128, unit stride along K).
+        x: ``[M, K]`` bf16/fp16 (:func:`supported`: K a multiple of 128 up to :data:`MAX_K`, unit stride
+            along K).
         signs: ``deltafleet.kernels.tile_signs`` of the ``[S, N, K/8]`` signs: uint8
             ``[S, ceil(N/64), K/128, 64, 16]``, contiguous, 16-byte aligned.
         alphas: float32 ``[S]`` (one per matrix) or ``[S, N]`` (per feature), contiguous rows.
@@ -410,7 +412,7 @@ if HAVE_GLUON:
     def _gp_consume(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
                     ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr):
         """Feature tiles ``T0 … T0 + NW − 1`` of the program's NSUB, as one warpgroup: the K loop of
-        int8 wgmmas (A: the tile's sign bits as 0/1 bytes in registers, B: the block's planes), then
+        int8 wgmmas (A: the tile's sign bits as bytes 0 or −128 in registers, B: the block's planes), then
         the epilogue into y."""
         (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
         BK: gl.constexpr = p_desc.block_type.shape[1]
