@@ -73,17 +73,18 @@ TMA fills with zeros: it adds nothing.
 
 Epilogue, per consumer and feature tile, in the accumulator's own register layout (no shared-memory
 scratch): ``(hi, lo)`` = the accumulator's column pairs (int32, held by one thread) divided by −128
-(exactly: ``−(acc >> 7)``), ``s·x = scale·(512·hi + 2·lo − Σq)`` in float32 (``Σq`` of the quantised row, from
-:func:`sorted_planes`), times ``α_t`` (per feature, ``[S, N]``, or one per matrix, ``[S]``), added to
-``y`` at row ``order[first + i]`` for the live rows (``i < first[b + 1] − first[b]``, the same variant,
-``< M``) and features ``< N``, rounded once to ``y``'s dtype. Each (row, feature) belongs to exactly
-one program, so no atomics are needed. Live rows are bounded by the next block's start, so groups cut
-with a *smaller* ``block_m`` than the kernel's are still right (just slower); a *larger* one would
-drop rows: call ``group_rows`` with :attr:`GroupedConfig.block_m` of the configuration launched.
+(exactly: ``−(acc >> 7)``), ``s·x = scale·(512·hi + 2·lo − Σq)`` in float32 (``Σq`` of the quantised
+row, from :func:`sorted_planes`), times ``α_t`` (per feature, ``[S, N]``, or one per matrix, ``[S]``),
+added to ``y`` at row ``order[first + i]`` for the live rows (``i < first[b + 1] − first[b]``, the same
+variant, ``< M``) and features ``< N``, rounded once to ``y``'s dtype. Each (row, feature) belongs to
+exactly one program, so no atomics are needed. Live rows are bounded by the next block's start, so
+groups cut with a *smaller* ``block_m`` than the kernel's are still right (just slower); a *larger* one
+would drop rows: call ``group_rows`` with :attr:`GroupedConfig.block_m` of the configuration launched.
 
 Constraints (:func:`supported`): compute capability 9.x with Gluon, x bf16/fp16 with K a multiple of
-128 up to :data:`MAX_K` (beyond it the int32 sums could overflow), signs in the tiled layout of 128-weight K steps (``[S, ceil(N/64), K/128, 64, 16]``), contiguous
-and 16-byte aligned, y ``[M, N]`` with unit stride along N.
+128 up to :data:`MAX_K` (beyond it the int32 sums could overflow), signs in the tiled layout of
+128-weight K steps (``[S, ceil(N/64), K/128, 64, 16]``), contiguous and 16-byte aligned, y ``[M, N]``
+with unit stride along N.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ if HAVE_GLUON:
 TILE_N = 64    # features per sign tile: the wgmma's M
 TILE_K = 128   # weights per sign tile (tile_signs' K step): 64 rows × 16 bytes, one contiguous KiB
 SMEM_PER_BLOCK = 232448  # bytes of shared memory one Hopper block may use (227 KiB)
-MAX_K = 130944  # int32 sums of K products up to 128·128 (sign bytes −128·s' times plane bytes) stay below 2³¹
+MAX_K = 130944  # K products of up to 128·128 (sign bytes −128·s', plane bytes) stay below 2³¹ in int32
 
 
 class GroupedConfig(NamedTuple):
@@ -196,16 +197,17 @@ def choose_config(n: int, max_blocks: int, block_m: int = 16, sms: int = 132) ->
 
 def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = None) -> bool:
     """Whether :func:`add_sign_products_planes` can run: Gluon and a CUDA device of compute capability
-    9.x, x a 2-D bf16/fp16 tensor with K a positive multiple of 128 up to :data:`MAX_K`, signs contiguous and 16-byte
-    aligned in ``deltafleet.kernels.tile_signs``' layout (``[S, ceil(N/64), K/128, 64, 16]`` uint8),
-    and (if given) y ``[M, N]`` in x's dtype or float32 with unit stride along N."""
+    9.x, x a 2-D bf16/fp16 tensor with K a positive multiple of 128 up to :data:`MAX_K`, signs
+    contiguous and 16-byte aligned in ``deltafleet.kernels.tile_signs``' layout
+    (``[S, ceil(N/64), K/128, 64, 16]`` uint8), and (if given) y ``[M, N]`` in x's dtype or float32
+    with unit stride along N."""
     if not HAVE_GLUON or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % TILE_K or x.shape[1] == 0:
         return False
-    if x.shape[1] > MAX_K:  # int32 sums of K products of ±128·128 would overflow
-        return False
     m, k = x.shape
+    if k > MAX_K:  # the int32 sums could overflow
+        return False
     if (signs.dtype != torch.uint8 or signs.dim() != 5 or tuple(signs.shape[2:]) != (k // TILE_K, TILE_N, 16)
             or not signs.is_contiguous() or signs.data_ptr() % 16 or signs.device != x.device):
         return False

@@ -335,7 +335,6 @@ def complete_together(engine, jobs: list[tuple]) -> list[list[int]]:
     return results
 
 
-
 def decode_alone(model, prompt: list[int], delta, steps: int) -> list[torch.Tensor]:
     """Greedy decode of one sequence through the one-variant path of ``model``
     (serve/model.py, a contiguous cache): the float32 logits of every step."""
