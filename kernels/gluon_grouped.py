@@ -67,6 +67,16 @@ a variant's short run than wgmma's blocks of 16; for decode steps of up to 64 ro
 path (``triton_grouped.grouped_block_m``), above that the wgmma's larger blocks expand each sign tile
 fewer times.
 
+Bit accumulators (``bitacc``, with ``sync_mma`` and ``BLOCK_K`` 256): the expansion above costs two
+instructions per four weights and runs once per K chunk. Instead, each thread loads its share of the K
+step's sign bytes into A registers once, viewed as ``[64, 32]`` bytes (``_STEP_BYTES``: row r, column
+``16u + b`` is byte b of row r of the step's tile u), and chunk c multiplies ``byte & 2^c`` (one AND per
+four weights: bytes 0 or 2^c, −128 for c = 7) into its own accumulator, so each of the eight sums has
+one scale. :func:`sorted_planes` (``bits=True``) writes the planes so that column ``32c + s`` of each
+256-block holds logical K ``128·(s // 16) + 8·(s % 16) + c``, the weight of bit c of that byte; rows
+are K rounded up to 256 wide, zeros past K. After the K loop ``s'·plane = Σ_{c<7} acc_c / 2^c − acc_7 /
+128``, each division exact. Eight accumulators per feature tile cost 8·``block_m`` registers.
+
 With ``BLOCK_K`` 256 the last step of an odd number of 128-weight tiles reads a sign tile past the
 feature tile's K range (the next tile's bits, or zeros past the tensor) against planes past K, which
 TMA fills with zeros: it adds nothing.
@@ -95,7 +105,7 @@ import triton
 import triton.language as tl
 
 from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
-from deltafleet.kernels.gluon_planes import _row_planes
+from deltafleet.kernels.gluon_planes import _round_q, _row_inv, _row_planes
 from deltafleet.kernels.gluon_prefill_rs import multiprocessors
 
 if HAVE_GLUON:
@@ -132,6 +142,8 @@ class GroupedConfig(NamedTuple):
             flight (fewer live A registers); 0: wait only at the end of the step. Register operand only.
         sync_mma: multiply by ``mma.sync`` per warp (m16n8k32) instead of the warpgroup's wgmma, whose
             register operand makes each K step wait for its own products (module docstring).
+        bitacc: with ``sync_mma`` and ``block_k`` 256, one accumulator per sign bit position (module
+            docstring, "Bit accumulators"): one instruction per four weights instead of two.
     """
 
     block_m: int
@@ -142,6 +154,7 @@ class GroupedConfig(NamedTuple):
     regs: int
     inflight: int = 0
     sync_mma: bool = False
+    bitacc: bool = False
 
     def smem(self) -> int:
         """Bytes of the ring: per stage the sign tiles and the block's planes (the barriers come on
@@ -156,7 +169,8 @@ class GroupedConfig(NamedTuple):
 # loader's share too (``setmaxnreg``), so 80 still leaves it 136, and three programs fit a multiprocessor
 # by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile.
 CONFIGS: dict[int, tuple[GroupedConfig, ...]] = {
-    8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True), ),
+    8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True),
+        GroupedConfig(8, 128, 256, 4, 1, 96, sync_mma=True, bitacc=True)),
     16: (GroupedConfig(16, 128, 256, 4, 1, 80), GroupedConfig(16, 256, 256, 4, 1, 128),
          GroupedConfig(16, 64, 256, 6, 1, 80), GroupedConfig(16, 256, 256, 4, 2, 128)),
     32: (GroupedConfig(32, 128, 256, 4, 1, 128), GroupedConfig(32, 64, 256, 4, 1, 80),
@@ -218,20 +232,46 @@ def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = Non
     return True
 
 
+@triton.jit
+def _row_planes_bits(x_ptr, r, out, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK: tl.constexpr):
+    """As ``gluon_planes._row_planes``, in the bit accumulators' K order: planes rows ``KP`` wide (K
+    rounded up to 256, zeros past K), physical column ``32c + s`` of each 256-block holding logical
+    ``128·(s // 16) + 8·(s % 16) + c``: bit c of byte ``s % 16`` of sign tile ``s // 16``."""
+    offs = tl.arange(0, BLOCK)
+    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
+    qsum = tl.zeros([BLOCK], tl.int32)
+    for k0 in range(0, KP, BLOCK):
+        kp = k0 + offs
+        s = kp % 32
+        kl = (kp // 256) * 256 + 128 * (s // 16) + 8 * (s % 16) + (kp % 256) // 32
+        q = _round_q(tl.load(x_ptr + r * stride_xm + kl, mask=kl < K, other=0.0).to(tl.float32) * inv)
+        hi = (q + 128) >> 8
+        lo = q - hi * 256
+        tl.store(p_ptr + (2 * out) * KP + kp, hi.to(tl.int8), mask=kp < KP)
+        tl.store(p_ptr + (2 * out + 1) * KP + kp, lo.to(tl.int8), mask=kp < KP)
+        qsum += q
+    tl.store(sc_ptr + 2 * out, a / 32639.0)
+    tl.store(sc_ptr + 2 * out + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
+
+
 @triton.jit(do_not_specialize=["NSLOT"])
-def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, stride_xm, NSLOT, BLOCK: tl.constexpr):
+def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, KP, stride_xm, NSLOT, BLOCK: tl.constexpr,
+                          BITS: tl.constexpr):
     """Program i: sorted row i = x row ``order[i]``, unless it is a base row (``key[i] ≥ NSLOT``, whose
     planes no store ever uses: left unwritten). As ``gluon_planes._planes_kernel``: ``scale =
     max|x|/PLANE_MAX``, ``q = round(x/scale)``, planes ``p[2i] = hi``, ``p[2i + 1] = lo`` with ``q =
-    256·hi + lo`` in the permuted K order (logical ``4a + j`` of each 32-block ← physical ``a + 8j``),
-    ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
+    256·hi + lo`` in the permuted K order (logical ``4a + j`` of each 32-block ← physical ``a + 8j``; with
+    ``BITS``, :func:`_row_planes_bits`' order), ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
     i = tl.program_id(0)
     if tl.load(key_ptr + i) >= NSLOT:
         return
-    _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, stride_xm, BLOCK)
+    if BITS:
+        _row_planes_bits(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK)
+    else:
+        _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, stride_xm, BLOCK)
 
 
-def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int
+def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int, bits: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 activation planes of x's rows in sorted order (``gluon_planes.activation_planes`` of
     ``x[order]``, without forming ``x[order]``).
@@ -240,6 +280,8 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
         x: ``[M, K]`` bf16/fp16, K a multiple of 32, unit stride along K.
         order, key: int32 ``[M]``, ``RowGroups.order`` and ``RowGroups.key``.
         n_slots: S; sorted rows with ``key ≥ S`` (base rows) are skipped.
+        bits: the bit accumulators' order (:func:`_row_planes_bits`): rows K rounded up to 256 wide,
+            permuted within 256-blocks, zeros past K.
 
     Returns:
         ``(planes, sc)``: int8 ``[2M, K]`` (rows ``2i``, ``2i + 1``: hi and lo bytes of x row
@@ -248,11 +290,12 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
         Rows of base rows are left uninitialised.
     """
     m, k = x.shape
-    planes = torch.empty(2 * m, k, dtype=torch.int8, device=x.device)
+    kp = triton.cdiv(k, 256) * 256 if bits else k
+    planes = torch.empty(2 * m, kp, dtype=torch.int8, device=x.device)
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     if m:
-        _sorted_planes_kernel[(m,)](x, order, key, planes, sc, k, x.stride(0), n_slots,
-                                    BLOCK=min(8192, triton.next_power_of_2(k)), num_warps=8)
+        _sorted_planes_kernel[(m,)](x, order, key, planes, sc, k, kp, x.stride(0), n_slots,
+                                    BLOCK=min(8192, triton.next_power_of_2(kp)), BITS=bits, num_warps=8)
     return planes, sc
 
 
@@ -276,6 +319,8 @@ def _check_config(cfg: GroupedConfig) -> None:
                          "warpgroups (1, 2 or 4) of whole 64-feature tiles")
     if cfg.stages < 2:
         raise ValueError(f"stages must be 2 or more, got {cfg.stages}")
+    if cfg.bitacc and not (cfg.sync_mma and cfg.block_k == 256):
+        raise ValueError("bitacc needs sync_mma and block_k 256")
 
 
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
@@ -315,14 +360,15 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     if m == 0:
         return y
     s = signs.shape[0]
-    planes, sc = sorted_planes(x, groups.order, groups.key, s)
+    planes, sc = sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc)
     s_desc, p_desc = _descriptors(signs, planes, cfg)
     grid = (groups.max_blocks, triton.cdiv(n, cfg.block_n))  # blocks fastest: see the module docstring
     _grouped_planes_kernel[grid](
         s_desc, p_desc, groups.order, groups.key, groups.first, sc, alphas, y,
         m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
-        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, num_warps=4, maxnreg=cfg.regs)
+        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, BITACC=cfg.bitacc, num_warps=4,
+        maxnreg=cfg.regs)
     return y
 
 
@@ -350,7 +396,7 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
                   CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma,
-                  num_warps=4)
+                  BITACC=cfg.bitacc, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = _grouped_planes_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -448,12 +494,13 @@ if HAVE_GLUON:
             fence_async_shared()  # the sign words' shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
-        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW)
+        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, True)
 
     @gluon.jit
     def _gp_epilogue(acc, first, slot, off_n, M, N, q, BM: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
-                     ALPHA_PER_ROW: gl.constexpr):
-        """Add ``α·(s·x)`` of the consumer's NW feature tiles (int32 accumulators ``[64, 2·BM]``) into y."""
+                     ALPHA_PER_ROW: gl.constexpr, NEG128: gl.constexpr):
+        """Add ``α·(s·x)`` of the consumer's NW feature tiles (int32 accumulators ``[64, 2·BM]`` of
+        ``s'·plane``, or of ``−128·s'·plane`` with ``NEG128``) into y."""
         (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
         # epilogue, in the accumulator's own layout (no shared-memory scratch, no layout conversion):
         # (hi, lo) of row i are the accumulator's columns (2i, 2i + 1), which one thread holds
@@ -471,8 +518,9 @@ if HAVE_GLUON:
         yrow = gl.expand_dims(orow * stride_ym, 0)
         for t in gl.static_range(NW):
             hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
-            hi = -(hi >> 7)  # sums of −128·s'·plane: exact multiples of −128
-            lo = -(lo >> 7)
+            if NEG128:
+                hi = -(hi >> 7)  # sums of −128·s'·plane: exact multiples of −128
+                lo = -(lo >> 7)
             feat = off_n + (T0 + t) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
             fmask = feat < N
             if ALPHA_PER_ROW:
@@ -519,14 +567,123 @@ if HAVE_GLUON:
             fence_async_shared()  # the shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
-        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW)
+        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, True)
+
+    # the sign bytes of one K step (two 128-weight tiles of 64 rows × 16 bytes) as ``[64, 32]``: row r,
+    # column 16·u + b is byte b of row r of tile u (the mma's A fragment then holds, per thread and row,
+    # word t of tile 0 and word t of tile 1)
+    _STEP_BYTES = gl.constexpr(gl.SharedLinearLayout(
+        offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [32, 0], [0, 16]]))
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _as_step_bytes(buf):
+            return buf.reinterpret(gl.int8, [64, 32], _STEP_BYTES)
+    else:
+        @gluon.jit
+        def _as_step_bytes(buf):
+            return buf._reinterpret(gl.int8, [64, 32], _STEP_BYTES)
+
+    @gluon.jit
+    def _and(w, MASK: gl.constexpr):
+        """``w & MASK`` on each packed register of four int8 (``MASK`` spelt as a PTX literal)."""
+        return gl.inline_asm_elementwise("and.b32 $0, $1, " + MASK + ";", "=r,r", [w], dtype=gl.int8, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _bit_operand(w, C: gl.constexpr):
+        """Bit C of each sign byte, in place: bytes 0 or 2^C (−128 for C = 7), one AND per four weights."""
+        if C == 0:
+            r = _and(w, "0x01010101")
+        elif C == 1:
+            r = _and(w, "0x02020202")
+        elif C == 2:
+            r = _and(w, "0x04040404")
+        elif C == 3:
+            r = _and(w, "0x08080808")
+        elif C == 4:
+            r = _and(w, "0x10101010")
+        elif C == 5:
+            r = _and(w, "0x20202020")
+        elif C == 6:
+            r = _and(w, "0x40404040")
+        else:
+            r = _and(w, "0x80808080")
+        return r
+
+    @gluon.jit
+    def _bits_chunk(words, pbuf, C: gl.constexpr, acc, NW: gl.constexpr, dot_b: gl.constexpr):
+        """Chunk C of a K step: bit C of every sign byte of the NW tiles by the planes' columns
+        ``32C …``, into the tiles' accumulators of bit C."""
+        b = pbuf.slice(32 * C, 32, dim=1).permute((1, 0)).load(dot_b)                       # [32, 2·BM]
+        new = ()
+        for t in gl.static_range(NW):
+            new = new + (mma_v2(_bit_operand(words[t], C), b, acc[t]), )
+        return new
+
+    @gluon.jit
+    def _bits_total(a0, a1, a2, a3, a4, a5, a6, a7, t: gl.constexpr):
+        """``s'·plane`` of tile t from its eight bit accumulators (bit c's sums are multiples of 2^c; bit
+        7's bytes were −128)."""
+        return (a0[t] + (a1[t] >> 1) + (a2[t] >> 2) + (a3[t] >> 3) + (a4[t] >> 4) + (a5[t] >> 5) + (a6[t] >> 6)
+                - (a7[t] >> 7))
+
+    @gluon.jit
+    def _gp_consume_bits(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                         ALPHA_PER_ROW: gl.constexpr):
+        """As :func:`_gp_consume_mma` with one accumulator per sign bit position (``bitacc``): the K step's
+        sign bytes are loaded into A registers once, and chunk c of the step multiplies bit c of all of
+        them (``byte & 2^c``, one AND per four weights) by planes columns ``32c …``, which
+        :func:`sorted_planes` wrote in that order; the eight sums are combined once, after the loop."""
+        (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
+        BK: gl.constexpr = p_desc.block_type.shape[1]
+        gl.static_assert(BK == 256, "bit accumulators take 256-weight K steps")
+        BM2: gl.constexpr = p_desc.block_type.shape[0]
+        BM: gl.constexpr = BM2 // 2
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=4)
+
+        a0 = _int_accumulators(NW, BM2, acc_l)
+        a1 = _int_accumulators(NW, BM2, acc_l)
+        a2 = _int_accumulators(NW, BM2, acc_l)
+        a3 = _int_accumulators(NW, BM2, acc_l)
+        a4 = _int_accumulators(NW, BM2, acc_l)
+        a5 = _int_accumulators(NW, BM2, acc_l)
+        a6 = _int_accumulators(NW, BM2, acc_l)
+        a7 = _int_accumulators(NW, BM2, acc_l)
+        for ki in range(gl.cdiv(K, BK)):
+            stage = ki % STAGES
+            mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
+            pbuf = p_smem.index(stage)
+            words = ()
+            for t in gl.static_range(NW):
+                words = words + (_as_step_bytes(s_smem.index(stage * NSUB + T0 + t)).load(dot_a), )
+            a0 = _bits_chunk(words, pbuf, 0, a0, NW, dot_b)
+            a1 = _bits_chunk(words, pbuf, 1, a1, NW, dot_b)
+            a2 = _bits_chunk(words, pbuf, 2, a2, NW, dot_b)
+            a3 = _bits_chunk(words, pbuf, 3, a3, NW, dot_b)
+            a4 = _bits_chunk(words, pbuf, 4, a4, NW, dot_b)
+            a5 = _bits_chunk(words, pbuf, 5, a5, NW, dot_b)
+            a6 = _bits_chunk(words, pbuf, 6, a6, NW, dot_b)
+            a7 = _bits_chunk(words, pbuf, 7, a7, NW, dot_b)
+            fence_async_shared()  # the shared loads come before the loader's next copy
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        acc = ()
+        for t in gl.static_range(NW):
+            acc = acc + (_bits_total(a0, a1, a2, a3, a4, a5, a6, a7, t), )
+        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, False)
 
     @gluon.jit
     def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
-                   ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr):
+                   ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr,
+                   BITACC: gl.constexpr):
         """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``."""
         if LOADER:
             _gp_load(p, NSUB, STAGES)
+        elif BITACC:
+            _gp_consume_bits(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
         elif SYNC_MMA:
             _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
         else:
@@ -539,7 +696,7 @@ if HAVE_GLUON:
                                M, N, K, NSLOT, NBLK, stride_as, stride_ym,
                                ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
-                               SYNC_MMA: gl.constexpr, num_warps: gl.constexpr):
+                               SYNC_MMA: gl.constexpr, BITACC: gl.constexpr, num_warps: gl.constexpr):
         """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
         first = gl.load(first_ptr + gl.program_id(0))
         if first < M:  # programs past the last block do nothing
@@ -562,24 +719,25 @@ if HAVE_GLUON:
             # consumer 0 is the default partition; the other consumers and the loader warp are workers
             # (a partition list is a literal: Gluon tuples cannot hold functions)
             SM: gl.constexpr = SYNC_MMA
+            BA: gl.constexpr = BITACC
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
                 ], [1], [24])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
                 ], [4, 1], [CONS_REGS, 24])
             elif CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")

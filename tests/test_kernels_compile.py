@@ -409,9 +409,9 @@ def test_grouped_int8_kernel_compiles_without_serialised_wgmmas_or_spills(compil
     grouped = {k: v for k, v in compiled.items() if k.startswith("grouped-planes ")}
     assert len(grouped) == sum(len(c) + 2 for c in gg.CONFIGS.values())
     assert all(v["report"] for v in grouped.values()), "ptxas gave no -v report"
-    # int8 products by the warpgroup's wgmma, or (sync_mma, the last field) by each warp's mma.sync only
+    # int8 products by the warpgroup's wgmma, or (sync_mma) by each warp's mma.sync only
     for k, v in grouped.items():
-        sync = json.loads(k.split(" ", 1)[1])["config"][-1]
+        sync = gg.GroupedConfig(*json.loads(k.split(" ", 1)[1])["config"]).sync_mma
         assert v["igmma"] and (v["sync_mma"] and not v["wgmma"] if sync else v["wgmma"]), (k, v)
     assert all(v["ring"] <= v["shared"] <= v["ring"] + 1024 <= gg.SMEM_PER_BLOCK for v in grouped.values()), grouped
     serialized = sorted(k for k, v in grouped.items() if v["serialized"])

@@ -119,6 +119,52 @@ def test_sorted_planes_are_the_planes_of_the_rows_in_sorted_order():
     assert torch.equal(sc.cpu()[live], ref_sc.cpu()[live])
 
 
+@pytest.mark.skipif(not gg.HAVE_GLUON, reason="needs Gluon's layouts")
+@pytest.mark.parametrize("k", [256, 384, 768])
+def test_bit_accumulator_planes_pair_each_sign_bit_with_its_activation(k):
+    """``bitacc``: chunk c of a K step multiplies bit c of the ``[64, 32]`` view of the step's two sign
+    tiles (``_STEP_BYTES``, read here through its offset bases) by planes columns ``32c …`` that
+    ``sorted_planes(bits=True)`` wrote. Emulated in integers: the eight sums of each feature equal
+    ``s'·q`` of the quantised row, exactly, including a last step whose second tile lies past K (its
+    bits are the next feature tile's, here random, against zero planes)."""
+    g = torch.Generator().manual_seed(k)
+    m, tenants = 3, 2
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    slot = torch.tensor([1, 0, 1], dtype=torch.int32)
+    signs = torch.stack([pack_signs(torch.randn(64, k, generator=g)) for _ in range(tenants)])
+    groups = group_rows(slot.to(DEVICE), tenants, 8)
+    planes, sc = gg.sorted_planes(x.to(DEVICE), groups.order, groups.key, tenants, bits=True)
+    planes, sc, order = planes.cpu().long(), sc.cpu(), groups.order.cpu().long()
+    kp = -(-k // 256) * 256
+    assert planes.shape == (2 * m, kp)
+    # the view: offset o of the step's 2048 bytes holds element (row, col) = XOR of the bases of o's bits
+    bases = gg._STEP_BYTES.value.offset_bases if hasattr(gg._STEP_BYTES, "value") else gg._STEP_BYTES.offset_bases
+    where = torch.zeros(64, 32, dtype=torch.long)
+    for o in range(2048):
+        r = c = 0
+        for i, (br, bc) in enumerate(bases):
+            if o >> i & 1:
+                r, c = r ^ br, c ^ bc
+        where[r, c] = o
+    assert where.unique().numel() == 2048
+    _, quant, scale = _sign_terms(x, signs, torch.ones(tenants), slot, k)
+    for i in range(m):  # sorted row i is x row order[i]
+        t = int(slot[order[i]])
+        tiles = tile_signs(signs[t:t + 1])[0, 0]                           # [K/128, 64, 16]
+        tiles = torch.cat([tiles, torch.randint(0, 256, (1, 64, 16), generator=g, dtype=torch.uint8)])
+        hi, lo = planes[2 * i], planes[2 * i + 1]
+        total = torch.zeros(64, dtype=torch.long)
+        for st in range(kp // 256):
+            step = tiles[2 * st:2 * st + 2].reshape(-1).long()               # the stage's 2048 bytes
+            view = step[where]                                              # [64, 32]
+            for c in range(8):
+                bit = (view >> c) & 1
+                cols = slice(256 * st + 32 * c, 256 * st + 32 * c + 32)
+                total += bit @ (256 * hi[cols] + lo[cols])
+        sdot = scale[order[i]] * (2 * total.double() - sc[i, 1].double())   # s·q = 2·(s'·q) − Σq
+        assert torch.equal(sdot, quant[order[i]]), f"sorted row {i}"
+
+
 def test_configurations_are_ones_the_kernel_takes():
     """Every entry of the table is launchable (``_check_config``), filed under its own block_m, within
     one block's shared memory; the chooser takes the first with two programs per multiprocessor, else
