@@ -78,7 +78,9 @@ class Grammars:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_grammar(json_grammar(json.dumps(string_lengths(json.loads(spec), param))))
+                schema = json.loads(spec)
+                enforceable(schema, param)
+                return compiler.compile_grammar(json_grammar(json.dumps(string_lengths(schema, param))))
             if kind == "json_object":  # any object: not strict, or a schema without properties allows only {}
                 return compiler.compile_grammar(json_grammar('{"type": "object"}', strict=False))
             if kind == "regex":
@@ -91,13 +93,21 @@ class Grammars:
                 import xgrammar as xgr
 
                 asked = json.loads(spec)
-                schema = string_lengths(tools.call_schema(asked["tools"], asked["name"]), param)
+                schema = tools.call_schema(asked["tools"], asked["name"])
+                enforceable(schema, param)
+                schema = string_lengths(schema, param)
                 return compiler.compile_grammar(str(xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf(f'root ::= "{tools.START}"'),
                     xgr.Grammar.from_ebnf(json_grammar(json.dumps(schema))),
                     xgr.Grammar.from_ebnf(f'root ::= "{tools.END}"'))))
+        except InvalidRequestError:
+            raise
+        except RecursionError:
+            raise InvalidRequestError(f"the {kind} constraint nests too deeply to be compiled", param,
+                                      "invalid_constraint") from None
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from these
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LIBRARY_PREFIX.sub("", first)  # xgrammar's "[12:15:19] /project/cpp/x.cc:5082: "
             raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {first[:300]}", param,
                                       "invalid_constraint") from None
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -153,6 +163,56 @@ def choice_grammar(choices: list[str]) -> str:
 # What a string of a JSON Schema with minLength/maxLength may hold (xgrammar 0.2.9 lets control
 # characters into such strings, which no JSON parser takes): no quote, backslash or control character.
 _PLAIN = r'[^"\\\x00-\x1f]'
+
+
+_LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# keywords xgrammar (0.2.9) accepts but does not hold the output to: refused rather than ignored
+_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+               "dependentSchemas", "dependencies")
+# what may sit beside a lone ``allOf`` (xgrammar holds one subschema, but not siblings or a second one)
+_BESIDE_ALLOF = {"allOf", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                 "writeOnly", "$defs", "definitions", "$schema", "$id"}
+# keywords whose value is a map of names to schemas, and those whose value is a schema or a list of them
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+
+
+def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
+    """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
+    ``uniqueItems: true``, and ``allOf`` with more than one subschema or with constraints beside it
+    (xgrammar accepts them and ignores them, so the output could break the schema).
+
+    Raises:
+        InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
+    """
+    if isinstance(schema, list):
+        for i, s in enumerate(schema):
+            enforceable(s, param, f"{where}.{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+
+    def refuse(key: str, why: str = ""):
+        raise InvalidRequestError(f"`{key}` (at {where}.{key}) is not supported in structured output: the grammar "
+                                  f"would not enforce it{why}", param, "invalid_constraint")
+
+    for key in _UNENFORCED:
+        if key in schema:
+            refuse(key)
+    if schema.get("uniqueItems") is True:
+        refuse("uniqueItems")
+    if "allOf" in schema:
+        sub = schema["allOf"]
+        if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:
+            refuse("allOf", " (only one subschema, with nothing but annotations beside it, is)")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, s in schema[key].items():
+                enforceable(s, param, f"{where}.{key}.{name}")
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            enforceable(schema[key], param, f"{where}.{key}")
 
 
 def string_lengths(schema, param: str = "response_format"):

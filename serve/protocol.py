@@ -129,10 +129,10 @@ TokenId = Annotated[int, Field(ge=0, strict=True)]  # and below the vocabulary s
 
 
 class JsonSchemaFormat(BaseModel):
-    name: str = Field("response", max_length=64)
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output follows")
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class ResponseFormat(BaseModel):
@@ -444,7 +444,8 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object)")
-    strict: bool | None = Field(None, description="accepted; required and named calls always follow the schema")
+    strict: bool | None = Field(None, strict=True,
+                                description="accepted; required and named calls always follow the schema")
 
 
 class Tool(BaseModel):

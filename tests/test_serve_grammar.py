@@ -4,6 +4,7 @@ client (``response_format``, ``beta.chat.completions.parse``, vLLM's ``guided_*`
 from __future__ import annotations
 
 import json
+import re
 
 import pydantic
 import pytest
@@ -133,6 +134,43 @@ def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
     for seed in range(3):
         text, ended = _walk(grammars, grammars.compile("choice", json.dumps(["😀x", "b"])), seed)
         assert ended and text in ("😀x", "b"), text
+
+
+@pytest.mark.parametrize("schema, keyword, where", [
+    ({"type": "integer", "not": {"const": 3}}, "not", "schema.not"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}}, "if",
+     "schema.if"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     "uniqueItems", "schema.properties.xs.uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains", "schema.contains"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired", "schema.dependentRequired"),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}, "allOf",
+     "schema.allOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}, "allOf",
+     "schema.allOf"),
+    ({"$defs": {"P": {"anyOf": [{"type": "null"}, {"type": "integer", "not": {"const": 0}}]}}, "$ref": "#/$defs/P"},
+     "not", "schema.$defs.P.anyOf.1.not"),
+])
+def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
+    """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
+    first, "3" would pass): a 400 naming the keyword and where it sits, not a grammar that lets the
+    output break the schema."""
+    with pytest.raises(InvalidRequestError, match=f"`{keyword}` \\(at {re.escape(where)}\\.?") as e:
+        grammars.compile("json", json.dumps(schema), "guided_json")
+    assert e.value.param == "guided_json" and e.value.code == "invalid_constraint"
+
+
+def test_what_the_library_holds_is_still_taken(grammars):
+    """A property that happens to be called ``not``, ``uniqueItems: false``, and one ``allOf``
+    subschema beside annotations and ``$defs`` (as pydantic writes a described model field) compile,
+    and the last holds the output to its subschema."""
+    grammars.compile("json", json.dumps({"type": "object", "properties": {"not": {"type": "integer"}, "if": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": False}}, "required": ["not"]}))
+    one = {"allOf": [{"$ref": "#/$defs/A"}], "description": "a number", "$defs": {"A": {"type": "integer"}}}
+    for seed in range(3):
+        text, ended = _walk(grammars, grammars.compile("json", json.dumps(one)), seed)
+        assert ended and isinstance(json.loads(text), int), text
 
 
 def test_regex_choice_and_any_object(grammars):
@@ -275,4 +313,11 @@ def test_bad_constraints_are_400s_that_name_the_field(client):
     err = api_error(httpx.post(f"{url}completions", json={"model": "tiny", "prompt": "x", "guided_json": deep},
                                timeout=30), 400)
     assert err["param"] == "guided_json" and "nested too deeply" in err["message"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}
+    for fmt, param, what in (({"name": "x", "schema": schema}, "response_format", "`allOf` (at schema.allOf)"),
+                             ({"name": "x", "schema": {}, "strict": "yes"}, "response_format", "strict"),
+                             ({"name": "bad name!", "schema": {}}, "response_format", "name")):
+        err = api_error(httpx.post(f"{url}chat/completions", json=body | {
+            "response_format": {"type": "json_schema", "json_schema": fmt}}, timeout=30), 400)
+        assert err["param"].startswith(param) and what in err["message"], err
     assert client.models.list().data  # and the server goes on
