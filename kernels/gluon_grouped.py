@@ -105,7 +105,7 @@ import triton
 import triton.language as tl
 
 from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
-from deltafleet.kernels.gluon_planes import _round_q, _row_inv, _row_planes
+from deltafleet.kernels.gluon_planes import _row_planes
 from deltafleet.kernels.gluon_prefill_rs import multiprocessors
 
 if HAVE_GLUON:
@@ -232,28 +232,6 @@ def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = Non
     return True
 
 
-@triton.jit
-def _row_planes_bits(x_ptr, r, out, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK: tl.constexpr):
-    """As ``gluon_planes._row_planes``, in the bit accumulators' K order: planes rows ``KP`` wide (K
-    rounded up to 256, zeros past K), physical column ``32c + s`` of each 256-block holding logical
-    ``128·(s // 16) + 8·(s % 16) + c``: bit c of byte ``s % 16`` of sign tile ``s // 16``."""
-    offs = tl.arange(0, BLOCK)
-    a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
-    qsum = tl.zeros([BLOCK], tl.int32)
-    for k0 in range(0, KP, BLOCK):
-        kp = k0 + offs
-        s = kp % 32
-        kl = (kp // 256) * 256 + 128 * (s // 16) + 8 * (s % 16) + (kp % 256) // 32
-        q = _round_q(tl.load(x_ptr + r * stride_xm + kl, mask=kl < K, other=0.0).to(tl.float32) * inv)
-        hi = (q + 128) >> 8
-        lo = q - hi * 256
-        tl.store(p_ptr + (2 * out) * KP + kp, hi.to(tl.int8), mask=kp < KP)
-        tl.store(p_ptr + (2 * out + 1) * KP + kp, lo.to(tl.int8), mask=kp < KP)
-        qsum += q
-    tl.store(sc_ptr + 2 * out, a / 32639.0)
-    tl.store(sc_ptr + 2 * out + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
-
-
 @triton.jit(do_not_specialize=["NSLOT"])
 def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, KP, stride_xm, NSLOT, BLOCK: tl.constexpr,
                           BITS: tl.constexpr):
@@ -261,14 +239,11 @@ def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, KP, strid
     planes no store ever uses: left unwritten). As ``gluon_planes._planes_kernel``: ``scale =
     max|x|/PLANE_MAX``, ``q = round(x/scale)``, planes ``p[2i] = hi``, ``p[2i + 1] = lo`` with ``q =
     256·hi + lo`` in the permuted K order (logical ``4a + j`` of each 32-block ← physical ``a + 8j``; with
-    ``BITS``, :func:`_row_planes_bits`' order), ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
+    ``BITS``, the bit accumulators' order), ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
     i = tl.program_id(0)
     if tl.load(key_ptr + i) >= NSLOT:
         return
-    if BITS:
-        _row_planes_bits(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK)
-    else:
-        _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, stride_xm, BLOCK)
+    _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK, BITS)
 
 
 def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int, bits: bool = False
@@ -280,7 +255,7 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
         x: ``[M, K]`` bf16/fp16, K a multiple of 32, unit stride along K.
         order, key: int32 ``[M]``, ``RowGroups.order`` and ``RowGroups.key``.
         n_slots: S; sorted rows with ``key ≥ S`` (base rows) are skipped.
-        bits: the bit accumulators' order (:func:`_row_planes_bits`): rows K rounded up to 256 wide,
+        bits: the bit accumulators' order (module docstring): rows K rounded up to 256 wide,
             permuted within 256-blocks, zeros past K.
 
     Returns:
@@ -591,34 +566,14 @@ if HAVE_GLUON:
                                          pack=4)
 
     @gluon.jit
-    def _bit_operand(w, C: gl.constexpr):
-        """Bit C of each sign byte, in place: bytes 0 or 2^C (−128 for C = 7), one AND per four weights."""
-        if C == 0:
-            r = _and(w, "0x01010101")
-        elif C == 1:
-            r = _and(w, "0x02020202")
-        elif C == 2:
-            r = _and(w, "0x04040404")
-        elif C == 3:
-            r = _and(w, "0x08080808")
-        elif C == 4:
-            r = _and(w, "0x10101010")
-        elif C == 5:
-            r = _and(w, "0x20202020")
-        elif C == 6:
-            r = _and(w, "0x40404040")
-        else:
-            r = _and(w, "0x80808080")
-        return r
-
-    @gluon.jit
-    def _bits_chunk(words, pbuf, C: gl.constexpr, acc, NW: gl.constexpr, dot_b: gl.constexpr):
-        """Chunk C of a K step: bit C of every sign byte of the NW tiles by the planes' columns
-        ``32C …``, into the tiles' accumulators of bit C."""
+    def _bits_chunk(words, pbuf, C: gl.constexpr, MASK: gl.constexpr, acc, NW: gl.constexpr, dot_b: gl.constexpr):
+        """Chunk C of a K step: bit C of every sign byte of the NW tiles (``& MASK``, ``MASK`` = 2^C in
+        each byte: bytes 0 or 2^C, −128 for C = 7) by the planes' columns ``32C …``, into the tiles'
+        accumulators of bit C."""
         b = pbuf.slice(32 * C, 32, dim=1).permute((1, 0)).load(dot_b)                       # [32, 2·BM]
         new = ()
         for t in gl.static_range(NW):
-            new = new + (mma_v2(_bit_operand(words[t], C), b, acc[t]), )
+            new = new + (mma_v2(_and(words[t], MASK), b, acc[t]), )
         return new
 
     @gluon.jit
@@ -659,14 +614,14 @@ if HAVE_GLUON:
             words = ()
             for t in gl.static_range(NW):
                 words = words + (_as_step_bytes(s_smem.index(stage * NSUB + T0 + t)).load(dot_a), )
-            a0 = _bits_chunk(words, pbuf, 0, a0, NW, dot_b)
-            a1 = _bits_chunk(words, pbuf, 1, a1, NW, dot_b)
-            a2 = _bits_chunk(words, pbuf, 2, a2, NW, dot_b)
-            a3 = _bits_chunk(words, pbuf, 3, a3, NW, dot_b)
-            a4 = _bits_chunk(words, pbuf, 4, a4, NW, dot_b)
-            a5 = _bits_chunk(words, pbuf, 5, a5, NW, dot_b)
-            a6 = _bits_chunk(words, pbuf, 6, a6, NW, dot_b)
-            a7 = _bits_chunk(words, pbuf, 7, a7, NW, dot_b)
+            a0 = _bits_chunk(words, pbuf, 0, "0x01010101", a0, NW, dot_b)
+            a1 = _bits_chunk(words, pbuf, 1, "0x02020202", a1, NW, dot_b)
+            a2 = _bits_chunk(words, pbuf, 2, "0x04040404", a2, NW, dot_b)
+            a3 = _bits_chunk(words, pbuf, 3, "0x08080808", a3, NW, dot_b)
+            a4 = _bits_chunk(words, pbuf, 4, "0x10101010", a4, NW, dot_b)
+            a5 = _bits_chunk(words, pbuf, 5, "0x20202020", a5, NW, dot_b)
+            a6 = _bits_chunk(words, pbuf, 6, "0x40404040", a6, NW, dot_b)
+            a7 = _bits_chunk(words, pbuf, 7, "0x80808080", a7, NW, dot_b)
             fence_async_shared()  # the shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 

@@ -210,22 +210,28 @@ def _round_q(v):
 
 
 @triton.jit
-def _row_planes(x_ptr, r, out, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr):
+def _row_planes(x_ptr, r, out, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """x row ``r`` as planes row pair ``out``: ``scale = max|x|/PLANE_MAX``; ``q = round(x/scale)``;
     planes ``p[2·out] = hi``, ``p[2·out+1] = lo`` with ``q = 256·hi + lo``, in the permuted K order
     (logical ``4a + j`` of each 32-block ← physical ``a + 8j``); ``sc[2·out] = scale``,
-    ``sc[2·out+1] = Σq``."""
+    ``sc[2·out+1] = Σq``. Rows are ``KP`` wide (zeros past K). ``BITS``: the grouped kernel's bit
+    accumulators' order instead (``gluon_grouped``): physical ``32c + s`` of each 256-block holds
+    logical ``128·(s // 16) + 8·(s % 16) + c``."""
     offs = tl.arange(0, BLOCK)
     a, inv = _row_inv(x_ptr, r, K, stride_xm, 32639.0, BLOCK)
     qsum = tl.zeros([BLOCK], tl.int32)
-    for k0 in range(0, K, BLOCK):
-        kl = k0 + offs
-        phys = (kl // 32) * 32 + (kl % 32) // 4 + 8 * (kl % 4)
-        q = _round_q(tl.load(x_ptr + r * stride_xm + phys, mask=kl < K, other=0.0).to(tl.float32) * inv)
+    for k0 in range(0, KP, BLOCK):
+        kp = k0 + offs
+        if BITS:
+            s = kp % 32
+            kl = (kp // 256) * 256 + 128 * (s // 16) + 8 * (s % 16) + (kp % 256) // 32
+        else:
+            kl = (kp // 32) * 32 + (kp % 32) // 4 + 8 * (kp % 4)
+        q = _round_q(tl.load(x_ptr + r * stride_xm + kl, mask=kl < K, other=0.0).to(tl.float32) * inv)
         hi = (q + 128) >> 8
         lo = q - hi * 256
-        tl.store(p_ptr + (2 * out) * K + kl, hi.to(tl.int8), mask=kl < K)
-        tl.store(p_ptr + (2 * out + 1) * K + kl, lo.to(tl.int8), mask=kl < K)
+        tl.store(p_ptr + (2 * out) * KP + kp, hi.to(tl.int8), mask=kp < KP)
+        tl.store(p_ptr + (2 * out + 1) * KP + kp, lo.to(tl.int8), mask=kp < KP)
         qsum += q
     tl.store(sc_ptr + 2 * out, a / 32639.0)
     tl.store(sc_ptr + 2 * out + 1, tl.sum(qsum.to(tl.int64), axis=0).to(tl.float32))
@@ -238,7 +244,7 @@ def _planes_kernel(x_ptr, p_ptr, sc_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL:
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
-    _row_planes(x_ptr, r, r, p_ptr, sc_ptr, K, stride_xm, BLOCK)
+    _row_planes(x_ptr, r, r, p_ptr, sc_ptr, K, K, stride_xm, BLOCK, False)
 
 
 def _check_activations(x: torch.Tensor, multiple: int) -> tuple[int, int]:
