@@ -117,7 +117,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from deltafleet.kernels.gluon_bitdelta import _tma_load
-    from deltafleet.kernels.gluon_planes import _as_words
+    from deltafleet.kernels.gluon_planes import _as_view, _as_words
 
 TILE_N = 64    # features per sign tile: the wgmma's M
 TILE_K = 128   # weights per sign tile (tile_signs' K step): 64 rows × 16 bytes, one contiguous KiB
@@ -259,8 +259,8 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
             permuted within 256-blocks, zeros past K.
 
     Returns:
-        ``(planes, sc)``: int8 ``[2M, K]`` (rows ``2i``, ``2i + 1``: hi and lo bytes of x row
-        ``order[i]``, K permuted within 32-blocks) and float32 ``[M, 2]`` (``scale``, ``Σq``), with
+        ``(planes, sc)``: int8 ``[2M, K]`` (K rounded up to 256 with ``bits``; rows ``2i``, ``2i + 1``: hi
+        and lo bytes of x row ``order[i]``, K permuted within 32-blocks) and float32 ``[M, 2]`` (``scale``, ``Σq``), with
         ``x[order[i], k] ≈ scale_i·(256·hi + lo)`` to within ``scale_i/2``, ``scale_i = max|x|/PLANE_MAX``.
         Rows of base rows are left uninitialised.
     """
@@ -550,14 +550,9 @@ if HAVE_GLUON:
     _STEP_BYTES = gl.constexpr(gl.SharedLinearLayout(
         offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [32, 0], [0, 16]]))
 
-    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
-        @gluon.jit
-        def _as_step_bytes(buf):
-            return buf.reinterpret(gl.int8, [64, 32], _STEP_BYTES)
-    else:
-        @gluon.jit
-        def _as_step_bytes(buf):
-            return buf._reinterpret(gl.int8, [64, 32], _STEP_BYTES)
+    @gluon.jit
+    def _as_step_bytes(buf):
+        return _as_view(buf, gl.int8, 64, 32, _STEP_BYTES)
 
     @gluon.jit
     def _and(w, MASK: gl.constexpr):

@@ -99,12 +99,16 @@ if HAVE_GLUON:
     # from 3.7 on
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
         @gluon.jit
-        def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
-            return buf.reinterpret(gl.int32, [BN, W], layout)
+        def _as_view(buf, dtype: gl.constexpr, R: gl.constexpr, C: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(dtype, [R, C], layout)
     else:
         @gluon.jit
-        def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
-            return buf._reinterpret(gl.int32, [BN, W], layout)
+        def _as_view(buf, dtype: gl.constexpr, R: gl.constexpr, C: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(dtype, [R, C], layout)
+
+    @gluon.jit
+    def _as_words(buf, BN: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
+        return _as_view(buf, gl.int32, BN, W, layout)
 
 SMEM_PER_SM = 233472  # bytes of shared memory per Hopper multiprocessor (228 KiB)
 BIT_MAX = 32767    # the largest |q| of the binary-plane copy: 16-bit two's complement
