@@ -397,7 +397,9 @@ class PagedLayer:
         kc, vc = st.cache.k[self.i], st.cache.v[self.i]  # [KV, S, hd]
         if rope is not None:
             assert self.rotates(q)
-            q, k = _rope_store()(q, k, v, *rope, kc, vc, st.kv_slots)
+            # the rotated keys are wanted besides the cache only where prompts attend to their own keys
+            q, rk = _rope_store()(q, k, v, *rope, kc, vc, st.kv_slots, bool(st.prompts))
+            k = k if rk is None else rk
         else:
             kc.index_copy_(1, st.kv_slots, k[:, :, 0].transpose(0, 1))
             vc.index_copy_(1, st.kv_slots, v[:, :, 0].transpose(0, 1))

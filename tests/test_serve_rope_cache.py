@@ -59,3 +59,14 @@ def test_rope_store_rotates_and_writes_the_cache_like_the_model(t, n_head, n_kv,
     untouched = torch.ones(kc.shape[1], dtype=torch.bool, device=kc.device)
     untouched[slots] = False
     assert torch.equal(kc[:, untouched], before[:, untouched])
+
+
+def test_rope_store_without_the_keys_writes_the_cache_alone():
+    """``want_k=False`` (a step whose attention reads only the cache): the same cache and queries as
+    with the keys returned, and no key tensor."""
+    q, k, v, cos, sin, kc, vc, slots = _case(9, 4, 2, 64, torch.bfloat16, seed=3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want_q, _ = rope_store(q, k, v, cos, sin, kc, vc, slots)
+    got_q, got_k = rope_store(q, k, v, cos, sin, kc2, vc2, slots, want_k=False)
+    assert got_k is None
+    assert torch.equal(got_q, want_q) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
