@@ -36,7 +36,7 @@ def fused(fn):
                 compiled = torch.compile(fn, fullgraph=True)
             tokens = args[0].shape[0]
             for a in args:
-                if isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[0] == tokens:
+                if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == tokens:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
             return compiled(*args)
         return fn(*args)
