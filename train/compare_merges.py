@@ -3,7 +3,8 @@
     python -m train.compare_merges [--variants coder math writer legal] [--every 30] [--steps 120]
     python -m train.compare_merges --jobs 4 --extra trainer=gpu trainer.precision=32-true   # on a GPU
 
-Fine-tunes every demo variant from ``models/base`` once per method — ``none``, ``average``,
+Fine-tunes every demo variant from its family's base (``models/base``; with ``--extra model=smollm2``,
+``models/smollm2-base``) once per method — ``none``, ``average``,
 ``svd_soup``, ``monosoup`` and Lightning's EMA as a reference — through the real
 ``train/run.py`` command line (CSV logger, no export), then reports for each run the final
 held-out loss on the variant's test split and the roughness of its training-loss curve:
@@ -45,6 +46,18 @@ def read_curve(metrics_csv: Path, key: str = "train/loss") -> list[float]:
             if row.get(key):
                 by_step[int(row["step"])] = float(row[key])
     return [by_step[s] for s in sorted(by_step)]
+
+
+def base_dir(extra: list[str]) -> str:
+    """The folder the runs fine-tune from: ``models/<dirs.base>`` of the model family that ``extra``'s
+    ``model=<name>`` override picks (conf/model/<name>.yaml; without one, ``tiny``)."""
+    from omegaconf import OmegaConf
+
+    name = "tiny"
+    for e in extra:
+        if e.startswith("model="):
+            name = e.split("=", 1)[1]
+    return f"models/{OmegaConf.load(REPO / 'conf' / 'model' / f'{name}.yaml').dirs.base}"
 
 
 def run_one(variant: str, method: str, work: Path, args) -> dict:
@@ -108,7 +121,7 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
     out_stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [f"# Checkpoint merging during fine-tuning — {payload['date']}", "",
              f"Machine: {machine}. Command: `{payload['command']}`.",
-             f"Each variant fine-tuned from models/base for {args.steps} steps (seed {args.seed}); merges every "
+             f"Each variant fine-tuned from {base_dir(args.extra)} for {args.steps} steps (seed {args.seed}); merges every "
              f"{args.every} steps against the best validation checkpoint (validation every {args.val_every} steps).",
              "Held-out loss: nats/token on the variant's test split (lower is better). Roughness: mean "
              "|second difference| of the per-step training loss (lower is smoother).", "",
