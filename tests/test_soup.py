@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltafleet.merge.soup import choose_rank, merge_param, monosoup_update, summarize, svd_truncate
+from deltafleet.merge.soup import _leading, _spectrum, choose_rank, merge_param, monosoup_update, summarize, svd_truncate
 
 
 @pytest.fixture(autouse=True)
@@ -253,3 +253,17 @@ def test_summarize_means_over_matrices():
     assert s == pytest.approx({"matrices": 2.0, "mean_rank": 3.0, "mean_energy_kept": 0.7,
                                "mean_lambda_high": 0.6, "mean_lambda_low": 0.4, "processed": 1.0})
     assert math.isnan(summarize([{}])["mean_rank"])
+
+
+@pytest.mark.parametrize("shape", [(7, 30), (30, 7), (12, 12)])
+def test_spectrum_matches_svd_for_wide_tall_and_square(shape):
+    """The Gram-matrix spectrum equals the SVD's, and the rank-k projection equals U_k Σ_k V_kᵀ."""
+    g = torch.Generator().manual_seed(sum(shape))
+    d = torch.randn(*shape, generator=g)
+    sigma, vectors, left = _spectrum(d)
+    assert left == (shape[0] <= shape[1])
+    ref = torch.linalg.svd(d.double(), full_matrices=False)
+    torch.testing.assert_close(sigma, ref.S, atol=1e-10, rtol=1e-8)
+    for k in (1, 3, min(shape)):
+        want = (ref.U[:, :k] * ref.S[:k]) @ ref.Vh[:k]
+        torch.testing.assert_close(_leading(d, vectors, left, k).double(), want, atol=1e-5, rtol=1e-5)
