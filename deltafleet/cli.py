@@ -34,6 +34,17 @@ def user_errors(job: str) -> Iterator[None]:
         raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
 
 
+def build_hint(cfg, what: str, variant: str | None = None) -> str:
+    """The command that builds a missing checkpoint of the configured family, for an error message:
+    ``model.build.base`` or ``model.build.variant`` (``{variant}`` filled in) from ``conf/model/``.
+    A model config without them (a user's own) gets the demo family's ``make base`` /
+    ``make train VARIANT=<variant>``."""
+    from omegaconf import OmegaConf
+
+    default = {"base": "make base", "variant": "make train VARIANT={variant}"}[what]
+    return str(OmegaConf.select(cfg, f"model.build.{what}", default=default)).format(variant=variant)
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM (what ``timeout``, ``kill`` and job schedulers send) end the process the way
     Ctrl-C does, by raising ``SystemExit(143)`` in the main thread: the ``finally``/``except`` blocks

@@ -101,6 +101,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
 
+    from deltafleet.cli import build_hint
     from deltafleet.serve.app import create_app, http_protocol
     from deltafleet.serve.engine import Engine
 
@@ -112,6 +113,9 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)
                                             or cfg.max_waiting < 1):
             raise ValueError(f"max_waiting must be null or a positive integer, got {cfg.max_waiting!r}")
+        if not (Path(cfg.base_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"no base checkpoint at {cfg.base_dir} (config.json missing): build it with "
+                                    f"`{build_hint(cfg, 'base')}`, or set base_dir=/path/to/hf/checkpoint")
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,

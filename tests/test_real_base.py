@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -312,3 +313,26 @@ def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
                for m in want}
     assert {m: c.choices[0].message.content for m, c in got.items()} == want
     assert got["smollm2"].usage.prompt_tokens == prompt["input_ids"].shape[1]
+
+
+def test_missing_checkpoints_of_the_real_family_name_its_own_commands(tmp_path):
+    """A missing real base or fine-tune is reported with the command that builds it for this family
+    (`make real-base`, `python train/run.py ... model=smollm2`), not the demo family's `make base`."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    models = tmp_path / "models"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args, "model=smollm2", f"paths.models_dir={models}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    for script in ("train/run.py", "train/eval.py"):
+        out = run(script, *(["variant=math"] if script == "train/run.py" else ["variants=[math]"]))
+        assert out.returncode != 0
+        assert f"no base model at {models}/smollm2-base: run `make real-base` first" in out.stderr, out.stderr[-2000:]
+    (models / "smollm2-base").mkdir(parents=True)
+    (models / "smollm2-base" / "config.json").write_text("{}")
+    out = run("train/eval.py", "variants=[math,coder]")
+    assert out.returncode != 0
+    assert (f"no fine-tune of math, coder under {models}: build it with `python train/run.py variant=math "
+            "model=smollm2`; `python train/run.py variant=coder model=smollm2`") in out.stderr, out.stderr[-2000:]

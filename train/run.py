@@ -34,6 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
+from deltafleet.cli import build_hint
 from deltafleet.train.datamodule import TextDataModule
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
@@ -143,7 +144,7 @@ def train(cfg: DictConfig) -> dict:
     variant, domain = cfg.variant.name, cfg.variant.domain
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.paths.output_dir)
     if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `make base` first")
+        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
     if cfg.variant.adapter not in (None, "lora"):
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
     from deltafleet.compress.bitdelta import GRANULARITIES
