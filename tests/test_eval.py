@@ -346,6 +346,8 @@ def test_eval_scores_existing_artifacts_without_building(family, tmp_path):
     assert section["rows"][2]["artifact"] == str(root / "artifacts" / "coder")
     assert f"[eval] coder: no artifact at {tmp_path}/nowhere: setting 'gone' skipped" in proc.stdout
     assert not (tmp_path / "run" / "artifacts").exists()  # nothing built
+    header = (tmp_path / "eval-existing.md").read_text().split("\n## ")[0]
+    assert "nothing built (build=false)" in header and "scale distillation" not in header
     proc = subprocess.run(
         [sys.executable, "train/eval.py", f"paths.root={root}", f"hydra.run.dir={tmp_path / 'run2'}", "variants=[coder]",
          "build=false", "~logger", f"report.dir={tmp_path}", "~existing", f"+existing={{gone: '{tmp_path}/nowhere'}}"],

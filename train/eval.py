@@ -505,6 +505,8 @@ def report_markdown(payload: dict) -> str:
     distill = (f"scale distillation: {d['steps']} steps of {' and of '.join(d['losses'])} on ≤ {d['max_calibration_blocks']} train "
                f"blocks (batch {d['batch_size']}, lr {d['lr']}; β lr {d.get('beta_lr')} for rowcol)"
                if d["enabled"] else "scale distillation: off")
+    if not cfg.get("build", True):
+        distill = "nothing built (build=false): existing artifacts scored as they are"
     lines = [f"# BitDelta quality — {payload['date']}", "",
              f"Machine: {payload['machine']}; device {payload['device']}. Command: `{payload['command']}`. "
              f"Wall time: {payload['seconds']:.0f} s.",
