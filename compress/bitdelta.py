@@ -315,9 +315,10 @@ def compress(
     - anything else (1-D, 0-D, shape changed, not in the base): stored in full as ``P`` in its
       original dtype, unless it is exactly equal to the base (same dtype, shape and values).
 
-    The artifact is built in ``.<name>.tmp-<random>`` next to ``out_dir``, fsynced and renamed into
-    place; an existing ``out_dir`` is replaced only once the new artifact is complete. On any error
-    the temporary folder is removed and an existing artifact is left as it was.
+    The artifact is built in ``.<name>.tmp-<host>.<pid>.<random>`` next to ``out_dir``, fsynced and
+    renamed into place; an existing ``out_dir`` is replaced only once the new artifact is complete.
+    On any error the temporary folder is removed and an existing artifact is left as it was (one
+    left by a killed process goes at the next export to the same folder).
 
     Args:
         base_dir: Hugging Face safetensors checkpoint of the base (fp32, fp16 or bf16).

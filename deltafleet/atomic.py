@@ -9,6 +9,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -51,15 +52,39 @@ def replace_dir(src: Path, dst: Path) -> None:
             old.unlink()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_orphans(dst: Path) -> None:
+    """Remove ``dst``'s staging folders left by a process killed outright (SIGKILL, out of memory):
+    ``.<name>.tmp-<host>.<pid>.<random>`` of this host whose process is gone. Another host's (a
+    shared file system) and those of a live process are left alone."""
+    host = socket.gethostname()
+    for stale in dst.parent.glob(f".{dst.name}.tmp-*"):
+        who = stale.name[len(f".{dst.name}.tmp-"):].rsplit(".", 2)
+        if len(who) == 3 and who[0] == host and who[1].isdigit() and not _alive(int(who[1])):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_dir(dst: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder next to ``dst``; on success it replaces ``dst``.
 
     On any exception the temporary folder is removed and an existing ``dst`` is left untouched.
+    A process killed outright cannot remove its folder; the next ``staged_dir`` of the same ``dst``
+    on the same host does (the folder's name holds the host and the process id).
     """
     dst = Path(dst).absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
+    _remove_orphans(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         yield tmp

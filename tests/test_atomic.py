@@ -1,6 +1,12 @@
 """Atomic writes leave the old content or the complete new one, and no temporary files."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from deltafleet import atomic
@@ -35,3 +41,30 @@ def test_staged_dir_replaces_only_on_success(tmp_path):
         (tmp / "b").write_text("3")
     assert sorted(p.name for p in dst.iterdir()) == ["b"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_killed_writers_staging_folder_goes_at_the_next_write(tmp_path):
+    """SIGKILL leaves ``.ckpt.tmp-<host>.<pid>.<random>`` behind; the next ``staged_dir`` of the same
+    destination removes it, and keeps the folders of a live process, of another host, and any other
+    name."""
+    dst = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\nfrom deltafleet import atomic\n"
+         f"with atomic.staged_dir({str(dst)!r}) as tmp:\n    (tmp / 'w').write_text('x')\n"
+         "    print(tmp, flush=True)\n    time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    orphan = Path(proc.stdout.readline().strip())
+    assert orphan.name.startswith(f".ckpt.tmp-{socket.gethostname()}.{proc.pid}.") and orphan.is_dir()
+    with atomic.staged_dir(dst) as tmp:  # its writer is alive: kept
+        (tmp / "a").write_text("1")
+    assert orphan.is_dir()
+    proc.kill()
+    proc.wait()
+    live = tmp_path / f".ckpt.tmp-{socket.gethostname()}.{os.getpid()}.00000000"
+    elsewhere = tmp_path / f".ckpt.tmp-another-host.{proc.pid}.00000000"
+    other = tmp_path / ".ckpt.tmp-handmade"
+    for d in (live, elsewhere, other):
+        d.mkdir()
+    with atomic.staged_dir(dst) as tmp:
+        (tmp / "a").write_text("2")
+    assert not orphan.exists() and (dst / "a").read_text() == "2"
+    assert live.is_dir() and elsewhere.is_dir() and other.is_dir()

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -171,7 +172,10 @@ def test_the_chat_template_and_the_recorded_check(converted):
 
 def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
     out = tmp_path / "models" / "smollm2-base"
-    (tmp_path / "models" / ".smollm2-base.tmp-killed").mkdir(parents=True)  # left by a run killed outright
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # a staging folder left by a run killed outright (its process is gone), as staged_dir names them
+    (tmp_path / "models" / f".smollm2-base.tmp-{socket.gethostname()}.{dead.pid}.0badc0de").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"perplexity on the check text is [0-9.]+, above max_perplexity 1.0"):
         real_base.convert(out, max_perplexity=1.0)
     assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor a temporary one

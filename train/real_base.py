@@ -32,7 +32,6 @@ import importlib.util
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 from deltafleet.atomic import staged_dir
@@ -192,8 +191,6 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
                                                       and not (out_dir / "real_base.json").is_file())):
         raise FileExistsError(f"{out_dir} exists and is not a checkpoint this job wrote (no real_base.json): "
                               "give another out_dir, or remove it yourself")
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # staged_dir's, left by a run killed outright
-        shutil.rmtree(stale, ignore_errors=True)
     model, tokenizer = load_gguf(gguf, dtype)
     tools_template = chatml_with_tools(getattr(tokenizer, "chat_template", None))
     if tools_template is not None:  # chats render as before; tools and tool calls now render too
