@@ -334,9 +334,15 @@ def test_missing_checkpoints_of_the_real_family_name_its_own_commands(tmp_path):
         out = run(script, *(["variant=math"] if script == "train/run.py" else ["variants=[math]"]))
         assert out.returncode != 0
         assert f"no base model at {models}/smollm2-base: run `make real-base` first" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
     (models / "smollm2-base").mkdir(parents=True)
     (models / "smollm2-base" / "config.json").write_text("{}")
     out = run("train/eval.py", "variants=[math,coder]")
     assert out.returncode != 0
     assert (f"no fine-tune of math, coder under {models}: build it with `python train/run.py variant=math "
             "model=smollm2`; `python train/run.py variant=coder model=smollm2`") in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "train/real_base.py", f"gguf={tmp_path / 'missing.gguf'}",
+                          f"out_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1 and f"real-base: FileNotFoundError: no GGUF file at {tmp_path / 'missing.gguf'}" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()

@@ -222,15 +222,13 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
 
 
 def main(cfg) -> dict:
-    import signal
-    import sys
-
-    # a SIGTERM (timeout, a cancelled job) unwinds like Ctrl-C, so the temporary directory goes too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from deltafleet.cli import stop_on_sigterm, user_errors
     from deltafleet.threads import set_threads
 
+    stop_on_sigterm()  # a timeout or a cancelled job unwinds like Ctrl-C, so the temporary directory goes too
     set_threads(cfg)
-    record = convert(Path(cfg.out_dir), cfg.gguf, cfg.dtype, float(cfg.max_perplexity))
+    with user_errors("real-base"):  # a missing GGUF, a bad setting or a failed check: one line
+        record = convert(Path(cfg.out_dir), cfg.gguf, cfg.dtype, float(cfg.max_perplexity))
     print(f"{cfg.out_dir}: {record['parameters']:,} parameters ({record['dtype']}), perplexity "
           f"{record['check']['perplexity']:.2f} on {record['check']['tokens']} tokens of the check text")
     return record

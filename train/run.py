@@ -34,8 +34,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
-from deltafleet.cli import build_hint
-from deltafleet.train.datamodule import TextDataModule
+from deltafleet.cli import build_hint, user_errors
+from deltafleet.train.datamodule import SPLITS, TextDataModule
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
 
@@ -134,8 +134,40 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     return callbacks
 
 
+def check_config(cfg: DictConfig) -> None:
+    """The job's checks of its config, inputs and machine, before any work (so a mistake costs no
+    training): the base and the domain's data exist, the settings are valid, a resume point is not
+    past the end, and a GPU trainer has a GPU.
+
+    Raises:
+        FileNotFoundError: a missing base checkpoint or data split (the message names the command
+            that builds it).
+        ValueError: an invalid setting, or a machine without the GPUs the trainer needs.
+    """
+    if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+    for split in SPLITS:
+        path = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: run `make data` first (domain {cfg.variant.domain!r})")
+    if cfg.variant.adapter not in (None, "lora"):
+        raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
+    from deltafleet.compress.bitdelta import GRANULARITIES
+
+    if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
+        raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
+    check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"))
+    if cfg.checkpoint.every_n_steps < 1:
+        raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
+        raise ValueError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
+                         f"use trainer=cpu (or trainer=ddp_cpu for data parallel on CPU processes)")
+
+
 def train(cfg: DictConfig) -> dict:
-    """Run one training job described by ``cfg`` (see module docstring); returns the final metrics.
+    """Run one training job described by ``cfg`` (see module docstring), after :func:`check_config`;
+    returns the final metrics.
 
     Every rank runs the fit; only rank 0 evaluates, writes and exports afterwards (the others
     return an empty dict).
@@ -143,22 +175,6 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     variant, domain = cfg.variant.name, cfg.variant.domain
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.paths.output_dir)
-    if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
-    if cfg.variant.adapter not in (None, "lora"):
-        raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
-    from deltafleet.compress.bitdelta import GRANULARITIES
-
-    if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
-        raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
-    check_resume(cfg.ckpt_path, variant, cfg.trainer.get("max_steps"))
-    if cfg.checkpoint.every_n_steps < 1:
-        raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
-        choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
-        raise RuntimeError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
-                           f"use trainer=cpu (or trainer=ddp_cpu for data parallel on CPU processes)")
-
     tokenizer = load_tokenizer(cfg, run_dir)
     model = build_model(cfg, tokenizer)
     dm = TextDataModule(cfg.paths.data_dir, domain, tokenizer, cfg.variant.seq_len, cfg.variant.batch_size,
@@ -330,6 +346,8 @@ def main(cfg: DictConfig) -> float | None:
     from deltafleet.threads import set_threads
 
     set_threads(cfg)
+    with user_errors("train"):  # one line for a mistake; a failure during training keeps its traceback
+        check_config(cfg)
     metrics = train(cfg)
     return metrics.get("heldout/loss")
 
