@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltafleet.train.compare_merges import base_dir, roughness
+from deltafleet.train.compare_merges import base_dir, merge_rows, roughness
 
 
 def test_the_report_names_the_base_the_model_override_picks():
@@ -17,3 +17,21 @@ def test_roughness_is_the_mean_absolute_second_difference():
     assert roughness([0.0, 1.0, 0.0, 1.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="at least 3 points"):
         roughness([1.0, 2.0])
+
+
+def test_merge_rows_reads_the_callbacks_merges_from_lightnings_csv(tmp_path):
+    """Lightning's CSVLogger writes one wide table (a column per metric, blank where a row lacks it);
+    the merges are the rows with a validation loss after the merge, in step order, with their cost."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run")
+    for step in range(1, 5):
+        logger.log_metrics({"train/loss": 3.0 - step / 10}, step=step)
+        if step % 2 == 0:
+            logger.log_metrics({"merge/step": float(step), "merge/val_loss_before": 2.5 - step / 10,
+                                "merge/val_loss_after": 2.4 - step / 10, "merge/seconds": 0.25 * step}, step=step)
+    logger.save()
+    (csv_path,) = tmp_path.glob("run/**/metrics.csv")
+    assert merge_rows(csv_path) == [
+        {"step": 2, "before": pytest.approx(2.3), "after": pytest.approx(2.2), "seconds": pytest.approx(0.5)},
+        {"step": 4, "before": pytest.approx(2.1), "after": pytest.approx(2.0), "seconds": pytest.approx(1.0)}]

@@ -76,19 +76,21 @@ def run_one(variant: str, method: str, work: Path, args) -> dict:
         raise RuntimeError(f"{variant}/{method} failed:\n{proc.stderr[-4000:]}")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     curve = read_curve(next(run_dir.glob("csv/**/metrics.csv")))
-    merges = [r for r in _merge_rows(next(run_dir.glob("csv/**/metrics.csv")))]
+    merges = merge_rows(next(run_dir.glob("csv/**/metrics.csv")))
     return {"variant": variant, "method": method, "heldout_loss": metrics["heldout/loss"],
             "base_loss": metrics["heldout/base_loss"], "roughness": roughness(curve), "train_curve": curve,
             "merges": merges, "seconds": time.perf_counter() - t0}
 
 
-def _merge_rows(metrics_csv: Path) -> list[dict]:
+def merge_rows(metrics_csv: Path) -> list[dict]:
+    """The callback's merges in a run's Lightning CSV: step, validation loss before and after, seconds."""
     rows = []
     with open(metrics_csv) as f:
         for row in csv.DictReader(f):
             if row.get("merge/val_loss_after"):
                 rows.append({"step": int(float(row["merge/step"])), "before": float(row["merge/val_loss_before"]),
-                             "after": float(row["merge/val_loss_after"])})
+                             "after": float(row["merge/val_loss_after"]),
+                             "seconds": float(row["merge/seconds"]) if row.get("merge/seconds") else None})
     return rows
 
 
@@ -174,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(vm):
         r = run_one(*vm, Path(args.work), args)
+        merging = sum(m["seconds"] or 0.0 for m in r["merges"])
         print(f"[compare] {r['variant']:7s} {r['method']:9s} held-out {r['heldout_loss']:.4f} "
-              f"roughness {r['roughness']:.4f} ({r['seconds']:.0f} s)", flush=True)
+              f"roughness {r['roughness']:.4f} ({r['seconds']:.0f} s, {len(r['merges'])} merges {merging:.1f} s)",
+              flush=True)
         return r
 
     pairs = [(v, m) for v in args.variants for m in args.methods]
