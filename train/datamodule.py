@@ -17,6 +17,21 @@ from torch.utils.data import DataLoader
 SPLITS = ("train", "val", "test")
 
 
+def split_file(data_dir: str | Path, domain: str, split: str) -> Path:
+    """``<data_dir>/<domain>/<split>.jsonl``, which ``make data`` writes.
+
+    Raises:
+        ValueError: if ``split`` is not one of :data:`SPLITS`.
+        FileNotFoundError: if the file is missing (the message says to run ``make data``).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = Path(data_dir) / domain / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `make data` first (domain {domain!r})")
+    return path
+
+
 def load_blocks(
     data_dir: str | Path,
     domain: str,
@@ -44,11 +59,7 @@ def load_blocks(
         ValueError: if the split holds fewer than ``seq_len`` tokens, or conversations and the
             tokenizer has no chat template.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    path = Path(data_dir) / domain / f"{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `make data` first (domain {domain!r})")
+    path = split_file(data_dir, domain, split)
     cache_dir = Path(cache_dir) if cache_dir else Path(data_dir) / ".cache"
     ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(cache_dir))
     eos = tokenizer.eos_token_id

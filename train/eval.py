@@ -408,9 +408,7 @@ def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint:
                      device) -> dict:
     """Build and evaluate every setting of one variant; returns its section of the report."""
     domain = variant_domain(variant)
-    ft_dir = finetuned_dir(cfg, variant)
-    if not (ft_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no fine-tune at {ft_dir}: run `{build_hint(cfg, 'variant', variant)}`")
+    ft_dir = finetuned_dir(cfg, variant)  # present: run() checked every variant's before any work
     t_start = time.perf_counter()
     blocks = load_blocks(cfg.paths.data_dir, domain, "test", tokenizer, cfg.seq_len)
     if cfg.max_test_blocks is not None:
@@ -633,6 +631,11 @@ def run(cfg: DictConfig) -> dict:
     check_settings(cfg)
     if not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+    missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"no fine-tune of {', '.join(missing)} under {cfg.paths.models_dir}: build it with "
+            + "; ".join(f"`{build_hint(cfg, 'variant', v)}`" for v in missing) + ", or pick variants=[...]")
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() \
         else Path(cfg.paths.output_dir) / "eval"
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
@@ -674,13 +677,6 @@ def main(cfg: DictConfig) -> float | None:
         from deltafleet.threads import set_threads
 
         set_threads(cfg)
-        if not (Path(cfg.base_dir) / "config.json").is_file():
-            raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
-        missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"no fine-tune of {', '.join(missing)} under {cfg.paths.models_dir}: build it with "
-                + "; ".join(f"`{build_hint(cfg, 'variant', v)}`" for v in missing) + ", or pick variants=[...]")
         payload = run(cfg)
     best = [s["best"]["gain_recovered_loss"] for s in payload["variants"] if s["best"] is not None]
     return min(best) if best else None

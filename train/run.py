@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
 from deltafleet.cli import build_hint, user_errors
-from deltafleet.train.datamodule import SPLITS, TextDataModule
+from deltafleet.train.datamodule import SPLITS, TextDataModule, split_file
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
 
@@ -147,9 +147,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
     for split in SPLITS:
-        path = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: run `make data` first (domain {cfg.variant.domain!r})")
+        split_file(cfg.paths.data_dir, cfg.variant.domain, split)
     if cfg.variant.adapter not in (None, "lora"):
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
     from deltafleet.compress.bitdelta import GRANULARITIES
