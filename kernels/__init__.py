@@ -1,121 +1,55 @@
-"""Fused 1-bit delta linear: the contract of docs/kernels.md ("Contract").
+"""``deltafleet.kernels``: the fused 1-bit delta linear (docs/kernels.md).
 
-``bitdelta_linear`` dispatches to the fastest implementation for its inputs: the Triton custom op
-``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device
-when triton is installed, the plain-torch reference (kernels/reference.py) everywhere else.
-``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched`` on CUDA,
-the reference elsewhere. Outside ``torch.compile`` tracing the Triton wrappers are called directly
-rather than through the custom ops: the same code, without the dispatcher's Python layers on every
-call of an eager engine step (the ops exist for tracing, kernels/ops.py).
+The dispatchers live in ``kernels/linear.py``, the plain-torch reference and the sign layouts in
+``kernels/reference.py``; both are re-exported here.
+
+This folder sits at the top of the checkout, so wherever the checkout's root is on ``sys.path``
+(``python -m …`` or ``python -c`` run there) it is also importable as a top-level ``kernels``. That
+name belongs to Hugging Face's ``kernels`` distribution, which transformers (≥ 5.25 requires it)
+imports when it loads a model. Imported under that name, this file steps aside: it loads the
+installed distribution in its place, or, where none is installed, stays an empty module, which
+transformers reads as "no usable kernels".
 """
-from __future__ import annotations
+if __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-import torch
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
+    _spec = importlib.machinery.PathFinder.find_spec(__name__, _path)
+    if _spec is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _module  # the import statement returns what sys.modules holds
+        _spec.loader.exec_module(_module)
+else:
+    from deltafleet.kernels.linear import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped
+    from deltafleet.kernels.reference import (
+        bitdelta_linear as bitdelta_linear_reference,
+        bitdelta_linear_batched as bitdelta_linear_batched_reference,
+        pack_signs,
+        packed_width,
+        reconstruct,
+        tile_signs,
+        tiled_shape,
+        unpack_bits,
+        unpack_signs,
+        untile_signs,
+    )
 
-from deltafleet.kernels.reference import (
-    bitdelta_linear as bitdelta_linear_reference,
-    bitdelta_linear_batched as bitdelta_linear_batched_reference,
-    pack_signs,
-    packed_width,
-    reconstruct,
-    tile_signs,
-    tiled_shape,
-    unpack_bits,
-    unpack_signs,
-    untile_signs,
-)
-
-_triton_ops = None  # (the two custom ops, the two Triton wrappers) once imported; False without triton
-
-
-def _ops():
-    """The Triton custom ops, imported on first use (CPU-only callers never import triton)."""
-    global _triton_ops
-    if _triton_ops is None:
-        try:
-            from deltafleet.kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
-            from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
-        except ImportError:
-            _triton_ops = False
-        else:
-            _triton_ops = (bitdelta_linear_op, bitdelta_linear_batched_op, bitdelta_linear_triton,
-                           bitdelta_linear_batched_triton)
-    return _triton_ops
-
-
-def _triton(i: int):
-    """Custom op ``i`` (0: one variant, 1: batched) while ``torch.compile`` traces, else its wrapper."""
-    return _ops()[i] if torch.compiler.is_compiling() else _ops()[i + 2]
-
-
-def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _ops() is not False)
-
-
-def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
-                    bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)``: the Triton custom op for bf16/fp16 CUDA tensors
-    (when triton is installed), else :func:`deltafleet.kernels.reference.bitdelta_linear` (same arguments,
-    shapes and errors). With column scales ``beta`` ``[K]`` (granularity rowcol) the sign product reads
-    ``x ⊙ β``: on CUDA through :func:`bitdelta_linear_grouped`, one group of every row."""
-    if beta is not None:
-        if not (_on_triton(x, weight) and sign.dim() in (2, 4)):
-            return bitdelta_linear_reference(x, weight, sign, alpha, bias, beta)
-        x2 = x.reshape(-1, x.shape[-1])
-        slot = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
-        y = bitdelta_linear_grouped(x2, weight, sign[None], alpha[None] if alpha.dim() else alpha.reshape(1), slot,
-                                    bias, betas=beta[None])
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    if _on_triton(x, weight):
-        return _triton(0)(x, weight, sign, alpha, bias)
-    return bitdelta_linear_reference(x, weight, sign, alpha, bias)
-
-
-def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                            slot: torch.Tensor, bias: torch.Tensor | None = None, groups=None,
-                            betas: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`bitdelta_linear_batched`'s contract with the rows grouped by variant first: the base
-    product once (``torch.addmm``), then each variant's sign product over its own rows
-    (``deltafleet.kernels.triton_grouped``) for bf16/fp16 CUDA tensors when triton is installed; else the
-    reference. ``groups``: ``triton_grouped.group_rows(slot, S)``, computed once by a caller that
-    multiplies the same rows by many matrices (an engine step's layers). ``betas``: as in
-    :func:`bitdelta_linear_batched`."""
-    if _on_triton(x, weight):
-        from deltafleet.kernels.triton_grouped import bitdelta_linear_grouped as grouped
-
-        return grouped(x, weight, signs, alphas, slot, bias, groups, betas)
-    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias, betas)
-
-
-def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
-                            slot: torch.Tensor, bias: torch.Tensor | None = None,
-                            betas: torch.Tensor | None = None) -> torch.Tensor:
-    """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
-    op for bf16/fp16 CUDA tensors (when triton is installed), else
-    :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
-    the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`).
-    With column scales ``betas`` ``[S, K]`` (granularity rowcol; ones for a slot without) the sign
-    products read ``x ⊙ β_slot``: on CUDA through :func:`bitdelta_linear_grouped`."""
-    if betas is not None:
-        return bitdelta_linear_grouped(x, weight, signs, alphas, slot, bias, betas=betas)
-    if _on_triton(x, weight):
-        return _triton(1)(x, weight, signs, alphas, slot, bias)
-    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
-
-
-__all__ = [
-    "bitdelta_linear",
-    "bitdelta_linear_reference",
-    "bitdelta_linear_batched",
-    "bitdelta_linear_batched_reference",
-    "bitdelta_linear_grouped",
-    "pack_signs",
-    "packed_width",
-    "reconstruct",
-    "unpack_bits",
-    "unpack_signs",
-    "tile_signs",
-    "tiled_shape",
-    "untile_signs",
-]
+    __all__ = [
+        "bitdelta_linear",
+        "bitdelta_linear_reference",
+        "bitdelta_linear_batched",
+        "bitdelta_linear_batched_reference",
+        "bitdelta_linear_grouped",
+        "pack_signs",
+        "packed_width",
+        "reconstruct",
+        "unpack_bits",
+        "unpack_signs",
+        "tile_signs",
+        "tiled_shape",
+        "untile_signs",
+    ]

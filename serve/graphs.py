@@ -163,9 +163,9 @@ class DecodeGraphs:
             return False
         if not with_deltas:
             return True
-        from deltafleet import kernels
+        from deltafleet.kernels import linear
 
-        return model.dtype in (torch.bfloat16, torch.float16) and bool(kernels._ops())
+        return model.dtype in (torch.bfloat16, torch.float16) and bool(linear._ops())
 
     def run(self, step, with_deltas: bool) -> Tensor:
         """One decode step by graph replay (capturing the bucket's graph on first use). Call under

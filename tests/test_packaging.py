@@ -68,6 +68,52 @@ def test_the_installed_command_runs_outside_the_checkout(wheel, tmp_path):
     assert "port: 9123" in composed.stdout and "max_request_bytes: 2097152" in composed.stdout
     where = run("-c", "import deltafleet.serve.run as m; print(m.__file__)")
     assert where.stdout.strip() == str(site / "deltafleet" / "serve" / "run.py")
-    for name in ("kernels", "train", "serve"):
+    for name in ("train", "serve"):
         missing = run("-c", f"import {name}")
         assert missing.returncode != 0 and f"No module named '{name}'" in missing.stderr
+    # `kernels` is Hugging Face's distribution's name (transformers >= 5.25 requires it): never the wheel's
+    found = run("-c", "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)")
+    assert found.returncode == 0, found.stderr
+    assert not found.stdout.strip().startswith(str(site)), found.stdout
+
+
+def _import_kernels_at_the_root(*flags: str, pythonpath: str | None = None) -> list[str]:
+    """Import the top-level name ``kernels`` from a process whose cwd is the checkout's root (where
+    ``kernels/`` is importable under that name); print where it came from and what it holds."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    code = ("import kernels, sys; print(kernels.__file__); print(hasattr(kernels, 'bitdelta_linear')); "
+            "print(sys.modules['kernels'] is kernels)")
+    out = subprocess.run([sys.executable, *flags, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return out.stdout.split()
+
+
+def test_the_checkout_root_steps_aside_for_an_installed_kernels(tmp_path):
+    """Another distribution named ``kernels`` (Hugging Face's, which transformers imports) wins over
+    the checkout's ``kernels/`` folder even with the root first on ``sys.path``."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    path, has_dispatcher, registered = _import_kernels_at_the_root(pythonpath=str(tmp_path))
+    assert Path(path) == tmp_path / "kernels" / "__init__.py"
+    assert has_dispatcher == "False" and registered == "True"
+
+
+def test_the_checkout_root_without_a_kernels_distribution_gives_an_empty_module():
+    """With no other ``kernels`` to load (-S: no site-packages), the top-level name is an empty module:
+    none of deltafleet's kernels, nothing imported, so transformers' availability check says no."""
+    path, has_dispatcher, _ = _import_kernels_at_the_root("-S")
+    assert Path(path) == REPO / "kernels" / "__init__.py"
+    assert has_dispatcher == "False"
+
+
+def test_transformers_loads_a_model_class_from_the_checkout_root():
+    """transformers ≥ 5.25 imports ``from kernels import CUDAProperties, …`` when a model module loads;
+    run from the checkout's root, that import must reach the installed distribution (or none)."""
+    code = "from transformers import LlamaForCausalLM; import deltafleet.kernels as k; print(k.bitdelta_linear.__module__)"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["deltafleet.kernels.linear"]

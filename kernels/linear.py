@@ -1,0 +1,97 @@
+"""Fused 1-bit delta linear: the contract of docs/kernels.md ("Contract").
+
+``bitdelta_linear`` dispatches to the fastest implementation for its inputs: the Triton custom op
+``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device
+when triton is installed, the plain-torch reference (kernels/reference.py) everywhere else.
+``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched`` on CUDA,
+the reference elsewhere. Outside ``torch.compile`` tracing the Triton wrappers are called directly
+rather than through the custom ops: the same code, without the dispatcher's Python layers on every
+call of an eager engine step (the ops exist for tracing, kernels/ops.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from deltafleet.kernels.reference import bitdelta_linear as bitdelta_linear_reference
+from deltafleet.kernels.reference import bitdelta_linear_batched as bitdelta_linear_batched_reference
+
+_triton_ops = None  # (the two custom ops, the two Triton wrappers) once imported; False without triton
+
+
+def _ops():
+    """The Triton custom ops, imported on first use (CPU-only callers never import triton)."""
+    global _triton_ops
+    if _triton_ops is None:
+        try:
+            from deltafleet.kernels.ops import bitdelta_linear_batched_op, bitdelta_linear_op
+            from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton, bitdelta_linear_triton
+        except ImportError:
+            _triton_ops = False
+        else:
+            _triton_ops = (bitdelta_linear_op, bitdelta_linear_batched_op, bitdelta_linear_triton,
+                           bitdelta_linear_batched_triton)
+    return _triton_ops
+
+
+def _triton(i: int):
+    """Custom op ``i`` (0: one variant, 1: batched) while ``torch.compile`` traces, else its wrapper."""
+    return _ops()[i] if torch.compiler.is_compiling() else _ops()[i + 2]
+
+
+def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _ops() is not False)
+
+
+def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                    bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x · (W + α·(2·bits − 1))ᵀ (+ bias)``: the Triton custom op for bf16/fp16 CUDA tensors
+    (when triton is installed), else :func:`deltafleet.kernels.reference.bitdelta_linear` (same arguments,
+    shapes and errors). With column scales ``beta`` ``[K]`` (granularity rowcol) the sign product reads
+    ``x ⊙ β``: on CUDA through :func:`bitdelta_linear_grouped`, one group of every row."""
+    if beta is not None:
+        if not (_on_triton(x, weight) and sign.dim() in (2, 4)):
+            return bitdelta_linear_reference(x, weight, sign, alpha, bias, beta)
+        x2 = x.reshape(-1, x.shape[-1])
+        slot = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
+        y = bitdelta_linear_grouped(x2, weight, sign[None], alpha[None] if alpha.dim() else alpha.reshape(1), slot,
+                                    bias, betas=beta[None])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    if _on_triton(x, weight):
+        return _triton(0)(x, weight, sign, alpha, bias)
+    return bitdelta_linear_reference(x, weight, sign, alpha, bias)
+
+
+def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                            slot: torch.Tensor, bias: torch.Tensor | None = None, groups=None,
+                            betas: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bitdelta_linear_batched`'s contract with the rows grouped by variant first: the base
+    product once (``torch.addmm``), then each variant's sign product over its own rows
+    (``deltafleet.kernels.triton_grouped``) for bf16/fp16 CUDA tensors when triton is installed; else the
+    reference. ``groups``: ``triton_grouped.group_rows(slot, S)``, computed once by a caller that
+    multiplies the same rows by many matrices (an engine step's layers). ``betas``: as in
+    :func:`bitdelta_linear_batched`."""
+    if _on_triton(x, weight):
+        from deltafleet.kernels.triton_grouped import bitdelta_linear_grouped as grouped
+
+        return grouped(x, weight, signs, alphas, slot, bias, groups, betas)
+    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias, betas)
+
+
+def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                            slot: torch.Tensor, bias: torch.Tensor | None = None,
+                            betas: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixed tenants, each row of ``x`` with its own slot's delta (−1: base only): the Triton custom
+    op for bf16/fp16 CUDA tensors (when triton is installed), else
+    :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments, shapes and errors; on CUDA
+    the slot values are not range-checked, see :func:`deltafleet.kernels.reference.check_batched_args`).
+    With column scales ``betas`` ``[S, K]`` (granularity rowcol; ones for a slot without) the sign
+    products read ``x ⊙ β_slot``: on CUDA through :func:`bitdelta_linear_grouped`."""
+    if betas is not None:
+        return bitdelta_linear_grouped(x, weight, signs, alphas, slot, bias, betas=betas)
+    if _on_triton(x, weight):
+        return _triton(1)(x, weight, signs, alphas, slot, bias)
+    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
+
+
+__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped"]
