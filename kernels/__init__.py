@@ -16,8 +16,8 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
+    _checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _path = [p for p in sys.path if os.path.realpath(p or os.curdir) != _checkout]
     _spec = importlib.machinery.PathFinder.find_spec(__name__, _path)
     if _spec is not None:
         _module = importlib.util.module_from_spec(_spec)

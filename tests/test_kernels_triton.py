@@ -939,12 +939,11 @@ def test_autotune_off_keeps_one_tile_per_kernel():
     import sys
     from pathlib import Path
 
-    code = ("from kernels import triton_bitdelta as tb; "
+    code = ("from deltafleet.kernels import triton_bitdelta as tb; "
             "print([len(t.configs) for t in (tb._decode_tuned, tb._batched_tuned, tb._batched1_tuned, tb._mm_tuned, "
             "tb._lut_tuned)], tb.AUTOTUNE)")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "DELTAFLEET_TRITON_AUTOTUNE"}
-    env["PYTHONPATH"] = str(root)
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, check=True)
     off = subprocess.run([sys.executable, "-c", code], env={**env, "DELTAFLEET_TRITON_AUTOTUNE": "0"},
                          capture_output=True, text=True, cwd=root, check=True)
