@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from deltafleet.atomic import fsync_path, staged_dir
+from deltafleet.atomic import check_replaceable, fsync_path, staged_dir
 from deltafleet.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
@@ -298,6 +298,7 @@ def compress(
     base_name_or_path: str | None = None,
     max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
     show_progress: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Export a fine-tuned checkpoint as a BitDelta artifact against its base (format version 1;
     version 2 for ``granularity="rowcol"``).
@@ -339,6 +340,8 @@ def compress(
             serialises it), so this bounds the export's memory: the default, 1 GB, keeps a 7B
             export under 4 GB resident and is one file for any model under ~8B parameters.
         show_progress: a tqdm progress bar over the fine-tuned checkpoint's tensors.
+        overwrite: replace ``out_dir`` whatever it holds. Without it, an ``out_dir`` holding anything
+            but an earlier artifact is refused (ValueError), as is one overlapping an input.
 
     Returns:
         The manifest written to ``out_dir/bitdelta.json``. ``stats.bytes`` counts the delta
@@ -346,8 +349,8 @@ def compress(
         ``8 · bytes / parameters`` over all parameters of the fine-tuned model.
 
     Raises:
-        ValueError: on an unknown ``granularity``, an empty ``variant`` or a ``max_shard_bytes``
-            that is not a positive integer.
+        ValueError: on an unknown ``granularity``, an empty ``variant``, a ``max_shard_bytes``
+            that is not a positive integer, or an ``out_dir`` it must not replace (above).
         FileNotFoundError: if either folder holds no safetensors checkpoint.
         ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, or a stored
             tensor name would collide with another.
@@ -359,6 +362,7 @@ def compress(
     if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
+    check_replaceable(out_dir, [base_dir, finetuned_dir], _not_artifact, job="export", overwrite=overwrite)
 
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
@@ -751,8 +755,28 @@ _HF_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "chat_template.jinja")
 
 
+def _not_artifact(folder: Path) -> str | None:
+    """Why ``folder`` is not a BitDelta artifact (it has no manifest), or None if it is; stray files in
+    an artifact's folder go with it."""
+    return None if (folder / MANIFEST_NAME).is_file() else f"no {MANIFEST_NAME}"
+
+
+HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder may be replaced by a new export
+
+
+def _not_hf_export(folder: Path) -> str | None:
+    """Why ``folder`` is not (only) an earlier :func:`export_hf` output, or None if it is."""
+    try:
+        record = json.loads((folder / HF_EXPORT_RECORD).read_text())
+        files = set(record["files"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"no {HF_EXPORT_RECORD} of an export"
+    extra = sorted({p.name for p in folder.iterdir()} - files)
+    return f"files the export did not write: {', '.join(extra[:3])}" if extra else None
+
+
 def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, *,
-              force: bool = False) -> Path:
+              force: bool = False, overwrite: bool = False) -> Path:
     """Materialise base + BitDelta artifact as a full Hugging Face checkpoint any engine can load.
 
     Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype to
@@ -765,6 +789,9 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         artifact_dir: ``artifacts/<variant>/``.
         out_dir: the checkpoint folder to create or replace.
         force: load the artifact even if it was exported against another base.
+        overwrite: replace ``out_dir`` whatever it holds. Without it, an ``out_dir`` holding anything
+            but an earlier export's checkpoint (``bitdelta-export.json`` lists its files) is refused,
+            as is one overlapping an input.
 
     Returns:
         ``out_dir``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
@@ -772,8 +799,11 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
     Raises:
         FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
         ArtifactError: a damaged or inconsistent artifact.
+        ValueError: an ``out_dir`` it must not replace.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
+    check_replaceable(out_dir, [base_dir, artifact_dir], _not_hf_export, job="export", key="hf_out_dir",
+                      overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
     with staged_dir(out_dir) as tmp:
@@ -782,6 +812,9 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
         _fit_vocab_size(tmp / "config.json", state)
+        record = {"written_by": "deltafleet export format=hf", "artifact": str(Path(artifact_dir).absolute()),
+                  "files": sorted([p.name for p in tmp.iterdir()] + [HF_EXPORT_RECORD])}
+        (tmp / HF_EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 

@@ -35,7 +35,7 @@ def _main(cfg: DictConfig) -> dict:
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
-        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force)
+        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force, overwrite=cfg.overwrite)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
     if cfg.format != "bitdelta":
@@ -48,6 +48,7 @@ def _main(cfg: DictConfig) -> dict:
         granularity=cfg.granularity,
         max_shard_bytes=cfg.max_shard_bytes,
         show_progress=True,
+        overwrite=cfg.overwrite,
         base_name_or_path=cfg.model.name_or_path or str(cfg.base_dir),
         provenance={
             "run_id": f"export/{variant}/{run_dir.name}",

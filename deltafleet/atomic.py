@@ -11,7 +11,7 @@ import secrets
 import shutil
 import socket
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 
 def fsync_path(path: Path) -> None:
@@ -71,6 +71,29 @@ def _remove_orphans(dst: Path) -> None:
         who = stale.name[len(f".{dst.name}.tmp-"):].rsplit(".", 2)
         if len(who) == 3 and who[0] == host and who[1].isdigit() and not _alive(int(who[1])):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Callable[[Path], str | None], *,
+                      job: str, key: str = "out_dir", overwrite: bool = False) -> None:
+    """Refuse, before any work, an output folder whose replacement would lose data: one that is, holds
+    or lies inside an input of the job, a file, or a folder holding what the job did not write earlier
+    (``foreign(folder)`` says why, or returns None for the job's own output) unless ``overwrite``.
+
+    Raises:
+        ValueError: naming ``key`` (the config key) and the reason.
+    """
+    out = Path(out).resolve()
+    for d in inputs:
+        d = Path(d).resolve()
+        if out == d or d.is_relative_to(out) or out.is_relative_to(d):
+            raise ValueError(f"{key} {out} overlaps the input {d}: the {job} would replace or write into it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{key} {out} exists and is not a folder")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        why = foreign(out)
+        if why:
+            raise ValueError(f"{key} {out} exists and holds files that are not an earlier {job}'s output ({why}): "
+                             f"the {job} would replace them; choose another {key} or set overwrite=true")
 
 
 @contextlib.contextmanager

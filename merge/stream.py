@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from deltafleet.atomic import staged_dir
+from deltafleet.atomic import check_replaceable, staged_dir
 from deltafleet.checkpoint import Checkpoint
 from deltafleet.merge.methods import MergeMethod
 
@@ -89,17 +89,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     if method.weights is not None and len(method.weights) != len(model_dirs):
         raise ValueError(f"{len(method.weights)} weights for {len(model_dirs)} models")
     out = Path(out_dir).resolve()
-    for d in [*model_dirs] + ([base_dir] if base_dir is not None else []):
-        d = Path(d).resolve()
-        if out == d or d.is_relative_to(out) or out.is_relative_to(d):
-            raise ValueError(f"out_dir {out} overlaps the input {d}: the merge would replace or write into it")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {out} exists and is not a folder")
-    if out.is_dir() and not overwrite and any(out.iterdir()):
-        foreign = _not_merge_output(out)
-        if foreign:
-            raise ValueError(f"out_dir {out} exists and holds files that are not an earlier merge's output "
-                             f"({foreign}): the merge would replace them; choose another out_dir or set overwrite=true")
+    check_replaceable(out, [*model_dirs] + ([base_dir] if base_dir is not None else []), _not_merge_output,
+                      job="merge", overwrite=overwrite)
     if base_dir is None and method.name != "linear":
         raise ValueError(f"merge method {method.name!r} needs the base checkpoint (task vectors are W − W_base)")
     t0 = time.perf_counter()

@@ -251,12 +251,13 @@ def test_identical_checkpoints_give_an_empty_but_valid_artifact(family, tmp_path
 def test_bad_arguments(family, tmp_path):
     with pytest.raises(ValueError, match="granularity"):
         compress(*family, tmp_path / "a", variant="v", granularity="column")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        compress(tmp_path, family[1], tmp_path / "a", variant="v")
+        compress(tmp_path / "empty", family[1], tmp_path / "a", variant="v")
     for bad in (0, -5, "abc", 1.5):
         with pytest.raises(ValueError, match=rf"max_shard_bytes must be a positive integer \(bytes\) or None, got {bad!r}"):
             compress(*family, tmp_path / "a", variant="v", max_shard_bytes=bad)
-    assert sorted(os.listdir(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == ["empty"]  # nothing written
 
 
 # --------------------------------------------------------------------------------------------
@@ -681,3 +682,41 @@ def test_beta_in_a_row_artifact_is_rejected(family, tmp_path):
     _rewrite_delta(art, lambda t: t.update({W + ".beta": torch.ones(32, dtype=torch.float16)}))
     with pytest.raises(ArtifactError, match=r"gate_proj.weight.beta is only valid with granularity 'rowcol'"):
         load_artifact(art)
+
+
+def test_export_never_replaces_an_input_or_a_folder_it_did_not_write(family, tmp_path):
+    """An ``out_dir`` that is an input, or that holds something other than an earlier artifact, is
+    refused before any work and left as it was; an earlier artifact is replaced; ``overwrite`` replaces
+    anything."""
+    base_dir, ft_dir = family
+    with pytest.raises(ValueError, match=r"out_dir .* overlaps the input .*: the export would replace"):
+        compress(base_dir, ft_dir, base_dir, variant="coder")
+    assert (base_dir / "config.json").is_file()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "NOTES.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files that are not an earlier export's output \(no bitdelta.json\)"):
+        compress(base_dir, ft_dir, victim, variant="coder")
+    assert [p.name for p in victim.iterdir()] == ["NOTES.txt"]
+    art = tmp_path / "art"
+    compress(base_dir, ft_dir, art, variant="coder")
+    compress(base_dir, ft_dir, art, variant="coder", granularity="row")  # an earlier artifact: replaced
+    assert load_artifact(art).manifest["granularity"] == "row"
+    compress(base_dir, ft_dir, victim, variant="coder", overwrite=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["bitdelta.json", "delta.safetensors"]
+
+
+def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
+    """``format=hf`` writes ``bitdelta-export.json`` listing its files; a checkpoint folder without it (a
+    fine-tune) is refused, an earlier export is replaced."""
+    base_dir, ft_dir = family
+    before = sorted(p.name for p in ft_dir.iterdir())
+    with pytest.raises(ValueError, match=r"hf_out_dir .*\(no bitdelta-export.json of an export\)"):
+        bd.export_hf(base_dir, artifact_dir, ft_dir)
+    assert sorted(p.name for p in ft_dir.iterdir()) == before
+    with pytest.raises(ValueError, match="hf_out_dir .* overlaps the input"):
+        bd.export_hf(base_dir, artifact_dir, artifact_dir)
+    out = bd.export_hf(base_dir, artifact_dir, tmp_path / "hf")
+    record = json.loads((out / bd.HF_EXPORT_RECORD).read_text())
+    assert record["files"] == sorted(p.name for p in out.iterdir())
+    bd.export_hf(base_dir, artifact_dir, out)  # its own earlier output: replaced

@@ -159,3 +159,16 @@ def test_a_job_started_with_a_bad_thread_setting_says_so(tmp_path):
                        cwd=CONF.parent, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode != 0 and "threads must be null or a positive integer, got 0" in r.stderr
+
+
+def test_a_fine_tune_named_after_its_base_is_refused(tmp_path):
+    """``variant.name=base`` on a fine-tune would write over the base every artifact is checked
+    against: refused before training, the base untouched."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", "variant.name=base", f"paths.root={tmp_path}"])
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    (tmp_path / "models" / "base" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"variant.name=base writes its fine-tune to .*models/base, the base it starts from"):
+        check_config(cfg)
+    assert [p.name for p in (tmp_path / "models" / "base").iterdir()] == ["config.json"]
