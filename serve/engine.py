@@ -485,6 +485,7 @@ class Engine:
             raise InvalidRequestError(f"no {MANIFEST_NAME} in `{folder.relative_to(root)}` under the artifact root",
                                       "path", "artifact_not_found")
         with self._registry_lock:
+            was_removed = mid in self._removed
             self._removed.discard(mid)
             old = self._variants.get(mid)
             if old is not None and old.artifact_dir is not None and old.artifact_dir.resolve() != folder:
@@ -493,7 +494,17 @@ class Engine:
                 except RuntimeError as e:
                     raise VariantInUseError(str(e)) from None
             self._variants[mid] = ModelCard(mid, self.family, folder)
-        self.get_delta(mid)
+        try:
+            self.get_delta(mid)
+        except VariantUnavailableError:  # an unusable artifact is not served: the registry as it was
+            with self._registry_lock:
+                if old is None:
+                    self._variants.pop(mid, None)
+                else:
+                    self._variants[mid] = old
+                if was_removed:
+                    self._removed.add(mid)
+            raise
         return self._variants[mid]
 
     def remove_variant(self, model_id: str) -> ModelCard:
