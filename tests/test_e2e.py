@@ -164,6 +164,34 @@ def test_lora_variant_saves_a_peft_adapter_and_a_merged_checkpoint(family):
     assert json.loads((root / "artifacts/math/bitdelta.json").read_text())["variant"] == "math"
 
 
+def test_sigterm_while_a_run_saves_its_model_leaves_nothing(family):
+    """Found by a fresh user: after training, a SIGTERM (a timeout, a scheduler) killed the run at once
+    and left its staged model folder behind. It now unwinds as Ctrl-C does: status 143, no staged
+    folder, no model written."""
+    root, _, _ = family
+    code = f"""
+import contextlib, os, runpy, signal, sys
+import deltafleet.atomic as atomic
+staged = atomic.staged_dir
+@contextlib.contextmanager
+def stopped(dst):
+    with staged(dst) as tmp:
+        (tmp / "half.bin").write_bytes(b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield tmp
+atomic.staged_dir = stopped  # before train/run.py imports it: the run's first save is stopped
+sys.argv = {["train/run.py", "variant=math", "logger=csv", "trainer.max_steps=2",
+             "hydra.run.dir=" + str(root / "outputs/stopped"), *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]!r}
+runpy.run_path("train/run.py", run_name="__main__")
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert not (root / "models" / "math").exists()
+    assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(".math.")]
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(family):
     import signal
 

@@ -24,6 +24,7 @@ import math
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
-from deltafleet.cli import build_hint, user_errors
+from deltafleet.cli import build_hint, stop_on_sigterm, user_errors
 from deltafleet.train.datamodule import SPLITS, TextDataModule, split_file
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
@@ -206,6 +207,10 @@ def train(cfg: DictConfig) -> dict:
                                           default_root_dir=str(run_dir))
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=dm, ckpt_path=cfg.ckpt_path)
+        # fit restored SIGTERM's default (the process dies at once); from here on the outputs are
+        # written in staged folders, which a SIGTERM must remove as Ctrl-C does
+        if threading.current_thread() is threading.main_thread():
+            stop_on_sigterm()
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["global_step"] = trainer.global_step
         if cfg.variant.adapter == "lora":
