@@ -74,8 +74,10 @@ def _check_cors(cfg: DictConfig) -> None:
 
 
 def _check_timeouts(cfg: DictConfig) -> None:
-    """Raises ValueError unless ``timeout_request_s`` is null or > 0 and ``timeout_keep_alive_s`` > 0."""
-    for key, nullable in (("timeout_request_s", True), ("timeout_keep_alive_s", False)):
+    """Raises ValueError unless ``timeout_request_s`` and ``timeout_graceful_shutdown_s`` are null or > 0
+    and ``timeout_keep_alive_s`` > 0."""
+    for key, nullable in (("timeout_request_s", True), ("timeout_keep_alive_s", False),
+                          ("timeout_graceful_shutdown_s", True)):
         value = cfg[key]
         if value is None and nullable:
             continue
@@ -141,7 +143,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                          request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
                          cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s)
+                    http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s,
+                    timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s)
     finally:
         engine.shutdown()
 

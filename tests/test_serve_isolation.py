@@ -469,6 +469,7 @@ def test_stops_at_the_limit_do_not_slow_the_others(server):
     ("timeout_request_s=0", "timeout_request_s must be a number of seconds > 0 or null, got 0"),
     ("timeout_keep_alive_s=null", "timeout_keep_alive_s must be a number of seconds > 0, got None"),
     ("gil_switch_interval_ms=0", "gil_switch_interval_ms must be a number of milliseconds > 0, got 0"),
+    ("timeout_graceful_shutdown_s=-1", "timeout_graceful_shutdown_s must be a number of seconds > 0 or null, got -1"),
 ])
 def test_bad_timeouts_are_refused_at_startup(tiny_family, override, message):
     out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", override], cwd=REPO,
@@ -585,3 +586,42 @@ def test_chat_template_kwargs_reach_the_template(engine):
             engine.encode_chat(messages, {"add_generation_prompt": False})
     finally:
         engine.tokenizer.chat_template = template
+
+
+def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
+    """Found by a fresh user: on SIGTERM the server waited for every request in flight to finish
+    (minutes for a long one). ``timeout_graceful_shutdown_s`` bounds that wait: the requests still
+    running then are cut off (no complete answer) and the server exits."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", "timeout_graceful_shutdown_s=1", f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 128, "logprobs": 5}
+        t0 = time.time()
+        alone = httpx.post(f"{url}/v1/completions", timeout=600, json=body)
+        took = time.time() - t0
+        assert alone.status_code == 200, alone.text
+        got = {}
+
+        def long_request():
+            try:
+                got["r"] = httpx.post(f"{url}/v1/completions", timeout=600, json=body)
+            except httpx.HTTPError as e:
+                got["r"] = e
+
+        threads = [threading.Thread(target=long_request) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the requests are generating: alone, each one takes `took` seconds
+        t0 = time.time()
+        proc.terminate()
+        proc.wait(timeout=60)
+        assert time.time() - t0 < 1 + took, "the server waited for the requests in flight"
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        stop_server(proc, log, 10)
