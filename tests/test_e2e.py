@@ -180,7 +180,7 @@ def stopped(dst):
         os.kill(os.getpid(), signal.SIGTERM)
         yield tmp
 atomic.staged_dir = stopped  # before train/run.py imports it: the run's first save is stopped
-sys.argv = {["train/run.py", "variant=math", "logger=csv", "trainer.max_steps=2",
+sys.argv = {["train/run.py", "variant=math", "variant.name=stopped", "logger=csv", "trainer.max_steps=2",
              "hydra.run.dir=" + str(root / "outputs/stopped"), *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]!r}
 runpy.run_path("train/run.py", run_name="__main__")
 """
@@ -188,8 +188,8 @@ runpy.run_path("train/run.py", run_name="__main__")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 143, proc.stderr[-2000:]
-    assert not (root / "models" / "math").exists()
-    assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(".math.")]
+    assert not (root / "models" / "stopped").exists()
+    assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(".stopped.")]
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(family):
