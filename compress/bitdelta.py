@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from deltafleet.atomic import check_replaceable, fsync_path, staged_dir
+from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir
 from deltafleet.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
@@ -762,17 +762,12 @@ def _not_artifact(folder: Path) -> str | None:
 
 
 HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder may be replaced by a new export
+HF_WRITTEN_BY = "deltafleet export format=hf"
 
 
 def _not_hf_export(folder: Path) -> str | None:
     """Why ``folder`` is not (only) an earlier :func:`export_hf` output, or None if it is."""
-    try:
-        record = json.loads((folder / HF_EXPORT_RECORD).read_text())
-        files = set(record["files"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return f"no {HF_EXPORT_RECORD} of an export"
-    extra = sorted({p.name for p in folder.iterdir()} - files)
-    return f"files the export did not write: {', '.join(extra[:3])}" if extra else None
+    return not_recorded_output(folder, HF_EXPORT_RECORD, HF_WRITTEN_BY, "export")
 
 
 def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, *,
@@ -812,7 +807,7 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
         _fit_vocab_size(tmp / "config.json", state)
-        record = {"written_by": "deltafleet export format=hf", "artifact": str(Path(artifact_dir).absolute()),
+        record = {"written_by": HF_WRITTEN_BY, "artifact": str(Path(artifact_dir).absolute()),
                   "files": sorted([p.name for p in tmp.iterdir()] + [HF_EXPORT_RECORD])}
         (tmp / HF_EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir

@@ -6,6 +6,7 @@ the content is written under a temporary name next to the destination, fsynced, 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -71,6 +72,20 @@ def _remove_orphans(dst: Path) -> None:
         who = stale.name[len(f".{dst.name}.tmp-"):].rsplit(".", 2)
         if len(who) == 3 and who[0] == host and who[1].isdigit() and not _alive(int(who[1])):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def not_recorded_output(folder: Path, record: str, written_by: str, job: str) -> str | None:
+    """Why ``folder`` is not (only) an earlier output of ``job``, or None if it is: its ``record`` (a JSON
+    file the job writes last into its staged folder) must carry ``written_by`` and list every file the
+    folder holds. For :func:`check_replaceable`'s ``foreign``."""
+    try:
+        meta = json.loads((folder / record).read_text())
+    except (OSError, ValueError):
+        return f"no {record} of {'an' if job[0] in 'aeiou' else 'a'} {job}"
+    if not isinstance(meta, dict) or meta.get("written_by") != written_by or not isinstance(meta.get("files"), list):
+        return f"its {record} was not written by this {job} tool"
+    extra = sorted({p.name for p in folder.iterdir()} - set(meta["files"]))
+    return f"files the {job} did not write: {', '.join(extra[:3])}" if extra else None
 
 
 def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Callable[[Path], str | None], *,

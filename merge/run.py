@@ -4,9 +4,9 @@
     python merge/run.py models=[a,b] base=null method=linear params.weights=[1,3]
 
 Streams one tensor at a time (merge/stream.py), so models larger than RAM merge; writes a Hugging
-Face checkpoint (config and tokenizer from the base) plus ``deltafleet.merge.json`` (method, parameters,
+Face checkpoint (config and tokenizer from the base) plus ``merge.json`` (method, parameters,
 inputs, time). An existing ``out_dir`` is replaced only if it is an earlier merge's output (it holds
-``deltafleet.merge.json``) or with ``overwrite=true``.
+``merge.json``) or with ``overwrite=true``.
 """
 from __future__ import annotations
 

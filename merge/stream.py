@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from deltafleet.atomic import check_replaceable, staged_dir
+from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
 from deltafleet.checkpoint import Checkpoint
 from deltafleet.merge.methods import MergeMethod
 
@@ -44,17 +44,8 @@ WRITTEN_BY = "deltafleet merge"  # merge.json's signature: a folder it describes
 
 
 def _not_merge_output(folder: Path) -> str | None:
-    """Why ``folder`` is not (only) an earlier merge's output, or None if it is: its ``deltafleet.merge.json``
-    must be this tool's record (``written_by``) and list every file the folder holds."""
-    try:
-        record = json.loads((folder / "merge.json").read_text())
-    except (OSError, ValueError):
-        return "no merge.json of a merge"
-    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY or \
-            not isinstance(record.get("files"), list):
-        return "its merge.json was not written by this merge tool"
-    extra = sorted({p.name for p in folder.iterdir()} - set(record["files"]))
-    return f"files the merge did not write: {', '.join(extra[:3])}" if extra else None
+    """Why ``folder`` is not (only) an earlier merge's output (its ``merge.json`` lists every file), or None."""
+    return not_recorded_output(folder, "merge.json", WRITTEN_BY, "merge")
 
 
 def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Path], out_dir: str | Path,
@@ -66,7 +57,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         base_dir: the common base (task vectors are taken against it); None only for ``linear``.
         model_dirs: one or more checkpoints with the base's tensor names and shapes.
         out_dir: the merged checkpoint folder. If it exists it is replaced atomically, but only if it is
-            empty, an earlier merge's output (it holds ``deltafleet.merge.json``) or ``overwrite`` is set.
+            empty, an earlier merge's output (it holds ``merge.json``) or ``overwrite`` is set.
         method: a :class:`deltafleet.merge.methods.MergeMethod` (``get_method(name, **params)``).
         max_shard_bytes: output shard size in bytes.
         show_progress: a tqdm bar over tensors.

@@ -145,11 +145,12 @@ def check_config(cfg: DictConfig) -> None:
             that builds it).
         ValueError: an invalid setting, or a machine without the GPUs the trainer needs.
     """
-    if cfg.variant.init == "base" and not (Path(cfg.base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
-    if cfg.variant.init == "base" and Path(cfg.out_dir).resolve() == Path(cfg.base_dir).resolve():
-        raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
-                         f"starts from, which every artifact is checked against: choose another variant.name")
+    if cfg.variant.init == "base":
+        if not (Path(cfg.base_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+        if Path(cfg.out_dir).resolve() == Path(cfg.base_dir).resolve():
+            raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
+                             f"starts from, which every artifact is checked against: choose another variant.name")
     for split in SPLITS:
         split_file(cfg.paths.data_dir, cfg.variant.domain, split)
     if cfg.variant.adapter not in (None, "lora"):
