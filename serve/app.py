@@ -126,7 +126,8 @@ def _api_error(e: Exception) -> APIError:
     if isinstance(e, ModelNotFoundError):
         return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
     if isinstance(e, VariantUnavailableError):
-        return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable")
+        return APIError(503, str(e), "service_unavailable_error", "model", "variant_unavailable",
+                        {"Retry-After": str(RETRY_AFTER_S)} if e.transient else None)
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
     if isinstance(e, GenerationError):  # logged where it happened (serve/scheduler.py)
@@ -504,22 +505,24 @@ STATUS = {
     400: "Invalid request: a body that is not JSON, a parameter out of range or not supported, a prompt "
          "over the context.",
     401: "No or a wrong API key (`Authorization: Bearer <key>`).",
-    404: "No model (or variant) is served under this id.",
+    404: "No model (or variant) is served under this id (an artifact exported against another base is not "
+         "served; the message says so).",
     408: "The request body did not arrive within the server's request timeout; the connection is closed.",
     409: "The variant has requests in flight: retry when they have finished.",
     413: "The request body is larger than the server's max_request_bytes.",
     429: "Overloaded: too many requests are waiting already. Retry after `Retry-After` seconds.",
     500: "An unexpected error, or the generation failed (the request's logits were not finite).",
-    503: "The variant exists but cannot be served now (its artifact cannot be used, or no room on the "
-         "device); the server is receiving too many request bodies at once (Retry-After); for /health: "
-         "the engine cannot generate any more.",
+    503: "The variant exists but cannot be served now: its artifact cannot be read, or no device slot came "
+         "free in time (Retry-After); the server is receiving too many request bodies at once (Retry-After); "
+         "for /health: the engine cannot generate any more.",
 }
 
 
 def _responses(*statuses: int, ok: type | None = None, ok_media: dict | None = None) -> dict:
     out: dict = {s: {"model": ErrorResponse, "description": STATUS[s]} for s in sorted(statuses)}
     for status in {429, 503} & set(out):
-        out[status]["headers"] = {"Retry-After": {"description": "seconds (429; 503 when busy receiving bodies)",
+        out[status]["headers"] = {"Retry-After": {"description": "seconds (429; 503 when no device slot came free "
+                                                                 "or when busy receiving bodies)",
                                                   "schema": {"type": "integer"}}}
     if ok is not None or ok_media:
         out[200] = ({"model": ok} if ok else {}) | ({"content": ok_media} if ok_media else {})

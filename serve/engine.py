@@ -74,12 +74,20 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return dt
 
 
-def _granularity(manifest: Path) -> str | None:
-    """The ``granularity`` of an artifact manifest, or None if it cannot be read (its load says why)."""
+def _manifest_field(manifest: Path, *keys: str):
+    """``manifest[keys[0]][keys[1]]...`` of an artifact manifest, or None where it cannot be read (the
+    artifact's load says why)."""
     try:
-        return json.loads(manifest.read_text()).get("granularity")
-    except (OSError, ValueError, AttributeError):
+        value = json.loads(manifest.read_text())
+    except (OSError, ValueError):
         return None
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _granularity(manifest: Path) -> str | None:
+    return _manifest_field(manifest, "granularity")
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -178,6 +186,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
         self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
+        self._foreign: dict[str, str] = {}  # ids of artifacts made for another base → that base's fingerprint
         self._registry_lock = threading.Lock()  # guards _variants and _removed
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
@@ -329,6 +338,16 @@ class Engine:
                     log.warning("not serving %s: it resolves outside the artifact root", manifest.parent.name)
                     continue
                 mid = f"{self.family}-{manifest.parent.name}"
+                other = self._other_base(manifest)
+                if other is not None:  # never served here: not listed, and a request says why (404)
+                    if self._foreign.get(mid) != other:
+                        log.warning("not serving %s: its artifact %s was exported against another base "
+                                    "(fingerprint %s, this server's base %s); export it again against this "
+                                    "base, or start the server with force=true", mid, manifest.parent, other,
+                                    self.base_fingerprint)
+                    self._foreign[mid] = other
+                    continue
+                self._foreign.pop(mid, None)
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
         for name in self.synthetic.names if self.synthetic else ():
             found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
@@ -338,20 +357,38 @@ class Engine:
                     self._variants.setdefault(mid, card)
         return self.models()
 
+    def _other_base(self, manifest: Path) -> str | None:
+        """The base fingerprint an artifact manifest names when it is not this server's base (None when
+        it is, when ``force`` is set, or when the manifest cannot be read: its load says why)."""
+        other = None if self.force else _manifest_field(manifest, "base", "fingerprint")
+        return other if isinstance(other, str) and other != self.base_fingerprint else None
+
     def models(self) -> list[ModelCard]:
         with self._registry_lock:
             return [ModelCard(self.family, None)] + list(self._variants.values())
 
     def card(self, model_id: str) -> ModelCard:
-        """Raises ModelNotFoundError for an id that is neither the base nor a found artifact."""
+        """The card of the base or a found variant; a variant's bare name (``coder`` for ``<family>-coder``,
+        as vLLM serves an adapter under its ``lora_name``) finds it too. The card's ``id`` is the
+        canonical model id.
+
+        Raises ModelNotFoundError for an id that is neither (an artifact exported against another base
+        is not served: the message says so)."""
         if model_id == self.family:
             return ModelCard(self.family, None)
-        if model_id not in self._variants:
+        ids = (model_id, f"{self.family}-{model_id}")
+        if not any(mid in self._variants for mid in ids):
             self.discover()
-        try:
-            return self._variants[model_id]
-        except KeyError:
-            raise ModelNotFoundError(f"The model `{model_id}` does not exist") from None
+        for mid in ids:
+            card = self._variants.get(mid)
+            if card is not None:
+                return card
+        other = next((self._foreign[mid] for mid in ids if mid in self._foreign), None)
+        if other is not None:
+            raise ModelNotFoundError(
+                f"The model `{model_id}` does not exist for this server's base: its artifact was exported "
+                f"against another base (fingerprint {other}, this server's base {self.base_fingerprint})")
+        raise ModelNotFoundError(f"The model `{model_id}` does not exist")
 
     def add_listener(self, fn: DeltaListener) -> None:
         """Call ``fn(event, model_id, seconds, tier)`` on delta-cache hits, misses, loads, failed loads
@@ -372,6 +409,7 @@ class Engine:
         card = self.card(model_id)
         if card.parent is None:
             return None
+        model_id = card.id
         try:
             return self.cache.acquire(model_id)
         except ArtifactGoneError:
@@ -379,7 +417,7 @@ class Engine:
                 self._variants.pop(model_id, None)
             raise ModelNotFoundError(f"The model `{model_id}` does not exist (its artifact was removed)") from None
         except CacheFullError as e:
-            raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}") from None
+            raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}", transient=True) from None
 
     def release_delta(self, model_id: str) -> None:
         """End one hold of :meth:`acquire_delta` (no-op for the base)."""
@@ -388,6 +426,7 @@ class Engine:
 
     def get_delta(self, model_id: str) -> VariantDelta | None:
         """The variant's deltas, loaded if needed, without holding them (they may be evicted later)."""
+        model_id = self.card(model_id).id
         delta = self.acquire_delta(model_id)
         self.release_delta(model_id)
         return delta
@@ -484,6 +523,11 @@ class Engine:
         if not (folder / MANIFEST_NAME).is_file():
             raise InvalidRequestError(f"no {MANIFEST_NAME} in `{folder.relative_to(root)}` under the artifact root",
                                       "path", "artifact_not_found")
+        other = self._other_base(folder / MANIFEST_NAME)
+        if other is not None:
+            raise InvalidRequestError(f"the artifact in `{folder.relative_to(root)}` was exported against another "
+                                      f"base (fingerprint {other}, this server's base {self.base_fingerprint})",
+                                      "path", "base_mismatch")
         with self._registry_lock:
             was_removed = mid in self._removed
             self._removed.discard(mid)
@@ -712,7 +756,7 @@ class Engine:
                 max_tokens, or a stop token id outside the vocabulary (400).
             VariantUnavailableError: the variant's artifact cannot be used (503).
         """
-        self.card(model_id)
+        model_id = self.card(model_id).id
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})",

@@ -20,7 +20,12 @@ class ModelNotFoundError(LookupError):
 
 
 class VariantUnavailableError(RuntimeError):
-    """The variant exists but its artifact cannot be used, e.g. a fingerprint mismatch (HTTP 503)."""
+    """The variant exists but cannot be served now (HTTP 503): its artifact is missing or corrupt, or
+    (``transient``, with Retry-After) no device slot came free in time."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class VariantInUseError(RuntimeError):

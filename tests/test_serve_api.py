@@ -1,9 +1,10 @@
 """The real server (``python serve/run.py`` in a subprocess, on 127.0.0.1) through the real OpenAI
 client, httpx and curl; plus the engine in-process (lazy single-flight loads, stop strings).
 
-One server per module serves the tiny family (base, ``coder``, ``writer``) and ``stranger``, an
-artifact exported against another base (fingerprint mismatch → 503). The base's context is raised
-from 128 to 2048 tokens (same weights), so that one generation can take seconds.
+One server per module serves the tiny family (base, ``coder``, ``writer``); beside them lie
+``stranger``, an artifact exported against another base (not served: 404 with the reason), and
+``broken``, a copy of ``coder`` with a corrupted tensor file (listed, 503). The base's context is
+raised from 128 to 2048 tokens (same weights), so that one generation can take seconds.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ GREEDY = dict(temperature=0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def root(tiny_family, tmp_path_factory) -> Path:
-    """A paths.root with the family's base and artifacts plus ``stranger`` (made for another base)."""
+    """A paths.root with the family's base and artifacts plus ``stranger`` (made for another base) and
+    ``broken`` (its tensor file no longer matches the manifest's hash)."""
     root = tmp_path_factory.mktemp("serve_root")
     shutil.copytree(tiny_family.base_dir, root / "models" / "base")
     shutil.copytree(tiny_family.artifacts_dir, root / "artifacts")
@@ -49,6 +51,13 @@ def root(tiny_family, tmp_path_factory) -> Path:
     ft.load_state_dict(perturb(base, seed=8))
     ft.save_pretrained(other / "ft")
     compress(other / "base", other / "ft", root / "artifacts" / "stranger", variant="stranger")
+    broken = root / "artifacts" / "broken"
+    shutil.copytree(root / "artifacts" / "coder", broken)
+    with open(broken / "delta.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
     return root
 
 
@@ -80,9 +89,9 @@ def engine(root) -> Engine:
 
 def test_models_list_ids_and_parents(client):
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny", "tiny-coder", "tiny-writer", "tiny-stranger"}
+    assert set(models) == {"tiny", "tiny-coder", "tiny-writer", "tiny-broken"}  # not stranger: another base
     assert models["tiny"].parent is None
-    assert all(models[m].parent == "tiny" for m in ("tiny-coder", "tiny-writer", "tiny-stranger"))
+    assert all(models[m].parent == "tiny" for m in ("tiny-coder", "tiny-writer", "tiny-broken"))
     assert {m.owned_by for m in models.values()} == {"deltafleet"} and models["tiny"].object == "model"
     assert client.models.retrieve("tiny-coder").id == "tiny-coder"
 
@@ -725,23 +734,58 @@ def test_a_body_over_2_mib_is_413_before_parsing(server):
     assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok"}
 
 
-def test_fingerprint_mismatch_is_503_and_others_keep_working(server, client, root):
-    for _ in range(2):  # not cached as loaded; every try says why, without the server's paths
-        err = api_error(httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"}), 503)
-        assert err["code"] == "variant_unavailable" and "fingerprint" in err["message"]
-        assert "tiny-stranger" in err["message"] and str(root) not in err["message"] and "/" not in err["message"]
-    assert str(root / "artifacts" / "stranger") in (root / "server.log").read_text()  # the server logs them
-    with pytest.raises(openai.InternalServerError) as e:
+def test_an_artifact_of_another_base_is_not_served_and_a_request_says_why(server, client, root):
+    """Not listed; a request for it is a 404 (which clients do not retry) naming both fingerprints,
+    without the server's paths; the server logs it once, with its folder."""
+    for model in ("tiny-stranger", "stranger"):  # its id, and its bare name
+        err = api_error(httpx.post(f"{server}/v1/completions", json={"model": model, "prompt": "x"}), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert err["message"].startswith(f"The model `{model}` does not exist for this server's base: its "
+                                         "artifact was exported against another base (fingerprint sha256:")
+        assert err["message"].count("sha256:") == 2 and "/" not in err["message"]
+    assert api_error(httpx.get(f"{server}/v1/models/tiny-stranger"), 404)["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="tiny-stranger", messages=[{"role": "user", "content": "x"}])
+    # a hot load of it is refused as a bad request, and leaves nothing listed
+    err = api_error(httpx.post(f"{server}/v1/load_variant", json={"variant": "s2", "path": "stranger"}), 400)
+    assert (err["code"], err["param"]) == ("base_mismatch", "path") and "`stranger`" in err["message"]
+    assert "tiny-s2" not in [m.id for m in client.models.list().data]
+    log = (root / "server.log").read_text()
+    assert log.count(f"not serving tiny-stranger: its artifact {root / 'artifacts' / 'stranger'} was exported") == 1
+    assert client.completions.create(model="tiny-coder", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_corrupt_artifact_is_503_and_others_keep_working(server, client, root):
+    for _ in range(2):  # not cached as loaded; every try says why, without the server's paths
+        r = httpx.post(f"{server}/v1/completions", json={"model": "tiny-broken", "prompt": "x"})
+        err = api_error(r, 503)
+        assert err["code"] == "variant_unavailable" and "retry-after" not in r.headers  # not a matter of time
+        assert err["message"].startswith("variant `tiny-broken` is unavailable: ") and "sha256" in err["message"]
+        assert str(root) not in err["message"] and "/" not in err["message"]
+    assert str(root / "artifacts" / "broken") in (root / "server.log").read_text()  # the server logs them
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="tiny-broken", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 503
     assert client.completions.create(model="tiny-coder", prompt="x", max_tokens=2).usage.completion_tokens >= 1
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
+def test_a_variant_is_served_under_its_bare_name_too(client):
+    """As vLLM serves an adapter under its ``lora_name``: ``coder`` is ``tiny-coder``."""
+    def logprobs(model):
+        r = client.completions.create(model=model, prompt="def main(", logprobs=1, **GREEDY)
+        return r.model, r.choices[0].logprobs.token_logprobs
+
+    (bare_model, bare), (_, full), (_, base) = logprobs("coder"), logprobs("tiny-coder"), logprobs("tiny")
+    assert bare == full and bare != base
+    assert bare_model == "coder"  # echoed as asked, like vLLM
+    assert client.models.retrieve("coder").id == "tiny-coder"
+
+
 def test_metrics_after_traffic(server, client):
     for _ in range(2):
         client.completions.create(model="tiny-writer", prompt="x", max_tokens=3, temperature=0)
-    httpx.post(f"{server}/v1/completions", json={"model": "tiny-stranger", "prompt": "x"})
+    httpx.post(f"{server}/v1/completions", json={"model": "tiny-broken", "prompt": "x"})
     text = httpx.get(f"{server}/metrics").text
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
@@ -755,7 +799,7 @@ def test_metrics_after_traffic(server, client):
     assert float(samples['deltafleet:delta_cache_loads_total{model_name="tiny-writer"}']) == 1.0
     assert float(samples['deltafleet:delta_cache_hits_total{model_name="tiny-writer"}']) >= 1.0
     assert float(samples['deltafleet:delta_cache_misses_total{model_name="tiny-writer"}']) >= 1.0
-    assert float(samples['deltafleet:delta_cache_load_failures_total{model_name="tiny-stranger"}']) >= 1.0
+    assert float(samples['deltafleet:delta_cache_load_failures_total{model_name="tiny-broken"}']) >= 1.0
     assert float(samples['deltafleet:e2e_request_latency_seconds_count{model_name="tiny-writer"}']) >= 2.0
     assert httpx.get(f"{server}/health").status_code == 200  # still up after all the bad requests
 
@@ -936,8 +980,10 @@ def test_engine_loads_variants_lazily_and_single_flight(root, monkeypatch):
     assert events.count(("load", "tiny-coder")) == 1 and events.count(("miss", "tiny-coder")) == 4
     assert engine.get_delta("tiny-coder") is results[0] and events[-1] == ("hit", "tiny-coder")
     assert engine.get_delta("tiny") is None
-    with pytest.raises(VariantUnavailableError, match="fingerprint"):
+    with pytest.raises(ModelNotFoundError, match="exported against another base"):
         engine.get_delta("tiny-stranger")
+    with pytest.raises(VariantUnavailableError, match="sha256"):
+        engine.get_delta("tiny-broken")
     with pytest.raises(ModelNotFoundError):
         engine.get_delta("tiny-nope")
     # A new artifact folder is picked up without a restart.

@@ -123,6 +123,13 @@ def test_vllm_lora_adapter_routes_unload_and_load_a_variant(tiny_family):
         r = tc.post("/v1/load_lora_adapter", json={"lora_name": "tiny-coder", "lora_path": "coder"})
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-coder' added successfully."
         assert tc.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+        # a bare lora_name is served under that name too, as vLLM does (and listed as tiny-again)
+        r = tc.post("/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "coder"})
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'again' added successfully."
+        assert tc.post("/v1/completions", json=body | {"model": "again"}).json()["choices"][0]["text"] == before
+        assert "tiny-again" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+        assert tc.post("/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
+        assert api_error(tc.post("/v1/completions", json=body | {"model": "again"}), 404)["code"] == "model_not_found"
         assert api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "../x"}), 400)["param"] == "lora_name"
         missing = api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "tiny-nothing"}), 400)
         assert (missing["code"], missing["param"]) == ("artifact_not_found", "lora_path")
