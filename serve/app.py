@@ -140,7 +140,16 @@ def _api_error(e: Exception) -> APIError:
                     "server_error", None, "internal_error")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def _is_json_media(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON: ``application/json`` or
+    ``application/*+json`` (with none given, FastAPI with its strict_content_type, the default, does not)."""
+    if not content_type:
+        return False
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
 
@@ -151,6 +160,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
+    if param is None and not _is_json_media(content_type):  # read as bytes, never parsed
+        given = f"this request's is `{content_type[:100]}`" if content_type else "this request has none"
+        return APIError(400, f"The request body must be JSON, sent with `Content-Type: application/json` "
+                        f"({given}).", code="invalid_content_type")
     if param is None:  # the body itself: empty, or JSON but not an object
         return APIError(400, "The request body is missing or is not a JSON object.", code="invalid_body")
     if first.get("type") in _OWN_ERRORS:
@@ -596,7 +609,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return _validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException):

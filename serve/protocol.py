@@ -179,8 +179,28 @@ NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "f
                    "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens", "echo")
 
 
+_SCHEMA_METADATA = ("title", "description", "default", "examples")
+
+
+def _sampling_schema(schema: dict) -> None:
+    """The sampling requests' JSON Schema says what the server takes: null for each field of
+    :data:`NULL_IS_DEFAULT` (its default), and stream_options only with stream: true."""
+    schema.update(_STREAM_OPTIONS_NEED_STREAM)
+    props = schema.get("properties", {})
+    for name in NULL_IS_DEFAULT:
+        prop = props.get(name)
+        if prop is None:
+            continue
+        if "anyOf" in prop:
+            if {"type": "null"} not in prop["anyOf"]:
+                prop["anyOf"].append({"type": "null"})
+            continue
+        meta = {k: prop.pop(k) for k in _SCHEMA_METADATA if k in prop}
+        props[name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)  # extra: for check
+    model_config = ConfigDict(extra="allow", json_schema_extra=_sampling_schema)  # extra: for check
 
     @model_validator(mode="before")
     @classmethod

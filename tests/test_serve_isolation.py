@@ -28,7 +28,7 @@ from deltafleet.serve import sampling
 from deltafleet.serve.detokenize import TextStream
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.sampling import SamplingBatch
-from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS
+from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS, NULL_IS_DEFAULT
 from tests.conftest import api_error, free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -337,6 +337,49 @@ def test_the_openapi_document_lists_every_status_with_the_error_schema(tc):
     assert roles == ["system", "user", "assistant", "developer", "tool"]
     assert doc["components"]["schemas"]["CompletionRequest"]["then"] == {
         "required": ["stream"], "properties": {"stream": {"const": True}}}  # stream_options needs stream
+
+
+def test_a_body_sent_as_another_media_type_is_refused_saying_so(tc):
+    """``curl -d`` sends JSON as a form (``application/x-www-form-urlencoded``); FastAPI reads such a
+    body as bytes, and the answer names the header to set, not a body "missing or not an object"."""
+    body = json.dumps({"model": "tiny", "prompt": "def ", "max_tokens": 2, "temperature": 0}).encode()
+    for media in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+        err = api_error(tc.post("/v1/completions", content=body, headers={"content-type": media}), 400)
+        assert err == {"message": f"The request body must be JSON, sent with `Content-Type: application/json` "
+                                  f"(this request's is `{media}`).", "type": "invalid_request_error",
+                       "param": None, "code": "invalid_content_type"}
+    answers = [tc.post("/v1/completions", content=body, headers={"content-type": media})
+               for media in ("application/json; charset=utf-8", "application/vnd.x+json")]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+    r = tc.post("/v1/completions", content=body)  # no Content-Type: a strict FastAPI does not parse it
+    if r.status_code != 200:
+        assert api_error(r, 400)["message"].endswith("(this request has none).")
+    err = api_error(tc.post("/v1/completions", content=b"[1]", headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_body"  # JSON, but not an object
+
+
+def test_the_document_allows_null_where_the_server_takes_it_as_the_default(tc):
+    """A field the server reads null as its default (OpenAI's clients send nulls) is nullable in the
+    document, with its type, bounds and default kept (schemathesis flagged ``"echo": null`` as
+    accepted against a schema of booleans); and the server answers such a body as one without them."""
+    doc = tc.get("/openapi.json").json()
+    for schema, body in (("CompletionRequest", {"model": "tiny", "prompt": "def ", "max_tokens": 4}),
+                         ("ChatCompletionRequest", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 4})):
+        props = doc["components"]["schemas"][schema]["properties"]
+        nullable = [f for f in NULL_IS_DEFAULT if f in props]
+        assert len(nullable) >= len(NULL_IS_DEFAULT) - 1  # chat has no echo
+        for f in nullable:
+            assert props[f]["anyOf"][-1] == {"type": "null"} and "default" in props[f], (schema, f)
+        assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
+        assert props["echo" if "echo" in props else "stream"]["anyOf"][0] == {"type": "boolean"}
+        assert "anyOf" not in props["model"]  # required fields stay as they are
+        path = "/v1/completions" if schema == "CompletionRequest" else "/v1/chat/completions"
+        plain = tc.post(path, json=body | {"temperature": 0}).json()
+        nulls = tc.post(path, json=body | {"temperature": 0} | {f: None for f in nullable if f != "temperature"})
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json()["choices"] == plain["choices"]
 
 
 def test_every_answer_is_documented_for_its_operation(nan_writer):
