@@ -24,14 +24,27 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 
 
 @contextlib.contextmanager
+def interruptible(job: str) -> Iterator[None]:
+    """Ctrl-C ends the job with ``<job>: interrupted`` on stderr and exit status 130 (128 + SIGINT, as
+    a shell reports it), not a traceback of wherever it landed. The ``finally`` blocks inside have run
+    by then: a staged output folder is gone."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\n{job}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
 def user_errors(job: str) -> Iterator[None]:
     """Turn a user-caused error (:data:`USER_ERRORS`, which includes ``ArtifactError``) into
     ``SystemExit("<job>: <message>")``: exit status 1 and one line on stderr, where Hydra would
-    print a traceback. Anything else (a bug) keeps its traceback."""
-    try:
-        yield
-    except USER_ERRORS as e:
-        raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
+    print a traceback. Anything else (a bug) keeps its traceback. Ctrl-C is :func:`interruptible`."""
+    with interruptible(job):
+        try:
+            yield
+        except USER_ERRORS as e:
+            raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
 
 
 def build_hint(cfg, what: str, variant: str | None = None) -> str:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import stop_on_sigterm
+    from deltafleet.cli import interruptible, stop_on_sigterm
     from deltafleet.checkpoint import CheckpointError
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
@@ -29,11 +29,12 @@ def main(cfg: DictConfig) -> None:
     stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
     set_threads(cfg)
     try:
-        params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
-        method = get_method(cfg.method, **params)
-        summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
-                                    max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress,
-                                    overwrite=bool(cfg.overwrite))
+        with interruptible("merge"):
+            params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
+            method = get_method(cfg.method, **params)
+            summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
+                                        max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress,
+                                        overwrite=bool(cfg.overwrite))
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -159,3 +159,36 @@ with staged_dir(dst) as tmp:
     assert r.returncode == 143, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.bin"]
+
+
+def test_ctrl_c_ends_a_merge_with_one_line_and_nothing_left(tiny_family, tmp_path):
+    """Found by a fresh user: Ctrl-C during a merge printed a 30-line KeyboardInterrupt traceback. A
+    real SIGINT delivered while the staged folder is being written: status 130 (as a shell reports
+    it), one line on stderr, no staged folder, an earlier output untouched."""
+    out = tmp_path / "out"
+    code = f"""
+import contextlib, os, runpy, signal, sys, time
+import deltafleet.atomic as atomic
+real = atomic.staged_dir
+
+@contextlib.contextmanager
+def interrupted(dst, *a, **k):
+    with real(dst, *a, **k) as tmp:
+        (tmp / "half.bin").write_bytes(b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        yield tmp
+
+atomic.staged_dir = interrupted
+sys.argv = ["merge/run.py", "base={tiny_family.base_dir}", "models=[{tiny_family.variants['coder']},{tiny_family.variants['writer']}]",
+            "method=task_arithmetic", "out_dir={out}", "progress=false", "overwrite=true", "hydra.run.dir={tmp_path / 'h'}"]
+runpy.run_path("merge/run.py", run_name="__main__")
+"""
+    out.mkdir()
+    (out / "old.bin").write_bytes(b"old")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "merge: interrupted" and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h", "out"]
+    assert [p.name for p in out.iterdir()] == ["old.bin"]

@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
-from deltafleet.cli import build_hint, stop_on_sigterm, user_errors
+from deltafleet.cli import build_hint, interruptible, stop_on_sigterm, user_errors
 from deltafleet.train.datamodule import SPLITS, TextDataModule, split_file
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
@@ -355,7 +355,8 @@ def main(cfg: DictConfig) -> float | None:
     set_threads(cfg)
     with user_errors("train"):  # one line for a mistake; a failure during training keeps its traceback
         check_config(cfg)
-    metrics = train(cfg)
+    with interruptible("train"):  # after fit (Lightning handles Ctrl-C during it): held-out loss, save, export
+        metrics = train(cfg)
     return metrics.get("heldout/loss")
 
 
