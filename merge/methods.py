@@ -29,6 +29,7 @@ with ``two_pass = True``: :func:`deltafleet.merge.stream.merge_checkpoints` firs
 """
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
 from typing import Callable, ClassVar, Iterator, Sequence
@@ -57,10 +58,43 @@ def get_method(name: str, **params) -> MergeMethod:
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown merge method {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    _check_params(name, REGISTRY[name], params)
     try:
         return REGISTRY[name](**params)
     except TypeError as e:
         raise ValueError(f"merge method {name!r}: {e}") from None
+
+
+def _check_params(name: str, cls: type, params: dict) -> None:
+    """Each of ``params`` is a parameter of ``cls``, of its default's kind: a number where the
+    default is a float, an integer where it is an int, true/false, a text, or (``weights``) a list of
+    numbers. Raises ValueError naming the parameter and what it got."""
+    sig = inspect.signature(cls.__init__)
+    known = [p for p in sig.parameters if p != "self"]
+    for key, value in params.items():
+        if key not in known:
+            raise ValueError(f"merge method {name!r} has no parameter {key!r}; its parameters: {', '.join(known)}")
+        default = sig.parameters[key].default
+        if key == "weights":
+            ok = isinstance(value, (list, tuple)) and all(_is_number(w) for w in value)
+            kind = "a list of numbers, one per model"
+        elif isinstance(default, bool):
+            ok, kind = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok = _is_number(value) and float(value).is_integer()
+            kind = "an integer"
+        elif isinstance(default, float):
+            ok, kind = _is_number(value), "a number"
+        elif isinstance(default, str):
+            ok, kind = isinstance(value, str), "a text"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"merge method {name!r}: {key} must be {kind}, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 BLOCK_ELEMENTS = 1 << 22  # rows per block of an elementwise method: about this many elements (fixed:

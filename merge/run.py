@@ -30,6 +30,9 @@ def main(cfg: DictConfig) -> None:
     set_threads(cfg)
     try:
         with interruptible("merge"):
+            if not OmegaConf.is_list(cfg.models):
+                raise ValueError(f"models must be a list of checkpoint folders, e.g. models=[models/coder,models/writer]; "
+                                 f"got {cfg.models!r}")
             params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
             method = get_method(cfg.method, **params)
             summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,

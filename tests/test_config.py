@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,16 @@ def test_a_fine_tune_named_after_its_base_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"variant.name=base writes its fine-tune to .*models/base, the base it starts from"):
         check_config(cfg)
     assert [p.name for p in (tmp_path / "models" / "base").iterdir()] == ["config.json"]
+
+
+def test_a_bad_step_count_is_refused_by_name(tmp_path):
+    """Found by a fresh user: ``trainer.max_steps=abc`` failed inside Lightning ("'<' not supported
+    between instances of 'str' and 'int'") and ``trainer.max_steps=0`` only after building the model
+    ("Expected state_dict to be dict-like")."""
+    from deltafleet.train.run import check_config
+
+    for bad in ("abc", 0, -1, 2.5, True):
+        cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"trainer.max_steps={bad}"])
+        with pytest.raises(ValueError, match=re.escape(f"trainer.max_steps must be a whole number of steps, at least "
+                                                       f"1, got {cfg.trainer.max_steps!r}")):
+            check_config(cfg)

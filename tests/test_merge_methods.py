@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -23,8 +24,20 @@ def test_registry_names_every_method_of_the_issue():
                              "svd_soup", "opcm"}
     with pytest.raises(ValueError, match="unknown merge method 'slerp'; known: dare_linear, dare_ties"):
         get_method("slerp")
-    with pytest.raises(ValueError, match="merge method 'ties': .*unexpected keyword argument 'densty'"):
+    with pytest.raises(ValueError, match="merge method 'ties' has no parameter 'densty'; its parameters: "
+                                         "weights, density, scaling$"):
         get_method("ties", densty=0.5)
+    with pytest.raises(ValueError, match="merge method 'ties' has no parameter 'rank'"):
+        get_method("ties", rank=4)  # svd_soup's
+    bad = [("ties", "density", "abc", "a number"), ("ties", "density", True, "a number"),
+           ("dare_ties", "seed", 1.5, "an integer"), ("linear", "normalize", 1, "true or false"),
+           ("monosoup", "rank_mode", 3, "a text"), ("ties", "weights", [1, "x"], "a list of numbers, one per model"),
+           ("linear", "weights", 2.0, "a list of numbers, one per model")]
+    for method, key, value, kind in bad:  # what a command line can give (params.density=abc)
+        with pytest.raises(ValueError, match=re.escape(f"merge method '{method}': {key} must be {kind}, "
+                                                       f"got {value!r}")):
+            get_method(method, **{key: value})
+    assert get_method("dare_ties", seed=7.0, density=1).density == 1.0  # integral numbers are fine
     with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got 1.5"):
         get_method("dare_ties", density=1.5)
 

@@ -192,3 +192,20 @@ runpy.run_path("merge/run.py", run_name="__main__")
     assert r.stderr.strip().splitlines()[-1] == "merge: interrupted" and "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h", "out"]
     assert [p.name for p in out.iterdir()] == ["old.bin"]
+
+
+def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
+    """Found by a fresh user: ``params.density=abc`` failed with "'<' not supported between ...",
+    and ``models=models/coder`` (a string) merged the "models" a, b, c, ... one letter each."""
+    base = [sys.executable, "merge/run.py", f"base={tiny_family.base_dir}", "method=ties", "progress=false",
+            f"out_dir={tmp_path / 'out'}"]
+    models = f"models=[{tiny_family.variants['coder']},{tiny_family.variants['writer']}]"
+    cases = [([models, "params.density=abc"], "error: merge method 'ties': density must be a number, got 'abc'"),
+             ([f"models={tiny_family.variants['coder']}"], "error: models must be a list of checkpoint folders, "
+                                                           "e.g. models=[models/coder,models/writer]; got '")]
+    for i, (args, message) in enumerate(cases):
+        r = subprocess.run(base + args + [f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 2 and r.stderr.strip().startswith(message), r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -145,6 +145,10 @@ def check_config(cfg: DictConfig) -> None:
             that builds it).
         ValueError: an invalid setting, or a machine without the GPUs the trainer needs.
     """
+    steps = cfg.trainer.get("max_steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # Lightning's -1 would never stop
+        raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
+                         f"(variant.max_steps=N or trainer.max_steps=N)")
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
