@@ -33,11 +33,13 @@ def fsync_path(path: Path) -> None:
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename the finished folder ``src`` to ``dst``, replacing (then deleting) an existing one.
 
-    If the final rename fails, a previous ``dst`` is put back.
+    If the final rename fails, a previous ``dst`` is put back. The previous one is first renamed to
+    ``.<name>.old-<host>.<pid>.<random>``: if the process is killed outright while deleting it (a
+    large checkpoint takes a while), the next :func:`staged_dir` of ``dst`` on this host removes it.
     """
     old = None
     if dst.exists() or dst.is_symlink():
-        old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
+        old = dst.parent / f".{dst.name}.old-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
         os.replace(dst, old)
     try:
         os.replace(src, dst)
@@ -64,14 +66,23 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_orphans(dst: Path) -> None:
-    """Remove ``dst``'s staging folders left by a process killed outright (SIGKILL, out of memory):
-    ``.<name>.tmp-<host>.<pid>.<random>`` of this host whose process is gone. Another host's (a
-    shared file system) and those of a live process are left alone."""
+    """Remove what a process killed outright (SIGKILL, out of memory) left of ``dst``: its staging
+    folders ``.<name>.tmp-<host>.<pid>.<random>`` and the replaced folders it was deleting,
+    ``.<name>.old-<host>.<pid>.<random>``, of this host and a process that is gone. Another host's (a
+    shared file system) and those of a live process are left alone. A replaced folder whose
+    replacement never arrived (killed between :func:`replace_dir`'s two renames) is put back as ``dst``."""
     host = socket.gethostname()
-    for stale in dst.parent.glob(f".{dst.name}.tmp-*"):
-        who = stale.name[len(f".{dst.name}.tmp-"):].rsplit(".", 2)
-        if len(who) == 3 and who[0] == host and who[1].isdigit() and not _alive(int(who[1])):
-            shutil.rmtree(stale, ignore_errors=True)
+    for kind in ("old", "tmp"):
+        for stale in dst.parent.glob(f".{dst.name}.{kind}-*"):
+            who = stale.name[len(f".{dst.name}.{kind}-"):].rsplit(".", 2)
+            if not (len(who) == 3 and who[0] == host and who[1].isdigit() and not _alive(int(who[1]))):
+                continue
+            if kind == "old" and not (dst.exists() or dst.is_symlink()):
+                os.replace(stale, dst)
+            elif stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
 
 def not_recorded_output(folder: Path, record: str, written_by: str, job: str) -> str | None:

@@ -68,3 +68,35 @@ def test_a_killed_writers_staging_folder_goes_at_the_next_write(tmp_path):
         (tmp / "a").write_text("2")
     assert not orphan.exists() and (dst / "a").read_text() == "2"
     assert live.is_dir() and elsewhere.is_dir() and other.is_dir()
+
+
+def test_a_replaced_folder_left_by_a_killed_writer_goes_or_comes_back(tmp_path):
+    """Killed while deleting the folder it replaced (slow for a large checkpoint), a writer left
+    ``.ckpt.old-<random>`` for good; it is now ``.ckpt.old-<host>.<pid>.<random>`` and the next
+    ``staged_dir`` removes it. Killed between the two renames (no ``ckpt`` at all), the old folder is
+    put back, so a write that then fails leaves the previous checkpoint in place."""
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    (dst / "v").write_text("1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import shutil, sys, time\nfrom deltafleet import atomic\n"
+         "def slow(path, **kw):\n    print(path, flush=True)\n    time.sleep(600)\n"
+         "shutil.rmtree = slow\n"
+         f"with atomic.staged_dir({str(dst)!r}) as tmp:\n    (tmp / 'v').write_text('2')\n"],
+        stdout=subprocess.PIPE, text=True)
+    old = Path(proc.stdout.readline().strip())
+    proc.kill()
+    proc.wait()
+    assert old.name.startswith(f".ckpt.old-{socket.gethostname()}.{proc.pid}.") and (old / "v").read_text() == "1"
+    assert (dst / "v").read_text() == "2"
+    with atomic.staged_dir(dst) as tmp:
+        (tmp / "v").write_text("3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and (dst / "v").read_text() == "3"
+
+    # killed between the renames: the previous folder is aside and there is no ckpt
+    aside = tmp_path / f".ckpt.old-{socket.gethostname()}.{proc.pid}.00000000"
+    dst.rename(aside)
+    with pytest.raises(RuntimeError, match="failed"):
+        with atomic.staged_dir(dst) as tmp:
+            raise RuntimeError("failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and (dst / "v").read_text() == "3"
