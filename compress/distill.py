@@ -608,6 +608,8 @@ def main(cfg: DictConfig) -> dict:
 def _main(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
 
+    from deltafleet.cli import require_checkpoints
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     variant = cfg.variant.name
     if cfg.variant.init != "base":
@@ -615,9 +617,7 @@ def _main(cfg: DictConfig) -> dict:
                          f"(pick a variant, e.g. variant=math)")
     # the arguments first, before minutes of tokenising and re-exporting
     _validate(torch.zeros(1, 1, dtype=torch.long), cfg.loss, cfg.steps, cfg.lr, cfg.batch_size)
-    if not (Path(cfg.finetuned_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no fine-tuned checkpoint at {cfg.finetuned_dir}: train it first "
-                                f"(make train VARIANT={variant})")
+    require_checkpoints(cfg, variant)
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_dir)
     jsonl = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{cfg.split}.jsonl"
     calibration = calibration_blocks(jsonl, tokenizer, cfg.seq_len, cfg.max_calibration_blocks)

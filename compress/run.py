@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.compress.bitdelta import compress, export_hf
-from deltafleet.cli import stop_on_sigterm, user_errors
+from deltafleet.cli import require_checkpoints, stop_on_sigterm, user_errors
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
@@ -34,6 +34,7 @@ def _main(cfg: DictConfig) -> dict:
     if cfg.variant.init != "base":
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
+    require_checkpoints(cfg, None if cfg.format == "hf" else variant)
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
         out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force, overwrite=cfg.overwrite)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")

@@ -58,6 +58,19 @@ def build_hint(cfg, what: str, variant: str | None = None) -> str:
     return str(OmegaConf.select(cfg, f"model.build.{what}", default=default)).format(variant=variant)
 
 
+def require_checkpoints(cfg, variant: str | None = None) -> None:
+    """Raise FileNotFoundError naming the command that builds it (:func:`build_hint`, the configured
+    family's) where ``cfg.base_dir`` (and, given ``variant``, ``cfg.finetuned_dir``) holds no
+    ``config.json``."""
+    from pathlib import Path
+
+    if not (Path(cfg.base_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+    if variant is not None and not (Path(cfg.finetuned_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no fine-tuned checkpoint at {cfg.finetuned_dir}: train it first "
+                                f"(`{build_hint(cfg, 'variant', variant)}`)")
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM (what ``timeout``, ``kill`` and job schedulers send) end the process the way
     Ctrl-C does, by raising ``SystemExit(143)`` in the main thread: the ``finally``/``except`` blocks

@@ -340,8 +340,8 @@ def test_missing_checkpoints_of_the_real_family_name_its_own_commands(tmp_path):
                                f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
                               timeout=300, env=env)
 
-    for script in ("train/run.py", "train/eval.py"):
-        out = run(script, *(["variant=math"] if script == "train/run.py" else ["variants=[math]"]))
+    for script in ("train/run.py", "train/eval.py", "compress/run.py", "compress/distill.py"):
+        out = run(script, *(["variants=[math]"] if script == "train/eval.py" else ["variant=math"]))
         assert out.returncode != 0
         assert f"no base model at {models}/smollm2-base: run `make real-base` first" in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
@@ -351,6 +351,11 @@ def test_missing_checkpoints_of_the_real_family_name_its_own_commands(tmp_path):
     assert out.returncode != 0
     assert (f"no fine-tune of math, coder under {models}: build it with `python train/run.py variant=math "
             "model=smollm2`; `python train/run.py variant=coder model=smollm2`") in out.stderr, out.stderr[-2000:]
+    for script in ("compress/run.py", "compress/distill.py"):  # found by a fresh user: they said `make train`
+        out = run(script, "variant=coder")
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert (f"no fine-tuned checkpoint at {models}/smollm2-coder: train it first (`python train/run.py "
+                "variant=coder model=smollm2`)") in out.stderr, out.stderr[-2000:]
     out = subprocess.run([sys.executable, "train/real_base.py", f"gguf={tmp_path / 'missing.gguf'}",
                           f"out_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
                          capture_output=True, text=True, timeout=300, env=env)
