@@ -606,8 +606,7 @@ def main(cfg: DictConfig) -> dict:
 
 
 def _main(cfg: DictConfig) -> dict:
-    from transformers import AutoTokenizer
-
+    from deltafleet.checkpoint import load_tokenizer
     from deltafleet.cli import require_checkpoints
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -618,7 +617,7 @@ def _main(cfg: DictConfig) -> dict:
     # the arguments first, before minutes of tokenising and re-exporting
     _validate(torch.zeros(1, 1, dtype=torch.long), cfg.loss, cfg.steps, cfg.lr, cfg.batch_size)
     require_checkpoints(cfg, variant)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_dir)
+    tokenizer = load_tokenizer(cfg.base_dir)
     jsonl = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{cfg.split}.jsonl"
     calibration = calibration_blocks(jsonl, tokenizer, cfg.seq_len, cfg.max_calibration_blocks)
     source = _source_artifact(cfg, run_dir)

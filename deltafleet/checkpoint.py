@@ -39,6 +39,22 @@ class CheckpointError(ValueError):
     """A safetensors file or index is missing, truncated or malformed."""
 
 
+def load_tokenizer(path: str | Path):
+    """``AutoTokenizer.from_pretrained(path)`` of a checkpoint folder, or a CheckpointError saying
+    that the folder holds no tokenizer transformers can load (where transformers says it would need
+    sentencepiece or tiktoken to convert a slow tokenizer that is not there either)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        have = sorted(p.name for p in Path(path).glob("*token*")) if Path(path).is_dir() else []
+        raise CheckpointError(
+            f"{path}: no tokenizer that transformers can load ({'found ' + ', '.join(have) if have else 'no tokenizer files'}"
+            f"; a fast tokenizer is tokenizer.json): save the model's tokenizer beside its weights, "
+            f"tokenizer.save_pretrained({str(path)!r}) ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives: file, absolute byte offset, dtype, shape."""

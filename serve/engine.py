@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from transformers import AutoTokenizer
 
+from deltafleet.checkpoint import load_tokenizer
 from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifact
 from deltafleet.serve.attention import pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
@@ -169,7 +169,7 @@ class Engine:
             log.warning("artifacts_dir %s is not a folder: serving the base alone until it exists "
                         "(variants are found at their first request or by /v1/load_variant)", self.artifacts_dir)
         self.family, self.device, self.force = family, torch.device(device), force
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self.tokenizer = load_tokenizer(self.base_dir)
         # Special tokens (eos, role markers, ...) by text: only a chat template may emit them, see encode_chat.
         self._special_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         longest_first = sorted(self._special_ids, key=len, reverse=True)
@@ -191,7 +191,7 @@ class Engine:
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
         # not stall every running sequence's next token.
-        self.detokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self.detokenizer = load_tokenizer(self.base_dir)
         self._detok_lock = threading.Lock()
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time

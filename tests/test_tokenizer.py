@@ -158,3 +158,28 @@ def test_errors(tmp_path, corpus):
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer([corpus / "math" / "train.jsonl"], 100, tmp_path / "t")
     assert not (tmp_path / "t").exists()
+
+
+def test_a_checkpoint_without_a_tokenizer_is_named_in_one_line(tok_dir, tmp_path):
+    """Found by a fresh user: a base folder without its tokenizer made the server (and every job)
+    fail with transformers' "You need to have sentencepiece or tiktoken installed to convert a slow
+    tokenizer"; the error now says which folder and what to save there."""
+    import subprocess
+    import sys
+
+    from deltafleet.checkpoint import CheckpointError, load_tokenizer
+
+    assert load_tokenizer(tok_dir).get_vocab() == AutoTokenizer.from_pretrained(tok_dir).get_vocab()
+    bare = tmp_path / "models" / "base"
+    bare.mkdir(parents=True)
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=rf"^{bare}: no tokenizer that transformers can load \(no tokenizer "
+                                              rf"files; a fast tokenizer is tokenizer.json\): save the model's"):
+        load_tokenizer(bare)
+    (bare / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"\(found tokenizer_config.json; a fast tokenizer is tokenizer.json\)"):
+        load_tokenizer(bare)
+    r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "port=0"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {bare}: no tokenizer that transformers can load")

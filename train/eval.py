@@ -620,8 +620,7 @@ def _machine() -> str:
 
 def run(cfg: DictConfig) -> dict:
     """The whole report (module docstring); returns the JSON payload."""
-    from transformers import AutoTokenizer
-
+    from deltafleet.checkpoint import load_tokenizer
     from deltafleet.compress.bitdelta import fingerprint
 
     t0 = time.perf_counter()
@@ -639,7 +638,7 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() \
         else Path(cfg.paths.output_dir) / "eval"
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_dir)
+    tokenizer = load_tokenizer(cfg.base_dir)
     base_fp = fingerprint(cfg.base_dir)
     logger = None
     if cfg.get("logger") is not None and "_target_" in cfg.logger:

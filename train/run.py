@@ -69,7 +69,7 @@ def learning_rate(cfg: DictConfig) -> float:
 
 def load_tokenizer(cfg: DictConfig, run_dir: Path):
     """The family tokenizer: trained on the base's corpus for ``init=scratch``, else read from ``base_dir``."""
-    from transformers import AutoTokenizer
+    from deltafleet.checkpoint import load_tokenizer as read_tokenizer
 
     if cfg.variant.init == "scratch" and not cfg.model.name_or_path:
         from deltafleet.train.tokenizer import train_tokenizer
@@ -80,7 +80,7 @@ def load_tokenizer(cfg: DictConfig, run_dir: Path):
         return train_tokenizer([corpus], cfg.model.vocab_size, run_dir / "tokenizer",
                                model_max_length=cfg.model.max_position_embeddings)
     src = cfg.model.name_or_path if cfg.variant.init == "scratch" else cfg.base_dir
-    return AutoTokenizer.from_pretrained(src)
+    return read_tokenizer(src)
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: Path | None = None) -> None:
