@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +57,7 @@ def test_variant_beats_base_on_its_domain(family):
     root, _, coder = family
     rec = json.loads((root / "models/coder/training.json").read_text())
     assert rec["variant"] == "coder" and rec["domain"] == "coder"
+    assert rec["base_dir"] == str((root / "models/base").resolve())
     assert rec["heldout/loss"] < rec["heldout/base_loss"], rec
     # BitDelta keeps part of the fine-tune's gain: better than the base on the domain
     assert rec["heldout/bitdelta_loss"] < rec["heldout/base_loss"], rec
@@ -243,6 +245,37 @@ def test_multirun_trains_variants_one_after_another(family):
         rows = list(csv.DictReader(open(next((root / f"outputs/csv/{v}").glob("version_*/metrics.csv")))))
         logged = [float(r["heldout/base_loss"]) for r in rows if r.get("heldout/base_loss")]
         assert logged == [pytest.approx(rec["heldout/base_loss"])]
+
+
+def test_summary_prints_a_table_per_base(family, tmp_path):
+    """``make summary`` (python -m deltafleet.train.summary): the trained family's held-out losses,
+    and a fine-tune of another base (the real base's ``smollm2-coder``) in a table of its own rather
+    than a second "coder" row among the tiny family's."""
+    root, _, _ = family
+    models = tmp_path / "models"
+    shutil.copytree(root / "models/coder", models / "coder", ignore=lambda d, names: [n for n in names
+                                                                                     if n != "training.json"])
+    rec = json.loads((models / "coder/training.json").read_text())
+    (models / "smollm2-coder").mkdir()
+    (models / "smollm2-coder/training.json").write_text(json.dumps(
+        rec | {"base_dir": "/elsewhere/smollm2-base", "heldout/base_loss": 2.5, "heldout/loss": 2.6}))
+    (models / "base").mkdir()
+    (models / "base/training.json").write_text(json.dumps({"variant": "base", "heldout/loss": 3.0}))
+    r = subprocess.run([sys.executable, "-m", "deltafleet.train.summary", str(models)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"base: {root.resolve() / 'models/base'}"
+    bitdelta = f"{rec['heldout/bitdelta_loss']:.4f}" if "heldout/bitdelta_loss" in rec else "—"  # export off
+    assert lines[3].startswith(f"| coder | coder | {rec['heldout/base_loss']:.4f} | {rec['heldout/loss']:.4f} | "
+                               f"{bitdelta} | ")
+    assert lines[5] == "base: /elsewhere/smollm2-base"
+    assert lines[8].startswith("| smollm2-coder | coder | 2.5000 | 2.6000 | ")
+    assert lines[9] == "WARNING: fine-tune no better than the base on its own domain: smollm2-coder"
+    assert len([x for x in lines if x.startswith("| ") and "| model |" not in x]) == 2  # not the base itself
+    empty = subprocess.run([sys.executable, "-m", "deltafleet.train.summary", str(tmp_path / "none")],
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 1 and "no trained variants under" in empty.stdout
 
 
 def test_exporting_the_base_is_refused(family):

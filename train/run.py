@@ -264,6 +264,7 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
         base = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32).to(device)
         before = heldout_loss(base, test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
         del base
+        out["base_dir"] = str(Path(cfg.base_dir).resolve())  # what summary groups a family's tables by
         out["heldout/base_loss"] = before
         out["heldout/gain"] = before - after
         print(f"[train] held-out loss on {domain}/test: base {before:.4f} -> {variant} {after:.4f} "
