@@ -23,8 +23,22 @@ SMEM_LIMIT = 232448  # bytes of shared memory per block on H100/H200 (227 KB)
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r'''
-import inspect, json, sys
+import inspect, json, os, sys
 import triton
+
+# Shard k of n (COMPILE_SHARD, COMPILE_SHARDS) compiles every n-th triton.compile call from the k-th;
+# the others raise NotThisShard, which each call site records as its entry's error, and the parent
+# keeps the shard that compiled each entry. Every shard makes the same calls in the same order.
+SHARD, SHARDS = int(os.environ.get("COMPILE_SHARD", "0")), int(os.environ.get("COMPILE_SHARDS", "1"))
+class NotThisShard(Exception):
+    pass
+_compile, _calls = triton.compile, [0]
+def _sharded(*args, **kwargs):
+    _calls[0] += 1
+    if (_calls[0] - 1) % SHARDS != SHARD:
+        raise NotThisShard()
+    return _compile(*args, **kwargs)
+triton.compile = _sharded
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deltafleet.kernels import triton_bitdelta as tb
@@ -284,14 +298,27 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
+    """Every entry's compile result, from one child process per CPU core (at most 4), each compiling
+    its share of the configurations (the shards' outputs merged by entry)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        if "GPUTarget" in r.stderr or "ASTSource" in r.stderr:
-            pytest.skip(f"this triton cannot compile ahead of time: {r.stderr[-300:]}")
-        raise AssertionError(f"the compile child failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout)
+    shards = max(1, min(4, len(os.sched_getaffinity(0))))
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**env, "COMPILE_SHARD": str(k), "COMPILE_SHARDS": str(shards)})
+             for k in range(shards)]
+    outs = [p.communicate(timeout=1800) for p in procs]
+    merged: dict = {}
+    for p, (stdout, stderr) in zip(procs, outs):
+        if p.returncode != 0:
+            if "GPUTarget" in stderr or "ASTSource" in stderr:
+                pytest.skip(f"this triton cannot compile ahead of time: {stderr[-300:]}")
+            raise AssertionError(f"the compile child failed:\n{stderr[-3000:]}")
+        for name, entry in json.loads(stdout).items():
+            if not str(entry.get("error", "")).startswith("NotThisShard"):
+                assert name not in merged, f"{name} compiled by two shards"
+                merged[name] = entry
+    assert set(merged) == set(json.loads(outs[0][0])), "an entry no shard compiled"
+    return merged
 
 
 def test_every_configuration_compiles_for_sm90(compiled):

@@ -169,6 +169,7 @@ def test_ctrl_c_ends_a_merge_with_one_line_and_nothing_left(tiny_family, tmp_pat
     code = f"""
 import contextlib, os, runpy, signal, sys, time
 import deltafleet.atomic as atomic
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a shell (pytest's may have been ignored)
 real = atomic.staged_dir
 
 @contextlib.contextmanager

@@ -59,3 +59,8 @@ if __name__ == "__main__":
     # exception", seen once in a CI run), which fails the test after its results were written
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # and still seen once after that (a DeepSpeed thread destroyed at interpreter exit): the results are
+    # written and the group is gone, so leave without running the interpreter's finalisation
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
