@@ -173,8 +173,11 @@ bench-merge: install
 kmerge-eval: install
 	$(PY) merge/kmerge_eval.py $(ARGS)
 
+# pytest-xdist: TEST_WORKERS processes (one per logical CPU), each test file kept on one worker, so that a
+# module's fixtures (a trained family, a server) are built once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= logical
 test: install
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The tests marked gpu (tests/conftest.py): with DELTAFLEET_TRITON_DEVICE=cuda every Triton kernel test
 # runs on the GPU (not the CPU interpreter), the Gluon ones on a Hopper GPU, and the CUDA-graph decode

@@ -187,7 +187,13 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only on a CUDA device with the Triton kernels compiled for it
     (``DELTAFLEET_TRITON_DEVICE=cuda``, as ``make test-gpu`` sets; under the CPU interpreter a
     kernel cannot launch on CUDA tensors inside a CUDA graph, and the Gluon kernels not at all);
-    elsewhere they are collected and skipped."""
+    elsewhere they are collected and skipped.
+
+    The longest module, the ahead-of-time compiles (tests/test_kernels_compile.py: minutes of
+    compiling), is collected first, so that pytest-xdist (``make test``) starts it at once and the
+    other worker runs the rest meanwhile, instead of it running alone at the end."""
+    first = [i for i in items if i.nodeid.startswith("tests/test_kernels_compile.py")]
+    items[:] = first + [i for i in items if i not in first]
     if TRITON_DEVICE == "cuda" and torch.cuda.is_available():
         return
     why = ("no CUDA device" if not torch.cuda.is_available()
