@@ -183,17 +183,24 @@ def record_groupings(monkeypatch) -> list[list[int]]:
     return groupings
 
 
+# Test modules by their time on a 2-core machine, longest first (each over a minute): see
+# pytest_collection_modifyitems.
+LONGEST = ("test_kernels_compile.py", "test_real_base.py", "test_kernels_triton.py", "test_e2e.py",
+           "test_callback.py", "test_bench_serve.py", "test_kernels_tiled.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only on a CUDA device with the Triton kernels compiled for it
     (``DELTAFLEET_TRITON_DEVICE=cuda``, as ``make test-gpu`` sets; under the CPU interpreter a
     kernel cannot launch on CUDA tensors inside a CUDA graph, and the Gluon kernels not at all);
     elsewhere they are collected and skipped.
 
-    The longest module, the ahead-of-time compiles (tests/test_kernels_compile.py: minutes of
-    compiling), is collected first, so that pytest-xdist (``make test``) starts it at once and the
-    other worker runs the rest meanwhile, instead of it running alone at the end."""
-    first = [i for i in items if i.nodeid.startswith("tests/test_kernels_compile.py")]
-    items[:] = first + [i for i in items if i not in first]
+    The longest modules (:data:`LONGEST`, the ahead-of-time compiles first: minutes of compiling)
+    are collected first, longest first, so that pytest-xdist (``make test``, one file per worker at
+    a time) starts them at once and the short ones fill in after, instead of a long one running
+    alone at the end."""
+    rank = {f"tests/{name}": i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda i: rank.get(i.nodeid.split("::", 1)[0], len(LONGEST)))  # stable: file order kept
     if TRITON_DEVICE == "cuda" and torch.cuda.is_available():
         return
     why = ("no CUDA device" if not torch.cuda.is_available()

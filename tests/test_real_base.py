@@ -172,13 +172,19 @@ def test_the_chat_template_and_the_recorded_check(converted):
 
 
 def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
+    """A conversion whose check fails (a tiny random GGUF against max_perplexity 1) or a bad argument
+    writes nothing, and a killed run's staging folder is cleared."""
+    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
+
+    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
+    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
     out = tmp_path / "models" / "smollm2-base"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     # a staging folder left by a run killed outright (its process is gone), as staged_dir names them
     (tmp_path / "models" / f".smollm2-base.tmp-{socket.gethostname()}.{dead.pid}.0badc0de").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"perplexity on the check text is [0-9.]+, above max_perplexity 1.0"):
-        real_base.convert(out, max_perplexity=1.0)
+        real_base.convert(out, gguf=gguf, max_perplexity=1.0)
     assert list((tmp_path / "models").iterdir()) == []  # neither the directory nor a temporary one
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got 'int8'"):
         real_base.convert(out, dtype="int8")
@@ -228,14 +234,14 @@ def test_a_terminated_run_leaves_no_temporary_directory(tmp_path):
     assert list(models.iterdir()) == []
 
 
-def test_the_server_answers_chat_on_the_real_base_as_transformers_does(converted, tmp_path):
-    """``serve/run.py`` on the converted base (tied embeddings, grouped-query attention, its own
-    ChatML template), asked through the official client: its greedy chat answer is the one
-    transformers' ``generate`` gives on the same template."""
-    import openai
+def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
+    """``python train/run.py variant=coder model=smollm2`` (a short CPU run) fine-tunes the real base
+    at the family's learning rate into ``models/smollm2-coder/`` and exports
+    ``artifacts/smollm2/coder/``; ``serve/run.py model=smollm2`` then serves the base and the variant,
+    and the base's greedy chat answer, asked through the official client (tied embeddings,
+    grouped-query attention, its own ChatML template), is the one transformers' ``generate`` gives
+    on the same template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.conftest import free_port, stop_server, wait_healthy
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tok = AutoTokenizer.from_pretrained(converted)
@@ -244,28 +250,8 @@ def test_the_server_answers_chat_on_the_real_base_as_transformers_does(converted
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     want = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    del model
 
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={converted}", "model.name=smollm2",
-                             f"artifacts_dir={tmp_path / 'none'}", f"port={port}", "log_level=warning"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, tmp_path / "server.log", 120)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["smollm2"]
-        r = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=12)
-    finally:
-        stop_server(proc, log, 10)
-    assert r.choices[0].message.content == want and "Paris" in want
-    assert r.usage.prompt_tokens == ids["input_ids"].shape[1]
-
-
-def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
-    """``python train/run.py variant=coder model=smollm2`` (a short CPU run) fine-tunes the real base
-    at the family's learning rate into ``models/smollm2-coder/`` and exports
-    ``artifacts/smollm2/coder/``; ``serve/run.py model=smollm2`` then serves the base and the variant."""
     _fine_tune_coder(tmp_path, converted)
     assert "heldout/base_loss" in json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -277,7 +263,10 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     with _smollm2_server(tmp_path, converted) as client:
         assert sorted(m.id for m in client.models.list().data) == ["smollm2", "smollm2-coder"]
         out = client.completions.create(model="smollm2-coder", prompt="def parse(", max_tokens=4, temperature=0)
+        chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=12)
     assert out.usage.completion_tokens == 4 or out.choices[0].finish_reason == "stop"
+    assert chat.choices[0].message.content == want and "Paris" in want
+    assert chat.usage.prompt_tokens == ids["input_ids"].shape[1]
 
 
 def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
