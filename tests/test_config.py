@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,28 @@ def test_a_bad_step_count_is_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"trainer.max_steps must be a whole number of steps, at least "
                                                        f"1, got {cfg.trainer.max_steps!r}")):
             check_config(cfg)
+
+
+def test_a_bad_batch_size_or_sequence_length_is_refused_by_name(tmp_path):
+    """Found by a fresh user: ``variant.batch_size=0`` failed in torch's DataLoader with a traceback,
+    after the model had loaded."""
+    from deltafleet.train.run import check_config
+
+    for key, bad in (("batch_size", 0), ("batch_size", -4), ("batch_size", "abc"), ("seq_len", 0), ("seq_len", 2.5)):
+        cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"variant.{key}={bad}"])
+        with pytest.raises(ValueError, match=re.escape(f"variant.{key} must be a whole number, at least 1, got "
+                                                       f"{cfg.variant[key]!r}")):
+            check_config(cfg)
+
+
+@pytest.mark.parametrize("script", ["train/run.py", "train/real_base.py"])
+def test_a_bad_thread_count_is_one_line(tmp_path, script):
+    """Found by a fresh user: ``threads=0`` printed a traceback from train/run.py and train/real_base.py
+    (the other jobs already said it in one line)."""
+    out = subprocess.run([sys.executable, script, "threads=0", f"paths.root={tmp_path}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    job = "train" if script == "train/run.py" else "real-base"
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"{job}: ValueError: threads must be null or a positive integer, got 0"

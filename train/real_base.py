@@ -226,8 +226,8 @@ def main(cfg) -> dict:
     from deltafleet.threads import set_threads
 
     stop_on_sigterm()  # a timeout or a cancelled job unwinds like Ctrl-C, so the temporary directory goes too
-    set_threads(cfg)
     with user_errors("real-base"):  # a missing GGUF, a bad setting or a failed check: one line
+        set_threads(cfg)
         record = convert(Path(cfg.out_dir), cfg.gguf, cfg.dtype, float(cfg.max_perplexity))
     print(f"{cfg.out_dir}: {record['parameters']:,} parameters ({record['dtype']}), perplexity "
           f"{record['check']['perplexity']:.2f} on {record['check']['tokens']} tokens of the check text")

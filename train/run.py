@@ -149,6 +149,10 @@ def check_config(cfg: DictConfig) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # Lightning's -1 would never stop
         raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
                          f"(variant.max_steps=N or trainer.max_steps=N)")
+    for key in ("batch_size", "seq_len"):
+        value = cfg.variant.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"variant.{key} must be a whole number, at least 1, got {value!r}")
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
@@ -357,8 +361,8 @@ def _finish_wandb() -> None:
 def main(cfg: DictConfig) -> float | None:
     from deltafleet.threads import set_threads
 
-    set_threads(cfg)
     with user_errors("train"):  # one line for a mistake; a failure during training keeps its traceback
+        set_threads(cfg)
         check_config(cfg)
     with interruptible("train"):  # after fit (Lightning handles Ctrl-C during it): held-out loss, save, export
         metrics = train(cfg)
