@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltafleet.train.compare_merges import base_dir, merge_rows, roughness
+from deltafleet.train.compare_merges import base_dir, collect, merge_rows, roughness
 
 
 def test_the_report_names_the_base_the_model_override_picks():
@@ -35,3 +35,24 @@ def test_merge_rows_reads_the_callbacks_merges_from_lightnings_csv(tmp_path):
     assert merge_rows(csv_path) == [
         {"step": 2, "before": pytest.approx(2.3), "after": pytest.approx(2.2), "seconds": pytest.approx(0.5)},
         {"step": 4, "before": pytest.approx(2.1), "after": pytest.approx(2.0), "seconds": pytest.approx(1.0)}]
+
+
+def test_a_runs_result_keeps_its_validation_curve(tmp_path):
+    """Validation losses (every few steps, rows of their own in Lightning's CSV) come back as
+    ``[step, loss]`` in step order beside the training curve, so the report shows where validation
+    loss bottomed out for runs that never merged."""
+    import json
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path / "run" / "csv", name="run")
+    for step in range(6):
+        logger.log_metrics({"train/loss": 3.0 - step / 10}, step=step)
+        if step % 2 == 1:
+            logger.log_metrics({"val/loss": [2.5, 2.2, 2.4][step // 2]}, step=step)
+    logger.save()
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"heldout/loss": 2.0, "heldout/base_loss": 2.75}))
+    r = collect("math", "none", tmp_path / "run", 12.5)
+    assert r["val_curve"] == [[1, 2.5], [3, 2.2], [5, 2.4]]
+    assert r["train_curve"] == pytest.approx([3.0, 2.9, 2.8, 2.7, 2.6, 2.5])
+    assert (r["heldout_loss"], r["base_loss"], r["seconds"], r["merges"]) == (2.0, 2.75, 12.5, [])

@@ -40,12 +40,7 @@ def roughness(losses: list[float]) -> float:
 
 def read_curve(metrics_csv: Path, key: str = "train/loss") -> list[float]:
     """The per-step values of ``key`` from a Lightning ``CSVLogger`` metrics file, in step order."""
-    by_step: dict[int, float] = {}
-    with open(metrics_csv) as f:
-        for row in csv.DictReader(f):
-            if row.get(key):
-                by_step[int(row["step"])] = float(row[key])
-    return [by_step[s] for s in sorted(by_step)]
+    return [v for _, v in read_points(metrics_csv, key)]
 
 
 def base_dir(extra: list[str]) -> str:
@@ -74,12 +69,28 @@ def run_one(variant: str, method: str, work: Path, args) -> dict:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{variant}/{method} failed:\n{proc.stderr[-4000:]}")
+    return collect(variant, method, run_dir, time.perf_counter() - t0)
+
+
+def collect(variant: str, method: str, run_dir: Path, seconds: float | None) -> dict:
+    """One finished run's result from its folder: ``metrics.json`` and the Lightning CSV log."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    curve = read_curve(next(run_dir.glob("csv/**/metrics.csv")))
-    merges = merge_rows(next(run_dir.glob("csv/**/metrics.csv")))
+    log = next(run_dir.glob("csv/**/metrics.csv"))
+    curve = read_curve(log)
+    val = read_points(log, "val/loss")
     return {"variant": variant, "method": method, "heldout_loss": metrics["heldout/loss"],
             "base_loss": metrics["heldout/base_loss"], "roughness": roughness(curve), "train_curve": curve,
-            "merges": merges, "seconds": time.perf_counter() - t0}
+            "val_curve": val, "merges": merge_rows(log), "seconds": seconds}
+
+
+def read_points(metrics_csv: Path, key: str) -> list[list[float]]:
+    """``[step, value]`` for each logged value of ``key`` (validation runs every few steps), in step order."""
+    by_step: dict[int, float] = {}
+    with open(metrics_csv) as f:
+        for row in csv.DictReader(f):
+            if row.get(key):
+                by_step[int(row["step"])] = float(row[key])
+    return [[s, by_step[s]] for s in sorted(by_step)]
 
 
 def merge_rows(metrics_csv: Path) -> list[dict]:
@@ -127,12 +138,17 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
              f"{args.every} steps against the best validation checkpoint (validation every {args.val_every} steps).",
              "Held-out loss: nats/token on the variant's test split (lower is better). Roughness: mean "
              "|second difference| of the per-step training loss (lower is smoother).", "",
-             "| variant | method | held-out loss | gain over base | roughness | merges (val loss before → after) |",
-             "|---|---|---|---|---|---|"]
+             "Validation loss: its lowest (at step) and its last, on the validation split.", "",
+             "| variant | method | held-out loss | gain over base | roughness | val loss: lowest · last | "
+             "merges (val loss before → after) |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         merges = ", ".join(f"{m['step']}: {m['before']:.3f}→{m['after']:.3f}" for m in r["merges"]) or "—"
+        val = r.get("val_curve") or []
+        low = min(val, key=lambda p: p[1]) if val else None
+        val_text = f"{low[1]:.3f} ({low[0]}) · {val[-1][1]:.3f}" if val else "—"
         lines.append(f"| {r['variant']} | {r['method']} | {r['heldout_loss']:.4f} | "
-                     f"{r['base_loss'] - r['heldout_loss']:+.4f} | {r['roughness']:.4f} | {merges} |")
+                     f"{r['base_loss'] - r['heldout_loss']:+.4f} | {r['roughness']:.4f} | {val_text} | {merges} |")
     lines += ["", "| method | mean held-out loss | mean gain | mean roughness |", "|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['method']} | {s['heldout_loss']:.4f} | {s['gain']:+.4f} | {s['roughness']:.4f} |")
