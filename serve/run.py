@@ -53,6 +53,22 @@ def _threads(cfg: DictConfig, world: int = 1) -> int:
     return cfg.threads or max(1, (cores - 1) // world)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Raises ValueError if ``host:port`` cannot be bound (in use, or not an address of this machine),
+    checked before the model loads, so the failure comes first and alone. Bound as uvicorn binds it
+    (``SO_REUSEADDR``, so a socket in TIME_WAIT does not count)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another port=N "
+                             f"or host=...") from None
+
+
 CORS_KEYS = ("allow_origins", "allow_methods", "allow_headers", "allow_credentials")
 
 
@@ -112,6 +128,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         sys.setswitchinterval(_switch_interval(cfg))
         _check_timeouts(cfg)
         _check_cors(cfg)
+        _check_port(cfg.host, cfg.port)
         if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)
                                             or cfg.max_waiting < 1):
             raise ValueError(f"max_waiting must be null or a positive integer, got {cfg.max_waiting!r}")

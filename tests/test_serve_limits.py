@@ -311,3 +311,20 @@ def test_a_max_waiting_below_one_is_refused_at_startup(tmp_path):
     r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "max_waiting=0"], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and "max_waiting must be null or a positive integer, got 0" in r.stderr
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    """Found by a fresh user: with the port taken, the server loaded the model and printed ``serving …
+    at http://127.0.0.1:PORT/v1`` before uvicorn's bind error. The port is checked first."""
+    import socket
+
+    from deltafleet.serve.run import _check_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^cannot listen on 127\.0\.0\.1:{port} \(Address already in use\): "
+                                             r"choose another port=N or host=\.\.\.$"):
+            _check_port("127.0.0.1", port)
+    _check_port("127.0.0.1", port)  # free again
