@@ -174,10 +174,12 @@ kmerge-eval: install
 	$(PY) merge/kmerge_eval.py $(ARGS)
 
 # pytest-xdist: TEST_WORKERS processes (one per logical CPU), each test file kept on one worker, so that a
-# module's fixtures (a trained family, a server) are built once. TEST_WORKERS=0 runs in one process.
+# module's fixtures (a trained family, a server) are built once, and the files handed out in collection
+# order (tests/conftest.py puts the longest first; xdist would order them by their number of tests, so
+# the minutes-long compile test of 7 tests started last). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= logical
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # The tests marked gpu (tests/conftest.py): with DELTAFLEET_TRITON_DEVICE=cuda every Triton kernel test
 # runs on the GPU (not the CPU interpreter), the Gluon ones on a Hopper GPU, and the CUDA-graph decode
