@@ -144,9 +144,10 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
              "|---|---|---|---|---|---|---|"]
     for r in results:
         merges = ", ".join(f"{m['step']}: {m['before']:.3f}→{m['after']:.3f}" for m in r["merges"]) or "—"
-        val = r.get("val_curve") or []
-        low = min(val, key=lambda p: p[1]) if val else None
-        val_text = f"{low[1]:.3f} ({low[0]}) · {val[-1][1]:.3f}" if val else "—"
+        val, val_text = r.get("val_curve") or [], "—"
+        if val:
+            step, low = min(val, key=lambda p: p[1])
+            val_text = f"{low:.3f} ({step}) · {val[-1][1]:.3f}"
         lines.append(f"| {r['variant']} | {r['method']} | {r['heldout_loss']:.4f} | "
                      f"{r['base_loss'] - r['heldout_loss']:+.4f} | {r['roughness']:.4f} | {val_text} | {merges} |")
     lines += ["", "| method | mean held-out loss | mean gain | mean roughness |", "|---|---|---|---|"]

@@ -145,14 +145,16 @@ def check_config(cfg: DictConfig) -> None:
             that builds it).
         ValueError: an invalid setting, or a machine without the GPUs the trainer needs.
     """
+    def count(value) -> bool:  # a whole number ≥ 1 (YAML's true is an int to Python)
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
     steps = cfg.trainer.get("max_steps")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # Lightning's -1 would never stop
+    if not count(steps):  # Lightning's -1 would never stop
         raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
                          f"(variant.max_steps=N or trainer.max_steps=N)")
     for key in ("batch_size", "seq_len"):
-        value = cfg.variant.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"variant.{key} must be a whole number, at least 1, got {value!r}")
+        if not count(cfg.variant.get(key)):
+            raise ValueError(f"variant.{key} must be a whole number, at least 1, got {cfg.variant.get(key)!r}")
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
