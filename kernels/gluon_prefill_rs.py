@@ -295,11 +295,15 @@ def default_split(m: int, n: int, k: int, config: tuple, sms: int, persistent: b
     holds one). One program per unit: ``tiles × split`` units take ``ceil(tiles·split / sms)`` waves
     of ``steps/split + 3`` K steps (3: a memory latency to fill the ring, about two or three steps'
     streaming time). Persistent (``sms`` programs walking the units, the ring kept full between
-    them): ``ceil(tiles·split / sms) · (steps/split + ¼) + 3`` (¼: adding a unit's partial sums to
-    the workspace, when split). The split with the fewest steps wins, the
+    them): ``ceil(tiles·split / sms) · (steps/split + a) + 3``, where ``a`` is adding a unit's partial
+    sums to the workspace, when split (:func:`sums_cost`). The split with the fewest steps wins, the
     smaller on ties; splits of up to 16 (32 persistent) chunks, each of whole loop bodies of ``U``
-    steps."""
+    steps. Token tiles of 256 (the prefill :data:`CONFIGS`) are never split: there the workspace's
+    atomic adds of ``[128, 256]`` float32 sums per unit cost more than any wave they fill (2–12× the
+    unsplit time on an H200, docs/kernels.md)."""
     bt, u = config[0], config[2]
+    if bt >= 256:
+        return 1
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
     bodies = k // (BLOCK_K * u)
     best, best_cost = 1, None
@@ -307,11 +311,21 @@ def default_split(m: int, n: int, k: int, config: tuple, sms: int, persistent: b
         per = triton.cdiv(bodies, s)
         s_eff = triton.cdiv(bodies, per)
         waves = triton.cdiv(tiles * s_eff, sms)
-        sums = 0.25 if s_eff > 1 else 0.0  # a unit's partial sums to the workspace, about a quarter step
+        sums = sums_cost(bt) if s_eff > 1 else 0.0
         cost = waves * (per * u + sums) + 3 if persistent else waves * (per * u + 3)
         if best_cost is None or cost < best_cost:
             best, best_cost = s_eff, cost
     return best
+
+
+def sums_cost(bt: int) -> float:
+    """Adding one unit's float32 partial sums to the split-K workspace, in K steps: a quarter step up
+    to 64-token tiles; beyond, the bytes of the atomic read-modify-write of the ``[BLOCK_N, BT]``
+    sums (``2·4·BLOCK_N·BT``) over a K step's copy (``2·(BLOCK_N + BT)·BLOCK_K``), 4 steps at 128
+    tokens, so that such tiles are split only where a wave would otherwise be mostly empty."""
+    if bt <= 64:
+        return 0.25
+    return 8 * BLOCK_N * bt / (2 * (BLOCK_N + bt) * BLOCK_K)
 
 
 _SMS: dict = {}  # device index -> multiprocessors

@@ -469,6 +469,21 @@ def test_register_operand_split_model_spreads_few_tiles_over_the_multiprocessors
     assert pr.default_split(16, 22016, 4096, cfg, 132, persistent=True) >= 3
 
 
+def test_register_operand_split_model_keeps_prefill_tiles_whole():
+    """Tiles of 256 tokens are never split (their workspace adds cost 2–12× the unsplit kernel on an
+    H200), and 128-token tiles pay their sums' bytes: 70B gate_up at 128 rows (448 tiles, 3.4 waves)
+    stays at 2 chunks or fewer, where a quarter step per unit would split it 5 ways."""
+    from deltafleet.kernels import gluon_prefill_rs as pr
+
+    for m, n, k in ((256, 22016, 4096), (512, 22016, 4096), (2048, 8192, 28672), (256, 4096, 4096)):
+        assert pr.default_split(m, n, k, pr.CONFIGS[0], 132, True) == 1
+    assert pr.sums_cost(16) == pr.sums_cost(64) == 0.25
+    assert pr.sums_cost(128) == 4.0  # 2·4·128·128 bytes over 2·(128 + 128)·64
+    cfg128 = next(c for c in pr.SMALL_CONFIGS if c[0] == 128)
+    assert pr.default_split(128, 57344, 8192, cfg128, 132, True) <= 2
+    assert pr.default_split(128, 4096, 4096, cfg128, 132, True) >= 2  # 7B o: 32 tiles still spread
+
+
 def test_register_operand_refuses_a_split_that_is_not_a_count():
     from deltafleet.kernels import gluon_prefill_rs as pr
 
