@@ -231,7 +231,7 @@ def run(cfg) -> dict:
             for t_count in grouped.get("tenants", []):
                 slot = zipf_slots(m, t_count, float(grouped.get("zipf_s", 1.0)), cfg.seed + 31 * m + t_count).cuda()
                 distinct = len({v for v in slot.tolist() if v >= 0})
-                groups = group_rows(slot, t_count)  # blocks of grouped_block_m, as the engine groups
+                groups = group_rows(slot, t_count)  # grouped_block_m and grouped_long_m, as the engine groups
                 for name, (n, k) in layers.items():
                     w = tensors[name][0]
                     signs = torch.randint(0, 256, (t_count, n, (k + 7) // 8), device="cuda", dtype=torch.uint8,

@@ -299,7 +299,8 @@ def _check_config(cfg: GroupedConfig) -> None:
 
 
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
-                             block_m: int = 16, **config) -> torch.Tensor:
+                             block_m: int = 16, planes: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             **config) -> torch.Tensor:
     """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
 
     Args:
@@ -313,6 +314,9 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         y: ``[M, N]`` in x's dtype (or float32), unit stride along N, holding the base product; the
             sign term is added in float32 and the sum rounded once to y's dtype.
         block_m: rows per block, 8 (``mma.sync``), 16, 32 or 64 (wgmma); the product's N is twice that.
+        planes: :func:`sorted_planes` of x for ``groups``' order and key (``bits=False``), when the
+            caller has them (several launches over the same rows); computed here otherwise. Not
+            taken by a ``bitacc`` configuration, which reads planes in its own order.
         config: fields of :class:`GroupedConfig` other than ``block_m`` (``block_n``, ``block_k``,
             ``stages``, ``consumers``, ``regs``, ``inflight``, ``sync_mma``) overriding ``default_config(block_m)``;
             without any, :func:`choose_config` picks one by the grid size.
@@ -335,7 +339,8 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     if m == 0:
         return y
     s = signs.shape[0]
-    planes, sc = sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc)
+    planes, sc = (planes if planes is not None and not cfg.bitacc
+                  else sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc))
     s_desc, p_desc = _descriptors(signs, planes, cfg)
     grid = (groups.max_blocks, triton.cdiv(n, cfg.block_n))  # blocks fastest: see the module docstring
     _grouped_planes_kernel[grid](

@@ -38,7 +38,13 @@ from deltafleet.kernels.reference import check_batched_args, check_tensors, chec
 from deltafleet.kernels.triton_bitdelta import _interpret
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
-SYNC_MMA_MAX_ROWS = 64  # up to this many rows, Hopper groups blocks of 8 (grouped_block_m)
+# On Hopper, a batch of more than SHORT_MAX_ROWS rows cuts each variant's run into whole blocks of
+# LONG_M rows first (grouped_long_m: wgmma blocks, a prompt chunk's sign tiles expanded once per 64
+# rows); the rest goes in blocks of 8 (mma.sync) up to BLOCK8_MAX_ROWS rows, of 16 beyond, where a
+# decode batch's runs are longer (grouped_block_m; docs/kernels.md, "Grouped mixed batches")
+SHORT_MAX_ROWS = 64
+BLOCK8_MAX_ROWS = 128
+LONG_M = 64
 
 
 @dataclass
@@ -51,57 +57,106 @@ class RowGroups:
         key: int32 ``[M]``, the sorted rows' slots (``S`` for the base rows).
         first: int32 ``[max_blocks]``, the first sorted row of each block (``M`` past the last).
         block_m: rows a block holds at most (the kernels multiply blocks of this many rows).
+        long: with ``group_rows(…, long_m=L)``, the whole blocks of ``L`` rows that lead each
+            variant's run, as groups of their own (same ``order`` and ``key``, ``block_m = L``); then
+            ``first`` holds only the blocks of the rest of each run (fewer than ``L`` rows). None
+            otherwise.
     """
 
     order: torch.Tensor
     key: torch.Tensor
     first: torch.Tensor
     block_m: int = BLOCK_M
+    long: RowGroups | None = None
 
     @property
     def max_blocks(self) -> int:
         return self.first.shape[0]
 
+    def parts(self) -> list[RowGroups]:
+        """The groupings a kernel launch each: the long blocks (if any), then the others."""
+        return ([self.long] if self.long is not None else []) + [self]
 
-def max_blocks(m: int, n_slots: int, block_m: int = BLOCK_M) -> int:
-    """An upper bound on the blocks of :func:`group_rows`: each variant's rows make
-    ``ceil(m_t / block_m) ≤ m_t / block_m + 1`` blocks."""
-    return max(1, min(m, triton.cdiv(m, block_m) + n_slots))
+
+def max_blocks(m: int, n_slots: int, block_m: int = BLOCK_M, long_m: int | None = None) -> int:
+    """An upper bound on the blocks of :func:`group_rows` (``RowGroups.first``): each variant's rows
+    make ``ceil(m_t / block_m) ≤ m_t / block_m + 1`` blocks; with ``long_m``, only a run's rest of fewer
+    than ``long_m`` rows is cut so, at most ``ceil((long_m − 1) / block_m)`` blocks per variant."""
+    nb = max(1, min(m, triton.cdiv(m, block_m) + n_slots))
+    if long_m:
+        nb = min(nb, max(1, n_slots * triton.cdiv(long_m - 1, block_m)))
+    return nb
+
+
+def _hopper(device: torch.device | str) -> bool:
+    """Whether ``gluon_grouped`` runs on ``device``: a Hopper GPU with Gluon, not the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or _interpret():
+        return False
+    from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
+
+    return HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def grouped_block_m(m: int, device: torch.device | str) -> int:
     """The ``block_m`` to group an M-row batch on ``device`` with: 8 on a Hopper GPU with Gluon for
-    up to :data:`SYNC_MMA_MAX_ROWS` rows (``gluon_grouped``'s ``mma.sync`` configurations, which
-    waste fewer tensor-core rows on a variant's short run), else :data:`BLOCK_M`. Host-side, from
-    M and the device only, so a CUDA graph's grouping is fixed at capture."""
-    device = torch.device(device)
-    if m <= SYNC_MMA_MAX_ROWS and device.type == "cuda" and not _interpret():
-        from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON
-
-        if HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9:
-            return 8
-    return BLOCK_M
+    up to :data:`BLOCK8_MAX_ROWS` rows (``gluon_grouped``'s ``mma.sync`` configurations, which waste
+    fewer tensor-core rows on a variant's short run; a run's long stretch goes in blocks of
+    :func:`grouped_long_m` rows), else :data:`BLOCK_M`. Host-side, from M and the device only, so a
+    CUDA graph's grouping is fixed at capture."""
+    return 8 if m <= BLOCK8_MAX_ROWS and _hopper(device) else BLOCK_M
 
 
-def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None) -> RowGroups:
+def grouped_long_m(m: int, device: torch.device | str) -> int | None:
+    """The ``long_m`` to group an M-row batch on ``device`` with (:func:`group_rows`): :data:`LONG_M`
+    on a Hopper GPU with Gluon when M exceeds :data:`SHORT_MAX_ROWS` (a prompt chunk, or a popular
+    variant's decode rows, may then hold whole long blocks), else None."""
+    return LONG_M if m > SHORT_MAX_ROWS and _hopper(device) else None
+
+
+def _firsts(starts: torch.Tensor, idx: torch.Tensor, m: int, nb: int) -> torch.Tensor:
+    """int32 ``[nb]``: the sorted rows where ``starts`` is set, in order, then ``m``."""
+    block = torch.where(starts, torch.cumsum(starts, 0) - 1, nb)  # non-starts go to a sink entry
+    first = torch.full((nb + 1,), m, dtype=torch.int32, device=idx.device)
+    first.scatter_(0, block, idx.to(torch.int32))
+    return first[:nb]
+
+
+def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, long_m: int | None = None) -> RowGroups:
     """Group the rows of a batch by variant: ``slot`` int ``[M]`` (−1 or anything outside ``[0,
     n_slots)``: the base), in blocks of ``block_m`` rows (None: :func:`grouped_block_m` of M and
-    slot's device). Device ops only, of shapes fixed by ``M`` and ``n_slots``."""
+    slot's device, and then ``long_m`` :func:`grouped_long_m`'s). Device ops only, of shapes fixed by
+    ``M``, ``n_slots``, ``block_m`` and ``long_m``.
+
+    ``long_m`` (a multiple of ``block_m``, at most M): each variant's run is cut into whole blocks of
+    ``long_m`` rows first (:attr:`RowGroups.long`), and only its rest into blocks of ``block_m``, so a
+    long run (a prompt chunk) is multiplied in large blocks, which expand each sign tile once per
+    ``long_m`` rows, while the short runs of a decode batch keep small blocks."""
     m, dev = slot.shape[0], slot.device
-    block_m = block_m or grouped_block_m(m, dev)
+    if block_m is None:
+        block_m, long_m = grouped_block_m(m, dev), grouped_long_m(m, dev)
     slot = slot.to(torch.int64)
     key = torch.where((slot >= 0) & (slot < n_slots), slot, n_slots)
     key, order = torch.sort(key, stable=True)
     idx = torch.arange(m, device=dev)
     new_group = torch.ones(m, dtype=torch.bool, device=dev)
     new_group[1:] = key[1:] != key[:-1]
-    group_start = torch.cummax(torch.where(new_group, idx, 0), 0).values
-    starts = ((idx - group_start) % block_m == 0) & (key < n_slots)
-    nb = max_blocks(m, n_slots, block_m)
-    block = torch.where(starts, torch.cumsum(starts, 0) - 1, nb)  # non-starts go to a sink entry
-    first = torch.full((nb + 1,), m, dtype=torch.int32, device=dev)
-    first.scatter_(0, block, idx.to(torch.int32))
-    return RowGroups(order.to(torch.int32), key.to(torch.int32), first[:nb], block_m)
+    pos = idx - torch.cummax(torch.where(new_group, idx, 0), 0).values  # the row's place in its run
+    variant = key < n_slots
+    long = None
+    if long_m and long_m <= m:
+        assert long_m % block_m == 0, "long blocks are whole blocks"
+        runs = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+        whole = runs[key] // long_m * long_m  # the rows of the run in whole long blocks
+        in_long = pos < whole
+        long = RowGroups(order32 := order.to(torch.int32), key32 := key.to(torch.int32),
+                         _firsts(in_long & (pos % long_m == 0) & variant, idx, m, m // long_m), long_m)
+        pos = torch.where(in_long, -1, pos - whole)  # -1: no short block starts there
+    starts = (pos % block_m == 0) & (pos >= 0) & variant
+    if long is None:
+        order32, key32 = order.to(torch.int32), key.to(torch.int32)
+    nb = max_blocks(m, n_slots, block_m, long and long_m)
+    return RowGroups(order32, key32, _firsts(starts, idx, m, nb), block_m, long)
 
 
 @triton.jit
@@ -180,14 +235,15 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
     if m == 0:
         return y
     tiled = signs.dim() == 5
-    bn = block_n or _block_n(n, groups.max_blocks)
     config = {**CONFIG, **config}
-    _grouped_kernel[(triton.cdiv(n, bn), groups.max_blocks)](
-        x, signs, alphas, y, groups.order, groups.key, groups.first,
-        m, n, k, (k + 7) // 8, groups.max_blocks,
-        x.stride(0), signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0),
-        ALPHA_PER_ROW=alphas.dim() == 2, TILED=tiled, DOT_FP32=_interpret(),
-        BLOCK_M=max(groups.block_m, BLOCK_M), BLOCK_N=bn, **config)  # smaller blocks: fewer live rows
+    for part in groups.parts():
+        bn = block_n or _block_n(n, part.max_blocks)
+        _grouped_kernel[(triton.cdiv(n, bn), part.max_blocks)](
+            x, signs, alphas, y, part.order, part.key, part.first,
+            m, n, k, (k + 7) // 8, part.max_blocks,
+            x.stride(0), signs.stride(0), signs.stride(1), alphas.stride(0), y.stride(0),
+            ALPHA_PER_ROW=alphas.dim() == 2, TILED=tiled, DOT_FP32=_interpret(),
+            BLOCK_M=max(part.block_m, BLOCK_M), BLOCK_N=bn, **config)  # smaller blocks: fewer live rows
     return y
 
 
@@ -223,5 +279,8 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
         from deltafleet.kernels import gluon_grouped
 
         if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
-            return gluon_grouped.add_sign_products_planes(x, signs, alphas, groups, y, block_m=groups.block_m)
+            planes = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0])
+            for part in groups.parts():
+                gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m, planes=planes)
+            return y
     return add_sign_products(x, signs, alphas, groups, y)

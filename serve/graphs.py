@@ -316,22 +316,28 @@ class PiecewiseGraphs:
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
         grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
-        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, grouped_block_m, max_blocks
+        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, grouped_block_m, grouped_long_m, max_blocks
 
         table, slots = self.runner.slots, self.variants[:b]
         delta = BatchDeltas(table, slots)
         if not BatchDeltas.grouped(self.x[:b, 0]):
             return delta
         if b not in self.groups:
-            bm = grouped_block_m(b, slots.device)
+            # a step with prompt chunks: long blocks for the chunks' runs and blocks of 8 for the rest,
+            # whatever the bucket (the rest is mostly decode rows, one or two per variant)
+            lm = grouped_long_m(b, slots.device)
+            bm = 8 if lm else grouped_block_m(b, slots.device)
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
-            self.groups[b] = RowGroups(zeros(b), zeros(b), zeros(max_blocks(b, table.n_slots, bm)), bm)
+            order, key = zeros(b), zeros(b)
+            long = RowGroups(order, key, zeros(b // lm), lm) if lm else None
+            self.groups[b] = RowGroups(order, key, zeros(max_blocks(b, table.n_slots, bm, lm)), bm, long)
         static = self.groups[b]
         if i == 0:
-            g = group_rows(slots, table.n_slots, static.block_m)
+            g = group_rows(slots, table.n_slots, static.block_m, static.long and static.long.block_m)
             static.order.copy_(g.order)
             static.key.copy_(g.key)
-            static.first.copy_(g.first)
+            for part, new in zip(static.parts(), g.parts()):
+                part.first.copy_(new.first)
         delta.use_groups(static)
         return delta
 

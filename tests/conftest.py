@@ -164,18 +164,22 @@ def build_tiny_family(root: Path, variants: tuple[str, ...] = ("coder", "writer"
     return TinyFamily(root, base_dir, artifacts, out)
 
 
-def record_groupings(monkeypatch) -> list[list[int]]:
+def record_groupings(monkeypatch, long_m: int | None = None) -> list[list[int]]:
     """Make ``BatchDeltas`` multiply grouped by variant from two rows on (the GPU path, run here under
     Triton's interpreter) and record every grouping: the slots each ``group_rows`` call was given,
-    in the returned list."""
+    in the returned list. ``long_m``: also cut each variant's run into whole blocks of that many rows
+    first (``grouped_long_m``, Hopper's prompt-chunk blocks), wherever the batch holds one."""
     from deltafleet.kernels import triton_grouped
     from deltafleet.serve import batch
 
     groupings, real = [], triton_grouped.group_rows
 
-    def group_rows(slot, n_slots, block_m=None):
+    def group_rows(slot, n_slots, block_m=None, long_m=None):
         groupings.append(slot.tolist())
-        return real(slot, n_slots, block_m)
+        return real(slot, n_slots, block_m, long_m)
+
+    if long_m is not None:
+        monkeypatch.setattr(triton_grouped, "grouped_long_m", lambda m, device: long_m if m >= long_m else None)
 
     monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
     monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)

@@ -246,14 +246,19 @@ def test_grouped_planes_match_reference(block_m, m, pattern, tenants, n, k, row_
 
 
 @pytest.mark.gpu
-def test_hopper_groups_decode_steps_by_8():
-    """Up to 64 rows the engine groups blocks of 8 for the mma.sync configurations (``CONFIGS[8]``)."""
+def test_hopper_groups_short_runs_by_8_and_long_ones_by_64():
+    """A decode step groups blocks of 8 for the mma.sync configurations (``CONFIGS[8]``) up to 128
+    rows, of 16 beyond, and above 64 rows each run's whole blocks of 64 first (wgmma, ``CONFIGS[64]``)."""
     _hopper()
-    from deltafleet.kernels.triton_grouped import SYNC_MMA_MAX_ROWS, grouped_block_m
+    from deltafleet.kernels.triton_grouped import BLOCK8_MAX_ROWS, SHORT_MAX_ROWS, grouped_block_m, grouped_long_m
 
-    rows = (1, SYNC_MMA_MAX_ROWS, SYNC_MMA_MAX_ROWS + 1)
-    assert [grouped_block_m(m, "cuda") for m in rows] == [8, 8, 16]
-    assert all(cfg.sync_mma for cfg in gg.CONFIGS[8])
+    rows = (1, SHORT_MAX_ROWS, SHORT_MAX_ROWS + 1, BLOCK8_MAX_ROWS, BLOCK8_MAX_ROWS + 1)
+    assert [grouped_block_m(m, "cuda") for m in rows] == [8, 8, 8, 8, 16]
+    assert [grouped_long_m(m, "cuda") for m in rows] == [None, None, 64, 64, 64]
+    assert all(cfg.sync_mma for cfg in gg.CONFIGS[8]) and not any(cfg.sync_mma for cfg in gg.CONFIGS[64])
+    slot = torch.cat([torch.full((150,), 1), torch.arange(40) % 3 - 1]).int().cuda()
+    g = group_rows(slot, 2)  # the engine's default grouping for 190 rows
+    assert g.block_m == 16 and g.long.block_m == 64 and int((g.long.first < 190).sum()) == 2
 
 
 @pytest.mark.gpu

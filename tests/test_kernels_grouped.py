@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 from deltafleet.kernels import pack_signs, tile_signs  # noqa: E402
 from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
 from deltafleet.kernels.triton_grouped import (BLOCK_M, bitdelta_linear_grouped, group_rows,  # noqa: E402
-                                               grouped_block_m, max_blocks)
+                                               grouped_block_m, grouped_long_m, max_blocks)
 
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
@@ -101,9 +101,46 @@ def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
     assert gr.max_blocks == max_blocks(9, 3, 2) == 8  # ceil(9 / 2) + 3
 
 
+def test_group_rows_cuts_whole_long_blocks_first():
+    """With ``long_m`` each run's leading whole blocks of ``long_m`` rows are groups of their own and
+    only its rest is cut into blocks of ``block_m``."""
+    slot = torch.tensor([1] * 9 + [-1] * 2 + [0] * 3 + [1] * 2)
+    gr = group_rows(slot, 2, block_m=2, long_m=4)
+    # sorted: variant 0 rows 0–2 (3 rows), variant 1 rows 3–13 (11), the base 14–15
+    assert gr.long.first.tolist() == [3, 7, 16, 16]  # variant 1's rows 3–6 and 7–10; M // 4 entries
+    assert gr.long.block_m == 4 and gr.long.order is gr.order and gr.long.key is gr.key
+    assert gr.first.tolist() == [0, 2, 11, 13]  # {0,1} {2} of variant 0, {11,12} {13} of variant 1
+    assert gr.max_blocks == max_blocks(16, 2, 2, 4) == 4  # a rest of < 4 rows: 2 blocks per variant
+    assert [p.block_m for p in gr.parts()] == [4, 2]
+    assert group_rows(slot, 2, block_m=2).long is None
+    assert group_rows(slot[:3], 2, block_m=2, long_m=4).long is None  # fewer rows than one long block
+
+
+@pytest.mark.parametrize("long_m", [32, 64])
+def test_long_blocks_multiply_every_row(long_m):
+    """A prompt chunk's run (150 rows: whole long blocks, then a rest of short ones) beside Zipf
+    decode rows, grouped with long blocks: every row once, with its own variant."""
+    g = torch.Generator().manual_seed(long_m)
+    m, n, k, tenants, dtype = 190, 96, 256, 4, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    slot = torch.cat([_zipf_slots(m - 150, tenants, g), torch.full((150,), 2, dtype=torch.int32)])
+    groups = group_rows(slot.to(DEVICE), tenants, 16, long_m)
+    assert int((groups.long.first < m).sum()) == 150 // long_m
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, tile_signs(signs), alphas, slot)), groups=groups)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())
+    swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot)
+    rows = slot >= 0
+    assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * TOL[dtype] * ref.abs().max().item()
+
+
 def test_grouped_block_m_is_16_off_hopper():
     """Blocks of 8 are for the Hopper kernel's mma.sync path only; the CPU (and the interpreter) group by 16."""
     assert [grouped_block_m(m, "cpu") for m in (1, 64, 65, 256)] == [BLOCK_M] * 4
+    assert [grouped_long_m(m, "cpu") for m in (64, 128, 2048)] == [None] * 3  # long blocks: the Hopper kernel's
 
 
 def test_max_blocks_bounds_every_grouping():
@@ -115,6 +152,12 @@ def test_max_blocks_bounds_every_grouping():
             needed = int(((counts + BLOCK_M - 1) // BLOCK_M).sum())
             gr = group_rows(slot, tenants)
             assert int((gr.first < m).sum()) == needed <= gr.max_blocks
+            # with long blocks of 32: the runs' whole 32s, then their rests in 16s
+            gr = group_rows(slot, tenants, BLOCK_M, 32) if m >= 32 else None
+            if gr is not None:
+                assert int((gr.long.first < m).sum()) == int((counts // 32).sum()) <= gr.long.max_blocks
+                rest = counts % 32
+                assert int((gr.first < m).sum()) == int(((rest + BLOCK_M - 1) // BLOCK_M).sum()) <= gr.max_blocks
 
 
 def test_grouped_contract_errors():

@@ -434,11 +434,14 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
         pw.bucket(41)
 
 
-def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch):
+@pytest.mark.parametrize("long_m", [None, 16], ids=["blocks", "long-blocks"])
+def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch, long_m):
     """On a GPU a piecewise step of many tokens multiplies grouped by variant
     (``BatchDeltas.grouped``); here under Triton's interpreter with the threshold at two tokens: the
     first segment groups the tokens once (into the bucket's static buffers), every later segment
-    reads that grouping (the head groups its sampling rows), and the logits equal the eager step's."""
+    reads that grouping (the head groups its sampling rows), and the logits equal the eager step's.
+    With ``long_m`` the prompt chunk's run leads with whole long blocks (Hopper's grouping of prompt
+    chunks), kept in static buffers of their own."""
     pytest.importorskip("triton")
     from deltafleet.serve.graphs import PiecewiseGraphs
     from tests.conftest import record_groupings
@@ -451,9 +454,14 @@ def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch):
     step = _step(_Tables(), [], [(0, b, 0, coder), (1, a, 0, -1), (2, w, 0, writer)])
     with torch.inference_mode():
         want = runner.forward(step).float()
-        groupings = record_groupings(monkeypatch)
+        groupings = record_groupings(monkeypatch, long_m)
         got = pw.run(step).float()
     n = len(step.tokens)
+    static = pw.groups[pw.bucket(n)]
+    if long_m:  # the coder prompt's leading 16 rows make the one live long block
+        assert int((static.long.first < pw.bucket(n)).sum()) == len(b) // long_m == 1
+    else:
+        assert static.long is None
     # the bucket's tokens once (padding tokens on the base), then the head's sampling rows (padded
     # to max_sample with token 0)
     heads = [step.variants[i] for i in step.sample] + [step.variants[0]] * (pw.max_sample - len(step.sample))
