@@ -36,6 +36,19 @@ def interruptible(job: str) -> Iterator[None]:
         raise SystemExit(130) from None
 
 
+def fit(trainer, *args, **kwargs):
+    """``trainer.fit(*args, **kwargs)`` (Lightning), with Ctrl-C raised again as ``KeyboardInterrupt``
+    for :func:`interruptible`: Lightning catches it, shuts the run down and calls ``sys.exit(1)``,
+    which would end the job with status 1 after Lightning's own message (that ``SystemExit`` is raised
+    while the ``KeyboardInterrupt`` is handled, so it is the exit's context)."""
+    try:
+        return trainer.fit(*args, **kwargs)
+    except SystemExit as e:
+        if isinstance(e.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise
+
+
 @contextlib.contextmanager
 def user_errors(job: str) -> Iterator[None]:
     """Turn a user-caused error (:data:`USER_ERRORS`, which includes ``ArtifactError``) into

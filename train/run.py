@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
-from deltafleet.cli import build_hint, interruptible, stop_on_sigterm, user_errors
+from deltafleet.cli import build_hint, fit, interruptible, stop_on_sigterm, user_errors
 from deltafleet.train.datamodule import SPLITS, TextDataModule, split_file
 from deltafleet.train.distributed import ConsolidateOnTrainEnd
 from deltafleet.train.module import CausalLMModule, heldout_loss
@@ -217,7 +217,7 @@ def train(cfg: DictConfig) -> dict:
                                           callbacks=[*build_callbacks(cfg, run_dir), consolidate],
                                           default_root_dir=str(run_dir))
         t0 = time.perf_counter()
-        trainer.fit(module, datamodule=dm, ckpt_path=cfg.ckpt_path)
+        fit(trainer, module, datamodule=dm, ckpt_path=cfg.ckpt_path)  # Ctrl-C: KeyboardInterrupt
         # fit restored SIGTERM's default (the process dies at once); from here on the outputs are
         # written in staged folders, which a SIGTERM must remove as Ctrl-C does
         if threading.current_thread() is threading.main_thread():
@@ -366,7 +366,7 @@ def main(cfg: DictConfig) -> float | None:
     with user_errors("train"):  # one line for a mistake; a failure during training keeps its traceback
         set_threads(cfg)
         check_config(cfg)
-    with interruptible("train"):  # after fit (Lightning handles Ctrl-C during it): held-out loss, save, export
+    with interruptible("train"):  # Ctrl-C anywhere, in fit too: `train: interrupted`, status 130
         metrics = train(cfg)
     return metrics.get("heldout/loss")
 
