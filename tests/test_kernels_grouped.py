@@ -72,23 +72,32 @@ def test_grouped_matches_reference(dtype, m, n, k, tenants, slots, tiled, row_al
         assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
-@pytest.mark.parametrize("block_m", [8, 32, 64])
-def test_groups_of_other_blocks_multiply_every_row(block_m):
+@pytest.mark.parametrize("block_m, long_m", [(8, None), (32, None), (64, None), (16, 32), (16, 64)])
+def test_groups_of_other_blocks_multiply_every_row(block_m, long_m):
     """Rows grouped in blocks of ``block_m`` (32 or 64: a step of a long prompt; 8: a Hopper decode
-    step, which the Triton kernel multiplies as blocks of 16 with half their rows dead): one variant's
-    run of 150 rows beside Zipf rows; none is dropped or counted twice."""
-    g = torch.Generator().manual_seed(block_m)
+    step, which the Triton kernel multiplies as blocks of 16 with half their rows dead), or with the
+    run's whole ``long_m`` blocks first (two launches): one variant's run of 150 rows beside Zipf
+    rows; none is dropped or counted twice, and each row has its own variant."""
+    g = torch.Generator().manual_seed(block_m + (long_m or 0))
     m, n, k, tenants, dtype = 190, 96, 256, 4, torch.bfloat16
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
     signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
     alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
     slot = torch.cat([torch.full((150,), 2, dtype=torch.int32), _zipf_slots(m - 150, tenants, g)])
-    groups = group_rows(slot.to(DEVICE), tenants, block_m)
-    assert groups.block_m == block_m and groups.max_blocks == max_blocks(m, tenants, block_m)
+    slot = slot[torch.randperm(m, generator=g)]  # the run's rows spread over the batch
+    groups = group_rows(slot.to(DEVICE), tenants, block_m, long_m)
+    if long_m is None:
+        assert groups.block_m == block_m and groups.max_blocks == max_blocks(m, tenants, block_m)
+    else:
+        assert int((groups.long.first < m).sum()) == int((torch.bincount(slot[slot >= 0]) // long_m).sum())
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
     y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, tile_signs(signs), alphas, slot)), groups=groups)
-    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot)
+    rows = slot >= 0
+    assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
 def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
@@ -114,27 +123,6 @@ def test_group_rows_cuts_whole_long_blocks_first():
     assert [p.block_m for p in gr.parts()] == [4, 2]
     assert group_rows(slot, 2, block_m=2).long is None
     assert group_rows(slot[:3], 2, block_m=2, long_m=4).long is None  # fewer rows than one long block
-
-
-@pytest.mark.parametrize("long_m", [32, 64])
-def test_long_blocks_multiply_every_row(long_m):
-    """A prompt chunk's run (150 rows: whole long blocks, then a rest of short ones) beside Zipf
-    decode rows, grouped with long blocks: every row once, with its own variant."""
-    g = torch.Generator().manual_seed(long_m)
-    m, n, k, tenants, dtype = 190, 96, 256, 4, torch.bfloat16
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
-    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
-    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
-    slot = torch.cat([_zipf_slots(m - 150, tenants, g), torch.full((150,), 2, dtype=torch.int32)])
-    groups = group_rows(slot.to(DEVICE), tenants, 16, long_m)
-    assert int((groups.long.first < m).sum()) == 150 // long_m
-    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
-    y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, tile_signs(signs), alphas, slot)), groups=groups)
-    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())
-    swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot)
-    rows = slot >= 0
-    assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * TOL[dtype] * ref.abs().max().item()
 
 
 def test_grouped_block_m_is_16_off_hopper():
