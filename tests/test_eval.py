@@ -367,3 +367,24 @@ def test_eval_settings_are_checked_before_any_work():
     with pytest.raises(ValueError, match=r"the folders of \['bad', 'empty'\] must be paths"):
         check_settings(OmegaConf.create({"build": True, "existing": {"bad": 5, "empty": "", "ok": "x"}}))
     check_settings(OmegaConf.create({"build": False, "existing": {"exported": "x/{variant}"}}))
+
+
+def test_a_variant_no_config_trains_is_named_not_sent_to_train(tmp_path):
+    """A missing fine-tune of a name ``conf/variant/`` lacks: the known names, not a command that
+    would fail; a missing one of a known name keeps its build command."""
+    from omegaconf import OmegaConf
+
+    from deltafleet.train.eval import run, trainable_variants
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    cfg = OmegaConf.create({"seed": 0, "build": True, "existing": {}, "variants": ["math", "nosuch"],
+                            "base_dir": str(tmp_path / "base"), "paths": {"models_dir": str(tmp_path)},
+                            "model": {"dirs": {"prefix": "tiny-"}}})
+    assert {"coder", "math"} <= set(trainable_variants()) and "base" not in trainable_variants()
+    with pytest.raises(FileNotFoundError, match=rf"^no fine-tune of math, nosuch under {tmp_path}, and nosuch is "
+                                                r"not a variant train/run.py trains \(conf/variant/: chat, coder, "):
+        run(cfg)
+    cfg.variants = ["math"]
+    with pytest.raises(FileNotFoundError, match=r"build it with `make train VARIANT=math`, or pick variants"):
+        run(cfg)

@@ -618,6 +618,13 @@ def _machine() -> str:
     return cpu + ")"
 
 
+def trainable_variants() -> list[str]:
+    """The variants ``train/run.py variant=<name>`` trains: the configs of ``conf/variant/`` (beside
+    this folder, in the repository and in the installed package alike), the base's own aside."""
+    folder = Path(__file__).resolve().parent.parent / "conf" / "variant"
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "base")
+
+
 def run(cfg: DictConfig) -> dict:
     """The whole report (module docstring); returns the JSON payload."""
     from deltafleet.checkpoint import load_tokenizer
@@ -631,6 +638,13 @@ def run(cfg: DictConfig) -> dict:
     if not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
     missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
+    known = trainable_variants()
+    unknown = [v for v in missing if v not in known]
+    if unknown:  # no command would build it: say which names there are
+        raise FileNotFoundError(
+            f"no fine-tune of {', '.join(missing)} under {cfg.paths.models_dir}, and {', '.join(unknown)} "
+            f"{'is' if len(unknown) == 1 else 'are'} not a variant train/run.py trains (conf/variant/: "
+            f"{', '.join(known)}): pick variants=[...]")
     if missing:
         raise FileNotFoundError(
             f"no fine-tune of {', '.join(missing)} under {cfg.paths.models_dir}: build it with "
