@@ -83,7 +83,7 @@ def max_blocks(m: int, n_slots: int, block_m: int = BLOCK_M, long_m: int | None 
     make ``ceil(m_t / block_m) ≤ m_t / block_m + 1`` blocks; with ``long_m``, only a run's rest of fewer
     than ``long_m`` rows is cut so, at most ``ceil((long_m − 1) / block_m)`` blocks per variant."""
     nb = max(1, min(m, triton.cdiv(m, block_m) + n_slots))
-    if long_m:
+    if long_m and long_m <= m:  # as group_rows: no long blocks in fewer rows than one
         nb = min(nb, max(1, n_slots * triton.cdiv(long_m - 1, block_m)))
     return nb
 
@@ -128,13 +128,17 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, lon
     slot's device, and then ``long_m`` :func:`grouped_long_m`'s). Device ops only, of shapes fixed by
     ``M``, ``n_slots``, ``block_m`` and ``long_m``.
 
-    ``long_m`` (a multiple of ``block_m``, at most M): each variant's run is cut into whole blocks of
+    ``long_m`` (a multiple of ``block_m``, 16 or more: the Triton kernel's smallest tile): each
+    variant's run is cut into whole blocks of
     ``long_m`` rows first (:attr:`RowGroups.long`), and only its rest into blocks of ``block_m``, so a
     long run (a prompt chunk) is multiplied in large blocks, which expand each sign tile once per
     ``long_m`` rows, while the short runs of a decode batch keep small blocks."""
     m, dev = slot.shape[0], slot.device
     if block_m is None:
-        block_m, long_m = grouped_block_m(m, dev), grouped_long_m(m, dev)
+        block_m = grouped_block_m(m, dev)
+        long_m = grouped_long_m(m, dev) if long_m is None else long_m
+    if long_m is not None and (long_m % block_m or long_m < BLOCK_M):
+        raise ValueError(f"long_m must be a multiple of block_m ({block_m}) and at least {BLOCK_M}, got {long_m}")
     slot = slot.to(torch.int64)
     key = torch.where((slot >= 0) & (slot < n_slots), slot, n_slots)
     key, order = torch.sort(key, stable=True)
@@ -145,7 +149,6 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, lon
     variant = key < n_slots
     long = None
     if long_m and long_m <= m:
-        assert long_m % block_m == 0, "long blocks are whole blocks"
         runs = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
         whole = runs[key] // long_m * long_m  # the rows of the run in whole long blocks
         in_long = pos < whole
@@ -155,7 +158,7 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, lon
     starts = (pos % block_m == 0) & (pos >= 0) & variant
     if long is None:
         order32, key32 = order.to(torch.int32), key.to(torch.int32)
-    nb = max_blocks(m, n_slots, block_m, long and long_m)
+    nb = max_blocks(m, n_slots, block_m, long_m)
     return RowGroups(order32, key32, _firsts(starts, idx, m, nb), block_m, long)
 
 

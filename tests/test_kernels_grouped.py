@@ -113,16 +113,20 @@ def test_group_rows_sorts_stably_and_cuts_blocks_of_block_m():
 def test_group_rows_cuts_whole_long_blocks_first():
     """With ``long_m`` each run's leading whole blocks of ``long_m`` rows are groups of their own and
     only its rest is cut into blocks of ``block_m``."""
-    slot = torch.tensor([1] * 9 + [-1] * 2 + [0] * 3 + [1] * 2)
-    gr = group_rows(slot, 2, block_m=2, long_m=4)
-    # sorted: variant 0 rows 0–2 (3 rows), variant 1 rows 3–13 (11), the base 14–15
-    assert gr.long.first.tolist() == [3, 7, 16, 16]  # variant 1's rows 3–6 and 7–10; M // 4 entries
-    assert gr.long.block_m == 4 and gr.long.order is gr.order and gr.long.key is gr.key
-    assert gr.first.tolist() == [0, 2, 11, 13]  # {0,1} {2} of variant 0, {11,12} {13} of variant 1
-    assert gr.max_blocks == max_blocks(16, 2, 2, 4) == 4  # a rest of < 4 rows: 2 blocks per variant
-    assert [p.block_m for p in gr.parts()] == [4, 2]
-    assert group_rows(slot, 2, block_m=2).long is None
-    assert group_rows(slot[:3], 2, block_m=2, long_m=4).long is None  # fewer rows than one long block
+    slot = torch.tensor([1] * 37 + [-1] * 2 + [0] * 20 + [1] * 2)
+    gr = group_rows(slot, 2, block_m=8, long_m=16)
+    # sorted: variant 0 rows 0–19 (20 rows), variant 1 rows 20–58 (39), the base 59–60
+    assert gr.long.first.tolist() == [0, 20, 36]  # M // 16 entries: 0–15; 20–35 and 36–51
+    assert gr.long.block_m == 16 and gr.long.order is gr.order and gr.long.key is gr.key
+    assert gr.first.tolist() == [16, 52, 61, 61]  # the rests 16–19 and 52–58
+    assert gr.max_blocks == max_blocks(61, 2, 8, 16) == 4  # a rest of < 16 rows: 2 blocks per variant
+    assert [p.block_m for p in gr.parts()] == [16, 8]
+    assert group_rows(slot, 2, block_m=8).long is None
+    short = group_rows(slot[:10], 2, block_m=8, long_m=16)  # fewer rows than one long block
+    assert short.long is None and short.max_blocks == max_blocks(10, 2, 8, 16)
+    for bad in (4, 12):  # under the Triton kernel's 16-row tile; not whole blocks of 8
+        with pytest.raises(ValueError, match=f"long_m must be a multiple of block_m \\(8\\) and at least 16, got {bad}"):
+            group_rows(slot, 2, block_m=8, long_m=bad)
 
 
 def test_grouped_block_m_is_16_off_hopper():
