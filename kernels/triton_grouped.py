@@ -129,10 +129,10 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, lon
     ``M``, ``n_slots``, ``block_m`` and ``long_m``.
 
     ``long_m`` (a multiple of ``block_m``, 16 or more: the Triton kernel's smallest tile): each
-    variant's run is cut into whole blocks of
-    ``long_m`` rows first (:attr:`RowGroups.long`), and only its rest into blocks of ``block_m``, so a
-    long run (a prompt chunk) is multiplied in large blocks, which expand each sign tile once per
-    ``long_m`` rows, while the short runs of a decode batch keep small blocks."""
+    variant's run is cut into whole blocks of ``long_m`` rows first (:attr:`RowGroups.long`), and only
+    its rest into blocks of ``block_m``, so a long run (a prompt chunk) is multiplied in large blocks,
+    which expand each sign tile once per ``long_m`` rows, while the short runs of a decode batch keep
+    small blocks."""
     m, dev = slot.shape[0], slot.device
     if block_m is None:
         block_m = grouped_block_m(m, dev)
@@ -147,19 +147,17 @@ def group_rows(slot: torch.Tensor, n_slots: int, block_m: int | None = None, lon
     new_group[1:] = key[1:] != key[:-1]
     pos = idx - torch.cummax(torch.where(new_group, idx, 0), 0).values  # the row's place in its run
     variant = key < n_slots
+    order32, key32 = order.to(torch.int32), key.to(torch.int32)
     long = None
     if long_m and long_m <= m:
         runs = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
         whole = runs[key] // long_m * long_m  # the rows of the run in whole long blocks
         in_long = pos < whole
-        long = RowGroups(order32 := order.to(torch.int32), key32 := key.to(torch.int32),
-                         _firsts(in_long & (pos % long_m == 0) & variant, idx, m, m // long_m), long_m)
+        long = RowGroups(order32, key32, _firsts(in_long & (pos % long_m == 0) & variant, idx, m, m // long_m),
+                         long_m)
         pos = torch.where(in_long, -1, pos - whole)  # -1: no short block starts there
     starts = (pos % block_m == 0) & (pos >= 0) & variant
-    if long is None:
-        order32, key32 = order.to(torch.int32), key.to(torch.int32)
-    nb = max_blocks(m, n_slots, block_m, long_m)
-    return RowGroups(order32, key32, _firsts(starts, idx, m, nb), block_m, long)
+    return RowGroups(order32, key32, _firsts(starts, idx, m, max_blocks(m, n_slots, block_m, long_m)), block_m, long)
 
 
 @triton.jit
