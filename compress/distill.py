@@ -78,6 +78,18 @@ EVAL_BLOCKS = 8  # loss_before / loss_after are measured on the first min(n_bloc
 # --------------------------------------------------------------------------------------------
 
 
+
+def relative_change(before: float, after: float) -> str:
+    """``after`` against ``before`` in words: ``"12.3% lower"``, ``"4.0% higher"``, ``"unchanged"``,
+    or ``"from 0"`` where no ratio exists."""
+    if after == before:
+        return "unchanged"
+    if not before:
+        return "from 0"
+    pct = 100 * (after - before) / abs(before)
+    return f"{abs(pct):.1f}% {'higher' if pct > 0 else 'lower'}"
+
+
 def calibration_blocks(jsonl_path: str | Path, tokenizer, seq_len: int, max_blocks: int | None = None
                        ) -> torch.Tensor:
     """Pack the documents of a JSONL split into token blocks, the way training packs them.
@@ -481,9 +493,8 @@ def distill_scales(
                 callback(step, v)
     progress.close()
     loss_after = evaluate(student, teacher, eval_blocks, loss=loss, batch_size=batch_size, device=device)
-    log.info("after %d steps: %s on the evaluation slice %.6g (before %.6g, %.1f%% lower) in %.1f s",
-             steps, loss, loss_after, loss_before, 100 * (1 - loss_after / loss_before) if loss_before else 0.0,
-             time.perf_counter() - t0)
+    log.info("after %d steps: %s on the evaluation slice %.6g (before %.6g, %s) in %.1f s",
+             steps, loss, loss_after, loss_before, relative_change(loss_before, loss_after), time.perf_counter() - t0)
 
     stored = {**{name + ALPHA_SUFFIX: (a, artifact.alphas[name].dtype) for name, a in alphas.items()},
               **{name + BETA_SUFFIX: (b, artifact.betas[name].dtype) for name, b in betas.items()}}
@@ -650,7 +661,7 @@ def _main(cfg: DictConfig) -> dict:
             _finish_wandb()
     before, after = d["loss_before"], d["loss_after"]
     print(f"{variant}: {cfg.loss} to the fine-tune {before:.6g} → {after:.6g} "
-          f"({100 * (1 - after / before) if before else 0.0:.1f}% lower) after {cfg.steps} steps on "
+          f"({relative_change(before, after)}) after {cfg.steps} steps on "
           f"{d['calibration_blocks']} × {d['seq_len']} tokens, granularity {manifest['granularity']}, "
           f"{seconds:.1f} s → {cfg.out_dir}")
     return manifest

@@ -418,3 +418,11 @@ def test_rowcol_distillation_fits_alpha_and_beta_in_float16(tiny_family, calib, 
     reference.load_state_dict(materialize(base, out), strict=False)
     ids = calib[:2]
     torch.testing.assert_close(student(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-4)
+
+
+def test_a_loss_change_is_worded_by_its_direction():
+    """A worsened loss reads as higher (it read "-1403.5% lower"), an improved one as lower."""
+    assert distill.relative_change(2.0, 1.5) == "25.0% lower"
+    assert distill.relative_change(0.02, 0.3007) == "1403.5% higher"
+    assert distill.relative_change(0.5, 0.5) == "unchanged"
+    assert distill.relative_change(0.0, 0.1) == "from 0"
