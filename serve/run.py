@@ -161,7 +161,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                          cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                     http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s,
-                    timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s)
+                    timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s, lifespan="off")
     finally:
         engine.shutdown()
 

@@ -668,3 +668,26 @@ def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
             t.join(timeout=30)
     finally:
         stop_server(proc, log, 10)
+
+
+def test_two_ctrl_c_end_the_server_without_a_traceback(tiny_family, tmp_path):
+    """Found by a fresh user: a second Ctrl-C during the shutdown printed uvicorn's lifespan task's
+    tracebacks (the app has no lifespan events: the server runs with ``lifespan="off"``)."""
+    import signal
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop_server(proc, log, 10)
+    out = (tmp_path / "server.log").read_text()
+    assert out.startswith("serving tiny, tiny-coder, tiny-writer") and "Traceback" not in out, out[-2000:]
