@@ -78,7 +78,6 @@ EVAL_BLOCKS = 8  # loss_before / loss_after are measured on the first min(n_bloc
 # --------------------------------------------------------------------------------------------
 
 
-
 def relative_change(before: float, after: float) -> str:
     """``after`` against ``before`` in words: ``"12.3% lower"``, ``"4.0% higher"``, ``"unchanged"``,
     or ``"from 0"`` where no ratio exists."""

@@ -98,13 +98,14 @@ def _hopper(device: torch.device | str) -> bool:
     return HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def grouped_block_m(m: int, device: torch.device | str) -> int:
+def grouped_block_m(m: int, device: torch.device | str, prefill: bool = False) -> int:
     """The ``block_m`` to group an M-row batch on ``device`` with: 8 on a Hopper GPU with Gluon for
-    up to :data:`BLOCK8_MAX_ROWS` rows (``gluon_grouped``'s ``mma.sync`` configurations, which waste
-    fewer tensor-core rows on a variant's short run; a run's long stretch goes in blocks of
-    :func:`grouped_long_m` rows), else :data:`BLOCK_M`. Host-side, from M and the device only, so a
-    CUDA graph's grouping is fixed at capture."""
-    return 8 if m <= BLOCK8_MAX_ROWS and _hopper(device) else BLOCK_M
+    up to :data:`BLOCK8_MAX_ROWS` rows, or at any M for a step with prompt chunks (``prefill``: what
+    is left after the long blocks is mostly decode rows, one or two per variant) (``gluon_grouped``'s
+    ``mma.sync`` configurations, which waste fewer tensor-core rows on a variant's short run; a run's
+    long stretch goes in blocks of :func:`grouped_long_m` rows), else :data:`BLOCK_M`. Host-side, from
+    M and the device only, so a CUDA graph's grouping is fixed at capture."""
+    return 8 if (prefill or m <= BLOCK8_MAX_ROWS) and _hopper(device) else BLOCK_M
 
 
 def grouped_long_m(m: int, device: torch.device | str) -> int | None:

@@ -323,17 +323,14 @@ class PiecewiseGraphs:
         if not BatchDeltas.grouped(self.x[:b, 0]):
             return delta
         if b not in self.groups:
-            # a step with prompt chunks: long blocks for the chunks' runs and blocks of 8 for the rest,
-            # whatever the bucket (the rest is mostly decode rows, one or two per variant)
-            lm = grouped_long_m(b, slots.device)
-            bm = 8 if lm else grouped_block_m(b, slots.device)
+            bm, lm = grouped_block_m(b, slots.device, prefill=True), grouped_long_m(b, slots.device)
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
             order, key = zeros(b), zeros(b)
             long = RowGroups(order, key, zeros(b // lm), lm) if lm else None
             self.groups[b] = RowGroups(order, key, zeros(max_blocks(b, table.n_slots, bm, lm)), bm, long)
         static = self.groups[b]
         if i == 0:
-            g = group_rows(slots, table.n_slots, static.block_m, static.long and static.long.block_m)
+            g = group_rows(slots, table.n_slots, static.block_m, static.long.block_m if static.long else None)
             static.order.copy_(g.order)
             static.key.copy_(g.key)
             for part, new in zip(static.parts(), g.parts()):

@@ -255,6 +255,7 @@ def test_hopper_groups_short_runs_by_8_and_long_ones_by_64():
     rows = (1, SHORT_MAX_ROWS, SHORT_MAX_ROWS + 1, BLOCK8_MAX_ROWS, BLOCK8_MAX_ROWS + 1)
     assert [grouped_block_m(m, "cuda") for m in rows] == [8, 8, 8, 8, 16]
     assert [grouped_long_m(m, "cuda") for m in rows] == [None, None, 64, 64, 64]
+    assert [grouped_block_m(m, "cuda", prefill=True) for m in rows] == [8] * 5  # a step with prompt chunks
     assert all(cfg.sync_mma for cfg in gg.CONFIGS[8]) and not any(cfg.sync_mma for cfg in gg.CONFIGS[64])
     slot = torch.cat([torch.full((150,), 1), torch.arange(40) % 3 - 1]).int().cuda()
     g = group_rows(slot, 2)  # the engine's default grouping for 190 rows

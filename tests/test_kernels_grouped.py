@@ -131,7 +131,7 @@ def test_group_rows_cuts_whole_long_blocks_first():
 
 def test_grouped_block_m_is_16_off_hopper():
     """Blocks of 8 are for the Hopper kernel's mma.sync path only; the CPU (and the interpreter) group by 16."""
-    assert [grouped_block_m(m, "cpu") for m in (1, 64, 65, 256)] == [BLOCK_M] * 4
+    assert [grouped_block_m(m, "cpu", prefill) for m in (1, 64, 65, 256) for prefill in (False, True)] == [BLOCK_M] * 8
     assert [grouped_long_m(m, "cpu") for m in (64, 128, 2048)] == [None] * 3  # long blocks: the Hopper kernel's
 
 
