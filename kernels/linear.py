@@ -78,6 +78,24 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias, betas)
 
 
+def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], signs: list[torch.Tensor],
+                             alphas: list[torch.Tensor], slot: torch.Tensor, groups=None) -> torch.Tensor:
+    """Matrices that read the same rows (q, k, v; gate, up), their base weights stacked in ``weight``
+    ``[ΣN, K]`` (``sizes``: each one's N): ``[M, ΣN]``, column block i being
+    :func:`bitdelta_linear_grouped` of matrix i with ``signs[i]``, ``alphas[i]`` (no bias). On CUDA
+    (``deltafleet.kernels.triton_grouped``) the base product is one GEMM and the rows' activation
+    planes are shared; else the reference, matrix by matrix."""
+    if _on_triton(x, weight):
+        from deltafleet.kernels.triton_grouped import bitdelta_linears_grouped as grouped
+
+        return grouped(x, weight, sizes, signs, alphas, slot, groups)
+    if not len(sizes) == len(signs) == len(alphas) or sum(sizes) != weight.shape[0]:
+        raise ValueError(f"sizes {list(sizes)} must add up to the weight's {weight.shape[0]} rows, one per "
+                         f"signs ({len(signs)}) and alphas ({len(alphas)})")
+    return torch.cat([bitdelta_linear_batched_reference(x, w, s, a, slot)
+                      for w, s, a in zip(weight.split(list(sizes)), signs, alphas)], 1)
+
+
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
                             betas: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,4 +112,4 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
 
 
-__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped"]
+__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped", "bitdelta_linears_grouped"]

@@ -275,14 +275,64 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
         x = (x.float() * b).to(x.dtype)
     if groups is None:
         groups = group_rows(slot, signs.shape[0])
+    _add_signs(x, signs, alphas, groups, y, {})
+    return y
+
+
+def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups, y: torch.Tensor,
+               planes: dict) -> None:
+    """``y += `` the sign products of ``groups``' rows (``y`` ``[M, N]``, unit stride along N, may be a
+    column block of a wider output): on a Hopper GPU with tiled signs by ``gluon_grouped``, whose
+    activation planes are made once and kept in ``planes`` for the next matrix over the same rows;
+    else by :func:`add_sign_products`."""
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
     signs = signs.contiguous()
     if not _interpret():
         from deltafleet.kernels import gluon_grouped
 
         if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
-            planes = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0])
+            if "planes" not in planes:
+                planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0])
             for part in groups.parts():
-                gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m, planes=planes)
-            return y
-    return add_sign_products(x, signs, alphas, groups, y)
+                gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m,
+                                                       planes=planes["planes"])
+            return
+    add_sign_products(x, signs, alphas, groups, y)
+
+
+def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], signs: list[torch.Tensor],
+                             alphas: list[torch.Tensor], slot: torch.Tensor,
+                             groups: RowGroups | None = None) -> torch.Tensor:
+    """Several matrices that read the same rows (q, k and v; gate and up) as one: ``y [M, ΣN]``,
+    whose column block i is :func:`bitdelta_linear_grouped` of matrix i (no bias), and is rounded
+    the same way.
+
+    ``weight`` ``[ΣN, K]`` holds the matrices' base weights stacked in order (serve/model.py's
+    ``fuse_rows``), ``sizes`` their N, ``signs[i]`` and ``alphas[i]`` matrix i's, as
+    :func:`bitdelta_linear_grouped` takes them. The base product of all of them is one GEMM, and on
+    a Hopper GPU the activation planes of the rows are made once for all the sign products.
+
+    Raises:
+        ValueError: as :func:`bitdelta_linear_grouped` for any matrix, or if ``sizes`` do not add up to
+            the weight's rows or the lists differ in length.
+    """
+    if not len(sizes) == len(signs) == len(alphas) or sum(sizes) != weight.shape[0]:
+        raise ValueError(f"sizes {list(sizes)} must add up to the weight's {weight.shape[0]} rows, one per "
+                         f"signs ({len(signs)}) and alphas ({len(alphas)})")
+    check_tensors(x=x, weight=weight, slot=slot)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
+    blocks = weight.split(list(sizes))
+    for w, s, a in zip(blocks, signs, alphas):
+        check_tensors(x=x, weight=w, signs=s, alphas=a, slot=slot)
+        if s.dtype != torch.uint8:
+            raise ValueError(f"signs must be uint8, got {s.dtype}")
+        check_batched_args(x, w, s, a, slot, check_slot_values=slot.device.type == "cpu")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.mm(x, weight.t())
+    if groups is None:
+        groups = group_rows(slot, signs[0].shape[0])
+    planes: dict = {}
+    for yi, s, a in zip(y.split(list(sizes), 1), signs, alphas):
+        _add_signs(x, s, a, groups, yi, planes)
+    return y

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from deltafleet.kernels.linear import bitdelta_linears_grouped
 from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 from deltafleet.serve.delta import VariantDelta, hf_name
 
@@ -254,17 +255,41 @@ class BatchDeltas:
         caller (a piecewise graph's first segment, for all the others)."""
         self._groups = ((self.slots.data_ptr(), self.slots.shape[0]), groups)
 
+    def _groups_of(self, slots: Tensor):
+        """``group_rows`` of ``slots``, made at the first layer and reused by the others."""
+        key = (slots.data_ptr(), slots.shape[0])
+        if self._groups is None or self._groups[0] != key:
+            from deltafleet.kernels.triton_grouped import group_rows
+
+            self._groups = (key, group_rows(slots, self.table.n_slots))
+        return self._groups[1]
+
     def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:
         """Rows ``x2 [M, K]`` by ``weight`` plus each row's variant (slots ``[M]``), grouped where it runs."""
         signs, alphas, betas = self.table.signs[name], self.table.alphas[name], self.table.betas.get(name)
         if self.grouped(x2) or (betas is not None and x2.is_cuda):  # column scales: the grouped path at any M
-            key = (slots.data_ptr(), slots.shape[0])
-            if self._groups is None or self._groups[0] != key:
-                from deltafleet.kernels.triton_grouped import group_rows
-
-                self._groups = (key, group_rows(slots, self.table.n_slots))
-            return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups[1], betas=betas)
+            return bitdelta_linear_grouped(x2, weight, signs, alphas, slots, groups=self._groups_of(slots), betas=betas)
         return bitdelta_linear_batched(x2, weight, signs, alphas, slots, betas=betas)
+
+    def linears(self, mods, x: Tensor, fused: tuple[Tensor, Tensor | None, list[int]]) -> list[Tensor] | None:
+        """``[mod(x) for mod in mods]`` for linears that read the same ``x [B, 1, K]`` and whose base
+        weights are stacked in ``fused`` (serve/model.py's ``fuse_rows``: q, k, v; gate, up), as
+        :meth:`linear` gives them, by one base GEMM and shared activation planes
+        (``bitdelta_linears_grouped``). None where that path does not run (a step with ``runs``,
+        rows too few to group, column scales): call :meth:`linear` per module then."""
+        weight, _, sizes = fused
+        names = [f"{m.name}.weight" for m in mods]
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.runs or x.shape[1] != 1 or not self.grouped(x2) or any(n in self.table.betas for n in names):
+            return None
+        y = bitdelta_linears_grouped(x2, weight, sizes, [self.table.signs[n] for n in names],
+                                     [self.table.alphas[n] for n in names], self.slots,
+                                     groups=self._groups_of(self.slots))
+        out = []
+        for m, yi in zip(mods, y.split(sizes, 1)):
+            bias = self.table.full.get(f"{m.name}.bias")
+            out.append((yi if bias is None else yi + bias[self._rows])[:, None])
+        return out
 
     def select(self, rows: Tensor) -> BatchDeltas:
         """The variants of rows ``rows`` of this batch (no runs: the rows are few, read them batched)."""

@@ -329,9 +329,14 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> tuple[Tensor, Tensor, Tensor]:
         """``(q, k, v)`` of ``x``: the base's by one GEMM once fused, else one linear each."""
-        if delta is None and self.qkv is not None and self.qkv[2]:
-            weight, bias, sizes = self.qkv
-            return F.linear(x, weight, bias).split(sizes, -1)
+        if self.qkv is not None and self.qkv[2]:
+            if delta is None:
+                weight, bias, sizes = self.qkv
+                return F.linear(x, weight, bias).split(sizes, -1)
+            if isinstance(delta, BatchDeltas):  # grouped rows: one base GEMM, the planes shared
+                qkv = delta.linears((self.q_proj, self.k_proj, self.v_proj), x, self.qkv)
+                if qkv is not None:
+                    return tuple(qkv)
         return self.q_proj(x, delta), self.k_proj(x, delta), self.v_proj(x, delta)
 
     def heads(self, x: Tensor, delta) -> tuple[Tensor, Tensor, Tensor]:
@@ -393,11 +398,14 @@ class MLP(nn.Module):
         return out
 
     def forward(self, x: Tensor, delta: VariantDelta | None) -> Tensor:
-        if delta is None and self.gate_up is not None and self.gate_up[2]:
-            weight, bias, sizes = self.gate_up
-            gate, up = F.linear(x, weight, bias).split(sizes, -1)
-        else:
-            gate, up = self.gate_proj(x, delta), self.up_proj(x, delta)
+        gate_up = None
+        if self.gate_up is not None and self.gate_up[2]:
+            if delta is None:
+                weight, bias, sizes = self.gate_up
+                gate_up = F.linear(x, weight, bias).split(sizes, -1)
+            elif isinstance(delta, BatchDeltas):  # grouped rows: one base GEMM, the planes shared
+                gate_up = delta.linears((self.gate_proj, self.up_proj), x, self.gate_up)
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x, delta), self.up_proj(x, delta))
         return self.down_proj(silu_mul(gate, up), delta)
 
 

@@ -183,6 +183,7 @@ def record_groupings(monkeypatch, long_m: int | None = None) -> list[list[int]]:
 
     monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
     monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
+    monkeypatch.setattr(batch, "bitdelta_linears_grouped", triton_grouped.bitdelta_linears_grouped)
     monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
     return groupings
 

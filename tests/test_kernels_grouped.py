@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from deltafleet.kernels import pack_signs, tile_signs  # noqa: E402
 from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
-from deltafleet.kernels.triton_grouped import (BLOCK_M, bitdelta_linear_grouped, group_rows,  # noqa: E402
-                                               grouped_block_m, grouped_long_m, max_blocks)
+from deltafleet.kernels.triton_grouped import (BLOCK_M, bitdelta_linear_grouped, bitdelta_linears_grouped,  # noqa: E402
+                                               group_rows, grouped_block_m, grouped_long_m, max_blocks)
 
 TOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
@@ -223,3 +223,44 @@ def test_one_variant_with_column_scales_takes_the_grouped_path(monkeypatch, tile
     y = kernels.bitdelta_linear(*(t.to(DEVICE) for t in (x, w, held, alpha, bias, beta)))
     assert y.shape == (2, 9, n) and y.dtype == dtype
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[dtype] * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_stacked_matrices_equal_each_matrix_alone(tiled):
+    """q, k and v (GQA widths, one ragged) over one GEMM of their stacked base weights and one set of
+    rows' groups: each column block is that matrix's grouped linear, against the float32 reference,
+    and each row read its own variant's signs of its own matrix."""
+    g = torch.Generator().manual_seed(5)
+    m, k, sizes, tenants, dtype = 30, 256, [128, 64, 72], 5, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype)
+    ws = [(0.05 * torch.randn(n, k, generator=g)).to(dtype) for n in sizes]
+    signs = [torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)]) for n in sizes]
+    alphas = [0.03 + 0.05 * torch.rand(tenants, n, generator=g) for n in sizes]
+    alphas[1] = alphas[1][:, 0].contiguous()  # one α per matrix
+    slot = _zipf_slots(m, tenants, g)
+    held = [tile_signs(s) if tiled else s for s in signs]
+    y = bitdelta_linears_grouped(x.to(DEVICE), torch.cat(ws).to(DEVICE), sizes, [s.to(DEVICE) for s in held],
+                                 [a.to(DEVICE) for a in alphas], slot.to(DEVICE))
+    assert y.shape == (m, sum(sizes)) and y.dtype == dtype
+    rows = slot >= 0
+    for yi, w, s, a in zip(y.float().cpu().split(sizes, 1), ws, signs, alphas):
+        ref = bitdelta_linear_batched(x.float(), w.float(), s, a, slot)
+        atol = TOL[dtype] * ref.abs().max().item()
+        torch.testing.assert_close(yi, ref, rtol=0, atol=atol)
+        swapped = bitdelta_linear_batched(x.float(), w.float(), s.flip(0), a.flip(0), slot)
+        assert (swapped[rows] - yi[rows]).abs().max() > 4 * atol
+
+
+def test_stacked_matrices_contract_errors():
+    x, slot = torch.randn(2, 16).bfloat16(), torch.tensor([0, 1])
+    w = torch.randn(12, 16).bfloat16()
+    signs = [torch.zeros(2, 8, 2, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8)]
+    alphas = [torch.ones(2), torch.ones(2)]
+    with pytest.raises(ValueError, match=r"sizes \[8, 5\] must add up to the weight's 12 rows"):
+        bitdelta_linears_grouped(x, w, [8, 5], signs, alphas, slot)
+    with pytest.raises(ValueError, match=r"one per signs \(1\) and alphas \(2\)"):
+        bitdelta_linears_grouped(x, w, [8, 4], signs[:1], alphas, slot)
+    with pytest.raises(ValueError, match=r"signs must be \[S, 8, 2\], got \(2, 4, 2\)"):
+        bitdelta_linears_grouped(x, w, [8, 4], signs[::-1], alphas, slot)
+    with pytest.raises(ValueError, match="x and weight must share a floating dtype"):
+        bitdelta_linears_grouped(x, w.half(), [8, 4], signs, alphas, slot)

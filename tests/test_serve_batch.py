@@ -157,9 +157,11 @@ def test_an_engine_with_tiled_slots_answers_as_with_rows(engine, tiny_family):
 
 def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
     """The GPU path for large decode batches (``BatchDeltas.grouped``: rows grouped by variant once
-    per step, the grouping reused by every layer) run here under Triton's interpreter, against the
-    per-row reference path on the same step: same logits, and one grouping for the whole forward."""
+    per step, the grouping reused by every layer; q, k, v and gate, up each one base GEMM over their
+    stacked weights) run here under Triton's interpreter, against the per-row reference path on the
+    same step: same logits, and one grouping for the whole forward."""
     pytest.importorskip("triton")
+    from deltafleet.serve import batch
     from tests.conftest import record_groupings
 
     model = engine.model
@@ -174,8 +176,12 @@ def test_grouped_decode_rows_match_the_per_row_path(engine, monkeypatch):
     with torch.inference_mode():
         want = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
         groupings = record_groupings(monkeypatch)
+        stacked, real = [], batch.bitdelta_linears_grouped
+        monkeypatch.setattr(batch, "bitdelta_linears_grouped",
+                            lambda x, w, sizes, *a, **k: stacked.append(len(sizes)) or real(x, w, sizes, *a, **k))
         got = ModelRunner(model, slots, n_blocks=n, block_size=4, max_batch=8, max_seq_len=16).forward(step).float()
     assert groupings == [variants]  # once per step, whatever the number of layers and linears
+    assert stacked == [3, 2] * len(model.layers)  # q, k, v and gate, up of every layer
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # the variants matter here: all rows on the base would answer differently
     base = StepInput(**{**step.__dict__, "variants": [-1] * n})
