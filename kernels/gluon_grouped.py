@@ -59,13 +59,14 @@ them at the end of the step: a wgmma with a register operand in flight across th
 makes ptxas serialise them all, and so do too few registers (C7512/C7515). :data:`CONFIGS` lists only
 configurations that compile without either and without spills (tests/test_kernels_compile.py).
 
-``sync_mma`` (the configurations of ``block_m`` 8): the consumer multiplies by per-warp ``mma.sync``
-m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes loaded into
-B registers once and shared by the consumer's tiles. Nothing is asynchronous, so the warps' sign
-expansion and products interleave freely, and blocks of 8 rows (n16) waste fewer tensor-core rows on
-a variant's short run than wgmma's blocks of 16; for decode steps of up to 64 rows this is the faster
-path (``triton_grouped.grouped_block_m``), above that the wgmma's larger blocks expand each sign tile
-fewer times.
+``sync_mma`` (the configurations of ``block_m`` 4 and 8): the consumer multiplies by per-warp
+``mma.sync`` m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes
+loaded into B registers once and shared by the consumer's tiles. Nothing is asynchronous, so the
+warps' sign expansion and products interleave freely, and blocks of 8 rows (n16) or 4 (n8: one
+product per tile and chunk) waste fewer tensor-core rows on a variant's short run than wgmma's blocks
+of 16. For decode steps of up to 128 rows this is the faster path, with blocks of 4 where most
+variants hold one or two rows (``triton_grouped.grouped_block_m``); above that the wgmma's larger
+blocks expand each sign tile fewer times.
 
 Bit accumulators (``bitacc``, with ``sync_mma`` and ``BLOCK_K`` 256): the expansion above costs two
 instructions per four weights and runs once per K chunk. Instead, each thread loads its share of the K
@@ -129,7 +130,7 @@ class GroupedConfig(NamedTuple):
     """A launch configuration of :func:`add_sign_products_planes`.
 
     Attributes:
-        block_m: rows per block (8, 16, 32 or 64); ``group_rows`` must cut the blocks with the same
+        block_m: rows per block (4, 8, 16, 32 or 64); ``group_rows`` must cut the blocks with the same
             ``block_m`` (a smaller one is also correct). The product's N is ``2·block_m``.
         block_n: features per program, 64·NSUB (64, 128 or 256), NSUB sign tiles sharing one planes tile.
         block_k: weights per K step (128 or 256; at most 256, the TMA box's longest side).
@@ -169,6 +170,7 @@ class GroupedConfig(NamedTuple):
 # loader's share too (``setmaxnreg``), so 80 still leaves it 136, and three programs fit a multiprocessor
 # by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile.
 CONFIGS: dict[int, tuple[GroupedConfig, ...]] = {
+    4: (GroupedConfig(4, 128, 256, 4, 1, 80, sync_mma=True),),
     8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True),
         GroupedConfig(8, 128, 256, 4, 1, 96, sync_mma=True, bitacc=True)),
     16: (GroupedConfig(16, 128, 256, 4, 1, 80), GroupedConfig(16, 256, 256, 4, 1, 128),
@@ -182,7 +184,7 @@ BLOCK_MS = tuple(CONFIGS)
 
 
 def default_config(block_m: int = 16) -> GroupedConfig:
-    """The first configuration of :data:`CONFIGS` for blocks of ``block_m`` rows (8, 16, 32 or 64).
+    """The first configuration of :data:`CONFIGS` for blocks of ``block_m`` rows (4, 8, 16, 32 or 64).
 
     Raises:
         ValueError: if ``block_m`` is not one of :data:`BLOCK_MS`.
@@ -285,8 +287,10 @@ def _descriptors(signs: torch.Tensor, planes: torch.Tensor, cfg: GroupedConfig):
 
 
 def _check_config(cfg: GroupedConfig) -> None:
-    if cfg.block_m not in (8, 16, 32, 64):
-        raise ValueError(f"block_m must be 8, 16, 32 or 64, got {cfg.block_m}")
+    if cfg.block_m not in (4, 8, 16, 32, 64):
+        raise ValueError(f"block_m must be 4, 8, 16, 32 or 64, got {cfg.block_m}")
+    if cfg.block_m < 8 and not cfg.sync_mma:
+        raise ValueError(f"block_m {cfg.block_m} takes sync_mma (wgmma's smallest useful N is 16)")
     if cfg.block_k not in (128, 256):
         raise ValueError(f"block_k must be 128 or 256, got {cfg.block_k}")
     if cfg.block_n not in (64, 128, 256) or cfg.consumers not in (1, 2, 4) or (cfg.block_n // TILE_N) % cfg.consumers:
@@ -313,7 +317,7 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
             one is also correct; a larger one drops rows).
         y: ``[M, N]`` in x's dtype (or float32), unit stride along N, holding the base product; the
             sign term is added in float32 and the sum rounded once to y's dtype.
-        block_m: rows per block, 8 (``mma.sync``), 16, 32 or 64 (wgmma); the product's N is twice that.
+        block_m: rows per block, 4 or 8 (``mma.sync``), 16, 32 or 64 (wgmma); the product's N is twice that.
         planes: :func:`sorted_planes` of x for ``groups``' order and key (``bits=False``), when the
             caller has them (several launches over the same rows); computed here otherwise. Not
             taken by a ``bitacc`` configuration, which reads planes in its own order.

@@ -40,9 +40,11 @@ from deltafleet.kernels.triton_bitdelta import _interpret
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
 # On Hopper, a batch of more than SHORT_MAX_ROWS rows cuts each variant's run into whole blocks of
 # LONG_M rows first (grouped_long_m: wgmma blocks, a prompt chunk's sign tiles expanded once per 64
-# rows); the rest goes in blocks of 8 (mma.sync) up to BLOCK8_MAX_ROWS rows, of 16 beyond, where a
+# rows); the rest goes in blocks of 4 (mma.sync n8) up to BLOCK4_MAX_ROWS rows, where most
+# variants hold one or two rows, of 8 (mma.sync n16) up to BLOCK8_MAX_ROWS, of 16 beyond, where a
 # decode batch's runs are longer (grouped_block_m; docs/kernels.md, "Grouped mixed batches")
 SHORT_MAX_ROWS = 64
+BLOCK4_MAX_ROWS = 32
 BLOCK8_MAX_ROWS = 128
 LONG_M = 64
 
@@ -99,13 +101,19 @@ def _hopper(device: torch.device | str) -> bool:
 
 
 def grouped_block_m(m: int, device: torch.device | str, prefill: bool = False) -> int:
-    """The ``block_m`` to group an M-row batch on ``device`` with: 8 on a Hopper GPU with Gluon for
-    up to :data:`BLOCK8_MAX_ROWS` rows, or at any M for a step with prompt chunks (``prefill``: what
-    is left after the long blocks is mostly decode rows, one or two per variant) (``gluon_grouped``'s
-    ``mma.sync`` configurations, which waste fewer tensor-core rows on a variant's short run; a run's
-    long stretch goes in blocks of :func:`grouped_long_m` rows), else :data:`BLOCK_M`. Host-side, from
-    M and the device only, so a CUDA graph's grouping is fixed at capture."""
-    return 8 if (prefill or m <= BLOCK8_MAX_ROWS) and _hopper(device) else BLOCK_M
+    """The ``block_m`` to group an M-row batch on ``device`` with. On a Hopper GPU with Gluon
+    (``gluon_grouped``'s ``mma.sync`` configurations, which waste fewer tensor-core rows on a
+    variant's short run; a run's long stretch goes in blocks of :func:`grouped_long_m` rows): 4 for a
+    decode batch of up to :data:`BLOCK4_MAX_ROWS` rows (one or two per variant: half the products of
+    blocks of 8), 8 up to :data:`BLOCK8_MAX_ROWS` rows, or at any M for a step with prompt chunks
+    (``prefill``: what is left after the long blocks is decode rows and a prompt's rest of up to 63
+    rows); else :data:`BLOCK_M`. Host-side, from M and the device only, so a CUDA graph's grouping is
+    fixed at capture."""
+    if not _hopper(device):
+        return BLOCK_M
+    if prefill:
+        return 8
+    return 4 if m <= BLOCK4_MAX_ROWS else 8 if m <= BLOCK8_MAX_ROWS else BLOCK_M
 
 
 def grouped_long_m(m: int, device: torch.device | str) -> int | None:
@@ -257,7 +265,7 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
     tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
     ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
-    of a step); its ``block_m`` (8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
+    of a step); its ``block_m`` (4, 8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
     program multiplies. ``betas`` (float32 ``[S, K]``, granularity rowcol): the sign products read
     ``x ⊙ β_slot``, rounded to ``x.dtype`` (one elementwise product; the kernels are unchanged)."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)

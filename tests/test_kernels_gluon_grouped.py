@@ -246,17 +246,21 @@ def test_grouped_planes_match_reference(block_m, m, pattern, tenants, n, k, row_
 
 
 @pytest.mark.gpu
-def test_hopper_groups_short_runs_by_8_and_long_ones_by_64():
-    """A decode step groups blocks of 8 for the mma.sync configurations (``CONFIGS[8]``) up to 128
-    rows, of 16 beyond, and above 64 rows each run's whole blocks of 64 first (wgmma, ``CONFIGS[64]``)."""
+def test_hopper_groups_short_runs_by_4_or_8_and_long_ones_by_64():
+    """A decode step groups blocks of 4 for the mma.sync configurations (``CONFIGS[4]``) up to 32 rows,
+    of 8 (``CONFIGS[8]``) up to 128, of 16 beyond, and above 64 rows each run's whole blocks of 64
+    first (wgmma, ``CONFIGS[64]``); a step with prompt chunks, blocks of 8 at any size."""
     _hopper()
-    from deltafleet.kernels.triton_grouped import BLOCK8_MAX_ROWS, SHORT_MAX_ROWS, grouped_block_m, grouped_long_m
+    from deltafleet.kernels.triton_grouped import (BLOCK4_MAX_ROWS, BLOCK8_MAX_ROWS, SHORT_MAX_ROWS, grouped_block_m,
+                                                   grouped_long_m)
 
-    rows = (1, SHORT_MAX_ROWS, SHORT_MAX_ROWS + 1, BLOCK8_MAX_ROWS, BLOCK8_MAX_ROWS + 1)
-    assert [grouped_block_m(m, "cuda") for m in rows] == [8, 8, 8, 8, 16]
-    assert [grouped_long_m(m, "cuda") for m in rows] == [None, None, 64, 64, 64]
-    assert [grouped_block_m(m, "cuda", prefill=True) for m in rows] == [8] * 5  # a step with prompt chunks
-    assert all(cfg.sync_mma for cfg in gg.CONFIGS[8]) and not any(cfg.sync_mma for cfg in gg.CONFIGS[64])
+    rows = (1, BLOCK4_MAX_ROWS, BLOCK4_MAX_ROWS + 1, SHORT_MAX_ROWS, SHORT_MAX_ROWS + 1, BLOCK8_MAX_ROWS,
+            BLOCK8_MAX_ROWS + 1)
+    assert [grouped_block_m(m, "cuda") for m in rows] == [4, 4, 8, 8, 8, 8, 16]
+    assert [grouped_long_m(m, "cuda") for m in rows] == [None, None, None, None, 64, 64, 64]
+    assert [grouped_block_m(m, "cuda", prefill=True) for m in rows] == [8] * 7  # a step with prompt chunks
+    assert all(cfg.sync_mma for b in (4, 8) for cfg in gg.CONFIGS[b])
+    assert not any(cfg.sync_mma for cfg in gg.CONFIGS[64])
     slot = torch.cat([torch.full((150,), 1), torch.arange(40) % 3 - 1]).int().cuda()
     g = group_rows(slot, 2)  # the engine's default grouping for 190 rows
     assert g.block_m == 16 and g.long.block_m == 64 and int((g.long.first < 190).sum()) == 2

@@ -72,10 +72,10 @@ def test_grouped_matches_reference(dtype, m, n, k, tenants, slots, tiled, row_al
         assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
-@pytest.mark.parametrize("block_m, long_m", [(8, None), (32, None), (64, None), (16, 32), (16, 64)])
+@pytest.mark.parametrize("block_m, long_m", [(4, None), (8, None), (32, None), (64, None), (16, 32), (16, 64)])
 def test_groups_of_other_blocks_multiply_every_row(block_m, long_m):
-    """Rows grouped in blocks of ``block_m`` (32 or 64: a step of a long prompt; 8: a Hopper decode
-    step, which the Triton kernel multiplies as blocks of 16 with half their rows dead), or with the
+    """Rows grouped in blocks of ``block_m`` (32 or 64: a step of a long prompt; 4 or 8: a Hopper decode
+    step, which the Triton kernel multiplies as blocks of 16 with most of their rows dead), or with the
     run's whole ``long_m`` blocks first (two launches): one variant's run of 150 rows beside Zipf
     rows; none is dropped or counted twice, and each row has its own variant."""
     g = torch.Generator().manual_seed(block_m + (long_m or 0))
