@@ -106,6 +106,21 @@ class Unit:
 # ----------------------------------------------------------------------------- helpers
 
 
+def split_file(data_dir: str | Path, domain: str, split: str) -> Path:
+    """``<data_dir>/<domain>/<split>.jsonl``, which ``make data`` writes.
+
+    Raises:
+        ValueError: if ``split`` is not one of :data:`SPLITS`.
+        FileNotFoundError: if the file is missing (the message says to run ``make data``).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = Path(data_dir) / domain / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `make data` first (domain {domain!r})")
+    return path
+
+
 def stable_key(*parts: object) -> int:
     """64-bit integer from sha256 of ``parts`` joined by ``:``; stable across runs and machines."""
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode("utf-8")).digest()

@@ -14,22 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-SPLITS = ("train", "val", "test")
-
-
-def split_file(data_dir: str | Path, domain: str, split: str) -> Path:
-    """``<data_dir>/<domain>/<split>.jsonl``, which ``make data`` writes.
-
-    Raises:
-        ValueError: if ``split`` is not one of :data:`SPLITS`.
-        FileNotFoundError: if the file is missing (the message says to run ``make data``).
-    """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    path = Path(data_dir) / domain / f"{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `make data` first (domain {domain!r})")
-    return path
+from deltafleet.train.data import SPLITS, split_file  # noqa: F401 (re-exported: the data module's files)
 
 
 def load_blocks(

@@ -65,7 +65,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import write_bytes, write_text
 from deltafleet.cli import build_hint
-from deltafleet.train.datamodule import load_blocks
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ["setting", "bits/param", "loss", "ppl", "task metric", "KL(ft‖·)", "gain recovered (loss)",
@@ -313,6 +312,8 @@ def load_bitdelta(base_dir: str | Path, artifact_dir: str | Path, base_fingerpri
 
 def calibration_blocks(cfg: DictConfig, domain: str, tokenizer) -> torch.Tensor:
     """A seeded random subset (``distill.max_calibration_blocks``) of the domain's train blocks."""
+    from deltafleet.train.datamodule import load_blocks  # datasets and Lightning: imported once work starts
+
     blocks = load_blocks(cfg.paths.data_dir, domain, "train", tokenizer, cfg.seq_len)
     cap = cfg.distill.max_calibration_blocks
     if cap is not None and blocks.shape[0] > cap:
@@ -407,6 +408,8 @@ def check_settings(cfg: DictConfig) -> None:
 def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint: str, work: Path, run_id: str,
                      device) -> dict:
     """Build and evaluate every setting of one variant; returns its section of the report."""
+    from deltafleet.train.datamodule import load_blocks
+
     domain = variant_domain(variant)
     ft_dir = finetuned_dir(cfg, variant)  # present: run() checked every variant's before any work
     t_start = time.perf_counter()

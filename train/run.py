@@ -29,16 +29,15 @@ import time
 from pathlib import Path
 
 import hydra
-import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import staged_dir, write_text
 from deltafleet.cli import build_hint, fit, interruptible, stop_on_sigterm, user_errors
-from deltafleet.train.datamodule import SPLITS, TextDataModule, split_file
-from deltafleet.train.distributed import ConsolidateOnTrainEnd
-from deltafleet.train.module import CausalLMModule, heldout_loss
+# Lightning, datasets and the training modules are imported where a run starts, after check_config:
+# a bad setting is refused in seconds, not after the ten it takes to import them.
+from deltafleet.train.data import SPLITS, split_file
 
 
 def build_model(cfg: DictConfig, tokenizer):
@@ -185,6 +184,12 @@ def train(cfg: DictConfig) -> dict:
     Every rank runs the fit; only rank 0 evaluates, writes and exports afterwards (the others
     return an empty dict).
     """
+    import lightning as L
+
+    from deltafleet.train.datamodule import TextDataModule
+    from deltafleet.train.distributed import ConsolidateOnTrainEnd
+    from deltafleet.train.module import CausalLMModule, heldout_loss
+
     L.seed_everything(cfg.seed, workers=True)
     variant, domain = cfg.variant.name, cfg.variant.domain
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.paths.output_dir)
@@ -260,6 +265,8 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     """Rank 0 after fit: held-out losses, the HF checkpoint, and for a variant the BitDelta export."""
     from transformers import AutoModelForCausalLM
 
+    from deltafleet.train.module import heldout_loss
+
     variant, domain = cfg.variant.name, cfg.variant.domain
     model = model.float().to(device).eval()
     out: dict = {}
@@ -303,6 +310,7 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     from transformers import AutoModelForCausalLM
 
     from deltafleet.compress.bitdelta import compress, load_artifact, materialize
+    from deltafleet.train.module import heldout_loss
 
     out = Path(cfg.export.out_dir)
     manifest = compress(cfg.base_dir, cfg.out_dir, out, variant=cfg.variant.name,
