@@ -86,7 +86,8 @@ def test_triton_single_variant_reads_tiled_signs(dtype, m, n, k, row_alpha):
 
 
 @pytest.mark.parametrize("impl", ["fma", "lut"])
-@pytest.mark.parametrize("m, n, k", [(5, 70, 200), (18, 24, 1000)])
+# the second: two row blocks of 16, K past one 512-weight chunk of the interpreter's tiles, ragged
+@pytest.mark.parametrize("m, n, k", [(5, 70, 200), (18, 24, 520)])
 def test_triton_mixed_tenants_read_tiled_signs(impl, m, n, k):
     from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
