@@ -116,6 +116,21 @@ def grouped_block_m(m: int, device: torch.device | str, prefill: bool = False) -
     return 4 if m <= BLOCK4_MAX_ROWS else 8 if m <= BLOCK8_MAX_ROWS else BLOCK_M
 
 
+def decode_block_m(slots: list[int], n_slots: int, device: torch.device | str) -> int:
+    """The ``block_m`` for a decode batch whose variant slots the host knows (``slots``, one per row;
+    outside ``[0, n_slots)``: the base): on a Hopper GPU with Gluon, the smallest of 4, 8, 16 and 32
+    rows that holds the mean run of the variants present (rows of a variant ÷ variants; 32 for longer
+    runs, whose whole blocks of :func:`grouped_long_m` rows come first above 64 rows), so that a
+    typical run is one block: a short block expands a variant's sign tiles once per few rows, a long
+    one multiplies many padding rows (docs/kernels.md, "Block size from the batch"). Elsewhere, and
+    for a batch without variant rows, :func:`grouped_block_m` of the row count."""
+    present = [v for v in slots if 0 <= v < n_slots]
+    if not present or not _hopper(device):
+        return grouped_block_m(len(slots), device)
+    run = len(present) / len(set(present))
+    return next((b for b in (4, 8, 16) if run <= b), 32)
+
+
 def grouped_long_m(m: int, device: torch.device | str) -> int | None:
     """The ``long_m`` to group an M-row batch on ``device`` with (:func:`group_rows`): :data:`LONG_M`
     on a Hopper GPU with Gluon when M exceeds :data:`SHORT_MAX_ROWS` (a prompt chunk, or a popular

@@ -238,11 +238,13 @@ class BatchDeltas:
     each variant's signs over its own rows); the grouping depends on the slots only, so it is
     computed on the device once per batch, at the first layer, and reused by every other."""
 
-    def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None):
+    def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None,
+                 block_m: int | None = None):
         self.table = table
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
         self.runs = runs
+        self.block_m = block_m  # grouped rows' block size (None: grouped_block_m of the row count)
         self._groups = None
 
     @staticmethod
@@ -259,9 +261,11 @@ class BatchDeltas:
         """``group_rows`` of ``slots``, made at the first layer and reused by the others."""
         key = (slots.data_ptr(), slots.shape[0])
         if self._groups is None or self._groups[0] != key:
-            from deltafleet.kernels.triton_grouped import group_rows
+            from deltafleet.kernels.triton_grouped import group_rows, grouped_long_m
 
-            self._groups = (key, group_rows(slots, self.table.n_slots))
+            bm = self.block_m
+            long_m = None if bm is None else grouped_long_m(slots.shape[0], slots.device)
+            self._groups = (key, group_rows(slots, self.table.n_slots, bm, long_m))
         return self._groups[1]
 
     def _batched(self, x2: Tensor, weight: Tensor, name: str, slots: Tensor) -> Tensor:

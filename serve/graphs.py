@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from deltafleet.serve.attention import PagedLayer, fill_tables
-from deltafleet.serve.batch import BatchDeltas
+from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas
 
 
 def kernel_workspace(dev):
@@ -91,7 +91,8 @@ class DecodeGraphs:
         self._host = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(self.max_batch, runner.max_blocks, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor, object]] = {}
+        # (bucket, any variant, block size of the grouped rows or None) → graph, output, workspace
+        self.graphs: dict[tuple[int, bool, int | None], tuple[torch.cuda.CUDAGraph, Tensor, object]] = {}
         self.pool = None  # one memory pool for every bucket's graph: they never run at once
         self.replays = 0
 
@@ -126,16 +127,33 @@ class DecodeGraphs:
             self._copied.record()
         return b
 
-    def forward_padded(self, bucket: int, with_deltas: bool) -> Tensor:
+    def forward_padded(self, bucket: int, with_deltas: bool, block_m: int | None = None) -> Tensor:
         """The eager step on the static inputs of ``bucket`` rows (what a graph records): logits
         ``[bucket, vocab]`` in the model's dtype; the rows past the real batch are padding.
-        ``with_deltas=False`` runs every row on the base (the static variant slots are not read)."""
+        ``with_deltas=False`` runs every row on the base (the static variant slots are not read);
+        ``block_m``: the grouped rows' block size (:meth:`block_m`; None: the row count's default)."""
         r = self.runner
         tokens, positions, kv_slots, variants = self.static[:, :bucket]
         num_blocks = (positions // r.block_size + 1).to(torch.int32)
         step = r.paged_step(kv_slots, bucket, self.tables[:bucket], num_blocks, positions, [])
-        delta = BatchDeltas(r.slots, variants) if with_deltas else None
+        delta = BatchDeltas(r.slots, variants, block_m=block_m) if with_deltas else None
         return r.model.forward_paged(tokens, positions, step, delta)
+
+    def block_m(self, bucket: int, variants: list[int]) -> int | None:
+        """The block size a bucket's grouped rows take for these rows' variants (host side:
+        ``triton_grouped.decode_block_m``), or None where the rows are not grouped (fewer than
+        ``GROUPED_MIN_ROWS`` rows, or not on a GPU)."""
+        if bucket < GROUPED_MIN_ROWS or self.runner.device.type != "cuda":
+            return None
+        from deltafleet.kernels.triton_grouped import decode_block_m
+
+        return decode_block_m(variants, self.runner.slots.n_slots, self.runner.device)
+
+    def block_sizes(self, bucket: int) -> list[int | None]:
+        """Every :meth:`block_m` a bucket's batches with variant rows can take (what
+        :meth:`capture_all` captures): one block size per mean run of 1 to ``bucket`` rows."""
+        return sorted({self.block_m(bucket, [0] * run) for run in (1, 5, 9, 17) if run <= bucket},
+                      key=lambda b: b or 0)
 
     def capture_all(self) -> int:
         """Capture every bucket's graph now, base-only and (where :meth:`capturable`) with variants,
@@ -146,12 +164,13 @@ class DecodeGraphs:
         n = 0
         for b in self.buckets:
             for with_deltas in kinds:
-                if (b, with_deltas) in self.graphs:
-                    continue
-                self.static[:, :b].copy_(torch.tensor([[self.pad_token], [0], [scratch], [-1]]))
-                self.tables[:b].fill_(self.runner.cache.scratch_block)
-                self.graphs[b, with_deltas] = self._capture(b, with_deltas)
-                n += 1
+                for bm in self.block_sizes(b) if with_deltas else [None]:
+                    if (b, with_deltas, bm) in self.graphs:
+                        continue
+                    self.static[:, :b].copy_(torch.tensor([[self.pad_token], [0], [scratch], [-1]]))
+                    self.tables[:b].fill_(self.runner.cache.scratch_block)
+                    self.graphs[b, with_deltas, bm] = self._capture(b, with_deltas, bm)
+                    n += 1
         return n
 
     def capturable(self, with_deltas: bool) -> bool:
@@ -181,27 +200,28 @@ class DecodeGraphs:
         if not self.capturable(with_deltas):
             raise RuntimeError("this decode step cannot be captured as a CUDA graph (see DecodeGraphs.capturable)")
         b = self.pad(step)
-        key = (b, with_deltas)
+        key = (b, with_deltas, self.block_m(b, step.variants) if with_deltas else None)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(b, with_deltas)
+            self.graphs[key] = self._capture(*key)
         graph, out, _ = self.graphs[key]
         graph.replay()
         self.replays += 1
         return out[:step.n_decode]
 
-    def _capture(self, bucket: int, with_deltas: bool) -> tuple[torch.cuda.CUDAGraph, Tensor, object]:
+    def _capture(self, bucket: int, with_deltas: bool, block_m: int | None = None
+                 ) -> tuple[torch.cuda.CUDAGraph, Tensor, object]:
         dev = self.runner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # compile, autotune, allocate the split-K workspace: not during capture
-                self.forward_padded(bucket, with_deltas)
+                self.forward_padded(bucket, with_deltas, block_m)
         torch.cuda.current_stream(dev).wait_stream(side)
         workspace = kernel_workspace(dev)
         graph = torch.cuda.CUDAGraph()
         # thread_local: request threads may copy a variant into its slot meanwhile (other memory)
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.forward_padded(bucket, with_deltas)
+            out = self.forward_padded(bucket, with_deltas, block_m)
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out, workspace

@@ -264,3 +264,28 @@ def test_stacked_matrices_contract_errors():
         bitdelta_linears_grouped(x, w, [8, 4], signs[::-1], alphas, slot)
     with pytest.raises(ValueError, match="x and weight must share a floating dtype"):
         bitdelta_linears_grouped(x, w.half(), [8, 4], signs, alphas, slot)
+
+
+def test_a_decode_batch_takes_the_block_that_holds_its_mean_run(monkeypatch):
+    """``decode_block_m``: on Hopper the smallest of 4, 8, 16, 32 rows at least the mean rows per
+    variant present (base rows and slots past S not counted), 32 beyond; a batch without variant rows,
+    or off Hopper, takes ``grouped_block_m`` of its row count. ``DecodeGraphs.block_sizes`` lists
+    what a bucket's batches can take (what a server captures before it serves)."""
+    from types import SimpleNamespace
+
+    from deltafleet.kernels import triton_grouped
+    from deltafleet.kernels.triton_grouped import decode_block_m
+    from deltafleet.serve.graphs import DecodeGraphs
+
+    spread = lambda rows, each: [v % (rows // each) for v in range(rows)]  # noqa: E731  (each variant `each` rows)
+    assert decode_block_m(spread(16, 1), 14, "cpu") == BLOCK_M  # off Hopper: the row count's default
+    monkeypatch.setattr(triton_grouped, "_hopper", lambda device: True)
+    cases = {(16, 1): 4, (16, 4): 4, (60, 5): 8, (64, 8): 8, (63, 9): 16, (64, 16): 16, (68, 17): 32, (256, 64): 32}
+    for (rows, each), bm in cases.items():
+        assert decode_block_m(spread(rows, each), 14, "cuda") == bm, (rows, each)
+    # base rows and slots past S do not count; the mean over unequal runs: (10 + 1 + 1) / 3 = 4
+    assert decode_block_m([-1] * 30 + [0] * 10 + [1, 2] + [14, 99], 14, "cuda") == 4
+    assert decode_block_m([-1] * 20, 14, "cuda") == grouped_block_m(20, "cuda") == 4
+    graphs = object.__new__(DecodeGraphs)
+    graphs.runner = SimpleNamespace(device=torch.device("cuda"), slots=SimpleNamespace(n_slots=14))
+    assert [graphs.block_sizes(b) for b in (8, 16, 32, 256)] == [[None], [4, 8, 16], [4, 8, 16, 32], [4, 8, 16, 32]]

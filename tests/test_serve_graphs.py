@@ -140,6 +140,63 @@ def test_graph_replay_matches_the_eager_step(family):
         assert not a[:, :, n_blocks * bs:].any(), "the eager step wrote the scratch block"
 
 
+def test_grouped_decode_graphs_take_each_batchs_block_size(family):
+    """Decode batches of 12 rows (a bucket of 16: grouped by variant) by graph replay, once spread
+    over the base and three variants (runs of 2 to 4 rows: blocks of 4 on Hopper) and once all on one
+    variant (a run of 12: blocks of 16): each replay takes the graph of its block size
+    (``DecodeGraphs.block_m``) and agrees with the eager gathered-SDPA step within the module's
+    bound."""
+    from deltafleet.kernels.triton_grouped import decode_block_m
+    from deltafleet.serve.runner import ModelRunner, StepInput
+
+    model, slots, views = _loaded(family)
+    bs, n_blocks, rows = 128, 32, 12
+    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention="sdpa")
+    flex = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention="flex")
+    gen = torch.Generator().manual_seed(3)
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    tables: dict[int, list[int]] = {}
+    vocab = model.args.vocab_size
+    step, ids = StepInput(), []
+    for i in range(rows):  # one prefill step of twelve 40-token prompts on the base
+        prompt = torch.randint(1, vocab, (40,), generator=gen).tolist()
+        first = len(step.tokens)
+        step.tokens += prompt
+        step.positions += range(40)
+        step.kv_slots += _slots_of(tables, i, 0, 40, bs, free)
+        step.variants += [-1] * 40
+        step.chunks.append((first, 40, 0, list(tables[i])))
+        step.sample.append(len(step.tokens) - 1)
+        ids.append(prompt)
+    spread = [-1, -1] + [views[VARIANTS[i % 3]].slot for i in range(rows - 2)]
+    one = [views["writer"].slot] * rows
+    with torch.inference_mode():
+        tokens = eager.forward(step).argmax(-1).tolist()
+        flex.forward(step)
+        for prompt, t in zip(ids, tokens):
+            prompt.append(t)
+        for variants in (spread, one):
+            step = StepInput(n_decode=rows)
+            for i, (prompt, v) in enumerate(zip(ids, variants)):
+                p = len(prompt) - 1
+                step.tokens.append(prompt[-1])
+                step.positions.append(p)
+                step.kv_slots += _slots_of(tables, i, p, p + 1, bs, free)
+                step.variants.append(v)
+                step.tables.append(list(tables[i]))
+            step.sample = list(range(rows))
+            want = eager.forward(step)
+            got = flex.graphs.run(step, True).clone()
+            err, bound = _within(got, want)
+            assert err <= bound, f"variants {variants}: max |graph − eager| {err:.3g} > {bound:.3g}"
+            for prompt, t in zip(ids, want.argmax(-1).tolist()):
+                prompt.append(t)
+    keys = sorted(k for k in flex.graphs.graphs if k[1])
+    assert keys == sorted({(16, True, decode_block_m(v, slots.n_slots, "cuda")) for v in (spread, one)})
+    if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the two batches take different blocks
+        assert [k[2] for k in keys] == [4, 16]
+
+
 def test_engine_decodes_every_step_by_graph_replay(family):
     """The engine end to end, ``Engine(..., cuda_graphs=True, prefill_graphs=True,
     capture_at_start=True)`` and ``cuda_graphs=False``: five greedy requests (the base and the three
@@ -164,7 +221,7 @@ def test_engine_decodes_every_step_by_graph_replay(family):
         if graphs_on:
             runner = engine.scheduler.runner
             captured = (sorted(runner.graphs.graphs), sorted(runner.piecewise.graphs))
-            assert captured == (sorted((b, v) for b in buckets(8) for v in (False, True)),
+            assert captured == (sorted((b, v, None) for b in buckets(8) for v in (False, True)),
                                 sorted((b, v) for b in token_buckets(256) for v in (False, True)))
         results = [None] * len(jobs)
 

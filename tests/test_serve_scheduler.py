@@ -131,16 +131,16 @@ class _EagerGraph:
     """A stand-in for a captured CUDA graph on the CPU: "replay" runs the padded step eagerly into
     the output tensor, as the real graph writes into its captured output."""
 
-    def __init__(self, graphs, bucket: int, with_deltas: bool):
-        self.step = lambda: graphs.forward_padded(bucket, with_deltas)
+    def __init__(self, graphs, bucket: int, with_deltas: bool, block_m: int | None):
+        self.step = lambda: graphs.forward_padded(bucket, with_deltas, block_m)
         self.out = self.step()
 
     def replay(self) -> None:
         self.out.copy_(self.step())
 
     @classmethod
-    def capture(cls, graphs, bucket: int, with_deltas: bool):
-        graph = cls(graphs, bucket, with_deltas)
+    def capture(cls, graphs, bucket: int, with_deltas: bool, block_m: int | None = None):
+        graph = cls(graphs, bucket, with_deltas, block_m)
         return graph, graph.out, None
 
 
@@ -155,13 +155,14 @@ def test_the_scheduler_graph_path_matches_running_alone(tiny_family, alone, monk
     with engine._gen_lock:  # the scheduler thread is idle: give its runner graphs
         sch.runner.graphs = DecodeGraphs(sch.runner)
         monkeypatch.setattr(sch.graphs, "capturable", lambda with_deltas: True)
-        monkeypatch.setattr(sch.graphs, "_capture", lambda b, d: _EagerGraph.capture(sch.graphs, b, d))
+        monkeypatch.setattr(sch.graphs, "_capture", lambda b, d, bm: _EagerGraph.capture(sch.graphs, b, d, bm))
     jobs = [(m, SamplingParams(max_tokens=10, temperature=0)) for m in PROMPTS] + \
         [(m, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5)) for m in PROMPTS]
     got = complete_together(engine, [(m, PROMPTS[m], p) for m, p in jobs])
     for (m, p), ids in zip(jobs, got):
         assert ids == alone[(m, "greedy" if p.temperature == 0 else "seeded")], m
-    assert sch.max_rows_seen == 6 and (8, True) in sch.graphs.graphs  # 6 rows ran in the bucket of 8
+    # 6 rows ran in the bucket of 8 (no block size: rows are grouped from 9 on, and on a GPU only)
+    assert sch.max_rows_seen == 6 and (8, True, None) in sch.graphs.graphs
     prefill_steps = sch.steps - sch.graphs.replays
     assert sch.graphs.replays >= 9 and 1 <= prefill_steps <= 3  # every decode-only step went through the graph path
     scratch = sch.runner.cache.scratch_block * sch.runner.block_size
@@ -175,8 +176,8 @@ def test_a_failed_capture_falls_back_to_eager_decoding(tiny_family, alone, monke
     sch = engine.scheduler
     calls = []
 
-    def fail(bucket, with_deltas):
-        calls.append((bucket, with_deltas))
+    def fail(bucket, with_deltas, block_m):
+        calls.append((bucket, with_deltas, block_m))
         raise RuntimeError("operation not permitted when stream is capturing")
 
     with engine._gen_lock:
@@ -185,7 +186,7 @@ def test_a_failed_capture_falls_back_to_eager_decoding(tiny_family, alone, monke
         monkeypatch.setattr(sch.graphs, "_capture", fail)
     got = engine.complete("tiny-coder", PROMPTS["tiny-coder"], SamplingParams(max_tokens=10, temperature=0))
     assert got.token_ids == alone[("tiny-coder", "greedy")]  # the failed step too, eagerly
-    assert calls == [(1, True)] and sch.graphs is None  # tried once, then graphs are off
+    assert calls == [(1, True, None)] and sch.graphs is None  # tried once, then graphs are off
 
 
 def test_text_is_made_off_the_model_thread_and_a_stop_string_ends_the_sequence(tiny_family, monkeypatch):
