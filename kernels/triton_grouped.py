@@ -116,19 +116,30 @@ def grouped_block_m(m: int, device: torch.device | str, prefill: bool = False) -
     return 4 if m <= BLOCK4_MAX_ROWS else 8 if m <= BLOCK8_MAX_ROWS else BLOCK_M
 
 
-def decode_block_m(slots: list[int], n_slots: int, device: torch.device | str) -> int:
+# Time of one block of a decode batch's grouped rows relative to a block of 4, by block size, on an
+# H200 (the sweeps of docs/kernels.md, "Block size from the batch"): what decode_block_m weighs by.
+BLOCK_COST = {4: 1.0, 8: 1.21, 16: 1.84, 32: 2.94}
+
+
+def decode_block_m(slots: list[int], n_slots: int, device: torch.device | str, rows: int | None = None) -> int:
     """The ``block_m`` for a decode batch whose variant slots the host knows (``slots``, one per row;
-    outside ``[0, n_slots)``: the base): on a Hopper GPU with Gluon, the smallest of 4, 8, 16 and 32
-    rows that holds the mean run of the variants present (rows of a variant ÷ variants; 32 for longer
-    runs, whose whole blocks of :func:`grouped_long_m` rows come first above 64 rows), so that a
-    typical run is one block: a short block expands a variant's sign tiles once per few rows, a long
-    one multiplies many padding rows (docs/kernels.md, "Block size from the batch"). Elsewhere, and
-    for a batch without variant rows, :func:`grouped_block_m` of the row count."""
-    present = [v for v in slots if 0 <= v < n_slots]
-    if not present or not _hopper(device):
-        return grouped_block_m(len(slots), device)
-    run = len(present) / len(set(present))
-    return next((b for b in (4, 8, 16) if run <= b), 32)
+    outside ``[0, n_slots)``: the base) and that runs as ``rows`` rows (its padded size; default
+    ``len(slots)``). On a Hopper GPU with Gluon, the size of :data:`BLOCK_COST` whose blocks cost the
+    least: ``Σ ceil(r_t / b) · BLOCK_COST[b]`` over the variants present, ``r_t`` a variant's rows
+    past its whole blocks of :func:`grouped_long_m` rows (which go first), ties to the smaller. A
+    short block expands a variant's sign tiles once per few rows, a long one multiplies padding rows;
+    the row count alone cannot tell them apart (docs/kernels.md). Elsewhere, and for a batch without
+    variant rows, :func:`grouped_block_m` of ``rows``."""
+    rows = len(slots) if rows is None else rows
+    counts: dict[int, int] = {}
+    for v in slots:
+        if 0 <= v < n_slots:
+            counts[v] = counts.get(v, 0) + 1
+    if not counts or not _hopper(device):
+        return grouped_block_m(rows, device)
+    long_m = grouped_long_m(rows, device)
+    rest = [r % long_m if long_m else r for r in counts.values()]
+    return min(BLOCK_COST, key=lambda b: (sum(-(-r // b) for r in rest) * BLOCK_COST[b], b))
 
 
 def grouped_long_m(m: int, device: torch.device | str) -> int | None:

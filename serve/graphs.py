@@ -147,11 +147,12 @@ class DecodeGraphs:
             return None
         from deltafleet.kernels.triton_grouped import decode_block_m
 
-        return decode_block_m(variants, self.runner.slots.n_slots, self.runner.device)
+        return decode_block_m(variants, self.runner.slots.n_slots, self.runner.device, bucket)
 
     def block_sizes(self, bucket: int) -> list[int | None]:
         """Every :meth:`block_m` a bucket's batches with variant rows can take (what
-        :meth:`capture_all` captures): one block size per mean run of 1 to ``bucket`` rows."""
+        :meth:`capture_all` captures): those of one variant's run of 1, 5, 9 and 17 rows (as many as
+        fit the bucket), which reach each block size there is."""
         return sorted({self.block_m(bucket, [0] * run) for run in (1, 5, 9, 17) if run <= bucket},
                       key=lambda b: b or 0)
 

@@ -266,11 +266,12 @@ def test_stacked_matrices_contract_errors():
         bitdelta_linears_grouped(x, w.half(), [8, 4], signs, alphas, slot)
 
 
-def test_a_decode_batch_takes_the_block_that_holds_its_mean_run(monkeypatch):
-    """``decode_block_m``: on Hopper the smallest of 4, 8, 16, 32 rows at least the mean rows per
-    variant present (base rows and slots past S not counted), 32 beyond; a batch without variant rows,
-    or off Hopper, takes ``grouped_block_m`` of its row count. ``DecodeGraphs.block_sizes`` lists
-    what a bucket's batches can take (what a server captures before it serves)."""
+def test_a_decode_batch_takes_the_cheapest_block_for_its_runs(monkeypatch):
+    """``decode_block_m``: on Hopper the block size of ``BLOCK_COST`` whose blocks cost least over the
+    variants' runs (base rows and slots past S not counted; above 64 rows only a run's rest past its
+    whole blocks of 64); a batch without variant rows, or off Hopper, takes ``grouped_block_m`` of its
+    row count. ``DecodeGraphs.block_sizes`` lists what a bucket's batches can take (what a server
+    captures before it serves)."""
     from types import SimpleNamespace
 
     from deltafleet.kernels import triton_grouped
@@ -280,11 +281,18 @@ def test_a_decode_batch_takes_the_block_that_holds_its_mean_run(monkeypatch):
     spread = lambda rows, each: [v % (rows // each) for v in range(rows)]  # noqa: E731  (each variant `each` rows)
     assert decode_block_m(spread(16, 1), 14, "cpu") == BLOCK_M  # off Hopper: the row count's default
     monkeypatch.setattr(triton_grouped, "_hopper", lambda device: True)
-    cases = {(16, 1): 4, (16, 4): 4, (60, 5): 8, (64, 8): 8, (63, 9): 16, (64, 16): 16, (68, 17): 32, (256, 64): 32}
+    # runs of 1 or 4: blocks of 4; 5 or 8: 8; 9 or 16: 16; 17 (past 64 rows: no whole long block): 32;
+    # 18 in 252 rows (14 variants evenly, as the engine-step benchmark): 32
+    cases = {(16, 1): 4, (16, 4): 4, (60, 5): 8, (64, 8): 8, (63, 9): 16, (64, 16): 16, (68, 17): 32, (252, 18): 32}
     for (rows, each), bm in cases.items():
         assert decode_block_m(spread(rows, each), 14, "cuda") == bm, (rows, each)
-    # base rows and slots past S do not count; the mean over unequal runs: (10 + 1 + 1) / 3 = 4
-    assert decode_block_m([-1] * 30 + [0] * 10 + [1, 2] + [14, 99], 14, "cuda") == 4
+    # runs 10, 1, 1 (base rows and slots 14, 99 not counted): 5 blocks of 4 (5.0) > 4 of 8 (4.84) < 3 of 16
+    assert decode_block_m([-1] * 30 + [0] * 10 + [1, 2] + [14, 99], 14, "cuda") == 8
+    # above 64 rows, runs of 128 and 64 rows are whole long blocks: nothing left to cut, the smallest block
+    assert decode_block_m([0] * 128 + [1] * 64 + [-1] * 64, 14, "cuda") == 4
+    # the padded row count decides whether long blocks come first: 64 rows alone, two blocks of 32;
+    # padded to 128, one long block
+    assert decode_block_m([1] * 64, 14, "cuda") == 32 and decode_block_m([1] * 64, 14, "cuda", rows=128) == 4
     assert decode_block_m([-1] * 20, 14, "cuda") == grouped_block_m(20, "cuda") == 4
     graphs = object.__new__(DecodeGraphs)
     graphs.runner = SimpleNamespace(device=torch.device("cuda"), slots=SimpleNamespace(n_slots=14))
