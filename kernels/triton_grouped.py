@@ -263,9 +263,9 @@ CONFIG = {"BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # per program, besid
 
 def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups,
                       y: torch.Tensor, block_n: int | None = None, **config) -> torch.Tensor:
-    """``y[m] += α_t ⊙ (x[m] · S_tᵀ)`` for every row of a variant, in place (``y`` ``[M, N]``
-    contiguous, in ``x.dtype``); returns ``y``. Trusts its inputs: :func:`bitdelta_linear_grouped`
-    checks them."""
+    """``y[m] += α_t ⊙ (x[m] · S_tᵀ)`` for every row of a variant, in place (``y`` ``[M, N]`` in
+    ``x.dtype`` with unit stride along N: a column block of a wider output too); returns ``y``.
+    Trusts its inputs: :func:`bitdelta_linear_grouped` checks them."""
     m, k = x.shape
     n = y.shape[1]
     if m == 0:

@@ -106,6 +106,10 @@ class DeltaSlots:
         self.tiled = {name for name, (_, _, tiled) in shapes.items() if tiled}  # held tiled
         self.rows_shape = {name: rows for name, (rows, _, _) in shapes.items()}  # [N, ceil(K/8)] as rows
         in_features = _in_features(model)
+        # Hopper's int8 kernel for grouped rows (kernels/gluon_grouped.py) reads tiled signs with K a
+        # multiple of 128; the small blocks of grouped_block_m / decode_block_m are for it. Else the
+        # Triton kernel runs, in 16-row tiles: blocks of 16 (BatchDeltas._groups_of).
+        self.small_blocks = sign_layout == "tiled" and all(in_features[n] % 128 == 0 for n in self.tiled)
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
             self.alphas[name] = torch.zeros(n_slots, n, dtype=torch.float32, device=dev)
@@ -244,7 +248,8 @@ class BatchDeltas:
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
         self.runs = runs
-        self.block_m = block_m  # grouped rows' block size (None: grouped_block_m of the row count)
+        # grouped rows' block size (None: grouped_block_m of the row count; 16 without small blocks)
+        self.block_m = block_m
         self._groups = None
 
     @staticmethod
@@ -261,9 +266,9 @@ class BatchDeltas:
         """``group_rows`` of ``slots``, made at the first layer and reused by the others."""
         key = (slots.data_ptr(), slots.shape[0])
         if self._groups is None or self._groups[0] != key:
-            from deltafleet.kernels.triton_grouped import group_rows, grouped_long_m
+            from deltafleet.kernels.triton_grouped import BLOCK_M, group_rows, grouped_long_m
 
-            bm = self.block_m
+            bm = self.block_m if self.table.small_blocks else BLOCK_M  # else the Triton kernel's tiles
             long_m = None if bm is None else grouped_long_m(slots.shape[0], slots.device)
             self._groups = (key, group_rows(slots, self.table.n_slots, bm, long_m))
         return self._groups[1]

@@ -7,7 +7,8 @@ graph has fixed shapes and fixed addresses, so:
 
 - the live batch of ``n`` decode rows is padded to a bucket ``B ≥ n`` (1, 2, 4, 8, … and
   ``max_batch``), one graph per bucket (and per "any variant in the batch": a batch of base rows
-  only runs the plain ``F.linear`` path, as the eager step does);
+  only runs the plain ``F.linear`` path, as the eager step does; and per block size of the grouped
+  rows, :meth:`DecodeGraphs.block_m`);
 - the step reads its inputs from static tensors (tokens, positions, cache slots, variant slots,
   block tables) that :meth:`DecodeGraphs.pad` overwrites in place before each replay; the attention
   metadata (FlexAttention's block mask) and ``BatchDeltas`` are built from them inside the captured
@@ -68,7 +69,8 @@ def bucket(n: int, max_batch: int) -> int:
 
 
 class DecodeGraphs:
-    """CUDA graphs of ``runner``'s decode-only steps, one per (bucket, any variant) pair.
+    """CUDA graphs of ``runner``'s decode-only steps, one per (bucket, any variant, block size of the
+    grouped rows) key.
 
     Args:
         runner: the :class:`~deltafleet.serve.runner.ModelRunner` (its model, delta slots, paged cache).
@@ -143,7 +145,7 @@ class DecodeGraphs:
         """The block size a bucket's grouped rows take for these rows' variants (host side:
         ``triton_grouped.decode_block_m``), or None where the rows are not grouped (fewer than
         ``GROUPED_MIN_ROWS`` rows, or not on a GPU)."""
-        if bucket < GROUPED_MIN_ROWS or self.runner.device.type != "cuda":
+        if bucket < GROUPED_MIN_ROWS or self.runner.device.type != "cuda" or not self.runner.slots.small_blocks:
             return None
         from deltafleet.kernels.triton_grouped import decode_block_m
 
@@ -151,9 +153,10 @@ class DecodeGraphs:
 
     def block_sizes(self, bucket: int) -> list[int | None]:
         """Every :meth:`block_m` a bucket's batches with variant rows can take (what
-        :meth:`capture_all` captures): those of one variant's run of 1, 5, 9 and 17 rows (as many as
-        fit the bucket), which reach each block size there is."""
-        return sorted({self.block_m(bucket, [0] * run) for run in (1, 5, 9, 17) if run <= bucket},
+        :meth:`capture_all` captures): those of one variant's run of each length up to the bucket
+        (or the 64 rows of a long block, past which runs repeat), which reach every block size a
+        batch of several variants can."""
+        return sorted({self.block_m(bucket, [0] * run) for run in range(1, min(bucket, 64) + 1)},
                       key=lambda b: b or 0)
 
     def capture_all(self) -> int:
@@ -337,7 +340,8 @@ class PiecewiseGraphs:
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
         grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
-        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, grouped_block_m, grouped_long_m, max_blocks
+        from deltafleet.kernels.triton_grouped import (BLOCK_M, RowGroups, group_rows, grouped_block_m, grouped_long_m,
+                                                       max_blocks)
 
         table, slots = self.runner.slots, self.variants[:b]
         delta = BatchDeltas(table, slots)
@@ -345,6 +349,8 @@ class PiecewiseGraphs:
             return delta
         if b not in self.groups:
             bm, lm = grouped_block_m(b, slots.device, prefill=True), grouped_long_m(b, slots.device)
+            if not table.small_blocks:  # the Triton kernel's tiles, as BatchDeltas groups them
+                bm = BLOCK_M
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
             order, key = zeros(b), zeros(b)
             long = RowGroups(order, key, zeros(b // lm), lm) if lm else None

@@ -213,3 +213,15 @@ def test_a_bad_thread_count_is_one_line(tmp_path, script):
     job = "train" if script == "train/run.py" else "real-base"
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1] == f"{job}: ValueError: threads must be null or a positive integer, got 0"
+
+
+def test_the_jobs_check_their_settings_before_importing_the_training_stack():
+    """train/run.py and train/eval.py import Lightning, datasets and transformers only once a run
+    starts, after their settings are checked: a refused setting is a few seconds, not the ten those
+    imports take on two cores."""
+    code = ("import sys, deltafleet.train.run, deltafleet.train.eval; "
+            "print(sorted(m for m in ('lightning', 'datasets', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -295,5 +295,7 @@ def test_a_decode_batch_takes_the_cheapest_block_for_its_runs(monkeypatch):
     assert decode_block_m([1] * 64, 14, "cuda") == 32 and decode_block_m([1] * 64, 14, "cuda", rows=128) == 4
     assert decode_block_m([-1] * 20, 14, "cuda") == grouped_block_m(20, "cuda") == 4
     graphs = object.__new__(DecodeGraphs)
-    graphs.runner = SimpleNamespace(device=torch.device("cuda"), slots=SimpleNamespace(n_slots=14))
+    graphs.runner = SimpleNamespace(device=torch.device("cuda"), slots=SimpleNamespace(n_slots=14, small_blocks=True))
     assert [graphs.block_sizes(b) for b in (8, 16, 32, 256)] == [[None], [4, 8, 16], [4, 8, 16, 32], [4, 8, 16, 32]]
+    graphs.runner.slots.small_blocks = False  # signs the Triton kernel reads: its 16-row tiles, one graph
+    assert [graphs.block_sizes(b) for b in (16, 256)] == [[None], [None]]
