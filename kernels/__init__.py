@@ -24,7 +24,8 @@ if __name__ == "kernels":
         sys.modules[__name__] = _module  # the import statement returns what sys.modules holds
         _spec.loader.exec_module(_module)
 else:
-    from deltafleet.kernels.linear import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped
+    from deltafleet.kernels.linear import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
+                                           bitdelta_linears_grouped)
     from deltafleet.kernels.reference import (
         bitdelta_linear as bitdelta_linear_reference,
         bitdelta_linear_batched as bitdelta_linear_batched_reference,
@@ -44,6 +45,7 @@ else:
         "bitdelta_linear_batched",
         "bitdelta_linear_batched_reference",
         "bitdelta_linear_grouped",
+        "bitdelta_linears_grouped",
         "pack_signs",
         "packed_width",
         "reconstruct",

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltafleet.kernels.linear import bitdelta_linears_grouped
-from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped, bitdelta_linears_grouped, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
 from deltafleet.serve.delta import VariantDelta, hf_name
 
 
