@@ -134,8 +134,8 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()  # inside: a signal that lands right after it (SIGTERM as an exception) still removes it
         yield tmp
         for f in tmp.rglob("*"):  # some writers (safetensors) create 0600 files: make them readable
             f.chmod(0o755 if f.is_dir() else 0o644)
