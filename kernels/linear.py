@@ -14,6 +14,7 @@ import torch
 
 from deltafleet.kernels.reference import bitdelta_linear as bitdelta_linear_reference
 from deltafleet.kernels.reference import bitdelta_linear_batched as bitdelta_linear_batched_reference
+from deltafleet.kernels.reference import check_stacked
 
 _triton_ops = None  # (the two custom ops, the two Triton wrappers) once imported; False without triton
 
@@ -89,9 +90,7 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
         from deltafleet.kernels.triton_grouped import bitdelta_linears_grouped as grouped
 
         return grouped(x, weight, sizes, signs, alphas, slot, groups)
-    if not len(sizes) == len(signs) == len(alphas) or sum(sizes) != weight.shape[0]:
-        raise ValueError(f"sizes {list(sizes)} must add up to the weight's {weight.shape[0]} rows, one per "
-                         f"signs ({len(signs)}) and alphas ({len(alphas)})")
+    check_stacked(weight, sizes, signs, alphas)
     return torch.cat([bitdelta_linear_batched_reference(x, w, s, a, slot)
                       for w, s, a in zip(weight.split(list(sizes)), signs, alphas)], 1)
 

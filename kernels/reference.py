@@ -260,6 +260,18 @@ def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tu
     return n, k
 
 
+def check_stacked(weight: torch.Tensor, sizes, signs, alphas) -> None:
+    """The stacking contract of ``bitdelta_linears_grouped``: one N in ``sizes``, one signs and one
+    alphas tensor per matrix, the N adding up to the stacked weight's rows.
+
+    Raises:
+        ValueError: naming the sizes, the weight's rows and the lists' lengths.
+    """
+    if not len(sizes) == len(signs) == len(alphas) or sum(sizes) != weight.shape[0]:
+        raise ValueError(f"sizes {list(sizes)} must add up to the weight's {weight.shape[0]} rows, one per "
+                         f"signs ({len(signs)}) and alphas ({len(alphas)})")
+
+
 def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                        slot: torch.Tensor, check_slot_values: bool = True, betas: torch.Tensor | None = None) -> None:
     """The shape contract of ``bitdelta_linear_batched`` (every implementation checks it, after

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias
+from deltafleet.kernels.reference import (check_batched_args, check_stacked, check_tensors,
+                                          check_weight_and_bias)
 from deltafleet.kernels.triton_bitdelta import _interpret
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
@@ -350,9 +351,7 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
         ValueError: as :func:`bitdelta_linear_grouped` for any matrix, or if ``sizes`` do not add up to
             the weight's rows or the lists differ in length.
     """
-    if not len(sizes) == len(signs) == len(alphas) or sum(sizes) != weight.shape[0]:
-        raise ValueError(f"sizes {list(sizes)} must add up to the weight's {weight.shape[0]} rows, one per "
-                         f"signs ({len(signs)}) and alphas ({len(alphas)})")
+    check_stacked(weight, sizes, signs, alphas)
     check_tensors(x=x, weight=weight, slot=slot)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")

@@ -107,7 +107,7 @@ class DeltaSlots:
         in_features = _in_features(model)
         # Hopper's int8 kernel for grouped rows (kernels/gluon_grouped.py) reads tiled signs with K a
         # multiple of 128; the small blocks of grouped_block_m / decode_block_m are for it. Else the
-        # Triton kernel runs, in 16-row tiles: blocks of 16 (BatchDeltas._groups_of).
+        # Triton kernel runs, in 16-row tiles: blocks of 16 (grouping).
         self.small_blocks = sign_layout == "tiled" and all(in_features[n] % 128 == 0 for n in self.tiled)
         for name, ((n, _), held, _) in shapes.items():
             self.signs[name] = torch.zeros(n_slots, *held, dtype=torch.uint8, device=dev)
@@ -122,6 +122,19 @@ class DeltaSlots:
         self._free = list(range(n_slots - 1, -1, -1))
         self._lock = threading.Lock()  # variants are loaded from several request threads at once
         self.slot_bytes = self.bytes_per_slot(model, sign_layout, col_scales)
+
+    def grouping(self, m: int, device, block_m: int | None = None, prefill: bool = False) -> tuple[int, int | None]:
+        """``(block_m, long_m)`` for ``group_rows`` of an M-row batch over these slots: ``block_m`` as
+        given, else ``grouped_block_m`` of M (``prefill``: a step with prompt chunks), and
+        ``grouped_long_m`` of M; 16 rows (the Triton kernel's tile) where Hopper's kernel cannot read
+        the slots (:attr:`small_blocks`)."""
+        from deltafleet.kernels.triton_grouped import BLOCK_M, grouped_block_m, grouped_long_m
+
+        if not self.small_blocks:
+            block_m = BLOCK_M
+        elif block_m is None:
+            block_m = grouped_block_m(m, device, prefill)
+        return block_m, grouped_long_m(m, device)
 
     @staticmethod
     def bytes_per_slot(model, sign_layout: str = "tiled", col_scales: bool = False) -> int:
@@ -265,10 +278,9 @@ class BatchDeltas:
         """``group_rows`` of ``slots``, made at the first layer and reused by the others."""
         key = (slots.data_ptr(), slots.shape[0])
         if self._groups is None or self._groups[0] != key:
-            from deltafleet.kernels.triton_grouped import BLOCK_M, group_rows, grouped_long_m
+            from deltafleet.kernels.triton_grouped import group_rows
 
-            bm = self.block_m if self.table.small_blocks else BLOCK_M  # else the Triton kernel's tiles
-            long_m = None if bm is None else grouped_long_m(slots.shape[0], slots.device)
+            bm, long_m = self.table.grouping(slots.shape[0], slots.device, self.block_m)
             self._groups = (key, group_rows(slots, self.table.n_slots, bm, long_m))
         return self._groups[1]
 

@@ -340,17 +340,14 @@ class PiecewiseGraphs:
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
         grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
-        from deltafleet.kernels.triton_grouped import (BLOCK_M, RowGroups, group_rows, grouped_block_m, grouped_long_m,
-                                                       max_blocks)
+        from deltafleet.kernels.triton_grouped import RowGroups, group_rows, max_blocks
 
         table, slots = self.runner.slots, self.variants[:b]
         delta = BatchDeltas(table, slots)
         if not BatchDeltas.grouped(self.x[:b, 0]):
             return delta
         if b not in self.groups:
-            bm, lm = grouped_block_m(b, slots.device, prefill=True), grouped_long_m(b, slots.device)
-            if not table.small_blocks:  # the Triton kernel's tiles, as BatchDeltas groups them
-                bm = BLOCK_M
+            bm, lm = table.grouping(b, slots.device, prefill=True)
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
             order, key = zeros(b), zeros(b)
             long = RowGroups(order, key, zeros(b // lm), lm) if lm else None
