@@ -25,7 +25,7 @@ if __name__ == "kernels":
         _spec.loader.exec_module(_module)
 else:
     from deltafleet.kernels.linear import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
-                                           bitdelta_linears_grouped)
+                                           bitdelta_linear_segments, bitdelta_linears_grouped, segments_supported)
     from deltafleet.kernels.reference import (
         bitdelta_linear as bitdelta_linear_reference,
         bitdelta_linear_batched as bitdelta_linear_batched_reference,
@@ -46,6 +46,8 @@ else:
         "bitdelta_linear_batched_reference",
         "bitdelta_linear_grouped",
         "bitdelta_linears_grouped",
+        "bitdelta_linear_segments",
+        "segments_supported",
         "pack_signs",
         "packed_width",
         "reconstruct",

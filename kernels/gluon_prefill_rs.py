@@ -47,6 +47,7 @@ import torch
 import triton
 
 from deltafleet.kernels.gluon_bitdelta import HAVE_GLUON, _gl_dtype, supported
+from deltafleet.kernels.reference import SEGMENT_ROWS
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -125,16 +126,31 @@ if HAVE_GLUON:
         return pid_t * BT, pid_n * 128, k_first, gl.minimum(PER, K // BK - k_first), pid_n * num_t + pid_t
 
     @gluon.jit
-    def _rs_load(p, STAGES: gl.constexpr):
+    def _seg_unit(u, NT, tile_ptr, N, K, BK: gl.constexpr):
+        """Work unit ``u`` over a tile table (``SEGMENTS``): ``(off_t, off_n, 0, K steps, stop, slot)``
+        of tile ``u % NT`` (``(first row, stop, slot)``) and feature tile ``u // NT``, so the units
+        running at once share W panels; no K step for an unused entry or a zero tile (slot −2)."""
+        t = u % NT
+        off_t = gl.load(tile_ptr + 3 * t)
+        stop = gl.load(tile_ptr + 3 * t + 1)
+        slot = gl.load(tile_ptr + 3 * t + 2)
+        live = (off_t < stop) & (slot >= -1)
+        return off_t, (u // NT) * 128, 0, (K // BK) * live.to(gl.int32), stop, slot
+
+    @gluon.jit
+    def _rs_load(p, STAGES: gl.constexpr, SEGMENTS: gl.constexpr):
         """The loader: the x and W tiles of each K step of the program's units by TMA, ``STAGES``
         steps ahead of the slower consumer (across units: the ring stays full between them)."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS) = p
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr) = p
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         it = 0
         for u in range(gl.program_id(0), UNITS, gl.num_programs(0)):
-            off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+            if SEGMENTS:
+                off_t, off_n, k_first, num_k, stop, slot = _seg_unit(u, M, tile_ptr, N, K, BK)
+            else:
+                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
             for ki in range(num_k):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # both consumers are done with it
@@ -145,10 +161,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_consume(p, q, STAGES: gl.constexpr, U: gl.constexpr, PRE: gl.constexpr, ROW0: gl.constexpr,
-                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr):
+                    ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr,
+                    SEGMENTS: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` of each of the program's units."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS) = p
-        (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr) = q
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr) = p
+        (s_base, a_base, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, stride_ss, stride_as) = q
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         H: gl.constexpr = BK // 32  # 32 weights per sign word
@@ -161,9 +178,21 @@ if HAVE_GLUON:
         sh = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a)), 0)      # bit of each weight
         it0 = 0  # the ring position of the unit's first K step
         for u in range(gl.program_id(0), UNITS, gl.num_programs(0)):
-            off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
-            rn = (off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, dot_a))) % N
-            nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
+            rn_l: gl.constexpr = gl.SliceLayout(1, dot_a)
+            if SEGMENTS:  # the tile's slot: its signs and scales; the base (−1) adds ±0
+                off_t, off_n, k_first, num_k, stop, slot = _seg_unit(u, M, tile_ptr, N, K, BK)
+                tile = 0
+                s_ptr = s_base + gl.maximum(slot, 0).to(gl.int64) * stride_ss
+                a_ptr = a_base + gl.maximum(slot, 0).to(gl.int64) * stride_as
+                rn = (off_n + ROW0 + gl.arange(0, RW, layout=rn_l)) % N
+                nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
+                nab = gl.where(slot >= 0, nab, -2147450880)  # 0x80008000: −0.0 in both halves
+            else:
+                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+                stop = M
+                s_ptr = s_base
+                rn = (off_n + ROW0 + gl.arange(0, RW, layout=rn_l)) % N
+                nab = _neg_alpha_pair(a_base, rn, ALPHA_PER_ROW, dtype)
             num_b = num_k // U  # loop bodies of U K steps
             b0 = k_first // U   # the first one's index in the whole K
 
@@ -231,7 +260,7 @@ if HAVE_GLUON:
                 fo = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, st_l))
                 to = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, st_l))
                 y_ptrs = y_ptr + gl.expand_dims(to.to(gl.int64), 0) * stride_ym + gl.expand_dims(fo, 1)  # M·N ≥ 2³¹
-                mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < M, 0)
+                mask = gl.expand_dims(fo < N, 1) & gl.expand_dims(to < stop, 0)
                 gl.store(y_ptrs, out, mask=mask)
             it0 += num_k
 
@@ -240,14 +269,20 @@ if HAVE_GLUON:
                            stride_ym, SPLIT, PER,
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                            U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr,
-                           TILED: gl.constexpr = False):
+                           TILED: gl.constexpr = False, tile_ptr=None, stride_ss=0, stride_as=0,
+                           SEGMENTS: gl.constexpr = False):
         """Work units of one ``[BLOCK_T tokens, 128 features]`` output tile and one chunk of ``PER`` K
         steps (of ``SPLIT``): unit ``program_id, + num_programs, …`` (one per program, or persistent
         programs walking several with the ring kept full between them). Consumer warpgroup 0 (the
-        default partition) and 1, and the loader warp (module docstring)."""
+        default partition) and 1, and the loader warp (module docstring). With ``SEGMENTS`` M is
+        the number of entries of the tile table ``tile_ptr`` and a unit is one tile's feature tile,
+        its slot's signs ``stride_ss`` words and its scales ``stride_as`` apart (``SPLIT`` 1, no PRE)."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        UNITS = gl.cdiv(M, BT) * gl.cdiv(N, 128) * SPLIT
+        if SEGMENTS:
+            UNITS = M * gl.cdiv(N, 128)
+        else:
+            UNITS = gl.cdiv(M, BT) * gl.cdiv(N, 128) * SPLIT
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 128, BK], w_desc.layout)
@@ -256,12 +291,12 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS)
-        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr)
+        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr)
+        q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, stride_ss, stride_as)
         gl.warp_specialize([
-            (_rs_load, (p, STAGES)),
-            (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS, TILED)),
-            (_rs_consume, (p, q, STAGES, U, PRE, 64, ALPHA_PER_ROW, HAS_BIAS, TILED)),
+            (_rs_load, (p, STAGES, SEGMENTS)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 0, ALPHA_PER_ROW, HAS_BIAS, TILED, SEGMENTS)),
+            (_rs_consume, (p, q, STAGES, U, PRE, 64, ALPHA_PER_ROW, HAS_BIAS, TILED, SEGMENTS)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -412,13 +447,62 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     return y
 
 
-def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
+# the configuration of bitdelta_linear_segments: tiles of SEGMENT_ROWS (128) tokens (a prompt's usual
+# size; at 2,048 rows of the 7B shapes 1.4× cuBLAS, where 256-token tiles reach 1.1× but waste half a
+# tile on a 128-token prompt); no PRE (a tile of no K step, unused or zeros, must not wait for a first
+# slice)
+SEGMENT_CONFIG = (SEGMENT_ROWS, 4, 2, False, 240)
+
+
+def segments_supported(x2: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
+    """Whether :func:`bitdelta_linear_segments_rs` runs on these tensors: :func:`rs_supported` for one
+    slot's signs, K a multiple of one loop body (128 weights), stacked slots contiguous."""
+    return (signs.dim() in (3, 5) and signs.is_contiguous() and rs_supported(x2, weight, signs[0])
+            and x2.shape[-1] % (BLOCK_K * SEGMENT_CONFIG[2]) == 0)
+
+
+def bitdelta_linear_segments_rs(x2: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                                tiles: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Launch the register-operand kernel over a tile table, one launch for rows of many variants:
+    ``y[a:b] = x2[a:b] · (W + α_t·s_t)ᵀ`` for every row ``(a, b, t)`` of ``tiles`` (int32 ``[T, 3]`` on
+    the device, ``b − a ≤`` :data:`SEGMENT_ROWS`, ``reference.segment_tiles``; ``t`` −1: W alone, −2
+    (``reference.ZERO_SLOT``): zeros; ``a ≥ b``: an unused entry). Rows of ``y`` in no tile are left
+    as they are.
+
+    Units run tile-fastest, so the units in flight share one 128-feature panel of W whatever their
+    variants: it comes from HBM about once and from L2 after, and each token's FLOPs are done once,
+    where a GEMM per variant's stretch reads W once per stretch and the base GEMM plus grouped sign
+    products do a prompt's FLOPs twice.
+
+    Args: ``signs`` the slots' stacked signs ``[S, N, K/8]`` or ``[S, N/64, K/128, 64, 16]`` (tiled),
+    ``alphas`` float32 ``[S, N]``; the rest as :func:`bitdelta_linear_prefill_rs`. Trusts its inputs
+    (:func:`segments_supported`; the caller checks the rest)."""
+    bt, stages, u, pre, regs = SEGMENT_CONFIG
+    m, k = x2.shape
+    n, nt = weight.shape[0], tiles.shape[0]
+    if nt == 0 or m == 0:
+        return y
+    dt = _gl_dtype(x2.dtype)
+    x_desc = TensorDescriptor.from_tensor(x2, [bt, BLOCK_K], gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], dt))
+    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
+    words = signs.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
+    _prefill_rs_kernel[(nt * triton.cdiv(n, BLOCK_N), )](
+        x_desc, w_desc, words, alphas, alphas, y, alphas, tiles, nt, n, k, words.stride(1), y.stride(0), 1, k // BLOCK_K,
+        ALPHA_PER_ROW=True, HAS_BIAS=False, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
+        maxnreg=LAUNCH_REGS, TILED=signs.dim() == 5, tile_ptr=tiles, stride_ss=words.stride(0),
+        stride_as=alphas.stride(0), SEGMENTS=True)
+    return y
+
+
+def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False, segments: bool = False):
     """Compile the kernel for sm_90a ahead of time, without a GPU (α per row, with a bias), for the
     compile test (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
 
     Args:
         config: one of :data:`CONFIGS` or :data:`SMALL_CONFIGS`. dtype: ``"bf16"`` or ``"fp16"``. tiled: signs in
-            ``deltafleet.kernels.reference.tile_signs``' layout.
+            ``deltafleet.kernels.reference.tile_signs``' layout. segments: over a tile table, as
+            :func:`bitdelta_linear_segments_rs` launches it (no bias).
 
     Returns:
         Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
@@ -434,11 +518,16 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False):
            "w_desc": f"tensordesc<{dtype}[{BLOCK_N}, {BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_sw": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32"}
-    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=True, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
-                  TILED=tiled)
+    consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=not segments, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
+                  TILED=tiled, SEGMENTS=segments)
+    if segments:
+        sig.update({"tile_ptr": "*i32", "stride_ss": "i32", "stride_as": "i32"})
+    else:
+        consts.update(tile_ptr=None, stride_ss=0, stride_as=0)
     sig.update({c: "constexpr" for c in consts})
     names = _prefill_rs_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_sw", "stride_ym")}
+             for a in ("s_ptr", "a_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_sw", "stride_ym")
+             + (("tile_ptr", "stride_ss", "stride_as") if segments else ())}
     return triton.compile(GluonASTSource(fn=_prefill_rs_kernel, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": LAUNCH_REGS})

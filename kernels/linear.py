@@ -95,6 +95,42 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
                       for w, s, a in zip(weight.split(list(sizes)), signs, alphas)], 1)
 
 
+def segments_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor) -> bool:
+    """Whether :func:`bitdelta_linear_segments` runs as one Hopper kernel for these tensors (Gluon, a
+    compute capability 9.x device, bf16/fp16, K a multiple of 128, aligned contiguous rows; signs
+    ``[S, N, K/8]`` or tiled ``[S, N/64, K/128, 64, 16]``); elsewhere it loops over the tiles on the host."""
+    if not _on_triton(x, weight) or signs.dim() not in (3, 5):
+        return False
+    from deltafleet.kernels import gluon_prefill_rs
+
+    return gluon_prefill_rs.segments_supported(x, weight, signs)
+
+
+def bitdelta_linear_segments(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                             tiles: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Stretches of rows of one variant each (a step's prompt chunks, sorted by variant), in one
+    call: ``y[a:b] = x[a:b] · (W + α_t·(2·bits_t − 1))ᵀ`` for every row ``(a, b, t)`` of ``tiles``
+    (int32 ``[T, 3]``: :func:`~deltafleet.kernels.reference.segment_tiles`, at most ``SEGMENT_ROWS``
+    rows each; ``t`` −1: the base weight alone, −2 ``ZERO_SLOT``: zeros; ``a ≥ b``: unused), from the
+    stacked slots ``signs`` ``[S, N, K/8]`` (or tiled) and ``alphas`` float32 ``[S, N]``; the rows of
+    ``y`` (``[M, N]``, ``x.dtype``) in no tile are left as they are. Returns ``y``.
+
+    Where :func:`segments_supported`, the Hopper register-operand kernel, whose tiles share each pass
+    over W through L2 (``gluon_prefill_rs.bitdelta_linear_segments_rs``): the FLOPs of one GEMM over
+    the rows and W read about once, where one :func:`bitdelta_linear`
+    per stretch reads W once per stretch. Else :func:`bitdelta_linear` per tile (the tiles read on
+    the host). Trusts its inputs."""
+    if segments_supported(x, weight, signs):
+        from deltafleet.kernels import gluon_prefill_rs
+
+        return gluon_prefill_rs.bitdelta_linear_segments_rs(x, weight, signs, alphas, tiles, y)
+    for a, b, t in tiles.tolist():
+        if a < b:
+            y[a:b] = (0 if t < -1 else torch.nn.functional.linear(x[a:b], weight) if t < 0
+                      else bitdelta_linear(x[a:b], weight, signs[t], alphas[t]))
+    return y
+
+
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
                             betas: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,4 +147,5 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
 
 
-__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped", "bitdelta_linears_grouped"]
+__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped", "bitdelta_linears_grouped",
+           "bitdelta_linear_segments", "segments_supported"]

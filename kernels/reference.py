@@ -199,6 +199,25 @@ def reconstruct(weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
     return weight.float() + a * (s if beta is None else s * beta.float())
 
 
+# rows of a tile of bitdelta_linear_segments at most (its Hopper kernel's token tile)
+SEGMENT_ROWS = 128
+# the slot of a tile that bitdelta_linear_segments writes zeros to (a CUDA graph's padding rows)
+ZERO_SLOT = -2
+
+
+def segment_tiles(runs: list[tuple[int, int, int]], rows: int = SEGMENT_ROWS) -> list[tuple[int, int, int]]:
+    """The tiles of :func:`deltafleet.kernels.bitdelta_linear_segments`: ``(first row, stop, slot)`` of at
+    most ``rows`` rows each, covering ``runs`` (``(first, stop, slot)``: a stretch of rows of one
+    variant, slot −1 the base) in order."""
+    return [(a, min(a + rows, stop), slot) for first, stop, slot in runs for a in range(first, stop, rows)]
+
+
+def max_segment_tiles(m: int, n_runs: int, rows: int = SEGMENT_ROWS) -> int:
+    """An upper bound on :func:`segment_tiles`' count for ``n_runs`` runs over ``m`` rows in all: each
+    run of ``r`` rows makes ``ceil(r / rows) ≤ r / rows + 1`` tiles."""
+    return -(-m // rows) + n_runs
+
+
 def bitdelta_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltafleet.kernels import bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped, bitdelta_linears_grouped, packed_width, tile_signs, tiled_shape, unpack_signs, untile_signs
+from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
+                                bitdelta_linear_segments, bitdelta_linears_grouped, packed_width, segments_supported,
+                                tile_signs, tiled_shape, unpack_signs, untile_signs)
+from deltafleet.kernels.reference import segment_tiles
 from deltafleet.serve.delta import VariantDelta, hf_name
 
 
@@ -255,11 +258,14 @@ class BatchDeltas:
     computed on the device once per batch, at the first layer, and reused by every other."""
 
     def __init__(self, table: DeltaSlots, slots: Tensor, runs: list[tuple[int, int, int]] | None = None,
-                 block_m: int | None = None):
+                 block_m: int | None = None, segments: tuple[Tensor, Tensor] | None = None):
         self.table = table
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
         self.runs = runs
+        # the prompt chunks by one kernel over their tiles (_linear_segments): (tiles int32 [T, 3] on the
+        # device, the slots of the D leading rows, which are multiplied as a decode batch)
+        self.segments = segments
         # grouped rows' block size (None: grouped_block_m of the row count; 16 without small blocks)
         self.block_m = block_m
         self._groups = None
@@ -270,9 +276,11 @@ class BatchDeltas:
         return x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
 
     def use_groups(self, groups) -> None:
-        """Multiply grouped by ``groups``: ``triton_grouped.group_rows`` of these slots, computed by the
-        caller (a piecewise graph's first segment, for all the others)."""
-        self._groups = ((self.slots.data_ptr(), self.slots.shape[0]), groups)
+        """Multiply grouped by ``groups``: ``triton_grouped.group_rows`` of these slots (with
+        :attr:`segments`, of the leading rows' slots), computed by the caller (a piecewise graph's
+        first segment, for all the others)."""
+        slots = self.slots if self.segments is None else self.segments[1]
+        self._groups = ((slots.data_ptr(), slots.shape[0]), groups)
 
     def _groups_of(self, slots: Tensor):
         """``group_rows`` of ``slots``, made at the first layer and reused by the others."""
@@ -300,7 +308,8 @@ class BatchDeltas:
         weight, _, sizes = fused
         names = [f"{m.name}.weight" for m in mods]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.runs or x.shape[1] != 1 or not self.grouped(x2) or any(n in self.table.betas for n in names):
+        if (self.runs or self.segments is not None or x.shape[1] != 1 or not self.grouped(x2)
+                or any(n in self.table.betas for n in names)):
             return None
         y = bitdelta_linears_grouped(x2, weight, sizes, [self.table.signs[n] for n in names],
                                      [self.table.alphas[n] for n in names], self.slots,
@@ -322,6 +331,8 @@ class BatchDeltas:
         one variant after the first ``runs[0][0]`` rows, the prefill chunks) the leading rows are
         multiplied batched and each run by the one-variant kernel, which reads the base weight and the
         variant's signs once for the whole run whatever its length (a long prompt is compute bound)."""
+        if self.segments is not None:
+            return self._linear_segments(mod, x)
         if self.runs:
             return self._linear_runs(mod, x)
         b, t, k = x.shape
@@ -335,11 +346,30 @@ class BatchDeltas:
             y = y + bias[rows]
         return y.view(b, t, -1)
 
+    def _linear_segments(self, mod, x: Tensor) -> Tensor:
+        """A flat step (T = 1) whose prompt chunks are tiles of :attr:`segments`: the D leading rows as
+        a decode batch (their slots ``segments[1]``; rows there that a tile also covers get the tile's
+        result), then every tile by ``bitdelta_linear_segments`` (one kernel, W read about once)."""
+        name = f"{mod.name}.weight"
+        tiles, lead = self.segments
+        x2 = x[:, 0]
+        y = x2.new_empty(x2.shape[0], mod.weight.shape[0])
+        d = lead.shape[0]
+        if d:
+            y[:d] = self._batched(x2[:d], mod.weight, name, lead)
+        bitdelta_linear_segments(x2, mod.weight, self.table.signs[name], self.table.alphas[name], tiles, y)
+        bias = self.table.full.get(f"{mod.name}.bias")
+        return (y if bias is None else y + bias[self._rows])[:, None]
+
     def _linear_runs(self, mod, x: Tensor) -> Tensor:
         name, bname = f"{mod.name}.weight", f"{mod.name}.bias"
         x2 = x[:, 0]
         signs, alphas, bias = self.table.signs[name], self.table.alphas[name], self.table.full.get(bname)
         lead = self.runs[0][0]
+        if name not in self.table.betas and segments_supported(x2, mod.weight, signs):  # the runs as one kernel
+            tiles = torch.tensor(segment_tiles(self.runs), dtype=torch.int32).to(x.device, non_blocking=True)
+            self.segments = (tiles, self.slots[:lead])
+            return self._linear_segments(mod, x)
         parts = []
         if lead:
             y = self._batched(x2[:lead], mod.weight, name, self.slots[:lead])

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 
 from deltafleet.serve.attention import PagedLayer, fill_tables
+from deltafleet.kernels import segments_supported
+from deltafleet.kernels.reference import ZERO_SLOT, max_segment_tiles, segment_tiles
 from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas
 
 
@@ -243,6 +245,12 @@ def token_buckets(max_tokens: int, first: int = 16) -> list[int]:
     return out + [max_tokens]
 
 
+# buckets of at least this many tokens multiply a step's prompt chunks by tiles of one variant each
+# (PiecewiseGraphs.segmented); below, a step is mostly decode rows and one pass of the base GEMM over
+# all its tokens plus the grouped sign products reads W once where the tiles would read it twice
+SEGMENT_MIN_TOKENS = 512
+
+
 class PiecewiseGraphs:
     """Steps with prefill chunks as CUDA graphs of everything but attention (vLLM's piecewise CUDA
     graphs).
@@ -299,6 +307,15 @@ class PiecewiseGraphs:
         pin = dev.type == "cuda"
         self._host = torch.zeros(3, t, dtype=torch.int64, pin_memory=pin)
         self._host_rows = torch.zeros(max_sample, dtype=torch.int64, pin_memory=pin)
+        # buckets of SEGMENT_MIN_TOKENS tokens or more, with variants: the prompt chunks' tiles (one
+        # per SEGMENT_ROWS rows of a variant's chunks; the scheduler sorts them by variant) and the
+        # slots of the first D = min(bucket, max_batch) rows, the decode rows (BatchDeltas.segments)
+        self.decode_rows = min(t, runner.max_batch)
+        self.tiles = torch.zeros(max_segment_tiles(t, runner.slots.n_slots + 2), 3, dtype=torch.int32, device=dev)
+        self.decode_variants = torch.full((self.decode_rows,), -1, dtype=torch.int64, device=dev)
+        self._host_tiles = torch.zeros(tuple(self.tiles.shape), dtype=torch.int32, pin_memory=pin)
+        self._host_decode = torch.zeros(self.decode_rows, dtype=torch.int64, pin_memory=pin)
+        self._segmented: dict[int, bool] = {}
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
@@ -337,21 +354,43 @@ class PiecewiseGraphs:
         return (0 < len(step.tokens) <= self.max_tokens and len(step.sample) <= self.max_sample
                 and not step.score)
 
+    def segmented(self, b: int) -> bool:
+        """Whether bucket ``b``'s steps with variants multiply their prompt chunks by tiles of one
+        variant each (``bitdelta_linear_segments``: W read about once, each token's FLOPs once) and
+        their decode rows as a decode batch, rather than every token by the base GEMM plus the grouped
+        sign products (a second pass of a prompt's FLOPs): from :data:`SEGMENT_MIN_TOKENS` tokens on,
+        where the kernel runs and no variant has column scales."""
+        if b not in self._segmented:
+            table, q = self.runner.slots, self.model.layers[0].self_attn.q_proj
+            name = f"{q.name}.weight"
+            self._segmented[b] = (b >= SEGMENT_MIN_TOKENS and b > self.decode_rows and not table.betas
+                                  and (not self.capture  # eagerly (tests): the tiles one by one where no kernel runs
+                                       or segments_supported(self.x[:b, 0], q.weight, table.signs[name])))
+        return self._segmented[b]
+
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
-        grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those."""
+        grouped kernels run) into the bucket's static :class:`RowGroups`, later segments read those.
+        A :meth:`segmented` bucket groups only its decode rows (``decode_variants``)."""
         from deltafleet.kernels.triton_grouped import RowGroups, group_rows, max_blocks
 
         table, slots = self.runner.slots, self.variants[:b]
         delta = BatchDeltas(table, slots)
-        if not BatchDeltas.grouped(self.x[:b, 0]):
+        prefill = True
+        if self.segmented(b):
+            n_tiles = max_segment_tiles(b, table.n_slots + 2)
+            slots = self.decode_variants
+            delta = BatchDeltas(table, self.variants[:b], segments=(self.tiles[:n_tiles], slots))
+            prefill = False
+        if not BatchDeltas.grouped(self.x[:slots.shape[0], 0]):
             return delta
         if b not in self.groups:
-            bm, lm = table.grouping(b, slots.device, prefill=True)
+            bm, lm = table.grouping(slots.shape[0], slots.device, prefill=prefill)
             zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=slots.device)
-            order, key = zeros(b), zeros(b)
-            long = RowGroups(order, key, zeros(b // lm), lm) if lm else None
-            self.groups[b] = RowGroups(order, key, zeros(max_blocks(b, table.n_slots, bm, lm)), bm, long)
+            m = slots.shape[0]
+            order, key = zeros(m), zeros(m)
+            long = RowGroups(order, key, zeros(m // lm), lm) if lm else None
+            self.groups[b] = RowGroups(order, key, zeros(max_blocks(m, table.n_slots, bm, lm)), bm, long)
         static = self.groups[b]
         if i == 0:
             g = group_rows(slots, table.n_slots, static.block_m, static.long.block_m if static.long else None)
@@ -425,9 +464,28 @@ class PiecewiseGraphs:
         self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
         self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
         self.rows.copy_(self._host_rows, non_blocking=True)
+        if self.segmented(b) and any(v >= 0 for v in step.variants):
+            self._stage_tiles(step, b)
         self._stage_more(step, b)
         if self._copied is not None:
             self._copied.record()
+
+    def _stage_tiles(self, step, b: int) -> None:
+        """The tiles of ``step``'s prompt chunks and of its padding tokens (zeros: no row is left
+        unwritten), and the slots of its decode rows, staged and copied."""
+        n = len(step.tokens)
+        tiles = segment_tiles(step.runs() + ([(n, b, ZERO_SLOT)] if n < b else []))
+        n_tiles = max_segment_tiles(b, self.runner.slots.n_slots + 2)
+        assert len(tiles) <= n_tiles, "prompt chunks not sorted by variant (scheduler.py sorts them)"
+        host = self._host_tiles.numpy()
+        host[:len(tiles)] = tiles
+        host[len(tiles):n_tiles] = 0
+        nd = step.n_decode
+        dec = self._host_decode.numpy()
+        dec[:nd] = step.variants[:nd]
+        dec[nd:] = -1
+        self.tiles[:n_tiles].copy_(self._host_tiles[:n_tiles], non_blocking=True)
+        self.decode_variants.copy_(self._host_decode, non_blocking=True)
 
     def _stage_more(self, step, b: int) -> None:
         """More static inputs of the step (a subclass's), staged and copied as :meth:`_stage`'s."""

@@ -4,8 +4,13 @@ The CPU interpreter runs kernels as Python, so it misses what only the compiler 
 defined under one constexpr branch and used under another, shared memory over the limit, a
 layout the backend rejects). This compiles each configuration ahead of time with Triton's own
 ptxas, for ``cuda:90``, with the argument specialisations a real launch on 16-aligned tensors gets
-(``tt.divisibility = 16``). No GPU is needed. The compiles run in one child process, because this
+(``tt.divisibility = 16``). No GPU is needed. The compiles run in child processes, because this
 test session imports triton in interpreter mode (tests/conftest.py).
+
+``DELTAFLEET_COMPILE_ALL=1`` compiles every configuration (about 900 CPU-seconds on a fresh Triton
+cache). Without it, the configuration lists of the two kernels slowest to compile (9–12 s each: the
+int8 tenant kernel's ``WS_CONFIGS`` and the Gluon tenant kernel's ``tenant_configs``) keep their first
+and last configuration per row count; every other list is compiled whole, and so is every kernel.
 """
 from __future__ import annotations
 
@@ -21,10 +26,18 @@ pytest.importorskip("triton")
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on H100/H200 (227 KB)
 ROOT = Path(__file__).resolve().parents[1]
+SWEEP = r'''
+ALL = os.environ.get("DELTAFLEET_COMPILE_ALL") == "1"
+def sweep(cfgs):  # the configurations of a slow-to-compile list that are compiled (module docstring)
+    cfgs = list(cfgs)
+    return cfgs if ALL or len(cfgs) <= 2 else [cfgs[0], cfgs[-1]]
+'''
+exec(SWEEP)
 
 CHILD = r'''
 import inspect, json, os, sys
 import triton
+''' + SWEEP + r'''
 
 # Shard k of n (COMPILE_SHARD, COMPILE_SHARDS) compiles every n-th triton.compile call from the k-th;
 # the others raise NotThisShard, which each call site records as its entry's error, and the parent
@@ -136,7 +149,7 @@ if gb.HAVE_GLUON:
                 out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     fn = gb._tenants_kernel
     for rows in (2, 4, 8, 16):
-        for (bn, stages) in gb.tenant_configs(rows):
+        for (bn, stages) in sweep(gb.tenant_configs(rows)):
             spt_n, tpw_r, wpc_r = gb._tenant_layout(rows, bn)
             bk = gb.TENANT_BLOCK_K
             xl = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
@@ -201,7 +214,7 @@ if gb.HAVE_GLUON:
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
     for rows in (2, 4, 8, 16):
-        for i, (bk, rh, stages, regs, loaders) in enumerate(gp.WS_CONFIGS[rows]):
+        for i, (bk, rh, stages, regs, loaders) in enumerate(sweep(gp.WS_CONFIGS[rows])):
             for pdl in (False, True) if i == 0 else (False, ):  # programmatic dependent launch: the default only
                 planes_build(gp._planes_ws_kernel, ("planes-ws-pdl " if pdl else "planes-ws ")
                              + json.dumps({"rows": rows, "config": [bk, rh, stages, regs, loaders]}),
@@ -231,7 +244,7 @@ if gb.HAVE_GLUON:
                      {"num_warps": 4, "maxnreg": regs}, True)
     # every 16-row configuration of 128-weight K steps on tiled signs, bits with programmatic dependent
     # launch: what the dispatcher times at 16 rows (also persistent and stream-K: the same kernel)
-    for cfg in [c for c in gp.WS_CONFIGS[16] if c[0] == 128]:
+    for cfg in sweep([c for c in gp.WS_CONFIGS[16] if c[0] == 128]):
         bk_, rh_, st_, regs_, ld_ = cfg
         planes_build(gp._planes_ws_kernel, "planes-ws-tiled-bits " + json.dumps({"rows": 16, "config": list(cfg),
                                                                                  "pdl": True}),
@@ -249,11 +262,12 @@ if gb.HAVE_GLUON:
                                RH=min(rows, rh_), PDL=pdl, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs_, "launch_pdl": pdl})
     from deltafleet.kernels import gluon_prefill_rs as pr
-    for config, tiled in ([(c, False) for c in pr.CONFIGS + pr.SMALL_CONFIGS]
-                          + [(pr.CONFIGS[0], True), (pr.SMALL_CONFIGS[1], True)]):
-        name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled})
+    for config, tiled, seg in ([(c, False, False) for c in pr.CONFIGS + pr.SMALL_CONFIGS]
+                               + [(pr.CONFIGS[0], True, False), (pr.SMALL_CONFIGS[1], True, False)]
+                               + [(pr.SEGMENT_CONFIG, True, True), (pr.SEGMENT_CONFIG, False, True)]):
+        name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled, "segments": seg})
         try:
-            k = pr.compile_for_sm90(config, tiled=tiled)
+            k = pr.compile_for_sm90(config, tiled=tiled, segments=seg)
             ptx = k.asm["ptx"]
             out[name] = {"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in ptx,
                          "serialized": "serialized" in ptxas_log(ptx)}
@@ -339,8 +353,9 @@ def test_every_configuration_compiles_for_sm90(compiled):
                # the int8 kernel with its base product spread over the consumers, and on the binary
                # tensor cores (bits): tiled with and without the spread, and three on row signs,
                # and each 16-row 128-step configuration tiled on bits with PDL
-               + sum(len(gb.tenant_configs(r)) + len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16))
-               + len([c for c in gp.WS_CONFIGS[16] if c[0] == 128])
+               + 2  # the register-operand kernel over a tile table (bitdelta_linear_segments), tiled and not
+               + sum(len(sweep(gb.tenant_configs(r))) + len(sweep(gp.WS_CONFIGS[r])) + 1 for r in (2, 4, 8, 16))
+               + len(sweep([c for c in gp.WS_CONFIGS[16] if c[0] == 128]))
                ) if gb.HAVE_GLUON else 0
     n_tiled = 3 + 2  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel twice
     from deltafleet.kernels import gluon_grouped as gg
@@ -375,14 +390,15 @@ def test_gluon_prefill_overlaps_the_sign_expansion_with_the_previous_wgmma(compi
 
 
 def test_gluon_tenant_kernel_keeps_its_sums_in_registers(compiled):
-    """Every usable (rows, tile) of the Hopper mixed-tenant kernel compiles without spilling to local
-    memory: a thread's per-feature sums (at most 8 features, ``tenant_configs``) stay in registers."""
+    """Every compiled (rows, tile) of the Hopper mixed-tenant kernel (every usable one with
+    ``DELTAFLEET_COMPILE_ALL=1``) compiles without spilling to local memory: a thread's per-feature
+    sums (at most 8 features, ``tenant_configs``) stay in registers."""
     from deltafleet.kernels import gluon_bitdelta as gb
 
     if not gb.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     tenants = {k: v for k, v in compiled.items() if k.startswith("gluon-tenants")}
-    assert len(tenants) == sum(len(gb.tenant_configs(r)) for r in (2, 4, 8, 16)) > 0
+    assert len(tenants) == sum(len(sweep(gb.tenant_configs(r))) for r in (2, 4, 8, 16)) > 0
     assert all(v.get("local") == 0 for v in tenants.values()), tenants
 
 
@@ -398,8 +414,8 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     planes = {k: v for k, v in compiled.items() if k.startswith("planes")}
     # + tiled, tiled spread, tiled bits, tiled bits spread, each 16-row 128-step configuration tiled
     # bits with PDL, three bits on row signs
-    tiled16 = len([c for c in gp.WS_CONFIGS[16] if c[0] == 128])
-    assert len(planes) == sum(len(gp.WS_CONFIGS[r]) + 1 for r in (2, 4, 8, 16)) + 7 + tiled16
+    tiled16 = len(sweep([c for c in gp.WS_CONFIGS[16] if c[0] == 128]))
+    assert len(planes) == sum(len(sweep(gp.WS_CONFIGS[r])) + 1 for r in (2, 4, 8, 16)) + 7 + tiled16
     pdl = {k: v for k, v in planes.items() if k.startswith("planes-ws-pdl")}
     assert len(pdl) == 4 and all(v.get("griddep") for v in pdl.values()), pdl
     bits = {k: v for k, v in planes.items() if "-bits" in k}
@@ -421,7 +437,8 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
     if not pr.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
-    assert len(rs) == len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 2  # + two on tiled signs
+    # + two on tiled signs, two over a tile table (tiled signs and sign rows)
+    assert len(rs) == len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 4
     assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs
 
 

@@ -434,6 +434,45 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
         pw.bucket(41)
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["piecewise", "full"])
+def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monkeypatch, full):
+    """Buckets from SEGMENT_MIN_TOKENS on (here 32) multiply a step's prompt chunks by tiles of one
+    variant each and its decode rows as a decode batch (``PiecewiseGraphs.segmented``; on a Hopper GPU
+    one kernel, here the tiles one by one): the staged tiles are the chunks' runs then the padding's
+    zero tile, the decode slots the decode rows' variants then the base, and the logits equal the
+    eager step's and each sequence's own run."""
+    from deltafleet.kernels.reference import ZERO_SLOT, segment_tiles
+    from deltafleet.serve import graphs
+    from deltafleet.serve.graphs import FullGraphs, PiecewiseGraphs
+
+    monkeypatch.setattr(graphs, "SEGMENT_MIN_TOKENS", 32)
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=48, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention="flex" if full else "sdpa")
+    pw = (FullGraphs if full else PiecewiseGraphs)(runner, max_tokens=64, max_sample=4, capture=False)
+    assert not pw.segmented(16) and pw.segmented(32) and pw.segmented(64)
+    coder, writer = eng.get_delta("tiny-coder").slot, eng.get_delta("tiny-writer").slot
+    a, b = eng.encode_prompt(PROMPTS["tiny"] * 2), eng.encode_prompt(PROMPTS["tiny-coder"] * 3)
+    w = eng.encode_prompt(PROMPTS["tiny-writer"] * 2)
+    t = _Tables()
+    with torch.inference_mode():
+        first = _step(t, [], [(0, a, 0, -1), (1, b, 0, coder)])  # sorted by variant, as the scheduler does
+        assert pw.bucket(len(first.tokens)) >= 32
+        got = pw.run(first).clone()
+        torch.testing.assert_close(got, runner.forward(first), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], _alone(eng, "tiny-coder", b)[-1], rtol=1e-4, atol=1e-4)
+        nxt_a, nxt_b = int(got[0].argmax()), int(got[1].argmax())
+        second = _step(t, [(0, nxt_a, len(a), -1), (1, nxt_b, len(b), coder)], [(2, w, 0, writer)])
+        n, bucket = len(second.tokens), pw.bucket(len(second.tokens))
+        got = pw.run(second).clone()
+        want_tiles = segment_tiles([(2, n, writer), (n, bucket, ZERO_SLOT)])
+        assert pw.tiles[:len(want_tiles)].tolist() == [list(x) for x in want_tiles]
+        assert int((pw.tiles[:, 0] < pw.tiles[:, 1]).sum()) == len(want_tiles)
+        assert pw.decode_variants.tolist() == [-1, coder, -1, -1]
+        torch.testing.assert_close(got, runner.forward(second), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], _alone(eng, "tiny-coder", b + [nxt_b])[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[2], _alone(eng, "tiny-writer", w)[-1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("long_m", [None, 16], ids=["blocks", "long-blocks"])
 def test_piecewise_segments_group_the_variants_once_per_step(eng, monkeypatch, long_m):
     """On a GPU a piecewise step of many tokens multiplies grouped by variant
