@@ -367,7 +367,10 @@ class BatchDeltas:
         signs, alphas, bias = self.table.signs[name], self.table.alphas[name], self.table.full.get(bname)
         lead = self.runs[0][0]
         if name not in self.table.betas and segments_supported(x2, mod.weight, signs):  # the runs as one kernel
-            tiles = torch.tensor(segment_tiles(self.runs), dtype=torch.int32).to(x.device, non_blocking=True)
+            runs = self.runs
+            if runs[0][2] < 0:  # a base run right after the decode rows: theirs, by the base GEMM
+                lead, runs = runs[0][1], runs[1:]
+            tiles = torch.tensor(segment_tiles(runs), dtype=torch.int32).to(x.device, non_blocking=True)
             self.segments = (tiles, self.slots[:lead])
             return self._linear_segments(mod, x)
         parts = []

@@ -361,12 +361,18 @@ class PiecewiseGraphs:
         sign products (a second pass of a prompt's FLOPs): from :data:`SEGMENT_MIN_TOKENS` tokens on,
         where the kernel runs and no variant has column scales."""
         if b not in self._segmented:
-            table, q = self.runner.slots, self.model.layers[0].self_attn.q_proj
-            name = f"{q.name}.weight"
-            self._segmented[b] = (b >= SEGMENT_MIN_TOKENS and b > self.decode_rows and not table.betas
-                                  and (not self.capture  # eagerly (tests): the tiles one by one where no kernel runs
-                                       or segments_supported(self.x[:b, 0], q.weight, table.signs[name])))
+            self._segmented[b] = (b >= SEGMENT_MIN_TOKENS and b > self.decode_rows and not self.runner.slots.betas
+                                  and (not self.capture or self._tiles_run()))  # eagerly (tests): tile by tile
         return self._segmented[b]
+
+    def _tiles_run(self) -> bool:
+        """Whether the tile kernel runs for every linear of a layer (``segments_supported``: on a
+        Hopper GPU, K a multiple of 128, ...): a graph cannot fall back to the tiles one by one,
+        which reads the table on the host."""
+        table = self.runner.slots
+        mods = [m for m in self.model.layers[0].modules() if getattr(m, "delta_kind", None) == "linear"]
+        return all(segments_supported(self.x.new_empty(1, m.weight.shape[1]), m.weight, table.signs[f"{m.name}.weight"])
+                   for m in mods)
 
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
@@ -472,9 +478,11 @@ class PiecewiseGraphs:
 
     def _stage_tiles(self, step, b: int) -> None:
         """The tiles of ``step``'s prompt chunks and of its padding tokens (zeros: no row is left
-        unwritten), and the slots of its decode rows, staged and copied."""
-        n = len(step.tokens)
-        tiles = segment_tiles(step.runs() + ([(n, b, ZERO_SLOT)] if n < b else []))
+        unwritten), and the slots of its decode rows, staged and copied. Base rows among the first
+        :attr:`decode_rows` get no tile: the decode part's base GEMM has them already."""
+        n, d = len(step.tokens), self.decode_rows
+        runs = [(max(first, d) if slot < 0 else first, stop, slot) for first, stop, slot in step.runs()]
+        tiles = segment_tiles([r for r in runs if r[0] < r[1]] + ([(n, b, ZERO_SLOT)] if n < b else []))
         n_tiles = max_segment_tiles(b, self.runner.slots.n_slots + 2)
         assert len(tiles) <= n_tiles, "prompt chunks not sorted by variant (scheduler.py sorts them)"
         host = self._host_tiles.numpy()

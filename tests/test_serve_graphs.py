@@ -263,8 +263,11 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     prompt's first chunk; then its second chunk), then steps with variants (a coder prompt of 200
     tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
     decode row beside a math prompt of 6: 7 tokens, per-row kernels eagerly and grouped in the graph
-    of 16). The sampled rows' logits agree within the module's bound, each (bucket, with variants) pair is captured once (piecewise:
-    one graph per segment, 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    of 16; then a base and a coder decode row beside prompts of the base (20), coder (150) and math
+    (100): 272 tokens, the eager step multiplying the prompts by tiles of one variant each where the
+    kernel runs, its base prompt with the decode rows, and the graph of 512 grouping). The sampled rows' logits agree within
+    the module's bound, each (bucket, with variants) pair is captured once (piecewise: one graph per
+    segment, 5 for 4 layers) and replayed, and afterwards the caches agree."""
     from deltafleet.serve.graphs import FullGraphs
     from deltafleet.serve.batch import GROUPED_MIN_ROWS
     from deltafleet.serve.runner import ModelRunner, StepInput
@@ -282,7 +285,7 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     tables: dict[int, list[int]] = {}
     vocab = model.args.vocab_size
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist()
-               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 6))}
+               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 6), (6, 20), (7, 150), (8, 100))}
 
     def chunk(st, seq, ids, start, variant=-1):
         first = len(st.tokens)
@@ -335,8 +338,18 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
         decode(five, 3, int(want[1].argmax()), len(prompts[3]), coder)
         chunk(five, 5, prompts[5], 0, maths)
         assert len(five.tokens) < GROUPED_MIN_ROWS
-        check(five)
-    assert pw.replays == 5 and sorted(pw.graphs) == [(16, True), (128, False), (256, False), (256, True)]
+        want = check(five)
+        six = StepInput()  # prompts by tiles: a bucket of 512
+        decode(six, 0, 9, len(prompts[0]) + 2)
+        decode(six, 5, int(want[1].argmax()), len(prompts[5]), maths)
+        chunk(six, 6, prompts[6], 0)
+        chunk(six, 7, prompts[7], 0, coder)
+        chunk(six, 8, prompts[8], 0, maths)
+        # down's K (688) is no multiple of 128: no tile kernel for it, so the graph groups (a graph
+        # cannot take the tiles one by one); the eager step takes the tiles where the kernel runs
+        assert pw.bucket(len(six.tokens)) == 512 and not pw.segmented(512)
+        check(six)
+    assert pw.replays == 6 and sorted(pw.graphs) == [(16, True), (128, False), (256, False), (256, True), (512, True)]
     # The caches hold every layer's keys of the variant steps too, where the eager step multiplies a
     # variant's chunk by the one-variant kernel and the graph by the grouped one (which rounds the
     # base product before adding the sign term): their roundings compound through the layers (0.47

@@ -456,8 +456,12 @@ def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monke
     t = _Tables()
     with torch.inference_mode():
         first = _step(t, [], [(0, a, 0, -1), (1, b, 0, coder)])  # sorted by variant, as the scheduler does
-        assert pw.bucket(len(first.tokens)) >= 32
+        n, bucket = len(first.tokens), pw.bucket(len(first.tokens))
+        assert bucket >= 32
         got = pw.run(first).clone()
+        # the base prompt's first 4 rows (decode_rows) are the decode part's: no tile
+        want_tiles = segment_tiles([(4, len(a), -1), (len(a), n, coder), (n, bucket, ZERO_SLOT)])
+        assert pw.tiles[:len(want_tiles)].tolist() == [list(x) for x in want_tiles]
         torch.testing.assert_close(got, runner.forward(first), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], _alone(eng, "tiny-coder", b)[-1], rtol=1e-4, atol=1e-4)
         nxt_a, nxt_b = int(got[0].argmax()), int(got[1].argmax())
@@ -471,6 +475,29 @@ def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monke
         torch.testing.assert_close(got, runner.forward(second), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], _alone(eng, "tiny-coder", b + [nxt_b])[-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[2], _alone(eng, "tiny-writer", w)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_graphs_take_tiles_only_where_the_kernel_runs_for_every_linear(eng, monkeypatch):
+    """A captured bucket multiplies by tiles only if the tile kernel runs for every linear of a layer
+    (a graph cannot read the tile table on the host to take the tiles one by one): asked for each
+    matrix's K, and one refusal (here the MLP's down projection) keeps the grouped path."""
+    from deltafleet.serve import graphs
+    from deltafleet.serve.graphs import PiecewiseGraphs
+
+    monkeypatch.setattr(graphs, "SEGMENT_MIN_TOKENS", 32)
+    down_k = eng.model.layers[0].mlp.down_proj.weight.shape[1]
+    asked = []
+
+    def supported(x, weight, signs):
+        asked.append(x.shape[-1])
+        return x.shape[-1] != down_k
+
+    monkeypatch.setattr(graphs, "segments_supported", supported)
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=48, block_size=BS, max_batch=4, max_seq_len=64)
+    pw = PiecewiseGraphs(runner, max_tokens=64, max_sample=4, capture=True)
+    assert not pw.segmented(64) and down_k in asked and eng.model.args.dim in asked
+    monkeypatch.setattr(graphs, "segments_supported", lambda x, weight, signs: True)
+    assert PiecewiseGraphs(runner, max_tokens=64, max_sample=4, capture=True).segmented(64)
 
 
 @pytest.mark.parametrize("long_m", [None, 16], ids=["blocks", "long-blocks"])
