@@ -266,6 +266,7 @@ class BatchDeltas:
         # the prompt chunks by one kernel over their tiles (_linear_segments): (tiles int32 [T, 3] on the
         # device, the slots of the D leading rows, which are multiplied as a decode batch)
         self.segments = segments
+        self._tiles = None  # with runs: their tile table on the device, made at the first linear that takes it
         # grouped rows' block size (None: grouped_block_m of the row count; 16 without small blocks)
         self.block_m = block_m
         self._groups = None
@@ -332,7 +333,7 @@ class BatchDeltas:
         multiplied batched and each run by the one-variant kernel, which reads the base weight and the
         variant's signs once for the whole run whatever its length (a long prompt is compute bound)."""
         if self.segments is not None:
-            return self._linear_segments(mod, x)
+            return self._linear_segments(mod, x, self.segments)
         if self.runs:
             return self._linear_runs(mod, x)
         b, t, k = x.shape
@@ -346,12 +347,12 @@ class BatchDeltas:
             y = y + bias[rows]
         return y.view(b, t, -1)
 
-    def _linear_segments(self, mod, x: Tensor) -> Tensor:
-        """A flat step (T = 1) whose prompt chunks are tiles of :attr:`segments`: the D leading rows as
+    def _linear_segments(self, mod, x: Tensor, segments: tuple[Tensor, Tensor]) -> Tensor:
+        """A flat step (T = 1) whose prompt chunks are the tiles ``segments[0]``: the D leading rows as
         a decode batch (their slots ``segments[1]``; rows there that a tile also covers get the tile's
         result), then every tile by ``bitdelta_linear_segments`` (one kernel, W read about once)."""
         name = f"{mod.name}.weight"
-        tiles, lead = self.segments
+        tiles, lead = segments
         x2 = x[:, 0]
         y = x2.new_empty(x2.shape[0], mod.weight.shape[0])
         d = lead.shape[0]
@@ -370,9 +371,9 @@ class BatchDeltas:
             runs = self.runs
             if runs[0][2] < 0:  # a base run right after the decode rows: theirs, by the base GEMM
                 lead, runs = runs[0][1], runs[1:]
-            tiles = torch.tensor(segment_tiles(runs), dtype=torch.int32).to(x.device, non_blocking=True)
-            self.segments = (tiles, self.slots[:lead])
-            return self._linear_segments(mod, x)
+            if self._tiles is None:  # one table a step, whichever matrices the kernel takes
+                self._tiles = torch.tensor(segment_tiles(runs), dtype=torch.int32).to(x.device, non_blocking=True)
+            return self._linear_segments(mod, x, (self._tiles, self.slots[:lead]))
         parts = []
         if lead:
             y = self._batched(x2[:lead], mod.weight, name, self.slots[:lead])

@@ -344,6 +344,8 @@ class PiecewiseGraphs:
                 self.positions[:b].zero_()
                 self.variants[:b].fill_(-1)
                 self.rows.zero_()
+                self.tiles.zero_()  # no tile: no row of a larger bucket's table is written past this one
+                self.decode_variants.fill_(-1)
                 self.graphs[b, kind] = self._capture(b, kind)
                 n += 1
         return n
@@ -484,7 +486,8 @@ class PiecewiseGraphs:
         runs = [(max(first, d) if slot < 0 else first, stop, slot) for first, stop, slot in step.runs()]
         tiles = segment_tiles([r for r in runs if r[0] < r[1]] + ([(n, b, ZERO_SLOT)] if n < b else []))
         n_tiles = max_segment_tiles(b, self.runner.slots.n_slots + 2)
-        assert len(tiles) <= n_tiles, "prompt chunks not sorted by variant (scheduler.py sorts them)"
+        if len(tiles) > n_tiles:  # rows would be left unwritten
+            raise RuntimeError(f"{len(tiles)} tiles for a bucket of {n_tiles}: prompt chunks not sorted by variant")
         host = self._host_tiles.numpy()
         host[:len(tiles)] = tiles
         host[len(tiles):n_tiles] = 0

@@ -8,9 +8,11 @@ ptxas, for ``cuda:90``, with the argument specialisations a real launch on 16-al
 test session imports triton in interpreter mode (tests/conftest.py).
 
 ``DELTAFLEET_COMPILE_ALL=1`` compiles every configuration (about 900 CPU-seconds on a fresh Triton
-cache). Without it, the configuration lists of the two kernels slowest to compile (9–12 s each: the
-int8 tenant kernel's ``WS_CONFIGS`` and the Gluon tenant kernel's ``tenant_configs``) keep their first
-and last configuration per row count; every other list is compiled whole, and so is every kernel.
+cache). Without it, the configuration lists of the kernels slowest to compile (7–12 s a configuration:
+the int8 tenant kernel's ``WS_CONFIGS``, the Gluon and Triton tenant kernels' ``tenant_configs`` and
+``_lut_configs``, the register-operand prefill kernel's ``CONFIGS`` and ``SMALL_CONFIGS``) keep their
+first and last configuration (per row count); every other list is compiled whole, and every kernel
+and variant of one.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ for cfg in tb._decode_configs(True):
 for cfg in tb._mm_configs():
     out[key("prefill", cfg, {})] = build(tb._mm_kernel, dict(
         ALPHA_PER_ROW=True, HAS_BIAS=True, EVEN_K=True, DOT_FP32=False), cfg)
-for cfg in tb._lut_configs():
+for cfg in sweep(tb._lut_configs()):
     for bm in (1, 16):
         out[key("tenants-lut", cfg, {"BLOCK_M": bm})] = build(tb._tenants_kernel, dict(
             ALPHA_PER_ROW=False, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=bm), cfg)
@@ -262,7 +264,7 @@ if gb.HAVE_GLUON:
                                RH=min(rows, rh_), PDL=pdl, LOADERS=ld_, BS=False, BITS=True, num_warps=4),
                      {"num_warps": 4, "maxnreg": regs_, "launch_pdl": pdl})
     from deltafleet.kernels import gluon_prefill_rs as pr
-    for config, tiled, seg in ([(c, False, False) for c in pr.CONFIGS + pr.SMALL_CONFIGS]
+    for config, tiled, seg in ([(c, False, False) for c in sweep(pr.CONFIGS) + sweep(pr.SMALL_CONFIGS)]
                                + [(pr.CONFIGS[0], True, False), (pr.SMALL_CONFIGS[1], True, False)]
                                + [(pr.SEGMENT_CONFIG, True, True), (pr.SEGMENT_CONFIG, False, True)]):
         name = "gluon-prefill-rs " + json.dumps({"config": list(config), "tiled": tiled, "segments": seg})
@@ -348,7 +350,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
     from deltafleet.kernels import gluon_prefill_rs as pr
 
-    n_gluon = (2 * len(gb.CONFIGS) + len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 9  # + the register-operand
+    n_gluon = (2 * len(gb.CONFIGS) + len(sweep(pr.CONFIGS)) + len(sweep(pr.SMALL_CONFIGS)) + 9  # + the register-operand
                # kernel on tiled signs (a prefill and a small-batch configuration), the int8 kernel on tiled signs,
                # the int8 kernel with its base product spread over the consumers, and on the binary
                # tensor cores (bits): tiled with and without the spread, and three on row signs,
@@ -363,7 +365,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
     # the grouped int8 kernel: every configuration, the first of the smallest and largest block_m twice
     # more (fp16, fp32)
     n_grouped = sum(len(c) for c in gg.CONFIGS.values()) + 4 if gb.HAVE_GLUON else 0
-    assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(tb._lut_configs()) + n_gluon
+    assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(sweep(tb._lut_configs())) + n_gluon
                              + n_tiled + n_grouped)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
     assert not errors, "configurations that do not compile:\n" + "\n".join(f"{k}: {e}" for k, e in errors.items())
@@ -438,7 +440,7 @@ def test_register_operand_prefill_keeps_its_wgmmas_asynchronous(compiled):
         pytest.skip("this triton has no Gluon")
     rs = {k: v for k, v in compiled.items() if k.startswith("gluon-prefill-rs")}
     # + two on tiled signs, two over a tile table (tiled signs and sign rows)
-    assert len(rs) == len(pr.CONFIGS) + len(pr.SMALL_CONFIGS) + 4
+    assert len(rs) == len(sweep(pr.CONFIGS)) + len(sweep(pr.SMALL_CONFIGS)) + 4
     assert all(v["wgmma"] and not v["serialized"] for v in rs.values()), rs
 
 

@@ -67,7 +67,7 @@ def test_segments_match_each_rows_own_variant(dtype, tiled):
     want = bitdelta_linear_batched(x.float(), w.float(), rows, alphas, base)
     other = bitdelta_linear_batched(x.float(), w.float(), rows, alphas, torch.where(base >= 0, (base + 1) % tenants, base))
     dev = torch.device(DEVICE)
-    tiles = torch.tensor(segment_tiles(runs), dtype=torch.int32, device=dev)
+    tiles = torch.tensor(segment_tiles(runs) + [(0, 0, 0), (7, 7, 1)], dtype=torch.int32, device=dev)  # + unused
     y = torch.full((m, n), 3.0, dtype=dtype, device=dev)
     got = bitdelta_linear_segments(x.to(dev), w.to(dev), signs.to(dev), alphas.to(dev), tiles, y).float().cpu()
     assert got is not None and got.shape == (m, n)
