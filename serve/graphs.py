@@ -311,7 +311,7 @@ class PiecewiseGraphs:
         # per SEGMENT_ROWS rows of a variant's chunks; the scheduler sorts them by variant) and the
         # slots of the first D = min(bucket, max_batch) rows, the decode rows (BatchDeltas.segments)
         self.decode_rows = min(t, runner.max_batch)
-        self.tiles = torch.zeros(max_segment_tiles(t, runner.slots.n_slots + 2), 3, dtype=torch.int32, device=dev)
+        self.tiles = torch.zeros(self._n_tiles(t), 3, dtype=torch.int32, device=dev)
         self.decode_variants = torch.full((self.decode_rows,), -1, dtype=torch.int64, device=dev)
         self._host_tiles = torch.zeros(tuple(self.tiles.shape), dtype=torch.int32, pin_memory=pin)
         self._host_decode = torch.zeros(self.decode_rows, dtype=torch.int64, pin_memory=pin)
@@ -367,6 +367,11 @@ class PiecewiseGraphs:
                                   and (not self.capture or self._tiles_run()))  # eagerly (tests): tile by tile
         return self._segmented[b]
 
+    def _n_tiles(self, b: int) -> int:
+        """Entries of the tile table a bucket of ``b`` tokens uses: one run per slot and the base (the
+        scheduler sorts the chunks by variant), and the padding."""
+        return max_segment_tiles(b, self.runner.slots.n_slots + 2)
+
     def _tiles_run(self) -> bool:
         """Whether the tile kernel runs for every linear of a layer (``segments_supported``: on a
         Hopper GPU, K a multiple of 128, ...): a graph cannot fall back to the tiles one by one,
@@ -386,9 +391,8 @@ class PiecewiseGraphs:
         delta = BatchDeltas(table, slots)
         prefill = True
         if self.segmented(b):
-            n_tiles = max_segment_tiles(b, table.n_slots + 2)
             slots = self.decode_variants
-            delta = BatchDeltas(table, self.variants[:b], segments=(self.tiles[:n_tiles], slots))
+            delta = BatchDeltas(table, self.variants[:b], segments=(self.tiles[:self._n_tiles(b)], slots))
             prefill = False
         if not BatchDeltas.grouped(self.x[:slots.shape[0], 0]):
             return delta
@@ -485,7 +489,7 @@ class PiecewiseGraphs:
         n, d = len(step.tokens), self.decode_rows
         runs = [(max(first, d) if slot < 0 else first, stop, slot) for first, stop, slot in step.runs()]
         tiles = segment_tiles([r for r in runs if r[0] < r[1]] + ([(n, b, ZERO_SLOT)] if n < b else []))
-        n_tiles = max_segment_tiles(b, self.runner.slots.n_slots + 2)
+        n_tiles = self._n_tiles(b)
         if len(tiles) > n_tiles:  # rows would be left unwritten
             raise RuntimeError(f"{len(tiles)} tiles for a bucket of {n_tiles}: prompt chunks not sorted by variant")
         host = self._host_tiles.numpy()
