@@ -99,7 +99,7 @@ def segments_supported(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
     """Whether :func:`bitdelta_linear_segments` runs as one Hopper kernel for these tensors (Gluon, a
     compute capability 9.x device, bf16/fp16, K a multiple of 128, aligned contiguous rows; signs
     ``[S, N, K/8]`` or tiled ``[S, N/64, K/128, 64, 16]``); elsewhere it loops over the tiles on the host."""
-    if not _on_triton(x, weight) or signs.dim() not in (3, 5):
+    if not _on_triton(x, weight):
         return False
     from deltafleet.kernels import gluon_prefill_rs
 

@@ -316,6 +316,7 @@ class PiecewiseGraphs:
         self._host_tiles = torch.zeros(tuple(self.tiles.shape), dtype=torch.int32, pin_memory=pin)
         self._host_decode = torch.zeros(self.decode_rows, dtype=torch.int64, pin_memory=pin)
         self._segmented: dict[int, bool] = {}
+        self._tiles_ok: bool | None = None  # _tiles_run, asked once (it depends on the model only)
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
@@ -376,10 +377,12 @@ class PiecewiseGraphs:
         """Whether the tile kernel runs for every linear of a layer (``segments_supported``: on a
         Hopper GPU, K a multiple of 128, ...): a graph cannot fall back to the tiles one by one,
         which reads the table on the host."""
-        table = self.runner.slots
-        mods = [m for m in self.model.layers[0].modules() if getattr(m, "delta_kind", None) == "linear"]
-        return all(segments_supported(self.x.new_empty(1, m.weight.shape[1]), m.weight, table.signs[f"{m.name}.weight"])
-                   for m in mods)
+        if self._tiles_ok is None:
+            table = self.runner.slots
+            mods = [m for m in self.model.layers[0].modules() if getattr(m, "delta_kind", None) == "linear"]
+            self._tiles_ok = all(segments_supported(self.x.new_empty(1, m.weight.shape[1]), m.weight,
+                                                    table.signs[f"{m.name}.weight"]) for m in mods)
+        return self._tiles_ok
 
     def _deltas(self, b: int, i: int) -> BatchDeltas:
         """The variants of bucket ``b``'s tokens, for segment ``i``: segment 0 groups them (where the
