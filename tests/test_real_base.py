@@ -252,10 +252,11 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     want = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     del model
 
-    _fine_tune_coder(tmp_path, converted)
-    assert "heldout/base_loss" in json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["hyper_parameters"]["lr"] == pytest.approx(2e-5)  # the family's, not the variant's 1e-3
+    _fine_tune_coder(tmp_path, converted, "trainer.enable_checkpointing=false")  # no 2.7 GB of optimizer state
+    record = json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
+    assert "heldout/base_loss" in record and record["global_step"] == 2
+    assert record["lr"] == pytest.approx(2e-5)  # the family's, not the variant's 1e-3
+    assert not (tmp_path / "run" / "checkpoints").exists()
     manifest = json.loads((tmp_path / "artifacts" / "smollm2" / "coder" / "bitdelta.json").read_text())
     assert manifest["variant"] == "coder"
     assert not (tmp_path / "models" / "coder").exists() and not (tmp_path / "artifacts" / "coder").exists()

@@ -116,12 +116,15 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
 
 
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
-    """Periodic checkpoints (for ``ckpt_path`` resume) and the checkpoint-merging callback."""
+    """Periodic checkpoints (for ``ckpt_path`` resume; none with ``trainer.enable_checkpointing=false``)
+    and the checkpoint-merging callback."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    callbacks = [ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
-                                 every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
-                                 save_last=True, auto_insert_metric_name=False)]
+    callbacks = []
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
+                                         every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
+                                         save_last=True, auto_insert_metric_name=False))
     merge = cfg.get("merge")
     name = None if merge is None else merge.get("method", merge._target_.rsplit(".", 1)[-1])
     if name is None or name == "none":
@@ -212,9 +215,10 @@ def train(cfg: DictConfig) -> dict:
 
     logger = hydra.utils.instantiate(cfg.logger)
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable}
+    metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable,
+                     "lr": learning_rate(cfg)}
     try:
-        module = CausalLMModule(model, lr=learning_rate(cfg), weight_decay=cfg.variant.weight_decay,
+        module = CausalLMModule(model, lr=metrics["lr"], weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
                                 min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant)
         consolidate = ConsolidateOnTrainEnd()
