@@ -208,18 +208,24 @@ def test_a_directory_it_did_not_write_is_never_replaced(tmp_path):
 
 
 def test_a_terminated_run_leaves_no_temporary_directory(tmp_path):
-    """SIGTERM (a timeout, a cancelled job) during the save unwinds like Ctrl-C: nothing is left."""
+    """SIGTERM (a timeout, a cancelled job) during the save unwinds like Ctrl-C: nothing is left. The
+    run converts a tiny GGUF (the tests' 2-layer Llama): the unwinding is the same for any model."""
     import signal
     import time
 
+    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
+
+    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
+    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
     out = tmp_path / "models" / "smollm2-base"
     models = tmp_path / "models"
-    # The save and its check take 2-4 s; on a loaded machine the signal can land after the run has
-    # finished (it then exits 0 or by the signal, with a whole checkpoint): such a try is repeated.
+    # The save and its check (loading what was written, the perplexity) take a few hundred ms; on a
+    # loaded machine the signal can land after the run has finished (it then exits 0 or by the
+    # signal, with a whole checkpoint): such a try is repeated.
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "train/real_base.py", f"out_dir={out}",
-                                 f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "train/real_base.py", f"out_dir={out}", f"gguf={gguf}",
+                                 "max_perplexity=5000", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 600
         while not (models.is_dir() and any(models.glob(".smollm2-base.*"))):  # until it begins saving
             assert proc.poll() is None and time.time() < deadline, "the run ended before it began saving"
