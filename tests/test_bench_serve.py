@@ -100,7 +100,7 @@ def test_zipf_popularity_follows_the_rank_order():
 
 
 def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_path):
-    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", "+server.max_num_batched_tokens=4096",
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", "server.max_num_batched_tokens=4096",
                                  "+server.kv_cache={block_size:64,max_tokens:null}", "+server.max_waiting=8"])
     out = bench.server_overrides(cfg, tmp_path / "tok", 1234)
     assert "max_batch=256" in out and "max_num_batched_tokens=4096" in out
@@ -336,7 +336,7 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
 
     ranked = ["bench", "bench-v00", "bench-v01", "bench-v02"]
     assert d["server"]["variant_ids"] == ranked[1:] and d["warmup"]["all_variants_answered"]
-    assert d["server"]["overrides"][-2:] == ["max_batch=4", "max_waiting=null"]
+    assert d["server"]["overrides"][-3:] == ["max_batch=4", "max_num_batched_tokens=1024", "max_waiting=null"]
     assert d["server"]["client_processes"] == 2  # two client processes shared the load
     assert sorted(d["loads"]) == ["1", "4"]
     for c in (1, 4):
