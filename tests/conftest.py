@@ -21,6 +21,11 @@ import sysconfig
 TRITON_DEVICE = os.environ.get("DELTAFLEET_TRITON_DEVICE", "cpu")
 if TRITON_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist's workers fill the cores (`make test`: one per logical CPU). Each worker, and every
+# process it starts (training runs, servers), then uses one OpenMP thread: more would spin-wait
+# against the other workers' (a real-base fine-tune took 3x its time alone beside the compile test).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 from dataclasses import dataclass
 from pathlib import Path
 
