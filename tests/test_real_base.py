@@ -258,7 +258,7 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     want = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     del model
 
-    _fine_tune_coder(tmp_path, converted, "trainer.enable_checkpointing=false")  # no 2.7 GB of optimizer state
+    _fine_tune_coder(tmp_path, converted, "trainer.enable_checkpointing=false")  # no 2.7 GB checkpoint
     record = json.loads((tmp_path / "models" / "smollm2-coder" / "training.json").read_text())
     assert "heldout/base_loss" in record and record["global_step"] == 2
     assert record["lr"] == pytest.approx(2e-5)  # the family's, not the variant's 1e-3

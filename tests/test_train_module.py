@@ -76,14 +76,18 @@ def test_load_blocks_packs_documents_with_eos(tmp_path):
 
 
 def test_a_resume_is_checked_before_training(tmp_path):
-    """``ckpt_path`` is refused when it is missing, another variant's, or already at ``max_steps``
-    (Lightning would skip training and leave nothing to export)."""
+    """``ckpt_path`` is refused when it is missing, another variant's, trained at another learning
+    rate (Lightning would restore its optimizer and schedule, and the run's recorded lr would be
+    wrong), or already at ``max_steps`` (Lightning would skip training and leave nothing to export)."""
     from deltafleet.train.run import check_resume
 
     ckpt = tmp_path / "last.ckpt"
-    torch.save({"global_step": 200, "hyper_parameters": {"variant": "writer"}}, ckpt)
+    torch.save({"global_step": 200, "hyper_parameters": {"variant": "writer", "lr": 1e-3}}, ckpt)
     check_resume(str(ckpt), "writer", 201)  # one step left: fine
+    check_resume(str(ckpt), "writer", 201, 1e-3)
     check_resume(None, "writer", 10)
+    with pytest.raises(ValueError, match=r"was trained at lr 0.001, this run asks for 0.0005: a resume keeps"):
+        check_resume(str(ckpt), "writer", 201, 5e-4)
     with pytest.raises(ValueError, match="is at step 200, at or past max_steps=160: nothing would be trained"):
         check_resume(str(ckpt), "writer", 160)
     with pytest.raises(ValueError, match="is a checkpoint of variant 'writer', not 'legal'"):

@@ -95,9 +95,10 @@ def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: P
             shutil.move(str(adapter_dir), tmp / "adapter")
 
 
-def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None) -> None:
-    """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, or is already at
-    or past ``max_steps`` (nothing would be trained)."""
+def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None) -> None:
+    """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, was trained at
+    another learning rate than ``lr`` (a resume restores the checkpoint's optimizer and schedule, so
+    the run would not use ``lr``), or is already at or past ``max_steps`` (nothing would be trained)."""
     if not ckpt_path:
         return
     path = Path(ckpt_path)
@@ -109,6 +110,9 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
         if hp.get("variant") not in (None, variant):
             raise ValueError(f"ckpt_path {ckpt_path} is a checkpoint of variant {hp['variant']!r}, "
                              f"not {variant!r}: resume a {variant} run, or train from models/base")
+        if lr is not None and hp.get("lr") not in (None, lr):
+            raise ValueError(f"ckpt_path {ckpt_path} was trained at lr {hp['lr']:g}, this run asks for {lr:g}: a "
+                             "resume keeps the checkpoint's optimizer and schedule; resume at its lr")
         step = ckpt.get("global_step")
         if max_steps is not None and max_steps >= 0 and step is not None and step >= max_steps:
             raise ValueError(f"ckpt_path {ckpt_path} is at step {step}, at or past max_steps={max_steps}: "
@@ -171,7 +175,7 @@ def check_config(cfg: DictConfig) -> None:
 
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
-    check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"))
+    check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg))
     if cfg.checkpoint.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
