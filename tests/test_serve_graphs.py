@@ -67,6 +67,28 @@ def _slots_of(tables: dict, seq: int, start: int, stop: int, bs: int, free: list
     return [table[t // bs] * bs + t % bs for t in range(start, stop)]
 
 
+def _two_runners(family, attention: str, n_blocks: int):
+    """The family loaded (:func:`_loaded`) and two runners over it, each with its own cache of
+    ``n_blocks`` blocks of 128 slots: eager, and replaying steps of up to 512 tokens as CUDA graphs.
+    Returns ``(model, views, eager, graphs)``."""
+    from deltafleet.serve.runner import ModelRunner
+
+    model, slots, views = _loaded(family)
+    eager = ModelRunner(model, slots, n_blocks, 128, MAX_BATCH, SEQ, attention=attention)
+    graphs = ModelRunner(model, slots, n_blocks, 128, MAX_BATCH, SEQ, cuda_graphs=True, attention=attention,
+                         prefill_graphs=512)
+    return model, views, eager, graphs
+
+
+def _check(eager, graphs, step, factor: float = 1) -> torch.Tensor:
+    """The step's sampled logits by both runners agree within ``factor`` times the module's bound;
+    returns the eager ones."""
+    want, got = eager.forward(step).float(), graphs.execute(step)
+    err, bound = _within(got, want)
+    assert err <= factor * bound, (err, factor * bound)
+    return want
+
+
 class _Steps:
     """Builds ``StepInput`` rows over a paged cache of ``n_blocks`` blocks of ``bs`` slots, handed out
     in a seeded random order: ``chunk`` appends a prompt chunk, ``decode`` a decode row (decode rows
@@ -293,17 +315,15 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     of 16; then a base and a coder decode row beside prompts of the base (20), coder (150) and math
     (100): 272 tokens, the eager step multiplying the prompts by tiles of one variant each where the
     kernel runs, its base prompt with the decode rows, and the graph of 512 grouping). The sampled
-    rows' logits agree within the module's bound (twice that for the last step: see there), each (bucket, with variants) pair is captured once (piecewise: one graph per
-    segment, 5 for 4 layers) and replayed, and afterwards the caches agree."""
+    rows' logits agree within the module's bound (twice that for the last step: see there), each
+    (bucket, with variants) pair is captured once (piecewise: one graph per segment, 5 for 4 layers)
+    and replayed, and afterwards the caches agree."""
     from deltafleet.serve.graphs import FullGraphs
     from deltafleet.serve.batch import GROUPED_MIN_ROWS
-    from deltafleet.serve.runner import ModelRunner, StepInput
+    from deltafleet.serve.runner import StepInput
 
-    model, slots, views = _loaded(family)
+    model, views, eager, piece = _two_runners(family, attention, 32)
     bs, n_blocks = 128, 32
-    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention=attention)
-    piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention=attention,
-                        prefill_graphs=512)
     pw = piece.piecewise
     assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 512]
     assert isinstance(pw, FullGraphs) == (attention == "flex")
@@ -315,10 +335,7 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
                for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 6), (6, 20), (7, 150), (8, 100))}
 
     def check(st, factor=1):
-        want, got = eager.forward(st).float(), piece.execute(st)
-        err, bound = _within(got, want)
-        assert err <= factor * bound, (err, factor * bound)
-        return want
+        return _check(eager, piece, st, factor)
 
     coder, writer, maths = (views[v].slot for v in ("coder", "writer", "math"))
     with torch.inference_mode():
@@ -390,41 +407,31 @@ def test_prompt_chunks_replay_by_tiles(family128, attention):
     Logits agree within the module's bound, one graph serves both steps, and the caches agree."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tile kernel runs on Hopper only")
-    from deltafleet.serve.runner import ModelRunner, StepInput
+    from deltafleet.serve.runner import StepInput
 
-    model, slots, views = _loaded(family128)
-    bs, n_blocks = 128, 16
-    eager = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, attention=attention)
-    piece = ModelRunner(model, slots, n_blocks, bs, MAX_BATCH, SEQ, cuda_graphs=True, attention=attention,
-                        prefill_graphs=512)
+    model, views, eager, piece = _two_runners(family128, attention, 16)
     pw = piece.piecewise
     assert pw.segmented(512) and not pw.segmented(256)
     gen = torch.Generator().manual_seed(2)
-    steps = _Steps(n_blocks, bs, gen)
+    steps = _Steps(16, 128, gen)
     vocab = model.args.vocab_size
     sizes = {0: 100, 1: 150, 2: 60, 3: 200, 4: 90, 5: 30}
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in sizes.items()}
     coder, writer, maths = (views[v].slot for v in ("coder", "writer", "math"))
-
-    def check(st):
-        want, got = eager.forward(st).float(), piece.execute(st)
-        err, bound = _within(got, want)
-        assert err <= bound, (err, bound)
-        return want
 
     with torch.inference_mode():
         one = StepInput()
         for seq, variant in sorted(((0, -1), (1, coder), (2, maths)), key=lambda c: c[1]):  # the scheduler's order
             steps.chunk(one, seq, prompts[seq], 0, variant)
         assert pw.bucket(len(one.tokens)) == 512
-        want = check(one)
+        want = _check(eager, piece, one)
         two = StepInput()
         for row, (seq, variant) in enumerate(((0, -1), (1, coder), (2, maths))):
             steps.decode(two, seq, int(want[row].argmax()), sizes[seq], variant)
         for seq, variant in sorted(((3, writer), (4, coder), (5, -1)), key=lambda c: c[1]):
             steps.chunk(two, seq, prompts[seq], 0, variant)
         assert pw.bucket(len(two.tokens)) == 512
-        check(two)
+        _check(eager, piece, two)
     assert pw.replays == 2 and sorted(pw.graphs) == [(512, True)]
     for c_e, c_p in ((eager.cache.k, piece.cache.k), (eager.cache.v, piece.cache.v)):
         err, bound = _within(c_p, c_e)
