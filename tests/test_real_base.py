@@ -42,6 +42,17 @@ def converted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A GGUF of the tests' 2-layer Llama with the tests' byte-level BPE (``write_tiny_gguf``), shared
+    read-only by the tests that convert it."""
+    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("tiny_gguf")
+    train_tiny_tokenizer(root / "tok", root / "tokdata")
+    return write_tiny_gguf(root / "gguf" / "tiny.gguf", root / "tok")
+
+
 def _fine_tune_coder(root: Path, base: Path, *overrides: str) -> None:
     """``python train/run.py variant=coder model=smollm2`` for 2 steps on real Python source (the coder
     domain, written under ``root/data``) from ``base``, exporting ``root/artifacts/smollm2/coder``."""
@@ -171,13 +182,10 @@ def test_the_chat_template_and_the_recorded_check(converted):
     assert 5 < record["check"]["perplexity"] < record["check"]["max_perplexity"]
 
 
-def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path):
+def test_a_failed_check_or_a_bad_argument_leaves_nothing(tmp_path, tiny_gguf):
     """A conversion whose check fails (a tiny random GGUF against max_perplexity 1) or a bad argument
     writes nothing, and a killed run's staging folder is cleared."""
-    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
-
-    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
-    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
+    gguf = tiny_gguf
     out = tmp_path / "models" / "smollm2-base"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -207,16 +215,13 @@ def test_a_directory_it_did_not_write_is_never_replaced(tmp_path):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
-def test_a_terminated_run_leaves_no_temporary_directory(tmp_path):
+def test_a_terminated_run_leaves_no_temporary_directory(tmp_path, tiny_gguf):
     """SIGTERM (a timeout, a cancelled job) during the save unwinds like Ctrl-C: nothing is left. The
     run converts a tiny GGUF (the tests' 2-layer Llama): the unwinding is the same for any model."""
     import signal
     import time
 
-    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
-
-    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
-    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
+    gguf = tiny_gguf
     out = tmp_path / "models" / "smollm2-base"
     models = tmp_path / "models"
     # The save and its check (loading what was written, the perplexity) take a few hundred ms; on a
@@ -276,7 +281,7 @@ def test_a_variant_of_the_real_base_through_the_pipeline(converted, tmp_path):
     assert chat.usage.prompt_tokens == ids["input_ids"].shape[1]
 
 
-def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
+def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path, tiny_gguf):
     """The whole path on a GGUF written here with the ``gguf`` package (a 2-layer Llama with grouped-query
     attention, a tied head and the tests' byte-level BPE with its chat template): converted (its logits
     and tokens equal transformers' own GGUF loading), fine-tuned 2 steps and exported with
@@ -285,10 +290,8 @@ def test_a_tiny_gguf_converted_fine_tuned_exported_and_served(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deltafleet.compress.bitdelta import load_artifact, materialize
-    from tests.conftest import train_tiny_tokenizer, write_tiny_gguf
 
-    train_tiny_tokenizer(tmp_path / "tok", tmp_path / "tokdata")
-    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", tmp_path / "tok")
+    gguf = tiny_gguf
     base = tmp_path / "models" / "tiny-gguf-base"
     record = real_base.convert(base, gguf=gguf, max_perplexity=5000.0)  # random weights: about the vocabulary
     assert record["model"] == "tiny-llama-test" and record["source"]["package"] is None

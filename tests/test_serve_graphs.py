@@ -322,8 +322,8 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     from deltafleet.serve.batch import GROUPED_MIN_ROWS
     from deltafleet.serve.runner import StepInput
 
-    model, views, eager, piece = _two_runners(family, attention, 32)
     bs, n_blocks = 128, 32
+    model, views, eager, piece = _two_runners(family, attention, n_blocks)
     pw = piece.piecewise
     assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 512]
     assert isinstance(pw, FullGraphs) == (attention == "flex")
@@ -409,11 +409,12 @@ def test_prompt_chunks_replay_by_tiles(family128, attention):
         pytest.skip("the tile kernel runs on Hopper only")
     from deltafleet.serve.runner import StepInput
 
-    model, views, eager, piece = _two_runners(family128, attention, 16)
+    n_blocks = 16
+    model, views, eager, piece = _two_runners(family128, attention, n_blocks)
     pw = piece.piecewise
     assert pw.segmented(512) and not pw.segmented(256)
     gen = torch.Generator().manual_seed(2)
-    steps = _Steps(16, 128, gen)
+    steps = _Steps(n_blocks, 128, gen)
     vocab = model.args.vocab_size
     sizes = {0: 100, 1: 150, 2: 60, 3: 200, 4: 90, 5: 30}
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in sizes.items()}
