@@ -404,7 +404,8 @@ class Metrics:
         self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens fed to the model per engine "
                                           "step.", buckets=TOKEN_BUCKETS, registry=r)
         self.step_seconds = Histogram(PREFIX + "engine_step_seconds", "One engine step on the model thread, from "
-                                      "its plan to its sampled tokens on the host.", ["kind"],
+                                      "its plan (or the previous step's tokens, when later: asynchronous "
+                                      "scheduling) to its sampled tokens on the host.", ["kind"],
                                       buckets=STEP_BUCKETS, registry=r)
         self.launch_seconds = Histogram(PREFIX + "engine_step_launch_seconds", "The host's part of a step: "
                                         "preparing and launching its forward (ModelRunner.execute).", ["kind"],

@@ -136,6 +136,8 @@ class Engine:
         scheduler_delay_factor: admission pacing (vLLM's name; serve/plan.py): while sequences run, a
             waiting request is admitted once it has waited this many times the last admitting step;
             0 (default): at once.
+        async_scheduling: plan and launch each step while the previous one runs on the device, its
+            sampled tokens fed to the next step there (serve/scheduler.py); off with ``tp``.
         cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks as
@@ -156,7 +158,7 @@ class Engine:
                  prefill_graphs: bool = False, capture_at_start: bool = False, max_num_batched_tokens: int = 2048,
                  kv_cache: dict | None = None,
                  attention: str = "auto",
-                 scheduler_delay_factor: float = 0.0):
+                 scheduler_delay_factor: float = 0.0, async_scheduling: bool = True):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -222,6 +224,8 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {async_scheduling!r}")
         if isinstance(scheduler_delay_factor, bool) or not isinstance(scheduler_delay_factor, (int, float)) \
                 or not 0 <= scheduler_delay_factor < math.inf:
             raise ValueError(f"scheduler_delay_factor must be a finite number ≥ 0, got {scheduler_delay_factor!r}")
@@ -239,7 +243,8 @@ class Engine:
                               block_size, attention, col_scales)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
                                        cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
-                                       delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start)
+                                       delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start,
+                                       async_scheduling=async_scheduling)
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
         """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).

@@ -43,6 +43,7 @@ from deltafleet.serve.attention import PagedLayer, fill_tables
 from deltafleet.kernels import segments_supported
 from deltafleet.kernels.reference import ZERO_SLOT, max_segment_tiles, segment_tiles
 from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas
+from deltafleet.serve.transfer import feed_tokens, upload
 
 
 def kernel_workspace(dev):
@@ -85,14 +86,15 @@ class DecodeGraphs:
         self.max_batch = runner.max_batch
         self.buckets = buckets(self.max_batch)
         dev = runner.device
-        # rows: tokens, positions, cache slots, variant slots
-        self.static = torch.zeros(4, self.max_batch, dtype=torch.int64, device=dev)
+        # rows: tokens, positions, cache slots, variant slots; and the previous step's row of each token
+        # still on the device (StepInput.prev_rows), read outside the graph
+        self.static = torch.zeros(5, self.max_batch, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(self.max_batch, runner.max_blocks, dtype=torch.int32, device=dev)
         # Host staging of the same, pinned on CUDA so the copies do not wait for the device: a
         # pageable copy would first drain the stream, leaving the GPU idle while the next step is
         # prepared. ``_copied`` marks when the last copies have read the staging buffers.
         pin = dev.type == "cuda"
-        self._host = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(5, self.max_batch, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(self.max_batch, runner.max_blocks, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
         # (bucket, any variant, block size of the grouped rows or None) → graph, output, workspace
@@ -123,7 +125,8 @@ class DecodeGraphs:
             self._copied.synchronize()  # the previous step's copies have read the buffers
         host = self._host.numpy()
         host[0, :n], host[1, :n], host[2, :n], host[3, :n] = step.tokens, step.positions, step.kv_slots, step.variants
-        host[:, n:b] = np.array([[self.pad_token], [0], [scratch * self.runner.block_size], [-1]])
+        host[4, :n] = step.prev_rows or -1
+        host[:, n:b] = np.array([[self.pad_token], [0], [scratch * self.runner.block_size], [-1], [-1]])
         fill_tables(self._host_tables.numpy()[:b], step.tables, scratch)
         self.static.copy_(self._host, non_blocking=True)  # whole: a column slice is not contiguous
         self.tables[:b].copy_(self._host_tables[:b], non_blocking=True)
@@ -137,7 +140,7 @@ class DecodeGraphs:
         ``with_deltas=False`` runs every row on the base (the static variant slots are not read);
         ``block_m``: the grouped rows' block size (:meth:`block_m`; None: the row count's default)."""
         r = self.runner
-        tokens, positions, kv_slots, variants = self.static[:, :bucket]
+        tokens, positions, kv_slots, variants = self.static[:4, :bucket]
         num_blocks = (positions // r.block_size + 1).to(torch.int32)
         step = r.paged_step(kv_slots, bucket, self.tables[:bucket], num_blocks, positions, [])
         delta = BatchDeltas(r.slots, variants, block_m=block_m) if with_deltas else None
@@ -173,7 +176,7 @@ class DecodeGraphs:
                 for bm in self.block_sizes(b) if with_deltas else [None]:
                     if (b, with_deltas, bm) in self.graphs:
                         continue
-                    self.static[:, :b].copy_(torch.tensor([[self.pad_token], [0], [scratch], [-1]]))
+                    self.static[:, :b].copy_(torch.tensor([[self.pad_token], [0], [scratch], [-1], [-1]]))
                     self.tables[:b].fill_(self.runner.cache.scratch_block)
                     self.graphs[b, with_deltas, bm] = self._capture(b, with_deltas, bm)
                     n += 1
@@ -192,8 +195,9 @@ class DecodeGraphs:
 
         return model.dtype in (torch.bfloat16, torch.float16) and bool(linear._ops())
 
-    def run(self, step, with_deltas: bool) -> Tensor:
-        """One decode step by graph replay (capturing the bucket's graph on first use). Call under
+    def run(self, step, with_deltas: bool, prev: Tensor | None = None) -> Tensor:
+        """One decode step by graph replay (capturing the bucket's graph on first use); ``prev``: the
+        previous step's sampled tokens, which ``step.prev_rows`` index. Call under
         ``torch.inference_mode()``.
 
         Returns:
@@ -206,6 +210,9 @@ class DecodeGraphs:
         if not self.capturable(with_deltas):
             raise RuntimeError("this decode step cannot be captured as a CUDA graph (see DecodeGraphs.capturable)")
         b = self.pad(step)
+        if step.prev_rows:
+            n = step.n_decode
+            feed_tokens(self.static[0, :n], self.static[4, :n], prev)
         key = (b, with_deltas, self.block_m(b, step.variants) if with_deltas else None)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
@@ -441,14 +448,14 @@ class PiecewiseGraphs:
             rows = self.rows[:s]
             self.logits[:s].copy_(m.head(x[rows], None if delta is None else delta.select(rows), r[rows])[:, 0])
 
-    def run(self, step) -> Tensor:
+    def run(self, step, prev: Tensor | None = None) -> Tensor:
         """Run ``step`` (:meth:`accepts` it); returns its logits ``[len(step.sample), vocab]`` in the
-        model's dtype: a view of a static buffer that the next step overwrites. Call under
-        ``torch.inference_mode()``."""
+        model's dtype: a view of a static buffer that the next step overwrites. ``prev``: the previous
+        step's sampled tokens, which ``step.prev_rows`` index. Call under ``torch.inference_mode()``."""
         n = len(step.tokens)
         b = self.bucket(n)
         with_deltas = any(v >= 0 for v in step.variants)
-        self._stage(step, b)
+        self._stage(step, b, prev)
         _, _, paged, _, _ = self.runner.prepare(step, deltas=False)
         graphs = self._graph(b, with_deltas) if self.capture else None
         for i in range(len(self.model.layers) + 1):
@@ -462,9 +469,10 @@ class PiecewiseGraphs:
         self.replays += graphs is not None
         return self.logits[:len(step.sample)]
 
-    def _stage(self, step, b: int) -> None:
+    def _stage(self, step, b: int, prev: Tensor | None = None) -> None:
         """Write ``step``'s tokens, positions, variants and sampling rows, padded to bucket ``b``, into
-        the pinned staging buffers (with :meth:`_stage_more`'s), and copy them to the static ones."""
+        the pinned staging buffers (with :meth:`_stage_more`'s), and copy them to the static ones; the
+        decode rows that ``step.prev_rows`` names take their tokens from ``prev``."""
         n, s = len(step.tokens), len(step.sample)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
@@ -479,6 +487,8 @@ class PiecewiseGraphs:
         self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
         self.variants[:b].copy_(self._host[2, :b], non_blocking=True)
         self.rows.copy_(self._host_rows, non_blocking=True)
+        if step.prev_rows:
+            feed_tokens(self.tokens[:n], upload(step.prev_rows, torch.int64, self.tokens.device), prev)
         if self.segmented(b) and any(v >= 0 for v in step.variants):
             self._stage_tiles(step, b)
         self._stage_more(step, b)
@@ -612,10 +622,10 @@ class FullGraphs(PiecewiseGraphs):
         self.ints.copy_(self._host_ints)
         return super().capture_all(with_deltas)
 
-    def run(self, step) -> Tensor:
+    def run(self, step, prev: Tensor | None = None) -> Tensor:
         b = self.bucket(len(step.tokens))
         with_deltas = any(v >= 0 for v in step.variants)
-        self._stage(step, b)
+        self._stage(step, b, prev)
         if not self.capture:
             self.step(b, with_deltas)
         else:

@@ -23,7 +23,8 @@ rather than one per step, so fewer steps carry prefill chunks (an engine step wi
 replayed from a CUDA graph); a request waits at most that long more for its first token.
 
 A leaf module but for the block pool: the runner executes a :class:`StepPlan` and reports back with
-:meth:`Planner.advance`.
+:meth:`Planner.advance`, at once (the sampled tokens :data:`PENDING` while the step runs, with
+asynchronous scheduling: serve/scheduler.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deltafleet.serve.kv import BlockPool
+
+PENDING = -1  # a sampled token still on the device (its step in flight): a placeholder in Sequence.tokens
 
 
 @dataclass(eq=False)
@@ -54,6 +57,7 @@ class Sequence:
     admitted: int = field(default=-1)  # the order it entered the running set (preemption picks the last)
     preempted: bool = False  # waiting after a preemption: admitted before the others
     arrival: float = 0.0  # when it was queued (the planner's clock)
+    final: bool = False  # its last token is being sampled (a step in flight): it decodes no more
 
     @property
     def prefilling(self) -> bool:
@@ -124,9 +128,9 @@ class Planner:
         self.pool.release(seq)
 
     def advance(self, plan: StepPlan, new_tokens: dict[int, int]) -> None:
-        """The runner ran ``plan``: the chunks' and decodes' keys and values are cached; ``new_tokens``
-        maps ``id(seq)`` to the token each sampled (every decode, and each chunk that reached the end
-        of its sequence's tokens)."""
+        """The runner ran (or launched) ``plan``: the chunks' and decodes' keys and values are cached;
+        ``new_tokens`` maps ``id(seq)`` to the token each sampled (every decode, and each chunk that
+        reached the end of its sequence's tokens), or :data:`PENDING` until it is read."""
         for seq, _, stop in plan.prefill:
             seq.computed = stop
         for seq in plan.decode:
@@ -144,10 +148,11 @@ class Planner:
         if self._admitted_at is not None:
             self._admit_step_s, self._admitted_at = now - self._admitted_at, None
         for seq in sorted(self.running, key=lambda s: s.admitted):
-            if seq not in self.running or seq.prefilling:
+            if seq not in self.running or seq.prefilling or seq.final:
                 continue
             while not self.pool.can_grow(seq, seq.computed + 1):  # the token it decodes needs a block
-                victim = max(self.running, key=lambda s: s.admitted)
+                # not one that is ending: its blocks come back when its last token is read
+                victim = max((s for s in self.running if not s.final), key=lambda s: s.admitted)
                 self._preempt(victim, plan)
                 if victim is seq:
                     break

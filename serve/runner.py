@@ -23,6 +23,7 @@ from deltafleet.serve.attention import (FlexMask, PagedKVCache, PagedStep, Prefi
                                        prefill_length, prefill_lists, table_tensor)
 from deltafleet.serve.batch import BatchDeltas
 from deltafleet.serve.graphs import bucket
+from deltafleet.serve.transfer import feed_tokens, upload
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class StepInput:
             scheduler reads them back).
         score: more flat indices whose logits are wanted, after ``sample``'s (prompt positions of
             requests that asked for the prompt's log-probabilities).
+        prev_rows: empty, or per decode row the row of the previous step's sampled tokens that is
+            its token (−1: its ``tokens`` entry): a step planned while the previous one still runs
+            (asynchronous scheduling, serve/scheduler.py) takes those tokens on the device.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -52,6 +56,7 @@ class StepInput:
     chunks: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     sample: list[int] = field(default_factory=list)
     score: list[int] = field(default_factory=list)
+    prev_rows: list[int] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -149,31 +154,36 @@ class ModelRunner:
         return PagedStep(self.cache, kv_slots, n_decode, tables, num_blocks, positions, chunks, self.backend,
                          self.masks, prompts=list(prompts))
 
-    def execute(self, step: StepInput) -> Tensor:
+    def execute(self, step: StepInput, prev: Tensor | None = None) -> Tensor:
         """Run ``step``; returns the float32 logits ``[len(step.sample) + len(step.score), vocab]`` of its
         sampled then scored rows
-        (on a CUDA-graph replay, a view the next replay overwrites). Call under ``torch.inference_mode()``."""
+        (on a CUDA-graph replay, a view the next replay overwrites). ``prev``: the previous step's
+        sampled tokens on the device, which ``step.prev_rows`` index. Call under
+        ``torch.inference_mode()``."""
+        assert prev is not None or not step.prev_rows, "a step fed by the previous one's tokens needs them"
         self.steps += 1
         if self.graphs is not None and step.decode_only and step.n_decode <= self.max_batch:
             with_deltas = any(v >= 0 for v in step.variants)
             if self.graphs.capturable(with_deltas):
                 try:
-                    return self.graphs.run(step, with_deltas).float()
+                    return self.graphs.run(step, with_deltas, prev).float()
                 except Exception:  # a capture that fails once fails again: serve eagerly (the step rewrites its KV)
                     log.exception("decoding by CUDA graph failed; decoding eagerly from now on")
                     self.graphs = None
         if self.piecewise is not None and not step.decode_only and self.piecewise.accepts(step):
             try:
-                return self.piecewise.run(step).float()
+                return self.piecewise.run(step, prev).float()
             except Exception:  # as above
                 log.exception("a step with prefill chunks by piecewise CUDA graphs failed; "
                               "running such steps eagerly from now on")
                 self.piecewise = None
-        return self.forward(step).float()
+        return self.forward(step, prev).float()
 
-    def forward(self, step: StepInput) -> Tensor:
+    def forward(self, step: StepInput, prev: Tensor | None = None) -> Tensor:
         """The eager step: logits ``[len(step.sample), vocab]`` in the model's dtype."""
         tokens, positions, paged, delta, rows = self.prepare(step)
+        if step.prev_rows:
+            feed_tokens(tokens, upload(step.prev_rows, torch.int64, tokens.device), prev)
         return self.model.forward_paged(tokens, positions, paged, delta, rows)
 
     def prefill_lists(self, chunks: list, n_decode: int, first_owner: int) -> PrefillLists:
@@ -182,8 +192,7 @@ class ModelRunner:
         nq, n_chunk_blocks = len(h["kv_num"]), len(h["blocks"])
         ints = np.concatenate([h["kv_num"], h["full_num"], h["kv_idx"].ravel(), h["full_idx"].ravel(), h["seq"]])
         longs = np.concatenate([h["blocks"], h["owners"], h["logical"], h["pos"]])
-        ints = torch.from_numpy(ints).to(self.device, non_blocking=True)
-        longs = torch.from_numpy(longs).to(self.device, non_blocking=True)
+        ints, longs = upload(ints, torch.int32, self.device), upload(longs, torch.int64, self.device)
         w = self.cache.n_blocks + 1
         kv_num, full_num, kv_idx, full_idx, seq = ints.split([nq, nq, nq * w, nq * w, h["length"]])
         blocks, owners, logical, pos = longs.split([n_chunk_blocks] * 3 + [h["length"]])
@@ -196,7 +205,7 @@ class ModelRunner:
         None for all)``, the arguments of ``Transformer.forward_paged``; ``deltas=False`` leaves the
         deltas None (a piecewise graph reads the variants from its own buffer)."""
         dev = self.device
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
+        as_long = lambda xs: upload(xs, torch.int64, dev)
         nd = step.n_decode
         tokens, positions, kv_slots = as_long(step.tokens), as_long(step.positions), as_long(step.kv_slots)
         if nd:
@@ -207,7 +216,8 @@ class ModelRunner:
                 # tables to the full width, as a replay has them, or every row count would compile anew.
                 width, pad = self.max_blocks, bucket(nd, self.max_batch) - nd
                 dec_pos = torch.cat([dec_pos, dec_pos.new_zeros(pad)])
-            tables = table_tensor(step.tables, width, pad, self.cache.scratch_block).to(dev)
+            tables = table_tensor(step.tables, width, pad, self.cache.scratch_block)
+            tables = upload(tables, tables.dtype, dev)
             num_blocks = (dec_pos // self.block_size + 1).to(torch.int32)
         else:
             dec_pos = positions[:0]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from deltafleet.serve.fuse import fused
+from deltafleet.serve.transfer import upload
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 _M1, _M2 = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32  # MurmurHash3 fmix32's multipliers, as int32
@@ -102,21 +103,20 @@ class SamplingBatch:
         pen = None
         if penalties:
             r, t, c, rep, freq, pres = zip(*penalties)
-            pen = tuple(torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True) for v in (r, t)) + tuple(
-                torch.tensor(v, dtype=torch.float32).to(device, non_blocking=True) for v in (c, rep, freq, pres))
-        # two host-to-device copies for the whole batch (each waits for the step's forward to end)
+            pen = tuple(upload(v, torch.int64, device) for v in (r, t)) + tuple(
+                upload(v, torch.float32, device) for v in (c, rep, freq, pres))
+        # two host-to-device copies for the whole batch, queued behind the step's forward (serve/transfer.py)
         seeds = np.array(seeds, dtype=np.int64).view(np.uint64)  # two's complement bits
         ints = np.stack([np.array(top_k, dtype=np.int64), (seeds & 0xFFFFFFFF).astype(np.int64),
                          (seeds >> np.uint64(32)).astype(np.int64), np.array(position, dtype=np.int64)])
-        floats = torch.from_numpy(np.array([temperature, top_p], dtype=np.float32)).to(device)
-        ints = torch.from_numpy(ints).to(device)
+        floats = upload(np.array([temperature, top_p], dtype=np.float32), torch.float32, device)
+        ints = upload(ints, torch.int64, device)
         key = ints[1:3].t().to(torch.int32).contiguous()  # the seed's two 32-bit words, wrapped to int32
         return cls(floats[0], floats[1], ints[0], key, ints[3].to(torch.int32),
                    any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
                    any(t >= SAMPLING_EPS for t in temperature),
-                   tuple(torch.tensor(list(v), dtype=torch.int64).to(device, non_blocking=True)
-                         for v in zip(*banned)) if banned else None,
-                   pen, None if min_p is None else torch.tensor(min_p, dtype=torch.float32, device=device))
+                   tuple(upload(v, torch.int64, device) for v in zip(*banned)) if banned else None,
+                   pen, None if min_p is None else upload(min_p, torch.float32, device))
 
 
 def unpack_bitmask(bitmask: Tensor, vocab: int) -> Tensor:
@@ -149,7 +149,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.penalties is not None:  # (in place, as below: the step's logits are not read again)
         _penalize(logits, *batch.penalties)
     if batch.banned is not None:
-        logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(batch.banned, torch.full((), float("-inf"), device=logits.device))
     if batch.allowed is not None:
         logits = _masked(logits, batch.allowed)
     if batch.min_p is not None:

@@ -14,6 +14,22 @@ host synchronisation (serve/sampling.py). A request's variant is already on the 
 queued (``Engine.prepare`` loads it, single flight, in the request's own thread), so a variant being
 loaded never holds up requests for the others.
 
+Scheduling is asynchronous (vLLM's ``async_scheduling``, SGLang's overlap scheduler): step k + 1 is
+planned, its inputs built and its forward and sampling queued on the device before step k's tokens
+are read back, so the host's part of a step (planning, inputs, launches, emitting the tokens) runs
+while the GPU computes the previous step instead of between steps. Every sequence step k samples is
+assumed to go on: the planner advances at once and its sampled token is a placeholder
+(:data:`~deltafleet.serve.plan.PENDING`) until read; step k + 1's decode rows take those tokens
+from step k's output on the device (``StepInput.prev_rows``). A sequence whose last token step k
+samples (``max_tokens``) is known on the host and planned no further (``Sequence.final``); one that
+ends on a sampled token (eos, a stop token, a grammar's end) has one more row, in step k + 1, whose
+token is dropped. The next step waits for the tokens when it needs them on the host: a sampled
+sequence held to a grammar (its matcher takes each token before the next mask) or with penalties
+(counted over its output). The tokens, their log-probabilities and the scored prompt rows of a step
+come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
+(and tensor parallelism, whose ranks are sent each step's tokens) reads each step's tokens before
+planning the next.
+
 A sequence leaves when it ends (eos, a stop string, ``max_tokens``) or its request is cancelled (the
 client went away); its blocks are free for the next step and its hold on the variant ends.
 
@@ -44,10 +60,11 @@ import torch
 from deltafleet.serve import sampling
 from deltafleet.serve.detokenize import TextStream
 from deltafleet.serve.kv import BlockPool
-from deltafleet.serve.plan import Planner, Sequence, StepPlan
+from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
 from deltafleet.serve.request import GenerationError, Step
 from deltafleet.serve.runner import ModelRunner, StepInput
 from deltafleet.serve.sampling import request_seed
+from deltafleet.serve.transfer import upload
 
 log = logging.getLogger(__name__)
 END = object()  # the last item of a request's queue
@@ -73,6 +90,30 @@ class _Seq(Sequence):
     matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
 
 
+@dataclass
+class _Copy:
+    """A step's outputs on their way to the host (:meth:`Scheduler._copy_out`): the values (a pinned
+    buffer, or already a list off CUDA), the event of their arrival (None off CUDA), and ``(tokens,
+    (logprob rows, k) or None, (scored rows, k) or None)``."""
+    values: object
+    done: object
+    shapes: tuple
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device (:meth:`Scheduler._launch`) whose tokens are not read yet."""
+    plan: StepPlan
+    sampled: list                      # the sequences that sample, in row order
+    scored: list                       # (sequence, next prompt token) of the scored rows
+    at: list[int]                      # where each sampled token goes in its sequence's tokens
+    tokens: torch.Tensor | None        # the sampled tokens on the device (the next step's decode rows)
+    copy: _Copy | None
+    t0: float                          # when it was planned to launch
+    launch: float                      # seconds ModelRunner.execute took
+    n_tokens: int                      # tokens it fed
+
+
 def _slot(req) -> int:
     """The variant slot a request runs with (serve/batch.py), −1 for the base."""
     return -1 if req.delta is None else req.delta.slot
@@ -94,11 +135,13 @@ class Scheduler:
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
         delay_factor: admission pacing (serve/plan.py; 0: admit at once).
         capture_at_start: capture every CUDA graph bucket here, before the scheduler thread starts.
+        async_scheduling: plan and launch each step before the previous step's tokens are read (see
+            the module docstring); off with tensor parallelism.
     """
 
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
                  token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0,
-                 prefill_graphs: bool = False, capture_at_start: bool = False):
+                 prefill_graphs: bool = False, capture_at_start: bool = False, async_scheduling: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -115,7 +158,12 @@ class Scheduler:
         self.preemptions = 0
         self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0  # most decode rows in one step
-        self._pinned: torch.Tensor | None = None  # CUDA: where sampled tokens land on the host
+        # Not with tensor parallelism either: the other ranks are sent each step's tokens as lists.
+        self.async_scheduling = async_scheduling and engine.tp is None
+        self._inflight: _Launched | None = None  # the step launched last, its tokens not yet read
+        self._finished_at = 0.0  # when the last step's tokens were read (step_observers' seconds)
+        self._pinned: list[torch.Tensor] = []  # CUDA: where sampled tokens land on the host, one per step in flight
+        self._launches = 0
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
         self.detokenizer = _Detokenizer()
         # called after every step on this thread: (kind "decode" or "prefill", the step's seconds, the
@@ -168,24 +216,38 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self.planner.running and not any(self.planner.waiting.values()):
+                while self._inflight is None and not self.planner.running and not any(self.planner.waiting.values()):
                     self._cv.wait()
-            plan = None
+            plan, launched, read = None, None, False
             try:
                 with self.engine._gen_lock:  # the model is used by this thread only (tests can hold it)
+                    if self._inflight is not None and self._needs_tokens(self._inflight):
+                        self._finish_inflight()
                     self._drop_cancelled()
                     with self._cv:
                         plan = self.planner.schedule()
                     if plan.tokens:
-                        self._step(plan)
-                    elif not plan.preempted:  # nothing fits (a prompt waits for blocks held by none)
+                        launched = self._launch(plan, self._inflight)
+                        if not self.async_scheduling:
+                            self._finish(launched)
+                            launched = None
+                    if self._inflight is not None:  # its tokens, read while the GPU runs the step just launched
+                        self._finish_inflight()
+                        read = True
+                    self._inflight = launched
+                    # nothing fits (a prompt waits for blocks held by none), and no step ended to free any
+                    if not plan.tokens and not plan.preempted and not read:
                         with self._cv:
                             self._cv.wait(0.01)
-            except BaseException as e:  # noqa: BLE001 - reported to the requests of the failed step
+            except BaseException as e:  # noqa: BLE001 - reported to the requests of the failed steps
                 log.exception("scheduler step failed")
+                inflight = self._inflight
                 if self.engine.tp is not None:  # a rank is gone: this server cannot serve any more
                     self.fatal = e
-                failed = [] if plan is None else plan.decode + [s for s, _, _ in plan.prefill]
+                failed, self._inflight = [], None
+                for p in (plan, launched and launched.plan, inflight and inflight.plan):
+                    failed += [] if p is None else p.decode + [s for s, _, _ in p.prefill]
+                failed = list(dict.fromkeys(failed))
                 for seq in failed:
                     if not seq.done:
                         self._items.append(("error", seq, e))
@@ -193,6 +255,19 @@ class Scheduler:
                 self._retire(failed)
             items, self._items = self._items, []
             self.detokenizer.submit(items)
+
+    def _finish_inflight(self) -> None:
+        """:meth:`_finish` the step in flight (which stays in flight if that fails: its requests get
+        the error)."""
+        self._finish(self._inflight)
+        self._inflight = None
+
+    @staticmethod
+    def _needs_tokens(job: _Launched) -> bool:
+        """Whether the next step needs the in-flight step's tokens on the host before it is planned: a
+        sequence it sampled is held to a grammar (its matcher takes each token before the next mask) or
+        has penalties (counted over its output)."""
+        return any(s.matcher is not None or s.req.params.penalized for s in job.sampled if not s.ended)
 
     def _drop_cancelled(self) -> None:
         """End the requests cancelled since the last step, waiting or running, and those a stop string
@@ -202,38 +277,60 @@ class Scheduler:
             gone += [s for s in self.planner.running if s.cancel.is_set() or s.stop_hit]
         self._retire(gone)
 
-    def _step(self, plan: StepPlan) -> None:
+    def _launch(self, plan: StepPlan, prev: _Launched | None) -> _Launched:
+        """Queue ``plan``'s step on the device: its forward, its sampling and the copy of its tokens to
+        the host, without waiting for any of them. Decode rows whose last token ``prev`` sampled
+        (still on the device) are fed it there. The planner advances at once: every sampled sequence
+        gets a :data:`PENDING` token, which :meth:`_finish` replaces."""
         t0 = time.perf_counter()
         self.preemptions += len(plan.preempted)
         for seq, start, _ in plan.prefill:
             if not seq.started:
                 self._start(seq)
-        step, sampled, scored = self._inputs(plan)
+        step, sampled, scored = self._inputs(plan, prev)
+        copy = None
         with self.engine.collective(("step", step)), torch.inference_mode():
             t1 = time.perf_counter()
-            logits = self.runner.execute(step)
+            logits = self.runner.execute(step, None if prev is None else prev.tokens)
             launch = time.perf_counter() - t1
-            tokens, lps, scores = [], {}, []
+            tokens = None
             if sampled or scored:
                 n = len(sampled)
                 score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
-                sample, lp = self._sample(logits[:n], sampled) if sampled else (logits.new_zeros(0).long(), None)
-                tokens, lps, scores = self._fetch(sample, lp, score)  # the step's one sync
-        for (seq, target), (value, top) in zip(scored, scores):
+                tokens, lp = self._sample(logits[:n], sampled) if sampled else (logits.new_zeros(0).long(), None)
+                copy = self._copy_out(tokens, lp, score)
+        self.steps += 1
+        self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
+        at = [len(s.tokens) for s in sampled]
+        self.planner.advance(plan, dict.fromkeys(map(id, sampled), PENDING))
+        for seq in sampled:
+            seq.final = len(seq.tokens) - seq.prompt_len >= seq.req.max_tokens
+        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens))
+
+    def _finish(self, job: _Launched) -> None:
+        """Read ``job``'s tokens (waiting for its step), put each in its sequence in place of its
+        :data:`PENDING` token and emit it; retire the sequences that ended. Rows of sequences retired
+        since it was launched are dropped."""
+        tokens, lps, scores = self._read(job.copy) if job.copy is not None else ([], {}, [])
+        for (seq, target), (value, top) in zip(job.scored, scores):
             if seq.prompt_lp is None:
                 seq.prompt_lp = []
             seq.prompt_lp.append((target, value, top[:seq.req.params.prompt_logprobs]))
-        self.steps += 1
-        self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
-        self.planner.advance(plan, {id(s): t for s, t in zip(sampled, tokens) if t >= 0})
-        for i, (seq, token) in enumerate(zip(sampled, tokens)):
+        live = []
+        for i, (seq, token, at) in enumerate(zip(job.sampled, tokens, job.at)):
+            if seq.ended:  # cancelled, or a stop string, while its step ran
+                continue
+            seq.tokens[at] = token
             self._emit(seq, token, lps.get(i))
-        self._retire([s for s in sampled if s.done])
+            live.append(seq)
+        self._retire([s for s in live if s.done])
+        now = time.perf_counter()
+        seconds, self._finished_at = now - max(job.t0, self._finished_at), now  # pipelined: the steps' period
         if self.step_observers:
-            kind, seconds = "prefill" if plan.prefill else "decode", time.perf_counter() - t0
+            kind = "prefill" if job.plan.prefill else "decode"
             for fn in self.step_observers:
                 try:
-                    fn(kind, seconds, launch, len(step.tokens))
+                    fn(kind, seconds, job.launch, job.n_tokens)
                 except Exception:  # noqa: BLE001 - an observer never stops the model thread
                     log.exception("a step observer failed")
 
@@ -248,12 +345,21 @@ class Scheduler:
         if seq.on_start is not None:
             seq.on_start()
 
-    def _inputs(self, plan: StepPlan) -> tuple[StepInput, list[_Seq]]:
-        """The step's flat batch (decode rows, then the chunks) and the sequences that sample, in order."""
+    def _inputs(self, plan: StepPlan, prev: _Launched | None = None) -> tuple[StepInput, list[_Seq], list]:
+        """The step's flat batch (decode rows, then the chunks), the sequences that sample, in order, and
+        the scored prompt positions. A decode row whose token ``prev`` sampled (:data:`PENDING` here)
+        takes it from ``prev``'s tokens on the device (``StepInput.prev_rows``)."""
         pool, st = self.pool, StepInput()
+        pending = {} if prev is None else {id(s): i for i, s in enumerate(prev.sampled)}
         for seq in plan.decode:
             pos = seq.computed
-            st.tokens.append(seq.tokens[pos])
+            token = seq.tokens[pos]
+            if token == PENDING:
+                st.prev_rows.append(pending[id(seq)])
+                token = 0
+            elif pending:
+                st.prev_rows.append(-1)
+            st.tokens.append(token)
             st.positions.append(pos)
             st.kv_slots += pool.slots(seq, pos, pos + 1)
             st.variants.append(_slot(seq.req))
@@ -283,7 +389,7 @@ class Scheduler:
         """The log-probability of each scored row's next prompt token, and its rows' likeliest tokens'
         (as many as the most any of them asks for), on the device."""
         logp = logits.log_softmax(-1)
-        targets = torch.tensor([t for _, t in scored], device=logits.device)
+        targets = upload([t for _, t in scored], torch.int64, logits.device)
         k = max(s.req.params.prompt_logprobs for s, _ in scored)
         chosen = logp.gather(1, targets[:, None])[:, 0]
         if k:
@@ -292,13 +398,13 @@ class Scheduler:
         empty = logp.new_zeros(len(scored), 0)
         return chosen, empty, empty.long()
 
-    def _fetch(self, tokens: torch.Tensor, lp: tuple | None = None,
-               score: tuple | None = None) -> tuple[list[int], dict, list]:
-        """The sampled ``tokens`` on the host, the log-probabilities of the rows that asked for them
-        (row → ``(logprob, [(id, logprob), …])``) and the scored rows' (``(logprob, [(id, logprob),
-        …])`` in order). On CUDA they are copied into pinned memory behind the step, as one float64
-        tensor, and waited for on an event, which lets the HTTP thread run while the GPU works (a
-        plain ``tolist`` would wait holding the interpreter)."""
+    def _copy_out(self, tokens: torch.Tensor, lp: tuple | None = None, score: tuple | None = None) -> _Copy:
+        """Start copying a step's sampled ``tokens``, the log-probabilities of the rows that asked for
+        them and the scored rows' to the host; :meth:`_read` waits for them. On CUDA they go as one
+        float64 tensor into pinned memory behind the step (one buffer per step in flight: the next
+        step's copy cannot overwrite what is being read), and an event marks their arrival, which
+        lets the HTTP thread run while the GPU works (a plain ``tolist`` would wait holding the
+        interpreter)."""
         parts = [tokens.double()]
         if lp is not None:
             rows, chosen, top_lp, top_id = lp
@@ -306,19 +412,31 @@ class Scheduler:
         if score is not None:
             parts += [t.double().flatten() for t in score]
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        shapes = (tokens.numel(), None if lp is None else (lp[0], lp[2].shape[1]),
+                  None if score is None else (score[0].numel(), score[1].shape[1]))
         if flat.device.type != "cuda":
-            values = flat.tolist()
-        else:
-            n = flat.numel()
-            if self._pinned is None or self._pinned.numel() < n:
-                self._pinned = torch.empty(max(n, 2 * self.max_batch), dtype=torch.float64, pin_memory=True)
-            host = self._pinned[:n]
-            host.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
-            values = host.tolist()
-        b = tokens.numel()
+            return _Copy(flat.tolist(), None, shapes)
+        n, i = flat.numel(), self._launches % 2
+        self._launches += 1
+        if len(self._pinned) <= i:
+            self._pinned.append(torch.empty(0, dtype=torch.float64))
+        if self._pinned[i].numel() < n:
+            self._pinned[i] = torch.empty(max(n, 2 * self.max_batch), dtype=torch.float64, pin_memory=True)
+        host = self._pinned[i][:n]
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Copy(host, done, shapes)
+
+    @staticmethod
+    def _read(copy: _Copy) -> tuple[list[int], dict, list]:
+        """The sampled tokens of a :meth:`_copy_out`, the log-probabilities of the rows that asked for
+        them (row → ``(logprob, [(id, logprob), …])``) and the scored rows' (``(logprob, [(id, logprob),
+        …])`` in order), once they are on the host."""
+        if copy.done is not None:
+            copy.done.synchronize()
+        values = copy.values if isinstance(copy.values, list) else copy.values.tolist()
+        b, lp, score = copy.shapes
         out = [int(v) for v in values[:b]]
         at = b
 
@@ -328,8 +446,8 @@ class Scheduler:
             at += r + 2 * r * k
             return [(chosen[j], [(int(ti[j * k + c]), tl[j * k + c]) for c in range(k)]) for j in range(r)]
 
-        lps = dict(zip(lp[0], unpack(len(lp[0]), lp[2].shape[1]))) if lp is not None else {}
-        scores = unpack(score[0].numel(), score[1].shape[1]) if score is not None else []
+        lps = dict(zip(lp[0], unpack(len(lp[0]), lp[1]))) if lp is not None else {}
+        scores = unpack(*score) if score is not None else []
         return out, lps, scores
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, tuple | None]:
@@ -338,8 +456,9 @@ class Scheduler:
         the rows that ask for log-probabilities, ``(rows, sampled token's, top values, top ids)`` of
         the model's own log-softmax (None if no row asks), all on the device."""
         # before min_tokens, the tokens that would end a row cannot be drawn (a grammar's end decides for its rows)
-        banned = [(i, t) for i, s in enumerate(seqs) if s.n < s.req.params.min_tokens and s.matcher is None
-                  for t in s.enders]
+        # (len(tokens) − prompt_len: the tokens sampled so far, those of a step in flight included)
+        banned = [(i, t) for i, s in enumerate(seqs)
+                  if len(s.tokens) - s.prompt_len < s.req.params.min_tokens and s.matcher is None for t in s.enders]
         penalties = []
         for i, s in enumerate(seqs):
             p = s.req.params
@@ -359,12 +478,12 @@ class Scheduler:
              for s in seqs], logits.device, banned, penalties, min_p)
         if held:
             # pinned on CUDA: the copy queues behind the forward without holding the host (the buffer is
-            # reused next step, after this step's sync in _fetch)
+            # reused next step, after this step's tokens are read: the loop reads them before planning)
             batch.allowed = bitmask.to(logits.device, non_blocking=True)
         want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
         lp = None
         if want:  # the model's own distribution, before penalties, bans and truncation change the logits
-            rows = torch.tensor(want, device=logits.device)
+            rows = upload(want, torch.int64, logits.device)
             k = max(seqs[i].req.params.logprobs for i in want)
             logp = logits[rows].log_softmax(-1)
             top = logp.topk(k, -1) if k else None

@@ -814,8 +814,10 @@ def test_engine_steps_are_in_the_metrics(engine):
 
     with TestClient(create_app(engine)) as tc:
         before, steps = samples(tc), engine.scheduler.steps
+        t0 = time.perf_counter()
         r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": PROMPTS[1], "max_tokens": 5,
                                              "temperature": 0, "ignore_eos": True}).json()
+        wall = time.perf_counter() - t0
         after = samples(tc)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     usage = r["usage"]
@@ -823,8 +825,11 @@ def test_engine_steps_are_in_the_metrics(engine):
     counts = {kind: delta[f'deltafleet:engine_step_seconds_count{{kind="{kind}"}}'] for kind in ("decode", "prefill")}
     assert counts == {"decode": usage["completion_tokens"] - 1, "prefill": 1.0}
     assert sum(counts.values()) == engine.scheduler.steps - steps == delta["deltafleet:iteration_tokens_total_count"]
-    launch = delta['deltafleet:engine_step_launch_seconds_sum{kind="decode"}']
-    assert 0 < launch <= delta['deltafleet:engine_step_seconds_sum{kind="decode"}']
+    # each step's launch lies within the engine's busy time, which lies within the request's
+    launch, busy = (sum(delta[f'deltafleet:engine_step{part}_seconds_sum{{kind="{kind}"}}'] for kind in counts)
+                    for part in ("_launch", ""))
+    assert delta['deltafleet:engine_step_launch_seconds_sum{kind="decode"}'] > 0
+    assert 0 < launch <= busy <= wall
 
 
 def test_overload_is_429_with_openai_error_object(engine):

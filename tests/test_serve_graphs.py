@@ -303,6 +303,44 @@ def test_engine_decodes_every_step_by_graph_replay(family):
     assert first >= 2, f"only {first} of {len(jobs) - 1} variant requests' first tokens equal with and without graphs"
 
 
+def test_async_scheduling_replays_the_same_steps(family):
+    """With graphs on, asynchronous scheduling (decode rows fed the previous step's tokens on the device,
+    inside the replayed steps' static inputs) and synchronous scheduling run the same batches: five
+    requests of the base and the variants, to max_tokens, give the same tokens bit for bit, every
+    decode step a replay and, asynchronously, fed on the device (the first by the prefill step)."""
+    from deltafleet.serve.engine import Engine, SamplingParams
+
+    jobs = ["tiny", "tiny-coder", "tiny-writer", "tiny-math", "tiny-coder"]
+    prompts = ["def main(", "import os\nimport", "The quick brown", "x = 1 +", "class A:"]
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=11, ignore_eos=True)
+    got, fed = {}, {}
+    for async_on in (True, False):
+        engine = Engine(family.base_dir, family.artifacts_dir, family="tiny", device="cuda", dtype="bfloat16",
+                        max_batch=8, max_num_batched_tokens=256, capture_at_start=True, async_scheduling=async_on)
+        runner, rows = engine.scheduler.runner, []
+        real = runner.execute
+        runner.execute = lambda step, prev=None: rows.append(sum(r >= 0 for r in step.prev_rows)) or real(step, prev)
+        results = [None] * len(jobs)
+
+        def complete(i, engine=engine, results=results):
+            results[i] = engine.complete(jobs[i], prompts[i], params).token_ids
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(jobs))]
+        with engine._gen_lock:  # one batch
+            for t in threads:
+                t.start()
+            deadline = time.time() + 120
+            while sum(engine.scheduler.waiting().values()) < len(jobs) and time.time() < deadline:
+                time.sleep(0.01)
+        for t in threads:
+            t.join(300)
+        sch = engine.scheduler
+        assert sch.graphs is not None and sch.graphs.replays == sch.steps - 1 == 11
+        got[async_on], fed[async_on] = results, rows
+    assert got[True] == got[False] and all(len(r) == 12 for r in got[True])
+    assert fed[False] == [0] * 12 and fed[True] == [0] + [len(jobs)] * 11
+
+
 @pytest.mark.parametrize("attention", ["flex", "sdpa"])
 def test_piecewise_graphs_match_the_eager_step(family, attention):
     """Steps with prefill chunks by CUDA graphs (``ModelRunner.execute`` with ``prefill_graphs``: with

@@ -67,12 +67,12 @@ def test_serve_modules_import_each_other_without_a_cycle():
 
 def test_the_leaf_modules_import_no_other_serve_module():
     """Requests, sampling, detokenizing, the delta cache, a variant's deltas, the KV block pool, paged
-    attention's RoPE-and-cache-write kernel, the compiled-kernel helper and tool calls are leaves: anything may
-    import them, they import nothing of serve/ (sampling uses the helper and paged attention the
-    kernel, themselves leaves)."""
-    for leaf in ("request", "detokenize", "cache", "delta", "kv", "rope_cache", "fuse", "tools"):
+    attention's RoPE-and-cache-write kernel, the compiled-kernel helper, the host-to-device copies and
+    tool calls are leaves: anything may import them, they import nothing of serve/ (sampling uses the
+    helper and the copies, paged attention the kernel, themselves leaves)."""
+    for leaf in ("request", "detokenize", "cache", "delta", "kv", "rope_cache", "fuse", "transfer", "tools"):
         assert _imports(SERVE / f"{leaf}.py") == set(), leaf
-    assert _imports(SERVE / "sampling.py") == {"fuse"}
+    assert _imports(SERVE / "sampling.py") == {"fuse", "transfer"}
     assert _imports(SERVE / "attention.py") == {"rope_cache"}
     # structured output: its errors are the request's, a tool call's format is tools'
     assert _imports(SERVE / "grammar.py") == {"request", "tools"}

@@ -5,6 +5,7 @@ rows' logits and writes nothing but the scratch block; and through the scheduler
 chunks and preempted sequences still give exactly what each request gives alone."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -220,7 +221,7 @@ def test_buckets_and_the_padded_static_inputs(eng):
     assert g.pad(step) == 4
     scratch = runner.cache.scratch_block
     assert scratch == 10
-    assert g.static[:, :4].tolist() == [[7, 8, 9, 0], [3, 4, 9, 0], [3, 20, 9, 40], [1, -1, 0, -1]]
+    assert g.static[:, :4].tolist() == [[7, 8, 9, 0], [3, 4, 9, 0], [3, 20, 9, 40], [1, -1, 0, -1], [-1] * 4]
     assert g.tables[:4].tolist() == [[0, 0, 0], [5, 6, 0], [1, 0, 2], [10, 10, 10]]
     with pytest.raises(ValueError, match="a decode batch has 1 to 5 rows, got 6"):
         g.pad(StepInput([1] * 6, [0] * 6, list(range(6)), [-1] * 6, 6, [[i] for i in range(6)], [], []))
@@ -412,6 +413,12 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
         torch.testing.assert_close(got, runner.forward(second), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[0], _alone(eng, "tiny", a + [nxt])[-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[1], _alone(eng, "tiny", b)[-1], rtol=1e-4, atol=1e-4)
+        # the same step with its decode row's token still on the device: row 1 of the previous step's
+        # tokens (asynchronous scheduling), by both paths
+        fed = dataclasses.replace(second, tokens=[0] + second.tokens[1:], prev_rows=[1])
+        prev = torch.tensor([3, nxt])
+        torch.testing.assert_close(pw.run(fed, prev), got, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(runner.forward(fed, prev), got, rtol=1e-5, atol=1e-5)
         # variants: a coder prompt beside a base one, then a coder decode row beside a writer's chunk
         coder, writer = eng.get_delta("tiny-coder").slot, eng.get_delta("tiny-writer").slot
         t = _Tables()

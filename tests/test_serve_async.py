@@ -1,0 +1,214 @@
+"""Asynchronous scheduling (serve/scheduler.py): each step is planned and launched before the previous
+step's tokens are read, its decode rows fed those tokens on the device; it answers exactly what the
+synchronous loop answers, token for token, whatever ends a request, and a sequence that ends costs at
+most one more row."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from deltafleet.serve.engine import Engine, SamplingParams
+from deltafleet.serve.request import Step
+from deltafleet.serve.scheduler import END, Scheduler
+
+BS = 4
+TEXT = "The quick brown fox. "
+
+
+def _engine(fam, async_scheduling: bool, **kw) -> Engine:
+    return Engine(fam.base_dir, fam.artifacts_dir, family="tiny", async_scheduling=async_scheduling, **kw)
+
+
+def _steps_together(engine: Engine, jobs: list[tuple]) -> list[list[tuple]]:
+    """Every Step of each ``(model, prompt, params)`` of ``jobs``, submitted while the model is held (one
+    batch), as ``(token, text, finish, logprob, top logprobs, prompt logprobs)``."""
+    out: list = [None] * len(jobs)
+
+    def go(i, model, prompt, params):
+        out[i] = [(s.token_id, s.text, s.finish_reason, s.logprob, s.top_logprobs, s.prompt_logprobs)
+                  for s in engine.generate(model, engine.encode_prompt(prompt), params)]
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while sum(engine.scheduler.waiting().values()) < len(jobs):
+            assert time.time() < deadline
+            time.sleep(0.01)
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def _count_fed(engine: Engine) -> list[int]:
+    """A list that gets, for every step the runner executes, how many decode rows the previous
+    step's tokens fed on the device."""
+    runner, fed = engine.scheduler.runner, []
+    real = runner.execute
+
+    def execute(step, prev=None):
+        fed.append(sum(r >= 0 for r in step.prev_rows))
+        return real(step, prev)
+
+    runner.execute = execute
+    return fed
+
+
+def test_async_steps_answer_what_sync_steps_answer(tiny_family):
+    """Mixed variants, prompts chunked over several steps and sequences preempted (a 12-token budget and
+    a cache smaller than the sequences need), and every way a request ends or reads back: greedy and
+    seeded top-p, a stop token id, a stop string, min_tokens, log-probabilities of the output and the
+    prompt, penalties (their counts need the tokens on the host: the loop reads them first). The same
+    Steps in both modes; only the asynchronous loop feeds tokens on the device."""
+    kw = dict(max_batch=6, max_num_batched_tokens=12, kv_cache={"block_size": BS, "max_tokens": 24 * BS})
+    sync, asyn = _engine(tiny_family, False, **kw), _engine(tiny_family, True, **kw)
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    probe = sync.complete("tiny-coder", TEXT, greedy)
+    stop_id = probe.token_ids[5]
+    stop_text = probe.text[len(probe.text) // 2:][:3]
+    assert stop_text and stop_id not in probe.token_ids[:5]
+    jobs = [
+        ("tiny", TEXT * 2, greedy),
+        ("tiny-coder", TEXT, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(stop_id,))),
+        ("tiny-coder", TEXT, SamplingParams(max_tokens=16, temperature=0, stop=(stop_text,))),
+        ("tiny-writer", TEXT, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, logprobs=2,
+                                             prompt_logprobs=1)),
+        ("tiny-writer", TEXT * 2, SamplingParams(max_tokens=12, temperature=0.8, seed=3, min_tokens=6)),
+        ("tiny", TEXT, SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.5)),
+    ]
+    fed_sync, fed_async = _count_fed(sync), _count_fed(asyn)
+    want, got = _steps_together(sync, jobs), _steps_together(asyn, jobs)
+    assert [[s[:3] for s in steps] for steps in got] == [[s[:3] for s in steps] for steps in want]
+    # log-probabilities to rounding: a request that ends on a sampled token keeps its row one more
+    # step, so later steps' batches (and their sums' order) may differ
+    for g, w in zip(got[3], want[3]):
+        assert g[3] == pytest.approx(w[3], rel=1e-5)
+        assert [v for _, v in g[4]] == pytest.approx([v for _, v in w[4]], rel=1e-5)
+        assert [t for t, _ in g[4]] == [t for t, _ in w[4]]
+    assert [(t, v) for t, v, _ in got[3][0][5]] == [(t, pytest.approx(v, rel=1e-5)) for t, v, _ in want[3][0][5]]
+    finishes = [steps[-1][2] for steps in want]
+    assert finishes == ["length", "stop", "stop", "length", "length", "length"]
+    assert want[1][-1][0] == stop_id and len(want[1]) == 6  # ended at the stop token, as the probe said
+    assert want[3][0][3] is not None and want[3][0][5] is not None  # log-probabilities were asked and given
+    for engine in (sync, asyn):
+        sch = engine.scheduler
+        assert sch.preemptions > 0 and sch.max_rows_seen >= 2
+        assert sch.pool.free_blocks == 24 and not sch.running and sch._inflight is None  # every block back
+    assert sum(fed_sync) == 0 and sum(fed_async) > len(jobs)
+
+
+def test_each_step_is_launched_before_the_previous_tokens_are_read(tiny_family, monkeypatch):
+    """The loop's order, one request of five tokens: launch 1, launch 2, read 1, launch 3, read 2, … With
+    penalties (the next step's counts need the token) each step's tokens are read before the next is
+    launched; so with asynchronous scheduling off."""
+    events: list[str] = []
+    real_launch, real_read = Scheduler._launch, Scheduler._read
+
+    def launch(self, plan, prev):
+        events.append("L")
+        return real_launch(self, plan, prev)
+
+    def read(copy):
+        events.append("R")
+        return real_read(copy)
+
+    monkeypatch.setattr(Scheduler, "_launch", launch)
+    monkeypatch.setattr(Scheduler, "_read", staticmethod(read))
+    engine = _engine(tiny_family, True)
+    plain = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.complete("tiny-coder", "def ", plain)
+    assert "".join(events) == "LLRLRLRLRR"  # the last step samples the fifth token: no sixth launch
+    events.clear()
+    engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                        presence_penalty=0.5))
+    assert "".join(events) == "LR" * 5
+    events.clear()
+    _engine(tiny_family, False).complete("tiny-coder", "def ", plain)
+    assert "".join(events) == "LR" * 5
+
+
+def test_an_ended_sequence_costs_at_most_one_more_row(tiny_family):
+    """A request that reaches max_tokens takes as many steps as synchronously (its last token is known
+    to be last when it is launched); one that ends on a sampled token (a stop token id) one more, whose
+    row is dropped."""
+    sync, asyn = _engine(tiny_family, False), _engine(tiny_family, True)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = sync.complete("tiny", TEXT, greedy).token_ids
+    stop = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(ids[3],))
+    assert ids[3] not in ids[:3]
+    counts = {}
+    for name, engine in (("sync", sync), ("async", asyn)):
+        for params in (greedy, stop):
+            before = engine.scheduler.steps
+            r = engine.complete("tiny", TEXT, params)
+            counts[name, params.stop_token_ids != ()] = (engine.scheduler.steps - before, r.token_ids)
+    assert counts["sync", False] == counts["async", False] == (8, ids)
+    assert counts["sync", True] == (4, ids[:4])
+    assert counts["async", True] == (5, ids[:4])
+
+
+def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_end(tiny_family):
+    """Cancelled between two steps, the request's queue gets no Step after its end (the token its last
+    launched step samples is dropped), and its row and variant are free for the next request."""
+    engine = _engine(tiny_family, True, max_batch=1)
+    req = engine.prepare("tiny-coder", engine.encode_prompt("def "), SamplingParams(max_tokens=100))
+    out, cancel = engine.scheduler.submit(req)
+    first = out.get(timeout=30)
+    assert first.finish_reason is None
+    cancel.set()
+    items = []
+    while (item := out.get(timeout=30)) is not END:
+        items.append(item)
+    time.sleep(0.2)  # the steps in flight end meanwhile
+    assert out.empty() and all(isinstance(i, Step) for i in items) and len(items) <= 2
+    deadline = time.time() + 30
+    while engine.cache.snapshot()["tiny-coder"]["in_flight"] or engine.scheduler.running:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    r = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=4, temperature=0))
+    assert r.completion_tokens == 4 and r.finish_reason == "length"
+
+
+def test_a_step_that_fails_ends_the_requests_in_flight_and_the_next_ones_run(tiny_family, monkeypatch):
+    """The third step fails while the second is in flight: both requests in the batch get the error (as
+    their exception), every block comes back, and the next request is answered."""
+    engine = _engine(tiny_family, True, max_batch=4)
+    runner, calls = engine.scheduler.runner, []
+    real = runner.execute
+
+    def execute(step, prev=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return real(step, prev)
+
+    runner.execute = execute
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    errors = []
+
+    def go(model):
+        try:
+            engine.complete(model, "def ", params)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with engine._gen_lock:
+        threads = [threading.Thread(target=go, args=(m,)) for m in ("tiny", "tiny-coder")]
+        for t in threads:
+            t.start()
+        while sum(engine.scheduler.waiting().values()) < 2:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    assert errors == ["device fault"] * 2
+    assert engine.scheduler.pool.free_blocks == engine.scheduler.pool.n_blocks and engine.scheduler._inflight is None
+    assert engine.complete("tiny-writer", "The", params).completion_tokens == 6
+
+
+def test_the_switch_is_checked(tiny_family):
+    with pytest.raises(ValueError, match="async_scheduling must be true or false, got 'yes'"):
+        _engine(tiny_family, "yes")
+
