@@ -901,6 +901,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         """The steps of a started job as they come, recording the latency metrics."""
         queue, cancel = job
         mid, last = req.model_id, None
+        itl, tokens = metrics.itl.labels(mid), metrics.generation_tokens.labels(mid)  # once, not per token
         try:
             # To the end, even once cancelled: the scheduler ends the request after its current step
             # and sends the last item then.
@@ -912,9 +913,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 if last is None:
                     metrics.ttft.labels(mid).observe(now - arrival)
                 else:
-                    metrics.itl.labels(mid).observe(now - last)
+                    itl.observe(now - last)
                 last = now
-                metrics.generation_tokens.labels(mid).inc()
+                tokens.inc()
                 if item.finish_reason is not None:
                     metrics.e2e.labels(mid).observe(now - arrival)
                     metrics.requests.labels(mid, item.finish_reason).inc()
@@ -981,23 +982,43 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         finally:
             watch.cancel()
 
-        async def events():
-            merged: asyncio.Queue = asyncio.Queue()
-            sent = [0] * len(items)  # characters of each choice's tokens so far (completions' text_offset)
+        async def merged():
+            """``(choice, step)`` as the choices' steps come, ``(choice, None)`` at a choice's end and
+            ``(choice, exception)`` if it fails: one choice read directly, several through a queue
+            that a task per choice feeds."""
+            if len(items) == 1:
+                try:
+                    async for s in _chain(heads[0], items[0]):
+                        yield 0, s
+                    yield 0, None
+                except Exception as e:
+                    yield 0, e
+                return
+            queue: asyncio.Queue = asyncio.Queue()
 
             async def feed(i: int):
                 try:
                     async for s in _chain(heads[i], items[i]):
-                        await merged.put((i, s))
-                    await merged.put((i, None))
+                        await queue.put((i, s))
+                    await queue.put((i, None))
                 except Exception as e:
-                    await merged.put((i, e))
+                    await queue.put((i, e))
 
             feeders = [asyncio.create_task(feed(i)) for i in range(len(items))]
+            try:
+                while True:
+                    yield await queue.get()
+            finally:
+                for f in feeders:
+                    f.cancel()
+
+        async def events():
+            sent = [0] * len(items)  # characters of each choice's tokens so far (completions' text_offset)
             n, first, live = 0, [True] * len(items), len(items)
+            source = merged()
             try:
                 while live:
-                    i, s = await merged.get()
+                    i, s = await anext(source)
                     if s is None:
                         live -= 1
                     elif isinstance(s, Exception):  # the status line is sent already: in-band, as vLLM does
@@ -1015,8 +1036,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     if include_usage:
                         yield _sse(chunk(None, None, False, 0, [], 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})
             finally:
-                for f in feeders:
-                    f.cancel()
+                await source.aclose()
                 for _, cancel in jobs:  # a client that hung up: stop the generations after their step
                     cancel.set()
             yield "data: [DONE]\n\n"
