@@ -28,6 +28,7 @@ from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdel
                                 tile_signs, tiled_shape, unpack_signs, untile_signs)
 from deltafleet.kernels.reference import segment_tiles
 from deltafleet.serve.delta import VariantDelta, hf_name
+from deltafleet.serve.transfer import upload
 
 
 SIGN_LAYOUTS = ("rows", "tiled")
@@ -372,7 +373,7 @@ class BatchDeltas:
             if runs[0][2] < 0:  # a base run right after the decode rows: theirs, by the base GEMM
                 lead, runs = runs[0][1], runs[1:]
             if self._tiles is None:  # one table a step, whichever matrices the kernel takes
-                self._tiles = torch.tensor(segment_tiles(runs), dtype=torch.int32).to(x.device, non_blocking=True)
+                self._tiles = upload(segment_tiles(runs), torch.int32, x.device)
             return self._linear_segments(mod, x, (self._tiles, self.slots[:lead]))
         parts = []
         if lead:
