@@ -139,6 +139,14 @@ class Planner:
             if id(seq) in new_tokens:
                 seq.tokens.append(new_tokens[id(seq)])
 
+    def must_preempt(self) -> bool:
+        """Whether :meth:`schedule` would preempt now: the running sequences that decode need more
+        new blocks for their next token than are free. (The scheduler reads a step in flight first
+        then, since the sequences that end in it give blocks back: serve/scheduler.py.)"""
+        need = sum(self.pool.extra_blocks(s, s.computed + 1) for s in self.running
+                   if not s.prefilling and not s.final)
+        return need > self.pool.free_blocks
+
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> StepPlan:

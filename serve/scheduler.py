@@ -25,7 +25,8 @@ samples (``max_tokens``) is known on the host and planned no further (``Sequence
 ends on a sampled token (eos, a stop token, a grammar's end) has one more row, in step k + 1, whose
 token is dropped. The next step waits for the tokens when it needs them on the host: a sampled
 sequence held to a grammar (its matcher takes each token before the next mask) or with penalties
-(counted over its output). The tokens, their log-probabilities and the scored prompt rows of a step
+(counted over its output); and before a plan that would preempt, since the sequences that end in
+the step in flight give blocks back (so it preempts only where the synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
 come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
 (and tensor parallelism, whose ranks are sent each step's tokens) reads each step's tokens before
 planning the next.
@@ -224,8 +225,14 @@ class Scheduler:
                     if self._inflight is not None and self._needs_tokens(self._inflight):
                         self._finish_inflight()
                     self._drop_cancelled()
+                    if self._inflight is not None and self.planner.must_preempt():
+                        # the sequences that end in flight give their blocks back first: preempt as the
+                        # synchronous loop would, not for blocks about to come free
+                        self._finish_inflight()
+                        self._drop_cancelled()
                     with self._cv:
                         plan = self.planner.schedule()
+                    self.preemptions += len(plan.preempted)
                     if plan.tokens:
                         launched = self._launch(plan, self._inflight)
                         if not self.async_scheduling:
@@ -283,7 +290,6 @@ class Scheduler:
         (still on the device) are fed it there. The planner advances at once: every sampled sequence
         gets a :data:`PENDING` token, which :meth:`_finish` replaces."""
         t0 = time.perf_counter()
-        self.preemptions += len(plan.preempted)
         for seq, start, _ in plan.prefill:
             if not seq.started:
                 self._start(seq)

@@ -12,6 +12,7 @@ import pytest
 from deltafleet.serve.engine import Engine, SamplingParams
 from deltafleet.serve.request import Step
 from deltafleet.serve.scheduler import END, Scheduler
+from tests.conftest import complete_together
 
 BS = 4
 TEXT = "The quick brown fox. "
@@ -148,6 +149,42 @@ def test_an_ended_sequence_costs_at_most_one_more_row(tiny_family):
     assert counts["sync", False] == counts["async", False] == (8, ids)
     assert counts["sync", True] == (4, ids[:4])
     assert counts["async", True] == (5, ids[:4])
+
+
+def test_blocks_about_to_come_free_are_waited_for_not_preempted_for(tiny_family, monkeypatch):
+    """A pool of 8 blocks of 4 tokens and two requests of 3-token prompts, 18 and 14 tokens long: the
+    synchronous loop never preempts (the shorter one's blocks come back when it ends). Neither does
+    the asynchronous one: when the next step would preempt, it reads the step in flight first, where
+    the shorter one ends. Every preemption planned is counted, launched or not."""
+    from deltafleet.serve.plan import Planner
+
+    planned = []
+    real = Planner._preempt
+
+    def preempt(self, seq, plan):
+        planned.append(seq)
+        return real(self, seq, plan)
+
+    monkeypatch.setattr(Planner, "_preempt", preempt)
+    got = {}
+    for async_on in (False, True):
+        engine = _engine(tiny_family, async_on, max_batch=2, max_num_batched_tokens=32,
+                         kv_cache={"block_size": BS, "max_tokens": 8 * BS})
+        fed = []
+        real_exec = engine.scheduler.runner.execute
+        engine.scheduler.runner.execute = lambda step, prev=None: fed.append(len(step.tokens)) or real_exec(step, prev)
+        ids = engine.encode_prompt(TEXT)[:3]
+        jobs = [("tiny", ids, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)) for m in (18, 14)]
+        planned.clear()
+        got[async_on] = complete_together(engine, jobs), sum(fed), len(planned), engine.scheduler.preemptions
+    assert got[True] == got[False]
+    assert got[True][1:] == (36, 0, 0)  # every token fed once: 2 prompts of 3, 17 + 13 decode rows
+    # under more pressure (6 blocks): preemptions happen, and each one planned is counted
+    engine = _engine(tiny_family, True, max_batch=2, max_num_batched_tokens=32,
+                     kv_cache={"block_size": BS, "max_tokens": 6 * BS})
+    planned.clear()
+    complete_together(engine, jobs)
+    assert engine.scheduler.preemptions == len(planned) > 0
 
 
 def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_end(tiny_family):

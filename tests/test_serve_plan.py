@@ -76,7 +76,8 @@ def test_admission_waits_for_blocks_and_decodes_preempt_the_latest():
 
 def test_a_sequence_whose_last_token_is_in_flight_neither_decodes_nor_is_preempted():
     """``final`` (asynchronous scheduling: its last token is being sampled): it keeps its blocks until it
-    is finished, and a sequence that needs a block preempts the latest admitted of the others."""
+    is finished, and a sequence that needs a block preempts the latest admitted of the others;
+    ``must_preempt`` tells beforehand whether the next plan preempts."""
     pool = BlockPool(5, block_size=2)
     planner = Planner(pool, max_running=4, token_budget=32)
     first, second = _seq("m1", 4), _seq("m2", 4)
@@ -85,11 +86,13 @@ def test_a_sequence_whose_last_token_is_in_flight_neither_decodes_nor_is_preempt
     _run(planner, planner.schedule())
     second.final = True  # admitted last, but ending
     plans = []
-    while not (plan := planner.schedule()).preempted:  # first grows: one block free, then none
-        assert plan.decode == [first] and not plan.prefill
+    while not planner.must_preempt():  # first grows: one block free, then none
+        plan = planner.schedule()
+        assert plan.decode == [first] and not plan.prefill and not plan.preempted
         plans.append(pool.free_blocks)
         _run(planner, plan)
     assert plans == [0, 0]
+    plan = planner.schedule()  # as must_preempt said
     # first needs a fourth block: the only sequence it may preempt is itself
     assert plan.preempted == [first] and not plan.decode and planner.running == [second]
     planner.finish(second)
