@@ -143,9 +143,11 @@ class Planner:
         """Whether :meth:`schedule` would preempt now: the running sequences that decode need more
         new blocks for their next token than are free. (The scheduler reads a step in flight first
         then, since the sequences that end in it give blocks back: serve/scheduler.py.)"""
-        need = sum(self.pool.extra_blocks(s, s.computed + 1) for s in self.running
-                   if not s.prefilling and not s.final)
-        return need > self.pool.free_blocks
+        free = self.pool.free_blocks
+        if free >= len(self.running):  # a token takes at most one new block
+            return False
+        return sum(self.pool.extra_blocks(s, s.computed + 1) for s in self.running
+                   if not s.prefilling and not s.final) > free
 
     # ---------------------------------------------------------------- planning
 
@@ -156,7 +158,7 @@ class Planner:
         if self._admitted_at is not None:
             self._admit_step_s, self._admitted_at = now - self._admitted_at, None
         for seq in sorted(self.running, key=lambda s: s.admitted):
-            if seq not in self.running or seq.prefilling or seq.final:
+            if seq.preempted or seq.prefilling or seq.final:  # (preempted: by an earlier one, this step)
                 continue
             while not self.pool.can_grow(seq, seq.computed + 1):  # the token it decodes needs a block
                 # not one that is ending: its blocks come back when its last token is read
@@ -164,14 +166,14 @@ class Planner:
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if not seq.preempted:
                 self.pool.grow(seq, seq.computed + 1)
                 plan.decode.append(seq)
                 budget -= 1
         for seq in sorted(self.running, key=lambda s: s.admitted):  # prompts already started
             if budget == 0:
                 break
-            if seq.prefilling and seq not in plan.decode:
+            if seq.prefilling:  # (the decode rows are not)
                 budget -= self._chunk(seq, budget, plan)
         if plan.preempted:  # no room this step: admitting now would take the blocks just freed
             return plan
