@@ -333,17 +333,19 @@ def complete_concurrently(client, jobs: list[tuple[str, str]], max_tokens: int, 
     return got
 
 
-def complete_together(engine, jobs: list[tuple]) -> list[list[int]]:
-    """The token ids of ``engine.complete(model, prompt, params)`` for every ``(model, prompt, params)``
-    of ``jobs``, all submitted while the model is held, so they are all waiting when the scheduler's
-    loop resumes (one batch, whatever else the test checks about it)."""
+def complete_together(engine, jobs: list[tuple], run=None) -> list:
+    """The token ids of ``engine.complete(model, prompt, params)`` (or what ``run(engine, model,
+    prompt, params)`` returns) for every ``(model, prompt, params)`` of ``jobs``, all submitted while
+    the model is held, so they are all waiting when the scheduler's loop resumes (one batch, whatever
+    else the test checks about it)."""
     import threading
     import time
 
     results: list = [None] * len(jobs)
+    run = run or (lambda engine, model, prompt, params: engine.complete(model, prompt, params).token_ids)
 
     def go(i, model, prompt, params):
-        results[i] = engine.complete(model, prompt, params).token_ids
+        results[i] = run(engine, model, prompt, params)
 
     with engine._gen_lock:
         threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
@@ -356,6 +358,17 @@ def complete_together(engine, jobs: list[tuple]) -> list[list[int]]:
     for th in threads:
         th.join(120)
     return results
+
+
+def wait_released(engine, model_id: str, timeout_s: float = 30) -> None:
+    """Wait until no request holds ``model_id``'s variant and no sequence runs (a cancelled request's
+    row and variant are given back after its step)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while engine.cache.snapshot()[model_id]["in_flight"] or engine.scheduler.running:
+        assert time.time() < deadline, f"{model_id} still held, or sequences still running"
+        time.sleep(0.01)
 
 
 def decode_alone(model, prompt: list[int], delta, steps: int) -> list[torch.Tensor]:

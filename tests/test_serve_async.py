@@ -12,7 +12,7 @@ import pytest
 from deltafleet.serve.engine import Engine, SamplingParams
 from deltafleet.serve.request import Step
 from deltafleet.serve.scheduler import END, Scheduler
-from tests.conftest import complete_together
+from tests.conftest import complete_together, wait_released
 
 BS = 4
 TEXT = "The quick brown fox. "
@@ -22,26 +22,10 @@ def _engine(fam, async_scheduling: bool, **kw) -> Engine:
     return Engine(fam.base_dir, fam.artifacts_dir, family="tiny", async_scheduling=async_scheduling, **kw)
 
 
-def _steps_together(engine: Engine, jobs: list[tuple]) -> list[list[tuple]]:
-    """Every Step of each ``(model, prompt, params)`` of ``jobs``, submitted while the model is held (one
-    batch), as ``(token, text, finish, logprob, top logprobs, prompt logprobs)``."""
-    out: list = [None] * len(jobs)
-
-    def go(i, model, prompt, params):
-        out[i] = [(s.token_id, s.text, s.finish_reason, s.logprob, s.top_logprobs, s.prompt_logprobs)
-                  for s in engine.generate(model, engine.encode_prompt(prompt), params)]
-
-    with engine._gen_lock:
-        threads = [threading.Thread(target=go, args=(i, *job)) for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 30
-        while sum(engine.scheduler.waiting().values()) < len(jobs):
-            assert time.time() < deadline
-            time.sleep(0.01)
-    for t in threads:
-        t.join(120)
-    return out
+def _steps(engine: Engine, model: str, prompt: str, params: SamplingParams) -> list[tuple]:
+    """Every Step of a request, as ``(token, text, finish, logprob, top logprobs, prompt logprobs)``."""
+    return [(s.token_id, s.text, s.finish_reason, s.logprob, s.top_logprobs, s.prompt_logprobs)
+            for s in engine.generate(model, engine.encode_prompt(prompt), params)]
 
 
 def _count_fed(engine: Engine) -> list[int]:
@@ -81,7 +65,7 @@ def test_async_steps_answer_what_sync_steps_answer(tiny_family):
         ("tiny", TEXT, SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.5)),
     ]
     fed_sync, fed_async = _count_fed(sync), _count_fed(asyn)
-    want, got = _steps_together(sync, jobs), _steps_together(asyn, jobs)
+    want, got = complete_together(sync, jobs, _steps), complete_together(asyn, jobs, _steps)
     assert [[s[:3] for s in steps] for steps in got] == [[s[:3] for s in steps] for steps in want]
     # log-probabilities to rounding: a request that ends on a sampled token keeps its row one more
     # step, so later steps' batches (and their sums' order) may differ
@@ -201,10 +185,7 @@ def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_end(tiny
         items.append(item)
     time.sleep(0.2)  # the steps in flight end meanwhile
     assert out.empty() and all(isinstance(i, Step) for i in items) and len(items) <= 2
-    deadline = time.time() + 30
-    while engine.cache.snapshot()["tiny-coder"]["in_flight"] or engine.scheduler.running:
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_released(engine, "tiny-coder")
     r = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=4, temperature=0))
     assert r.completion_tokens == 4 and r.finish_reason == "length"
 

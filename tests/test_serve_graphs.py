@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import build_tiny_family
+from tests.conftest import build_tiny_family, complete_together
 
 pytestmark = pytest.mark.gpu
 
@@ -320,20 +320,7 @@ def test_async_scheduling_replays_the_same_steps(family):
         runner, rows = engine.scheduler.runner, []
         real = runner.execute
         runner.execute = lambda step, prev=None: rows.append(sum(r >= 0 for r in step.prev_rows)) or real(step, prev)
-        results = [None] * len(jobs)
-
-        def complete(i, engine=engine, results=results):
-            results[i] = engine.complete(jobs[i], prompts[i], params).token_ids
-
-        threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(jobs))]
-        with engine._gen_lock:  # one batch
-            for t in threads:
-                t.start()
-            deadline = time.time() + 120
-            while sum(engine.scheduler.waiting().values()) < len(jobs) and time.time() < deadline:
-                time.sleep(0.01)
-        for t in threads:
-            t.join(300)
+        results = complete_together(engine, [(m, p, params) for m, p in zip(jobs, prompts)])
         sch = engine.scheduler
         assert sch.graphs is not None and sch.graphs.replays == sch.steps - 1 == 11
         got[async_on], fed[async_on] = results, rows

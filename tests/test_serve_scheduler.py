@@ -11,7 +11,7 @@ import torch
 
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine, SamplingParams
-from tests.conftest import complete_together
+from tests.conftest import complete_together, wait_released
 
 PROMPTS = {"tiny": "def main(", "tiny-coder": "import os\nimport", "tiny-writer": "The quick brown"}
 
@@ -85,10 +85,7 @@ def test_a_cancelled_request_frees_its_row_and_its_variant(tiny_family):
     first = next(gen)
     assert first.finish_reason is None
     gen.close()  # the client went away
-    deadline = time.time() + 30
-    while engine.cache.snapshot()["tiny-coder"]["in_flight"] or engine.scheduler.running:
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_released(engine, "tiny-coder")
     # the one row is free again: the next request runs to its end
     r = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=4, temperature=0))
     assert r.completion_tokens == 4 and r.finish_reason == "length"
