@@ -303,6 +303,47 @@ def test_engine_decodes_every_step_by_graph_replay(family):
     assert first >= 2, f"only {first} of {len(jobs) - 1} variant requests' first tokens equal with and without graphs"
 
 
+def test_a_decode_step_is_queued_without_waiting_for_the_device(family):
+    """Asynchronous scheduling's premise: preparing and launching a step (its inputs through pinned
+    memory, its decode row fed the previous step's token on the device, the graph replay), sampling
+    it (the batch's parameters through pinned memory) and starting the copy of its tokens to the host
+    all return while the device is still busy with earlier work (a kernel spinning for about 0.25 s);
+    the tokens read afterwards are those of the same step run without the wait."""
+    from types import SimpleNamespace
+
+    from deltafleet.serve.runner import ModelRunner, StepInput
+    from deltafleet.serve.sampling import SamplingBatch, sample
+    from deltafleet.serve.scheduler import Scheduler
+
+    model, slots, views = _loaded(family)
+    runner = ModelRunner(model, slots, n_blocks=8, block_size=128, max_batch=4, max_seq_len=SEQ, cuda_graphs=True)
+    scratch = runner.cache.scratch_block  # the rows write position 0 of the scratch block: no sequence's
+    step = StepInput([0, 5], [0, 0], [scratch * 128] * 2, [-1, views["coder"].slot], 2, [[scratch], [scratch]],
+                     [], [0, 1], prev_rows=[1, -1])  # row 0's token: row 1 of the previous step's
+    prev = torch.tensor([3, 9], device="cuda")
+    params = [(0.0, 1.0, 0, 1, 1), (0.8, 0.9, 0, 2, 1)]  # greedy; seeded top-p
+    host = SimpleNamespace(_launches=0, _pinned=[], max_batch=4)  # what Scheduler._copy_out keeps
+
+    def launch():
+        logits = runner.execute(step, prev)
+        tokens = sample(logits, SamplingBatch.build(params, "cuda"))
+        return Scheduler._copy_out(host, tokens)
+
+    with torch.inference_mode():
+        want = Scheduler._read(launch())[0]  # captures the graph, compiles the sampler
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))
+        busy = torch.cuda.Event()
+        busy.record()
+        t0 = time.perf_counter()
+        copy = launch()
+        queued = time.perf_counter() - t0
+        assert not busy.query(), f"launching the step waited for the device ({queued:.3f} s)"
+        got = Scheduler._read(copy)[0]
+    assert runner.graphs is not None and runner.graphs.replays == 2
+    assert got == want and len(got) == 2
+
+
 def test_async_scheduling_replays_the_same_steps(family):
     """With graphs on, asynchronous scheduling (decode rows fed the previous step's tokens on the device,
     inside the replayed steps' static inputs) and synchronous scheduling run the same batches: five
