@@ -70,9 +70,13 @@ class SamplingBatch:
         draw: whether any row samples at all (no noise is made for a step of greedy rows).
         banned: ``(rows, tokens)`` int64 index tensors of the tokens that cannot be drawn this step
             (a request's eos and stop token ids before its ``min_tokens``), or None.
-        penalties: ``(rows, tokens, counts, repetition, frequency, presence)``: one entry per (row,
-            token) seen in the row's prompt or output, ``counts`` (float32) its count in the output,
-            the others (float32) the row's penalties; None when no row has one.
+        penalties: ``(rows, entry_rows, tokens, counts, repetition, frequency, presence)``: the
+            penalized rows (int64 ``[P]``), their penalties (float32 ``[P]`` each), and one entry per
+            (row, token) seen in the row's prompt or output: its row among the P (int64), the token
+            (int64) and its count in the output (float32; 0 for a prompt token). A token may come in
+            several entries (the counts add up): the last output token of a row whose previous step
+            is still in flight is taken from that step's tokens, on the device. None when no row has
+            penalties.
         min_p: float32 ``[B]``, or None when no row has one.
         allowed: int32 ``[B, ceil(V / 32)]``, every row's allowed tokens in xgrammar's layout (bit ``j``
             of word ``i``: token ``32·i + j``), all bits set for a row not held to a grammar
@@ -94,17 +98,29 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: list[tuple[float, float, int, int, int]], device: torch.device | str,
               banned: list[tuple[int, int]] = (), penalties: list[tuple[int, int, int, float, float, float]] = (),
-              min_p: list[float] | None = None) -> SamplingBatch:
+              min_p: list[float] | None = None,
+              fed: tuple[list[tuple[int, int, float, float, float]], Tensor] | None = None) -> SamplingBatch:
         """From ``(temperature, top_p, top_k, seed, position)`` per row, ``seed`` as
         :func:`request_seed` gives it, the ``(row, token)`` pairs that cannot be drawn, the
         ``(row, token, output count, repetition, frequency, presence)`` entries of the rows with
-        penalties, and each row's ``min_p`` (None: no row has one)."""
+        penalties, and each row's ``min_p`` (None: no row has one). ``fed``: ``(entries, prev)``, one
+        more output token for rows with penalties, ``(row, i, repetition, frequency, presence)`` for
+        token ``prev[i]`` (the previous step's sampled tokens, on the device: asynchronous scheduling)."""
         temperature, top_p, top_k, seeds, position = zip(*rows)
         pen = None
-        if penalties:
-            r, t, c, rep, freq, pres = zip(*penalties)
-            pen = tuple(upload(v, torch.int64, device) for v in (r, t)) + tuple(
-                upload(v, torch.float32, device) for v in (c, rep, freq, pres))
+        fed_entries, prev = fed if fed is not None else ((), None)
+        if penalties or fed_entries:
+            params = {e[0]: e[3:] for e in penalties} | {e[0]: e[2:] for e in fed_entries}
+            order = sorted(params)
+            at = {r: k for k, r in enumerate(order)}
+            rep, freq, pres = (upload([params[r][j] for r in order], torch.float32, device) for j in range(3))
+            entry_rows = upload([at[e[0]] for e in penalties] + [at[e[0]] for e in fed_entries], torch.int64, device)
+            tokens = upload([e[1] for e in penalties], torch.int64, device)
+            counts = upload([float(e[2]) for e in penalties] + [1.0] * len(fed_entries), torch.float32, device)
+            if fed_entries:  # the tokens still on the device (−1, a failed row: counted as 0, which ends anyway)
+                src = upload([e[1] for e in fed_entries], torch.int64, device)
+                tokens = torch.cat([tokens, prev.clamp(min=0)[src]])
+            pen = (upload(order, torch.int64, device), entry_rows, tokens, counts, rep, freq, pres)
         # two host-to-device copies for the whole batch, queued behind the step's forward (serve/transfer.py)
         seeds = np.array(seeds, dtype=np.int64).view(np.uint64)  # two's complement bits
         ints = np.stack([np.array(top_k, dtype=np.int64), (seeds & 0xFFFFFFFF).astype(np.int64),
@@ -161,13 +177,18 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return _plain(logits, batch.temperature, batch.key, batch.position)
 
 
-def _penalize(logits: Tensor, rows: Tensor, tokens: Tensor, counts: Tensor, repetition: Tensor, frequency: Tensor,
-              presence: Tensor) -> None:
-    """Apply the penalties of :class:`SamplingBatch` to ``logits`` in place (see the module docstring)."""
-    v = logits[rows, tokens]
-    v = torch.where(v > 0, v / repetition, v * repetition)
-    v = v - frequency * counts - presence * (counts > 0).float()
-    logits[rows, tokens] = v
+def _penalize(logits: Tensor, rows: Tensor, entry_rows: Tensor, tokens: Tensor, counts: Tensor, repetition: Tensor,
+              frequency: Tensor, presence: Tensor) -> None:
+    """Apply the penalties of :class:`SamplingBatch` to ``logits`` in place (see the module docstring),
+    over a dense ``[P, V]`` view of the penalized rows' counts (entries of one token add up)."""
+    v = logits[rows]
+    count = torch.zeros_like(v).index_put_((entry_rows, tokens), counts, accumulate=True)
+    seen = torch.zeros_like(v, dtype=torch.bool).index_put_((entry_rows, tokens),
+                                                             torch.ones_like(counts, dtype=torch.bool))
+    rep = repetition[:, None]
+    v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
+    v = v - frequency[:, None] * count - presence[:, None] * (count > 0).float()
+    logits[rows] = v
 
 
 def _min_p(logits: Tensor, min_p: Tensor, temperature: Tensor) -> None:

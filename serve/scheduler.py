@@ -23,10 +23,11 @@ assumed to go on: the planner advances at once and its sampled token is a placeh
 from step k's output on the device (``StepInput.prev_rows``). A sequence whose last token step k
 samples (``max_tokens``) is known on the host and planned no further (``Sequence.final``); one that
 ends on a sampled token (eos, a stop token, a grammar's end) has one more row, in step k + 1, whose
-token is dropped. The next step waits for the tokens when it needs them on the host: a sampled
-sequence held to a grammar (its matcher takes each token before the next mask) or with penalties
-(counted over its output); and before a plan that would preempt, since the sequences that end in
-the step in flight give blocks back (so it preempts only where the synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
+token is dropped. A penalized sequence's token in flight is counted on the device. The next step
+waits for the tokens when it needs them on the host: a sampled sequence held to a grammar (its
+matcher takes each token before the next mask); and before a plan that would preempt, since the
+sequences that end in the step in flight give blocks back (so it preempts only where the
+synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
 come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
 (and tensor parallelism, whose ranks are sent each step's tokens) reads each step's tokens before
 planning the next.
@@ -272,9 +273,8 @@ class Scheduler:
     @staticmethod
     def _needs_tokens(job: _Launched) -> bool:
         """Whether the next step needs the in-flight step's tokens on the host before it is planned: a
-        sequence it sampled is held to a grammar (its matcher takes each token before the next mask) or
-        has penalties (counted over its output)."""
-        return any(s.matcher is not None or s.req.params.penalized for s in job.sampled if not s.ended)
+        sequence it sampled is held to a grammar (its matcher takes each token before the next mask)."""
+        return any(s.matcher is not None for s in job.sampled if not s.ended)
 
     def _drop_cancelled(self) -> None:
         """End the requests cancelled since the last step, waiting or running, and those a stop string
@@ -303,7 +303,7 @@ class Scheduler:
             if sampled or scored:
                 n = len(sampled)
                 score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
-                tokens, lp = self._sample(logits[:n], sampled) if sampled else (logits.new_zeros(0).long(), None)
+                tokens, lp = self._sample(logits[:n], sampled, prev) if sampled else (logits.new_zeros(0).long(), None)
                 copy = self._copy_out(tokens, lp, score)
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(plan.decode))
@@ -456,20 +456,28 @@ class Scheduler:
         scores = unpack(*score) if score is not None else []
         return out, lps, scores
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, tuple | None]:
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq], prev: _Launched | None = None
+                ) -> tuple[torch.Tensor, tuple | None]:
         """The next token of each of ``seqs`` from ``logits`` ``[B, V]`` (serve/sampling.py), −1 for a
         row whose logits are not finite; a token is drawn at position ``len(seq.tokens)``. Also, for
         the rows that ask for log-probabilities, ``(rows, sampled token's, top values, top ids)`` of
-        the model's own log-softmax (None if no row asks), all on the device."""
+        the model's own log-softmax (None if no row asks), all on the device. A penalized row's last
+        output token, if ``prev`` sampled it (still :data:`PENDING` here), is counted from ``prev``'s
+        tokens on the device."""
         # before min_tokens, the tokens that would end a row cannot be drawn (a grammar's end decides for its rows)
         # (len(tokens) − prompt_len: the tokens sampled so far, those of a step in flight included)
         banned = [(i, t) for i, s in enumerate(seqs)
                   if len(s.tokens) - s.prompt_len < s.req.params.min_tokens and s.matcher is None for t in s.enders]
-        penalties = []
+        penalties, fed, rows_of = [], [], None
         for i, s in enumerate(seqs):
             p = s.req.params
             if p.penalized:  # the output's counts, and the prompt's tokens (count 0) for the repetition penalty
-                seen = Counter(s.tokens[s.prompt_len:])
+                out = s.tokens[s.prompt_len:]
+                if out and out[-1] == PENDING:  # sampled by the step in flight: counted on the device
+                    rows_of = rows_of or {id(q): j for j, q in enumerate(prev.sampled)}
+                    fed.append((i, rows_of[id(s)], p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+                    out = out[:-1]
+                seen = Counter(out)
                 if p.repetition_penalty != 1.0:
                     seen.update(dict.fromkeys(set(s.tokens[:s.prompt_len]) - seen.keys(), 0))
                 penalties += [(i, t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
@@ -481,7 +489,7 @@ class Scheduler:
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
         batch = sampling.SamplingBatch.build(
             [(s.req.params.temperature, s.req.params.top_p, s.req.params.top_k, s.seed, len(s.tokens))
-             for s in seqs], logits.device, banned, penalties, min_p)
+             for s in seqs], logits.device, banned, penalties, min_p, (fed, prev.tokens) if fed else None)
         if held:
             # pinned on CUDA: the copy queues behind the forward without holding the host (the buffer is
             # reused next step, after this step's tokens are read: the loop reads them before planning)

@@ -46,8 +46,8 @@ def test_async_steps_answer_what_sync_steps_answer(tiny_family):
     """Mixed variants, prompts chunked over several steps and sequences preempted (a 12-token budget and
     a cache smaller than the sequences need), and every way a request ends or reads back: greedy and
     seeded top-p, a stop token id, a stop string, min_tokens, log-probabilities of the output and the
-    prompt, penalties (their counts need the tokens on the host: the loop reads them first). The same
-    Steps in both modes; only the asynchronous loop feeds tokens on the device."""
+    prompt, penalties (the token in flight counted on the device). The same Steps in both modes; only
+    the asynchronous loop feeds tokens on the device."""
     kw = dict(max_batch=6, max_num_batched_tokens=12, kv_cache={"block_size": BS, "max_tokens": 24 * BS})
     sync, asyn = _engine(tiny_family, False, **kw), _engine(tiny_family, True, **kw)
     greedy = SamplingParams(max_tokens=16, temperature=0)
@@ -62,7 +62,8 @@ def test_async_steps_answer_what_sync_steps_answer(tiny_family):
         ("tiny-writer", TEXT, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, logprobs=2,
                                              prompt_logprobs=1)),
         ("tiny-writer", TEXT * 2, SamplingParams(max_tokens=12, temperature=0.8, seed=3, min_tokens=6)),
-        ("tiny", TEXT, SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.5)),
+        ("tiny", TEXT, SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
+                                      repetition_penalty=1.3)),
     ]
     fed_sync, fed_async = _count_fed(sync), _count_fed(asyn)
     want, got = complete_together(sync, jobs, _steps), complete_together(asyn, jobs, _steps)
@@ -78,6 +79,8 @@ def test_async_steps_answer_what_sync_steps_answer(tiny_family):
     assert finishes == ["length", "stop", "stop", "length", "length", "length"]
     assert want[1][-1][0] == stop_id and len(want[1]) == 6  # ended at the stop token, as the probe said
     assert want[3][0][3] is not None and want[3][0][5] is not None  # log-probabilities were asked and given
+    plain = sync.complete("tiny", TEXT, SamplingParams(max_tokens=12, temperature=0)).token_ids
+    assert [s[0] for s in want[5]] != plain  # the penalty changes that completion
     for engine in (sync, asyn):
         sch = engine.scheduler
         assert sch.preemptions > 0 and sch.max_rows_seen >= 2
@@ -85,10 +88,43 @@ def test_async_steps_answer_what_sync_steps_answer(tiny_family):
     assert sum(fed_sync) == 0 and sum(fed_async) > len(jobs)
 
 
+def test_a_penalized_token_still_on_the_device_is_counted(tiny_family):
+    """A stub model that favours repeating its input token (logit 3) over token 2 (logit 2): with
+    frequency and presence penalties of 2 each a token already in the output loses 4 or more, so the
+    greedy completion moves on rather than repeating. The same completion whether the last token is
+    read on the host first (synchronous) or counted while still on the device (asynchronous)."""
+    import torch
+
+    got = {}
+    for async_on in (False, True):
+        engine = _engine(tiny_family, async_on)
+        vocab = engine.model.args.vocab_size
+
+        def execute(step, prev=None, vocab=vocab):
+            tokens = torch.tensor(step.tokens)
+            if step.prev_rows:  # what the runner feeds on the device
+                rows = torch.tensor(step.prev_rows)
+                tokens[:len(rows)] = torch.where(rows >= 0, prev[rows.clamp(min=0)], tokens[:len(rows)])
+            inputs = tokens[step.sample]
+            logits = torch.zeros(len(step.sample), vocab)
+            logits[:, 2] = 2.0
+            logits[torch.arange(len(inputs)), inputs] += 3.0
+            return logits
+
+        engine.scheduler.runner.execute = execute
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, frequency_penalty=2.0,
+                                presence_penalty=2.0)
+        got[async_on] = engine.complete("tiny", TEXT, params).token_ids
+    assert got[True] == got[False]
+    assert got[False][:3] == [engine.encode_prompt(TEXT)[-1], 2, 2]  # repeats its input once, then moves on
+    assert len(set(got[False])) > 3
+
+
 def test_each_step_is_launched_before_the_previous_tokens_are_read(tiny_family, monkeypatch):
-    """The loop's order, one request of five tokens: launch 1, launch 2, read 1, launch 3, read 2, … With
-    penalties (the next step's counts need the token) each step's tokens are read before the next is
-    launched; so with asynchronous scheduling off."""
+    """The loop's order, one request of five tokens: launch 1, launch 2, read 1, launch 3, read 2, …, also
+    with penalties (the token in flight is counted on the device). With a grammar (its matcher takes
+    each token before the next mask) each step's tokens are read before the next is launched; so with
+    asynchronous scheduling off."""
     events: list[str] = []
     real_launch, real_read = Scheduler._launch, Scheduler._read
 
@@ -109,6 +145,10 @@ def test_each_step_is_launched_before_the_previous_tokens_are_read(tiny_family, 
     events.clear()
     engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
                                                         presence_penalty=0.5))
+    assert "".join(events) == "LLRLRLRLRR"
+    events.clear()
+    engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                        constraint=("regex", "[a-z ]{60}")))
     assert "".join(events) == "LR" * 5
     events.clear()
     _engine(tiny_family, False).complete("tiny-coder", "def ", plain)

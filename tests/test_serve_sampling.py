@@ -163,6 +163,28 @@ def test_penalties_match_their_plain_reference_and_leave_other_rows_alone():
         assert torch.equal(got[1:], logits[1:]) and tokens[0] == want.argmax()
 
 
+@pytest.mark.parametrize("last", [5, 7, 2], ids=["seen", "new", "in-prompt-only"])
+def test_a_last_output_token_on_the_device_counts_as_the_host_ones(last):
+    """``fed``: a row's last output token taken from the previous step's tokens on the device (asynchronous
+    scheduling) is counted as if it were on the host, whether the output already holds it, it is new, or
+    only the prompt holds it (the repetition penalty's own)."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 40) * 3
+    prompt, output = [1, 2, 3, 2], [5, 5, 9, 3, last]
+    for rep, freq, pres in [(1.3, 0.0, 0.0), (1.0, 0.7, 0.4), (0.8, -0.5, 1.5)]:
+        want = _penalized(logits[1], prompt, output, rep, freq, pres)
+        known = output[:-1]
+        seen = {t: known.count(t) for t in known} | ({t: 0 for t in set(prompt) - set(known)} if rep != 1.0 else {})
+        entries = [(1, t, c, rep, freq, pres) for t, c in seen.items()]
+        prev = torch.tensor([11, last, 12])  # the previous step's tokens: row 1 is this row's
+        got = logits.clone()
+        batch = SamplingBatch.build([(0.0, 1.0, 0, 1, 7)] * 2, "cpu", penalties=entries,
+                                    fed=([(1, 1, rep, freq, pres)], prev))
+        sample(got, batch)
+        torch.testing.assert_close(got[1], want)
+        assert torch.equal(got[0], logits[0])
+
+
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
 def test_min_p_drops_the_unlikely_tokens_at_the_rows_temperature(temperature):
     """``min_p``: a token is drawn only if its probability at the row's temperature is at least min_p
