@@ -23,11 +23,11 @@ assumed to go on: the planner advances at once and its sampled token is a placeh
 from step k's output on the device (``StepInput.prev_rows``). A sequence whose last token step k
 samples (``max_tokens``) is known on the host and planned no further (``Sequence.final``); one that
 ends on a sampled token (eos, a stop token, a grammar's end) has one more row, in step k + 1, whose
-token is dropped. A penalized sequence's token in flight is counted on the device. The next step
-waits for the tokens when it needs them on the host: a sampled sequence held to a grammar (its
-matcher takes each token before the next mask); and before a plan that would preempt, since the
-sequences that end in the step in flight give blocks back (so it preempts only where the
-synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
+token is dropped. A penalized sequence's token in flight is counted on the device. A sequence held
+to a grammar needs its token on the host before its next mask (its matcher takes each token): then
+step k's tokens are read once step k + 1's forward is launched, before its sampling. And before a
+plan that would preempt, step k's tokens are read first, since the sequences that end in it give
+blocks back (so it preempts only where the synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
 come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
 (and tensor parallelism, whose ranks are sent each step's tokens) reads each step's tokens before
 planning the next.
@@ -223,8 +223,6 @@ class Scheduler:
             plan, launched, read = None, None, False
             try:
                 with self.engine._gen_lock:  # the model is used by this thread only (tests can hold it)
-                    if self._inflight is not None and self._needs_tokens(self._inflight):
-                        self._finish_inflight()
                     self._drop_cancelled()
                     if self._inflight is not None and self.planner.must_preempt():
                         # the sequences that end in flight give their blocks back first: preempt as the
@@ -272,8 +270,8 @@ class Scheduler:
 
     @staticmethod
     def _needs_tokens(job: _Launched) -> bool:
-        """Whether the next step needs the in-flight step's tokens on the host before it is planned: a
-        sequence it sampled is held to a grammar (its matcher takes each token before the next mask)."""
+        """Whether the next step's sampling needs the in-flight step's tokens on the host: a sequence it
+        sampled is held to a grammar (its matcher takes each token before the next mask)."""
         return any(s.matcher is not None for s in job.sampled if not s.ended)
 
     def _drop_cancelled(self) -> None:
@@ -299,6 +297,9 @@ class Scheduler:
             t1 = time.perf_counter()
             logits = self.runner.execute(step, None if prev is None else prev.tokens)
             launch = time.perf_counter() - t1
+            if prev is not None and prev is self._inflight and self._needs_tokens(prev):
+                # the grammars' next masks need prev's tokens: read them now, while the forward runs
+                self._finish_inflight()
             tokens = None
             if sampled or scored:
                 n = len(sampled)
@@ -483,7 +484,7 @@ class Scheduler:
                 penalties += [(i, t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
                               for t, c in seen.items()]
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
-        held = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        held = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.ended]  # (ended: its row is dropped)
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)  # free rows: every token
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)

@@ -121,38 +121,40 @@ def test_a_penalized_token_still_on_the_device_is_counted(tiny_family):
 
 
 def test_each_step_is_launched_before_the_previous_tokens_are_read(tiny_family, monkeypatch):
-    """The loop's order, one request of five tokens: launch 1, launch 2, read 1, launch 3, read 2, …, also
-    with penalties (the token in flight is counted on the device). With a grammar (its matcher takes
-    each token before the next mask) each step's tokens are read before the next is launched; so with
-    asynchronous scheduling off."""
+    """The loop's order, one request of five tokens (F: a forward launched, S: its sampling, R: a step's
+    tokens read): F1 S1, F2 S2, R1, F3 S3, R2, …, also with penalties (the token in flight is counted
+    on the device). With a grammar (its matcher takes each token before the next mask) a step's tokens
+    are read once the next forward is launched, before its sampling: F1 S1, F2 R1 S2, F3 R2 S3, …
+    With asynchronous scheduling off each step is read before the next: F1 S1 R1, F2 S2 R2, …"""
     events: list[str] = []
-    real_launch, real_read = Scheduler._launch, Scheduler._read
-
-    def launch(self, plan, prev):
-        events.append("L")
-        return real_launch(self, plan, prev)
+    real_read, real_sample = Scheduler._read, Scheduler._sample
 
     def read(copy):
         events.append("R")
         return real_read(copy)
 
-    monkeypatch.setattr(Scheduler, "_launch", launch)
+    def sample(self, logits, seqs, prev=None):
+        events.append("S")
+        return real_sample(self, logits, seqs, prev)
+
     monkeypatch.setattr(Scheduler, "_read", staticmethod(read))
-    engine = _engine(tiny_family, True)
-    plain = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    engine.complete("tiny-coder", "def ", plain)
-    assert "".join(events) == "LLRLRLRLRR"  # the last step samples the fifth token: no sixth launch
-    events.clear()
-    engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
-                                                        presence_penalty=0.5))
-    assert "".join(events) == "LLRLRLRLRR"
-    events.clear()
-    engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
-                                                        constraint=("regex", "[a-z ]{60}")))
-    assert "".join(events) == "LR" * 5
-    events.clear()
-    _engine(tiny_family, False).complete("tiny-coder", "def ", plain)
-    assert "".join(events) == "LR" * 5
+    monkeypatch.setattr(Scheduler, "_sample", sample)
+
+    def traced(engine):
+        real = engine.scheduler.runner.execute
+        engine.scheduler.runner.execute = lambda step, prev=None: events.append("F") or real(step, prev)
+        return engine
+
+    def order(engine, **params) -> str:
+        events.clear()
+        engine.complete("tiny-coder", "def ", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, **params))
+        return "".join(events)
+
+    engine = traced(_engine(tiny_family, True))
+    assert order(engine) == "FS" + "FSR" * 4 + "R"  # the last step samples the fifth token: no sixth
+    assert order(engine, presence_penalty=0.5) == "FS" + "FSR" * 4 + "R"
+    assert order(engine, constraint=("regex", "[a-z ]{60}")) == "FS" + "FRS" * 4 + "R"
+    assert order(traced(_engine(tiny_family, False))) == "FSR" * 5
 
 
 def test_an_ended_sequence_costs_at_most_one_more_row(tiny_family):
