@@ -24,8 +24,9 @@ from step k's output on the device (``StepInput.prev_rows``). A sequence whose l
 samples (``max_tokens``) is known on the host and planned no further (``Sequence.final``); one that
 ends on a sampled token (eos, a stop token, a grammar's end) has one more row, in step k + 1, whose
 token is dropped. A penalized sequence's token in flight is counted on the device. A sequence held
-to a grammar needs its token on the host before its next mask (its matcher takes each token): then
-step k's tokens are read once step k + 1's forward is launched, before its sampling. And before a
+to a grammar needs its token on the host before its next mask (its matcher takes each token), and
+the masks go through one pinned buffer: after a step sampled under masks, its tokens are read once
+the next step's forward is launched, before its sampling. And before a
 plan that would preempt, step k's tokens are read first, since the sequences that end in it give
 blocks back (so it preempts only where the synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
 come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
@@ -114,6 +115,7 @@ class _Launched:
     t0: float                          # when it was planned to launch
     launch: float                      # seconds ModelRunner.execute took
     n_tokens: int                      # tokens it fed
+    masked: bool = False               # it sampled under grammars' masks (the pinned mask buffer)
 
 
 def _slot(req) -> int:
@@ -166,6 +168,7 @@ class Scheduler:
         self._finished_at = 0.0  # when the last step's tokens were read (step_observers' seconds)
         self._pinned: list[torch.Tensor] = []  # CUDA: where sampled tokens land on the host, one per step in flight
         self._launches = 0
+        self._masked = False  # whether the step being launched sampled under grammars' masks
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
         self.detokenizer = _Detokenizer()
         # called after every step on this thread: (kind "decode" or "prefill", the step's seconds, the
@@ -268,12 +271,6 @@ class Scheduler:
         self._finish(self._inflight)
         self._inflight = None
 
-    @staticmethod
-    def _needs_tokens(job: _Launched) -> bool:
-        """Whether the next step's sampling needs the in-flight step's tokens on the host: a sequence it
-        sampled is held to a grammar (its matcher takes each token before the next mask)."""
-        return any(s.matcher is not None for s in job.sampled if not s.ended)
-
     def _drop_cancelled(self) -> None:
         """End the requests cancelled since the last step, waiting or running, and those a stop string
         ended (found by the detokenizer)."""
@@ -297,10 +294,13 @@ class Scheduler:
             t1 = time.perf_counter()
             logits = self.runner.execute(step, None if prev is None else prev.tokens)
             launch = time.perf_counter() - t1
-            if prev is not None and prev is self._inflight and self._needs_tokens(prev):
-                # the grammars' next masks need prev's tokens: read them now, while the forward runs
+            if prev is not None and prev is self._inflight and prev.masked:
+                # prev sampled under grammars' masks: their matchers need its tokens before the next masks,
+                # and its copy of the one pinned mask buffer must have run before the buffer is refilled.
+                # Read them now, while the forward runs.
                 self._finish_inflight()
             tokens = None
+            self._masked = False  # (set by _sample)
             if sampled or scored:
                 n = len(sampled)
                 score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
@@ -312,7 +312,7 @@ class Scheduler:
         self.planner.advance(plan, dict.fromkeys(map(id, sampled), PENDING))
         for seq in sampled:
             seq.final = len(seq.tokens) - seq.prompt_len >= seq.req.max_tokens
-        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens))
+        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens), self._masked)
 
     def _finish(self, job: _Launched) -> None:
         """Read ``job``'s tokens (waiting for its step), put each in its sequence in place of its
@@ -485,6 +485,7 @@ class Scheduler:
                               for t, c in seen.items()]
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
         held = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.ended]  # (ended: its row is dropped)
+        self._masked = bool(held)
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)  # free rows: every token
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
@@ -493,7 +494,7 @@ class Scheduler:
              for s in seqs], logits.device, banned, penalties, min_p, (fed, prev.tokens) if fed else None)
         if held:
             # pinned on CUDA: the copy queues behind the forward without holding the host (the buffer is
-            # reused next step, after this step's tokens are read: the loop reads them before planning)
+            # reused next step, after this step's tokens are read: _launch reads them before sampling)
             batch.allowed = bitmask.to(logits.device, non_blocking=True)
         want = [i for i, s in enumerate(seqs) if s.req.params.logprobs is not None]
         lp = None

@@ -157,6 +157,42 @@ def test_each_step_is_launched_before_the_previous_tokens_are_read(tiny_family, 
     assert order(traced(_engine(tiny_family, False))) == "FSR" * 5
 
 
+def test_the_mask_buffer_is_not_refilled_while_a_step_that_read_it_runs(tiny_family, monkeypatch):
+    """Grammars' masks go to the device through one pinned buffer, copied behind the step's forward: it
+    is refilled only once the step that used it is read. The case that needs it: a structured request
+    cancelled between two steps while a plain one runs on, and a new structured request admitted
+    (the step in flight used a mask, though no request of it needs its token any more)."""
+    engine = _engine(tiny_family, True)
+    sch, real = engine.scheduler, engine.grammars.bitmask
+    fills = []
+
+    def bitmask(rows, pinned=False):
+        fills.append(sch._inflight is not None and sch._inflight.masked)  # True: a hazard on CUDA
+        return real(rows, pinned)
+
+    monkeypatch.setattr(engine.grammars, "bitmask", bitmask)
+    regex = ("regex", "[a-z ]{40,80}")
+    a = engine.prepare("tiny", engine.encode_prompt("The quick brown"),
+                       SamplingParams(max_tokens=60, temperature=0.8, seed=1, constraint=regex))
+    out_a, cancel_a = sch.submit(a)
+    out_a.get(timeout=60)
+    c = engine.prepare("tiny", engine.encode_prompt("Once upon"), SamplingParams(max_tokens=30, temperature=0,
+                                                                                ignore_eos=True))
+    out_c, _ = sch.submit(c)
+    out_c.get(timeout=60)
+    out_c.get(timeout=60)  # both decoding, a step under A's mask in flight
+    with engine._gen_lock:  # between two steps
+        cancel_a.set()
+        b = engine.prepare("tiny", engine.encode_prompt("Hello"), SamplingParams(max_tokens=4, temperature=0,
+                                                                                constraint=regex))
+        out_b, _ = sch.submit(b)
+    while out_b.get(timeout=60) is not END:
+        pass
+    while out_c.get(timeout=60) is not END:
+        pass
+    assert len(fills) > 3 and not any(fills)
+
+
 def test_an_ended_sequence_costs_at_most_one_more_row(tiny_family):
     """A request that reaches max_tokens takes as many steps as synchronously (its last token is known
     to be last when it is launched); one that ends on a sampled token (a stop token id) one more, whose
