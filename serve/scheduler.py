@@ -168,7 +168,6 @@ class Scheduler:
         self._finished_at = 0.0  # when the last step's tokens were read (step_observers' seconds)
         self._pinned: list[torch.Tensor] = []  # CUDA: where sampled tokens land on the host, one per step in flight
         self._launches = 0
-        self._masked = False  # whether the step being launched sampled under grammars' masks
         self._items: list[tuple] = []  # this step's work for the detokenizer (see _Detokenizer)
         self.detokenizer = _Detokenizer()
         # called after every step on this thread: (kind "decode" or "prefill", the step's seconds, the
@@ -300,7 +299,7 @@ class Scheduler:
                 # Read them now, while the forward runs.
                 self._finish_inflight()
             tokens = None
-            self._masked = False  # (set by _sample)
+            masked = any(s.matcher is not None and not s.ended for s in sampled)  # as _sample's held rows
             if sampled or scored:
                 n = len(sampled)
                 score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
@@ -312,7 +311,7 @@ class Scheduler:
         self.planner.advance(plan, dict.fromkeys(map(id, sampled), PENDING))
         for seq in sampled:
             seq.final = len(seq.tokens) - seq.prompt_len >= seq.req.max_tokens
-        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens), self._masked)
+        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens), masked)
 
     def _finish(self, job: _Launched) -> None:
         """Read ``job``'s tokens (waiting for its step), put each in its sequence in place of its
@@ -485,7 +484,6 @@ class Scheduler:
                               for t, c in seen.items()]
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
         held = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.ended]  # (ended: its row is dropped)
-        self._masked = bool(held)
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)  # free rows: every token
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
