@@ -95,6 +95,8 @@ def test_a_penalized_token_still_on_the_device_is_counted(tiny_family):
     read on the host first (synchronous) or counted while still on the device (asynchronous)."""
     import torch
 
+    from deltafleet.serve.transfer import feed_tokens
+
     got = {}
     for async_on in (False, True):
         engine = _engine(tiny_family, async_on)
@@ -103,8 +105,7 @@ def test_a_penalized_token_still_on_the_device_is_counted(tiny_family):
         def execute(step, prev=None, vocab=vocab):
             tokens = torch.tensor(step.tokens)
             if step.prev_rows:  # what the runner feeds on the device
-                rows = torch.tensor(step.prev_rows)
-                tokens[:len(rows)] = torch.where(rows >= 0, prev[rows.clamp(min=0)], tokens[:len(rows)])
+                feed_tokens(tokens, torch.tensor(step.prev_rows), prev)
             inputs = tokens[step.sample]
             logits = torch.zeros(len(step.sample), vocab)
             logits[:, 2] = 2.0
