@@ -18,8 +18,9 @@ bytes written over its time). ``step_over_floor`` = step time ÷ floor.
 Each row also times two eager steps (``ModelRunner.forward``, no CUDA graph): the same decode rows
 (``eager_ms``), and the decode rows plus one ``prompt``-token prompt of the mix's first model
 (``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is what running a step from Python rather than from a
-graph costs. ``with_prompt_step_ms`` is the latter step as ``ModelRunner.execute`` runs it: by
-piecewise CUDA graphs (serve/graphs.py) when every token is on the base, else eagerly.
+graph costs. ``with_prompt_step_ms`` is the latter step as ``ModelRunner.execute`` runs it, by CUDA
+graphs of steps with prefill chunks (serve/graphs.py); the runner holds one sequence more than the
+largest row count, the prompt's, as a server's ``max_batch`` counts prefilling sequences too.
 """
 from __future__ import annotations
 
@@ -117,8 +118,10 @@ def engine_steps(cfg) -> dict:
     max_rows = max(rows_list)
     prompt = int(opts["prompt"])
     n_blocks = per_row * max_rows + math.ceil(prompt / bs)
-    runner = ModelRunner(model, slots, n_blocks, bs, max_rows, context + 2, cuda_graphs=True, attention="flex",
-                         prefill_graphs=max_rows + prompt)
+    # max_rows decode rows and the prompt's sequence: a step samples max_rows + 1 rows (a runner's
+    # graphs of steps with prefill chunks take at most max_batch sampling rows, else the step runs eagerly)
+    runner = ModelRunner(model, slots, n_blocks, bs, max_rows + 1, context + 2, cuda_graphs=True,
+                         attention="flex", prefill_graphs=max_rows + prompt)
     bw = copy_bandwidth(device)
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, as a busy pool hands them out
