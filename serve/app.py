@@ -258,15 +258,37 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
-def http_protocol(head_timeout_s: float | None) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (``uvicorn.run(..., http=...)``), closing a connection whose client has
-    not sent a whole request head ``head_timeout_s`` seconds after connecting or after the previous
-    response (None: uvicorn's own, which waits for ever). Slow or silent clients then cannot hold
-    connections open; uvicorn's ``timeout_keep_alive`` still closes idle keep-alive connections sooner."""
-    if head_timeout_s is None:
-        return H11Protocol
+def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
+    """uvicorn's HTTP/1.1 protocol class (``uvicorn.run(..., http=...)``) for ``parser`` — ``h11``
+    (pure Python), ``httptools`` (C), or ``auto``: httptools where it is installed, as uvicorn picks —
+    closing a connection whose client has not sent a whole request head ``head_timeout_s`` seconds
+    after connecting or after the previous response (None: uvicorn's own, which waits for ever). Slow
+    or silent clients then cannot hold connections open; uvicorn's ``timeout_keep_alive`` still
+    closes idle keep-alive connections sooner. httptools writes each streamed chunk with less of the
+    event loop's time (the GIL the model thread also needs).
 
-    class HeadTimeoutH11(H11Protocol):
+    Raises:
+        ValueError: ``parser`` is not one of those, or is ``httptools`` without httptools installed.
+    """
+    if parser not in ("auto", "h11", "httptools"):
+        raise ValueError(f"http_parser must be auto, h11 or httptools, got {parser!r}")
+    if parser != "h11":
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        except ImportError:
+            if parser == "httptools":
+                raise ValueError("http_parser=httptools needs the httptools package (pip install httptools)") \
+                    from None
+            parser = "h11"
+    base = H11Protocol if parser == "h11" else HttpToolsProtocol
+    if head_timeout_s is None:
+        return base
+
+    class HeadTimeout(base):
+        """The head timer: armed when the connection opens and after each response that leaves no
+        request waiting, disarmed by a whole head (a pipelined request's came while the previous
+        ran)."""
+
         _head_timer: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
@@ -280,27 +302,47 @@ def http_protocol(head_timeout_s: float | None) -> type[H11Protocol]:
 
         def _head_timeout(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state is not h11.IDLE:  # a whole head came
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._arm()  # before: the next request's head may be handled within
-            super().on_response_complete()
-
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeadTimeoutH11
+    if base is H11Protocol:
+        class HeadTimeoutH11(HeadTimeout):
+            def _waiting_for_head(self) -> bool:
+                return self.conn.their_state is h11.IDLE
+
+            def handle_events(self) -> None:
+                super().handle_events()
+                if self.conn.their_state is not h11.IDLE:  # a whole head came
+                    self._disarm()
+
+            def on_response_complete(self) -> None:
+                self._arm()  # before: the next request's head may be handled within
+                super().on_response_complete()
+
+        return HeadTimeoutH11
+
+    class HeadTimeoutHttpTools(HeadTimeout):
+        def _waiting_for_head(self) -> bool:
+            return True  # a whole head disarms the timer
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            if not self.pipeline:  # else the next request's head is in already
+                self._arm()
+            super().on_response_complete()
+
+    return HeadTimeoutHttpTools
 
 
 # ------------------------------------------------------------------------------------ metrics

@@ -129,6 +129,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         _check_timeouts(cfg)
         _check_cors(cfg)
         _check_port(cfg.host, cfg.port)
+        protocol = http_protocol(cfg.timeout_request_s, cfg.get("http_parser", "auto"))
         if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)
                                             or cfg.max_waiting < 1):
             raise ValueError(f"max_waiting must be null or a positive integer, got {cfg.max_waiting!r}")
@@ -160,7 +161,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                          request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
                          cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    http=http_protocol(cfg.timeout_request_s), timeout_keep_alive=cfg.timeout_keep_alive_s,
+                    http=protocol, timeout_keep_alive=cfg.timeout_keep_alive_s,
                     timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s, lifespan="off")
     finally:
         engine.shutdown()

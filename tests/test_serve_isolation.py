@@ -600,6 +600,64 @@ def test_slow_and_silent_connections_are_closed_and_others_served(server):
         s.close()
 
 
+@pytest.mark.parametrize("parser", ["h11", "httptools"])
+def test_the_head_timeout_of_each_http_parser(parser):
+    """``http_protocol(0.5, parser)`` under a real uvicorn server: a silent connection and one whose
+    head stops halfway are closed after the timeout; a keep-alive connection that answered a request
+    is closed when the next head does not come in time; a request pipelined behind a slow one (its
+    head in before the first response ends) is answered, not cut off by the timer the first response
+    re-arms (the second as slow); ``auto`` is httptools where it is installed."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from deltafleet.serve.app import http_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(0.8 if scope["path"] == "/slow" else 0)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": scope["path"][-2:].encode()})
+
+    port = free_port()
+    protocol = http_protocol(0.5, parser)
+    assert issubclass(protocol, H11Protocol if parser == "h11" else HttpToolsProtocol)
+    assert issubclass(http_protocol(None, "auto"), HttpToolsProtocol)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, loop="asyncio",
+                                           lifespan="off", log_level="warning", timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        silent, half, idle, piped = conns
+        for c in conns:
+            c.settimeout(5)
+        t0 = time.monotonic()
+        half.sendall(b"GET /ab HTTP/1.1\r\nHost: x\r\n")
+        idle.sendall(b"GET /cd HTTP/1.1\r\nHost: x\r\n\r\n")
+        piped.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        assert _recv_all(silent) == b"" and _recv_all(half) == b""
+        assert 0.4 < time.monotonic() - t0 < 3
+        first = _recv_all(idle)  # answered, then closed when no next head came
+        assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"\r\n\r\ncd")
+        answers = _recv_all(piped)  # both answered, though each outlasts the timeout
+        assert answers.count(b"HTTP/1.1 200 ") == 2 and answers.count(b"\r\n\r\now") == 2
+        for c in conns:
+            c.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    with pytest.raises(ValueError, match="http_parser must be auto, h11 or httptools, got 'picohttp'"):
+        http_protocol(1, "picohttp")
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
     """vLLM's ``skip_special_tokens``: true (the default) leaves a generated special token out of the
     text, false keeps it as the tokenizer spells it."""
