@@ -939,29 +939,40 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end))
         return queue, cancel
 
-    async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[Step]:
-        """The steps of a started job as they come, recording the latency metrics."""
+    async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[list[Step]]:
+        """The steps of a started job as they come, recording the latency metrics: each time, every
+        step waiting in the queue (one, unless this event loop fell behind the model; then the
+        stream catches up in fewer, larger chunks, as vLLM merges the outputs a slow consumer has
+        not taken yet)."""
         queue, cancel = job
         mid, last = req.model_id, None
         itl, tokens = metrics.itl.labels(mid), metrics.generation_tokens.labels(mid)  # once, not per token
+        item = None
         try:
             # To the end, even once cancelled: the scheduler ends the request after its current step
             # and sends the last item then.
-            while (item := await queue.get()) is not END:
+            while (item := item or await queue.get()) is not END:
+                batch = []
+                while isinstance(item, Step):
+                    batch.append(item)
+                    item = queue.get_nowait() if not queue.empty() else None
+                if batch:
+                    now = time.perf_counter()
+                    if last is None:
+                        metrics.ttft.labels(mid).observe(now - arrival)
+                    else:
+                        itl.observe(now - last)
+                    for _ in batch[1:]:
+                        itl.observe(0.0)  # delivered with the one before
+                    last = now
+                    tokens.inc(len(batch))
+                    if batch[-1].finish_reason is not None:
+                        metrics.e2e.labels(mid).observe(now - arrival)
+                        metrics.requests.labels(mid, batch[-1].finish_reason).inc()
+                    yield batch
                 if isinstance(item, BaseException):
                     metrics.requests.labels(mid, "error").inc()
                     raise item
-                now = time.perf_counter()
-                if last is None:
-                    metrics.ttft.labels(mid).observe(now - arrival)
-                else:
-                    itl.observe(now - last)
-                last = now
-                tokens.inc()
-                if item.finish_reason is not None:
-                    metrics.e2e.labels(mid).observe(now - arrival)
-                    metrics.requests.labels(mid, item.finish_reason).inc()
-                yield item
         finally:
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
@@ -972,10 +983,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         async def one(req, job) -> tuple[str, str, int, list]:
             parts, reason, all_steps = [], "length", []
-            async for s in steps(req, arrival, job):
-                parts.append(s.text)
-                reason = s.finish_reason or reason
-                all_steps.append(s)
+            async for batch in steps(req, arrival, job):
+                for s in batch:
+                    parts.append(s.text)
+                    reason = s.finish_reason or reason
+                    all_steps.append(s)
             return "".join(parts), reason, len(all_steps), all_steps
 
         try:
@@ -1025,7 +1037,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             watch.cancel()
 
         async def merged():
-            """``(choice, step)`` as the choices' steps come, ``(choice, None)`` at a choice's end and
+            """``(choice, steps)`` as the choices' steps come, ``(choice, None)`` at a choice's end and
             ``(choice, exception)`` if it fails: one choice read directly, several through a queue
             that a task per choice feeds."""
             if len(items) == 1:
@@ -1066,14 +1078,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     elif isinstance(s, Exception):  # the status line is sent already: in-band, as vLLM does
                         yield _sse(_api_error(s).body())
                         break
-                    else:
-                        n += 1
-                        if s.text or s.finish_reason or s.logprob is not None:
-                            c = chunk(s.text, s.finish_reason, first[i], i, [s], sent[i])
-                            if c is not None:  # None: the step adds nothing yet (text a tool call holds)
+                    else:  # the steps of choice i that came together: one chunk
+                        n += len(s)
+                        text, reason = "".join(x.text for x in s), s[-1].finish_reason
+                        if text or reason or any(x.logprob is not None for x in s):
+                            c = chunk(text, reason, first[i], i, s, sent[i])
+                            if c is not None:  # None: the steps add nothing yet (text a tool call holds)
                                 yield _sse(c)
                                 first[i] = False
-                            sent[i] += len(s.token_str or "")
+                        sent[i] += sum(len(x.token_str or "") for x in s)
                 else:
                     if include_usage:
                         yield _sse(chunk(None, None, False, 0, [], 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})

@@ -832,6 +832,55 @@ def test_engine_steps_are_in_the_metrics(engine):
     assert 0 < launch <= busy <= wall
 
 
+def test_a_stream_behind_the_model_catches_up_in_larger_chunks(engine, monkeypatch):
+    """When the event loop takes a stream's steps later than the model makes them (here the outbox
+    hands them over only every third step), each chunk carries every step waiting: fewer chunks than
+    tokens, the same text, logprobs (tokens, offsets) and usage as the answer not streamed, for
+    completions with two choices and for chat."""
+    from deltafleet.serve import scheduler
+
+    flush, calls = scheduler.Outbox.flush, [0]
+
+    def every_third(self):
+        calls[0] += 1
+        with self._lock:
+            ends = any(item is scheduler.END for _, item in self._pending)
+        if ends or calls[0] % 3 == 0:
+            flush(self)
+
+    monkeypatch.setattr(scheduler.Outbox, "flush", every_third)
+
+    def events(tc, path, body):
+        with tc.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        return [json.loads(d) for d in data[:-1]]
+
+    body = {"model": "tiny-coder", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "n": 2}
+    chat = {"model": "tiny-writer", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    with TestClient(create_app(engine)) as tc:
+        whole = tc.post("/v1/completions", json=body).json()
+        chunks = events(tc, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+        whole_chat = tc.post("/v1/chat/completions", json=chat).json()
+        chat_chunks = events(tc, "/v1/chat/completions", {**chat, "stream": True})
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 24
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        lps = [c["logprobs"] for c in mine if c["logprobs"]]
+        assert "".join(c["text"] for c in mine) == whole["choices"][i]["text"]
+        assert len(lps) < 12 and max(len(lp["tokens"]) for lp in lps) > 1  # several tokens a chunk
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert sum((lp[key] for lp in lps), []) == whole["choices"][i]["logprobs"][key], key
+    deltas = [c["choices"][0] for c in chat_chunks]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole_chat["choices"][0]["message"]["content"]
+    assert sum((d["logprobs"]["content"] for d in deltas if d["logprobs"]), []) == \
+        whole_chat["choices"][0]["logprobs"]["content"]
+    assert len(deltas) < whole_chat["usage"]["completion_tokens"]
+
+
 def test_overload_is_429_with_openai_error_object(engine):
     """With ``max_waiting=1``: one request waits for the busy model, the next is refused with 429
     (also for a stream: before its 200 goes out), and the waiting one then completes."""
