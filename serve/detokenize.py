@@ -36,6 +36,10 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0,
                  skip_special_tokens: bool = True):
         self.tokenizer, self.lock = tokenizer, lock
+        # A fast tokenizer's decode is its Rust backend's, then (with clean_up_tokenization_spaces)
+        # a cleanup pass: without the cleanup, call the backend directly (a quarter of the time a token)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if getattr(tokenizer, "clean_up_tokenization_spaces", True) is False else None
         self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
         self.skip_special_tokens = skip_special_tokens  # vLLM's: false keeps e.g. a role token in the text
         self.stops = [s for s in stop if s]
@@ -49,6 +53,8 @@ class TextStream:
 
     def _decode(self, ids: list[int]) -> str:
         with self.lock:
+            if self._backend is not None:
+                return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token: int) -> tuple[str, bool]:
