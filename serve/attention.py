@@ -340,6 +340,7 @@ class FlexMask:
         # prefill tokens (PrefillLists): each token's sequence (an owner id) and position, grown as needed
         self.seq_q = torch.full((16,), -1, dtype=torch.int32, device=device)
         self.pos_q = torch.zeros(16, dtype=torch.int64, device=device)
+        self.fixed = False  # reserve(..., fixed=True): graphs read seq_q and pos_q where they are
 
         def prefill_mod(b, h, q_idx, kv_idx):
             blk = kv_idx // bs
@@ -347,11 +348,19 @@ class FlexMask:
 
         self.prefill_mod = prefill_mod
 
-    def reserve(self, n: int) -> None:
-        """Room for ``n`` prefill tokens in the buffers (before a CUDA graph captures them)."""
+    def reserve(self, n: int, fixed: bool = False) -> None:
+        """Room for ``n`` prefill tokens in the buffers (before a CUDA graph captures them); ``fixed``:
+        the buffers stay where they are from now on (graphs record their addresses).
+
+        Raises:
+            RuntimeError: past a fixed size.
+        """
         if self.seq_q.numel() < n:
+            if self.fixed:
+                raise RuntimeError(f"{n} prefill tokens past the {self.seq_q.numel()} that CUDA graphs recorded")
             self.seq_q = torch.full((n,), -1, dtype=torch.int32, device=self.seq_q.device)
             self.pos_q = torch.zeros(n, dtype=torch.int64, device=self.pos_q.device)
+        self.fixed = self.fixed or fixed
 
     def update(self, tables: Tensor, num_blocks: Tensor, positions: Tensor,
                chunks: tuple[Tensor, ...] | None = None) -> None:

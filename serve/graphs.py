@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from deltafleet.serve.attention import PagedLayer, fill_tables
+from deltafleet.serve.attention import PagedLayer, fill_tables, prefill_length
 from deltafleet.kernels import segments_supported
 from deltafleet.kernels.reference import ZERO_SLOT, max_segment_tiles, segment_tiles
 from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas
@@ -581,7 +581,8 @@ class FullGraphs(PiecewiseGraphs):
         self._host_ints = torch.zeros(sum(self._int_sizes), dtype=torch.int32, pin_memory=pin)
         self.longs = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=dev)
         self.ints = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=dev)
-        r.masks.reserve(t)
+        # the longest padded query (prefill_length): eager steps and the attention's compile reach it too
+        r.masks.reserve(prefill_length(t), fixed=True)
 
     def _views(self, longs: Tensor, ints: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         return list(longs.split(self._long_sizes)), list(ints.split(self._int_sizes))

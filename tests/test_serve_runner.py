@@ -441,6 +441,28 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
         pw.bucket(41)
 
 
+def test_full_graphs_fix_the_prefill_buffers_at_the_longest_padded_query(eng):
+    """FullGraphs records FlexMask's prefill buffers by address: they are sized at once for the
+    padded query of the largest step (a 40-token budget pads to 64), so an eager step of 40 tokens
+    leaves them where they are, and growing them past that is refused (a graph would go on writing
+    freed memory)."""
+    from deltafleet.serve.attention import prefill_length
+    from deltafleet.serve.graphs import FullGraphs
+
+    runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
+                         attention="flex")
+    FullGraphs(runner, max_tokens=40, max_sample=4, capture=False)
+    masks = runner.masks
+    assert prefill_length(40) == 64 and masks.seq_q.numel() == 64 and masks.fixed
+    where = masks.seq_q.data_ptr(), masks.pos_q.data_ptr()
+    ids = (eng.encode_prompt(PROMPTS["tiny"]) * 8)[:40]
+    with torch.inference_mode():
+        runner.forward(_step(_Tables(), [], [(0, ids, 0, -1)]))
+    assert (masks.seq_q.data_ptr(), masks.pos_q.data_ptr()) == where
+    with pytest.raises(RuntimeError, match="65 prefill tokens past the 64 that CUDA graphs recorded"):
+        masks.reserve(65)
+
+
 @pytest.mark.parametrize("full", [False, True], ids=["piecewise", "full"])
 def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monkeypatch, full):
     """Buckets from SEGMENT_MIN_TOKENS on (here 32) multiply a step's prompt chunks by tiles of one
