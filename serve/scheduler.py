@@ -175,7 +175,8 @@ class Scheduler:
         self.step_observers: list[Callable[[str, float, float, int], None]] = []
         if capture_at_start and graphs:
             t0 = time.perf_counter()
-            n = self.runner.capture_graphs()
+            with torch.cuda.device(engine.device):  # cuda:N: capture on that device's streams
+                n = self.runner.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -218,6 +219,11 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
+        dev = self.engine.device
+        if dev.type == "cuda" and dev.index is not None:
+            # a new thread's current device is 0: the events this thread records and waits on (the
+            # outputs' copies, the graphs' staging) are on the current device's stream
+            torch.cuda.set_device(dev)
         while True:
             with self._cv:
                 while self._inflight is None and not self.planner.running and not any(self.planner.waiting.values()):
