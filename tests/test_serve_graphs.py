@@ -303,12 +303,16 @@ def test_engine_decodes_every_step_by_graph_replay(family):
     assert first >= 2, f"only {first} of {len(jobs) - 1} variant requests' first tokens equal with and without graphs"
 
 
-def test_a_decode_step_is_queued_without_waiting_for_the_device(family):
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_step_is_queued_without_waiting_for_the_device(family, kind):
     """Asynchronous scheduling's premise: preparing and launching a step (its inputs through pinned
-    memory, its decode row fed the previous step's token on the device, the graph replay), sampling
-    it (the batch's parameters through pinned memory) and starting the copy of its tokens to the host
-    all return while the device is still busy with earlier work (a kernel spinning for about 0.25 s);
-    the tokens read afterwards are those of the same step run without the wait."""
+    memory, a decode row fed the previous step's token on the device, the graph replay: a decode
+    graph, or with a variant's prompt chunk FullGraphs' one graph), sampling it (the batch's
+    parameters, a banned token, penalties with the token in flight counted on the device, min_p)
+    and starting the copy of its tokens to the host all return while the device is still busy with
+    earlier work (a kernel spinning for about 0.25 s), with no synchronising CUDA call
+    (``torch.cuda.set_sync_debug_mode("error")``); the tokens read afterwards are those of the same
+    step run without the wait."""
     from types import SimpleNamespace
 
     from deltafleet.serve.runner import ModelRunner, StepInput
@@ -316,18 +320,26 @@ def test_a_decode_step_is_queued_without_waiting_for_the_device(family):
     from deltafleet.serve.scheduler import Scheduler
 
     model, slots, views = _loaded(family)
-    runner = ModelRunner(model, slots, n_blocks=8, block_size=128, max_batch=4, max_seq_len=SEQ, cuda_graphs=True)
-    scratch = runner.cache.scratch_block  # the rows write position 0 of the scratch block: no sequence's
-    step = StepInput([0, 5], [0, 0], [scratch * 128] * 2, [-1, views["coder"].slot], 2, [[scratch], [scratch]],
-                     [], [0, 1], prev_rows=[1, -1])  # row 0's token: row 1 of the previous step's
+    runner = ModelRunner(model, slots, n_blocks=8, block_size=128, max_batch=4, max_seq_len=SEQ, cuda_graphs=True,
+                         prefill_graphs=64 if kind == "prefill" else 0)
+    scratch = runner.cache.scratch_block  # the decode rows write position 0 of the scratch block: no sequence's
+    coder = views["coder"].slot
+    if kind == "decode":
+        step = StepInput([0, 5], [0, 0], [scratch * 128] * 2, [-1, coder], 2, [[scratch], [scratch]],
+                         [], [0, 1], prev_rows=[1, -1])  # row 0's token: row 1 of the previous step's
+    else:  # a decode row fed on the device, then 20 prompt tokens of the coder in block 0
+        chunk = list(range(5, 25))
+        step = StepInput([0] + chunk, [0] + list(range(20)), [scratch * 128] + list(range(20)), [-1] + [coder] * 20,
+                         1, [[scratch]], [(1, 20, 0, [0])], [0, 20], prev_rows=[1])
     prev = torch.tensor([3, 9], device="cuda")
     params = [(0.0, 1.0, 0, 1, 1), (0.8, 0.9, 0, 2, 1)]  # greedy; seeded top-p
     host = SimpleNamespace(_launches=0, _pinned=[], max_batch=4)  # what Scheduler._copy_out keeps
 
     def launch():
         logits = runner.execute(step, prev)
-        tokens = sample(logits, SamplingBatch.build(params, "cuda"))
-        return Scheduler._copy_out(host, tokens)
+        batch = SamplingBatch.build(params, "cuda", banned=[(0, 7)], penalties=[(1, 5, 0, 1.2, 0.0, 0.0)],
+                                    min_p=[0.0, 0.05], fed=([(0, 1, 1.1, 0.5, 0.0)], prev))
+        return Scheduler._copy_out(host, sample(logits, batch))
 
     with torch.inference_mode():
         want = Scheduler._read(launch())[0]  # captures the graph, compiles the sampler
@@ -336,11 +348,16 @@ def test_a_decode_step_is_queued_without_waiting_for_the_device(family):
         busy = torch.cuda.Event()
         busy.record()
         t0 = time.perf_counter()
-        copy = launch()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            copy = launch()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         queued = time.perf_counter() - t0
         assert not busy.query(), f"launching the step waited for the device ({queued:.3f} s)"
         got = Scheduler._read(copy)[0]
-    assert runner.graphs is not None and runner.graphs.replays == 2
+    graphs = runner.graphs if kind == "decode" else runner.piecewise
+    assert graphs is not None and graphs.replays == 2
     assert got == want and len(got) == 2
 
 
