@@ -258,6 +258,9 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
+MAX_HEAD_BYTES = 16384  # a request head (request line and headers) at most: h11's own limit
+
+
 def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
     """uvicorn's HTTP/1.1 protocol class (``uvicorn.run(..., http=...)``) for ``parser`` — ``h11``
     (pure Python), ``httptools`` (C), or ``auto``: httptools where it is installed, as uvicorn picks —
@@ -266,6 +269,10 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
     or silent clients then cannot hold connections open; uvicorn's ``timeout_keep_alive`` still
     closes idle keep-alive connections sooner. httptools writes each streamed chunk with less of the
     event loop's time (the GIL the model thread also needs).
+
+    A head longer than :data:`MAX_HEAD_BYTES` is refused with 400 and the connection closed, by
+    either parser: h11 has the limit, and here httptools gets it (uvicorn's has none, and
+    assembles a header in time quadratic in its length, on the event loop).
 
     Raises:
         ValueError: ``parser`` is not one of those, or is ``httptools`` without httptools installed.
@@ -280,20 +287,20 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
                 raise ValueError("http_parser=httptools needs the httptools package (pip install httptools)") \
                     from None
             parser = "h11"
-    base = H11Protocol if parser == "h11" else HttpToolsProtocol
-    if head_timeout_s is None:
-        return base
+    if parser == "h11" and head_timeout_s is None:
+        return H11Protocol
 
-    class HeadTimeout(base):
-        """The head timer: armed when the connection opens and after each response that leaves no
-        request waiting, disarmed by a whole head (a pipelined request's came while the previous
-        ran)."""
+    class HeadTimeout(H11Protocol if parser == "h11" else HttpToolsProtocol):
+        """The head timer (without ``head_timeout_s``, never armed): armed when the connection opens
+        and after each response that leaves no request waiting, disarmed by a whole head (a pipelined
+        request's came while the previous ran)."""
 
         _head_timer: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
             self._disarm()
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
+            if head_timeout_s is not None:
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -313,7 +320,7 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
             self._disarm()
             super().connection_lost(exc)
 
-    if base is H11Protocol:
+    if parser == "h11":
         class HeadTimeoutH11(HeadTimeout):
             def _waiting_for_head(self) -> bool:
                 return self.conn.their_state is h11.IDLE
@@ -329,20 +336,43 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 
         return HeadTimeoutH11
 
-    class HeadTimeoutHttpTools(HeadTimeout):
+    class HeadLimitHttpTools(HeadTimeout):
+        """httptools with the head timer and the head size limit. The bytes of a head are counted
+        per read: a read in which the parser neither finished a head nor a message, having started
+        it waiting for a head, was all head (one that finished something is not counted: the limit
+        holds within one read's size)."""
+
+        _awaiting_head = True  # from the connection's start or a message's end to the next whole head
+        _head_bytes = 0
+        _events = 0  # heads and messages finished
+
         def _waiting_for_head(self) -> bool:
             return True  # a whole head disarms the timer
 
+        def data_received(self, data: bytes) -> None:
+            awaiting, events = self._awaiting_head, self._events
+            super().data_received(data)
+            if awaiting and self._awaiting_head and self._events == events:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self.send_400_response(f"Invalid HTTP request received: the request head is longer than "
+                                           f"{MAX_HEAD_BYTES} bytes.")
+
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._awaiting_head, self._head_bytes, self._events = False, 0, self._events + 1
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._awaiting_head, self._head_bytes, self._events = True, 0, self._events + 1
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             if not self.pipeline:  # else the next request's head is in already
                 self._arm()
             super().on_response_complete()
 
-    return HeadTimeoutHttpTools
+    return HeadLimitHttpTools
 
 
 # ------------------------------------------------------------------------------------ metrics

@@ -606,7 +606,7 @@ def test_the_head_timeout_of_each_http_parser(parser):
     head stops halfway are closed after the timeout; a keep-alive connection that answered a request
     is closed when the next head does not come in time; a request pipelined behind a slow one (its
     head in before the first response ends) is answered, not cut off by the timer the first response
-    re-arms (the second as slow); ``auto`` is httptools where it is installed."""
+    re-arms (the second as slow); a head past ``MAX_HEAD_BYTES`` is refused early; ``auto`` is httptools where it is installed."""
     import asyncio
 
     import uvicorn
@@ -651,6 +651,31 @@ def test_the_head_timeout_of_each_http_parser(parser):
         assert answers.count(b"HTTP/1.1 200 ") == 2 and answers.count(b"\r\n\r\now") == 2
         for c in conns:
             c.close()
+        # a head of 12 KB is served; one past MAX_HEAD_BYTES, sent in pieces (a header, or the
+        # request line), is refused with 400 long before its end (by either parser)
+        ok = socket.create_connection(("127.0.0.1", port))
+        ok.sendall(b"GET /gh HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 12_000 + b"\r\nConnection: close\r\n\r\n")
+        assert _recv_all(ok).startswith(b"HTTP/1.1 200 ")
+        ok.close()
+        for start in (b"GET /ij HTTP/1.1\r\nHost: x\r\nX-Big: ", b"GET /?q="):
+            big = socket.create_connection(("127.0.0.1", port))
+            big.settimeout(5)
+            sent = 0
+            try:
+                big.sendall(start)
+                while sent < 10_000_000:
+                    big.sendall(b"a" * 8192)
+                    sent += 8192
+                    time.sleep(0.001)
+            except OSError:  # the server closed the connection
+                pass
+            assert sent < 200_000, sent
+            try:
+                answer = _recv_all(big)
+            except ConnectionResetError:
+                answer = b""
+            assert answer.startswith(b"HTTP/1.1 400 ") or (parser == "h11" and answer == b""), answer[:80]
+            big.close()
     finally:
         server.should_exit = True
         thread.join(10)
