@@ -687,9 +687,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
-            not_utf8 = isinstance(exc.__cause__, UnicodeDecodeError)
-            return APIError(400, "The request body is not valid JSON: it is not UTF-8 text." if not_utf8 else
-                            "The request body could not be parsed as JSON.", code="invalid_json").response()
+            why = {UnicodeDecodeError: ": it is not UTF-8 text", RecursionError: ": it is nested too deeply"}
+            return APIError(400, f"The request body is not valid JSON{why.get(type(exc.__cause__), '')}.",
+                            code="invalid_json").response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code,
                         headers=exc.headers).response()  # a 405's Allow

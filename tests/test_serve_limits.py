@@ -258,6 +258,10 @@ def test_a_body_that_is_not_utf8_is_invalid_json(tc, path):
     utf16 = '{"model": "tiny", "prompt": "x", "max_tokens": 2}'.encode("utf-16-le")
     assert api_error(_post_raw(tc, path, surrogate), 400) == err
     assert api_error(_post_raw(tc, path, utf16), 400) == err
+    # one message a reason (found by a fresh user: a body nested too deeply read "could not be parsed")
+    deep = api_error(_post_raw(tc, path, b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+                     400)
+    assert deep == {**err, "message": "The request body is not valid JSON: it is nested too deeply."}
 
 
 def test_lone_surrogate_has_its_error_code_and_a_prompt_list_is_answered(tc):
