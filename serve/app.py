@@ -358,6 +358,17 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
                     self.send_400_response(f"Invalid HTTP request received: the request head is longer than "
                                            f"{MAX_HEAD_BYTES} bytes.")
 
+        def on_message_begin(self) -> None:
+            self._hosts = 0
+            super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if name.lower() == b"host":  # RFC 9112 §3.2: a request with two is a 400 (h11 refuses it)
+                self._hosts += 1
+                if self._hosts > 1:
+                    raise ValueError("more than one Host header")  # the parser's error: uvicorn's 400
+            super().on_header(name, value)
+
         def on_headers_complete(self) -> None:
             self._disarm()
             self._awaiting_head, self._head_bytes, self._events = False, 0, self._events + 1

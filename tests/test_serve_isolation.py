@@ -606,7 +606,8 @@ def test_the_head_timeout_of_each_http_parser(parser):
     head stops halfway are closed after the timeout; a keep-alive connection that answered a request
     is closed when the next head does not come in time; a request pipelined behind a slow one (its
     head in before the first response ends) is answered, not cut off by the timer the first response
-    re-arms (the second as slow); a head past ``MAX_HEAD_BYTES`` is refused early; ``auto`` is httptools where it is installed."""
+    re-arms (the second as slow); a head past ``MAX_HEAD_BYTES``, and one with two Host headers, are
+    refused; ``auto`` is httptools where it is installed."""
     import asyncio
 
     import uvicorn
@@ -657,6 +658,11 @@ def test_the_head_timeout_of_each_http_parser(parser):
         ok.sendall(b"GET /gh HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 12_000 + b"\r\nConnection: close\r\n\r\n")
         assert _recv_all(ok).startswith(b"HTTP/1.1 200 ")
         ok.close()
+        dup = socket.create_connection(("127.0.0.1", port))  # two Host headers: 400 (RFC 9112), by either
+        dup.sendall(b"GET /kl HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n")
+        dup.settimeout(5)
+        assert _recv_all(dup).startswith(b"HTTP/1.1 400 ")
+        dup.close()
         for start in (b"GET /ij HTTP/1.1\r\nHost: x\r\nX-Big: ", b"GET /?q="):
             big = socket.create_connection(("127.0.0.1", port))
             big.settimeout(5)
