@@ -352,7 +352,7 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
         def data_received(self, data: bytes) -> None:
             awaiting, events = self._awaiting_head, self._events
             super().data_received(data)
-            if awaiting and self._awaiting_head and self._events == events:
+            if awaiting and self._events == events:  # (the state changes only with an event)
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                     self.send_400_response(f"Invalid HTTP request received: the request head is longer than "
@@ -371,7 +371,7 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 
         def on_headers_complete(self) -> None:
             self._disarm()
-            self._awaiting_head, self._head_bytes, self._events = False, 0, self._events + 1
+            self._awaiting_head, self._events = False, self._events + 1
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:

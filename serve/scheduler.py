@@ -118,6 +118,12 @@ class _Launched:
     masked: bool = False               # it sampled under grammars' masks (the pinned mask buffer)
 
 
+def _held(seqs: list[_Seq]) -> list[int]:
+    """The rows of ``seqs`` that sample under their grammar's mask (not those ended meanwhile: their
+    rows are dropped)."""
+    return [i for i, s in enumerate(seqs) if s.matcher is not None and not s.ended]
+
+
 def _slot(req) -> int:
     """The variant slot a request runs with (serve/batch.py), −1 for the base."""
     return -1 if req.delta is None else req.delta.slot
@@ -305,7 +311,7 @@ class Scheduler:
                 # Read them now, while the forward runs.
                 self._finish_inflight()
             tokens = None
-            masked = any(s.matcher is not None and not s.ended for s in sampled)  # as _sample's held rows
+            masked = bool(_held(sampled))
             if sampled or scored:
                 n = len(sampled)
                 score = self._score(logits[n:], scored) if scored else None  # before sampling edits the logits
@@ -489,7 +495,7 @@ class Scheduler:
                 penalties += [(i, t, c, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
                               for t, c in seen.items()]
         min_p = [s.req.params.min_p for s in seqs] if any(s.req.params.min_p > 0 for s in seqs) else None
-        held = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.ended]  # (ended: its row is dropped)
+        held = _held(seqs)
         if held:  # the grammars' allowed tokens, written while the GPU runs the forward (before any copy waits)
             bitmask = self.engine.grammars.bitmask(len(seqs), pinned=logits.is_cuda)  # free rows: every token
             self.engine.grammars.fill([seqs[i].matcher for i in held], bitmask, held)
