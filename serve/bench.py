@@ -85,7 +85,10 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    mixed, hf_continuous_batching, hf_static at ``summary_concurrency``), ``ttft_p50_s`` (base,
    mixed, the ttft setting), ``machine`` and ``commit`` (``$DELTAFLEET_COMMIT`` where set, else
    ``git rev-parse HEAD`` of the checkout, else null). ``ratios`` and ``goals`` (bool, or null where an input
-   was not measured) sit beside it.
+   was not measured) sit beside it. ``decode_floor`` (:func:`mixed_floor`, arithmetic on the shape
+   and the requests) is the mixed ÷ base tokens/s that the summary load's decode steps would give
+   at their bandwidth floors: the bound the signs' bytes set on ``ratios``'
+   ``mixed_over_base_tokens_per_s``, which ``ratios`` quotes beside it.
 """
 
 from __future__ import annotations
@@ -256,6 +259,37 @@ def zipf_models(models: list[str], n: int, s: float, seed: list[int]) -> list[st
     """``n`` picks from ``models`` (rank order: the first is the most popular), Zipf(``s``), seeded."""
     rng = np.random.default_rng(seed)
     return [models[i] for i in rng.choice(len(models), n, p=zipf_probabilities(len(models), s))]
+
+
+def decode_floor_ratio(lengths: list[tuple[int, int]], on_variant: list[int], concurrency: int,
+                       nbytes: dict) -> dict:
+    """The mixed load's tokens/s ÷ the base load's if every decode step ran at its bandwidth floor:
+    what the bytes allow "mixed ÷ base" to reach.
+
+    The requests (``lengths``: prompt and output tokens) go in order, ``concurrency`` at once, the
+    next one as soon as one ends, as the load generator sends them. Each step every request in flight
+    decodes one token and reads the weights and its live keys and values; in the mixed load the step
+    also reads the signs of each distinct variant among its requests (``on_variant``: each request's
+    variant index, −1 for the base). ``nbytes``: :func:`deltafleet.serve.bench_step.decode_bytes`.
+    Both loads take the same steps, so the ratio is the base load's floor time ÷ the mixed load's.
+    Prefill is not counted. Returns ``{"mixed_over_base", "steps", "mean_rows", "mean_variants"}``."""
+    waiting, live = iter(range(len(lengths))), {}  # request → [context, tokens left]
+    base = mixed = rows = variants = steps = 0
+    while True:
+        while len(live) < concurrency and (i := next(waiting, None)) is not None:
+            live[i] = [lengths[i][0], lengths[i][1]]
+        if not live:
+            break
+        n_var = len({on_variant[i] for i in live} - {-1})
+        t = nbytes["weights"] + nbytes["kv_per_token"] * sum(ctx + 1 for ctx, _ in live.values())
+        base, mixed = base + t, mixed + t + n_var * nbytes["signs"]
+        rows, variants, steps = rows + len(live), variants + n_var, steps + 1
+        for i, s in list(live.items()):
+            s[0], s[1] = s[0] + 1, s[1] - 1
+            if s[1] <= 0:
+                del live[i]
+    return {"mixed_over_base": base / mixed if mixed else None, "steps": steps,
+            "mean_rows": rows / steps if steps else None, "mean_variants": variants / steps if steps else None}
 
 
 def requests_for(cfg: DictConfig, concurrency: int) -> int:
@@ -898,6 +932,17 @@ def gpu_memory_used_mib(field: str = "memory.used") -> list[int] | None:
         return None
 
 
+def mixed_floor(cfg: DictConfig, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """:func:`decode_floor_ratio` of the mixed load at ``concurrency`` (the same requests and Zipf
+    draws as :func:`serve_and_load` sends) over the served shape's bytes."""
+    from deltafleet.serve.bench_step import decode_bytes
+
+    ranks = zipf_models(list(range(cfg.variants + 1)), len(requests), cfg.zipf_s, [cfg.seed, _ZIPF, concurrency])
+    nbytes = decode_bytes(synthetic_shape(cfg), torch_dtype(cfg.dtype).itemsize, cfg.get("sign_layout", "tiled"))
+    lengths = [(len(p), n) for p, n in requests]
+    return {"concurrency": concurrency, **decode_floor_ratio(lengths, [r - 1 for r in ranks], concurrency, nbytes)}
+
+
 def predicted_memory(cfg: DictConfig) -> list[dict] | dict:
     """Bytes of tensors each rank of the server holds, per rank: the base's slice and the variant slots
     (``deltafleet.serve.synthetic.predict_memory``), and the paged KV cache of ``kv_cache_tokens``
@@ -987,6 +1032,7 @@ def ratios_and_goals(report: dict) -> tuple[dict, dict]:
     steps = [v for r in s["step_over_floor"].values() for v in r.values() if v is not None]
     ttft_mixed = report["ttft"]["mixed"]
     ratios = {"mixed_over_base_tokens_per_s": _ratio(tps["mixed"], tps["base"]),
+              "mixed_over_base_at_decode_floor": (report.get("decode_floor") or {}).get("mixed_over_base"),
               "base_over_hf_continuous_batching": _ratio(tps["base"], tps["hf_continuous_batching"]),
               "base_over_hf_static": _ratio(tps["base"], tps["hf_static"]),
               "mixed_over_hf_continuous_batching": _ratio(tps["mixed"], tps["hf_continuous_batching"]),
@@ -1222,6 +1268,7 @@ def main(cfg: DictConfig) -> dict:
     family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
     vocab = int(cfg.shapes[cfg.shape].vocab_size)
     loads = {c: load_requests(cfg, c, vocab) for c in levels}
+    report["decode_floor"] = mixed_floor(cfg, loads[summary_c], summary_c)
     from hydra.core.hydra_config import HydraConfig
 
     # the run's own folder (Hydra does not change the working directory)

@@ -99,6 +99,39 @@ def test_zipf_popularity_follows_the_rank_order():
     assert Counter(zipf_models(["a", "b"], 100_000, 2.0, [1]))["a"] / 100_000 == pytest.approx(0.8, abs=0.01)
 
 
+@pytest.mark.parametrize("shape, layout, col_scales", [
+    ({"vocab_size": 300, "hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2}, "tiled", False),  # widths that pad the tiles
+    ({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+      "num_attention_heads": 4, "tie_word_embeddings": True, "model_type": "qwen2"}, "tiled", True),
+    ({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+      "num_attention_heads": 2, "attention_bias": True, "mlp_bias": True}, "rows", False)])
+def test_decode_bytes_from_the_shape_are_what_a_built_model_holds(shape, layout, col_scales):
+    import torch
+    from deltafleet.serve.batch import DeltaSlots
+    from deltafleet.serve.bench_step import decode_bytes, step_bytes
+    from deltafleet.serve.synthetic import SyntheticFamily
+
+    model = SyntheticFamily({**shape, "max_position_embeddings": 64}, variants=1).build_base("cpu", torch.bfloat16)
+    slots = DeltaSlots(model, 2, sign_layout=layout, col_scales=col_scales)
+    built = step_bytes(model, slots, rows=3, distinct_variants=2, context=10)
+    b = decode_bytes(shape, 2, layout, col_scales)
+    assert (b["weights"], 2 * b["signs"], 3 * 11 * b["kv_per_token"]) == (built["weights"], built["signs"], built["kv"])
+
+
+def test_the_decode_floor_ratio_of_a_hand_computed_load():
+    nbytes = {"weights": 100, "signs": 10, "kv_per_token": 1}
+    # two at once: step 1 holds requests 0 (variant 0, context 2) and 1 (the base, context 1): 100 + 3 + 2
+    # bytes, and variant 0's signs; request 1 ends, 2 (variant 1, context 3) joins request 0 (now at 3):
+    # 100 + 4 + 4, and the signs of variants 0 and 1
+    out = bench.decode_floor_ratio([(2, 2), (1, 1), (3, 1)], [0, -1, 1], 2, nbytes)
+    assert out == {"mixed_over_base": pytest.approx((105 + 108) / (115 + 128)), "steps": 2, "mean_rows": 2.0,
+                   "mean_variants": 1.5}
+    assert bench.decode_floor_ratio([(4, 3)] * 3, [-1] * 3, 8, nbytes)["mixed_over_base"] == 1.0  # base only
+    assert bench.decode_floor_ratio([], [], 4, nbytes) == {"mixed_over_base": None, "steps": 0, "mean_rows": None,
+                                                           "mean_variants": None}
+
+
 def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_path):
     cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", "server.max_num_batched_tokens=4096",
                                  "+server.kv_cache={block_size:64,max_tokens:null}", "+server.max_waiting=8"])
@@ -169,6 +202,9 @@ def test_summary_ratios_and_goals():
     ratios, goals = ratios_and_goals(r)
     assert ratios["base_over_hf_continuous_batching"] == pytest.approx(5.0) and ratios["base_over_hf_static"] is None
     assert ratios["mixed_over_base_tokens_per_s"] == pytest.approx(0.9)
+    assert ratios["mixed_over_base_at_decode_floor"] is None  # no decode_floor in this report
+    r["decode_floor"] = {"mixed_over_base": 0.78}
+    assert ratios_and_goals(r)[0]["mixed_over_base_at_decode_floor"] == 0.78
     assert ratios["ttft_variant_over_base_p50"] == pytest.approx(1.03) and ratios["step_over_floor_max"] == 1.35
     assert goals == {"step_over_floor <= 1.3": False, "base >= 4x hf_continuous_batching": True,
                      "base >= 2x hf_static": None, "mixed/base >= 0.85": True, "ttft_p50 <= 0.1 s": True,
@@ -363,6 +399,9 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
         assert s["tokens_per_s"][name] == p["tokens_per_s"]
     tps = s["tokens_per_s"]
     assert d["ratios"]["base_over_hf_static"] == pytest.approx(tps["base"] / tps["hf_static"])
+    floor = bench.mixed_floor(cfg, bench.load_requests(cfg, 4, 1024), 4)
+    assert d["decode_floor"] == floor and 0 < floor["mixed_over_base"] < 1
+    assert d["ratios"]["mixed_over_base_at_decode_floor"] == floor["mixed_over_base"]
     g = d["goals"]
     assert g["burst answered, no 5xx"] is True and g["every request answered"] is True
     assert g["every completion max_tokens long"] is True and g["step_over_floor <= 1.3"] is None
