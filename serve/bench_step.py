@@ -76,8 +76,8 @@ def decode_bytes(shape: dict, itemsize: int, sign_layout: str = "tiled", col_sca
     parameters), ``signs`` (one variant's packed signs in ``sign_layout`` and its scales: α per output
     row, β per input column with ``col_scales``) and ``kv_per_token`` (one cached token's keys and
     values over all layers), in bytes."""
-    from deltafleet.kernels import packed_width, tiled_shape
     from deltafleet.serve.model import ModelArgs
+    from deltafleet.serve.synthetic import sign_bytes
 
     a = ModelArgs.from_hf_config(shape)
     q, kv, d, f = a.n_head * a.head_dim, a.n_local_heads * a.head_dim, a.dim, a.intermediate_size
@@ -86,16 +86,10 @@ def decode_bytes(shape: dict, itemsize: int, sign_layout: str = "tiled", col_sca
     mats = [(n, k, sign_layout == "tiled") for n, k in layer] * a.n_layer
     mats.append((a.vocab_size, d, sign_layout == "tiled" and not a.tie_word_embeddings))
 
-    def signs(n: int, k: int, tiled: bool) -> int:
-        if tiled:
-            nt, kt, r, b = tiled_shape(n, k)
-            return nt * kt * r * b
-        return n * packed_width(k)
-
     biases = (2 * kv + q) * a.qkv_bias + d * a.o_bias + (2 * f + d) * a.mlp_bias
     vectors = (2 * a.n_layer + 1) * d + a.n_layer * biases  # the norms and the biases
     return {"weights": (sum(n * k for n, k, _ in mats) + vectors) * itemsize,
-            "signs": sum(signs(n, k, t) + 4 * n + 4 * k * col_scales for n, k, t in mats),
+            "signs": sum(sign_bytes(n, k, t) + 4 * n + 4 * k * col_scales for n, k, t in mats),
             "kv_per_token": 2 * a.n_layer * kv * itemsize}
 
 

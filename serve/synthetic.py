@@ -293,6 +293,14 @@ def read_synthetic(base_dir: str | Path) -> SyntheticFamily | None:
 # --------------------------------------------------------------------------------------------
 
 
+def sign_bytes(n: int, k: int, tiled: bool) -> int:
+    """Bytes of an ``[n, k]`` matrix's packed signs: in whole 64 × 16-byte tiles, or as rows."""
+    if tiled:
+        nt, kt, r, b = tiled_shape(n, k)
+        return nt * kt * r * b
+    return n * packed_width(k)
+
+
 def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int = 1,
                    dtype: torch.dtype = torch.bfloat16, max_batch: int = 1, max_seq_len: int | None = None,
                    sign_layout: str = "tiled") -> dict:
@@ -336,13 +344,8 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
         if bias and (kind == col or rank == 0):  # a row-parallel bias: rank 0 only
             vectors += n_r * a.n_layer
     params = sum(n * k for n, k in matrices) + vectors
-    def sign_bytes(i: int, n: int, k: int) -> int:
-        if sign_layout == "tiled" and i > 0:
-            nt, kt, r, b = tiled_shape(n, k)
-            return nt * kt * r * b
-        return n * packed_width(k)
-
-    slot_matrices = sum(sign_bytes(i, n, k) + 4 * n for i, (n, k) in enumerate(matrices))
+    slot_matrices = sum(sign_bytes(n, k, sign_layout == "tiled" and i > 0) + 4 * n
+                        for i, (n, k) in enumerate(matrices))
     seq = a.max_seq_len if max_seq_len is None else min(max_seq_len, a.max_seq_len)
     kv_bytes = 2 * a.n_layer * max_batch * (a.n_local_heads // world) * seq * a.head_dim * e
     out = {"params": params, "base_bytes": params * e, "slot_bytes": slot_matrices + vectors * e,
