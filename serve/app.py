@@ -307,6 +307,9 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
                 self._head_timer.cancel()
                 self._head_timer = None
 
+        def _waiting_for_head(self) -> bool:  # when the timer fires: a whole head disarms it
+            return True
+
         def _head_timeout(self) -> None:
             self._head_timer = None
             if self._waiting_for_head() and not self.transport.is_closing():
@@ -345,9 +348,6 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
         _awaiting_head = True  # from the connection's start or a message's end to the next whole head
         _head_bytes = 0
         _events = 0  # heads and messages finished
-
-        def _waiting_for_head(self) -> bool:
-            return True  # a whole head disarms the timer
 
         def data_received(self, data: bytes) -> None:
             awaiting, events = self._awaiting_head, self._events
