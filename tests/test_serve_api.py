@@ -1020,7 +1020,11 @@ def test_engine_loads_variants_lazily_and_single_flight(root, monkeypatch):
     real_read = engine.cache._read
 
     def slow_read(model_id):
-        time.sleep(0.3)  # long enough that all threads arrive while the first load runs
+        # the load runs until all four threads have missed (a thread late to start, as on a loaded
+        # machine, would otherwise find the variant loaded: a hit, not a miss)
+        deadline = time.monotonic() + 30
+        while events.count(("miss", "tiny-coder")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return real_read(model_id)
 
     monkeypatch.setattr(engine.cache, "_read", slow_read)

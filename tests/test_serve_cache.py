@@ -138,6 +138,18 @@ def test_pinned_by_name_and_top_n_are_never_evicted():
     assert cache2.tier("b") == "device" and cache2.snapshot()["b"]["pinned"]
 
 
+class _Room(threading.Condition):
+    """The cache's condition for room on the device (``DeltaCache._room``), telling when a load waits on it."""
+
+    def __init__(self, lock):
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()  # set with the lock held: whoever takes it next finds the load waiting
+        return super().wait(timeout)
+
+
 def test_a_variant_in_flight_is_never_evicted_and_a_load_waits_for_room():
     disk = Disk({"a": 100, "b": 100, "c": 100})
     cache, _ = make(disk, device_budget_bytes=200, wait_timeout_s=0.3)
@@ -148,13 +160,20 @@ def test_a_variant_in_flight_is_never_evicted_and_a_load_waits_for_room():
         cache.acquire("c")
     assert cache.tier("a") == cache.tier("b") == "device"
     assert cache.snapshot()["c"]["in_flight"] == 0  # the failed request released itself
-    cache2, _ = make(disk, device_budget_bytes=200, wait_timeout_s=5)
+    # b's request ends while c's load waits for room (a timer could fire before the wait begins on a
+    # loaded machine): the load is woken by it, long before its wait_timeout_s, and evicts b
+    cache2, _ = make(disk, device_budget_bytes=200, wait_timeout_s=60)
+    cache2._room = room = _Room(cache2._lock)
     cache2.acquire("a")
     cache2.acquire("b")
-    threading.Timer(0.2, cache2.release, args=("b",)).start()
-    t0 = time.perf_counter()
-    assert cache2.acquire("c").name == "c"  # waited for b's request to end, then evicted b
-    assert 0.15 < time.perf_counter() - t0 < 4
+    got = []
+    t = threading.Thread(target=lambda: got.append(cache2.acquire("c")), daemon=True)
+    t.start()
+    assert room.waiting.wait(30), "c's load did not wait for room"
+    assert t.is_alive() and not got and cache2.tier("b") == "device"  # b in flight: not evicted
+    cache2.release("b")
+    t.join(30)
+    assert [d.name for d in got] == ["c"], "the load was not woken when b's request ended"
     assert cache2.tier("b") == "host" and cache2.tier("a") == "device"
 
 
