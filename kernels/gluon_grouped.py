@@ -145,6 +145,9 @@ class GroupedConfig(NamedTuple):
             register operand makes each K step wait for its own products (module docstring).
         bitacc: with ``sync_mma`` and ``block_k`` 256, one accumulator per sign bit position (module
             docstring, "Bit accumulators"): one instruction per four weights instead of two.
+        prefetch: with ``sync_mma`` (not ``bitacc``), the epilogue's loads (y's base values, α, the
+            rows' scales) are issued before the K loop, so their latency hides behind it, at the cost
+            of the registers that hold them through the loop.
     """
 
     block_m: int
@@ -156,6 +159,7 @@ class GroupedConfig(NamedTuple):
     inflight: int = 0
     sync_mma: bool = False
     bitacc: bool = False
+    prefetch: bool = False
 
     def smem(self) -> int:
         """Bytes of the ring: per stage the sign tiles and the block's planes (the barriers come on
@@ -168,10 +172,12 @@ class GroupedConfig(NamedTuple):
 # gives the GPU enough programs. ``regs`` sets the launch's register allocation, ``regs × 32 × 4·(consumers
 # + 1)`` per program (the loader warp is padded to a warpgroup); with one consumer its warpgroup takes the
 # loader's share too (``setmaxnreg``), so 80 still leaves it 136, and three programs fit a multiprocessor
-# by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile.
+# by registers. Accumulators take ``block_m`` int32 registers per thread and feature tile. The
+# ``mma.sync`` ones prefetch: their decode programs run only K/256 steps each (16 for a 4096-wide
+# matrix), so the epilogue's loads, exposed once per program, are worth hiding (docs/kernels.md).
 CONFIGS: dict[int, tuple[GroupedConfig, ...]] = {
-    4: (GroupedConfig(4, 128, 256, 4, 1, 80, sync_mma=True),),
-    8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True),
+    4: (GroupedConfig(4, 128, 256, 4, 1, 80, sync_mma=True, prefetch=True),),
+    8: (GroupedConfig(8, 128, 256, 4, 1, 80, sync_mma=True, prefetch=True),
         GroupedConfig(8, 128, 256, 4, 1, 96, sync_mma=True, bitacc=True)),
     16: (GroupedConfig(16, 128, 256, 4, 1, 80), GroupedConfig(16, 256, 256, 4, 1, 128),
          GroupedConfig(16, 64, 256, 6, 1, 80), GroupedConfig(16, 256, 256, 4, 2, 128)),
@@ -300,6 +306,8 @@ def _check_config(cfg: GroupedConfig) -> None:
         raise ValueError(f"stages must be 2 or more, got {cfg.stages}")
     if cfg.bitacc and not (cfg.sync_mma and cfg.block_k == 256):
         raise ValueError("bitacc needs sync_mma and block_k 256")
+    if cfg.prefetch and not (cfg.sync_mma and not cfg.bitacc):
+        raise ValueError("prefetch needs sync_mma without bitacc")
 
 
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
@@ -322,8 +330,9 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
             caller has them (several launches over the same rows); computed here otherwise. Not
             taken by a ``bitacc`` configuration, which reads planes in its own order.
         config: fields of :class:`GroupedConfig` other than ``block_m`` (``block_n``, ``block_k``,
-            ``stages``, ``consumers``, ``regs``, ``inflight``, ``sync_mma``) overriding ``default_config(block_m)``;
-            without any, :func:`choose_config` picks one by the grid size.
+            ``stages``, ``consumers``, ``regs``, ``inflight``, ``sync_mma``, ``bitacc``, ``prefetch``)
+            overriding ``default_config(block_m)`` (whose ``prefetch`` is dropped where the overrides
+            rule it out); without any, :func:`choose_config` picks one by the grid size.
 
     Returns:
         ``y``. Trusts its inputs, as ``triton_grouped.add_sign_products`` does (check with
@@ -337,6 +346,8 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     cfg = default_config(block_m)  # checks block_m
     if config:
         cfg = cfg._replace(**config)
+        if "prefetch" not in config and (cfg.bitacc or not cfg.sync_mma):
+            cfg = cfg._replace(prefetch=False)  # the default's prefetch only where the overrides leave it possible
     else:
         cfg = choose_config(n, groups.max_blocks, block_m, multiprocessors(x.device))
     _check_config(cfg)
@@ -351,8 +362,8 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         s_desc, p_desc, groups.order, groups.key, groups.first, sc, alphas, y,
         m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
-        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, BITACC=cfg.bitacc, num_warps=4,
-        maxnreg=cfg.regs)
+        CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, BITACC=cfg.bitacc, PREFETCH=cfg.prefetch,
+        num_warps=4, maxnreg=cfg.regs)
     return y
 
 
@@ -380,7 +391,7 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
                   CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma,
-                  BITACC=cfg.bitacc, num_warps=4)
+                  BITACC=cfg.bitacc, PREFETCH=cfg.prefetch, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = _grouped_planes_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -485,9 +496,18 @@ if HAVE_GLUON:
                      ALPHA_PER_ROW: gl.constexpr, NEG128: gl.constexpr):
         """Add ``α·(s·x)`` of the consumer's NW feature tiles (int32 accumulators ``[64, 2·BM]`` of
         ``s'·plane``, or of ``−128·s'·plane`` with ``NEG128``) into y."""
+        _gp_epilogue_add(acc, _gp_epilogue_loads(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW),
+                         q, BM, NW, NEG128)
+
+    @gluon.jit
+    def _gp_epilogue_loads(acc, first, slot, off_n, M, N, q, BM: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
+                           ALPHA_PER_ROW: gl.constexpr):
+        """What the epilogue reads besides the accumulators, in their layout (``acc`` gives it; its
+        values are not read): the live rows' scales and sums, and per feature tile α, y's base values,
+        their pointers and mask. Nothing here depends on the K loop, so ``prefetch`` loads it before."""
         (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
-        # epilogue, in the accumulator's own layout (no shared-memory scratch, no layout conversion):
-        # (hi, lo) of row i are the accumulator's columns (2i, 2i + 1), which one thread holds
+        # in the accumulator's own layout (no shared-memory scratch, no layout conversion): (hi, lo) of
+        # row i are the accumulator's columns (2i, 2i + 1), which one thread holds
         h0, _ = gl.split(gl.reshape(acc[0], [64, BM, 2]))
         out_l: gl.constexpr = h0.type.layout                  # [64 features, BM rows]
         i = gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
@@ -500,27 +520,43 @@ if HAVE_GLUON:
         qsum = gl.expand_dims(gl.load(sc_ptr + 2 * srow + 1, mask=live, other=0.0), 0)
         live2 = gl.expand_dims(live, 0)
         yrow = gl.expand_dims(orow * stride_ym, 0)
+        alphas = ()
+        bases = ()
+        ptrs = ()
+        masks = ()
         for t in gl.static_range(NW):
-            hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
-            if NEG128:
-                hi = -(hi >> 7)  # sums of −128·s'·plane: exact multiples of −128
-                lo = -(lo >> 7)
             feat = off_n + (T0 + t) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
             fmask = feat < N
             if ALPHA_PER_ROW:
                 alpha = gl.load(a_ptr + slot * stride_as + feat, mask=fmask, other=0.0)
             else:
                 alpha = gl.load(a_ptr + slot * stride_as + feat * 0, mask=fmask, other=0.0)
+            m2 = gl.expand_dims(fmask, 1) & live2
+            ptr = y_ptr + yrow + gl.expand_dims(feat, 1)
+            alphas = alphas + (gl.expand_dims(alpha, 1), )
+            bases = bases + (gl.load(ptr, mask=m2, other=0.0).to(gl.float32), )
+            ptrs = ptrs + (ptr, )
+            masks = masks + (m2, )
+        return scale, qsum, alphas, bases, ptrs, masks
+
+    @gluon.jit
+    def _gp_epilogue_add(acc, pre, q, BM: gl.constexpr, NW: gl.constexpr, NEG128: gl.constexpr):
+        """y = base + α·(s·x), rounded once to y's dtype, for the live rows of the NW feature tiles;
+        ``pre``: :func:`_gp_epilogue_loads`."""
+        y_ptr = q[5]
+        scale, qsum, alphas, bases, ptrs, masks = pre
+        for t in gl.static_range(NW):
+            hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
+            if NEG128:
+                hi = -(hi >> 7)  # sums of −128·s'·plane: exact multiples of −128
+                lo = -(lo >> 7)
             # s·x = 2·(s'·x) − Σx with x = scale·(256·hi + lo)
             sdot = scale * (512.0 * hi.to(gl.float32) + 2.0 * lo.to(gl.float32) - qsum)
-            m2 = gl.expand_dims(fmask, 1) & live2
-            ptrs = y_ptr + yrow + gl.expand_dims(feat, 1)
-            base = gl.load(ptrs, mask=m2, other=0.0).to(gl.float32)
-            gl.store(ptrs, (base + gl.expand_dims(alpha, 1) * sdot).to(y_ptr.dtype.element_ty), mask=m2)
+            gl.store(ptrs[t], (bases[t] + alphas[t] * sdot).to(y_ptr.dtype.element_ty), mask=masks[t])
 
     @gluon.jit
     def _gp_consume_mma(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
-                        ALPHA_PER_ROW: gl.constexpr):
+                        ALPHA_PER_ROW: gl.constexpr, PREFETCH: gl.constexpr):
         """As :func:`_gp_consume`, by ``mma.sync`` (m16n8k32, int8) instead of wgmma (``sync_mma``).
         Each warp of the warpgroup owns 16 of a tile's 64 features and expands its own sign words into
         its A registers; a K chunk's planes are loaded into B registers once and shared by the NW
@@ -537,6 +573,8 @@ if HAVE_GLUON:
         dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=4)
 
         acc = _int_accumulators(NW, BM2, acc_l)
+        if PREFETCH:  # the epilogue's loads in flight during the K loop
+            pre = _gp_epilogue_loads(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW)
         for ki in range(gl.cdiv(K, BK)):
             stage = ki % STAGES
             mbarrier.wait(ready.index(stage), (ki // STAGES) & 1)
@@ -551,7 +589,10 @@ if HAVE_GLUON:
             fence_async_shared()  # the shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
-        _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, True)
+        if PREFETCH:
+            _gp_epilogue_add(acc, pre, q, BM, NW, True)
+        else:
+            _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, True)
 
     # the sign bytes of one K step (two 128-weight tiles of 64 rows × 16 bytes) as ``[64, 32]``: row r,
     # column 16·u + b is byte b of row r of tile u (the mma's A fragment then holds, per thread and row,
@@ -637,14 +678,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr,
-                   BITACC: gl.constexpr):
+                   BITACC: gl.constexpr, PREFETCH: gl.constexpr):
         """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``."""
         if LOADER:
             _gp_load(p, NSUB, STAGES)
         elif BITACC:
             _gp_consume_bits(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
         elif SYNC_MMA:
-            _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
+            _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, PREFETCH)
         else:
             _gp_consume(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, INFLIGHT)
 
@@ -655,7 +696,8 @@ if HAVE_GLUON:
                                M, N, K, NSLOT, NBLK, stride_as, stride_ym,
                                ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
-                               SYNC_MMA: gl.constexpr, BITACC: gl.constexpr, num_warps: gl.constexpr):
+                               SYNC_MMA: gl.constexpr, BITACC: gl.constexpr, PREFETCH: gl.constexpr,
+                               num_warps: gl.constexpr):
         """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
         first = gl.load(first_ptr + gl.program_id(0))
         if first < M:  # programs past the last block do nothing
@@ -679,24 +721,25 @@ if HAVE_GLUON:
             # (a partition list is a literal: Gluon tuples cannot hold functions)
             SM: gl.constexpr = SYNC_MMA
             BA: gl.constexpr = BITACC
+            PF: gl.constexpr = PREFETCH
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
                 ], [1], [24])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
                 ], [4, 1], [CONS_REGS, 24])
             elif CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")

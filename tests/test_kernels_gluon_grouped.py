@@ -189,9 +189,17 @@ def test_wrapper_refuses_what_the_kernel_cannot_launch():
     assert not gg.supported(x, signs, y)  # not on a Hopper GPU
     for bad, match in ((dict(block_m=48), "block_m must be one of"), (dict(block_k=512), "block_k must be 128 or 256"),
                        (dict(consumers=3), "must split into 3 consumer"), (dict(stages=1), "stages must be 2"),
-                       (dict(blockn=64), "unexpected field")):
+                       (dict(blockn=64), "unexpected field"), (dict(prefetch=True), "prefetch needs sync_mma"),
+                       (dict(block_m=8, sync_mma=True, bitacc=True, prefetch=True), "prefetch needs sync_mma")):
         with pytest.raises(ValueError, match=match):
             gg.add_sign_products_planes(x, signs, torch.ones(2), groups, y, **bad)
+    # blocks of 8 prefetch by default; an override that rules it out (bitacc) drops it, unless stated
+    # (no rows: the configuration is checked, nothing is launched)
+    assert gg.default_config(8).prefetch and gg.default_config(4).prefetch
+    x0, y0, g0 = torch.zeros(0, 128, dtype=torch.bfloat16), torch.zeros(0, 64), group_rows(torch.zeros(0).int(), 2, 8)
+    assert gg.add_sign_products_planes(x0, signs, torch.ones(2), g0, y0, block_m=8, bitacc=True) is y0
+    with pytest.raises(ValueError, match="prefetch needs sync_mma"):
+        gg.add_sign_products_planes(x0, signs, torch.ones(2), g0, y0, block_m=8, bitacc=True, prefetch=True)
 
 
 def _hopper():
@@ -223,7 +231,10 @@ def test_grouped_planes_match_reference(block_m, m, pattern, tenants, n, k, row_
         bound_x = (a_max * scale * k * 0.505)[:, None] + bound_q
         atol = TOL[dtype] * ref.abs().max().item()
         # every configuration in bf16, and choose_config's pick (no configuration given); the default in fp16
-        configs = [*gg.CONFIGS[block_m], None] if dtype == torch.bfloat16 else gg.CONFIGS[block_m][:1]
+        # and each mma.sync configuration with its epilogue's loads on the other side of the K loop
+        # (prefetch toggled)
+        toggled = [c._replace(prefetch=not c.prefetch) for c in gg.CONFIGS[block_m] if c.sync_mma and not c.bitacc]
+        configs = [*gg.CONFIGS[block_m], *toggled, None] if dtype == torch.bfloat16 else gg.CONFIGS[block_m][:1]
         for cfg in configs:
             what = f"{cfg or 'chosen'} {dtype}"
             kw = cfg._asdict() if cfg else {"block_m": block_m}
