@@ -543,7 +543,7 @@ if HAVE_GLUON:
     def _gp_epilogue_add(acc, pre, q, BM: gl.constexpr, NW: gl.constexpr, NEG128: gl.constexpr):
         """y = base + α·(s·x), rounded once to y's dtype, for the live rows of the NW feature tiles;
         ``pre``: :func:`_gp_epilogue_loads`."""
-        y_ptr = q[5]
+        (order_ptr, key_ptr, first_ptr, sc_ptr, a_ptr, y_ptr, NBLK, stride_as, stride_ym) = q
         scale, qsum, alphas, bases, ptrs, masks = pre
         for t in gl.static_range(NW):
             hi, lo = gl.split(gl.reshape(acc[t], [64, BM, 2]))
