@@ -935,7 +935,11 @@ def test_a_waiting_request_of_many_choices_counts_once_for_the_others(engine):
             other = threading.Thread(target=lambda: results.append(tc.post("/v1/completions", json={
                 "model": "tiny-coder", "prompt": "y", "max_tokens": 2})))
             other.start()
-            time.sleep(0.3)
+            deadline = time.time() + 10  # the other is admitted (waiting) or answered, while everything waits
+            while not results and 'deltafleet:num_requests_waiting{model_name="tiny-coder"} 1.0' \
+                    not in tc.get("/metrics").text:
+                assert time.time() < deadline, "the other client's request neither waits nor was answered"
+                time.sleep(0.02)
         finally:
             engine._gen_lock.release()
         t.join(timeout=30)

@@ -172,21 +172,45 @@ def test_the_mask_buffer_is_not_refilled_while_a_step_that_read_it_runs(tiny_fam
         return real(rows, pinned)
 
     monkeypatch.setattr(engine.grammars, "bitmask", bitmask)
+    # The scheduler pauses (between two steps, holding nothing) the first time A and C both decode (C has
+    # two tokens) and a step that sampled A under its mask is in flight: A is cancelled then, for sure
+    # before it ends.
+    paused, resume, seqs = threading.Event(), threading.Event(), {}
+    real_submit = sch.detokenizer.submit
+
+    def submit(items):
+        real_submit(items)
+        if paused.is_set():
+            return
+        running = {id(s.out): s for s in sch.planner.running}
+        sa, sc = running.get(id(seqs.get("a"))), running.get(id(seqs.get("c")))
+        inflight = sch._inflight
+        if sa is not None and sc is not None and not sa.done and not sc.done \
+                and len(sc.tokens) - sc.prompt_len >= 2 and inflight is not None and inflight.masked \
+                and any(s is sa for s in inflight.sampled):
+            paused.set()
+            assert resume.wait(60)
+
+    monkeypatch.setattr(sch.detokenizer, "submit", submit)
     regex = ("regex", "[a-z ]{40,80}")
     a = engine.prepare("tiny", engine.encode_prompt("The quick brown"),
                        SamplingParams(max_tokens=60, temperature=0.8, seed=1, constraint=regex))
     out_a, cancel_a = sch.submit(a)
+    seqs["a"] = out_a
     out_a.get(timeout=60)
     c = engine.prepare("tiny", engine.encode_prompt("Once upon"), SamplingParams(max_tokens=30, temperature=0,
                                                                                 ignore_eos=True))
     out_c, _ = sch.submit(c)
-    out_c.get(timeout=60)
-    out_c.get(timeout=60)  # both decoding, a step under A's mask in flight
-    with engine._gen_lock:  # between two steps
-        cancel_a.set()
-        b = engine.prepare("tiny", engine.encode_prompt("Hello"), SamplingParams(max_tokens=4, temperature=0,
-                                                                                constraint=regex))
-        out_b, _ = sch.submit(b)
+    seqs["c"] = out_c
+    assert paused.wait(60), "never were A and C both decoding with a step under A's mask in flight"
+    try:
+        with engine._gen_lock:  # between two steps
+            cancel_a.set()
+            b = engine.prepare("tiny", engine.encode_prompt("Hello"), SamplingParams(max_tokens=4, temperature=0,
+                                                                                    constraint=regex))
+            out_b, _ = sch.submit(b)
+    finally:
+        resume.set()
     while out_b.get(timeout=60) is not END:
         pass
     while out_c.get(timeout=60) is not END:

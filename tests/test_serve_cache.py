@@ -2,6 +2,7 @@
 pinning and in-flight protection, the host tier, stale and removed artifacts."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -60,6 +61,16 @@ def use(cache: DeltaCache, m: str):
     return d
 
 
+def in_load(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside :meth:`DeltaCache._load` (reading, or waiting for the one read)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is DeltaCache._load.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_concurrent_requests_for_a_cold_variant_trigger_exactly_one_read():
     disk = Disk({"a": 100})
     disk.gates["a"] = threading.Event()
@@ -74,7 +85,12 @@ def test_concurrent_requests_for_a_cold_variant_trigger_exactly_one_read():
     for t in threads:
         t.start()
     start.wait()
-    time.sleep(0.2)  # all eight are waiting on the one read
+    # all eight are inside the cache's load (one reading, the others behind it) before the read ends:
+    # none can come late and find the delta already loaded
+    deadline = time.monotonic() + 10
+    while not all(in_load(t) for t in threads):
+        assert time.monotonic() < deadline, "the eight requests never all reached the cache's load"
+        time.sleep(0.005)
     disk.gates["a"].set()
     for t in threads:
         t.join(10)
@@ -90,7 +106,10 @@ def test_a_slow_load_does_not_block_other_variants():
     cache, _ = make(disk)
     t = threading.Thread(target=use, args=(cache, "a"))
     t.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while disk.reads["a"] < 1:  # a's read has started (and blocks on its gate)
+        assert time.monotonic() < deadline, "a's read never started"
+        time.sleep(0.005)
     t0 = time.perf_counter()
     assert use(cache, "b").name == "b"  # while a's read is still blocked
     assert time.perf_counter() - t0 < 1.0 and t.is_alive()

@@ -766,9 +766,25 @@ def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
                 got["r"] = e
 
         threads = [threading.Thread(target=long_request) for _ in range(4)]
+
+        def metric(text, name):
+            m = re.search(rf'^{re.escape(name)}{{model_name="tiny"}} (\S+)$', text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        prompt_tokens = metric(httpx.get(f"{url}/metrics").text, "deltafleet:prompt_tokens_total")
+        assert prompt_tokens > 0
         for t in threads:
             t.start()
-        time.sleep(0.5)  # the requests are generating: alone, each one takes `took` seconds
+        # the requests are generating (alone, each one takes `took` seconds): all four admitted (their
+        # choices' prompts counted), and choices running
+        deadline = time.time() + 60
+        while True:
+            text = httpx.get(f"{url}/metrics").text
+            if metric(text, "deltafleet:prompt_tokens_total") == 5 * prompt_tokens \
+                    and metric(text, "deltafleet:num_requests_running") >= 1:
+                break
+            assert time.time() < deadline, "the four requests never were all admitted and generating"
+            time.sleep(0.02)
         t0 = time.time()
         proc.terminate()
         proc.wait(timeout=60)

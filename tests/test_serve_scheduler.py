@@ -55,11 +55,12 @@ def test_more_requests_than_rows_wait_for_a_free_row(tiny_family, alone):
 
 def test_a_slow_variant_load_does_not_hold_up_other_requests(tiny_family, monkeypatch):
     engine = _engine(tiny_family)
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     real = engine.cache._read
 
     def slow(model_id):
         if model_id == "tiny-coder":
+            started.set()
             assert gate.wait(30)
         return real(model_id)
 
@@ -67,7 +68,7 @@ def test_a_slow_variant_load_does_not_hold_up_other_requests(tiny_family, monkey
     done = []
     t = threading.Thread(target=lambda: done.append(engine.complete("tiny-coder", "x", SamplingParams(max_tokens=3))))
     t.start()
-    time.sleep(0.2)  # tiny-coder's load has started and is blocked
+    assert started.wait(30), "tiny-coder's load never started"  # it has started and is blocked
     t0 = time.perf_counter()
     base = engine.complete("tiny", "def main(", SamplingParams(max_tokens=5, temperature=0))
     writer = engine.complete("tiny-writer", "The", SamplingParams(max_tokens=5, temperature=0))
