@@ -28,6 +28,23 @@ def _steps(engine: Engine, model: str, prompt: str, params: SamplingParams) -> l
             for s in engine.generate(model, engine.encode_prompt(prompt), params)]
 
 
+def _hold_loop(sch, when) -> tuple[threading.Event, threading.Event]:
+    """Hold the scheduler loop at the end of the first iteration after which ``when()`` is true (in
+    ``detokenizer.submit``, which the loop calls outside the model lock, after handing over the
+    step's items): returns ``(paused, resume)``; the loop goes on once ``resume`` is set."""
+    paused, resume = threading.Event(), threading.Event()
+    real_submit = sch.detokenizer.submit
+
+    def submit(items):
+        real_submit(items)
+        if not paused.is_set() and when():
+            paused.set()
+            assert resume.wait(60)
+
+    sch.detokenizer.submit = submit
+    return paused, resume
+
+
 def _count_fed(engine: Engine) -> list[int]:
     """A list that gets, for every step the runner executes, how many decode rows the previous
     step's tokens fed on the device."""
@@ -175,23 +192,17 @@ def test_the_mask_buffer_is_not_refilled_while_a_step_that_read_it_runs(tiny_fam
     # The scheduler pauses (between two steps, holding nothing) the first time A and C both decode (C has
     # two tokens) and a step that sampled A under its mask is in flight: A is cancelled then, for sure
     # before it ends.
-    paused, resume, seqs = threading.Event(), threading.Event(), {}
-    real_submit = sch.detokenizer.submit
+    seqs = {}
 
-    def submit(items):
-        real_submit(items)
-        if paused.is_set():
-            return
+    def when():
         running = {id(s.out): s for s in sch.planner.running}
         sa, sc = running.get(id(seqs.get("a"))), running.get(id(seqs.get("c")))
         inflight = sch._inflight
-        if sa is not None and sc is not None and not sa.done and not sc.done \
-                and len(sc.tokens) - sc.prompt_len >= 2 and inflight is not None and inflight.masked \
-                and any(s is sa for s in inflight.sampled):
-            paused.set()
-            assert resume.wait(60)
+        return (sa is not None and sc is not None and not sa.done and not sc.done
+                and len(sc.tokens) - sc.prompt_len >= 2 and inflight is not None and inflight.masked
+                and any(s is sa for s in inflight.sampled))
 
-    monkeypatch.setattr(sch.detokenizer, "submit", submit)
+    paused, resume = _hold_loop(sch, when)
     regex = ("regex", "[a-z ]{40,80}")
     a = engine.prepare("tiny", engine.encode_prompt("The quick brown"),
                        SamplingParams(max_tokens=60, temperature=0.8, seed=1, constraint=regex))
@@ -281,16 +292,7 @@ def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_end(tiny
     variant are free for the next one."""
     engine = _engine(tiny_family, True, max_batch=1)
     sch = engine.scheduler
-    paused, resume = threading.Event(), threading.Event()
-    real_submit = sch.detokenizer.submit
-
-    def submit(items):  # the loop calls it at the end of each iteration, outside the model lock
-        if not paused.is_set() and sch._inflight is not None and any(s.n >= 1 for s in sch.planner.running):
-            paused.set()
-            resume.wait(60)
-        real_submit(items)
-
-    sch.detokenizer.submit = submit
+    paused, resume = _hold_loop(sch, lambda: sch._inflight is not None and any(s.n >= 1 for s in sch.planner.running))
     req = engine.prepare("tiny-coder", engine.encode_prompt("def "), SamplingParams(max_tokens=100, ignore_eos=True))
     out, cancel = sch.submit(req)
     assert paused.wait(60), "the request never had a token out and a step in flight"
