@@ -396,7 +396,7 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     tokens beside a writer's 40 and a base decode row: 241 tokens, grouped by variant; then a coder
     decode row beside a math prompt of 6: 7 tokens, per-row kernels eagerly and grouped in the graph
     of 16; then a base and a coder decode row beside prompts of the base (20), coder (150) and math
-    (100): 272 tokens, the eager step multiplying the prompts by tiles of one variant each where the
+    (300): 472 tokens, the eager step multiplying the prompts by tiles of one variant each where the
     kernel runs, its base prompt with the decode rows, and the graph of 512 grouping). The sampled
     rows' logits agree within the module's bound (twice that for the last step: see there), each
     (bucket, with variants) pair is captured once (piecewise: one graph per segment, 5 for 4 layers)
@@ -408,14 +408,14 @@ def test_piecewise_graphs_match_the_eager_step(family, attention):
     bs, n_blocks = 128, 32
     model, views, eager, piece = _two_runners(family, attention, n_blocks)
     pw = piece.piecewise
-    assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 512]
+    assert pw is not None and pw.buckets == [16, 32, 64, 128, 256, 320, 384, 448, 512]
     assert isinstance(pw, FullGraphs) == (attention == "flex")
     gen = torch.Generator().manual_seed(1)
     steps = _Steps(n_blocks, bs, gen)
     chunk, decode = steps.chunk, steps.decode
     vocab = model.args.vocab_size
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist()
-               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 6), (6, 20), (7, 150), (8, 100))}
+               for s, n in ((0, 150), (1, 90), (2, 200), (3, 200), (4, 40), (5, 6), (6, 20), (7, 150), (8, 300))}
 
     def check(st, factor=1):
         return _check(eager, piece, st, factor)

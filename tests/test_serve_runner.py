@@ -394,6 +394,9 @@ def test_piecewise_segments_give_the_eager_steps_logits(eng, backend, full):
     from deltafleet.serve.graphs import FullGraphs, PiecewiseGraphs, token_buckets
 
     assert token_buckets(100) == [16, 32, 64, 100] and token_buckets(16) == [16]
+    # doubling up to 256, then quarter steps: a step of n tokens pads to at most 1.25·n from there
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert token_buckets(2000)[-3:] == [1536, 1792, 2000]
     runner = ModelRunner(eng.model, eng.slots, n_blocks=32, block_size=BS, max_batch=4, max_seq_len=64,
                          attention=backend)
     pw = (FullGraphs if full else PiecewiseGraphs)(runner, max_tokens=40, max_sample=4, capture=False)
