@@ -24,8 +24,9 @@ if __name__ == "kernels":
         sys.modules[__name__] = _module  # the import statement returns what sys.modules holds
         _spec.loader.exec_module(_module)
 else:
-    from deltafleet.kernels.linear import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
-                                           bitdelta_linear_segments, bitdelta_linears_grouped, segments_supported)
+    from deltafleet.kernels.linear import (add_sign_products, bitdelta_linear, bitdelta_linear_batched,
+                                           bitdelta_linear_grouped, bitdelta_linear_segments, bitdelta_linears_grouped,
+                                           segments_supported)
     from deltafleet.kernels.reference import (
         bitdelta_linear as bitdelta_linear_reference,
         bitdelta_linear_batched as bitdelta_linear_batched_reference,
@@ -40,6 +41,7 @@ else:
     )
 
     __all__ = [
+        "add_sign_products",
         "bitdelta_linear",
         "bitdelta_linear_reference",
         "bitdelta_linear_batched",

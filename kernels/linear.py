@@ -131,6 +131,33 @@ def bitdelta_linear_segments(x: torch.Tensor, weight: torch.Tensor, signs: torch
     return y
 
 
+def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
+                      y: torch.Tensor, groups=None) -> torch.Tensor:
+    """The variants' part of :func:`bitdelta_linear_batched`, added in place: ``y[m] += α_t ⊙ (x[m] ·
+    S_tᵀ)`` for every row ``m`` of a variant ``t = slot[m]`` (base rows, −1, unchanged), for a ``y``
+    ``[M, N]`` that already holds the base product (unit stride along N). Returns ``y``.
+
+    On CUDA (bf16/fp16, triton installed) the grouped sign products of
+    ``deltafleet.kernels.triton_grouped`` (``groups``: ``group_rows(slot, S)``, made here if None);
+    else the reference's sign term, in float32, rounded once into ``y``. Trusts its inputs (the
+    shapes of :func:`bitdelta_linear_batched`)."""
+    if _on_triton(x, y):
+        from deltafleet.kernels.triton_grouped import _add_signs, group_rows
+
+        _add_signs(x if x.stride(-1) == 1 else x.contiguous(), signs,
+                   alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y, {})
+        return y
+    from deltafleet.kernels.reference import unpack_signs, untile_signs
+
+    n, k = y.shape[1], x.shape[1]
+    for t in slot.unique().tolist():
+        if t >= 0:
+            rows = (slot == t).nonzero(as_tuple=True)[0]
+            s = untile_signs(signs[t], n, k) if signs.dim() == 5 else signs[t]
+            y[rows] = (y[rows].float() + (x[rows].float() @ unpack_signs(s, k).t()) * alphas[t].float()).to(y.dtype)
+    return y
+
+
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
                             betas: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,5 +174,5 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
 
 
-__all__ = ["bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped", "bitdelta_linears_grouped",
-           "bitdelta_linear_segments", "segments_supported"]
+__all__ = ["add_sign_products", "bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped",
+           "bitdelta_linears_grouped", "bitdelta_linear_segments", "segments_supported"]

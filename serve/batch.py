@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
+from deltafleet.kernels import (add_sign_products, bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
                                 bitdelta_linear_segments, bitdelta_linears_grouped, packed_width, segments_supported,
                                 tile_signs, tiled_shape, unpack_signs, untile_signs)
 from deltafleet.kernels.reference import segment_tiles
@@ -37,6 +37,17 @@ SIGN_LAYOUTS = ("rows", "tiled")
 # bitdelta_linear_batched, tuned for decode batches of a few rows (docs/kernels.md, "Grouped mixed
 # batches")
 GROUPED_MIN_ROWS = 9
+
+
+def with_decode_run(runs: list[tuple[int, int, int]], n_decode: int) -> list[tuple[int, int, int]]:
+    """The runs of a step's tiles (``bitdelta_linear_segments``): its ``n_decode`` leading decode rows
+    as one run of the base (their variants' sign products are added after, grouped), then the prompt
+    chunks' ``runs`` (``(first, stop, slot)``), a base run right after the decode rows joined to theirs."""
+    if not n_decode:
+        return list(runs)
+    if runs and runs[0][0] == n_decode and runs[0][2] < 0:
+        return [(0, runs[0][1], -1)] + list(runs[1:])
+    return [(0, n_decode, -1)] + list(runs)
 
 
 def check_sign_layout(sign_layout: str, key: str = "sign_layout") -> None:
@@ -264,8 +275,8 @@ class BatchDeltas:
         self.slots = slots.to(torch.int32)
         self._rows = torch.where(self.slots < 0, table.n_slots, self.slots).long()  # row S: the base
         self.runs = runs
-        # the prompt chunks by one kernel over their tiles (_linear_segments): (tiles int32 [T, 3] on the
-        # device, the slots of the D leading rows, which are multiplied as a decode batch)
+        # every row by one kernel over its tiles (_linear_segments): (tiles int32 [T, 3] on the device, the
+        # slots of the D leading rows, the decode rows, whose variants' sign products are added after)
         self.segments = segments
         self._tiles = None  # with runs: their tile table on the device, made at the first linear that takes it
         # grouped rows' block size (None: grouped_block_m of the row count; 16 without small blocks)
@@ -349,17 +360,22 @@ class BatchDeltas:
         return y.view(b, t, -1)
 
     def _linear_segments(self, mod, x: Tensor, segments: tuple[Tensor, Tensor]) -> Tensor:
-        """A flat step (T = 1) whose prompt chunks are the tiles ``segments[0]``: the D leading rows as
-        a decode batch (their slots ``segments[1]``; rows there that a tile also covers get the tile's
-        result), then every tile by ``bitdelta_linear_segments`` (one kernel, W read about once)."""
+        """A flat step (T = 1) whose rows are the tiles ``segments[0]``, by ``bitdelta_linear_segments``
+        (one kernel, W read about once): the decode rows in tiles of the base, each prompt chunk in its
+        variant's, the padding in zero tiles. Then the sign products of the D leading rows' variants
+        (their slots ``segments[1]``: the decode rows, −1 past them) are added, grouped by variant.
+        No row is multiplied by W twice, and W is read once: a decode batch of its own would read W
+        again, and its GEMM would run over all D rows, however few the step's decode rows."""
         name = f"{mod.name}.weight"
         tiles, lead = segments
         x2 = x[:, 0]
+        signs, alphas = self.table.signs[name], self.table.alphas[name]
         y = x2.new_empty(x2.shape[0], mod.weight.shape[0])
+        bitdelta_linear_segments(x2, mod.weight, signs, alphas, tiles, y)
         d = lead.shape[0]
         if d:
-            y[:d] = self._batched(x2[:d], mod.weight, name, lead)
-        bitdelta_linear_segments(x2, mod.weight, self.table.signs[name], self.table.alphas[name], tiles, y)
+            add_sign_products(x2[:d], signs, alphas, lead, y[:d],
+                              self._groups_of(lead) if self.grouped(x2[:d]) else None)
         bias = self.table.full.get(f"{mod.name}.bias")
         return (y if bias is None else y + bias[self._rows])[:, None]
 
@@ -369,11 +385,8 @@ class BatchDeltas:
         signs, alphas, bias = self.table.signs[name], self.table.alphas[name], self.table.full.get(bname)
         lead = self.runs[0][0]
         if name not in self.table.betas and segments_supported(x2, mod.weight, signs):  # the runs as one kernel
-            runs = self.runs
-            if runs[0][2] < 0:  # a base run right after the decode rows: theirs, by the base GEMM
-                lead, runs = runs[0][1], runs[1:]
             if self._tiles is None:  # one table a step, whichever matrices the kernel takes
-                self._tiles = upload(segment_tiles(runs), torch.int32, x.device)
+                self._tiles = upload(segment_tiles(with_decode_run(self.runs, lead)), torch.int32, x.device)
             return self._linear_segments(mod, x, (self._tiles, self.slots[:lead]))
         parts = []
         if lead:

@@ -42,7 +42,7 @@ from torch import Tensor
 from deltafleet.serve.attention import PagedLayer, fill_tables, prefill_length
 from deltafleet.kernels import segments_supported
 from deltafleet.kernels.reference import ZERO_SLOT, max_segment_tiles, segment_tiles
-from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas
+from deltafleet.serve.batch import GROUPED_MIN_ROWS, BatchDeltas, with_decode_run
 from deltafleet.serve.transfer import feed_tokens, upload
 
 
@@ -261,9 +261,9 @@ def token_buckets(max_tokens: int, first: int = 16, fine_from: int = 256) -> lis
     return out + [max_tokens]
 
 
-# buckets of at least this many tokens multiply a step's prompt chunks by tiles of one variant each
-# (PiecewiseGraphs.segmented); below, a step is mostly decode rows and one pass of the base GEMM over
-# all its tokens plus the grouped sign products reads W once where the tiles would read it twice
+# buckets of at least this many tokens multiply a step's rows by tiles of one variant each
+# (PiecewiseGraphs.segmented); below, a step is mostly decode rows: one base GEMM over all its tokens
+# (cuBLAS) plus the grouped sign products
 SEGMENT_MIN_TOKENS = 512
 
 
@@ -323,9 +323,10 @@ class PiecewiseGraphs:
         pin = dev.type == "cuda"
         self._host = torch.zeros(3, t, dtype=torch.int64, pin_memory=pin)
         self._host_rows = torch.zeros(max_sample, dtype=torch.int64, pin_memory=pin)
-        # buckets of SEGMENT_MIN_TOKENS tokens or more, with variants: the prompt chunks' tiles (one
-        # per SEGMENT_ROWS rows of a variant's chunks; the scheduler sorts them by variant) and the
-        # slots of the first D = min(bucket, max_batch) rows, the decode rows (BatchDeltas.segments)
+        # buckets of SEGMENT_MIN_TOKENS tokens or more, with variants: the rows' tiles (one per
+        # SEGMENT_ROWS rows of the decode rows and of a variant's chunks; the scheduler sorts them by
+        # variant) and the slots of the first D = min(bucket, max_batch) rows, the decode rows
+        # (BatchDeltas.segments)
         self.decode_rows = min(t, runner.max_batch)
         self.tiles = torch.zeros(self._n_tiles(t), 3, dtype=torch.int32, device=dev)
         self.decode_variants = torch.full((self.decode_rows,), -1, dtype=torch.int64, device=dev)
@@ -374,20 +375,20 @@ class PiecewiseGraphs:
                 and not step.score)
 
     def segmented(self, b: int) -> bool:
-        """Whether bucket ``b``'s steps with variants multiply their prompt chunks by tiles of one
-        variant each (``bitdelta_linear_segments``: W read about once, each token's FLOPs once) and
-        their decode rows as a decode batch, rather than every token by the base GEMM plus the grouped
-        sign products (a second pass of a prompt's FLOPs): from :data:`SEGMENT_MIN_TOKENS` tokens on,
-        where the kernel runs and no variant has column scales."""
+        """Whether bucket ``b``'s steps with variants multiply their rows by tiles of one variant each
+        (``bitdelta_linear_segments``: W read about once, each token's FLOPs once; the decode rows by
+        the base's tiles, their variants' sign products added after), rather than every token by the
+        base GEMM plus the grouped sign products (a second pass of a prompt's FLOPs): from
+        :data:`SEGMENT_MIN_TOKENS` tokens on, where the kernel runs and no variant has column scales."""
         if b not in self._segmented:
             self._segmented[b] = (b >= SEGMENT_MIN_TOKENS and b > self.decode_rows and not self.runner.slots.betas
                                   and (not self.capture or self._tiles_run()))  # eagerly (tests): tile by tile
         return self._segmented[b]
 
     def _n_tiles(self, b: int) -> int:
-        """Entries of the tile table a bucket of ``b`` tokens uses: one run per slot and the base (the
-        scheduler sorts the chunks by variant), and the padding."""
-        return max_segment_tiles(b, self.runner.slots.n_slots + 2)
+        """Entries of the tile table a bucket of ``b`` tokens uses: the decode rows, one run per slot
+        and the base (the scheduler sorts the chunks by variant), and the padding."""
+        return max_segment_tiles(b, self.runner.slots.n_slots + 3)
 
     def _tiles_run(self) -> bool:
         """Whether the tile kernel runs for every linear of a layer (``segments_supported``: on a
@@ -505,12 +506,12 @@ class PiecewiseGraphs:
             self._copied.record()
 
     def _stage_tiles(self, step, b: int) -> None:
-        """The tiles of ``step``'s prompt chunks and of its padding tokens (zeros: no row is left
-        unwritten), and the slots of its decode rows, staged and copied. Base rows among the first
-        :attr:`decode_rows` get no tile: the decode part's base GEMM has them already."""
-        n, d = len(step.tokens), self.decode_rows
-        runs = [(max(first, d) if slot < 0 else first, stop, slot) for first, stop, slot in step.runs()]
-        tiles = segment_tiles([r for r in runs if r[0] < r[1]] + ([(n, b, ZERO_SLOT)] if n < b else []))
+        """The tiles of ``step``'s rows (``batch.with_decode_run``: its decode rows as the base's,
+        then its prompt chunks) and of its padding tokens (zeros: no row is left unwritten), and the
+        slots of its decode rows, staged and copied."""
+        n = len(step.tokens)
+        runs = with_decode_run(step.runs(), step.n_decode)
+        tiles = segment_tiles(runs + ([(n, b, ZERO_SLOT)] if n < b else []))
         n_tiles = self._n_tiles(b)
         if len(tiles) > n_tiles:  # rows would be left unwritten
             raise RuntimeError(f"{len(tiles)} tiles for a bucket of {n_tiles}: prompt chunks not sorted by variant")

@@ -299,3 +299,32 @@ def test_a_decode_batch_takes_the_cheapest_block_for_its_runs(monkeypatch):
     assert [graphs.block_sizes(b) for b in (8, 16, 32, 256)] == [[None], [4, 8, 16], [4, 8, 16, 32], [4, 8, 16, 32]]
     graphs.runner.slots.small_blocks = False  # signs the Triton kernel reads: its 16-row tiles, one graph
     assert [graphs.block_sizes(b) for b in (16, 256)] == [[None], [None]]
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_sign_products_added_to_a_base_product_equal_the_batched_linear(tiled):
+    """``kernels.add_sign_products``: each variant row's sign product added in place to a given base
+    product equals the batched linear; base rows keep their values exactly, and another variant's
+    signs would miss."""
+    from deltafleet.kernels import add_sign_products
+
+    g = torch.Generator().manual_seed(5)
+    m, n, k, tenants, dtype = 21, 72, 256, 5, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    slot = _zipf_slots(m, tenants, g)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
+    base = (x.float() @ w.float().t()).to(dtype)
+    y = base.clone().to(DEVICE)
+    held = tile_signs(signs) if tiled else signs
+    out = add_sign_products(x.to(DEVICE), held.to(DEVICE), alphas.to(DEVICE), slot.to(DEVICE), y)
+    assert out is y and y.dtype == dtype
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol)
+    rows = slot >= 0
+    assert rows.any() and (~rows).any()
+    assert torch.equal(y.cpu()[~rows], base[~rows])
+    swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot)
+    assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol

@@ -468,11 +468,12 @@ def test_full_graphs_fix_the_prefill_buffers_at_the_longest_padded_query(eng):
 
 @pytest.mark.parametrize("full", [False, True], ids=["piecewise", "full"])
 def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monkeypatch, full):
-    """Buckets from SEGMENT_MIN_TOKENS on (here 32) multiply a step's prompt chunks by tiles of one
-    variant each and its decode rows as a decode batch (``PiecewiseGraphs.segmented``; on a Hopper GPU
-    one kernel, here the tiles one by one): the staged tiles are the chunks' runs then the padding's
-    zero tile, the decode slots the decode rows' variants then the base, and the logits equal the
-    eager step's and each sequence's own run."""
+    """Buckets from SEGMENT_MIN_TOKENS on (here 32) multiply a step's rows by tiles of one variant
+    each, its decode rows by the base's with their variants' sign products added after
+    (``PiecewiseGraphs.segmented``; on a Hopper GPU one kernel, here the tiles one by one): the staged
+    tiles are the decode rows' base tile, the chunks' runs, then the padding's zero tile, the decode
+    slots the decode rows' variants then the base, and the logits equal the eager step's and each
+    sequence's own run."""
     from deltafleet.kernels.reference import ZERO_SLOT, segment_tiles
     from deltafleet.serve import graphs
     from deltafleet.serve.graphs import FullGraphs, PiecewiseGraphs
@@ -491,8 +492,8 @@ def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monke
         n, bucket = len(first.tokens), pw.bucket(len(first.tokens))
         assert bucket >= 32
         got = pw.run(first).clone()
-        # the base prompt's first 4 rows (decode_rows) are the decode part's: no tile
-        want_tiles = segment_tiles([(4, len(a), -1), (len(a), n, coder), (n, bucket, ZERO_SLOT)])
+        # no decode row: the base prompt's tile from row 0, though rows 0-3 are the decode part's
+        want_tiles = segment_tiles([(0, len(a), -1), (len(a), n, coder), (n, bucket, ZERO_SLOT)])
         assert pw.tiles[:len(want_tiles)].tolist() == [list(x) for x in want_tiles]
         torch.testing.assert_close(got, runner.forward(first), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], _alone(eng, "tiny-coder", b)[-1], rtol=1e-4, atol=1e-4)
@@ -500,7 +501,8 @@ def test_large_buckets_multiply_prompt_chunks_by_tiles_of_one_variant(eng, monke
         second = _step(t, [(0, nxt_a, len(a), -1), (1, nxt_b, len(b), coder)], [(2, w, 0, writer)])
         n, bucket = len(second.tokens), pw.bucket(len(second.tokens))
         got = pw.run(second).clone()
-        want_tiles = segment_tiles([(2, n, writer), (n, bucket, ZERO_SLOT)])
+        # the decode rows (the base's and a coder's) by the base's tile, their sign products after
+        want_tiles = segment_tiles([(0, 2, -1), (2, n, writer), (n, bucket, ZERO_SLOT)])
         assert pw.tiles[:len(want_tiles)].tolist() == [list(x) for x in want_tiles]
         assert int((pw.tiles[:, 0] < pw.tiles[:, 1]).sum()) == len(want_tiles)
         assert pw.decode_variants.tolist() == [-1, coder, -1, -1]
