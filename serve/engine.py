@@ -138,6 +138,9 @@ class Engine:
             0 (default): at once.
         async_scheduling: plan and launch each step while the previous one runs on the device, its
             sampled tokens fed to the next step there (serve/scheduler.py); off with ``tp``.
+        late_planning: with ``async_scheduling`` on CUDA, plan the step after a decode step as late as
+            that step's device time allows, so that requests arriving while it runs join the next step
+            (serve/pacing.py).
         cuda_graphs: on a CUDA device, replay decode-only steps as CUDA graphs, one per batch-size
             bucket (serve/graphs.py); ignored on the CPU and with ``tp``.
         prefill_graphs: with ``cuda_graphs``, also run steps with prefill chunks as
@@ -158,7 +161,7 @@ class Engine:
                  prefill_graphs: bool = False, capture_at_start: bool = False, max_num_batched_tokens: int = 2048,
                  kv_cache: dict | None = None,
                  attention: str = "auto",
-                 scheduler_delay_factor: float = 0.0, async_scheduling: bool = True):
+                 scheduler_delay_factor: float = 0.0, async_scheduling: bool = True, late_planning: bool = False):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -226,6 +229,8 @@ class Engine:
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {async_scheduling!r}")
+        if not isinstance(late_planning, bool):
+            raise ValueError(f"late_planning must be true or false, got {late_planning!r}")
         if isinstance(scheduler_delay_factor, bool) or not isinstance(scheduler_delay_factor, (int, float)) \
                 or not 0 <= scheduler_delay_factor < math.inf:
             raise ValueError(f"scheduler_delay_factor must be a finite number ≥ 0, got {scheduler_delay_factor!r}")
@@ -244,7 +249,7 @@ class Engine:
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
                                        cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
                                        delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start,
-                                       async_scheduling=async_scheduling)
+                                       async_scheduling=async_scheduling, late_planning=late_planning)
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
         """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).

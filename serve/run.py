@@ -142,7 +142,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         capture_at_start=cfg.capture_at_start,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                         kv_cache=OmegaConf.to_container(cfg.kv_cache), attention=cfg.attention,
-                        scheduler_delay_factor=cfg.scheduler_delay_factor, async_scheduling=cfg.async_scheduling)
+                        scheduler_delay_factor=cfg.scheduler_delay_factor, async_scheduling=cfg.async_scheduling,
+                        late_planning=cfg.late_planning)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         if tp is not None:

@@ -63,6 +63,7 @@ import torch
 from deltafleet.serve import sampling
 from deltafleet.serve.detokenize import TextStream
 from deltafleet.serve.kv import BlockPool
+from deltafleet.serve.pacing import StepClock, decode_kind
 from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
 from deltafleet.serve.request import GenerationError, Step
 from deltafleet.serve.runner import ModelRunner, StepInput
@@ -116,6 +117,8 @@ class _Launched:
     launch: float                      # seconds ModelRunner.execute took
     n_tokens: int                      # tokens it fed
     masked: bool = False               # it sampled under grammars' masks (the pinned mask buffer)
+    kind: tuple | None = None          # late planning: a decode step's kind (serve/pacing.py), None with prefill
+    start: object = None               # late planning: a CUDA event recorded before its launch
 
 
 def _held(seqs: list[_Seq]) -> list[int]:
@@ -147,11 +150,15 @@ class Scheduler:
         capture_at_start: capture every CUDA graph bucket here, before the scheduler thread starts.
         async_scheduling: plan and launch each step before the previous step's tokens are read (see
             the module docstring); off with tensor parallelism.
+        late_planning: with ``async_scheduling`` on CUDA, plan each step after a decode step as late
+            as that step's device time allows (serve/pacing.py), so that requests arriving while it
+            runs join the next step rather than the one after.
     """
 
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
                  token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0,
-                 prefill_graphs: bool = False, capture_at_start: bool = False, async_scheduling: bool = True):
+                 prefill_graphs: bool = False, capture_at_start: bool = False, async_scheduling: bool = True,
+                 late_planning: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -171,6 +178,9 @@ class Scheduler:
         # Not with tensor parallelism either: the other ranks are sent each step's tokens as lists.
         self.async_scheduling = async_scheduling and engine.tp is None
         self._inflight: _Launched | None = None  # the step launched last, its tokens not yet read
+        # late planning (serve/pacing.py): the device times are CUDA events' (none elsewhere: no wait)
+        self._clock = StepClock() if late_planning and self.async_scheduling else None
+        self._running_since = 0.0  # when the step in flight started on the device, about
         self._finished_at = 0.0  # when the last step's tokens were read (step_observers' seconds)
         self._pinned: list[torch.Tensor] = []  # CUDA: where sampled tokens land on the host, one per step in flight
         self._launches = 0
@@ -234,6 +244,9 @@ class Scheduler:
             with self._cv:
                 while self._inflight is None and not self.planner.running and not any(self.planner.waiting.values()):
                     self._cv.wait()
+            if self._clock is not None:
+                self._plan_late()
+            t_plan = time.perf_counter()
             plan, launched, read = None, None, False
             try:
                 with self.engine._gen_lock:  # the model is used by this thread only (tests can hold it)
@@ -248,6 +261,8 @@ class Scheduler:
                     self.preemptions += len(plan.preempted)
                     if plan.tokens:
                         launched = self._launch(plan, self._inflight)
+                        if launched.kind is not None:
+                            self._clock.observe_host(time.perf_counter() - t_plan)
                         if not self.async_scheduling:
                             self._finish(launched)
                             launched = None
@@ -255,6 +270,7 @@ class Scheduler:
                         self._finish_inflight()
                         read = True
                     self._inflight = launched
+                    self._running_since = time.perf_counter()  # the step before it has ended: it runs
                     # nothing fits (a prompt waits for blocks held by none), and no step ended to free any
                     if not plan.tokens and not plan.preempted and not read:
                         with self._cv:
@@ -275,6 +291,22 @@ class Scheduler:
                 self._retire(failed)
             items, self._items = self._items, []
             self.detokenizer.submit(items)
+
+    def _plan_late(self) -> None:
+        """Late planning (serve/pacing.py): while a decode step runs on the device, wait until what
+        is left of it is the host's time to plan and launch the next step (and the margins). Requests
+        submitted meanwhile join that next step."""
+        job = self._inflight
+        if job is None or job.kind is None or job.masked:
+            return
+        wait = self._clock.slack(job.kind, time.perf_counter() - self._running_since)
+        if wait <= 0.0:
+            return
+        deadline = time.perf_counter() + wait
+        with self._cv:  # submit() notifies: keep waiting for the deadline
+            while (left := deadline - time.perf_counter()) > 0.0:
+                self._cv.wait(left)
+        self._clock.waited_s += wait
 
     def _finish_inflight(self) -> None:
         """:meth:`_finish` the step in flight (which stays in flight if that fails: its requests get
@@ -300,7 +332,12 @@ class Scheduler:
             if not seq.started:
                 self._start(seq)
         step, sampled, scored = self._inputs(plan, prev)
-        copy = None
+        copy = kind = start = None
+        if self._clock is not None and not plan.prefill:  # late planning: time the decode steps
+            kind = decode_kind(len(plan.decode), any(_slot(s.req) >= 0 for s in plan.decode))
+            if self.engine.device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
         with self.engine.collective(("step", step)), torch.inference_mode():
             t1 = time.perf_counter()
             logits = self.runner.execute(step, None if prev is None else prev.tokens)
@@ -323,13 +360,15 @@ class Scheduler:
         self.planner.advance(plan, dict.fromkeys(map(id, sampled), PENDING))
         for seq in sampled:
             seq.final = len(seq.tokens) - seq.prompt_len >= seq.req.max_tokens
-        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens), masked)
+        return _Launched(plan, sampled, scored, at, tokens, copy, t0, launch, len(step.tokens), masked, kind, start)
 
     def _finish(self, job: _Launched) -> None:
         """Read ``job``'s tokens (waiting for its step), put each in its sequence in place of its
         :data:`PENDING` token and emit it; retire the sequences that ended. Rows of sequences retired
         since it was launched are dropped."""
         tokens, lps, scores = self._read(job.copy) if job.copy is not None else ([], {}, [])
+        if job.start is not None and job.copy is not None and job.copy.done is not None:  # both have run
+            self._clock.observe_device(job.kind, job.start.elapsed_time(job.copy.done) / 1e3)
         for (seq, target), (value, top) in zip(job.scored, scores):
             if seq.prompt_lp is None:
                 seq.prompt_lp = []
@@ -442,7 +481,7 @@ class Scheduler:
             self._pinned[i] = torch.empty(max(n, 2 * self.max_batch), dtype=torch.float64, pin_memory=True)
         host = self._pinned[i][:n]
         host.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=self._clock is not None)  # late planning times the steps
         done.record()
         return _Copy(host, done, shapes)
 

@@ -1,0 +1,78 @@
+"""Late planning (serve/pacing.py): the estimates of ``StepClock`` and, in the scheduler, a request
+submitted while the loop waits on them joins the step right after the one in flight."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from deltafleet.serve.engine import Engine, SamplingParams
+from deltafleet.serve.pacing import StepClock, decode_kind
+from deltafleet.serve.scheduler import END
+
+
+def test_the_clock_waits_for_what_is_left_of_the_step_less_the_host_and_the_margins():
+    clock = StepClock(weight=0.5, margin_s=0.001, margin_frac=0.1)
+    kind = decode_kind(40, True)
+    assert kind == (64, True) and decode_kind(1, False) == (1, False) and decode_kind(64, False) == (64, False)
+    assert clock.slack(kind, 0.0) == 0.0  # no estimate: no wait
+    clock.observe_device(kind, 0.010)
+    assert clock.slack(kind, 0.0) == 0.0  # nor without the host's
+    clock.observe_host(0.002)
+    clock.observe_host(0.004)  # means: 0.002, then halfway to 0.004
+    clock.observe_device(kind, 0.020)
+    # device 0.015, host 0.003: 0.015 · 0.9 − 0.002 run − 0.003 − 0.001
+    assert clock.slack(kind, 0.002) == pytest.approx(0.0075)
+    assert clock.slack(kind, 0.012) == 0.0  # never negative
+    assert clock.slack(decode_kind(40, False), 0.0) == 0.0  # another kind has no estimate
+    with pytest.raises(ValueError, match="weight must be in"):
+        StepClock(weight=0.0)
+
+
+def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family):
+    """The clock is told that a one-row base decode step runs 0.3 s on the device (off CUDA nothing
+    is measured, so the loop waits only on what it is told): while the loop waits, a request is
+    submitted, and its prompt is in the very next step launched, the one after the decode step in
+    flight (without the wait, that step is planned at once)."""
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=4,
+                    late_planning=True)
+    sch = engine.scheduler
+    clock, runner = sch._clock, sch.runner
+    assert clock is not None and clock.device == {}
+    launched, waiting = [], threading.Event()
+    real_execute, real_slack = runner.execute, clock.slack
+
+    def execute(step, prev=None):
+        launched.append((sch.steps, bool(step.chunks)))  # this step's index, and whether it prefills
+        return real_execute(step, prev)
+
+    def slack(kind, running_s):
+        wait = real_slack(kind, running_s)
+        if wait > 0.1:
+            waiting.set()
+        return wait
+
+    runner.execute, clock.slack = execute, slack
+    a = engine.prepare("tiny", engine.encode_prompt("def "), SamplingParams(max_tokens=40, ignore_eos=True))
+    out_a, _ = sch.submit(a)
+    out_a.get(timeout=60)  # decoding: steps of one base row
+    assert clock.host is not None and clock.device == {}  # the host is timed; the device only on CUDA
+    clock.observe_device(decode_kind(1, False), 0.3)
+    assert waiting.wait(30), "the loop never waited"
+    n = sch.steps  # the step in flight is the last launched: the next one has index n
+    b = engine.prepare("tiny-coder", engine.encode_prompt("The"), SamplingParams(max_tokens=3, temperature=0))
+    out_b, _ = sch.submit(b)
+    items = []
+    while (item := out_b.get(timeout=60)) is not END:
+        items.append(item)
+    clock.device.clear()  # no more waits
+    while out_a.get(timeout=60) is not END:
+        pass
+    first_prefill = next(i for i, prefills in launched if i >= n and prefills)
+    assert first_prefill == n and len(items) == 3
+    assert clock.waited_s > 0.1
+
+
+def test_the_late_planning_switch_is_checked(tiny_family):
+    with pytest.raises(ValueError, match="late_planning must be true or false, got 'yes'"):
+        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", late_planning="yes")
