@@ -33,6 +33,16 @@ def _zipf_slots(m: int, tenants: int, g: torch.Generator) -> torch.Tensor:
     return (torch.multinomial(p, m, replacement=True, generator=g) - 1).to(torch.int32)
 
 
+def _rows_over_variants(g: torch.Generator, m: int, n: int, k: int, tenants: int, dtype: torch.dtype):
+    """``(x [M, K], W [N, K], signs [T, N, K/8], α [T, N], slots [M])``: random rows Zipf(1)-spread
+    over the base and ``tenants`` variants."""
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
+    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    return x, w, signs, alphas, _zipf_slots(m, tenants, g)
+
+
 SLOTS = {
     "zipf": lambda m, t, g: _zipf_slots(m, t, g),
     "own": lambda m, t, g: torch.arange(m, dtype=torch.int32) % t,           # every row its own variant (m ≤ t)
@@ -174,12 +184,8 @@ def test_column_scales_multiply_each_rows_own_input(tiled):
 
     g = torch.Generator().manual_seed(7)
     m, n, k, tenants, dtype = 29, 72, 200, 3, torch.bfloat16
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
-    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
-    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
+    x, w, signs, alphas, slot = _rows_over_variants(g, m, n, k, tenants, dtype)
     betas = 0.2 + 2 * torch.rand(tenants, k, generator=g)
-    slot = _zipf_slots(m, tenants, g)
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, betas=betas)
     dense = torch.stack([x[i].float() @ (w.float() if t < 0 else reconstruct(w, signs[t], alphas[t], betas[t])).t()
                          for i, t in enumerate(slot.tolist())])
@@ -310,11 +316,7 @@ def test_sign_products_added_to_a_base_product_equal_the_batched_linear(tiled):
 
     g = torch.Generator().manual_seed(5)
     m, n, k, tenants, dtype = 21, 72, 256, 5, torch.bfloat16
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
-    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)])
-    alphas = 0.03 + 0.05 * torch.rand(tenants, n, generator=g)
-    slot = _zipf_slots(m, tenants, g)
+    x, w, signs, alphas, slot = _rows_over_variants(g, m, n, k, tenants, dtype)
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot)
     base = (x.float() @ w.float().t()).to(dtype)
     y = base.clone().to(DEVICE)
