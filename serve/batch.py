@@ -284,9 +284,12 @@ class BatchDeltas:
         self._groups = None
 
     @staticmethod
-    def grouped(x2: Tensor) -> bool:
-        """Whether rows ``x2`` are multiplied grouped by variant (see :data:`GROUPED_MIN_ROWS`)."""
-        return x2.shape[0] >= GROUPED_MIN_ROWS and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+    def grouped(x2: Tensor, sign_products: bool = False) -> bool:
+        """Whether rows ``x2`` are multiplied grouped by variant (see :data:`GROUPED_MIN_ROWS`); with
+        ``sign_products`` (the decode rows of a step by tiles, whose sign products alone are added
+        after, by the grouped kernels only) at any row count."""
+        return ((sign_products or x2.shape[0] >= GROUPED_MIN_ROWS) and x2.is_cuda
+                and x2.dtype in (torch.bfloat16, torch.float16))
 
     def use_groups(self, groups) -> None:
         """Multiply grouped by ``groups``: ``triton_grouped.group_rows`` of these slots (with
@@ -375,7 +378,7 @@ class BatchDeltas:
         d = lead.shape[0]
         if d:
             add_sign_products(x2[:d], signs, alphas, lead, y[:d],
-                              self._groups_of(lead) if self.grouped(x2[:d]) else None)
+                              self._groups_of(lead) if self.grouped(x2[:d], sign_products=True) else None)
         bias = self.table.full.get(f"{mod.name}.bias")
         return (y if bias is None else y + bias[self._rows])[:, None]
 

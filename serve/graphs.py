@@ -414,7 +414,7 @@ class PiecewiseGraphs:
             slots = self.decode_variants
             delta = BatchDeltas(table, self.variants[:b], segments=(self.tiles[:self._n_tiles(b)], slots))
             prefill = False
-        if not BatchDeltas.grouped(self.x[:slots.shape[0], 0]):
+        if not BatchDeltas.grouped(self.x[:slots.shape[0], 0], sign_products=not prefill):
             return delta
         if b not in self.groups:
             bm, lm = table.grouping(slots.shape[0], slots.device, prefill=prefill)

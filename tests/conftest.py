@@ -186,7 +186,8 @@ def record_groupings(monkeypatch, long_m: int | None = None) -> list[list[int]]:
     if long_m is not None:
         monkeypatch.setattr(triton_grouped, "grouped_long_m", lambda m, device: long_m if m >= long_m else None)
 
-    monkeypatch.setattr(batch.BatchDeltas, "grouped", staticmethod(lambda x2: x2.shape[0] >= 2))
+    monkeypatch.setattr(batch.BatchDeltas, "grouped",
+                        staticmethod(lambda x2, sign_products=False: sign_products or x2.shape[0] >= 2))
     monkeypatch.setattr(batch, "bitdelta_linear_grouped", triton_grouped.bitdelta_linear_grouped)
     monkeypatch.setattr(batch, "bitdelta_linears_grouped", triton_grouped.bitdelta_linears_grouped)
     monkeypatch.setattr(triton_grouped, "group_rows", group_rows)
