@@ -270,7 +270,8 @@ class Scheduler:
                         self._finish_inflight()
                         read = True
                     self._inflight = launched
-                    self._running_since = time.perf_counter()  # the step before it has ended: it runs
+                    if not read:  # launched on an idle device (else _finish stamped when the step before ended)
+                        self._running_since = time.perf_counter()
                     # nothing fits (a prompt waits for blocks held by none), and no step ended to free any
                     if not plan.tokens and not plan.preempted and not read:
                         with self._cv:
@@ -294,19 +295,21 @@ class Scheduler:
 
     def _plan_late(self) -> None:
         """Late planning (serve/pacing.py): while a decode step runs on the device, wait until what
-        is left of it is the host's time to plan and launch the next step (and the margins). Requests
-        submitted meanwhile join that next step."""
+        is left of it is the host's time to plan and launch the next step (and the margins), or
+        until its tokens are in. Requests submitted meanwhile join that next step."""
         job = self._inflight
         if job is None or job.kind is None or job.masked:
             return
-        wait = self._clock.slack(job.kind, time.perf_counter() - self._running_since)
+        t0 = time.perf_counter()
+        wait = self._clock.slack(job.kind, t0 - self._running_since)
         if wait <= 0.0:
             return
-        deadline = time.perf_counter() + wait
+        done = job.copy.done if job.copy is not None else None
+        deadline = t0 + wait
         with self._cv:  # submit() notifies: keep waiting for the deadline
-            while (left := deadline - time.perf_counter()) > 0.0:
-                self._cv.wait(left)
-        self._clock.waited_s += wait
+            while (left := deadline - time.perf_counter()) > 0.0 and not (done is not None and done.query()):
+                self._cv.wait(left if done is None else min(left, 0.001))
+        self._clock.waited_s += time.perf_counter() - t0
 
     def _finish_inflight(self) -> None:
         """:meth:`_finish` the step in flight (which stays in flight if that fails: its requests get
@@ -367,8 +370,11 @@ class Scheduler:
         :data:`PENDING` token and emit it; retire the sequences that ended. Rows of sequences retired
         since it was launched are dropped."""
         tokens, lps, scores = self._read(job.copy) if job.copy is not None else ([], {}, [])
-        if job.start is not None and job.copy is not None and job.copy.done is not None:  # both have run
-            self._clock.observe_device(job.kind, job.start.elapsed_time(job.copy.done) / 1e3)
+        if self._clock is not None:
+            self._running_since = time.perf_counter()  # the step after it (if launched) runs from here
+            if job.start is not None and not job.masked and job.copy is not None and job.copy.done is not None:
+                # both events have run; a masked step's window holds the host's mask work
+                self._clock.observe_device(job.kind, job.start.elapsed_time(job.copy.done) / 1e3)
         for (seq, target), (value, top) in zip(job.scored, scores):
             if seq.prompt_lp is None:
                 seq.prompt_lp = []

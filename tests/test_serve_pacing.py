@@ -7,26 +7,33 @@ import threading
 import pytest
 
 from deltafleet.serve.engine import Engine, SamplingParams
-from deltafleet.serve.pacing import StepClock, decode_kind
+from deltafleet.serve.pacing import MIN_SAMPLES, WINDOW, StepClock, decode_kind
 from deltafleet.serve.scheduler import END
 
 
 def test_the_clock_waits_for_what_is_left_of_the_step_less_the_host_and_the_margins():
-    clock = StepClock(weight=0.5, margin_s=0.001, margin_frac=0.1)
+    """The device time is the median of a kind's last measurements (an outlier, a step that waited
+    for a compile, moves it little), the host's the longest recent one; no wait before MIN_SAMPLES
+    measurements of a kind, nor without the host's."""
+    clock = StepClock(margin_s=0.001, margin_frac=0.1)
     kind = decode_kind(40, True)
     assert kind == (64, True) and decode_kind(1, False) == (1, False) and decode_kind(64, False) == (64, False)
     assert clock.slack(kind, 0.0) == 0.0  # no estimate: no wait
-    clock.observe_device(kind, 0.010)
-    assert clock.slack(kind, 0.0) == 0.0  # nor without the host's
+    for seconds in [0.010] * (MIN_SAMPLES - 1):
+        clock.observe_device(kind, seconds)
     clock.observe_host(0.002)
-    clock.observe_host(0.004)  # means: 0.002, then halfway to 0.004
-    clock.observe_device(kind, 0.020)
-    # device 0.015, host 0.003: 0.015 · 0.9 − 0.002 run − 0.003 − 0.001
-    assert clock.slack(kind, 0.002) == pytest.approx(0.0075)
-    assert clock.slack(kind, 0.012) == 0.0  # never negative
+    assert clock.slack(kind, 0.0) == 0.0  # too few measurements of the kind
+    clock.observe_device(kind, 5.0)  # a step that waited for the host
+    # median 0.010 (of 0.010, 0.010, 5.0): 0.010 · 0.9 − 0.002 run − 0.002 host − 0.001
+    assert MIN_SAMPLES == 3 and clock.slack(kind, 0.002) == pytest.approx(0.004)
+    clock.observe_host(0.003)
+    clock.observe_host(0.001)
+    assert clock.slack(kind, 0.002) == pytest.approx(0.003)  # the longest recent host time, 0.003
+    assert clock.slack(kind, 0.008) == 0.0  # never negative
     assert clock.slack(decode_kind(40, False), 0.0) == 0.0  # another kind has no estimate
-    with pytest.raises(ValueError, match="weight must be in"):
-        StepClock(weight=0.0)
+    for _ in range(WINDOW):
+        clock.observe_device(kind, 0.030)
+    assert clock.slack(kind, 0.0) == pytest.approx(0.030 * 0.9 - 0.003 - 0.001)  # the window moved on
 
 
 def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family):
@@ -56,8 +63,9 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
     a = engine.prepare("tiny", engine.encode_prompt("def "), SamplingParams(max_tokens=40, ignore_eos=True))
     out_a, _ = sch.submit(a)
     out_a.get(timeout=60)  # decoding: steps of one base row
-    assert clock.host is not None and clock.device == {}  # the host is timed; the device only on CUDA
-    clock.observe_device(decode_kind(1, False), 0.3)
+    assert clock.host and clock.device == {}  # the host is timed; the device only on CUDA
+    for _ in range(MIN_SAMPLES):
+        clock.observe_device(decode_kind(1, False), 0.3)
     assert waiting.wait(30), "the loop never waited"
     n = sch.steps  # the step in flight is the last launched: the next one has index n
     b = engine.prepare("tiny-coder", engine.encode_prompt("The"), SamplingParams(max_tokens=3, temperature=0))
