@@ -31,7 +31,9 @@ plan that would preempt, step k's tokens are read first, since the sequences tha
 blocks back (so it preempts only where the synchronous loop would). The tokens, their log-probabilities and the scored prompt rows of a step
 come back in one copy to pinned memory, one buffer per step in flight. ``async_scheduling=False``
 (and tensor parallelism, whose ranks are sent each step's tokens) reads each step's tokens before
-planning the next.
+planning the next. With ``late_planning`` (serve/pacing.py) the plan of step k + 1 waits, after a
+decode step k, until what is left of k on the device is about the host's time to plan and launch,
+so that requests arriving meanwhile join k + 1.
 
 A sequence leaves when it ends (eos, a stop string, ``max_tokens``) or its request is cancelled (the
 client went away); its blocks are free for the next step and its hold on the variant ends.
