@@ -11,8 +11,9 @@ meanwhile join k + 2 and the device still finds k + 2 queued when k + 1 ends.
 variant is among them), the device time of such steps, the median of the last :data:`WINDOW`
 measured (CUDA events around each step; the median, since a step that waited for the host to
 compile or capture something measures that wait too), and the host's time to plan and launch a
-decode step, the longest of the last :data:`WINDOW` (a slow launch leaves the device idle: err
-early). A step with prefill chunks is never waited on, its time varies with its chunks, nor a
+step, the longest of the last :data:`WINDOW` steps of any kind (a slow launch leaves the device
+idle: err early; the step planned after a wait may well have prefill chunks, the requests that
+arrived during it, and those take the host longer to stage). A step with prefill chunks is never waited on, its time varies with its chunks, nor a
 kind with fewer than :data:`MIN_SAMPLES` measurements; and the scheduler stops waiting as soon as
 the step's tokens are in.
 """
@@ -37,7 +38,7 @@ class StepClock:
     def __init__(self, margin_s: float = 0.5e-3, margin_frac: float = 0.1):
         self.margin_s, self.margin_frac = margin_s, margin_frac
         self.device: dict[tuple, deque] = {}  # kind of decode step -> its last device seconds
-        self.host: deque = deque(maxlen=WINDOW)  # the last seconds to plan and launch a decode step
+        self.host: deque = deque(maxlen=WINDOW)  # the last seconds to plan and launch a step
         self.waited_s = 0.0                      # seconds the scheduler waited in all
 
     def observe_device(self, kind: tuple, seconds: float) -> None:
@@ -45,7 +46,7 @@ class StepClock:
         self.device.setdefault(kind, deque(maxlen=WINDOW)).append(seconds)
 
     def observe_host(self, seconds: float) -> None:
-        """Planning and launching a decode step took the host ``seconds``."""
+        """Planning and launching a step took the host ``seconds``."""
         self.host.append(seconds)
 
     def slack(self, kind: tuple, running_s: float) -> float:

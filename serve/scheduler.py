@@ -263,7 +263,7 @@ class Scheduler:
                     self.preemptions += len(plan.preempted)
                     if plan.tokens:
                         launched = self._launch(plan, self._inflight)
-                        if launched.kind is not None:
+                        if self._clock is not None:  # any step: the one planned after a wait may prefill
                             self._clock.observe_host(time.perf_counter() - t_plan)
                         if not self.async_scheduling:
                             self._finish(launched)
