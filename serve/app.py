@@ -391,7 +391,7 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 
 class _EngineCollector:
     """The scheduler's own state, read at each scrape: the KV cache's use and the preemptions so far
-    (vLLM's ``kv_cache_usage_perc`` and ``num_preemptions``)."""
+    (vLLM's ``kv_cache_usage_perc`` and ``num_preemptions``), and the seconds it waited to plan late."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -404,6 +404,9 @@ class _EngineCollector:
                                 "(1 = full).", value=sch.kv_usage())
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted (their KV blocks freed, to be "
                                   "recomputed) because the KV cache was full.", value=sch.preemptions)
+        yield CounterMetricFamily(PREFIX + "late_planning_wait_seconds", "Seconds the scheduler waited before "
+                                  "planning a step, for the step in flight to near its end (late_planning).",
+                                  value=sch.late_planning_wait_s)
 
 
 class _VllmCollector:

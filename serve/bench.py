@@ -884,10 +884,14 @@ def parse_step_metrics(metrics: str) -> dict:
     return out
 
 
+_WAITED = re.compile(r"^deltafleet:late_planning_wait_seconds_total (\S+)$", re.MULTILINE)
+
+
 def step_stats(before: str, after: str) -> dict:
     """The engine steps between two scrapes of /metrics: per kind (``decode``, ``prefill``) the steps,
-    their mean seconds and mean launch seconds and the launch's share of the step; and the mean
-    tokens a step fed. Empty where the server has no such series."""
+    their mean seconds and mean launch seconds and the launch's share of the step; the mean tokens a
+    step fed; and the seconds the scheduler waited to plan late (``late_planning_wait_s``, where it
+    did). Empty where the server has no such series."""
     b, a = parse_step_metrics(before), parse_step_metrics(after)
     d = {k: v - b.get(k, 0.0) for k, v in a.items()}
     out: dict = {}
@@ -901,6 +905,9 @@ def step_stats(before: str, after: str) -> dict:
     n = d.get(("iteration_tokens_total", "count", None), 0.0)
     if n > 0:
         out["mean_tokens"] = d[("iteration_tokens_total", "sum", None)] / n
+    was, now = (_WAITED.search(t) for t in (before, after))
+    if now is not None and float(now.group(1)) > (float(was.group(1)) if was else 0.0):
+        out["late_planning_wait_s"] = float(now.group(1)) - (float(was.group(1)) if was else 0.0)
     return out
 
 

@@ -230,6 +230,11 @@ class Scheduler:
         :class:`Outbox` hands them to an event loop at once, not one wake-up per token."""
         self.detokenizer.listeners.append(fn)
 
+    @property
+    def late_planning_wait_s(self) -> float:
+        """Seconds the loop has waited to plan late (``late_planning``; 0 without it)."""
+        return 0.0 if self._clock is None else self._clock.waited_s
+
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use."""
         return self.pool.usage

@@ -251,7 +251,11 @@ def test_engine_step_stats_are_the_difference_of_two_scrapes():
     before = text((10, 0.1, 0.01), (2, 0.1, 0.02), (100, 12))
     after = text((30, 0.5, 0.11), (2, 0.1, 0.02), (1100, 32))
     out = bench.step_stats(before, after)
-    assert set(out) == {"decode", "mean_tokens"}  # no prefill step in between
+    assert set(out) == {"decode", "mean_tokens"}  # no prefill step in between, no late planning
+    waited = "deltafleet:late_planning_wait_seconds_total {}\n"
+    assert "late_planning_wait_s" not in bench.step_stats(before + waited.format(0.0), after + waited.format(0.0))
+    late = bench.step_stats(before + waited.format(0.5), after + waited.format(0.75))
+    assert late["late_planning_wait_s"] == pytest.approx(0.25)
     assert out["decode"]["steps"] == 20 and out["decode"]["mean_s"] == pytest.approx(0.02)
     assert out["decode"]["mean_launch_s"] == pytest.approx(0.005) and out["decode"]["launch_share"] == pytest.approx(0.25)
     assert out["mean_tokens"] == pytest.approx(50.0)

@@ -79,6 +79,15 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
     first_prefill = next(i for i, prefills in launched if i >= n and prefills)
     assert first_prefill == n and len(items) == 3
     assert clock.waited_s > 0.1
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+
+    with TestClient(create_app(engine)) as tc:  # what /metrics tells of it
+        samples = dict(line.rsplit(" ", 1) for line in tc.get("/metrics").text.splitlines()
+                       if line and not line.startswith("#"))
+    assert float(samples["deltafleet:late_planning_wait_seconds_total"]) == pytest.approx(sch.late_planning_wait_s)
+    assert sch.late_planning_wait_s == clock.waited_s
 
 
 def test_the_late_planning_switch_is_checked(tiny_family):
