@@ -132,20 +132,23 @@ def bitdelta_linear_segments(x: torch.Tensor, weight: torch.Tensor, signs: torch
 
 
 def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
-                      y: torch.Tensor, groups=None) -> torch.Tensor:
+                      y: torch.Tensor, groups=None, planes: dict | None = None) -> torch.Tensor:
     """The variants' part of :func:`bitdelta_linear_batched`, added in place: ``y[m] += α_t ⊙ (x[m] ·
     S_tᵀ)`` for every row ``m`` of a variant ``t = slot[m]`` (base rows, −1, unchanged), for a ``y``
     ``[M, N]`` that already holds the base product (unit stride along N). Returns ``y``.
 
     On CUDA (bf16/fp16, triton installed) the grouped sign products of
-    ``deltafleet.kernels.triton_grouped`` (``groups``: ``group_rows(slot, S)``, made here if None);
-    else the reference's sign term, in float32, rounded once into ``y``. Trusts its inputs (the
-    shapes of :func:`bitdelta_linear_batched`)."""
+    ``deltafleet.kernels.triton_grouped`` (``groups``: ``group_rows(slot, S)``, made here if None;
+    ``planes``: a dict kept by a caller that adds several matrices' products over the same ``x``
+    and ``groups``, so that the rows' activation planes are made once, into it); else the
+    reference's sign term, in float32, rounded once into ``y``. Trusts its inputs (the shapes of
+    :func:`bitdelta_linear_batched`)."""
     if _on_triton(x, y):
         from deltafleet.kernels.triton_grouped import _add_signs, group_rows
 
         _add_signs(x if x.stride(-1) == 1 else x.contiguous(), signs,
-                   alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y, {})
+                   alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y,
+                   planes if planes is not None else {})
         return y
     from deltafleet.kernels.reference import unpack_signs, untile_signs
 

@@ -319,11 +319,15 @@ class BatchDeltas:
         """``[mod(x) for mod in mods]`` for linears that read the same ``x [B, 1, K]`` and whose base
         weights are stacked in ``fused`` (serve/model.py's ``fuse_rows``: q, k, v; gate, up), as
         :meth:`linear` gives them, by one base GEMM and shared activation planes
-        (``bitdelta_linears_grouped``). None where that path does not run (a step with ``runs``,
+        (``bitdelta_linears_grouped``); with :attr:`segments`, by tiles each, the decode rows' sign
+        products sharing their planes. None where that path does not run (a step with ``runs``,
         rows too few to group, column scales): call :meth:`linear` per module then."""
         weight, _, sizes = fused
         names = [f"{m.name}.weight" for m in mods]
         x2 = x.reshape(-1, x.shape[-1])
+        if self.segments is not None and x.shape[1] == 1:
+            planes: dict = {}  # the decode rows' activation planes, made by the first matrix's sign products
+            return [self._linear_segments(m, x, self.segments, planes) for m in mods]
         if (self.runs or self.segments is not None or x.shape[1] != 1 or not self.grouped(x2)
                 or any(n in self.table.betas for n in names)):
             return None
@@ -362,13 +366,14 @@ class BatchDeltas:
             y = y + bias[rows]
         return y.view(b, t, -1)
 
-    def _linear_segments(self, mod, x: Tensor, segments: tuple[Tensor, Tensor]) -> Tensor:
+    def _linear_segments(self, mod, x: Tensor, segments: tuple[Tensor, Tensor], planes: dict | None = None) -> Tensor:
         """A flat step (T = 1) whose rows are the tiles ``segments[0]``, by ``bitdelta_linear_segments``
         (one kernel, W read about once): the decode rows in tiles of the base, each prompt chunk in its
         variant's, the padding in zero tiles. Then the sign products of the D leading rows' variants
         (their slots ``segments[1]``: the decode rows, −1 past them) are added, grouped by variant.
         No row is multiplied by W twice, and W is read once: a decode batch of its own would read W
-        again, and its GEMM would run over all D rows, however few the step's decode rows."""
+        again, and its GEMM would run over all D rows, however few the step's decode rows. ``planes``:
+        kept by a caller that multiplies several matrices over the same ``x`` (:meth:`linears`)."""
         name = f"{mod.name}.weight"
         tiles, lead = segments
         x2 = x[:, 0]
@@ -378,7 +383,7 @@ class BatchDeltas:
         d = lead.shape[0]
         if d:
             add_sign_products(x2[:d], signs, alphas, lead, y[:d],
-                              self._groups_of(lead) if self.grouped(x2[:d], sign_products=True) else None)
+                              self._groups_of(lead) if self.grouped(x2[:d], sign_products=True) else None, planes)
         bias = self.table.full.get(f"{mod.name}.bias")
         return (y if bias is None else y + bias[self._rows])[:, None]
 
