@@ -325,10 +325,10 @@ class BatchDeltas:
         weight, _, sizes = fused
         names = [f"{m.name}.weight" for m in mods]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.segments is not None and x.shape[1] == 1:
+        if self.segments is not None:  # a flat step (T = 1)
             planes: dict = {}  # the decode rows' activation planes, made by the first matrix's sign products
             return [self._linear_segments(m, x, self.segments, planes) for m in mods]
-        if (self.runs or self.segments is not None or x.shape[1] != 1 or not self.grouped(x2)
+        if (self.runs or x.shape[1] != 1 or not self.grouped(x2)
                 or any(n in self.table.betas for n in names)):
             return None
         y = bitdelta_linears_grouped(x2, weight, sizes, [self.table.signs[n] for n in names],
