@@ -330,3 +330,23 @@ def test_sign_products_added_to_a_base_product_equal_the_batched_linear(tiled):
     assert torch.equal(y.cpu()[~rows], base[~rows])
     swapped = bitdelta_linear_batched(x.float(), w.float(), signs.flip(0), alphas.flip(0), slot)
     assert (swapped[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
+
+
+def test_sign_products_into_the_leading_rows_of_a_wider_output():
+    """The grouped sign products (``triton_grouped._add_signs``: Triton here, Gluon on Hopper) added
+    into ``y[:d]``, the leading rows of a larger output, as a step by tiles adds its decode rows':
+    those rows equal the batched linear, the rows after them are left as they were."""
+    from deltafleet.kernels.triton_grouped import _add_signs
+
+    g = torch.Generator().manual_seed(11)
+    m, d, n, k, tenants, dtype = 40, 24, 64, 256, 4, torch.bfloat16
+    x, w, signs, alphas, slot = _rows_over_variants(g, m, n, k, tenants, dtype)
+    ref = bitdelta_linear_batched(x[:d].float(), w.float(), signs, alphas, slot[:d])
+    base = (x.float() @ w.float().t()).to(dtype)
+    y = base.clone().to(DEVICE)
+    lead = slot[:d].to(DEVICE)
+    _add_signs(x[:d].to(DEVICE), tile_signs(signs).to(DEVICE), alphas.to(DEVICE), group_rows(lead, tenants),
+               y[:d], {})
+    atol = TOL[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(y[:d].float().cpu(), ref, rtol=0, atol=atol)
+    assert torch.equal(y[d:].cpu(), base[d:]) and (slot[:d] >= 0).any()
