@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deltafleet.kernels.reference import add_sign_products as add_sign_products_reference
 from deltafleet.kernels.reference import bitdelta_linear as bitdelta_linear_reference
 from deltafleet.kernels.reference import bitdelta_linear_batched as bitdelta_linear_batched_reference
 from deltafleet.kernels.reference import check_stacked
@@ -150,15 +151,7 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
                    alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y,
                    planes if planes is not None else {})
         return y
-    from deltafleet.kernels.reference import unpack_signs, untile_signs
-
-    n, k = y.shape[1], x.shape[1]
-    for t in slot.unique().tolist():
-        if t >= 0:
-            rows = (slot == t).nonzero(as_tuple=True)[0]
-            s = untile_signs(signs[t], n, k) if signs.dim() == 5 else signs[t]
-            y[rows] = (y[rows].float() + (x[rows].float() @ unpack_signs(s, k).t()) * alphas[t].float()).to(y.dtype)
-    return y
+    return add_sign_products_reference(x, signs, alphas, slot, y)
 
 
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,

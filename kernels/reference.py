@@ -327,6 +327,27 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
 
 
+def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
+                      y: torch.Tensor, betas: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of the variants' part of :func:`bitdelta_linear_batched`, in place: ``y[m] += α_s ⊙
+    (x[m] · S_sᵀ)`` (``x[m] ⊙ β_s`` with column scales) for every row with ``s = slot[m] ≥ 0``, in
+    float32, rounded once into ``y``'s dtype (base rows keep their values exactly). Arguments as
+    :func:`bitdelta_linear_batched`'s, ``y`` ``[M, N]``; returns ``y``. Trusts its inputs."""
+    n, k = y.shape[1], x.shape[1]
+    if signs.dim() == 5:
+        signs = untile_signs(signs, n, k)
+    xf, acc = x.float(), y.float()  # acc is y itself when y is float32
+    for t in slot.unique().tolist():
+        if t < 0:
+            continue
+        rows = (slot == t).nonzero(as_tuple=True)[0]
+        xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
+        acc[rows] += (xs @ unpack_signs(signs[t], k, torch.float32).t()) * alphas[t].float()
+    if acc is not y:
+        y.copy_(acc)
+    return y
+
+
 def bitdelta_linear_batched(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -362,17 +383,8 @@ def bitdelta_linear_batched(
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
     check_batched_args(x, weight, signs, alphas, slot, betas=betas)
-    if signs.dim() == 5:
-        signs = untile_signs(signs, n, k)
     xf = x.float()
-    y = xf @ weight.float().t()
-    for t in slot.unique().tolist():
-        if t < 0:
-            continue
-        rows = (slot == t).nonzero(as_tuple=True)[0]
-        a = alphas[t].float()
-        xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
-        y[rows] += (xs @ unpack_signs(signs[t], k, torch.float32).t()) * a
+    y = add_sign_products(xf, signs, alphas, slot, xf @ weight.float().t(), betas)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
