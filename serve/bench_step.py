@@ -16,11 +16,13 @@ the device's copy bandwidth, timed in the same run (a 2 GiB device-to-device cop
 bytes written over its time). ``step_over_floor`` = step time ÷ floor.
 
 Each row also times two eager steps (``ModelRunner.forward``, no CUDA graph): the same decode rows
-(``eager_ms``), and the decode rows plus one ``prompt``-token prompt of the mix's first model
-(``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is what running a step from Python rather than from a
-graph costs. ``with_prompt_step_ms`` is the latter step as ``ModelRunner.execute`` runs it, by CUDA
-graphs of steps with prefill chunks (serve/graphs.py); the runner holds one sequence more than the
-largest row count, the prompt's, as a server's ``max_batch`` counts prefilling sequences too.
+(``eager_ms``), and the decode rows plus one prompt of the mix's first model, of the first length in
+``prompts`` (``with_prompt_ms``). ``eager_ms`` − ``step_ms`` is what running a step from Python rather
+than from a graph costs. ``with_prompt_step_ms`` maps each length in ``prompts`` to the step of the
+decode rows plus one prompt of that length as ``ModelRunner.execute`` runs it, by CUDA graphs of steps
+with prefill chunks (serve/graphs.py: the step padded to its token bucket, its prompt multiplied
+grouped or by tiles); the runner holds one sequence more than the largest row count, the prompt's,
+as a server's ``max_batch`` counts prefilling sequences too.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 SHAPE_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32}
-DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompt": 256}
+DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompts": [256]}
 
 
 def _seconds(fn, iters: int, device, warmup: int = 1) -> float:
@@ -139,12 +141,14 @@ def engine_steps(cfg) -> dict:
     views = [slots.put(family.variant(name, device)) for name in family.names]
     per_row = math.ceil((context + 1) / bs)
     max_rows = max(rows_list)
-    prompt = int(opts["prompt"])
-    n_blocks = per_row * max_rows + math.ceil(prompt / bs)
+    prompts = [int(p) for p in opts["prompts"]]
+    if not prompts or min(prompts) < 1:
+        raise ValueError(f"prompts must be one or more lengths ≥ 1, got {prompts}")
+    n_blocks = per_row * max_rows + math.ceil(max(prompts) / bs)
     # max_rows decode rows and the prompt's sequence: a step samples max_rows + 1 rows (a runner's
     # graphs of steps with prefill chunks take at most max_batch sampling rows, else the step runs eagerly)
     runner = ModelRunner(model, slots, n_blocks, bs, max_rows + 1, context + 2, cuda_graphs=True,
-                         attention="flex", prefill_graphs=max_rows + prompt)
+                         attention="flex", prefill_graphs=max_rows + max(prompts))
     bw = copy_bandwidth(device)
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, as a busy pool hands them out
@@ -163,12 +167,12 @@ def engine_steps(cfg) -> dict:
             with torch.inference_mode():
                 # three warm-up steps: the first captures (FlexAttention and the kernels compile)
                 step_s = _seconds(lambda: runner.execute(step), opts["iters"], device, warmup=3)
-                with_prompt = _with_prompt(step, prompt, prompt_table, bs, gen, shape["vocab_size"])
+                with_prompt = {p: _with_prompt(step, p, prompt_table, bs, gen, shape["vocab_size"]) for p in prompts}
                 eager = {name: _seconds(lambda st=st: runner.forward(st), opts["iters"], device) * 1e3
-                         for name, st in (("eager_ms", step), ("with_prompt_ms", with_prompt))}
-                # as the scheduler runs it: piecewise graphs for base rows, eagerly with a variant's prompt
-                eager["with_prompt_step_ms"] = _seconds(lambda: runner.execute(with_prompt), opts["iters"], device,
-                                                        warmup=2) * 1e3
+                         for name, st in (("eager_ms", step), ("with_prompt_ms", with_prompt[prompts[0]]))}
+                # as the scheduler runs them: graphs of steps with prefill chunks, one per token bucket
+                eager["with_prompt_step_ms"] = {str(p): _seconds(lambda st=st: runner.execute(st), opts["iters"], device,
+                                                                 warmup=2) * 1e3 for p, st in with_prompt.items()}
                 logits = runner.execute(step)
                 # a step's sampling as the scheduler does it: the batch built, sampled, read back
                 sampling = {name: _seconds(lambda p=params: sample(logits, SamplingBatch.build(
@@ -191,11 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=DEFAULTS["context"])
     p.add_argument("--iters", type=int, default=DEFAULTS["iters"])
     p.add_argument("--variants", type=int, default=DEFAULTS["variants"])
-    p.add_argument("--prompt", type=int, default=DEFAULTS["prompt"], help="tokens of the prompt in the with_prompt step")
+    p.add_argument("--prompts", type=int, nargs="+", default=DEFAULTS["prompts"],
+                   help="prompt lengths of the steps timed beside the decode rows (with_prompt_step_ms)")
     p.add_argument("--out", help="write the result as JSON here")
     a = p.parse_args(argv)
     res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,
-                                                 "variants": a.variants, "prompt": a.prompt}})
+                                                 "variants": a.variants, "prompts": a.prompts}})
     print(json.dumps(res["step_over_floor"], indent=1))
     if a.out:
         from deltafleet.atomic import write_text
