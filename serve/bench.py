@@ -78,7 +78,12 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    An exception in a peer is recorded (``{"error": ...}``), not raised.
 7. **Report**: after each phase (the engine steps, each concurrency's loads, the TTFT setting, the
    burst) what is measured so far is rewritten to ``reports/<report_name>.partial.json``
-   (``phases_done`` lists them), so a run stopped midway keeps it; at the end
+   (``phases_done`` lists them), so a run stopped midway keeps it. ``resume=true`` goes on from that
+   file, measuring only the phases it lacks (:func:`resumed_report`: the configuration must be the
+   same, but for where files go and the pacing keys); ``stop_after_s`` stops a run after the first
+   phase that ends past that many seconds (exit status 3), so that a machine lent for a few minutes at
+   a time measures one run in several calls. ``phase_gpus`` names the GPU (its UUID) that measured
+   each phase, the peers included, so a reader sees whether ours and the peers' ran on one device; at the end
    ``reports/<report_name>.json`` (atomic) and ``.png`` replace it (tokens/s and TTFT against
    concurrency, the peers as points, step ÷ floor bars). ``summary`` (printed at the end) holds
    exactly ``step_over_floor`` (rows 16/64/256; nulls where not measured), ``tokens_per_s`` (base,
@@ -998,8 +1003,49 @@ def machine_info(cfg: DictConfig) -> dict:
     device = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     gpus = torch.cuda.device_count() if cuda else 0
     name = f"{cfg.machine}: {f'{gpus}x ' if gpus > 1 else ''}{device}" + ("" if cuda else f", {os.cpu_count()} CPUs")
+    uuid_ = str(getattr(torch.cuda.get_device_properties(0), "uuid", "")) or None if cuda else None
     return {"name": name, "tag": cfg.machine, "device": device, "cpus": os.cpu_count(), "gpus": gpus,
-            "torch": torch.__version__, "python": platform.python_version()}
+            "gpu_uuid": uuid_, "torch": torch.__version__, "python": platform.python_version()}
+
+
+# Configuration keys a resumed run may change: where things go and how the run is paced, not what is measured.
+RESUME_FREE = ("paths", "resume", "stop_after_s", "port", "startup_timeout_s", "family_dir")
+STOPPED_EXIT = 3  # the exit status of a run stopped by ``stop_after_s`` (``resume=true`` goes on)
+
+
+class StoppedForResume(Exception):
+    """A run stopped after a phase, past ``stop_after_s``, with phases left."""
+
+    def __init__(self, partial: Path, phase: str, left: list[str]):
+        super().__init__(f"stopped after {phase!r} (stop_after_s); left: {left}. Run the same command with "
+                         f"resume=true to measure them into {partial}")
+        self.partial, self.phase, self.left = partial, phase, left
+
+
+def resumed_report(partial: Path, fresh: dict) -> dict:
+    """The report of ``partial`` (``<report_name>.partial.json``) to go on with, checked against this run's
+    ``fresh`` start: the same configuration but for :data:`RESUME_FREE`, and the same commit where both
+    know theirs. Its date and machine stay the first run's; ``resumed`` lists each later start's.
+
+    Raises:
+        ValueError: the partial report was measured otherwise (naming the keys that differ), or is not one.
+    """
+    try:
+        old = json.loads(partial.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot resume from {partial}: {e}") from e
+    if not isinstance(old, dict) or not isinstance(old.get("phases_done"), list) or "config" not in old:
+        raise ValueError(f"cannot resume from {partial}: not a partial report of serve/bench.py")
+    a, b = ({k: v for k, v in r["config"].items() if k not in RESUME_FREE} for r in (old, fresh))
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if differ:
+        raise ValueError(f"cannot resume from {partial}: it was measured with other values of {differ}")
+    if old.get("commit") and fresh.get("commit") and old["commit"] != fresh["commit"]:
+        raise ValueError(f"cannot resume from {partial}: it was measured at commit {old['commit']}, "
+                         f"this checkout is {fresh['commit']}")
+    old["resumed"] = [*old.get("resumed", []), {"date": fresh["date"], "machine": fresh["machine"],
+                                                "after": list(old["phases_done"])}]
+    return old
 
 
 def _num(x) -> float | None:
@@ -1157,12 +1203,15 @@ def _synthetic_spec(cfg: DictConfig) -> dict | None:
 
 
 def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, vocab: int,
-                   loads: dict[int, list], checkpoint=lambda phase: None) -> None:
+                   loads: dict[int, list], checkpoint=lambda phase: None, done: frozenset = frozenset()) -> None:
     """Steps 3-5 of the module docstring: the server, its loads, memory and cold loads, into ``report``;
-    ``checkpoint(phase)`` after each load; the server stopped at the end, whatever happens."""
+    ``checkpoint(phase)`` after each load; the server stopped at the end, whatever happens. Phases in
+    ``done`` (a resumed run's) are not measured again; with all of them done no server starts."""
     import httpx
 
     levels = sorted(loads)
+    if {f"loads at {c}" for c in levels} | {"ttft", "burst"} <= done:
+        return
     gen = LoadGenerator(cfg.client_processes)
     try:
         server = Server(cfg, family, out_dir / "server.log")
@@ -1192,8 +1241,10 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
                             "models_answered": sorted(every["per_model"]),
                             "all_variants_answered": len(variants) == cfg.variants and every["all_answered"]}
 
-        report["loads"] = {}
+        report.setdefault("loads", {})
         for c in levels:
+            if f"loads at {c}" in done:
+                continue
             reqs = loads[c]
             report["loads"][str(c)] = {
                 "base": run_load(gen, url, "base", reqs, [BASE_ID] * len(reqs), c),
@@ -1205,19 +1256,21 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
                 report["loads"][str(c)]["structured"] = run_load(gen, url, "structured", reqs, [BASE_ID] * len(reqs),
                                                                  c, {"guided_regex": st.regex})
             checkpoint(f"loads at {c}")
-        t = cfg.ttft
-        reqs = fixed_requests(t.requests, t.prompt_tokens, t.max_tokens, vocab, [cfg.seed, _TTFT, 0])
-        report["ttft"] = {
-            "base": run_load(gen, url, "ttft base", reqs, [BASE_ID] * len(reqs), t.concurrency),
-            "mixed": run_load(gen, url, "ttft mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
-                                                                        [cfg.seed, _TTFT_ZIPF, 0]), t.concurrency)}
-        checkpoint("ttft")
+        if "ttft" not in done:
+            t = cfg.ttft
+            reqs = fixed_requests(t.requests, t.prompt_tokens, t.max_tokens, vocab, [cfg.seed, _TTFT, 0])
+            report["ttft"] = {
+                "base": run_load(gen, url, "ttft base", reqs, [BASE_ID] * len(reqs), t.concurrency),
+                "mixed": run_load(gen, url, "ttft mixed", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
+                                                                            [cfg.seed, _TTFT_ZIPF, 0]), t.concurrency)}
+            checkpoint("ttft")
+        if "burst" in done:
+            return
         b = cfg.burst
         reqs = fixed_requests(b.requests, burst_prompt_tokens(cfg), b.max_tokens, vocab, [cfg.seed, _BURST, 0])
         report["burst"] = run_load(gen, url, "burst", reqs, zipf_models(ranked, len(reqs), cfg.zipf_s,
                                                                         [cfg.seed, _BURST, 1]), len(reqs))
         report["burst"]["prompt_tokens_each"] = burst_prompt_tokens(cfg)
-        checkpoint("burst")
 
         report["memory"] = {"gpu_memory_used_mib": gpu_memory_used_mib(),
                             "gpu_memory_total_mib": gpu_memory_used_mib("memory.total"),
@@ -1236,6 +1289,7 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
         report["host_tier"] = {"evicted_to_host": on_host, "requests": host}
         report["cold_load_seconds_by_tier"] = parse_load_seconds(httpx.get(url + "/metrics").text)
         report["delta_cache"] = httpx.get(url + "/v1/delta_cache").json()
+        checkpoint("burst")  # with the server's state after it: memory, host tier, cold loads
     finally:
         server.stop()
         gen.close()
@@ -1259,18 +1313,34 @@ def main(cfg: DictConfig) -> dict:
     reports = Path(cfg.paths.reports_dir)
     reports.mkdir(parents=True, exist_ok=True)
     partial = reports / f"{cfg.report_name}.partial.json"
+    phases = ["engine steps", *(f"loads at {c}" for c in levels), "ttft", "burst"]
+    gpu = report["machine"]["gpu_uuid"]  # this start's, for phase_gpus
+    if cfg.get("resume") and partial.exists():
+        report = resumed_report(partial, report)
+        print(f"resuming {partial}: done {report['phases_done']}", flush=True)
+    elif cfg.get("resume"):
+        print(f"nothing to resume at {partial}: a whole run", flush=True)
+    done = frozenset(report.get("phases_done", ()))
+    report["phase_gpus"] = {**report.get("phase_gpus", {})}
+    started, stop_after = time.perf_counter(), cfg.get("stop_after_s")
 
     def checkpoint(phase: str) -> None:
-        """What is measured so far, in ``<report_name>.partial.json`` (a run stopped midway keeps it)."""
+        """What is measured so far, in ``<report_name>.partial.json`` (a run stopped midway keeps it);
+        then, past ``stop_after_s`` with phases left, stop for a resumed run to go on."""
         report["phases_done"] = [*report.get("phases_done", []), phase]
+        report["phase_gpus"][phase] = gpu
         write_text(partial, json.dumps(report, indent=1, default=str) + "\n")
+        left = [p for p in phases if p not in report["phases_done"]] + (["peers"] if cfg.peers else [])
+        if stop_after is not None and left and time.perf_counter() - started > float(stop_after):
+            raise StoppedForResume(partial, phase, left)
 
-    t0 = time.perf_counter()
-    report["engine_steps"] = run_engine_steps(cfg)
-    es = report["engine_steps"]
-    print(f"engine steps: {'off' if es is None else es.get('error') or 'done'} ({time.perf_counter() - t0:.1f} s)",
-          flush=True)
-    checkpoint("engine steps")
+    if "engine steps" not in done:
+        t0 = time.perf_counter()
+        report["engine_steps"] = run_engine_steps(cfg)
+        es = report["engine_steps"]
+        print(f"engine steps: {'off' if es is None else es.get('error') or 'done'} ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        checkpoint("engine steps")
 
     family = build_tokenizer(cfg) if cfg.synthetic else build_family(cfg)
     vocab = int(cfg.shapes[cfg.shape].vocab_size)
@@ -1281,9 +1351,11 @@ def main(cfg: DictConfig) -> dict:
     # the run's own folder (Hydra does not change the working directory)
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.family_dir).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    serve_and_load(cfg, report, family, out_dir, vocab, loads, checkpoint)
+    serve_and_load(cfg, report, family, out_dir, vocab, loads, checkpoint, done)
 
     report["peers"] = run_peers(cfg, loads[summary_c], summary_c) if cfg.peers else None
+    if cfg.peers:
+        report["phase_gpus"]["peers"] = gpu
     report.pop("phases_done", None)
     report["summary"] = summarize(report)
     report["ratios"], report["goals"] = ratios_and_goals(report)
@@ -1299,7 +1371,11 @@ def main(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")
 def _entry(cfg: DictConfig) -> None:
-    main(cfg)
+    try:
+        main(cfg)
+    except StoppedForResume as e:
+        print(e, flush=True)
+        sys.exit(STOPPED_EXIT)
 
 
 if __name__ == "__main__":

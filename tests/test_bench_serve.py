@@ -286,7 +286,7 @@ def test_a_run_stopped_midway_keeps_what_it_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "run_engine_steps", lambda c: {"step_over_floor": {"16": {"base": 1.4, "mixed": 3.0}}})
     monkeypatch.setattr(bench, "build_tokenizer", lambda c: tmp_path / "tok")
 
-    def stopped(cfg, report, family, out_dir, vocab, loads, checkpoint):
+    def stopped(cfg, report, family, out_dir, vocab, loads, checkpoint, done):
         report["loads"] = {"1": {"base": {"tokens_per_s": 12.5}}}
         checkpoint("loads at 1")
         raise KeyboardInterrupt  # the device call's time limit
@@ -299,6 +299,34 @@ def test_a_run_stopped_midway_keeps_what_it_measured(monkeypatch, tmp_path):
     assert d["phases_done"] == ["engine steps", "loads at 1"]
     assert d["engine_steps"]["step_over_floor"]["16"]["base"] == 1.4 and d["loads"]["1"]["base"]["tokens_per_s"] == 12.5
     assert not (reports / "stopped.json").exists()
+
+
+def test_resume_refuses_a_partial_report_measured_otherwise(tmp_path):
+    """``resumed_report`` goes on only from the same configuration (where files go and the pacing
+    aside) and the same commit, and names what differs."""
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY])
+    config = bench.OmegaConf.to_container(cfg, resolve=True)
+    first = {"date": "2026-12-05", "machine": {"name": "a"}, "commit": "abc", "config": config,
+             "phases_done": ["engine steps", "loads at 1"], "loads": {"1": {"base": {"tokens_per_s": 3.0}}}}
+    partial = tmp_path / "r.partial.json"
+    partial.write_text(json.dumps(first))
+    moved = {**config, "paths": {**config["paths"], "reports_dir": "/elsewhere"}, "stop_after_s": 100, "resume": True}
+    again = {"date": "2026-12-06", "machine": {"name": "b"}, "commit": "abc", "config": moved}
+    out = bench.resumed_report(partial, again)
+    assert out["loads"] == first["loads"] and out["phases_done"] == first["phases_done"]
+    assert out["date"] == "2026-12-05" and out["machine"] == {"name": "a"}  # the first start's
+    assert out["resumed"] == [{"date": "2026-12-06", "machine": {"name": "b"}, "after": ["engine steps", "loads at 1"]}]
+    with pytest.raises(ValueError, match=r"other values of \['seed', 'variants'\]"):
+        bench.resumed_report(partial, {**again, "config": {**moved, "seed": 1, "variants": 4}})
+    with pytest.raises(ValueError, match="measured at commit abc, this checkout is def"):
+        bench.resumed_report(partial, {**again, "commit": "def"})
+    assert bench.resumed_report(partial, {**again, "commit": None})["phases_done"] == first["phases_done"]
+    partial.write_text(json.dumps({"config": config}))
+    with pytest.raises(ValueError, match="not a partial report"):
+        bench.resumed_report(partial, again)
+    partial.write_text("{")
+    with pytest.raises(ValueError, match="cannot resume from"):
+        bench.resumed_report(partial, again)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,6 +479,38 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
     assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
     assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
+
+
+def test_a_run_stopped_for_time_goes_on_where_it_stopped(tmp_path):
+    """``stop_after_s=0`` stops a run after each phase (exit status 3, the partial report kept);
+    ``resume=true`` measures only what it lacks, and the last call writes the whole report."""
+    args = [*TINY, "engine_steps=false", "peers=false", "structured.enabled=false", "concurrency=[4]",
+            "port=8143", "report_name=resumed", f"paths.root={tmp_path}", "machine=test",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    partial, final = tmp_path / "reports" / "resumed.partial.json", tmp_path / "reports" / "resumed.json"
+
+    def call(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "serve/bench.py", *args, *extra], check=False, cwd=REPO, env=ENV,
+                              capture_output=True, text=True, timeout=600)
+
+    r = call("stop_after_s=0")
+    assert r.returncode == bench.STOPPED_EXIT, r.stderr[-3000:]
+    assert "stopped after 'engine steps'" in r.stdout and "resume=true" in r.stdout
+    assert json.loads(partial.read_text())["phases_done"] == ["engine steps"] and not final.exists()
+    r = call("stop_after_s=0", "resume=true")
+    assert r.returncode == bench.STOPPED_EXIT, r.stderr[-3000:]
+    mid = json.loads(partial.read_text())
+    assert mid["phases_done"] == ["engine steps", "loads at 4"] and "ttft" not in mid
+    r = call("resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(final.read_text())
+    assert not partial.exists() and "phases_done" not in d
+    assert d["loads"] == mid["loads"]  # measured once, in the second call
+    check_load(d["ttft"]["base"], bench.fixed_requests(8, 16, 8, 1024, [0, bench._TTFT, 0]), ["bench"] * 8)
+    assert d["burst"]["all_answered"] and d["summary"]["tokens_per_s"]["base"] == d["loads"]["4"]["base"]["tokens_per_s"]
+    assert [x["after"] for x in d["resumed"]] == [["engine steps"], ["engine steps", "loads at 4"]]
+    assert list(d["phase_gpus"]) == ["engine steps", "loads at 4", "ttft", "burst"]  # no GPU here: None each
+    assert set(d["phase_gpus"].values()) == {None}
 
 
 def test_the_report_names_the_commit_it_is_told_before_the_checkouts(monkeypatch):
