@@ -83,8 +83,8 @@ Steps, in this order, driven from one process (the engine steps and the peers ru
    same, but for where files go and the pacing keys); ``stop_after_s`` stops a run after the first
    phase that ends past that many seconds (exit status 3), so that a machine lent for a few minutes at
    a time measures one run in several calls. ``phase_gpus`` names the GPU (its UUID) that measured
-   each phase, the peers included, so a reader sees whether ours and the peers' ran on one device; at the end
-   ``reports/<report_name>.json`` (atomic) and ``.png`` replace it (tokens/s and TTFT against
+   each phase, the peers included: whether ours and the peers' figures came from one device. At the
+   end ``reports/<report_name>.json`` (atomic) and ``.png`` replace it (tokens/s and TTFT against
    concurrency, the peers as points, step ÷ floor bars). ``summary`` (printed at the end) holds
    exactly ``step_over_floor`` (rows 16/64/256; nulls where not measured), ``tokens_per_s`` (base,
    mixed, hf_continuous_batching, hf_static at ``summary_concurrency``), ``ttft_p50_s`` (base,
