@@ -523,3 +523,22 @@ def test_the_report_names_the_commit_it_is_told_before_the_checkouts(monkeypatch
     assert bench.git_commit() == (head or None)
     monkeypatch.setenv("DELTAFLEET_COMMIT", "6977b21")
     assert bench.git_commit() == "6977b21"
+
+
+@pytest.mark.gpu
+def test_engine_steps_time_a_step_beside_each_prompt_length():
+    """``engine_steps`` on a tiny synthetic family: every row count and mix gets a step for each of
+    ``prompts`` (keyed by length), the eager prompt step of the first length, and a floor."""
+    import torch
+
+    from deltafleet.serve.bench_step import engine_steps
+
+    tiny = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2}
+    out = engine_steps({"device": "cuda", "dtype": "bfloat16", "shape_config": tiny, "variants": 3,
+                        "engine_steps_options": {"rows": [2, 16], "context": 40, "iters": 2, "prompts": [8, 300]}})
+    assert [(r["rows"], r["mix"]) for r in out["rows"]] == [(2, "base"), (2, "mixed"), (16, "base"), (16, "mixed")]
+    for r in out["rows"]:
+        assert set(r["with_prompt_step_ms"]) == {"8", "300"} and all(v > 0 for v in r["with_prompt_step_ms"].values())
+        assert r["with_prompt_ms"] > 0 and r["floor_ms"] > 0
+        assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
