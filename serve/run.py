@@ -21,6 +21,7 @@ server answers.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -101,6 +102,86 @@ def _check_timeouts(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be a number of seconds > 0{' or null' if nullable else ''}, got {value!r}")
 
 
+FLAGS = ("force", "async_scheduling", "late_planning", "cuda_graphs", "prefill_graphs", "capture_at_start")
+COUNTS = ("max_batch", "max_num_batched_tokens", "tp")  # integers ≥ 1
+LIMITS = ("max_waiting", "max_request_bytes", "max_pending_body_bytes", "delta_cache.device_slots")  # or null
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Check conf/serve.yaml's settings once, before anything loads or any rank starts, so that a bad
+    value stops the server with its key named instead of failing later inside a part (or, for a flag
+    such as ``force=no``, being read as true): flags are true or false; counts, ports and byte limits
+    integers in range; durations and budgets finite numbers; ``device`` cpu, cuda or cuda:N, with a
+    CUDA device present for the latter; ``log_level`` one of uvicorn's. The parts still check what only
+    they can (the dtype, the attention backend, the KV cache's options, the synthetic family's).
+
+    Raises:
+        ValueError: the first setting that is not of its kind, by name.
+    """
+    for key in FLAGS:
+        if not isinstance(v := cfg.get(key), bool):
+            raise ValueError(f"{key} must be true or false, got {v!r}")
+    for key in COUNTS:
+        if not _integer(v := OmegaConf.select(cfg, key)) or v < 1:
+            raise ValueError(f"{key} must be an integer ≥ 1, got {v!r}")
+    for key in LIMITS:
+        if (v := OmegaConf.select(cfg, key)) is not None and (not _integer(v) or v < 1):
+            raise ValueError(f"{key} must be null or an integer ≥ 1, got {v!r}")
+    for key in ("port", "tp_port"):
+        if not _integer(v := cfg.get(key)) or not 1 <= v <= 65535:
+            raise ValueError(f"{key} must be a port number from 1 to 65535, got {v!r}")
+    if not isinstance(cfg.host, str) or not cfg.host:
+        raise ValueError(f"host must be an address of this machine, got {cfg.host!r}")
+    dc = cfg.delta_cache
+    for key, v, lo in (("half_life_s", dc.half_life_s, 0), ("device_budget_gb", dc.device_budget_gb, 0)):
+        if (v is not None or key == "half_life_s") and (not _number(v) or not v > lo):
+            raise ValueError(f"delta_cache.{key} must be a number > 0{' or null' if key != 'half_life_s' else ''}, "
+                             f"got {v!r}")
+    for key, v in (("wait_timeout_s", dc.wait_timeout_s), ("host_budget_gb", dc.host_budget_gb)):
+        if (v is not None or key == "wait_timeout_s") and (not _number(v) or v < 0):
+            raise ValueError(f"delta_cache.{key} must be a number ≥ 0{' or null' if key == 'host_budget_gb' else ''}, "
+                             f"got {v!r}")
+    if not _integer(dc.pin_top_n) or dc.pin_top_n < 0:
+        raise ValueError(f"delta_cache.pin_top_n must be an integer ≥ 0, got {dc.pin_top_n!r}")
+    pinned = dc.pinned if dc.pinned is not None else []
+    if not all(isinstance(p, str) and p for p in pinned) or isinstance(pinned, str):
+        raise ValueError(f"delta_cache.pinned must be a list of variant names, got {pinned!r}")
+    if cfg.log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
+    if cfg.api_key is not None and not isinstance(cfg.api_key, str):
+        raise ValueError(f"api_key must be a string or null, got {cfg.api_key!r}")
+    _check_device(cfg.device)
+    _check_timeouts(cfg)
+    _check_cors(cfg)
+    _switch_interval(cfg)
+
+
+def _check_device(device) -> None:
+    """Raises ValueError unless ``device`` is cpu, cuda or cuda:N, with that CUDA device present."""
+    import re
+
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device}, but torch {torch.__version__} sees no CUDA device: "
+                             "serve on device=cpu, or install a CUDA build of torch")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device}, but there are {torch.cuda.device_count()} CUDA devices")
+
+
 def _switch_interval(cfg: DictConfig) -> float:
     """``gil_switch_interval_ms`` in seconds, for ``sys.setswitchinterval``. The model thread gives the
     GIL up in every CUDA call that waits and then waits to get it back from the HTTP and detokenizer
@@ -126,13 +207,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     try:
         torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
         sys.setswitchinterval(_switch_interval(cfg))
-        _check_timeouts(cfg)
-        _check_cors(cfg)
         _check_port(cfg.host, cfg.port)
         protocol = http_protocol(cfg.timeout_request_s, cfg.get("http_parser", "auto"))
-        if cfg.max_waiting is not None and (isinstance(cfg.max_waiting, bool) or not isinstance(cfg.max_waiting, int)
-                                            or cfg.max_waiting < 1):
-            raise ValueError(f"max_waiting must be null or a positive integer, got {cfg.max_waiting!r}")
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base checkpoint at {cfg.base_dir} (config.json missing): build it with "
                                     f"`{build_hint(cfg, 'base')}`, or set base_dir=/path/to/hf/checkpoint")
@@ -242,6 +318,11 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
+    try:
+        check_settings(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if cfg.synthetic:
         try:
             _write_synthetic(cfg)

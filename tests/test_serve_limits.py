@@ -314,7 +314,65 @@ def test_a_max_waiting_below_one_is_refused_at_startup(tmp_path):
     """``max_waiting`` 0 or less would refuse every request: the server does not start, and says why."""
     r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "max_waiting=0"], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 2 and "max_waiting must be null or a positive integer, got 0" in r.stderr
+    assert r.returncode == 2 and "max_waiting must be null or an integer ≥ 1, got 0" in r.stderr
+
+
+def _serve_cfg(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="serve", overrides=list(overrides))
+
+
+# Found by a fresh user: each of these started the server (force=no even served an artifact made for
+# another base, any non-empty string being true), or failed later with a traceback or a 500.
+@pytest.mark.parametrize("override, message", [
+    ("force=no", "force must be true or false, got 'no'"),
+    ("cuda_graphs=maybe", "cuda_graphs must be true or false, got 'maybe'"),
+    ("prefill_graphs=1", "prefill_graphs must be true or false, got 1"),
+    ("max_batch=abc", "max_batch must be an integer ≥ 1, got 'abc'"),
+    ("max_batch=1.5", "max_batch must be an integer ≥ 1, got 1.5"),
+    ("max_num_batched_tokens=0", "max_num_batched_tokens must be an integer ≥ 1, got 0"),
+    ("tp=abc", "tp must be an integer ≥ 1, got 'abc'"),
+    ("delta_cache.device_slots=0", "delta_cache.device_slots must be null or an integer ≥ 1, got 0"),
+    ("max_request_bytes=abc", "max_request_bytes must be null or an integer ≥ 1, got 'abc'"),
+    ("port=abc", "port must be a port number from 1 to 65535, got 'abc'"),
+    ("port=70000", "port must be a port number from 1 to 65535, got 70000"),
+    ("delta_cache.wait_timeout_s=abc", "delta_cache.wait_timeout_s must be a number ≥ 0, got 'abc'"),
+    ("delta_cache.half_life_s=abc", "delta_cache.half_life_s must be a number > 0, got 'abc'"),
+    ("delta_cache.host_budget_gb=-1", "delta_cache.host_budget_gb must be a number ≥ 0 or null, got -1"),
+    ("delta_cache.pin_top_n=-1", "delta_cache.pin_top_n must be an integer ≥ 0, got -1"),
+    ("delta_cache.pinned=coder", "delta_cache.pinned must be a list of variant names, got 'coder'"),
+    ("log_level=foo", "log_level must be one of critical, error, warning, info, debug, trace, got 'foo'"),
+    ("device=foo", "device must be cpu, cuda or cuda:N, got 'foo'"),
+    ("api_key=123", "api_key must be a string or null, got 123"),
+])
+def test_a_bad_serve_setting_is_refused_by_name(override, message):
+    from deltafleet.serve.run import check_settings
+
+    check_settings(_serve_cfg())  # the defaults pass
+    with pytest.raises(ValueError) as e:
+        check_settings(_serve_cfg(override))
+    assert str(e.value) == message
+
+
+def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
+    """Through the real entry point: exit status 2 and the key named, no traceback, nothing loaded (the
+    base checkpoint is not even looked for)."""
+    r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "force=no"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and r.stderr.strip() == "error: force must be true or false, got 'no'", r.stderr
+
+
+def test_cuda_without_a_cuda_device_is_refused_by_name():
+    import torch
+
+    from deltafleet.serve.run import check_settings
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ValueError, match=r"^device=cuda, but torch .* sees no CUDA device: serve on device=cpu"):
+        check_settings(_serve_cfg("device=cuda"))
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads():
