@@ -268,8 +268,8 @@ class Scheduler:
                     self.preemptions += len(plan.preempted)
                     if plan.tokens:
                         launched = self._launch(plan, self._inflight)
-                        if self._clock is not None:  # any step: the one planned after a wait may prefill
-                            self._clock.observe_host(time.perf_counter() - t_plan)
+                        if self._clock is not None:
+                            self._clock.observe_host(time.perf_counter() - t_plan, bool(plan.prefill))
                         if not self.async_scheduling:
                             self._finish(launched)
                             launched = None
@@ -303,18 +303,24 @@ class Scheduler:
     def _plan_late(self) -> None:
         """Late planning (serve/pacing.py): while a decode step runs on the device, wait until what
         is left of it is the host's time to plan and launch the next step (and the margins), or
-        until its tokens are in. Requests submitted meanwhile join that next step."""
+        until its tokens are in. The next step is a decode step while no request waits, and one with
+        prefill chunks once one does, whose launch takes longer: the wait then ends earlier. Requests
+        submitted meanwhile join that next step."""
         job = self._inflight
         if job is None or job.kind is None or job.masked:
             return
         t0 = time.perf_counter()
-        wait = self._clock.slack(job.kind, t0 - self._running_since)
+        running = t0 - self._running_since
+        wait = self._clock.slack(job.kind, running)
         if wait <= 0.0:
             return
         done = job.copy.done if job.copy is not None else None
-        deadline = t0 + wait
-        with self._cv:  # submit() notifies: keep waiting for the deadline
-            while (left := deadline - time.perf_counter()) > 0.0 and not (done is not None and done.query()):
+        decode_end, prefill_end = t0 + wait, t0 + self._clock.slack(job.kind, running, prefill=True)
+        with self._cv:  # submit() notifies: a request that arrives moves the end to prefill_end
+            while True:
+                end = prefill_end if any(self.planner.waiting.values()) else decode_end
+                if (left := end - time.perf_counter()) <= 0.0 or (done is not None and done.query()):
+                    break
                 self._cv.wait(left if done is None else min(left, 0.001))
         self._clock.waited_s += time.perf_counter() - t0
 

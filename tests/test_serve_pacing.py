@@ -3,6 +3,7 @@ submitted while the loop waits on them joins the step right after the one in fli
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -34,6 +35,12 @@ def test_the_clock_waits_for_what_is_left_of_the_step_less_the_host_and_the_marg
     for _ in range(WINDOW):
         clock.observe_device(kind, 0.030)
     assert clock.slack(kind, 0.0) == pytest.approx(0.030 * 0.9 - 0.003 - 0.001)  # the window moved on
+    # a step with prefill chunks next: its own host estimate, none yet (no wait), then the longest
+    assert clock.slack(kind, 0.0, prefill=True) == 0.0
+    clock.observe_host(0.012, prefill=True)
+    clock.observe_host(0.008, prefill=True)
+    assert clock.slack(kind, 0.0, prefill=True) == pytest.approx(0.030 * 0.9 - 0.012 - 0.001)
+    assert clock.slack(kind, 0.0) == pytest.approx(0.030 * 0.9 - 0.003 - 0.001)  # decode steps' unchanged
 
 
 def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family):
@@ -53,9 +60,9 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
         launched.append((sch.steps, bool(step.chunks)))  # this step's index, and whether it prefills
         return real_execute(step, prev)
 
-    def slack(kind, running_s):
-        wait = real_slack(kind, running_s)
-        if wait > 0.1:
+    def slack(kind, running_s, prefill=False):
+        wait = real_slack(kind, running_s, prefill)
+        if wait > 0.1 and not prefill:
             waiting.set()
         return wait
 
@@ -88,6 +95,52 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
                        if line and not line.startswith("#"))
     assert float(samples["deltafleet:late_planning_wait_seconds_total"]) == pytest.approx(sch.late_planning_wait_s)
     assert sch.late_planning_wait_s == clock.waited_s
+
+
+def test_a_request_arriving_late_in_the_wait_ends_it_at_once(tiny_family):
+    """Told that a one-row base decode step runs 2 s on the device, that a decode step's launch takes
+    the host little and one with prefill chunks 1 s: with nobody waiting the loop waits until about
+    0.2 s before the step's end; a request submitted 1.2 s into the wait, past the point where a
+    prefill step must be launched, ends the wait at once, and its prompt is in the next step."""
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=4,
+                    late_planning=True)
+    sch = engine.scheduler
+    clock, runner = sch._clock, sch.runner
+    launched, waiting = [], threading.Event()
+    real_execute, real_slack = runner.execute, clock.slack
+
+    def execute(step, prev=None):
+        launched.append((sch.steps, bool(step.chunks), time.perf_counter()))
+        return real_execute(step, prev)
+
+    def slack(kind, running_s, prefill=False):
+        wait = real_slack(kind, running_s, prefill)
+        if wait > 1.0 and not prefill:
+            waiting.set()
+        return wait
+
+    runner.execute, clock.slack = execute, slack
+    a = engine.prepare("tiny", engine.encode_prompt("def "), SamplingParams(max_tokens=100, ignore_eos=True))
+    out_a, _ = sch.submit(a)
+    out_a.get(timeout=60)
+    clock.host_prefill.extend([1.0] * WINDOW)  # a prefill step's launch: 1 s (more than any real one here)
+    for _ in range(MIN_SAMPLES):
+        clock.observe_device(decode_kind(1, False), 2.0)
+    assert waiting.wait(30), "the loop never waited"
+    t_wait = time.perf_counter()
+    n = sch.steps
+    time.sleep(1.2)  # past 2 · 0.9 − 1 − 0.0005 s into the wait, short of its decode end (≈ 1.8 s)
+    b = engine.prepare("tiny-coder", engine.encode_prompt("The"), SamplingParams(max_tokens=2, temperature=0))
+    t_submit = time.perf_counter()
+    out_b, _ = sch.submit(b)
+    while out_b.get(timeout=60) is not END:
+        pass
+    clock.device.clear()  # no more waits
+    while out_a.get(timeout=60) is not END:
+        pass
+    step, _, t_launch = next(x for x in launched if x[0] >= n and x[1])
+    assert step == n  # the step right after the one in flight
+    assert t_launch - t_submit < 0.4, (t_launch - t_submit, t_submit - t_wait)  # not at the decode end, 0.6 s on
 
 
 def test_the_late_planning_switch_is_checked(tiny_family):
