@@ -136,9 +136,9 @@ def check_settings(cfg: DictConfig) -> None:
     for key in LIMITS:
         if (v := OmegaConf.select(cfg, key)) is not None and (not _integer(v) or v < 1):
             raise ValueError(f"{key} must be null or an integer ≥ 1, got {v!r}")
-    for key in ("port", "tp_port"):
-        if not _integer(v := cfg.get(key)) or not 1 <= v <= 65535:
-            raise ValueError(f"{key} must be a port number from 1 to 65535, got {v!r}")
+    for key in ("port", "tp_port"):  # 0: any free port, as the OS picks it
+        if not _integer(v := cfg.get(key)) or not 0 <= v <= 65535:
+            raise ValueError(f"{key} must be a port number from 0 to 65535, got {v!r}")
     if not isinstance(cfg.host, str) or not cfg.host:
         raise ValueError(f"host must be an address of this machine, got {cfg.host!r}")
     dc = cfg.delta_cache
