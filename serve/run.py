@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 def _cache_options(cfg: DictConfig) -> dict:
@@ -136,16 +136,18 @@ def check_settings(cfg: DictConfig) -> None:
     for key in LIMITS:
         if (v := OmegaConf.select(cfg, key)) is not None and (not _integer(v) or v < 1):
             raise ValueError(f"{key} must be null or an integer ≥ 1, got {v!r}")
-    for key in ("port", "tp_port"):  # 0: any free port, as the OS picks it
-        if not _integer(v := cfg.get(key)) or not 0 <= v <= 65535:
-            raise ValueError(f"{key} must be a port number from 0 to 65535, got {v!r}")
+    if not _integer(v := cfg.port) or not 0 <= v <= 65535:  # 0: any free port, as the OS picks it
+        raise ValueError(f"port must be a port number from 0 to 65535, got {v!r}")
+    if not _integer(v := cfg.tp_port) or not 1 <= v <= 65535:  # every rank must know it: no 0
+        raise ValueError(f"tp_port must be a port number from 1 to 65535, got {v!r}")
     if not isinstance(cfg.host, str) or not cfg.host:
         raise ValueError(f"host must be an address of this machine, got {cfg.host!r}")
     dc = cfg.delta_cache
-    for key, v, lo in (("half_life_s", dc.half_life_s, 0), ("device_budget_gb", dc.device_budget_gb, 0)):
-        if (v is not None or key == "half_life_s") and (not _number(v) or not v > lo):
-            raise ValueError(f"delta_cache.{key} must be a number > 0{' or null' if key != 'half_life_s' else ''}, "
-                             f"got {v!r}")
+    hl = dc.half_life_s  # inf: request counts that never decay
+    if isinstance(hl, bool) or not isinstance(hl, (int, float)) or not hl > 0:
+        raise ValueError(f"delta_cache.half_life_s must be a number > 0, got {hl!r}")
+    if dc.device_budget_gb is not None and (not _number(dc.device_budget_gb) or not dc.device_budget_gb > 0):
+        raise ValueError(f"delta_cache.device_budget_gb must be a number > 0 or null, got {dc.device_budget_gb!r}")
     for key, v in (("wait_timeout_s", dc.wait_timeout_s), ("host_budget_gb", dc.host_budget_gb)):
         if (v is not None or key == "wait_timeout_s") and (not _number(v) or v < 0):
             raise ValueError(f"delta_cache.{key} must be a number ≥ 0{' or null' if key == 'host_budget_gb' else ''}, "
@@ -153,10 +155,10 @@ def check_settings(cfg: DictConfig) -> None:
     if not _integer(dc.pin_top_n) or dc.pin_top_n < 0:
         raise ValueError(f"delta_cache.pin_top_n must be an integer ≥ 0, got {dc.pin_top_n!r}")
     pinned = dc.pinned if dc.pinned is not None else []
-    if not all(isinstance(p, str) and p for p in pinned) or isinstance(pinned, str):
+    if not isinstance(pinned, (list, ListConfig)) or not all(isinstance(p, str) and p for p in pinned):
         raise ValueError(f"delta_cache.pinned must be a list of variant names, got {pinned!r}")
-    if cfg.log_level not in LOG_LEVELS:
-        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {cfg.log_level!r}")
+    if cfg.log_level not in LOG_LEVELS and not _integer(cfg.log_level):  # uvicorn takes logging's numbers too
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (or a number), got {cfg.log_level!r}")
     if cfg.api_key is not None and not isinstance(cfg.api_key, str):
         raise ValueError(f"api_key must be a string or null, got {cfg.api_key!r}")
     _check_device(cfg.device)

@@ -343,14 +343,18 @@ def _serve_cfg(*overrides: str):
     ("delta_cache.host_budget_gb=-1", "delta_cache.host_budget_gb must be a number ≥ 0 or null, got -1"),
     ("delta_cache.pin_top_n=-1", "delta_cache.pin_top_n must be an integer ≥ 0, got -1"),
     ("delta_cache.pinned=coder", "delta_cache.pinned must be a list of variant names, got 'coder'"),
-    ("log_level=foo", "log_level must be one of critical, error, warning, info, debug, trace, got 'foo'"),
+    ("delta_cache.pinned=5", "delta_cache.pinned must be a list of variant names, got 5"),
+    ("delta_cache.pinned=[coder,3]", "delta_cache.pinned must be a list of variant names, got ['coder', 3]"),
+    ("tp_port=0", "tp_port must be a port number from 1 to 65535, got 0"),
+    ("log_level=foo", "log_level must be one of critical, error, warning, info, debug, trace (or a number), got 'foo'"),
     ("device=foo", "device must be cpu, cuda or cuda:N, got 'foo'"),
     ("api_key=123", "api_key must be a string or null, got 123"),
 ])
 def test_a_bad_serve_setting_is_refused_by_name(override, message):
     from deltafleet.serve.run import check_settings
 
-    check_settings(_serve_cfg())  # the defaults pass
+    check_settings(_serve_cfg())  # the defaults pass, and so do these
+    check_settings(_serve_cfg("port=0", "delta_cache.half_life_s=inf", "log_level=20", "delta_cache.pinned=[coder]"))
     with pytest.raises(ValueError) as e:
         check_settings(_serve_cfg(override))
     assert str(e.value) == message
