@@ -1024,8 +1024,9 @@ class StoppedForResume(Exception):
 
 def resumed_report(partial: Path, fresh: dict) -> dict:
     """The report of ``partial`` (``<report_name>.partial.json``) to go on with, checked against this run's
-    ``fresh`` start: the same configuration but for :data:`RESUME_FREE`, and the same commit where both
-    know theirs. Its date and machine stay the first run's; ``resumed`` lists each later start's.
+    ``fresh`` start: the same configuration but for :data:`RESUME_FREE`, the same commit where both know
+    theirs, and the same kind and number of devices. Its date and machine stay the first run's;
+    ``resumed`` lists each later start's. Engine steps that failed are measured again.
 
     Raises:
         ValueError: the partial report was measured otherwise (naming the keys that differ), or is not one.
@@ -1043,6 +1044,11 @@ def resumed_report(partial: Path, fresh: dict) -> dict:
     if old.get("commit") and fresh.get("commit") and old["commit"] != fresh["commit"]:
         raise ValueError(f"cannot resume from {partial}: it was measured at commit {old['commit']}, "
                          f"this checkout is {fresh['commit']}")
+    was, now = ({k: r["machine"].get(k) for k in ("device", "gpus")} for r in (old, fresh))
+    if was != now:  # the ratios between phases (ours ÷ the peers') would compare two machines
+        raise ValueError(f"cannot resume from {partial}: it was measured on {was}, this machine is {now}")
+    if isinstance(old.get("engine_steps"), dict) and "error" in old["engine_steps"]:  # failed: measure it again
+        old["phases_done"] = [p for p in old["phases_done"] if p != "engine steps"]
     old["resumed"] = [*old.get("resumed", []), {"date": fresh["date"], "machine": fresh["machine"],
                                                 "after": list(old["phases_done"])}]
     return old
@@ -1306,6 +1312,11 @@ def main(cfg: DictConfig) -> dict:
     summary_c = int(cfg.summary_concurrency)
     if summary_c not in levels:
         raise ValueError(f"summary_concurrency={summary_c} is not one of the concurrency levels {levels}")
+    if not isinstance(cfg.get("resume", False), bool):
+        raise ValueError(f"resume must be true or false, got {cfg.resume!r}")
+    stop = cfg.get("stop_after_s")
+    if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, float)) or not stop >= 0):
+        raise ValueError(f"stop_after_s must be null or a number of seconds ≥ 0, got {stop!r}")
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(cfg), "commit": git_commit(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "synthetic": _synthetic_spec(cfg),
                     "summary_concurrency": summary_c}

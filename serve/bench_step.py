@@ -141,7 +141,9 @@ def engine_steps(cfg) -> dict:
     views = [slots.put(family.variant(name, device)) for name in family.names]
     per_row = math.ceil((context + 1) / bs)
     max_rows = max(rows_list)
-    prompts = [int(p) for p in opts["prompts"]]
+    if "prompt" in opts:
+        raise ValueError("engine_steps_options.prompt is now prompts, a list of prompt lengths")
+    prompts = [int(p) for p in (opts["prompts"] if isinstance(opts["prompts"], (list, tuple)) else [opts["prompts"]])]
     if not prompts or min(prompts) < 1:
         raise ValueError(f"prompts must be one or more lengths ≥ 1, got {prompts}")
     n_blocks = per_row * max_rows + math.ceil(max(prompts) / bs)

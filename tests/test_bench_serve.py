@@ -321,6 +321,14 @@ def test_resume_refuses_a_partial_report_measured_otherwise(tmp_path):
     with pytest.raises(ValueError, match="measured at commit abc, this checkout is def"):
         bench.resumed_report(partial, {**again, "commit": "def"})
     assert bench.resumed_report(partial, {**again, "commit": None})["phases_done"] == first["phases_done"]
+    h200, h100 = {"name": "a", "device": "NVIDIA H200", "gpus": 1}, {"name": "b", "device": "NVIDIA H100", "gpus": 1}
+    partial.write_text(json.dumps({**first, "machine": h200}))
+    with pytest.raises(ValueError, match=r"measured on \{'device': 'NVIDIA H200', 'gpus': 1\}, this machine is "
+                                         r"\{'device': 'NVIDIA H100', 'gpus': 1\}"):
+        bench.resumed_report(partial, {**again, "machine": h100})
+    failed = {**first, "engine_steps": {"error": "RuntimeError: out of memory"}}
+    partial.write_text(json.dumps(failed))  # failed engine steps are measured again
+    assert bench.resumed_report(partial, again)["phases_done"] == ["loads at 1"]
     partial.write_text(json.dumps({"config": config}))
     with pytest.raises(ValueError, match="not a partial report"):
         bench.resumed_report(partial, again)
@@ -479,6 +487,15 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
     assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
     assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
+
+
+def test_the_pacing_flags_of_a_run_are_checked_first(tmp_path):
+    for override, message in (("resume=no", "resume must be true or false, got 'no'"),
+                               ("stop_after_s=abc", "stop_after_s must be null or a number of seconds ≥ 0, got 'abc'")):
+        cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, override])
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            bench.main(cfg)
+    assert not (tmp_path / "reports").exists()  # nothing measured, nothing written
 
 
 def test_a_run_stopped_for_time_goes_on_where_it_stopped(tmp_path):
