@@ -258,17 +258,20 @@ class Scheduler:
             try:
                 with self.engine._gen_lock:  # the model is used by this thread only (tests can hold it)
                     self._drop_cancelled()
+                    waited = False  # for the step in flight, before the launch: not the host's time
                     if self._inflight is not None and self.planner.must_preempt():
                         # the sequences that end in flight give their blocks back first: preempt as the
                         # synchronous loop would, not for blocks about to come free
                         self._finish_inflight()
                         self._drop_cancelled()
+                        waited = True
                     with self._cv:
                         plan = self.planner.schedule()
                     self.preemptions += len(plan.preempted)
                     if plan.tokens:
+                        waited |= self._inflight is not None and self._inflight.masked  # _launch reads it first
                         launched = self._launch(plan, self._inflight)
-                        if self._clock is not None:
+                        if self._clock is not None and not waited:
                             self._clock.observe_host(time.perf_counter() - t_plan, bool(plan.prefill))
                         if not self.async_scheduling:
                             self._finish(launched)
@@ -303,9 +306,10 @@ class Scheduler:
     def _plan_late(self) -> None:
         """Late planning (serve/pacing.py): while a decode step runs on the device, wait until what
         is left of it is the host's time to plan and launch the next step (and the margins), or
-        until its tokens are in. The next step is a decode step while no request waits, and one with
-        prefill chunks once one does, whose launch takes longer: the wait then ends earlier. Requests
-        submitted meanwhile join that next step."""
+        until its tokens are in. While no request waits the next step is a decode step; once one
+        waits it may be one with prefill chunks, whose launch takes longer, so the wait ends earlier
+        (also when the request cannot be admitted yet: a shorter wait, never a late launch).
+        Requests submitted meanwhile join that next step."""
         job = self._inflight
         if job is None or job.kind is None or job.masked:
             return

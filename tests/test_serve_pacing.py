@@ -146,3 +146,22 @@ def test_a_request_arriving_late_in_the_wait_ends_it_at_once(tiny_family):
 def test_the_late_planning_switch_is_checked(tiny_family):
     with pytest.raises(ValueError, match="late_planning must be true or false, got 'yes'"):
         Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", late_planning="yes")
+
+
+def test_a_launch_that_waited_for_the_step_in_flight_is_not_the_hosts_time(tiny_family):
+    """A step sampled under a grammar's mask is read before the next launch (its matcher needs the
+    token): on a GPU that launch waits for the device, so it is not counted as the host's time to
+    launch (it would hold the estimate, and so the waits, at about one step for 9 steps). Here every
+    step of a structured request follows a masked one, but its first."""
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=4,
+                    late_planning=True)
+    clock, runner = engine.scheduler._clock, engine.scheduler.runner
+    observed, launches = [], []
+    real_observe, real_execute = clock.observe_host, runner.execute
+    clock.observe_host = lambda seconds, prefill=False: observed.append(prefill) or real_observe(seconds, prefill)
+    runner.execute = lambda step, prev=None: launches.append(bool(step.chunks)) or real_execute(step, prev)
+    engine.complete("tiny", "def ", SamplingParams(max_tokens=6, temperature=0, constraint=("regex", "[a-z ]{60}")))
+    assert launches == [True] + [False] * 5 and observed == [True]  # only the prefill, launched on an idle loop
+    observed.clear()
+    engine.complete("tiny", "def ", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert observed == [True] + [False] * 5  # without masks every launch is the host's
