@@ -605,6 +605,7 @@ def latency_stats(results: list[dict]) -> dict:
     ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
     itl = [g for r in results for g in np.diff(r["chunks"]).tolist()]
     return {"requests": len(results), "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "ttft_mean_s": float(np.mean(ttft)) if ttft else None,
             "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99)}
 
 
@@ -644,7 +645,9 @@ def run_load(gen: LoadGenerator, url: str, name: str, requests: list[tuple[list[
     before = _scrape(url)
     stats = phase_stats(gen.run(url, jobs, concurrency))
     stats["concurrency"] = concurrency
-    stats["engine_steps"] = step_stats(before, _scrape(url))
+    after = _scrape(url)
+    stats["engine_steps"] = step_stats(before, after)
+    stats["server_ttft"] = server_ttft(before, after)
     tps = stats["tokens_per_s"]
     ttft = stats["ttft_p50_s"]
     print(f"{name:>16} c={concurrency:<4} {stats['answered']}/{stats['requests']} answered, "
@@ -914,6 +917,33 @@ def step_stats(before: str, after: str) -> dict:
     if now is not None and float(now.group(1)) > (float(was.group(1)) if was else 0.0):
         out["late_planning_wait_s"] = float(now.group(1)) - (float(was.group(1)) if was else 0.0)
     return out
+
+
+_LATENCY = re.compile(r'^deltafleet:(time_to_first_token_seconds|request_queue_time_seconds)_(sum|count)'
+                      r'\{model_name="[^"]+"\} (\S+)$', re.MULTILINE)
+
+
+def server_ttft(before: str, after: str) -> dict:
+    """The server's side of the TTFT between two scrapes of /metrics, every model together: the
+    requests that got a first token, and the means of ``time_to_first_token_seconds`` (from the
+    request's arrival in its handler to its first token handed to the response) and of
+    ``request_queue_time_seconds`` (from arrival to its first prefill chunk's launch). With the
+    client's mean TTFT (``ttft_mean_s``) they split it: client − server TTFT is the HTTP path outside
+    the handler, queue the wait for a step, server TTFT − queue the prefill steps and the hand-over.
+    Empty where the server has no such series."""
+    def totals(text: str) -> dict:
+        out: dict = {}
+        for m in _LATENCY.finditer(text):
+            out[m.group(1), m.group(2)] = out.get((m.group(1), m.group(2)), 0.0) + float(m.group(3))
+        return out
+
+    b, a = totals(before), totals(after)
+    d = {k: v - b.get(k, 0.0) for k, v in a.items()}
+    n, q = d.get(("time_to_first_token_seconds", "count"), 0.0), d.get(("request_queue_time_seconds", "count"), 0.0)
+    if n <= 0:
+        return {}
+    return {"requests": int(n), "ttft_mean_s": d[("time_to_first_token_seconds", "sum")] / n,
+            "queue_mean_s": d[("request_queue_time_seconds", "sum")] / q if q > 0 else None}
 
 
 def parse_load_seconds(metrics: str) -> dict:

@@ -262,6 +262,24 @@ def test_engine_step_stats_are_the_difference_of_two_scrapes():
     assert bench.step_stats("", "") == {}
 
 
+def test_the_servers_ttft_is_the_difference_of_two_scrapes_over_every_model():
+    def text(ttft: dict, queue: dict) -> str:
+        lines = []
+        for name, per in (("time_to_first_token_seconds", ttft), ("request_queue_time_seconds", queue)):
+            for model, (n, total) in per.items():
+                lines += [f'deltafleet:{name}_count{{model_name="{model}"}} {n}',
+                          f'deltafleet:{name}_sum{{model_name="{model}"}} {total}',
+                          f'deltafleet:{name}_bucket{{le="0.1",model_name="{model}"}} {n}']
+        return "\n".join(lines) + "\n"
+
+    before = text({"b": (2, 0.2), "b-v00": (1, 0.5)}, {"b": (2, 0.02), "b-v00": (1, 0.1)})
+    after = text({"b": (5, 0.5), "b-v00": (2, 0.7), "b-v01": (2, 0.4)},
+                 {"b": (5, 0.05), "b-v00": (2, 0.13), "b-v01": (2, 0.08)})
+    out = bench.server_ttft(before, after)  # 3 + 1 + 2 first tokens since: 0.3 + 0.2 + 0.4 s, queued 0.14 s
+    assert out == {"requests": 6, "ttft_mean_s": pytest.approx(0.9 / 6), "queue_mean_s": pytest.approx(0.14 / 6)}
+    assert bench.server_ttft(after, after) == {} and bench.server_ttft("", "") == {}
+
+
 def test_engine_steps_hook(monkeypatch, tmp_path):
     cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])
     monkeypatch.setitem(sys.modules, "deltafleet.serve.bench_step", None)  # the module missing: recorded
@@ -448,6 +466,8 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
     # (on this CPU every step of a load may carry a prompt chunk: no decode-only step to compare)
     assert all(isinstance(v, bool) for k, v in g.items()
                if k not in ("step_over_floor <= 1.3", "structured decode step <= 1.05x"))
+    srv = d["ttft"]["mixed"]["server_ttft"]  # the server saw each request's first token, sooner than its client
+    assert srv["requests"] == 8 and 0 < srv["queue_mean_s"] < srv["ttft_mean_s"] < d["ttft"]["mixed"]["ttft_mean_s"]
     structured = d["loads"]["4"]["structured"]  # the base load again, each request held to the grammar
     check_load(structured, bench.load_requests(cfg, 4, 1024), ["bench"] * 8)
     assert structured["engine_steps"]["mean_tokens"] > 0 and d["loads"]["4"]["base"]["engine_steps"]["mean_tokens"] > 0
