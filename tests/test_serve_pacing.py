@@ -43,11 +43,9 @@ def test_the_clock_waits_for_what_is_left_of_the_step_less_the_host_and_the_marg
     assert clock.slack(kind, 0.0) == pytest.approx(0.030 * 0.9 - 0.003 - 0.001)  # decode steps' unchanged
 
 
-def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family):
-    """The clock is told that a one-row base decode step runs 0.3 s on the device (off CUDA nothing
-    is measured, so the loop waits only on what it is told): while the loop waits, a request is
-    submitted, and its prompt is in the very next step launched, the one after the decode step in
-    flight (without the wait, that step is planned at once)."""
+def _traced(tiny_family, wait_over: float):
+    """A late-planning engine whose launches are listed (``(step index, prefills, time)``) and whose
+    ``waiting`` event is set once the loop computes a decode-end wait over ``wait_over`` seconds."""
     engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=4,
                     late_planning=True)
     sch = engine.scheduler
@@ -57,16 +55,25 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
     real_execute, real_slack = runner.execute, clock.slack
 
     def execute(step, prev=None):
-        launched.append((sch.steps, bool(step.chunks)))  # this step's index, and whether it prefills
+        launched.append((sch.steps, bool(step.chunks), time.perf_counter()))
         return real_execute(step, prev)
 
     def slack(kind, running_s, prefill=False):
         wait = real_slack(kind, running_s, prefill)
-        if wait > 0.1 and not prefill:
+        if wait > wait_over and not prefill:
             waiting.set()
         return wait
 
     runner.execute, clock.slack = execute, slack
+    return engine, sch, clock, launched, waiting
+
+
+def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family):
+    """The clock is told that a one-row base decode step runs 0.3 s on the device (off CUDA nothing
+    is measured, so the loop waits only on what it is told): while the loop waits, a request is
+    submitted, and its prompt is in the very next step launched, the one after the decode step in
+    flight (without the wait, that step is planned at once)."""
+    engine, sch, clock, launched, waiting = _traced(tiny_family, 0.1)
     a = engine.prepare("tiny", engine.encode_prompt("def "), SamplingParams(max_tokens=40, ignore_eos=True))
     out_a, _ = sch.submit(a)
     out_a.get(timeout=60)  # decoding: steps of one base row
@@ -83,7 +90,7 @@ def test_a_request_arriving_while_the_loop_waits_joins_the_next_step(tiny_family
     clock.device.clear()  # no more waits
     while out_a.get(timeout=60) is not END:
         pass
-    first_prefill = next(i for i, prefills in launched if i >= n and prefills)
+    first_prefill = next(i for i, prefills, _ in launched if i >= n and prefills)
     assert first_prefill == n and len(items) == 3
     assert clock.waited_s > 0.1
     from fastapi.testclient import TestClient
@@ -102,24 +109,7 @@ def test_a_request_arriving_late_in_the_wait_ends_it_at_once(tiny_family):
     the host little and one with prefill chunks 1 s: with nobody waiting the loop waits until about
     0.2 s before the step's end; a request submitted 1.2 s into the wait, past the point where a
     prefill step must be launched, ends the wait at once, and its prompt is in the next step."""
-    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=4,
-                    late_planning=True)
-    sch = engine.scheduler
-    clock, runner = sch._clock, sch.runner
-    launched, waiting = [], threading.Event()
-    real_execute, real_slack = runner.execute, clock.slack
-
-    def execute(step, prev=None):
-        launched.append((sch.steps, bool(step.chunks), time.perf_counter()))
-        return real_execute(step, prev)
-
-    def slack(kind, running_s, prefill=False):
-        wait = real_slack(kind, running_s, prefill)
-        if wait > 1.0 and not prefill:
-            waiting.set()
-        return wait
-
-    runner.execute, clock.slack = execute, slack
+    engine, sch, clock, launched, waiting = _traced(tiny_family, 1.0)
     a = engine.prepare("tiny", engine.encode_prompt("def "), SamplingParams(max_tokens=100, ignore_eos=True))
     out_a, _ = sch.submit(a)
     out_a.get(timeout=60)
