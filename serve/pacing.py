@@ -17,14 +17,14 @@ apart for decode-only steps and for steps with prefill chunks, which take the ho
 The wait has two ends. While no request waits, the next step is a decode step, so the loop may
 wait until what is left is a decode step's launch; once a request waits, its prompt may make the
 next step one with prefill chunks, so the wait ends as soon as what is left is no more than that
-launch (at once if that point has passed, or with no such launch measured yet). A launch that
-first waited for the step in flight (to preempt, or for the tokens a grammar's mask needs) is not
-counted as the host's time. A request that
+launch (at once if that point has passed, or with no such launch measured yet). A request that
 arrives up to a decode step's launch before the end still joins the next step; one that arrives in
 the last stretch between the two launches' ends has the device wait for its step's staging, at most
-the difference of the two, the price of its earlier first token. A step with prefill chunks is
-never waited on, its time varies with its chunks, nor a kind with fewer than :data:`MIN_SAMPLES`
-measurements; and the scheduler stops waiting as soon as the step's tokens are in.
+the difference of the two, the price of its earlier first token. A launch that first waited for the
+step in flight (to preempt, or for the tokens a grammar's mask needs) is not counted as the host's
+time. A step with prefill chunks is never waited on, its time varies with its chunks, nor a kind
+with fewer than :data:`MIN_SAMPLES` measurements; and the scheduler stops waiting as soon as the
+step's tokens are in.
 """
 from __future__ import annotations
 

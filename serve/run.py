@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def check_settings(cfg: DictConfig) -> None:
     """Check conf/serve.yaml's settings once, before anything loads or any rank starts, so that a bad
     value stops the server with its key named instead of failing later inside a part (or, for a flag
     such as ``force=no``, being read as true): flags are true or false; counts, ports and byte limits
-    integers in range; durations and budgets finite numbers; ``device`` cpu, cuda or cuda:N, with a
+    integers in range; durations and budgets numbers (a half-life may be infinite); ``device`` cpu, cuda or cuda:N, with a
     CUDA device present for the latter; ``log_level`` one of uvicorn's. The parts still check what only
     they can (the dtype, the attention backend, the KV cache's options, the synthetic family's).
 
@@ -169,8 +170,6 @@ def check_settings(cfg: DictConfig) -> None:
 
 def _check_device(device) -> None:
     """Raises ValueError unless ``device`` is cpu, cuda or cuda:N, with that CUDA device present."""
-    import re
-
     if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda"):
