@@ -121,9 +121,10 @@ def check_settings(cfg: DictConfig) -> None:
     """Check conf/serve.yaml's settings once, before anything loads or any rank starts, so that a bad
     value stops the server with its key named instead of failing later inside a part (or, for a flag
     such as ``force=no``, being read as true): flags are true or false; counts, ports and byte limits
-    integers in range; durations and budgets numbers (a half-life may be infinite); ``device`` cpu, cuda or cuda:N, with a
-    CUDA device present for the latter; ``log_level`` one of uvicorn's. The parts still check what only
-    they can (the dtype, the attention backend, the KV cache's options, the synthetic family's).
+    integers in range; durations and budgets numbers (a half-life may be infinite); ``device`` cpu,
+    cuda or cuda:N, with a CUDA device present for the latter; ``log_level`` one of uvicorn's. The
+    parts still check what only they can (the dtype, the attention backend, the KV cache's options,
+    the synthetic family's).
 
     Raises:
         ValueError: the first setting that is not of its kind, by name.
