@@ -765,9 +765,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         try:
             if body.messages is not None:
                 messages = [m.as_dict() for m in body.messages]
-                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts())
+                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs,
+                                              body.tool_dicts(), False)
             else:
-                ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens)
+                ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens, False)
         except InvalidRequestError as e:
             raise _api_error(e) from None
         strs = await run_in_threadpool(engine.token_strs, ids) if body.return_token_strs else None

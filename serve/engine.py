@@ -591,16 +591,18 @@ class Engine:
 
     # ---------------------------------------------------------------- tokens
 
-    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True,
+                      generating: bool = True) -> list[int]:
         """Token ids of a completion prompt: plain text, so ``"<|user|>"`` in it is text, not the special
         token (special tokens as the tokenizer adds them, e.g. BOS, are added unless
-        ``add_special_tokens`` is false). Token ids pass as they are."""
+        ``add_special_tokens`` is false). Token ids pass as they are. ``generating=False``
+        (``/tokenize``): a text refused untokenized for its length says so without a completion."""
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "prompt")
             return list(prompt)
-        self._check_chars(len(prompt), "prompt")
+        self._check_chars(len(prompt), "prompt", generating)
         _check_unicode(prompt, "prompt")
         with self._tok_lock:
             return self.tokenizer.encode(prompt, split_special_tokens=True, add_special_tokens=add_special_tokens)
@@ -628,7 +630,7 @@ class Engine:
             return self.tokenizer.convert_ids_to_tokens(ids)
 
     def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, generating: bool = True) -> list[int]:
         """Token ids of a chat (``[{"role", "content": str}]``, an assistant's ``tool_calls`` and a tool
         result's ``tool_call_id`` too), rendered with the tokenizer's chat template and the generation
         prompt; ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are more variables for the
@@ -638,7 +640,7 @@ class Engine:
         Only the template's own markers (role tokens, eos) are special tokens: a message that spells
         one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn;
         tools and tool calls that spell one are refused. A chat without such text is encoded exactly
-        as ``apply_chat_template(tokenize=True)`` does.
+        as ``apply_chat_template(tokenize=True)`` does. ``generating``: as :meth:`encode_prompt`'s.
         """
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -650,7 +652,7 @@ class Engine:
             if "tools" not in template or "tool_calls" not in template:
                 raise InvalidRequestError(f"model `{self.family}`'s chat template does not support tools",
                                           "tools" if tools else "messages", "tools_not_supported")
-            self._check_chars(len(listed), "tools")
+            self._check_chars(len(listed), "tools", generating)
             for text, param in [(listed, "tools")] + [(c, "messages") for c in calls]:
                 _check_unicode(text, param)
                 # neither a template marker nor the placeholders of the contents (below) may be spelled
@@ -658,7 +660,7 @@ class Engine:
                     raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens "
                                               "(or U+E000 / U+E001)", param, "invalid_value")
         self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls))  # templates may trim
-                          + (len(listed) if tools else 0), "messages")
+                          + (len(listed) if tools else 0), "messages", generating)
         for m in messages:
             _check_unicode(m["content"], "messages")
         if not any(s in m["content"] for m in messages for s in self._special_ids):
@@ -693,17 +695,18 @@ class Engine:
         normalizes = backend is None or backend.normalizer is not None
         return (max(map(len, texts), default=0) + 1) * (4 if normalizes else 1)
 
-    def _check_chars(self, n_chars: int, param: str) -> None:
+    def _check_chars(self, n_chars: int, param: str, generating: bool = True) -> None:
         """Raise check_length's context_length_exceeded error, without tokenizing, when ``n_chars``
         characters are certainly more tokens than the context holds: more than :attr:`max_token_chars`
         × ``max_model_len``. Tokenizing holds the tokenizer's one lock for seconds per megabyte, which
-        would stall every other request."""
+        would stall every other request. ``generating=False``: the text is only to be tokenized."""
         n, per = self.max_model_len, self.max_token_chars
         if n_chars > per * n:
+            why = "which leaves no room for the completion" if generating else "so it is not tokenized"
             raise InvalidRequestError(
                 f"This model's maximum context length is {n} tokens, but `{param}` holds {n_chars} characters: "
-                f"more than {n} tokens even at {per} characters per token (the most one token stands for), which "
-                f"leaves no room for the completion. Please reduce the length of the {param}.",
+                f"more than {n} tokens even at {per} characters per token (the most one token stands for), {why}. "
+                f"Please reduce the length of the {param}.",
                 param, "context_length_exceeded",
             )
 

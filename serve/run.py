@@ -150,10 +150,9 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"delta_cache.half_life_s must be a number > 0, got {hl!r}")
     if dc.device_budget_gb is not None and (not _number(dc.device_budget_gb) or not dc.device_budget_gb > 0):
         raise ValueError(f"delta_cache.device_budget_gb must be a number > 0 or null, got {dc.device_budget_gb!r}")
-    for key, v in (("wait_timeout_s", dc.wait_timeout_s), ("host_budget_gb", dc.host_budget_gb)):
-        if (v is not None or key == "wait_timeout_s") and (not _number(v) or v < 0):
-            raise ValueError(f"delta_cache.{key} must be a number ≥ 0{' or null' if key == 'host_budget_gb' else ''}, "
-                             f"got {v!r}")
+    for key, v, nullable in (("wait_timeout_s", dc.wait_timeout_s, False), ("host_budget_gb", dc.host_budget_gb, True)):
+        if (v is not None or not nullable) and (not _number(v) or v < 0):
+            raise ValueError(f"delta_cache.{key} must be a number ≥ 0{' or null' if nullable else ''}, got {v!r}")
     if not _integer(dc.pin_top_n) or dc.pin_top_n < 0:
         raise ValueError(f"delta_cache.pin_top_n must be an integer ≥ 0, got {dc.pin_top_n!r}")
     pinned = dc.pinned if dc.pinned is not None else []

@@ -80,6 +80,13 @@ def test_a_prompt_certainly_over_the_context_is_refused_without_tokenizing(engin
                    "than 128 tokens even at 26 characters per token (the most one token stands for), which leaves "
                    "no room for the completion. Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+    # /tokenize generates nothing: the same refusal says so (found by a fresh user)
+    said = api_error(tc.post("/tokenize", json={"model": "tiny", "prompt": "x" * (per * n + 1)}), 400)
+    assert said["code"] == "context_length_exceeded" and "completion" not in said["message"]
+    assert said["message"].endswith("(the most one token stands for), so it is not tokenized. Please reduce the "
+                                    "length of the prompt.")
+    said = api_error(tc.post("/tokenize", json={"model": "tiny", "messages": chat}), 400)
+    assert said["param"] == "messages" and "so it is not tokenized" in said["message"]
     # At the bound it is tokenized as before (the lock is free again).
     assert api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (per * n)}), 400) == tokenized
     assert len(calls) == 1
