@@ -332,15 +332,19 @@ def burst_prompt_tokens(cfg: DictConfig) -> int:
     return int(b.prompt_tokens if b.prompt_tokens is not None else cfg.max_position_embeddings - b.max_tokens)
 
 
+class SettingError(ValueError):
+    """A setting of the run, or a partial report it cannot go on from: said in one line, no traceback."""
+
+
 def check_workload(cfg: DictConfig) -> None:
-    """Raises ValueError where a fixed setting does not fit the served context, or a level is missing."""
+    """Raises SettingError where a fixed setting does not fit the served context, or a level is missing."""
     ctx = cfg.max_position_embeddings
     if not list(cfg.concurrency):
-        raise ValueError("concurrency: at least one level")
+        raise SettingError("concurrency: at least one level")
     for name, p, o in (("ttft", cfg.ttft.prompt_tokens, cfg.ttft.max_tokens),
                        ("burst", burst_prompt_tokens(cfg), cfg.burst.max_tokens)):
         if p < 1 or o < 1 or p + o > ctx:
-            raise ValueError(f"{name}: {p} prompt + {o} new tokens do not fit a context of {ctx}")
+            raise SettingError(f"{name}: {p} prompt + {o} new tokens do not fit a context of {ctx}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,6 +413,22 @@ class Server:
     (:func:`server_overrides`)."""
 
     def __init__(self, cfg: DictConfig, family: Path, log: Path):
+        """Start the server and wait until it answers ``/health``.
+
+        Raises:
+            RuntimeError: ``port`` is taken (whatever listens there would be measured instead), or the
+                server exited. TimeoutError: it did not answer within ``startup_timeout_s``. Whatever
+                stops the wait (Ctrl-C included) stops the server too.
+        """
+        import socket
+
+        with socket.socket() as sock:  # as uvicorn binds: SO_REUSEADDR, so TIME_WAIT does not count
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", cfg.port))
+            except OSError as e:
+                raise RuntimeError(f"port {cfg.port} on 127.0.0.1 is in use ({e.strerror or e}): the benchmark "
+                                   "would measure whatever listens there; stop it, or choose another port=N") from None
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.overrides = server_overrides(cfg, family, free_port())
         args = [sys.executable, str(REPO / "serve" / "run.py"), *self.overrides, f"hydra.run.dir={log.parent}"]
@@ -424,18 +444,21 @@ class Server:
         deadline = time.time() + cfg.startup_timeout_s
         import httpx
 
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise TimeoutError(f"the server did not start within {cfg.startup_timeout_s} s; see {log}")
-            time.sleep(0.5)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {self.proc.returncode}; see {log}")
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise TimeoutError(f"the server did not start within {cfg.startup_timeout_s} s; see {log}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
         self.startup_s = time.perf_counter() - t0
 
     def rss_bytes(self) -> int | None:
@@ -1056,29 +1079,27 @@ def resumed_report(partial: Path, fresh: dict) -> dict:
     """The report of ``partial`` (``<report_name>.partial.json``) to go on with, checked against this run's
     ``fresh`` start: the same configuration but for :data:`RESUME_FREE`, the same commit where both know
     theirs, and the same kind and number of devices. Its date and machine stay the first run's;
-    ``resumed`` lists each later start's. Engine steps that failed are measured again.
+    ``resumed`` lists each later start's. A phase that failed (its error recorded) stays done.
 
     Raises:
-        ValueError: the partial report was measured otherwise (naming the keys that differ), or is not one.
+        SettingError: the partial report was measured otherwise (naming the keys that differ), or is not one.
     """
     try:
         old = json.loads(partial.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot resume from {partial}: {e}") from e
-    if not isinstance(old, dict) or not isinstance(old.get("phases_done"), list) or "config" not in old:
-        raise ValueError(f"cannot resume from {partial}: not a partial report of serve/bench.py")
+        raise SettingError(f"cannot resume from {partial}: {e}") from e
+    if not isinstance(old, dict) or not isinstance(old.get("phases_done"), list) or not isinstance(old.get("config"), dict):
+        raise SettingError(f"cannot resume from {partial}: not a partial report of serve/bench.py")
     a, b = ({k: v for k, v in r["config"].items() if k not in RESUME_FREE} for r in (old, fresh))
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if differ:
-        raise ValueError(f"cannot resume from {partial}: it was measured with other values of {differ}")
+        raise SettingError(f"cannot resume from {partial}: it was measured with other values of {differ}")
     if old.get("commit") and fresh.get("commit") and old["commit"] != fresh["commit"]:
-        raise ValueError(f"cannot resume from {partial}: it was measured at commit {old['commit']}, "
+        raise SettingError(f"cannot resume from {partial}: it was measured at commit {old['commit']}, "
                          f"this checkout is {fresh['commit']}")
     was, now = ({k: r["machine"].get(k) for k in ("device", "gpus")} for r in (old, fresh))
     if was != now:  # the ratios between phases (ours ÷ the peers') would compare two machines
-        raise ValueError(f"cannot resume from {partial}: it was measured on {was}, this machine is {now}")
-    if isinstance(old.get("engine_steps"), dict) and "error" in old["engine_steps"]:  # failed: measure it again
-        old["phases_done"] = [p for p in old["phases_done"] if p != "engine steps"]
+        raise SettingError(f"cannot resume from {partial}: it was measured on {was}, this machine is {now}")
     old["resumed"] = [*old.get("resumed", []), {"date": fresh["date"], "machine": fresh["machine"],
                                                 "after": list(old["phases_done"])}]
     return old
@@ -1341,12 +1362,12 @@ def main(cfg: DictConfig) -> dict:
     levels = sorted({int(c) for c in cfg.concurrency})
     summary_c = int(cfg.summary_concurrency)
     if summary_c not in levels:
-        raise ValueError(f"summary_concurrency={summary_c} is not one of the concurrency levels {levels}")
+        raise SettingError(f"summary_concurrency={summary_c} is not one of the concurrency levels {levels}")
     if not isinstance(cfg.get("resume", False), bool):
-        raise ValueError(f"resume must be true or false, got {cfg.resume!r}")
+        raise SettingError(f"resume must be true or false, got {cfg.resume!r}")
     stop = cfg.get("stop_after_s")
     if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, float)) or not stop >= 0):
-        raise ValueError(f"stop_after_s must be null or a number of seconds ≥ 0, got {stop!r}")
+        raise SettingError(f"stop_after_s must be null or a number of seconds ≥ 0, got {stop!r}")
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(cfg), "commit": git_commit(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "synthetic": _synthetic_spec(cfg),
                     "summary_concurrency": summary_c}
@@ -1361,6 +1382,10 @@ def main(cfg: DictConfig) -> dict:
         print(f"resuming {partial}: done {report['phases_done']}", flush=True)
     elif cfg.get("resume"):
         print(f"nothing to resume at {partial}: a whole run", flush=True)
+    elif partial.exists():  # an earlier run's phases: kept aside, not overwritten
+        partial.replace(partial.with_suffix(".json.prev"))
+        print(f"a whole run: the partial report of an earlier one moved to {partial.with_suffix('.json.prev')} "
+              "(resume=true goes on from a partial report)", flush=True)
     done = frozenset(report.get("phases_done", ()))
     report["phase_gpus"] = {**report.get("phase_gpus", {})}
     started, stop_after = time.perf_counter(), cfg.get("stop_after_s")
@@ -1410,13 +1435,23 @@ def main(cfg: DictConfig) -> dict:
     return report
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a time limit's): exit through the ``finally`` blocks, which stop the server's session
+    and the clients, instead of leaving them running."""
+    raise SystemExit(128 + signum)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")
 def _entry(cfg: DictConfig) -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         main(cfg)
     except StoppedForResume as e:
         print(e, flush=True)
         sys.exit(STOPPED_EXIT)
+    except SettingError as e:  # a setting, or a partial report that cannot be resumed: named, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

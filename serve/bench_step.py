@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="prompt lengths of the steps timed beside the decode rows (with_prompt_step_ms)")
     p.add_argument("--out", help="write the result as JSON here")
     a = p.parse_args(argv)
+    for name, values in (("--rows", a.rows), ("--prompts", a.prompts), ("--iters", [a.iters]),
+                         ("--variants", [a.variants])):
+        if min(values) < 1:
+            p.error(f"{name} must be ≥ 1, got {values if len(values) > 1 else values[0]}")
+    if not torch.cuda.is_available():
+        p.exit(2, "error: the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)\n")
     res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,
                                                  "variants": a.variants, "prompts": a.prompts}})
     print(json.dumps(res["step_over_floor"], indent=1))

@@ -55,10 +55,11 @@ def _threads(cfg: DictConfig, world: int = 1) -> int:
     return cfg.threads or max(1, (cores - 1) // world)
 
 
-def _check_port(host: str, port: int) -> None:
-    """Raises ValueError if ``host:port`` cannot be bound (in use, or not an address of this machine),
-    checked before the model loads, so the failure comes first and alone. Bound as uvicorn binds it
-    (``SO_REUSEADDR``, so a socket in TIME_WAIT does not count)."""
+def _check_port(host: str, port: int) -> int:
+    """The port to serve on: ``port``, or for 0 a free one the OS picks (so the address printed is
+    the one served). Raises ValueError if ``host:port`` cannot be bound (in use, or not an address
+    of this machine), checked before the model loads, so the failure comes first and alone. Bound as
+    uvicorn binds it (``SO_REUSEADDR``, so a socket in TIME_WAIT does not count)."""
     import socket
 
     family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
@@ -69,6 +70,7 @@ def _check_port(host: str, port: int) -> None:
         except OSError as e:
             raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another port=N "
                              f"or host=...") from None
+        return sock.getsockname()[1]
 
 
 CORS_KEYS = ("allow_origins", "allow_methods", "allow_headers", "allow_credentials")
@@ -208,7 +210,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     try:
         torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
         sys.setswitchinterval(_switch_interval(cfg))
-        _check_port(cfg.host, cfg.port)
+        port = _check_port(cfg.host, cfg.port)
         protocol = http_protocol(cfg.timeout_request_s, cfg.get("http_parser", "auto"))
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base checkpoint at {cfg.base_dir} (config.json missing): build it with "
@@ -229,7 +231,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     try:
         if engine.synthetic is not None:
             _preload(engine)
-        url = f"http://{cfg.host}:{cfg.port}/v1"
+        url = f"http://{cfg.host}:{port}/v1"
         ids = [m.id for m in engine.models()]
         where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
         print(f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
@@ -238,7 +240,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
                          request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
                          cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        uvicorn.run(app, host=cfg.host, port=port, log_level=cfg.log_level,
                     http=protocol, timeout_keep_alive=cfg.timeout_keep_alive_s,
                     timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s, lifespan="off")
     finally:

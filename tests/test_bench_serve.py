@@ -317,6 +317,9 @@ def test_a_run_stopped_midway_keeps_what_it_measured(monkeypatch, tmp_path):
     assert d["phases_done"] == ["engine steps", "loads at 1"]
     assert d["engine_steps"]["step_over_floor"]["16"]["base"] == 1.4 and d["loads"]["1"]["base"]["tokens_per_s"] == 12.5
     assert not (reports / "stopped.json").exists()
+    with pytest.raises(KeyboardInterrupt):  # a whole run again: the earlier partial report is moved aside
+        bench.main(cfg)
+    assert json.loads((reports / "stopped.partial.json.prev").read_text()) == d
 
 
 def test_resume_refuses_a_partial_report_measured_otherwise(tmp_path):
@@ -345,11 +348,12 @@ def test_resume_refuses_a_partial_report_measured_otherwise(tmp_path):
                                          r"\{'device': 'NVIDIA H100', 'gpus': 1\}"):
         bench.resumed_report(partial, {**again, "machine": h100})
     failed = {**first, "engine_steps": {"error": "RuntimeError: out of memory"}}
-    partial.write_text(json.dumps(failed))  # failed engine steps are measured again
-    assert bench.resumed_report(partial, again)["phases_done"] == ["loads at 1"]
-    partial.write_text(json.dumps({"config": config}))
-    with pytest.raises(ValueError, match="not a partial report"):
-        bench.resumed_report(partial, again)
+    partial.write_text(json.dumps(failed))  # a failed phase stays done: its error is the result
+    assert bench.resumed_report(partial, again)["phases_done"] == ["engine steps", "loads at 1"]
+    for bad in ({"config": config}, {**first, "config": None}):
+        partial.write_text(json.dumps(bad))
+        with pytest.raises(bench.SettingError, match="not a partial report"):
+            bench.resumed_report(partial, again)
     partial.write_text("{")
     with pytest.raises(ValueError, match="cannot resume from"):
         bench.resumed_report(partial, again)
@@ -518,6 +522,44 @@ def test_the_pacing_flags_of_a_run_are_checked_first(tmp_path):
     assert not (tmp_path / "reports").exists()  # nothing measured, nothing written
 
 
+def test_the_server_is_not_started_on_a_port_in_use_nor_left_when_its_start_is_stopped(tmp_path, monkeypatch):
+    """Found by a fresh user: with the port taken, the benchmark measured whatever answered /health
+    there; and a Ctrl-C while the server started left it running (its own session)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, f"port={port}"])
+        started = []
+        monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: started.append(a))
+        with pytest.raises(RuntimeError, match=rf"^port {port} on 127\.0\.0\.1 is in use .*choose another port=N$"):
+            bench.Server(cfg, tmp_path / "fam", tmp_path / "server.log")
+        assert started == []
+    monkeypatch.undo()
+    procs = []
+    real_popen = bench.subprocess.Popen
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: procs.append(real_popen(*a, **k)) or procs[-1])
+    import httpx
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(httpx, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.Server(cfg, tmp_path / "fam", tmp_path / "server.log")
+    assert len(procs) == 1 and procs[0].poll() is not None  # stopped with the wait
+
+
+def test_a_bad_setting_of_a_run_is_one_line_and_exit_status_2(tmp_path):
+    r = subprocess.run([sys.executable, "serve/bench.py", *TINY, "resume=maybe", f"paths.root={tmp_path}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: resume must be true or false, got 'maybe'"
+    assert "Traceback" not in r.stderr
+
+
 def test_a_run_stopped_for_time_goes_on_where_it_stopped(tmp_path):
     """``stop_after_s=0`` stops a run after each phase (exit status 3, the partial report kept);
     ``resume=true`` measures only what it lacks, and the last call writes the whole report."""
@@ -579,3 +621,20 @@ def test_engine_steps_time_a_step_beside_each_prompt_length():
         assert set(r["with_prompt_step_ms"]) == {"8", "300"} and all(v > 0 for v in r["with_prompt_step_ms"].values())
         assert r["with_prompt_ms"] > 0 and r["floor_ms"] > 0
         assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+
+
+def test_the_engine_step_command_refuses_what_it_cannot_run(capsys):
+    """Counts below one, and (on a machine without CUDA) the run itself: exit status 2, one line."""
+    import torch
+
+    from deltafleet.serve import bench_step
+
+    with pytest.raises(SystemExit) as e:
+        bench_step.main(["--rows", "16", "--prompts", "128", "0"])
+    assert e.value.code == 2 and "error: --prompts must be ≥ 1, got [128, 0]" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(SystemExit) as e:
+        bench_step.main(["--rows", "16"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)\n"

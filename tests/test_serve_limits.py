@@ -400,4 +400,6 @@ def test_a_port_in_use_is_refused_before_the_model_loads():
         with pytest.raises(ValueError, match=rf"^cannot listen on 127\.0\.0\.1:{port} \(Address already in use\): "
                                              r"choose another port=N or host=\.\.\.$"):
             _check_port("127.0.0.1", port)
-    _check_port("127.0.0.1", port)  # free again
+    assert _check_port("127.0.0.1", port) == port  # free again
+    picked = _check_port("127.0.0.1", 0)  # port=0: a free port, the one the server then announces and binds
+    assert 0 < picked <= 65535 and _check_port("127.0.0.1", picked) == picked
