@@ -1088,7 +1088,7 @@ def resumed_report(partial: Path, fresh: dict) -> dict:
         old = json.loads(partial.read_text())
     except (OSError, ValueError) as e:
         raise SettingError(f"cannot resume from {partial}: {e}") from e
-    if not isinstance(old, dict) or not isinstance(old.get("phases_done"), list) or not isinstance(old.get("config"), dict):
+    if not (isinstance(old, dict) and isinstance(old.get("phases_done"), list) and isinstance(old.get("config"), dict)):
         raise SettingError(f"cannot resume from {partial}: not a partial report of serve/bench.py")
     a, b = ({k: v for k, v in r["config"].items() if k not in RESUME_FREE} for r in (old, fresh))
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
@@ -1096,7 +1096,7 @@ def resumed_report(partial: Path, fresh: dict) -> dict:
         raise SettingError(f"cannot resume from {partial}: it was measured with other values of {differ}")
     if old.get("commit") and fresh.get("commit") and old["commit"] != fresh["commit"]:
         raise SettingError(f"cannot resume from {partial}: it was measured at commit {old['commit']}, "
-                         f"this checkout is {fresh['commit']}")
+                           f"this checkout is {fresh['commit']}")
     was, now = ({k: r["machine"].get(k) for k in ("device", "gpus")} for r in (old, fresh))
     if was != now:  # the ratios between phases (ours ÷ the peers') would compare two machines
         raise SettingError(f"cannot resume from {partial}: it was measured on {was}, this machine is {now}")
