@@ -420,13 +420,15 @@ class Server:
                 server exited. TimeoutError: it did not answer within ``startup_timeout_s``. Whatever
                 stops the wait (Ctrl-C included) stops the server too.
         """
-        from deltafleet.serve.run import _check_port
+        import socket
 
-        try:  # bound as the server binds it
-            _check_port("127.0.0.1", cfg.port)
-        except ValueError as e:
-            raise RuntimeError(f"port {cfg.port} on 127.0.0.1 is in use — the benchmark would measure whatever "
-                               "listens there; stop it, or choose another port=N") from e
+        with socket.socket() as sock:  # as uvicorn binds: SO_REUSEADDR, so TIME_WAIT does not count
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", cfg.port))
+            except OSError as e:
+                raise RuntimeError(f"port {cfg.port} on 127.0.0.1 is in use ({e.strerror or e}): the benchmark "
+                                   "would measure whatever listens there; stop it, or choose another port=N") from None
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.overrides = server_overrides(cfg, family, free_port())
         args = [sys.executable, str(REPO / "serve" / "run.py"), *self.overrides, f"hydra.run.dir={log.parent}"]
