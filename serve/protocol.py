@@ -33,6 +33,7 @@ MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # likeliest tokens' log-probabilities per token (OpenAI's limit)
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # JSON characters of chat_template_kwargs
 MAX_CONSTRAINT_CHARS = 65536  # characters of a request's grammar, regular expression, schema or choices (as JSON)
+TOP_K_ALL = 2**31  # a top_k this large is past any vocabulary: no limit (the sampler's k is an int64)
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -216,7 +217,7 @@ class _Sampling(BaseModel):
                                description=f"below {SAMPLING_EPS:g} (0 included): greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, strict=True, description="the k most likely tokens only (vLLM's); "
-                                                                    "0, -1 or null: all")
+                                                                    "0, -1, null or k past the vocabulary: all")
     stop: Annotated[Annotated[Annotated[str, Tag("one")] | Annotated[list[str], Field(max_length=MAX_STOP),
                                                                      _too_many("stop", MAX_STOP), Tag("list")],
                               Discriminator(lambda v: "one" if isinstance(v, str) else "list")] | None,
@@ -304,7 +305,8 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         constraint = self.constraint()
-        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, max(self.top_k or 0, 0),
+        top_k = self.top_k if self.top_k and 0 < self.top_k < TOP_K_ALL else 0  # any k past the vocabulary: all
+        return SamplingParams(max_tokens, self.temperature, self.top_p, stop, self.seed, top_k,
                               self.ignore_eos, self.min_tokens, tuple(self.stop_token_ids or ()),
                               self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_p,
                               self.skip_special_tokens, self.logprob_count(),

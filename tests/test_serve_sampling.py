@@ -229,8 +229,9 @@ def test_penalties_through_the_engine_match_a_plain_greedy_loop(tiny_family):
 
 
 def test_top_k_through_the_api(tiny_family):
-    """``top_k`` (vLLM's parameter, ignored before): 1 at any temperature is greedy; -1, 0 and null
-    are no limit; below -1 is a 400."""
+    """``top_k`` (vLLM's parameter, ignored before): 1 at any temperature is greedy; -1, 0, null and a
+    k past the vocabulary (up to past int64, which once failed every request of the step) are no
+    limit; below -1 is a 400."""
     from fastapi.testclient import TestClient
 
     from deltafleet.serve.app import create_app
@@ -243,7 +244,7 @@ def test_top_k_through_the_api(tiny_family):
         one = tc.post("/v1/completions", json={**body, "temperature": 1.5, "top_k": 1, "seed": 3})
         assert one.json()["choices"][0]["text"] == greedy
         free = [tc.post("/v1/completions", json={**body, "temperature": 1.5, "seed": 3, **k}).json()
-                for k in ({}, {"top_k": -1}, {"top_k": 0}, {"top_k": None})]
+                for k in ({}, {"top_k": -1}, {"top_k": 0}, {"top_k": None}, {"top_k": 2**31}, {"top_k": 2**64})]
         assert len({f["choices"][0]["text"] for f in free}) == 1 and free[0]["choices"][0]["text"] != greedy
         assert tc.post("/v1/completions", json={**body, "top_k": -2}).status_code == 400
 
