@@ -236,7 +236,8 @@ class _Sampling(BaseModel):
                                     description="subtracted once from the logit of any token of the output")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, strict=True, allow_inf_nan=False,
                                      description="subtracted from a token's logit once per time it is in the output")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, strict=True, allow_inf_nan=False,
+    # from 0.01: dividing a logit by a smaller penalty can overflow float32 (1e-45 did), failing the request
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, strict=True, allow_inf_nan=False,
                                       description="vLLM's: a prompt or output token's positive logit divided by it, "
                                                   "a negative one multiplied; 1: none")
     min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,

@@ -346,7 +346,7 @@ def test_penalties_and_min_p_are_checked_and_applied(client, engine):
     is a 400 naming them; in range, the answer is the engine's with the same parameters."""
     base = dict(model="tiny-writer", prompt=PROMPTS[2], max_tokens=12, temperature=0)
     for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
-                        ("min_p", 1.5), ("repetition_penalty", True)):
+                        ("repetition_penalty", 1e-45), ("min_p", 1.5), ("repetition_penalty", True)):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**base, extra_body={name: value})
         assert e.value.body["param"] == name
