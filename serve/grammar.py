@@ -73,8 +73,24 @@ class Grammars:
         the tools, or to the one named, in serve/tools.py's format).
 
         Raises:
-            InvalidRequestError: the library refuses it (``param`` names the request field).
+            InvalidRequestError: the library refuses it, or no text satisfies it (no token may start
+                it: ``root ::= root``, an empty choice); ``param`` names the request field.
         """
+        compiled = self._compile(kind, spec, param)
+        if not self._can_start(compiled):
+            raise InvalidRequestError(f"the {kind} constraint accepts no text: no token can begin it", param,
+                                      "invalid_constraint")
+        return compiled
+
+    def _can_start(self, compiled) -> bool:
+        """Whether some token (or the end, where the empty text is accepted) may come first."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
+    def _compile(self, kind: str, spec: str | None, param: str):
         compiler = self._get_compiler()
         try:
             if kind == "json":

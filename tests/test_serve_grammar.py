@@ -77,6 +77,11 @@ def test_compiled_constraints_are_refused_by_name(grammars):
         grammars.compile("regex", "(unclosed")
     with pytest.raises(InvalidRequestError, match="grammar constraint"):
         grammars.compile("grammar", "root ::= undefined_rule")
+    # a grammar no text satisfies compiles, but no token may begin it: refused here, not at generation
+    with pytest.raises(InvalidRequestError, match="grammar constraint accepts no text") as e:
+        grammars.compile("grammar", "root ::= root", "guided_grammar")
+    assert e.value.param == "guided_grammar" and e.value.code == "invalid_constraint"
+    grammars.compile("grammar", 'root ::= "" | "a"')  # the empty text is some text: the end may come first
     assert choice_grammar(['say "hi"', "a\\b"]) == r'root ::= "say \"hi\"" | "a\\b"'
 
 
