@@ -301,9 +301,12 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
     base only instead).
 
     Raises:
-        ValueError: naming the argument whose shape does not fit, a slot tensor that is not of an
-            integer dtype, or a slot outside ``[−1, S)``.
+        ValueError: naming the argument whose shape does not fit, signs that are not uint8 (whether
+            or not a row reads them), a slot tensor that is not of an integer dtype, or a slot
+            outside ``[−1, S)``.
     """
+    if signs.dtype != torch.uint8:
+        raise ValueError(f"signs must be uint8, got {signs.dtype}")
     n, k = check_weight_and_bias(weight, None)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")

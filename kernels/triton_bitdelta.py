@@ -855,8 +855,6 @@ def bitdelta_linear_batched_triton(x: torch.Tensor, weight: torch.Tensor, signs:
     _check_dtypes(x, weight)
     if impl not in (None, "fma", "lut", "gluon", "planes"):
         raise ValueError(f"impl must be 'fma', 'lut', 'gluon' or 'planes', got {impl!r}")
-    if signs.dtype != torch.uint8:
-        raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu")
     n, k = check_weight_and_bias(weight, bias)
     m = x.shape[0]

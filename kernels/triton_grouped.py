@@ -298,8 +298,6 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
-    if signs.dtype != torch.uint8:
-        raise ValueError(f"signs must be uint8, got {signs.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu", betas=betas)
     check_weight_and_bias(weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()

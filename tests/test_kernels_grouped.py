@@ -19,6 +19,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
+from deltafleet import kernels  # noqa: E402
 from deltafleet.kernels import pack_signs, tile_signs  # noqa: E402
 from deltafleet.kernels.reference import bitdelta_linear_batched  # noqa: E402
 from deltafleet.kernels.triton_grouped import (BLOCK_M, bitdelta_linear_grouped, bitdelta_linears_grouped,  # noqa: E402
@@ -174,6 +175,13 @@ def test_grouped_contract_errors():
         bitdelta_linear_grouped(x, w, signs.int(), torch.ones(2), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="x and weight must share a floating dtype"):
         bitdelta_linear_grouped(x, w.half(), signs, torch.ones(2), torch.tensor([0, 1]))
+    # signs of another dtype are refused by every implementation even where no row reads them (the
+    # plain-torch reference, which the public entries take on the CPU, once computed the base)
+    base_rows = torch.tensor([-1, -1])
+    for fn in (bitdelta_linear_grouped, kernels.bitdelta_linear_grouped, kernels.bitdelta_linear_batched,
+               bitdelta_linear_batched):
+        with pytest.raises(ValueError, match="^signs must be uint8, got torch.float32$"):
+            fn(x, w, signs.float(), torch.ones(2), base_rows)
 
 
 @pytest.mark.parametrize("tiled", [True, False])
