@@ -889,7 +889,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             req = await run_in_threadpool(engine.prepare, model, prompt_ids, params, param)
         except Exception as e:
             raise _api_error(e) from None
-        metrics.add_model(model)
+        metrics.add_model(req.model_id)  # the canonical id (a bare variant name would start series of its own)
         return req
 
     async def prepare_all(model: str, prompts: list[list[int]], params: SamplingParams, n: int,

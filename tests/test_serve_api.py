@@ -770,8 +770,9 @@ def test_a_corrupt_artifact_is_503_and_others_keep_working(server, client, root)
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
-def test_a_variant_is_served_under_its_bare_name_too(client):
-    """As vLLM serves an adapter under its ``lora_name``: ``coder`` is ``tiny-coder``."""
+def test_a_variant_is_served_under_its_bare_name_too(server, client):
+    """As vLLM serves an adapter under its ``lora_name``: ``coder`` is ``tiny-coder``, and counted as it
+    on /metrics (no series of its own)."""
     def logprobs(model):
         r = client.completions.create(model=model, prompt="def main(", logprobs=1, **GREEDY)
         return r.model, r.choices[0].logprobs.token_logprobs
@@ -780,6 +781,8 @@ def test_a_variant_is_served_under_its_bare_name_too(client):
     assert bare == full and bare != base
     assert bare_model == "coder"  # echoed as asked, like vLLM
     assert client.models.retrieve("coder").id == "tiny-coder"
+    text = httpx.get(f"{server}/metrics").text
+    assert 'model_name="tiny-coder"' in text and 'model_name="coder"' not in text
 
 
 def test_metrics_after_traffic(server, client):
