@@ -4,7 +4,52 @@ A leaf module.
 """
 from __future__ import annotations
 
+import json
+import re
 import threading
+import weakref
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+_SPACE = "\u2581"  # SentencePiece's word-boundary mark
+_kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → (byte table or None, added ids)
+
+
+def _kind(tokenizer) -> tuple[dict[str, int] | None, frozenset[int]]:
+    """How ``tokenizer``'s tokens spell their bytes: the byte-level alphabet's inverse (GPT-2 style,
+    ``ByteLevel`` decoder) or None (SentencePiece style: ``<0xNN>`` byte tokens, ``▁`` for spaces);
+    and its added tokens' ids, whose text is their own."""
+    if tokenizer not in _kinds:
+        table = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        stack = [decoder] if decoder else []
+        while stack:
+            d = stack.pop()
+            if d.get("type") == "ByteLevel":
+                from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+                table = {c: b for b, c in bytes_to_unicode().items()}
+            stack += d.get("decoders") or []
+        _kinds[tokenizer] = table, frozenset(tokenizer.get_added_vocab().values())
+    return _kinds[tokenizer]
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """Each token's own bytes, which may be part of a UTF-8 character (OpenAI's logprobs ``bytes``,
+    where the token decoded alone reads U+FFFD). Call under the tokenizer's lock."""
+    table, added = _kind(tokenizer)
+    out = []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        byte = _BYTE_TOKEN.fullmatch(piece or "")
+        if piece is None or i in added:
+            out.append(tokenizer.decode([i]).encode())
+        elif table is not None and all(c in table for c in piece):
+            out.append(bytes(table[c] for c in piece))
+        elif byte is not None:
+            out.append(bytes([int(byte.group(1), 16)]))
+        else:
+            out.append(piece.replace(_SPACE, " ").encode())
+    return out
 
 
 def _failure_table(stop: str) -> list[int]:

@@ -81,6 +81,7 @@ class Step:
     logprob: float | None = None                       # the model's log-softmax of this token (logprobs asked)
     token_str: str | None = None                       # the token decoded alone (logprobs asked)
     top_logprobs: list[tuple[str, float]] | None = None  # the `logprobs` likeliest tokens: (decoded, log-probability)
+    token_bytes: list[bytes] | None = None             # the token's and then the likeliest ones' own bytes (logprobs)
     prompt_logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None  # first Step: prompt tokens 2…
 
 

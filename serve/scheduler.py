@@ -63,7 +63,7 @@ from typing import Callable
 import torch
 
 from deltafleet.serve import sampling
-from deltafleet.serve.detokenize import TextStream
+from deltafleet.serve.detokenize import TextStream, token_bytes
 from deltafleet.serve.kv import BlockPool
 from deltafleet.serve.pacing import StepClock, decode_kind
 from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
@@ -684,8 +684,10 @@ class _Detokenizer:
             return
         if lp is not None:  # the token and the likeliest ones decoded alone, here, off the model thread
             top = lp[1][:seq.req.params.logprobs]
+            ids = [token] + [i for i, _ in top]
             with seq.text.lock:
-                strs = [seq.text.tokenizer.decode([i]) for i in [token] + [i for i, _ in top]]
+                strs = [seq.text.tokenizer.decode([i]) for i in ids]
+                step.token_bytes = token_bytes(seq.text.tokenizer, ids)
             step.logprob, step.token_str = lp[0], strs[0]
             step.top_logprobs = [(s, v) for s, (_, v) in zip(strs[1:], top)]
         if prompt_lp is not None:

@@ -413,7 +413,8 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     chat_ids = engine.encode_chat(messages)
     tokens = [s.token_id for s in engine.generate("tiny", chat_ids, SamplingParams(**GREEDY))]
     ref = _reference_logprobs(engine, "tiny", chat_ids, tokens)
-    assert len(content) == len(tokens) and all(c.bytes == list(c.token.encode()) for c in content)
+    assert len(content) == len(tokens)  # a whole token's bytes are its text's (pieces of characters: below)
+    assert all(c.bytes == list(c.token.encode()) for c in content if "\ufffd" not in c.token)
     torch.testing.assert_close(torch.tensor([c.logprob for c in content]), ref.max(-1).values, rtol=0, atol=1e-4)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
     plain = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
@@ -425,6 +426,23 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=21)
     assert e.value.body["param"] == "logprobs"
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own(client):
+    """Held to characters that the tiny BPE spells in several tokens, the chat's tokens decoded alone
+    read U+FFFD, but each one's ``bytes`` are its own (OpenAI's field): in order they are the content's
+    bytes; so are the likeliest tokens'."""
+    chat = client.chat.completions.create(model="tiny-writer", messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2, extra_body={"guided_regex": "[é你🙂]{3,10}"},
+                                          temperature=0, max_tokens=64)
+    content, lp = chat.choices[0].message.content, chat.choices[0].logprobs.content
+    assert chat.choices[0].finish_reason == "stop"  # the regex ended: no character cut short
+    assert "\ufffd" in [c.token for c in lp]  # pieces of characters: the case the field is for
+    assert lp[-1].token == "<|endoftext|>" and lp[-1].bytes == list(b"<|endoftext|>")  # the end: not in content
+    assert bytes(b for c in lp[:-1] for b in c.bytes) == content.encode()
+    tops = [t for c in lp for t in c.top_logprobs]  # the model's likeliest, pieces of characters too
+    assert all(t.bytes == list(t.token.encode()) for t in tops if t.token != "\ufffd")
+    assert all(t.bytes != list("\ufffd".encode()) for t in tops if t.token == "\ufffd")
 
 
 def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):

@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 
 from deltafleet.serve.app import create_app
 from deltafleet.serve import sampling
-from deltafleet.serve.detokenize import TextStream
+from deltafleet.serve.detokenize import TextStream, token_bytes
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.sampling import SamplingBatch
 from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS, NULL_IS_DEFAULT
@@ -234,6 +234,39 @@ def test_stop_strings_match_a_brute_force_reference_on_random_tokens(engine):
             stops.append(text[a:a + rng.randrange(1, 6)] or "zz")  # U+FFFD too: an incomplete character
         out, stopped, _ = _stream(ids, tuple(stops), tok)
         assert (out, stopped) == _expected(text, tuple(stops)), (ids, stops)
+
+
+def test_each_token_spells_its_own_bytes_pieces_of_characters_too(engine):
+    """``token_bytes`` (OpenAI's logprobs ``bytes``): the tiny family's byte-level BPE splits these
+    characters into tokens that are no UTF-8 alone, and their bytes concatenate to the text's; an
+    added token's are its text. A SentencePiece-style tokenizer (``▁`` for spaces, ``<0xNN>`` byte
+    tokens) spells a space and single bytes."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = engine.detokenizer
+    text = "def é(x): return '你🙂'"
+    ids = tok.encode(text, add_special_tokens=False)
+    got = token_bytes(tok, ids)
+    assert b"".join(got) == text.encode()
+    assert any(_not_utf8(b) for b in got)  # pieces of a character: the case the field is for
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert token_bytes(tok, [eos]) == [b"<|endoftext|>"]
+
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "\u2581a": 3, "b": 4}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = PreTrainedTokenizerFast(tokenizer_object=sp)
+    assert token_bytes(sp, [3, 1, 2, 4]) == [b" a", b"\xc3", b"\xa9", b"b"]
+    assert sp.decode([3, 1, 2, 4]) == " aéb"
+
+
+def _not_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def test_a_long_held_stop_prefix_costs_time_linear_in_the_new_text():
