@@ -74,7 +74,7 @@ class Grammars:
 
         Raises:
             InvalidRequestError: the library refuses it, or no text satisfies it (no token may start
-                it: ``root ::= root``, an empty choice); ``param`` names the request field.
+                it, as in ``root ::= root``); ``param`` names the request field.
         """
         compiled = self._compile(kind, spec, param)
         if not self._can_start(compiled):
