@@ -21,6 +21,7 @@ server answers.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -55,11 +56,12 @@ def _threads(cfg: DictConfig, world: int = 1) -> int:
     return cfg.threads or max(1, (cores - 1) // world)
 
 
-def _check_port(host: str, port: int) -> int:
+def _check_port(host: str, port: int, key: str = "port") -> int:
     """The port to serve on: ``port``, or for 0 a free one the OS picks (so the address printed is
     the one served). Raises ValueError if ``host:port`` cannot be bound (in use, or not an address
-    of this machine), checked before the model loads, so the failure comes first and alone. Bound as
-    uvicorn binds it (``SO_REUSEADDR``, so a socket in TIME_WAIT does not count)."""
+    of this machine), checked before the model loads, so the failure comes first and alone; ``key``:
+    the setting to change. Bound as uvicorn binds it (``SO_REUSEADDR``, so a socket in TIME_WAIT does
+    not count)."""
     import socket
 
     family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
@@ -68,8 +70,8 @@ def _check_port(host: str, port: int) -> int:
         try:
             sock.bind((host, port))
         except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another port=N "
-                             f"or host=...") from None
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another {key}=N"
+                             + (" or host=..." if key == "port" else "")) from None
         return sock.getsockname()[1]
 
 
@@ -170,6 +172,35 @@ def check_settings(cfg: DictConfig) -> None:
     _switch_interval(cfg)
 
 
+def _no_base(cfg: DictConfig) -> str:
+    from deltafleet.cli import build_hint
+
+    return (f"no base checkpoint at {cfg.base_dir} (config.json missing): build it with "
+            f"`{build_hint(cfg, 'base')}`, or set base_dir=/path/to/hf/checkpoint")
+
+
+def check_tensor_parallel(cfg: DictConfig) -> None:
+    """With ``tp`` > 1, before any rank starts: the base checkpoint is there and its heads split over
+    the ranks, and the HTTP port and the ranks' rendezvous port (``tp_port``, on 127.0.0.1) are free.
+    The ranks check the rest of the shapes.
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    config = Path(cfg.base_dir) / "config.json"
+    if not config.is_file():  # every rank would fail to load it
+        raise ValueError(_no_base(cfg))
+    c = json.loads(config.read_text())
+    heads = c.get("num_attention_heads")
+    kv = c.get("num_key_value_heads") or heads
+    if isinstance(heads, int) and isinstance(kv, int) and (heads % cfg.tp or kv % cfg.tp):
+        raise ValueError(f"tp={cfg.tp} does not split the base's {heads} query / {kv} key-value heads: "
+                         "choose a tp that divides both")
+    if cfg.port:  # 0: rank 0 picks one
+        _check_port(cfg.host, cfg.port)
+    _check_port("127.0.0.1", cfg.tp_port, "tp_port")
+
+
 def _check_device(device) -> None:
     """Raises ValueError unless ``device`` is cpu, cuda or cuda:N, with that CUDA device present."""
     if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -203,7 +234,6 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
 
-    from deltafleet.cli import build_hint
     from deltafleet.serve.app import create_app, http_protocol
     from deltafleet.serve.engine import Engine
 
@@ -213,8 +243,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         port = _check_port(cfg.host, cfg.port)
         protocol = http_protocol(cfg.timeout_request_s, cfg.get("http_parser", "auto"))
         if not (Path(cfg.base_dir) / "config.json").is_file():
-            raise FileNotFoundError(f"no base checkpoint at {cfg.base_dir} (config.json missing): build it with "
-                                    f"`{build_hint(cfg, 'base')}`, or set base_dir=/path/to/hf/checkpoint")
+            raise FileNotFoundError(_no_base(cfg))
         engine = Engine(cfg.base_dir, cfg.artifacts_dir, family=cfg.family, device=device, dtype=cfg.dtype,
                         force=cfg.force, delta_cache=_cache_options(cfg), max_batch=cfg.max_batch, tp=tp,
                         cuda_graphs=cfg.cuda_graphs, prefill_graphs=cfg.prefill_graphs,
@@ -335,7 +364,17 @@ def main(cfg: DictConfig) -> None:
     if cfg.tp > 1:
         import torch.multiprocessing as mp
 
-        mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=True)
+        try:
+            check_tensor_parallel(cfg)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=True)
+        except mp.ProcessExitedException as e:  # a rank stopped with its own error line (exit 2): no traceback
+            if e.exit_code != 2:
+                raise
+            sys.exit(2)
     else:
         _serve(cfg, cfg.device)
 

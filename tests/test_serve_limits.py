@@ -375,6 +375,42 @@ def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "error: force must be true or false, got 'no'", r.stderr
 
 
+def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_family, tmp_path):
+    """Found by a fresh user: with tp > 1, a tp that does not split the heads, a taken HTTP port or
+    rendezvous port (tp_port), a missing base, or a setting only rank 0 checks (attention) ended in
+    the ranks' tracebacks and exit status 1. Each is now one error line and exit 2: all but the last
+    before any rank starts, the last from rank 0, whose exit status the launcher passes on."""
+    import socket
+
+    def run(*overrides):
+        return subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "threads=1", *overrides],
+                              cwd=REPO, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
+
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free.bind(("127.0.0.1", 0))
+        busy, port = taken.getsockname()[1], free.getsockname()[1]
+        free.close()
+        base = f"base_dir={tiny_family.base_dir}"
+        for overrides, message in (
+                ((base, "tp=3"), "error: tp=3 does not split the base's 4 query / 2 key-value heads: choose a tp "
+                                 "that divides both"),
+                ((base, "tp=2", f"port={busy}"), f"error: cannot listen on 127.0.0.1:{busy} (Address already in use): "
+                                                 "choose another port=N or host=..."),
+                ((base, "tp=2", f"tp_port={busy}"), f"error: cannot listen on 127.0.0.1:{busy} (Address already in "
+                                                    "use): choose another tp_port=N")):
+            r = run(*overrides)
+            assert r.returncode == 2 and r.stderr.strip() == message, r.stderr
+        r = run(f"base_dir={tmp_path / 'none'}", "tp=2", f"tp_port={port}", "port=0")
+        assert r.returncode == 2 and r.stderr.startswith("error: no base checkpoint at") and r.stderr.count("\n") == 1
+        r = run(base, f"artifacts_dir={tiny_family.artifacts_dir}", "tp=2", f"tp_port={port}", "port=0",
+                "attention=foo")  # rank 0's own check, once the ranks have started
+        assert r.returncode == 2 and r.stderr.strip() == "error: attention must be one of ('auto', 'flex', 'sdpa'), " \
+                                                          "got 'foo'", r.stderr
+
+
 def test_cuda_without_a_cuda_device_is_refused_by_name():
     import torch
 
