@@ -136,6 +136,9 @@ class Engine:
         scheduler_delay_factor: admission pacing (vLLM's name; serve/plan.py): while sequences run, a
             waiting request is admitted once it has waited this many times the last admitting step;
             0 (default): at once.
+        long_prefill_token_threshold: a prompt's tokens one step prefills at most (vLLM's name;
+            serve/plan.py), so a long prompt leaves room for the prompts behind it; 0 (default): all
+            the budget left.
         async_scheduling: plan and launch each step while the previous one runs on the device, its
             sampled tokens fed to the next step there (serve/scheduler.py); off with ``tp``.
         late_planning: with ``async_scheduling`` on CUDA, plan the step after a decode step as late as
@@ -161,7 +164,8 @@ class Engine:
                  prefill_graphs: bool = False, capture_at_start: bool = False, max_num_batched_tokens: int = 2048,
                  kv_cache: dict | None = None,
                  attention: str = "auto",
-                 scheduler_delay_factor: float = 0.0, async_scheduling: bool = True, late_planning: bool = False):
+                 scheduler_delay_factor: float = 0.0, async_scheduling: bool = True, late_planning: bool = False,
+                 long_prefill_token_threshold: int = 0):
         self.base_dir = Path(base_dir)
         self.dtype = _dtype(dtype)
         if not (self.base_dir / "config.json").is_file():
@@ -234,6 +238,9 @@ class Engine:
         if isinstance(scheduler_delay_factor, bool) or not isinstance(scheduler_delay_factor, (int, float)) \
                 or not 0 <= scheduler_delay_factor < math.inf:
             raise ValueError(f"scheduler_delay_factor must be a finite number ≥ 0, got {scheduler_delay_factor!r}")
+        if isinstance(long_prefill_token_threshold, bool) or not isinstance(long_prefill_token_threshold, int) \
+                or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer ≥ 0, got {long_prefill_token_threshold!r}")
         block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
         if n_blocks * block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",
@@ -249,7 +256,8 @@ class Engine:
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
                                        cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs, attention=attention,
                                        delay_factor=float(scheduler_delay_factor), capture_at_start=capture_at_start,
-                                       async_scheduling=async_scheduling, late_planning=late_planning)
+                                       async_scheduling=async_scheduling, late_planning=late_planning,
+                                       long_prefill_token_threshold=long_prefill_token_threshold)
 
     def _kv_blocks(self, opts: dict, max_batch: int) -> tuple[int, int]:
         """``(block_size, n_blocks)`` of the paged KV cache (see the class docstring's ``kv_cache``).

@@ -4,7 +4,9 @@ Each step the planner decides, without touching the model: every running sequenc
 whole prompt in the KV cache decodes one token; the budget left goes to prompts, continuing the
 ones already started and then admitting waiting requests, each in chunks of at most what is left,
 so a long prompt is prefilled over several steps beside the running streams instead of stalling
-them. Waiting requests are admitted one per model queue in turn (a busy variant cannot starve a
+them. With ``long_prefill_token_threshold`` (vLLM's name) a prompt's chunk is at most that many
+tokens a step, so that a long prompt leaves budget for the prompts that arrive after it instead of
+taking every step until it is in. Waiting requests are admitted one per model queue in turn (a busy variant cannot starve a
 quiet one) and never past the first that does not fit (no head-of-line skipping within a queue).
 
 KV blocks come from a :class:`~deltafleet.serve.kv.BlockPool`. A running sequence that needs a new
@@ -88,17 +90,21 @@ class Planner:
 
     Raises:
         ValueError: ``max_running`` < 1, ``token_budget`` < ``max_running`` (every running sequence
-            must be able to decode in every step), or ``delay_factor`` < 0.
+            must be able to decode in every step), ``delay_factor`` < 0, or
+            ``long_prefill_token_threshold`` < 0 (0: a chunk takes all the budget left).
     """
 
     def __init__(self, pool: BlockPool, max_running: int, token_budget: int, delay_factor: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, long_prefill_token_threshold: int = 0):
         if max_running < 1 or token_budget < max_running:
             raise ValueError(f"need 1 ≤ max_running ≤ token_budget, got {max_running} and {token_budget}")
         if not 0 <= delay_factor < math.inf:  # inf would admit nothing while anything runs
             raise ValueError(f"scheduler_delay_factor must be finite and ≥ 0, got {delay_factor}")
         self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be ≥ 0, got {long_prefill_token_threshold}")
         self.delay_factor, self.clock = float(delay_factor), clock
+        self.chunk_cap = long_prefill_token_threshold or token_budget  # a prompt's tokens a step at most
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()
         self.running: list[Sequence] = []
         self._admissions = 0
@@ -174,7 +180,7 @@ class Planner:
             if budget == 0:
                 break
             if seq.prefilling:  # (the decode rows are not)
-                budget -= self._chunk(seq, budget, plan)
+                budget -= self._chunk(seq, min(budget, self.chunk_cap), plan)
         if plan.preempted:  # no room this step: admitting now would take the blocks just freed
             return plan
         if not self._may_admit(now):
@@ -194,7 +200,7 @@ class Planner:
                 self.waiting.move_to_end(model_id)  # the next admission starts with another queue
                 seq.admitted, self._admissions, seq.preempted = self._admissions, self._admissions + 1, False
                 self.running.append(seq)
-                budget -= self._chunk(seq, budget, plan)
+                budget -= self._chunk(seq, min(budget, self.chunk_cap), plan)
                 admitted = True
             if not admitted:
                 break

@@ -142,6 +142,8 @@ def check_settings(cfg: DictConfig) -> None:
     for key in LIMITS:
         if (v := OmegaConf.select(cfg, key)) is not None and (not _integer(v) or v < 1):
             raise ValueError(f"{key} must be null or an integer ≥ 1, got {v!r}")
+    if not _integer(v := cfg.long_prefill_token_threshold) or v < 0:
+        raise ValueError(f"long_prefill_token_threshold must be an integer ≥ 0, got {v!r}")
     if not _integer(v := cfg.port) or not 0 <= v <= 65535:  # 0: any free port, as the OS picks it
         raise ValueError(f"port must be a port number from 0 to 65535, got {v!r}")
     if not _integer(v := cfg.tp_port) or not 1 <= v <= 65535:  # every rank must know it: no 0
@@ -251,6 +253,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                         kv_cache=OmegaConf.to_container(cfg.kv_cache), attention=cfg.attention,
                         scheduler_delay_factor=cfg.scheduler_delay_factor, async_scheduling=cfg.async_scheduling,
+                        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                         late_planning=cfg.late_planning)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)

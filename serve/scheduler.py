@@ -149,6 +149,7 @@ class Scheduler:
             CUDA graphs of up to ``token_budget`` tokens.
         attention: the decode attention backend (serve/attention.py): ``auto``, ``flex``, ``sdpa``.
         delay_factor: admission pacing (serve/plan.py; 0: admit at once).
+        long_prefill_token_threshold: a prompt's tokens a step at most (serve/plan.py; 0: the budget left).
         capture_at_start: capture every CUDA graph bucket here, before the scheduler thread starts.
         async_scheduling: plan and launch each step before the previous step's tokens are read (see
             the module docstring); off with tensor parallelism.
@@ -160,7 +161,7 @@ class Scheduler:
     def __init__(self, engine, max_batch: int, max_seq_len: int, n_blocks: int, block_size: int,
                  token_budget: int, cuda_graphs: bool = False, attention: str = "auto", delay_factor: float = 0.0,
                  prefill_graphs: bool = False, capture_at_start: bool = False, async_scheduling: bool = True,
-                 late_planning: bool = False):
+                 late_planning: bool = False, long_prefill_token_threshold: int = 0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine, self.model = engine, engine.model
@@ -171,7 +172,8 @@ class Scheduler:
                                   cuda_graphs=graphs, attention=attention,
                                   prefill_graphs=token_budget if prefill_graphs else 0)
         self.pool = BlockPool(n_blocks, block_size)
-        self.planner = Planner(self.pool, max_batch, token_budget, delay_factor)
+        self.planner = Planner(self.pool, max_batch, token_budget, delay_factor,
+                               long_prefill_token_threshold=long_prefill_token_threshold)
         self._cv = threading.Condition()  # guards the planner's queues (submit runs in request threads)
         self.steps = 0  # steps run (tests, metrics)
         self.preemptions = 0

@@ -341,6 +341,7 @@ def _serve_cfg(*overrides: str):
     ("max_batch=1.5", "max_batch must be an integer ≥ 1, got 1.5"),
     ("max_num_batched_tokens=0", "max_num_batched_tokens must be an integer ≥ 1, got 0"),
     ("tp=abc", "tp must be an integer ≥ 1, got 'abc'"),
+    ("long_prefill_token_threshold=-1", "long_prefill_token_threshold must be an integer ≥ 0, got -1"),
     ("delta_cache.device_slots=0", "delta_cache.device_slots must be null or an integer ≥ 1, got 0"),
     ("max_request_bytes=abc", "max_request_bytes must be null or an integer ≥ 1, got 'abc'"),
     ("port=abc", "port must be a port number from 0 to 65535, got 'abc'"),

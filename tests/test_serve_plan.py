@@ -40,6 +40,32 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_running_stream():
     assert len(long.tokens) == 51 and not long.prefilling  # sampled at the end of its last chunk
 
 
+def test_a_long_prefill_threshold_leaves_budget_for_a_short_prompt_behind_a_long_one():
+    """vLLM's ``long_prefill_token_threshold``: without it the long prompt's chunks take the whole
+    budget and a short prompt that arrives after it waits for its last chunk; with a threshold of 8
+    the long prompt goes 8 tokens a step and the short one is admitted and prefilled at once."""
+    for threshold, short_admitted_at in ((0, 2), (8, 1)):
+        planner = Planner(BlockPool(64, 4), max_running=4, token_budget=16,
+                          long_prefill_token_threshold=threshold)
+        long, short = _seq("tiny", 40), _seq("tiny-coder", 5)
+        planner.add(long)
+        steps = []
+        for step in range(6):
+            plan = planner.schedule()
+            steps.append([(s is long, start, stop) for s, start, stop in plan.prefill])
+            assert plan.tokens <= 16
+            _run(planner, plan)
+            if step == 0:
+                planner.add(short)
+        first = next(i for i, chunks in enumerate(steps) if any(not is_long for is_long, _, _ in chunks))
+        assert first == short_admitted_at, (threshold, steps)
+        if threshold:
+            assert all(stop - start <= 8 for chunks in steps for _, start, stop in chunks)
+            assert steps[1] == [(True, 8, 16), (False, 0, 5)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be ≥ 0, got -1"):
+        Planner(BlockPool(8, 4), 2, 8, long_prefill_token_threshold=-1)
+
+
 def test_prompts_are_admitted_together_and_queues_take_turns():
     planner = Planner(BlockPool(64, 4), max_running=3, token_budget=64)
     a = [_seq("tiny-a", 4) for _ in range(4)]

@@ -301,6 +301,14 @@ def test_long_prompts_in_chunks_and_preempted_sequences_give_what_they_give_alon
                        if line and not line.startswith("#"))
     assert float(samples["deltafleet:kv_cache_usage_perc"]) == 0.0
     assert float(samples["deltafleet:num_preemptions_total"]) == sch.preemptions
+    # prompts 5 tokens a step at most (long_prefill_token_threshold): more, smaller chunks, same tokens
+    capped = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=6,
+                    max_num_batched_tokens=12, long_prefill_token_threshold=5)
+    planner, chunks = capped.scheduler.planner, []
+    schedule = planner.schedule
+    planner.schedule = lambda: (plan := schedule(), chunks.extend(b - a for _, a, b in plan.prefill))[0]
+    assert complete_together(capped, jobs) == want
+    assert max(chunks) == 5
 
 
 def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_family):
