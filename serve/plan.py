@@ -6,8 +6,9 @@ ones already started and then admitting waiting requests, each in chunks of at m
 so a long prompt is prefilled over several steps beside the running streams instead of stalling
 them. With ``long_prefill_token_threshold`` (vLLM's name) a prompt's chunk is at most that many
 tokens a step, so that a long prompt leaves budget for the prompts that arrive after it instead of
-taking every step until it is in. Waiting requests are admitted one per model queue in turn (a busy variant cannot starve a
-quiet one) and never past the first that does not fit (no head-of-line skipping within a queue).
+taking every step until it is in. Waiting requests are admitted one per model queue in turn (a busy
+variant cannot starve a quiet one) and never past the first that does not fit (no head-of-line
+skipping within a queue).
 
 KV blocks come from a :class:`~deltafleet.serve.kv.BlockPool`. A running sequence that needs a new
 block when none is free preempts the most recently admitted running sequence (its blocks are
@@ -100,9 +101,9 @@ class Planner:
             raise ValueError(f"need 1 ≤ max_running ≤ token_budget, got {max_running} and {token_budget}")
         if not 0 <= delay_factor < math.inf:  # inf would admit nothing while anything runs
             raise ValueError(f"scheduler_delay_factor must be finite and ≥ 0, got {delay_factor}")
-        self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be ≥ 0, got {long_prefill_token_threshold}")
+        self.pool, self.max_running, self.token_budget = pool, max_running, token_budget
         self.delay_factor, self.clock = float(delay_factor), clock
         self.chunk_cap = long_prefill_token_threshold or token_budget  # a prompt's tokens a step at most
         self.waiting: OrderedDict[str, deque[Sequence]] = OrderedDict()
