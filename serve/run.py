@@ -22,6 +22,7 @@ server answers.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -372,6 +373,8 @@ def main(cfg: DictConfig) -> None:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        # once a rank stops on its error line, the launcher stops the others with a warning each: not news
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
             mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=True)
         except mp.ProcessExitedException as e:  # a rank stopped with its own error line (exit 2): no traceback
