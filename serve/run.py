@@ -190,15 +190,16 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
     Raises:
         ValueError: naming the setting.
     """
+    from deltafleet.serve.model import ModelArgs
+    from deltafleet.serve.tp import heads_split
+
     config = Path(cfg.base_dir) / "config.json"
     if not config.is_file():  # every rank would fail to load it
         raise ValueError(_no_base(cfg))
-    c = json.loads(config.read_text())
-    heads = c.get("num_attention_heads")
-    kv = c.get("num_key_value_heads") or heads
-    if isinstance(heads, int) and isinstance(kv, int) and (heads % cfg.tp or kv % cfg.tp):
-        raise ValueError(f"tp={cfg.tp} does not split the base's {heads} query / {kv} key-value heads: "
-                         "choose a tp that divides both")
+    args = ModelArgs.from_hf_config(json.loads(config.read_text()))
+    if not heads_split(args, cfg.tp):
+        raise ValueError(f"tp={cfg.tp} does not split the base's {args.n_head} query / {args.n_local_heads} "
+                         "key-value heads: choose a tp that divides both")
     if cfg.port:  # 0: rank 0 picks one
         _check_port(cfg.host, cfg.port)
     _check_port("127.0.0.1", cfg.tp_port, "tp_port")

@@ -56,6 +56,12 @@ def slice_for(name: str, sl, rank: int, world: int) -> Tensor:
     return sl[:]
 
 
+def heads_split(args, world: int) -> bool:
+    """Whether ``args``' (a :class:`deltafleet.serve.model.ModelArgs`) query and key-value heads both
+    divide over ``world`` ranks."""
+    return not (args.n_head % world or args.n_local_heads % world)
+
+
 def shard_model(model, rank: int, world: int, group=None) -> None:
     """Cut ``model`` (a :class:`deltafleet.serve.model.Transformer`) in place to rank ``rank``'s slice of
     ``world``; row-parallel linears all-reduce their outputs over ``group``.
@@ -65,7 +71,7 @@ def shard_model(model, rank: int, world: int, group=None) -> None:
             divide over ``world``.
     """
     a = model.args
-    if a.n_head % world or a.n_local_heads % world:
+    if not heads_split(a, world):
         raise ValueError(f"{a.n_head} query / {a.n_local_heads} key-value heads do not split over {world} ranks")
     if world == 1:
         return
