@@ -579,14 +579,9 @@ def chat_logprobs(steps: list) -> dict | None:
     steps = [s for s in steps if s.logprob is not None]
     if not steps:
         return None
-    def entry(t: str, v: float, b: bytes | None) -> dict:  # a token's own bytes: a piece of a character too
-        return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8") if b is None else b)}
-
-    def own(s) -> list:  # the step's token's bytes, then its top tokens'
-        return s.token_bytes or [None] * (len(s.top_logprobs) + 1)
-
-    return {"content": [entry(s.token_str, s.logprob, own(s)[0])
-                        | {"top_logprobs": [entry(t, v, b) for (t, v), b in zip(s.top_logprobs, own(s)[1:])]}
+    entry = lambda t, v, b: {"token": t, "logprob": v, "bytes": list(b)}  # its own bytes: a piece of a character too
+    return {"content": [entry(s.token_str, s.logprob, s.token_bytes[0])
+                        | {"top_logprobs": [entry(t, v, b) for (t, v), b in zip(s.top_logprobs, s.token_bytes[1:])]}
                         for s in steps]}
 
 
