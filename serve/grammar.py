@@ -83,7 +83,8 @@ class Grammars:
         return compiled
 
     def _can_start(self, compiled) -> bool:
-        """Whether some token (or the end, where the empty text is accepted) may come first."""
+        """Whether some token (or the end, where the empty text is accepted) may come first. A bitmask
+        of its own, not :meth:`bitmask`'s: that one is the scheduler thread's, this runs in a request's."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
