@@ -7,11 +7,11 @@ under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error o
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
 404 unknown model, 408 a body that did not arrive in ``request_timeout_s``, 413 a body over
 ``max_request_bytes`` (refused before it is parsed), 429 overloaded (with ``Retry-After``), 503
-variant unavailable, 500 a failed generation (``generation_failed``) or anything unexpected (a
-generic message; the details go to the server log) — none stops the server, and ``/openapi.json``
-lists each route's. OpenAI parameters this server does not implement (``echo``, ``logprobs``,
-``tools``, ...) are a 400 unless their value asks for nothing. Request bodies are bounded before any
-work (serve/protocol.py).
+variant unavailable or the server shutting down (``shutting_down``: ``app.state.drain``), 500 a
+failed generation (``generation_failed``) or anything unexpected (a generic message; the details go
+to the server log) — none stops the server, and ``/openapi.json`` lists each route's. OpenAI
+parameters this server does not implement (``echo``, ``logprobs``, ``tools``, ...) are a 400 unless
+their value asks for nothing. Request bodies are bounded before any work (serve/protocol.py).
 
 An error reaches every request it affects and only those: one request's failed generation ends it
 alone, never its batch. A stream's status line waits for its first token, so that an error until
@@ -59,6 +59,7 @@ from deltafleet.serve.request import (
     InvalidRequestError,
     ModelNotFoundError,
     SamplingParams,
+    ServerShuttingDownError,
     Step,
     VariantInUseError,
     VariantUnavailableError,
@@ -132,6 +133,8 @@ def _api_error(e: Exception) -> APIError:
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
     if isinstance(e, GenerationError):  # logged where it happened (serve/scheduler.py)
         return APIError(500, f"Generation failed: {e}.", "server_error", None, "generation_failed")
+    if isinstance(e, ServerShuttingDownError):
+        return APIError(503, str(e), "service_unavailable_error", None, "shutting_down")
     if isinstance(e, VariantInUseError):
         return APIError(409, f"{e}; retry when they have finished", "invalid_request_error", "variant",
                         "variant_in_use")
@@ -684,6 +687,26 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     engine.add_listener(metrics.on_delta_event)
     engine.scheduler.step_observers.append(metrics.on_step)
     app.state.engine, app.state.metrics = engine, metrics
+    draining = threading.Event()
+
+    def drain(timeout_s: float | None) -> None:
+        """Begin a graceful shutdown (serve/run.py calls it on the first SIGTERM or Ctrl-C): ``/health``
+        answers 503, requests that have not started, and every later one, are refused with 503
+        ``shutting_down``, and those running get ``timeout_s`` seconds (None: no limit) to finish,
+        then are cut off with the same error (in-band for a stream that has begun)."""
+        if draining.is_set():
+            return
+        draining.set()
+        engine.scheduler.abort(ServerShuttingDownError("The server is shutting down; send the request to "
+                                                       "another server, or again once this one is back."))
+        if timeout_s is not None:
+            cut = ServerShuttingDownError(f"The server shut down: this request did not finish within its "
+                                          f"{timeout_s:g} s of grace (timeout_graceful_shutdown_s).")
+            timer = threading.Timer(timeout_s, engine.scheduler.abort, (cut, True))
+            timer.daemon = True
+            timer.start()
+
+    app.state.drain = drain
 
     @app.exception_handler(APIError)
     async def _on_api_error(request: Request, exc: APIError):
@@ -692,7 +715,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def _on_engine_error(request: Request, exc: Exception):
         return _api_error(exc).response()
 
-    for error in (InvalidRequestError, ModelNotFoundError, VariantUnavailableError, VariantInUseError, GenerationError):
+    for error in (InvalidRequestError, ModelNotFoundError, VariantUnavailableError, VariantInUseError, GenerationError,
+                  ServerShuttingDownError):
         app.add_exception_handler(error, _on_engine_error)  # answered, not re-raised as the last handler's are
 
     @app.exception_handler(RequestValidationError)
@@ -749,6 +773,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         if fatal is not None:  # e.g. a tensor-parallel rank died: restart the server
             return APIError(503, f"the server cannot generate any more: {type(fatal).__name__}",
                             "service_unavailable_error", None, "engine_failed").response()
+        if draining.is_set():
+            return APIError(503, "the server is shutting down", "service_unavailable_error", None,
+                            "shutting_down").response()
         return {"status": "ok"}
 
     @app.get("/version", responses=_responses(*guarded, ok=Version))

@@ -37,6 +37,11 @@ class GenerationError(RuntimeError):
     that request only; the other sequences of its batch go on."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down (HTTP 503): a request not yet started is refused at once, and one
+    still running when ``timeout_graceful_shutdown_s`` has passed is cut off."""
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked, e.g. the prompt is too long (HTTP 400)."""
 

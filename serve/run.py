@@ -234,6 +234,26 @@ def _switch_interval(cfg: DictConfig) -> float:
     return value / 1000
 
 
+ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get their 503 in this time
+
+
+def _draining_server(config, drain):
+    """uvicorn's server, which on the first SIGTERM or Ctrl-C also calls ``drain()`` (``app.state.drain``:
+    the requests not started are refused at once, the running ones cut off at the grace's end), in
+    a thread of its own: the signal may come while this thread holds the scheduler's lock."""
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                threading.Thread(target=drain, name="drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
 def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     import torch
     import uvicorn
@@ -274,9 +294,17 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
                          request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
                          cors=OmegaConf.to_container(cfg.cors) if cfg.cors is not None else None)
-        uvicorn.run(app, host=cfg.host, port=port, log_level=cfg.log_level,
-                    http=protocol, timeout_keep_alive=cfg.timeout_keep_alive_s,
-                    timeout_graceful_shutdown=cfg.timeout_graceful_shutdown_s, lifespan="off")
+        grace = cfg.timeout_graceful_shutdown_s
+        config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level, http=protocol,
+                                timeout_keep_alive=cfg.timeout_keep_alive_s, lifespan="off",
+                                timeout_graceful_shutdown=None if grace is None else grace + ANSWER_S)
+        server = _draining_server(config, lambda: app.state.drain(grace))
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn raises a Ctrl-C again once it has shut down
+            pass
+        if not server.started:
+            sys.exit(3)  # uvicorn's STARTUP_FAILURE (it logged why)
     finally:
         engine.shutdown()
 

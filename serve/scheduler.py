@@ -35,8 +35,9 @@ planning the next. With ``late_planning`` (serve/pacing.py) the plan of step k +
 decode step k, until what is left of k on the device is about the host's time to plan and launch,
 so that requests arriving meanwhile join k + 1.
 
-A sequence leaves when it ends (eos, a stop string, ``max_tokens``) or its request is cancelled (the
-client went away); its blocks are free for the next step and its hold on the variant ends.
+A sequence leaves when it ends (eos, a stop string, ``max_tokens``), its request is cancelled (the
+client went away) or aborted (:meth:`Scheduler.abort`: the server shuts down); its blocks are free
+for the next step and its hold on the variant ends.
 
 Detokenizing is off the model's thread (vLLM v1's output processor, at this size): after each step
 the scheduler hands the step's sampled ids, with what it decided at the token level (eos,
@@ -94,6 +95,7 @@ class _Seq(Sequence):
     scored: int = 0                         # prompt positions whose next token's log-probability is taken
     prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
     matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
+    abort: BaseException | None = None      # ended by :meth:`Scheduler.abort`: its error, sent before END
 
 
 @dataclass
@@ -175,6 +177,7 @@ class Scheduler:
         self.planner = Planner(self.pool, max_batch, token_budget, delay_factor,
                                long_prefill_token_threshold=long_prefill_token_threshold)
         self._cv = threading.Condition()  # guards the planner's queues (submit runs in request threads)
+        self._refuse: BaseException | None = None  # set by abort(): every request submitted later gets it
         self.steps = 0  # steps run (tests, metrics)
         self.preemptions = 0
         self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
@@ -219,9 +222,26 @@ class Scheduler:
                    out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
                    on_start=on_start)
         with self._cv:
+            if self._refuse is not None:
+                seq.abort = self._refuse
+                seq.cancel.set()
             self.planner.add(seq)
             self._cv.notify()
         return seq.out, seq.cancel
+
+    def abort(self, error: BaseException, running: bool = False) -> None:
+        """End the requests that have not started (and with ``running``, those that have) with
+        ``error`` at the next step, and every request submitted from now on. Their Steps so far stay
+        delivered; ``error`` comes before END."""
+        with self._cv:
+            self._refuse = error
+            seqs = [s for q in self.planner.waiting.values() for s in q]
+            seqs += self.planner.running if running else []
+            for seq in seqs:
+                if running or not seq.started:  # a preempted sequence waits again, but has started
+                    seq.abort = error
+                    seq.cancel.set()
+            self._cv.notify()
 
     def waiting(self) -> dict[str, int]:
         with self._cv:
@@ -342,6 +362,10 @@ class Scheduler:
         with self._cv:
             gone = [s for q in self.planner.waiting.values() for s in q if s.cancel.is_set() or s.stop_hit]
             gone += [s for s in self.planner.running if s.cancel.is_set() or s.stop_hit]
+        for seq in gone:
+            if seq.abort is not None and not seq.done and not seq.ended:
+                self._items.append(("error", seq, seq.abort))
+                seq.done = True
         self._retire(gone)
 
     def _launch(self, plan: StepPlan, prev: _Launched | None) -> _Launched:
@@ -601,7 +625,7 @@ class Scheduler:
             return
         if token in seq.enders or (seq.matcher is not None and seq.matcher.is_terminated()):
             end = "eos"  # finish "stop", the token left out of the text
-        elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
+        elif seq.n >= seq.req.max_tokens or (seq.cancel.is_set() and seq.abort is None):  # aborted: an error next
             end = "length"
         else:
             end = None

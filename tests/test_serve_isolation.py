@@ -820,12 +820,105 @@ def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
             time.sleep(0.02)
         t0 = time.time()
         proc.terminate()
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == -15  # uvicorn's way: the signal again, once it has shut down
         assert time.time() - t0 < 1 + took, "the server waited for the requests in flight"
         for t in threads:
             t.join(timeout=30)
+        # each request has choices that never started (8 rows run at once): refused with a JSON 503
+        for t in threads:
+            assert isinstance(got.get("r"), httpx.Response), got
+            assert api_error(got["r"], 503)["code"] == "shutting_down"
     finally:
         stop_server(proc, log, 10)
+
+
+def test_a_shutdown_refuses_waiting_requests_and_cuts_off_running_ones_with_503(tiny_family):
+    """Found by a fresh user: at a graceful shutdown, requests still running at its end got uvicorn's
+    plain-text 500 and requests that had not started waited for the whole grace. Now (a real server on
+    loopback, told to exit as a SIGTERM does) a request not started gets a JSON 503 ``shutting_down``
+    at once, and a stream running past the grace gets its in-band error event, then ``[DONE]``."""
+    import openai
+    import uvicorn
+
+    from deltafleet.serve.run import ANSWER_S, _draining_server
+
+    eng = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=1)
+    real = eng.scheduler.runner.execute
+
+    def slow(step, prev=None):  # 100 tokens take 2 s or more: past the grace
+        time.sleep(0.02)
+        return real(step, prev)
+
+    eng.scheduler.runner.execute = slow
+    app, port, grace = create_app(eng), free_port(), 0.5
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=grace + ANSWER_S)
+    server = _draining_server(config, lambda: app.state.drain(grace))
+    runs = threading.Thread(target=server.run)
+    runs.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert time.time() < deadline and runs.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        body = {"model": "tiny-coder", "prompt": "def ", "max_tokens": 100, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as running:
+            assert running.status_code == 200  # its first token came: it runs, and holds the one row
+            lines = running.iter_lines()
+            first = next(line for line in lines if line)
+            assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] is not None
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            waiting: dict = {}
+
+            def wait():
+                try:
+                    client.completions.create(model="tiny-writer", prompt="The", max_tokens=4)
+                except openai.APIStatusError as e:
+                    waiting["error"], waiting["at"] = e, time.time()
+
+            asker = threading.Thread(target=wait)
+            asker.start()
+            while not eng.scheduler.waiting():
+                time.sleep(0.01)
+            t0 = time.time()
+            server.handle_exit(15, None)  # what SIGTERM calls
+            asker.join(timeout=30)
+            err = waiting["error"]
+            assert err.status_code == 503 and err.body["code"] == "shutting_down", err.body
+            assert "shutting down" in err.body["message"]
+            rest = [line for line in lines if line]
+            cut = time.time()
+        assert rest[-1] == "data: [DONE]" and len(rest) >= 2, rest
+        error = json.loads(rest[-2].removeprefix("data: ")).get("error")
+        assert error, rest[-3:]
+        assert error["code"] == "shutting_down" and "0.5 s of grace" in error["message"], error
+        assert all("choices" in json.loads(line.removeprefix("data: ")) for line in rest[:-2])
+        assert waiting["at"] - t0 < cut - t0 and cut - t0 >= grace  # refused first; cut off at the grace
+        runs.join(timeout=30)
+        assert not runs.is_alive()
+    finally:
+        server.should_exit = True
+        runs.join(timeout=30)
+
+
+def test_once_draining_health_and_every_new_request_are_a_503(tiny_family):
+    """After ``drain`` (the first SIGTERM), ``/health`` says so (a load balancer stops sending), and a
+    request arriving on a connection still open is refused as one that had not started, streaming
+    or not; the engine is otherwise unchanged."""
+    eng = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    with TestClient(create_app(eng)) as client:
+        body = {"model": "tiny-coder", "prompt": "def ", "max_tokens": 3}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        client.app.state.drain(None)
+        assert api_error(client.get("/health"), 503)["code"] == "shutting_down"
+        for extra in ({}, {"stream": True}):
+            err = api_error(client.post("/v1/completions", json=body | extra), 503)
+            assert err["code"] == "shutting_down" and err["type"] == "service_unavailable_error"
+        err = api_error(client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3,
+                                                                  "messages": [{"role": "user", "content": "hi"}]}), 503)
+        assert err["code"] == "shutting_down"
+        assert eng.scheduler.waiting() == {} and eng.scheduler.running == []
 
 
 def test_two_ctrl_c_end_the_server_without_a_traceback(tiny_family, tmp_path):
