@@ -227,7 +227,10 @@ class Engine:
         self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
                                 free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
-        self.discover()
+        served = {m.id for m in self.discover()}
+        for mid in opts["pinned"]:
+            if mid not in served:  # not an error: its artifact may be exported later (discover)
+                log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told

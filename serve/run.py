@@ -77,6 +77,7 @@ def _check_port(host: str, port: int, key: str = "port") -> int:
 
 
 CORS_KEYS = ("allow_origins", "allow_methods", "allow_headers", "allow_credentials")
+SECTIONS = ("kv_cache", "delta_cache")  # conf/serve.yaml's own groups of settings, checked key by key
 
 
 def _check_cors(cfg: DictConfig) -> None:
@@ -134,6 +135,7 @@ def check_settings(cfg: DictConfig) -> None:
     Raises:
         ValueError: the first setting that is not of its kind, by name.
     """
+    _check_keys(cfg)
     for key in FLAGS:
         if not isinstance(v := cfg.get(key), bool):
             raise ValueError(f"{key} must be true or false, got {v!r}")
@@ -173,6 +175,21 @@ def check_settings(cfg: DictConfig) -> None:
     _check_timeouts(cfg)
     _check_cors(cfg)
     _switch_interval(cfg)
+
+
+def _check_keys(cfg: DictConfig) -> None:
+    """Raises ValueError for a setting conf/serve.yaml does not have (Hydra takes ``+name=value`` for
+    any name, so a misspelt ``+max_batchs=4`` would otherwise be ignored), at the top level and in
+    :data:`SECTIONS`."""
+    known = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "serve.yaml")
+    known.pop("hydra", None)  # Hydra's own, not in the task's settings
+    groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
+    for where, have, want in [("", cfg, set(known) | set(groups))] + \
+            [(f"{s}.", cfg[s], set(known[s])) for s in SECTIONS if isinstance(cfg.get(s), DictConfig)]:
+        unknown = sorted(set(have) - want - {"_self_"})
+        if unknown:
+            raise ValueError(f"{where}{unknown[0]} is not a setting of conf/serve.yaml; its settings"
+                             f"{' under ' + where[:-1] if where else ''}: {', '.join(sorted(want - {'_self_'}))}")
 
 
 def _no_base(cfg: DictConfig) -> str:

@@ -368,6 +368,35 @@ def test_a_bad_serve_setting_is_refused_by_name(override, message):
     assert str(e.value) == message
 
 
+def test_a_setting_conf_serve_yaml_lacks_is_refused_by_name():
+    """Found by a fresh user: Hydra takes ``+name=value`` for any name, so a misspelt setting was
+    ignored without a word. Settings conf/serve.yaml lacks are refused at the top level and in its
+    sections, naming the ones there are; the groups (``paths``, ``model``) and ``+cors`` pass."""
+    from deltafleet.serve.run import check_settings
+
+    check_settings(_serve_cfg("+cors={allow_origins: [x]}", "paths.root=/tmp/x", "model=tiny"))
+    with pytest.raises(ValueError) as e:
+        check_settings(_serve_cfg("+max_batchs=4"))
+    head, _, names = str(e.value).partition(": ")
+    assert head == "max_batchs is not a setting of conf/serve.yaml; its settings"
+    assert {"max_batch", "kv_cache", "paths", "model"} <= set(names.split(", ")) and "hydra" not in names
+    with pytest.raises(ValueError) as e:
+        check_settings(_serve_cfg("+kv_cache.blok_size=64"))
+    assert str(e.value) == ("kv_cache.blok_size is not a setting of conf/serve.yaml; its settings under kv_cache: "
+                            "block_size, gpu_memory_utilization, max_tokens")
+
+
+def test_a_pinned_variant_that_is_not_served_is_named_in_a_warning(tiny_family, caplog):
+    """``delta_cache.pinned=[nosuch]`` starts the server (its artifact may come later), with a warning."""
+    from deltafleet.serve.engine import Engine
+
+    with caplog.at_level("WARNING", logger="deltafleet.serve.engine"):
+        Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny",
+               delta_cache={"pinned": ["coder", "nosuch"]})
+    said = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage()]
+    assert said == ["delta_cache.pinned names tiny-nosuch, which is not served (no artifact for it yet)"]
+
+
 def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
     """Through the real entry point: exit status 2 and the key named, no traceback, nothing loaded (the
     base checkpoint is not even looked for)."""
