@@ -697,8 +697,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         if draining.is_set():
             return
         draining.set()
-        engine.scheduler.abort(ServerShuttingDownError("The server is shutting down; send the request to "
-                                                       "another server, or again once this one is back."))
+        engine.drain(ServerShuttingDownError("The server is shutting down; send the request to another "
+                                             "server, or again once this one is back."))
         if timeout_s is not None:
             cut = ServerShuttingDownError(f"The server shut down: this request did not finish within its "
                                           f"{timeout_s:g} s of grace (timeout_graceful_shutdown_s).")
@@ -942,10 +942,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     def start_all(reqs, arrival: float) -> list[tuple[asyncio.Queue, threading.Event]]:
         """:func:`start` the requests of one HTTP request (its prompts and choices), admitted together:
         ``max_waiting`` counts the HTTP request once, so that ``n`` above it is not always refused."""
-        jobs = []
+        jobs, group = [], object()  # a shutdown lets the request run once one of its choices has started
         try:
             for i, r in enumerate(reqs):
-                jobs.append(start(r, arrival, admit=i == 0))
+                jobs.append(start(r, arrival, admit=i == 0, group=group))
         except BaseException:
             for _, cancel in jobs:
                 cancel.set()
@@ -966,7 +966,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             engine.scheduler.add_step_listener(box.flush)
         return box
 
-    def start(req, arrival: float, admit: bool = True) -> tuple[asyncio.Queue, threading.Event]:
+    def start(req, arrival: float, admit: bool = True, group: object = None) -> tuple[asyncio.Queue, threading.Event]:
         """Admit ``req`` (429 past ``max_waiting``; ``admit=False``: already admitted with its
         request's other choices) and submit it to the scheduler, its steps coming to an asyncio
         queue through this loop's outbox (one hand-over per engine step).
@@ -1009,7 +1009,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 queued["n"] += 1
         metrics.waiting.labels(mid).inc()
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
-        engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end))
+        engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end), group=group)
         return queue, cancel
 
     async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[list[Step]]:

@@ -106,6 +106,7 @@ class DeltaCache:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a request ends or a delta leaves
+        self._closed: BaseException | None = None  # set by close(): loads that would wait for room raise it
         self._listeners: list[CacheListener] = []
         self.device_bytes = 0   # bytes on the device, reserved ones included
         self.host_bytes = 0
@@ -175,6 +176,8 @@ class DeltaCache:
         while not self._fits(self.device_bytes, self.device_budget, e.nbytes):
             v = self._victim("device", exclude=e.model_id)
             if v is None:
+                if self._closed is not None:
+                    raise self._closed
                 left = deadline - time.monotonic()
                 if left <= 0:
                     busy = sorted(m for m, x in self._entries.items() if x.device is not None)
@@ -194,6 +197,13 @@ class DeltaCache:
         self.device_bytes -= v.nbytes
         self._emit("evict", v.model_id, 0.0, "device")
         self._keep_on_host(v, host_copy)
+
+    def close(self, error: BaseException) -> None:
+        """Make every load waiting for room on the device, and every later one that would wait, raise
+        ``error`` (the server is shutting down)."""
+        with self._lock:
+            self._closed = error
+            self._room.notify_all()
 
     # ------------------------------------------------------------------ requests
 

@@ -197,6 +197,7 @@ class Engine:
         self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
         self._foreign: dict[str, str] = {}  # ids of artifacts made for another base → that base's fingerprint
         self._registry_lock = threading.Lock()  # guards _variants and _removed
+        self._closing: BaseException | None = None  # set by drain(): the server is shutting down
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
         # not stall every running sequence's next token.
@@ -229,7 +230,9 @@ class Engine:
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         served = {m.id for m in self.discover()}
         for mid in opts["pinned"]:
-            if mid not in served:  # not an error: its artifact may be exported later (discover)
+            if mid == f"{family}-{family}":
+                log.warning("delta_cache.pinned names %s, the base, which is always on the device", family)
+            elif mid not in served:  # not an error: its artifact may be exported later (discover)
                 log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
@@ -275,13 +278,11 @@ class Engine:
             value = opts.pop(key, None)
             if value is None:
                 return default
-            try:
-                value = kind(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"kv_cache.{key} must be {what}, got {value!r}") from None
-            if not ok(value):
+            # not coerced: true is no block size of 1, nor 64.9 one of 64
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not numeric or (kind is int and value != int(value)) or not ok(kind(value)):
                 raise ValueError(f"kv_cache.{key} must be {what}, got {value!r}")
-            return value
+            return kind(value)
 
         block_size = number("block_size", 128, int, lambda v: v >= 1, "an integer ≥ 1")
         max_tokens = number("max_tokens", None, int, lambda v: v >= block_size,
@@ -337,6 +338,14 @@ class Engine:
     def _free_slot(self, view: VariantDelta) -> None:
         with self.collective(("free", view.slot)):
             self.slots.free(view)
+
+    def drain(self, error: BaseException) -> None:
+        """Begin a shutdown: :meth:`prepare` raises ``error`` from now on, and so do the loads waiting
+        for room on the device and the requests that have not started (``Scheduler.abort``); the
+        running ones go on."""
+        self._closing = error
+        self.cache.close(error)
+        self.scheduler.abort(error)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (no-op in one process)."""
@@ -779,7 +788,10 @@ class Engine:
             InvalidRequestError: empty prompt, prompt + max_tokens beyond the context, min_tokens above
                 max_tokens, or a stop token id outside the vocabulary (400).
             VariantUnavailableError: the variant's artifact cannot be used (503).
+            ServerShuttingDownError (or the error :meth:`drain` was given): the server is shutting down.
         """
+        if self._closing is not None:
+            raise self._closing
         model_id = self.card(model_id).id
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
         if params.min_tokens > max_tokens:

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -179,13 +180,18 @@ def check_settings(cfg: DictConfig) -> None:
 
 def _check_keys(cfg: DictConfig) -> None:
     """Raises ValueError for a setting conf/serve.yaml does not have (Hydra takes ``+name=value`` for
-    any name, so a misspelt ``+max_batchs=4`` would otherwise be ignored), at the top level and in
-    :data:`SECTIONS`."""
-    known = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "serve.yaml")
+    any name, so a misspelt ``+max_batchs=4`` would otherwise be ignored), at the top level, in
+    :data:`SECTIONS` and in its groups (``paths``, ``model``: what any of the group's files has)."""
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    known = OmegaConf.load(conf / "serve.yaml")
     known.pop("hydra", None)  # Hydra's own, not in the task's settings
     groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
-    for where, have, want in [("", cfg, set(known) | set(groups))] + \
-            [(f"{s}.", cfg[s], set(known[s])) for s in SECTIONS if isinstance(cfg.get(s), DictConfig)]:
+    checks = [("", cfg, set(known) | set(groups))]
+    checks += [(f"{s}.", cfg[s], set(known[s])) for s in SECTIONS if isinstance(cfg.get(s), DictConfig)]
+    for g in groups:  # paths, model: the keys of any of the group's files
+        if isinstance(cfg.get(g), DictConfig):
+            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)}))
+    for where, have, want in checks:
         unknown = sorted(set(have) - want - {"_self_"})
         if unknown:
             raise ValueError(f"{where}{unknown[0]} is not a setting of conf/serve.yaml; its settings"
@@ -257,16 +263,28 @@ ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get
 def _draining_server(config, drain):
     """uvicorn's server, which on the first SIGTERM or Ctrl-C also calls ``drain()`` (``app.state.drain``:
     the requests not started are refused at once, the running ones cut off at the grace's end), in
-    a thread of its own: the signal may come while this thread holds the scheduler's lock."""
+    a thread of its own: the signal may come while this thread holds the scheduler's lock. Its
+    ``run`` returns after a signal (status 0), rather than dying of it as ``uvicorn.run`` does; a
+    second Ctrl-C ends the process at once with status 130."""
     import threading
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: out at once, as uvicorn's
+                # force_exit would, but before the event loop cancels the requests' tasks (a traceback
+                # each) and the interpreter exits under the model thread's step (SIGABRT); with tp > 1
+                # the launcher stops the other ranks
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(130)
             if not self.should_exit:
                 threading.Thread(target=drain, name="drain", daemon=True).start()
             super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has shut down, which would kill the process
+            # before its own cleanup (a tensor-parallel server's other ranks): it returns instead
+            getattr(self, "_captured_signals", []).clear()
 
     return DrainingServer(config)
 
@@ -316,14 +334,16 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                                 timeout_keep_alive=cfg.timeout_keep_alive_s, lifespan="off",
                                 timeout_graceful_shutdown=None if grace is None else grace + ANSWER_S)
         server = _draining_server(config, lambda: app.state.drain(grace))
-        try:
-            server.run()
-        except KeyboardInterrupt:  # uvicorn raises a Ctrl-C again once it has shut down
-            pass
+        server.run()
         if not server.started:
             sys.exit(3)  # uvicorn's STARTUP_FAILURE (it logged why)
     finally:
         engine.shutdown()
+    if not engine.scheduler.idle:  # past the grace: the model thread may be inside a step, which the
+        # interpreter's exit would abort (SIGABRT); the other ranks are stopped already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _preload(engine) -> None:
@@ -380,6 +400,7 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
     from deltafleet.serve.follower import run_follower
     from deltafleet.serve.tp import TPContext
 
+    os.setpgrp()  # signals reach the launcher alone, which passes them to rank 0 (main)
     cfg = OmegaConf.create(cfg_dict)
     cuda = cfg.device == "cuda"
     if cuda:
@@ -421,12 +442,23 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
         # once a rank stops on its error line, the launcher stops the others with a warning each: not news
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        ranks = mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=False)
+
+        def forward(sig, frame):  # the ranks have process groups of their own: a terminal's Ctrl-C comes here
+            try:
+                os.kill(ranks.processes[0].pid, sig)  # rank 0 shuts the server down and stops the others
+            except ProcessLookupError:
+                pass
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
         try:
-            mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=True)
+            while not ranks.join():
+                pass
         except mp.ProcessExitedException as e:  # a rank stopped with its own error line (exit 2): no traceback
-            if e.exit_code != 2:
+            if e.exit_code not in (2, 130):  # 130: a forced exit (a second Ctrl-C)
                 raise
-            sys.exit(2)
+            sys.exit(e.exit_code)
     else:
         _serve(cfg, cfg.device)
 

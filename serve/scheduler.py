@@ -96,6 +96,7 @@ class _Seq(Sequence):
     prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
     matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
     abort: BaseException | None = None      # ended by :meth:`Scheduler.abort`: its error, sent before END
+    group: object = None                    # the choices of one HTTP request share it (submit's ``group``)
 
 
 @dataclass
@@ -214,13 +215,14 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def submit(self, req, cancel: threading.Event | None = None, on_start: Callable[[], None] | None = None,
-               out=None) -> tuple[queue.Queue, threading.Event]:
+               out=None, group: object = None) -> tuple[queue.Queue, threading.Event]:
         """Queue a prepared request; returns (where its items go: ``out``, an object with ``put(item)``,
         or a new ``queue.Queue``; its cancel event — set it to end the request after the current step).
-        The items are its Steps, an exception if it fails, and :data:`END` last."""
+        The items are its Steps, an exception if it fails, and :data:`END` last. Requests submitted
+        with one ``group`` (the choices of one HTTP request) have started once one has (:meth:`abort`)."""
         seq = _Seq(req.model_id, list(req.prompt_ids), len(req.prompt_ids), req=req,
                    out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
-                   on_start=on_start)
+                   on_start=on_start, group=group)
         with self._cv:
             if self._refuse is not None:
                 seq.abort = self._refuse
@@ -231,14 +233,16 @@ class Scheduler:
 
     def abort(self, error: BaseException, running: bool = False) -> None:
         """End the requests that have not started (and with ``running``, those that have) with
-        ``error`` at the next step, and every request submitted from now on. Their Steps so far stay
+        ``error`` at the next step, and every request submitted from now on. A request has started
+        once it, or another of its ``group``, has entered the batch. Their Steps so far stay
         delivered; ``error`` comes before END."""
         with self._cv:
             self._refuse = error
-            seqs = [s for q in self.planner.waiting.values() for s in q]
-            seqs += self.planner.running if running else []
+            seqs = [s for q in self.planner.waiting.values() for s in q] + self.planner.running
+            # a preempted sequence waits again, but has started; so has a choice whose sibling has
+            started = {s if s.group is None else s.group for s in seqs if s.started}
             for seq in seqs:
-                if running or not seq.started:  # a preempted sequence waits again, but has started
+                if running or (seq if seq.group is None else seq.group) not in started:
                     seq.abort = error
                     seq.cancel.set()
             self._cv.notify()
@@ -256,6 +260,12 @@ class Scheduler:
     def late_planning_wait_s(self) -> float:
         """Seconds the loop has waited to plan late (``late_planning``; 0 without it)."""
         return 0.0 if self._clock is None else self._clock.waited_s
+
+    @property
+    def idle(self) -> bool:
+        """No request waits or runs, and no step is in flight."""
+        with self._cv:
+            return self._inflight is None and not self.planner.running and not any(self.planner.waiting.values())
 
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use."""

@@ -196,6 +196,38 @@ def test_a_variant_in_flight_is_never_evicted_and_a_load_waits_for_room():
     assert cache2.tier("b") == "host" and cache2.tier("a") == "device"
 
 
+def test_close_ends_the_loads_waiting_for_room_and_refuses_later_waits():
+    """Found by a fresh user: at a shutdown, a request whose variant waited for room on the device was
+    held until a running request ended, or for the whole wait and then a 'retry later' 503. ``close``
+    (the server's drain) raises its error in the waiting load at once; a load that can evict, or a
+    variant already on the device, still goes."""
+    disk = Disk({"a": 100, "b": 100, "c": 100, "d": 100})
+    cache, _ = make(disk, device_budget_bytes=200, wait_timeout_s=60)
+    cache._room = room = _Room(cache._lock)
+    cache.acquire("a")
+    cache.acquire("b")
+    got = []
+
+    def load():
+        try:
+            got.append(cache.acquire("c"))
+        except RuntimeError as e:
+            got.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    assert room.waiting.wait(30), "c's load did not wait for room"
+    error = RuntimeError("shutting down")
+    cache.close(error)
+    t.join(30)
+    assert got == [error] and cache.snapshot()["c"]["in_flight"] == 0
+    with pytest.raises(RuntimeError, match="shutting down"):  # a later load that would wait
+        cache.acquire("d")
+    assert cache.acquire("a").name == "a"  # on the device: no wait
+    cache.release("b")
+    assert cache.acquire("d").name == "d"  # b evicted: no wait either
+
+
 def test_an_evicted_variant_comes_back_from_the_host_tier_without_a_read():
     disk = Disk({"a": 100, "b": 100, "c": 100})
     clock = Clock()

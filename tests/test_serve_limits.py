@@ -384,6 +384,12 @@ def test_a_setting_conf_serve_yaml_lacks_is_refused_by_name():
         check_settings(_serve_cfg("+kv_cache.blok_size=64"))
     assert str(e.value) == ("kv_cache.blok_size is not a setting of conf/serve.yaml; its settings under kv_cache: "
                             "block_size, gpu_memory_utilization, max_tokens")
+    check_settings(_serve_cfg("model=smollm2"))  # a group's key: any of its files'
+    with pytest.raises(ValueError, match=r"^model\.nmae is not a setting of conf/serve\.yaml; its settings under "
+                                         r"model: .*\bname_or_path\b"):
+        check_settings(_serve_cfg("+model.nmae=x"))
+    with pytest.raises(ValueError, match=r"^paths\.rooot is not a setting"):
+        check_settings(_serve_cfg("+paths.rooot=/x"))
 
 
 def test_a_pinned_variant_that_is_not_served_is_named_in_a_warning(tiny_family, caplog):
@@ -392,9 +398,10 @@ def test_a_pinned_variant_that_is_not_served_is_named_in_a_warning(tiny_family, 
 
     with caplog.at_level("WARNING", logger="deltafleet.serve.engine"):
         Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny",
-               delta_cache={"pinned": ["coder", "nosuch"]})
+               delta_cache={"pinned": ["coder", "nosuch", "tiny"]})
     said = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage()]
-    assert said == ["delta_cache.pinned names tiny-nosuch, which is not served (no artifact for it yet)"]
+    assert said == ["delta_cache.pinned names tiny-nosuch, which is not served (no artifact for it yet)",
+                    "delta_cache.pinned names tiny, the base, which is always on the device"]
 
 
 def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):

@@ -322,7 +322,11 @@ def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_famil
            ({"block_size": 0}, "kv_cache.block_size must be an integer ≥ 1, got 0"),
            ({"block_size": "abc"}, "kv_cache.block_size must be an integer ≥ 1, got 'abc'"),
            ({"max_tokens": 0}, "kv_cache.max_tokens must be null or an integer ≥ kv_cache.block_size \\(128\\), got 0"),
-           ({"gpu_memory_utilization": 7}, "kv_cache.gpu_memory_utilization must be a number in \\(0, 1\\], got 7.0")]
+           ({"gpu_memory_utilization": 7}, "kv_cache.gpu_memory_utilization must be a number in \\(0, 1\\], got 7"),
+           # found by a fresh user: these were coerced (a block size of 1, of 64) and served
+           ({"block_size": True}, "kv_cache.block_size must be an integer ≥ 1, got True"),
+           ({"block_size": 64.9}, "kv_cache.block_size must be an integer ≥ 1, got 64.9"),
+           ({"gpu_memory_utilization": True}, "kv_cache.gpu_memory_utilization must be a number in \\(0, 1\\], got True")]
     for opts, message in bad:
         with pytest.raises(ValueError, match=message):
             engine(kv_cache=opts)

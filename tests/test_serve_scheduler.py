@@ -213,3 +213,44 @@ def test_text_is_made_off_the_model_thread_and_a_stop_string_ends_the_sequence(t
     while engine.scheduler.running or engine.scheduler.pool.usage:
         assert time.time() < deadline
         time.sleep(0.01)
+
+
+def test_a_drain_refuses_what_has_not_started_and_keeps_a_request_with_a_choice_running(tiny_family):
+    """``Engine.drain`` (a shutdown's start) ends the requests that have not started with its error, and
+    every later one (``prepare`` raises it). Found by a fresh user: a request of two choices with one
+    in the batch and one waiting was refused as a whole, throwing away the running choice. Choices of
+    one group have started once one has: both go on and end as they would have."""
+    from deltafleet.serve.request import ServerShuttingDownError
+    from deltafleet.serve.scheduler import END
+
+    engine = _engine(tiny_family, max_batch=1)
+    sch = engine.scheduler
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ids = engine.encode_prompt(PROMPTS["tiny-coder"])
+    started = threading.Event()
+    with engine._gen_lock:  # no step runs until all are queued
+        group = object()
+        a = sch.submit(engine.prepare("tiny-coder", ids, params), on_start=started.set, group=group)[0]
+        b = sch.submit(engine.prepare("tiny-coder", ids, params), group=group)[0]
+        alone = sch.submit(engine.prepare("tiny-writer", ids, params))[0]
+        late = engine.prepare("tiny", ids, params)  # prepared before the drain, submitted after it
+    assert started.wait(30)
+    error = ServerShuttingDownError("shutting down")
+    engine.drain(error)
+    with pytest.raises(ServerShuttingDownError, match="shutting down"):
+        engine.prepare("tiny", ids, params)
+    late = sch.submit(late)[0]
+
+    def items(out):
+        got = []
+        while (item := out.get(timeout=60)) is not END:
+            got.append(item)
+        return got
+
+    assert items(alone) == [error] and items(late) == [error]  # never started
+    want = _engine(tiny_family, max_batch=1).complete("tiny-coder", PROMPTS["tiny-coder"], params).token_ids
+    for out in (a, b):
+        got = items(out)
+        assert [s.token_id for s in got] == want and got[-1].finish_reason == "length"
+    wait_released(engine, "tiny-coder")
+    assert sch.idle

@@ -138,11 +138,14 @@ def test_shapes_that_do_not_split_are_named(tiny_family):
 def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path):
     """``serve/run.py tp=2`` (two gloo processes; rank 0 serves HTTP) through the real openai client:
     greedy answers for the base and each variant, sent together, equal the one-process engine's."""
+    import json
     import os
     import socket
     import subprocess
     import sys
+    import time
 
+    import httpx
     import openai
 
     from deltafleet.serve.engine import Engine, SamplingParams
@@ -169,6 +172,31 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
         got = complete_concurrently(client, jobs, 8, 120)
         for m, p in jobs:
             assert got[(m, p)] == ref.complete(m, p, SamplingParams(max_tokens=8, temperature=0)).text, (m, p)
+        # Found by a fresh user: SIGTERM to the launcher killed it (143) and cut every request off with a
+        # plain-text 500. The launcher passes it to rank 0, which shuts down as one process does: the
+        # stream running goes on to its end, the other rank is stopped, and everything exits 0.
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        assert len(ranks) >= 2, ranks
+        body = {"model": "tiny-coder", "prompt": "def ", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(line for line in lines if line).startswith("data: {")
+            proc.terminate()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+        def alive(pid: int) -> bool:  # a zombie has exited
+            try:
+                return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+
+        deadline = time.time() + 30
+        while any(alive(pid) for pid in ranks):
+            assert time.time() < deadline, "a rank outlived the launcher"
+            time.sleep(0.1)
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
     finally:
         stop_server(proc, log, 30)
 
