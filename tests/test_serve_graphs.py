@@ -333,7 +333,7 @@ def test_a_step_is_queued_without_waiting_for_the_device(family, kind):
                          1, [[scratch]], [(1, 20, 0, [0])], [0, 20], prev_rows=[1])
     prev = torch.tensor([3, 9], device="cuda")
     params = [(0.0, 1.0, 0, 1, 1), (0.8, 0.9, 0, 2, 1)]  # greedy; seeded top-p
-    host = SimpleNamespace(_launches=0, _pinned=[], max_batch=4)  # what Scheduler._copy_out keeps
+    host = SimpleNamespace(_launches=0, _pinned=[], max_batch=4, _clock=None)  # what Scheduler._copy_out keeps
 
     def launch():
         logits = runner.execute(step, prev)
@@ -491,8 +491,8 @@ def test_prompt_chunks_replay_by_tiles(family128, attention):
     """Steps of 512 tokens with several variants' prompt chunks by CUDA graphs whose linears take the
     prompt rows by tiles of one variant each (``segmented``: ``bitdelta_linear_segments`` in the
     graph, the first ``decode_rows`` rows as a decode batch) against the eager step: prompts of the
-    base (100), coder (150) and math (60), 310 tokens; then their three decode rows beside prompts of
-    the writer (200), coder (90) and base (30), replaying the same graph with another tile table.
+    base (200), coder (200) and math (60), 460 tokens; then their three decode rows beside prompts of
+    the writer (300), coder (120) and base (30), replaying the same graph with another tile table.
     Logits agree within the module's bound, one graph serves both steps, and the caches agree."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tile kernel runs on Hopper only")
@@ -505,7 +505,7 @@ def test_prompt_chunks_replay_by_tiles(family128, attention):
     gen = torch.Generator().manual_seed(2)
     steps = _Steps(n_blocks, 128, gen)
     vocab = model.args.vocab_size
-    sizes = {0: 100, 1: 150, 2: 60, 3: 200, 4: 90, 5: 30}
+    sizes = {0: 200, 1: 200, 2: 60, 3: 300, 4: 120, 5: 30}  # both steps in the 512-token bucket (449–512)
     prompts = {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in sizes.items()}
     coder, writer, maths = (views[v].slot for v in ("coder", "writer", "math"))
 
