@@ -419,6 +419,52 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
         dist.destroy_process_group()
 
 
+STOP_WAIT_S = 10.0  # how long the launcher waits for the other ranks once rank 0 has ended
+
+
+def _signal_rank0(ranks, sig: int) -> None:
+    try:
+        os.kill(ranks.processes[0].pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _join_ranks(ranks, signals: list[int]) -> int:
+    """Wait for the tensor-parallel ranks (``torch.multiprocessing``'s ProcessContext) and return the
+    launcher's exit status: 0, a rank's own error status (2; 130 after a second Ctrl-C), or 128 + the
+    signal the launcher passed on, where rank 0 ended on it before it could shut down gracefully
+    (during startup, say). Rank 0 stops the others as it ends (``Engine.shutdown``); one it could not
+    stop is terminated after :data:`STOP_WAIT_S`, not waited for in a collective."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ended = None
+    while True:
+        try:
+            if ranks.join(timeout=0.5):
+                return 0
+        except mp.ProcessExitedException as e:  # the launcher has stopped the other ranks
+            if e.exit_code in (2, 130):  # a rank's own error line, or a forced exit: no traceback
+                return e.exit_code
+            if signals:
+                return 128 + signals[0]
+            raise
+        except mp.ProcessRaisedException:
+            if signals:
+                return 128 + signals[0]
+            raise
+        if not ranks.processes[0].is_alive():
+            ended = ended or time.monotonic()
+            if time.monotonic() - ended > STOP_WAIT_S:
+                for p in ranks.processes:
+                    if p.is_alive():
+                        p.terminate()
+                for p in ranks.processes:
+                    p.join(STOP_WAIT_S)
+                return 128 + signals[0] if signals else 1
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
     try:
@@ -442,23 +488,20 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
         # once a rank stops on its error line, the launcher stops the others with a warning each: not news
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        ranks = mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=False)
+        signals: list[int] = []
+        ranks = None
 
         def forward(sig, frame):  # the ranks have process groups of their own: a terminal's Ctrl-C comes here
-            try:
-                os.kill(ranks.processes[0].pid, sig)  # rank 0 shuts the server down and stops the others
-            except ProcessLookupError:
-                pass
+            signals.append(sig)
+            if ranks is not None:
+                _signal_rank0(ranks, sig)  # rank 0 shuts the server down and stops the others
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
-        try:
-            while not ranks.join():
-                pass
-        except mp.ProcessExitedException as e:  # a rank stopped with its own error line (exit 2): no traceback
-            if e.exit_code not in (2, 130):  # 130: a forced exit (a second Ctrl-C)
-                raise
-            sys.exit(e.exit_code)
+        ranks = mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=False)
+        for sig in signals[:2]:  # those that came while the ranks were being started
+            _signal_rank0(ranks, sig)
+        sys.exit(_join_ranks(ranks, signals))
     else:
         _serve(cfg, cfg.device)
 

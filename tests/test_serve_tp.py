@@ -235,3 +235,47 @@ def test_column_scales_are_cut_with_the_input_features():
         assert torch.equal(part.betas[q], delta.betas[q]) and torch.equal(part.betas[emb], delta.betas[emb])
         assert torch.equal(part.betas[down], delta.betas[down][64 * rank:64 * (rank + 1)])
         assert part.signs[down].shape == (64, 8) and part.alphas[down].shape == (64,)
+
+
+def test_sigterm_while_the_ranks_start_leaves_none_behind(tiny_family, tmp_path):
+    """SIGTERM to the launcher while the ranks load (before rank 0 serves) ends rank 0 on it before it
+    can shut down gracefully: the launcher stops the other rank and exits 128 + 15, with no traceback
+    and no rank left behind."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
+                                 f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
+                                 f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
+                                 f"hydra.run.dir={tmp_path}"], cwd=repo, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(repo)})
+        try:
+            deadline = time.time() + 60
+            while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
+                                              capture_output=True, text=True).stdout.split()) < 2:
+                assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    time.sleep(0.5)
+    for pid in ranks:
+        try:
+            assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", f"rank {pid} is left"
+        except FileNotFoundError:
+            pass
+    assert "Traceback" not in log.read_text(), log.read_text()[-2000:]
