@@ -773,16 +773,22 @@ def test_chat_template_kwargs_reach_the_template(engine):
         engine.tokenizer.chat_template = template
 
 
+def _server(tiny_family, out: Path, *settings: str):
+    """``serve/run.py`` over the tiny family on a free port with ``settings``, its output in
+    ``out/server.log``: ``(process, url, log file)``."""
+    port = free_port()
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", *settings, f"hydra.run.dir={out}"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
 def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
     """Found by a fresh user: on SIGTERM the server waited for every request in flight to finish
     (minutes for a long one). ``timeout_graceful_shutdown_s`` bounds that wait: the requests still
     running then are cut off (no complete answer) and the server exits."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
-                             "log_level=warning", "timeout_graceful_shutdown_s=1", f"hydra.run.dir={tmp_path}"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc, url, log = _server(tiny_family, tmp_path, "timeout_graceful_shutdown_s=1")
     try:
         wait_healthy(proc, url, tmp_path / "server.log", 120)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 128, "logprobs": 5}
@@ -908,12 +914,7 @@ def test_a_second_ctrl_c_while_requests_run_exits_130_without_an_abort(tiny_fami
     thread was inside a step. A forced exit now leaves at once with status 130."""
     import signal
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
-                             "log_level=warning", f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc, url, log = _server(tiny_family, tmp_path)
     try:
         wait_healthy(proc, url, tmp_path / "server.log", 120)
         body = {"model": "tiny-coder", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 64, "logprobs": 5}
@@ -971,12 +972,7 @@ def test_two_ctrl_c_end_the_server_without_a_traceback(tiny_family, tmp_path):
     tracebacks (the app has no lifespan events: the server runs with ``lifespan="off"``)."""
     import signal
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
-                             "log_level=warning", f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc, url, log = _server(tiny_family, tmp_path)
     try:
         wait_healthy(proc, url, tmp_path / "server.log", 120)
         proc.send_signal(signal.SIGINT)

@@ -135,14 +135,34 @@ def test_shapes_that_do_not_split_are_named(tiny_family):
         shard_model(model, 1, 2)
 
 
-def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path):
-    """``serve/run.py tp=2`` (two gloo processes; rank 0 serves HTTP) through the real openai client:
-    greedy answers for the base and each variant, sent together, equal the one-process engine's."""
-    import json
+def _tp_server(tiny_family, out: Path):
+    """``serve/run.py tp=2`` (gloo) over the tiny family on free ports, its output in
+    ``out/server.log``: ``(launcher process, url, log file)``."""
     import os
     import socket
     import subprocess
     import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
+                             f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
+                             f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
+                             f"hydra.run.dir={out}"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    return proc, f"http://127.0.0.1:{ports[0]}", log
+
+
+def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path):
+    """``serve/run.py tp=2`` (two gloo processes; rank 0 serves HTTP) through the real openai client:
+    greedy answers for the base and each variant, sent together, equal the one-process engine's."""
+    import json
+    import subprocess
     import time
 
     import httpx
@@ -151,20 +171,8 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
     from deltafleet.serve.engine import Engine, SamplingParams
     from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
-    repo = Path(__file__).resolve().parents[1]
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
-                             f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
-                             f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
-                             f"hydra.run.dir={tmp_path}"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(repo)})
+    proc, url, log = _tp_server(tiny_family, tmp_path)
     try:
-        url = f"http://127.0.0.1:{ports[0]}"
         wait_healthy(proc, url, tmp_path / "server.log", 120)
         ref = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -241,26 +249,13 @@ def test_sigterm_while_the_ranks_start_leaves_none_behind(tiny_family, tmp_path)
     """SIGTERM to the launcher while the ranks load (before rank 0 serves) ends rank 0 on it before it
     can shut down gracefully: the launcher stops the other rank and exits 128 + 15, with no traceback
     and no rank left behind."""
-    import os
     import signal
-    import socket
     import subprocess
-    import sys
     import time
 
-    repo = Path(__file__).resolve().parents[1]
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    proc, _, out = _tp_server(tiny_family, tmp_path)
     log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
-                                 f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
-                                 f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
-                                 f"hydra.run.dir={tmp_path}"], cwd=repo, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(repo)})
+    with out:
         try:
             deadline = time.time() + 60
             while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
