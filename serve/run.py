@@ -260,17 +260,22 @@ def _switch_interval(cfg: DictConfig) -> float:
 ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get their 503 in this time
 
 
-def _draining_server(config, drain):
-    """uvicorn's server, which on the first SIGTERM or Ctrl-C also calls ``drain()`` (``app.state.drain``:
-    the requests not started are refused at once, the running ones cut off at the grace's end), in
-    a thread of its own: the signal may come while this thread holds the scheduler's lock. Its
-    ``run`` returns after a signal (status 0), rather than dying of it as ``uvicorn.run`` does; a
-    second Ctrl-C ends the process at once with status 130."""
+def _draining_server(config, drain, announce):
+    """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM or Ctrl-C
+    also calls ``drain()`` (``app.state.drain``: the requests not started are refused at once, the
+    running ones cut off at the grace's end), in a thread of its own: the signal may come while this
+    thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
+    dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130."""
     import threading
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                announce()
+
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: out at once, as uvicorn's
                 # force_exit would, but before the event loop cancels the requests' tasks (a traceback
@@ -323,8 +328,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         url = f"http://{cfg.host}:{port}/v1"
         ids = [m.id for m in engine.models()]
         where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
-        print(f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
-              f"{torch.get_num_threads()} threads) at {url}", flush=True)
+        line = (f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "
+                f"{torch.get_num_threads()} threads) at {url}")
         api_key = cfg.api_key if cfg.api_key not in (None, "") else os.environ.get("DELTAFLEET_API_KEY") or None
         app = create_app(engine, max_waiting=cfg.max_waiting, api_key=api_key, max_request_bytes=cfg.max_request_bytes,
                          request_timeout_s=cfg.timeout_request_s, max_pending_body_bytes=cfg.max_pending_body_bytes,
@@ -333,7 +338,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level, http=protocol,
                                 timeout_keep_alive=cfg.timeout_keep_alive_s, lifespan="off",
                                 timeout_graceful_shutdown=None if grace is None else grace + ANSWER_S)
-        server = _draining_server(config, lambda: app.state.drain(grace))
+        server = _draining_server(config, lambda: app.state.drain(grace), lambda: print(line, flush=True))
         server.run()
         if not server.started:
             sys.exit(3)  # uvicorn's STARTUP_FAILURE (it logged why)
@@ -503,7 +508,10 @@ def main(cfg: DictConfig) -> None:
             _signal_rank0(ranks, sig)
         sys.exit(_join_ranks(ranks, signals))
     else:
-        _serve(cfg, cfg.device)
+        try:
+            _serve(cfg, cfg.device)
+        except KeyboardInterrupt:  # a Ctrl-C before the server listens (loading): no traceback
+            sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -859,7 +859,13 @@ def test_a_shutdown_refuses_waiting_requests_and_cuts_off_running_ones_with_503(
     app, port, grace = create_app(eng), free_port(), 0.5
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=grace + ANSWER_S)
-    server = _draining_server(config, lambda: app.state.drain(grace))
+    listening = []  # whether the port took a connection when the server announced itself
+
+    def announce():
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            listening.append(True)
+
+    server = _draining_server(config, lambda: app.state.drain(grace), announce)
     runs = threading.Thread(target=server.run)
     runs.start()
     url = f"http://127.0.0.1:{port}"
@@ -868,6 +874,7 @@ def test_a_shutdown_refuses_waiting_requests_and_cuts_off_running_ones_with_503(
         while not server.started:
             assert time.time() < deadline and runs.is_alive(), "the server did not start"
             time.sleep(0.02)
+        assert listening == [True]  # found by a fresh user: `serving … at` came before uvicorn listened
         body = {"model": "tiny-coder", "prompt": "def ", "max_tokens": 100, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as running:
             assert running.status_code == 200  # its first token came: it runs, and holds the one row

@@ -404,6 +404,20 @@ def test_a_pinned_variant_that_is_not_served_is_named_in_a_warning(tiny_family, 
                     "delta_cache.pinned names tiny, the base, which is always on the device"]
 
 
+def test_a_ctrl_c_while_the_server_loads_exits_130_without_a_traceback(tmp_path, monkeypatch):
+    """Found by a fresh user: a Ctrl-C before the server listens (loading the model) printed a
+    KeyboardInterrupt traceback. It ends the server with status 130 (after that, the server drains)."""
+    from deltafleet.serve import run
+
+    def loading(cfg, device):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_serve", loading)
+    with pytest.raises(SystemExit) as e:
+        run.main.__wrapped__(_serve_cfg(f"paths.root={tmp_path}"))  # main without Hydra's wrapper
+    assert e.value.code == 130
+
+
 def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
     """Through the real entry point: exit status 2 and the key named, no traceback, nothing loaded (the
     base checkpoint is not even looked for)."""
