@@ -98,6 +98,11 @@ class _Seq(Sequence):
     abort: BaseException | None = None      # ended by :meth:`Scheduler.abort`: its error, sent before END
     group: object = None                    # the choices of one HTTP request share it (submit's ``group``)
 
+    @property
+    def leaving(self) -> bool:
+        """Cancelled, aborted or ended by a stop string: retired at the next step."""
+        return self.cancel.is_set() or self.stop_hit or self.abort is not None
+
 
 @dataclass
 class _Copy:
@@ -224,9 +229,7 @@ class Scheduler:
                    out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
                    on_start=on_start, group=group)
         with self._cv:
-            if self._refuse is not None:
-                seq.abort = self._refuse
-                seq.cancel.set()
+            seq.abort = self._refuse
             self.planner.add(seq)
             self._cv.notify()
         return seq.out, seq.cancel
@@ -244,7 +247,6 @@ class Scheduler:
             for seq in seqs:
                 if running or (seq if seq.group is None else seq.group) not in started:
                     seq.abort = error
-                    seq.cancel.set()
             self._cv.notify()
 
     def waiting(self) -> dict[str, int]:
@@ -367,11 +369,11 @@ class Scheduler:
         self._inflight = None
 
     def _drop_cancelled(self) -> None:
-        """End the requests cancelled since the last step, waiting or running, and those a stop string
-        ended (found by the detokenizer)."""
+        """End the requests cancelled or aborted since the last step, waiting or running, and those a
+        stop string ended (found by the detokenizer)."""
         with self._cv:
-            gone = [s for q in self.planner.waiting.values() for s in q if s.cancel.is_set() or s.stop_hit]
-            gone += [s for s in self.planner.running if s.cancel.is_set() or s.stop_hit]
+            gone = [s for q in self.planner.waiting.values() for s in q if s.leaving]
+            gone += [s for s in self.planner.running if s.leaving]
         for seq in gone:
             if seq.abort is not None and not seq.done and not seq.ended:
                 self._items.append(("error", seq, seq.abort))
@@ -635,7 +637,7 @@ class Scheduler:
             return
         if token in seq.enders or (seq.matcher is not None and seq.matcher.is_terminated()):
             end = "eos"  # finish "stop", the token left out of the text
-        elif seq.n >= seq.req.max_tokens or (seq.cancel.is_set() and seq.abort is None):  # aborted: an error next
+        elif seq.n >= seq.req.max_tokens or seq.cancel.is_set():
             end = "length"
         else:
             end = None
