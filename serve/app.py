@@ -687,16 +687,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     engine.add_listener(metrics.on_delta_event)
     engine.scheduler.step_observers.append(metrics.on_step)
     app.state.engine, app.state.metrics = engine, metrics
-    draining = threading.Event()
-
     def drain(timeout_s: float | None) -> None:
         """Begin a graceful shutdown (serve/run.py calls it on the first SIGTERM or Ctrl-C): ``/health``
         answers 503, requests that have not started, and every later one, are refused with 503
         ``shutting_down``, and those running get ``timeout_s`` seconds (None: no limit) to finish,
         then are cut off with the same error (in-band for a stream that has begun)."""
-        if draining.is_set():
+        if engine.draining:
             return
-        draining.set()
         engine.drain(ServerShuttingDownError("The server is shutting down; send the request to another "
                                              "server, or again once this one is back."))
         if timeout_s is not None:
@@ -773,7 +770,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         if fatal is not None:  # e.g. a tensor-parallel rank died: restart the server
             return APIError(503, f"the server cannot generate any more: {type(fatal).__name__}",
                             "service_unavailable_error", None, "engine_failed").response()
-        if draining.is_set():
+        if engine.draining:
             return APIError(503, "the server is shutting down", "service_unavailable_error", None,
                             "shutting_down").response()
         return {"status": "ok"}

@@ -339,6 +339,11 @@ class Engine:
         with self.collective(("free", view.slot)):
             self.slots.free(view)
 
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called (the server is shutting down)."""
+        return self._closing is not None
+
     def drain(self, error: BaseException) -> None:
         """Begin a shutdown: :meth:`prepare` raises ``error`` from now on, and so do the loads waiting
         for room on the device and the requests that have not started (``Scheduler.abort``); the

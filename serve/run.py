@@ -449,13 +449,10 @@ def _join_ranks(ranks, signals: list[int]) -> int:
         try:
             if ranks.join(timeout=0.5):
                 return 0
-        except mp.ProcessExitedException as e:  # the launcher has stopped the other ranks
-            if e.exit_code in (2, 130):  # a rank's own error line, or a forced exit: no traceback
-                return e.exit_code
-            if signals:
-                return 128 + signals[0]
-            raise
-        except mp.ProcessRaisedException:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # the others are stopped
+            code = getattr(e, "exit_code", None)
+            if code in (2, 130):  # a rank's own error line, or a forced exit: no traceback
+                return code
             if signals:
                 return 128 + signals[0]
             raise

@@ -96,7 +96,7 @@ class _Seq(Sequence):
     prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
     matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
     abort: BaseException | None = None      # ended by :meth:`Scheduler.abort`: its error, sent before END
-    group: object = None                    # the choices of one HTTP request share it (submit's ``group``)
+    group: object = None                    # the choices of one HTTP request share it (submit's); else itself
 
     @property
     def leaving(self) -> bool:
@@ -228,6 +228,8 @@ class Scheduler:
         seq = _Seq(req.model_id, list(req.prompt_ids), len(req.prompt_ids), req=req,
                    out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
                    on_start=on_start, group=group)
+        if group is None:
+            seq.group = seq
         with self._cv:
             seq.abort = self._refuse
             self.planner.add(seq)
@@ -243,9 +245,9 @@ class Scheduler:
             self._refuse = error
             seqs = [s for q in self.planner.waiting.values() for s in q] + self.planner.running
             # a preempted sequence waits again, but has started; so has a choice whose sibling has
-            started = {s if s.group is None else s.group for s in seqs if s.started}
+            started = {s.group for s in seqs if s.started}
             for seq in seqs:
-                if running or (seq if seq.group is None else seq.group) not in started:
+                if running or seq.group not in started:
                     seq.abort = error
             self._cv.notify()
 
