@@ -59,6 +59,12 @@ them at the end of the step: a wgmma with a register operand in flight across th
 makes ptxas serialise them all, and so do too few registers (C7512/C7515). :data:`CONFIGS` lists only
 configurations that compile without either and without spills (tests/test_kernels_compile.py).
 
+Programmatic dependent launch (``pdl``): the loader fills the ring with its first sign tiles, then
+waits (``griddepcontrol.wait``) for the kernel before, which writes the planes, before copying their
+boxes; the consumers wait before reading anything else. Every program first lets the next such launch
+start (``griddepcontrol.launch_dependents``), so a launch's fill overlaps the tail of the one before
+(the planes, or the sign products of the matrix before: q, k, v).
+
 ``sync_mma`` (the configurations of ``block_m`` 4 and 8): the consumer multiplies by per-warp
 ``mma.sync`` m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes
 loaded into B registers once and shared by the consumer's tiles. Nothing is asynchronous, so the
@@ -118,7 +124,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from deltafleet.kernels.gluon_bitdelta import _tma_load
-    from deltafleet.kernels.gluon_planes import _as_view, _as_words
+    from deltafleet.kernels.gluon_planes import _as_view, _as_words, _gdc_wait
 
 TILE_N = 64    # features per sign tile: the wgmma's M
 TILE_K = 128   # weights per sign tile (tile_signs' K step): 64 rows × 16 bytes, one contiguous KiB
@@ -242,20 +248,23 @@ def supported(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor | None = Non
 
 @triton.jit(do_not_specialize=["NSLOT"])
 def _sorted_planes_kernel(x_ptr, order_ptr, key_ptr, p_ptr, sc_ptr, K, KP, stride_xm, NSLOT, BLOCK: tl.constexpr,
-                          BITS: tl.constexpr):
+                          BITS: tl.constexpr, PDL: tl.constexpr = False):
     """Program i: sorted row i = x row ``order[i]``, unless it is a base row (``key[i] ≥ NSLOT``, whose
     planes no store ever uses: left unwritten). As ``gluon_planes._planes_kernel``: ``scale =
     max|x|/PLANE_MAX``, ``q = round(x/scale)``, planes ``p[2i] = hi``, ``p[2i + 1] = lo`` with ``q =
     256·hi + lo`` in the permuted K order (logical ``4a + j`` of each 32-block ← physical ``a + 8j``; with
-    ``BITS``, the bit accumulators' order), ``sc[2i] = scale``, ``sc[2i + 1] = Σq``."""
+    ``BITS``, the bit accumulators' order), ``sc[2i] = scale``, ``sc[2i + 1] = Σq``. ``PDL``: let the
+    next kernel, if launched with programmatic dependent launch, start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     if tl.load(key_ptr + i) >= NSLOT:
         return
     _row_planes(x_ptr, tl.load(order_ptr + i).to(tl.int64), i, p_ptr, sc_ptr, K, KP, stride_xm, BLOCK, BITS)
 
 
-def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int, bits: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slots: int, bits: bool = False,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 activation planes of x's rows in sorted order (``gluon_planes.activation_planes`` of
     ``x[order]``, without forming ``x[order]``).
 
@@ -265,6 +274,8 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
         n_slots: S; sorted rows with ``key ≥ S`` (base rows) are skipped.
         bits: the bit accumulators' order (module docstring): rows K rounded up to 256 wide,
             permuted within 256-blocks, zeros past K.
+        pdl: let the next kernel, if launched with programmatic dependent launch (the sign products'
+            ``pdl``), start at once; it must wait for this one before reading the planes.
 
     Returns:
         ``(planes, sc)``: int8 ``[2M, K]`` (K rounded up to 256 with ``bits``; rows ``2i``, ``2i + 1``: hi
@@ -278,7 +289,8 @@ def sorted_planes(x: torch.Tensor, order: torch.Tensor, key: torch.Tensor, n_slo
     sc = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     if m:
         _sorted_planes_kernel[(m,)](x, order, key, planes, sc, k, kp, x.stride(0), n_slots,
-                                    BLOCK=min(8192, triton.next_power_of_2(kp)), BITS=bits, num_warps=8)
+                                    BLOCK=min(8192, triton.next_power_of_2(kp)), BITS=bits, PDL=pdl,
+                                    num_warps=8)
     return planes, sc
 
 
@@ -312,7 +324,7 @@ def _check_config(cfg: GroupedConfig) -> None:
 
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
                              block_m: int = 16, planes: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             **config) -> torch.Tensor:
+                             pdl: bool = False, **config) -> torch.Tensor:
     """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
 
     Args:
@@ -333,6 +345,11 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
             ``stages``, ``consumers``, ``regs``, ``inflight``, ``sync_mma``, ``bitacc``, ``prefetch``)
             overriding ``default_config(block_m)`` (whose ``prefetch`` is dropped where the overrides
             rule it out); without any, :func:`choose_config` picks one by the grid size.
+        pdl: launch with programmatic dependent launch: the programs start while the kernel before
+            runs (it must let them: ``sorted_planes(pdl=True)``, or another such launch), read the
+            row groups and copy their first sign tiles, then wait for it to end before reading the
+            planes, the scales, α or y; they let the next such launch start too. So the signs and
+            ``groups`` must be ready before the kernel before starts, as they are in a serving step.
 
     Returns:
         ``y``. Trusts its inputs, as ``triton_grouped.add_sign_products`` does (check with
@@ -355,7 +372,7 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         return y
     s = signs.shape[0]
     planes, sc = (planes if planes is not None and not cfg.bitacc
-                  else sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc))
+                  else sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc, pdl=pdl))
     s_desc, p_desc = _descriptors(signs, planes, cfg)
     grid = (groups.max_blocks, triton.cdiv(n, cfg.block_n))  # blocks fastest: see the module docstring
     _grouped_planes_kernel[grid](
@@ -363,17 +380,18 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
         CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, BITACC=cfg.bitacc, PREFETCH=cfg.prefetch,
-        num_warps=4, maxnreg=cfg.regs)
+        PDL=pdl, num_warps=4, maxnreg=cfg.regs, launch_pdl=pdl)
     return y
 
 
-def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: bool = True):
+def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: bool = True, pdl: bool = False):
     """Compile the kernel for sm_90a ahead of time, without a GPU, for the compile test
     (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
 
     Args:
         cfg: a :class:`GroupedConfig`. dtype: y's element type, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         alpha_per_row: α per output feature (``[S, N]``) rather than one per matrix.
+        pdl: the programmatic-dependent-launch form (:func:`add_sign_products_planes`).
 
     Returns:
         Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
@@ -391,7 +409,7 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
                   CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma,
-                  BITACC=cfg.bitacc, PREFETCH=cfg.prefetch, num_warps=4)
+                  BITACC=cfg.bitacc, PREFETCH=cfg.prefetch, PDL=pdl, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = _grouped_planes_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -405,10 +423,18 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
 
 if HAVE_GLUON:
     @gluon.jit
-    def _gp_load(p, NSUB: gl.constexpr, STAGES: gl.constexpr):
+    def _gdc_launch_dependents():
+        """``griddepcontrol.launch_dependents``: the next kernel, if launched with programmatic dependent
+        launch, may start once every program of this one has run this (or ended)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gp_load(p, NSUB: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """The loader warp: per K step, wait until the consumers have freed the stage, then copy the
         NSUB sign boxes (feature tiles ``f0 … f0 + NSUB − 1`` of the block's variant) and the block's
-        planes box into it."""
+        planes box into it. ``PDL``: the first ``STAGES`` steps' sign boxes are copied before waiting for
+        the kernel before (which writes the planes), their planes boxes after."""
         (s_desc, p_desc, s_smem, p_smem, ready, empty, first, slot, off_n, M, N, K, NSLOT) = p
         BK: gl.constexpr = p_desc.block_type.shape[1]
         R: gl.constexpr = s_desc.block_type.shape[0]  # 128-byte rows of one box: 8 per 128-weight tile
@@ -418,7 +444,21 @@ if HAVE_GLUON:
         # first 128-byte row of (slot, feature tile off_n/64, K tile 0); tiles past NT belong to the
         # next slot or lie past the tensor (zeros): their features are ≥ N and never stored
         srow = (slot * NT + off_n // 64) * KT * 8
-        for ki in range(gl.cdiv(K, BK)):
+        nk = gl.cdiv(K, BK)
+        start = 0
+        if PDL:  # the ring is empty: fill it with sign tiles, which no kernel before writes
+            for ki in gl.static_range(STAGES):
+                if ki < nk:
+                    bar = ready.index(ki)
+                    mbarrier.expect(bar, nbytes)
+                    for j in gl.static_range(NSUB):
+                        _tma_load(s_desc, [srow + j * KT * 8 + ki * R, 0], bar, s_smem.index(ki * NSUB + j))
+            _gdc_wait()
+            for ki in gl.static_range(STAGES):
+                if ki < nk:
+                    _tma_load(p_desc, [2 * first, ki * BK], ready.index(ki), p_smem.index(ki))
+            start = STAGES
+        for ki in range(start, nk):
             stage = ki % STAGES
             mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
             bar = ready.index(stage)
@@ -678,16 +718,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr,
-                   BITACC: gl.constexpr, PREFETCH: gl.constexpr):
-        """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``."""
+                   BITACC: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr):
+        """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``. With ``PDL`` a
+        consumer first waits for the kernel before (the planes, their scales and sums, y's base values)."""
         if LOADER:
-            _gp_load(p, NSUB, STAGES)
-        elif BITACC:
-            _gp_consume_bits(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
-        elif SYNC_MMA:
-            _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, PREFETCH)
+            _gp_load(p, NSUB, STAGES, PDL)
         else:
-            _gp_consume(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, INFLIGHT)
+            if PDL:
+                _gdc_wait()
+            if BITACC:
+                _gp_consume_bits(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
+            elif SYNC_MMA:
+                _gp_consume_mma(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, PREFETCH)
+            else:
+                _gp_consume(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW, INFLIGHT)
 
     # M, S and the block count vary with every serving step: no recompile when one of them is 1 or a
     # multiple of 16
@@ -697,8 +741,10 @@ if HAVE_GLUON:
                                ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
                                SYNC_MMA: gl.constexpr, BITACC: gl.constexpr, PREFETCH: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               PDL: gl.constexpr, num_warps: gl.constexpr):
         """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
+        if PDL:  # the next kernel, if launched with programmatic dependent launch, may start
+            _gdc_launch_dependents()
         first = gl.load(first_ptr + gl.program_id(0))
         if first < M:  # programs past the last block do nothing
             slot = gl.load(key_ptr + first)
@@ -724,22 +770,22 @@ if HAVE_GLUON:
             PF: gl.constexpr = PREFETCH
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
                 ], [1], [24])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
                 ], [4, 1], [CONS_REGS, 24])
             elif CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA, PF)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")

@@ -324,11 +324,13 @@ def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, group
         from deltafleet.kernels import gluon_grouped
 
         if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
+            # programmatic dependent launch: each launch copies its first sign tiles while the kernel
+            # before (the planes, or the sign products of the matrix or part before) ends
             if "planes" not in planes:
-                planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0])
+                planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0], pdl=True)
             for part in groups.parts():
                 gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m,
-                                                       planes=planes["planes"])
+                                                       planes=planes["planes"], pdl=True)
             return
     add_sign_products(x, signs, alphas, groups, y)
 

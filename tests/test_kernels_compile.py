@@ -311,6 +311,18 @@ if gb.HAVE_GLUON:
                                  "spills": int(spills.group(1)) if spills else -1}
                 except Exception as e:
                     out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    for bm in (4, 16):  # the programmatic-dependent-launch form of an mma.sync and a wgmma consumer
+        cfg = gg.CONFIGS[bm][0]
+        name = "grouped-planes-pdl " + json.dumps({"config": list(cfg)})
+        try:
+            ptx = gg.compile_for_sm90(cfg, pdl=True).asm["ptx"]
+            log = sm90_report(ptx)
+            spills = re.search(r"(\d+) bytes spill stores", log)
+            out[name] = {"wait": ptx.count("griddepcontrol.wait"),
+                         "trigger": ptx.count("griddepcontrol.launch_dependents"),
+                         "report": "Used " in log, "spills": int(spills.group(1)) if spills else -1}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
 json.dump(out, sys.stdout)
 '''
 
@@ -468,3 +480,17 @@ def test_grouped_int8_kernel_compiles_without_serialised_wgmmas_or_spills(compil
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
     spilled = {k: v["spills"] for k, v in grouped.items() if not 0 <= v["spills"] <= 128}
     assert not spilled, f"ptxas spilled (bytes): {spilled}"
+
+
+def test_grouped_kernel_with_programmatic_dependent_launch_compiles_with_its_wait(compiled):
+    """The ``pdl`` form of the grouped kernel (an ``mma.sync`` and a wgmma configuration) compiles for
+    sm_90a without spills, and its PTX holds the trigger for the next launch and the waits for the one
+    before (the loader's, before its first planes copy, and the consumers')."""
+    from deltafleet.kernels import gluon_grouped as gg
+
+    if not gg.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    pdl = {k: v for k, v in compiled.items() if k.startswith("grouped-planes-pdl ")}
+    assert len(pdl) == 2 and all("error" not in v for v in pdl.values()), pdl
+    assert all(v["report"] and v["spills"] == 0 for v in pdl.values()), pdl
+    assert all(v["trigger"] >= 1 and v["wait"] >= 2 for v in pdl.values()), pdl

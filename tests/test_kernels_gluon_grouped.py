@@ -289,3 +289,46 @@ def test_groups_cut_smaller_than_the_kernel_block_are_still_right(cut, block_m):
     y = torch.mm(xd, wd.t())
     gg.add_sign_products_planes(xd, sd, ad, group_rows(slotd, 4, cut), y, block_m=block_m)
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [384, 1536])
+def test_programmatic_dependent_launch_waits_for_what_the_kernel_before_wrote(k):
+    """With ``pdl`` the sign products start while the kernel before runs and must wait for it before
+    reading the planes, the scales and y. Captured in a CUDA graph whose every replay writes new
+    activations, makes their planes (``sorted_planes(pdl=True)``: the next launch may start at once)
+    and then multiplies two matrices over them (the second launched on the first, as q, k, v are),
+    each configuration's output must equal the launch without it, replay after replay: a read before
+    the wait would see the last replay's planes. K of 384 leaves the ring more stages than K steps."""
+    _hopper()
+    x, w, signs, alphas, slot = _case(64, "zipf", 6, 520, k, True, torch.bfloat16)
+    xd, wd, sd, ad, slotd = (t.cuda() for t in (x, w, tile_signs(signs), alphas, slot))
+    sd2, ad2 = sd.flip(0).contiguous(), ad.flip(0).contiguous()
+    configs = [cfg for b in gg.BLOCK_MS for cfg in gg.CONFIGS[b]]
+    groups = {b: group_rows(slotd, 6, b) for b in gg.BLOCK_MS}
+    src = torch.empty_like(xd)
+
+    def run(pdl: bool) -> list[torch.Tensor]:
+        xd.copy_(src)
+        out = []
+        for cfg in configs:
+            g = groups[cfg.block_m]
+            planes = None if cfg.bitacc else gg.sorted_planes(xd, g.order, g.key, 6, pdl=pdl)
+            for s_, a_ in ((sd, ad), (sd2, ad2)):
+                y = torch.mm(xd, wd.t())
+                out.append(gg.add_sign_products_planes(xd, s_, a_, g, y, planes=planes, pdl=pdl, **cfg._asdict()))
+        return out
+
+    src.copy_(xd)
+    run(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(True)
+    for seed in range(3):
+        src.copy_(torch.randn(xd.shape, generator=torch.Generator().manual_seed(seed)).to(xd))
+        graph.replay()
+        want = run(False)
+        torch.cuda.synchronize()
+        for cfg, a, b in zip([c for c in configs for _ in (0, 1)], got, want):
+            assert torch.equal(a, b), f"replay {seed}, {cfg}: the launch with pdl differs from the one without"
