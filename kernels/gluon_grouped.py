@@ -58,6 +58,11 @@ the step's wgmmas in flight together (or at most ``inflight`` after each feature
 them at the end of the step: a wgmma with a register operand in flight across the loop's back edge
 makes ptxas serialise them all, and so do too few registers (C7512/C7515). :data:`CONFIGS` lists only
 configurations that compile without either and without spills (tests/test_kernels_compile.py).
+A consumer frees its stage with the mbarrier arrive alone, which has release semantics: every shared
+load of the step is ordered before it, so the loader's next copy into the stage (issued once it sees
+the phase) cannot overwrite what is still being read. No proxy fence (``fence.proxy.async``, a
+``MEMBAR.ALL.CTA`` per K step in the SASS, which also waited for the prefetched epilogue loads) is
+needed for reads followed by a copy, as in CUTLASS's consumer release.
 
 Programmatic dependent launch (``pdl``): the loader fills the ring with its first sign tiles, then
 waits (``griddepcontrol.wait``) for the kernel before, which writes the planes, before copying their
@@ -119,8 +124,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from deltafleet.kernels.gluon_bitdelta import _tma_load
@@ -526,7 +530,6 @@ if HAVE_GLUON:
                 acc = (done, )
             else:
                 acc = done
-            fence_async_shared()  # the sign words' shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
         _gp_epilogue(acc, first, slot, off_n, M, N, q, BM, T0, NW, ALPHA_PER_ROW, True)
@@ -626,7 +629,6 @@ if HAVE_GLUON:
                     a = _sign_operand(s_smem.index(stage * NSUB + T0 + t), c, KS, dot_a)
                     new = new + (mma_v2(a, b, acc[t]), )
                 acc = new
-            fence_async_shared()  # the shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
         if PREFETCH:
@@ -707,7 +709,6 @@ if HAVE_GLUON:
             a5 = _bits_chunk(words, pbuf, 5, "0x20202020", a5, NW, dot_b)
             a6 = _bits_chunk(words, pbuf, 6, "0x40404040", a6, NW, dot_b)
             a7 = _bits_chunk(words, pbuf, 7, "0x80808080", a7, NW, dot_b)
-            fence_async_shared()  # the shared loads come before the loader's next copy
             mbarrier.arrive(empty.index(stage), count=1)
 
         acc = ()
