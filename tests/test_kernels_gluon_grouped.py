@@ -311,11 +311,11 @@ def test_programmatic_dependent_launch_waits_for_what_the_kernel_before_wrote(k)
     def run(pdl: bool) -> list[torch.Tensor]:
         xd.copy_(src)
         out = []
-        for cfg in configs:
+        for cfg in configs:  # as the engine: the base products, the planes, then one matrix after the other
             g = groups[cfg.block_m]
+            ys = [torch.mm(xd, wd.t()) for _ in range(2)]
             planes = None if cfg.bitacc else gg.sorted_planes(xd, g.order, g.key, 6, pdl=pdl)
-            for s_, a_ in ((sd, ad), (sd2, ad2)):
-                y = torch.mm(xd, wd.t())
+            for y, (s_, a_) in zip(ys, ((sd, ad), (sd2, ad2))):
                 out.append(gg.add_sign_products_planes(xd, s_, a_, g, y, planes=planes, pdl=pdl, **cfg._asdict()))
         return out
 
