@@ -315,10 +315,11 @@ if gb.HAVE_GLUON:
         cfg = gg.CONFIGS[bm][0]
         name = "grouped-planes-pdl " + json.dumps({"config": list(cfg)})
         try:
-            ptx = gg.compile_for_sm90(cfg, pdl=True).asm["ptx"]
+            k = gg.compile_for_sm90(cfg, pdl=True)
+            ptx = k.asm["ptx"]
             log = sm90_report(ptx)
             spills = re.search(r"(\d+) bytes spill stores", log)
-            out[name] = {"wait": ptx.count("griddepcontrol.wait"),
+            out[name] = {"shared": k.metadata.shared, "wait": ptx.count("griddepcontrol.wait"),
                          "trigger": ptx.count("griddepcontrol.launch_dependents"),
                          "report": "Used " in log, "spills": int(spills.group(1)) if spills else -1}
         except Exception as e:
@@ -375,8 +376,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
     from deltafleet.kernels import gluon_grouped as gg
 
     # the grouped int8 kernel: every configuration, the first of the smallest and largest block_m twice
-    # more (fp16, fp32)
-    n_grouped = sum(len(c) for c in gg.CONFIGS.values()) + 4 if gb.HAVE_GLUON else 0
+    # more (fp16, fp32), and two with programmatic dependent launch
+    n_grouped = sum(len(c) for c in gg.CONFIGS.values()) + 4 + 2 if gb.HAVE_GLUON else 0
     assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(sweep(tb._lut_configs())) + n_gluon
                              + n_tiled + n_grouped)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
