@@ -453,10 +453,7 @@ if HAVE_GLUON:
         if PDL:  # the ring is empty: fill it with sign tiles, which no kernel before writes
             for ki in gl.static_range(STAGES):
                 if ki < nk:
-                    bar = ready.index(ki)
-                    mbarrier.expect(bar, nbytes)
-                    for j in gl.static_range(NSUB):
-                        _tma_load(s_desc, [srow + j * KT * 8 + ki * R, 0], bar, s_smem.index(ki * NSUB + j))
+                    _gp_load_signs(s_desc, s_smem, ready.index(ki), nbytes, srow + ki * R, KT * 8, ki, NSUB)
             _gdc_wait()
             for ki in gl.static_range(STAGES):
                 if ki < nk:
@@ -465,11 +462,16 @@ if HAVE_GLUON:
         for ki in range(start, nk):
             stage = ki % STAGES
             mbarrier.wait(empty.index(stage), ((ki // STAGES) & 1) ^ 1)  # the consumers are done with it
-            bar = ready.index(stage)
-            mbarrier.expect(bar, nbytes)
-            for j in gl.static_range(NSUB):
-                _tma_load(s_desc, [srow + j * KT * 8 + ki * R, 0], bar, s_smem.index(stage * NSUB + j))
-            _tma_load(p_desc, [2 * first, ki * BK], bar, p_smem.index(stage))
+            _gp_load_signs(s_desc, s_smem, ready.index(stage), nbytes, srow + ki * R, KT * 8, stage, NSUB)
+            _tma_load(p_desc, [2 * first, ki * BK], ready.index(stage), p_smem.index(stage))
+
+    @gluon.jit
+    def _gp_load_signs(s_desc, s_smem, bar, nbytes: gl.constexpr, row, tile_rows, stage, NSUB: gl.constexpr):
+        """Expect ``nbytes`` (the stage's sign and planes boxes) on ``bar`` and copy the NSUB sign boxes
+        of one K step into ``stage``: box j from 128-byte row ``row + j·tile_rows``."""
+        mbarrier.expect(bar, nbytes)
+        for j in gl.static_range(NSUB):
+            _tma_load(s_desc, [row + j * tile_rows, 0], bar, s_smem.index(stage * NSUB + j))
 
     @gluon.jit
     def _int_accumulators(NW: gl.constexpr, BM2: gl.constexpr, acc_l: gl.constexpr):
