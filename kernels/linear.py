@@ -147,9 +147,12 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
     if _on_triton(x, y):
         from deltafleet.kernels.triton_grouped import _add_signs, group_rows
 
+        planes = planes if planes is not None else {}
+        # groups made here come just before the launch, which reads them before it waits, unless the
+        # planes are made in between: no programmatic dependent launch then
         _add_signs(x if x.stride(-1) == 1 else x.contiguous(), signs,
                    alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y,
-                   planes if planes is not None else {})
+                   planes, pdl=groups is not None or not planes)
         return y
     return add_sign_products_reference(x, signs, alphas, slot, y)
 

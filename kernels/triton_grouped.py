@@ -313,24 +313,32 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
 
 
 def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups, y: torch.Tensor,
-               planes: dict) -> None:
+               planes: dict, pdl: bool = True) -> None:
     """``y += `` the sign products of ``groups``' rows (``y`` ``[M, N]``, unit stride along N, may be a
     column block of a wider output): on a Hopper GPU with tiled signs by ``gluon_grouped``, whose
     activation planes are made once and kept in ``planes`` for the next matrix over the same rows;
-    else by :func:`add_sign_products`."""
+    else by :func:`add_sign_products`.
+
+    ``pdl``: launch with programmatic dependent launch (``gluon_grouped``): each launch copies its
+    first sign tiles while the kernel before (the planes, or the sign products of the matrix or part
+    before) ends. Such a launch reads the signs and ``groups`` before it waits, so they must be
+    complete before that kernel starts: pass False when the kernel just before may have written
+    ``groups`` (made right before, with the planes already in ``planes``). A copy of the signs made
+    here turns it off unless the planes are made after it."""
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
+    copied = not signs.is_contiguous()
     signs = signs.contiguous()
     if not _interpret():
         from deltafleet.kernels import gluon_grouped
 
         if gluon_grouped.supported(x, signs, y):  # Hopper, tiled signs: the int8 tensor cores
-            # programmatic dependent launch: each launch copies its first sign tiles while the kernel
-            # before (the planes, or the sign products of the matrix or part before) ends
-            if "planes" not in planes:
-                planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0], pdl=True)
+            made = "planes" not in planes
+            if made:
+                planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0], pdl=pdl)
+            pdl = pdl and (made or not copied)
             for part in groups.parts():
                 gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m,
-                                                       planes=planes["planes"], pdl=True)
+                                                       planes=planes["planes"], pdl=pdl)
             return
     add_sign_products(x, signs, alphas, groups, y)
 

@@ -332,3 +332,45 @@ def test_programmatic_dependent_launch_waits_for_what_the_kernel_before_wrote(k)
         torch.cuda.synchronize()
         for cfg, a, b in zip([c for c in configs for _ in (0, 1)], got, want):
             assert torch.equal(a, b), f"replay {seed}, {cfg}: the launch with pdl differs from the one without"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runs", [(40, 30, 26), (64, 64)], ids=["no-long-block", "no-short-block"])
+def test_chained_launches_stay_ordered_through_a_part_without_blocks(runs):
+    """``bitdelta_linears_grouped`` as the engine calls it on Hopper: the planes, then per matrix a launch
+    per part of ``groups.parts()``, each launched on the one before (programmatic dependent launch). Over
+    64 rows each variant's run first goes in whole blocks of 64 (the long part), its rest in short
+    blocks, so runs under 64 rows leave the long part without a block and runs of 64 the short part.
+    A wait covers only the launch just before, so a launch without a block must still end after its
+    predecessor; else the next one passes its wait while the planes are still being written. Replayed
+    in a CUDA graph with new activations each time, every replay must match the float32 reference."""
+    _hopper()
+    from deltafleet.kernels import bitdelta_linears_grouped
+
+    g = torch.Generator().manual_seed(len(runs))
+    m, k, tenants, sizes = sum(runs), 4096, len(runs), [520, 264]
+    slot = torch.cat([torch.full((r,), t, dtype=torch.int32) for t, r in enumerate(runs)])
+    slot = slot[torch.randperm(m, generator=g)]
+    w = (0.05 * torch.randn(sum(sizes), k, generator=g)).to(torch.bfloat16)
+    signs = [torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(tenants)]) for n in sizes]
+    alphas = [0.03 + 0.05 * torch.rand(tenants, n, generator=g) for n in sizes]
+    wd, slotd = w.cuda(), slot.cuda()
+    sd, ad = [tile_signs(s).cuda() for s in signs], [a.cuda() for a in alphas]
+    groups = group_rows(slotd, tenants)
+    live = [int((part.first < m).sum()) for part in groups.parts()]
+    assert len(live) == 2 and 0 in live and max(live) > 0, live  # one part without a block: the case at issue
+    xd = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    bitdelta_linears_grouped(xd, wd, sizes, sd, ad, slotd, groups=groups)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bitdelta_linears_grouped(xd, wd, sizes, sd, ad, slotd, groups=groups)
+    for seed in range(3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        xd.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (wi, yi) in enumerate(zip(w.split(sizes), y.cpu().split(sizes, 1))):
+            ref = bitdelta_linear_batched(x.float(), wi.float(), signs[i], alphas[i], slot)
+            torch.testing.assert_close(yi.float(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item(),
+                                       msg=lambda s, i=i, seed=seed: f"replay {seed}, matrix {i}: {s}")
