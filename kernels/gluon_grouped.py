@@ -69,8 +69,9 @@ waits (``griddepcontrol.wait``) for the kernel before, which writes the planes, 
 boxes; the consumers wait before reading anything else. Every program first lets the next such launch
 start (``griddepcontrol.launch_dependents``), so a launch's fill overlaps the tail of the one before
 (the planes, or the sign products of the matrix before: q, k, v). A wait covers the launch just
-before only, so chained launches stay ordered only if each ends after its predecessor: a program
-past the last block waits too before it returns (a part of ``groups.parts()`` can have no block).
+before only, so chained launches stay ordered only if each ends after its predecessor: a launch
+whose programs all lie past the last block (a part of ``groups.parts()`` can have none) still waits
+in program (0, 0), which is live whenever any program is.
 
 ``sync_mma`` (the configurations of ``block_m`` 4 and 8): the consumer multiplies by per-warp
 ``mma.sync`` m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes
@@ -794,6 +795,8 @@ if HAVE_GLUON:
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")
-        elif PDL:  # no block: still end only after the kernel before, since the next launch waits for this one
+        elif PDL and gl.program_id(0) == 0 and gl.program_id(1) == 0:
+            # a launch without any block still ends only after the kernel before, since the next launch
+            # waits for this one: program (0, 0) waits (it is live if any program is; the others exit)
             _gdc_wait()
 

@@ -348,7 +348,7 @@ def test_chained_launches_stay_ordered_through_a_part_without_blocks(runs):
     from deltafleet.kernels import bitdelta_linears_grouped
 
     g = torch.Generator().manual_seed(len(runs))
-    m, k, tenants, sizes = sum(runs), 4096, len(runs), [520, 264]
+    m, k, tenants, sizes = sum(runs), 8192, len(runs), [520, 264]  # long rows: planes that take a while
     slot = torch.cat([torch.full((r,), t, dtype=torch.int32) for t, r in enumerate(runs)])
     slot = slot[torch.randperm(m, generator=g)]
     w = (0.05 * torch.randn(sum(sizes), k, generator=g)).to(torch.bfloat16)
