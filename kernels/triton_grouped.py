@@ -1,5 +1,6 @@
-"""Grouped mixed-variant linear: the base product of every row once, by cuBLAS, then each variant's
-sign product over its own rows, its signs read once per group of up to ``BLOCK_M`` rows.
+"""Grouped mixed-variant linear: the base product of every row once, by cuBLAS (decode batches on
+Hopper: ``triton_base``, beside the sign products), and each variant's sign product over its own rows,
+its signs read once per group of up to ``BLOCK_M`` rows.
 
 ``y[m] = x[m] · Wᵀ + α_t ⊙ (x[m] · S_tᵀ)`` with ``t = slot[m]`` (−1: the base only) and
 ``S_t = 2·bits_t − 1``. A decode batch of a serving engine holds M rows over T distinct variants
@@ -28,6 +29,7 @@ reconstructed weight ``W + α·S`` is never formed.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ import triton.language as tl
 
 from deltafleet.kernels.reference import (check_batched_args, check_stacked, check_tensors,
                                           check_weight_and_bias)
+from deltafleet.kernels import triton_base
 from deltafleet.kernels.triton_bitdelta import _interpret
 
 BLOCK_M = 16  # rows of one variant per program (the tensor cores' smallest M)
@@ -48,6 +51,9 @@ SHORT_MAX_ROWS = 64
 BLOCK4_MAX_ROWS = 32
 BLOCK8_MAX_ROWS = 128
 LONG_M = 64
+# Decode batches of up to OVERLAP_MAX_ROWS rows on Hopper compute the base product by
+# triton_base.base_mm beside the sign products, on two streams (_base_beside_signs); 0 turns it off
+OVERLAP_MAX_ROWS = 0 if os.environ.get("DELTAFLEET_GROUPED_OVERLAP", "1") == "0" else 64
 
 
 @dataclass
@@ -288,9 +294,11 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
                             slot: torch.Tensor, bias: torch.Tensor | None = None,
                             groups: RowGroups | None = None, betas: torch.Tensor | None = None) -> torch.Tensor:
     """The contract of :func:`deltafleet.kernels.reference.bitdelta_linear_batched` (same arguments,
-    shapes and errors; slots outside ``[0, S)`` get the base only), by the base product then the
+    shapes and errors; slots outside ``[0, S)`` get the base only), by the base product and the
     sign products: on a Hopper GPU with tiled signs ``deltafleet.kernels.gluon_grouped`` (the int8
     tensor cores, each sign tile expanded once per block of rows), else :func:`add_sign_products`.
+    Up to :data:`OVERLAP_MAX_ROWS` rows without a bias, the former runs beside the base product
+    (:func:`_base_beside_signs`).
     ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
     of a step); its ``block_m`` (4, 8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
     program multiplies. ``betas`` (float32 ``[S, K]``, granularity rowcol): the sign products read
@@ -301,15 +309,60 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu", betas=betas)
     check_weight_and_bias(weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+    xs = x
     if betas is not None:  # base rows (slot −1) read some slot's β: their sign product is never added
         b = betas.to(x.device, torch.float32)
         b = b[0] if b.shape[0] == 1 else b[slot.long().clamp(0, b.shape[0] - 1)]  # one variant: broadcast
-        x = (x.float() * b).to(x.dtype)
+        xs = (x.float() * b).to(x.dtype)
     if groups is None:
         groups = group_rows(slot, signs.shape[0])
-    _add_signs(x, signs, alphas, groups, y, {})
+    if bias is None and _overlaps(x, weight, [signs]):
+        return _base_beside_signs(x, xs, weight, [weight.shape[0]], [signs], [alphas], groups)
+    y = torch.addmm(bias.to(x.dtype), x, weight.t()) if bias is not None else torch.mm(x, weight.t())
+    _add_signs(xs, signs, alphas, groups, y, {})
     return y
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _overlaps(x: torch.Tensor, weight: torch.Tensor, signs: list[torch.Tensor]) -> bool:
+    """Whether :func:`_base_beside_signs` runs: up to :data:`OVERLAP_MAX_ROWS` rows, the Gluon sign
+    products for every matrix (Hopper, tiled contiguous signs) and :func:`triton_base.base_mm`."""
+    if not 0 < x.shape[0] <= OVERLAP_MAX_ROWS or not _hopper(x.device) or not triton_base.supported(x, weight):
+        return False
+    from deltafleet.kernels import gluon_grouped
+
+    return all(s.is_contiguous() and gluon_grouped.supported(x, s) for s in signs)
+
+
+def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, sizes: list[int],
+                       signs: list[torch.Tensor], alphas: list[torch.Tensor], groups: RowGroups) -> torch.Tensor:
+    """``y = x·Wᵀ`` plus every matrix's sign products of ``xs`` (x, or x ⊙ β) in its column block, with
+    the two running at once: the sign products (planes made once, then each matrix's launches) go into
+    a zeroed float32 ``z`` on a side stream, while :func:`triton_base.base_mm` writes ``y`` on the
+    current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, rounded
+    once as the sign kernel's own epilogue rounds. The side stream waits for the current one first, and
+    the current one for it before the add, so a CUDA graph captures both branches.
+
+    The tensors used on the side stream are either the caller's or freed after the join (``z``), or
+    allocated there (the planes), so the caching allocator reuses none of them early."""
+    m, n = x.shape[0], weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    z = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    cur = torch.cuda.current_stream(x.device)
+    side = _SIDE_STREAMS.get(x.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        z.zero_()
+        planes: dict = {}
+        for zi, s, a in zip(z.split(list(sizes), 1), signs, alphas):
+            _add_signs(xs, s, a, groups, zi, planes)
+    triton_base.base_mm(x, weight, y)
+    cur.wait_stream(side)
+    return y.add_(z)
 
 
 def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups, y: torch.Tensor,
@@ -353,7 +406,8 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
     ``weight`` ``[ΣN, K]`` holds the matrices' base weights stacked in order (serve/model.py's
     ``fuse_rows``), ``sizes`` their N, ``signs[i]`` and ``alphas[i]`` matrix i's, as
     :func:`bitdelta_linear_grouped` takes them. The base product of all of them is one GEMM, and on
-    a Hopper GPU the activation planes of the rows are made once for all the sign products.
+    a Hopper GPU the activation planes of the rows are made once for all the sign products, which
+    run beside that GEMM up to :data:`OVERLAP_MAX_ROWS` rows (:func:`_base_beside_signs`).
 
     Raises:
         ValueError: as :func:`bitdelta_linear_grouped` for any matrix, or if ``sizes`` do not add up to
@@ -370,9 +424,11 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
             raise ValueError(f"signs must be uint8, got {s.dtype}")
         check_batched_args(x, w, s, a, slot, check_slot_values=slot.device.type == "cpu")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.mm(x, weight.t())
     if groups is None:
         groups = group_rows(slot, signs[0].shape[0])
+    if _overlaps(x, weight, signs):
+        return _base_beside_signs(x, x, weight, sizes, signs, alphas, groups)
+    y = torch.mm(x, weight.t())
     planes: dict = {}
     for yi, s, a in zip(y.split(list(sizes), 1), signs, alphas):
         _add_signs(x, s, a, groups, yi, planes)

@@ -374,3 +374,59 @@ def test_chained_launches_stay_ordered_through_a_part_without_blocks(runs):
             ref = bitdelta_linear_batched(x.float(), wi.float(), signs[i], alphas[i], slot)
             torch.testing.assert_close(yi.float(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item(),
                                        msg=lambda s, i=i, seed=seed: f"replay {seed}, matrix {i}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, pattern", [(16, "zipf"), (37, "oob"), (64, "gap")])
+def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
+    """On Hopper a decode batch of up to ``OVERLAP_MAX_ROWS`` rows computes its base product
+    (``triton_base.base_mm``) on the current stream while the sign products go into a float32 buffer
+    on a side stream, added after the join. Through ``bitdelta_linears_grouped`` (two stacked
+    matrices, as gate and up) and ``bitdelta_linear_grouped``, eagerly and replayed in a CUDA graph
+    with new rows each replay, every output must match the float32 reference, and the base rows
+    must equal the base GEMM's alone bit for bit: a branch left unjoined, or a buffer reused while the
+    other stream still reads it, would show as stale or missing sign products."""
+    _hopper()
+    from deltafleet.kernels import triton_base
+    from deltafleet.kernels.triton_grouped import _overlaps, bitdelta_linear_grouped, bitdelta_linears_grouped
+
+    x, w, signs, alphas, slot = _case(m, pattern, 6, 520, 1024, True, torch.bfloat16)
+    _, w2, signs2, alphas2, _ = _case(m, pattern, 6, 264, 1024, False, torch.bfloat16)
+    sizes = [520, 264]
+    wd, slotd = torch.cat([w, w2]).cuda(), slot.cuda()
+    sd, ad = [tile_signs(s).cuda() for s in (signs, signs2)], [a.cuda() for a in (alphas, alphas2)]
+    groups = group_rows(slotd, 6)
+    xd = x.cuda()
+    assert _overlaps(xd, wd, sd), "the case must take the two-stream path"
+    base = (slot < 0) | (slot >= 6)  # base rows: any slot outside [0, S)
+    ref_slot = torch.where(base, -1, slot)  # as the reference takes them
+
+    def check(x_cpu, ys, what):
+        for i, (wi, yi) in enumerate(zip(torch.cat([w, w2]).split(sizes), ys)):
+            ref = bitdelta_linear_batched(x_cpu.float(), wi.float(), [signs, signs2][i], [alphas, alphas2][i],
+                                          ref_slot)
+            got = yi.float().cpu()
+            torch.testing.assert_close(got, ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item(),
+                                       msg=lambda s, i=i: f"{what}, matrix {i}: {s}")
+            alone = triton_base.base_mm(x_cpu.cuda(), wi.cuda().contiguous()).cpu()
+            assert torch.equal(yi.cpu()[base], alone[base]), f"{what}, matrix {i}: base rows"
+
+    def run():
+        y = bitdelta_linears_grouped(xd, wd, sizes, sd, ad, slotd, groups=groups)
+        y1 = bitdelta_linear_grouped(xd, wd[:520], sd[0], ad[0], slotd, groups=groups)
+        return y, y1
+
+    y, y1 = run()
+    torch.cuda.synchronize()
+    check(x, y.split(sizes, 1), "eager")
+    check(x, [y1], "eager, one matrix")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, y1 = run()
+    for seed in range(3):
+        xn = torch.randn(m, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        xd.copy_(xn)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(xn, y.split(sizes, 1), f"replay {seed}")
+        check(xn, [y1], f"replay {seed}, one matrix")
