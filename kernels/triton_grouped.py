@@ -52,8 +52,9 @@ BLOCK4_MAX_ROWS = 32
 BLOCK8_MAX_ROWS = 128
 LONG_M = 64
 # Decode batches of up to OVERLAP_MAX_ROWS rows on Hopper compute the base product by
-# triton_base.base_mm beside the sign products, on two streams (_base_beside_signs); 0 turns it off
-OVERLAP_MAX_ROWS = 0 if os.environ.get("DELTAFLEET_GROUPED_OVERLAP", "1") == "0" else 64
+# triton_base.base_mm beside the sign products, on two streams (_base_beside_signs);
+# DELTAFLEET_GROUPED_OVERLAP sets it (0 turns it off)
+OVERLAP_MAX_ROWS = int(os.environ.get("DELTAFLEET_GROUPED_OVERLAP", "64"))
 
 
 @dataclass
