@@ -342,8 +342,10 @@ def test_chained_launches_stay_ordered_through_a_part_without_blocks(runs):
     64 rows each variant's run first goes in whole blocks of 64 (the long part), its rest in short
     blocks, so runs under 64 rows leave the long part without a block and runs of 64 the short part.
     A wait covers only the launch just before, so a launch without a block must still end after its
-    predecessor; else the next one passes its wait while the planes are still being written. Replayed
-    in a CUDA graph with new activations each time, every replay must match the float32 reference."""
+    predecessor; else the next one may pass its wait while the planes are still being written.
+    Replayed in a CUDA graph with new activations each time, every replay must match the float32
+    reference. Whether a missing wait shows here is a matter of timing (the planes' kernel may well
+    end first), so this pins the outputs of such a chain, and catches the race only when it happens."""
     _hopper()
     from deltafleet.kernels import bitdelta_linears_grouped
 
