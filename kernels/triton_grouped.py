@@ -51,10 +51,20 @@ SHORT_MAX_ROWS = 64
 BLOCK4_MAX_ROWS = 32
 BLOCK8_MAX_ROWS = 128
 LONG_M = 64
+
+
+def _overlap_rows(value: str) -> int:
+    """``DELTAFLEET_GROUPED_OVERLAP``: a row count ≥ 0."""
+    if not value.strip().isdigit():
+        raise ValueError(f"DELTAFLEET_GROUPED_OVERLAP must be a row count (0 turns the two-stream "
+                         f"grouped product off), got {value!r}")
+    return int(value)
+
+
 # Decode batches of up to OVERLAP_MAX_ROWS rows on Hopper compute the base product by
 # triton_base.base_mm beside the sign products, on two streams (_base_beside_signs);
 # DELTAFLEET_GROUPED_OVERLAP sets it (0 turns it off)
-OVERLAP_MAX_ROWS = int(os.environ.get("DELTAFLEET_GROUPED_OVERLAP", "64"))
+OVERLAP_MAX_ROWS = _overlap_rows(os.environ.get("DELTAFLEET_GROUPED_OVERLAP", "64"))
 
 
 @dataclass
@@ -342,18 +352,22 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     """``y = x·Wᵀ`` plus every matrix's sign products of ``xs`` (x, or x ⊙ β) in its column block, with
     the two running at once: the sign products (planes made once, then each matrix's launches) go into
     a zeroed float32 ``z`` on a side stream, while :func:`triton_base.base_mm` writes ``y`` on the
-    current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, rounded
-    once as the sign kernel's own epilogue rounds. The side stream waits for the current one first, and
-    the current one for it before the add, so a CUDA graph captures both branches.
+    current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, the sum
+    in float32 rounded once to y's dtype. (The sign kernel's own epilogue fuses the scale and the add,
+    so an element may differ from it by a unit in the last place; base rows get exactly the base
+    product.) The side stream waits for the current one first, and the current one for it before the
+    add, so a CUDA graph captures both branches.
 
     The tensors used on the side stream are either the caller's or freed after the join (``z``), or
-    allocated there (the planes), so the caching allocator reuses none of them early."""
+    allocated there (the planes), so the caching allocator reuses none of them early. One side stream
+    per device, kept distinct from the current stream (PyTorch hands streams out of a pool), and
+    shared by every caller: on a device, one thread (the engine's) runs these."""
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = torch.empty(m, n, dtype=torch.float32, device=x.device)
     cur = torch.cuda.current_stream(x.device)
     side = _SIDE_STREAMS.get(x.device.index)
-    if side is None:
+    while side is None or side == cur:  # the pool's next stream: at most one more try
         side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):

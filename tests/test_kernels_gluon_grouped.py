@@ -384,7 +384,8 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
     """On Hopper a decode batch of up to ``OVERLAP_MAX_ROWS`` rows computes its base product
     (``triton_base.base_mm``) on the current stream while the sign products go into a float32 buffer
     on a side stream, added after the join. Through ``bitdelta_linears_grouped`` (two stacked
-    matrices, as gate and up) and ``bitdelta_linear_grouped``, eagerly and replayed in a CUDA graph
+    matrices, as gate and up) and ``bitdelta_linear_grouped`` (also with column scales, whose sign
+    products read x ⊙ β while the base product reads x), eagerly and replayed in a CUDA graph
     with new rows each replay, every output must match the float32 reference, and the base rows
     must equal the base GEMM's alone bit for bit: a branch left unjoined, or a buffer reused while the
     other stream still reads it, would show as stale or missing sign products."""
@@ -413,18 +414,28 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
             alone = triton_base.base_mm(x_cpu.cuda(), wi.cuda().contiguous()).cpu()
             assert torch.equal(yi.cpu()[base], alone[base]), f"{what}, matrix {i}: base rows"
 
+    betas = 0.5 + torch.rand(6, 1024, generator=torch.Generator().manual_seed(m))  # column scales
+    bd = betas.cuda()
+
     def run():
         y = bitdelta_linears_grouped(xd, wd, sizes, sd, ad, slotd, groups=groups)
         y1 = bitdelta_linear_grouped(xd, wd[:520], sd[0], ad[0], slotd, groups=groups)
-        return y, y1
+        yb = bitdelta_linear_grouped(xd, wd[:520], sd[0], ad[0], slotd, groups=groups, betas=bd)
+        return y, y1, yb
 
-    y, y1 = run()
+    def check_betas(x_cpu, yb, what):  # the sign products read x ⊙ β, the base product x
+        ref = bitdelta_linear_batched(x_cpu.float(), w.float(), signs, alphas, ref_slot, betas=betas)
+        torch.testing.assert_close(yb.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item(),
+                                   msg=lambda s: f"{what}, column scales: {s}")
+
+    y, y1, yb = run()
     torch.cuda.synchronize()
     check(x, y.split(sizes, 1), "eager")
     check(x, [y1], "eager, one matrix")
+    check_betas(x, yb, "eager")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, y1 = run()
+        y, y1, yb = run()
     for seed in range(3):
         xn = torch.randn(m, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
         xd.copy_(xn)
@@ -432,3 +443,4 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
         torch.cuda.synchronize()
         check(xn, y.split(sizes, 1), f"replay {seed}")
         check(xn, [y1], f"replay {seed}, one matrix")
+        check_betas(xn, yb, f"replay {seed}")
