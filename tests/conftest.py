@@ -256,11 +256,29 @@ def api_error(r, status: int) -> dict:
     return err
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
+def free_port(taken: tuple[int, ...] = ()) -> int:
+    """A TCP port free on 127.0.0.1 now and not in ``taken``, drawn below the kernel's ephemeral
+    range: a port bound to 0 comes from that range, where an outgoing connection made before the
+    server binds (a client's, or gloo's between tensor-parallel workers) can take it first."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        low = 32768
+    rng = random.Random()  # seeded from the OS: pytest-xdist workers do not draw in step
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), low)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    with socket.socket() as s:  # all taken: the ephemeral range after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

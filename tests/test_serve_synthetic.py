@@ -5,7 +5,6 @@ the tensors it builds."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -189,11 +188,11 @@ def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(to
 
 
 def _free_ports(n: int) -> list[int]:
-    ports = []
+    from tests.conftest import free_port
+
+    ports: list[int] = []
     for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+        ports.append(free_port(tuple(ports)))
     return ports
 
 
