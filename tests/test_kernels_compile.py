@@ -106,6 +106,13 @@ out[key("tiled-prefill", tb._mm_configs()[0], {})] = build(tb._mm_kernel, dict(
 out[key("tiled-tenants-lut", tb._lut_configs()[0], {})] = build(tb._tenants_kernel, dict(
     ALPHA_PER_ROW=False, HAS_BIAS=False, EVEN=True, DOT_FP32=False, BLOCK_M=16, TILED=True), tb._lut_configs()[0])
 
+# the lean base GEMM of grouped decode batches (triton_base), at each x tile it launches with
+from deltafleet.kernels import triton_base as _tbase
+_cfg = triton.Config({}, num_warps=4, num_stages=3)
+for bm in (16, 32, _tbase.MAX_BLOCK_M):
+    out[key("base-mm", _cfg, {"BLOCK_M": bm})] = build(_tbase._base_mm_kernel, dict(
+        BLOCK_M=bm, BLOCK_N=_tbase.BLOCK_N, BLOCK_K=_tbase.BLOCK_K, STAGES=_tbase.STAGES, DOT_FP32=False), _cfg)
+
 # the bit-plane kernel of the binary tenant path (a plain Triton kernel): a long K in 1024-weight
 # chunks, and a short one whose chunk is the whole row (with programmatic dependent launch)
 from deltafleet.kernels import gluon_planes as _gp
@@ -372,7 +379,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
                + sum(len(sweep(gb.tenant_configs(r))) + len(sweep(gp.WS_CONFIGS[r])) + 1 for r in (2, 4, 8, 16))
                + len(sweep([c for c in gp.WS_CONFIGS[16] if c[0] == 128]))
                ) if gb.HAVE_GLUON else 0
-    n_tiled = 3 + 2  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel twice
+    n_tiled = 3 + 2 + 3  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel
+    # twice; the base GEMM of grouped decode batches at its three x tiles
     from deltafleet.kernels import gluon_grouped as gg
 
     # the grouped int8 kernel: every configuration, the first of the smallest and largest block_m twice
@@ -388,7 +396,7 @@ def test_every_configuration_compiles_for_sm90(compiled):
 
 def test_prefill_and_table_lookup_use_hopper_tensor_cores(compiled):
     for k, v in compiled.items():
-        if k.startswith(("prefill", "tenants-lut", "gluon-prefill", "gluon-tenants", "planes")):
+        if k.startswith(("prefill", "tenants-lut", "gluon-prefill", "gluon-tenants", "planes", "base-mm")):
             assert v["wgmma"], f"{k} compiled without wgmma"
 
 
