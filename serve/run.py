@@ -318,9 +318,10 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                         late_planning=cfg.late_planning)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
+        # No ("stop",) to the other ranks: they may be in a collective of their own start (a synthetic
+        # base checks its replicas), where a broadcast would wait for them forever. The launcher stops
+        # them once this rank has exited with its error status.
         print(f"error: {e}", file=sys.stderr)
-        if tp is not None:
-            tp.send(("stop",))
         sys.exit(2)
     try:
         if engine.synthetic is not None:

@@ -236,6 +236,54 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
         stop_server(proc, log, 30)
 
 
+def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokenizer_dir, tmp_path):
+    """The launcher checks the port before it starts the ranks, rank 0 again before it serves; in
+    between something else may take it. Rank 0 then exits with its error line while the other rank
+    is still in a collective of its own start (a synthetic base checks its replicas): the launcher
+    must exit 2 with that line, and no rank may be left behind (a broadcast to stop them waited for
+    that rank forever)."""
+    import signal
+    import socket
+    import time
+
+    from deltafleet.serve.bench import hydra_value
+
+    def alive(pid: str) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    port, tp_port = _free_ports(2)
+    log = tmp_path / "server.log"
+    ranks: list[str] = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "serve/run.py", f"synthetic={hydra_value({**OPTS, 'tokenizer_dir': tokenizer_dir})}",
+                                 "model.name=syn", f"port={port}", f"tp_port={tp_port}", "tp=2", "threads=1",
+                                 "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            deadline = time.time() + 60
+            while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
+                                              capture_output=True, text=True).stdout.split()) < 2:
+                assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.05)
+            with socket.socket() as taken:
+                taken.bind(("127.0.0.1", port))
+                taken.listen()
+                assert proc.wait(timeout=60) == 2, log.read_text()[-2000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            time.sleep(0.5)
+            left = [pid for pid in ranks if alive(pid)]
+            for pid in left:  # the ranks have process groups of their own: the launcher's kill misses them
+                os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"ranks left behind: {left}"
+    text = log.read_text()
+    assert f"error: cannot listen on 127.0.0.1:{port}" in text and "Traceback" not in text, text[-2000:]
+
+
 def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path):
     r = subprocess.run([sys.executable, "serve/run.py", "synthetic={variants:3}", f"hydra.run.dir={tmp_path}",
                         f"paths.root={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
