@@ -303,6 +303,29 @@ def wait_healthy(proc, url: str, log: Path, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def started_ranks(proc, log: Path, n: int = 2, timeout_s: float = 60) -> list[str]:
+    """The pids of the ``n`` rank processes that the tensor-parallel launcher ``proc`` (``serve/run.py
+    tp=n``) started, once they all run; fails with the end of its ``log`` if the launcher exits or
+    ``timeout_s`` seconds pass first."""
+    import subprocess
+    import time
+
+    deadline = time.time() + timeout_s
+    while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
+                                      capture_output=True, text=True).stdout.split()) < n:
+        assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.05)
+    return ranks
+
+
+def process_alive(pid: str) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def stop_server(proc, log, timeout_s: float) -> None:
     """Stop the server process ``proc``: SIGTERM, then SIGKILL if it has not exited after
     ``timeout_s`` seconds; close its ``log`` file."""

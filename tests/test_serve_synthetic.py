@@ -247,12 +247,7 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
     import time
 
     from deltafleet.serve.bench import hydra_value
-
-    def alive(pid: str) -> bool:
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
+    from tests.conftest import process_alive, started_ranks
 
     port, tp_port = _free_ports(2)
     log = tmp_path / "server.log"
@@ -263,11 +258,7 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
                                  "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV)
         try:
-            deadline = time.time() + 60
-            while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
-                                              capture_output=True, text=True).stdout.split()) < 2:
-                assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
-                time.sleep(0.05)
+            ranks = started_ranks(proc, log)
             with socket.socket() as taken:
                 taken.bind(("127.0.0.1", port))
                 taken.listen()
@@ -276,7 +267,7 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
             if proc.poll() is None:
                 proc.kill()
             time.sleep(0.5)
-            left = [pid for pid in ranks if alive(pid)]
+            left = [pid for pid in ranks if process_alive(pid)]
             for pid in left:  # the ranks have process groups of their own: the launcher's kill misses them
                 os.kill(int(pid), signal.SIGKILL)
     assert not left, f"ranks left behind: {left}"

@@ -250,27 +250,20 @@ def test_sigterm_while_the_ranks_start_leaves_none_behind(tiny_family, tmp_path)
     can shut down gracefully: the launcher stops the other rank and exits 128 + 15, with no traceback
     and no rank left behind."""
     import signal
-    import subprocess
     import time
+
+    from tests.conftest import process_alive, started_ranks
 
     proc, _, out = _tp_server(tiny_family, tmp_path)
     log = tmp_path / "server.log"
     with out:
         try:
-            deadline = time.time() + 60
-            while len(ranks := subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing"],
-                                              capture_output=True, text=True).stdout.split()) < 2:
-                assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
-                time.sleep(0.05)
+            ranks = started_ranks(proc, log)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         finally:
             if proc.poll() is None:
                 proc.kill()
     time.sleep(0.5)
-    for pid in ranks:
-        try:
-            assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", f"rank {pid} is left"
-        except FileNotFoundError:
-            pass
+    assert not [pid for pid in ranks if process_alive(pid)], "a rank is left"
     assert "Traceback" not in log.read_text(), log.read_text()[-2000:]
