@@ -445,7 +445,8 @@ def test_int8_tenant_kernels_keep_their_wgmmas_asynchronous(compiled):
     assert len(bits) == 5 + tiled16 and all(v.get("bmma") and not v.get("igmma") for v in bits.values()), bits
     assert all(v.get("griddep") for k, v in bits.items() if '"pdl": true' in k), bits
     bitplanes = {k: v for k, v in compiled.items() if k.startswith("bitplanes ")}
-    assert len(bitplanes) == 2 and [v.get("griddep") for v in bitplanes.values()] == [False, True], bitplanes
+    assert len(bitplanes) == 2, bitplanes  # the merged shards' order is not the compile order: by name
+    assert all(v.get("griddep") == ('"PDL": true' in k) for k, v in bitplanes.items()), bitplanes
     assert all(v.get("igmma") for k, v in planes.items() if k not in bits), planes
     serialized = sorted(k for k, v in planes.items() if v.get("serialized"))
     assert not serialized, f"ptxas serialised the wgmmas of {serialized}"
