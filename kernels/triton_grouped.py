@@ -339,12 +339,13 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def _overlaps(x: torch.Tensor, weight: torch.Tensor, signs: list[torch.Tensor]) -> bool:
     """Whether :func:`_base_beside_signs` runs: up to :data:`OVERLAP_MAX_ROWS` rows, the Gluon sign
-    products for every matrix (Hopper, tiled contiguous signs) and :func:`triton_base.base_mm`."""
+    products for every matrix (``gluon_grouped.supported``: Hopper, tiled contiguous signs) and
+    :func:`triton_base.base_mm`."""
     if not 0 < x.shape[0] <= OVERLAP_MAX_ROWS or not _hopper(x.device) or not triton_base.supported(x, weight):
         return False
     from deltafleet.kernels import gluon_grouped
 
-    return all(s.is_contiguous() and gluon_grouped.supported(x, s) for s in signs)
+    return all(gluon_grouped.supported(x, s) for s in signs)
 
 
 def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, sizes: list[int],
