@@ -196,6 +196,16 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _tp_server(tokenizer_dir, tmp_path: Path, port: int, tp_port: int, out) -> subprocess.Popen:
+    """``serve/run.py`` over the synthetic family of :data:`OPTS` as two gloo ranks, its output to ``out``."""
+    from deltafleet.serve.bench import hydra_value
+
+    return subprocess.Popen([sys.executable, "serve/run.py", f"synthetic={hydra_value({**OPTS, 'tokenizer_dir': tokenizer_dir})}",
+                             "model.name=syn", f"port={port}", f"tp_port={tp_port}", "tp=2", "threads=1",
+                             "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+
+
 def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(tokenizer_dir, tmp_path):
     """``serve/run.py tp=2 synthetic=...`` (two gloo ranks, each generating its slices): every variant is
     listed with its parent and resident before the server answers; greedy answers through the openai
@@ -204,16 +214,12 @@ def test_a_synthetic_family_served_tensor_parallel_answers_like_one_process(toke
     import httpx
     import openai
 
-    from deltafleet.serve.bench import hydra_value
     from deltafleet.serve.engine import Engine, SamplingParams
     from tests.conftest import complete_concurrently, stop_server, wait_healthy
 
     port, tp_port = _free_ports(2)
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "serve/run.py", f"synthetic={hydra_value({**OPTS, 'tokenizer_dir': tokenizer_dir})}",
-                             "model.name=syn", f"port={port}", f"tp_port={tp_port}", "tp=2", "threads=1",
-                             "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    proc = _tp_server(tokenizer_dir, tmp_path, port, tp_port, log)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, tmp_path / "server.log", 180)
@@ -246,17 +252,13 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
     import socket
     import time
 
-    from deltafleet.serve.bench import hydra_value
     from tests.conftest import process_alive, started_ranks
 
     port, tp_port = _free_ports(2)
     log = tmp_path / "server.log"
     ranks: list[str] = []
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "serve/run.py", f"synthetic={hydra_value({**OPTS, 'tokenizer_dir': tokenizer_dir})}",
-                                 "model.name=syn", f"port={port}", f"tp_port={tp_port}", "tp=2", "threads=1",
-                                 "log_level=warning", f"hydra.run.dir={tmp_path / 'run'}", f"paths.root={tmp_path}"],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        proc = _tp_server(tokenizer_dir, tmp_path, port, tp_port, out)
         try:
             ranks = started_ranks(proc, log)
             with socket.socket() as taken:
