@@ -318,10 +318,15 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                         late_planning=cfg.late_planning)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
-        # No ("stop",) to the other ranks: they may be in a collective of their own start (a synthetic
-        # base checks its replicas), where a broadcast would wait for them forever. The launcher stops
-        # them once this rank has exited with its error status.
         print(f"error: {e}", file=sys.stderr)
+        if tp is not None:
+            # No ("stop",) to the other ranks: they may be in a collective of their own start (a synthetic
+            # base checks its replicas), where a broadcast would wait for them forever. Exit at once
+            # instead: the others fail on the connections this closes, and the launcher, seeing this
+            # rank's status, stops them and exits with it (_join_ranks).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)
     try:
         if engine.synthetic is not None:
@@ -451,9 +456,11 @@ def _join_ranks(ranks, signals: list[int]) -> int:
             if ranks.join(timeout=0.5):
                 return 0
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # the others are stopped
-            code = getattr(e, "exit_code", None)
-            if code in (2, 130):  # a rank's own error line, or a forced exit: no traceback
-                return code
+            # a rank's own error line, or a forced exit: no traceback. Rank 0's first: when it ends on
+            # its error, the others fail on its closed connections, maybe before the join sees it.
+            for code in (ranks.processes[0].exitcode, getattr(e, "exit_code", None)):
+                if code in (2, 130):
+                    return code
             if signals:
                 return 128 + signals[0]
             raise
