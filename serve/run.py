@@ -431,6 +431,9 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
 
 
 STOP_WAIT_S = 10.0  # how long the launcher waits for the other ranks once rank 0 has ended
+# how long it waits for rank 0 once another rank failed: long enough for rank 0 to reach the same start
+# error (a missing or mismatched checkpoint fails every rank) and print its line
+ERROR_WAIT_S = 3.0
 
 
 def _signal_rank0(ranks, sig: int) -> None:
@@ -442,29 +445,31 @@ def _signal_rank0(ranks, sig: int) -> None:
 
 def _join_ranks(ranks, signals: list[int]) -> int:
     """Wait for the tensor-parallel ranks (``torch.multiprocessing``'s ProcessContext) and return the
-    launcher's exit status: 0, a rank's own error status (2; 130 after a second Ctrl-C), or 128 + the
-    signal the launcher passed on, where rank 0 ended on it before it could shut down gracefully
-    (during startup, say). Rank 0 stops the others as it ends (``Engine.shutdown``); one it could not
-    stop is terminated after :data:`STOP_WAIT_S`, not waited for in a collective."""
+    launcher's exit status: 0, a rank's own error status (2; 3 where uvicorn could not bind; 130 after
+    a second Ctrl-C), or 128 + the signal the launcher passed on, where rank 0 ended on it before it
+    could shut down gracefully (during startup, say). Rank 0 stops the others as it ends
+    (``Engine.shutdown``); one it could not stop is terminated after :data:`STOP_WAIT_S`, not waited
+    for in a collective. When a rank fails, the others get :data:`ERROR_WAIT_S` to end on their own
+    before the join stops them (its ``grace_period``), and rank 0's error status is the one reported:
+    it may have failed on the same thing, or the others on its closed connections."""
     import time
 
     import torch.multiprocessing as mp
 
     ended = None
+    first = ranks.processes[0]
     while True:
         try:
-            if ranks.join(timeout=0.5):
+            if ranks.join(timeout=0.5, grace_period=ERROR_WAIT_S):
                 return 0
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # the others are stopped
-            # a rank's own error line, or a forced exit: no traceback. Rank 0's first: when it ends on
-            # its error, the others fail on its closed connections, maybe before the join sees it.
-            for code in (ranks.processes[0].exitcode, getattr(e, "exit_code", None)):
-                if code in (2, 130):
+            for code in (first.exitcode, getattr(e, "exit_code", None)):  # no traceback for these
+                if code in (2, 3, 130):
                     return code
             if signals:
                 return 128 + signals[0]
             raise
-        if not ranks.processes[0].is_alive():
+        if not first.is_alive():
             ended = ended or time.monotonic()
             if time.monotonic() - ended > STOP_WAIT_S:
                 for p in ranks.processes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -429,8 +430,9 @@ def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
 def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_family, tmp_path):
     """Found by a fresh user: with tp > 1, a tp that does not split the heads, a taken HTTP port or
     rendezvous port (tp_port), a missing base, or a setting only rank 0 checks (attention) ended in
-    the ranks' tracebacks and exit status 1. Each is now one error line and exit 2: all but the last
-    before any rank starts, the last from rank 0, whose exit status the launcher passes on."""
+    the ranks' tracebacks and exit status 1. Each is now one error line and exit 2: the first four
+    before any rank starts, the rest from rank 0, whose exit status the launcher passes on, also
+    where every rank fails (no weights) and another rank may fail first."""
     import socket
 
     def run(*overrides):
@@ -460,6 +462,13 @@ def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_fami
                 "attention=foo")  # rank 0's own check, once the ranks have started
         assert r.returncode == 2 and r.stderr.strip() == "error: attention must be one of ('auto', 'flex', 'sdpa'), " \
                                                           "got 'foo'", r.stderr
+        # every rank fails on this one, the other rank often first: rank 0's line and status still
+        no_weights = tmp_path / "no-weights"
+        shutil.copytree(tiny_family.base_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+        r = run(f"base_dir={no_weights}", f"artifacts_dir={tiny_family.artifacts_dir}", "tp=2", f"tp_port={port}",
+                "port=0")
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {no_weights}: no model.safetensors or " \
+                                                          "model.safetensors.index.json", r.stderr
 
 
 def test_cuda_without_a_cuda_device_is_refused_by_name():
