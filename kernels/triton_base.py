@@ -27,6 +27,7 @@ BLOCK_N = 64     # weight rows per program: many programs for small N, each a 16
 BLOCK_K = 128
 STAGES = 4
 MAX_BLOCK_M = 64  # x rows per program: a decode batch's rows in one tile up to 64, then tiles of 64
+ADD_BLOCK = 2048  # elements per program of add_and_clear
 
 
 @triton.jit
@@ -75,4 +76,29 @@ def base_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     _base_mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N))](
         x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=STAGES, DOT_FP32=_interpret(), num_warps=4)
+    return y
+
+
+@triton.jit
+def _add_and_clear_kernel(y_ptr, z_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    z = tl.load(z_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    # every warp's loads before any warp's stores: the compiler may give the loads and the stores
+    # different layouts (16-byte vectors of bf16 and of float32), so a warp may store elements that
+    # another warp has yet to load
+    tl.debug_barrier()
+    tl.store(y_ptr + offs, (y.to(tl.float32) + z).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(z_ptr + offs, tl.zeros_like(z), mask=mask)
+
+
+def add_and_clear(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``y += z``, the sum in float32 rounded once to y's dtype (as ``y.add_(z)``), and ``z`` left all
+    zeros, in one pass: ``z`` is a float32 accumulator kept zeroed between uses, so nothing clears it
+    before the next one. ``y`` (half precision) and ``z`` (float32) contiguous, of one shape; returns
+    ``y``. Trusts its inputs."""
+    n = y.numel()
+    if n:
+        _add_and_clear_kernel[(triton.cdiv(n, ADD_BLOCK),)](y, z, n, BLOCK=ADD_BLOCK, num_warps=4)
     return y

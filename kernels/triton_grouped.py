@@ -335,6 +335,8 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_ACCUMULATORS: dict[tuple[int, int], torch.Tensor] = {}  # (device index, n) → zeroed float32 buffer
+_RETIRED: list[torch.Tensor] = []
 
 
 def _overlaps(x: torch.Tensor, weight: torch.Tensor, signs: list[torch.Tensor]) -> bool:
@@ -354,31 +356,50 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     the two running at once: the sign products (planes made once, then each matrix's launches) go into
     a zeroed float32 ``z`` on a side stream, while :func:`triton_base.base_mm` writes ``y`` on the
     current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, the sum
-    in float32 rounded once to y's dtype. (The sign kernel's own epilogue fuses the scale and the add,
+    in float32 rounded once to y's dtype, by ``triton_base.add_and_clear``, which also leaves ``z``
+    zeroed: ``z`` is a view of an accumulator kept per device and width (:func:`_accumulator`), so no
+    launch clears it first. (The sign kernel's own epilogue fuses the scale and the add,
     so an element may differ from it by a unit in the last place; base rows get exactly the base
     product.) The side stream waits for the current one first, and the current one for it before the
     add, so a CUDA graph captures both branches.
 
-    The tensors used on the side stream are either the caller's or freed after the join (``z``), or
-    allocated there (the planes), so the caching allocator reuses none of them early. One side stream
+    The tensors used on the side stream are either the caller's, or kept (``z``), or allocated there
+    (the planes), so the caching allocator reuses none of them early. One side stream
     per device, kept distinct from the current stream (PyTorch hands streams out of a pool), and
     shared by every caller: on a device, one thread (the engine's) runs these."""
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    z = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    z = _accumulator(x.device, m, n)
     cur = torch.cuda.current_stream(x.device)
     side = _SIDE_STREAMS.get(x.device.index)
     while side is None or side == cur:  # the pool's next stream: at most one more try
         side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        z.zero_()
         planes: dict = {}
         for zi, s, a in zip(z.split(list(sizes), 1), signs, alphas):
             _add_signs(xs, s, a, groups, zi, planes)
     triton_base.base_mm(x, weight, y)
     cur.wait_stream(side)
-    return y.add_(z)
+    return triton_base.add_and_clear(y, z)
+
+
+def _accumulator(device: torch.device, m: int, n: int) -> torch.Tensor:
+    """A zeroed float32 ``[m, n]`` for :func:`_base_beside_signs`: the first ``m·n`` elements of a
+    buffer of ``max(m, OVERLAP_MAX_ROWS) · n`` kept per device and width ``n`` (a model has four: qkv,
+    o, gate_up, down), made with zeros once and zeroed again by each use's ``add_and_clear``. Uses on
+    a device are ordered by the streams (the side stream waits for the current one first), a CUDA
+    graph's replays included. One first needed during a graph capture is not kept: its zeros would
+    exist only once the graph replays, and an eager call before that would read garbage."""
+    key = (device.index, n)
+    buf = _ACCUMULATORS.get(key)
+    if buf is None or buf.numel() < m * n:
+        buf = torch.zeros(max(m, OVERLAP_MAX_ROWS) * n, dtype=torch.float32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            if key in _ACCUMULATORS:  # a graph may still use the smaller one: never freed
+                _RETIRED.append(_ACCUMULATORS[key])
+            _ACCUMULATORS[key] = buf
+    return buf[:m * n].view(m, n)
 
 
 def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups, y: torch.Tensor,

@@ -66,3 +66,29 @@ def test_supported_names_what_the_kernel_takes():
     assert not supported(x[:, :0], w[:, :0])                            # K = 0
     assert not supported(x.t().contiguous().t(), w)                     # x strided along K
     assert not supported(x, w[:, :BLOCK_K])                             # K differs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 700), (16, 4100), (64, 12288)],
+                         ids=["one", "under-a-block", "ragged-blocks", "qkv-64-rows"])
+def test_add_and_clear_adds_as_add_and_leaves_zeros(shape, dtype):
+    """``add_and_clear(y, z)`` is ``y.add_(z)`` (float32 sum, rounded once to y's dtype) and leaves
+    ``z`` all zeros, also past a ragged last block; nothing outside ``y`` and ``z`` is written. Bit for
+    bit on the GPU; the interpreter's cast to bfloat16 truncates, so there a unit in the last place.
+    Hundreds of programs (64 rows of a 7B qkv output): without a barrier between the loads and the
+    stores, a warp zeroed elements of z that another warp had yet to load (a GPU run lost about one
+    element in 6,000)."""
+    from deltafleet.kernels.triton_base import add_and_clear
+
+    g = torch.Generator().manual_seed(shape[1])
+    n = shape[0] * shape[1]
+    y_buf = (torch.randn(n + 8, generator=g) * 4).to(dtype).to(DEVICE)
+    z_buf = torch.randn(n + 8, generator=g).to(DEVICE)
+    y, z = y_buf[:n].view(shape), z_buf[:n].view(shape)
+    want = y.clone().add_(z)
+    tail_y, tail_z = y_buf[n:].clone(), z_buf[n:].clone()
+    assert add_and_clear(y, z) is y
+    exact = DEVICE == "cuda" or dtype == torch.float16
+    torch.testing.assert_close(y, want, rtol=0 if exact else 2**-7, atol=0)
+    assert torch.count_nonzero(z).item() == 0
+    assert torch.equal(y_buf[n:], tail_y) and torch.equal(z_buf[n:], tail_z)

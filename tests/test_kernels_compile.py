@@ -59,7 +59,8 @@ from triton.compiler import ASTSource
 from deltafleet.kernels import triton_bitdelta as tb
 
 PTR = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*u8", "a_ptr": "*fp32", "slot_ptr": "*i32",
-       "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+       "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+       "z_ptr": "*fp32"}
 
 def build(fn, constexprs, cfg):
     names = fn.arg_names
@@ -112,6 +113,8 @@ _cfg = triton.Config({}, num_warps=4, num_stages=3)
 for bm in (16, 32, _tbase.MAX_BLOCK_M):
     out[key("base-mm", _cfg, {"BLOCK_M": bm})] = build(_tbase._base_mm_kernel, dict(
         BLOCK_M=bm, BLOCK_N=_tbase.BLOCK_N, BLOCK_K=_tbase.BLOCK_K, STAGES=_tbase.STAGES, DOT_FP32=False), _cfg)
+# and the add that joins its output to the sign products' float32 accumulator
+out[key("add-and-clear", _cfg, {})] = build(_tbase._add_and_clear_kernel, dict(BLOCK=_tbase.ADD_BLOCK), _cfg)
 
 # the bit-plane kernel of the binary tenant path (a plain Triton kernel): a long K in 1024-weight
 # chunks, and a short one whose chunk is the whole row (with programmatic dependent launch)
@@ -379,8 +382,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
                + sum(len(sweep(gb.tenant_configs(r))) + len(sweep(gp.WS_CONFIGS[r])) + 1 for r in (2, 4, 8, 16))
                + len(sweep([c for c in gp.WS_CONFIGS[16] if c[0] == 128]))
                ) if gb.HAVE_GLUON else 0
-    n_tiled = 3 + 2 + 3  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel
-    # twice; the base GEMM of grouped decode batches at its three x tiles
+    n_tiled = 3 + 2 + 3 + 1  # the Triton kernels on tiled signs, one configuration each; the bit-plane kernel
+    # twice; the base GEMM of grouped decode batches at its three x tiles, and its add
     from deltafleet.kernels import gluon_grouped as gg
 
     # the grouped int8 kernel: every configuration, the first of the smallest and largest block_m twice

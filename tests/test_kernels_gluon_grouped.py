@@ -387,8 +387,9 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
     matrices, as gate and up) and ``bitdelta_linear_grouped`` (also with column scales, whose sign
     products read x ⊙ β while the base product reads x), eagerly and replayed in a CUDA graph
     with new rows each replay, every output must match the float32 reference, and the base rows
-    must equal the base GEMM's alone bit for bit: a branch left unjoined, or a buffer reused while the
-    other stream still reads it, would show as stale or missing sign products."""
+    must equal the base GEMM's alone bit for bit: a branch left unjoined, a buffer reused while the
+    other stream still reads it, or a float32 accumulator left uncleared (the same one serves each call
+    of a width) would show as stale, missing or doubled sign products."""
     _hopper()
     from deltafleet.kernels import triton_base
     from deltafleet.kernels.triton_grouped import _overlaps, bitdelta_linear_grouped, bitdelta_linears_grouped
@@ -444,3 +445,7 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
         check(xn, y.split(sizes, 1), f"replay {seed}")
         check(xn, [y1], f"replay {seed}, one matrix")
         check_betas(xn, yb, f"replay {seed}")
+    from deltafleet.kernels.triton_grouped import _ACCUMULATORS  # each use leaves its accumulator zeroed
+
+    kept = [b for (dev, n), b in _ACCUMULATORS.items() if dev == xd.device.index and n in (520, 784)]
+    assert len(kept) == 2 and all(torch.count_nonzero(b).item() == 0 for b in kept)
