@@ -30,6 +30,7 @@ reconstructed weight ``W + α·S`` is never formed.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +54,14 @@ BLOCK8_MAX_ROWS = 128
 LONG_M = 64
 
 
+OVERLAP_ROWS_LIMIT = 256  # the engine's largest decode batch; each row keeps 4·n bytes per width
+
+
 def _overlap_rows(value: str) -> int:
-    """``DELTAFLEET_GROUPED_OVERLAP``: a row count ≥ 0."""
-    if not value.strip().isdigit():
-        raise ValueError(f"DELTAFLEET_GROUPED_OVERLAP must be a row count (0 turns the two-stream "
-                         f"grouped product off), got {value!r}")
+    """``DELTAFLEET_GROUPED_OVERLAP``: a row count from 0 to :data:`OVERLAP_ROWS_LIMIT`."""
+    if not value.strip().isdigit() or int(value) > OVERLAP_ROWS_LIMIT:
+        raise ValueError(f"DELTAFLEET_GROUPED_OVERLAP must be a row count up to {OVERLAP_ROWS_LIMIT} (0 turns "
+                         f"the two-stream grouped product off), got {value!r}")
     return int(value)
 
 
@@ -335,7 +339,7 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-_ACCUMULATORS: dict[tuple[int, int], torch.Tensor] = {}  # (device index, n) → zeroed float32 buffer
+_ACCUMULATORS: dict[tuple[int, int, int], torch.Tensor] = {}  # (device index, n, thread) → zeroed float32
 _RETIRED: list[torch.Tensor] = []
 
 
@@ -363,10 +367,13 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     product.) The side stream waits for the current one first, and the current one for it before the
     add, so a CUDA graph captures both branches.
 
-    The tensors used on the side stream are either the caller's, or kept (``z``), or allocated there
-    (the planes), so the caching allocator reuses none of them early. One side stream
-    per device, kept distinct from the current stream (PyTorch hands streams out of a pool), and
-    shared by every caller: on a device, one thread (the engine's) runs these."""
+    ``z`` outlives the call, so its uses must stay ordered whatever stream the caller is on: eagerly,
+    the side stream (the only one that writes ``z`` before its clear) also waits for the clear, and a
+    call that raises after launching sign products clears ``z`` before re-raising, so no later call
+    adds them. The other tensors used on the side stream are either the caller's or allocated there
+    (the planes), so the caching allocator reuses none of them early. One side stream per device,
+    kept distinct from the current stream (PyTorch hands streams out of a pool), and shared by every
+    caller; each thread has accumulators of its own."""
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = _accumulator(x.device, m, n)
@@ -374,24 +381,37 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     side = _SIDE_STREAMS.get(x.device.index)
     while side is None or side == cur:  # the pool's next stream: at most one more try
         side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
+    capturing = torch.cuda.is_current_stream_capturing()
     side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        planes: dict = {}
-        for zi, s, a in zip(z.split(list(sizes), 1), signs, alphas):
-            _add_signs(xs, s, a, groups, zi, planes)
-    triton_base.base_mm(x, weight, y)
-    cur.wait_stream(side)
-    return triton_base.add_and_clear(y, z)
+    try:
+        with torch.cuda.stream(side):
+            planes: dict = {}
+            for zi, s, a in zip(z.split(list(sizes), 1), signs, alphas):
+                _add_signs(xs, s, a, groups, zi, planes)
+        triton_base.base_mm(x, weight, y)
+        cur.wait_stream(side)
+        triton_base.add_and_clear(y, z)
+    except BaseException:
+        if not capturing:  # a failed capture ran nothing
+            try:
+                cur.wait_stream(side)
+                z.zero_()
+                side.wait_stream(cur)
+            except Exception:  # a device that fails this too: the first error is the one to see
+                pass
+        raise
+    if not capturing:
+        side.wait_stream(cur)
+    return y
 
 
 def _accumulator(device: torch.device, m: int, n: int) -> torch.Tensor:
     """A zeroed float32 ``[m, n]`` for :func:`_base_beside_signs`: the first ``m·n`` elements of a
-    buffer of ``max(m, OVERLAP_MAX_ROWS) · n`` kept per device and width ``n`` (a model has four: qkv,
-    o, gate_up, down), made with zeros once and zeroed again by each use's ``add_and_clear``. Uses on
-    a device are ordered by the streams (the side stream waits for the current one first), a CUDA
-    graph's replays included. One first needed during a graph capture is not kept: its zeros would
-    exist only once the graph replays, and an eager call before that would read garbage."""
-    key = (device.index, n)
+    buffer of ``max(m, OVERLAP_MAX_ROWS) · n`` kept per device, width ``n`` (a model has four: qkv, o,
+    gate_up, down) and thread, made with zeros once and zeroed again by each use's ``add_and_clear``.
+    One first needed during a graph capture is not kept: its zeros would exist only once the graph
+    replays, and an eager call before that would read garbage."""
+    key = (device.index, n, threading.get_ident())
     buf = _ACCUMULATORS.get(key)
     if buf is None or buf.numel() < m * n:
         buf = torch.zeros(max(m, OVERLAP_MAX_ROWS) * n, dtype=torch.float32, device=device)

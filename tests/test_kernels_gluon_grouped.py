@@ -447,5 +447,37 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
         check_betas(xn, yb, f"replay {seed}")
     from deltafleet.kernels.triton_grouped import _ACCUMULATORS  # each use leaves its accumulator zeroed
 
-    kept = [b for (dev, n), b in _ACCUMULATORS.items() if dev == xd.device.index and n in (520, 784)]
+    kept = [b for (dev, n, _), b in _ACCUMULATORS.items() if dev == xd.device.index and n in (520, 784)]
     assert len(kept) == 2 and all(torch.count_nonzero(b).item() == 0 for b in kept)
+
+
+@pytest.mark.gpu
+def test_a_failed_two_stream_call_leaves_no_sign_products_behind(monkeypatch):
+    """The two-stream path keeps its float32 accumulator between calls. A call that raises after its
+    sign products were launched (here the base GEMM fails) must clear it before the error reaches the
+    caller, so the next call of that width, on another stream too, gets its own sign products only."""
+    _hopper()
+    from deltafleet.kernels import triton_base
+    from deltafleet.kernels.triton_grouped import _ACCUMULATORS, _overlaps, bitdelta_linear_grouped
+
+    x, w, signs, alphas, slot = _case(32, "zipf", 6, 384, 1024, True, torch.bfloat16)
+    xd, wd, sd, ad, slotd = x.cuda(), w.cuda(), tile_signs(signs).cuda(), alphas.cuda(), slot.cuda()
+    assert _overlaps(xd, wd, [sd])
+    base = (slot < 0) | (slot >= 6)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(base, -1, slot))
+    real = triton_base.base_mm
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the base GEMM failed")
+
+    monkeypatch.setattr(triton_base, "base_mm", failing)
+    with pytest.raises(RuntimeError, match="the base GEMM failed"):
+        bitdelta_linear_grouped(xd, wd, sd, ad, slotd)
+    monkeypatch.setattr(triton_base, "base_mm", real)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        y = bitdelta_linear_grouped(xd, wd, sd, ad, slotd)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
+    kept = [b for (dev, n, _), b in _ACCUMULATORS.items() if dev == xd.device.index and n == 384]
+    assert kept and all(torch.count_nonzero(b).item() == 0 for b in kept)

@@ -362,10 +362,11 @@ def test_sign_products_into_the_leading_rows_of_a_wider_output():
 
 def test_the_overlap_switch_takes_a_row_count():
     """``DELTAFLEET_GROUPED_OVERLAP`` is the largest batch whose base product runs beside the sign
-    products: a count of rows, 0 for never; anything else is refused with the variable's name."""
+    products: a count of rows up to 256 (each row of it keeps a float32 accumulator row per width), 0
+    for never; anything else is refused with the variable's name."""
     from deltafleet.kernels.triton_grouped import _overlap_rows
 
-    assert [_overlap_rows(v) for v in ("0", "64", " 128 ")] == [0, 64, 128]
-    for bad in ("off", "", "-1", "1.5", "true"):
+    assert [_overlap_rows(v) for v in ("0", "64", " 128 ", "256")] == [0, 64, 128, 256]
+    for bad in ("off", "", "-1", "1.5", "true", "257", "2048"):
         with pytest.raises(ValueError, match="DELTAFLEET_GROUPED_OVERLAP"):
             _overlap_rows(bad)
