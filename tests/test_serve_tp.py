@@ -267,3 +267,54 @@ def test_sigterm_while_the_ranks_start_leaves_none_behind(tiny_family, tmp_path)
     time.sleep(0.5)
     assert not [pid for pid in ranks if process_alive(pid)], "a rank is left"
     assert "Traceback" not in log.read_text(), log.read_text()[-2000:]
+
+
+def _scripted_rank(i: int, plan: list[tuple[int, float]]) -> None:
+    """Rank ``i`` of a launcher test: sleeps ``plan[i][1]`` seconds, then exits with ``plan[i][0]``."""
+    import os
+    import time
+
+    time.sleep(plan[i][1])
+    os._exit(plan[i][0])
+
+
+@pytest.mark.parametrize("plan, signals, want", [
+    ([(0, 0.0), (0, 0.2)], [], 0),        # both end well
+    ([(2, 0.3), (2, 0.0)], [], 2),        # rank 1 fails first; rank 0 reaches the same start error
+    ([(3, 0.0), (0, 60.0)], [], 3),       # rank 0 cannot bind its port; rank 1 would wait forever
+    ([(3, 0.3), (2, 0.0)], [], 3),        # rank 1 fails first (2); rank 0's own status is the one reported
+    ([(0, 0.0), (0, 60.0)], [], 1),       # rank 0 ends, rank 1 never does: stopped, and a failure
+    ([(0, 60.0), (0, 60.0)], [15], 143),  # a SIGTERM passed on to rank 0, which dies of it
+], ids=["ok", "same-start-error", "port-taken", "rank-0-first", "rank-left-running", "sigterm"])
+def test_the_launcher_reports_rank_0s_status_and_leaves_no_rank(plan, signals, want, monkeypatch):
+    """``serve/run.py``'s ``_join_ranks`` over real rank processes: it returns 0 when every rank ends
+    well, rank 0's own error status (2, or 3 for a port it could not bind) when ranks fail, 1 when a
+    rank outlives rank 0 past ``STOP_WAIT_S``, and 128 + the signal passed on to rank 0 when rank 0
+    died of it; every rank has ended when it returns."""
+    import os
+    import signal
+
+    from deltafleet.serve import run
+
+    monkeypatch.setattr(run, "ERROR_WAIT_S", 1.0)
+    monkeypatch.setattr(run, "STOP_WAIT_S", 1.0)
+    ranks = mp.start_processes(_scripted_rank, args=(plan,), nprocs=len(plan), join=False, start_method="fork")
+    if signals:
+        os.kill(ranks.processes[0].pid, signal.SIGTERM)
+    assert run._join_ranks(ranks, signals) == want
+    assert not [p.pid for p in ranks.processes if p.is_alive()]
+
+
+def test_the_launcher_reraises_a_rank_crash_without_a_status_of_its_own(monkeypatch):
+    """A rank that crashes (status 1: a traceback of its own) while rank 0 has no error status to report
+    is the launcher's error: ``_join_ranks`` raises torch's ``ProcessExitedException`` for it, after
+    stopping rank 0."""
+    from deltafleet.serve import run
+
+    monkeypatch.setattr(run, "ERROR_WAIT_S", 0.5)
+    ranks = mp.start_processes(_scripted_rank, args=([(0, 60.0), (1, 0.0)],), nprocs=2, join=False,
+                               start_method="fork")
+    with pytest.raises(mp.ProcessExitedException) as e:
+        run._join_ranks(ranks, [])
+    assert e.value.error_index == 1 and e.value.exit_code == 1
+    assert not [p.pid for p in ranks.processes if p.is_alive()]
