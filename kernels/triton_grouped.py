@@ -340,7 +340,6 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _ACCUMULATORS: dict[tuple[int, int, int], torch.Tensor] = {}  # (device index, n, thread) → zeroed float32
-_RETIRED: list[torch.Tensor] = []
 
 
 def _overlaps(x: torch.Tensor, weight: torch.Tensor, signs: list[torch.Tensor]) -> bool:
@@ -361,8 +360,8 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     a zeroed float32 ``z`` on a side stream, while :func:`triton_base.base_mm` writes ``y`` on the
     current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, the sum
     in float32 rounded once to y's dtype, by ``triton_base.add_and_clear``, which also leaves ``z``
-    zeroed: ``z`` is a view of an accumulator kept per device and width (:func:`_accumulator`), so no
-    launch clears it first. (The sign kernel's own epilogue fuses the scale and the add,
+    zeroed: ``z`` is a view of an accumulator kept per device, width and thread (:func:`_accumulator`),
+    so no launch clears it first. (The sign kernel's own epilogue fuses the scale and the add,
     so an element may differ from it by a unit in the last place; base rows get exactly the base
     product.) The side stream waits for the current one first, and the current one for it before the
     add, so a CUDA graph captures both branches.
@@ -406,19 +405,19 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
 
 
 def _accumulator(device: torch.device, m: int, n: int) -> torch.Tensor:
-    """A zeroed float32 ``[m, n]`` for :func:`_base_beside_signs`: the first ``m·n`` elements of a
-    buffer of ``max(m, OVERLAP_MAX_ROWS) · n`` kept per device, width ``n`` (a model has four: qkv, o,
-    gate_up, down) and thread, made with zeros once and zeroed again by each use's ``add_and_clear``.
-    One first needed during a graph capture is not kept: its zeros would exist only once the graph
-    replays, and an eager call before that would read garbage."""
+    """A zeroed float32 ``[m, n]`` for :func:`_base_beside_signs` (``m`` ≤ :data:`OVERLAP_MAX_ROWS`, as
+    :func:`_overlaps` ensures): the first ``m·n`` elements of a buffer of ``OVERLAP_MAX_ROWS · n`` kept
+    per device, width ``n`` (a model has four: qkv, o, gate_up, down) and thread, made with zeros once
+    and zeroed again by each use's ``add_and_clear``. One first needed during a graph capture is not
+    kept: its zeros would exist only once the graph replays, and an eager call before that would read
+    garbage."""
     key = (device.index, n, threading.get_ident())
     buf = _ACCUMULATORS.get(key)
-    if buf is None or buf.numel() < m * n:
-        buf = torch.zeros(max(m, OVERLAP_MAX_ROWS) * n, dtype=torch.float32, device=device)
+    if buf is None:
+        buf = torch.zeros(OVERLAP_MAX_ROWS * n, dtype=torch.float32, device=device)
         if not torch.cuda.is_current_stream_capturing():
-            if key in _ACCUMULATORS:  # a graph may still use the smaller one: never freed
-                _RETIRED.append(_ACCUMULATORS[key])
             _ACCUMULATORS[key] = buf
+    assert m * n <= buf.numel(), "more rows than OVERLAP_MAX_ROWS on the two-stream path"
     return buf[:m * n].view(m, n)
 
 
