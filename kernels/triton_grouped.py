@@ -338,8 +338,10 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     return y
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-_ACCUMULATORS: dict[tuple[int, int, int], torch.Tensor] = {}  # (device index, n, thread) → zeroed float32
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, thread) → side stream
+# (device index, n, thread, or GRAPHS) → a zeroed float32 accumulator (_accumulator)
+_ACCUMULATORS: dict[tuple[int, int, int | str], torch.Tensor] = {}
+GRAPHS = "graphs"  # the accumulators' key of the calls captured in CUDA graphs, from any thread
 
 
 def _overlaps(x: torch.Tensor, weight: torch.Tensor, signs: list[torch.Tensor]) -> bool:
@@ -360,27 +362,29 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     a zeroed float32 ``z`` on a side stream, while :func:`triton_base.base_mm` writes ``y`` on the
     current one, whose blocks fit beside the sign kernel's programs; after the join ``y += z``, the sum
     in float32 rounded once to y's dtype, by ``triton_base.add_and_clear``, which also leaves ``z``
-    zeroed: ``z`` is a view of an accumulator kept per device, width and thread (:func:`_accumulator`),
-    so no launch clears it first. (The sign kernel's own epilogue fuses the scale and the add,
+    zeroed: ``z`` is a view of an accumulator kept per device and width (:func:`_accumulator`), so no
+    launch clears it first. (The sign kernel's own epilogue fuses the scale and the add,
     so an element may differ from it by a unit in the last place; base rows get exactly the base
     product.) The side stream waits for the current one first, and the current one for it before the
     add, so a CUDA graph captures both branches.
 
-    ``z`` outlives the call, so its uses must stay ordered whatever stream the caller is on: eagerly,
-    the side stream (the only one that writes ``z`` before its clear) also waits for the clear, and a
-    call that raises after launching sign products clears ``z`` before re-raising, so no later call
-    adds them. The other tensors used on the side stream are either the caller's or allocated there
-    (the planes), so the caching allocator reuses none of them early. One side stream per device,
-    kept distinct from the current stream (PyTorch hands streams out of a pool), and shared by every
-    caller; each thread has accumulators of its own."""
+    ``z`` outlives the call (:func:`_accumulator`), so its uses must stay ordered: eagerly, the side
+    stream (the only one that writes ``z`` before its clear) also waits for the clear, so the thread's
+    next call is ordered after it whatever stream it is on; a call that raises after launching sign
+    products clears ``z`` before re-raising (while capturing, it only joins the streams, so that the
+    capture fails on the first error), so no later call adds them. The other tensors used on the side
+    stream are either the caller's or allocated there (the planes), so the caching allocator reuses
+    none of them early. One side stream per device and thread, kept distinct from the current stream
+    (PyTorch hands streams out of a pool)."""
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    z = _accumulator(x.device, m, n)
-    cur = torch.cuda.current_stream(x.device)
-    side = _SIDE_STREAMS.get(x.device.index)
-    while side is None or side == cur:  # the pool's next stream: at most one more try
-        side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
     capturing = torch.cuda.is_current_stream_capturing()
+    z = _accumulator(x.device, m, n, capturing)
+    cur = torch.cuda.current_stream(x.device)
+    key = (x.device.index, threading.get_ident())
+    side = _SIDE_STREAMS.get(key)
+    while side is None or side == cur:  # the pool's next stream: at most one more try
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(x.device)
     side.wait_stream(cur)
     try:
         with torch.cuda.stream(side):
@@ -391,32 +395,42 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
         cur.wait_stream(side)
         triton_base.add_and_clear(y, z)
     except BaseException:
-        if not capturing:  # a failed capture ran nothing
-            try:
-                cur.wait_stream(side)
+        try:
+            cur.wait_stream(side)
+            if not capturing:  # a failed capture ran nothing
                 z.zero_()
                 side.wait_stream(cur)
-            except Exception:  # a device that fails this too: the first error is the one to see
-                pass
+        except Exception:  # a device that fails this too: the first error is the one to see
+            pass
         raise
     if not capturing:
         side.wait_stream(cur)
     return y
 
 
-def _accumulator(device: torch.device, m: int, n: int) -> torch.Tensor:
+def _accumulator(device: torch.device, m: int, n: int, capturing: bool) -> torch.Tensor:
     """A zeroed float32 ``[m, n]`` for :func:`_base_beside_signs` (``m`` ≤ :data:`OVERLAP_MAX_ROWS`, as
-    :func:`_overlaps` ensures): the first ``m·n`` elements of a buffer of ``OVERLAP_MAX_ROWS · n`` kept
-    per device, width ``n`` (a model has four: qkv, o, gate_up, down) and thread, made with zeros once
-    and zeroed again by each use's ``add_and_clear``. One first needed during a graph capture is not
-    kept: its zeros would exist only once the graph replays, and an eager call before that would read
-    garbage."""
-    key = (device.index, n, threading.get_ident())
+    :func:`_overlaps` ensures): the first ``m·n`` elements of a buffer of ``OVERLAP_MAX_ROWS · n``
+    kept per device and width ``n`` (a model has four: qkv, o, gate_up, down), made with zeros once
+    and zeroed again by each use's ``add_and_clear``.
+
+    Eager calls use their thread's buffer, calls captured in a CUDA graph (from any thread) another,
+    keyed :data:`GRAPHS`, so a replay never shares one with an eager call that its stream does not
+    wait for; graphs that share it must not replay at once (as graphs sharing a memory pool). Both
+    are made at the width's first eager call (a graph's warm-up), as ordinary tensors even under
+    inference mode (a later clear outside it must be allowed). A width first needed during a capture
+    gets a zeroed buffer of the graph's own, its zeros a node of that graph: a kept one made then
+    would hold zeros only once that graph replays."""
+    key = (device.index, n, GRAPHS if capturing else threading.get_ident())
     buf = _ACCUMULATORS.get(key)
     if buf is None:
-        buf = torch.zeros(OVERLAP_MAX_ROWS * n, dtype=torch.float32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            _ACCUMULATORS[key] = buf
+        if capturing:
+            return torch.zeros(m, n, dtype=torch.float32, device=device)
+        with torch.inference_mode(False):
+            for k in (key, (device.index, n, GRAPHS)):
+                if k not in _ACCUMULATORS:
+                    _ACCUMULATORS[k] = torch.zeros(OVERLAP_MAX_ROWS * n, dtype=torch.float32, device=device)
+        buf = _ACCUMULATORS[key]
     assert m * n <= buf.numel(), "more rows than OVERLAP_MAX_ROWS on the two-stream path"
     return buf[:m * n].view(m, n)
 

@@ -445,17 +445,23 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
         check(xn, y.split(sizes, 1), f"replay {seed}")
         check(xn, [y1], f"replay {seed}, one matrix")
         check_betas(xn, yb, f"replay {seed}")
-    from deltafleet.kernels.triton_grouped import _ACCUMULATORS  # each use leaves its accumulator zeroed
+    import threading
 
-    kept = [b for (dev, n, _), b in _ACCUMULATORS.items() if dev == xd.device.index and n in (520, 784)]
-    assert len(kept) == 2 and all(torch.count_nonzero(b).item() == 0 for b in kept)
+    from deltafleet.kernels.triton_grouped import _ACCUMULATORS, GRAPHS  # each use leaves its accumulator zeroed
+
+    kept = [b for (dev, n, owner), b in _ACCUMULATORS.items()
+            if dev == xd.device.index and n in (520, 784) and owner in (threading.get_ident(), GRAPHS)]
+    assert len(kept) == 4 and all(torch.count_nonzero(b).item() == 0 for b in kept)  # eager and graphs
 
 
 @pytest.mark.gpu
 def test_a_failed_two_stream_call_leaves_no_sign_products_behind(monkeypatch):
     """The two-stream path keeps its float32 accumulator between calls. A call that raises after its
     sign products were launched (here the base GEMM fails) must clear it before the error reaches the
-    caller, so the next call of that width, on another stream too, gets its own sign products only."""
+    caller, also when the accumulator was made under inference mode and the failing call runs outside
+    it, so that the next call of that width, on another stream too, gets its own sign products only."""
+    import threading
+
     _hopper()
     from deltafleet.kernels import triton_base
     from deltafleet.kernels.triton_grouped import _ACCUMULATORS, _overlaps, bitdelta_linear_grouped
@@ -465,6 +471,8 @@ def test_a_failed_two_stream_call_leaves_no_sign_products_behind(monkeypatch):
     assert _overlaps(xd, wd, [sd])
     base = (slot < 0) | (slot >= 6)
     ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, torch.where(base, -1, slot))
+    with torch.inference_mode():  # as the engine first runs it
+        bitdelta_linear_grouped(xd, wd, sd, ad, slotd)
     real = triton_base.base_mm
 
     def failing(*args, **kwargs):
@@ -473,11 +481,12 @@ def test_a_failed_two_stream_call_leaves_no_sign_products_behind(monkeypatch):
     monkeypatch.setattr(triton_base, "base_mm", failing)
     with pytest.raises(RuntimeError, match="the base GEMM failed"):
         bitdelta_linear_grouped(xd, wd, sd, ad, slotd)
+    torch.cuda.synchronize()
+    mine = _ACCUMULATORS[(xd.device.index, 384, threading.get_ident())]
+    assert torch.count_nonzero(mine).item() == 0, "the failed call's sign products were left behind"
     monkeypatch.setattr(triton_base, "base_mm", real)
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
         y = bitdelta_linear_grouped(xd, wd, sd, ad, slotd)
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.bfloat16] * ref.abs().max().item())
-    kept = [b for (dev, n, _), b in _ACCUMULATORS.items() if dev == xd.device.index and n == 384]
-    assert kept and all(torch.count_nonzero(b).item() == 0 for b in kept)
