@@ -23,6 +23,10 @@ decode rows plus one prompt of that length as ``ModelRunner.execute`` runs it, b
 with prefill chunks (serve/graphs.py: the step padded to its token bucket, its prompt multiplied
 grouped or by tiles); the runner holds one sequence more than the largest row count, the prompt's,
 as a server's ``max_batch`` counts prefilling sequences too.
+
+With ``profile`` (``--profile STEPS``) each row also profiles that many steps (``torch.profiler``) and
+keeps where their GPU time goes (:func:`kernel_table`): the kernel time a step and the longest
+kernels, each with its time and launches a step.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ import torch
 
 SHAPE_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32}
-DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompts": [256]}
+DEFAULTS = {"rows": [1, 16, 64, 256], "context": 256, "iters": 20, "block_size": 128, "variants": 14, "prompts": [256],
+            "profile": 0}
+PROFILE_TOP = 15  # kernels listed per row by ``profile``
 
 
 def _seconds(fn, iters: int, device, warmup: int = 1) -> float:
@@ -48,6 +54,37 @@ def _seconds(fn, iters: int, device, warmup: int = 1) -> float:
         fn()
     torch.cuda.synchronize(device)
     return (time.perf_counter() - t) / iters
+
+
+def kernel_table(kernels, steps: int, top: int = PROFILE_TOP) -> dict:
+    """Where a step's GPU time goes: ``kernels`` the (name, microseconds) of every kernel run over
+    ``steps`` steps; returns ``{"kernel_ms": kernel time a step, "kernels": [{"name", "ms", "calls"},
+    …]}``, each kernel's time and launches a step, the ``top`` longest first (names cut at 120
+    characters; kernels whose cut names agree are one). Kernel time over the step's time is how much
+    the kernels overlap (above 1) or leave the GPU idle (below 1)."""
+    agg: dict[str, list] = {}
+    for name, us in kernels:
+        a = agg.setdefault(name[:120], [0.0, 0])
+        a[0] += us
+        a[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms": sum(a[0] for a in agg.values()) / steps / 1e3,
+            "kernels": [{"name": n, "ms": t / steps / 1e3, "calls": c / steps} for n, (t, c) in rows]}
+
+
+def profile_kernels(fn, steps: int, device: torch.device) -> dict:
+    """:func:`kernel_table` of ``steps`` calls of ``fn`` under ``torch.profiler`` (CUDA kernels, and the
+    copies and fills the profiler counts with them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(device)
+    return kernel_table(((e.name, e.device_time_total) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA), steps)
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, iters: int = 10) -> float:
@@ -185,9 +222,14 @@ def engine_steps(cfg) -> dict:
             row = {"rows": r, "mix": mix, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
                    "step_over_floor": step_s / floor_s, **eager, "bytes": nbytes, "sample_ms": sampling,
                    "graph": runner.graphs is not None}
+            if opts["profile"]:
+                with torch.inference_mode():
+                    row["profile"] = profile_kernels(lambda: runner.execute(step), int(opts["profile"]), device)
             out["rows"].append(row)
             out["step_over_floor"].setdefault(str(r), {})[mix] = row["step_over_floor"]
-            print(json.dumps({k: v for k, v in row.items() if k != "bytes"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("bytes", "profile")}), flush=True)
+            for k in row.get("profile", {}).get("kernels", []):
+                print(f"  {k['ms']:8.3f} ms {k['calls']:6.0f}x  {k['name']}", flush=True)
     return out
 
 
@@ -199,16 +241,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", type=int, default=DEFAULTS["variants"])
     p.add_argument("--prompts", type=int, nargs="+", default=DEFAULTS["prompts"],
                    help="prompt lengths of the steps timed beside the decode rows (with_prompt_step_ms)")
+    p.add_argument("--profile", type=int, default=DEFAULTS["profile"], metavar="STEPS",
+                   help="profile STEPS steps of each row (torch.profiler): each kernel's time a step, "
+                        f"the {PROFILE_TOP} longest, in the JSON and printed; 0 (the default) for none")
     p.add_argument("--out", help="write the result as JSON here")
     a = p.parse_args(argv)
     for name, values in (("--rows", a.rows), ("--prompts", a.prompts), ("--iters", [a.iters]),
                          ("--variants", [a.variants])):
         if min(values) < 1:
             p.error(f"{name} must be ≥ 1, got {values if len(values) > 1 else values[0]}")
+    if a.profile < 0:
+        p.error(f"--profile must be ≥ 0, got {a.profile}")
     if not torch.cuda.is_available():
         p.exit(2, "error: the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)\n")
     res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,
-                                                 "variants": a.variants, "prompts": a.prompts}})
+                                                 "variants": a.variants, "prompts": a.prompts,
+                                                 "profile": a.profile}})
     print(json.dumps(res["step_over_floor"], indent=1))
     if a.out:
         from deltafleet.atomic import write_text

@@ -615,12 +615,31 @@ def test_engine_steps_time_a_step_beside_each_prompt_length():
     tiny = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 2}
     out = engine_steps({"device": "cuda", "dtype": "bfloat16", "shape_config": tiny, "variants": 3,
-                        "engine_steps_options": {"rows": [2, 16], "context": 40, "iters": 2, "prompts": [8, 300]}})
+                        "engine_steps_options": {"rows": [2, 16], "context": 40, "iters": 2, "prompts": [8, 300],
+                                                 "profile": 2}})
     assert [(r["rows"], r["mix"]) for r in out["rows"]] == [(2, "base"), (2, "mixed"), (16, "base"), (16, "mixed")]
     for r in out["rows"]:
         assert set(r["with_prompt_step_ms"]) == {"8", "300"} and all(v > 0 for v in r["with_prompt_step_ms"].values())
         assert r["with_prompt_ms"] > 0 and r["floor_ms"] > 0
         assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        kernels = r["profile"]["kernels"]  # each layer's GEMMs at least: several launches of one kernel a step
+        assert kernels and max(k["calls"] for k in kernels) >= 2 and 0 < r["profile"]["kernel_ms"]
+        assert sum(k["ms"] for k in kernels) <= r["profile"]["kernel_ms"] + 1e-9
+
+
+def test_a_step_profile_sums_each_kernel_per_step():
+    """``kernel_table``: each kernel's time and launches a step (names cut at 120 characters, the cut
+    names pooled), the longest first, only the ``top`` ones listed while the step's kernel time counts
+    them all."""
+    from deltafleet.serve.bench_step import kernel_table
+
+    long = "gemm_" + "x" * 130
+    events = [("norm", 10.0), (long + "a", 300.0), ("norm", 12.0), ("attn", 150.0), (long + "b", 298.0),
+              ("rope", 4.0)]
+    t = kernel_table(events, steps=2, top=3)
+    assert t["kernel_ms"] == pytest.approx((10 + 300 + 12 + 150 + 298 + 4) / 2 / 1e3)
+    assert [(k["name"], k["calls"]) for k in t["kernels"]] == [(long[:120], 1.0), ("attn", 0.5), ("norm", 1.0)]
+    assert [k["ms"] for k in t["kernels"]] == pytest.approx([0.299, 0.075, 0.011])
 
 
 def test_the_engine_step_command_refuses_what_it_cannot_run(capsys):
@@ -632,6 +651,9 @@ def test_the_engine_step_command_refuses_what_it_cannot_run(capsys):
     with pytest.raises(SystemExit) as e:
         bench_step.main(["--rows", "16", "--prompts", "128", "0"])
     assert e.value.code == 2 and "error: --prompts must be ≥ 1, got [128, 0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_step.main(["--rows", "16", "--profile", "-1"])
+    assert e.value.code == 2 and "error: --profile must be ≥ 0, got -1" in capsys.readouterr().err
     if torch.cuda.is_available():
         return
     with pytest.raises(SystemExit) as e:
