@@ -839,7 +839,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def load_variant(body: LoadVariantRequest):
         """Serve an artifact folder under the artifact root as ``<family>-<variant>`` and bring its
         deltas onto the device now (also a variant unloaded before). 400: the base, a path outside the
-        root or without an artifact."""
+        root or without an artifact, an artifact of another base or one that cannot be used."""
         if body.variant == engine.family:
             raise APIError(400, f"`{engine.family}` is the base model, which is always loaded: it cannot be loaded "
                            "as a variant", param="variant", code="base_model")

@@ -514,7 +514,7 @@ class Engine:
         except (ArtifactError, OSError, ValueError) as e:
             log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
             reason = _without_paths(str(e), card.artifact_dir.parent, self.base_dir)
-            raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}") from e
+            raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}", reason=reason) from e
         delta = delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
         delta.source = str(card.artifact_dir)  # where the other tensor-parallel ranks read it
         return delta
@@ -532,8 +532,10 @@ class Engine:
 
         Raises:
             InvalidRequestError: a bad name, no artifact root, a path outside the artifact root
-                (symbolic links resolved) or without ``bitdelta.json``.
-            VariantUnavailableError: the artifact cannot be used.
+                (symbolic links resolved) or without ``bitdelta.json``, an artifact of another base
+                (``base_mismatch``) or one that cannot be used (``artifact_unusable``: unreadable,
+                corrupt, not this base's shapes).
+            VariantUnavailableError: no room on the device for it in time (``transient``).
         """
         if not re.fullmatch(VARIANT_NAME, name or ""):
             raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
@@ -575,7 +577,7 @@ class Engine:
             self._variants[mid] = ModelCard(mid, self.family, folder)
         try:
             self.get_delta(mid)
-        except VariantUnavailableError:  # an unusable artifact is not served: the registry as it was
+        except VariantUnavailableError as e:  # an unusable artifact is not served: the registry as it was
             with self._registry_lock:
                 if old is None:
                     self._variants.pop(mid, None)
@@ -583,7 +585,12 @@ class Engine:
                     self._variants[mid] = old
                 if was_removed:
                     self._removed.add(mid)
-            raise
+            if e.transient:  # no device slot in time: the artifact is fine, try again
+                raise
+            # the folder asked for cannot be used, as a bad path or another base's artifact: the caller's
+            # to fix (vLLM answers a failed adapter load so), not a matter of retrying
+            raise InvalidRequestError(f"the artifact in `{folder.relative_to(root)}` cannot be used: {e.reason}",
+                                      "path", "artifact_unusable") from None
         return self._variants[mid]
 
     def remove_variant(self, model_id: str) -> ModelCard:

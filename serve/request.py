@@ -21,11 +21,13 @@ class ModelNotFoundError(LookupError):
 
 class VariantUnavailableError(RuntimeError):
     """The variant exists but cannot be served now (HTTP 503): its artifact is missing or corrupt, or
-    (``transient``, with Retry-After) no device slot came free in time."""
+    (``transient``, with Retry-After) no device slot came free in time. ``reason``: why, without the
+    variant's name."""
 
-    def __init__(self, message: str, transient: bool = False):
+    def __init__(self, message: str, transient: bool = False, reason: str | None = None):
         super().__init__(message)
         self.transient = transient
+        self.reason = reason if reason is not None else message
 
 
 class VariantInUseError(RuntimeError):

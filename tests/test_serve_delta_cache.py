@@ -228,12 +228,19 @@ def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path
                                                           r"'model.layers.0.self_attn.q_proj.weight' in full"):
             engine.get_delta("tiny-fullmat")
         assert engine.cache.tier("tiny-coder") == "device"  # nothing was evicted for it
-        # hot-loaded under a name of its own, the unusable artifact is refused and not left listed
+        # hot-loaded under a name of its own, the unusable artifact is refused as a bad path (the caller's
+        # to fix, as vLLM answers a failed adapter load: not a 5xx a client retries) and not left listed
         with TestClient(create_app(engine)) as tc:
             r = tc.post("/v1/load_variant", json={"variant": "c5", "path": "fullmat"})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "variant_unavailable", r.text
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["code"], err["param"]) == ("artifact_unusable", "path")
+            assert err["message"].startswith("the artifact in `fullmat` cannot be used: it stores "
+                                             "'model.layers.0.self_attn.q_proj.weight' in full"), err
             assert "tiny-c5" not in [m["id"] for m in tc.get("/v1/models").json()["data"]]
             assert tc.get("/v1/models/tiny-c5").status_code == 404
+            r = tc.post("/v1/load_lora_adapter", json={"lora_name": "c6", "lora_path": "fullmat"})  # vLLM's route
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
     finally:
         shutil.rmtree(bad)
 
