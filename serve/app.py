@@ -34,6 +34,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -724,8 +725,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def _on_http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
             why = {UnicodeDecodeError: ": it is not UTF-8 text", RecursionError: ": it is nested too deeply"}
-            return APIError(400, f"The request body is not valid JSON{why.get(type(exc.__cause__), '')}.",
-                            code="invalid_json").response()
+            message = f"The request body is not valid JSON{why.get(type(exc.__cause__), '')}."
+            if isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
+                message = (f"The request body cannot be read: a number in it has more than "
+                           f"{sys.get_int_max_str_digits()} digits.")  # valid JSON, past the parser's limit
+            return APIError(400, message, code="invalid_json").response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, code,
                         headers=exc.headers).response()  # a 405's Allow

@@ -270,6 +270,9 @@ def test_a_body_that_is_not_utf8_is_invalid_json(tc, path):
     deep = api_error(_post_raw(tc, path, b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
                      400)
     assert deep == {**err, "message": "The request body is not valid JSON: it is nested too deeply."}
+    # a number longer than the parser reads (found by a fresh user: it read "not valid JSON" alone)
+    huge = api_error(_post_raw(tc, path, b'{"model": "tiny", "seed": ' + b"9" * 5000 + b"}"), 400)
+    assert huge == {**err, "message": "The request body cannot be read: a number in it has more than 4300 digits."}
 
 
 def test_lone_surrogate_has_its_error_code_and_a_prompt_list_is_answered(tc):
