@@ -81,6 +81,22 @@ def test_prompts_are_admitted_together_and_queues_take_turns():
     assert plan.decode == [a[0], a[1]] and [s for s, _, _ in plan.prefill] == [a[2]]  # a's order kept
 
 
+def test_queues_take_turns_across_steps():
+    """A budget of one prompt a step: the queue that was admitted from goes to the back, so b's one
+    prompt is admitted in the second step, not after all of a's."""
+    planner = Planner(BlockPool(64, 4), max_running=4, token_budget=4)
+    a = [_seq("tiny-a", 4) for _ in range(3)]
+    b = _seq("tiny-b", 4)
+    for s in (*a, b):
+        planner.add(s)
+    admitted = []
+    for _ in range(3):
+        plan = planner.schedule()
+        admitted += [s for s, start, _ in plan.prefill if start == 0]
+        _run(planner, plan)
+    assert admitted == [a[0], b, a[1]]
+
+
 def test_admission_waits_for_blocks_and_decodes_preempt_the_latest():
     pool = BlockPool(5, block_size=2)
     planner = Planner(pool, max_running=4, token_budget=32)
@@ -98,6 +114,35 @@ def test_admission_waits_for_blocks_and_decodes_preempt_the_latest():
     planner.finish(first)
     plan = planner.schedule()  # the preempted one first, prompt and generated token again; then third
     assert plan.prefill == [(second, 0, 5), (third, 0, 4)]
+
+
+def test_a_preempted_sequence_goes_back_ahead_of_its_queue():
+    pool = BlockPool(5, block_size=2)
+    planner = Planner(pool, max_running=4, token_budget=32)
+    first, second, third = _seq("m1", 4), _seq("m2", 4), _seq("m2", 4)
+    for s in (first, second, third):
+        planner.add(s)
+    _run(planner, planner.schedule())  # first and second admitted; third waits in m2 for 2 blocks
+    plan = planner.schedule()
+    assert plan.preempted == [second] and list(planner.waiting["m2"]) == [second, third]
+    _run(planner, plan)
+    planner.finish(first)
+    assert planner.schedule().prefill == [(second, 0, 5), (third, 0, 4)]
+
+
+def test_a_started_prompt_takes_the_blocks_left_when_its_whole_chunk_does_not_fit():
+    """Blocks of one token: the decodes of two streams take two of the four free blocks, so the long
+    prompt's next chunk is the two tokens that fit, not the three of its threshold, nor none."""
+    pool = BlockPool(9, block_size=1)
+    planner = Planner(pool, max_running=4, token_budget=16, long_prefill_token_threshold=3)
+    s1, s2, long = _seq("a", 1), _seq("b", 1), _seq("c", 6)
+    for s in (s1, s2, long):
+        planner.add(s)
+    plan = planner.schedule()
+    assert plan.prefill == [(s1, 0, 1), (s2, 0, 1), (long, 0, 3)] and pool.free_blocks == 4
+    _run(planner, plan)
+    plan = planner.schedule()
+    assert plan.decode == [s1, s2] and plan.prefill == [(long, 3, 5)] and pool.free_blocks == 0
 
 
 def test_a_sequence_whose_last_token_is_in_flight_neither_decodes_nor_is_preempted():
@@ -188,6 +233,14 @@ def test_paced_admission_groups_arrivals_while_streams_run():
     now[0] += 6.0  # a has now waited 21 s ≥ 20 s: a and b join in one step
     plan = planner.schedule()
     assert {s.model_id for s, _, _ in plan.prefill} == {"tiny-coder", "tiny-writer"} and plan.decode == [stream]
+    _run(planner, plan)
+    now[0] += 12.0  # that admitting step took 12 s
+    _run(planner, planner.schedule())
+    for s in (stream, a, b):
+        planner.finish(s)
+    late = _seq("tiny", 3)
+    planner.add(late)  # nothing runs: admitted at once, though it waited 0 s < 2 × 12 s
+    assert [s for s, _, _ in planner.schedule().prefill] == [late]
     unpaced = Planner(BlockPool(64, 4), max_running=8, token_budget=64, clock=lambda: now[0])
     for s in (_seq("tiny", 3), _seq("tiny-coder", 4)):
         unpaced.add(s)
