@@ -298,3 +298,97 @@ def test_bad_settings_are_named():
         DeltaCache(print, print, print, half_life_s=0)
     with pytest.raises(ValueError, match="device_budget_bytes must be ≥ 0 or None, got -1"):
         DeltaCache(print, print, print, device_budget_bytes=-1)
+
+
+def test_equal_counts_evict_the_least_recently_used():
+    """With a half-life of 1 ms, counts 5 s old have decayed to exactly 0: the tie goes to recency."""
+    disk = Disk({"a": 100, "b": 100, "c": 100})
+    clock = Clock()
+    cache, _ = make(disk, device_budget_bytes=200, half_life_s=0.001, clock=clock)
+    for t, m in ((0.0, "a"), (5.0, "b"), (10.0, "c")):
+        clock.t = t
+        use(cache, m)
+    assert (cache.tier("a"), cache.tier("b"), cache.tier("c")) == ("host", "device", "device")
+
+
+def test_the_host_tier_keeps_its_copies_when_a_larger_one_cannot_fit():
+    disk = Disk({"a": 100, "b": 100, "big": 300})
+    clock = Clock()
+    cache, events = make(disk, device_budget_bytes=300, host_budget_bytes=150, clock=clock)
+    for t, m in enumerate("ab"):
+        clock.t = t
+        use(cache, m)
+    clock.t = 2
+    use(cache, "big")  # a and b leave the device; b's copy takes the colder a's place on the host
+    assert cache.tier("a") == "disk" and cache.tier("b") == "host" and cache.host_bytes == 100
+    host_evictions = [e for e in events if e[0] == "evict" and e[2] == "host"]
+    clock.t = 3
+    use(cache, "a")  # big leaves the device: 300 bytes never fit the host's 150, and b's copy stays
+    assert cache.tier("big") == "disk" and cache.tier("b") == "host" and cache.host_bytes == 100
+    assert [e for e in events if e[0] == "evict" and e[2] == "host"] == host_evictions == [("evict", "a", "host")]
+
+
+def test_a_variant_back_from_the_host_tier_leaves_it_and_is_counted_once():
+    disk = Disk({"a": 100, "b": 100})
+    clock = Clock()
+    cache, events = make(disk, device_budget_bytes=100, host_budget_bytes=200, clock=clock)
+    for t, m in enumerate("aba"):
+        clock.t = t
+        use(cache, m)
+    assert ("load", "a", "host") in events and ("hit", "a", None) not in events
+    assert cache.tier("a") == "device" and cache.tier("b") == "host"
+    assert cache.device_bytes == 100 and cache.host_bytes == 100  # b's copy only
+    assert cache.snapshot()["a"]["tier"] == "device"
+    use(cache, "a")
+    assert events[-1] == ("hit", "a", None)
+    cache.unload("a")
+    assert cache.load("b") == "host" and cache.load("b") == "device" and cache.load("a") == "disk"
+
+
+def test_a_failed_copy_to_the_device_gives_its_room_back():
+    disk = Disk({"a": 100})
+    fail = [True]
+
+    def to_device(d):
+        if fail.pop():
+            raise RuntimeError("CUDA error: out of memory")
+        return Delta(d.name, d.nbytes, "device")
+
+    fail.insert(0, False)
+    cache = DeltaCache(disk.read, to_device, disk.stamp, device_budget_bytes=100, wait_timeout_s=0.2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cache.acquire("a")
+    assert cache.device_bytes == 0 and cache.snapshot()["a"]["in_flight"] == 0
+    assert use(cache, "a").where == "device" and cache.device_bytes == 100
+
+
+def test_requests_in_flight_keep_a_changed_or_removed_artifact_until_they_end():
+    """A re-export or a removal does not pull a delta from under running requests: new requests get
+    the new one (or the 404) once those have ended, and meanwhile the old one is served or kept."""
+    disk = Disk({"a": 100})
+    cache, events = make(disk)
+    old = cache.acquire("a")  # in flight
+    disk.stamps["a"] = 2
+    assert use(cache, "a") is old and disk.reads["a"] == 1  # still running on it: no re-read
+    cache.release("a")
+    new = use(cache, "a")
+    assert new is not old and disk.reads["a"] == 2
+    held = cache.acquire("a")
+    del disk.stamps["a"]
+    with pytest.raises(ArtifactGoneError):
+        cache.acquire("a")
+    assert cache.tier("a") == "device" and cache.device_bytes == 100  # held by the running request
+    assert cache.snapshot()["a"]["in_flight"] == 1 and held is new
+    cache.release("a")
+    with pytest.raises(ArtifactGoneError):
+        cache.acquire("a")
+    assert cache.tier("a") == "disk" and cache.device_bytes == 0
+
+
+def test_the_snapshot_reports_pinning_not_requests_in_flight():
+    cache, _ = make(Disk({"a": 100, "b": 100}), pinned=["b"])
+    cache.acquire("a")
+    use(cache, "b")
+    snap = cache.snapshot()
+    assert snap["a"]["in_flight"] == 1 and snap["a"]["pinned"] is False
+    assert snap["b"]["in_flight"] == 0 and snap["b"]["pinned"] is True
