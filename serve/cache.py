@@ -15,8 +15,10 @@ evictable variant with the smallest decayed count, so a variant used often keeps
 used once slightly more recently, and with a short half-life the policy is plain LRU. Never
 evicted: a variant with requests in flight (:meth:`DeltaCache.acquire` … :meth:`DeltaCache.release`),
 a variant pinned by name (``pinned``), and the ``pin_top_n`` variants with the highest counts.
-When nothing can be evicted, a load waits (``wait_timeout_s``) for a request to finish, then
-fails with :class:`CacheFullError`.
+When nothing can be evicted, a load waits for a request to finish, then fails with
+:class:`CacheFullError`: each request waits at most ``wait_timeout_s`` from its arrival (plus the
+time its own read of the artifact takes), also when it queued behind another request's load of the
+same variant.
 
 Loading is single-flight: concurrent requests for a variant that is not on the device wait for
 one load of it, and requests for other variants are not held up by it (the per-variant lock is
@@ -79,7 +81,8 @@ class DeltaCache:
             no host tier).
         pinned: model ids never evicted. pin_top_n: also never evict the n most requested.
         half_life_s: half-life of the request counts, seconds.
-        wait_timeout_s: how long a load waits for room on the device before CacheFullError.
+        wait_timeout_s: how long a request waits for room on the device before CacheFullError,
+            from its arrival (its own read of the artifact excluded).
         clock: monotonic seconds (tests pass a fake one).
 
     Raises (from :meth:`acquire`): CacheFullError, ArtifactGoneError, or whatever ``read`` raises.
@@ -227,12 +230,15 @@ class DeltaCache:
                 return e.device
         self._emit("miss", model_id)
         try:
-            return self._load(e, stamp)
+            return self._load(e, stamp, time.monotonic() + self.wait_timeout)
         except BaseException:
             self.release(model_id)
             raise
 
-    def _load(self, e: _Entry, stamp: Any) -> Any:
+    def _load(self, e: _Entry, stamp: Any, deadline: float) -> Any:
+        """Bring ``e`` onto the device, waiting for room until ``deadline`` (monotonic seconds), which
+        counts from the request's arrival, so that requests queued behind a load that waits for room
+        give up with it rather than one wait after another; a read of the artifact extends it."""
         with e.lock:  # single flight: the first request loads, the others find it loaded
             with self._lock:
                 if e.device is not None:
@@ -242,9 +248,10 @@ class DeltaCache:
             tier: Tier = "host" if host is not None else "disk"
             try:
                 if host is None:
+                    t_read = time.monotonic()
                     host = self._read(e.model_id)
                     e.nbytes = int(self._size(host))
-                deadline = time.monotonic() + self.wait_timeout
+                    deadline += time.monotonic() - t_read
                 with self._lock:
                     self._make_room(e, deadline)
                 try:

@@ -392,3 +392,26 @@ def test_the_snapshot_reports_pinning_not_requests_in_flight():
     snap = cache.snapshot()
     assert snap["a"]["in_flight"] == 1 and snap["a"]["pinned"] is False
     assert snap["b"]["in_flight"] == 0 and snap["b"]["pinned"] is True
+
+
+def test_requests_queued_behind_a_waiting_load_give_up_with_it():
+    """Found by a fresh user: three requests for a variant with no room on the device got their 503s
+    after 30, 60 and 90 s, each starting its wait once the one before it had given up. Each waits
+    ``wait_timeout_s`` from its own arrival: all three give up together."""
+    disk = Disk({"a": 100, "b": 100})
+    cache, _ = make(disk, device_budget_bytes=100, wait_timeout_s=2.0)
+    cache.acquire("a")  # in flight: nothing can be evicted
+    start, ended = time.monotonic(), []
+
+    def req():
+        with pytest.raises(CacheFullError, match="no room on the device for variant `b`"):
+            cache.acquire("b")
+        ended.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=req, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(ended) == 3 and max(ended) < 3.5, ended  # one after another: 2, 4 and 6 s
+    assert cache.snapshot()["b"]["in_flight"] == 0
