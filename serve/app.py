@@ -1158,7 +1158,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         if text or reason or any(x.logprob is not None for x in s):
                             c = chunk(text, reason, first[i], i, s, sent[i])
                             if c is not None:  # None: the steps add nothing yet (text a tool call holds)
-                                yield _sse(c)
+                                yield _sse(c | {"usage": None} if include_usage else c)  # as OpenAI's
                                 first[i] = False
                         sent[i] += sum(len(x.token_str or "") for x in s)
                 else:

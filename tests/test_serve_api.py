@@ -888,6 +888,8 @@ def test_a_stream_behind_the_model_catches_up_in_larger_chunks(engine, monkeypat
         whole_chat = tc.post("/v1/chat/completions", json=chat).json()
         chat_chunks = events(tc, "/v1/chat/completions", {**chat, "stream": True})
     assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 24
+    # with include_usage every other chunk has "usage": null, as OpenAI's; without, no usage key
+    assert all(c["usage"] is None for c in chunks[:-1]) and all("usage" not in c for c in chat_chunks)
     for i in range(2):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
         lps = [c["logprobs"] for c in mine if c["logprobs"]]
