@@ -612,6 +612,7 @@ def test_sharded_export_matches_the_single_file_one(tmp_path):
     assert names[:-1] == [f"delta-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     index = json.loads((tmp_path / "many/delta.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(names[:-1])
+    assert index["metadata"]["total_size"] == sum((tmp_path / "many" / f).stat().st_size for f in names[:-1])
     for shard in names[:-1]:  # no shard over the limit unless one tensor alone is larger
         t = load_file(tmp_path / "many" / shard)
         assert len(t) == 1 or sum(x.numel() * x.element_size() for x in t.values()) <= 4096
@@ -720,3 +721,163 @@ def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
     record = json.loads((out / bd.HF_EXPORT_RECORD).read_text())
     assert record["files"] == sorted(p.name for p in out.iterdir())
     bd.export_hf(base_dir, artifact_dir, out)  # its own earlier output: replaced
+
+
+# --------------------------------------------------------------------------------------------
+# mutation sweep: cases the tests above left open
+# --------------------------------------------------------------------------------------------
+
+
+def _save_pair(root: Path, base: dict, ft: dict) -> tuple[Path, Path]:
+    (root / "b").mkdir(parents=True), (root / "f").mkdir(parents=True)
+    save_file(base, root / "b" / "model.safetensors")
+    save_file(ft, root / "f" / "model.safetensors")
+    return root / "b", root / "f"
+
+
+def test_same_values_in_another_dtype_are_stored_in_full(tmp_path):
+    """A 1-D parameter whose values equal the base's but whose dtype differs (an fp32 norm of ones
+    saved as bf16 ones) is not "identical to the base": it is stored in full, in the fine-tune's dtype,
+    and materialises in that dtype."""
+    g = torch.Generator().manual_seed(0)
+    base = {"norm.weight": torch.ones(8), "lin.weight": torch.randn(4, 8, generator=g)}
+    ft = {"norm.weight": torch.ones(8, dtype=torch.bfloat16), "lin.weight": base["lin.weight"] + 0.1}
+    b, f = _save_pair(tmp_path, base, ft)
+    m = compress(b, f, tmp_path / "art", variant="v")
+    art = load_artifact(tmp_path / "art")
+    assert set(art.full) == {"norm.weight"} and art.full["norm.weight"].dtype == torch.bfloat16
+    assert m["stats"]["full_parameters"] == 8
+    assert materialize(b, art)["norm.weight"].dtype == torch.bfloat16
+
+
+def test_a_full_tensor_colliding_with_a_scale_name_is_refused(tmp_path):
+    """A new parameter named ``<matrix>.alpha`` would overwrite the compressed matrix's α in the
+    artifact: the export refuses it (ArtifactError naming the tensor) and writes nothing."""
+    g = torch.Generator().manual_seed(0)
+    base = {"lin.weight": torch.randn(4, 8, generator=g)}
+    ft = {"lin.weight": base["lin.weight"] + 0.1, "lin.weight.alpha": torch.full((4,), 7.0)}
+    b, f = _save_pair(tmp_path, base, ft)
+    with pytest.raises(ArtifactError, match=r"stored tensor name 'lin.weight.alpha' is produced twice"):
+        compress(b, f, tmp_path / "art", variant="v")
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_full_tensor_named_like_packed_signs_is_refused(tmp_path):
+    """``P.sign`` is reserved for packed signs: a parameter of that name stored in full would be read
+    back as a compressed matrix, so the export refuses it with a message that says why."""
+    g = torch.Generator().manual_seed(0)
+    base = {"lin.weight": torch.randn(4, 8, generator=g)}
+    ft = {"lin.weight": base["lin.weight"] + 0.1, "gate.sign": torch.randn(3, generator=g)}
+    b, f = _save_pair(tmp_path, base, ft)
+    with pytest.raises(ArtifactError, match=r"parameter 'gate.sign' would be stored in full .* reserves for packed signs"):
+        compress(b, f, tmp_path / "art", variant="v")
+    assert not (tmp_path / "art").exists()
+
+
+def test_sha256_digests_are_compared_case_insensitively(artifact_dir, tmp_path):
+    """The manifest's hex digests may be upper case (hex is case-free); a wrong digest still fails."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"] = {f: d.upper() for f, d in manifest["files"].items()}
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    assert load_artifact(art).signs.keys() == load_artifact(artifact_dir).signs.keys()
+    manifest["files"]["delta.safetensors"] = "0" * 64
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        load_artifact(art)
+
+
+def test_a_shard_holding_tensors_the_index_does_not_map_to_it_is_rejected(artifact_dir, tmp_path):
+    """Each shard must hold exactly the tensors the index maps to it: an extra tensor in a shard (which
+    would otherwise be read as a parameter stored in full) is refused, naming the shard."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    tensors = load_file(art / "delta.safetensors")
+    names = sorted(tensors)
+    shards = {"delta-00001-of-00002.safetensors": names[::2], "delta-00002-of-00002.safetensors": names[1::2]}
+    for file, ns in shards.items():
+        extra = {"stowaway.weight": torch.zeros(3)} if file.startswith("delta-00002") else {}
+        save_file({**{n: tensors[n] for n in ns}, **extra}, art / file, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    (art / "delta.safetensors.index.json").write_text(json.dumps(index))
+    (art / "delta.safetensors").unlink()
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"] = {f: bd._sha256_file(art / f) for f in [*shards, "delta.safetensors.index.json"]}
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"shard delta-00002-of-00002.safetensors does not hold the tensors "
+                                            r"delta.safetensors.index.json maps to it"):
+        load_artifact(art)
+
+
+def test_an_unchanged_row_gets_alpha_zero_and_loads(tmp_path):
+    """Row granularity: α_r = mean_j |Δ_rj| per row, so a row the fine-tune left alone has α_r = 0 —
+    a valid scale (the reader refuses negative ones only) that reproduces the base row exactly."""
+    g = torch.Generator().manual_seed(0)
+    base = {"lin.weight": torch.randn(3, 10, generator=g)}
+    delta = torch.randn(3, 10, generator=g)
+    delta[1] = 0
+    b, f = _save_pair(tmp_path, base, {"lin.weight": base["lin.weight"] + delta})
+    compress(b, f, tmp_path / "art", variant="v", granularity="row")
+    art = load_artifact(tmp_path / "art")
+    torch.testing.assert_close(art.alphas["lin.weight"], delta.abs().mean(1), rtol=1e-6, atol=0)
+    assert art.alphas["lin.weight"][1].item() == 0.0
+    w = materialize(b, art)["lin.weight"]
+    assert torch.equal(w[1], base["lin.weight"][1])
+
+
+def test_a_beta_that_does_not_fit_the_base_columns_is_an_artifact_error(family, rowcol_dir, tmp_path):
+    """A β one column short still passes the reader's ceil(d_in/8) check, so materialize compares it
+    with the base weight's d_in and names the mismatch (not a broadcasting error)."""
+    art_dir = _copy_artifact(rowcol_dir, tmp_path / "art")
+    _rewrite_delta(art_dir, lambda t: t.update({W + ".beta": t[W + ".beta"][:-1].contiguous()}))
+    art = load_artifact(art_dir)
+    assert art.betas[W].shape == (31,)
+    with pytest.raises(ArtifactError, match=r"gate_proj.weight.sign .* do not fit base weight \[64, 32\]"):
+        materialize(family[0], art)
+
+
+def test_artifact_files_are_readable_by_everyone(family, tmp_path):
+    """safetensors creates 0600 files; the export makes every delta file 0644 so that a server running
+    as another user can read the artifact (single file and shards alike)."""
+    compress(*family, tmp_path / "one", variant="v")
+    compress(*family, tmp_path / "many", variant="v", max_shard_bytes=4096)
+    for folder in (tmp_path / "one", tmp_path / "many"):
+        files = sorted(folder.glob("*.safetensors"))
+        assert files and {oct(f.stat().st_mode & 0o777) for f in files} == {"0o644"}, folder
+
+
+def test_export_hf_of_a_resized_vocabulary_fits_the_config(tmp_path):
+    """A fine-tune with added tokens stores its resized embedding and LM head in full; the exported
+    checkpoint's config.json (copied from the base) must name the new vocabulary size, or transformers
+    refuses to load it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "base")
+    model.resize_token_embeddings(136)
+    with torch.no_grad():
+        model.get_parameter("model.layers.0.mlp.up_proj.weight").add_(0.01)
+    model.save_pretrained(tmp_path / "ft")
+    compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="v")
+    out = bd.export_hf(tmp_path / "base", tmp_path / "art", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 136
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 128  # the base untouched
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ft = load_file(tmp_path / "ft" / "model.safetensors")
+    assert torch.equal(loaded.model.embed_tokens.weight, ft["model.embed_tokens.weight"])
+
+
+def test_a_shard_limit_below_every_tensor_gives_one_parameter_per_shard(family, tmp_path):
+    """With ``max_shard_bytes=1`` each stored parameter (a matrix's signs with its α, or a full tensor)
+    gets a shard of its own, and no shard is empty: the index maps a tensor to every shard listed."""
+    m = compress(*family, tmp_path / "art", variant="v", max_shard_bytes=1)
+    shards = sorted(f for f in m["files"] if f.endswith(".safetensors"))
+    index = json.loads((tmp_path / "art" / "delta.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    art = load_artifact(tmp_path / "art")
+    assert len(shards) == len(art.signs) + len(art.full)
+    for shard in shards:
+        names = {n.removesuffix(".sign").removesuffix(".alpha") for n in load_file(tmp_path / "art" / shard)}
+        assert len(names) == 1, (shard, names)

@@ -426,3 +426,47 @@ def test_a_loss_change_is_worded_by_its_direction():
     assert distill.relative_change(0.02, 0.3007) == "1403.5% higher"
     assert distill.relative_change(0.5, 0.5) == "unchanged"
     assert distill.relative_change(0.0, 0.1) == "from 0"
+
+
+# --------------------------------------------------------------------------------------------
+# mutation sweep: batch order and the evaluation mean
+# --------------------------------------------------------------------------------------------
+
+
+def test_batches_walk_seeded_permutations_across_pass_boundaries():
+    """Every pass over the blocks is a permutation of range(n), read batch_size at a time across the
+    pass boundary (5 blocks in batches of 2: the first 5 batches hold each block exactly twice)."""
+    batches = distill._batches(5, 2, seed=3)
+    got = torch.cat([next(batches) for _ in range(5)])
+    assert sorted(got[:5].tolist()) == [0, 1, 2, 3, 4] and sorted(got[5:].tolist()) == [0, 1, 2, 3, 4]
+    again = distill._batches(5, 2, seed=3)
+    assert torch.equal(torch.cat([next(again) for _ in range(5)]), got)  # seeded
+
+
+class _Lookup(torch.nn.Module):
+    """A stand-in causal LM: the logits of a token are a fixed row of a table."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.table = torch.randn(11, 7, generator=torch.Generator().manual_seed(seed))
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+@pytest.mark.parametrize("loss", ["mse", "kl"])
+def test_evaluate_is_the_token_weighted_mean_over_uneven_batches(loss):
+    """3 blocks in batches of 2 (the last one short): the result is the loss of all blocks as one
+    batch, not the plain mean of the two batches' losses."""
+    student, teacher = _Lookup(0), _Lookup(1)
+    blocks = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 1]])
+    s, t = student.table[blocks].double(), teacher.table[blocks].double()
+    if loss == "mse":
+        want = float(((s - t) ** 2).mean())
+    else:
+        log_pt = torch.log_softmax(t, -1)
+        want = float((log_pt.exp() * (log_pt - torch.log_softmax(s, -1))).sum(-1).mean())
+    got = distill.evaluate(student, teacher, blocks, loss=loss, batch_size=2)
+    assert got == pytest.approx(want, rel=1e-5)

@@ -170,3 +170,69 @@ def test_opcm_rescales_to_the_mean_task_vector_norm_over_the_whole_model():
     torch.testing.assert_close(one.merge("a.weight", params["a.weight"], [models[0]["a.weight"]]), models[0]["a.weight"])
     with pytest.raises(RuntimeError, match="observe"):
         get_method("opcm").merge("a.weight", params["a.weight"], [models[0]["a.weight"]])
+
+
+# --------------------------------------------------------------------------------------------
+# mutation sweep: cases the tests above left open
+# --------------------------------------------------------------------------------------------
+
+
+def test_task_arithmetic_and_dare_linear_apply_the_weights():
+    """``W₀ + λ Σ w_i τ_i``: each model's weight scales its own task vector (task arithmetic, and
+    DARE's linear merge of the dropped-and-rescaled vectors at density 1, where nothing is dropped)."""
+    base, ms = _setup(seed=6)
+    w = [1.0, -0.5, 2.0]
+    want = base + 0.4 * sum(wi * (m - base) for wi, m in zip(w, ms))
+    torch.testing.assert_close(get_method("task_arithmetic", scaling=0.4, weights=w).merge("w", base, ms), want)
+    torch.testing.assert_close(get_method("dare_linear", density=1.0, scaling=0.4, weights=w).merge("w", base, ms),
+                               want)
+
+
+def test_ties_with_a_negative_weight_divides_by_the_weights_magnitudes():
+    """The disjoint mean divides by ``Σ |w_i|`` over the agreeing entries (a negative weight flips a
+    task vector, it does not subtract from the count)."""
+    base, ms = _setup(seed=3)
+    w = [1.0, -2.0, 0.5]
+    got = get_method("ties", density=0.6, scaling=0.7, weights=w).merge("w", base, ms)
+    torch.testing.assert_close(got, _ties_reference(base, ms, 0.6, 0.7, w).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_dare_draws_a_fresh_mask_for_each_block_of_rows(monkeypatch):
+    """A tensor merged in blocks of rows gets an independent mask per block: two blocks of the same
+    constant task vector must not drop the same columns (about density² of the entries agree)."""
+    import deltafleet.merge.methods as mm
+
+    monkeypatch.setattr(mm, "BLOCK_ELEMENTS", 64 * 8)  # 8 rows of 64 per block
+    base, tau = torch.zeros(16, 64), torch.ones(16, 64)
+    got = get_method("dare_linear", density=0.5, seed=3).merge("w", base, [tau])
+    first, second = got[:8] != 0, got[8:] != 0
+    assert abs(first.float().mean().item() - 0.5) < 0.1 and abs(second.float().mean().item() - 0.5) < 0.1
+    assert not torch.equal(first, second)
+    assert (first == second).float().mean().item() < 0.7  # independent: ~0.5 agreement, not 1
+
+
+def test_a_model_of_another_shape_is_a_value_error():
+    """Every model must have the base's shape; a mismatch is named, not broadcast or reshaped."""
+    base, ms = _setup((6, 5))
+    for method in ("linear", "task_arithmetic", "ties", "opcm"):
+        with pytest.raises(ValueError, match=r"w: shape \(5, 6\) differs from the base's \(6, 5\)"):
+            get_method(method).merge("w", base, [ms[0], ms[1].T.contiguous()])
+
+
+def test_density_zero_and_other_bad_method_parameters_are_refused():
+    """Density 0 would drop everything (DARE then divides by 0), so it is outside (0, 1]; OPCM's alpha
+    lies in (0, 1); non-finite weights and weights summing to 0 in a normalised linear merge are refused."""
+    for method in ("ties", "dare_linear", "dare_ties"):
+        with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got 0"):
+            get_method(method, density=0.0)
+    for alpha in (0.0, 1.0):
+        with pytest.raises(ValueError, match=rf"alpha must be in \(0, 1\), got {alpha}"):
+            get_method("opcm", alpha=alpha)
+    with pytest.raises(ValueError, match=r"weights must be finite, got \[1.0, nan\]"):
+        get_method("linear", weights=[1.0, float("nan")])
+    base, ms = _setup(n=2)
+    with pytest.raises(ValueError, match="linear: the weights sum to 0"):
+        get_method("linear", weights=[1, -1]).merge("w", base, ms)
+    # normalize=False: a plain weighted sum of the models, zero-sum weights allowed
+    torch.testing.assert_close(get_method("linear", weights=[1, -1], normalize=False).merge("w", base, ms),
+                               ms[0] - ms[1])
