@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir
-from deltafleet.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, row_block
+from deltafleet.checkpoint import CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, row_block
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -239,6 +240,33 @@ def _compress_matrix(
     return {name + SIGN_SUFFIX: sign, name + ALPHA_SUFFIX: alpha.to(torch.float32).contiguous()}
 
 
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_variant_name(variant: str) -> None:
+    """Raise ValueError unless ``variant`` can name an artifact folder and a model id: 1–64 letters,
+    digits, ``.``, ``_`` or ``-``, not starting with ``.``, ``_`` or ``-`` (no path separators: the
+    artifact is ``<artifacts_dir>/<variant>``, where the server finds it)."""
+    if not isinstance(variant, str) or not VARIANT_NAME.fullmatch(variant):
+        raise ValueError(f"variant must be a name of 1 to 64 letters, digits, '.', '_' or '-' that starts with a "
+                         f"letter or digit, got {variant!r}")
+
+
+def _check_shapes(base: Checkpoint, ft: Checkpoint, base_dir: Path, finetuned_dir: Path) -> None:
+    """Raise ArtifactError for a parameter of both checkpoints whose shape differs, unless it is a
+    vocabulary matrix with rows added or removed (a resized vocabulary): any other change means the
+    fine-tune is of another architecture, which no base + delta can serve."""
+    for name in ft.names():
+        if name not in base:
+            continue
+        b, f = tuple(base.info(name).shape), tuple(ft.info(name).shape)
+        if b != f and not (is_vocab_matrix(name) and len(b) == len(f) == 2 and b[1] == f[1]):
+            raise ArtifactError(
+                f"{name}: shape {list(f)} in {finetuned_dir} differs from the base's {list(b)} in {base_dir}; "
+                "only a vocabulary matrix (embed_tokens, lm_head) may change shape, by its rows: is this a "
+                "fine-tune of that base?")
+
+
 def _compress_tensors(
     base: Checkpoint, ft: Checkpoint, granularity: str, block_elements: int = 1 << 24
 ) -> Iterator[tuple[str, int, dict[str, torch.Tensor], str | None]]:
@@ -313,8 +341,9 @@ def compress(
       row α, whatever the granularity. ``"rowcol"``: float16 α ``[d_out]`` (α_r = mean_j |Δ_rj|)
       and ``P.beta`` float16 ``[d_in]`` of ones, for every matrix (the vocabulary's too).
       Omitted if Δ is exactly zero everywhere.
-    - anything else (1-D, 0-D, shape changed, not in the base): stored in full as ``P`` in its
-      original dtype, unless it is exactly equal to the base (same dtype, shape and values).
+    - anything else (1-D, 0-D, a vocabulary matrix with rows added, not in the base): stored in
+      full as ``P`` in its original dtype, unless it is exactly equal to the base (same dtype, shape
+      and values). Any other change of shape is refused (ArtifactError).
 
     The artifact is built in ``.<name>.tmp-<host>.<pid>.<random>`` next to ``out_dir``, fsynced and
     renamed into place; an existing ``out_dir`` is replaced only once the new artifact is complete.
@@ -349,16 +378,17 @@ def compress(
         ``8 · bytes / parameters`` over all parameters of the fine-tuned model.
 
     Raises:
-        ValueError: on an unknown ``granularity``, an empty ``variant``, a ``max_shard_bytes``
+        ValueError: on an unknown ``granularity``, a ``variant`` that is no name
+            (:func:`check_variant_name`), a ``max_shard_bytes``
             that is not a positive integer, or an ``out_dir`` it must not replace (above).
         FileNotFoundError: if either folder holds no safetensors checkpoint.
-        ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, or a stored
-            tensor name would collide with another.
+        ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, one of a shape
+            the base's does not allow (:func:`_check_shapes`), or a stored tensor name would
+            collide with another.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if not variant:
-        raise ValueError("variant must be a non-empty name")
+    check_variant_name(variant)
     if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
@@ -390,6 +420,7 @@ def compress(
                 f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
                 f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
             )
+        _check_shapes(base, ft, base_dir, finetuned_dir)
         names = ft.names()
         progress = tqdm(total=len(names), desc=f"bitdelta {variant}", unit="tensor",
                         disable=not show_progress)
@@ -751,8 +782,6 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     return out
 
 
-_HF_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja")
 
 
 def _not_artifact(folder: Path) -> str | None:
@@ -774,9 +803,10 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
               force: bool = False, overwrite: bool = False) -> Path:
     """Materialise base + BitDelta artifact as a full Hugging Face checkpoint any engine can load.
 
-    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype to
-    ``out_dir/model.safetensors``, with the base's ``config.json``, generation config and
-    tokenizer files beside it, atomically (temp folder + rename). The artifact is loaded with its
+    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype (tensors
+    stored in full too) to ``out_dir/model.safetensors``, with the base's ``config.json`` (fitted:
+    :func:`_fit_config`), generation config and tokenizer files (:data:`SIDECAR_FILES`) beside it,
+    atomically (temp folder + rename). The artifact is loaded with its
     base fingerprint enforced and its file hashes checked.
 
     Args:
@@ -801,30 +831,42 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
                       overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
+    # tensors stored in full keep the fine-tune's dtype in the artifact: the checkpoint is the base's
+    dtypes = {t.dtype for k, t in state.items() if k not in artifact.full and t.is_floating_point()}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
     with staged_dir(out_dir) as tmp:
         save_file(state, tmp / CHECKPOINT_NAME, metadata={"format": "pt"})
-        for name in _HF_SIDECARS:
+        for name in SIDECAR_FILES:
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
-        _fit_vocab_size(tmp / "config.json", state)
+        _fit_config(tmp / "config.json", state)
         record = {"written_by": HF_WRITTEN_BY, "artifact": str(Path(artifact_dir).absolute()),
                   "files": sorted([p.name for p in tmp.iterdir()] + [HF_EXPORT_RECORD])}
         (tmp / HF_EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 
-def _fit_vocab_size(config_path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Set ``vocab_size`` in the copied base ``config.json`` to the exported embedding's row count.
+def _fit_config(config_path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Fit the copied base ``config.json`` to the exported weights.
 
-    A fine-tune with added tokens stores its resized embedding (and untied LM head) in full; the
-    base config still names the base vocabulary, which transformers refuses to load against the
-    larger matrices. (The tokenizer files copied are the base's: the artifact carries none.)
+    - ``vocab_size``: the embedding's row count. A fine-tune with added tokens stores its resized
+      embedding (and untied LM head) in full; the base config still names the base vocabulary,
+      which transformers refuses to load against the larger matrices. (The tokenizer files copied
+      are the base's: the artifact carries none.)
+    - ``tie_word_embeddings``: false when the weights hold an ``lm_head`` of their own (a fine-tune
+      that untied the head of a tied base): an engine that honours the flag would read the
+      embedding instead.
     """
-    rows = {t.shape[0] for n, t in state.items() if is_vocab_matrix(n) and t.dim() == 2}
-    if not config_path.is_file() or len(rows) != 1:
+    if not config_path.is_file():
         return
     config = json.loads(config_path.read_text())
-    (vocab,) = rows
-    if config.get("vocab_size") != vocab:
-        config["vocab_size"] = vocab
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    changed = dict(config)
+    rows = {t.shape[0] for n, t in state.items() if is_vocab_matrix(n) and t.dim() == 2}
+    if len(rows) == 1:
+        (changed["vocab_size"],) = rows
+    if config.get("tie_word_embeddings") and any(n.endswith("lm_head.weight") for n in state):
+        changed["tie_word_embeddings"] = False
+    if changed != config:
+        config_path.write_text(json.dumps(changed, indent=2, sort_keys=True) + "\n")

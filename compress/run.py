@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from deltafleet.compress.bitdelta import compress, export_hf
+from deltafleet.compress.bitdelta import check_variant_name, compress, export_hf
 from deltafleet.cli import require_checkpoints, stop_on_sigterm, user_errors
 
 
@@ -34,13 +34,14 @@ def _main(cfg: DictConfig) -> dict:
     if cfg.variant.init != "base":
         raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
+    if cfg.format not in ("bitdelta", "hf"):
+        raise SystemExit(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
+    check_variant_name(variant)
     require_checkpoints(cfg, None if cfg.format == "hf" else variant)
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
         out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force, overwrite=cfg.overwrite)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
-    if cfg.format != "bitdelta":
-        raise SystemExit(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
     manifest = compress(
         cfg.base_dir,
         cfg.finetuned_dir,
@@ -50,7 +51,6 @@ def _main(cfg: DictConfig) -> dict:
         max_shard_bytes=cfg.max_shard_bytes,
         show_progress=True,
         overwrite=cfg.overwrite,
-        base_name_or_path=cfg.model.name_or_path or str(cfg.base_dir),
         provenance={
             "run_id": f"export/{variant}/{run_dir.name}",
             "config": OmegaConf.to_container(cfg, resolve=True),

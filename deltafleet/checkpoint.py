@@ -24,6 +24,12 @@ import torch
 
 CHECKPOINT_NAME = "model.safetensors"
 CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
+# A Hugging Face model folder's files besides its weights: its config and every tokenizer layout's
+# files (a fast tokenizer's tokenizer.json; a BPE's vocab.json and merges.txt; SentencePiece's
+# tokenizer.model; WordPiece's vocab.txt), copied with a checkpoint written from a base
+SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
 
 # safetensors dtype string → (torch dtype, bytes per element)
 DTYPES: dict[str, torch.dtype] = {

@@ -21,7 +21,7 @@ from typing import Iterator
 from deltafleet.checkpoint import CheckpointError
 
 # What a user can cause with a bad path, file or value: reported as one line, not a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, CheckpointError)
 
 
 @contextlib.contextmanager

@@ -19,8 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import interruptible, stop_on_sigterm
-    from deltafleet.checkpoint import CheckpointError
+    from deltafleet.cli import USER_ERRORS, interruptible, stop_on_sigterm
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
 
@@ -33,12 +32,15 @@ def main(cfg: DictConfig) -> None:
             if not OmegaConf.is_list(cfg.models):
                 raise ValueError(f"models must be a list of checkpoint folders, e.g. models=[models/coder,models/writer]; "
                                  f"got {cfg.models!r}")
+            shard_gb = cfg.max_shard_gb
+            if isinstance(shard_gb, bool) or not isinstance(shard_gb, (int, float)) or not 0 < shard_gb < float("inf"):
+                raise ValueError(f"max_shard_gb must be a positive number of GB, got {shard_gb!r}")
             params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
             method = get_method(cfg.method, **params)
             summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
-                                        max_shard_bytes=int(cfg.max_shard_gb * 1e9), show_progress=cfg.progress,
+                                        max_shard_bytes=max(1, int(shard_gb * 1e9)), show_progress=cfg.progress,
                                         overwrite=bool(cfg.overwrite))
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=1, default=str))

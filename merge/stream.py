@@ -22,11 +22,9 @@ from typing import Sequence
 import torch
 
 from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
-from deltafleet.checkpoint import Checkpoint
+from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint
 from deltafleet.merge.methods import MergeMethod
 
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
 def _peak_rss() -> int | None:
@@ -140,7 +138,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                 {"metadata": {"total_size": total},
                  "weight_map": dict(sorted((n, f) for f, shard in zip(files, plan) for n in shard))}, indent=2))
         src = Path(base_dir if base_dir is not None else model_dirs[0])
-        for f in COPIED_FILES:
+        for f in SIDECAR_FILES:
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)
         summary = {"written_by": WRITTEN_BY, "method": method.name,

@@ -206,13 +206,13 @@ def test_edge_cases_resized_new_missing_and_zero_delta(tmp_path):
     (tmp_path / "b").mkdir(), (tmp_path / "f").mkdir()
     g = torch.Generator().manual_seed(0)
     base = {
-        "emb.weight": torch.randn(10, 4, generator=g),
+        "model.embed_tokens.weight": torch.randn(10, 4, generator=g),
         "same.weight": torch.randn(3, 5, generator=g),
         "lin.weight": torch.randn(3, 9, generator=g),
         "bias": torch.randn(3, generator=g),
     }
     ft = dict(base)
-    ft["emb.weight"] = torch.randn(12, 4, generator=g)  # resized embedding → full
+    ft["model.embed_tokens.weight"] = torch.randn(12, 4, generator=g)  # resized embedding → full
     ft["new.weight"] = torch.randn(2, 2, generator=g)  # not in base → full
     ft["lin.weight"] = base["lin.weight"].clone()
     ft["lin.weight"][1, 2] += 0.5  # a single changed entry: Δ == 0 elsewhere packs to bit 0
@@ -222,13 +222,13 @@ def test_edge_cases_resized_new_missing_and_zero_delta(tmp_path):
     m = compress(tmp_path / "b", tmp_path / "f", tmp_path / "art", variant="v")
     art = load_artifact(tmp_path / "art")
     assert set(art.signs) == {"lin.weight"}
-    assert set(art.full) == {"emb.weight", "new.weight", "bias"}
+    assert set(art.full) == {"model.embed_tokens.weight", "new.weight", "bias"}
     assert art.full["bias"].dtype == torch.float16
     assert art.signs["lin.weight"].tolist() == [[0, 0], [4, 0], [0, 0]]  # bit 2 of row 1
     assert art.alphas["lin.weight"].item() == pytest.approx(0.5 / 27)
     assert m["stats"]["compressed_parameters"] == 27 and m["stats"]["full_parameters"] == 48 + 4 + 3
     state = materialize(tmp_path / "b", art)
-    assert state["emb.weight"].shape == (12, 4) and torch.equal(state["same.weight"], base["same.weight"])
+    assert state["model.embed_tokens.weight"].shape == (12, 4) and torch.equal(state["same.weight"], base["same.weight"])
 
     # a base parameter missing from the fine-tune is an error, and nothing is left behind
     del ft["same.weight"]
@@ -563,6 +563,8 @@ def test_run_py_end_to_end(family, tmp_path):
         ("granularity=column", "export: ValueError: granularity must be one of ('matrix', 'row', 'rowcol'), got 'column'"),
         ("max_shard_bytes=-5", "export: ValueError: max_shard_bytes must be a positive integer (bytes) or None, got -5"),
         ("variant=writer", "export: FileNotFoundError: "),
+        ("variant=writer format=bogus", "format must be 'bitdelta' or 'hf', got 'bogus'"),  # before the inputs
+        ("variant.name=../escape", "export: ValueError: variant must be a name of 1 to 64 letters"),
     ],
 )
 def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, message):
@@ -570,7 +572,7 @@ def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, mess
     for src, name in zip(family, ("base", "coder")):
         _copy_artifact(src, models / name)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", override],
+    proc = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", *override.split()],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -881,3 +883,81 @@ def test_a_shard_limit_below_every_tensor_gives_one_parameter_per_shard(family, 
     for shard in shards:
         names = {n.removesuffix(".sign").removesuffix(".alpha") for n in load_file(tmp_path / "art" / shard)}
         assert len(names) == 1, (shard, names)
+
+
+# --------------------------------------------------------------------------------------------
+# found by a fresh user: export_hf's tokenizer and config, shapes, names
+# --------------------------------------------------------------------------------------------
+
+
+def test_export_hf_copies_every_tokenizer_layout_unties_an_own_head_and_keeps_the_base_dtype(tmp_path):
+    """A base whose tokenizer is vocab.json + merges.txt (or tokenizer.model, added_tokens.json) lost
+    those files, so the checkpoint's tokenizer loaded empty; a fine-tune that untied the head of a
+    tied base kept ``tie_word_embeddings: true`` (an engine honouring it reads the embedding); and
+    its bf16 norms, stored in full, came out bf16 in a float32 checkpoint."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2)
+    base = LlamaForCausalLM(LlamaConfig(**kw, tie_word_embeddings=True))
+    base.save_pretrained(tmp_path / "base")
+    assert "lm_head.weight" not in load_file(tmp_path / "base" / "model.safetensors")
+    sidecars = {"vocab.json": '{"a": 0}', "merges.txt": "#version: 0.2\n", "tokenizer.model": "\x00sp",
+                "added_tokens.json": '{"<x>": 64}', "tokenizer_config.json": '{"tokenizer_class": "GPT2Tokenizer"}'}
+    for name, text in sidecars.items():
+        (tmp_path / "base" / name).write_text(text)
+    ft = LlamaForCausalLM(LlamaConfig(**kw, tie_word_embeddings=False))
+    ft.load_state_dict(base.state_dict() | {"lm_head.weight": base.model.embed_tokens.weight.detach().clone()})
+    with torch.no_grad():
+        ft.lm_head.weight.add_(0.05)
+        ft.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    ft.to(torch.bfloat16).save_pretrained(tmp_path / "ft")
+    compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="v")
+    assert "lm_head.weight" in load_artifact(tmp_path / "art").full
+    out = bd.export_hf(tmp_path / "base", tmp_path / "art", tmp_path / "hf")
+    for name, text in sidecars.items():
+        assert (out / name).read_text() == text, name
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["tie_word_embeddings"] is True
+    state = load_file(out / "model.safetensors")
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    head = load_file(tmp_path / "ft" / "model.safetensors")["lm_head.weight"].float()
+    assert torch.equal(loaded.lm_head.weight, head) and not torch.equal(loaded.lm_head.weight,
+                                                                        loaded.model.embed_tokens.weight)
+
+
+def test_a_matrix_of_another_shape_is_refused_but_a_resized_vocabulary_is_not(tmp_path):
+    """Found by a fresh user: a fine-tune whose MLP matrix had other rows was exported (stored in full)
+    and its ``format=hf`` checkpoint then failed to load. Only a vocabulary matrix may change shape,
+    by its rows; anything else is named, and nothing is written."""
+    g = torch.Generator().manual_seed(0)
+    base = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
+            "model.embed_tokens.weight": torch.randn(10, 4, generator=g)}
+    ft = {"model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g),
+          "model.embed_tokens.weight": torch.randn(12, 4, generator=g)}
+    b, f = _save_pair(tmp_path, base, ft)
+    with pytest.raises(ArtifactError, match=r"model.layers.0.mlp.up_proj.weight: shape \[6, 4\] in .* differs from "
+                                            r"the base's \[8, 4\] in .*: is this a fine-tune of that base\?"):
+        compress(b, f, tmp_path / "art", variant="v")
+    assert not (tmp_path / "art").exists()
+    ft["model.layers.0.mlp.up_proj.weight"] = base["model.layers.0.mlp.up_proj.weight"] + 0.1
+    b, f = _save_pair(tmp_path / "ok", base, ft)
+    compress(b, f, tmp_path / "art", variant="v")
+    assert set(load_artifact(tmp_path / "art").full) == {"model.embed_tokens.weight"}
+    ft["model.embed_tokens.weight"] = torch.randn(10, 5, generator=g)  # columns: not a resized vocabulary
+    b, f = _save_pair(tmp_path / "cols", base, ft)
+    with pytest.raises(ArtifactError, match=r"model.embed_tokens.weight: shape \[10, 5\]"):
+        compress(b, f, tmp_path / "art2", variant="v")
+
+
+@pytest.mark.parametrize("name", ["a/b", "../escape", ".hidden", "-x", "", "x" * 65, "a b", "naïve"])
+def test_a_variant_name_that_is_no_folder_name_is_refused(family, tmp_path, name):
+    """Found by a fresh user: ``variant.name=a/b`` wrote ``artifacts/a/b``, which no server lists, and
+    ``../escape`` wrote outside the artifact root. The name is a model id's rule (serve/request.py)."""
+    with pytest.raises(ValueError, match=r"variant must be a name of 1 to 64 letters, digits"):
+        compress(*family, tmp_path / "art", variant=name)
+    assert not (tmp_path / "art").exists()
+    bd.check_variant_name("coder-2.v_1")

@@ -1,4 +1,5 @@
-"""Ctrl-C in a job (deltafleet/cli.py): one line and exit status 130, also inside Lightning's fit."""
+"""Ctrl-C in a job (deltafleet/cli.py): one line and exit status 130, also inside Lightning's fit; a user's
+mistake is one line too, a bug keeps its traceback."""
 from __future__ import annotations
 
 import signal
@@ -7,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from deltafleet.cli import fit, interruptible
+from deltafleet.cli import fit, interruptible, user_errors
 
 
 class _Interrupted(L.LightningModule):
@@ -61,3 +62,13 @@ def test_fit_leaves_other_exits_alone(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         fit(trainer, _Exits())
     assert exit_info.value.code == 3
+
+
+def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
+    """Found by a fresh user: an output folder they may not write printed a traceback through
+    deltafleet/atomic.py. PermissionError is the user's (as ValueError, FileNotFoundError, ...)."""
+    with pytest.raises(SystemExit) as exit_info, user_errors("export"):
+        raise PermissionError(1, "Operation not permitted", "/ro/.art.tmp")
+    assert exit_info.value.code == "export: PermissionError: [Errno 1] Operation not permitted: '/ro/.art.tmp'"
+    with pytest.raises(RuntimeError, match="a bug"), user_errors("export"):
+        raise RuntimeError("a bug")

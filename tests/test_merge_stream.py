@@ -96,6 +96,11 @@ def test_merge_run_cli(tiny_family, tmp_path):
                         f"hydra.run.dir={tmp_path / 'h2'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and "unknown merge method 'slerp'" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "merge/run.py", "max_shard_gb=abc", f"out_dir={out}", "models=[x]",
+                        f"hydra.run.dir={tmp_path / 'h3'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: max_shard_gb must be a positive number of GB, got 'abc'"
 
 
 def test_an_out_dir_holding_other_files_is_kept_unless_overwrite(tiny_family, tmp_path):

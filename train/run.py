@@ -154,6 +154,9 @@ def check_config(cfg: DictConfig) -> None:
     def count(value) -> bool:  # a whole number ≥ 1 (YAML's true is an int to Python)
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
+    from deltafleet.compress.bitdelta import GRANULARITIES, check_variant_name
+
+    check_variant_name(cfg.variant.name)  # it names the checkpoint and artifact folders, and the model id
     steps = cfg.trainer.get("max_steps")
     if not count(steps):  # Lightning's -1 would never stop
         raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
@@ -171,8 +174,6 @@ def check_config(cfg: DictConfig) -> None:
         split_file(cfg.paths.data_dir, cfg.variant.domain, split)
     if cfg.variant.adapter not in (None, "lora"):
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
-    from deltafleet.compress.bitdelta import GRANULARITIES
-
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
     check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg))
