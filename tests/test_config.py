@@ -177,6 +177,18 @@ def test_a_fine_tune_named_after_its_base_is_refused(tmp_path):
     assert [p.name for p in (tmp_path / "models" / "base").iterdir()] == ["config.json"]
 
 
+def test_a_variant_name_that_is_no_folder_name_is_refused_before_training(tmp_path):
+    """``variant.name`` names the checkpoint and artifact folders and the model id: ``a/b`` or
+    ``../x`` is refused before any training, not by the export at its end."""
+    from deltafleet.train.run import check_config
+
+    for bad in ("a/b", "../x"):
+        cfg = compose_cfg("train", ["variant=coder", f"variant.name={bad}", f"paths.root={tmp_path}"])
+        with pytest.raises(ValueError, match=re.escape(f"variant must be a name of 1 to 64 letters, digits, '.', '_' "
+                                                       f"or '-' that starts with a letter or digit, got {bad!r}")):
+            check_config(cfg)
+
+
 def test_a_bad_step_count_is_refused_by_name(tmp_path):
     """Found by a fresh user: ``trainer.max_steps=abc`` failed inside Lightning ("'<' not supported
     between instances of 'str' and 'int'") and ``trainer.max_steps=0`` only after building the model
