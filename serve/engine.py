@@ -539,7 +539,7 @@ class Engine:
         """
         if not re.fullmatch(VARIANT_NAME, name or ""):
             raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
-                                      "letter or digit", "variant")
+                                      "letter or digit", "variant", "invalid_value")
         mid = f"{self.family}-{name}"
         if path is None and self.synthetic is not None and name in self.synthetic.names:
             with self._registry_lock:
@@ -548,7 +548,7 @@ class Engine:
             self.get_delta(mid)
             return self._variants[mid]
         if self.artifacts_dir is None:
-            raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path")
+            raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path", "invalid_value")
         root = self.artifacts_dir.resolve()
         raw = Path(path) if path else Path(name)
         try:
@@ -632,7 +632,8 @@ class Engine:
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "prompt")
+                raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}",
+                                          "prompt", "invalid_value")
             return list(prompt)
         self._check_chars(len(prompt), "prompt", generating)
         _check_unicode(prompt, "prompt")
@@ -647,7 +648,8 @@ class Engine:
         """
         bad = [t for t in ids if not 0 <= t < self.model.args.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "tokens")
+            raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "tokens",
+                                      "invalid_value")
         with self._tok_lock:
             return self.tokenizer.decode(ids)
 
@@ -676,7 +678,8 @@ class Engine:
         """
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages")
+            raise InvalidRequestError(f"model `{self.family}` has no chat template; use /v1/completions", "messages",
+                                      "invalid_value")
         calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
         calls += [m["tool_call_id"] for m in messages if m.get("tool_call_id")]
         listed = json.dumps(tools or [], ensure_ascii=False)
@@ -746,12 +749,14 @@ class Engine:
                      tools: list[dict[str, Any]] | None = None) -> str:
         reserved = {"messages", "add_generation_prompt", "tokenize", "conversation", "tools"} & set(template_kwargs or {})
         if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs",
+                                      "invalid_value")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                       **(template_kwargs or {}), **({"tools": tools} if tools else {}))
         except Exception as e:  # jinja errors: a message shape the template rejects
-            raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages") from e
+            raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages",
+                                      "invalid_value") from e
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -771,7 +776,7 @@ class Engine:
         """
         n = self.max_model_len
         if prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty (0 tokens)", param)
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param, "invalid_value")
         if prompt_tokens >= n:  # no room for even one new token, whatever max_tokens says
             raise InvalidRequestError(
                 f"This model's maximum context length is {n} tokens, but there are {prompt_tokens} tokens in the "
@@ -808,11 +813,12 @@ class Engine:
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens, param)
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})",
-                                      "min_tokens")
+                                      "min_tokens", "invalid_value")
         vocab = self.model.args.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
+            raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids",
+                                      "invalid_value")
         grammar = None
         if params.constraint is not None:  # compiled here, in the request's thread: a bad schema is its 400
             grammar = self.grammars.compile(*params.constraint, param=params.constraint_param)

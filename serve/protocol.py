@@ -420,7 +420,7 @@ class ChatMessage(BaseModel):
         parts = []
         for p in self.content:
             if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise InvalidRequestError("only text content parts are supported", "messages")
+                raise InvalidRequestError("only text content parts are supported", "messages", "invalid_value")
             parts.append(p["text"])
         return "".join(parts)
 
@@ -430,13 +430,18 @@ def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-def check_tool_messages(messages: list[ChatMessage]) -> None:
-    """OpenAI's rules for tool calls in a history: only assistant messages make calls, and a ``tool``
-    message answers one of the calls of the assistant message before it (other results between).
+def check_messages(messages: list[ChatMessage]) -> None:
+    """OpenAI's rules for a history: every message has ``content`` but an assistant's that makes tool
+    calls; only assistant messages make calls, and a ``tool`` message answers one of the calls of the
+    assistant message before it (other results between).
 
     Raises: InvalidRequestError naming the message."""
     open_calls: set[str] = set()
     for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            why = " (or `tool_calls`)" if m.role == "assistant" else ""
+            raise InvalidRequestError(f"messages[{i}]: a message of role {m.role!r} needs `content`{why}",
+                                      f"messages.{i}.content", "missing_required_parameter")
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequestError(f"messages[{i}]: only assistant messages have `tool_calls`",
                                       f"messages.{i}.tool_calls", "invalid_value")
@@ -518,7 +523,7 @@ class ChatCompletionRequest(_Sampling):
             if params is not None and params.get("type", "object") != "object":
                 raise InvalidRequestError(f"tool {t.function.name!r}: `parameters` must be a JSON Schema of an "
                                           "object", "tools", "invalid_value")
-        check_tool_messages(self.messages)
+        check_messages(self.messages)
         choice = self.tool_choice
         if not names and choice not in (None, "none", "auto"):
             raise InvalidRequestError("`tool_choice` is only allowed when `tools` are specified", "tool_choice",
@@ -580,7 +585,7 @@ class TokenizeRequest(BaseModel):
         if self.tools and self.messages is None:
             raise InvalidRequestError("`tools` go with `messages`", "tools", "invalid_value")
         if self.messages is not None:
-            check_tool_messages(self.messages)
+            check_messages(self.messages)
         if self.messages is not None and not self.add_generation_prompt:
             raise InvalidRequestError("`add_generation_prompt: false` is not supported by this server",
                                       "add_generation_prompt", "unsupported_parameter")

@@ -296,6 +296,11 @@ def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2, extra_body={"min_tokens": 3})
     assert e.value.body["param"] == "min_tokens" and "min_tokens (3) must be at most max_tokens (2)" in e.value.body["message"]
+    assert e.value.body["code"] == "invalid_value"  # found by a fresh user: it was null
+    for bad, param in ((dict(prompt=""), "prompt"), (dict(prompt=[10**7]), "prompt")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", max_tokens=2, **bad)
+        assert (e.value.body["param"], e.value.body["code"]) == (param, "invalid_value"), e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2,
                                   extra_body={"stop_token_ids": [10**9]})

@@ -300,7 +300,7 @@ def test_what_the_schema_admits_and_the_engine_refuses(tc, engine):
 
 
 def test_more_messages_than_allowed_are_refused_by_count(tc):
-    body = {"model": "tiny", "messages": [{"role": "user"}] * (MAX_MESSAGES + 1)}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}
     assert api_error(tc.post("/v1/chat/completions", json=body), 400) == {
         "message": f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
                    f"but got an array with length {MAX_MESSAGES + 1} instead.",
