@@ -442,19 +442,27 @@ def test_sign_that_does_not_fit_the_base(family, artifact_dir, tmp_path):
         materialize(family[0], art)
 
 
-def test_reads_sharded_artifact(family, artifact_dir, tmp_path):
-    art = _copy_artifact(artifact_dir, tmp_path / "art")
+def _reshard(art: Path, stowaway: dict | None = None) -> dict:
+    """Cut ``art``'s one delta file into two shards (alternate tensors) with an index and a manifest
+    that lists them, ``stowaway`` tensors added to the second shard only; returns the manifest."""
     tensors = load_file(art / "delta.safetensors")
     names = sorted(tensors)
     shards = {"delta-00001-of-00002.safetensors": names[::2], "delta-00002-of-00002.safetensors": names[1::2]}
     for file, ns in shards.items():
-        save_file({n: tensors[n] for n in ns}, art / file, metadata={"format": "pt"})
+        extra = (stowaway or {}) if file.startswith("delta-00002") else {}
+        save_file({**{n: tensors[n] for n in ns}, **extra}, art / file, metadata={"format": "pt"})
     index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
     (art / "delta.safetensors.index.json").write_text(json.dumps(index))
     (art / "delta.safetensors").unlink()
     manifest = json.loads((art / "bitdelta.json").read_text())
     manifest["files"] = {f: bd._sha256_file(art / f) for f in [*shards, "delta.safetensors.index.json"]}
     (art / "bitdelta.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_reads_sharded_artifact(family, artifact_dir, tmp_path):
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    manifest = _reshard(art)
 
     sharded, single = load_artifact(art), load_artifact(artifact_dir)
     for field in ("signs", "alphas", "full"):
@@ -793,18 +801,7 @@ def test_a_shard_holding_tensors_the_index_does_not_map_to_it_is_rejected(artifa
     """Each shard must hold exactly the tensors the index maps to it: an extra tensor in a shard (which
     would otherwise be read as a parameter stored in full) is refused, naming the shard."""
     art = _copy_artifact(artifact_dir, tmp_path / "art")
-    tensors = load_file(art / "delta.safetensors")
-    names = sorted(tensors)
-    shards = {"delta-00001-of-00002.safetensors": names[::2], "delta-00002-of-00002.safetensors": names[1::2]}
-    for file, ns in shards.items():
-        extra = {"stowaway.weight": torch.zeros(3)} if file.startswith("delta-00002") else {}
-        save_file({**{n: tensors[n] for n in ns}, **extra}, art / file, metadata={"format": "pt"})
-    index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
-    (art / "delta.safetensors.index.json").write_text(json.dumps(index))
-    (art / "delta.safetensors").unlink()
-    manifest = json.loads((art / "bitdelta.json").read_text())
-    manifest["files"] = {f: bd._sha256_file(art / f) for f in [*shards, "delta.safetensors.index.json"]}
-    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    _reshard(art, {"stowaway.weight": torch.zeros(3)})
     with pytest.raises(ArtifactError, match=r"shard delta-00002-of-00002.safetensors does not hold the tensors "
                                             r"delta.safetensors.index.json maps to it"):
         load_artifact(art)
