@@ -2,9 +2,10 @@
 
 ``bitdelta_linear`` dispatches to the fastest implementation for its inputs: the Triton custom op
 ``torch.ops.deltafleet.bitdelta_linear`` (kernels/ops.py) for bf16/fp16 tensors on a CUDA device
-when triton is installed, the plain-torch reference (kernels/reference.py) everywhere else.
-``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched`` on CUDA,
-the reference elsewhere. Outside ``torch.compile`` tracing the Triton wrappers are called directly
+when triton is installed; on the CPU the reference's arithmetic with the sign products by byte
+tables (kernels/cpu.py), which never unpack the signs; elsewhere the plain-torch reference
+(kernels/reference.py). ``bitdelta_linear_batched`` likewise: ``torch.ops.deltafleet.bitdelta_linear_batched``
+on CUDA, the byte tables on the CPU, the reference elsewhere. Outside ``torch.compile`` tracing the Triton wrappers are called directly
 rather than through the custom ops: the same code, without the dispatcher's Python layers on every
 call of an eager engine step (the ops exist for tracing, kernels/ops.py).
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from deltafleet.kernels import cpu
 from deltafleet.kernels.reference import add_sign_products as add_sign_products_reference
+from deltafleet.kernels.reference import batched_with, check_stacked
 from deltafleet.kernels.reference import bitdelta_linear as bitdelta_linear_reference
-from deltafleet.kernels.reference import bitdelta_linear_batched as bitdelta_linear_batched_reference
-from deltafleet.kernels.reference import check_stacked
 
 _triton_ops = None  # (the two custom ops, the two Triton wrappers) once imported; False without triton
 
@@ -40,6 +41,20 @@ def _triton(i: int):
     return _ops()[i] if torch.compiler.is_compiling() else _ops()[i + 2]
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """Whether the non-Triton path is the CPU's byte tables (kernels/cpu.py) rather than the reference."""
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu"
+
+
+def _linear_plain(x, weight, sign, alpha, bias=None, beta=None) -> torch.Tensor:
+    return (cpu.bitdelta_linear if _plain(x) else bitdelta_linear_reference)(x, weight, sign, alpha, bias, beta)
+
+
+def _batched_plain(x, weight, signs, alphas, slot, bias=None, betas=None) -> torch.Tensor:
+    add = cpu.add_sign_products if _plain(x) else add_sign_products_reference
+    return batched_with(add, x, weight, signs, alphas, slot, bias, betas)
+
+
 def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _ops() is not False)
@@ -53,7 +68,7 @@ def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, a
     ``x ⊙ β``: on CUDA through :func:`bitdelta_linear_grouped`, one group of every row."""
     if beta is not None:
         if not (_on_triton(x, weight) and sign.dim() in (2, 4)):
-            return bitdelta_linear_reference(x, weight, sign, alpha, bias, beta)
+            return _linear_plain(x, weight, sign, alpha, bias, beta)
         x2 = x.reshape(-1, x.shape[-1])
         slot = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
         y = bitdelta_linear_grouped(x2, weight, sign[None], alpha[None] if alpha.dim() else alpha.reshape(1), slot,
@@ -61,7 +76,7 @@ def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, a
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if _on_triton(x, weight):
         return _triton(0)(x, weight, sign, alpha, bias)
-    return bitdelta_linear_reference(x, weight, sign, alpha, bias)
+    return _linear_plain(x, weight, sign, alpha, bias)
 
 
 def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
@@ -77,7 +92,7 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
         from deltafleet.kernels.triton_grouped import bitdelta_linear_grouped as grouped
 
         return grouped(x, weight, signs, alphas, slot, bias, groups, betas)
-    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias, betas)
+    return _batched_plain(x, weight, signs, alphas, slot, bias, betas)
 
 
 def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], signs: list[torch.Tensor],
@@ -92,7 +107,7 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
 
         return grouped(x, weight, sizes, signs, alphas, slot, groups)
     check_stacked(weight, sizes, signs, alphas)
-    return torch.cat([bitdelta_linear_batched_reference(x, w, s, a, slot)
+    return torch.cat([_batched_plain(x, w, s, a, slot)
                       for w, s, a in zip(weight.split(list(sizes)), signs, alphas)], 1)
 
 
@@ -154,7 +169,7 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
                    alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y,
                    planes, pdl=groups is not None or not planes)
         return y
-    return add_sign_products_reference(x, signs, alphas, slot, y)
+    return (cpu.add_sign_products if _plain(x) else add_sign_products_reference)(x, signs, alphas, slot, y)
 
 
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
@@ -170,7 +185,7 @@ def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.
         return bitdelta_linear_grouped(x, weight, signs, alphas, slot, bias, betas=betas)
     if _on_triton(x, weight):
         return _triton(1)(x, weight, signs, alphas, slot, bias)
-    return bitdelta_linear_batched_reference(x, weight, signs, alphas, slot, bias)
+    return _batched_plain(x, weight, signs, alphas, slot, bias)
 
 
 __all__ = ["add_sign_products", "bitdelta_linear", "bitdelta_linear_batched", "bitdelta_linear_grouped",

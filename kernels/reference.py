@@ -245,6 +245,24 @@ def bitdelta_linear(
         ValueError: on mismatched shapes (x, weight, sign, alpha or bias), an argument that is not a
             tensor, or an x that is not floating point.
     """
+    sign = check_linear_args(x, weight, sign, alpha, bias, beta)
+    k = weight.shape[1]
+    xf = x.float()
+    xs = xf if beta is None else xf * beta.float()
+    y = xf @ weight.float().t() + (xs @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                      bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract of :func:`bitdelta_linear`'s arguments; returns ``sign`` as rows ``[N, ceil(K/8)]``
+    (untiled if it came tiled).
+
+    Raises:
+        ValueError: as :func:`bitdelta_linear`.
+    """
     check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
@@ -255,12 +273,7 @@ def bitdelta_linear(
         raise ValueError(f"sign must have shape [{n}, {packed_width(k)}], got {tuple(sign.shape)}")
     _check_alpha(alpha, n)
     _check_beta(beta, k)
-    xf = x.float()
-    xs = xf if beta is None else xf * beta.float()
-    y = xf @ weight.float().t() + (xs @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return sign
 
 
 def check_weight_and_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
@@ -383,11 +396,18 @@ def bitdelta_linear_batched(
         ValueError: on mismatched shapes (including bias), a non-integer slot tensor or a slot index
             outside ``[−1, S)``.
     """
+    return batched_with(add_sign_products, x, weight, signs, alphas, slot, bias, betas)
+
+
+def batched_with(add, x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,
+                 slot: torch.Tensor, bias: torch.Tensor | None = None, betas: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bitdelta_linear_batched` (its checks, the base product in float32, the bias) with the
+    variants' part added by ``add``, a function of :func:`add_sign_products`' signature and contract."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
-    n, k = check_weight_and_bias(weight, bias)
+    check_weight_and_bias(weight, bias)
     check_batched_args(x, weight, signs, alphas, slot, betas=betas)
     xf = x.float()
-    y = add_sign_products(xf, signs, alphas, slot, xf @ weight.float().t(), betas)
+    y = add(xf, signs, alphas, slot, xf @ weight.float().t(), betas)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

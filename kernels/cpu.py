@@ -1,0 +1,88 @@
+"""Sign products on the CPU by byte tables: ``x · Sᵀ`` for ``S = 2·bits − 1`` without unpacking S.
+
+The reference (kernels/reference.py) unpacks a matrix's signs to a float ``[N, K]`` of ±1 and
+multiplies: for a decode step's few rows the unpacking, about fifteen bytes moved per weight, costs
+many times the product itself. Here each packed byte stays a byte. For rows ``x`` ``[M, K]`` a table
+``T[b, v] = Σ_j x[8b + j] · (2·bit_j(v) − 1)`` over the 256 values ``v`` of byte ``b`` (an ``[M, 8]``
+by ``[8, 256]`` product per byte) turns the product into a sum of table entries, one per byte of
+a sign row: ``(x · Sᵀ)[m, n] = Σ_b T[m, b, packed[n, b]]``, which ``F.embedding_bag`` gathers and
+adds in one call. That moves about five bytes per eight weights, whatever M up to
+:data:`TABLE_MAX_ROWS` (the table grows with M; past it the reference's unpacking costs less than
+the gathers). Values equal the reference's up to the order of the float32 additions.
+
+Used by kernels/linear.py for tensors that no Triton kernel takes (the CPU): the rows of one
+variant each call, the signs of that variant only (a slot stack is never unpacked or untiled whole).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltafleet.kernels.reference import check_linear_args, untile_signs, unpack_signs
+
+TABLE_MAX_ROWS = 64  # rows of one variant up to which the byte tables run (above: unpack, multiply)
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 8]``: row ``v`` is ``2·bit_j(v) − 1`` for j = 0…7 (bit j LSB first, as packed)."""
+    lut = _LUTS.get(device)
+    if lut is None:
+        v = torch.arange(256, device=device)[:, None]
+        lut = _LUTS[device] = (((v >> torch.arange(8, device=device)) & 1) * 2 - 1).float()
+    return lut
+
+
+def rows_of(signs: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """One matrix's packed signs as rows ``[N, ceil(K/8)]``, from rows or the tiled layout."""
+    return untile_signs(signs, n, k) if signs.dim() == 4 else signs
+
+
+def sign_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 ``x · (2·bits − 1)ᵀ`` ``[M, N]`` for float32 rows ``x`` ``[M, K]`` and packed sign rows
+    ``packed`` uint8 ``[N, ceil(K/8)]``: by byte tables up to :data:`TABLE_MAX_ROWS` rows, else as the
+    reference (unpack, multiply). Trusts its inputs."""
+    m, (n, kp) = x.shape[0], packed.shape
+    if m > TABLE_MAX_ROWS or m == 0 or n == 0:
+        return x @ unpack_signs(packed, k, torch.float32).t()
+    xb = F.pad(x, (0, 8 * kp - k)).view(m, kp, 8)            # zeros past K add nothing
+    table = (xb @ _lut(x.device).t()).reshape(m, kp * 256)   # [M, kp·256]: T[m, b, v]
+    index = packed.to(torch.int32) + 256 * torch.arange(kp, dtype=torch.int32, device=packed.device)
+    if m == 1:  # one row: a gather of scalars, which embedding_bag does one by one
+        return table[0].index_select(0, index.view(-1)).view(1, n, kp).sum(-1)
+    return F.embedding_bag(index, table.t().contiguous(), mode="sum").t()
+
+
+def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
+                      y: torch.Tensor, betas: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``reference.add_sign_products`` (same arguments and contract: in float32, rounded once
+    into ``y``; base rows unchanged), each variant's rows by :func:`sign_product` over that
+    variant's signs alone."""
+    n, k = y.shape[1], x.shape[1]
+    xf, acc = x.float(), y.float()
+    for t in slot.unique().tolist():
+        if t < 0:
+            continue
+        rows = (slot == t).nonzero(as_tuple=True)[0]
+        xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
+        acc[rows] += sign_product(xs, rows_of(signs[t], n, k), k) * alphas[t].float()
+    if acc is not y:
+        y.copy_(acc)
+    return y
+
+
+def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                    bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``reference.bitdelta_linear``, with its checks (``reference.check_linear_args``): ``[..., N]``
+    in x's dtype, computed in float32."""
+    sign = check_linear_args(x, weight, sign, alpha, bias, beta)
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).float()
+    xs = x2 if beta is None else x2 * beta.float()
+    y = x2 @ weight.float().t() + sign_product(xs, sign, k) * alpha.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+__all__ = ["TABLE_MAX_ROWS", "add_sign_products", "bitdelta_linear", "sign_product"]

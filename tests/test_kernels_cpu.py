@@ -1,0 +1,84 @@
+"""The CPU's sign products by byte tables (kernels/cpu.py) against the plain reference, which unpacks
+the signs (kernels/reference.py): odd K (padding bits), both sign layouts, every row count around
+the table's limit, column scales, base rows; and the dispatcher (kernels/linear.py) picking them on
+the CPU with the reference's checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafleet.kernels import (add_sign_products, bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_grouped,
+                                bitdelta_linears_grouped, tile_signs)
+from deltafleet.kernels import cpu, reference
+
+
+def _signs(s: int, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (s, n, reference.packed_width(k)), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (64, 8), (65, 9), (40, 129), (17, 576)])
+@pytest.mark.parametrize("m", [1, 3, cpu.TABLE_MAX_ROWS, cpu.TABLE_MAX_ROWS + 1])
+def test_the_byte_tables_give_the_unpacked_product(m, n, k):
+    """``x · (2·bits − 1)ᵀ`` written plainly: every bit unpacked (LSB first), the bits past K ignored
+    whatever they hold (random bytes set them)."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    packed = _signs(1, n, k, g)[0]
+    x = torch.randn(m, k, generator=g)
+    bits = [[(int(packed[r, j // 8]) >> (j % 8)) & 1 for j in range(k)] for r in range(n)]
+    want = x.double() @ (2 * torch.tensor(bits, dtype=torch.float64) - 1).t()
+    got = cpu.sign_product(x, packed, k)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+@pytest.mark.parametrize("betas", [False, True])
+def test_mixed_rows_match_the_reference(layout, betas):
+    """Rows of three variants and of the base in one batch, α per matrix and per row: the dispatcher's
+    CPU path equals the reference's (up to float32 summation order), base rows exactly the base product."""
+    g = torch.Generator().manual_seed(7)
+    s, n, k, m = 3, 70, 200, 12
+    x = torch.randn(m, k, generator=g)
+    weight = torch.randn(n, k, generator=g)
+    signs = _signs(s, n, k, g)
+    held = tile_signs(signs) if layout == "tiled" else signs
+    slot = torch.tensor([0, -1, 2, 2, 1, -1, 0, 0, 2, 1, -1, 2])
+    b = torch.rand(s, k, generator=g) + 0.5 if betas else None
+    for alphas in (torch.rand(s, generator=g), torch.rand(s, n, generator=g)):
+        want = reference.bitdelta_linear_batched(x, weight, signs, alphas, slot, betas=b)
+        got = (bitdelta_linear_grouped(x, weight, held, alphas, slot, betas=b) if betas
+               else bitdelta_linear_batched(x, weight, held, alphas, slot))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        base = slot < 0
+        assert torch.equal(got[base], (x @ weight.t())[base])
+    y = x @ weight.t()
+    add_sign_products(x, held, alphas, slot, y)
+    torch.testing.assert_close(y, reference.bitdelta_linear_batched(x, weight, signs, alphas, slot), rtol=1e-5,
+                               atol=1e-5)
+    stacked = torch.cat([weight, weight[:30]])
+    got = bitdelta_linears_grouped(x, stacked, [n, 30], [held, held[:, :1] if layout == "tiled" else signs[:, :30]],
+                                   [alphas, alphas[:, :30]], slot)
+    torch.testing.assert_close(got[:, :n], reference.bitdelta_linear_batched(x, weight, signs, alphas, slot),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, n:], reference.bitdelta_linear_batched(x, weight[:30], signs[:, :30],
+                                                                            alphas[:, :30], slot), rtol=1e-5, atol=1e-5)
+
+
+def test_one_variant_matches_the_reference_with_its_checks():
+    g = torch.Generator().manual_seed(3)
+    n, k = 33, 100
+    x, weight = torch.randn(2, 5, k, generator=g), torch.randn(n, k, generator=g)
+    sign, alpha, bias, beta = _signs(1, n, k, g)[0], torch.rand(n, generator=g), torch.randn(n, generator=g), None
+    want = reference.bitdelta_linear(x, weight, sign, alpha, bias)
+    for s in (sign, tile_signs(sign)):
+        got = bitdelta_linear(x, weight, s, alpha, bias)
+        assert got.shape == (2, 5, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    beta = torch.rand(k, generator=g)
+    torch.testing.assert_close(bitdelta_linear(x.bfloat16(), weight.bfloat16(), sign, alpha, None, beta).float(),
+                               reference.bitdelta_linear(x.bfloat16(), weight.bfloat16(), sign, alpha, None,
+                                                         beta).float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"sign must have shape \[33, 13\], got \(33, 12\)"):
+        bitdelta_linear(x, weight, sign[:, :12], alpha)
+    with pytest.raises(ValueError, match="slot"):
+        bitdelta_linear_batched(x[0], weight, sign[None], alpha[None], torch.tensor([0, 1, 0, 0, 0]))
