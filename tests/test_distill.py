@@ -470,3 +470,85 @@ def test_evaluate_is_the_token_weighted_mean_over_uneven_batches(loss):
         want = float((log_pt.exp() * (log_pt - torch.log_softmax(s, -1))).sum(-1).mean())
     got = distill.evaluate(student, teacher, blocks, loss=loss, batch_size=2)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# mutation sweep: one optimiser step on a tiny pair (Adam's first step is ±lr, Kingma & Ba Alg. 1)
+# --------------------------------------------------------------------------------------------
+
+TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _tiny_artifact(tmp_path: Path, granularity: str) -> tuple[Path, Path, Path, torch.Tensor]:
+    """(base, fine-tune, artifact, calibration) of a 1-layer, 16-wide model: a step costs milliseconds."""
+    from tests.conftest import perturb, tiny_llama
+
+    base = tiny_llama(64, seed=3, **TINY)
+    base.save_pretrained(tmp_path / "base")
+    ft = tiny_llama(64, seed=3, **TINY)
+    ft.load_state_dict(perturb(base, seed=4))
+    ft.save_pretrained(tmp_path / "ft")
+    compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="t", granularity=granularity)
+    calib = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return tmp_path / "base", tmp_path / "ft", tmp_path / "art", calib
+
+
+def _scales(artifact_dir: Path, suffix: str) -> dict[str, torch.Tensor]:
+    return {k: t.double() for k, (_, t) in _tensors(artifact_dir).items() if k.endswith(suffix)}
+
+
+def _one_step(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], lr: float, lo: float, hi: float,
+              atol: float) -> tuple[int, int, int]:
+    """Check every scale after one Adam step: it moved by at most ``lr`` (by exactly ±lr where its
+    gradient is well above Adam's eps), or stopped at a bound ``lo`` / ``hi``. Returns how many moved
+    by a full ±lr, and how many ended at ``lo`` and at ``hi``."""
+    full = at_lo = at_hi = 0
+    assert new.keys() == old.keys() and old
+    for k, o in old.items():
+        n, step = new[k], (new[k] - old[k]).abs()
+        assert bool(torch.isfinite(n).all()) and bool((n >= lo).all()) and bool((n <= hi).all()), (k, n)
+        assert bool(((step <= lr + atol) | (n == lo) | (n == hi)).all()), (k, o, n)
+        full += int(((step - lr).abs() <= atol).sum())
+        at_lo += int(((n == lo) & (o != lo)).sum())
+        at_hi += int(((n == hi) & (o != hi)).sum())
+    return full, at_lo, at_hi
+
+
+def test_a_step_past_zero_leaves_the_scale_at_zero(tmp_path):
+    """Row α (float32, ≈0.04): one step of Adam(lr=1) moves each α by (at most, and mostly exactly) ±1;
+    the ones that would go negative are clamped to exactly 0 right after the step."""
+    base, ft, art, calib = _tiny_artifact(tmp_path, "row")
+    distill_scales(base, ft, art, tmp_path / "out", calib, steps=1, lr=1.0, batch_size=2)
+    old, new = _scales(art, ".alpha"), _scales(tmp_path / "out", ".alpha")
+    assert all(bool((o > 0).all() and (o < 0.5).all()) for o in old.values())
+    full, at_zero, _ = _one_step(old, new, 1.0, 0.0, float("inf"), atol=1e-3)
+    n = sum(o.numel() for o in old.values())
+    assert at_zero > 0 and full > 0 and full + at_zero > n // 2
+
+
+def test_beta_trains_at_beta_lr_and_alpha_at_lr(tmp_path):
+    """Rowcol: the first Adam step moves each α by ±lr and each β by ±beta_lr (β at its own learning
+    rate: at lr=1e-4 a β of 1 would not even leave 1 in float16)."""
+    base, ft, art, calib = _tiny_artifact(tmp_path, "rowcol")
+    m = distill_scales(base, ft, art, tmp_path / "out", calib, steps=1, lr=1e-4, beta_lr=0.05, batch_size=2)
+    assert m["provenance"]["distillation"]["lr"] == 1e-4
+    assert m["provenance"]["distillation"]["beta_lr"] == 0.05
+    old, new = _scales(art, ".beta"), _scales(tmp_path / "out", ".beta")
+    assert all(bool((b == 1).all()) for b in old.values())
+    full, _, _ = _one_step(old, new, 0.05, 0.0, distill.FP16_MAX, atol=1e-3)  # float16 near 1
+    assert full > sum(b.numel() for b in old.values()) // 2
+    old, new = _scales(art, ".alpha"), _scales(tmp_path / "out", ".alpha")
+    full, _, _ = _one_step(old, new, 1e-4, 0.0, distill.FP16_MAX, atol=2e-5)  # float16 near 0.04
+    assert full > sum(a.numel() for a in old.values()) // 2
+
+
+def test_rowcol_scales_are_clamped_to_the_float16_range(tmp_path):
+    """Rowcol scales are stored in float16: a step of ±1e5 ends a scale at 0 or at float16's largest
+    finite value 65504, never at inf, and the result loads as a valid artifact."""
+    base, ft, art, calib = _tiny_artifact(tmp_path, "rowcol")
+    distill_scales(base, ft, art, tmp_path / "out", calib, steps=1, lr=1e5, beta_lr=1e5, batch_size=2)
+    for suffix in (".alpha", ".beta"):
+        old, new = _scales(art, suffix), _scales(tmp_path / "out", suffix)
+        _, at_zero, at_max = _one_step(old, new, 1e5, 0.0, 65504.0, atol=0)
+        assert at_zero > 0 and at_max > 0, suffix
+    load_artifact(tmp_path / "out")

@@ -215,3 +215,64 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
         assert r.returncode == 2 and r.stderr.strip().startswith(message), r.stderr[-2000:]
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ mutation sweep: small hand-made checkpoints
+def _ckpt(folder: Path, tensors: dict, config: str | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "model.safetensors")
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+def test_shards_fill_up_to_the_limit_and_follow_the_hugging_face_names(tmp_path):
+    """Three 64-byte tensors, 128 bytes a shard: a shard takes tensors while it stays ≤ the limit
+    ([a, b], [c]); the files are named model-0000i-of-00002.safetensors, and the index's
+    total_size, like the summary's bytes, is the sum of all tensors' bytes (192)."""
+    t = {n: torch.full((4, 4), float(i)) for i, n in enumerate("abc")}
+    base = _ckpt(tmp_path / "base", {n: torch.zeros(4, 4) for n in "abc"})
+    m1, m2 = _ckpt(tmp_path / "m1", t), _ckpt(tmp_path / "m2", {n: 3 * v for n, v in t.items()})
+    summary = merge_checkpoints(base, [m1, m2], tmp_path / "out", get_method("task_arithmetic", scaling=0.5),
+                                max_shard_bytes=128)
+    assert summary["shards"] == 2 and summary["bytes"] == 192 and summary["tensors"] == 3
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 192}, "weight_map": {"a": files[0], "b": files[0], "c": files[1]}}
+    assert set(load_file(tmp_path / "out" / files[0])) == {"a", "b"}
+    torch.testing.assert_close(load_file(tmp_path / "out" / files[1])["c"], torch.full((4, 4), 4.0))  # 0.5·(2 + 6)
+    one = merge_checkpoints(base, [m1, m2], tmp_path / "one", get_method("linear"), max_shard_bytes=192)
+    assert one["shards"] == 1 and sorted(p.name for p in (tmp_path / "one").iterdir()) == ["merge.json",
+                                                                                            "model.safetensors"]
+
+
+def test_inputs_that_differ_from_each_other_or_from_the_base_are_named(tmp_path):
+    """Every model and the base must hold the same tensor names and shapes; the message names the
+    first difference."""
+    z = {"a": torch.zeros(2, 3), "b": torch.zeros(3)}
+    base = _ckpt(tmp_path / "base", z)
+    m = _ckpt(tmp_path / "m", z)
+    other_name = _ckpt(tmp_path / "n", {"a": torch.zeros(2, 3), "c": torch.zeros(3)})
+    other_shape = _ckpt(tmp_path / "s", {"a": torch.zeros(3, 2), "b": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"hold different tensors, e.g. 'b'"):
+        merge_checkpoints(base, [m, other_name], tmp_path / "out", get_method("ties"))
+    with pytest.raises(ValueError, match=r"a: shape \(3, 2\) in .*/s, \(2, 3\) in .*/m"):
+        merge_checkpoints(base, [m, other_shape], tmp_path / "out", get_method("ties"))
+    with pytest.raises(ValueError, match=r"a: shape \(3, 2\) in .*/s, \(2, 3\) in .*/m"):
+        merge_checkpoints(other_shape, [m], tmp_path / "out", get_method("ties"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_output_takes_the_base_dtype_and_config(tmp_path):
+    """Fine-tunes saved in bfloat16 over a float32 base: the merge is written in float32 (the base's
+    dtype) and carries the base's config.json, not the first model's."""
+    base = _ckpt(tmp_path / "base", {"w": torch.ones(4, 4)}, config='{"from": "base"}')
+    ms = [_ckpt(tmp_path / f"m{i}", {"w": torch.full((4, 4), 1.0 + i).bfloat16()}, config='{"from": "model"}')
+          for i in (1, 2)]
+    merge_checkpoints(base, ms, tmp_path / "out", get_method("task_arithmetic", scaling=0.5))
+    got = load_file(tmp_path / "out" / "model.safetensors")["w"]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.full((4, 4), 2.5))  # 1 + 0.5·(1 + 2)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"from": "base"}

@@ -267,3 +267,76 @@ def test_spectrum_matches_svd_for_wide_tall_and_square(shape):
     for k in (1, 3, min(shape)):
         want = (ref.U[:, :k] * ref.S[:k]) @ ref.Vh[:k]
         torch.testing.assert_close(_leading(d, vectors, left, k).double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ mutation sweep: boundaries and defaults
+def test_energy_rank_is_the_smallest_k_that_reaches_the_ratio_exactly():
+    """Σ_{i≤k} σ_i² / Σ σ_i² ≥ R: a fraction that lands exactly on R already counts (four equal σ,
+    R = 0.5: k = 2, not 3)."""
+    assert ref_rank_energy([1.0] * 4, 0.5) == 2
+    assert choose_rank(torch.tensor([1.0] * 4), "energy", 0.5) == 2
+    assert choose_rank(torch.tensor([1.0] * 4), "energy", 0.75) == 3
+
+
+SIGMA_DEFAULTS = [math.sqrt(0.6), math.sqrt(0.21), math.sqrt(0.19)]  # energy 0.6, 0.81, 1.0; exp(H) ≈ 2.9
+
+
+def test_monosoup_defaults_are_energy_rank_at_r_0_8():
+    """Without arguments both monosoup_update and merge_param use rank_mode="energy" with R = 0.8:
+    on a spectrum whose energy fractions are 0.6, 0.81, 1.0 that is k = 2 (R = 0.85 or 0.9 would
+    give 3, and so would the effective rank)."""
+    assert ref_rank_energy(SIGMA_DEFAULTS, 0.8) == 2 and ref_rank_effective(SIGMA_DEFAULTS) == 3
+    delta = with_spectrum(SIGMA_DEFAULTS, 10, 7, seed=13).float()
+    new, info = monosoup_update(delta)
+    assert info["rank"] == 2
+    torch.testing.assert_close(new.double(), ref_monosoup(delta, 2), atol=1e-5, rtol=1e-4)
+    base = torch.randn(10, 7, generator=torch.Generator().manual_seed(14))
+    merged, info = merge_param("monosoup", base, [base + delta])
+    assert info["rank"] == 2
+    torch.testing.assert_close(merged.double(), base.double() + ref_monosoup(delta, 2), atol=1e-5, rtol=1e-4)
+
+
+def test_relative_update_threshold_defaults_to_1e_6_and_merge_param_applies_it():
+    """τ defaults to 1e-6 (the reference implementation's): a relative update of 1e-5 is edited, one
+    of 1e-7 is kept as it is, and merge_param measures it against the base it is given."""
+    base = torch.randn(12, 12, generator=torch.Generator().manual_seed(15))
+    noise = torch.randn(12, 12, generator=torch.Generator().manual_seed(16))
+    unit = noise * (torch.linalg.norm(base) / torch.linalg.norm(noise))  # ‖unit‖_F = ‖base‖_F
+    _, info = monosoup_update(1e-5 * unit, base)
+    assert info["processed"]
+    small = 1e-7 * unit
+    new, info = monosoup_update(small, base)
+    assert not info["processed"] and torch.equal(new, small)
+    merged, info = merge_param("monosoup", base, [base + small])
+    assert not info["processed"] and info["lambda_high"] == 1.0
+    torch.testing.assert_close(merged, base + small, rtol=0, atol=0)
+
+
+def test_svd_soup_energy_kept_is_the_mean_over_checkpoints_and_rank_defaults_to_8():
+    """energy_kept of svd_soup is mean_i (Σ_{j≤r} σ_ij² / Σ_j σ_ij²) with each checkpoint's own
+    spectrum; without ``rank`` the truncation rank is 8; a rank above min(m, n) reports min(m, n)."""
+    s1 = [4.0, 2.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    s2 = [3.0, 3.0, 1.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    base = torch.zeros(12, 10)
+    ws = [with_spectrum(s1, 12, 10, seed=17).float(), with_spectrum(s2, 12, 10, seed=18).float()]
+    for r in (1, 3):
+        _, info = merge_param("svd_soup", base, ws, rank=r)
+        want = (sum(x * x for x in s1[:r]) / sum(x * x for x in s1) + sum(x * x for x in s2[:r]) / sum(x * x for x in s2)) / 2
+        assert info["rank"] == r and info["energy_kept"] == pytest.approx(want, rel=1e-6)
+    merged, info = merge_param("svd_soup", base, ws)
+    assert info["rank"] == 8
+    torch.testing.assert_close(merged.double(), (ref_truncate(ws[0], 8) + ref_truncate(ws[1], 8)) / 2, atol=1e-5, rtol=1e-5)
+    merged, info = merge_param("svd_soup", base, ws, rank=50)
+    assert info == {"rank": 10, "full_rank": 10, "energy_kept": pytest.approx(1.0)}
+    torch.testing.assert_close(merged, (ws[0] + ws[1]) / 2, atol=1e-5, rtol=1e-5)
+
+
+def test_rank_of_a_conv_shaped_average_uses_the_out_by_rest_view():
+    """A [6, 3, 2, 2] tensor is the 6 × 12 matrix of the module docstring: full rank 6 (not
+    min(6, 2) from the last axis), for average and svd_soup alike."""
+    gen = torch.Generator().manual_seed(19)
+    base, a, b = (torch.randn(6, 3, 2, 2, generator=gen) for _ in range(3))
+    _, info = merge_param("average", base, [a, b])
+    assert info == {"rank": 6, "full_rank": 6, "energy_kept": 1.0}
+    _, info = merge_param("svd_soup", base, [a, b], rank=50)
+    assert info["rank"] == 6 and info["full_rank"] == 6
