@@ -278,9 +278,11 @@ class AdapterPool:
         for s in self.slots.values():
             t = {f"{m}.lora_A": a.contiguous() for m, (a, _) in s.factors.items()}
             t.update({f"{m}.lora_B": b.contiguous() for m, (_, b) in s.factors.items()})
-            if s.raw is not None:
-                t.update({f"raw.{m}.lora_A": a.contiguous() for m, (a, _) in s.raw.items()})
-                t.update({f"raw.{m}.lora_B": b.contiguous() for m, (_, b) in s.raw.items()})
+            if s.raw is not None:  # copies: a merged slot's factors share tensors with its raw sum
+                t.update({f"raw.{m}.lora_A": a.clone(memory_format=torch.contiguous_format)
+                          for m, (a, _) in s.raw.items()})
+                t.update({f"raw.{m}.lora_B": b.clone(memory_format=torch.contiguous_format)
+                          for m, (_, b) in s.raw.items()})
             tmp = folder / f".slot-{s.id}.safetensors.tmp"
             save_file(t, tmp)
             os.replace(tmp, folder / f"slot-{s.id}.safetensors")

@@ -244,11 +244,9 @@ def test_the_eviction_rule_survives_a_restart_and_stale_slot_files_go(tmp_path):
     assert AdapterPool.load(tmp_path).evicted_to == "base"
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="suspected bug: a budget_opcm slot's factors share tensors with its raw sum, "
-                          "which safetensors refuses to save ('Some tensors share memory')")
 def test_a_budget_pool_survives_a_restart_with_its_unscaled_sums(tmp_path):
-    """budget_opcm keeps OPCM's unscaled sum R per slot; it comes back from disk."""
+    """budget_opcm keeps OPCM's unscaled sum R per slot; it comes back from disk. (A slot's factors
+    shared tensors with its raw sum, which safetensors refused to save: no budget pool could be.)"""
     own = {"a": adapter(75), "b": adapter(76)}
     own["a2"] = adapter(78, like=own["a"], noise=0.05)
     pool = _clocked_budget_pool(own, 2)
