@@ -29,7 +29,9 @@ def _lut(device: torch.device) -> torch.Tensor:
     lut = _LUTS.get(device)
     if lut is None:
         v = torch.arange(256, device=device)[:, None]
-        lut = _LUTS[device] = (((v >> torch.arange(8, device=device)) & 1) * 2 - 1).float()
+        lut = (((v >> torch.arange(8, device=device)) & 1) * 2 - 1).float()
+        if type(lut) is torch.Tensor:  # not a fake or traced tensor (shape inference, export)
+            _LUTS[device] = lut
     return lut
 
 

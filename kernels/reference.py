@@ -267,6 +267,8 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor,
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if sign.dtype != torch.uint8:
+        raise ValueError(f"packed signs must be uint8, got {sign.dtype}")
     if sign.dim() == 4:  # the tiled layout (tile_signs)
         sign = untile_signs(sign, n, k)
     if sign.shape != (n, packed_width(k)):

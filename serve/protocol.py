@@ -431,16 +431,15 @@ def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """OpenAI's rules for a history: every message has ``content`` but an assistant's that makes tool
-    calls; only assistant messages make calls, and a ``tool`` message answers one of the calls of the
+    """OpenAI's rules for a history: every message but an assistant's has ``content``; only assistant
+    messages make calls, and a ``tool`` message answers one of the calls of the
     assistant message before it (other results between).
 
     Raises: InvalidRequestError naming the message."""
     open_calls: set[str] = set()
     for i, m in enumerate(messages):
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            why = " (or `tool_calls`)" if m.role == "assistant" else ""
-            raise InvalidRequestError(f"messages[{i}]: a message of role {m.role!r} needs `content`{why}",
+        if m.content is None and m.role != "assistant":  # (an assistant's may be null: a reply echoed back)
+            raise InvalidRequestError(f"messages[{i}]: a message of role {m.role!r} needs `content`",
                                       f"messages.{i}.content", "missing_required_parameter")
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequestError(f"messages[{i}]: only assistant messages have `tool_calls`",

@@ -82,3 +82,27 @@ def test_one_variant_matches_the_reference_with_its_checks():
         bitdelta_linear(x, weight, sign[:, :12], alpha)
     with pytest.raises(ValueError, match="slot"):
         bitdelta_linear_batched(x[0], weight, sign[None], alpha[None], torch.tensor([0, 1, 0, 0, 0]))
+
+
+def test_signs_of_another_dtype_are_refused_at_any_row_count():
+    """Found by a reviewer: the byte tables never unpack, so the reference's uint8 check (in its
+    unpacking) no longer ran for 1–64 rows: int32 signs were read as bytes, silently wrong."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 8, 16
+    weight, sign, alpha = torch.randn(n, k, generator=g), _signs(1, n, k, g)[0], torch.rand(n, generator=g)
+    for m in (1, 2, cpu.TABLE_MAX_ROWS + 1):
+        for dtype in (torch.int32, torch.int8, torch.float32):
+            with pytest.raises(ValueError, match=f"packed signs must be uint8, got {dtype}"):
+                bitdelta_linear(torch.randn(m, k, generator=g), weight, sign.to(dtype), alpha)
+
+
+def test_the_byte_table_is_not_kept_from_a_fake_tensor_run():
+    """Found by a reviewer: a first call under FakeTensorMode (shape inference) cached a fake table,
+    and every later eager call returned fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu._LUTS.clear()
+    x, packed = torch.randn(2, 16), torch.randint(0, 256, (4, 2), dtype=torch.uint8)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cpu.sign_product(x, packed, 16)
+    assert type(cpu.sign_product(x, packed, 16)) is torch.Tensor
