@@ -183,14 +183,16 @@ class DeltaCache:
                     raise self._closed
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    busy = sorted(m for m, x in self._entries.items() if x.device is not None)
-                    raise CacheFullError(
-                        f"no room on the device for variant `{e.model_id}` ({e.nbytes} bytes): every resident "
-                        f"variant ({', '.join(busy)}) is in flight or pinned; retry later")
+                    raise self._no_room(e)
                 self._room.wait(left)
                 continue
             self._evict_device(v)
         self.device_bytes += e.nbytes
+
+    def _no_room(self, e: _Entry) -> CacheFullError:
+        busy = sorted(m for m, x in self._entries.items() if x.device is not None)
+        return CacheFullError(f"no room on the device for variant `{e.model_id}` ({e.nbytes} bytes): every resident "
+                              f"variant ({', '.join(busy)}) is in flight or pinned; retry later")
 
     def _evict_device(self, v: _Entry) -> None:
         host_copy = v.host if v.host is not None else self._to_host(v.device)
@@ -247,6 +249,11 @@ class DeltaCache:
             t0 = time.perf_counter()
             tier: Tier = "host" if host is not None else "disk"
             try:
+                if host is None and e.nbytes and time.monotonic() >= deadline:  # queued behind a failed load:
+                    with self._lock:  # no read for nothing, if its size (an earlier read's) still finds no room
+                        if (not self._fits(self.device_bytes, self.device_budget, e.nbytes)
+                                and self._victim("device", exclude=e.model_id) is None):
+                            raise self._no_room(e)
                 if host is None:
                     t_read = time.monotonic()
                     host = self._read(e.model_id)

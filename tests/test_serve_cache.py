@@ -32,6 +32,7 @@ class Disk:
         self.stamps = {m: 1 for m in sizes}
         self.gates: dict[str, threading.Event] = {}
         self.fail: set[str] = set()
+        self.delay = 0.0  # seconds each read takes
         self.lock = threading.Lock()
 
     def read(self, m: str) -> Delta:
@@ -39,6 +40,7 @@ class Disk:
             self.reads[m] += 1
         if m in self.gates:
             assert self.gates[m].wait(10)
+        time.sleep(self.delay)
         if m in self.fail:
             raise OSError(f"cannot read {m}")
         return Delta(m, self.sizes[m])
@@ -415,3 +417,13 @@ def test_requests_queued_behind_a_waiting_load_give_up_with_it():
         t.join(30)
     assert len(ended) == 3 and max(ended) < 3.5, ended  # one after another: 2, 4 and 6 s
     assert cache.snapshot()["b"]["in_flight"] == 0
+    # found by a reviewer: with a slow read, each queued request read the artifact again after the one
+    # before it failed, then failed at once: 503s one read apart, and a read each for nothing
+    disk.delay, start, ended[:] = 1.0, time.monotonic(), []
+    threads = [threading.Thread(target=req, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(ended) == 3 and max(ended) < 4.5, ended  # read 1 s, wait 2 s: all by 3 s, not 3, 4 and 5
+    assert disk.reads["b"] == 2  # one read a round: the requests queued behind it do not read again
