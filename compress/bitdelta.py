@@ -252,19 +252,36 @@ def check_variant_name(variant: str) -> None:
                          f"letter or digit, got {variant!r}")
 
 
+def _base_vocab_sizes(base_dir: Path) -> set[int]:
+    """The base's ``vocab_size`` from its ``config.json`` (and a nested ``text_config``), if any."""
+    try:
+        config = json.loads((base_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    found = {config.get("vocab_size"), (config.get("text_config") or {}).get("vocab_size")}
+    return {v for v in found if isinstance(v, int)}
+
+
 def _check_shapes(base: Checkpoint, ft: Checkpoint, base_dir: Path, finetuned_dir: Path) -> None:
-    """Raise ArtifactError for a parameter of both checkpoints whose shape differs, unless it is a
-    vocabulary matrix with rows added or removed (a resized vocabulary): any other change means the
-    fine-tune is of another architecture, which no base + delta can serve."""
+    """Raise ArtifactError for a parameter of both checkpoints whose shape differs, unless it is indexed
+    by token and the vocabulary was resized: one dimension differs, and it is a vocabulary matrix's
+    rows (:func:`is_vocab_matrix`) or the base's ``vocab_size`` (another family's embedding name, an
+    LM head's bias). Any other change means the fine-tune is of another
+    architecture, which no base + delta can serve."""
+    vocab = _base_vocab_sizes(base_dir)
     for name in ft.names():
         if name not in base:
             continue
         b, f = tuple(base.info(name).shape), tuple(ft.info(name).shape)
-        if b != f and not (is_vocab_matrix(name) and len(b) == len(f) == 2 and b[1] == f[1]):
-            raise ArtifactError(
-                f"{name}: shape {list(f)} in {finetuned_dir} differs from the base's {list(b)} in {base_dir}; "
-                "only a vocabulary matrix (embed_tokens, lm_head) may change shape, by its rows: is this a "
-                "fine-tune of that base?")
+        if b == f:
+            continue
+        dims = [i for i in range(len(b)) if b[i] != f[i]] if len(b) == len(f) else []
+        if len(dims) == 1 and ((is_vocab_matrix(name) and dims == [0]) or b[dims[0]] in vocab):
+            continue
+        raise ArtifactError(
+            f"{name}: shape {list(f)} in {finetuned_dir} differs from the base's {list(b)} in {base_dir}; "
+            "only a parameter indexed by token may change shape, along the vocabulary (a resized vocabulary): "
+            "is this a fine-tune of that base?")
 
 
 def _compress_tensors(
@@ -803,8 +820,9 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
               force: bool = False, overwrite: bool = False) -> Path:
     """Materialise base + BitDelta artifact as a full Hugging Face checkpoint any engine can load.
 
-    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype (tensors
-    stored in full too) to ``out_dir/model.safetensors``, with the base's ``config.json`` (fitted:
+    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype (a tensor
+    stored in full in the base's dtype for its name, an LM head a tied base lacks in its embedding's,
+    another one the base lacks in its own) to ``out_dir/model.safetensors``, with the base's ``config.json`` (fitted:
     :func:`_fit_config`), generation config and tokenizer files (:data:`SIDECAR_FILES`) beside it,
     atomically (temp folder + rename). The artifact is loaded with its
     base fingerprint enforced and its file hashes checked.
@@ -831,11 +849,15 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
                       overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
-    # tensors stored in full keep the fine-tune's dtype in the artifact: the checkpoint is the base's
-    dtypes = {t.dtype for k, t in state.items() if k not in artifact.full and t.is_floating_point()}
-    if len(dtypes) == 1:
-        (dtype,) = dtypes
-        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+    # a tensor stored in full keeps the fine-tune's dtype in the artifact: here it takes the base's
+    # dtype for that name (a tensor the base lacks keeps its own)
+    base = Checkpoint(base_dir)
+    vocab_names = [n for n in base.names() if is_vocab_matrix(n)]
+    for k in artifact.full:
+        # the head a tied base lacks takes its embedding's dtype
+        ref = k if k in base else vocab_names[0] if is_vocab_matrix(k) and vocab_names else None
+        if ref is not None and state[k].is_floating_point() and base.info(ref).dtype.is_floating_point:
+            state[k] = state[k].to(base.info(ref).dtype)
     with staged_dir(out_dir) as tmp:
         save_file(state, tmp / CHECKPOINT_NAME, metadata={"format": "pt"})
         for name in SIDECAR_FILES:
@@ -856,17 +878,25 @@ def _fit_config(config_path: Path, state: dict[str, torch.Tensor]) -> None:
       which transformers refuses to load against the larger matrices. (The tokenizer files copied
       are the base's: the artifact carries none.)
     - ``tie_word_embeddings``: false when the weights hold an ``lm_head`` of their own (a fine-tune
-      that untied the head of a tied base): an engine that honours the flag would read the
-      embedding instead.
+      that untied the head of a tied base, or a family whose default is tied): an engine that
+      honours the flag would read the embedding instead.
+
+    Both also inside a nested ``text_config`` that has them.
     """
     if not config_path.is_file():
         return
     config = json.loads(config_path.read_text())
-    changed = dict(config)
+    changed = json.loads(json.dumps(config))
+    nested = changed.get("text_config") if isinstance(changed.get("text_config"), dict) else None
     rows = {t.shape[0] for n, t in state.items() if is_vocab_matrix(n) and t.dim() == 2}
     if len(rows) == 1:
-        (changed["vocab_size"],) = rows
-    if config.get("tie_word_embeddings") and any(n.endswith("lm_head.weight") for n in state):
+        (vocab,) = rows
+        having = [c for c in (changed, nested) if c is not None and "vocab_size" in c]
+        for c in having or [changed]:
+            c["vocab_size"] = vocab
+    if any(n.endswith("lm_head.weight") for n in state):  # (transformers' default is tied for some families)
         changed["tie_word_embeddings"] = False
+        if nested is not None and "tie_word_embeddings" in nested:
+            nested["tie_word_embeddings"] = False
     if changed != config:
         config_path.write_text(json.dumps(changed, indent=2, sort_keys=True) + "\n")

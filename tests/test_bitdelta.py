@@ -958,3 +958,40 @@ def test_a_variant_name_that_is_no_folder_name_is_refused(family, tmp_path, name
         compress(*family, tmp_path / "art", variant=name)
     assert not (tmp_path / "art").exists()
     bd.check_variant_name("coder-2.v_1")
+
+
+def test_other_families_vocabulary_resizes_dtypes_and_nested_configs(tmp_path):
+    """Found by a reviewer of the checks above: a resized vocabulary under another family's names
+    (GPT-2's ``transformer.wte``, an LM head's bias) was refused; ``format=hf`` cast every tensor
+    stored in full to one dtype (a float32 norm of a bfloat16 base's became bfloat16, a new float32
+    head lost its precision); and a config with ``text_config``, or without the key (a family whose
+    default is tied), kept its head tied."""
+    g = torch.Generator().manual_seed(1)
+    base = {"transformer.wte.weight": torch.randn(10, 4, generator=g).bfloat16(),
+            "lm_head.bias": torch.randn(10, generator=g).bfloat16(),
+            "h.0.w.weight": torch.randn(6, 4, generator=g).bfloat16(),
+            "ln_f.weight": torch.ones(4)}
+    ft = {"transformer.wte.weight": torch.randn(12, 4, generator=g).bfloat16(),
+          "lm_head.bias": torch.randn(12, generator=g).bfloat16(),
+          "h.0.w.weight": base["h.0.w.weight"] + 0.1,
+          "ln_f.weight": torch.full((4,), 1.5).bfloat16(),                  # stored in full: back to float32
+          "score.weight": torch.full((2, 4), 1.0001),                       # new: keeps float32
+          "lm_head.weight": torch.randn(12, 4, generator=g).bfloat16()}   # new: untied head
+    b, f = _save_pair(tmp_path, base, ft)
+    (b / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 10, "tie_word_embeddings": True}}))
+    compress(b, f, tmp_path / "art", variant="v")
+    full = set(load_artifact(tmp_path / "art").full)
+    assert full == {"transformer.wte.weight", "lm_head.bias", "ln_f.weight", "score.weight", "lm_head.weight"}
+    out = bd.export_hf(b, tmp_path / "art", tmp_path / "hf")
+    state = load_file(out / "model.safetensors")
+    assert state["ln_f.weight"].dtype == torch.float32 and torch.equal(state["ln_f.weight"], torch.full((4,), 1.5))
+    assert state["score.weight"].dtype == torch.float32 and torch.equal(state["score.weight"], ft["score.weight"])
+    assert state["lm_head.weight"].dtype == torch.bfloat16 and state["h.0.w.weight"].dtype == torch.bfloat16
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["text_config"]["tie_word_embeddings"] is False
+    assert config["text_config"]["vocab_size"] == 12 and "vocab_size" not in config
+    ft["h.0.w.weight"] = torch.randn(6, 5, generator=g).bfloat16()  # not along the vocabulary: refused
+    b, f = _save_pair(tmp_path / "bad", base, ft)
+    (b / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    with pytest.raises(ArtifactError, match=r"h.0.w.weight: shape \[6, 5\]"):
+        compress(b, f, tmp_path / "art2", variant="v")
