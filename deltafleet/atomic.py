@@ -109,6 +109,9 @@ def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Ca
         ValueError: naming ``key`` (the config key) and the reason.
     """
     out = Path(out).resolve()
+    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"{key} {out} cannot be made: {blocked} is a file, not a folder")
     for d in inputs:
         d = Path(d).resolve()
         if out == d or d.is_relative_to(out) or out.is_relative_to(d):

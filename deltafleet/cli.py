@@ -40,12 +40,16 @@ def fit(trainer, *args, **kwargs):
     """``trainer.fit(*args, **kwargs)`` (Lightning), with Ctrl-C raised again as ``KeyboardInterrupt``
     for :func:`interruptible`: Lightning catches it, shuts the run down and calls ``sys.exit(1)``,
     which would end the job with status 1 after Lightning's own message (that ``SystemExit`` is raised
-    while the ``KeyboardInterrupt`` is handled, so it is the exit's context)."""
+    while the ``KeyboardInterrupt`` is handled, so it is the exit's context); and SIGTERM raised again
+    as status 143: Lightning stops at its next step with a ``SystemExit`` of status 0, which a
+    scheduler or ``timeout`` would take for a finished run."""
     try:
         return trainer.fit(*args, **kwargs)
     except SystemExit as e:
         if isinstance(e.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from None
+        if e.code is None and getattr(trainer, "received_sigterm", False):  # Lightning's SIGTERMException
+            raise SystemExit(128 + signal.SIGTERM) from None  # 143, as stop_on_sigterm ends the other jobs
         raise
 
 

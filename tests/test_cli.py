@@ -72,3 +72,25 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback():
     assert exit_info.value.code == "export: PermissionError: [Errno 1] Operation not permitted: '/ro/.art.tmp'"
     with pytest.raises(RuntimeError, match="a bug"), user_errors("export"):
         raise RuntimeError("a bug")
+
+
+def test_sigterm_during_fit_ends_the_job_with_status_143(tmp_path):
+    """Found by a fresh user: Lightning stops at the step after a SIGTERM with a ``SystemExit`` of
+    status 0, so a run killed by ``timeout`` or a scheduler looked finished. :func:`fit` makes it 143."""
+    import os
+
+    class _Terminated(_Interrupted):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return (self.w * batch).sum()
+
+    handler = signal.getsignal(signal.SIGTERM)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            fit(trainer, _Terminated())
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert exit_info.value.code == 143 and trainer.received_sigterm and trainer.global_step < 3

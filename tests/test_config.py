@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -187,6 +188,62 @@ def test_a_variant_name_that_is_no_folder_name_is_refused_before_training(tmp_pa
         with pytest.raises(ValueError, match=re.escape(f"variant must be a name of 1 to 64 letters, digits, '.', '_' "
                                                        f"or '-' that starts with a letter or digit, got {bad!r}")):
             check_config(cfg)
+
+
+def test_a_training_keeps_an_out_dir_it_did_not_write(tmp_path):
+    """Found by a fresh user: ``out_dir`` was replaced whatever it held (a folder of their own files
+    went, a file became a folder), where export and merge refuse. An earlier run's checkpoint
+    (``training.json``) or an empty folder is replaced; anything else needs ``overwrite=true``."""
+    from deltafleet.train.run import check_config
+
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    (tmp_path / "models" / "base" / "config.json").write_text("{}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    (tmp_path / "afile").write_text("hi")
+    for out, why in ((mine, r"holds files that are not an earlier training's output \(no training.json"),
+                     (tmp_path / "afile", "exists and is not a folder"),
+                     (tmp_path / "afile" / "sub", r"cannot be made: .*afile is a file, not a folder")):
+        cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={out}"])
+        with pytest.raises(ValueError, match=why):
+            check_config(cfg)
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"export.out_dir={mine}"])
+    with pytest.raises(ValueError, match=r"export.out_dir .*mine exists and holds files that are not an earlier "):
+        check_config(cfg)
+    assert (mine / "notes.txt").read_text() == "precious" and (tmp_path / "afile").read_text() == "hi"
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "training.json").write_text("{}")
+    for out, extra in ((tmp_path / "earlier", []), (mine, ["overwrite=true"])):
+        cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={out}", *extra])
+        with pytest.raises(FileNotFoundError, match="make data"):  # past the out_dir check: the data is next
+            check_config(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval_batches=0", "eval_batches must be a whole number, at least 1, got 0"),
+    ("variant.val_check_interval=0", "variant.val_check_interval must be a whole number, at least 1, got 0"),
+    ("checkpoint.every_n_steps=abc", "checkpoint.every_n_steps must be a whole number, at least 1, got 'abc'"),
+])
+def test_counts_that_failed_after_training_are_refused_before_it(tmp_path, override, message):
+    """Found by a fresh user: each of these trained in full (or started to), then failed with a
+    traceback (ZeroDivisionError, TypeError)."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", override])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_config(cfg)
+
+
+def test_a_resume_from_a_file_that_is_no_checkpoint_is_named(tmp_path):
+    from deltafleet.train.run import check_resume
+
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(ValueError, match=r"ckpt_path .*afile is not a checkpoint torch can read"):
+        check_resume(str(tmp_path / "afile"), "coder")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"ckpt_path .*other.pt is not a Lightning checkpoint \(no state_dict\)"):
+        check_resume(str(tmp_path / "other.pt"), "coder")
 
 
 def test_a_bad_step_count_is_refused_by_name(tmp_path):

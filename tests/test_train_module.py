@@ -82,7 +82,7 @@ def test_a_resume_is_checked_before_training(tmp_path):
     from deltafleet.train.run import check_resume
 
     ckpt = tmp_path / "last.ckpt"
-    torch.save({"global_step": 200, "hyper_parameters": {"variant": "writer", "lr": 1e-3}}, ckpt)
+    torch.save({"state_dict": {}, "global_step": 200, "hyper_parameters": {"variant": "writer", "lr": 1e-3}}, ckpt)
     check_resume(str(ckpt), "writer", 201)  # one step left: fine
     check_resume(str(ckpt), "writer", 201, 1e-3)
     check_resume(None, "writer", 10)

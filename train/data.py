@@ -112,12 +112,15 @@ def split_file(data_dir: str | Path, domain: str, split: str) -> Path:
     Raises:
         ValueError: if ``split`` is not one of :data:`SPLITS`.
         FileNotFoundError: if the file is missing (the message says to run ``make data``).
+        ValueError: also if it is empty.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(data_dir) / domain / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `make data` first (domain {domain!r})")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty: run `make data` again, or give the split some text")
     return path
 
 

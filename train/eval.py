@@ -227,17 +227,20 @@ def token_metrics(models: Mapping[str, torch.nn.Module], blocks: torch.Tensor, b
             for name, s in sums.items()}
 
 
-def gain_recovered(m: float | None, m_base: float | None, m_ft: float | None) -> float | None:
+def gain_recovered(m: float | None, m_base: float | None, m_ft: float | None,
+                   lower_is_better: bool | None = None) -> float | None:
     """``(m − m_base) / (m_ft − m_base)``: the share of the fine-tune's change that ``m`` keeps.
 
     1 means the compressed model matches the fine-tune, 0 that it is no better than the base;
     it is the same ratio of differences whether the metric is lower-is-better (loss) or
     higher-is-better (accuracy). Returns ``None`` (undefined) when the fine-tune equals the base
-    on this metric (no gain to recover) or any input is missing or NaN.
+    on this metric, or, given the metric's direction (``lower_is_better``), does worse than it (no
+    gain to recover: the ratio would read a worse model as a recovered gain), or any input is
+    missing or NaN.
     """
     if m is None or m_base is None or m_ft is None or any(math.isnan(x) for x in (m, m_base, m_ft)):
         return None
-    if m_ft == m_base:
+    if m_ft == m_base or (lower_is_better is not None and (m_ft > m_base) == lower_is_better):
         return None
     return (m - m_base) / (m_ft - m_base) + 0.0  # + 0.0: the base's own -0.0 reads as 0.0
 
@@ -449,8 +452,10 @@ def evaluate_variant(cfg: DictConfig, variant: str, tokenizer, base_fingerprint:
         rows.append({"setting": name, "bits_per_parameter": bits[name], "loss": m["loss"],
                      "perplexity": m["perplexity"], "task_metric": m[task_key],
                      "next_token_accuracy": m["next_token_accuracy"], "exact_match": m.get("exact_match"),
-                     "kl": m["kl"], "gain_recovered_loss": gain_recovered(m["loss"], b["loss"], f["loss"]),
-                     "gain_recovered_task": gain_recovered(m[task_key], b[task_key], f[task_key]),
+                     "kl": m["kl"],
+                     "gain_recovered_loss": gain_recovered(m["loss"], b["loss"], f["loss"], lower_is_better=True),
+                     "gain_recovered_task": gain_recovered(m[task_key], b[task_key], f[task_key],
+                                                           lower_is_better=False),
                      "artifact": str(artifacts[name]["dir"]) if name in artifacts else None,
                      "distillation": artifacts[name]["distillation"] if name in artifacts else None})
     del models
@@ -491,6 +496,10 @@ def format_table(section: dict) -> list[str]:
 def best_line(section: dict, goal: DictConfig | dict) -> str:
     best = section["best"]
     if best is None:
+        rows = {r["setting"]: r for r in section["rows"]}
+        if "base" in rows and "fine-tune" in rows and not rows["fine-tune"]["loss"] < rows["base"]["loss"]:
+            return (f"{section['variant']}: the fine-tune's loss is no lower than the base's on the test blocks: "
+                    "no gain to recover")
         return (f"{section['variant']}: no compressed setting at ≤ {goal['max_bits_per_parameter']} bits/param "
                 "with a defined gain recovered")
     g = best["gain_recovered_loss"]

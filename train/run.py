@@ -33,7 +33,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from deltafleet.atomic import staged_dir, write_text
+from deltafleet.atomic import check_replaceable, staged_dir, write_text
 from deltafleet.cli import build_hint, fit, interruptible, stop_on_sigterm, user_errors
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -95,6 +95,11 @@ def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: P
             shutil.move(str(adapter_dir), tmp / "adapter")
 
 
+def _not_training_output(folder: Path) -> str | None:
+    """Why ``folder`` is not an earlier training run's checkpoint (it has no ``training.json``), or None."""
+    return None if (folder / "training.json").is_file() else "no training.json of a training run"
+
+
 def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None) -> None:
     """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, was trained at
     another learning rate than ``lr`` (a resume restores the checkpoint's optimizer and schedule, so
@@ -105,7 +110,13 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path {ckpt_path} does not exist")
     if path.is_file():  # DeepSpeed checkpoints are folders; Lightning checks those itself
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as e:
+            raise ValueError(f"ckpt_path {ckpt_path} is not a checkpoint torch can read "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+            raise ValueError(f"ckpt_path {ckpt_path} is not a Lightning checkpoint (no state_dict)")
         hp = ckpt.get("hyper_parameters", {})
         if hp.get("variant") not in (None, variant):
             raise ValueError(f"ckpt_path {ckpt_path} is a checkpoint of variant {hp['variant']!r}, "
@@ -135,6 +146,10 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
         return callbacks
     if cfg.variant.init == "base" and cfg.variant.adapter is None:
         callbacks.append(hydra.utils.instantiate(merge))
+        every, steps = merge.get("every_n_steps"), cfg.trainer.get("max_steps")
+        if isinstance(every, int) and isinstance(steps, int) and every > steps:
+            print(f"[train] merge callback ({name}) merges every {every} steps: not once in this run of {steps} "
+                  f"(merge.every_n_steps=N to merge)", flush=True)
     else:
         why = "the base trains from scratch" if cfg.variant.init == "scratch" else "LoRA trains adapters only"
         print(f"[train] merge callback ({name}) off: {why}", flush=True)
@@ -161,15 +176,26 @@ def check_config(cfg: DictConfig) -> None:
     if not count(steps):  # Lightning's -1 would never stop
         raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
                          f"(variant.max_steps=N or trainer.max_steps=N)")
-    for key in ("batch_size", "seq_len"):
+    for key in ("batch_size", "seq_len", "val_check_interval"):
         if not count(cfg.variant.get(key)):
             raise ValueError(f"variant.{key} must be a whole number, at least 1, got {cfg.variant.get(key)!r}")
+    for key, value in (("eval_batches", cfg.eval_batches), ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps)):
+        if not count(value):
+            raise ValueError(f"{key} must be a whole number, at least 1, got {value!r}")
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
         if Path(cfg.out_dir).resolve() == Path(cfg.base_dir).resolve():
             raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
                              f"starts from, which every artifact is checked against: choose another variant.name")
+    overwrite = bool(cfg.get("overwrite", False))
+    check_replaceable(cfg.out_dir, [cfg.base_dir] if cfg.variant.init == "base" else [], _not_training_output,
+                      job="training", overwrite=overwrite)
+    if cfg.variant.init == "base" and cfg.export.enabled:
+        from deltafleet.compress.bitdelta import _not_artifact
+
+        check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], _not_artifact, job="export",
+                          key="export.out_dir", overwrite=overwrite)
     for split in SPLITS:
         split_file(cfg.paths.data_dir, cfg.variant.domain, split)
     if cfg.variant.adapter not in (None, "lora"):
@@ -177,8 +203,6 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
     check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg))
-    if cfg.checkpoint.every_n_steps < 1:
-        raise ValueError(f"checkpoint.every_n_steps must be >= 1, got {cfg.checkpoint.every_n_steps}")
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
         raise ValueError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
@@ -205,7 +229,12 @@ def train(cfg: DictConfig) -> dict:
     model = build_model(cfg, tokenizer)
     dm = TextDataModule(cfg.paths.data_dir, domain, tokenizer, cfg.variant.seq_len, cfg.variant.batch_size,
                         num_workers=cfg.num_workers, seed=cfg.seed)
-    dm.setup()
+    with user_errors("train"):  # data too small for the settings: one line, before any training
+        dm.setup()
+        if len(dm.blocks["train"]) < cfg.variant.batch_size:
+            raise ValueError(f"the {domain} train split holds {len(dm.blocks['train'])} blocks of "
+                             f"{cfg.variant.seq_len} tokens, fewer than one batch (variant.batch_size="
+                             f"{cfg.variant.batch_size}): nothing to train on")
     test_blocks = dm.blocks["test"]
     n_params = sum(p.numel() for p in model.parameters())
     initial = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches) \
