@@ -240,7 +240,9 @@ class DeltaCache:
     def _load(self, e: _Entry, stamp: Any, deadline: float) -> Any:
         """Bring ``e`` onto the device, waiting for room until ``deadline`` (monotonic seconds), which
         counts from the request's arrival, so that requests queued behind a load that waits for room
-        give up with it rather than one wait after another; a read of the artifact extends it."""
+        give up with it rather than one wait after another; a read of the artifact extends it. When
+        the variant's size is known (an earlier read's: a load that failed), room is made before the
+        read, so that no request reads the artifact only to find no room."""
         with e.lock:  # single flight: the first request loads, the others find it loaded
             with self._lock:
                 if e.device is not None:
@@ -248,27 +250,29 @@ class DeltaCache:
                 host = e.host
             t0 = time.perf_counter()
             tier: Tier = "host" if host is not None else "disk"
+            held = 0  # device bytes reserved for e
             try:
-                if host is None and e.nbytes and time.monotonic() >= deadline:  # queued behind a failed load:
-                    with self._lock:  # no read for nothing, if its size (an earlier read's) still finds no room
-                        if (not self._fits(self.device_bytes, self.device_budget, e.nbytes)
-                                and self._victim("device", exclude=e.model_id) is None):
-                            raise self._no_room(e)
+                if host is None and e.nbytes:
+                    with self._lock:
+                        self._make_room(e, deadline)
+                        held = e.nbytes
                 if host is None:
                     t_read = time.monotonic()
                     host = self._read(e.model_id)
                     e.nbytes = int(self._size(host))
                     deadline += time.monotonic() - t_read
-                with self._lock:
-                    self._make_room(e, deadline)
-                try:
-                    dev = self._to_device(host)
-                except BaseException:
+                if held != e.nbytes:  # nothing reserved yet (or for another size)
                     with self._lock:
-                        self.device_bytes -= e.nbytes
-                        self._room.notify_all()
-                    raise
+                        self.device_bytes -= held
+                        held = 0
+                        self._make_room(e, deadline)
+                        held = e.nbytes
+                dev = self._to_device(host)
             except BaseException:
+                if held:
+                    with self._lock:
+                        self.device_bytes -= held
+                        self._room.notify_all()
                 self._emit("load_failed", e.model_id, time.perf_counter() - t0, tier)
                 raise
             with self._lock:

@@ -290,7 +290,7 @@ def test_exporting_the_base_is_refused(family):
 
 @pytest.mark.parametrize("override, message", [
     ("trainer=deepspeed_zero3", "trainer=deepspeed_zero3 needs CUDA GPUs and this machine has none"),
-    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be >= 1, got 0"),
+    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be a whole number, at least 1, got 0"),
     ("export.granularity=bogus", "export.granularity must be one of ('matrix', 'row', 'rowcol'), got 'bogus'"),
 ])
 def test_bad_settings_fail_before_training(family, override, message):
