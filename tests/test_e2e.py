@@ -292,15 +292,19 @@ def test_exporting_the_base_is_refused(family):
     ("trainer=deepspeed_zero3", "trainer=deepspeed_zero3 needs CUDA GPUs and this machine has none"),
     ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be a whole number, at least 1, got 0"),
     ("export.granularity=bogus", "export.granularity must be one of ('matrix', 'row', 'rowcol'), got 'bogus'"),
+    # found by a fresh user: fit found no batch, then saving failed with a TypeError traceback
+    ("variant.batch_size=100000", "the legal train split holds "),
 ])
 def test_bad_settings_fail_before_training(family, override, message):
     root, _, _ = family
     if override.startswith("trainer=") and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
     before = sorted(p.name for p in (root / "models").iterdir())
-    proc = subprocess.run([sys.executable, "train/run.py", "variant=legal", override, f"paths.root={root}",
-                           *SMALL_MODEL, *SMALL_RUN], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    proc = subprocess.run([sys.executable, "train/run.py", "variant=legal", f"paths.root={root}",
+                           *SMALL_MODEL, *SMALL_RUN, override], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and f"train: ValueError: {message}" in proc.stderr
+    if "batch_size" in override:
+        assert "blocks of 64 tokens, fewer than one batch (variant.batch_size=100000): nothing to train on" in proc.stderr
     assert "Traceback" not in proc.stderr and "Trainer.fit" not in proc.stdout + proc.stderr
     assert sorted(p.name for p in (root / "models").iterdir()) == before
