@@ -409,7 +409,7 @@ def compress(
     if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
-    check_replaceable(out_dir, [base_dir, finetuned_dir], _not_artifact, job="export", overwrite=overwrite)
+    check_replaceable(out_dir, [base_dir, finetuned_dir], not_artifact, job="export", overwrite=overwrite)
 
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
@@ -801,7 +801,7 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
 
 
 
-def _not_artifact(folder: Path) -> str | None:
+def not_artifact(folder: Path) -> str | None:
     """Why ``folder`` is not a BitDelta artifact (it has no manifest), or None if it is; stray files in
     an artifact's folder go with it."""
     return None if (folder / MANIFEST_NAME).is_file() else f"no {MANIFEST_NAME}"

@@ -192,9 +192,9 @@ def check_config(cfg: DictConfig) -> None:
     check_replaceable(cfg.out_dir, [cfg.base_dir] if cfg.variant.init == "base" else [], _not_training_output,
                       job="training", overwrite=overwrite)
     if cfg.variant.init == "base" and cfg.export.enabled:
-        from deltafleet.compress.bitdelta import _not_artifact
+        from deltafleet.compress.bitdelta import not_artifact
 
-        check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], _not_artifact, job="export",
+        check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], not_artifact, job="export",
                           key="export.out_dir", overwrite=overwrite)
     for split in SPLITS:
         split_file(cfg.paths.data_dir, cfg.variant.domain, split)
