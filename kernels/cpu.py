@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltafleet.kernels.reference import check_linear_args, untile_signs, unpack_signs
+from deltafleet.kernels.reference import add_sign_products as reference_add_sign_products
+from deltafleet.kernels.reference import check_linear_args, unpack_signs
 
 TABLE_MAX_ROWS = 64  # rows of one variant up to which the byte tables run (above: unpack, multiply)
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -33,11 +34,6 @@ def _lut(device: torch.device) -> torch.Tensor:
         if type(lut) is torch.Tensor:  # not a fake or traced tensor (shape inference, export)
             _LUTS[device] = lut
     return lut
-
-
-def rows_of(signs: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """One matrix's packed signs as rows ``[N, ceil(K/8)]``, from rows or the tiled layout."""
-    return untile_signs(signs, n, k) if signs.dim() == 4 else signs
 
 
 def sign_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,20 +53,8 @@ def sign_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
 
 def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
                       y: torch.Tensor, betas: torch.Tensor | None = None) -> torch.Tensor:
-    """As ``reference.add_sign_products`` (same arguments and contract: in float32, rounded once
-    into ``y``; base rows unchanged), each variant's rows by :func:`sign_product` over that
-    variant's signs alone."""
-    n, k = y.shape[1], x.shape[1]
-    xf, acc = x.float(), y.float()
-    for t in slot.unique().tolist():
-        if t < 0:
-            continue
-        rows = (slot == t).nonzero(as_tuple=True)[0]
-        xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
-        acc[rows] += sign_product(xs, rows_of(signs[t], n, k), k) * alphas[t].float()
-    if acc is not y:
-        y.copy_(acc)
-    return y
+    """``reference.add_sign_products`` (same arguments and contract) with :func:`sign_product`."""
+    return reference_add_sign_products(x, signs, alphas, slot, y, betas, product=sign_product)
 
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,

@@ -345,22 +345,28 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
 
 
+def _unpacked_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``x · (2·bits − 1)ᵀ`` by unpacking the signs (float32)."""
+    return x @ unpack_signs(packed, k, torch.float32).t()
+
+
 def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
-                      y: torch.Tensor, betas: torch.Tensor | None = None) -> torch.Tensor:
+                      y: torch.Tensor, betas: torch.Tensor | None = None, product=_unpacked_product) -> torch.Tensor:
     """Reference of the variants' part of :func:`bitdelta_linear_batched`, in place: ``y[m] += α_s ⊙
     (x[m] · S_sᵀ)`` (``x[m] ⊙ β_s`` with column scales) for every row with ``s = slot[m] ≥ 0``, in
     float32, rounded once into ``y``'s dtype (base rows keep their values exactly). Arguments as
-    :func:`bitdelta_linear_batched`'s, ``y`` ``[M, N]``; returns ``y``. Trusts its inputs."""
+    :func:`bitdelta_linear_batched`'s, ``y`` ``[M, N]``; returns ``y``. Trusts its inputs. Only the
+    slots in ``slot`` are read (untiled one by one); ``product(xs, packed_rows, k)`` multiplies a
+    slot's rows by its signs (kernels/cpu.py passes its byte tables)."""
     n, k = y.shape[1], x.shape[1]
-    if signs.dim() == 5:
-        signs = untile_signs(signs, n, k)
     xf, acc = x.float(), y.float()  # acc is y itself when y is float32
     for t in slot.unique().tolist():
         if t < 0:
             continue
         rows = (slot == t).nonzero(as_tuple=True)[0]
         xs = xf[rows] if betas is None else xf[rows] * betas[t].float()
-        acc[rows] += (xs @ unpack_signs(signs[t], k, torch.float32).t()) * alphas[t].float()
+        packed = untile_signs(signs[t], n, k) if signs.dim() == 5 else signs[t]
+        acc[rows] += product(xs, packed, k) * alphas[t].float()
     if acc is not y:
         y.copy_(acc)
     return y
