@@ -339,6 +339,9 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
 
 
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, thread) → side stream
+# The side stream's priority (lower is higher, PyTorch's convention): the sign products are the longer
+# chain of a two-stream call, so the block scheduler serves them before the base GEMM's blocks.
+SIDE_PRIORITY = -1
 # (device index, n, thread, or GRAPHS) → a zeroed float32 accumulator (_accumulator)
 _ACCUMULATORS: dict[tuple[int, int, int | str], torch.Tensor] = {}
 GRAPHS = "graphs"  # the accumulators' key of the calls captured in CUDA graphs, from any thread
@@ -375,7 +378,8 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     capture fails on the first error), so no later call adds them. The other tensors used on the side
     stream are either the caller's or allocated there (the planes), so the caching allocator reuses
     none of them early. One side stream per device and thread, kept distinct from the current stream
-    (PyTorch hands streams out of a pool)."""
+    (PyTorch hands streams out of a pool), at :data:`SIDE_PRIORITY`: the sign products outlast the
+    GEMM, so their blocks go first (a CUDA graph keeps each captured kernel's priority)."""
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     capturing = torch.cuda.is_current_stream_capturing()
@@ -384,7 +388,7 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     key = (x.device.index, threading.get_ident())
     side = _SIDE_STREAMS.get(key)
     while side is None or side == cur:  # the pool's next stream: at most one more try
-        side = _SIDE_STREAMS[key] = torch.cuda.Stream(x.device)
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(x.device, priority=SIDE_PRIORITY)
     side.wait_stream(cur)
     try:
         with torch.cuda.stream(side):

@@ -452,6 +452,10 @@ def test_base_product_beside_the_sign_products_on_two_streams(m, pattern):
     kept = [b for (dev, n, owner), b in _ACCUMULATORS.items()
             if dev == xd.device.index and n in (520, 784) and owner in (threading.get_ident(), GRAPHS)]
     assert len(kept) == 4 and all(torch.count_nonzero(b).item() == 0 for b in kept)  # eager and graphs
+    from deltafleet.kernels.triton_grouped import _SIDE_STREAMS  # the longer chain's blocks go first
+
+    side = _SIDE_STREAMS[(xd.device.index, threading.get_ident())]
+    assert side.priority < torch.cuda.current_stream().priority
 
 
 @pytest.mark.gpu
