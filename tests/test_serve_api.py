@@ -655,7 +655,7 @@ def test_no_request_path_answers_a_traceback(server, engine, monkeypatch):
 
 
 def test_unserved_dtype_is_refused_at_startup(root):
-    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={root}", "dtype=int8"], cwd=REPO,
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={root}", "dtype=int8", "port=0"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "int8" in out.stderr and all(d in out.stderr for d in ("float32", "bfloat16", "float16"))
@@ -1087,11 +1087,11 @@ def test_engine_loads_variants_lazily_and_single_flight(root, monkeypatch):
 def test_missing_base_tells_to_run_make_base(tmp_path):
     with pytest.raises(FileNotFoundError, match="make base"):
         Engine(tmp_path / "models" / "base", tmp_path / "artifacts")
-    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}"], cwd=REPO,
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "port=0"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "make base" in out.stderr and "Traceback" not in out.stderr
     # The real family's base is built by another command, and the error says which.
-    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "model=smollm2"], cwd=REPO,
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "model=smollm2", "port=0"], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "`make real-base`" in out.stderr and "smollm2-base" in out.stderr
     assert "Traceback" not in out.stderr
