@@ -72,6 +72,7 @@ UNSUPPORTED = {
     "truncate_prompt_tokens": lambda v: False,
     "prompt_logprobs": lambda v: False,
     "structural_tag": lambda v: False,
+    "echo": lambda v: v is False,  # chat's (vLLM: the last message before the reply); completions implement theirs
 }
 
 

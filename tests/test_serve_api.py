@@ -668,6 +668,7 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("completions", {"logit_bias": {"5": 10}}),
     ("completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
+    ("chat/completions", {"echo": True}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):
     body = {"model": "tiny", "max_tokens": 2}
@@ -683,7 +684,8 @@ def test_harmless_parameters_are_accepted(client):
     common = dict(model="tiny", max_tokens=2, n=1, user="u", presence_penalty=0, frequency_penalty=0.0)
     assert client.completions.create(prompt="x", echo=False, best_of=1, logprobs=None, suffix=None, **common).choices
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], logprobs=False,
-                                          response_format={"type": "text"}, tool_choice="none", **common)
+                                          response_format={"type": "text"}, tool_choice="none", **common,
+                                          extra_body={"echo": False})
     assert chat.choices[0].finish_reason in ("stop", "length")
     chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], stream=True,
                                                  stream_options={"include_usage": True}, **common))
