@@ -1093,7 +1093,7 @@ def test_missing_base_tells_to_run_make_base(tmp_path):
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "make base" in out.stderr and "Traceback" not in out.stderr
     # The real family's base is built by another command, and the error says which.
-    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "model=smollm2", "port=0"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "model=smollm2", "port=0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "`make real-base`" in out.stderr and "smollm2-base" in out.stderr
     assert "Traceback" not in out.stderr

@@ -455,8 +455,8 @@ def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_fami
                                  "that divides both"),
                 ((base, "tp=2", f"port={busy}"), f"error: cannot listen on 127.0.0.1:{busy} (Address already in use): "
                                                  "choose another port=N or host=..."),
-                ((base, "tp=2", f"tp_port={busy}", "port=0"), f"error: cannot listen on 127.0.0.1:{busy} (Address already in "
-                                                    "use): choose another tp_port=N")):
+                ((base, "tp=2", f"tp_port={busy}", "port=0"), f"error: cannot listen on 127.0.0.1:{busy} (Address "
+                                                              "already in use): choose another tp_port=N")):
             r = run(*overrides)
             assert r.returncode == 2 and r.stderr.strip() == message, r.stderr
         r = run(f"base_dir={tmp_path / 'none'}", "tp=2", f"tp_port={port}", "port=0")
