@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafleet.kernels.reference import add_sign_products as reference_add_sign_products
-from deltafleet.kernels.reference import check_linear_args, unpack_signs
+from deltafleet.kernels.reference import linear_with, unpacked_product
 
 TABLE_MAX_ROWS = 64  # rows of one variant up to which the byte tables run (above: unpack, multiply)
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -42,7 +42,7 @@ def sign_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
     reference (unpack, multiply). Trusts its inputs."""
     m, (n, kp) = x.shape[0], packed.shape
     if m > TABLE_MAX_ROWS or m == 0 or n == 0:
-        return x @ unpack_signs(packed, k, torch.float32).t()
+        return unpacked_product(x, packed, k)
     xb = F.pad(x, (0, 8 * kp - k)).view(m, kp, 8)            # zeros past K add nothing
     table = (xb @ _lut(x.device).t()).reshape(m, kp * 256)   # [M, kp·256]: T[m, b, v]
     index = packed.to(torch.int32) + 256 * torch.arange(kp, dtype=torch.int32, device=packed.device)
@@ -59,16 +59,8 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
 
 def bitdelta_linear(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                     bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
-    """As ``reference.bitdelta_linear``, with its checks (``reference.check_linear_args``): ``[..., N]``
-    in x's dtype, computed in float32."""
-    sign = check_linear_args(x, weight, sign, alpha, bias, beta)
-    n, k = weight.shape
-    x2 = x.reshape(-1, k).float()
-    xs = x2 if beta is None else x2 * beta.float()
-    y = x2 @ weight.float().t() + sign_product(xs, sign, k) * alpha.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    """``reference.bitdelta_linear`` (same arguments, checks and contract) with :func:`sign_product`."""
+    return linear_with(sign_product, x, weight, sign, alpha, bias, beta)
 
 
 __all__ = ["TABLE_MAX_ROWS", "add_sign_products", "bitdelta_linear", "sign_product"]

@@ -50,9 +50,13 @@ def _linear_plain(x, weight, sign, alpha, bias=None, beta=None) -> torch.Tensor:
     return (cpu.bitdelta_linear if _plain(x) else bitdelta_linear_reference)(x, weight, sign, alpha, bias, beta)
 
 
+def _add_plain(x):
+    """The non-Triton ``add_sign_products`` for x: the CPU's byte tables, else the reference's."""
+    return cpu.add_sign_products if _plain(x) else add_sign_products_reference
+
+
 def _batched_plain(x, weight, signs, alphas, slot, bias=None, betas=None) -> torch.Tensor:
-    add = cpu.add_sign_products if _plain(x) else add_sign_products_reference
-    return batched_with(add, x, weight, signs, alphas, slot, bias, betas)
+    return batched_with(_add_plain(x), x, weight, signs, alphas, slot, bias, betas)
 
 
 def _on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -169,7 +173,7 @@ def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor
                    alphas, groups if groups is not None else group_rows(slot, signs.shape[0]), y,
                    planes, pdl=groups is not None or not planes)
         return y
-    return (cpu.add_sign_products if _plain(x) else add_sign_products_reference)(x, signs, alphas, slot, y)
+    return _add_plain(x)(x, signs, alphas, slot, y)
 
 
 def bitdelta_linear_batched(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor,

@@ -245,14 +245,21 @@ def bitdelta_linear(
         ValueError: on mismatched shapes (x, weight, sign, alpha or bias), an argument that is not a
             tensor, or an x that is not floating point.
     """
+    return linear_with(unpacked_product, x, weight, sign, alpha, bias, beta)
+
+
+def linear_with(product, x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
+                bias: torch.Tensor | None = None, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bitdelta_linear` (its checks, float32 arithmetic, the bias) with the sign product by
+    ``product(xs, packed_rows, k)``, as :func:`unpacked_product` (kernels/cpu.py passes its byte tables)."""
     sign = check_linear_args(x, weight, sign, alpha, bias, beta)
-    k = weight.shape[1]
-    xf = x.float()
+    n, k = weight.shape
+    xf = x.reshape(-1, k).float()
     xs = xf if beta is None else xf * beta.float()
-    y = xf @ weight.float().t() + (xs @ unpack_signs(sign, k, torch.float32).t()) * alpha.float()
+    y = xf @ weight.float().t() + product(xs, sign, k) * alpha.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def check_linear_args(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
@@ -345,13 +352,14 @@ def check_batched_args(x: torch.Tensor, weight: torch.Tensor, signs: torch.Tenso
         raise ValueError(f"slot indices must lie in [-1, {s}), got [{int(slot.min())}, {int(slot.max())}]")
 
 
-def _unpacked_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
-    """``x · (2·bits − 1)ᵀ`` by unpacking the signs (float32)."""
+def unpacked_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``x · (2·bits − 1)ᵀ`` for float32 rows ``x`` ``[M, K]`` and packed sign rows ``[N, ceil(K/8)]``,
+    by unpacking the signs (float32)."""
     return x @ unpack_signs(packed, k, torch.float32).t()
 
 
 def add_sign_products(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, slot: torch.Tensor,
-                      y: torch.Tensor, betas: torch.Tensor | None = None, product=_unpacked_product) -> torch.Tensor:
+                      y: torch.Tensor, betas: torch.Tensor | None = None, product=unpacked_product) -> torch.Tensor:
     """Reference of the variants' part of :func:`bitdelta_linear_batched`, in place: ``y[m] += α_s ⊙
     (x[m] · S_sᵀ)`` (``x[m] ⊙ β_s`` with column scales) for every row with ``s = slot[m] ≥ 0``, in
     float32, rounded once into ``y``'s dtype (base rows keep their values exactly). Arguments as
