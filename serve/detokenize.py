@@ -8,9 +8,11 @@ import json
 import re
 import threading
 import weakref
+from collections.abc import Sequence
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 _SPACE = "\u2581"  # SentencePiece's word-boundary mark
+CONTEXT_TOKENS = 6  # prompt tokens a completion's detokenizer starts from (vLLM: 5 before the last)
 _kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → (byte table or None, added ids)
 
 
@@ -52,6 +54,29 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     return out
 
 
+def _open_tokens(tokenizer, ids: list[int], lock: threading.Lock) -> int:
+    """How many of the last tokens of ``ids`` hold the start of a UTF-8 character their bytes leave
+    incomplete (0 when they end on a character's end, or in bytes that are no UTF-8 at all)."""
+    if not ids:
+        return 0
+    with lock:
+        pieces = token_bytes(tokenizer, ids)
+    tail = b"".join(pieces[-4:])[-4:]  # a character is at most four bytes
+    for back in range(1, min(len(tail), 3) + 1):
+        lead = tail[-back]
+        if lead & 0xC0 == 0x80:  # a continuation byte: look further back
+            continue
+        need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 1
+        if need <= back:
+            return 0
+        n, count = 0, 0
+        for piece in reversed(pieces):  # the tokens that hold those ``back`` bytes
+            n, count = n + len(piece), count + 1
+            if n >= back:
+                return count
+    return 0
+
+
 def _failure_table(stop: str) -> list[int]:
     """Knuth–Morris–Pratt: ``t[i]`` = the length of the longest proper prefix of ``stop[:i + 1]`` that
     is also its suffix."""
@@ -71,7 +96,11 @@ class TextStream:
     Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
     previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
     the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
-    for the next token. Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
+    for the next token. The first window starts at ``context``, the prompt's last tokens (at most
+    :data:`CONTEXT_TOKENS` are used): the first generated word keeps its leading space (a SentencePiece
+    decoder strips the text's first one), and a character whose first bytes end the prompt and whose
+    last ones the completion begins with is the completion's first character (vLLM drops it; the
+    prompt's text ends with U+FFFD there). Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
     character once; the automata's longest partial match is the text held back, since it may still
     begin a stop. The first stop completed ends the text just before it (of two completed by the
     same character, the longer); before ``min_tokens`` tokens none does, as in vLLM (a stop that
@@ -79,7 +108,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self.tokenizer, self.lock = tokenizer, lock
         # A fast tokenizer's decode is its Rust backend's, then (with clean_up_tokenization_spaces)
         # a cleanup pass: without the cleanup, call the backend directly (a quarter of the time a token)
@@ -90,9 +119,13 @@ class TextStream:
         self.stops = [s for s in stop if s]
         self.tables = [_failure_table(s) for s in self.stops]
         self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
-        self.prefix_text = ""  # decode(ids[prefix:read])
+        self.ids = list(context[len(context) - CONTEXT_TOKENS:] if len(context) > CONTEXT_TOKENS else context)
+        self.given = len(self.ids)  # ids[:given] are the prompt's, ids[given:] generated
+        self.prefix = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
+        self.read = self.given - _open_tokens(tokenizer, self.ids, lock)  # a character left open is the window's
+        self.prefix_text = self._decode(self.ids[:self.read]) if self.read else ""  # decode(ids[prefix:read])
+        # the open character as the prompt's text ends (U+FFFD): the completion's own until it stays so
+        self.open = self._decode(self.ids)[len(self.prefix_text):] if self.read < self.given else ""
         self.fed = 0  # characters the window adds that went through the automata already
         self.held = ""  # text checked but not released: it may begin a stop string
 
@@ -102,11 +135,23 @@ class TextStream:
                 return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _close(self, new: str) -> str:
+        """The window's new text once something follows the prompt's open character: without that
+        character's U+FFFD if the completion did not finish it (it is the prompt's)."""
+        if new.startswith(self.open):
+            self.prefix_text += self.open
+            new = new[len(self.open):]
+        self.open = ""
+        return new
+
     def push(self, token: int) -> tuple[str, bool]:
         """Add a token; return (newly released text, whether a stop string was reached)."""
         self.ids.append(token)
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
         stable = len(new.rstrip("\ufffd"))
+        if self.open and stable:
+            closed = self._close(new)
+            new, stable = closed, stable - (len(new) - len(closed))
         chars, self.fed = new[self.fed:stable], max(self.fed, stable)
         if stable == len(new):  # complete: the next window starts at this step's tokens
             self.prefix, self.read = self.read, len(self.ids)
@@ -128,7 +173,7 @@ class TextStream:
                     if n == len(stop):
                         hit, n = max(hit, n), table[n - 1]
                 self.states[k] = n
-            if hit and len(self.ids) >= self.min_tokens:  # (one completed earlier ends nothing)
+            if hit and len(self.ids) - self.given >= self.min_tokens:  # (one completed earlier ends nothing)
                 text = self.held + chars[:i + 1]
                 self.held = ""
                 return text[:len(text) - hit], True
@@ -141,6 +186,8 @@ class TextStream:
         """The generation ended: the rest of the text (what was held back, and an incomplete UTF-8
         sequence's U+FFFD), cut before a stop string it completes; and whether it did."""
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        if self.open:
+            new = self._close(new)
         rest, self.fed = new[self.fed:], len(new)
         out, stopped = self._check(rest)
         out, self.held = out + self.held, ""

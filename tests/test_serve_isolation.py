@@ -178,8 +178,9 @@ class _CharTokenizer:
         return "".join(self.VOCAB[i] for i in ids)
 
 
-def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None, min_tokens: int = 0) -> tuple[str, bool, list[str]]:
-    ts = TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock(), min_tokens)
+def _stream(ids: list[int], stop: tuple[str, ...], tokenizer=None, min_tokens: int = 0,
+            context: tuple[int, ...] = ()) -> tuple[str, bool, list[str]]:
+    ts = TextStream(tokenizer or _CharTokenizer(), stop, threading.Lock(), min_tokens, context=context)
     pieces = []
     for t in ids:
         piece, stopped = ts.push(t)
@@ -259,6 +260,54 @@ def test_each_token_spells_its_own_bytes_pieces_of_characters_too(engine):
     sp = PreTrainedTokenizerFast(tokenizer_object=sp)
     assert token_bytes(sp, [3, 1, 2, 4]) == [b" a", b"\xc3", b"\xa9", b"b"]
     assert sp.decode([3, 1, 2, 4]) == " aéb"
+
+
+def _sentencepiece_style():
+    """A tokenizer decoding as Llama-2's does: ``▁`` to spaces, ``<0xNN>`` byte tokens, and the text's
+    first space stripped."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "\u2581a": 3, "b": 4, "\u2581Hello": 5, "<0xE2>": 6, "<0x82>": 7,
+             "<0xAC>": 8}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=sp)
+
+
+def test_a_completion_is_detokenized_after_its_prompt():
+    """The stream starts from the prompt's last tokens: a SentencePiece decoder strips the first space
+    of a text, so the completion's first word alone lost it; a character whose first bytes end the
+    prompt is the completion's first once its last bytes come, and stays the prompt's (U+FFFD there,
+    not here) when they do not."""
+    sp = _sentencepiece_style()
+    assert sp.decode([3, 5]) == "a Hello" and sp.decode([5]) == "Hello"
+    assert _stream([5, 5], (), sp, context=(3,))[0] == " Hello Hello"
+    assert _stream([5], (), sp)[0] == "Hello"  # nothing before it: the decoder's own first word
+    assert _stream([2, 4], (), sp, context=(3, 1))[0] == "éb"
+    assert _stream([7, 8, 4], (), sp, context=(3, 6))[2] == ["", "€", "b", ""]
+    assert _stream([8], (), sp, context=(6, 7))[0] == "€"
+    assert _stream([5], (), sp, context=(3, 1))[0] == " Hello"  # é never finished: the prompt's U+FFFD
+    assert _stream([7, 5], (), sp, context=(6,))[0] == "\ufffd Hello"  # its own byte 0x82 is the completion's
+    assert _stream([], (), sp, context=(3, 1))[0] == ""
+
+
+def test_a_prompt_cut_anywhere_leaves_the_completion_its_characters(engine):
+    """Byte-level BPE: a prompt of the text's first tokens, cut anywhere (inside a character too), and
+    the rest generated: the completion's text is the text from the first character the prompt does
+    not hold whole, also with stop strings and ``min_tokens`` counting generated tokens only."""
+    tok = engine.detokenizer
+    text = "def é(x): return '你🙂 ok'"
+    ids = tok.encode(text, add_special_tokens=False)
+    ends = {len(text[:i].encode()): i for i in range(len(text) + 1)}  # character ends, in bytes
+    for j in range(1, len(ids)):
+        held = len(b"".join(token_bytes(tok, ids[:j])))
+        first = ends[max(b for b in ends if b <= held)]
+        assert _stream(ids[j:], (), tok, context=tuple(ids[:j]))[0] == text[first:], j
+    j = len(tok.encode("def é(x): return", add_special_tokens=False))
+    assert _stream(ids[j:], ("'",), tok, context=tuple(ids[:j]))[:2] == (" ", True)
+    assert _stream(ids[j:], (" ",), tok, min_tokens=2, context=tuple(ids[:j]))[:2] == (" '你🙂", True)
 
 
 def _not_utf8(b: bytes) -> bool:

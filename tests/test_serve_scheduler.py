@@ -215,6 +215,24 @@ def test_text_is_made_off_the_model_thread_and_a_stop_string_ends_the_sequence(t
         time.sleep(0.01)
 
 
+def test_a_sequence_detokenizes_from_its_prompts_last_tokens(tiny_family, monkeypatch):
+    """Each sequence's text stream starts from the last ``CONTEXT_TOKENS`` of its prompt (its first
+    word's space and a character the prompt leaves open: serve/detokenize.py)."""
+    from deltafleet.serve import detokenize
+
+    engine = _engine(tiny_family, max_batch=2)
+    contexts = []
+    real = detokenize.TextStream.__init__
+    monkeypatch.setattr(detokenize.TextStream, "__init__",
+                        lambda self, *a, **kw: contexts.append(list(a[5] if len(a) > 5 else kw["context"]))
+                        or real(self, *a, **kw))
+    ids = engine.encode_prompt("import os\nimport sys\nimport json\n")
+    assert len(ids) > detokenize.CONTEXT_TOKENS
+    engine.complete("tiny-coder", ids, SamplingParams(max_tokens=2, temperature=0))
+    engine.complete("tiny", ids[:2], SamplingParams(max_tokens=2, temperature=0))
+    assert contexts == [ids[-detokenize.CONTEXT_TOKENS:], ids[:2]]
+
+
 def test_a_drain_refuses_what_has_not_started_and_keeps_a_request_with_a_choice_running(tiny_family):
     """``Engine.drain`` (a shutdown's start) ends the requests that have not started with its error, and
     every later one (``prepare`` raises it). Found by a fresh user: a request of two choices with one
