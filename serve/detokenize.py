@@ -123,9 +123,11 @@ class TextStream:
         self.given = len(self.ids)  # ids[:given] are the prompt's, ids[given:] generated
         self.prefix = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
         self.read = self.given - _open_tokens(tokenizer, self.ids, lock)  # a character left open is the window's
-        self.prefix_text = self._decode(self.ids[:self.read]) if self.read else ""  # decode(ids[prefix:read])
-        # the open character as the prompt's text ends (U+FFFD): the completion's own until it stays so
-        self.open = self._decode(self.ids)[len(self.prefix_text):] if self.read < self.given else ""
+        self.prefix_text = self._decode(self.ids) if self.ids else ""  # decode(ids[prefix:read])
+        self.open = ""  # how the prompt's text ends in the open character (U+FFFD): the completion's if it ends it
+        if self.read < self.given:  # the prompt's text before that character (its tokens may hold more: a space)
+            closed = self.prefix_text.rstrip("\ufffd")
+            self.prefix_text, self.open = closed, self.prefix_text[len(closed):]
         self.fed = 0  # characters the window adds that went through the automata already
         self.held = ""  # text checked but not released: it may begin a stop string
 

@@ -293,6 +293,25 @@ def test_a_completion_is_detokenized_after_its_prompt():
     assert _stream([], (), sp, context=(3, 1))[0] == ""
 
 
+def test_an_open_character_after_a_space_in_one_token():
+    """Byte-level BPE (SmolLM2's, GPT-2's) spells " 🌱" as a token of the space and the emoji's first
+    bytes ("ĠðŁ") and then its last: the space stays the prompt's, the emoji is the completion's, found
+    by a fresh user (the first emoji was dropped when its bytes came one token at a time, and the
+    space repeated when one token finished it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"I": 0, "Ġlove": 1, "ĠðŁ": 2, "Į": 3, "±": 4, "ðŁ": 5, "Ġ": 6}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    assert tok.decode([0, 1, 2, 3, 4, 5, 3, 4]) == "I love 🌱🌱"
+    assert _stream([3, 4, 5, 3, 4], (), tok, context=(0, 1, 2))[0] == "🌱🌱"
+    assert _stream([4, 5, 3, 4], (), tok, context=(0, 1, 2, 3))[0] == "🌱🌱"
+    assert _stream([6, 5], (), tok, context=(0, 1, 2))[0] == " \ufffd"  # never finished: the prompt's U+FFFD
+    assert _stream([3, 4, 5, 3, 4], ("🌱",), tok, min_tokens=3, context=(0, 1, 2))[:2] == ("🌱", True)
+
+
 def test_a_prompt_cut_anywhere_leaves_the_completion_its_characters(engine):
     """Byte-level BPE: a prompt of the text's first tokens, cut anywhere (inside a character too), and
     the rest generated: the completion's text is the text from the first character the prompt does
