@@ -96,12 +96,12 @@ class TextStream:
     Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
     previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
     the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
-    for the next token. The first window starts at ``context``, the prompt's last tokens (at most
-    :data:`CONTEXT_TOKENS` are used): the first generated word keeps its leading space (a SentencePiece
+    for the next token. The first window starts at ``context``, the prompt's last
+    :data:`CONTEXT_TOKENS` tokens: the first generated word keeps its leading space (a SentencePiece
     decoder strips the text's first one), and a character whose first bytes end the prompt and whose
     last ones the completion begins with is the completion's first character (vLLM drops it; the
-    prompt's text ends with U+FFFD there). Stop strings: one Knuth–Morris–Pratt automaton per stop, fed each new
-    character once; the automata's longest partial match is the text held back, since it may still
+    prompt's text ends with U+FFFD there). Stop strings: one Knuth–Morris–Pratt automaton per stop,
+    fed each new character once; the automata's longest partial match is the text held back, since it may still
     begin a stop. The first stop completed ends the text just before it (of two completed by the
     same character, the longer); before ``min_tokens`` tokens none does, as in vLLM (a stop that
     begins before and is completed after counts).
@@ -119,11 +119,11 @@ class TextStream:
         self.stops = [s for s in stop if s]
         self.tables = [_failure_table(s) for s in self.stops]
         self.states = [0] * len(self.stops)  # characters of each stop matched by the text's end
-        self.ids = list(context[len(context) - CONTEXT_TOKENS:] if len(context) > CONTEXT_TOKENS else context)
+        self.ids = list(context[-CONTEXT_TOKENS:])
         self.given = len(self.ids)  # ids[:given] are the prompt's, ids[given:] generated
         self.prefix = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
         self.read = self.given - _open_tokens(tokenizer, self.ids, lock)  # a character left open is the window's
-        self.prefix_text = self._decode(self.ids) if self.ids else ""  # decode(ids[prefix:read])
+        self.prefix_text = self._decode(self.ids) if self.ids else ""  # the window's text before its new tokens
         self.open = ""  # how the prompt's text ends in the open character (U+FFFD): the completion's if it ends it
         if self.read < self.given:  # the prompt's text before that character (its tokens may hold more: a space)
             closed = self.prefix_text.rstrip("\ufffd")

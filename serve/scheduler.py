@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 
 from deltafleet.serve import sampling
-from deltafleet.serve.detokenize import CONTEXT_TOKENS, TextStream, token_bytes
+from deltafleet.serve.detokenize import TextStream, token_bytes
 from deltafleet.serve.kv import BlockPool
 from deltafleet.serve.pacing import StepClock, decode_kind
 from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
@@ -458,7 +458,7 @@ class Scheduler:
         p, eng = seq.req.params, self.engine
         seq.started = True
         seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens, p.skip_special_tokens,
-                              seq.req.prompt_ids[-CONTEXT_TOKENS:])
+                              seq.req.prompt_ids)
         seq.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids))
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         if seq.req.grammar is not None and seq.matcher is None:  # kept through a preemption: its tokens stay
