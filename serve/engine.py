@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -72,6 +73,15 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     if dt not in DTYPES.values():
         raise ValueError(f"dtype {name!r} cannot be served; valid dtypes: {', '.join(DTYPES)}")
     return dt
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _foreign_message(model_id: str, other: str, base: str) -> str:
+    return (f"The model `{model_id}` does not exist for this server's base: its artifact was exported "
+            f"against another base (fingerprint {other}, this server's base {base})")
 
 
 def _manifest_field(manifest: Path, *keys: str):
@@ -420,9 +430,7 @@ class Engine:
                 return card
         other = next((self._foreign[mid] for mid in ids if mid in self._foreign), None)
         if other is not None:
-            raise ModelNotFoundError(
-                f"The model `{model_id}` does not exist for this server's base: its artifact was exported "
-                f"against another base (fingerprint {other}, this server's base {self.base_fingerprint})")
+            raise ModelNotFoundError(_foreign_message(model_id, other, self.base_fingerprint))
         raise ModelNotFoundError(f"The model `{model_id}` does not exist")
 
     def add_listener(self, fn: DeltaListener) -> None:
@@ -475,7 +483,9 @@ class Engine:
         self.release_delta(request.model_id)
 
     def _artifact_stamp(self, model_id: str):
-        """(size, mtime, inode) of the variant's manifest, or None once it is gone."""
+        """(name, size, mtime, inode) of every file in the variant's folder, the manifest's first, or None
+        once the manifest is gone: a re-export (a new folder renamed in) and a file changed in place
+        both read the artifact again."""
         card = self._variants.get(model_id)
         if card is not None and card.artifact_dir is None and self.synthetic is not None:
             return self.synthetic.fingerprint  # generated: never changes, never gone
@@ -483,9 +493,11 @@ class Engine:
             return None
         try:
             st = (card.artifact_dir / MANIFEST_NAME).stat()
+            with os.scandir(card.artifact_dir) as entries:
+                files = sorted((e.name, *_stat_key(e.stat())) for e in entries if e.is_file())
         except OSError:
             return None
-        return st.st_size, st.st_mtime_ns, st.st_ino
+        return _stat_key(st), tuple(files)
 
     def _read_delta(self, model_id: str) -> VariantDelta:
         """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
@@ -495,6 +507,12 @@ class Engine:
         if card.artifact_dir is None and self.synthetic is not None:  # generated into its slot by put
             return self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
                                           None if self.tp is None else self.tp.shard)
+        other = self._other_base(card.artifact_dir / MANIFEST_NAME)
+        if other is not None:  # re-exported against another base since it was listed: as discover() finds it
+            with self._registry_lock:
+                self._variants.pop(card.id, None)
+                self._foreign[card.id] = other
+            raise ModelNotFoundError(_foreign_message(card.id, other, self.base_fingerprint))
         fp = None if self.force else self.base_fingerprint
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")

@@ -245,6 +245,37 @@ def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path
         shutil.rmtree(bad)
 
 
+def test_an_artifact_changed_in_place_or_for_another_base_is_seen_at_its_next_request(root):
+    """Found by a fresh user: a shard truncated in place while its variant was loaded kept serving the
+    old deltas (only the manifest's stat was compared), and a manifest rewritten for another base gave a
+    503 and stayed listed where a server starting so answers 404 and does not list it."""
+    from deltafleet.serve.engine import ModelNotFoundError
+
+    engine = _engine(root)
+    folders = [root / "artifacts" / name for name in ("inplace", "rebased")]
+    try:
+        for f in folders:
+            shutil.copytree(root / "artifacts" / "coder", f)
+            assert engine.get_delta(f"tiny-{f.name}") is not None
+        shard = folders[0] / "delta.safetensors"
+        with open(shard, "r+b") as fh:
+            fh.truncate(shard.stat().st_size // 2)
+        with pytest.raises(VariantUnavailableError, match="`tiny-inplace` is unavailable"):
+            engine.get_delta("tiny-inplace")
+        manifest = folders[1] / "bitdelta.json"
+        man = json.loads(manifest.read_text())
+        man["base"]["fingerprint"] = "0" * len(man["base"]["fingerprint"])
+        manifest.write_text(json.dumps(man))
+        with pytest.raises(ModelNotFoundError, match=r"`tiny-rebased` does not exist for this server's base: its "
+                                                     r"artifact was exported against another base \(fingerprint 0+,"):
+            engine.get_delta("tiny-rebased")
+        assert "tiny-rebased" not in [c.id for c in engine.models()]
+        assert "tiny-rebased" not in [c.id for c in engine.discover()]
+    finally:
+        for f in folders:
+            shutil.rmtree(f)
+
+
 def test_a_long_tokenization_does_not_stall_generation(root):
     """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
     detokenize with their own copy, so they go on."""
