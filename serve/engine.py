@@ -483,9 +483,9 @@ class Engine:
         self.release_delta(request.model_id)
 
     def _artifact_stamp(self, model_id: str):
-        """(name, size, mtime, inode) of every file in the variant's folder, the manifest's first, or None
-        once the manifest is gone: a re-export (a new folder renamed in) and a file changed in place
-        both read the artifact again."""
+        """The (size, mtime, inode) of the variant's manifest and the (name, size, mtime, inode) of every
+        file in its folder, or None once the manifest is gone: a re-export (a new folder renamed in) and
+        a file changed in place both read the artifact again."""
         card = self._variants.get(model_id)
         if card is not None and card.artifact_dir is None and self.synthetic is not None:
             return self.synthetic.fingerprint  # generated: never changes, never gone
