@@ -75,10 +75,6 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return dt
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
 def _foreign_message(model_id: str, other: str, base: str) -> str:
     return (f"The model `{model_id}` does not exist for this server's base: its artifact was exported "
             f"against another base (fingerprint {other}, this server's base {base})")
@@ -483,21 +479,21 @@ class Engine:
         self.release_delta(request.model_id)
 
     def _artifact_stamp(self, model_id: str):
-        """The (size, mtime, inode) of the variant's manifest and the (name, size, mtime, inode) of every
-        file in its folder, or None once the manifest is gone: a re-export (a new folder renamed in) and
-        a file changed in place both read the artifact again."""
+        """The (name, size, mtime, inode) of every file in the variant's folder, or None once its manifest
+        is gone: a re-export (a new folder renamed in) and a file changed in place both read the artifact
+        again."""
         card = self._variants.get(model_id)
         if card is not None and card.artifact_dir is None and self.synthetic is not None:
             return self.synthetic.fingerprint  # generated: never changes, never gone
         if card is None or card.artifact_dir is None:
             return None
         try:
-            st = (card.artifact_dir / MANIFEST_NAME).stat()
             with os.scandir(card.artifact_dir) as entries:
-                files = sorted((e.name, *_stat_key(e.stat())) for e in entries if e.is_file())
+                files = tuple(sorted((e.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                                     for e in entries if e.is_file() for st in (e.stat(),)))
         except OSError:
             return None
-        return _stat_key(st), tuple(files)
+        return files if any(f[0] == MANIFEST_NAME for f in files) else None
 
     def _read_delta(self, model_id: str) -> VariantDelta:
         """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
