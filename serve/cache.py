@@ -76,6 +76,9 @@ class DeltaCache:
             None once it is gone.
         free_device: called with a device delta when it leaves the device (after ``to_host``), e.g.
             to give its slot back (serve/batch.py).
+        free_host: called with a host copy when the host tier lets it go (evicted, not kept for want
+            of room, or dropped), not when it moves up to the device: tensor-parallel ranks keep host
+            copies of their own slices and drop them with rank 0's (serve/engine.py).
         size: bytes a delta takes on the device (default its ``nbytes``).
         device_budget_bytes, host_budget_bytes: tier sizes in bytes (None: unbounded; 0 host:
             no host tier).
@@ -90,7 +93,7 @@ class DeltaCache:
 
     def __init__(self, read: Callable[[str], Any], to_device: Callable[[Any], Any], stamp: Callable[[str], Any],
                  *, to_host: Callable[[Any], Any] = lambda d: d, free_device: Callable[[Any], None] | None = None,
-                 size: Callable[[Any], int] = lambda d: int(d.nbytes), device_budget_bytes: int | None = None,
+                 free_host: Callable[[Any], None] | None = None, size: Callable[[Any], int] = lambda d: int(d.nbytes), device_budget_bytes: int | None = None,
                  host_budget_bytes: int | None = None, pinned: tuple[str, ...] | list[str] = (), pin_top_n: int = 0,
                  half_life_s: float = 60.0, wait_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -102,7 +105,7 @@ class DeltaCache:
         if pin_top_n < 0:
             raise ValueError(f"pin_top_n must be ≥ 0, got {pin_top_n}")
         self._read, self._to_device, self._to_host, self._stamp = read, to_device, to_host, stamp
-        self._free_device, self._size = free_device, size
+        self._free_device, self._free_host, self._size = free_device, free_host, size
         self.device_budget, self.host_budget = device_budget_bytes, host_budget_bytes
         self.pinned, self.pin_top_n = set(pinned), pin_top_n
         self.half_life, self.wait_timeout, self.clock = half_life_s, wait_timeout_s, clock
@@ -159,16 +162,23 @@ class DeltaCache:
         if e.host is not None or host_copy is None:
             return
         if self.host_budget is not None and e.nbytes > self.host_budget:
+            self._let_go(host_copy)
             return
         while not self._fits(self.host_bytes, self.host_budget, e.nbytes):
             v = self._victim("host", exclude=e.model_id)
             if v is None:
+                self._let_go(host_copy)
                 return
+            self._let_go(v.host)
             v.host = None
             self.host_bytes -= v.nbytes
             self._emit("evict", v.model_id, 0.0, "host")
         e.host = host_copy
         self.host_bytes += e.nbytes
+
+    def _let_go(self, host_copy: Any) -> None:
+        if self._free_host is not None:
+            self._free_host(host_copy)
 
     def _make_room(self, e: _Entry, deadline: float) -> None:
         """Evict device residents (coldest first, demoted to the host tier) until ``e`` fits, then
@@ -301,6 +311,7 @@ class DeltaCache:
             self.device_bytes -= e.nbytes
             self._emit("evict", e.model_id, 0.0, "device")
         if e.host is not None:
+            self._let_go(e.host)
             self.host_bytes -= e.nbytes
             self._emit("evict", e.model_id, 0.0, "host")
         e.device = e.host = None

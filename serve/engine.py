@@ -232,7 +232,8 @@ class Engine:
             n_slots = budget // per_slot
         self.slots = DeltaSlots(self.model, int(n_slots), sign_layout, col_scales)
         self.cache = DeltaCache(self._read_delta, self._put_slot, self._artifact_stamp, to_host=self._to_host,
-                                free_device=self._free_slot, size=lambda d: self.slots.slot_bytes,
+                                free_device=self._free_slot, free_host=self._free_host,
+                                size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
         served = {m.id for m in self.discover()}
         for mid in opts["pinned"]:
@@ -336,7 +337,9 @@ class Engine:
             return self.slots.put(delta)
         with self.tp.lock:  # the slot is chosen and announced under one hold of the lock
             slot = self.slots.next_free()
-            with self.collective(("load", delta.source, slot)):
+            # a host copy goes back from each rank's own host copy (serve/follower.py), not from disk, where
+            # the artifact may have changed or gone since it was read
+            with self.collective(("load", delta.source, slot, getattr(delta, "host_copy", False))):
                 view = self.slots.put(delta, slot)
                 view.source = delta.source  # kept by its host copy, for a reload from the host tier
                 return view
@@ -344,6 +347,11 @@ class Engine:
     def _free_slot(self, view: VariantDelta) -> None:
         with self.collective(("free", view.slot)):
             self.slots.free(view)
+
+    def _free_host(self, delta: VariantDelta) -> None:
+        if self.tp is not None:
+            with self.collective(("drop", delta.source)):
+                pass
 
     @property
     def draining(self) -> bool:
@@ -537,6 +545,7 @@ class Engine:
         """A host copy of a slot's views (the slot is given back right after)."""
         out = delta.to("cpu", pin=self.device.type == "cuda")
         out.source = getattr(delta, "source", None)  # tensor parallel: what the other ranks load again
+        out.host_copy = True  # ... from their own host copies of it
         return out
 
     def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:

@@ -17,7 +17,10 @@ from deltafleet.serve.tp import TPContext, shard_delta
 def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
     ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention, col_scales)``,
-    ``("load", artifact_dir, slot)``, ``("free", slot)``, ``("step", StepInput)`` (serve/runner.py).
+    ``("load", artifact_dir, slot, from_host)``, ``("free", slot)``, ``("drop", artifact_dir)``, ``("step",
+    StepInput)`` (serve/runner.py). A variant that leaves its slot is kept in host memory (this rank's
+    slice) as rank 0 keeps its own: a load ``from_host`` takes that copy back, not the artifact on
+    disk, which may have changed or gone since; ``drop`` is rank 0's host tier letting its copy go.
     Steps only take part in the all-reduces (eagerly, over this rank's own paged KV cache of the
     same blocks); the logits are rank 0's to use. A synthetic family's
     folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
@@ -27,7 +30,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
     else:
         model = synthetic.build_base(device, dtype, tp=ctx.shard)
     slots = runner = None
-    views: dict[int, object] = {}
+    views: dict[int, tuple[str, object]] = {}  # slot → (artifact folder, the slot's views)
+    kept: dict[str, VariantDelta] = {}  # host copies by artifact folder, as rank 0's host tier holds them
     dev = model.device
     while True:
         cmd = ctx.recv()
@@ -39,15 +43,21 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
             slots = DeltaSlots(model, n_slots, sign_layout, col_scales)
             runner = ModelRunner(model, slots, n_blocks, block_size, max_batch, max_seq_len, attention=attention)
         elif op == "load":
-            _, artifact_dir, slot = cmd
+            _, artifact_dir, slot, from_host = cmd
+            delta = kept.pop(artifact_dir, None)
             if synthetic is not None and artifact_dir.startswith(SOURCE_PREFIX):
                 delta = synthetic.variant(artifact_dir.removeprefix(SOURCE_PREFIX), dev, ctx.shard)
-            else:
+            elif not from_host or delta is None:
                 delta = VariantDelta(load_artifact(artifact_dir, force=True, verify_hashes=False), "cpu", dtype)
                 delta = shard_delta(delta, ctx.rank, ctx.world)
-            views[slot] = slots.put(delta, slot)
+            views[slot] = (artifact_dir, slots.put(delta, slot))
         elif op == "free":
-            slots.free(views.pop(cmd[1]))
+            artifact_dir, view = views.pop(cmd[1])
+            if not artifact_dir.startswith(SOURCE_PREFIX):  # a synthetic variant is generated again
+                kept[artifact_dir] = view.to("cpu", pin=dev.type == "cuda")
+            slots.free(view)
+        elif op == "drop":
+            kept.pop(cmd[1], None)
         elif op == "step":
             with torch.inference_mode():
                 runner.forward(cmd[1])

@@ -330,6 +330,32 @@ def test_the_host_tier_keeps_its_copies_when_a_larger_one_cannot_fit():
     assert [e for e in events if e[0] == "evict" and e[2] == "host"] == host_evictions == [("evict", "a", "host")]
 
 
+def test_the_host_tier_names_every_copy_it_lets_go():
+    """``free_host`` gets each host copy the host tier lets go — evicted for a warmer one, not kept
+    for want of room, dropped by unload — and none that moves up to the device (tensor-parallel
+    ranks drop their own copies on it, serve/follower.py)."""
+    disk = Disk({"a": 100, "b": 100, "big": 300})
+    clock = Clock()
+    gone: list = []
+    cache, _ = make(disk, device_budget_bytes=300, host_budget_bytes=150, clock=clock,
+                    free_host=lambda d: gone.append((d.name, d.where)))
+    for t, m in enumerate(("a", "b", "big")):
+        clock.t = t
+        use(cache, m)
+    assert gone == [("a", "host")]  # b's copy took the colder a's place
+    clock.t = 3
+    use(cache, "a")  # big leaves the device and its copy cannot fit the host's 150 bytes
+    assert gone == [("a", "host"), ("big", "host")] and cache.tier("b") == "host"
+    clock.t = 4
+    use(cache, "b")  # b's copy moves up beside a: not let go
+    assert gone == [("a", "host"), ("big", "host")] and cache.tier("b") == "device"
+    clock.t = 5
+    use(cache, "big")  # a and b leave the device; b's copy takes a's place again
+    assert gone == [("a", "host"), ("big", "host"), ("a", "host")] and cache.tier("b") == "host"
+    cache.unload("b")
+    assert gone == [("a", "host"), ("big", "host"), ("a", "host"), ("b", "host")]
+
+
 def test_a_variant_back_from_the_host_tier_leaves_it_and_is_counted_once():
     disk = Disk({"a": 100, "b": 100})
     clock = Clock()

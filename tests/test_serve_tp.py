@@ -318,3 +318,51 @@ def test_the_launcher_reraises_a_rank_crash_without_a_status_of_its_own(monkeypa
         run._join_ranks(ranks, [])
     assert e.value.error_index == 1 and e.value.exit_code == 1
     assert not [p.pid for p in ranks.processes if p.is_alive()]
+
+
+def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp_path, monkeypatch):
+    """Found by a fresh user: with one device slot, a variant evicted to rank 0's host tier and asked
+    for again after its artifact folder was moved away came back from rank 0's host copy, while rank
+    1 read the folder again, died (ArtifactError) and took the server down. A follower now keeps its
+    own slice of a variant that leaves its slot and takes that back on a load from the host tier;
+    after rank 0's ``drop`` it has none, and a load reads the folder (here: gone, so it fails)."""
+    import shutil
+
+    from deltafleet.compress.bitdelta import ArtifactError
+    from deltafleet.serve.follower import run_follower
+    from deltafleet.serve.tp import TPContext
+
+    art = tmp_path / "coder"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", art)
+    src = str(art)
+    puts = []
+    put = DeltaSlots.put
+
+    def record(self, delta, slot=None):  # what the slot holds after each load
+        view = put(self, delta, slot)
+        puts.append({k: v[view.slot].clone() for k, v in self.signs.items()})
+        return view
+
+    monkeypatch.setattr(DeltaSlots, "put", record)
+
+    class Follower(TPContext):  # rank 1 of 2, its commands from a list
+        def __init__(self, cmds):
+            super().__init__(1, 2)
+            self.cmds = iter(cmds)
+
+        def recv(self):
+            cmd = next(self.cmds)
+            if cmd == ("move",):  # not a command: the user moves the folder away
+                art.rename(tmp_path / ".coder-away")
+                cmd = next(self.cmds)
+            return cmd
+
+    init = ("init", 1, 2, 64, "tiled", 4, 16, "sdpa", False)
+    run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("move",), ("load", src, 0, True),
+                           ("free", 0), ("stop",)]), str(tiny_family.base_dir), "cpu", torch.float32)
+    assert len(puts) == 2 and puts[0].keys() == puts[1].keys()
+    assert all(torch.equal(puts[0][k], puts[1][k]) for k in puts[0])  # rank 1's slice, as first read
+    (tmp_path / ".coder-away").rename(art)
+    with pytest.raises(ArtifactError, match="no bitdelta.json"):
+        run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("drop", src), ("move",),
+                               ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
