@@ -157,7 +157,7 @@ def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
     from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
-    probability reaches top-p (the most likely token always stays); ``batch.banned`` tokens never. Returns int64 ``[B]`` on the
+    probability, renormalised over the top-k, reaches top-p (the most likely token always stays); ``batch.banned`` tokens never. Returns int64 ``[B]`` on the
     device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA the greedy
     and the untruncated cases are compiled functions (serve/fuse.py): the hash, the noise and the
     argmax fuse. The truncated case runs eagerly: inductor (torch 2.11) fails to generate its
@@ -233,12 +233,12 @@ def _truncated(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor
                position: Tensor) -> Tensor:
     scaled, greedy, finite = _scaled(logits, temperature)
     values, order = scaled.sort(-1, descending=True)
-    probs = values.softmax(-1)
-    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
     rank = torch.arange(logits.shape[-1], device=logits.device)
     k = top_k[:, None]
-    drop = ((top_p[:, None] < 1.0) & (before > top_p[:, None])) | ((k > 0) & (rank >= k))
-    values = values.masked_fill(drop, float("-inf"))
+    values = values.masked_fill((k > 0) & (rank >= k), float("-inf"))
+    probs = values.softmax(-1)  # over the top-k, renormalised (as vLLM and transformers apply top-p)
+    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+    values = values.masked_fill((top_p[:, None] < 1.0) & (before > top_p[:, None]), float("-inf"))
     pick = (values + gumbel_noise(key, position, order)).argmax(-1)
     drawn = order.gather(-1, pick[:, None])[:, 0]
     tokens = torch.where(greedy, logits.argmax(-1), drawn)

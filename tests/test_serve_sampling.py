@@ -16,10 +16,14 @@ def _batch(rows, device="cpu"):
 
 
 def _allowed(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """The distribution a row samples from, written plainly: softmax(logits / T), the top_k most likely
-    tokens, then the smallest prefix (by probability) reaching top_p, renormalised."""
+    """The distribution a row samples from, written plainly: softmax(logits / T) over the top_k most
+    likely tokens, renormalised, then its smallest prefix (by probability) reaching top_p, renormalised
+    (vLLM's and transformers' order: top-p measures the top-k's own distribution)."""
     p = torch.softmax(logits.double() / temperature, -1)
     order = torch.argsort(p, descending=True)
+    if top_k:
+        p[order[top_k:]] = 0.0
+        p = p / p.sum()
     keep = torch.zeros_like(p, dtype=torch.bool)
     total = 0.0
     for rank, i in enumerate(order.tolist()):
@@ -32,7 +36,8 @@ def _allowed(logits: torch.Tensor, temperature: float, top_p: float, top_k: int)
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.3, 0.8, 0),
-                                                     (1.0, 1.0, 3), (0.9, 0.6, 4), (1.0, 0.05, 0)])
+                                                     (1.0, 1.0, 3), (0.9, 0.6, 4), (1.0, 0.05, 0),
+                                                     (1.0, 0.5, 2)])
 def test_draws_follow_the_truncated_softmax(temperature, top_p, top_k):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, float("-inf")])
     n = 40_000
