@@ -15,9 +15,11 @@ block when none is free preempts the most recently admitted running sequence (it
 freed and it goes back to the front of its queue, to be prefilled again, prompt and generated
 tokens, when there is room, before any other waiting request: vLLM's recompute preemption); a step
 that preempts admits nothing, and admission waits until the blocks of the request's whole prompt are
-free rather than preempting (admitting a prompt whose first chunk only fits would have it preempted
-again and again as the running sequences grow). The pool never runs out mid-step, and no step is
-refused for memory.
+free, beyond those the prompts already started still need, rather than preempting (admitting a prompt
+whose first chunk only fits would have it preempted again and again as the running sequences grow).
+Should decode rows take the blocks a started prompt was counted on, so that no running sequence can
+go on, the last admitted is preempted. The pool never runs out mid-step, and no step is refused for
+memory.
 
 Admission can be paced (vLLM's ``scheduler_delay_factor``): with a factor ``f > 0``, while sequences
 are running, waiting requests are admitted only once the longest-waiting one has waited ``f`` times
@@ -182,11 +184,17 @@ class Planner:
                 break
             if seq.prefilling:  # (the decode rows are not)
                 budget -= self._chunk(seq, min(budget, self.chunk_cap), plan)
+        if self.running and all(s.prefilling for s in self.running) and not plan.prefill:
+            # every running sequence is a prompt that found no block (decode rows grew into the room its
+            # admission saw): the last admitted goes back, so that the others can go on
+            self._preempt(max(self.running, key=lambda s: s.admitted), plan)
         if plan.preempted:  # no room this step: admitting now would take the blocks just freed
             return plan
         if not self._may_admit(now):
             return plan
         admissions = self._admissions
+        # the blocks the prompts already started still need: an admission leaves them free
+        owed = sum(self.pool.extra_blocks(s, len(s.tokens)) for s in self.running if s.prefilling)
         while budget > 0 and len(self.running) < self.max_running and any(self.waiting.values()):
             admitted = False
             first = [m for m, q in self.waiting.items() if q and q[0].preempted]  # then the queues in turn
@@ -195,13 +203,15 @@ class Planner:
                 if not queue or budget == 0 or len(self.running) >= self.max_running:
                     continue
                 seq = queue[0]
-                if not self.pool.can_grow(seq, len(seq.tokens)):
+                if self.pool.extra_blocks(seq, len(seq.tokens)) + owed > self.pool.free_blocks:
                     continue  # no room for its whole prompt yet: it keeps its place
                 queue.popleft()
                 self.waiting.move_to_end(model_id)  # the next admission starts with another queue
                 seq.admitted, self._admissions, seq.preempted = self._admissions, self._admissions + 1, False
                 self.running.append(seq)
                 budget -= self._chunk(seq, min(budget, self.chunk_cap), plan)
+                if seq.prefilling:
+                    owed += self.pool.extra_blocks(seq, len(seq.tokens))
                 admitted = True
             if not admitted:
                 break

@@ -207,6 +207,51 @@ def test_random_traffic_finishes_every_request_within_budget_and_blocks():
     assert pool.free_blocks == pool.n_blocks
 
 
+def test_a_prompt_is_admitted_only_beside_the_blocks_started_prompts_still_need():
+    """Found by a fresh user (a server hung: two prompts of about 250 tokens, 20 blocks of 16, chunks of
+    8): the second prompt was admitted while the first was still in chunks, each fitting alone, and
+    both then held half the pool with none left for either's rest. Admission now leaves free what the
+    started prompts still need, so the second waits; both end with the whole prompt in chunks."""
+    pool = BlockPool(20, block_size=16)
+    planner = Planner(pool, max_running=8, token_budget=16, long_prefill_token_threshold=8)
+    a, b = _seq("tiny", 250), _seq("tiny", 240)
+    planner.add(a)
+    planner.add(b)
+    admitted_b = None
+    for step in range(200):
+        plan = planner.schedule()
+        assert plan.prefill or plan.decode, f"step {step}: nothing to run"
+        if admitted_b is None and any(s is b for s, _, _ in plan.prefill):
+            admitted_b = step
+        _run(planner, plan)
+        for s in list(planner.running):
+            if len(s.tokens) > s.prompt_len + 3:
+                planner.finish(s)
+        if not planner.running and not any(planner.waiting.values()):
+            break
+    assert len(a.tokens) == 254 and len(b.tokens) == 244
+    assert admitted_b is not None and admitted_b >= 250 // 8  # after a's last chunk
+    assert pool.free_blocks == pool.n_blocks
+
+
+def test_started_prompts_that_decode_rows_leave_without_blocks_give_way():
+    """Decode rows may take blocks a started prompt's admission counted on: when every running
+    sequence is then a prompt with no block for its next chunk, the last admitted is preempted and
+    the others go on (no step stalls while sequences run)."""
+    pool = BlockPool(6, block_size=4)
+    planner = Planner(pool, max_running=4, token_budget=8, long_prefill_token_threshold=4)
+    a, b = _seq("tiny", 12), _seq("tiny-coder", 8)
+    planner.add(a)
+    planner.add(b)
+    _run(planner, planner.schedule())  # a 4 of 12 (3 blocks owed in all), b 4 of 8 (2)
+    assert a.computed == 4 and b.computed == 4 and pool.free_blocks == 4
+    pool.grow(_seq("other", 1), 16)  # another sequence's decode rows take every free block
+    plan = planner.schedule()
+    assert plan.preempted == [b] and not plan.prefill and not plan.decode and planner.running == [a]
+    plan = planner.schedule()
+    assert [(s, start, stop) for s, start, stop in plan.prefill] == [(a, 4, 8)]
+
+
 def test_a_budget_below_the_running_set_is_refused():
     with pytest.raises(ValueError, match="max_running ≤ token_budget"):
         Planner(BlockPool(4, 4), max_running=8, token_budget=4)
