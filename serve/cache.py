@@ -93,8 +93,8 @@ class DeltaCache:
 
     def __init__(self, read: Callable[[str], Any], to_device: Callable[[Any], Any], stamp: Callable[[str], Any],
                  *, to_host: Callable[[Any], Any] = lambda d: d, free_device: Callable[[Any], None] | None = None,
-                 free_host: Callable[[Any], None] | None = None, size: Callable[[Any], int] = lambda d: int(d.nbytes), device_budget_bytes: int | None = None,
-                 host_budget_bytes: int | None = None, pinned: tuple[str, ...] | list[str] = (), pin_top_n: int = 0,
+                 free_host: Callable[[Any], None] | None = None, size: Callable[[Any], int] = lambda d: int(d.nbytes),
+                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None, pinned: tuple[str, ...] | list[str] = (), pin_top_n: int = 0,
                  half_life_s: float = 60.0, wait_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         if half_life_s <= 0:

@@ -349,9 +349,9 @@ class Engine:
             self.slots.free(view)
 
     def _free_host(self, delta: VariantDelta) -> None:
-        if self.tp is not None:
-            with self.collective(("drop", delta.source)):
-                pass
+        if self.tp is not None:  # the other ranks drop their copies too (serve/follower.py)
+            with self.tp.lock:
+                self.tp.send(("drop", delta.source))
 
     @property
     def draining(self) -> bool:

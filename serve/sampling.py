@@ -157,11 +157,12 @@ def gumbel_noise(key: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row from ``logits`` ``[B, V]`` (float32): argmax for greedy rows, else a draw
     from softmax(logits / T) over the row's top-k tokens and, of those, the smallest set whose
-    probability, renormalised over the top-k, reaches top-p (the most likely token always stays); ``batch.banned`` tokens never. Returns int64 ``[B]`` on the
-    device, −1 for a row whose logits are not finite (NaN or +inf, or all −inf). On CUDA the greedy
-    and the untruncated cases are compiled functions (serve/fuse.py): the hash, the noise and the
-    argmax fuse. The truncated case runs eagerly: inductor (torch 2.11) fails to generate its
-    cumulative sum over a dynamic vocabulary dimension, and its sort dominates it anyway."""
+    probability, renormalised over the top-k, reaches top-p (the most likely token always stays);
+    ``batch.banned`` tokens never. Returns int64 ``[B]`` on the device, −1 for a row whose logits are
+    not finite (NaN or +inf, or all −inf). On CUDA the greedy and the untruncated cases are compiled
+    functions (serve/fuse.py): the hash, the noise and the argmax fuse. The truncated case runs
+    eagerly: inductor (torch 2.11) fails to generate its cumulative sum over a dynamic vocabulary
+    dimension, and its sort dominates it anyway."""
     if batch.penalties is not None:  # (in place, as below: the step's logits are not read again)
         _penalize(logits, *batch.penalties)
     if batch.banned is not None:
