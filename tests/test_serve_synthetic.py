@@ -179,7 +179,8 @@ def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(to
     assert eng.cache.tier("syn-v00") == "host"
     again = eng.complete("syn-v00", "def main(", greedy).text
     loads = [c for c in tp.sent if c[0] == "load"]
-    assert loads == [("load", "synthetic:v00", 0), ("load", "synthetic:v01", 0), ("load", "synthetic:v00", 0)]
+    assert loads == [("load", "synthetic:v00", 0, False), ("load", "synthetic:v01", 0, False),
+                     ("load", "synthetic:v00", 0, True)]  # the last from the host tier
     assert again == first
     eng.shutdown()
 
