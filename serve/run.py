@@ -387,7 +387,8 @@ def _write_synthetic(cfg: DictConfig) -> None:
     from deltafleet.atomic import staged_dir
     from deltafleet.serve.synthetic import check_options, write_base_dir
 
-    opts = check_options(OmegaConf.to_container(cfg.synthetic, resolve=True))
+    syn = cfg.synthetic
+    opts = check_options(OmegaConf.to_container(syn, resolve=True) if isinstance(syn, DictConfig) else syn)
     tok = opts["tokenizer_dir"]
     if tok is None:
         from deltafleet.serve.bench import stdlib_tokenizer

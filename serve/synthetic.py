@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,25 +220,89 @@ def _check_replicas(model: Transformer, group) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def check_options(opts: Mapping) -> dict:
-    """The ``synthetic`` section of conf/serve.yaml with its defaults filled in: ``shape`` (Hugging
-    Face config fields: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+# the Hugging Face config fields the model cannot be built without (ModelArgs.from_hf_config), and
+# the optional sizes: each an integer ≥ 1 where given (null: its default)
+SHAPE_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SHAPE_OPTIONAL = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_options(opts) -> dict:
+    """The ``synthetic`` section of conf/serve.yaml, checked, with its defaults filled in: ``shape``
+    (Hugging Face config fields: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, max_position_embeddings, ...), ``variants``, ``seed``,
-    ``std``, ``alpha``, ``tokenizer_dir`` (see :data:`DEFAULTS`).
+    ``std``, ``alpha``, ``tokenizer_dir`` (see :data:`DEFAULTS`). The one place they are checked:
+    serve/run.py calls it before anything is written or any rank starts, and what it returns is
+    trusted from there on (:func:`write_base_dir`, :class:`SyntheticFamily`).
+
+    ``shape`` must hold every one of :data:`SHAPE_REQUIRED`, each an integer ≥ 1, as must any of
+    :data:`SHAPE_OPTIONAL` it sets; hidden_size a multiple of num_attention_heads, which must be a
+    multiple of num_key_value_heads; an even head_dim (RoPE rotates pairs); and a model the server
+    serves (:meth:`deltafleet.serve.model.ModelArgs.from_hf_config`). ``variants``: an integer ≥ 1;
+    ``seed``: an integer; ``std``: a finite number > 0; ``alpha``: a finite number ≥ 0;
+    ``tokenizer_dir``: null or a folder. Booleans are not numbers here.
 
     Raises:
-        ValueError: an unknown key, no ``shape``, or fewer than one variant.
+        ValueError: ``opts`` is not a mapping, an unknown key, no ``shape``, or the first option not
+            of its kind, named as ``synthetic: <option> ...``.
     """
+    if not isinstance(opts, Mapping):
+        raise ValueError(f"synthetic must be null or a mapping of shape, {', '.join(DEFAULTS)}; got {opts!r}")
     opts = dict(opts)
     unknown = sorted(set(opts) - set(DEFAULTS) - {"shape"})
     if unknown:
         raise ValueError(f"synthetic: unknown option(s) {unknown}; valid: shape, {', '.join(DEFAULTS)}")
     if not opts.get("shape"):
         raise ValueError("synthetic: `shape` (Hugging Face config fields of the base) is required")
+    if not isinstance(opts["shape"], Mapping):
+        raise ValueError(f"synthetic: shape must be a mapping of Hugging Face config fields "
+                         f"({', '.join(SHAPE_REQUIRED)}, ...), got {opts['shape']!r}")
     out = {**DEFAULTS, **opts, "shape": dict(opts["shape"])}
-    if int(out["variants"]) < 1:
-        raise ValueError(f"synthetic: variants must be ≥ 1, got {out['variants']}")
+    _check_shape(out["shape"])
+    if not _integer(v := out["variants"]) or v < 1:
+        raise ValueError(f"synthetic: variants must be an integer ≥ 1, got {v!r}")
+    if not _integer(v := out["seed"]):
+        raise ValueError(f"synthetic: seed must be an integer, got {v!r}")
+    if not _finite(v := out["std"]) or not v > 0:
+        raise ValueError(f"synthetic: std (of the base's weights) must be a finite number > 0, got {v!r}")
+    if not _finite(v := out["alpha"]) or v < 0:
+        raise ValueError(f"synthetic: alpha (every delta matrix's ±α) must be a finite number ≥ 0, got {v!r}")
+    if (v := out["tokenizer_dir"]) is not None and (not isinstance(v, str) or not v):
+        raise ValueError(f"synthetic: tokenizer_dir must be null or a tokenizer's folder, got {v!r}")
     return out
+
+
+def _check_shape(shape: dict) -> None:
+    """Raises ValueError unless ``shape`` is a model the server can build (see :func:`check_options`)."""
+    missing = [k for k in SHAPE_REQUIRED if shape.get(k) is None]
+    if missing:
+        raise ValueError(f"synthetic: shape.{missing[0]} is required (the shape needs {', '.join(SHAPE_REQUIRED)})")
+    for key in SHAPE_REQUIRED + SHAPE_OPTIONAL:
+        if (v := shape.get(key)) is not None and (not _integer(v) or v < 1):
+            raise ValueError(f"synthetic: shape.{key} must be an integer ≥ 1, got {v!r}")
+    heads, kv_heads = shape["num_attention_heads"], shape.get("num_key_value_heads") or shape["num_attention_heads"]
+    if shape["hidden_size"] % heads:
+        raise ValueError(f"synthetic: shape.hidden_size ({shape['hidden_size']}) must be a multiple of "
+                         f"shape.num_attention_heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"synthetic: shape.num_attention_heads ({heads}) must be a multiple of "
+                         f"shape.num_key_value_heads ({kv_heads})")
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
+    if head_dim % 2:
+        raise ValueError(f"synthetic: the shape's head_dim ({head_dim}"
+                         f"{'' if shape.get('head_dim') else ': hidden_size / num_attention_heads'}) must be even "
+                         "(RoPE rotates pairs of dimensions)")
+    try:
+        ModelArgs.from_hf_config({"model_type": "llama", **shape})  # as write_base_dir's config.json
+    except (NotImplementedError, ValueError, TypeError) as e:
+        raise ValueError(f"synthetic: shape is not a model this server serves: {e}") from None
 
 
 def write_base_dir(out: str | Path, opts: Mapping, tokenizer_dir: str | Path) -> Path:

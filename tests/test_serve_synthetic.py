@@ -133,8 +133,60 @@ def test_pad_bits_are_zero_and_options_are_checked():
         check_options({"shape": SHAPE, "varients": 3})
     with pytest.raises(ValueError, match="`shape`"):
         check_options({"variants": 3})
-    with pytest.raises(ValueError, match="variants must be ≥ 1"):
+    with pytest.raises(ValueError, match="variants must be an integer ≥ 1"):
         check_options({"shape": SHAPE, "variants": 0})
+
+
+def _without(key: str) -> dict:
+    return {k: v for k, v in SHAPE.items() if k != key}
+
+
+# Found by a fresh user: each of these ended `serve/run.py synthetic=...` in a traceback (a shape that
+# is no mapping, or lacks a field; a std torch refuses; a layer count of 0 or 2.5; a shape the config
+# or RoPE cannot take), or was served (variants 2.7 or true, std 0 or NaN: a family of zero weights).
+@pytest.mark.parametrize("opts, message", [
+    ({"shape": 5}, "synthetic: shape must be a mapping of Hugging Face config fields (vocab_size, hidden_size, "
+                   "intermediate_size, num_hidden_layers, num_attention_heads, ...), got 5"),
+    ({"shape": _without("vocab_size")}, "synthetic: shape.vocab_size is required (the shape needs vocab_size, "
+                                        "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads)"),
+    ({"shape": _without("intermediate_size")}, "synthetic: shape.intermediate_size is required (the shape needs "
+                                               "vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+                                               "num_attention_heads)"),
+    ({"shape": dict(SHAPE, num_hidden_layers=0)}, "synthetic: shape.num_hidden_layers must be an integer ≥ 1, got 0"),
+    ({"shape": dict(SHAPE, num_hidden_layers=2.5)}, "synthetic: shape.num_hidden_layers must be an integer ≥ 1, "
+                                                    "got 2.5"),
+    ({"shape": dict(SHAPE, vocab_size=True)}, "synthetic: shape.vocab_size must be an integer ≥ 1, got True"),
+    ({"shape": dict(SHAPE, num_key_value_heads=-2)}, "synthetic: shape.num_key_value_heads must be an integer ≥ 1, "
+                                                     "got -2"),
+    ({"shape": dict(SHAPE, max_position_embeddings="128")}, "synthetic: shape.max_position_embeddings must be an "
+                                                            "integer ≥ 1, got '128'"),
+    ({"shape": dict(SHAPE, hidden_size=66)}, "synthetic: shape.hidden_size (66) must be a multiple of "
+                                             "shape.num_attention_heads (4)"),
+    ({"shape": dict(SHAPE, num_key_value_heads=3)}, "synthetic: shape.num_attention_heads (4) must be a multiple of "
+                                                    "shape.num_key_value_heads (3)"),
+    ({"shape": dict(SHAPE, hidden_size=28)}, "synthetic: the shape's head_dim (7: hidden_size / num_attention_heads) "
+                                             "must be even (RoPE rotates pairs of dimensions)"),
+    ({"shape": dict(SHAPE, model_type="gpt2")}, "synthetic: shape is not a model this server serves: model_type "
+                                                "'gpt2' is not served (supported: ('llama', 'mistral', 'qwen2'))"),
+    ({"variants": 2.7}, "synthetic: variants must be an integer ≥ 1, got 2.7"),
+    ({"variants": True}, "synthetic: variants must be an integer ≥ 1, got True"),
+    ({"variants": "3"}, "synthetic: variants must be an integer ≥ 1, got '3'"),
+    ({"seed": 1.5}, "synthetic: seed must be an integer, got 1.5"),
+    ({"std": -1}, "synthetic: std (of the base's weights) must be a finite number > 0, got -1"),
+    ({"std": 0}, "synthetic: std (of the base's weights) must be a finite number > 0, got 0"),
+    ({"std": float("nan")}, "synthetic: std (of the base's weights) must be a finite number > 0, got nan"),
+    ({"std": float("inf")}, "synthetic: std (of the base's weights) must be a finite number > 0, got inf"),
+    ({"alpha": -1e-3}, "synthetic: alpha (every delta matrix's ±α) must be a finite number ≥ 0, got -0.001"),
+    ({"alpha": float("inf")}, "synthetic: alpha (every delta matrix's ±α) must be a finite number ≥ 0, got inf"),
+    ({"tokenizer_dir": 5}, "synthetic: tokenizer_dir must be null or a tokenizer's folder, got 5"),
+    (5, "synthetic must be null or a mapping of shape, variants, seed, std, alpha, tokenizer_dir; got 5"),
+])
+def test_a_bad_synthetic_option_is_refused_by_name(opts, message):
+    check_options({"shape": SHAPE, "variants": 2, "std": 0.02, "alpha": 0, "tokenizer_dir": "tok"})  # these pass
+    check_options({"shape": dict(SHAPE, num_key_value_heads=None, head_dim=32)})  # null: the field's default
+    with pytest.raises(ValueError) as e:
+        check_options({"shape": SHAPE, **opts} if isinstance(opts, dict) else opts)
+    assert str(e.value) == message
 
 
 def test_the_folder_holds_no_weights_and_pads_the_tokenizer(tokenizer_dir, tmp_path):
@@ -278,8 +330,13 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
     assert f"error: cannot listen on 127.0.0.1:{port}" in text and "Traceback" not in text, text[-2000:]
 
 
-def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path):
-    r = subprocess.run([sys.executable, "serve/run.py", "synthetic={variants:3}", f"hydra.run.dir={tmp_path}",
+@pytest.mark.parametrize("value, message", [
+    ("{variants: 3}", "error: synthetic: `shape`"),
+    ("{shape: 5}", "error: synthetic: shape must be a mapping"),  # a traceback (exit 1) once
+    ("{shape: {hidden_size: 64}}", "error: synthetic: shape.vocab_size is required"),  # the same
+])
+def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path, value, message):
+    r = subprocess.run([sys.executable, "serve/run.py", f"synthetic={value}", f"hydra.run.dir={tmp_path}",
                         f"paths.root={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env=ENV)
-    assert r.returncode == 2 and "synthetic: `shape`" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr[-2000:]
