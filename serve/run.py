@@ -129,13 +129,16 @@ def check_settings(cfg: DictConfig) -> None:
     value stops the server with its key named instead of failing later inside a part (or, for a flag
     such as ``force=no``, being read as true): flags are true or false; counts, ports and byte limits
     integers in range; durations and budgets numbers (a half-life may be infinite); ``device`` cpu,
-    cuda or cuda:N, with a CUDA device present for the latter; ``log_level`` one of uvicorn's. The
-    parts still check what only they can (the dtype, the attention backend, the KV cache's options,
-    the synthetic family's).
+    cuda or cuda:N, with a CUDA device present for the latter; ``log_level`` one of uvicorn's;
+    ``family``, the base's model id and its variants' prefix (``<family>-<variant>``), of a variant
+    name's characters (no ``/``: ``/v1/models/{id}`` must find it). The parts still check what only
+    they can (the dtype, the attention backend, the KV cache's options, the synthetic family's).
 
     Raises:
         ValueError: the first setting that is not of its kind, by name.
     """
+    from deltafleet.serve.request import VARIANT_NAME
+
     _check_keys(cfg)
     for key in FLAGS:
         if not isinstance(v := cfg.get(key), bool):
@@ -154,6 +157,9 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"tp_port must be a port number from 1 to 65535, got {v!r}")
     if not isinstance(cfg.host, str) or not cfg.host:
         raise ValueError(f"host must be an address of this machine, got {cfg.host!r}")
+    if not isinstance(cfg.family, str) or not re.fullmatch(VARIANT_NAME, cfg.family):
+        raise ValueError("family (the base's model id; variants are <family>-<variant>) must be 1–64 letters, "
+                         f"digits, '.', '_' or '-', starting with a letter or digit, got {cfg.family!r}")
     dc = cfg.delta_cache
     hl = dc.half_life_s  # inf: request counts that never decay
     if isinstance(hl, bool) or not isinstance(hl, (int, float)) or not hl > 0:

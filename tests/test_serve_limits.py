@@ -335,6 +335,10 @@ def _serve_cfg(*overrides: str):
         return compose(config_name="serve", overrides=list(overrides))
 
 
+FAMILY = ("family (the base's model id; variants are <family>-<variant>) must be 1–64 letters, digits, '.', '_' "
+          "or '-', starting with a letter or digit, got ")
+
+
 # Found by a fresh user: each of these started the server (force=no even served an artifact made for
 # another base, any non-empty string being true), or failed later with a traceback or a 500.
 @pytest.mark.parametrize("override, message", [
@@ -361,6 +365,11 @@ def _serve_cfg(*overrides: str):
     ("log_level=foo", "log_level must be one of critical, error, warning, info, debug, trace (or a number), got 'foo'"),
     ("device=foo", "device must be cpu, cuda or cuda:N, got 'foo'"),
     ("api_key=123", "api_key must be a string or null, got 123"),
+    ("family=null", FAMILY + "None"),  # a traceback once the model was loaded
+    ("family=''", FAMILY + "''"),  # served the base as model "" and its variants as -<variant>
+    ("family=a/b", FAMILY + "'a/b'"),  # served, but GET /v1/models/a/b found no model
+    ("family=-x", FAMILY + "'-x'"),
+    ("family=7", FAMILY + "7"),
 ])
 def test_a_bad_serve_setting_is_refused_by_name(override, message):
     from deltafleet.serve.run import check_settings
@@ -428,6 +437,19 @@ def test_a_flag_that_is_not_a_bool_stops_the_server_before_it_loads(tmp_path):
     r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "force=no"], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and r.stderr.strip() == "error: force must be true or false, got 'no'", r.stderr
+
+
+def test_a_family_that_is_no_model_id_stops_the_server_before_it_loads(tiny_family, tmp_path):
+    """Found by a fresh user: ``family=null`` loaded the model, then ended in a traceback (exit 1)
+    where the model ids are listed. Now exit status 2 and the key named, before anything loads."""
+    from deltafleet.serve.run import check_settings
+
+    r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", f"base_dir={tiny_family.base_dir}",
+                        f"artifacts_dir={tiny_family.artifacts_dir}", "port=0", "family=null"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and r.stderr.strip() == "error: " + FAMILY + "None", r.stderr[-2000:]
+    check_settings(_serve_cfg("family=Llama-3.1-8B_ft.v2"))  # a model id as Hugging Face spells them passes
+    check_settings(_serve_cfg("model=smollm2"))  # and so does every model group's name (the default family)
 
 
 def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_family, tmp_path):
