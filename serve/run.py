@@ -77,6 +77,13 @@ def _check_port(host: str, port: int, key: str = "port") -> int:
         return sock.getsockname()[1]
 
 
+def _url(host: str, port: int) -> str:
+    """The base URL announced at start, ``http://host:port/v1``, with an IPv6 literal in brackets
+    (RFC 3986: ``http://[::1]:8000/v1``; bare, its colons would read as the port's). A host with a
+    colon is an IPv6 literal, as :func:`_check_port` takes it: a name or an IPv4 address has none."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
 CORS_KEYS = ("allow_origins", "allow_methods", "allow_headers", "allow_credentials")
 SECTIONS = ("kv_cache", "delta_cache")  # conf/serve.yaml's own groups of settings, checked key by key
 
@@ -337,7 +344,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     try:
         if engine.synthetic is not None:
             _preload(engine)
-        url = f"http://{cfg.host}:{port}/v1"
+        url = _url(cfg.host, port)
         ids = [m.id for m in engine.models()]
         where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
         line = (f"serving {', '.join(ids)} ({where}, {cfg.dtype}, context {engine.max_model_len}, "

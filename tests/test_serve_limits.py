@@ -14,6 +14,7 @@ import sysconfig
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -494,6 +495,19 @@ def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_fami
                 "port=0")
         assert r.returncode == 2 and r.stderr.strip() == f"error: {no_weights}: no model.safetensors or " \
                                                           "model.safetensors.index.json", r.stderr
+
+
+def test_the_announced_url_brackets_an_ipv6_host():
+    """Found by a fresh user: ``host=::1`` announced ``http://::1:8000/v1``, which no client parses (the
+    host's colons read as the port's). An IPv6 literal is bracketed (RFC 3986); other hosts as they are."""
+    from deltafleet.serve.run import _url
+
+    assert _url("::1", 8000) == "http://[::1]:8000/v1"
+    assert _url("::", 8123) == "http://[::]:8123/v1"
+    assert _url("fe80::1%lo", 8124) == "http://[fe80::1%lo]:8124/v1"
+    assert _url("127.0.0.1", 8000) == "http://127.0.0.1:8000/v1"
+    assert _url("localhost", 8125) == "http://localhost:8125/v1"
+    assert httpx.URL(_url("::1", 8000)).host == "::1"  # what a client makes of it
 
 
 def test_cuda_without_a_cuda_device_is_refused_by_name():
