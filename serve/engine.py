@@ -264,6 +264,7 @@ class Engine:
         if budget < max_batch:  # every running sequence must be able to decode in every step
             log.warning("max_num_batched_tokens=%d is below max_batch=%d: raised to %d", budget, max_batch, max_batch)
             budget = max_batch
+        self._check_artifacts()  # once the settings are known good: no warnings before a setting's error
         with self.collective(("init", self.slots.n_slots, max_batch, self.max_model_len, sign_layout, n_blocks,
                               block_size, attention, col_scales)):
             self.scheduler = Scheduler(self, max_batch, self.max_model_len, n_blocks, block_size, budget,
@@ -521,14 +522,7 @@ class Engine:
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
             delta = VariantDelta(artifact, "cpu", self.dtype)
-            delta.check(self.model.full_param_shapes)
-            full_matrix = next((k for k, v in delta.full.items() if v.dim() != 1), None)
-            if full_matrix is not None:
-                raise ValueError(f"it stores {full_matrix!r} in full (shape {tuple(delta.full[full_matrix].shape)}), "
-                                 "which a batch of mixed variants cannot share (a resized vocabulary?)")
-            if delta.betas and not self.slots.betas:  # refused here, before any rank is told to load it
-                raise ValueError("it has column scales (granularity rowcol) and the server started without a rowcol "
-                                 "variant, so its slots do not hold them: restart it with the variant in place")
+            self._check_fits(delta)  # refused here, before any rank is told to load it
             if self.tp is not None:
                 from deltafleet.serve.tp import shard_delta
 
@@ -540,6 +534,38 @@ class Engine:
         delta = delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
         delta.source = str(card.artifact_dir)  # where the other tensor-parallel ranks read it
         return delta
+
+    def _check_fits(self, delta: VariantDelta) -> None:
+        """Raise ValueError where a variant's deltas cannot be served here: not the base's shapes, a
+        matrix stored in full (a batch of mixed variants cannot share it), or column scales the slots
+        do not hold. Dtypes and shapes only, so deltas of meta tensors are checked as well
+        (:meth:`_check_artifacts`)."""
+        delta.check(self.model.full_param_shapes)
+        full_matrix = next((k for k, v in delta.full.items() if v.dim() != 1), None)
+        if full_matrix is not None:
+            raise ValueError(f"it stores {full_matrix!r} in full (shape {tuple(delta.full[full_matrix].shape)}), "
+                             "which a batch of mixed variants cannot share (a resized vocabulary?)")
+        if delta.betas and not self.slots.betas:
+            raise ValueError("it has column scales (granularity rowcol) and the server started without a rowcol "
+                             "variant, so its slots do not hold them: restart it with the variant in place")
+
+    def _check_artifacts(self) -> None:
+        """Log one warning for each listed artifact that cannot be served as it is (a bad manifest, a
+        file missing, a shard's header unreadable, tensors that do not fit the base), naming its folder
+        and the problem, so that it shows at start rather than at the first request for it. Nothing
+        else changes: it stays listed, and each request for it is read and refused again (503), so a
+        repaired artifact is picked up without a restart. Cheap: the manifests and the safetensors
+        headers only (``load_artifact(values=False)``), no tensor read and no hash, so a file corrupt
+        in its data is found at its first load, as before."""
+        fp = None if self.force else self.base_fingerprint
+        for card in self.models()[1:]:
+            if card.artifact_dir is None:  # synthetic: generated, nothing on disk
+                continue
+            try:
+                artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, values=False)
+                self._check_fits(VariantDelta(artifact, "meta", self.dtype))
+            except (ArtifactError, OSError, ValueError) as e:
+                log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
 
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
         """A host copy of a slot's views (the slot is given back right after)."""

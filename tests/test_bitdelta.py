@@ -407,6 +407,26 @@ def test_malformed_tensors_are_rejected(artifact_dir, tmp_path, edit, match):
         load_artifact(art)
 
 
+def test_a_headers_only_load_checks_the_structure_without_reading_the_tensors(artifact_dir, tmp_path):
+    """``values=False`` (the server's check of every artifact at start): meta tensors of the dtypes and
+    shapes a full load gives, the structural checks kept, the hashes and the scales' values not read."""
+    full, meta = load_artifact(artifact_dir), load_artifact(artifact_dir, values=False)
+    for kind in ("signs", "alphas", "betas", "full"):
+        a, b = getattr(full, kind), getattr(meta, kind)
+        assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+        assert all(v.is_meta for v in b.values())
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    data = bytearray((art / "delta.safetensors").read_bytes())
+    data[-1] ^= 0x01  # a bit of the last tensor's data: the file no longer matches its sha256
+    (art / "delta.safetensors").write_bytes(bytes(data))
+    load_artifact(art, values=False)  # the data is not read: found by the full load
+    _rewrite_delta(art, lambda t: t.update({W + ".alpha": torch.tensor(float("nan"))}))
+    load_artifact(art, values=False)
+    _rewrite_delta(art, lambda t: t.update({W + ".sign": t[W + ".sign"].to(torch.int16)}))
+    with pytest.raises(ArtifactError, match="must be uint8"):
+        load_artifact(art, values=False)
+
+
 def test_truncated_artifact_file_is_rejected(artifact_dir, tmp_path):
     """Cut short: refused by its sha256, and — hashes re-signed or skipped — by the reader."""
     art = _copy_artifact(artifact_dir, tmp_path / "art")

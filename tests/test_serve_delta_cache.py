@@ -276,6 +276,52 @@ def test_an_artifact_changed_in_place_or_for_another_base_is_seen_at_its_next_re
             shutil.rmtree(f)
 
 
+def _rewrite_delta(art: Path, edit) -> None:
+    """Apply ``edit(tensors)`` to the artifact's delta.safetensors and re-sign it in the manifest."""
+    from safetensors.torch import load_file, save_file
+
+    from deltafleet.compress.bitdelta import _sha256_file
+
+    t = load_file(art / "delta.safetensors")
+    edit(t)
+    save_file(t, art / "delta.safetensors")
+    man = json.loads((art / "bitdelta.json").read_text())
+    man["files"]["delta.safetensors"] = _sha256_file(art / "delta.safetensors")
+    (art / "bitdelta.json").write_text(json.dumps(man))
+
+
+def test_an_unusable_artifact_is_named_in_one_warning_at_start(root, caplog):
+    """Found by a fresh user: an artifact that cannot be served (a manifest that does not parse, a file
+    it lists missing, tensors not of the base's shapes) was said nowhere until a request asked for it.
+    The engine's start warns once for each, naming its folder and the problem, and serves the others;
+    a request for one is still refused with the reason (503), so a repaired one needs no restart."""
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    bad = {name: root / "artifacts" / name for name in ("badjson", "nofile", "shapes")}
+    try:
+        for f in bad.values():
+            shutil.copytree(root / "artifacts" / "coder", f)
+        (bad["badjson"] / "bitdelta.json").write_text("{not json")
+        (bad["nofile"] / "delta.safetensors").unlink()
+        _rewrite_delta(bad["shapes"], lambda t: t.update({f"{gate}.sign": t[f"{gate}.sign"][:-1].clone()}))
+        with caplog.at_level("WARNING", logger="deltafleet.serve.engine"):
+            engine = _engine(root)
+        said = sorted(r.getMessage() for r in caplog.records if r.name == "deltafleet.serve.engine")
+        assert len(said) == 3, said
+        for line, (name, problem) in zip(said, (
+                ("badjson", "bitdelta.json: cannot parse the manifest"),
+                ("nofile", "file delta.safetensors listed in the manifest is missing"),
+                ("shapes", f"{gate}.sign is torch.uint8 (127, 8), expected uint8 (128, 8)"))):
+            assert line.startswith(f"variant tiny-{name} ({bad[name]}) is unavailable: ") and problem in line, line
+            assert "\n" not in line
+        assert {"tiny-badjson", "tiny-nofile", "tiny-shapes"} <= {c.id for c in engine.models()}  # listed, as before
+        assert engine.complete("tiny-coder", "def main(", GREEDY).completion_tokens >= 1
+        with pytest.raises(VariantUnavailableError, match=r"`tiny-shapes` is unavailable: .*expected uint8 \(128, 8\)"):
+            engine.get_delta("tiny-shapes")
+    finally:
+        for f in bad.values():
+            shutil.rmtree(f)
+
+
 def test_a_long_tokenization_does_not_stall_generation(root):
     """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
     detokenize with their own copy, so they go on."""
