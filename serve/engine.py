@@ -376,8 +376,13 @@ class Engine:
     # ---------------------------------------------------------------- models and variants
 
     def discover(self) -> list[ModelCard]:
-        """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json``; new artifacts become servable (not those
-        removed with :meth:`remove_variant`)."""
+        """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json`` and make the list of variants what is on
+        disk now (``GET /v1/models`` calls it): new artifacts become servable (not those removed with
+        :meth:`remove_variant`), and a variant whose manifest is gone (its folder removed) leaves the
+        list and every cache tier, as its next request would find it (a 404; docs/serving.md, "Changed
+        on disk"). Requests running on it finish on what they hold. As cheap as listing the folder:
+        each manifest is read for its base fingerprint and each listed variant's manifest looked
+        up, no artifact is loaded."""
         found: dict[str, ModelCard] = {}
         if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
             root = self.artifacts_dir.resolve()
@@ -402,10 +407,26 @@ class Engine:
         for name in self.synthetic.names if self.synthetic else ():
             found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
         with self._registry_lock:
+            listed = list(self._variants.values())
+        stale = [c for c in listed if self._gone(c)]
+        with self._registry_lock:
+            gone = [c.id for c in stale if self._variants.get(c.id) is c]  # not replaced meanwhile
+            for mid in gone:
+                del self._variants[mid]
             for mid, card in found.items():
                 if mid not in self._removed:
                     self._variants.setdefault(mid, card)
+        for mid in gone:
+            try:
+                self.cache.unload(mid)
+            except RuntimeError:  # requests in flight keep what they hold, as DeltaCache.acquire lets them
+                pass
         return self.models()
+
+    @staticmethod
+    def _gone(card: ModelCard) -> bool:
+        """Whether a variant's artifact manifest is no longer on disk (a generated variant's never is)."""
+        return card.artifact_dir is not None and not (card.artifact_dir / MANIFEST_NAME).is_file()
 
     def _other_base(self, manifest: Path) -> str | None:
         """The base fingerprint an artifact manifest names when it is not this server's base (None when
@@ -422,21 +443,30 @@ class Engine:
         as vLLM serves an adapter under its ``lora_name``) finds it too. The card's ``id`` is the
         canonical model id.
 
+        An id not listed, or listed with its manifest gone from disk, is looked for again
+        (:meth:`discover`), so that a new artifact is found and a removed one is not: one stat of the
+        manifest for a listed variant.
+
         Raises ModelNotFoundError for an id that is neither (an artifact exported against another base
-        is not served: the message says so)."""
+        is not served, and one removed from disk no longer is: the message says so)."""
         if model_id == self.family:
             return ModelCard(self.family, None)
         ids = (model_id, f"{self.family}-{model_id}")
-        if not any(mid in self._variants for mid in ids):
+
+        def listed() -> ModelCard | None:
+            return next((card for mid in ids if (card := self._variants.get(mid)) is not None), None)
+
+        card = was = listed()
+        if card is None or self._gone(card):
             self.discover()
-        for mid in ids:
-            card = self._variants.get(mid)
-            if card is not None:
-                return card
+            card = listed()
+        if card is not None:
+            return card
         other = next((self._foreign[mid] for mid in ids if mid in self._foreign), None)
         if other is not None:
             raise ModelNotFoundError(_foreign_message(model_id, other, self.base_fingerprint))
-        raise ModelNotFoundError(f"The model `{model_id}` does not exist")
+        removed = " (its artifact was removed)" if was is not None else ""
+        raise ModelNotFoundError(f"The model `{model_id}` does not exist{removed}")
 
     def add_listener(self, fn: DeltaListener) -> None:
         """Call ``fn(event, model_id, seconds, tier)`` on delta-cache hits, misses, loads, failed loads

@@ -322,6 +322,42 @@ def test_an_unusable_artifact_is_named_in_one_warning_at_start(root, caplog):
             shutil.rmtree(f)
 
 
+def test_an_artifact_removed_from_disk_leaves_the_model_list_at_once(root):
+    """Found by a fresh user: a variant whose artifact folder was removed while the server ran stayed in
+    ``/v1/models`` (and ``/v1/models/{id}``) until a request for it got its 404. The list is what is on
+    disk now, read without loading anything; the variant leaves every cache tier, as a request would
+    have dropped it (docs/serving.md, "Changed on disk"), and a request running on it finishes."""
+    folders = {name: root / "artifacts" / name for name in ("gone", "going")}
+    try:
+        for f in folders.values():
+            shutil.copytree(root / "artifacts" / "coder", f)
+        engine = _engine(root)
+        engine.get_delta("tiny-gone")  # resident on the device
+        held = engine.prepare("tiny-going", engine.encode_prompt("x"), GREEDY)  # a request in flight on it
+        events = []
+        engine.add_listener(lambda ev, m, s, tier: events.append((ev, m)))
+        with TestClient(create_app(engine)) as tc:
+            for f in folders.values():
+                shutil.rmtree(f)
+            ids = [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            assert ids == ["tiny", "tiny-coder", "tiny-writer"]
+            for model in ("tiny-gone", "gone", "tiny-going"):
+                r = tc.get(f"/v1/models/{model}")
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            assert "tiny-gone" not in engine.cache.snapshot()  # its slot is free again
+            assert engine.cache.snapshot()["tiny-going"]["in_flight"] == 1
+            assert [e for e in events if e[0] != "evict"] == []  # no load, no hit, no miss
+            assert len(list(engine.run(held))) == GREEDY.max_tokens  # it finishes on what it holds
+            r = tc.post("/v1/completions", json={"model": "tiny-going", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            shutil.copytree(root / "artifacts" / "coder", folders["gone"])  # exported again: listed again
+            assert "tiny-gone" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            assert tc.get("/v1/models/tiny-gone").status_code == 200
+    finally:
+        for f in folders.values():
+            shutil.rmtree(f, ignore_errors=True)
+
+
 def test_a_long_tokenization_does_not_stall_generation(root):
     """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
     detokenize with their own copy, so they go on."""
