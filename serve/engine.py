@@ -126,7 +126,7 @@ class Engine:
         device, dtype: where and in which dtype the base (and the deltas' full tensors) live.
         force: load artifacts even if their base fingerprint differs (not recommended).
         delta_cache: ``device_slots`` (variants on the device at once; default: the device budget
-            over one slot's bytes, else the number of artifacts found, at least 1) and keyword
+            over one slot's bytes, else the number of artifacts served, at least 1) and keyword
             arguments of :class:`deltafleet.serve.cache.DeltaCache` (``device_budget_bytes``,
             ``host_budget_bytes``, ``pinned`` (variant names or model ids), ``pin_top_n``,
             ``half_life_s``, ``wait_timeout_s``).
@@ -218,13 +218,14 @@ class Engine:
         budget = opts.pop("device_budget_bytes", None)
         sign_layout = opts.pop("sign_layout", "tiled")  # serve.batch.DeltaSlots: "tiled" or "rows"
         check_sign_layout(sign_layout, "delta_cache.sign_layout")
+        # The slots are sized for the artifacts served, as discover() lists them: not the hidden folders a
+        # killed export leaves (deltafleet/atomic.py), another base's artifacts, nor links out of the root.
+        served = self.discover()
+        artifacts = [c.artifact_dir for c in served if c.artifact_dir is not None]
         if n_slots is None:
-            n_art = len(list(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}"))) if self.artifacts_dir and \
-                self.artifacts_dir.is_dir() else 0
-            n_slots = max(1, n_art + (self.synthetic.variants if self.synthetic else 0))
+            n_slots = max(1, len(artifacts) + (self.synthetic.variants if self.synthetic else 0))
         # variants of granularity rowcol at start: the slots hold column scales (DeltaSlots, col_scales)
-        col_scales = any(_granularity(m) == "rowcol" for m in self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")) \
-            if self.artifacts_dir and self.artifacts_dir.is_dir() else False
+        col_scales = any(_granularity(d / MANIFEST_NAME) == "rowcol" for d in artifacts)
         per_slot = DeltaSlots.bytes_per_slot(self.model, sign_layout, col_scales)
         if budget is not None:
             if budget < per_slot:
@@ -235,11 +236,10 @@ class Engine:
                                 free_device=self._free_slot, free_host=self._free_host,
                                 size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
-        served = {m.id for m in self.discover()}
         for mid in opts["pinned"]:
             if mid == f"{family}-{family}":
                 log.warning("delta_cache.pinned names %s, the base, which is always on the device", family)
-            elif mid not in served:  # not an error: its artifact may be exported later (discover)
+            elif mid not in {c.id for c in served}:  # not an error: its artifact may be exported later (discover)
                 log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")

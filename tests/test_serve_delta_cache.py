@@ -358,6 +358,32 @@ def test_an_artifact_removed_from_disk_leaves_the_model_list_at_once(root):
             shutil.rmtree(f, ignore_errors=True)
 
 
+def test_what_a_killed_export_leaves_takes_no_slot_and_no_column_scales(root):
+    """Found by a fresh user: ``kill -9`` during an export leaves its hidden staging folder
+    (``.<name>.tmp-<host>.<pid>.<random>``, or ``.<name>.old-…``: the replaced artifact it was deleting)
+    next to the artifacts until the next export of that variant removes it (deltafleet/atomic.py). One
+    holding a manifest was never served, yet the server sized its device slots for it (a slot more) and
+    took a rowcol one's granularity for column scales in every slot. The slots are now sized for the
+    artifacts the server lists."""
+    import socket
+
+    host = socket.gethostname()
+    left = {src: root / "artifacts" / f".{src}.{kind}-{host}.999999.0badf00d"
+            for src, kind in (("coder", "tmp"), ("writer", "old"))}
+    try:
+        for src, f in left.items():
+            shutil.copytree(root / "artifacts" / src, f)
+        manifest = left["coder"] / "bitdelta.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "granularity": "rowcol",
+                                        "format_version": 2}))
+        engine = _engine(root)
+        assert [c.id for c in engine.models()] == ["tiny", "tiny-coder", "tiny-writer"]
+        assert engine.slots.n_slots == 2 and engine.slots.betas == {}
+    finally:
+        for f in left.values():
+            shutil.rmtree(f)
+
+
 def test_a_long_tokenization_does_not_stall_generation(root):
     """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
     detokenize with their own copy, so they go on."""
