@@ -78,6 +78,25 @@ class VariantDelta:
         return sum(t.numel() * t.element_size() for d in (self.signs, self.alphas, self.betas, self.full)
                    for t in d.values())
 
+    def check_scales(self, dtype: torch.dtype) -> None:
+        """Check every α against the dtype the model is served in: the kernels round α·sign, and the
+        weight plus it, to that dtype, where an α beyond its largest finite value is ±inf and every
+        output it reaches is NaN or inf (in float32, whose range α shares, nothing is refused).
+        Non-finite α are refused where the artifact is read (``compress.bitdelta.load_artifact``); a large
+        α inside the range is left as it is, having no principled bound. β (rowcol) is float16 in an
+        artifact, inside the range of every dtype served.
+
+        Raises:
+            ValueError: naming the first α out of range, its largest magnitude and the dtype.
+        """
+        top = torch.finfo(dtype).max
+        for name, alpha in self.alphas.items():
+            peak = float(alpha.abs().max()) if alpha.numel() else 0.0
+            if peak > top:
+                raise ValueError(f"variant {self.name!r}: {name}.alpha holds {peak:.4g}, beyond what "
+                                 f"{str(dtype).removeprefix('torch.')} (the dtype served) holds ({top:.4g} at "
+                                 "most): it would be inf there")
+
     def check(self, shapes: dict[str, torch.Size]) -> None:
         """Check every stored tensor against the model's parameter shapes (HF names).
 

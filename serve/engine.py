@@ -553,6 +553,7 @@ class Engine:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
             delta = VariantDelta(artifact, "cpu", self.dtype)
             self._check_fits(delta)  # refused here, before any rank is told to load it
+            delta.check_scales(self.dtype)  # values: not in _check_fits, which start runs on headers alone
             if self.tp is not None:
                 from deltafleet.serve.tp import shard_delta
 

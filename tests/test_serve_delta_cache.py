@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -381,6 +382,43 @@ def test_what_a_killed_export_leaves_takes_no_slot_and_no_column_scales(root):
         assert engine.slots.n_slots == 2 and engine.slots.betas == {}
     finally:
         for f in left.values():
+            shutil.rmtree(f)
+
+
+def test_an_alpha_beyond_the_dtype_served_is_refused_at_load_by_name(root):
+    """Found by a fresh user: an α of 1e30, inf or nan passed the artifact's checks. inf and nan did not:
+    reading the artifact refuses them, naming the tensor. A finite α beyond what the dtype the model is
+    served in holds is now refused too, by name: the kernels round α·sign (and the weight plus it) to
+    that dtype, where it is inf and the request's logits NaN. Inside the range (1e30 in bfloat16 or
+    float32) it is left as it is: no bound on it is principled."""
+    emb = "model.embed_tokens.weight"
+    values = {"huge": 1e30, "huger": 3.4e38, "infinite": float("inf")}
+    folders = {name: root / "artifacts" / name for name in values}
+
+    def first_alpha(value):
+        def edit(t):
+            t[f"{emb}.alpha"] = t[f"{emb}.alpha"].clone()
+            t[f"{emb}.alpha"][0] = value
+        return edit
+
+    try:
+        for name, value in values.items():
+            shutil.copytree(root / "artifacts" / "coder", folders[name])
+            _rewrite_delta(folders[name], first_alpha(value))
+        for dtype, refused in (("float16", {"huge", "huger"}), ("bfloat16", {"huger"}), ("float32", set())):
+            engine = Engine(root / "models" / "base", root / "artifacts", family="tiny", dtype=dtype)
+            for name in ("huge", "huger"):
+                if name in refused:
+                    want = (rf"`tiny-{name}` is unavailable: variant 'coder': {emb}\.alpha holds "
+                            rf"{re.escape(f'{values[name]:.4g}')}, beyond what {dtype} \(the dtype served\) holds")
+                    with pytest.raises(VariantUnavailableError, match=want):
+                        engine.get_delta(f"tiny-{name}")
+                else:
+                    assert engine.get_delta(f"tiny-{name}") is not None
+            with pytest.raises(VariantUnavailableError, match=rf"{emb}\.alpha has negative or non-finite values"):
+                engine.get_delta("tiny-infinite")
+    finally:
+        for f in folders.values():
             shutil.rmtree(f)
 
 
