@@ -7,9 +7,10 @@ under a ``deltafleet:`` prefix, one registry per app). Errors are OpenAI error o
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (FastAPI's 422 included),
 404 unknown model, 408 a body that did not arrive in ``request_timeout_s``, 413 a body over
 ``max_request_bytes`` (refused before it is parsed), 429 overloaded (with ``Retry-After``), 503
-variant unavailable or the server shutting down (``shutting_down``: ``app.state.drain``), 500 a
-failed generation (``generation_failed``) or anything unexpected (a generic message; the details go
-to the server log) — none stops the server, and ``/openapi.json`` lists each route's. OpenAI
+variant unavailable, the server shutting down (``shutting_down``: ``app.state.drain``) or its engine
+failed (``engine_failed``), 500 a failed generation (``generation_failed``) or anything unexpected (a
+generic message; the details go to the server log) — none stops the server but a failed engine (a
+tensor-parallel rank died or stopped answering), and ``/openapi.json`` lists each route's. OpenAI
 parameters this server does not implement (``echo``, ``logprobs``, ``tools``, ...) are a 400 unless
 their value asks for nothing. Request bodies are bounded before any work (serve/protocol.py).
 
@@ -56,6 +57,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from deltafleet.serve import tools
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.request import (
+    EngineFailedError,
     GenerationError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -132,7 +134,9 @@ def _api_error(e: Exception) -> APIError:
                         {"Retry-After": str(RETRY_AFTER_S)} if e.transient else None)
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
-    if isinstance(e, GenerationError):  # logged where it happened (serve/scheduler.py)
+    if isinstance(e, EngineFailedError):
+        return APIError(503, str(e), "service_unavailable_error", None, "engine_failed")
+    if isinstance(e, GenerationError):  # logged where it happened (serve/scheduler.py, serve/tp.py)
         return APIError(500, f"Generation failed: {e}.", "server_error", None, "generation_failed")
     if isinstance(e, ServerShuttingDownError):
         return APIError(503, str(e), "service_unavailable_error", None, "shutting_down")
@@ -616,10 +620,12 @@ STATUS = {
     409: "The variant has requests in flight: retry when they have finished.",
     413: "The request body is larger than the server's max_request_bytes.",
     429: "Overloaded: too many requests are waiting already. Retry after `Retry-After` seconds.",
-    500: "An unexpected error, or the generation failed (the request's logits were not finite).",
+    500: "An unexpected error, or the generation failed (the request's logits were not finite; a tensor-parallel "
+         "rank died or stopped answering under it).",
     503: "The variant exists but cannot be served now: its artifact cannot be read, or no device slot came "
          "free in time (Retry-After); the server is receiving too many request bodies at once (Retry-After); "
-         "for /health: the engine cannot generate any more.",
+         "the server is shutting down; the engine cannot generate any more (a tensor-parallel rank died or "
+         "stopped answering: engine_failed, as /health answers then).",
 }
 
 
@@ -691,12 +697,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     def drain(timeout_s: float | None) -> None:
         """Begin a graceful shutdown (serve/run.py calls it on the first SIGTERM or Ctrl-C): ``/health``
         answers 503, requests that have not started, and every later one, are refused with 503
-        ``shutting_down``, and those running get ``timeout_s`` seconds (None: no limit) to finish,
-        then are cut off with the same error (in-band for a stream that has begun)."""
+        ``shutting_down`` (``engine_failed`` once the engine failed, which shuts the server down
+        too), and those running get ``timeout_s`` seconds (None: no limit) to finish, then are cut
+        off with the same error (in-band for a stream that has begun)."""
         if engine.draining:
             return
-        engine.drain(ServerShuttingDownError("The server is shutting down; send the request to another "
-                                             "server, or again once this one is back."))
+        engine.drain(engine.failure() or ServerShuttingDownError("The server is shutting down; send the request "
+                                                                 "to another server, or again once this one is back."))
         if timeout_s is not None:
             cut = ServerShuttingDownError(f"The server shut down: this request did not finish within its "
                                           f"{timeout_s:g} s of grace (timeout_graceful_shutdown_s).")
@@ -714,7 +721,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         return _api_error(exc).response()
 
     for error in (InvalidRequestError, ModelNotFoundError, VariantUnavailableError, VariantInUseError, GenerationError,
-                  ServerShuttingDownError):
+                  ServerShuttingDownError, EngineFailedError):
         app.add_exception_handler(error, _on_engine_error)  # answered, not re-raised as the last handler's are
 
     @app.exception_handler(RequestValidationError)
@@ -770,10 +777,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     @app.get("/health", responses=_responses(500, 503, ok=Health))
     async def health():
-        fatal = engine.scheduler.fatal
-        if fatal is not None:  # e.g. a tensor-parallel rank died: restart the server
-            return APIError(503, f"the server cannot generate any more: {type(fatal).__name__}",
-                            "service_unavailable_error", None, "engine_failed").response()
+        failure = engine.failure()
+        if failure is not None:  # a tensor-parallel rank died or stopped answering: the server stops
+            return _api_error(failure).response()
         if engine.draining:
             return APIError(503, "the server is shutting down", "service_unavailable_error", None,
                             "shutting_down").response()

@@ -39,6 +39,7 @@ from deltafleet.serve.loading import load_model
 from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingParams, Step: re-exported)
     VARIANT_NAME,
     Completion,
+    EngineFailedError,
     FinishReason,
     GenerationError,
     InvalidRequestError,
@@ -46,6 +47,7 @@ from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingPar
     Request,
     SamplingParams,
     Step,
+    TensorParallelError,
     VariantInUseError,
     VariantUnavailableError,
 )
@@ -157,7 +159,8 @@ class Engine:
         capture_at_start: with ``cuda_graphs``, capture every graph bucket before serving (else each
             on its first use, in the step that needs it).
         tp: rank 0's :class:`deltafleet.serve.tp.TPContext` when serving tensor parallel (the other ranks run
-            :func:`deltafleet.serve.follower.run_follower`); None: one process.
+            :func:`deltafleet.serve.follower.run_follower`); None: one process. Once its group fails (a
+            rank died or stopped answering) the engine generates no more: :meth:`failure`.
 
     Raises:
         FileNotFoundError: if ``base_dir`` holds no checkpoint (run ``make base`` or ``make demo``).
@@ -354,6 +357,12 @@ class Engine:
             with self.tp.lock:
                 self.tp.send(("drop", delta.source))
 
+    def failure(self) -> EngineFailedError | None:
+        """Why this engine cannot generate any more (its tensor-parallel group failed: a rank died or
+        stopped answering; serve/tp.py), as the error that refuses requests; None while it can."""
+        reason = None if self.tp is None else self.tp.failed
+        return None if reason is None else EngineFailedError(reason)
+
     @property
     def draining(self) -> bool:
         """Whether :meth:`drain` was called (the server is shutting down)."""
@@ -368,10 +377,15 @@ class Engine:
         self.scheduler.abort(error)
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (no-op in one process)."""
+        """Stop the other tensor-parallel ranks (no-op in one process, and once the group failed:
+        nothing can be sent on it, and the launcher stops the ranks left, serve/run.py). A step still
+        running holds it up to ``tp_timeout_s``."""
         if self.tp is not None:
             with self.tp.lock:
-                self.tp.send(("stop",))
+                try:
+                    self.tp.send(("stop",))
+                except TensorParallelError:  # logged as the group failed
+                    pass
 
     # ---------------------------------------------------------------- models and variants
 
@@ -483,6 +497,7 @@ class Engine:
                 (fingerprint mismatch), does not fit the base's shapes, or there is no room for it
                 on the device. Not cached: the next request tries again, so a fixed artifact is
                 picked up without a restart.
+            EngineFailedError: the tensor-parallel group failed, now or before (:meth:`failure`).
         """
         card = self.card(model_id)
         if card.parent is None:
@@ -496,6 +511,8 @@ class Engine:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist (its artifact was removed)") from None
         except CacheFullError as e:
             raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}", transient=True) from None
+        except TensorParallelError as e:  # announcing a load or an eviction to the other ranks failed
+            raise EngineFailedError(e.reason) from None
 
     def release_delta(self, model_id: str) -> None:
         """End one hold of :meth:`acquire_delta` (no-op for the base)."""
@@ -885,8 +902,11 @@ class Engine:
             InvalidRequestError: empty prompt, prompt + max_tokens beyond the context, min_tokens above
                 max_tokens, or a stop token id outside the vocabulary (400).
             VariantUnavailableError: the variant's artifact cannot be used (503).
+            EngineFailedError: the engine cannot generate any more (:meth:`failure`).
             ServerShuttingDownError (or the error :meth:`drain` was given): the server is shutting down.
         """
+        if (failure := self.failure()) is not None:
+            raise failure
         if self._closing is not None:
             raise self._closing
         model_id = self.card(model_id).id

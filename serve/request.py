@@ -39,6 +39,28 @@ class GenerationError(RuntimeError):
     that request only; the other sequences of its batch go on."""
 
 
+class TensorParallelError(GenerationError):
+    """The tensor-parallel group failed under a request being generated (HTTP 500, as any failed
+    generation): a rank died, or did not answer within ``tp_timeout_s``. Unlike its base class it
+    ends every request, and the server shuts down (serve/tp.py, ``TPContext.fail``). ``reason``: what
+    happened, naming the rank where rank 0 can tell."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}: this server cannot generate any more and shuts down")
+        self.reason = reason
+
+
+class EngineFailedError(RuntimeError):
+    """The engine cannot generate any more, for ``reason`` (its tensor-parallel group failed), and
+    the server is shutting down (HTTP 503 ``engine_failed``, as ``/health`` answers): every request
+    that was not being generated when it failed, and every later one, is refused."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"The server cannot generate any more ({reason}) and is shutting down; send the "
+                         "request to another server, or again once this one is restarted.")
+        self.reason = reason
+
+
 class ServerShuttingDownError(RuntimeError):
     """The server is shutting down (HTTP 503): a request not yet started is refused at once, and one
     still running when ``timeout_graceful_shutdown_s`` has passed is cut off."""

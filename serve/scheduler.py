@@ -48,7 +48,9 @@ the HTTP event loop). A stop string is found there, a step or two after its toke
 thread sends the final Step and asks the scheduler to end the sequence at its next step, and the
 tokens sampled meanwhile are dropped. An error reaches every request it affects, as an exception
 in its queue: a failed step ends every sequence in it; a failure of one row (its sampling or
-detokenizing) ends that sequence alone.
+detokenizing) ends that sequence alone. Under tensor parallelism a failed step fails the group
+(serve/tp.py, ``TPContext.fail``): its sequences end with the group's error, and every other
+request, waiting or running, and every later one, with :class:`EngineFailedError`.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ from deltafleet.serve.detokenize import TextStream, token_bytes
 from deltafleet.serve.kv import BlockPool
 from deltafleet.serve.pacing import StepClock, decode_kind
 from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
-from deltafleet.serve.request import GenerationError, Step
+from deltafleet.serve.request import EngineFailedError, GenerationError, Step
 from deltafleet.serve.runner import ModelRunner, StepInput
 from deltafleet.serve.sampling import request_seed
 from deltafleet.serve.transfer import upload
@@ -186,7 +188,6 @@ class Scheduler:
         self._refuse: BaseException | None = None  # set by abort(): every request submitted later gets it
         self.steps = 0  # steps run (tests, metrics)
         self.preemptions = 0
-        self.fatal: BaseException | None = None  # set when a tensor-parallel rank failed
         self.max_rows_seen = 0  # most decode rows in one step
         # Not with tensor parallelism either: the other ranks are sent each step's tokens as lists.
         self.async_scheduling = async_scheduling and engine.tp is None
@@ -323,10 +324,12 @@ class Scheduler:
                         with self._cv:
                             self._cv.wait(0.01)
             except BaseException as e:  # noqa: BLE001 - reported to the requests of the failed steps
-                log.exception("scheduler step failed")
+                tp = self.engine.tp
+                if tp is None:
+                    log.exception("scheduler step failed")
+                else:  # a rank is gone, or the ranks are out of step: this server cannot generate any more
+                    e = tp.fail(e)  # logged there, as one line
                 inflight = self._inflight
-                if self.engine.tp is not None:  # a rank is gone: this server cannot serve any more
-                    self.fatal = e
                 failed, self._inflight = [], None
                 for p in (plan, launched and launched.plan, inflight and inflight.plan):
                     failed += [] if p is None else p.decode + [s for s, _, _ in p.prefill]
@@ -336,6 +339,8 @@ class Scheduler:
                         self._items.append(("error", seq, e))
                         seq.done = True
                 self._retire(failed)
+                if tp is not None:  # every other request, now and later, is refused
+                    self.abort(EngineFailedError(tp.failed), running=True)
             items, self._items = self._items, []
             self.detokenizer.submit(items)
 

@@ -17,12 +17,18 @@ same inputs and gets the same logits.
 """
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from deltafleet.serve.delta import VariantDelta
 from deltafleet.serve.model import Attention, DeltaLinear
+from deltafleet.serve.request import TensorParallelError
+
+log = logging.getLogger(__name__)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -145,7 +151,9 @@ def shard_delta(delta, rank: int, world: int):
 
 # --------------------------------------------------------------------------------------------
 # Serving with one process per rank: rank 0 runs the HTTP server and the scheduler and sends every
-# step to the other ranks, which run the same forward on their slices.
+# step to the other ranks, which run the same forward on their slices. A rank that dies or stops
+# answering fails the group for good (TPContext.fail): the server stops, and the launcher
+# (serve/run.py) names the rank.
 # --------------------------------------------------------------------------------------------
 
 
@@ -158,19 +166,62 @@ class TPContext:
         control: a gloo group over the same ranks for the commands rank 0 sends (pickled objects).
     """
 
-    def __init__(self, rank: int, world: int, group=None, control=None):
-        import threading
-
+    def __init__(self, rank: int, world: int, group=None, control=None, timeout_s: float | None = None):
         self.rank, self.world, self.group, self.control = rank, world, group, control
+        self.timeout_s = timeout_s  # what every collective waits at most (connect); None: not known here
         self.lock = threading.RLock()  # rank 0: one command, and the forward it announces, at a time
+        self.failed: str | None = None  # rank 0: why the group failed (fail), once it has
+        self._failing = threading.Lock()
 
     @property
     def shard(self) -> tuple:
         return self.rank, self.world, self.group
 
     def send(self, cmd: tuple) -> None:
-        """Rank 0: announce ``cmd`` to every rank (in order; hold :attr:`lock` around it and its work)."""
+        """Rank 0: announce ``cmd`` to every rank (in order; hold :attr:`lock` around it and its work).
+
+        Raises:
+            TensorParallelError: the group failed, now (:meth:`fail`) or before: nothing is sent on it
+                any more.
+        """
+        if self.failed is not None:
+            raise TensorParallelError(self.failed)
+        try:
+            self._broadcast(cmd)
+        except RuntimeError as e:  # gloo's errors, a rank gone or a timeout, are RuntimeErrors
+            raise self.fail(e) from e
+
+    def _broadcast(self, cmd: tuple) -> None:
         dist.broadcast_object_list([cmd], src=0, group=self.control)
+
+    def fail(self, error: BaseException) -> TensorParallelError:
+        """Rank 0: the group failed with ``error``, raised by a collective (or by anything in a step:
+        a step that did not run to its end on every rank leaves the ranks out of step). Records why,
+        once, and logs it as one line (with the traceback only for an error that is not a
+        collective's, a bug's); the engine then refuses every request and the server shuts down
+        (serve/engine.py, serve/run.py). Returns the error of the requests that were being generated,
+        naming what happened: the first failure's, whichever thread calls."""
+        with self._failing:
+            if self.failed is None:
+                self.failed, known = (error.reason, True) if isinstance(error, TensorParallelError) else \
+                    self._reason(error)
+                log.error("%s", TensorParallelError(self.failed), exc_info=None if known else error)
+        return TensorParallelError(self.failed)
+
+    def _reason(self, error: BaseException) -> tuple[str, bool]:
+        """What ``error`` says happened to the group, and whether it is a collective's failure. gloo
+        raises plain RuntimeErrors: its message tells a timeout from a closed connection. With two
+        ranks the other one is rank 1; with more, rank 0 cannot tell which (the launcher names it)."""
+        text = str(error).lower()
+        who = "tensor-parallel rank 1" if self.world == 2 else f"one of tensor-parallel ranks 1-{self.world - 1}"
+        within = "in time" if self.timeout_s is None else f"within tp_timeout_s={self.timeout_s:g} s"
+        if "timed out" in text or "timeout" in text:
+            return f"{who} did not answer {within} (stopped or hung)", True
+        if "connection" in text or "peer" in text or "broken pipe" in text:
+            return f"{who} is gone (its connection closed: it exited or was killed)", True
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return (f"a tensor-parallel step failed on rank 0 ({type(error).__name__}{': ' + first if first else ''}), "
+                "which leaves the ranks out of step"), False
 
     def recv(self) -> tuple:
         box = [None]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.synthetic import SyntheticFamily, check_options, predict_memory, read_synthetic, write_base_dir
+from deltafleet.serve.tp import TPContext
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -201,19 +201,14 @@ def test_the_folder_holds_no_weights_and_pads_the_tokenizer(tokenizer_dir, tmp_p
         write_base_dir(tmp_path / "small", {**OPTS, "shape": dict(SHAPE, vocab_size=300)}, tokenizer_dir)
 
 
-class _OneRank:
+class _OneRank(TPContext):
     """Rank 0 of a tensor-parallel world of one, recording what it announces to the (absent) others."""
 
-    rank, world, group = 0, 1, None
-
     def __init__(self):
-        self.lock, self.sent = threading.RLock(), []
+        super().__init__(0, 1)
+        self.sent = []
 
-    @property
-    def shard(self):
-        return 0, 1, None
-
-    def send(self, cmd):
+    def _broadcast(self, cmd):
         self.sent.append(cmd)
 
 

@@ -366,3 +366,48 @@ def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp
     with pytest.raises(ArtifactError, match="no bitdelta.json"):
         run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("drop", src), ("move",),
                                ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
+
+
+def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_family, caplog):
+    """Rank 0's side of a failed tensor-parallel group, in one process (a ``TPContext`` whose rank 1 is
+    gone at the first step): the request in the step ends with 500 ``generation_failed`` naming the
+    rank; ``/health`` and every later request answer 503 ``engine_failed``; the failure is logged as one
+    line, without a traceback; nothing more is sent on the group."""
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+    from deltafleet.serve.engine import Engine
+    from deltafleet.serve.tp import TPContext
+    from tests.conftest import api_error
+
+    class Gone(TPContext):  # rank 0 of 2, serving the whole model itself
+        def __init__(self):
+            super().__init__(0, 2, timeout_s=30)
+            self.sent = []
+
+        @property
+        def shard(self):
+            return 0, 1, None
+
+        def _broadcast(self, cmd):
+            self.sent.append(cmd[0])
+            if cmd[0] == "step":
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+    group = Gone()
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", tp=group)
+    body = {"model": "tiny", "prompt": "def ", "max_tokens": 4}
+    with TestClient(create_app(engine)) as tc, caplog.at_level("ERROR"):
+        assert tc.get("/health").status_code == 200
+        err = api_error(tc.post("/v1/completions", json=body), 500)
+        assert err["code"] == "generation_failed"
+        assert err["message"] == ("Generation failed: tensor-parallel rank 1 is gone (its connection closed: it exited "
+                                  "or was killed): this server cannot generate any more and shuts down.")
+        for r in (tc.get("/health"), tc.post("/v1/completions", json=body),
+                  tc.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})):
+            err = api_error(r, 503)
+            assert err["code"] == "engine_failed" and "tensor-parallel rank 1 is gone" in err["message"], err
+        engine.shutdown()  # sends nothing: the group failed
+    assert group.sent == ["init", "step"]
+    failed = [r for r in caplog.records if "tensor-parallel rank 1 is gone" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is None
