@@ -162,6 +162,8 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"port must be a port number from 0 to 65535, got {v!r}")
     if not _integer(v := cfg.tp_port) or not 1 <= v <= 65535:  # every rank must know it: no 0
         raise ValueError(f"tp_port must be a port number from 1 to 65535, got {v!r}")
+    if not _number(v := cfg.tp_timeout_s) or not v > 0:
+        raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {v!r}")
     if not isinstance(cfg.host, str) or not cfg.host:
         raise ValueError(f"host must be an address of this machine, got {cfg.host!r}")
     if not isinstance(cfg.family, str) or not re.fullmatch(VARIANT_NAME, cfg.family):
@@ -423,16 +425,14 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
 
     from deltafleet.serve.engine import DTYPES
     from deltafleet.serve.follower import run_follower
-    from deltafleet.serve.tp import TPContext
+    from deltafleet.serve.tp import connect
 
     os.setpgrp()  # signals reach the launcher alone, which passes them to rank 0 (main)
     cfg = OmegaConf.create(cfg_dict)
     cuda = cfg.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg.tp_port}",
-                            rank=rank, world_size=cfg.tp)
-    ctx = TPContext(rank, cfg.tp, None, dist.new_group(backend="gloo"))
+    ctx = connect(rank, cfg.tp, "nccl" if cuda else "gloo", f"tcp://127.0.0.1:{cfg.tp_port}", cfg.tp_timeout_s)
     device = f"cuda:{rank}" if cuda else cfg.device
     try:
         if rank == 0:

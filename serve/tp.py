@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,27 @@ def shard_delta(delta, rank: int, world: int):
 # answering fails the group for good (TPContext.fail): the server stops, and the launcher
 # (serve/run.py) names the rank.
 # --------------------------------------------------------------------------------------------
+
+
+# A follower's wait for rank 0's next command: an idle server sends none, so it has no deadline of its
+# own. gloo takes one anyway: ten years, past any server's uptime (and well within its clock's range).
+COMMAND_WAIT = timedelta(days=3650)
+
+
+def connect(rank: int, world: int, backend: str, init_method: str, timeout_s: float) -> TPContext:
+    """Join the tensor-parallel group as ``rank`` of ``world``: the default process group (``backend``:
+    NCCL on GPUs, gloo on the CPU), which the all-reduces use, and a gloo group for rank 0's commands.
+
+    Every collective waits at most ``timeout_s`` (``tp_timeout_s``) for the other ranks, so that a
+    rank that stops answering (stopped, hung) fails the requests it holds up instead of hanging them
+    and the server's shutdown: rank 0's commands (a rank busy elsewhere, e.g. reading a variant, must
+    take the next one within it) and every rank's all-reduces. The exception is a follower waiting
+    for rank 0's next command (:data:`COMMAND_WAIT`): an idle server sends none for as long as it is
+    idle, and rank 0's end closes the connections that wait. Both groups are created by every rank."""
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else COMMAND_WAIT)
+    return TPContext(rank, world, None, control, timeout_s)
 
 
 class TPContext:
