@@ -15,6 +15,9 @@ tokenizer), lists ``<artifacts_dir>/*/bitdelta.json`` as ``<family>-<variant>`` 
 first request) and runs uvicorn on ``host:port``. With ``tp=N > 1`` it starts N processes
 (``torch.distributed``: NCCL on GPUs, gloo on the CPU, rendezvous on 127.0.0.1:``tp_port``); rank 0
 serves HTTP and schedules, the others hold their slices of the base and the deltas (serve/tp.py).
+A rank that dies, or does not answer a collective within ``tp_timeout_s``, fails the group: the
+requests it held up fail, the server stops, and the launcher names the rank on one line and exits
+with :data:`GROUP_FAILED` (:func:`_join_ranks`).
 With ``synthetic`` set, nothing is read: the base and the variants are generated on the device by
 every rank, its own slice (serve/synthetic.py), and every variant is put in its slot before the
 server answers.
@@ -275,12 +278,14 @@ def _switch_interval(cfg: DictConfig) -> float:
 ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get their 503 in this time
 
 
-def _draining_server(config, drain, announce):
+def _draining_server(config, drain, announce, failed=lambda: False):
     """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM or Ctrl-C
     also calls ``drain()`` (``app.state.drain``: the requests not started are refused at once, the
     running ones cut off at the grace's end), in a thread of its own: the signal may come while this
     thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
-    dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130."""
+    dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130.
+    Once ``failed()`` (checked every tick, a tenth of a second: the engine cannot generate any more)
+    it shuts down as on a signal."""
     import threading
 
     import uvicorn
@@ -291,14 +296,18 @@ def _draining_server(config, drain, announce):
             if self.started:
                 announce()
 
+        async def on_tick(self, counter: int) -> bool:
+            if not self.should_exit and failed():
+                self.should_exit = True
+                threading.Thread(target=drain, name="drain", daemon=True).start()
+            return await super().on_tick(counter)
+
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: out at once, as uvicorn's
                 # force_exit would, but before the event loop cancels the requests' tasks (a traceback
                 # each) and the interpreter exits under the model thread's step (SIGABRT); with tp > 1
                 # the launcher stops the other ranks
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(130)
+                _exit(130)
             if not self.should_exit:
                 threading.Thread(target=drain, name="drain", daemon=True).start()
             super().handle_exit(sig, frame)
@@ -315,6 +324,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
 
     from deltafleet.serve.app import create_app, http_protocol
     from deltafleet.serve.engine import Engine
+    from deltafleet.serve.request import EngineFailedError, TensorParallelError
 
     try:
         torch.set_num_threads(_threads(cfg, 1 if tp is None else tp.world))
@@ -332,6 +342,8 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         scheduler_delay_factor=cfg.scheduler_delay_factor, async_scheduling=cfg.async_scheduling,
                         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                         late_planning=cfg.late_planning)
+    except TensorParallelError:  # a rank died or stopped answering while the others started (logged)
+        _exit(GROUP_FAILED)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
         print(f"error: {e}", file=sys.stderr)
         if tp is not None:
@@ -339,13 +351,14 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
             # base checks its replicas), where a broadcast would wait for them forever. Exit at once
             # instead: the others fail on the connections this closes, and the launcher, seeing this
             # rank's status, stops them and exits with it (_join_ranks).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
+            _exit(2)
         sys.exit(2)
     try:
         if engine.synthetic is not None:
-            _preload(engine)
+            try:
+                _preload(engine)
+            except EngineFailedError:  # as above
+                _exit(GROUP_FAILED)
         url = _url(cfg.host, port)
         ids = [m.id for m in engine.models()]
         where = f"{engine.device}" if tp is None else f"{tp.world} ranks, tensor parallel"
@@ -359,17 +372,26 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
         config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level, http=protocol,
                                 timeout_keep_alive=cfg.timeout_keep_alive_s, lifespan="off",
                                 timeout_graceful_shutdown=None if grace is None else grace + ANSWER_S)
-        server = _draining_server(config, lambda: app.state.drain(grace), lambda: print(line, flush=True))
+        server = _draining_server(config, lambda: app.state.drain(grace), lambda: print(line, flush=True),
+                                  lambda: engine.failure() is not None)
         server.run()
         if not server.started:
             sys.exit(3)  # uvicorn's STARTUP_FAILURE (it logged why)
     finally:
         engine.shutdown()
+    if engine.failure() is not None:  # the tensor-parallel group failed (logged): the launcher names the rank
+        _exit(GROUP_FAILED)
     if not engine.scheduler.idle:  # past the grace: the model thread may be inside a step, which the
         # interpreter's exit would abort (SIGABRT); the other ranks are stopped already
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit(0)
+
+
+def _exit(status: int) -> None:
+    """End this process now with ``status``, its output flushed: without the interpreter's exit, which
+    would wait for (or abort) a model thread inside a step, or tear down a failed process group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _preload(engine) -> None:
@@ -446,8 +468,12 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
 
 STOP_WAIT_S = 10.0  # how long the launcher waits for the other ranks once rank 0 has ended
 # how long it waits for rank 0 once another rank failed: long enough for rank 0 to reach the same start
-# error (a missing or mismatched checkpoint fails every rank) and print its line
+# error (a missing or mismatched checkpoint fails every rank) and print its line; and for the other
+# ranks once rank 0 ended on its group's failure, to end on their own before they are killed
 ERROR_WAIT_S = 3.0
+# rank 0's exit status, and the launcher's, when the tensor-parallel group failed: a rank died, or did
+# not answer a collective within tp_timeout_s (serve/tp.py)
+GROUP_FAILED = 4
 
 
 def _signal_rank0(ranks, sig: int) -> None:
@@ -457,40 +483,125 @@ def _signal_rank0(ranks, sig: int) -> None:
         pass
 
 
-def _join_ranks(ranks, signals: list[int]) -> int:
+def _end(procs: list, wait_s: float, sig: int | None = None) -> list:
+    """Send ``sig`` (if any) to each process of ``procs`` still running, give them ``wait_s`` seconds
+    in all to end, then kill those left with SIGKILL (a stopped process takes no other signal).
+    Returns the processes killed; every one of ``procs`` has ended when it returns."""
+    import time
+
+    for p in procs:
+        if sig is not None and p.is_alive():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    killed = [p for p in procs if p.is_alive()]
+    for p in killed:
+        p.kill()
+    for p in killed:
+        p.join()
+    return killed
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _group_failure(procs: list, codes: list, signals: list[int], timeout_s: float | None) -> str | None:
+    """The line that names the rank which failed the tensor-parallel group, from ``codes`` (each
+    rank's exit status, None while it runs, read once), after ending every rank; None if it has not
+    failed. It has when a rank died of a signal the launcher did not pass on (SIGKILL, a native
+    crash): rank 0 is then stopped as a signal stops it, with :data:`STOP_WAIT_S` to shut down (the
+    requests it runs fail at once on the rank gone); or when rank 0 ended with :data:`GROUP_FAILED`
+    (it logged why): the ranks that have not ended :data:`ERROR_WAIT_S` later do not answer
+    (stopped, hung), and are killed."""
+    died = [i for i, c in enumerate(codes) if c is not None and c < 0 and not (i == 0 and signals)]
+    if died:
+        i = died[0]
+        if procs[0].is_alive():
+            _end(procs[:1], STOP_WAIT_S, signal.SIGTERM)
+        _end(procs, ERROR_WAIT_S)
+        return f"tensor-parallel rank {i} (pid {procs[i].pid}) died of {_signal_name(-codes[i])}: the server stopped"
+    if codes[0] != GROUP_FAILED:
+        return None
+    killed = _end(procs[1:], ERROR_WAIT_S)
+    if killed:
+        within = "in time" if timeout_s is None else f"within tp_timeout_s={timeout_s:g} s"
+        names = ", ".join(f"{procs.index(p)} (pid {p.pid})" for p in killed)
+        return (f"tensor-parallel rank{'s' if len(killed) > 1 else ''} {names} did not answer {within} (stopped or "
+                "hung) and was killed: the server stopped")
+    died = [i for i, p in enumerate(procs) if i and p.exitcode < 0]  # on its own, since the codes were read
+    if died:
+        i = died[0]
+        return (f"tensor-parallel rank {i} (pid {procs[i].pid}) died of {_signal_name(-procs[i].exitcode)}: "
+                "the server stopped")
+    return "the tensor-parallel group failed (rank 0's line above says how): the server stopped"
+
+
+def _join_ranks(ranks, signals: list[int], stop_after_s: float | None = None, timeout_s: float | None = None) -> int:
     """Wait for the tensor-parallel ranks (``torch.multiprocessing``'s ProcessContext) and return the
     launcher's exit status: 0, a rank's own error status (2; 3 where uvicorn could not bind; 130 after
     a second Ctrl-C), or 128 + the signal the launcher passed on, where rank 0 ended on it before it
     could shut down gracefully (during startup, say). Rank 0 stops the others as it ends
-    (``Engine.shutdown``); one it could not stop is terminated after :data:`STOP_WAIT_S`, not waited
-    for in a collective. When a rank fails, the others get :data:`ERROR_WAIT_S` to end on their own
-    before the join stops them (its ``grace_period``), and rank 0's error status is the one reported:
-    it may have failed on the same thing, or the others on its closed connections."""
+    (``Engine.shutdown``); one it could not stop is terminated after :data:`STOP_WAIT_S`, and killed
+    if it does not end then, not waited for in a collective. When a rank fails, the others get
+    :data:`ERROR_WAIT_S` to end on their own before the join stops them (its ``grace_period``), and
+    rank 0's error status is the one reported: it may have failed on the same thing, or the others on
+    its closed connections. A rank that raised (status 1, a traceback of its own) is a bug: torch's
+    exception is raised.
+
+    When the group fails while it serves — a rank dies of a signal, or rank 0 ends with
+    :data:`GROUP_FAILED` (a rank did not answer within ``timeout_s``, ``tp_timeout_s``) — every rank is
+    ended, one line names the rank, and the status is :data:`GROUP_FAILED` (:func:`_group_failure`).
+
+    ``stop_after_s``: once a signal has been passed on, how long rank 0 has to end (its grace and the
+    others' stop) before every rank is killed, with status 128 + the signal; None: no limit. Each
+    round decides from the ranks' statuses read once."""
     import time
+    from multiprocessing.connection import wait
 
     import torch.multiprocessing as mp
 
-    ended = None
-    first = ranks.processes[0]
+    procs = ranks.processes
+    first = procs[0]
+    ended = signalled = None
     while True:
-        try:
-            if ranks.join(timeout=0.5, grace_period=ERROR_WAIT_S):
-                return 0
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # the others are stopped
-            for code in (first.exitcode, getattr(e, "exit_code", None)):  # no traceback for these
-                if code in (2, 3, 130):
-                    return code
-            if signals:
+        wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return 0
+        failure = _group_failure(procs, codes, signals, timeout_s)
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            return GROUP_FAILED
+        if any(c not in (None, 0) for c in codes):  # a rank's own error: the join stops the others and raises
+            try:
+                ranks.join(timeout=0, grace_period=ERROR_WAIT_S)
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+                for code in (first.exitcode, getattr(e, "exit_code", None)):  # no traceback for these
+                    if code in (2, 3, 130):
+                        return code
+                if signals:
+                    return 128 + signals[0]
+                raise
+        now = time.monotonic()
+        if signals and stop_after_s is not None and first.is_alive():
+            signalled = signalled or now
+            if now - signalled > stop_after_s:
+                print(f"error: tensor-parallel rank 0 (pid {first.pid}) did not shut down within {stop_after_s:g} s "
+                      f"of {_signal_name(signals[0])}: every rank was killed", file=sys.stderr, flush=True)
+                _end(procs, 0.0)
                 return 128 + signals[0]
-            raise
         if not first.is_alive():
-            ended = ended or time.monotonic()
-            if time.monotonic() - ended > STOP_WAIT_S:
-                for p in ranks.processes:
-                    if p.is_alive():
-                        p.terminate()
-                for p in ranks.processes:
-                    p.join(STOP_WAIT_S)
+            ended = ended or now
+            if now - ended > STOP_WAIT_S:
+                _end(procs, STOP_WAIT_S, signal.SIGTERM)
                 return 128 + signals[0] if signals else 1
 
 
@@ -530,7 +641,9 @@ def main(cfg: DictConfig) -> None:
         ranks = mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=False)
         for sig in signals[:2]:  # those that came while the ranks were being started
             _signal_rank0(ranks, sig)
-        sys.exit(_join_ranks(ranks, signals))
+        grace = cfg.timeout_graceful_shutdown_s
+        sys.exit(_join_ranks(ranks, signals, None if grace is None else grace + ANSWER_S + STOP_WAIT_S,
+                             cfg.tp_timeout_s))
     else:
         try:
             _serve(cfg, cfg.device)

@@ -3,6 +3,7 @@ the model and of the variants' deltas give the logits of the whole model — one
 sequence, and a decode step mixing the base and two variants."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,9 @@ def test_shapes_that_do_not_split_are_named(tiny_family):
         shard_model(model, 1, 2)
 
 
-def _tp_server(tiny_family, out: Path):
-    """``serve/run.py tp=2`` (gloo) over the tiny family on free ports, its output in
-    ``out/server.log``: ``(launcher process, url, log file)``."""
+def _tp_server(tiny_family, out: Path, *overrides: str):
+    """``serve/run.py tp=2`` (gloo) over the tiny family on free ports, with more settings
+    ``overrides``, its output in ``out/server.log``: ``(launcher process, url, log file)``."""
     import os
     import socket
     import subprocess
@@ -153,7 +154,7 @@ def _tp_server(tiny_family, out: Path):
     proc = subprocess.Popen([sys.executable, "serve/run.py", f"base_dir={tiny_family.base_dir}",
                              f"artifacts_dir={tiny_family.artifacts_dir}", "model.name=tiny", f"port={ports[0]}",
                              f"tp_port={ports[1]}", "tp=2", "threads=1", "log_level=warning",
-                             f"hydra.run.dir={out}"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                             f"hydra.run.dir={out}", *overrides], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(repo)})
     return proc, f"http://127.0.0.1:{ports[0]}", log
 
@@ -270,12 +271,27 @@ def test_sigterm_while_the_ranks_start_leaves_none_behind(tiny_family, tmp_path)
 
 
 def _scripted_rank(i: int, plan: list[tuple[int, float]]) -> None:
-    """Rank ``i`` of a launcher test: sleeps ``plan[i][1]`` seconds, then exits with ``plan[i][0]``."""
+    """Rank ``i`` of a launcher test: sleeps ``plan[i][1]`` seconds, then exits with ``plan[i][0]``, or
+    for a negative one sends itself that signal (``-9``: dies of SIGKILL; ``-19``: stops, until killed)."""
     import os
     import time
 
     time.sleep(plan[i][1])
+    if plan[i][0] < 0:
+        os.kill(os.getpid(), -plan[i][0])
+        time.sleep(60)
     os._exit(plan[i][0])
+
+
+def _kill_scripted(ranks) -> list[int]:
+    """The pids of ``ranks``' processes still running (a launcher that left them is wrong), killed, so
+    that a failing test does not hang pytest's exit on a stopped one."""
+    left = [p.pid for p in ranks.processes if p.is_alive()]
+    for p in ranks.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return left
 
 
 @pytest.mark.parametrize("plan, signals, want", [
@@ -284,13 +300,15 @@ def _scripted_rank(i: int, plan: list[tuple[int, float]]) -> None:
     ([(3, 0.0), (0, 60.0)], [], 3),       # rank 0 cannot bind its port; rank 1 would wait forever
     ([(3, 0.3), (2, 0.0)], [], 3),        # rank 1 fails first (2); rank 0's own status is the one reported
     ([(0, 0.0), (0, 60.0)], [], 1),       # rank 0 ends, rank 1 never does: stopped, and a failure
+    ([(0, 0.0), (-19, 0.0)], [], 1),      # ... rank 1 stopped (SIGSTOP): SIGTERM cannot end it, SIGKILL does
     ([(0, 60.0), (0, 60.0)], [15], 143),  # a SIGTERM passed on to rank 0, which dies of it
-], ids=["ok", "same-start-error", "port-taken", "rank-0-first", "rank-left-running", "sigterm"])
+], ids=["ok", "same-start-error", "port-taken", "rank-0-first", "rank-left-running", "rank-left-stopped", "sigterm"])
 def test_the_launcher_reports_rank_0s_status_and_leaves_no_rank(plan, signals, want, monkeypatch):
     """``serve/run.py``'s ``_join_ranks`` over real rank processes: it returns 0 when every rank ends
     well, rank 0's own error status (2, or 3 for a port it could not bind) when ranks fail, 1 when a
-    rank outlives rank 0 past ``STOP_WAIT_S``, and 128 + the signal passed on to rank 0 when rank 0
-    died of it; every rank has ended when it returns."""
+    rank outlives rank 0 past ``STOP_WAIT_S`` (killed if SIGTERM does not end it: a stopped one was
+    left behind), and 128 + the signal passed on to rank 0 when rank 0 died of it; every rank has
+    ended when it returns."""
     import os
     import signal
 
@@ -299,10 +317,63 @@ def test_the_launcher_reports_rank_0s_status_and_leaves_no_rank(plan, signals, w
     monkeypatch.setattr(run, "ERROR_WAIT_S", 1.0)
     monkeypatch.setattr(run, "STOP_WAIT_S", 1.0)
     ranks = mp.start_processes(_scripted_rank, args=(plan,), nprocs=len(plan), join=False, start_method="fork")
-    if signals:
-        os.kill(ranks.processes[0].pid, signal.SIGTERM)
-    assert run._join_ranks(ranks, signals) == want
-    assert not [p.pid for p in ranks.processes if p.is_alive()]
+    try:
+        if signals:
+            os.kill(ranks.processes[0].pid, signal.SIGTERM)
+        assert run._join_ranks(ranks, signals) == want
+    finally:
+        assert not _kill_scripted(ranks)
+
+
+@pytest.mark.parametrize("plan, line", [
+    ([(0, 60.0), (-9, 0.2)], r"tensor-parallel rank 1 \(pid \d+\) died of SIGKILL: the server stopped"),
+    ([(4, 0.3), (-9, 0.0)], r"tensor-parallel rank 1 \(pid \d+\) died of SIGKILL: the server stopped"),
+    ([(4, 0.3), (-19, 0.0)], r"tensor-parallel rank 1 \(pid \d+\) did not answer within tp_timeout_s=2 s "
+                             r"\(stopped or hung\) and was killed: the server stopped"),
+], ids=["rank-1-killed", "rank-1-killed-rank-0-failed", "rank-1-stopped"])
+def test_the_launcher_names_the_rank_that_failed_the_group(plan, line, monkeypatch, capsys):
+    """Found by a fresh user: ``kill -9`` of rank 1 ended the launcher with torch's traceback (status
+    1), and a stopped rank 1 (SIGSTOP) was never killed. A rank dead of a signal, or rank 0 ending on
+    its group's failure (``GROUP_FAILED``: a rank gone, or not answering within ``tp_timeout_s``) with
+    a rank that does not end, makes ``_join_ranks`` end every rank (rank 0 on SIGTERM, as it shuts
+    down; a stopped one with SIGKILL), print one line naming the rank and return ``GROUP_FAILED``."""
+    from deltafleet.serve import run
+
+    monkeypatch.setattr(run, "ERROR_WAIT_S", 1.0)
+    monkeypatch.setattr(run, "STOP_WAIT_S", 1.0)
+    ranks = mp.start_processes(_scripted_rank, args=(plan,), nprocs=len(plan), join=False, start_method="fork")
+    try:
+        assert run._join_ranks(ranks, [], timeout_s=2) == run.GROUP_FAILED
+    finally:
+        assert not _kill_scripted(ranks)
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"error: {line}\n", err), err
+
+
+def test_the_launcher_kills_a_rank_0_that_does_not_end_after_the_signal(monkeypatch, capsys):
+    """Found by a fresh user: with a rank stopped, SIGTERM never ended the server. Past ``stop_after_s``
+    (the grace, its answers and the others' stop) after the signal it passed on, ``_join_ranks`` kills
+    every rank, says so, and returns 128 + the signal; here rank 0 is stopped, so the SIGTERM waits."""
+    import os
+    import signal
+    import time
+
+    from deltafleet.serve import run
+
+    ranks = mp.start_processes(_scripted_rank, args=([(-19, 0.0), (0, 60.0)],), nprocs=2, join=False,
+                               start_method="fork")
+    try:
+        pid = ranks.processes[0].pid
+        deadline = time.time() + 30
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
+            assert time.time() < deadline
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGTERM)
+        assert run._join_ranks(ranks, [signal.SIGTERM], stop_after_s=0.5) == 128 + signal.SIGTERM
+    finally:
+        assert not _kill_scripted(ranks)
+    assert re.fullmatch(r"error: tensor-parallel rank 0 \(pid \d+\) did not shut down within 0.5 s of SIGTERM: "
+                        r"every rank was killed\n", capsys.readouterr().err)
 
 
 def test_the_launcher_reraises_a_rank_crash_without_a_status_of_its_own(monkeypatch):
@@ -366,6 +437,160 @@ def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp
     with pytest.raises(ArtifactError, match="no bitdelta.json"):
         run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("drop", src), ("move",),
                                ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
+
+
+def _ranks_by_role(proc, url: str, log: Path) -> tuple[int, int]:
+    """``(rank 0's pid, rank 1's pid)`` of the launcher ``proc`` of ``_tp_server``: rank 0 is the one
+    that listens on ``url``'s port (its sockets, by inode, in ``/proc/net/tcp``)."""
+    import os
+
+    from tests.conftest import started_ranks
+
+    port = int(url.rsplit(":", 1)[1])
+    listening = {line.split()[9] for f in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(f)
+                 for line in open(f).readlines()[1:]
+                 if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"}
+    ranks = [int(pid) for pid in started_ranks(proc, log)
+             if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]  # not the resource tracker
+
+    def serves(pid: int) -> bool:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd).removeprefix("socket:[").rstrip("]") in listening:
+                    return True
+            except OSError:  # closed meanwhile
+                pass
+        return False
+
+    first = [pid for pid in ranks if serves(pid)]
+    assert len(ranks) == 2 and len(first) == 1, (ranks, first)
+    return first[0], next(pid for pid in ranks if pid != first[0])
+
+
+def _held_up_request(url: str, rank1: int):
+    """Stop rank 1 (SIGSTOP) and send a completion, which starts and waits in its step's collective;
+    returns ``(thread, outcome)``: ``outcome["error"]`` is what the official ``openai`` client raised."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+    import openai
+
+    os.kill(rank1, signal.SIGSTOP)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    outcome = {}
+
+    def ask():
+        try:
+            outcome["text"] = client.completions.create(model="tiny", prompt="def ", max_tokens=8).choices[0].text
+        except openai.APIError as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    deadline = time.time() + 30
+    while not re.search(r"^vllm:num_requests_running\S* 1\.0$", httpx.get(f"{url}/metrics").text, re.M):
+        assert time.time() < deadline and thread.is_alive(), outcome
+        time.sleep(0.05)
+    return thread, outcome
+
+
+def _ended_alone(proc, log: Path, pids: tuple[int, int], status: int, line: str) -> None:
+    """The launcher ``proc`` exits with ``status`` with ``line`` (a regex) as its last line and no
+    traceback in ``log``, and leaves no rank behind."""
+    import time
+
+    from tests.conftest import process_alive
+
+    assert proc.wait(timeout=60) == status, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert re.fullmatch(line, text.strip().splitlines()[-1]), text[-3000:]
+    deadline = time.time() + 10
+    while any(process_alive(str(pid)) for pid in pids):
+        assert time.time() < deadline, "a rank outlived the launcher"
+        time.sleep(0.05)
+
+
+def _kill_left(proc, pids) -> None:
+    import os
+    import signal
+
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_killed_rank_fails_its_requests_and_stops_the_server(tiny_family, tmp_path):
+    """Found by a fresh user: ``kill -9`` of rank 1 ended the requests with 500 ``internal_error`` and the
+    launcher with torch's traceback (status 1). A request held up by the rank (here: in its step while
+    rank 1 is stopped, then killed) now fails with 500 ``generation_failed`` naming the rank gone, /health
+    stops saying ok, and the server stops: the launcher's last line names the rank and how it died,
+    status ``GROUP_FAILED`` (4), no traceback, no rank left."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.conftest import wait_healthy
+
+    proc, url, out = _tp_server(tiny_family, tmp_path, "tp_timeout_s=60")
+    log = tmp_path / "server.log"
+    pids = ()
+    with out:
+        try:
+            wait_healthy(proc, url, log, 120)
+            pids = _ranks_by_role(proc, url, log)
+            thread, outcome = _held_up_request(url, pids[1])
+            os.kill(pids[1], signal.SIGKILL)
+            thread.join(60)
+            e = outcome.get("error")
+            assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
+            assert "tensor-parallel rank 1 is gone" in e.message, e.message
+            try:  # the server shuts down at once: refused, or a 503 until it has
+                r = httpx.get(f"{url}/health", timeout=10)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
+            except httpx.TransportError:
+                pass
+            _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) died of SIGKILL: "
+                                             r"the server stopped")
+        finally:
+            _kill_left(proc, pids)
+
+
+def test_a_rank_that_stops_answering_fails_its_requests_and_sigterm_ends_the_server(tiny_family, tmp_path):
+    """Found by a fresh user: with rank 1 stopped (SIGSTOP) a request hung forever while /health said ok,
+    and SIGTERM then never ended the server. Every collective now waits at most ``tp_timeout_s``: the
+    request fails with 500 ``generation_failed`` saying rank 1 did not answer within it, and the server,
+    told to stop meanwhile, ends: the launcher kills the stopped rank, names it, status 4, no traceback."""
+    import signal
+
+    from tests.conftest import wait_healthy
+
+    proc, url, out = _tp_server(tiny_family, tmp_path, "tp_timeout_s=2")
+    log = tmp_path / "server.log"
+    pids = ()
+    with out:
+        try:
+            wait_healthy(proc, url, log, 120)
+            pids = _ranks_by_role(proc, url, log)
+            thread, outcome = _held_up_request(url, pids[1])
+            proc.send_signal(signal.SIGTERM)
+            thread.join(60)
+            e = outcome.get("error")
+            assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
+            assert "tensor-parallel rank 1 did not answer within tp_timeout_s=2 s" in e.message, e.message
+            _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) did not answer within "
+                                             r"tp_timeout_s=2 s \(stopped or hung\) and was killed: the server stopped")
+        finally:
+            _kill_left(proc, pids)
 
 
 def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_family, caplog):
