@@ -23,8 +23,12 @@ same variant.
 Loading is single-flight: concurrent requests for a variant that is not on the device wait for
 one load of it, and requests for other variants are not held up by it (the per-variant lock is
 held during the read; the cache-wide lock only for bookkeeping). An artifact changed on disk
-(its manifest's size or modification time) is reloaded on its next request once no request is
-running on the old one; one removed is dropped (:class:`ArtifactGoneError`).
+(``stamp``) is read again on its next request: the old version, while requests still run on it,
+is *retired* (it keeps its place on the device, counted in the budget, is never evicted and serves
+only those requests, each of which releases it by the delta it was given), and the new one is
+loaded beside it like any miss, so a variant under steady traffic moves to its new version at
+once; the old one leaves the device with its last request. One removed is dropped
+(:class:`ArtifactGoneError`).
 """
 from __future__ import annotations
 
@@ -74,8 +78,10 @@ class DeltaCache:
             memory and the budgets are bookkeeping).
         stamp: ``stamp(model_id)`` → a value that changes when the artifact changes on disk, or
             None once it is gone.
-        free_device: called with a device delta when it leaves the device (after ``to_host``), e.g.
-            to give its slot back (serve/batch.py).
+        free_device: ``free_device(delta, kept)`` when a device delta leaves the device, e.g. to
+            give its slot back (serve/batch.py); ``kept``: whether a host copy of it goes to the host
+            tier (an eviction; ``to_host`` was called first), rather than none (dropped, or a retired
+            version's last request ended).
         free_host: called with a host copy when the host tier lets it go (evicted, not kept for want
             of room, or dropped), not when it moves up to the device: tensor-parallel ranks keep host
             copies of their own slices and drop them with rank 0's (serve/engine.py).
@@ -110,6 +116,7 @@ class DeltaCache:
         self.pinned, self.pin_top_n = set(pinned), pin_top_n
         self.half_life, self.wait_timeout, self.clock = half_life_s, wait_timeout_s, clock
         self._entries: dict[str, _Entry] = {}
+        self._retired: list[_Entry] = []  # old versions of changed artifacts, on the device for their requests
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a request ends or a delta leaves
         self._closed: BaseException | None = None  # set by close(): loads that would wait for room raise it
@@ -207,7 +214,7 @@ class DeltaCache:
     def _evict_device(self, v: _Entry) -> None:
         host_copy = v.host if v.host is not None else self._to_host(v.device)
         if self._free_device is not None:
-            self._free_device(v.device)
+            self._free_device(v.device, True)
         v.device = None
         self.device_bytes -= v.nbytes
         self._emit("evict", v.model_id, 0.0, "device")
@@ -233,8 +240,9 @@ class DeltaCache:
                 if e.in_flight == 0:  # requests still running keep what they hold
                     self._drop(e)
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
-            if e.stamp is not None and e.stamp != stamp and e.in_flight == 0:
-                self._drop(e)  # changed on disk: read it again (once the requests on the old one ended)
+            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
+                # changed on disk: read it again; requests running on the old version keep it
+                self._drop(e) if e.in_flight == 0 else self._retire(e)
                 e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
             e.in_flight += 1
             if e.device is not None:
@@ -293,23 +301,43 @@ class DeltaCache:
             self._emit("load", e.model_id, time.perf_counter() - t0, tier)
             return dev
 
-    def release(self, model_id: str) -> None:
-        """End one request of ``model_id`` (pair of :meth:`acquire`)."""
+    def release(self, model_id: str, delta: Any = None) -> None:
+        """End one request of ``model_id`` (pair of :meth:`acquire`); ``delta``: what its acquire
+        returned, which tells a retired version's request from the current one's (None: the current
+        version's)."""
         with self._lock:
-            e = self._entries.get(model_id)
+            e = next((r for r in self._retired if r.device is delta), None) if delta is not None else None
+            if e is None:
+                e = self._entries.get(model_id)
             if e is not None and e.in_flight > 0:
                 e.in_flight -= 1
                 if e.in_flight == 0:
+                    if e in self._retired:  # its last request: the old version leaves the device
+                        self._retired.remove(e)
+                        self._free(e, kept=False)
+                        e.device = None
                     self._room.notify_all()
 
     # ------------------------------------------------------------------ admin
 
+    def _free(self, e: _Entry, kept: bool) -> None:
+        """``e``'s device delta leaves the device (called with the lock held; ``e.device`` set)."""
+        if self._free_device is not None:
+            self._free_device(e.device, kept)
+        self.device_bytes -= e.nbytes
+        self._emit("evict", e.model_id, 0.0, "device")
+
+    def _retire(self, e: _Entry) -> None:
+        """Set aside ``e``, on the device and with requests in flight, as an old version of its
+        variant (its artifact changed on disk): it stays where it is, counted in the device budget,
+        for those requests alone, and leaves with the last (:meth:`release`). Called with the lock
+        held; a device entry has no host copy (the tiers are exclusive)."""
+        del self._entries[e.model_id]
+        self._retired.append(e)
+
     def _drop(self, e: _Entry) -> None:
         if e.device is not None:
-            if self._free_device is not None:
-                self._free_device(e.device)
-            self.device_bytes -= e.nbytes
-            self._emit("evict", e.model_id, 0.0, "device")
+            self._free(e, kept=False)
         if e.host is not None:
             self._let_go(e.host)
             self.host_bytes -= e.nbytes
@@ -325,8 +353,7 @@ class DeltaCache:
             e = self._entries.get(model_id)
             was = "device" if e is not None and e.device is not None else \
                 "host" if e is not None and e.host is not None else "disk"
-        self.acquire(model_id)
-        self.release(model_id)
+        self.release(model_id, self.acquire(model_id))
         return was
 
     def unload(self, model_id: str) -> bool:

@@ -348,8 +348,8 @@ class Engine:
                 view.source = delta.source  # kept by its host copy, for a reload from the host tier
                 return view
 
-    def _free_slot(self, view: VariantDelta) -> None:
-        with self.collective(("free", view.slot)):
+    def _free_slot(self, view: VariantDelta, kept: bool) -> None:
+        with self.collective(("free", view.slot, kept)):  # kept: rank 0's host tier has a copy
             self.slots.free(view)
 
     def _free_host(self, delta: VariantDelta) -> None:
@@ -514,16 +514,17 @@ class Engine:
         except TensorParallelError as e:  # announcing a load or an eviction to the other ranks failed
             raise EngineFailedError(e.reason) from None
 
-    def release_delta(self, model_id: str) -> None:
-        """End one hold of :meth:`acquire_delta` (no-op for the base)."""
+    def release_delta(self, model_id: str, delta: VariantDelta | None = None) -> None:
+        """End one hold of :meth:`acquire_delta` (no-op for the base); ``delta``: what it returned
+        (an artifact changed on disk since is still held as its old version: serve/cache.py)."""
         if model_id != self.family:
-            self.cache.release(model_id)
+            self.cache.release(model_id, delta)
 
     def get_delta(self, model_id: str) -> VariantDelta | None:
         """The variant's deltas, loaded if needed, without holding them (they may be evicted later)."""
         model_id = self.card(model_id).id
         delta = self.acquire_delta(model_id)
-        self.release_delta(model_id)
+        self.release_delta(model_id, delta)
         return delta
 
     def release(self, request: Request) -> None:
@@ -532,7 +533,7 @@ class Engine:
             if request.released:
                 return
             request.released = True
-        self.release_delta(request.model_id)
+        self.release_delta(request.model_id, request.delta)
 
     def _artifact_stamp(self, model_id: str):
         """The (name, size, mtime, inode) of every file in the variant's folder, or None once its manifest

@@ -17,10 +17,12 @@ from deltafleet.serve.tp import TPContext, shard_delta
 def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype) -> None:
     """A rank other than 0: load its slice of the base, then run every command rank 0 sends until
     ``("stop",)``: ``("init", n_slots, max_batch, max_seq_len, sign_layout, n_blocks, block_size, attention, col_scales)``,
-    ``("load", artifact_dir, slot, from_host)``, ``("free", slot)``, ``("drop", artifact_dir)``, ``("step",
-    StepInput)`` (serve/runner.py). A variant that leaves its slot is kept in host memory (this rank's
-    slice) as rank 0 keeps its own: a load ``from_host`` takes that copy back, not the artifact on
-    disk, which may have changed or gone since; ``drop`` is rank 0's host tier letting its copy go.
+    ``("load", artifact_dir, slot, from_host)``, ``("free", slot, kept)``, ``("drop", artifact_dir)``,
+    ``("step", StepInput)`` (serve/runner.py). A variant that leaves its slot for rank 0's host tier
+    (``kept``) is kept in host memory (this rank's slice) as rank 0 keeps its own: a load ``from_host``
+    takes that copy back, not the artifact on disk, which may have changed or gone since; ``drop`` is
+    rank 0's host tier letting its copy go. A slot freed without ``kept`` (its variant dropped, or an
+    old version of a changed artifact whose last request ended) keeps nothing.
     Steps only take part in the all-reduces (eagerly, over this rank's own paged KV cache of the
     same blocks); the logits are rank 0's to use. A synthetic family's
     folder (serve/synthetic.py) has the base and each variant (``"synthetic:<name>"``) generated."""
@@ -52,8 +54,9 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
                 delta = shard_delta(delta, ctx.rank, ctx.world)
             views[slot] = (artifact_dir, slots.put(delta, slot))
         elif op == "free":
-            artifact_dir, view = views.pop(cmd[1])
-            if not artifact_dir.startswith(SOURCE_PREFIX):  # a synthetic variant is generated again
+            _, slot, kept_by_rank0 = cmd
+            artifact_dir, view = views.pop(slot)
+            if kept_by_rank0 and not artifact_dir.startswith(SOURCE_PREFIX):  # a synthetic one is generated again
                 kept[artifact_dir] = view.to("cpu", pin=dev.type == "cuda")
             slots.free(view)
         elif op == "drop":

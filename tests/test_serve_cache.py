@@ -390,24 +390,44 @@ def test_a_failed_copy_to_the_device_gives_its_room_back():
     assert use(cache, "a").where == "device" and cache.device_bytes == 100
 
 
-def test_requests_in_flight_keep_a_changed_or_removed_artifact_until_they_end():
-    """A re-export or a removal does not pull a delta from under running requests: new requests get
-    the new one (or the 404) once those have ended, and meanwhile the old one is served or kept."""
+def test_a_changed_artifact_serves_new_requests_at_once_and_running_ones_to_their_end():
+    """Found by a fresh user: under steady traffic a re-exported variant was never read again, since
+    every request found the old version in flight. The old version is retired instead: the requests
+    running on it keep it (in its place on the device, counted in the budget, never evicted) and it
+    leaves with the last of them, kept nowhere; new requests get the new version at once."""
+    disk = Disk({"a": 100, "b": 100})
+    freed: list = []
+    cache, events = make(disk, device_budget_bytes=200, wait_timeout_s=0.2,
+                         free_device=lambda d, kept: freed.append((d.name, kept)))
+    use(cache, "b")
+    old = cache.acquire("a")  # in flight
+    disk.stamps["a"] = 2  # re-exported
+    new = cache.acquire("a")  # read again; b leaves the device for the host tier to make room
+    assert new is not old and disk.reads["a"] == 2 and freed == [("b", True)]
+    assert cache.device_bytes == 200 and cache.snapshot()["a"]["in_flight"] == 1
+    assert use(cache, "a") is new and disk.reads["a"] == 2  # the new version is the one served
+    disk.stamps["a"] = 3  # again, with both versions in flight and no room left: the load waits, then gives up
+    with pytest.raises(CacheFullError, match="no room on the device for variant `a`"):
+        cache.acquire("a")  # (read first: the new version's size is not known)
+    cache.release("a", new)  # the second version's last request: it leaves the device
+    cache.release("a", old)  # so does the first: each request released the version it was given
+    assert freed == [("b", True), ("a", False), ("a", False)] and cache.device_bytes == 0
+    third = use(cache, "a")
+    assert third not in (old, new) and disk.reads["a"] == 4 and cache.device_bytes == 100
+
+
+def test_requests_in_flight_keep_a_removed_artifact_until_they_end():
+    """A removal does not pull a delta from under running requests: new requests get the 404 at once,
+    and the delta stays until the running ones have ended."""
     disk = Disk({"a": 100})
     cache, events = make(disk)
-    old = cache.acquire("a")  # in flight
-    disk.stamps["a"] = 2
-    assert use(cache, "a") is old and disk.reads["a"] == 1  # still running on it: no re-read
-    cache.release("a")
-    new = use(cache, "a")
-    assert new is not old and disk.reads["a"] == 2
     held = cache.acquire("a")
     del disk.stamps["a"]
     with pytest.raises(ArtifactGoneError):
         cache.acquire("a")
     assert cache.tier("a") == "device" and cache.device_bytes == 100  # held by the running request
-    assert cache.snapshot()["a"]["in_flight"] == 1 and held is new
-    cache.release("a")
+    assert cache.snapshot()["a"]["in_flight"] == 1
+    cache.release("a", held)
     with pytest.raises(ArtifactGoneError):
         cache.acquire("a")
     assert cache.tier("a") == "disk" and cache.device_bytes == 0

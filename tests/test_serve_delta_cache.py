@@ -277,6 +277,34 @@ def test_an_artifact_changed_in_place_or_for_another_base_is_seen_at_its_next_re
             shutil.rmtree(f)
 
 
+def test_a_variant_re_exported_under_traffic_serves_its_new_deltas_at_once(root):
+    """Found by a fresh user: with requests always running on a variant, its re-exported artifact was
+    never read (the old deltas stayed while any request ran on them). A request already running keeps
+    the version it started with, in its slot; the next request gets the new one, in another; the old
+    slot is given back with the last request on it."""
+    engine = _engine(root, device_slots=4)
+    art = root / "artifacts" / "swap"
+    prompt = "Question: What is 12 + 30?\nAnswer:"
+    try:
+        shutil.copytree(root / "artifacts" / "coder", art)
+        want_old = engine.complete("tiny-coder", prompt, GREEDY).text
+        want_new = engine.complete("tiny-writer", prompt, GREEDY).text
+        assert want_old != want_new  # the two variants tell apart
+        held = engine.acquire_delta("tiny-swap")  # a request running on the coder deltas
+        free = engine.slots.free_slots
+        staged = root / "artifacts" / ".swap-new"
+        shutil.copytree(root / "artifacts" / "writer", staged)  # re-exported, as an export renames it in
+        shutil.rmtree(art)
+        staged.rename(art)
+        assert engine.complete("tiny-swap", prompt, GREEDY).text == want_new
+        assert engine.slots.free_slots == free - 1  # both versions on the device
+        engine.release_delta("tiny-swap", held)
+        assert engine.slots.free_slots == free  # the old one's slot given back with its last request
+        assert engine.complete("tiny-swap", prompt, GREEDY).text == want_new
+    finally:
+        shutil.rmtree(art, ignore_errors=True)
+
+
 def _rewrite_delta(art: Path, edit) -> None:
     """Apply ``edit(tensors)`` to the artifact's delta.safetensors and re-sign it in the manifest."""
     from safetensors.torch import load_file, save_file

@@ -429,13 +429,18 @@ def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp
             return cmd
 
     init = ("init", 1, 2, 64, "tiled", 4, 16, "sdpa", False)
-    run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("move",), ("load", src, 0, True),
-                           ("free", 0), ("stop",)]), str(tiny_family.base_dir), "cpu", torch.float32)
+    run_follower(Follower([init, ("load", src, 0, False), ("free", 0, True), ("move",), ("load", src, 0, True),
+                           ("free", 0, True), ("stop",)]), str(tiny_family.base_dir), "cpu", torch.float32)
     assert len(puts) == 2 and puts[0].keys() == puts[1].keys()
     assert all(torch.equal(puts[0][k], puts[1][k]) for k in puts[0])  # rank 1's slice, as first read
     (tmp_path / ".coder-away").rename(art)
     with pytest.raises(ArtifactError, match="no bitdelta.json"):
-        run_follower(Follower([init, ("load", src, 0, False), ("free", 0), ("drop", src), ("move",),
+        run_follower(Follower([init, ("load", src, 0, False), ("free", 0, True), ("drop", src), ("move",),
+                               ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
+    (tmp_path / ".coder-away").rename(art)
+    # a slot freed with nothing kept on rank 0 (a dropped variant, an old version's last request): none here
+    with pytest.raises(ArtifactError, match="no bitdelta.json"):
+        run_follower(Follower([init, ("load", src, 0, False), ("free", 0, False), ("move",),
                                ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
 
 
