@@ -40,6 +40,7 @@ TOP_K_ALL = 2**31  # a top_k this large is past any vocabulary: no limit (the sa
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's usage on every chunk: not implemented, refused when true
 
 
 # OpenAI parameters this server does not implement, with the test of a value that asks for nothing
@@ -73,6 +74,14 @@ UNSUPPORTED = {
     "prompt_logprobs": lambda v: False,
     "structural_tag": lambda v: False,
     "echo": lambda v: v is False,  # chat's (vLLM: the last message before the reply); completions implement theirs
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "return_token_ids": lambda v: v is False,
+    "priority": _number(0),  # vLLM's priority scheduling
+    # OpenAI's: other output modalities, predicted outputs, a reasoning model's effort
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
+    "prediction": lambda v: False,
+    "reasoning_effort": lambda v: False,
 }
 
 
@@ -321,6 +330,10 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequestError("The parameter `stream_options.continuous_usage_stats` (usage on every chunk) "
+                                      "is not supported by this server; `include_usage` gives it on the last chunk.",
+                                      "stream_options", "unsupported_parameter")
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and (type(best_of) is not int or best_of != self.n):
             raise InvalidRequestError(f"The parameter `best_of` (here {json.dumps(best_of)[:100]}) is not supported "

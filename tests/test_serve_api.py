@@ -669,14 +669,23 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("chat/completions", {"echo": True}),
+    # found by a fresh user: answered 200 with the parameter ignored
+    ("completions", {"return_tokens_as_token_ids": True}),
+    ("chat/completions", {"return_token_ids": True}),
+    ("chat/completions", {"priority": 5}),
+    ("chat/completions", {"modalities": ["text", "audio"]}),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}),
+    ("chat/completions", {"prediction": {"type": "content", "content": "x"}}),
+    ("chat/completions", {"reasoning_effort": "low"}),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):
     body = {"model": "tiny", "max_tokens": 2}
     body |= {"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]}
     err = api_error(httpx.post(f"{server}/v1/{path}", json=body | extra), 400)
-    (param,) = extra
+    param = list(extra)[-1]
     assert err["type"] == "invalid_request_error" and err["param"] == param
-    assert "not supported by this server" in err["message"]
+    assert err["code"] == "unsupported_parameter" and "not supported by this server" in err["message"]
 
 
 def test_harmless_parameters_are_accepted(client):
@@ -685,7 +694,8 @@ def test_harmless_parameters_are_accepted(client):
     assert client.completions.create(prompt="x", echo=False, best_of=1, logprobs=None, suffix=None, **common).choices
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], logprobs=False,
                                           response_format={"type": "text"}, tool_choice="none", **common,
-                                          extra_body={"echo": False})
+                                          extra_body={"echo": False, "modalities": ["text"], "priority": 0,
+                                                      "return_token_ids": False})
     assert chat.choices[0].finish_reason in ("stop", "length")
     chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], stream=True,
                                                  stream_options={"include_usage": True}, **common))
