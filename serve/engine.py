@@ -77,11 +77,6 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return dt
 
 
-def _foreign_message(model_id: str, other: str, base: str) -> str:
-    return (f"The model `{model_id}` does not exist for this server's base: its artifact was exported "
-            f"against another base (fingerprint {other}, this server's base {base})")
-
-
 def _manifest_field(manifest: Path, *keys: str):
     """``manifest[keys[0]][keys[1]]...`` of an artifact manifest, or None where it cannot be read (the
     artifact's load says why)."""
@@ -204,7 +199,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
         self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
-        self._foreign: dict[str, str] = {}  # ids of artifacts made for another base → that base's fingerprint
+        self._unserved: dict[str, str] = {}  # ids of artifacts on disk this server cannot serve → why (their 404)
         self._registry_lock = threading.Lock()  # guards _variants and _removed
         self._closing: BaseException | None = None  # set by drain(): the server is shutting down
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -407,16 +402,13 @@ class Engine:
                     log.warning("not serving %s: it resolves outside the artifact root", manifest.parent.name)
                     continue
                 mid = f"{self.family}-{manifest.parent.name}"
-                other = self._other_base(manifest)
-                if other is not None:  # never served here: not listed, and a request says why (404)
-                    if self._foreign.get(mid) != other:
-                        log.warning("not serving %s: its artifact %s was exported against another base "
-                                    "(fingerprint %s, this server's base %s); export it again against this "
-                                    "base, or start the server with force=true", mid, manifest.parent, other,
-                                    self.base_fingerprint)
-                    self._foreign[mid] = other
+                why = self._not_servable(manifest)
+                if why is not None:  # never served here: not listed, and a request says why (404)
+                    if self._unserved.get(mid) != why:
+                        log.warning("not serving %s: %s", mid, why[1])
+                    self._unserved[mid] = why
                     continue
-                self._foreign.pop(mid, None)
+                self._unserved.pop(mid, None)
                 found[mid] = ModelCard(mid, self.family, manifest.parent)
         for name in self.synthetic.names if self.synthetic else ():
             found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
@@ -441,6 +433,24 @@ class Engine:
     def _gone(card: ModelCard) -> bool:
         """Whether a variant's artifact manifest is no longer on disk (a generated variant's never is)."""
         return card.artifact_dir is not None and not (card.artifact_dir / MANIFEST_NAME).is_file()
+
+    def _not_servable(self, manifest: Path) -> tuple[str, str] | None:
+        """Why this server can never serve the artifact of ``manifest``, or None where it may: made for
+        another base, or with column scales (granularity rowcol) where the slots, sized at start, hold
+        none. As (its requests' 404 after "The model `<id>` ", without paths; the log line's reason)."""
+        other = self._other_base(manifest)
+        if other is not None:
+            return (f"does not exist for this server's base: its artifact was exported against another base "
+                    f"(fingerprint {other}, this server's base {self.base_fingerprint})",
+                    f"its artifact {manifest.parent} was exported against another base (fingerprint {other}, this "
+                    f"server's base {self.base_fingerprint}); export it again against this base, or start the "
+                    "server with force=true")
+        slots = getattr(self, "slots", None)  # None while the start's discover() sizes them
+        if slots is not None and not slots.betas and _granularity(manifest) == "rowcol":
+            why = ("its artifact has column scales (granularity rowcol), which this server's slots do not hold: "
+                   "it started without a rowcol variant; restart it with this one in place")
+            return f"is not served by this server: {why}", f"{why} ({manifest.parent})"
+        return None
 
     def _other_base(self, manifest: Path) -> str | None:
         """The base fingerprint an artifact manifest names when it is not this server's base (None when
@@ -476,9 +486,9 @@ class Engine:
             card = listed()
         if card is not None:
             return card
-        other = next((self._foreign[mid] for mid in ids if mid in self._foreign), None)
-        if other is not None:
-            raise ModelNotFoundError(_foreign_message(model_id, other, self.base_fingerprint))
+        why = next((self._unserved[mid] for mid in ids if mid in self._unserved), None)
+        if why is not None:
+            raise ModelNotFoundError(f"The model `{model_id}` {why[0]}")
         removed = " (its artifact was removed)" if was is not None else ""
         raise ModelNotFoundError(f"The model `{model_id}` does not exist{removed}")
 
@@ -560,12 +570,12 @@ class Engine:
         if card.artifact_dir is None and self.synthetic is not None:  # generated into its slot by put
             return self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
                                           None if self.tp is None else self.tp.shard)
-        other = self._other_base(card.artifact_dir / MANIFEST_NAME)
-        if other is not None:  # re-exported against another base since it was listed: as discover() finds it
+        why = self._not_servable(card.artifact_dir / MANIFEST_NAME)
+        if why is not None:  # re-exported so since it was listed: as discover() finds it
             with self._registry_lock:
                 self._variants.pop(card.id, None)
-                self._foreign[card.id] = other
-            raise ModelNotFoundError(_foreign_message(card.id, other, self.base_fingerprint))
+                self._unserved[card.id] = why
+            raise ModelNotFoundError(f"The model `{card.id}` {why[0]}")
         fp = None if self.force else self.base_fingerprint
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")

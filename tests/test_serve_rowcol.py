@@ -93,19 +93,31 @@ def test_greedy_completion_equals_transformers_on_the_materialised_checkpoint(en
 
 
 def test_an_engine_started_without_rowcol_variants_refuses_one_added_later(tiny_family, rowcol_family, tmp_path):
-    """Refused as unavailable (HTTP 503) when its artifact is read, before it takes a slot (or, with
-    tensor parallelism, before any rank is told to load it); the resident variants stay served."""
+    """Found by a fresh user: a rowcol artifact exported after the start was listed, then every request
+    for it got a 503, which clients retry, though only a restart can serve it. It is now not served,
+    like an artifact of another base: not listed, a 404 saying why and what to do, the warning logged
+    once; so too a listed variant re-exported as rowcol, at its next request. The resident variants
+    stay served, nothing evicted for it."""
+    from deltafleet.serve.engine import ModelNotFoundError
+
     arts = tmp_path / "artifacts"
     shutil.copytree(tiny_family.artifacts_dir / "writer", arts / "writer")
+    shutil.copytree(tiny_family.artifacts_dir / "coder", arts / "plain")
     engine = Engine(tiny_family.base_dir, arts, family="tiny", delta_cache={"device_slots": 1})
     assert not engine.slots.betas
     params = SamplingParams(temperature=0, max_tokens=3)
     before = engine.complete("tiny-writer", "The", params).token_ids
     assert engine.slots.free_slots == 0
     shutil.copytree(rowcol_family / "coder", arts / "coder")
-    engine.discover()
-    with pytest.raises(VariantUnavailableError, match=r"variant `tiny-coder` is unavailable: it has column scales "
-                                                      r"\(granularity rowcol\) and the server started without"):
+    assert "tiny-coder" not in [c.id for c in engine.discover()]
+    refused = (r"The model `tiny-{}` is not served by this server: its artifact has column scales \(granularity "
+               r"rowcol\), which this server's slots do not hold: it started without a rowcol variant; restart it")
+    with pytest.raises(ModelNotFoundError, match=refused.format("coder")):
         engine.complete("tiny-coder", "import", params)
-    assert engine.cache.tier("tiny-writer") == "device"  # not evicted to make room for it
+    shutil.rmtree(arts / "plain")  # listed, then re-exported as rowcol
+    shutil.copytree(rowcol_family / "coder", arts / "plain")
+    with pytest.raises(ModelNotFoundError, match=refused.format("plain")):
+        engine.complete("tiny-plain", "import", params)
+    assert "tiny-plain" not in [c.id for c in engine.models()]
+    assert engine.cache.tier("tiny-writer") == "device"  # not evicted to make room for either
     assert engine.complete("tiny-writer", "The", params).token_ids == before
