@@ -82,6 +82,18 @@ UNSUPPORTED = {
     "audio": lambda v: False,
     "prediction": lambda v: False,
     "reasoning_effort": lambda v: False,
+    "web_search_options": lambda v: False,
+    "verbosity": lambda v: False,
+    "service_tier": lambda v: v in ("auto", "default"),
+    "store": lambda v: v is False,
+    # chat's fields sent to completions, which take max_tokens and logprobs: k
+    "max_completion_tokens": lambda v: False,
+    "top_logprobs": lambda v: False,
+    # vLLM's: prompt embeddings, a template's documents, disaggregated prefill, custom sampling args
+    "prompt_embeds": lambda v: False,
+    "documents": lambda v: v == [],
+    "kv_transfer_params": lambda v: False,
+    "vllm_xargs": lambda v: v == {},
 }
 
 

@@ -678,6 +678,16 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("chat/completions", {"prediction": {"type": "content", "content": "x"}}),
     ("chat/completions", {"reasoning_effort": "low"}),
     ("completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("chat/completions", {"web_search_options": {"search_context_size": "high"}}),
+    ("chat/completions", {"verbosity": "low"}),
+    ("chat/completions", {"service_tier": "flex"}),
+    ("chat/completions", {"store": True}),
+    ("completions", {"max_completion_tokens": 2}),
+    ("completions", {"top_logprobs": 3}),
+    ("completions", {"prompt_embeds": "AAAA"}),
+    ("chat/completions", {"documents": [{"title": "t", "text": "x"}]}),
+    ("chat/completions", {"kv_transfer_params": {"do_remote_decode": True}}),
+    ("chat/completions", {"vllm_xargs": {"k": 1}}),
 ])
 def test_unsupported_parameters_are_400_not_ignored(server, path, extra):
     body = {"model": "tiny", "max_tokens": 2}
@@ -695,7 +705,8 @@ def test_harmless_parameters_are_accepted(client):
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], logprobs=False,
                                           response_format={"type": "text"}, tool_choice="none", **common,
                                           extra_body={"echo": False, "modalities": ["text"], "priority": 0,
-                                                      "return_token_ids": False})
+                                                      "return_token_ids": False, "service_tier": "auto",
+                                                      "store": False, "documents": [], "vllm_xargs": {}})
     assert chat.choices[0].finish_reason in ("stop", "length")
     chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], stream=True,
                                                  stream_options={"include_usage": True}, **common))
