@@ -299,10 +299,23 @@ def _check_shape(shape: dict) -> None:
         raise ValueError(f"synthetic: the shape's head_dim ({head_dim}"
                          f"{'' if shape.get('head_dim') else ': hidden_size / num_attention_heads'}) must be even "
                          "(RoPE rotates pairs of dimensions)")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if (v := shape.get(key)) is not None and (not _finite(v) or not v > 0):
+            raise ValueError(f"synthetic: shape.{key} must be a finite number > 0, got {v!r}")
+    for key in ("torch_dtype", "dtype"):
+        if key in shape:
+            raise ValueError(f"synthetic: shape.{key} is not part of a shape: the dtype served is the `dtype` setting")
     try:
         ModelArgs.from_hf_config({"model_type": "llama", **shape})  # as write_base_dir's config.json
     except (NotImplementedError, ValueError, TypeError) as e:
         raise ValueError(f"synthetic: shape is not a model this server serves: {e}") from None
+    from transformers import LlamaConfig
+
+    try:  # the fields the checks above leave to transformers (types, ranges), as the served folder is read
+        LlamaConfig(**shape)
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's validation errors vary
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        raise ValueError(f"synthetic: shape is not a valid Llama config: {said}") from None
 
 
 def write_base_dir(out: str | Path, opts: Mapping, tokenizer_dir: str | Path) -> Path:

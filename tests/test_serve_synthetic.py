@@ -168,6 +168,15 @@ def _without(key: str) -> dict:
                                              "must be even (RoPE rotates pairs of dimensions)"),
     ({"shape": dict(SHAPE, model_type="gpt2")}, "synthetic: shape is not a model this server serves: model_type "
                                                 "'gpt2' is not served (supported: ('llama', 'mistral', 'qwen2'))"),
+    # found by a second fresh user: a traceback (exit 1), or a server whose every request failed
+    ({"shape": dict(SHAPE, rope_theta=-1)}, "synthetic: shape.rope_theta must be a finite number > 0, got -1"),
+    ({"shape": dict(SHAPE, rms_norm_eps="abc")}, "synthetic: shape.rms_norm_eps must be a finite number > 0, "
+                                                 "got 'abc'"),
+    ({"shape": dict(SHAPE, torch_dtype="int8")}, "synthetic: shape.torch_dtype is not part of a shape: the dtype "
+                                                 "served is the `dtype` setting"),
+    ({"shape": dict(SHAPE, attention_bias="yes")}, "synthetic: shape is not a valid Llama config: Validation error "
+                                                   "for field 'attention_bias': TypeError: Field 'attention_bias' "
+                                                   "expected bool, got str (value: 'yes')"),
     ({"variants": 2.7}, "synthetic: variants must be an integer ≥ 1, got 2.7"),
     ({"variants": True}, "synthetic: variants must be an integer ≥ 1, got True"),
     ({"variants": "3"}, "synthetic: variants must be an integer ≥ 1, got '3'"),
@@ -184,6 +193,7 @@ def _without(key: str) -> dict:
 def test_a_bad_synthetic_option_is_refused_by_name(opts, message):
     check_options({"shape": SHAPE, "variants": 2, "std": 0.02, "alpha": 0, "tokenizer_dir": "tok"})  # these pass
     check_options({"shape": dict(SHAPE, num_key_value_heads=None, head_dim=32)})  # null: the field's default
+    check_options({"shape": dict(SHAPE, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)})
     with pytest.raises(ValueError) as e:
         check_options({"shape": SHAPE, **opts} if isinstance(opts, dict) else opts)
     assert str(e.value) == message
