@@ -225,7 +225,8 @@ def _no_base(cfg: DictConfig) -> str:
 
 def check_tensor_parallel(cfg: DictConfig) -> None:
     """With ``tp`` > 1, before any rank starts: the base checkpoint is there and its heads split over
-    the ranks, and the HTTP port and the ranks' rendezvous port (``tp_port``, on 127.0.0.1) are free.
+    the ranks, and the HTTP port and the ranks' rendezvous port (``tp_port``, on 127.0.0.1) are two
+    different free ports.
     The ranks check the rest of the shapes.
 
     Raises:
@@ -241,6 +242,8 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
     if not heads_split(args, cfg.tp):
         raise ValueError(f"tp={cfg.tp} does not split the base's {args.n_head} query / {args.n_local_heads} "
                          "key-value heads: choose a tp that divides both")
+    if cfg.port == cfg.tp_port:  # each free alone, but rank 0 takes tp_port before the server binds port
+        raise ValueError(f"tp_port ({cfg.tp_port}, the ranks' rendezvous) must differ from port, the server's")
     if cfg.port:  # 0: rank 0 picks one
         _check_port(cfg.host, cfg.port)
     _check_port("127.0.0.1", cfg.tp_port, "tp_port")

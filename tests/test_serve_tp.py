@@ -641,3 +641,16 @@ def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_famil
     assert group.sent == ["init", "step"]
     failed = [r for r in caplog.records if "tensor-parallel rank 1 is gone" in r.getMessage()]
     assert len(failed) == 1 and failed[0].exc_info is None
+
+
+def test_the_rendezvous_port_must_differ_from_the_servers(tiny_family):
+    """Found by a fresh user: ``tp_port`` equal to ``port`` passed both checks (each was free), then the
+    server could not listen, and the error blamed ``port``."""
+    from omegaconf import OmegaConf
+
+    from deltafleet.serve.run import check_tensor_parallel
+
+    cfg = OmegaConf.create({"base_dir": str(tiny_family.base_dir), "tp": 2, "host": "127.0.0.1", "port": 8139,
+                            "tp_port": 8139})
+    with pytest.raises(ValueError, match=r"^tp_port \(8139, the ranks' rendezvous\) must differ from port"):
+        check_tensor_parallel(cfg)
