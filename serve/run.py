@@ -615,7 +615,7 @@ def main(cfg: DictConfig) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if cfg.synthetic:
+    if cfg.synthetic is not None:  # {} too: refused for want of a shape, not taken for null
         try:
             _write_synthetic(cfg)
         except (OSError, ValueError) as e:

@@ -338,10 +338,18 @@ def write_base_dir(out: str | Path, opts: Mapping, tokenizer_dir: str | Path) ->
 
     opts = check_options(opts)
     shape = opts["shape"]
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if not Path(tokenizer_dir).is_dir():
+        raise ValueError(f"synthetic: tokenizer_dir {tokenizer_dir} is not a folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a folder that holds none
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        raise ValueError(f"synthetic: tokenizer_dir {tokenizer_dir} holds no tokenizer transformers can read: "
+                         f"{said}") from None
     vocab = int(shape["vocab_size"])
     if len(tok) > vocab:
-        raise ValueError(f"the tokenizer of {tokenizer_dir} has {len(tok)} entries, more than vocab_size={vocab}")
+        raise ValueError(f"synthetic: the tokenizer of {tokenizer_dir} has {len(tok)} entries, more than "
+                         f"shape.vocab_size={vocab}")
     if len(tok) < vocab:
         tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab)])
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", **shape,

@@ -207,7 +207,7 @@ def test_the_folder_holds_no_weights_and_pads_the_tokenizer(tokenizer_dir, tmp_p
     assert len(AutoTokenizer.from_pretrained(base)) == SHAPE["vocab_size"]
     assert read_synthetic(base) == SyntheticFamily(read_synthetic(base).config, variants=3, seed=7, alpha=0.02)
     assert read_synthetic(tmp_path) is None
-    with pytest.raises(ValueError, match="more than vocab_size=300"):
+    with pytest.raises(ValueError, match="more than shape.vocab_size=300"):
         write_base_dir(tmp_path / "small", {**OPTS, "shape": dict(SHAPE, vocab_size=300)}, tokenizer_dir)
 
 
@@ -339,6 +339,15 @@ def test_a_port_taken_once_the_ranks_start_ends_the_server_with_its_error(tokeni
     ("{variants: 3}", "error: synthetic: `shape`"),
     ("{shape: 5}", "error: synthetic: shape must be a mapping"),  # a traceback (exit 1) once
     ("{shape: {hidden_size: 64}}", "error: synthetic: shape.vocab_size is required"),  # the same
+    # found by a second fresh user: {} served the family on disk as if null; a tokenizer folder that is
+    # missing or holds none gave a model hub message, or five lines
+    ("{}", "error: synthetic: `shape`"),
+    ("{shape: {vocab_size: 512, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+     "num_attention_heads: 4}, tokenizer_dir: /nonexistent}", "error: synthetic: tokenizer_dir /nonexistent is not "
+                                                               "a folder"),
+    ("{shape: {vocab_size: 512, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+     "num_attention_heads: 4}, tokenizer_dir: conf}", "error: synthetic: tokenizer_dir conf holds no tokenizer "
+                                                      "transformers can read: "),
 ])
 def test_bad_synthetic_options_are_named_before_anything_starts(tmp_path, value, message):
     r = subprocess.run([sys.executable, "serve/run.py", f"synthetic={value}", f"hydra.run.dir={tmp_path}",
