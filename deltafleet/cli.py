@@ -16,6 +16,7 @@ import contextlib
 import runpy
 import signal
 import sys
+from pathlib import Path
 from typing import Iterator
 
 from deltafleet.checkpoint import CheckpointError
@@ -136,6 +137,14 @@ def _usage(prog: str, table: dict, what: str) -> str:
     return f"usage: {prog} <{what}> [Hydra overrides ...]   ({prog} --version)\n\n{what}s:\n{rows}\n"
 
 
+def _hydra_job(module: str) -> bool:
+    """Whether the job ``module`` is a Hydra app (``hydra.main``), which takes Hydra's overrides."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.origin is not None and "hydra.main(" in Path(spec.origin).read_text()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``deltafleet <job> [args]`` (``bench <name> [args]`` for a benchmark) as that job's module
     run as a script; returns the exit status (a job that exits raises its SystemExit). ``<job>
@@ -156,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: unknown {what} {args[0]!r}\n\n{_usage(prog, table, what)}", end="", file=sys.stderr)
         return 2
     module, _, pre = table[args[0]]
+    if ("--help" in args[1:] or "-h" in args[1:]) and _hydra_job(module):  # its help names the script (run, ...)
+        pre = [*pre, f"hydra.help.app_name='{prog} {args[0]}'"]
     sys.argv = [f"{prog} {args[0]}", *pre, *args[1:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
     return 0

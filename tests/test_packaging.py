@@ -63,6 +63,12 @@ def test_the_installed_command_runs_outside_the_checkout(wheel, tmp_path):
     assert helped.returncode == 0, helped.stderr
     for job in ("real-base", "train", "export", "distill", "eval", "serve", "merge", "bench"):
         assert f"\n  {job} " in helped.stdout
+    job_help = run("-m", "deltafleet", "serve", "--help")  # Hydra's, named as typed, not after run.py
+    assert job_help.returncode == 0 and job_help.stdout.startswith("deltafleet serve is powered by Hydra."), \
+        job_help.stdout[:200] + job_help.stderr[-2000:]
+    plain_help = run("-m", "deltafleet", "summary", "--help")  # not a Hydra job: no Hydra override added
+    said = plain_help.stdout + plain_help.stderr
+    assert said.startswith("usage: ") and "hydra" not in said, said[-2000:]
     composed = run("-m", "deltafleet", "serve", "--cfg", "job", "port=9123")
     assert composed.returncode == 0, composed.stderr
     assert "port: 9123" in composed.stdout and "max_request_bytes: 2097152" in composed.stdout
