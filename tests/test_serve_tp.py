@@ -3,6 +3,8 @@ the model and of the variants' deltas give the logits of the whole model — one
 sequence, and a decode step mixing the base and two variants."""
 from __future__ import annotations
 
+import contextlib
+
 import re
 from pathlib import Path
 
@@ -502,6 +504,25 @@ def _held_up_request(url: str, rank1: int):
     return thread, outcome
 
 
+@contextlib.contextmanager
+def _held_up_group(tiny_family, tmp_path: Path, timeout_s: float):
+    """A tp=2 server (``tp_timeout_s``) with rank 1 stopped under a completion in its step
+    (:func:`_held_up_request`): yields ``(launcher, url, its log, (rank 0's pid, rank 1's), thread,
+    outcome)``, and kills whatever is left at the end."""
+    from tests.conftest import wait_healthy
+
+    proc, url, out = _tp_server(tiny_family, tmp_path, f"tp_timeout_s={timeout_s}")
+    log = tmp_path / "server.log"
+    pids = ()
+    with out:
+        try:
+            wait_healthy(proc, url, log, 120)
+            pids = _ranks_by_role(proc, url, log)
+            yield (proc, url, log, pids, *_held_up_request(url, pids[1]))
+        finally:
+            _kill_left(proc, pids)
+
+
 def _ended_alone(proc, log: Path, pids: tuple[int, int], status: int, line: str) -> None:
     """The launcher ``proc`` exits with ``status`` with ``line`` (a regex) as its last line and no
     traceback in ``log``, and leaves no rank behind."""
@@ -544,30 +565,19 @@ def test_a_killed_rank_fails_its_requests_and_stops_the_server(tiny_family, tmp_
 
     import httpx
 
-    from tests.conftest import wait_healthy
-
-    proc, url, out = _tp_server(tiny_family, tmp_path, "tp_timeout_s=60")
-    log = tmp_path / "server.log"
-    pids = ()
-    with out:
-        try:
-            wait_healthy(proc, url, log, 120)
-            pids = _ranks_by_role(proc, url, log)
-            thread, outcome = _held_up_request(url, pids[1])
-            os.kill(pids[1], signal.SIGKILL)
-            thread.join(60)
-            e = outcome.get("error")
-            assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
-            assert "tensor-parallel rank 1 is gone" in e.message, e.message
-            try:  # the server shuts down at once: refused, or a 503 until it has
-                r = httpx.get(f"{url}/health", timeout=10)
-                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
-            except httpx.TransportError:
-                pass
-            _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) died of SIGKILL: "
-                                             r"the server stopped")
-        finally:
-            _kill_left(proc, pids)
+    with _held_up_group(tiny_family, tmp_path, 60) as (proc, url, log, pids, thread, outcome):
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(60)
+        e = outcome.get("error")
+        assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
+        assert "tensor-parallel rank 1 is gone" in e.message, e.message
+        try:  # the server shuts down at once: refused, or a 503 until it has
+            r = httpx.get(f"{url}/health", timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
+        except httpx.TransportError:
+            pass
+        _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) died of SIGKILL: "
+                                         r"the server stopped")
 
 
 def test_a_rank_that_stops_answering_fails_its_requests_and_sigterm_ends_the_server(tiny_family, tmp_path):
@@ -577,25 +587,14 @@ def test_a_rank_that_stops_answering_fails_its_requests_and_sigterm_ends_the_ser
     told to stop meanwhile, ends: the launcher kills the stopped rank, names it, status 4, no traceback."""
     import signal
 
-    from tests.conftest import wait_healthy
-
-    proc, url, out = _tp_server(tiny_family, tmp_path, "tp_timeout_s=2")
-    log = tmp_path / "server.log"
-    pids = ()
-    with out:
-        try:
-            wait_healthy(proc, url, log, 120)
-            pids = _ranks_by_role(proc, url, log)
-            thread, outcome = _held_up_request(url, pids[1])
-            proc.send_signal(signal.SIGTERM)
-            thread.join(60)
-            e = outcome.get("error")
-            assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
-            assert "tensor-parallel rank 1 did not answer within tp_timeout_s=2 s" in e.message, e.message
-            _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) did not answer within "
-                                             r"tp_timeout_s=2 s \(stopped or hung\) and was killed: the server stopped")
-        finally:
-            _kill_left(proc, pids)
+    with _held_up_group(tiny_family, tmp_path, 2) as (proc, url, log, pids, thread, outcome):
+        proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        e = outcome.get("error")
+        assert e is not None and e.status_code == 500 and e.code == "generation_failed", outcome
+        assert "tensor-parallel rank 1 did not answer within tp_timeout_s=2 s" in e.message, e.message
+        _ended_alone(proc, log, pids, 4, r"error: tensor-parallel rank 1 \(pid \d+\) did not answer within "
+                                         r"tp_timeout_s=2 s \(stopped or hung\) and was killed: the server stopped")
 
 
 def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_family, caplog):
