@@ -199,7 +199,8 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self._variants: dict[str, ModelCard] = {}
         self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
-        self._unserved: dict[str, str] = {}  # ids of artifacts on disk this server cannot serve → why (their 404)
+        # ids of artifacts on disk this server cannot serve → why: (their 404's reason, the log line's), _not_servable
+        self._unserved: dict[str, tuple[str, str]] = {}
         self._registry_lock = threading.Lock()  # guards _variants and _removed
         self._closing: BaseException | None = None  # set by drain(): the server is shutting down
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
