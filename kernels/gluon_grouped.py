@@ -66,12 +66,20 @@ needed for reads followed by a copy, as in CUTLASS's consumer release.
 
 Programmatic dependent launch (``pdl``): the loader fills the ring with its first sign tiles, then
 waits (``griddepcontrol.wait``) for the kernel before, which writes the planes, before copying their
-boxes; the consumers wait before reading anything else. Every program first lets the next such launch
-start (``griddepcontrol.launch_dependents``), so a launch's fill overlaps the tail of the one before
-(the planes, or the sign products of the matrix before: q, k, v). A wait covers the launch just
-before only, so chained launches stay ordered only if each ends after its predecessor: a launch
-whose programs all lie past the last block (a part of ``groups.parts()`` can have none) still waits
-in program (0, 0), which is live whenever any program is.
+boxes; the consumers wait before reading anything else, and then let the next such launch start
+(``griddepcontrol.launch_dependents``), so a launch's fill overlaps the tail of the one before. A
+wait covers the launch just before only, so chained launches stay ordered only if each ends after its
+predecessor: a launch whose programs all lie past the last block (a part of ``groups.parts()`` can
+have none) still waits in program (0, 0), which is live whenever any program is.
+
+A *sibling* launch (``sibling``: the launch before is the sign products of another matrix or part
+over the same planes, as k after q) waits for nothing it reads: the planes, their scales and the
+groups were complete before its predecessor let it start, since every program of that one had passed
+its own wait by then (by induction along the chain, back to the launch after the planes), and its
+column block of y is its own. So its programs let the next launch start at once and begin their
+products while the last programs of the one before still run, instead of holding their
+multiprocessors idle until it ends; only program (0, 0) waits, after its products, so that the chain
+still ends in order.
 
 ``sync_mma`` (the configurations of ``block_m`` 4 and 8): the consumer multiplies by per-warp
 ``mma.sync`` m16n8k32 int8 products instead, each warp 16 of a tile's 64 features, a K chunk's planes
@@ -331,7 +339,7 @@ def _check_config(cfg: GroupedConfig) -> None:
 
 def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups, y: torch.Tensor,
                              block_m: int = 16, planes: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             pdl: bool = False, **config) -> torch.Tensor:
+                             pdl: bool = False, sibling: bool = False, **config) -> torch.Tensor:
     """``y[m] += α_t ⊙ (x[m]·S_tᵀ)`` for every row of a variant, in place, on the int8 tensor cores.
 
     Args:
@@ -357,6 +365,11 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
             row groups and copy their first sign tiles, then wait for it to end before reading the
             planes, the scales, α or y; they let the next such launch start too. So the signs and
             ``groups`` must be ready before the kernel before starts, as they are in a serving step.
+        sibling: with ``pdl`` and ``planes``: the kernel before is another such launch over the same
+            planes and groups (the matrix before, or the part before), which writes none of what this
+            one reads. Its programs then neither copy ahead nor wait: they run while the last programs
+            of the one before still do, and only program (0, 0) waits for it, at its end (module
+            docstring, "Programmatic dependent launch"). Ignored where this call makes its own planes.
 
     Returns:
         ``y``. Trusts its inputs, as ``triton_grouped.add_sign_products`` does (check with
@@ -378,8 +391,9 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
     if m == 0:
         return y
     s = signs.shape[0]
-    planes, sc = (planes if planes is not None and not cfg.bitacc
-                  else sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc, pdl=pdl))
+    if planes is None or cfg.bitacc:  # planes of its own: the kernel just before writes them
+        planes, sibling = sorted_planes(x, groups.order, groups.key, s, bits=cfg.bitacc, pdl=pdl), False
+    planes, sc = planes
     s_desc, p_desc = _descriptors(signs, planes, cfg)
     grid = (groups.max_blocks, triton.cdiv(n, cfg.block_n))  # blocks fastest: see the module docstring
     _grouped_planes_kernel[grid](
@@ -387,18 +401,19 @@ def add_sign_products_planes(x: torch.Tensor, signs: torch.Tensor, alphas: torch
         m, n, k, s, groups.max_blocks, alphas.stride(0), y.stride(0),
         ALPHA_PER_ROW=alphas.dim() == 2, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
         CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma, BITACC=cfg.bitacc, PREFETCH=cfg.prefetch,
-        PDL=pdl, num_warps=4, maxnreg=cfg.regs, launch_pdl=pdl)
+        PDL=pdl, SIBLING=pdl and sibling, num_warps=4, maxnreg=cfg.regs, launch_pdl=pdl)
     return y
 
 
-def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: bool = True, pdl: bool = False):
+def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: bool = True, pdl: bool = False,
+                     sibling: bool = False):
     """Compile the kernel for sm_90a ahead of time, without a GPU, for the compile test
     (tests/test_kernels_compile.py) and offline inspection of its PTX and SASS.
 
     Args:
         cfg: a :class:`GroupedConfig`. dtype: y's element type, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         alpha_per_row: α per output feature (``[S, N]``) rather than one per matrix.
-        pdl: the programmatic-dependent-launch form (:func:`add_sign_products_planes`).
+        pdl, sibling: the programmatic-dependent-launch forms (:func:`add_sign_products_planes`).
 
     Returns:
         Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
@@ -416,7 +431,7 @@ def compile_for_sm90(cfg: GroupedConfig, dtype: str = "bf16", alpha_per_row: boo
            "stride_as": "i32", "stride_ym": "i32"}
     consts = dict(ALPHA_PER_ROW=alpha_per_row, NSUB=cfg.block_n // TILE_N, STAGES=cfg.stages,
                   CONSUMERS=cfg.consumers, CONS_REGS=cfg.regs, INFLIGHT=cfg.inflight, SYNC_MMA=cfg.sync_mma,
-                  BITACC=cfg.bitacc, PREFETCH=cfg.prefetch, PDL=pdl, num_warps=4)
+                  BITACC=cfg.bitacc, PREFETCH=cfg.prefetch, PDL=pdl, SIBLING=pdl and sibling, num_warps=4)
     sig.update({c: "constexpr" for c in consts})
     names = _grouped_planes_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -724,14 +739,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _gp_worker(p, q, NSUB: gl.constexpr, STAGES: gl.constexpr, T0: gl.constexpr, NW: gl.constexpr,
                    ALPHA_PER_ROW: gl.constexpr, INFLIGHT: gl.constexpr, LOADER: gl.constexpr, SYNC_MMA: gl.constexpr,
-                   BITACC: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr):
+                   BITACC: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr, SIBLING: gl.constexpr):
         """A worker partition: the loader warp, or a consumer warpgroup of tiles ``T0 …``. With ``PDL`` a
-        consumer first waits for the kernel before (the planes, their scales and sums, y's base values)."""
+        consumer first waits for the kernel before (the planes, their scales and sums, y's base values),
+        then lets the next launch start; with ``SIBLING`` neither waits (module docstring)."""
         if LOADER:
-            _gp_load(p, NSUB, STAGES, PDL)
+            _gp_load(p, NSUB, STAGES, PDL and not SIBLING)
         else:
-            if PDL:
+            if PDL and not SIBLING:
                 _gdc_wait()
+                _gdc_launch_dependents()  # every program of a sibling launched next has passed this wait
             if BITACC:
                 _gp_consume_bits(p, q, NSUB, STAGES, T0, NW, ALPHA_PER_ROW)
             elif SYNC_MMA:
@@ -747,9 +764,9 @@ if HAVE_GLUON:
                                ALPHA_PER_ROW: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, INFLIGHT: gl.constexpr,
                                SYNC_MMA: gl.constexpr, BITACC: gl.constexpr, PREFETCH: gl.constexpr,
-                               PDL: gl.constexpr, num_warps: gl.constexpr):
+                               PDL: gl.constexpr, SIBLING: gl.constexpr, num_warps: gl.constexpr):
         """Program ``(b, f)``: features ``f·64·NSUB …`` of block b's rows (module docstring)."""
-        if PDL:  # the next kernel, if launched with programmatic dependent launch, may start
+        if PDL and SIBLING:  # the next launch may start at once (else once this program has waited)
             _gdc_launch_dependents()
         first = gl.load(first_ptr + gl.program_id(0))
         if first < M:  # programs past the last block do nothing
@@ -774,27 +791,31 @@ if HAVE_GLUON:
             SM: gl.constexpr = SYNC_MMA
             BA: gl.constexpr = BITACC
             PF: gl.constexpr = PREFETCH
+            SB: gl.constexpr = SIBLING
             if CONSUMERS == 1:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL, SB)),
                 ], [1], [24])
             elif CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL, SB)),
                 ], [4, 1], [CONS_REGS, 24])
             elif CONSUMERS == 4:
                 gl.warp_specialize([
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA, PF, PDL)),
-                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, NW, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 2 * NW, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 3 * NW, NW, A, I, False, SM, BA, PF, PDL, SB)),
+                    (_gp_worker, (p, q, NSUB, STAGES, 0, NW, A, I, True, SM, BA, PF, PDL, SB)),
                 ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
             else:
                 gl.static_assert(False, "1, 2 or 4 consumer warpgroups")
+            if PDL and SIBLING:
+                if gl.program_id(0) == 0 and gl.program_id(1) == 0:
+                    _gdc_wait()  # a sibling launch too ends only after the one before (module docstring)
         elif PDL and gl.program_id(0) == 0 and gl.program_id(1) == 0:
             # a launch without any block still ends only after the kernel before, since the next launch
             # waits for this one: program (0, 0) waits (it is live if any program is; the others exit)

@@ -342,6 +342,10 @@ _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, t
 # The side stream's priority (lower is higher, PyTorch's convention): the sign products are the longer
 # chain of a two-stream call, so the block scheduler serves them before the base GEMM's blocks.
 SIDE_PRIORITY = -1
+# Sibling launches (_add_signs): each sign-product launch after the first of a chain over the same
+# planes starts its products while the one before ends; False launches every one as the first
+# (kept for measuring one against the other)
+SIBLINGS = True
 # (device index, n, thread, or GRAPHS) → a zeroed float32 accumulator (_accumulator)
 _ACCUMULATORS: dict[tuple[int, int, int | str], torch.Tensor] = {}
 GRAPHS = "graphs"  # the accumulators' key of the calls captured in CUDA graphs, from any thread
@@ -393,8 +397,8 @@ def _base_beside_signs(x: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     try:
         with torch.cuda.stream(side):
             planes: dict = {}
-            for zi, s, a in zip(z.split(list(sizes), 1), signs, alphas):
-                _add_signs(xs, s, a, groups, zi, planes)
+            for i, (zi, s, a) in enumerate(zip(z.split(list(sizes), 1), signs, alphas)):
+                _add_signs(xs, s, a, groups, zi, planes, sibling=i > 0)
         triton_base.base_mm(x, weight, y)
         cur.wait_stream(side)
         triton_base.add_and_clear(y, z)
@@ -440,7 +444,7 @@ def _accumulator(device: torch.device, m: int, n: int, capturing: bool) -> torch
 
 
 def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, groups: RowGroups, y: torch.Tensor,
-               planes: dict, pdl: bool = True) -> None:
+               planes: dict, pdl: bool = True, sibling: bool = False) -> None:
     """``y += `` the sign products of ``groups``' rows (``y`` ``[M, N]``, unit stride along N, may be a
     column block of a wider output): on a Hopper GPU with tiled signs by ``gluon_grouped``, whose
     activation planes are made once and kept in ``planes`` for the next matrix over the same rows;
@@ -451,7 +455,12 @@ def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, group
     before) ends. Such a launch reads the signs and ``groups`` before it waits, so they must be
     complete before that kernel starts: pass False when the kernel just before may have written
     ``groups`` (made right before, with the planes already in ``planes``). A copy of the signs made
-    here turns it off unless the planes are made after it."""
+    here turns it off unless the planes are made after it.
+
+    ``sibling``: the last kernel launched before this call is the last launch of an ``_add_signs``
+    call over the same ``planes`` (the matrix before). Then, as every launch after this call's first,
+    it is a sibling launch (``gluon_grouped.add_sign_products_planes``): it starts its products
+    without waiting for the one before."""
     alphas = alphas.to(device=x.device, dtype=torch.float32).contiguous()
     copied = not signs.is_contiguous()
     signs = signs.contiguous()
@@ -463,9 +472,10 @@ def _add_signs(x: torch.Tensor, signs: torch.Tensor, alphas: torch.Tensor, group
             if made:
                 planes["planes"] = gluon_grouped.sorted_planes(x, groups.order, groups.key, signs.shape[0], pdl=pdl)
             pdl = pdl and (made or not copied)
-            for part in groups.parts():
+            for i, part in enumerate(groups.parts()):  # after the first, each launch follows a sibling
                 gluon_grouped.add_sign_products_planes(x, signs, alphas, part, y, block_m=part.block_m,
-                                                       planes=planes["planes"], pdl=pdl)
+                                                       planes=planes["planes"], pdl=pdl,
+                                                       sibling=SIBLINGS and (i > 0 or (sibling and not made)))
             return
     add_sign_products(x, signs, alphas, groups, y)
 
@@ -504,6 +514,6 @@ def bitdelta_linears_grouped(x: torch.Tensor, weight: torch.Tensor, sizes: list[
         return _base_beside_signs(x, x, weight, sizes, signs, alphas, groups)
     y = torch.mm(x, weight.t())
     planes: dict = {}
-    for yi, s, a in zip(y.split(list(sizes), 1), signs, alphas):
-        _add_signs(x, s, a, groups, yi, planes)
+    for i, (yi, s, a) in enumerate(zip(y.split(list(sizes), 1), signs, alphas)):
+        _add_signs(x, s, a, groups, yi, planes, sibling=i > 0)
     return y

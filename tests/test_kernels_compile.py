@@ -321,11 +321,13 @@ if gb.HAVE_GLUON:
                                  "spills": int(spills.group(1)) if spills else -1}
                 except Exception as e:
                     out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
-    for bm in (4, 16):  # the programmatic-dependent-launch form of an mma.sync and a wgmma consumer
+    # the programmatic-dependent-launch forms (after the planes, after a sibling) of an mma.sync and a
+    # wgmma consumer
+    for bm, sibling in ((4, False), (16, False), (4, True), (16, True)):
         cfg = gg.CONFIGS[bm][0]
-        name = "grouped-planes-pdl " + json.dumps({"config": list(cfg)})
+        name = "grouped-planes-pdl " + json.dumps({"config": list(cfg), "sibling": sibling})
         try:
-            k = gg.compile_for_sm90(cfg, pdl=True)
+            k = gg.compile_for_sm90(cfg, pdl=True, sibling=sibling)
             ptx = k.asm["ptx"]
             log = sm90_report(ptx)
             spills = re.search(r"(\d+) bytes spill stores", log)
@@ -387,8 +389,8 @@ def test_every_configuration_compiles_for_sm90(compiled):
     from deltafleet.kernels import gluon_grouped as gg
 
     # the grouped int8 kernel: every configuration, the first of the smallest and largest block_m twice
-    # more (fp16, fp32), and two with programmatic dependent launch
-    n_grouped = sum(len(c) for c in gg.CONFIGS.values()) + 4 + 2 if gb.HAVE_GLUON else 0
+    # more (fp16, fp32), and four with programmatic dependent launch
+    n_grouped = sum(len(c) for c in gg.CONFIGS.values()) + 4 + 4 if gb.HAVE_GLUON else 0
     assert len(compiled) == (3 * n_decode + n_fma + len(tb._mm_configs()) + 2 * len(sweep(tb._lut_configs())) + n_gluon
                              + n_tiled + n_grouped)
     errors = {k: v["error"] for k, v in compiled.items() if "error" in v}
@@ -496,14 +498,18 @@ def test_grouped_int8_kernel_compiles_without_serialised_wgmmas_or_spills(compil
 
 
 def test_grouped_kernel_with_programmatic_dependent_launch_compiles_with_its_wait(compiled):
-    """The ``pdl`` form of the grouped kernel (an ``mma.sync`` and a wgmma configuration) compiles for
-    sm_90a without spills, and its PTX holds the trigger for the next launch and the waits for the one
-    before (the loader's, before its first planes copy, and the consumers')."""
+    """The ``pdl`` forms of the grouped kernel (an ``mma.sync`` and a wgmma configuration, each after
+    the planes and after a sibling launch) compile for sm_90a without spills, and their PTX holds the
+    trigger for the next launch and the waits for the one before: after the planes the loader's (before
+    its first planes copy), the consumer's and that of a program without a block; a sibling only in
+    program (0, 0), after its products or without a block (ptxas may merge those two into one)."""
     from deltafleet.kernels import gluon_grouped as gg
 
     if not gg.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     pdl = {k: v for k, v in compiled.items() if k.startswith("grouped-planes-pdl ")}
-    assert len(pdl) == 2 and all("error" not in v for v in pdl.values()), pdl
-    assert all(v["report"] and v["spills"] == 0 for v in pdl.values()), pdl
-    assert all(v["trigger"] >= 1 and v["wait"] >= 2 for v in pdl.values()), pdl
+    assert len(pdl) == 4 and all("error" not in v for v in pdl.values()), pdl
+    assert all(v["report"] and v["spills"] == 0 and v["trigger"] >= 1 for v in pdl.values()), pdl
+    for cfg in (gg.CONFIGS[4][0], gg.CONFIGS[16][0]):
+        first, sibling = (pdl["grouped-planes-pdl " + json.dumps({"config": list(cfg), "sibling": s})] for s in (False, True))
+        assert first["wait"] >= 3 and 1 <= sibling["wait"] <= 2, pdl

@@ -297,9 +297,11 @@ def test_programmatic_dependent_launch_waits_for_what_the_kernel_before_wrote(k)
     """With ``pdl`` the sign products start while the kernel before runs and must wait for it before
     reading the planes, the scales and y. Captured in a CUDA graph whose every replay writes new
     activations, makes their planes (``sorted_planes(pdl=True)``: the next launch may start at once)
-    and then multiplies two matrices over them (the second launched on the first, as q, k, v are),
-    each configuration's output must equal the launch without it, replay after replay: a read before
-    the wait would see the last replay's planes. K of 384 leaves the ring more stages than K steps."""
+    and then multiplies two matrices over them (the second launched on the first as a sibling, as k
+    is on q: it does not wait, and relies on the first having let it start only once all of its
+    programs had waited for the planes), each configuration's output must equal the launch without
+    it, replay after replay: a read before the planes are written would see the last replay's. K of
+    384 leaves the ring more stages than K steps."""
     _hopper()
     x, w, signs, alphas, slot = _case(64, "zipf", 6, 520, k, True, torch.bfloat16)
     xd, wd, sd, ad, slotd = (t.cuda() for t in (x, w, tile_signs(signs), alphas, slot))
@@ -315,8 +317,9 @@ def test_programmatic_dependent_launch_waits_for_what_the_kernel_before_wrote(k)
             g = groups[cfg.block_m]
             ys = [torch.mm(xd, wd.t()) for _ in range(2)]
             planes = None if cfg.bitacc else gg.sorted_planes(xd, g.order, g.key, 6, pdl=pdl)
-            for y, (s_, a_) in zip(ys, ((sd, ad), (sd2, ad2))):
-                out.append(gg.add_sign_products_planes(xd, s_, a_, g, y, planes=planes, pdl=pdl, **cfg._asdict()))
+            for j, (y, (s_, a_)) in enumerate(zip(ys, ((sd, ad), (sd2, ad2)))):
+                out.append(gg.add_sign_products_planes(xd, s_, a_, g, y, planes=planes, pdl=pdl, sibling=j > 0,
+                                                       **cfg._asdict()))
         return out
 
     src.copy_(xd)
