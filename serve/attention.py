@@ -526,6 +526,19 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def check_block_size(block_size: int, backend: str, device: torch.device) -> None:
+    """Refuse a KV block size the attention kernels cannot tile: compiled FlexAttention (``backend``
+    as :func:`pick_backend` gives it, on CUDA) takes each cache block's keys in tiles of a power of
+    two of at least 16 (a Triton block), so its blocks must be such a size too, as vLLM's block sizes
+    are. SDPA, and FlexAttention run eagerly off CUDA, take any size ≥ 1.
+
+    Raises:
+        ValueError: naming ``kv_cache.block_size``."""
+    if backend == "flex" and torch.device(device).type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+        raise ValueError(f"kv_cache.block_size must be a power of two ≥ 16 with FlexAttention on CUDA "
+                         f"(16, 32, 64, 128, …), got {block_size}")
+
+
 def max_blocks(max_seq_len: int, block_size: int) -> int:
     """Block-table width for sequences of up to ``max_seq_len`` tokens."""
     return math.ceil(max_seq_len / block_size)

@@ -30,7 +30,7 @@ import torch
 
 from deltafleet.checkpoint import load_tokenizer
 from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifact
-from deltafleet.serve.attention import pick_backend
+from deltafleet.serve.attention import check_block_size, pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from deltafleet.serve.delta import VariantDelta
@@ -131,7 +131,7 @@ class Engine:
         max_num_batched_tokens: tokens one step feeds at most (decode rows + prefill chunks; vLLM's
             name); raised to ``max_batch`` if below it.
         kv_cache: the paged KV cache (serve/kv.py, serve/attention.py): ``block_size`` (tokens a
-            block, default 128), ``max_tokens`` (tokens in all; default: on CUDA what
+            block, default 128; a power of two ≥ 16 with FlexAttention on CUDA), ``max_tokens`` (tokens in all; default: on CUDA what
             ``gpu_memory_utilization`` (default 0.9) of the device leaves after the base and the
             delta slots, elsewhere ``max_batch`` full contexts; never more than ``max_batch`` full
             contexts). The served context is capped at the cache's size.
@@ -254,6 +254,7 @@ class Engine:
                 or long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer ≥ 0, got {long_prefill_token_threshold!r}")
         block_size, n_blocks = self._kv_blocks(dict(kv_cache or {}), max_batch)
+        check_block_size(block_size, pick_backend(attention, self.device), self.device)
         if n_blocks * block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens: the served context is cut from %d to that",
                         n_blocks * block_size, self.max_model_len)

@@ -333,6 +333,20 @@ def test_the_context_is_capped_at_the_cache_and_bad_options_are_named(tiny_famil
     with pytest.raises(ValueError, match="attention must be one of"):
         engine(attention="flash")
     assert engine(max_batch=4, max_num_batched_tokens=2).scheduler.planner.token_budget == 4  # raised, logged
+    # found by a fresh user: a block size compiled FlexAttention cannot tile started a server on the
+    # CPU, where SDPA takes any size, and would have failed at the first step on a GPU
+    assert engine(max_batch=2, kv_cache={"block_size": 3}).kv_tokens % 3 == 0
+    from deltafleet.serve.attention import check_block_size
+
+    cuda = torch.device("cuda")  # only the rule: no device is touched
+    for size in (3, 8, 48, 96, 100):
+        with pytest.raises(ValueError, match=f"kv_cache.block_size must be a power of two ≥ 16 with FlexAttention "
+                                             f"on CUDA \\(16, 32, 64, 128, …\\), got {size}$"):
+            check_block_size(size, "flex", cuda)
+    for size in (16, 32, 128, 256):
+        check_block_size(size, "flex", cuda)
+    check_block_size(3, "sdpa", cuda)
+    check_block_size(3, "flex", torch.device("cpu"))  # eager FlexAttention, as the CPU tests run it
 
 
 def test_adjacent_chunks_of_one_variant_run_as_one_and_answer_as_alone(eng, monkeypatch):
