@@ -322,15 +322,15 @@ def test_a_step_is_queued_without_waiting_for_the_device(family, kind):
     model, slots, views = _loaded(family)
     runner = ModelRunner(model, slots, n_blocks=8, block_size=128, max_batch=4, max_seq_len=SEQ, cuda_graphs=True,
                          prefill_graphs=64 if kind == "prefill" else 0)
-    scratch = runner.cache.scratch_block  # the decode row writes position 0 of the scratch block: no sequence's
     coder = views["coder"].slot
     if kind == "decode":  # two rows at position 0 of blocks 1 and 2: each reads back only its own keys
         step = StepInput([0, 5], [0, 0], [1 * 128, 2 * 128], [-1, coder], 2, [[1], [2]],
                          [], [0, 1], prev_rows=[1, -1])  # row 0's token: row 1 of the previous step's
-    else:  # a decode row fed on the device, then 20 prompt tokens of the coder in block 0
+    else:  # a decode row fed on the device at position 0 of block 1, then 20 prompt tokens of the coder in
+        # block 0 (not the scratch block, which the graph's padding tokens write at the same position)
         chunk = list(range(5, 25))
-        step = StepInput([0] + chunk, [0] + list(range(20)), [scratch * 128] + list(range(20)), [-1] + [coder] * 20,
-                         1, [[scratch]], [(1, 20, 0, [0])], [0, 20], prev_rows=[1])
+        step = StepInput([0] + chunk, [0] + list(range(20)), [1 * 128] + list(range(20)), [-1] + [coder] * 20,
+                         1, [[1]], [(1, 20, 0, [0])], [0, 20], prev_rows=[1])
     prev = torch.tensor([3, 9], device="cuda")
     params = [(0.0, 1.0, 0, 1, 1), (0.8, 0.9, 0, 2, 1)]  # greedy; seeded top-p
     host = SimpleNamespace(_launches=0, _pinned=[], max_batch=4, _clock=None)  # what Scheduler._copy_out keeps
