@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.compress.bitdelta import check_variant_name, compress, export_hf
-from deltafleet.cli import require_checkpoints, stop_on_sigterm, user_errors
+from deltafleet.cli import flag, require_checkpoints, stop_on_sigterm, user_errors
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
@@ -37,9 +37,10 @@ def _main(cfg: DictConfig) -> dict:
     if cfg.format not in ("bitdelta", "hf"):
         raise SystemExit(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
     check_variant_name(variant)
+    overwrite, force = flag(cfg, "overwrite"), flag(cfg, "force")
     require_checkpoints(cfg, None if cfg.format == "hf" else variant)
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
-        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=cfg.force, overwrite=cfg.overwrite)
+        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=force, overwrite=overwrite)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
     manifest = compress(
@@ -50,7 +51,7 @@ def _main(cfg: DictConfig) -> dict:
         granularity=cfg.granularity,
         max_shard_bytes=cfg.max_shard_bytes,
         show_progress=True,
-        overwrite=cfg.overwrite,
+        overwrite=overwrite,
         provenance={
             "run_id": f"export/{variant}/{run_dir.name}",
             "config": OmegaConf.to_container(cfg, resolve=True),

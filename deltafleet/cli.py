@@ -66,6 +66,20 @@ def user_errors(job: str) -> Iterator[None]:
             raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
 
 
+def flag(cfg, key: str) -> bool:
+    """The yes/no setting ``key`` of a job's config (absent: false), which must be a YAML boolean:
+    Hydra keeps ``overwrite=no`` or ``force='false'`` as text, which ``bool()`` would take for true.
+
+    Raises:
+        ValueError: naming the key, for any other value."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, key, default=False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 def build_hint(cfg, what: str, variant: str | None = None) -> str:
     """The command that builds a missing checkpoint of the configured family, for an error message:
     ``model.build.base`` or ``model.build.variant`` (``{variant}`` filled in) from ``conf/model/``.

@@ -83,8 +83,8 @@ def _check_params(name: str, cls: type, params: dict) -> None:
         elif isinstance(default, int):
             ok = _is_number(value) and float(value).is_integer()
             kind = "an integer"
-        elif isinstance(default, float):
-            ok, kind = _is_number(value), "a number"
+        elif isinstance(default, float):  # nan or inf would write a model of NaNs
+            ok, kind = _is_number(value) and math.isfinite(float(value)), "a finite number"
         elif isinstance(default, str):
             ok, kind = isinstance(value, str), "a text"
         else:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import USER_ERRORS, interruptible, stop_on_sigterm
+    from deltafleet.cli import USER_ERRORS, flag, interruptible, stop_on_sigterm
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
 
@@ -35,11 +35,12 @@ def main(cfg: DictConfig) -> None:
             shard_gb = cfg.max_shard_gb
             if isinstance(shard_gb, bool) or not isinstance(shard_gb, (int, float)) or not 0 < shard_gb < float("inf"):
                 raise ValueError(f"max_shard_gb must be a positive number of GB, got {shard_gb!r}")
+            overwrite, progress = flag(cfg, "overwrite"), flag(cfg, "progress")
             params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
             method = get_method(cfg.method, **params)
             summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
-                                        max_shard_bytes=max(1, int(shard_gb * 1e9)), show_progress=cfg.progress,
-                                        overwrite=bool(cfg.overwrite))
+                                        max_shard_bytes=max(1, int(shard_gb * 1e9)), show_progress=progress,
+                                        overwrite=overwrite)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -593,6 +593,10 @@ def test_run_py_end_to_end(family, tmp_path):
         ("variant=writer", "export: FileNotFoundError: "),
         ("variant=writer format=bogus", "format must be 'bitdelta' or 'hf', got 'bogus'"),  # before the inputs
         ("variant.name=../escape", "export: ValueError: variant must be a name of 1 to 64 letters"),
+        # found by a fresh user: Hydra keeps "no" as text, which bool() took for true: the out_dir was
+        # replaced, and format=hf built a checkpoint against another base
+        ("overwrite=no", "export: ValueError: overwrite must be true or false, got 'no'"),
+        ("format=hf force=no", "export: ValueError: force must be true or false, got 'no'"),
     ],
 )
 def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, message):

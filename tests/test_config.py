@@ -214,6 +214,12 @@ def test_a_training_keeps_an_out_dir_it_did_not_write(tmp_path):
     assert (mine / "notes.txt").read_text() == "precious" and (tmp_path / "afile").read_text() == "hi"
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / "training.json").write_text("{}")
+    # found by a fresh user: Hydra keeps "no" as text, which bool() took for true: mine was replaced
+    for extra, key in ((["overwrite=no"], "overwrite"), (["export.enabled=off"], "export.enabled")):
+        cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={mine}", *extra])
+        with pytest.raises(ValueError, match=f"^{re.escape(key)} must be true or false, got '(no|off)'$"):
+            check_config(cfg)
+    assert (mine / "notes.txt").read_text() == "precious"
     for out, extra in ((tmp_path / "earlier", []), (mine, ["overwrite=true"])):
         cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={out}", *extra])
         with pytest.raises(FileNotFoundError, match="make data"):  # past the out_dir check: the data is next

@@ -206,7 +206,12 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
     base = [sys.executable, "merge/run.py", f"base={tiny_family.base_dir}", "method=ties", "progress=false",
             f"out_dir={tmp_path / 'out'}"]
     models = f"models=[{tiny_family.variants['coder']},{tiny_family.variants['writer']}]"
-    cases = [([models, "params.density=abc"], "error: merge method 'ties': density must be a number, got 'abc'"),
+    cases = [([models, "params.density=abc"], "error: merge method 'ties': density must be a finite number, got 'abc'"),
+             # found by a fresh user: a merge of NaNs was written (scaling=nan), and overwrite=no replaced the
+             # folder (Hydra keeps "no" as text, which bool() took for true)
+             ([models, "params.scaling=nan"], "error: merge method 'ties': scaling must be a finite number, got nan"),
+             ([models, "params.scaling=inf"], "error: merge method 'ties': scaling must be a finite number, got inf"),
+             ([models, "overwrite=no"], "error: overwrite must be true or false, got 'no'"),
              ([f"models={tiny_family.variants['coder']}"], "error: models must be a list of checkpoint folders, "
                                                            "e.g. models=[models/coder,models/writer]; got '")]
     for i, (args, message) in enumerate(cases):

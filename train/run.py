@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, staged_dir, write_text
-from deltafleet.cli import build_hint, fit, interruptible, stop_on_sigterm, user_errors
+from deltafleet.cli import build_hint, fit, flag, interruptible, stop_on_sigterm, user_errors
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
 from deltafleet.train.data import SPLITS, split_file
@@ -188,10 +188,10 @@ def check_config(cfg: DictConfig) -> None:
         if Path(cfg.out_dir).resolve() == Path(cfg.base_dir).resolve():
             raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
                              f"starts from, which every artifact is checked against: choose another variant.name")
-    overwrite = bool(cfg.get("overwrite", False))
+    overwrite, export = flag(cfg, "overwrite"), flag(cfg, "export.enabled")
     check_replaceable(cfg.out_dir, [cfg.base_dir] if cfg.variant.init == "base" else [], _not_training_output,
                       job="training", overwrite=overwrite)
-    if cfg.variant.init == "base" and cfg.export.enabled:
+    if cfg.variant.init == "base" and export:
         from deltafleet.compress.bitdelta import not_artifact
 
         check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], not_artifact, job="export",
