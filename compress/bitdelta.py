@@ -226,6 +226,11 @@ def _compress_matrix(
         sign[r0:r1] = pack_signs(delta)
         abs_sum[r0:r1] = delta.abs_().sum(dim=1)
         del delta
+    finite = torch.isfinite(abs_sum)
+    if not bool(finite.all()):  # α would be NaN or inf: an artifact that every loader refuses
+        row = int((~finite).nonzero()[0])
+        raise ValueError(f"{name}: the fine-tune or the base holds NaN or inf (row {row} of Δ = W_ft − W_base): "
+                         "nothing was exported")
     if not bool(abs_sum.any()):  # |Δ| sums to 0 only where every Δ is 0 (or the matrix is empty)
         return None
     # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -610,6 +611,23 @@ def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, mess
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
     assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())
+
+
+def test_a_fine_tune_holding_nan_is_refused_and_names_the_matrix(tmp_path):
+    """Found by a fresh user: a fine-tune with one NaN weight exported, with α NaN for that matrix, an
+    artifact the loader (and the server) then refused. The export fails at once, naming the matrix
+    and the row, and writes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    base_dir, ft_dir = _tiny_family(tmp_path)
+    (shard,) = ft_dir.glob("*.safetensors")
+    state = load_file(shard)
+    name = "model.layers.1.mlp.up_proj.weight"
+    state[name][5, 3] = float("nan")
+    save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{name}: the fine-tune or the base holds NaN or inf (row 5 of Δ")):
+        compress(base_dir, ft_dir, tmp_path / "art", variant="coder")
+    assert not (tmp_path / "art").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
