@@ -829,9 +829,15 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
 
 
 def not_artifact(folder: Path) -> str | None:
-    """Why ``folder`` is not a BitDelta artifact (it has no manifest), or None if it is; stray files in
-    an artifact's folder go with it."""
-    return None if (folder / MANIFEST_NAME).is_file() else f"no {MANIFEST_NAME}"
+    """Why ``folder`` is not (only) a BitDelta artifact, or None if it is: it must hold its manifest and
+    no file but those the manifest lists (a file of the user's beside an artifact is not replaced)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST_NAME}"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    extra = sorted({p.name for p in folder.iterdir()} - {MANIFEST_NAME} - set(files if isinstance(files, dict) else ()))
+    return f"files the export did not write: {', '.join(extra[:3])}" if extra else None
 
 
 HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder may be replaced by a new export

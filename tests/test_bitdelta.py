@@ -748,13 +748,20 @@ def test_export_never_replaces_an_input_or_a_folder_it_did_not_write(family, tmp
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "NOTES.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"holds files that are not an earlier export's output \(no bitdelta.json\)"):
+    with pytest.raises(ValueError, match=r"holds files that are not an earlier export's output \(no readable "
+                                         r"bitdelta.json\)"):
         compress(base_dir, ft_dir, victim, variant="coder")
     assert [p.name for p in victim.iterdir()] == ["NOTES.txt"]
     art = tmp_path / "art"
     compress(base_dir, ft_dir, art, variant="coder")
     compress(base_dir, ft_dir, art, variant="coder", granularity="row")  # an earlier artifact: replaced
     assert load_artifact(art).manifest["granularity"] == "row"
+    # found by a fresh user: a file of theirs beside an earlier artifact went with it
+    (art / "mynotes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files that are not an earlier export's output \(files the export "
+                                         r"did not write: mynotes.txt\)"):
+        compress(base_dir, ft_dir, art, variant="coder")
+    assert (art / "mynotes.txt").read_text() == "mine" and load_artifact(art).manifest["granularity"] == "row"
     compress(base_dir, ft_dir, victim, variant="coder", overwrite=True)
     assert sorted(p.name for p in victim.iterdir()) == ["bitdelta.json", "delta.safetensors"]
 

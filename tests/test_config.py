@@ -202,7 +202,7 @@ def test_a_training_keeps_an_out_dir_it_did_not_write(tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
     (tmp_path / "afile").write_text("hi")
-    for out, why in ((mine, r"holds files that are not an earlier training's output \(no training.json"),
+    for out, why in ((mine, r"holds files that are not an earlier training's output \(no readable training.json"),
                      (tmp_path / "afile", "exists and is not a folder"),
                      (tmp_path / "afile" / "sub", r"cannot be made: .*afile is a file, not a folder")):
         cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={out}"])
@@ -224,6 +224,19 @@ def test_a_training_keeps_an_out_dir_it_did_not_write(tmp_path):
         cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={out}", *extra])
         with pytest.raises(FileNotFoundError, match="make data"):  # past the out_dir check: the data is next
             check_config(cfg)
+    # found by a fresh user: a file of theirs beside an earlier run's checkpoint went with it; runs
+    # record their files (older records, like the one above, list none)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "training.json").write_text('{"files": ["config.json", "training.json"]}')
+    (listed / "config.json").write_text("{}")
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"out_dir={listed}"])
+    with pytest.raises(FileNotFoundError, match="make data"):
+        check_config(cfg)
+    (listed / "mynotes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"listed exists and holds files that are not an earlier training's output "
+                                         r"\(files the training did not write: mynotes.txt\)"):
+        check_config(cfg)
 
 
 @pytest.mark.parametrize("override, message", [

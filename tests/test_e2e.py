@@ -57,6 +57,7 @@ def test_variant_beats_base_on_its_domain(family):
     root, _, coder = family
     rec = json.loads((root / "models/coder/training.json").read_text())
     assert rec["variant"] == "coder" and rec["domain"] == "coder"
+    assert rec["files"] == sorted(p.name for p in (root / "models/coder").iterdir())  # what a rerun may replace
     assert rec["base_dir"] == str((root / "models/base").resolve())
     assert rec["heldout/loss"] < rec["heldout/base_loss"], rec
     # BitDelta keeps part of the fine-tune's gain: better than the base on the domain

@@ -90,14 +90,24 @@ def save_checkpoint(model, tokenizer, out_dir: Path, extra: dict, adapter_dir: P
     with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
         if adapter_dir is not None:
             shutil.move(str(adapter_dir), tmp / "adapter")
+        files = sorted([p.name for p in tmp.iterdir()] + ["training.json"])
+        (tmp / "training.json").write_text(json.dumps({**extra, "files": files}, indent=2) + "\n")
 
 
 def _not_training_output(folder: Path) -> str | None:
-    """Why ``folder`` is not an earlier training run's checkpoint (it has no ``training.json``), or None."""
-    return None if (folder / "training.json").is_file() else "no training.json of a training run"
+    """Why ``folder`` is not (only) an earlier training run's checkpoint, or None if it is: it must hold
+    ``training.json``, and no file but those it lists (``files``; records of older runs list none)."""
+    try:
+        record = json.loads((folder / "training.json").read_text())
+    except (OSError, ValueError):
+        return "no readable training.json of a training run"
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, list):
+        return None
+    extra = sorted({p.name for p in folder.iterdir()} - set(files))
+    return f"files the training did not write: {', '.join(extra[:3])}" if extra else None
 
 
 def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None) -> None:
@@ -338,7 +348,8 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     log_quality(logger, cfg, out, manifest)
     record = {**metrics, **out}
     write_text(run_dir / "metrics.json", json.dumps(record, indent=2) + "\n")
-    write_text(out_dir / "training.json", json.dumps({"run_id": run_dir.name, **record}, indent=2) + "\n")
+    files = json.loads((out_dir / "training.json").read_text())["files"]  # as save_checkpoint listed them
+    write_text(out_dir / "training.json", json.dumps({"run_id": run_dir.name, **record, "files": files}, indent=2) + "\n")
     return out
 
 
