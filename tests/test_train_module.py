@@ -94,3 +94,12 @@ def test_a_resume_is_checked_before_training(tmp_path):
         check_resume(str(ckpt), "legal", 500)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_resume(str(tmp_path / "missing.ckpt"), "writer", 500)
+    # found by a fresh user: a coder run's checkpoint resumed under variant=math (the same variant.name)
+    # trained on math, and under variant=base as a model from scratch
+    torch.save({"state_dict": {}, "global_step": 20, "hyper_parameters": {"variant": "r2", "lr": 1e-3,
+                                                                           "domain": "coder", "init": "base"}}, ckpt)
+    check_resume(str(ckpt), "r2", 40, 1e-3, "coder", "base")
+    with pytest.raises(ValueError, match=r"was trained on data of domain 'coder', this run on 'math' \(variant.domain\)"):
+        check_resume(str(ckpt), "r2", 40, 1e-3, "math", "base")
+    with pytest.raises(ValueError, match=r"was trained on initial weights 'base', this run on 'scratch' \(variant.init\)"):
+        check_resume(str(ckpt), "r2", 40, 1e-3, "coder", "scratch")

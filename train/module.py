@@ -21,12 +21,14 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: linear warmup from 0 to ``lr``.
         max_steps: length of the cosine decay; the schedule ends at ``lr * min_lr_ratio``.
         min_lr_ratio: floor of the cosine schedule as a fraction of ``lr``.
-        variant: name recorded in the checkpoints' hyper-parameters, so a resume can check that
-            a checkpoint belongs to the variant being trained.
+        variant, domain, init: the variant's name, its data's domain and how its weights started
+            (``base``: the base's; ``scratch``), recorded in the checkpoints' hyper-parameters, so a
+            resume can check that a checkpoint belongs to the run being resumed.
     """
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int,
-                 max_steps: int, min_lr_ratio: float = 0.1, variant: str | None = None):
+                 max_steps: int, min_lr_ratio: float = 0.1, variant: str | None = None,
+                 domain: str | None = None, init: str | None = None):
         super().__init__()
         self.model = model
         self.save_hyperparameters(ignore=["model"])

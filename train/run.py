@@ -110,10 +110,14 @@ def _not_training_output(folder: Path) -> str | None:
     return f"files the training did not write: {', '.join(extra[:3])}" if extra else None
 
 
-def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None) -> None:
-    """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, was trained at
-    another learning rate than ``lr`` (a resume restores the checkpoint's optimizer and schedule, so
-    the run would not use ``lr``), or is already at or past ``max_steps`` (nothing would be trained)."""
+def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None,
+                 domain: str | None = None, init: str | None = None) -> None:
+    """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, or by a run on
+    another ``domain``'s data or from other initial weights (``init``: a fine-tune of the base against
+    a model trained from scratch), was trained at another learning rate than ``lr`` (a resume
+    restores the checkpoint's optimizer and schedule, so the run would not use ``lr``), or is already
+    at or past ``max_steps`` (nothing would be trained). Checkpoints of older runs record no domain
+    or init; those are not compared."""
     if not ckpt_path:
         return
     path = Path(ckpt_path)
@@ -131,6 +135,10 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
         if hp.get("variant") not in (None, variant):
             raise ValueError(f"ckpt_path {ckpt_path} is a checkpoint of variant {hp['variant']!r}, "
                              f"not {variant!r}: resume a {variant} run, or train from models/base")
+        for key, want, what in (("domain", domain, "data of domain"), ("init", init, "initial weights")):
+            if want is not None and hp.get(key) not in (None, want):
+                raise ValueError(f"ckpt_path {ckpt_path} was trained on {what} {hp[key]!r}, this run on {want!r} "
+                                 f"(variant.{key}): a resume continues that run; resume it with its own variant")
         if lr is not None and hp.get("lr") not in (None, lr):
             raise ValueError(f"ckpt_path {ckpt_path} was trained at lr {hp['lr']:g}, this run asks for {lr:g}: a "
                              "resume keeps the checkpoint's optimizer and schedule; resume at its lr")
@@ -212,7 +220,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
-    check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg))
+    check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg),
+                 cfg.variant.domain, cfg.variant.init)
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
         raise ValueError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
@@ -264,7 +273,8 @@ def train(cfg: DictConfig) -> dict:
     try:
         module = CausalLMModule(model, lr=metrics["lr"], weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
-                                min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant)
+                                min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant, domain=domain,
+                                init=cfg.variant.init)
         consolidate = ConsolidateOnTrainEnd()
         trainer = hydra.utils.instantiate(cfg.trainer, logger=logger,
                                           callbacks=[*build_callbacks(cfg, run_dir), consolidate],
