@@ -254,6 +254,28 @@ def test_counts_that_failed_after_training_are_refused_before_it(tmp_path, overr
         check_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("variant.warmup_steps=-3", "variant.warmup_steps must be a whole number of steps ≥ 0, got -3"),
+    ("variant.min_lr_ratio=2", "variant.min_lr_ratio must be a number in [0, 1], got 2"),
+    ("variant.lr=abc", "variant.lr must be a number > 0, got 'abc'"),
+    ("variant.lr=0", "variant.lr must be a number > 0, got 0"),
+    ("variant.weight_decay=nan", "variant.weight_decay must be a number ≥ 0, got nan"),
+    ("seed=abc", "seed must be an integer, got 'abc'"),
+    ("variant.adapter=lora lora.r=0", "lora.r must be a whole number ≥ 1, got 0"),
+    ("variant.adapter=lora lora.dropout=1", "lora.dropout must be a number in [0, 1), got 1"),
+    ("variant.adapter=lora lora.target_modules=[]", "lora.target_modules must be a list of module names"),
+])
+def test_optimizer_schedule_and_lora_settings_are_checked_by_name(tmp_path, override, message):
+    """Found by a fresh user: a negative warmup or a min_lr_ratio of 2 trained with it (and changed the
+    result), ``variant.lr=abc`` said "could not convert string to float" without the key, and
+    ``seed=abc`` or ``lora.r=0`` failed with a traceback inside Lightning or PEFT."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", *override.split()])
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        check_config(cfg)
+
+
 def test_a_resume_from_a_file_that_is_no_checkpoint_is_named(tmp_path):
     from deltafleet.train.run import check_resume
 

@@ -174,6 +174,34 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     return callbacks
 
 
+def _check_numbers(cfg: DictConfig) -> None:
+    """The optimizer's, the schedule's and LoRA's settings (:func:`check_config`): each of its kind and
+    range, named, where a wrong one trained with it or failed inside Lightning or PEFT."""
+    def real(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    checks = [("variant.lr", lambda v: real(v) and v > 0, "a number > 0"),
+              ("variant.weight_decay", lambda v: real(v) and v >= 0, "a number ≥ 0"),
+              ("variant.warmup_steps", lambda v: integer(v) and v >= 0, "a whole number of steps ≥ 0"),
+              ("variant.min_lr_ratio", lambda v: real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+              ("seed", integer, "an integer")]
+    if cfg.model.get("finetune_lr") is not None:
+        checks.append(("model.finetune_lr", lambda v: real(v) and v > 0, "null or a number > 0"))
+    if cfg.variant.get("adapter") == "lora":
+        checks += [("lora.r", lambda v: integer(v) and v >= 1, "a whole number ≥ 1"),
+                   ("lora.alpha", lambda v: real(v) and v > 0, "a number > 0"),
+                   ("lora.dropout", lambda v: real(v) and 0 <= v < 1, "a number in [0, 1)"),
+                   ("lora.target_modules", lambda v: OmegaConf.is_list(v) and len(v) > 0
+                    and all(isinstance(m, str) and m for m in v), "a list of module names, e.g. [q_proj, v_proj]")]
+    for key, ok, what in checks:
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
 def check_config(cfg: DictConfig) -> None:
     """The job's checks of its config, inputs and machine, before any work (so a mistake costs no
     training): the base and the domain's data exist, the settings are valid, a resume point is not
@@ -200,6 +228,7 @@ def check_config(cfg: DictConfig) -> None:
     for key, value in (("eval_batches", cfg.eval_batches), ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps)):
         if not count(value):
             raise ValueError(f"{key} must be a whole number, at least 1, got {value!r}")
+    _check_numbers(cfg)
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
