@@ -259,7 +259,8 @@ def test_summary_prints_a_table_per_base(family, tmp_path):
     rec = json.loads((models / "coder/training.json").read_text())
     (models / "smollm2-coder").mkdir()
     (models / "smollm2-coder/training.json").write_text(json.dumps(
-        rec | {"base_dir": "/elsewhere/smollm2-base", "heldout/base_loss": 2.5, "heldout/loss": 2.6}))
+        rec | {"base_dir": "/elsewhere/smollm2-base", "heldout/base_loss": 2.5, "heldout/loss": 2.6,
+               "heldout/bitdelta_gain_recovered": None}))  # no gain over the base: null, not NaN (invalid JSON)
     (models / "base").mkdir()
     (models / "base/training.json").write_text(json.dumps({"variant": "base", "heldout/loss": 3.0}))
     r = subprocess.run([sys.executable, "-m", "deltafleet.train.summary", str(models)], capture_output=True,
@@ -271,7 +272,7 @@ def test_summary_prints_a_table_per_base(family, tmp_path):
     assert lines[3].startswith(f"| coder | coder | {rec['heldout/base_loss']:.4f} | {rec['heldout/loss']:.4f} | "
                                f"{bitdelta} | ")
     assert lines[5] == "base: /elsewhere/smollm2-base"
-    assert lines[8].startswith("| smollm2-coder | coder | 2.5000 | 2.6000 | ")
+    assert lines[8].startswith("| smollm2-coder | coder | 2.5000 | 2.6000 | ") and " | n/a | " in lines[8]
     assert lines[9] == "WARNING: fine-tune no better than the base on its own domain: smollm2-coder"
     assert len([x for x in lines if x.startswith("| ") and "| model |" not in x]) == 2  # not the base itself
     empty = subprocess.run([sys.executable, "-m", "deltafleet.train.summary", str(tmp_path / "none")],

@@ -332,7 +332,7 @@ def test_eval_cli_writes_the_report(family):
     assert math_rows["fine-tune"]["task_metric"] == math_rows["base"]["task_metric"] == 0.0
     assert all(r["gain_recovered_task"] is None for r in math_rows.values())
     assert md.split("## math ")[1].split("\n\n")[1].splitlines()[2].endswith("| n/a |")
-    assert "n/a: the fine-tune equals the base" in md
+    assert "n/a: the fine-tune does no better than the base" in md
     # the offline W&B run holds the rows as a table, and nothing was written into models/ or artifacts/
     (table,) = (root / "outputs/wandb").glob("offline-run-*/files/media/table/eval_*.table.json")
     table = json.loads(table.read_text())

@@ -33,7 +33,8 @@ Metrics, all on the same test blocks:
   positions (nats/token; 0 for the fine-tune itself);
 - gain recovered, for the loss and for the task metric: ``(m − m_base) / (m_ft − m_base)``
   (1 = all of the fine-tune's gain, 0 = none; the same formula whether lower or higher is
-  better); undefined (``None``, "n/a") when the fine-tune equals the base on that metric;
+  better); undefined (``None``, "n/a") when the fine-tune does no better than the base on that
+  metric;
 - bits per parameter: every stored byte of the artifact's delta files
   (``stats.bits_per_parameter`` of its manifest); the fine-tune's is the bits of the dtype
   its checkpoint stores (32 for float32, 16 for bf16); the base's is 0 (it is resident anyway).
@@ -523,7 +524,7 @@ def report_markdown(payload: dict) -> str:
              f"Family `{cfg['model']['name']}`, base `{cfg['base_dir']}`; seq_len {cfg['seq_len']}; {distill}.",
              "Loss: token-weighted mean next-token cross-entropy on the variant's test split (nats/token); "
              "ppl = exp(loss). KL(ft‖·): token mean of KL(fine-tune ‖ model), nats/token. "
-             "Gain recovered = (m − m_base)/(m_ft − m_base) (n/a: the fine-tune equals the base on m). "
+             "Gain recovered = (m − m_base)/(m_ft − m_base) (n/a: the fine-tune does no better than the base on m). "
              "Bits/param count every stored byte of the delta files; the fine-tune's is its checkpoint dtype's "
              "bits, the base's 0.", ""]
     for s in payload["variants"]:

@@ -409,11 +409,13 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     approx.load_state_dict(materialize(cfg.base_dir, artifact), strict=False)
     bd_loss = heldout_loss(approx.to(device), test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
     gain = base_loss - ft_loss
-    recovered = (base_loss - bd_loss) / gain if gain > 0 else float("nan")
+    # undefined (null in training.json, "n/a") where the fine-tune gained nothing over the base
+    recovered = (base_loss - bd_loss) / gain if gain > 0 else None
     stats = manifest["stats"]
+    said = f"{recovered:.2f}" if recovered is not None else "n/a: the fine-tune is no better than the base"
     print(f"[export] {out}: {stats['bytes'] / 1e6:.2f} MB, {stats['bits_per_parameter']:.3f} bits/param; "
           f"held-out loss base {base_loss:.4f} | fine-tune {ft_loss:.4f} | BitDelta {bd_loss:.4f} "
-          f"(gain recovered {recovered:.2f})", flush=True)
+          f"(gain recovered {said})", flush=True)
     return manifest, {"heldout/bitdelta_loss": bd_loss, "heldout/bitdelta_gain_recovered": recovered,
                       "export/bits_per_parameter": float(stats["bits_per_parameter"]),
                       "export/bytes": float(stats["bytes"])}

@@ -39,7 +39,7 @@ def format_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(key, fmt="{:.4f}"):
-            return fmt.format(r[key]) if key in r else "—"
+            return "—" if key not in r else "n/a" if r[key] is None else fmt.format(r[key])
         lines.append(f"| {r['model']} | {r['domain']} | {f('heldout/base_loss')} | {f('heldout/loss')} | "
                      f"{f('heldout/bitdelta_loss')} | {f('heldout/bitdelta_gain_recovered', '{:.2f}')} | "
                      f"{f('export/bits_per_parameter', '{:.3f}')} |")
