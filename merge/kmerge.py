@@ -92,6 +92,14 @@ class Slot:
     tau_norms: list[float] = field(default_factory=list)  # budget_opcm: ‖ΔW‖ of each merged adapter
 
 
+def _shapes(pair) -> str:
+    """What ``pair`` is, for an error message: its tensors' shapes and dtypes, else its type."""
+    if isinstance(pair, (tuple, list)):
+        return "(" + ", ".join(f"{list(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                               for t in pair) + ")"
+    return type(pair).__name__
+
+
 class AdapterPool:
     """The pool (see the module docstring).
 
@@ -124,6 +132,11 @@ class AdapterPool:
             raise ValueError(f"rank must be ≥ 1, got {rank}")
         if evicted_to not in ("similar", "base"):
             raise ValueError(f"evicted_to must be 'similar' or 'base', got {evicted_to!r}")
+        for name, value, ok, what in (("threshold", threshold, lambda v: -1 <= v <= 1, "in [-1, 1] (a cosine)"),
+                                      ("gate", gate, lambda v: 0 < v <= 1, "in (0, 1]"),
+                                      ("alpha", alpha, lambda v: 0 < v < 1, "in (0, 1)")):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):  # NaN fails each
+                raise ValueError(f"{name} must be a number {what}, got {value!r}")
         self.evicted_to = evicted_to
         self.policy, self.rank, self.k, self.byte_budget = policy, rank, k, byte_budget
         self.threshold, self.gate, self.alpha, self.quality, self.clock = threshold, gate, alpha, quality, clock
@@ -188,11 +201,42 @@ class AdapterPool:
         merged = {m: (a, (b.double() * scale).to(b.dtype)) for m, (a, b) in raw.items()}
         return merged, raw, norms
 
-    def admit(self, task: str, factors: Factors) -> int:
-        """Store or merge the adapter of ``task``; return its slot id. Re-admitting a task replaces
-        nothing: it is merged like any newcomer (its map entry moves to the chosen slot)."""
+    def _check(self, task: str, factors: Factors) -> None:
+        """Refuse, naming the task and the module, an adapter that is not LoRA factors this pool can
+        hold: each module a pair ``(A [r, d_in], B [d_out, r])`` of finite floating tensors, and the
+        same modules and shapes as the pool's slots (adapters of one base and one target list)."""
+        if task in self.task_to_slot:
+            raise ValueError(f"task {task!r} is already in the pool (slot {self.task_to_slot[task]}): its "
+                             "adapter is merged there and cannot be taken out; admit the new one under another name")
         if not factors:
             raise ValueError(f"adapter {task!r} has no modules")
+        for m, pair in factors.items():
+            a, b = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == b.dim() == 2
+                    and a.is_floating_point() and b.is_floating_point() and a.shape[0] == b.shape[1] >= 1):
+                raise ValueError(f"adapter {task!r}, module {m!r}: expected LoRA factors (A [r, d_in], "
+                                 f"B [d_out, r]) of floating tensors, got {_shapes(pair)}")
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                raise ValueError(f"adapter {task!r}, module {m!r}: the factors hold NaN or inf")
+        if self.slots:
+            ref = next(iter(self.slots.values())).factors
+            if set(factors) != set(ref):
+                missing, extra = sorted(set(ref) - set(factors)), sorted(set(factors) - set(ref))
+                raise ValueError(f"adapter {task!r} has other modules than the pool's: "
+                                 f"missing {missing}, extra {extra}")
+            for m, (a, b) in factors.items():
+                want = (ref[m][1].shape[0], ref[m][0].shape[1])
+                if (b.shape[0], a.shape[1]) != want:
+                    raise ValueError(f"adapter {task!r}, module {m!r}: ΔW is {b.shape[0]} × {a.shape[1]}, the "
+                                     f"pool's is {want[0]} × {want[1]}")
+
+    def admit(self, task: str, factors: Factors) -> int:
+        """Store or merge the adapter of ``task``; return its slot id.
+
+        Raises:
+            ValueError: a task already in the pool, or factors it cannot hold (:meth:`_check`).
+        """
+        self._check(task, factors)
         rec: dict = {"task": task, "policy": self.policy}
         own_q = self.quality(task, factors) if self.quality is not None else None
         cap = self.capacity(factors)

@@ -290,3 +290,29 @@ def test_a_failed_save_leaves_the_previous_pool_json(tmp_path, monkeypatch):
 def test_more_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdapterPool(kwargs.pop("policy"), **kwargs)
+
+
+def test_the_pool_refuses_what_it_cannot_hold_and_names_it():
+    """Found by a fresh user: a NaN adapter raised numpy's LinAlgError from the SVD, a width mismatch
+    "mat1 and mat2 shapes cannot be multiplied", a missing module a bare KeyError, a task admitted twice
+    took a second slot (the first still listing it), and K-Merge++ took threshold=nan. Each is refused,
+    naming the task and the module, and leaves the pool as it was."""
+    pool = AdapterPool("kmerge", k=3, rank=2)
+    pool.admit("a", adapter(1))
+    bad_nan = adapter(2)
+    bad_nan["v"][0][0, 0] = float("nan")
+    wide = adapter(3)
+    wide["q"] = (torch.randn(2, 11, dtype=torch.float64), wide["q"][1])
+    cases = [("a", adapter(4), r"task 'a' is already in the pool \(slot 0\)"),
+             ("n", bad_nan, r"adapter 'n', module 'v': the factors hold NaN or inf"),
+             ("w", wide, r"adapter 'w', module 'q': ΔW is 12 × 11, the pool's is 12 × 10"),
+             ("m", {"q": adapter(5)["q"]}, r"adapter 'm' has other modules than the pool's: missing \['v'\], extra \[\]"),
+             ("r", {**adapter(6), "v": (torch.randn(3, 10), torch.randn(8, 2))},
+              r"adapter 'r', module 'v': expected LoRA factors \(A \[r, d_in\], B \[d_out, r\]\) of floating "
+              r"tensors, got \(\[3, 10\] torch.float32, \[8, 2\] torch.float32\)")]
+    for task, factors, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pool.admit(task, factors)
+    assert pool.task_to_slot == {"a": 0} and [s.tasks for s in pool.slots.values()] == [["a"]] and len(pool.log) == 1
+    with pytest.raises(ValueError, match=r"threshold must be a number in \[-1, 1\] \(a cosine\), got nan"):
+        AdapterPool("kmerge++", k=2, threshold=float("nan"))
