@@ -280,6 +280,34 @@ def test_summary_prints_a_table_per_base(family, tmp_path):
     assert empty.returncode == 1 and "no trained variants under" in empty.stdout
 
 
+def test_summary_shows_the_artifact_on_disk_not_the_one_trained(tmp_path):
+    """Found by a fresh user: after ``compress/run.py variant=coder granularity=row`` the summary still
+    showed the training run's artifact (its loss and bits/param) under "what the server answers with",
+    and it listed an artifact that had been removed. The BitDelta columns follow the artifact on disk:
+    exported again, its own bits/param and no loss; gone, nothing."""
+    models, arts = tmp_path / "models", tmp_path / "artifacts"
+    rec = {"variant": "coder", "domain": "coder", "base_dir": "/b", "heldout/base_loss": 3.0, "heldout/loss": 2.0,
+           "heldout/bitdelta_loss": 2.2, "heldout/bitdelta_gain_recovered": 0.8, "export/bits_per_parameter": 1.078}
+    for name, run_id in (("a", "r1"), ("b", "export/b/later"), ("c", None)):
+        (models / name).mkdir(parents=True)
+        (models / name / "training.json").write_text(json.dumps(
+            rec | {"run_id": "r1" if name == "a" else "r0", "export/out_dir": str(arts / name)}))
+        if run_id is not None:
+            (arts / name).mkdir(parents=True)
+            (arts / name / "bitdelta.json").write_text(json.dumps(
+                {"provenance": {"run_id": run_id}, "stats": {"bits_per_parameter": 1.14}}))
+    r = subprocess.run([sys.executable, "-m", "deltafleet.train.summary", str(models)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[2:5] == ["| a | coder | 3.0000 | 2.0000 | 2.2000 | 0.80 | 1.078 |",
+                          "| b | coder | 3.0000 | 2.0000 | — | — | 1.140* |",
+                          "| c | coder | 3.0000 | 2.0000 | — | — | gone |"]
+    assert lines[5:7] == [f"b: its artifact ({arts / 'b'}) was exported again after training: * its own "
+                          "bits/param; `make eval` scores its loss",
+                          f"c: its artifact ({arts / 'c'}) is gone: nothing of it is served"]
+
+
 def test_exporting_the_base_is_refused(family):
     root, _, _ = family
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

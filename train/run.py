@@ -416,7 +416,8 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     print(f"[export] {out}: {stats['bytes'] / 1e6:.2f} MB, {stats['bits_per_parameter']:.3f} bits/param; "
           f"held-out loss base {base_loss:.4f} | fine-tune {ft_loss:.4f} | BitDelta {bd_loss:.4f} "
           f"(gain recovered {said})", flush=True)
-    return manifest, {"heldout/bitdelta_loss": bd_loss, "heldout/bitdelta_gain_recovered": recovered,
+    return manifest, {"export/out_dir": str(out.resolve()), "heldout/bitdelta_loss": bd_loss,
+                      "heldout/bitdelta_gain_recovered": recovered,
                       "export/bits_per_parameter": float(stats["bits_per_parameter"]),
                       "export/bytes": float(stats["bytes"])}
 

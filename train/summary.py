@@ -4,7 +4,9 @@
 
 Reads ``models/<name>/training.json`` written at the end of each ``train/run.py`` run. Fine-tunes
 of different bases (the tiny family's ``models/coder``, the real base's ``models/smollm2-coder``)
-get a table each, headed by their base.
+get a table each, headed by their base. The BitDelta columns are the artifact the run exported
+(``export/out_dir``): one exported again since (``compress/run.py``, another run id in its manifest's
+provenance) shows its own bits per parameter and no loss (``make eval`` scores it); one removed, none.
 """
 from __future__ import annotations
 
@@ -20,8 +22,24 @@ def collect(models_dir: str | Path) -> list[dict]:
     for path in sorted(Path(models_dir).glob("*/training.json")):
         rec = json.loads(path.read_text())
         if rec.get("variant") != "base" and "heldout/base_loss" in rec:  # a base has no base loss
-            rows.append({"model": path.parent.name, **rec})
+            rows.append({"model": path.parent.name, **rec, **_artifact_now(rec)})
     return rows
+
+
+def _artifact_now(rec: dict) -> dict:
+    """``artifact``: whether the artifact the run exported is still the one on disk (``"run"``), was
+    exported again since (``"re-exported"``, with its ``export/bits_per_parameter``) or is gone
+    (``"gone"``); nothing for records of runs that did not record where they exported."""
+    out = rec.get("export/out_dir")
+    if out is None:
+        return {}
+    try:
+        manifest = json.loads((Path(out) / "bitdelta.json").read_text())
+    except (OSError, ValueError):
+        return {"artifact": "gone"}
+    if manifest.get("provenance", {}).get("run_id") == rec.get("run_id"):
+        return {"artifact": "run"}
+    return {"artifact": "re-exported", "export/bits_per_parameter": manifest.get("stats", {}).get("bits_per_parameter")}
 
 
 def by_base(rows: list[dict]) -> dict[str, list[dict]]:
@@ -37,13 +55,25 @@ def format_table(rows: list[dict]) -> str:
     """A Markdown table of held-out loss (nats/token) on each variant's own test split."""
     lines = ["| model | domain | base loss | fine-tune loss | BitDelta loss | gain recovered | bits/param |",
              "|---|---|---|---|---|---|---|"]
+    notes = []
     for r in rows:
+        state = r.get("artifact", "run")
+
         def f(key, fmt="{:.4f}"):
-            return "—" if key not in r else "n/a" if r[key] is None else fmt.format(r[key])
+            if key.startswith("heldout/bitdelta") and state != "run":
+                return "—"
+            if key.startswith("export/") and state == "gone":
+                return "gone"
+            return "—" if r.get(key, "—") == "—" else "n/a" if r[key] is None else fmt.format(r[key])
+        mark = "*" if state == "re-exported" else ""
         lines.append(f"| {r['model']} | {r['domain']} | {f('heldout/base_loss')} | {f('heldout/loss')} | "
                      f"{f('heldout/bitdelta_loss')} | {f('heldout/bitdelta_gain_recovered', '{:.2f}')} | "
-                     f"{f('export/bits_per_parameter', '{:.3f}')} |")
-    return "\n".join(lines)
+                     f"{f('export/bits_per_parameter', '{:.3f}')}{mark} |")
+        if state != "run":
+            notes.append(f"{r['model']}: its artifact ({r['export/out_dir']}) " + (
+                "was exported again after training: * its own bits/param; `make eval` scores its loss"
+                if state == "re-exported" else "is gone: nothing of it is served"))
+    return "\n".join(lines + notes)
 
 
 def main(argv: list[str]) -> int:
@@ -63,8 +93,8 @@ def main(argv: list[str]) -> int:
     worse = [r["model"] for r in rows if r["heldout/loss"] >= r["heldout/base_loss"]]
     if worse:
         print(f"WARNING: fine-tune no better than the base on its own domain: {', '.join(worse)}")
-    served = [r["model"] for r in rows
-              if r.get("heldout/bitdelta_loss", float("-inf")) >= r["heldout/base_loss"]]
+    served = [r["model"] for r in rows if r.get("artifact", "run") == "run"
+              and r.get("heldout/bitdelta_loss", float("-inf")) >= r["heldout/base_loss"]]
     if served:
         print(f"WARNING: BitDelta artifact (what the server answers with) no better than the base on its own "
               f"domain: {', '.join(served)}")
