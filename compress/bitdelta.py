@@ -510,6 +510,9 @@ def compress(
             "provenance": prov,
         }
         write_manifest(tmp, manifest)
+    if compressed == 0 and full == 0:  # not an error (a variant may change nothing), but rarely meant
+        log.warning("%s: the fine-tune equals the base (every Δ is zero): the artifact serves the base itself "
+                    "(is %s the fine-tune?)", variant, finetuned_dir)
     return manifest
 
 

@@ -32,10 +32,10 @@ def _main(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     variant = cfg.variant.name
     if cfg.variant.init != "base":
-        raise SystemExit(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
+        raise ValueError(f"variant={variant} is the base itself, not a fine-tune of it: nothing to export "
                          f"(export a variant, e.g. variant=coder)")
     if cfg.format not in ("bitdelta", "hf"):
-        raise SystemExit(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
+        raise ValueError(f"format must be 'bitdelta' or 'hf', got {cfg.format!r}")
     check_variant_name(variant)
     overwrite, force = flag(cfg, "overwrite"), flag(cfg, "force")
     require_checkpoints(cfg, None if cfg.format == "hf" else variant)

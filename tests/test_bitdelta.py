@@ -239,8 +239,17 @@ def test_edge_cases_resized_new_missing_and_zero_delta(tmp_path):
     assert not (tmp_path / "art2").exists()
 
 
-def test_identical_checkpoints_give_an_empty_but_valid_artifact(family, tmp_path):
-    m = compress(family[0], family[0], tmp_path / "art", variant="same")
+def test_identical_checkpoints_give_an_empty_but_valid_artifact(family, tmp_path, caplog):
+    """Valid (a variant may change nothing), with a warning (found by a fresh user: the base exported
+    against itself gave a 40-byte artifact, "249971.2x smaller", without a word)."""
+    with caplog.at_level("WARNING", logger="deltafleet.compress.bitdelta"):
+        m = compress(family[0], family[0], tmp_path / "art", variant="same")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"same: the fine-tune equals the base (every Δ is zero): the artifact serves the base itself "
+        f"(is {family[0]} the fine-tune?)"]
+    caplog.clear()
+    compress(*family, tmp_path / "art2", variant="coder")
+    assert not caplog.records
     art = load_artifact(tmp_path / "art")
     assert not art.signs and not art.full and art.nbytes == 0
     assert m["stats"]["compressed_parameters"] == m["stats"]["full_parameters"] == 0
@@ -537,10 +546,14 @@ def test_failure_after_files_are_written_keeps_the_old_artifact(family, tmp_path
 
 
 def test_reexport_replaces_existing_artifact(family, tmp_path):
+    """An earlier export is replaced whole, its shards too; a file it did not write needs overwrite."""
     out = tmp_path / "art"
-    compress(*family, out, variant="v", granularity="matrix", provenance={"run_id": "first"})
-    (out / "stale.txt").write_text("from an older export")
-    m = compress(*family, out, variant="v", granularity="row", provenance={"run_id": "second"})
+    compress(*family, out, variant="v", granularity="matrix", provenance={"run_id": "first"}, max_shard_bytes=4096)
+    assert len(os.listdir(out)) > 3  # shards and their index
+    (out / "stale.txt").write_text("not an export's")
+    with pytest.raises(ValueError, match=r"\(files the export did not write: stale.txt\)"):
+        compress(*family, out, variant="v", granularity="row")
+    m = compress(*family, out, variant="v", granularity="row", provenance={"run_id": "second"}, overwrite=True)
     assert sorted(os.listdir(out)) == ["bitdelta.json", "delta.safetensors"]
     assert json.loads((out / "bitdelta.json").read_text()) == m
     art = load_artifact(out)
@@ -592,7 +605,7 @@ def test_run_py_end_to_end(family, tmp_path):
         ("granularity=column", "export: ValueError: granularity must be one of ('matrix', 'row', 'rowcol'), got 'column'"),
         ("max_shard_bytes=-5", "export: ValueError: max_shard_bytes must be a positive integer (bytes) or None, got -5"),
         ("variant=writer", "export: FileNotFoundError: "),
-        ("variant=writer format=bogus", "format must be 'bitdelta' or 'hf', got 'bogus'"),  # before the inputs
+        ("variant=writer format=bogus", "export: ValueError: format must be 'bitdelta' or 'hf', got 'bogus'"),  # before the inputs
         ("variant.name=../escape", "export: ValueError: variant must be a name of 1 to 64 letters"),
         # found by a fresh user: Hydra keeps "no" as text, which bool() took for true: the out_dir was
         # replaced, and format=hf built a checkpoint against another base
