@@ -29,7 +29,9 @@ def test_registry_names_every_method_of_the_issue():
         get_method("ties", densty=0.5)
     with pytest.raises(ValueError, match="merge method 'ties' has no parameter 'rank'"):
         get_method("ties", rank=4)  # svd_soup's
-    bad = [("ties", "density", "abc", "a number"), ("ties", "density", True, "a number"),
+    bad = [("ties", "density", "abc", "a finite number"), ("ties", "density", True, "a finite number"),
+           ("ties", "scaling", float("nan"), "a finite number"), ("task_arithmetic", "scaling", float("inf"),
+                                                                  "a finite number"),
            ("dare_ties", "seed", 1.5, "an integer"), ("linear", "normalize", 1, "true or false"),
            ("monosoup", "rank_mode", 3, "a text"), ("ties", "weights", [1, "x"], "a list of numbers, one per model"),
            ("linear", "weights", 2.0, "a list of numbers, one per model")]
