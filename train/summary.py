@@ -37,6 +37,8 @@ def _artifact_now(rec: dict) -> dict:
         manifest = json.loads((Path(out) / "bitdelta.json").read_text())
     except (OSError, ValueError):
         return {"artifact": "gone"}
+    if not isinstance(manifest, dict):
+        return {"artifact": "gone"}
     if manifest.get("provenance", {}).get("run_id") == rec.get("run_id"):
         return {"artifact": "run"}
     return {"artifact": "re-exported", "export/bits_per_parameter": manifest.get("stats", {}).get("bits_per_parameter")}
@@ -64,7 +66,7 @@ def format_table(rows: list[dict]) -> str:
                 return "—"
             if key.startswith("export/") and state == "gone":
                 return "gone"
-            return "—" if r.get(key, "—") == "—" else "n/a" if r[key] is None else fmt.format(r[key])
+            return "—" if key not in r else "n/a" if r[key] is None else fmt.format(r[key])
         mark = "*" if state == "re-exported" else ""
         lines.append(f"| {r['model']} | {r['domain']} | {f('heldout/base_loss')} | {f('heldout/loss')} | "
                      f"{f('heldout/bitdelta_loss')} | {f('heldout/bitdelta_gain_recovered', '{:.2f}')} | "
