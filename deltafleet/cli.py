@@ -84,11 +84,51 @@ def build_hint(cfg, what: str, variant: str | None = None) -> str:
     """The command that builds a missing checkpoint of the configured family, for an error message:
     ``model.build.base`` or ``model.build.variant`` (``{variant}`` filled in) from ``conf/model/``.
     A model config without them (a user's own) gets the demo family's ``make base`` /
-    ``make train VARIANT=<variant>``."""
+    ``make train VARIANT=<variant>``. A variant name no ``conf/variant/`` config has (``variant=coder
+    variant.name=mine``) gets the training command with both, where the job's Hydra choice is known."""
     from omegaconf import OmegaConf
 
     default = {"base": "make base", "variant": "make train VARIANT={variant}"}[what]
-    return str(OmegaConf.select(cfg, f"model.build.{what}", default=default)).format(variant=variant)
+    hint = str(OmegaConf.select(cfg, f"model.build.{what}", default=default)).format(variant=variant)
+    if what == "variant" and variant not in variant_configs():
+        choice = _hydra_choice("variant")
+        if choice is not None and choice != variant:
+            model = _hydra_choice("model")
+            hint = (f"python train/run.py variant={choice} variant.name={variant}"
+                    + (f" model={model}" if model not in (None, "tiny") else ""))
+    return hint
+
+
+def variant_configs() -> list[str]:
+    """The names of ``conf/variant/``'s configs (``train/run.py variant=<name>``), found beside the
+    training code, in the repository and in the installed package alike."""
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(importlib.util.find_spec("deltafleet.train").origin).resolve().parent.parent / "conf" / "variant"
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _hydra_choice(group: str) -> str | None:
+    """The option of config group ``group`` the running Hydra job chose, or None outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+
+
+def no_base(cfg) -> str:
+    """The error for a ``base_dir`` without a checkpoint: where it is the family's own base folder,
+    the command that builds it; elsewhere (an overridden ``base_dir``), that it holds none."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    own = Path(str(OmegaConf.select(cfg, "paths.models_dir", default="models"))) / str(
+        OmegaConf.select(cfg, "model.dirs.base", default="base"))
+    if Path(cfg.base_dir).resolve() == own.resolve():
+        return f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first"
+    return (f"no base model at {cfg.base_dir} (no config.json): base_dir must be a Hugging Face checkpoint "
+            f"folder (`{build_hint(cfg, 'base')}` builds the family's own in {own})")
 
 
 def require_checkpoints(cfg, variant: str | None = None) -> None:
@@ -98,7 +138,7 @@ def require_checkpoints(cfg, variant: str | None = None) -> None:
     from pathlib import Path
 
     if not (Path(cfg.base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+        raise FileNotFoundError(no_base(cfg))
     if variant is not None and not (Path(cfg.finetuned_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no fine-tuned checkpoint at {cfg.finetuned_dir}: train it first "
                                 f"(`{build_hint(cfg, 'variant', variant)}`)")

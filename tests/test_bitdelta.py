@@ -643,6 +643,32 @@ def test_a_fine_tune_holding_nan_is_refused_and_names_the_matrix(tmp_path):
     assert not (tmp_path / "art").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_missing_checkpoints_get_a_command_that_builds_them(family, tmp_path):
+    """Found by a fresh user: ``variant=coder variant.name=mine`` without models/mine was told to run
+    ``make train VARIANT=mine``, which fails (no conf/variant/mine.yaml), and a base_dir pointing
+    elsewhere was told to run ``make base``, which builds models/base, not it."""
+    models = tmp_path / "models"
+    for src, name in zip(family, ("base", "coder")):
+        _copy_artifact(src, models / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def export(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr.strip().splitlines()[-1]
+
+    assert export("variant.name=mine") == (
+        f"export: FileNotFoundError: no fine-tuned checkpoint at {models / 'mine'}: train it first "
+        "(`python train/run.py variant=coder variant.name=mine`)")
+    assert export("variant=writer") == (  # a config of its own: the family's command
+        f"export: FileNotFoundError: no fine-tuned checkpoint at {models / 'writer'}: train it first "
+        "(`make train VARIANT=writer`)")
+    assert export(f"base_dir={tmp_path / 'elsewhere'}") == (
+        f"export: FileNotFoundError: no base model at {tmp_path / 'elsewhere'} (no config.json): base_dir must be "
+        f"a Hugging Face checkpoint folder (`make base` builds the family's own in {models / 'base'})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_export_hf_is_base_plus_alpha_sign_and_refuses_another_base(tmp_path, dtype):
     from transformers import AutoModelForCausalLM

@@ -65,7 +65,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import write_bytes, write_text
-from deltafleet.cli import build_hint
+from deltafleet.cli import build_hint, no_base, variant_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ["setting", "bits/param", "loss", "ppl", "task metric", "KL(ft‖·)", "gain recovered (loss)",
@@ -632,10 +632,9 @@ def _machine() -> str:
 
 
 def trainable_variants() -> list[str]:
-    """The variants ``train/run.py variant=<name>`` trains: the configs of ``conf/variant/`` (beside
-    this folder, in the repository and in the installed package alike), the base's own aside."""
-    folder = Path(__file__).resolve().parent.parent / "conf" / "variant"
-    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "base")
+    """The variants ``train/run.py variant=<name>`` trains: the configs of ``conf/variant/``
+    (``deltafleet.cli.variant_configs``), the base's own aside."""
+    return [v for v in variant_configs() if v != "base"]
 
 
 def run(cfg: DictConfig) -> dict:
@@ -649,7 +648,7 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError("variants is empty: nothing to evaluate")
     check_settings(cfg)
     if not (Path(cfg.base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+        raise FileNotFoundError(no_base(cfg))
     missing = [v for v in cfg.variants if not (finetuned_dir(cfg, v) / "config.json").is_file()]
     known = trainable_variants()
     unknown = [v for v in missing if v not in known]

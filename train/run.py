@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, staged_dir, write_text
-from deltafleet.cli import build_hint, fit, flag, interruptible, stop_on_sigterm, user_errors
+from deltafleet.cli import fit, flag, interruptible, no_base, stop_on_sigterm, user_errors
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
 from deltafleet.train.data import SPLITS, split_file
@@ -231,7 +231,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_numbers(cfg)
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
-            raise FileNotFoundError(f"no base model at {cfg.base_dir}: run `{build_hint(cfg, 'base')}` first")
+            raise FileNotFoundError(no_base(cfg))
         if Path(cfg.out_dir).resolve() == Path(cfg.base_dir).resolve():
             raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
                              f"starts from, which every artifact is checked against: choose another variant.name")
