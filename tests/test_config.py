@@ -90,6 +90,24 @@ def test_every_logger_instantiates_offline(logger, tmp_path, monkeypatch):
         assert Path(lg.log_dir).is_relative_to(tmp_path)
 
 
+def test_wandb_mode_decides_where_set(tmp_path, monkeypatch):
+    """Found by a fresh user: WANDB_MODE=disabled still wrote an offline run (Lightning's ``offline``
+    switch overwrites WANDB_MODE). Unset, the run is offline; set, wandb's own setting decides."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert compose_cfg("train", [f"paths.root={tmp_path}"]).logger.mode == "offline"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    lg = instantiate(compose_cfg("train", [f"paths.root={tmp_path}", "variant=math"]).logger)
+    lg.log_metrics({"x": 1.0}, step=0)
+    try:
+        assert wandb.run is not None and wandb.run.disabled
+    finally:
+        wandb.finish()
+    assert not (tmp_path / "outputs" / "wandb").exists()
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONF.glob("*.yaml")))
 def test_every_job_config_composes(name, tmp_path):
     overrides = [f"paths.root={tmp_path}"]
