@@ -397,6 +397,27 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 # ------------------------------------------------------------------------------------ metrics
 
 
+class APIKeyCheck:
+    """ASGI middleware: every path but ``/health`` and ``/metrics`` (the API and its docs) needs
+    ``Authorization: Bearer <key>``, else 401 ``invalid_api_key``. Pure ASGI, not Starlette's
+    ``BaseHTTPMiddleware`` (``@app.middleware("http")``), which hands the app a receive of its own: an
+    endpoint behind that never saw its client hang up, so an abandoned non-streaming request ran to
+    its end."""
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+            scheme, _, sent = (Headers(scope=scope).get("authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), self.key):
+                response = APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
+                                    "invalid_request_error", None, "invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _EngineCollector:
     """The scheduler's own state, read at each scrape: the KV cache's use and the preemptions so far
     (vLLM's ``kv_cache_usage_perc`` and ``num_preemptions``), and the seconds it waited to plan late."""
@@ -672,16 +693,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     posted = guarded + (400, 408, 413, 503)  # and of every one with a body
 
     if with_key:
-        expected = str(api_key).encode()
-
-        @app.middleware("http")
-        async def _check_api_key(request: Request, call_next):
-            if request.url.path not in ("/health", "/metrics"):  # /v1/*, and the API docs too
-                scheme, _, sent = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), expected):
-                    return APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
-                                    "invalid_request_error", None, "invalid_api_key").response()
-            return await call_next(request)
+        app.add_middleware(APIKeyCheck, key=str(api_key))
 
     if cors is not None:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, **cors)
