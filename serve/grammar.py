@@ -197,8 +197,10 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
 
 def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
     """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
-    ``uniqueItems: true``, and ``allOf`` with more than one subschema or with constraints beside it
-    (xgrammar accepts them and ignores them, so the output could break the schema).
+    ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
+    repeat a key), a ``$ref`` outside the schema, and ``allOf`` with more than one subschema or with
+    constraints beside it (xgrammar accepts them and ignores them, so the output could break the
+    schema).
 
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
@@ -219,6 +221,12 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
             refuse(key)
     if schema.get("uniqueItems") is True:
         refuse("uniqueItems")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        refuse("multipleOf", " on a number (an integer's is)")
+    if "patternProperties" in schema:
+        refuse("patternProperties", " (it lets an object repeat a key)")
+    if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+        refuse("$ref", " (only a reference within the schema, #/..., is followed)")
     if "allOf" in schema:
         sub = schema["allOf"]
         if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:

@@ -156,12 +156,19 @@ def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
      "schema.allOf"),
     ({"$defs": {"P": {"anyOf": [{"type": "null"}, {"type": "integer", "not": {"const": 0}}]}}, "$ref": "#/$defs/P"},
      "not", "schema.$defs.P.anyOf.1.not"),
+    # found by a fresh user: 2.30 under multipleOf 0.5, free text under a remote $ref, and {"x": 1, "x": 2}
+    ({"type": "object", "properties": {"v": {"type": "number", "multipleOf": 0.5}}}, "multipleOf",
+     "schema.properties.v.multipleOf"),
+    ({"$ref": "http://127.0.0.1:1/x.json"}, "$ref", "schema.$ref"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "$ref", "schema.properties.a.$ref"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "minProperties": 1}, "patternProperties",
+     "schema.patternProperties"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
     first, "3" would pass): a 400 naming the keyword and where it sits, not a grammar that lets the
     output break the schema."""
-    with pytest.raises(InvalidRequestError, match=f"`{keyword}` \\(at {re.escape(where)}\\.?") as e:
+    with pytest.raises(InvalidRequestError, match=f"`{re.escape(keyword)}` \\(at {re.escape(where)}\\.?") as e:
         grammars.compile("json", json.dumps(schema), "guided_json")
     assert e.value.param == "guided_json" and e.value.code == "invalid_constraint"
 
