@@ -402,8 +402,10 @@ class CompletionRequest(_Sampling):
         return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
-TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-    "type": {"const": "text"}, "text": {"type": "string"}}}}
+TEXT_PARTS = {"type": "array", "items": {"anyOf": [  # a refusal part: an assistant's only
+    {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "refusal"], "properties": {"type": {"const": "refusal"},
+                                                                       "refusal": {"type": "string"}}}]}}
 
 
 class CalledFunction(BaseModel):
@@ -443,12 +445,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise InvalidRequestError("only text content parts are supported", "messages", "invalid_value")
-            parts.append(p["text"])
-        return "".join(parts)
+        return "".join(p["text"] if p["type"] == "text" else p["refusal"] for p in self.content)  # check_messages'd
 
 
 def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -467,6 +464,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
         if m.content is None and m.role != "assistant":  # (an assistant's may be null: a reply echoed back)
             raise InvalidRequestError(f"messages[{i}]: a message of role {m.role!r} needs `content`",
                                       f"messages.{i}.content", "missing_required_parameter")
+        if isinstance(m.content, list):
+            _check_parts(m.content, i, m.role)
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequestError(f"messages[{i}]: only assistant messages have `tool_calls`",
                                       f"messages.{i}.tool_calls", "invalid_value")
@@ -479,6 +478,26 @@ def check_messages(messages: list[ChatMessage]) -> None:
                                           "message before it", f"messages.{i}.tool_call_id", "invalid_value")
         else:
             open_calls = {c.id for c in m.tool_calls or ()}
+
+
+def _check_parts(parts: list[dict[str, Any]], i: int, role: str) -> None:
+    """A message's content parts, as OpenAI takes them: at least one (an assistant's may be none), each
+    ``{"type": "text", "text": str}``, or an assistant's ``{"type": "refusal", "refusal": str}``;
+    other types (images, audio, files) are not served. Raises InvalidRequestError naming the part."""
+    if not parts and role != "assistant":
+        raise InvalidRequestError(f"messages[{i}]: `content` must hold at least one part",
+                                  f"messages.{i}.content", "invalid_value")
+    for j, p in enumerate(parts):
+        kind = p.get("type")
+        field = {"text": "text", "refusal": "refusal"}.get(kind) if kind != "refusal" or role == "assistant" else None
+        if field is None:
+            what = "a refusal part is an assistant's" if kind == "refusal" else \
+                f"only text content parts are supported, got type {kind!r}"
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: {what}", f"messages.{i}.content.{j}.type",
+                                      "invalid_value")
+        if not isinstance(p.get(field), str):
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: a {kind} part needs `{field}`, a string",
+                                      f"messages.{i}.content.{j}.{field}", "invalid_value")
 
 
 def _arguments(text: str) -> dict[str, Any]:

@@ -288,6 +288,23 @@ def test_bad_tool_requests_are_400s_that_name_the_field(client):
     err = api_error(post({"messages": [{"role": "user", "content": None}]}), 400)
     assert (err["message"], err["code"]) == ("messages[0]: a message of role 'user' needs `content`",
                                           "missing_required_parameter")
+    # found by a fresh user: a text part without its text was "only text content parts are supported",
+    # an empty list was answered, and an assistant's refusal part was refused
+    user = {"role": "user", "content": "x"}
+    for content, message, param in [
+            ([{"type": "text"}], "messages[0].content[0]: a text part needs `text`, a string", "messages.0.content.0.text"),
+            ([{"type": "text", "text": 5}], "messages[0].content[0]: a text part needs `text`, a string",
+             "messages.0.content.0.text"),
+            ([], "messages[0]: `content` must hold at least one part", "messages.0.content"),
+            ([{"type": "image_url", "image_url": {"url": "x"}}],
+             "messages[0].content[0]: only text content parts are supported, got type 'image_url'",
+             "messages.0.content.0.type"),
+            ([{"type": "refusal", "refusal": "no"}], "messages[0].content[0]: a refusal part is an assistant's",
+             "messages.0.content.0.type")]:
+        err = api_error(post({"messages": [{"role": "user", "content": content}]}), 400)
+        assert (err["message"], err["param"]) == (message, param), content
+    refused = {"role": "assistant", "content": [{"type": "text", "text": ""}, {"type": "refusal", "refusal": "No."}]}
+    assert post({"messages": [user, refused, user], "max_tokens": 1}).status_code == 200
 
 
 def test_tokenize_renders_the_tools_as_the_chat_does(client):
