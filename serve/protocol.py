@@ -222,6 +222,29 @@ def _sampling_schema(schema: dict) -> None:
         props[name] = {"anyOf": [prop, {"type": "null"}], **meta}
 
 
+def check_unicode(value, param: str) -> None:
+    """Refuse a lone surrogate (``"\\ud800"``: JSON lets a client send one, which neither UTF-8 nor the
+    tokenizer, a stop string's match or a grammar can take) in any text of ``value``, a request
+    field's value (nested models, lists and maps walked, keys too). Raises InvalidRequestError
+    ``invalid_unicode`` naming the field and the character."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at character {e.start})",
+                                      param, "invalid_unicode") from None
+    elif isinstance(value, BaseModel):
+        for _, v in value:
+            check_unicode(v, param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, param)
+            check_unicode(v, param)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_unicode(v, param)
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra=_sampling_schema)  # extra: for check
 
@@ -337,8 +360,12 @@ class _Sampling(BaseModel):
                               constraint_param=constraint[2] if constraint else "response_format")
 
     def check(self) -> None:
-        """Raise InvalidRequestError (400) on ``stream_options`` without ``stream``, or a parameter of
+        """Raise InvalidRequestError (400) on text that is not valid Unicode anywhere in the request
+        (:func:`check_unicode`), ``stream_options`` without ``stream``, or a parameter of
         :data:`UNSUPPORTED` that asks for something."""
+        for name, value in [*self, *(self.model_extra or {}).items()]:
+            if name != "model":  # a model id matches no model: 404, as any unknown id
+                check_unicode(value, name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
@@ -623,7 +650,11 @@ class TokenizeRequest(BaseModel):
         return _tool_dicts(self.tools)
 
     def check(self) -> None:
-        """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given."""
+        """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given, or on
+        text that is not valid Unicode (:func:`check_unicode`)."""
+        for name, value in self:
+            if name != "model":  # as _Sampling.check
+                check_unicode(value, name)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
         if self.tools and self.messages is None:

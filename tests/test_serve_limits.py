@@ -286,6 +286,19 @@ def test_lone_surrogate_has_its_error_code_and_a_prompt_list_is_answered(tc):
     r = tc.post("/v1/completions", content=b'{"model": "tiny", "prompt": ["a", "b\\ud800"], "max_tokens": 2}',
                 headers={"content-type": "application/json"})
     assert api_error(r, 400)["code"] == "invalid_unicode"  # the second prompt: nothing generated
+    # found by a fresh user: a stop string and chat_template_kwargs took one (200), and one in a schema's
+    # key came back as the grammar library's own message (a message's `name` is not read)
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2'
+    for body, param in [(b'{"model": "tiny", "prompt": "a", "stop": ["x\\ud800"], "max_tokens": 2}', "stop"),
+                        (chat + b', "chat_template_kwargs": {"k": "\\ud800"}}', "chat_template_kwargs"),
+                        (chat + b', "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+                         b'"schema": {"type": "object", "properties": {"\\ud800": {"type": "integer"}}}}}}',
+                         "response_format")]:
+        path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+        r = tc.post(path, content=body, headers={"content-type": "application/json"})
+        err = api_error(r, 400)
+        assert (err["param"], err["code"]) == (param, "invalid_unicode"), (body, err)
+        assert err["message"].startswith(f"`{param}` is not valid Unicode (a lone surrogate at character "), err
 
 
 def test_a_bad_cors_setting_is_refused_by_name():
