@@ -50,6 +50,7 @@ from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingPar
     TensorParallelError,
     VariantInUseError,
     VariantUnavailableError,
+    check_unicode,
 )
 from deltafleet.serve.scheduler import END, Scheduler
 from deltafleet.serve.synthetic import read_synthetic
@@ -91,16 +92,6 @@ def _manifest_field(manifest: Path, *keys: str):
 
 def _granularity(manifest: Path) -> str | None:
     return _manifest_field(manifest, "granularity")
-
-
-def _check_unicode(text: str, param: str) -> None:
-    """Raise InvalidRequestError on text that is not valid Unicode: JSON lets a client send a lone
-    surrogate (``"\\ud83d"``), which neither UTF-8 nor the tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at "
-                                  f"character {e.start})", param, "invalid_unicode") from None
 
 
 def _without_paths(text: str, *dirs: Path) -> str:
@@ -746,7 +737,7 @@ class Engine:
                                           "prompt", "invalid_value")
             return list(prompt)
         self._check_chars(len(prompt), "prompt", generating)
-        _check_unicode(prompt, "prompt")
+        check_unicode(prompt, "prompt")
         with self._tok_lock:
             return self.tokenizer.encode(prompt, split_special_tokens=True, add_special_tokens=add_special_tokens)
 
@@ -799,7 +790,7 @@ class Engine:
                                           "tools" if tools else "messages", "tools_not_supported")
             self._check_chars(len(listed), "tools", generating)
             for text, param in [(listed, "tools")] + [(c, "messages") for c in calls]:
-                _check_unicode(text, param)
+                check_unicode(text, param)
                 # neither a template marker nor the placeholders of the contents (below) may be spelled
                 if any(s in text for s in self._special_ids) or "\ue000" in text or "\ue001" in text:
                     raise InvalidRequestError(f"`{param}` spells one of the chat template's special tokens "
@@ -807,7 +798,7 @@ class Engine:
         self._check_chars(sum(len(m["content"].strip()) for m in messages) + sum(map(len, calls))  # templates may trim
                           + (len(listed) if tools else 0), "messages", generating)
         for m in messages:
-            _check_unicode(m["content"], "messages")
+            check_unicode(m["content"], "messages")
         if not any(s in m["content"] for m in messages for s in self._special_ids):
             text = self._render_chat(messages, template_kwargs, tools)
             with self._tok_lock:

@@ -20,7 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from deltafleet.serve.request import VARIANT_NAME, InvalidRequestError, SamplingParams
+from deltafleet.serve.request import VARIANT_NAME, InvalidRequestError, SamplingParams, check_unicode
 from deltafleet.serve.sampling import SAMPLING_EPS
 
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
@@ -222,27 +222,28 @@ def _sampling_schema(schema: dict) -> None:
         props[name] = {"anyOf": [prop, {"type": "null"}], **meta}
 
 
-def check_unicode(value, param: str) -> None:
-    """Refuse a lone surrogate (``"\\ud800"``: JSON lets a client send one, which neither UTF-8 nor the
-    tokenizer, a stop string's match or a grammar can take) in any text of ``value``, a request
-    field's value (nested models, lists and maps walked, keys too). Raises InvalidRequestError
-    ``invalid_unicode`` naming the field and the character."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at character {e.start})",
-                                      param, "invalid_unicode") from None
-    elif isinstance(value, BaseModel):
-        for _, v in value:
-            check_unicode(v, param)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_unicode(k, param)
-            check_unicode(v, param)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            check_unicode(v, param)
+def check_texts(request: BaseModel) -> None:
+    """Refuse a lone surrogate in any text of ``request`` (``check_unicode``: a stop string, a
+    template argument and a schema's key as much as the prompt), walking nested models, lists and
+    maps, keys too, and naming the top-level field. The model id is left to its lookup: no model has
+    such an id, so it is a 404 as any unknown one."""
+    def walk(value, param: str) -> None:
+        if isinstance(value, str):
+            check_unicode(value, param)
+        elif isinstance(value, BaseModel):
+            for _, v in value:  # fields, then extras
+                walk(v, param)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, param)
+                walk(v, param)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, param)
+
+    for name, value in request:
+        if name != "model":
+            walk(value, name)
 
 
 class _Sampling(BaseModel):
@@ -361,11 +362,9 @@ class _Sampling(BaseModel):
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on text that is not valid Unicode anywhere in the request
-        (:func:`check_unicode`), ``stream_options`` without ``stream``, or a parameter of
+        (:func:`check_texts`), ``stream_options`` without ``stream``, or a parameter of
         :data:`UNSUPPORTED` that asks for something."""
-        for name, value in [*self, *(self.model_extra or {}).items()]:
-            if name != "model":  # a model id matches no model: 404, as any unknown id
-                check_unicode(value, name)
+        check_texts(self)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
@@ -472,7 +471,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p["text"] if p["type"] == "text" else p["refusal"] for p in self.content)  # check_messages'd
+        return "".join(p[p["type"]] for p in self.content)  # text or refusal: check_messages checked them
 
 
 def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -515,16 +514,16 @@ def _check_parts(parts: list[dict[str, Any]], i: int, role: str) -> None:
         raise InvalidRequestError(f"messages[{i}]: `content` must hold at least one part",
                                   f"messages.{i}.content", "invalid_value")
     for j, p in enumerate(parts):
-        kind = p.get("type")
-        field = {"text": "text", "refusal": "refusal"}.get(kind) if kind != "refusal" or role == "assistant" else None
-        if field is None:
-            what = "a refusal part is an assistant's" if kind == "refusal" else \
-                f"only text content parts are supported, got type {kind!r}"
-            raise InvalidRequestError(f"messages[{i}].content[{j}]: {what}", f"messages.{i}.content.{j}.type",
+        kind, where = p.get("type"), f"messages[{i}].content[{j}]"
+        if kind not in ("text", "refusal"):
+            raise InvalidRequestError(f"{where}: only text content parts are supported, got type {kind!r}",
+                                      f"messages.{i}.content.{j}.type", "invalid_value")
+        if kind == "refusal" and role != "assistant":
+            raise InvalidRequestError(f"{where}: a refusal part is an assistant's", f"messages.{i}.content.{j}.type",
                                       "invalid_value")
-        if not isinstance(p.get(field), str):
-            raise InvalidRequestError(f"messages[{i}].content[{j}]: a {kind} part needs `{field}`, a string",
-                                      f"messages.{i}.content.{j}.{field}", "invalid_value")
+        if not isinstance(p.get(kind), str):  # the part's text is under its type's name
+            raise InvalidRequestError(f"{where}: a {kind} part needs `{kind}`, a string",
+                                      f"messages.{i}.content.{j}.{kind}", "invalid_value")
 
 
 def _arguments(text: str) -> dict[str, Any]:
@@ -651,10 +650,8 @@ class TokenizeRequest(BaseModel):
 
     def check(self) -> None:
         """Raise InvalidRequestError unless exactly one of ``prompt`` and ``messages`` is given, or on
-        text that is not valid Unicode (:func:`check_unicode`)."""
-        for name, value in self:
-            if name != "model":  # as _Sampling.check
-                check_unicode(value, name)
+        text that is not valid Unicode (:func:`check_texts`)."""
+        check_texts(self)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
         if self.tools and self.messages is None:

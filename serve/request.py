@@ -74,6 +74,16 @@ class InvalidRequestError(ValueError):
         self.param, self.code = param, code
 
 
+def check_unicode(text: str, param: str) -> None:
+    """Raise InvalidRequestError ``invalid_unicode`` on text that is not valid Unicode: JSON lets a
+    client send a lone surrogate (``"\\ud83d"``), which neither UTF-8 nor the tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"`{param}` is not valid Unicode (a lone surrogate at "
+                                  f"character {e.start})", param, "invalid_unicode") from None
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
