@@ -50,7 +50,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir
+from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
 from deltafleet.checkpoint import CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, row_block
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
@@ -839,8 +839,7 @@ def not_artifact(folder: Path) -> str | None:
     except (OSError, ValueError):
         return f"no readable {MANIFEST_NAME}"
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    extra = sorted({p.name for p in folder.iterdir()} - {MANIFEST_NAME} - set(files if isinstance(files, dict) else ()))
-    return f"files the export did not write: {', '.join(extra[:3])}" if extra else None
+    return unlisted_files(folder, [MANIFEST_NAME, *(files if isinstance(files, dict) else ())], "export")
 
 
 HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder may be replaced by a new export

@@ -95,7 +95,13 @@ def not_recorded_output(folder: Path, record: str, written_by: str, job: str) ->
         return f"no {record} of {'an' if job[0] in 'aeiou' else 'a'} {job}"
     if not isinstance(meta, dict) or meta.get("written_by") != written_by or not isinstance(meta.get("files"), list):
         return f"its {record} was not written by this {job} tool"
-    extra = sorted({p.name for p in folder.iterdir()} - set(meta["files"]))
+    return unlisted_files(folder, meta["files"], job)
+
+
+def unlisted_files(folder: Path, listed, job: str) -> str | None:
+    """Why ``folder`` holds more than a ``job``'s output that listed its files as ``listed`` (names),
+    or None: the first few other files, by name. For a ``foreign`` of :func:`check_replaceable`."""
+    extra = sorted({p.name for p in folder.iterdir()} - set(listed))
     return f"files the {job} did not write: {', '.join(extra[:3])}" if extra else None
 
 

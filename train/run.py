@@ -33,7 +33,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from deltafleet.atomic import check_replaceable, staged_dir, write_text
+from deltafleet.atomic import check_replaceable, staged_dir, unlisted_files, write_text
 from deltafleet.cli import fit, flag, interruptible, no_base, stop_on_sigterm, user_errors
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -104,10 +104,7 @@ def _not_training_output(folder: Path) -> str | None:
     except (OSError, ValueError):
         return "no readable training.json of a training run"
     files = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(files, list):
-        return None
-    extra = sorted({p.name for p in folder.iterdir()} - set(files))
-    return f"files the training did not write: {', '.join(extra[:3])}" if extra else None
+    return unlisted_files(folder, files, "training") if isinstance(files, list) else None
 
 
 def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None,
