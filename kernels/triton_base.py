@@ -31,9 +31,9 @@ ADD_BLOCK = 2048  # elements per program of add_and_clear
 
 
 @triton.jit
-def _base_mm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _base_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+                    DOT_FP32: tl.constexpr, HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,6 +41,8 @@ def _base_mm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_y
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]    # W tile [BN, BK]
     x_ptrs = x_ptr + (offs_m % M).to(tl.int64)[None, :] * stride_xm + offs_k[:, None]    # xᵀ tile [BK, BM]
+    if PDL:  # x comes from the kernel before
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_ptrs)
@@ -51,6 +53,10 @@ def _base_mm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_y
             acc = tl.dot(w, xt, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:  # the next kernel may start on what this one's last tiles leave free
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
 
@@ -64,18 +70,24 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device == weight.device)
 
 
-def base_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] · weight [N, K]ᵀ`` into ``out`` (``[M, N]``, x's dtype, unit stride along N; a new
-    tensor if None), returned. Trusts its inputs (:func:`supported`)."""
+def base_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+            stages: int = STAGES, pdl: bool = False) -> torch.Tensor:
+    """``x [M, K] · weight [N, K]ᵀ (+ bias [N])`` into ``out`` (``[M, N]``, x's dtype, unit stride along
+    N; a new tensor if None), returned. ``stages``: the ring's depth. ``pdl``: launch with programmatic
+    dependent launch (a Hopper GPU): the programs start while the kernel before still runs and wait
+    for it before reading x, and let the next kernel start once their products are done
+    (``deltafleet.kernels.decode_chain``). Trusts its inputs (:func:`supported`)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
     bm = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    extra = {"launch_pdl": True} if pdl else {}
     _base_mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N))](
-        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=STAGES, DOT_FP32=_interpret(), num_warps=4)
+        x, weight, weight if bias is None else bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, DOT_FP32=_interpret(),
+        HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, **extra)
     return y
 
 

@@ -54,6 +54,14 @@ def kernel_workspace(dev):
     return getattr(triton_mod, "_WORKSPACE", {}).get(dev)
 
 
+def in_graphs():
+    """``deltafleet.kernels.decode_chain.in_graphs``: a graph's warm-up and capture take the decode
+    chain (imported here, on CUDA only: CPU callers never import triton)."""
+    from deltafleet.kernels.decode_chain import in_graphs as chain_in_graphs
+
+    return chain_in_graphs()
+
+
 def buckets(max_batch: int) -> list[int]:
     """The padded batch sizes for ``max_batch`` rows: powers of two below it, then ``max_batch``
     (``buckets(12) == [1, 2, 4, 8, 12]``). Raises ValueError if ``max_batch < 1``."""
@@ -226,14 +234,14 @@ class DecodeGraphs:
         dev = self.runner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), in_graphs():
             for _ in range(2):  # compile, autotune, allocate the split-K workspace: not during capture
                 self.forward_padded(bucket, with_deltas, block_m)
         torch.cuda.current_stream(dev).wait_stream(side)
         workspace = kernel_workspace(dev)
         graph = torch.cuda.CUDAGraph()
         # thread_local: request threads may copy a variant into its slot meanwhile (other memory)
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), in_graphs():
             out = self.forward_padded(bucket, with_deltas, block_m)
         if self.pool is None:
             self.pool = graph.pool()
@@ -540,7 +548,7 @@ class PiecewiseGraphs:
         n_seg = len(self.model.layers) + 1
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # compile the fused functions for these shapes: not during capture
+        with torch.cuda.stream(side), in_graphs():  # compile the fused functions for these shapes: not during capture
             for i in range(n_seg):
                 self.segment(b, i, with_deltas)
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -548,7 +556,7 @@ class PiecewiseGraphs:
         graphs = []
         for i in range(n_seg):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"), in_graphs():
                 self.segment(b, i, with_deltas)
             if self.pool is None:
                 self.pool = g.pool()
@@ -673,13 +681,13 @@ class FullGraphs(PiecewiseGraphs):
         dev = self.runner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # compile for these shapes: not during capture
+        with torch.cuda.stream(side), in_graphs():  # compile for these shapes: not during capture
             for _ in range(2):
                 self.step(b, with_deltas)
         torch.cuda.current_stream(dev).wait_stream(side)
         self._workspaces.append(kernel_workspace(dev))
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"), in_graphs():
             self.step(b, with_deltas)
         if self.pool is None:
             self.pool = g.pool()

@@ -63,6 +63,23 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _chain(x: Tensor, *others: Tensor):
+    """``deltafleet.kernels.decode_chain`` where it takes ``x`` (and ``others``), else None: a decode
+    step's few rows on a Hopper GPU, as a programmatic-dependent-launch chain of the base GEMMs, the
+    add + RMSNorm and SiLU·up. Imported at the first CUDA tensor (CPU callers never import triton)."""
+    if not x.is_cuda:
+        return None
+    from deltafleet.kernels import decode_chain
+
+    return decode_chain if decode_chain.takes(x, *others) else None
+
+
+def base_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The base product of base rows: ``F.linear``, or in the decode chain (:func:`_chain`)."""
+    chain = _chain(x)
+    return F.linear(x, weight, bias) if chain is None else chain.linear(x, weight, bias)
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int = 32000
@@ -188,7 +205,7 @@ class DeltaLinear(nn.Module):
 
     def _local(self, x: Tensor, delta: VariantDelta | BatchDeltas | None) -> Tensor:
         if delta is None:
-            return F.linear(x, self.weight, self.bias)
+            return base_linear(x, self.weight, self.bias)
         if isinstance(delta, BatchDeltas):  # rows of different variants
             return delta.linear(self, x)
         bias = delta.full.get(f"{self.name}.bias", self.bias)
@@ -273,7 +290,11 @@ class RMSNorm(nn.Module):
         the add and the norm in one kernel (``add_rms_norm``)."""
         if residual is None:
             return x, self(x, delta)
-        return add_rms_norm(x, residual, self.weight_for(delta), self.eps)
+        weight = self.weight_for(delta)
+        chain = _chain(x, residual) if weight.dim() == 1 else None
+        if chain is not None:
+            return chain.add_rms_norm(x, residual, weight, self.eps)
+        return add_rms_norm(x, residual, weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -332,7 +353,7 @@ class Attention(nn.Module):
         if self.qkv is not None and self.qkv[2]:
             if delta is None:
                 weight, bias, sizes = self.qkv
-                return F.linear(x, weight, bias).split(sizes, -1)
+                return base_linear(x, weight, bias).split(sizes, -1)
             if isinstance(delta, BatchDeltas):  # grouped rows: one base GEMM, the planes shared
                 qkv = delta.linears((self.q_proj, self.k_proj, self.v_proj), x, self.qkv)
                 if qkv is not None:
@@ -402,11 +423,12 @@ class MLP(nn.Module):
         if self.gate_up is not None and self.gate_up[2]:
             if delta is None:
                 weight, bias, sizes = self.gate_up
-                gate_up = F.linear(x, weight, bias).split(sizes, -1)
+                gate_up = base_linear(x, weight, bias).split(sizes, -1)
             elif isinstance(delta, BatchDeltas):  # grouped rows: one base GEMM, the planes shared
                 gate_up = delta.linears((self.gate_proj, self.up_proj), x, self.gate_up)
         gate, up = gate_up if gate_up is not None else (self.gate_proj(x, delta), self.up_proj(x, delta))
-        return self.down_proj(silu_mul(gate, up), delta)
+        chain = _chain(gate, up)
+        return self.down_proj(silu_mul(gate, up) if chain is None else chain.silu_mul(gate, up), delta)
 
 
 class Block(nn.Module):

@@ -116,6 +116,33 @@ for bm in (16, 32, _tbase.MAX_BLOCK_M):
 # and the add that joins its output to the sign products' float32 accumulator
 out[key("add-and-clear", _cfg, {})] = build(_tbase._add_and_clear_kernel, dict(BLOCK=_tbase.ADD_BLOCK), _cfg)
 
+# the decode chain (kernels/decode_chain.py): the base GEMM at its ring depth and the norm and SiLU·up,
+# each with programmatic dependent launch; PTX counted for its waits and triggers
+from deltafleet.kernels import decode_chain as _dc
+def build_pdl(name, fn, signature, constexprs, warps):
+    try:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(signature.items())
+                 if t.startswith("*") or n.startswith("stride")}
+        _k = triton.compile(ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                                      constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        out[name] = {"shared": _k.metadata.shared, "wait": _k.asm["ptx"].count("griddepcontrol.wait"),
+                     "trigger": _k.asm["ptx"].count("griddepcontrol.launch_dependents")}
+    except Exception as e:
+        out[name] = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+_mm_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+for bm in (16, 32, _tbase.MAX_BLOCK_M):
+    build_pdl(f"chain-mm {bm}", _tbase._base_mm_kernel, _mm_sig, dict(
+        BLOCK_M=bm, BLOCK_N=_tbase.BLOCK_N, BLOCK_K=_tbase.BLOCK_K, STAGES=_dc.STAGES, DOT_FP32=False,
+        HAS_BIAS=True, PDL=True), 4)
+build_pdl("chain-norm", _dc._add_rms_norm_kernel, {
+    "x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "n_ptr": "*bf16", "D": "i32",
+    "eps": "fp32", "stride_x": "i32", "stride_y": "i32"}, dict(BLOCK=4096, PDL=True), 8)
+build_pdl("chain-silu", _dc._silu_mul_kernel, {
+    "g_ptr": "*bf16", "u_ptr": "*bf16", "o_ptr": "*bf16", "N": "i32", "stride_g": "i32", "stride_u": "i32"},
+    dict(BLOCK=_dc.SILU_BLOCK, PDL=True), 4)
+
 # the bit-plane kernel of the binary tenant path (a plain Triton kernel): a long K in 1024-weight
 # chunks, and a short one whose chunk is the whole row (with programmatic dependent launch)
 from deltafleet.kernels import gluon_planes as _gp
@@ -513,3 +540,13 @@ def test_grouped_kernel_with_programmatic_dependent_launch_compiles_with_its_wai
     for cfg in (gg.CONFIGS[4][0], gg.CONFIGS[16][0]):
         first, sibling = (pdl["grouped-planes-pdl " + json.dumps({"config": list(cfg), "sibling": s})] for s in (False, True))
         assert first["wait"] >= 3 and 1 <= sibling["wait"] <= 2, pdl
+
+
+def test_decode_chain_kernels_compile_with_their_waits_and_triggers(compiled):
+    """kernels/decode_chain.py's kernels compile for sm_90a with programmatic dependent launch at the
+    GEMM's ring depth (in shared memory at every x tile), each with one wait for the kernel before and
+    one trigger for the next."""
+    chain = {k: v for k, v in compiled.items() if k.startswith("chain-")}
+    assert len(chain) == 5 and all("error" not in v for v in chain.values()), chain
+    assert all(v["wait"] == 1 and v["trigger"] == 1 for v in chain.values()), chain
+    assert all(v["shared"] <= SMEM_LIMIT for v in chain.values()), chain
