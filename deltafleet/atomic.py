@@ -108,8 +108,9 @@ def unlisted_files(folder: Path, listed, job: str) -> str | None:
 def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Callable[[Path], str | None], *,
                       job: str, key: str = "out_dir", overwrite: bool = False) -> None:
     """Refuse, before any work, an output folder whose replacement would lose data: one that is, holds
-    or lies inside an input of the job, a file, or a folder holding what the job did not write earlier
-    (``foreign(folder)`` says why, or returns None for the job's own output) unless ``overwrite``.
+    or lies inside an input of the job, the current directory or a folder holding it, a file, or a
+    folder holding what the job did not write earlier (``foreign(folder)`` says why, or returns None for
+    the job's own output) unless ``overwrite``, which deletes those files with the folder it replaces.
 
     Raises:
         ValueError: naming ``key`` (the config key) and the reason.
@@ -122,13 +123,17 @@ def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Ca
         d = Path(d).resolve()
         if out == d or d.is_relative_to(out) or out.is_relative_to(d):
             raise ValueError(f"{key} {out} overlaps the input {d}: the {job} would replace or write into it")
+    if Path.cwd().resolve().is_relative_to(out):
+        raise ValueError(f"{key} {out} is the current directory or holds it: the {job} replaces its whole {key} "
+                         f"(deleting what else is there); choose a new folder")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{key} {out} exists and is not a folder")
     if out.is_dir() and not overwrite and any(out.iterdir()):
         why = foreign(out)
         if why:
             raise ValueError(f"{key} {out} exists and holds files that are not an earlier {job}'s output ({why}): "
-                             f"the {job} would replace them; choose another {key} or set overwrite=true")
+                             f"the {job} replaces the whole folder, which would delete them; choose another {key}, "
+                             f"or set overwrite=true to delete them")
 
 
 @contextlib.contextmanager

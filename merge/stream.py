@@ -59,7 +59,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         method: a :class:`deltafleet.merge.methods.MergeMethod` (``get_method(name, **params)``).
         max_shard_bytes: output shard size in bytes.
         show_progress: a tqdm bar over tensors.
-        overwrite: replace an existing ``out_dir`` whatever it holds.
+        overwrite: replace an existing ``out_dir`` whatever it holds, deleting what the merge did not
+            write (never the current directory or a folder holding it).
 
     Returns:
         A summary: ``tensors``, ``bytes``, ``seconds``, ``shards``, ``peak_rss_bytes`` (the process's

@@ -100,3 +100,35 @@ def test_a_replaced_folder_left_by_a_killed_writer_goes_or_comes_back(tmp_path):
         with atomic.staged_dir(dst) as tmp:
             raise RuntimeError("failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and (dst / "v").read_text() == "3"
+
+
+def test_check_replaceable_never_takes_the_current_directory_and_says_what_overwrite_deletes(tmp_path, monkeypatch):
+    """The job replaces its whole output folder, so the current directory or one holding it is refused
+    even with ``overwrite`` (a user's ``out_dir=.`` would delete everything beside the output); a folder
+    of foreign files is refused without ``overwrite`` by a message that says they would be deleted and
+    names them, and taken with it; an earlier output of the job (``foreign`` None) is taken as is."""
+    from deltafleet.atomic import check_replaceable
+
+    work = tmp_path / "proj" / "work"
+    work.mkdir(parents=True)
+    (work / "precious.txt").write_text("x")
+    monkeypatch.chdir(work)
+
+    def foreign(folder):
+        return "files the merge did not write: precious.txt" if (folder / "precious.txt").exists() else None
+
+    for out in (".", "..", str(tmp_path), ""):
+        with pytest.raises(ValueError, match="is the current directory or holds it") as e:
+            check_replaceable(out, [], foreign, job="merge", overwrite=True)
+        assert str(Path(out).resolve()) in str(e.value)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"\(files the merge did not write: precious.txt\).*would delete them.*"
+                                         r"set overwrite=true to delete them"):
+        check_replaceable(mine, [], foreign, job="merge")
+    check_replaceable(mine, [], foreign, job="merge", overwrite=True)
+    (mine / "precious.txt").unlink()
+    (mine / "merge.json").write_text("{}")
+    check_replaceable(mine, [], foreign, job="merge")
+    check_replaceable(tmp_path / "new" / "out", [], foreign, job="merge")
