@@ -16,6 +16,7 @@ import os
 import shutil
 import struct
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -96,6 +97,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                 raise ValueError(f"{n}: shape {ck.info(n).shape} in {ck.dir}, {models[0].info(n).shape} in "
                                  f"{models[0].dir}")
 
+    _check_family(base_dir, model_dirs)
     ref = base if base is not None else models[0]  # the output takes the base's dtype and shape
 
     def reader(name: str):
@@ -104,6 +106,9 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         def read(start: int, stop: int):
             ms = [m.get_rows(name, start, stop) for m in models]
             b = base.get_rows(name, start, stop) if base is not None else ms[0]
+            for ck, t in zip([*models, base], [*ms, b]):
+                if ck is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name}: {ck.dir} holds non-finite values (NaN or infinity)")
             return b, ms
         return read, width
 
@@ -152,6 +157,41 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     return summary
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _check_family(base_dir, model_dirs) -> None:
+    """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type`` or
+    ``architectures`` differ), as mergekit does; warn where the output will have no ``config.json`` (the
+    base, or the first model without a base, has none: transformers cannot load it), and where a
+    model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``."""
+    dirs = ([Path(base_dir)] if base_dir is not None else []) + [Path(d) for d in model_dirs]
+    configs = [(d, _read_json(d / "config.json")) for d in dirs]
+    for key in ("model_type", "architectures"):
+        seen: dict[str, Path] = {}
+        for d, c in configs:
+            if c is not None and key in c:
+                seen.setdefault(json.dumps(c[key]), d)
+        if len(seen) > 1:
+            (a, da), (b, db) = list(seen.items())[:2]
+            raise ValueError(f"the checkpoints are of different architectures: {key} {a} in {da}/config.json, "
+                             f"{b} in {db}/config.json")
+    if configs[0][1] is None:
+        warnings.warn(f"{dirs[0]} has no readable config.json, so the merged checkpoint has none either: "
+                      "transformers cannot load it without one", stacklevel=3)
+    if base_dir is not None:
+        for d in dirs[1:]:
+            trained_on = (_read_json(d / "training.json") or {}).get("base_dir")
+            if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve():
+                warnings.warn(f"{d} was fine-tuned from {trained_on} (its training.json), not from the base "
+                              f"{base_dir}: its task vector against this base is not its fine-tune's", stacklevel=3)
+
+
 def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: MergeMethod, bar) -> None:
     """One safetensors file: its header from the inputs' headers, then each tensor as it is merged."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -172,6 +212,9 @@ def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: 
                 blocks = iter([read(0, info.numel // max(width, 1))[0]])
             written = 0
             for blk in blocks:
+                if blk.is_floating_point() and not bool(torch.isfinite(blk).all()):
+                    raise ValueError(f"{n}: the merge gives non-finite values (NaN or infinity) from finite "
+                                     "inputs: the method's weights or scaling overflow the dtype")
                 data = blk.contiguous().view(torch.uint8).numpy()
                 f.write(memoryview(data))
                 written += data.nbytes
@@ -180,3 +223,4 @@ def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: 
             bar.update(1)
         f.flush()
         os.fsync(f.fileno())
+

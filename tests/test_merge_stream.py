@@ -281,3 +281,48 @@ def test_the_output_takes_the_base_dtype_and_config(tmp_path):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.full((4, 4), 2.5))  # 1 + 0.5·(1 + 2)
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"from": "base"}
+
+
+def test_a_merge_that_would_write_non_finite_values_is_refused_and_names_the_source(tmp_path):
+    """A NaN in one input (which TIES's sign election would drop without a word), or weights that
+    overflow float32, give no checkpoint: a ValueError names the tensor and the input holding such
+    values, or the method's arithmetic, and nothing is written."""
+    z = {"a": torch.zeros(2, 3), "b": torch.ones(3)}
+    base = _ckpt(tmp_path / "base", z)
+    good = _ckpt(tmp_path / "good", {"a": torch.ones(2, 3), "b": torch.ones(3)})
+    bad_b = torch.ones(3)
+    bad_b[1] = float("nan")
+    bad = _ckpt(tmp_path / "bad", {"a": torch.ones(2, 3), "b": bad_b})
+    for method in ("task_arithmetic", "ties"):  # TIES would drop the NaN silently
+        with pytest.raises(ValueError, match=r"^b: .*/bad holds non-finite values \(NaN or infinity\)$"):
+            merge_checkpoints(base, [good, bad], tmp_path / "out", get_method(method))
+    with pytest.raises(ValueError, match=r"^a: the merge gives non-finite values \(NaN or infinity\) from finite "
+                                         r"inputs: the method's weights or scaling overflow the dtype$"):
+        merge_checkpoints(None, [good, good], tmp_path / "out", get_method("linear", weights=[1e300, 1e300]))
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad", "base", "good"]
+
+
+def test_checkpoints_of_different_architectures_are_refused_and_doubtful_families_warned(tmp_path):
+    """Inputs whose config.json disagree on model_type or architectures are refused before any work
+    (mergekit's rule); a base without config.json (the output would have none) and a model whose
+    training.json names another base are merged with a warning that says so."""
+    z = {"a": torch.zeros(2, 3)}
+    llama = '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    base = _ckpt(tmp_path / "base", z, llama)
+    m = _ckpt(tmp_path / "m", {"a": torch.ones(2, 3)}, llama)
+    qwen = _ckpt(tmp_path / "q", {"a": torch.ones(2, 3)}, '{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}')
+    with pytest.raises(ValueError, match=r'^the checkpoints are of different architectures: model_type "llama" in '
+                                         r'.*/base/config.json, "qwen2" in .*/q/config.json$'):
+        merge_checkpoints(base, [m, qwen], tmp_path / "out", get_method("ties"))
+    assert not (tmp_path / "out").exists()
+    bare = _ckpt(tmp_path / "bare", z)
+    with pytest.warns(UserWarning, match=r"bare has no readable config.json, so the merged checkpoint has none"):
+        merge_checkpoints(bare, [m], tmp_path / "out", get_method("task_arithmetic"))
+    (m / "training.json").write_text(json.dumps({"base_dir": str(tmp_path / "elsewhere")}))
+    with pytest.warns(UserWarning, match=r"m was fine-tuned from .*/elsewhere \(its training.json\), not from the base"):
+        merge_checkpoints(base, [m], tmp_path / "out2", get_method("task_arithmetic"))
+    (m / "training.json").write_text(json.dumps({"base_dir": str(base)}))
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")
+        merge_checkpoints(base, [m], tmp_path / "out3", get_method("task_arithmetic"))
