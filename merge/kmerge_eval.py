@@ -207,9 +207,11 @@ def main(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="kmerge_eval")
 def _entry(cfg: DictConfig) -> None:
+    from deltafleet.cli import user_errors
     from deltafleet.threads import set_threads
 
-    set_threads(cfg)
+    with user_errors("kmerge-eval"):  # a bad threads setting: one line, not a traceback
+        set_threads(cfg)
     main(cfg)
 
 

@@ -26,12 +26,16 @@ def main(cfg: DictConfig) -> None:
     from deltafleet.threads import set_threads
 
     stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
-    set_threads(cfg)
     try:
         with interruptible("merge"):
+            set_threads(cfg)
             if not OmegaConf.is_list(cfg.models):
                 raise ValueError(f"models must be a list of checkpoint folders, e.g. models=[models/coder,models/writer]; "
                                  f"got {cfg.models!r}")
+            for key, value in [*((f"models[{i}]", m) for i, m in enumerate(cfg.models)), ("out_dir", cfg.out_dir),
+                               *([("base", cfg.base)] if cfg.base is not None else [])]:
+                if not isinstance(value, str) or not value.strip():
+                    raise ValueError(f"{key} must be a folder path, got {value!r}")
             shard_gb = cfg.max_shard_gb
             if isinstance(shard_gb, bool) or not isinstance(shard_gb, (int, float)) or not 0 < shard_gb < float("inf"):
                 raise ValueError(f"max_shard_gb must be a positive number of GB, got {shard_gb!r}")
@@ -43,6 +47,9 @@ def main(cfg: DictConfig) -> None:
                                         overwrite=overwrite)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # the output's file system: read-only, full, a mount point
+        print(f"error: cannot write the merge to out_dir {cfg.out_dir}: {e.strerror or e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=1, default=str))
     print(f"wrote {cfg.out_dir}")

@@ -353,3 +353,16 @@ def test_the_jobs_check_their_settings_before_importing_the_training_stack():
                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("script, job", [("train/data.py", "data"), ("merge/bench.py", "bench-merge"),
+                                         ("merge/kmerge_eval.py", "kmerge-eval")])
+def test_a_bad_thread_setting_is_one_line_in_every_job(script, job, tmp_path):
+    """Found by a fresh user: ``threads=0`` gave a traceback where these jobs checked it outside their
+    one-line error handling; now status 1 and one line naming the job and the setting."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, script, "threads=0", f"hydra.run.dir={tmp_path / 'h'}"], cwd=root,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"{job}: ValueError: threads must be null or a positive integer, got 0"

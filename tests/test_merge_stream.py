@@ -213,12 +213,19 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
              ([models, "params.scaling=inf"], "error: merge method 'ties': scaling must be a finite number, got inf"),
              ([models, "overwrite=no"], "error: overwrite must be true or false, got 'no'"),
              ([f"models={tiny_family.variants['coder']}"], "error: models must be a list of checkpoint folders, "
-                                                           "e.g. models=[models/coder,models/writer]; got '")]
+                                                           "e.g. models=[models/coder,models/writer]; got '"),
+             # found by a fresh user: tracebacks (a ValueError outside the handler, Path(None)'s TypeError)
+             ([models, "threads=0"], "error: threads must be null or a positive integer, got 0"),
+             ([f"models=[null,{tiny_family.variants['coder']}]"], "error: models[0] must be a folder path, got None"),
+             (["models=[5]"], "error: models[0] must be a folder path, got 5")]
     for i, (args, message) in enumerate(cases):
         r = subprocess.run(base + args + [f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, capture_output=True,
                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert r.returncode == 2 and r.stderr.strip().startswith(message), r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+    r = subprocess.run(base[:-1] + [models, "out_dir=null", f"hydra.run.dir={tmp_path / 'n'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and r.stderr.strip() == "error: out_dir must be a folder path, got None", r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 

@@ -772,9 +772,11 @@ def format_summary(manifest: Mapping) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
+    from deltafleet.cli import user_errors
     from deltafleet.threads import set_threads
 
-    set_threads(cfg)
+    with user_errors("data"):  # a bad threads setting: one line, not a traceback
+        set_threads(cfg)
     t0 = time.perf_counter()
     data_dir = Path(cfg.paths.data_dir)
     try:
