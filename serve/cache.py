@@ -18,7 +18,10 @@ a variant pinned by name (``pinned``), and the ``pin_top_n`` variants with the h
 When nothing can be evicted, a load waits for a request to finish, then fails with
 :class:`CacheFullError`: each request waits at most ``wait_timeout_s`` from its arrival (plus the
 time its own read of the artifact takes), also when it queued behind another request's load of the
-same variant.
+same variant. While it waits, the coldest resident it could evict once idle is *draining*: its new
+requests wait behind the load (first come, first served) instead of keeping it in flight for ever,
+so a variant without a slot is not starved by steady traffic to the resident ones; they go on once
+the load has evicted it (then as a miss, loading it again) or given up.
 
 Loading is single-flight: concurrent requests for a variant that is not on the device wait for
 one load of it, and requests for other variants are not held up by it (the per-variant lock is
@@ -62,6 +65,7 @@ class _Entry:
     host: Any = None            # the delta in host memory (tier 2)
     nbytes: int = 0
     stamp: Any = None           # the artifact's stamp when it was read
+    draining: bool = False      # a load waits for its room: new requests wait too (DeltaCache._make_room)
     lock: threading.Lock = field(default_factory=threading.Lock)  # single flight
 
 
@@ -147,11 +151,14 @@ class DeltaCache:
 
     def _protected(self, now: float) -> set[str]:
         """Model ids that must not be evicted now: in flight, pinned by name, or in the top n."""
-        keep = {m for m, e in self._entries.items() if e.in_flight > 0} | self.pinned
-        if self.pin_top_n:
-            ranked = sorted(self._entries.values(), key=lambda e: self._count(e, now), reverse=True)
-            keep |= {e.model_id for e in ranked[:self.pin_top_n]}
-        return keep
+        return {m for m, e in self._entries.items() if e.in_flight > 0} | self.pinned | self._top_n(now)
+
+    def _top_n(self, now: float) -> set[str]:
+        """The ``pin_top_n`` most requested model ids."""
+        if not self.pin_top_n:
+            return set()
+        ranked = sorted(self._entries.values(), key=lambda e: self._count(e, now), reverse=True)
+        return {e.model_id for e in ranked[:self.pin_top_n]}
 
     def _victim(self, tier: str, exclude: str) -> _Entry | None:
         now = self.clock()
@@ -193,18 +200,38 @@ class DeltaCache:
         if self.device_budget is not None and e.nbytes > self.device_budget:
             raise CacheFullError(f"variant `{e.model_id}` needs {e.nbytes} bytes of deltas, more than the whole "
                                  f"device budget ({self.device_budget} bytes)")
-        while not self._fits(self.device_bytes, self.device_budget, e.nbytes):
-            v = self._victim("device", exclude=e.model_id)
-            if v is None:
-                if self._closed is not None:
-                    raise self._closed
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._no_room(e)
-                self._room.wait(left)
-                continue
-            self._evict_device(v)
+        drained = None  # the resident this load drains while it waits (module docstring)
+        try:
+            while not self._fits(self.device_bytes, self.device_budget, e.nbytes):
+                v = self._victim("device", exclude=e.model_id)
+                if v is None:
+                    if self._closed is not None:
+                        raise self._closed
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._no_room(e)
+                    if drained is None:
+                        drained = self._drain(e)
+                    self._room.wait(left)
+                    continue
+                self._evict_device(v)
+        finally:
+            if drained is not None:
+                drained.draining = False
+                self._room.notify_all()
         self.device_bytes += e.nbytes
+
+    def _drain(self, e: _Entry) -> _Entry | None:
+        """Mark the coldest device resident that ``e``'s load could evict once its requests end (not
+        pinned by name or count, not already draining) as draining; returns it, or None."""
+        now = self.clock()
+        keep = self.pinned | self._top_n(now)
+        cands = [x for x in self._entries.values() if x.device is not None and x is not e
+                 and x.model_id not in keep and not x.draining]
+        v = min(cands, key=lambda x: (self._count(x, now), x.t_count), default=None)
+        if v is not None:
+            v.draining = True
+        return v
 
     def _no_room(self, e: _Entry) -> CacheFullError:
         busy = sorted(m for m, x in self._entries.items() if x.device is not None)
@@ -233,8 +260,14 @@ class DeltaCache:
         """The variant's delta on the device, loaded if needed; counts one request in flight until
         :meth:`release`. Returns the delta object (keep it for the request's lifetime)."""
         stamp = self._stamp(model_id)
+        deadline = time.monotonic() + self.wait_timeout
         with self._lock:
-            e = self._entries.setdefault(model_id, _Entry(model_id))
+            while True:  # a draining variant's new requests wait behind the load that drains it
+                e = self._entries.setdefault(model_id, _Entry(model_id))
+                left = deadline - time.monotonic()
+                if not (e.draining and e.device is not None) or self._closed is not None or left <= 0:
+                    break
+                self._room.wait(left)
             self._touch(e)
             if stamp is None:
                 if e.in_flight == 0:  # requests still running keep what they hold
@@ -250,7 +283,7 @@ class DeltaCache:
                 return e.device
         self._emit("miss", model_id)
         try:
-            return self._load(e, stamp, time.monotonic() + self.wait_timeout)
+            return self._load(e, stamp, deadline)
         except BaseException:
             self.release(model_id)
             raise

@@ -477,3 +477,42 @@ def test_requests_queued_behind_a_waiting_load_give_up_with_it():
         t.join(30)
     assert len(ended) == 3 and max(ended) < 4.5, ended  # read 1 s, wait 2 s: all by 3 s, not 3, 4 and 5
     assert slow.reads["b"] == 1  # the size known, the others make room first: none reads for nothing
+
+
+def test_a_variant_waiting_for_a_slot_is_served_before_new_requests_of_the_resident_one():
+    """Found by a fresh user: with one device slot and a steady stream of requests to the resident
+    variant, each overlapping the next, a request for another variant waited its whole wait_timeout_s
+    and got a 503 while later requests of the resident one went through. Now, while its load waits,
+    the resident is draining: a new request of it waits behind the load (first come, first served),
+    the load takes the slot when the running request ends, and the new request then loads the
+    resident back when the other variant's request ends. A variant pinned by name is never drained."""
+    disk = Disk({"a": 100, "b": 100})
+    cache, events = make(disk, device_budget_bytes=100, wait_timeout_s=60)
+    cache._room = room = _Room(cache._lock)
+    cache.acquire("a")                                   # a's first request runs
+    order, threads = [], []
+
+    def request(m):
+        order.append((m, cache.acquire(m).name))
+
+    threads.append(threading.Thread(target=request, args=("b",), daemon=True))
+    threads[-1].start()
+    assert room.waiting.wait(30), "b's load did not wait for room"
+    threads.append(threading.Thread(target=request, args=("a",), daemon=True))  # a's second request
+    threads[-1].start()
+    time.sleep(0.3)
+    assert order == [] and cache.snapshot()["a"]["in_flight"] == 1, "a's second request went past b's load"
+    cache.release("a")                                   # a's first request ends: b takes the slot
+    threads[0].join(30)
+    assert order == [("b", "b")] and cache.tier("a") == "host"
+    cache.release("b")                                   # b's request ends: a comes back for its second
+    threads[1].join(30)
+    assert order == [("b", "b"), ("a", "a")] and cache.tier("a") == "device" and cache.tier("b") == "host"
+    cache.release("a")
+
+    pinned, _ = make(disk, device_budget_bytes=100, wait_timeout_s=0.3, pinned=["a"])
+    pinned.acquire("a")
+    assert use(pinned, "a").name == "a"                  # no load waits: a hit as ever
+    with pytest.raises(CacheFullError):
+        pinned.acquire("b")                              # waits its 0.3 s: a is pinned, never drained
+    assert use(pinned, "a").name == "a" and not pinned._entries["a"].draining
