@@ -1107,20 +1107,20 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         with text or a finish (unless it returns None), the choices' steps interleaved as they come;
         then usage; then [DONE].
 
-        The status line waits for every choice's first token, so that a 429 or an error of a prefill
-        or a first step is still a status code; an error after it is an in-band error event, then
-        [DONE].
+        The status line waits for the first choice's first token (the choices are admitted together,
+        so a 429 is raised before), so that an error of its prefill or first step is still a status
+        code, but not for the other choices': with ``n`` above ``max_batch`` the last ones start only
+        as the first ones end. An error after it is an in-band error event, then [DONE].
         """
         jobs = start_all(reqs, arrival)
         items = [steps(r, arrival, j) for r, j in zip(reqs, jobs)]
         watch = asyncio.create_task(cancel_on_disconnect(http, [c for _, c in jobs]))
-        heads: list[list] = []
+        heads: list[list] = [[] for _ in items]
         try:
-            for it in items:
-                try:
-                    heads.append([await anext(it)])
-                except StopAsyncIteration:  # cancelled before its first token: the client is gone
-                    heads.append([])
+            try:
+                heads[0].append(await anext(items[0]))
+            except StopAsyncIteration:  # cancelled before its first token: the client is gone
+                pass
         except Exception as e:
             for _, cancel in jobs:
                 cancel.set()

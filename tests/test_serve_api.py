@@ -177,6 +177,27 @@ def test_streamed_choices_interleave_with_their_indices(client):
         c.index: c.message.content for c in full.choices}
 
 
+
+def test_a_stream_of_more_choices_than_max_batch_starts_with_the_first_token(root):
+    """Found by a fresh user: streaming ``n`` above ``max_batch`` sent no byte (not even the status
+    line) until the last choices, which start only as the first ones end, had their first tokens.
+    The status line now waits for the first choice's first token alone: with max_batch 2 and four
+    choices of 200 tokens, the stream opens long before the first two choices end, and every choice
+    still streams to its end."""
+    small = Engine(root / "models" / "base", root / "artifacts", family="tiny", max_batch=2)
+    steps = [0]
+    small.scheduler.add_step_listener(lambda: steps.__setitem__(0, steps[0] + 1))
+    body = {"model": "tiny-coder", "prompt": "def", "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "seed": 3}
+    with TestClient(create_app(small)) as tc:
+        with tc.stream("POST", "/v1/completions", json=body) as r:
+            at_status = steps[0]
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert at_status < 100, f"the status line came after {at_status} steps"
+    finished = sorted(e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"] == "length")
+    assert finished == [0, 1, 2, 3]
+
 def test_tokenize_detokenize_and_version(server, engine):
     """vLLM's /tokenize (a prompt, or a chat as generation renders it), /detokenize and /version."""
     from deltafleet import __version__
