@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import h11
 from fastapi import FastAPI, Request
@@ -612,6 +612,16 @@ def chat_logprobs(steps: list) -> dict | None:
     return {"content": [entry(s.token_str, s.logprob, s.token_bytes[0])
                         | {"top_logprobs": [entry(t, v, b) for (t, v), b in zip(s.top_logprobs, s.token_bytes[1:])]}
                         for s in steps]}
+
+
+async def json_off_loop(build: Callable[[], dict]) -> Response:
+    """``build()``'s answer as JSON, made and encoded in a worker thread (as FastAPI's JSONResponse
+    encodes it): a large answer (``n`` choices with logprobs: megabytes) must not hold up the event
+    loop, which serves every other request and health check meanwhile."""
+    def encode() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+    return Response(await run_in_threadpool(encode), media_type="application/json")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -1218,21 +1228,26 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             opts = body.stream_options
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
         done = await run(reqs, arrival, http)
-        out = chunk("", None, True, 0)
-        if body.echo:  # the prompt before each choice's text; max_tokens 0: the one token generated is dropped
-            drop = body.max_tokens == 0
-            texts = [p if isinstance(p, str) else await run_in_threadpool(engine.decode, p) for p in body.prompts()]
-            firsts = await run_in_threadpool(engine.token_texts, [ids[0] for ids in prompts])
-            done = [("", "length", 0, st) if drop else (text, reason, n, st) for text, reason, n, st in done]
-            out["choices"] = [{"index": i, "text": texts[i // body.n] + text, "finish_reason": reason,
-                               "logprobs": None if body.logprobs is None else
-                               echo_logprobs(firsts[i // body.n], st, 0 if drop else len(st))}
-                              for i, (text, reason, _, st) in enumerate(done)]
-        else:
-            out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
-                               "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
-        out["usage"] = _usage(prompt_tokens, sum(n for _, _, n, _ in done))
-        return out
+
+        def answer() -> dict:
+            out = chunk("", None, True, 0)
+            if body.echo:  # the prompt before each choice's text; max_tokens 0: the one token generated is dropped
+                drop = body.max_tokens == 0
+                texts = [p if isinstance(p, str) else engine.decode(p) for p in body.prompts()]
+                firsts = engine.token_texts([ids[0] for ids in prompts])
+                out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if drop else text),
+                                   "finish_reason": "length" if drop else reason,
+                                   "logprobs": None if body.logprobs is None else
+                                   echo_logprobs(firsts[i // body.n], st, 0 if drop else len(st))}
+                                  for i, (text, reason, _, st) in enumerate(done)]
+                generated = 0 if drop else sum(n for _, _, n, _ in done)
+            else:
+                out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
+                                   "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
+                generated = sum(n for _, _, n, _ in done)
+            out["usage"] = _usage(prompt_tokens, generated)
+            return out
+        return await json_off_loop(answer)
 
     @app.post("/v1/chat/completions", responses=_responses(*generating, ok=ChatCompletion, ok_media=sse))
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -1285,11 +1300,14 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             opts = body.stream_options
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), len(ids))
         done = await run(reqs, arrival, http)
-        choices = []
-        for i, (text, reason, _, st) in enumerate(done):
-            msg, reason = message(text, reason)
-            choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason})
-        return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
-                "choices": choices, "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
+
+        def answer() -> dict:
+            choices = []
+            for i, (text, reason, _, st) in enumerate(done):
+                msg, reason = message(text, reason)
+                choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason})
+            return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
+                    "choices": choices, "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
+        return await json_off_loop(answer)
 
     return app

@@ -198,6 +198,36 @@ def test_a_stream_of_more_choices_than_max_batch_starts_with_the_first_token(roo
     finished = sorted(e["choices"][0]["index"] for e in events if e["choices"][0]["finish_reason"] == "length")
     assert finished == [0, 1, 2, 3]
 
+
+def test_a_large_answer_is_built_off_the_event_loop(engine, monkeypatch):
+    """Found by a fresh user: a completion of 128 choices with 20 logprobs each (21 MB of JSON) held
+    the event loop for about 2 s, and /health with it. The answers of completions and chat
+    completions are now built (their logprobs included) and encoded in a worker thread, not the event
+    loop's, and the body is the JSON FastAPI would have sent."""
+    from deltafleet.serve import app as app_module
+
+    threads = []
+    for name in ("completion_logprobs", "chat_logprobs"):
+        real = getattr(app_module, name)
+
+        def spy(*args, real=real):
+            threads.append(threading.get_ident())
+            return real(*args)
+        monkeypatch.setattr(app_module, name, spy)
+    with TestClient(create_app(engine)) as tc:
+        loop_thread = tc.portal.call(threading.get_ident)
+        big = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "def", "max_tokens": 3,
+                                               "temperature": 0, "logprobs": 2})
+        chat = tc.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 3, "logprobs": True})
+    assert big.status_code == 200 and chat.status_code == 200
+    assert threads and loop_thread not in threads, "logprobs were built on the event loop's thread"
+    for r in (big, chat):
+        assert r.headers["content-type"] == "application/json"
+        assert r.content == json.dumps(r.json(), ensure_ascii=False, separators=(",", ":")).encode()
+    assert len(big.json()["choices"][0]["logprobs"]["tokens"]) == 3
+    assert len(chat.json()["choices"][0]["logprobs"]["content"]) == 3
+
 def test_tokenize_detokenize_and_version(server, engine):
     """vLLM's /tokenize (a prompt, or a chat as generation renders it), /detokenize and /version."""
     from deltafleet import __version__
