@@ -85,6 +85,7 @@ from deltafleet.serve.protocol import (
     LoadVariantRequest,
     ModelInfo,
     ModelList,
+    NamedToolChoice,
     Tokenized,
     TokenizeRequest,
     UnloadedVariant,
@@ -162,7 +163,10 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
     first = errors[0] if errors else {}
 
     def where(e) -> list[str]:
-        return [str(x) for x in e.get("loc", ()) if x != "body" and x not in _UNION_TAGS]
+        # a union's members are named by their tag, or by pydantic after their type (``literal['a','b']``,
+        # a model's class name): not parts of the client's field path
+        return [str(x) for x in e.get("loc", ()) if x != "body" and x not in _UNION_TAGS
+                and not str(x).startswith("literal[") and not str(x)[:1].isupper()]
 
     loc = where(first)
     param = ".".join(loc) or None
@@ -1262,6 +1266,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         calls_tools = body.calls_tools()
+        # a function named by tool_choice ends "stop", as OpenAI's and vLLM's do; a call the model chose, "tool_calls"
+        call_reason = "stop" if isinstance(body.tool_choice, NamedToolChoice) else "tool_calls"
         max_calls = 1 if body.parallel_tool_calls is False else None
         tool_streams: dict[int, tools.ToolStream] = {}  # per choice: its text split into content and calls
 
@@ -1273,7 +1279,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 if finish_reason is not None:
                     rest, more = ts.finish()
                     text, calls = text + rest, calls + more
-                    finish_reason = "tool_calls" if ts.calls and finish_reason == "stop" else finish_reason
+                    finish_reason = call_reason if ts.calls and finish_reason == "stop" else finish_reason
             if first:  # content null, not "", when it starts as tool calls (as the non-streamed answer has it)
                 delta = {"role": "assistant", "content": text or (None if calls_tools else "")}
             else:
@@ -1293,7 +1299,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 if calls:
                     return ({"role": "assistant", "content": content,
                              "tool_calls": [tools.as_tool_call(c) for c in calls]},
-                            "tool_calls" if reason == "stop" else reason)
+                            call_reason if reason == "stop" else reason)
             return {"role": "assistant", "content": text}, reason
 
         if body.stream:
