@@ -322,10 +322,11 @@ class MonoSoup(MergeMethod):
 
     def __init__(self, energy_ratio: float = 0.8, rank_mode: str = "energy", min_rel_update: float = 1e-6):
         super().__init__(None)
-        self.kw = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, min_rel_update=min_rel_update)
+        self.energy_ratio, self.rank_mode, self.min_rel_update = energy_ratio, rank_mode, min_rel_update
 
     def _merge(self, name, base, taus):
-        return merge_param("monosoup", base, [base + t for t in taus], **self.kw)[0]
+        return merge_param("monosoup", base, [base + t for t in taus], energy_ratio=self.energy_ratio,
+                           rank_mode=self.rank_mode, min_rel_update=self.min_rel_update)[0]
 
 
 @register("svd_soup")

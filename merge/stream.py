@@ -148,7 +148,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)
         summary = {"written_by": WRITTEN_BY, "method": method.name,
-                   "params": {k: v for k, v in vars(method).items() if not k.startswith("_")},
+                   # the method's parameters as get_method takes them (None: its default, left out)
+                   "params": {k: v for k, v in vars(method).items() if not k.startswith("_") and v is not None},
                    "base": None if base_dir is None else str(base_dir), "models": [str(d) for d in model_dirs],
                    "tensors": len(names), "bytes": total, "shards": len(plan),
                    "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss(),

@@ -333,3 +333,20 @@ def test_checkpoints_of_different_architectures_are_refused_and_doubtful_familie
     with w.catch_warnings():
         w.simplefilter("error")
         merge_checkpoints(base, [m], tmp_path / "out3", get_method("task_arithmetic"))
+
+
+@pytest.mark.parametrize("name, params", [("monosoup", {"energy_ratio": 0.9}), ("ties", {"density": 0.5}),
+                                          ("linear", {}), ("dare_ties", {"density": 0.7, "seed": 3})])
+def test_merge_json_records_the_params_that_make_the_method_again(name, params, tmp_path):
+    """Found by a fresh user: monosoup's merge.json held {"weights": null, "kw": {...}}, which
+    get_method refuses. The params recorded are the method's own (defaults filled in, nulls left
+    out), and get_method of them makes a method that merges to the same bytes."""
+    base = _ckpt(tmp_path / "base", {"a": torch.zeros(4, 4)})
+    ms = [_ckpt(tmp_path / f"m{i}", {"a": torch.randn(4, 4, generator=torch.Generator().manual_seed(i))})
+          for i in range(2)]
+    summary = merge_checkpoints(None if name == "linear" else base, ms, tmp_path / "out", get_method(name, **params))
+    recorded = json.loads((tmp_path / "out" / "merge.json").read_text())["params"]
+    assert recorded == summary["params"] and all(v is not None for v in recorded.values())
+    assert params.items() <= recorded.items()
+    merge_checkpoints(None if name == "linear" else base, ms, tmp_path / "again", get_method(name, **recorded))
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
