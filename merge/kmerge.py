@@ -123,13 +123,18 @@ class AdapterPool:
                  clock: Callable[[], float] = time.monotonic):
         if policy not in ("kmerge", "kmerge++", "budget_opcm"):
             raise ValueError(f"unknown policy {policy!r}; known: kmerge, kmerge++, budget_opcm")
+        def whole(v) -> bool:  # a positive int, not a bool or a float
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
         if policy == "budget_opcm":
             if byte_budget is None or quality is None:
                 raise ValueError("budget_opcm needs byte_budget and a quality function")
-        elif k is None or k < 1:
-            raise ValueError(f"{policy} needs k ≥ 1 slots, got {k}")
-        if rank < 1:
-            raise ValueError(f"rank must be ≥ 1, got {rank}")
+            if not whole(byte_budget):
+                raise ValueError(f"byte_budget must be a positive number of bytes, got {byte_budget!r}")
+        elif not whole(k):
+            raise ValueError(f"{policy} needs k ≥ 1 slots (an integer), got {k!r}")
+        if not whole(rank):
+            raise ValueError(f"rank must be an integer ≥ 1, got {rank!r}")
         if evicted_to not in ("similar", "base"):
             raise ValueError(f"evicted_to must be 'similar' or 'base', got {evicted_to!r}")
         for name, value, ok, what in (("threshold", threshold, lambda v: -1 <= v <= 1, "in [-1, 1] (a cosine)"),
@@ -236,6 +241,11 @@ class AdapterPool:
         Raises:
             ValueError: a task already in the pool, or factors it cannot hold (:meth:`_check`).
         """
+        if not isinstance(task, str) or not task:
+            raise ValueError(f"a task is named by a non-empty string, got {task!r}")
+        if self.policy == "budget_opcm" and self.quality is None:
+            raise ValueError("this budget_opcm pool has no quality function to gate its merges: load it with "
+                             "AdapterPool.load(folder, quality=...)")
         self._check(task, factors)
         rec: dict = {"task": task, "policy": self.policy}
         own_q = self.quality(task, factors) if self.quality is not None else None
@@ -339,8 +349,9 @@ class AdapterPool:
         tmp = folder / ".pool.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, folder / "pool.json")
-        for f in folder.glob("slot-*.safetensors"):
-            if int(f.stem.split("-")[1]) not in self.slots:
+        for f in folder.glob("slot-*.safetensors"):  # this pool's stale slots; any other file stays
+            sid = f.stem.split("-", 1)[1]
+            if sid.isdigit() and int(sid) not in self.slots:
                 f.unlink()
 
     @classmethod

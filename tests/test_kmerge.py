@@ -137,7 +137,7 @@ def test_the_pool_survives_a_restart(tmp_path):
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="unknown policy 'lru'"):
         AdapterPool("lru", k=2)
-    with pytest.raises(ValueError, match="kmerge needs k ≥ 1 slots, got None"):
+    with pytest.raises(ValueError, match=r"kmerge needs k ≥ 1 slots \(an integer\), got None"):
         AdapterPool("kmerge")
     with pytest.raises(ValueError, match="budget_opcm needs byte_budget and a quality function"):
         AdapterPool("budget_opcm", byte_budget=10)
@@ -283,9 +283,17 @@ def test_a_failed_save_leaves_the_previous_pool_json(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(policy="kmerge", k=0), "kmerge needs k ≥ 1 slots, got 0"),
-    (dict(policy="kmerge", k=2, rank=0), "rank must be ≥ 1, got 0"),
+    (dict(policy="kmerge", k=0), r"kmerge needs k ≥ 1 slots \(an integer\), got 0"),
+    (dict(policy="kmerge", k=2, rank=0), "rank must be an integer ≥ 1, got 0"),
     (dict(policy="kmerge", k=2, evicted_to="void"), "evicted_to must be 'similar' or 'base', got 'void'"),
+    # found by a fresh user: accepted, or a TypeError from a comparison or at the first admit
+    (dict(policy="kmerge", k=2.5), r"kmerge needs k ≥ 1 slots \(an integer\), got 2.5"),
+    (dict(policy="kmerge", k="2"), r"kmerge needs k ≥ 1 slots \(an integer\), got '2'"),
+    (dict(policy="kmerge", k=2, rank=True), "rank must be an integer ≥ 1, got True"),
+    (dict(policy="kmerge", k=2, rank=2.5), "rank must be an integer ≥ 1, got 2.5"),
+    (dict(policy="kmerge", k=2, rank="8"), "rank must be an integer ≥ 1, got '8'"),
+    (dict(policy="budget_opcm", byte_budget=-5, quality=lambda t, f: 1.0),
+     "byte_budget must be a positive number of bytes, got -5"),
 ])
 def test_more_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -316,3 +324,23 @@ def test_the_pool_refuses_what_it_cannot_hold_and_names_it():
     assert pool.task_to_slot == {"a": 0} and [s.tasks for s in pool.slots.values()] == [["a"]] and len(pool.log) == 1
     with pytest.raises(ValueError, match=r"threshold must be a number in \[-1, 1\] \(a cosine\), got nan"):
         AdapterPool("kmerge++", k=2, threshold=float("nan"))
+
+
+def test_a_loaded_budget_pool_without_quality_and_foreign_files_beside_a_pool(tmp_path):
+    """Found by a fresh user: a budget_opcm pool loaded without its quality function failed at the
+    next admit with "'NoneType' object is not callable", and saving beside a file named like a slot
+    (slot-backup.safetensors) raised a ValueError after pool.json was replaced. Now the admit names
+    what is missing, the foreign file stays, and a task is a non-empty string (123 came back "123")."""
+    own = {"a": adapter(81), "b": adapter(82)}
+    pool = _clocked_budget_pool(own, 2)
+    pool.admit("a", own["a"])
+    (tmp_path / "slot-backup.safetensors").write_bytes(b"mine")
+    pool.save(tmp_path)
+    assert (tmp_path / "slot-backup.safetensors").read_bytes() == b"mine"
+    again = AdapterPool.load(tmp_path)
+    with pytest.raises(ValueError, match=r"no quality function .*AdapterPool.load\(folder, quality=...\)"):
+        again.admit("b", own["b"])
+    assert list(again.task_to_slot) == ["a"]
+    for bad in (123, ""):
+        with pytest.raises(ValueError, match="a task is named by a non-empty string"):
+            AdapterPool("kmerge", rank=2, k=2).admit(bad, adapter(83))
