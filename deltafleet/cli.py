@@ -99,14 +99,40 @@ def build_hint(cfg, what: str, variant: str | None = None) -> str:
     return hint
 
 
-def variant_configs() -> list[str]:
-    """The names of ``conf/variant/``'s configs (``train/run.py variant=<name>``), found beside the
-    training code, in the repository and in the installed package alike."""
+def _conf_dir():
+    """``conf/``, beside the jobs' code, in the repository and in the installed package alike."""
     import importlib.util
     from pathlib import Path
 
-    folder = Path(importlib.util.find_spec("deltafleet.train").origin).resolve().parent.parent / "conf" / "variant"
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    return Path(importlib.util.find_spec("deltafleet.train").origin).resolve().parent.parent / "conf"
+
+
+def variant_configs() -> list[str]:
+    """The names of ``conf/variant/``'s configs (``train/run.py variant=<name>``)."""
+    return sorted(p.stem for p in (_conf_dir() / "variant").glob("*.yaml"))
+
+
+def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
+    """Raises ValueError for a setting the job's ``conf/<config>`` does not have (Hydra takes
+    ``+name=value`` for any name, so a misspelt ``+overwite=true`` would otherwise be ignored), at the
+    top level, in ``sections`` (the file's own groups of settings, checked key by key) and in its
+    config groups (``paths``, ``model``: what any of the group's files has)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    conf = _conf_dir()
+    known = OmegaConf.load(conf / config)
+    known.pop("hydra", None)  # Hydra's own, not in the task's settings
+    groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
+    checks = [("", cfg, set(known) | set(groups))]
+    checks += [(f"{s}.", cfg[s], set(known[s])) for s in sections if isinstance(cfg.get(s), DictConfig)]
+    for g in groups:
+        if isinstance(cfg.get(g), DictConfig):
+            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)}))
+    for where, have, want in checks:
+        unknown = sorted(set(have) - want - {"_self_"})
+        if unknown:
+            raise ValueError(f"{where}{unknown[0]} is not a setting of conf/{config}; its settings"
+                             f"{' under ' + where[:-1] if where else ''}: {', '.join(sorted(want - {'_self_'}))}")
 
 
 def _hydra_choice(group: str) -> str | None:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import USER_ERRORS, flag, interruptible, stop_on_sigterm
+    from deltafleet.cli import USER_ERRORS, check_settings, flag, interruptible, stop_on_sigterm
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
 
@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> None:
     stop_on_sigterm()  # a stopped merge removes its staged folder, as Ctrl-C does
     try:
         with interruptible("merge"):
+            check_settings(cfg, "merge_models.yaml", ("params",))
             set_threads(cfg)
             if not OmegaConf.is_list(cfg.models):
                 raise ValueError(f"models must be a list of checkpoint folders, e.g. models=[models/coder,models/writer]; "

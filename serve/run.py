@@ -197,24 +197,10 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def _check_keys(cfg: DictConfig) -> None:
-    """Raises ValueError for a setting conf/serve.yaml does not have (Hydra takes ``+name=value`` for
-    any name, so a misspelt ``+max_batchs=4`` would otherwise be ignored), at the top level, in
-    :data:`SECTIONS` and in its groups (``paths``, ``model``: what any of the group's files has)."""
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    known = OmegaConf.load(conf / "serve.yaml")
-    known.pop("hydra", None)  # Hydra's own, not in the task's settings
-    groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
-    checks = [("", cfg, set(known) | set(groups))]
-    checks += [(f"{s}.", cfg[s], set(known[s])) for s in SECTIONS if isinstance(cfg.get(s), DictConfig)]
-    for g in groups:  # paths, model: the keys of any of the group's files
-        if isinstance(cfg.get(g), DictConfig):
-            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)}))
-    for where, have, want in checks:
-        unknown = sorted(set(have) - want - {"_self_"})
-        if unknown:
-            raise ValueError(f"{where}{unknown[0]} is not a setting of conf/serve.yaml; its settings"
-                             f"{' under ' + where[:-1] if where else ''}: {', '.join(sorted(want - {'_self_'}))}")
+    """``deltafleet.cli.check_settings`` of conf/serve.yaml, :data:`SECTIONS` checked key by key."""
+    from deltafleet.cli import check_settings
 
+    check_settings(cfg, "serve.yaml", SECTIONS)
 
 def _no_base(cfg: DictConfig) -> str:
     from deltafleet.cli import build_hint

@@ -217,7 +217,13 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
              # found by a fresh user: tracebacks (a ValueError outside the handler, Path(None)'s TypeError)
              ([models, "threads=0"], "error: threads must be null or a positive integer, got 0"),
              ([f"models=[null,{tiny_family.variants['coder']}]"], "error: models[0] must be a folder path, got None"),
-             (["models=[5]"], "error: models[0] must be a folder path, got 5")]
+             (["models=[5]"], "error: models[0] must be a folder path, got 5"),
+             # found by a fresh user: a misspelt +key, or a training config group, merged as if not given
+             ([models, "+overwite=true"], "error: overwite is not a setting of conf/merge_models.yaml; its settings: "
+                                          "base, max_shard_gb, method, models, out_dir, overwrite, params, paths, "
+                                          "progress, threads"),
+             ([models, "+params.densty=0.3"], "error: params.densty is not a setting of conf/merge_models.yaml; its "
+                                              "settings under params: alpha, density,")]
     for i, (args, message) in enumerate(cases):
         r = subprocess.run(base + args + [f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, capture_output=True,
                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
