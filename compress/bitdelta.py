@@ -414,7 +414,8 @@ def compress(
     if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
-    check_replaceable(out_dir, [base_dir, finetuned_dir], not_artifact, job="export", overwrite=overwrite)
+    check_replaceable(out_dir, [base_dir, finetuned_dir], lambda f: not_artifact(f, variant), job="export",
+                      overwrite=overwrite)
 
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
@@ -831,15 +832,20 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
 
 
 
-def not_artifact(folder: Path) -> str | None:
-    """Why ``folder`` is not (only) a BitDelta artifact, or None if it is: it must hold its manifest and
-    no file but those the manifest lists (a file of the user's beside an artifact is not replaced)."""
+def not_artifact(folder: Path, variant: str | None = None, job: str = "export") -> str | None:
+    """Why ``folder`` is not (only) a BitDelta artifact (of ``variant``, if given), or None if it is: it
+    must hold its manifest and no file but those the manifest lists (a file of the user's beside an
+    artifact is not replaced), and another variant's artifact is not replaced by this one's. Without a
+    manifest, the first few things the folder holds are named (``artifacts/`` itself: its variants)."""
     try:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
-        return f"no readable {MANIFEST_NAME}"
+        held = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        return f"no readable {MANIFEST_NAME}; it holds {', '.join(held[:4])}{', …' if len(held) > 4 else ''}"
+    if variant is not None and isinstance(manifest, dict) and manifest.get("variant") != variant:
+        return f"it is the artifact of variant {manifest.get('variant')!r}, not of {variant!r}"
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    return unlisted_files(folder, [MANIFEST_NAME, *(files if isinstance(files, dict) else ())], "export")
+    return unlisted_files(folder, [MANIFEST_NAME, *(files if isinstance(files, dict) else ())], job)
 
 
 HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder may be replaced by a new export

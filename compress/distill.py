@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from deltafleet.atomic import fsync_path, staged_dir
+from deltafleet.atomic import check_replaceable, fsync_path, staged_dir
 from deltafleet.compress.bitdelta import (
     ALPHA_SUFFIX,
     BETA_SUFFIX,
@@ -61,6 +61,7 @@ from deltafleet.compress.bitdelta import (
     _sha256_file,
     fingerprint,
     load_artifact,
+    not_artifact,
     write_manifest,
 )
 from deltafleet.kernels import unpack_signs
@@ -440,6 +441,9 @@ def distill_scales(
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir).absolute()
     t0 = time.perf_counter()
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir))
+    # the source is read to the end: never the output; nor another variant's artifact
+    check_replaceable(out_dir, [artifact_dir, base_dir, finetuned_dir],
+                      lambda f: not_artifact(f, artifact.manifest.get("variant"), "distillation"), job="distillation")
     if not artifact.signs:
         log.warning("%s has no compressed matrices: nothing to distil, α is copied as is", artifact_dir)
     source_ft = (artifact.manifest.get("provenance") or {}).get("finetuned") or {}
@@ -498,6 +502,14 @@ def distill_scales(
     stored = {**{name + ALPHA_SUFFIX: (a, artifact.alphas[name].dtype) for name, a in alphas.items()},
               **{name + BETA_SUFFIX: (b, artifact.betas[name].dtype) for name, b in betas.items()}}
     new_scales = {key: t.detach().to("cpu", dtype).contiguous() for key, (t, dtype) in stored.items()}
+    bad = next((k for k, t in new_scales.items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None or not math.isfinite(loss_after):  # an lr too large: the optimisation diverged
+        raise ValueError(f"the distillation diverged ({loss} {loss_before:.6g} → {loss_after:.6g}"
+                         + (f", {bad} not finite" if bad is not None else "") + f") at lr={lr}: nothing was "
+                         f"written; {out_dir} is as it was. Try a smaller lr")
+    if loss_after > loss_before:
+        log.warning("the distilled scales fit the fine-tune worse than the source's (%s %.6g → %.6g): a smaller "
+                    "lr may help", loss, loss_before, loss_after)
     distillation = {
         "method": METHOD,
         "source_artifact": str(artifact_dir),

@@ -788,7 +788,7 @@ def test_export_never_replaces_an_input_or_a_folder_it_did_not_write(family, tmp
     victim.mkdir()
     (victim / "NOTES.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"holds files that are not an earlier export's output \(no readable "
-                                         r"bitdelta.json\)"):
+                                         r"bitdelta.json; it holds NOTES.txt\)"):
         compress(base_dir, ft_dir, victim, variant="coder")
     assert [p.name for p in victim.iterdir()] == ["NOTES.txt"]
     art = tmp_path / "art"
@@ -803,6 +803,18 @@ def test_export_never_replaces_an_input_or_a_folder_it_did_not_write(family, tmp
     assert (art / "mynotes.txt").read_text() == "mine" and load_artifact(art).manifest["granularity"] == "row"
     compress(base_dir, ft_dir, victim, variant="coder", overwrite=True)
     assert sorted(p.name for p in victim.iterdir()) == ["bitdelta.json", "delta.safetensors"]
+    # found by a fresh user: another variant's artifact was replaced as "an earlier export", and the
+    # refusal of a folder of artifacts (artifacts/ itself) did not say what it holds
+    with pytest.raises(ValueError, match=r"\(it is the artifact of variant 'coder', not of 'math'\)"):
+        compress(base_dir, ft_dir, art, variant="math")
+    assert load_artifact(art).manifest["variant"] == "coder"
+    shelf = tmp_path / "shelf"
+    compress(base_dir, ft_dir, shelf / "coder", variant="coder")
+    compress(base_dir, ft_dir, shelf / "math", variant="math")
+    with pytest.raises(ValueError, match=r"\(no readable bitdelta.json; it holds coder/, math/\): the export replaces "
+                                         r"the whole folder, which would delete them"):
+        compress(base_dir, ft_dir, shelf, variant="coder")
+    assert sorted(p.name for p in shelf.iterdir()) == ["coder", "math"]
 
 
 def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):

@@ -552,3 +552,26 @@ def test_rowcol_scales_are_clamped_to_the_float16_range(tmp_path):
         _, at_zero, at_max = _one_step(old, new, 1e5, 0.0, 65504.0, atol=0)
         assert at_zero > 0 and at_max > 0, suffix
     load_artifact(tmp_path / "out")
+
+
+def test_a_diverged_distillation_or_a_wrong_out_dir_writes_nothing(tiny_family, calib, tmp_path):
+    """Found by a fresh user: lr=1e4 made every scale NaN and the job wrote the unloadable artifact
+    (over a good one) with status 0; out_dir set to the source artifact, or to another variant's,
+    replaced it. Now a diverged run raises before writing, and both out_dirs are refused before any
+    work, each leaving what was there."""
+    src = tiny_family.artifacts_dir / "coder"
+    args = (tiny_family.base_dir, tiny_family.variants["coder"], src)
+    good = tmp_path / "coder-distilled"
+    distill_scales(*args, good, calib[:4], steps=1)
+    before = {f: (good / f).read_bytes() for f in os.listdir(good)}
+    with pytest.raises(ValueError, match=r"^the distillation diverged \(mse .* → nan.*\) at lr=1e\+30: nothing was "
+                                         r"written; .*coder-distilled is as it was. Try a smaller lr$"):
+        distill_scales(*args, good, calib[:4], steps=3, lr=1e30)
+    assert {f: (good / f).read_bytes() for f in os.listdir(good)} == before
+    with pytest.raises(ValueError, match=r"overlaps the input .*/coder: the distillation would replace or write into it"):
+        distill_scales(*args, src, calib[:4], steps=1)
+    other = tmp_path / "writer"
+    shutil.copytree(tiny_family.artifacts_dir / "writer", other)
+    with pytest.raises(ValueError, match=r"it is the artifact of variant 'writer', not of 'coder'"):
+        distill_scales(*args, other, calib[:4], steps=1)
+    assert load_artifact(other).manifest["variant"] == "writer" and _leftovers(tmp_path) == []
