@@ -457,6 +457,10 @@ def compress(
                     f"parameter {name!r} would be stored in full under a name ending in "
                     f"{SIGN_SUFFIX!r}, which the format reserves for packed signs"
                 )
+            if kind == "full" and any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+                                      for t in stored.values()):  # as a compressed matrix's Δ is checked
+                raise ValueError(f"{name}: the fine-tune holds NaN or inf in this tensor, which would be stored in "
+                                 "full: nothing was exported")
             size = sum(t.numel() * t.element_size() for t in stored.values())
             if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
                 flush()

@@ -641,6 +641,15 @@ def test_a_fine_tune_holding_nan_is_refused_and_names_the_matrix(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{name}: the fine-tune or the base holds NaN or inf (row 5 of Δ")):
         compress(base_dir, ft_dir, tmp_path / "art", variant="coder")
     assert not (tmp_path / "art").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # found by another: a NaN in a norm, a tensor stored in full, was exported (and loaded) as it was
+    state[name][5, 3] = 1.0
+    norm = "model.layers.1.input_layernorm.weight"
+    state[norm][0] = float("nan")
+    save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{norm}: the fine-tune holds NaN or inf in this tensor, which "
+                                                   "would be stored in full: nothing was exported")):
+        compress(base_dir, ft_dir, tmp_path / "art", variant="coder")
+    assert not (tmp_path / "art").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_missing_checkpoints_get_a_command_that_builds_them(family, tmp_path):
