@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -367,17 +368,46 @@ def test_eval_scores_existing_artifacts_without_building(family, tmp_path):
 
 
 def test_eval_settings_are_checked_before_any_work():
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from deltafleet.train.eval import check_settings
 
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        default = compose(config_name="eval", overrides=["~logger"])
+
+    def cfg(**over):
+        c = OmegaConf.to_container(default)
+        for key, v in over.items():
+            where, *path = key.split("__")
+            node = c
+            for p in [where, *path][:-1]:
+                node = node[p]
+            node[[where, *path][-1]] = v
+        return OmegaConf.create(c)
+
     with pytest.raises(ValueError, match=r"setting names \['bitdelta-row', 'fine-tune'\] are reserved"):
-        check_settings(OmegaConf.create({"build": True, "existing": {"fine-tune": "a", "bitdelta-row": "b", "ok": "c"}}))
+        check_settings(cfg(existing={"fine-tune": "a", "bitdelta-row": "b", "ok": "c"}))
     with pytest.raises(ValueError, match="build=false and no existing artifacts"):
-        check_settings(OmegaConf.create({"build": False, "existing": {}}))
+        check_settings(cfg(build=False, existing={}))
     with pytest.raises(ValueError, match=r"the folders of \['bad', 'empty'\] must be paths"):
-        check_settings(OmegaConf.create({"build": True, "existing": {"bad": 5, "empty": "", "ok": "x"}}))
-    check_settings(OmegaConf.create({"build": False, "existing": {"exported": "x/{variant}"}}))
+        check_settings(cfg(existing={"bad": 5, "empty": "", "ok": "x"}))
+    check_settings(cfg(build=False, existing={"exported": "x/{variant}"}))
+    # found by a fresh user: build=no built everything; a zero or negative count failed after the
+    # builds, or was taken; variants=coder was read letter by letter, and a variant twice scored twice
+    for over, message in [
+            ({"build": "no"}, "build must be true or false, got 'no'"),
+            ({"distill__enabled": "no"}, "distill.enabled must be true or false, got 'no'"),
+            ({"max_test_blocks": 0}, "max_test_blocks must be a positive integer or null, got 0"),
+            ({"max_test_blocks": -1}, "max_test_blocks must be a positive integer or null, got -1"),
+            ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+            ({"seq_len": 0}, "seq_len must be a positive integer, got 0"),
+            ({"math__problems": -3}, "math.problems must be a positive integer or null, got -3"),
+            ({"goal__gain_recovered": float("nan")}, "goal.gain_recovered must be a finite number, got nan"),
+            ({"variants": "coder"}, "variants must be a list, e.g. 'variants=[coder,math]', got 'coder'"),
+            ({"variants": ["coder", "coder"]}, "variants lists ['coder'] more than once")]:
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            check_settings(cfg(**over))
 
 
 def test_a_variant_no_config_trains_is_named_not_sent_to_train(tmp_path):
@@ -389,9 +419,15 @@ def test_a_variant_no_config_trains_is_named_not_sent_to_train(tmp_path):
 
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text("{}")
-    cfg = OmegaConf.create({"seed": 0, "build": True, "existing": {}, "variants": ["math", "nosuch"],
-                            "base_dir": str(tmp_path / "base"), "paths": {"models_dir": str(tmp_path)},
-                            "model": {"dirs": {"prefix": "tiny-"}}})
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        default = OmegaConf.to_container(compose(config_name="eval", overrides=["~logger", f"paths.root={tmp_path}"]),
+                                         resolve=True)
+    default.pop("existing")
+    cfg = OmegaConf.merge(default, {"seed": 0, "build": True, "existing": {}, "variants": ["math", "nosuch"],
+                                    "base_dir": str(tmp_path / "base"), "paths": {"models_dir": str(tmp_path)},
+                                    "model": {"dirs": {"prefix": "tiny-"}}})
     assert {"coder", "math"} <= set(trainable_variants()) and "base" not in trainable_variants()
     with pytest.raises(FileNotFoundError, match=rf"^no fine-tune of math, nosuch under {tmp_path}, and nosuch is "
                                                 r"not a variant train/run.py trains \(conf/variant/: chat, coder, "):

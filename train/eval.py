@@ -396,8 +396,30 @@ def existing_artifacts(cfg: DictConfig, variant: str) -> dict[str, dict]:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Raises ValueError for an ``existing`` setting named as a built one or whose folder is not a
-    text, or nothing to compare."""
+    """Raises ValueError, before any work, for a yes/no setting that is not true or false (Hydra keeps
+    ``build=no`` as text, which reads as true), a count that is not a positive integer (``null`` where
+    the config allows it), a goal that is not a finite number, variants given twice, an ``existing``
+    setting named as a built one or whose folder is not a text, or nothing to compare."""
+    from deltafleet.cli import flag
+
+    for key in ("build", "distill.enabled"):
+        flag(cfg, key)
+    counts = {"seq_len": False, "batch_size": False, "max_test_blocks": True, "math.problems": True,
+              "math.batch_size": False, "math.max_new_tokens": False, "distill.steps": False,
+              "distill.batch_size": False, "distill.max_calibration_blocks": False}
+    for key, nullable in counts.items():
+        v = OmegaConf.select(cfg, key)
+        if not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{key} must be a positive integer{' or null' if nullable else ''}, got {v!r}")
+    for key in ("goal.max_bits_per_parameter", "goal.gain_recovered"):
+        v = OmegaConf.select(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{key} must be a finite number, got {v!r}")
+    if not OmegaConf.is_list(cfg.variants):
+        raise ValueError(f"variants must be a list, e.g. 'variants=[coder,math]', got {cfg.variants!r}")
+    twice = sorted({v for v in cfg.variants if list(cfg.variants).count(v) > 1})
+    if twice:
+        raise ValueError(f"variants lists {twice} more than once")
     names = set(cfg.get("existing") or {})
     bad = sorted(n for n, v in (cfg.get("existing") or {}).items() if not isinstance(v, str) or not v)
     if bad:
