@@ -618,8 +618,9 @@ def _source_artifact(cfg, run_dir: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from deltafleet.cli import user_errors
+    from deltafleet.cli import stop_on_sigterm, user_errors
 
+    stop_on_sigterm()  # a stopped distillation removes its staged folder, as Ctrl-C does
     with user_errors("distill"):
         from deltafleet.threads import set_threads
 
@@ -639,6 +640,11 @@ def _main(cfg: DictConfig) -> dict:
     # the arguments first, before minutes of tokenising and re-exporting
     _validate(torch.zeros(1, 1, dtype=torch.long), cfg.loss, cfg.steps, cfg.lr, cfg.batch_size)
     require_checkpoints(cfg, variant)
+    context = json.loads((Path(cfg.base_dir) / "config.json").read_text()).get("max_position_embeddings")
+    if isinstance(cfg.seq_len, bool) or not isinstance(cfg.seq_len, int) or cfg.seq_len < 1 \
+            or (isinstance(context, int) and cfg.seq_len > context):
+        raise ValueError(f"seq_len must be a positive integer up to the model's context ({context} tokens, "
+                         f"max_position_embeddings), got {cfg.seq_len!r}")
     tokenizer = load_tokenizer(cfg.base_dir)
     jsonl = Path(cfg.paths.data_dir) / cfg.variant.domain / f"{cfg.split}.jsonl"
     calibration = calibration_blocks(jsonl, tokenizer, cfg.seq_len, cfg.max_calibration_blocks)

@@ -245,8 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: unknown {what} {args[0]!r}\n\n{_usage(prog, table, what)}", end="", file=sys.stderr)
         return 2
     module, _, pre = table[args[0]]
-    if ("--help" in args[1:] or "-h" in args[1:]) and _hydra_job(module):  # its help names the script (run, ...)
+    helping = ("--help" in args[1:] or "-h" in args[1:]) and _hydra_job(module)
+    if helping:  # its help names the script (run, ...)
         pre = [*pre, f"hydra.help.app_name='{prog} {args[0]}'"]
     sys.argv = [f"{prog} {args[0]}", *pre, *args[1:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
+    except Exception as e:
+        # Hydra's help composes the config, which a job with a group to choose (variant=...) cannot
+        # do until it is chosen: say so in one line, as Hydra's own message, not a traceback
+        if not helping or type(e).__name__ != "ConfigCompositionException":
+            raise
+        print(f"{prog} {args[0]}: {e}; its help shows the config of that choice, e.g. "
+              f"`{prog} {args[0]} variant=coder --help`", file=sys.stderr)
+        return 2
     return 0

@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -393,6 +395,28 @@ def test_distill_py_end_to_end(tiny_family, tmp_path):
     assert len(run_dirs) == 1 and (run_dirs[0] / "source-row" / "bitdelta.json").is_file()
     metrics = list((root / "outputs" / "csv").rglob("metrics.csv"))
     assert len(metrics) == 1 and "distill/mse" in metrics[0].read_text()
+    # found by a fresh user: a seq_len far past the model's context ran until the machine ran out of
+    # memory; and SIGTERM ended the job with no message (-15), skipping its clean-up
+    context = json.loads((root / "models" / "base" / "config.json").read_text())["max_position_embeddings"]
+    long = subprocess.run([sys.executable, "compress/distill.py", "variant=coder", f"paths.root={root}",
+                           f"seq_len={context + 1}", "logger=csv"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert long.returncode == 1 and "Traceback" not in long.stderr, long.stderr[-2000:]
+    assert long.stderr.strip().splitlines()[-1] == (f"distill: ValueError: seq_len must be a positive integer up to "
+                                                    f"the model's context ({context} tokens, max_position_embeddings), "
+                                                    f"got {context + 1}")
+    stopped = subprocess.Popen([sys.executable, "compress/distill.py", "variant=coder", f"paths.root={root}",
+                                "steps=100000", "seq_len=32", "max_calibration_blocks=8", "log_every=1", "logger=csv",
+                                "out_dir=" + str(root / "artifacts" / "stopped")], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list((root / "outputs" / "csv").rglob("metrics.csv"))[1:] and time.monotonic() < deadline:
+        time.sleep(0.2)  # the second run's logger is up: it is training
+    time.sleep(1.0)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(60) == 143, stopped.stderr.read()[-2000:]
+    assert not (root / "artifacts" / "stopped").exists()
+    assert not [p.name for p in (root / "artifacts").iterdir() if p.name.startswith(".")]
 
 
 def test_rowcol_distillation_fits_alpha_and_beta_in_float16(tiny_family, calib, tmp_path):

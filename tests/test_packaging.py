@@ -66,6 +66,14 @@ def test_the_installed_command_runs_outside_the_checkout(wheel, tmp_path):
     job_help = run("-m", "deltafleet", "serve", "--help")  # Hydra's, named as typed, not after run.py
     assert job_help.returncode == 0 and job_help.stdout.startswith("deltafleet serve is powered by Hydra."), \
         job_help.stdout[:200] + job_help.stderr[-2000:]
+    # found by a fresh user: a job whose config has a group to choose (variant) gave a traceback
+    for job in ("export", "distill"):
+        choose = run("-m", "deltafleet", job, "--help")
+        assert choose.returncode == 2 and "Traceback" not in choose.stderr, choose.stderr[-2000:]
+        assert choose.stderr.startswith(f"deltafleet {job}: You must specify 'variant'")
+        assert f"e.g. `deltafleet {job} variant=coder --help`" in choose.stderr
+        chosen = run("-m", "deltafleet", job, "variant=coder", "--help")
+        assert chosen.returncode == 0 and chosen.stdout.startswith(f"deltafleet {job} is powered by Hydra.")
     plain_help = run("-m", "deltafleet", "summary", "--help")  # not a Hydra job: no Hydra override added
     said = plain_help.stdout + plain_help.stderr
     assert said.startswith("usage: ") and "hydra" not in said, said[-2000:]

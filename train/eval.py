@@ -718,8 +718,9 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    from deltafleet.cli import user_errors
+    from deltafleet.cli import stop_on_sigterm, user_errors
 
+    stop_on_sigterm()  # a stopped eval removes what it staged, as Ctrl-C does
     with user_errors("eval"):
         from deltafleet.threads import set_threads
 
