@@ -18,15 +18,15 @@ is launched during the GEMM's last tiles. Every kernel of the chain waits for th
 it ends, so a wait also covers every kernel further back; a kernel launched without PDL (cuBLAS,
 FlexAttention, RoPE) waits for the one before to end, as always.
 
-Only in steps run for CUDA graphs (:func:`in_graphs`: their warm-up and capture, serve/graphs.py),
-since launching these Triton kernels from Python costs more host time than cuBLAS and the compiled
-functions, which a graph pays once; on a Hopper GPU (:func:`takes`: CUDA capability 9, half
-precision, up to :data:`MAX_ROWS` rows); with ``DELTAFLEET_DECODE_CHAIN`` not ``0`` (read at import;
-to compare, or to debug). Elsewhere the model runs ``F.linear`` (cuBLAS) and its compiled norm and
-SiLU·up (serve/model.py). Above
-:data:`MAX_ROWS` rows the GEMMs are bound by the tensor cores, where cuBLAS is faster than this
-Triton GEMM. The norm and SiLU·up round as the model's compiled functions do: the residual sum once
-to the activation dtype, the normalised row once before the weight, ``silu(g)·u`` in float32 once.
+The chain runs only in steps run for CUDA graphs (:func:`in_graphs`: their warm-up and capture,
+serve/graphs.py), since launching these Triton kernels from Python costs more host time than cuBLAS
+and the compiled functions, which a graph pays once; on a Hopper GPU (:func:`takes`: CUDA capability
+9, half precision, up to :data:`MAX_ROWS` rows); with ``DELTAFLEET_DECODE_CHAIN`` not ``0`` (read at
+import; to compare, or to debug). Elsewhere the model runs ``F.linear`` (cuBLAS) and its compiled
+norm and SiLU·up (serve/model.py). Above :data:`MAX_ROWS` rows the GEMMs are bound by the tensor
+cores, where cuBLAS is faster than this Triton GEMM. The norm and SiLU·up round as the model's
+compiled functions do: the residual sum once to the activation dtype, the normalised row once before
+the weight, ``silu(g)·u`` in float32 once.
 """
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the chain runs for activations ``x [..., K]`` (and ``others`` read beside them, of x's
     shape): inside :func:`in_graphs`, on a Hopper GPU (not the interpreter), bf16/fp16, 1 to
     :data:`MAX_ROWS` rows, unit stride along K, with :data:`CHAIN` on."""
-    if not CHAIN or not getattr(_graphs, "on", False) or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or _interpret():
+    if not (CHAIN and getattr(_graphs, "on", False) and x.is_cuda) or _interpret():
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16):
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= MAX_ROWS or any(t.shape != x.shape or t.dtype != x.dtype for t in others):
