@@ -690,7 +690,8 @@ def load_artifact(
         raise FingerprintMismatchError(
             f"{path}: artifact {manifest['variant']!r} was exported against base fingerprint "
             f"{expected}, but the base given has fingerprint {base_fingerprint}; "
-            "pass force=True (force=true on the command line) to apply it anyway"
+            "export it again against this base, or, in a job that takes it (serve, export format=hf), set "
+            "force=true to apply it anyway"
         )
     files = manifest["files"]
     for name, digest in files.items():

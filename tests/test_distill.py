@@ -290,7 +290,9 @@ def test_bad_arguments(tiny_family, calib, tmp_path, kwargs, match):
 
 
 def test_another_base_is_refused(tiny_family, calib, tmp_path):
-    with pytest.raises(FingerprintMismatchError):
+    # found by a fresh user: the message told distillation users to pass force=true, which it does not take
+    with pytest.raises(FingerprintMismatchError, match=r"export it again against this base, or, in a job that "
+                                                       r"takes it \(serve, export format=hf\), set force=true"):
         distill_scales(tiny_family.variants["writer"], tiny_family.variants["coder"],
                        tiny_family.artifacts_dir / "coder", tmp_path / "out", calib, steps=1)
     assert os.listdir(tmp_path) == []
