@@ -338,3 +338,23 @@ def test_bad_settings_fail_before_training(family, override, message):
         assert "blocks of 64 tokens, fewer than one batch (variant.batch_size=100000): nothing to train on" in proc.stderr
     assert "Traceback" not in proc.stderr and "Trainer.fit" not in proc.stdout + proc.stderr
     assert sorted(p.name for p in (root / "models").iterdir()) == before
+
+
+def test_summary_names_the_records_it_cannot_use(tmp_path, capsys):
+    """Found by a fresh user: a truncated ``training.json`` ended ``make summary`` in a JSONDecodeError
+    traceback, and a record missing its held-out losses was dropped from the table without a word.
+    Each is now left out with a line naming it; the readable records are still tabled."""
+    from deltafleet.train.summary import collect
+
+    good = {"variant": "coder", "domain": "coder", "heldout/base_loss": 5.0, "heldout/loss": 4.0}
+    for name, text in [("coder", json.dumps(good)), ("math", '{"variant": "math", "heldout/base'),
+                       ("writer", json.dumps({"variant": "writer", "heldout/loss": 4.0})),
+                       ("base", json.dumps({"variant": "base", "heldout/loss": 3.0}))]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "training.json").write_text(text)
+    rows = collect(tmp_path)
+    assert [r["model"] for r in rows] == ["coder"]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"skipped {tmp_path / 'math' / 'training.json'}: not a readable JSON")
+    assert err[1] == (f"skipped {tmp_path / 'writer' / 'training.json'}: it records no heldout/base_loss "
+                      "(a run stopped before its evaluation?)")

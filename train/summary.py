@@ -17,12 +17,23 @@ from pathlib import Path
 
 def collect(models_dir: str | Path) -> list[dict]:
     """The ``training.json`` records of every fine-tune under ``models_dir`` (bases excluded), in
-    folder order, each with ``model``: its folder's name."""
+    folder order, each with ``model``: its folder's name. A record that cannot be read, or a
+    fine-tune's without its held-out losses, is left out with a line on stderr naming it."""
     rows = []
     for path in sorted(Path(models_dir).glob("*/training.json")):
-        rec = json.loads(path.read_text())
-        if rec.get("variant") != "base" and "heldout/base_loss" in rec:  # a base has no base loss
-            rows.append({"model": path.parent.name, **rec, **_artifact_now(rec)})
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"skipped {path}: not a readable JSON record ({e})", file=sys.stderr)
+            continue
+        if not isinstance(rec, dict) or rec.get("variant") == "base":  # a base has no base loss
+            continue
+        missing = [k for k in ("heldout/base_loss", "heldout/loss") if not isinstance(rec.get(k), (int, float))]
+        if missing:
+            print(f"skipped {path}: it records no {', '.join(missing)} (a run stopped before its evaluation?)",
+                  file=sys.stderr)
+            continue
+        rows.append({"model": path.parent.name, **rec, **_artifact_now(rec)})
     return rows
 
 
