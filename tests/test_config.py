@@ -171,6 +171,11 @@ def test_a_bad_thread_setting_is_refused_by_name():
         with pytest.raises(ValueError, match=r"threads must be null or a positive integer"):
             set_threads(OmegaConf.create({"threads": bad}))
     assert set_threads(OmegaConf.create({})) is None and set_threads(OmegaConf.create({"threads": None})) is None
+    # found by a fresh user: threads=100000 crashed torch's thread pool (a segmentation fault)
+    cores = os.cpu_count() or 1
+    with pytest.raises(ValueError, match=rf"^threads=100000 is more than 4 per core of this machine's {cores}: "
+                                         rf"at most {4 * cores}$"):
+        set_threads(OmegaConf.create({"threads": 100000}))
 
 
 def test_a_job_started_with_a_bad_thread_setting_says_so(tmp_path):
