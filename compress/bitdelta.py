@@ -857,9 +857,15 @@ HF_EXPORT_RECORD = "bitdelta-export.json"  # format=hf's signature: its folder m
 HF_WRITTEN_BY = "deltafleet export format=hf"
 
 
-def _not_hf_export(folder: Path) -> str | None:
-    """Why ``folder`` is not (only) an earlier :func:`export_hf` output, or None if it is."""
-    return not_recorded_output(folder, HF_EXPORT_RECORD, HF_WRITTEN_BY, "export")
+def _not_hf_export(folder: Path, variant: str | None = None) -> str | None:
+    """Why ``folder`` is not (only) an earlier :func:`export_hf` output (of ``variant``, where its record
+    names one), or None if it is."""
+    why = not_recorded_output(folder, HF_EXPORT_RECORD, HF_WRITTEN_BY, "export")
+    if why is None and variant is not None:
+        was = json.loads((folder / HF_EXPORT_RECORD).read_text()).get("variant")
+        if was is not None and was != variant:
+            return f"it is the checkpoint of variant {was!r}, not of {variant!r}"
+    return why
 
 
 def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, *,
@@ -891,8 +897,12 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         ValueError: an ``out_dir`` it must not replace.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    check_replaceable(out_dir, [base_dir, artifact_dir], _not_hf_export, job="export", key="hf_out_dir",
-                      overwrite=overwrite)
+    try:  # the variant, to keep another variant's checkpoint (load_artifact checks the manifest below)
+        variant = json.loads((Path(artifact_dir) / MANIFEST_NAME).read_text()).get("variant")
+    except (OSError, ValueError, AttributeError):
+        variant = None
+    check_replaceable(out_dir, [base_dir, artifact_dir], lambda f: _not_hf_export(f, variant), job="export",
+                      key="hf_out_dir", overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
     state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
     # a tensor stored in full keeps the fine-tune's dtype in the artifact: here it takes the base's
@@ -911,6 +921,7 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
                 shutil.copyfile(base_dir / name, tmp / name)
         _fit_config(tmp / "config.json", state)
         record = {"written_by": HF_WRITTEN_BY, "artifact": str(Path(artifact_dir).absolute()),
+                  "variant": artifact.manifest.get("variant"),
                   "files": sorted([p.name for p in tmp.iterdir()] + [HF_EXPORT_RECORD])}
         (tmp / HF_EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir

@@ -840,6 +840,13 @@ def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
     record = json.loads((out / bd.HF_EXPORT_RECORD).read_text())
     assert record["files"] == sorted(p.name for p in out.iterdir())
     bd.export_hf(base_dir, artifact_dir, out)  # its own earlier output: replaced
+    # found by a fresh user: another variant's materialised checkpoint was replaced as an earlier export
+    assert json.loads((out / bd.HF_EXPORT_RECORD).read_text())["variant"] == "coder"
+    other = tmp_path / "other-art"
+    bd.compress(base_dir, ft_dir, other, variant="math")
+    with pytest.raises(ValueError, match=r"hf_out_dir .*\(it is the checkpoint of variant 'coder', not of 'math'\)"):
+        bd.export_hf(base_dir, other, out)
+    assert json.loads((out / bd.HF_EXPORT_RECORD).read_text())["variant"] == "coder"
 
 
 # --------------------------------------------------------------------------------------------
