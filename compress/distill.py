@@ -54,6 +54,7 @@ from deltafleet.compress.bitdelta import (
     BETA_SUFFIX,
     DELTA_INDEX_NAME,
     DELTA_NAME,
+    GRANULARITIES,
     MANIFEST_NAME,
     Artifact,
     ArtifactError,
@@ -639,6 +640,9 @@ def _main(cfg: DictConfig) -> dict:
                          f"(pick a variant, e.g. variant=math)")
     # the arguments first, before minutes of tokenising and re-exporting
     _validate(torch.zeros(1, 1, dtype=torch.long), cfg.loss, cfg.steps, cfg.lr, cfg.batch_size)
+    if cfg.granularity is not None and cfg.granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be null (the artifact's own) or one of {GRANULARITIES}, "
+                         f"got {cfg.granularity!r}")
     require_checkpoints(cfg, variant)
     context = json.loads((Path(cfg.base_dir) / "config.json").read_text()).get("max_position_embeddings")
     if isinstance(cfg.seq_len, bool) or not isinstance(cfg.seq_len, int) or cfg.seq_len < 1 \

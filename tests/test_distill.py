@@ -407,6 +407,12 @@ def test_distill_py_end_to_end(tiny_family, tmp_path):
     assert long.stderr.strip().splitlines()[-1] == (f"distill: ValueError: seq_len must be a positive integer up to "
                                                     f"the model's context ({context} tokens, max_position_embeddings), "
                                                     f"got {context + 1}")
+    bogus = subprocess.run([sys.executable, "compress/distill.py", "variant=coder", f"paths.root={root}",
+                            "granularity=bogus", "logger=csv"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=240)  # found by a fresh user: "exporting a 'bogus' one to …", then refused
+    assert bogus.returncode == 1 and "exporting" not in bogus.stdout, bogus.stdout[-2000:]
+    assert bogus.stderr.strip().splitlines()[-1] == ("distill: ValueError: granularity must be null (the artifact's "
+                                                     "own) or one of ('matrix', 'row', 'rowcol'), got 'bogus'")
     stopped = subprocess.Popen([sys.executable, "compress/distill.py", "variant=coder", f"paths.root={root}",
                                 "steps=100000", "seq_len=32", "max_calibration_blocks=8", "log_every=1", "logger=csv",
                                 "out_dir=" + str(root / "artifacts" / "stopped")], cwd=REPO, env=env,
