@@ -114,7 +114,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](x2, y2, weight, h, n, d, eps, x2.stride(0), y2.stride(0),
                                              BLOCK=triton.next_power_of_2(d), PDL=pdl, num_warps=8,
-                                             **({"launch_pdl": True} if pdl else {}))
+                                             launch_pdl=pdl)
     return h.view(x.shape), n.view(x.shape)
 
 
@@ -140,6 +140,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, pdl: bool = True) -> torch.Te
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.shape[0] and f:
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(f, SILU_BLOCK))](
-            g2, u2, out, f, g2.stride(0), u2.stride(0), BLOCK=SILU_BLOCK, PDL=pdl, num_warps=4,
-            **({"launch_pdl": True} if pdl else {}))
+            g2, u2, out, f, g2.stride(0), u2.stride(0), BLOCK=SILU_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out.view(*gate.shape[:-1], f)

@@ -83,11 +83,10 @@ def base_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = No
     if m == 0 or n == 0:
         return y
     bm = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    extra = {"launch_pdl": True} if pdl else {}
     _base_mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N))](
         x, weight, weight if bias is None else bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, DOT_FP32=_interpret(),
-        HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, **extra)
+        HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 

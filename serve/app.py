@@ -1244,12 +1244,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                                    "logprobs": None if body.logprobs is None else
                                    echo_logprobs(firsts[i // body.n], st, 0 if drop else len(st))}
                                   for i, (text, reason, _, st) in enumerate(done)]
-                generated = 0 if drop else sum(n for _, _, n, _ in done)
             else:
                 out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
                                    "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
-                generated = sum(n for _, _, n, _ in done)
-            out["usage"] = _usage(prompt_tokens, generated)
+            dropped = body.echo and body.max_tokens == 0  # the one token generated is not the answer's
+            out["usage"] = _usage(prompt_tokens, 0 if dropped else sum(n for _, _, n, _ in done))
             return out
         return await json_off_loop(answer)
 

@@ -163,9 +163,12 @@ class DeltaCache:
     def _victim(self, tier: str, exclude: str) -> _Entry | None:
         now = self.clock()
         keep = self._protected(now) if tier == "device" else set()
-        cands = [e for e in self._entries.values() if getattr(e, tier) is not None
-                 and e.model_id != exclude and e.model_id not in keep]
-        return min(cands, key=lambda e: (self._count(e, now), e.t_count), default=None)
+        return self._coldest([e for e in self._entries.values() if getattr(e, tier) is not None
+                              and e.model_id != exclude and e.model_id not in keep], now)
+
+    def _coldest(self, entries: list[_Entry], now: float) -> _Entry | None:
+        """The entry with the smallest decayed request count (the least recently used among equals)."""
+        return min(entries, key=lambda e: (self._count(e, now), e.t_count), default=None)
 
     def _fits(self, used: int, budget: int | None, n: int) -> bool:
         return budget is None or used + n <= budget
@@ -226,9 +229,8 @@ class DeltaCache:
         pinned by name or count, not already draining) as draining; returns it, or None."""
         now = self.clock()
         keep = self.pinned | self._top_n(now)
-        cands = [x for x in self._entries.values() if x.device is not None and x is not e
-                 and x.model_id not in keep and not x.draining]
-        v = min(cands, key=lambda x: (self._count(x, now), x.t_count), default=None)
+        v = self._coldest([x for x in self._entries.values() if x.device is not None and x is not e
+                           and x.model_id not in keep and not x.draining], now)
         if v is not None:
             v.draining = True
         return v

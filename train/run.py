@@ -238,8 +238,8 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.variant.init == "base" and export:
         from deltafleet.compress.bitdelta import not_artifact
 
-        check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], lambda f: not_artifact(f, cfg.variant.name), job="export",
-                          key="export.out_dir", overwrite=overwrite)
+        check_replaceable(cfg.export.out_dir, [cfg.base_dir, cfg.out_dir], lambda f: not_artifact(f, cfg.variant.name),
+                          job="export", key="export.out_dir", overwrite=overwrite)
     for split in SPLITS:
         split_file(cfg.paths.data_dir, cfg.variant.domain, split)
     if cfg.variant.adapter not in (None, "lora"):
