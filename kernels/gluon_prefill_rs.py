@@ -310,57 +310,48 @@ def rs_supported(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> 
 
 def usable_configs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor) -> list[tuple]:
     """The configurations that :func:`bitdelta_linear_prefill_rs` runs for these tensors, in order
-    (the first is the untimed default): none unless :func:`rs_supported`; up to 128 rows those of
-    :data:`SMALL_CONFIGS` whose token tile is at most twice the rows (at least 8), beyond that
-    :data:`CONFIGS`; each only if its loop body (``64·U`` weights of K) divides K."""
+    (the first is the untimed default): none unless :func:`rs_supported`; else
+    :func:`ordered_configs` for their rows and features on this device's multiprocessors, each only
+    if its loop body (``64·U`` weights of K) divides K."""
     if not rs_supported(x2, weight, sign):
         return []
-    m, k = x2.shape
+    (m, k), n = x2.shape, weight.shape[0]
+    return [c for c in ordered_configs(m, n, multiprocessors(x2.device)) if k % (BLOCK_K * c[2]) == 0]
+
+
+def ordered_configs(m: int, n: int, sms: int) -> list[tuple]:
+    """The configurations for ``m`` rows of ``n`` features, the untimed default first.
+
+    Up to 128 rows: those of :data:`SMALL_CONFIGS` whose token tile is at most twice the rows (at
+    least 8), the smallest tile that holds every row first. Beyond: :data:`CONFIGS` (256 tokens) and
+    the first small configurations of 128 and 64 tokens, led by the largest token tile whose tiles,
+    unsplit, occupy at least half of the ``sms`` multiprocessors (else the 64-token one, split by
+    :func:`default_split`): a 256-token tile of few features leaves most of them idle (Llama-2-7B's o at
+    256 rows: 32 programs on 132), and a split of 256-token tiles pays their sums' atomic adds."""
     if m <= 128:
         cap = max(8, 2 * triton.next_power_of_2(m))
         fits = [c for c in SMALL_CONFIGS if c[0] <= cap]
         fits.sort(key=lambda c: (c[0] < m, c[0]))  # the smallest tile that holds every row first
-    else:
-        fits = list(CONFIGS)
-    return [c for c in fits if k % (BLOCK_K * c[2]) == 0]
+        return fits
+    fits = list(CONFIGS) + [next(c for c in SMALL_CONFIGS if c[0] == bt) for bt in (128, 64)]
+    first = next((c for c in fits if triton.cdiv(m, c[0]) * triton.cdiv(n, BLOCK_N) >= sms / 2), fits[-1])
+    return [first] + [c for c in fits if c is not first]
 
 
-def default_split(m: int, n: int, k: int, config: tuple, sms: int, persistent: bool = False) -> int:
-    """K chunks per output tile, by a wave model: one program per multiprocessor (the register file
-    holds one). One program per unit: ``tiles × split`` units take ``ceil(tiles·split / sms)`` waves
-    of ``steps/split + 3`` K steps (3: a memory latency to fill the ring, about two or three steps'
-    streaming time). Persistent (``sms`` programs walking the units, the ring kept full between
-    them): ``ceil(tiles·split / sms) · (steps/split + a) + 3``, where ``a`` is adding a unit's partial
-    sums to the workspace, when split (:func:`sums_cost`). The split with the fewest steps wins, the
-    smaller on ties; splits of up to 16 (32 persistent) chunks, each of whole loop bodies of ``U``
-    steps. Token tiles of 256 (the prefill :data:`CONFIGS`) are never split: there the workspace's
-    atomic adds of ``[128, 256]`` float32 sums per unit cost more than any wave they fill (2–12× the
-    unsplit time on an H200, docs/kernels.md)."""
+def default_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
+    """K chunks per output tile: as many as keep every unit (a tile's chunk) in one wave, one program
+    per multiprocessor (the register file holds one), so ``max(1, sms // tiles)``; at most one chunk
+    per loop body of ``U`` steps. A matrix of many tiles is not split, even where its last wave is
+    partly empty: its programs already draw nearly the whole memory bandwidth, and a split adds each
+    unit's float32 sums to the workspace (measured on an H100, docs/kernels.md). Token tiles of 256 are
+    never split: their ``[128, 256]`` sums' atomic adds cost more than the wave they would fill."""
     bt, u = config[0], config[2]
     if bt >= 256:
         return 1
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
-    bodies = k // (BLOCK_K * u)
-    best, best_cost = 1, None
-    for s in range(1, 33 if persistent else 17):
-        per = triton.cdiv(bodies, s)
-        s_eff = triton.cdiv(bodies, per)
-        waves = triton.cdiv(tiles * s_eff, sms)
-        sums = sums_cost(bt) if s_eff > 1 else 0.0
-        cost = waves * (per * u + sums) + 3 if persistent else waves * (per * u + 3)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s_eff, cost
-    return best
-
-
-def sums_cost(bt: int) -> float:
-    """Adding one unit's float32 partial sums to the split-K workspace, in K steps: a quarter step up
-    to 64-token tiles; beyond, the bytes of the atomic read-modify-write of the ``[BLOCK_N, BT]``
-    sums (``2·4·BLOCK_N·BT``) over a K step's copy (``2·(BLOCK_N + BT)·BLOCK_K``), 4 steps at 128
-    tokens, so that such tiles are split only where a wave would otherwise be mostly empty."""
-    if bt <= 64:
-        return 0.25
-    return 8 * BLOCK_N * bt / (2 * (BLOCK_N + bt) * BLOCK_K)
+    bodies = max(1, k // (BLOCK_K * u))
+    s = min(max(1, sms // tiles), bodies)
+    return triton.cdiv(bodies, triton.cdiv(bodies, s))  # no chunk short of a body
 
 
 _SMS: dict = {}  # device index -> multiprocessors

@@ -18,7 +18,7 @@ Kernels:
   split across programs (``CHUNK_ITERS``): their float32 partial sums are added into a workspace
   and the last program of each tile (an atomic counter) writes ``y`` and zeroes the workspace, so
   one launch does it all. Memory-bound: W and the signs are read once. On a Hopper GPU from two
-  rows up it competes with the register-operand kernel below (``_prefill_choice``).
+  rows up the register-operand kernel below runs instead, unless timed slower (``_prefill_choice``).
 * **small batches and prefill** (M > ``GEMV_MAX_M``): on a Hopper GPU, the register-operand kernel of
   ``deltafleet.kernels.gluon_prefill_rs`` (``yᵀ = (W + α·s)·xᵀ`` with the reconstructed weight formed in the
   wgmma's register operand; K a multiple of 64·U; up to 128 rows with small token tiles, K split
@@ -537,9 +537,10 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         bias: optional ``[N]``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``. Up to ``GEMV_MAX_M`` rows: no rounding of ``W + α·s``
-        (float32 sums); more rows: ``W + α·s`` rounded once to ``x.dtype`` before the float32-
-        accumulating tensor-core product.
+        ``[..., N]`` in ``x.dtype``. From the CUDA-core kernel (one row; up to ``GEMV_MAX_M`` rows
+        off Hopper or where it is timed fastest): no rounding of ``W + α·s`` (float32 sums); from
+        the tensor-core kernels: ``W + α·s`` rounded once to ``x.dtype`` before the float32-
+        accumulating product.
 
     Raises:
         ValueError: on a dtype or shape that does not fit the contract, or an argument on the wrong
@@ -588,7 +589,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
         def decode():
             tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=bm)
 
-        # from two rows up on a Hopper GPU, the register-operand kernel competes (its token tile of 8)
+        # from two rows up on a Hopper GPU, the register-operand kernel (its token tile of 8) by default
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b, decode) \
             if m > 1 and hopper else "decode"
         if config in ("decode", None):  # None: every candidate failed to run
@@ -629,7 +630,7 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     (``_fastest``), the fastest kept:
 
     * the register-operand kernel (``("rs", config, split, persistent)``), each of the first four
-      of ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its modelled K split
+      of ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its one-wave K split
       (``gluon_prefill_rs.default_split``), half and twice that, with one program per work unit and
       persistent, where it runs;
     * up to 64 rows where it runs, only those, and ``decode`` (the CUDA-core kernel, a call with no
@@ -638,9 +639,10 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
       Triton kernel (None).
 
     While a CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
-    ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: ``"decode"`` when given, else the
-    register-operand kernel's first configuration, persistent at its modelled split, where it runs,
-    else the Gluon kernel's default."""
+    ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: the register-operand kernel's first
+    configuration, persistent at its one-wave split, where it runs (from two rows up it is faster
+    than the CUDA-core kernel on every Llama-2 layer shape, docs/kernels.md), else ``"decode"`` when
+    given, else the Gluon kernel's default."""
     m, k = x2.shape
     n = weight.shape[0]
     key = (n, k, triton.next_power_of_2(m), x2.dtype, tuple(sorted(flags.items())))  # (decode: rows ≤ 4)
@@ -650,15 +652,13 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     sms = gluon_prefill_rs.multiprocessors(x2.device) if configs else 0
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
-        if decode is not None:
-            return "decode"
         if configs:
-            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms, True), True)
-        return gluon_bitdelta.DEFAULT_CONFIG
+            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms), True)
+        return "decode" if decode is not None else gluon_bitdelta.DEFAULT_CONFIG
     runs = {}
     for cfg in configs[:4]:  # (up to 128 rows: the smallest token tiles that hold the rows first)
         for persistent in (False, True):
-            d = gluon_prefill_rs.default_split(m, n, k, cfg, sms, persistent)
+            d = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
             for split in sorted({d, max(1, d // 2), 2 * d}):
                 runs[("rs", cfg, split, persistent)] = (
                     lambda cfg=cfg, split=split, persistent=persistent: gluon_prefill_rs.bitdelta_linear_prefill_rs(

@@ -377,7 +377,7 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
     if k % 64:
         assert usable == []
     elif m > 128:
-        assert usable == [c for c in pr.CONFIGS if k % (64 * c[2]) == 0]
+        assert usable == [c for c in pr.ordered_configs(m, n, pr.multiprocessors(x.device)) if k % (64 * c[2]) == 0]
     else:  # the smallest token tile that holds every row first, none over twice the rows (at least 8)
         assert usable and usable[0][0] >= m and all(c[0] <= max(8, 2 * triton.next_power_of_2(m)) for c in usable)
     for config in pr.CONFIGS if k % 64 == 0 else ():  # the register-operand prefill kernel (α rounded to the dtype)
@@ -434,9 +434,10 @@ def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 16, 24, 64, 100])
 def test_dispatcher_from_two_rows_matches_reference(m):
-    """``bitdelta_linear`` from two rows up (on a Hopper GPU the register-operand kernel with K split
-    competes with the CUDA-core decode kernel up to four rows) matches the reference, untimed (the
+    """``bitdelta_linear`` from two rows up (on a Hopper GPU the register-operand kernel with K split;
+    timed, the CUDA-core decode kernel competes up to four rows) matches the reference, untimed (the
     tests' quick tuning) and timed."""
+    from deltafleet.kernels import gluon_prefill_rs as pr
     from deltafleet.kernels import triton_bitdelta as tb
 
     x, w, sign, alpha, b = _case(m, 512, 1024, torch.bfloat16, True, True, seed=m)
@@ -453,41 +454,59 @@ def test_dispatcher_from_two_rows_matches_reference(m):
     if torch.cuda.get_device_capability()[0] == 9 and m <= 64:  # the register-operand kernel or decode
         (pick, ) = tb._PREFILL_CHOICE.values()
         assert pick[0] == "rs" if m > 4 else pick == "decode" or pick[0] == "rs"
+        tb._PREFILL_CHOICE.clear()  # untimed: the register-operand kernel from two rows up
+        torch.testing.assert_close(tb.bitdelta_linear_triton(*args).float().cpu(), ref, rtol=0, atol=atol)
+        (pick, ) = tb._PREFILL_CHOICE.values()
+        assert pick[0] == "rs" and pick[1] == pr.usable_configs(args[0], args[1], args[2])[0] and pick[3]
 
 
-def test_register_operand_split_model_spreads_few_tiles_over_the_multiprocessors():
-    """The K split's wave model (``gluon_prefill_rs.default_split``): a matrix of few 128-feature tiles
-    is split until its programs fill the multiprocessors, one of many tiles is not, and every chunk
-    holds at least one loop body."""
+def test_register_operand_split_fills_one_wave_and_no_more():
+    """The K split (``gluon_prefill_rs.default_split``): a matrix of few 128-feature tiles is split
+    until its units fill one wave of programs, one per multiprocessor, and no further; one of many
+    tiles is not split; every chunk holds at least one loop body. The cases are the Llama-2 layers
+    whose best split an H100 sweep found (docs/kernels.md)."""
     from deltafleet.kernels import gluon_prefill_rs as pr
 
-    cfg = (16, 8, 2, True, 240)
-    assert pr.default_split(16, 4096, 4096, cfg, 132) >= 4       # Llama-2-7B o: 32 tiles
-    assert pr.default_split(16, 4096, 11008 // 64 * 64, cfg, 132) >= 4
-    assert pr.default_split(16, 57344, 8192, cfg, 132) <= 2       # 70B gate_up: 448 tiles, 3.4 waves
-    assert pr.default_split(16, 128, 128, cfg, 132) == 1          # one body of K: nothing to split
-    for n, k in ((4096, 4096), (12288, 4096), (8192, 28672)):
-        for persistent in (False, True):
-            s = pr.default_split(16, n, k, cfg, 132, persistent)
-            assert 1 <= s <= k // 128
-    # persistent programs fill the ring once, so chunks may be finer: 7B gate_up's 172 tiles of 64
-    # steps (1.3 waves unsplit) balance at 3 or more chunks
-    assert pr.default_split(16, 22016, 4096, cfg, 132, persistent=True) >= 3
+    c16, c64, c128 = (next(c for c in pr.SMALL_CONFIGS if c[0] == bt) for bt in (16, 64, 128))
+    assert pr.default_split(16, 4096, 4096, c16, 132) == 4        # Llama-2-7B o: 32 tiles, 128 units
+    assert pr.default_split(16, 4096, 11008 // 128 * 128, c16, 132) == 4
+    assert pr.default_split(16, 8192, 28672, c16, 132) == 2       # 70B down: 64 tiles
+    assert pr.default_split(16, 12288, 4096, c16, 132) == 1       # 7B qkv: 96 tiles, 73% of a wave
+    assert pr.default_split(16, 22016, 4096, c16, 132) == 1       # 7B gate_up: 172 tiles, 1.3 waves
+    assert pr.default_split(64, 10240, 8192, c64, 132) == 1       # 70B qkv: 80 tiles
+    assert pr.default_split(128, 4096, 4096, c128, 132) == 4
+    assert pr.default_split(200, 4096, 4096, c64, 132) == 1       # 4 token tiles × 32: one wave
+    assert pr.default_split(16, 128, 128, c16, 132) == 1          # one body of K: nothing to split
+    assert pr.default_split(16, 128, 640, c16, 132) == 5          # at most one chunk per body
+    assert pr.default_split(16, 128, 768, c16, 132) == 6
+    assert pr.default_split(16, 256, 640, c16, 3) == 1            # 2 tiles on 3 multiprocessors
+    for m, n, k in ((256, 4096, 4096), (512, 22016, 4096), (2048, 8192, 28672)):  # 256-token tiles: whole
+        assert pr.default_split(m, n, k, pr.CONFIGS[0], 132) == 1
 
 
-def test_register_operand_split_model_keeps_prefill_tiles_whole():
-    """Tiles of 256 tokens are never split (their workspace adds cost 2–12× the unsplit kernel on an
-    H200), and 128-token tiles pay their sums' bytes: 70B gate_up at 128 rows (448 tiles, 3.4 waves)
-    stays at 2 chunks or fewer, where a quarter step per unit would split it 5 ways."""
+def test_register_operand_default_token_tile_fills_half_a_wave_unsplit():
+    """Up to 128 rows the smallest token tile that holds the rows leads; beyond, the largest of 256,
+    128 and 64 tokens whose tiles, unsplit, occupy half of the multiprocessors (else the 64-token
+    tile), ahead of the others (``gluon_prefill_rs.ordered_configs``)."""
     from deltafleet.kernels import gluon_prefill_rs as pr
 
-    for m, n, k in ((256, 22016, 4096), (512, 22016, 4096), (2048, 8192, 28672), (256, 4096, 4096)):
-        assert pr.default_split(m, n, k, pr.CONFIGS[0], 132, True) == 1
-    assert pr.sums_cost(16) == pr.sums_cost(64) == 0.25
-    assert pr.sums_cost(128) == 4.0  # 2·4·128·128 bytes over 2·(128 + 128)·64
-    cfg128 = next(c for c in pr.SMALL_CONFIGS if c[0] == 128)
-    assert pr.default_split(128, 57344, 8192, cfg128, 132, True) <= 2
-    assert pr.default_split(128, 4096, 4096, cfg128, 132, True) >= 2  # 7B o: 32 tiles still spread
+    def lead(m, n):
+        return pr.ordered_configs(m, n, 132)[0][0]
+
+    assert [lead(m, 4096) for m in (2, 5, 16, 17, 64, 100, 128)] == [8, 8, 16, 32, 64, 128, 128]
+    assert lead(256, 12288) == 256    # 7B qkv: 96 tiles of 256 tokens
+    assert lead(256, 22016) == 256    # 7B gate_up: 172
+    assert lead(256, 10240) == 256    # 70B qkv: 80 of 132, over half
+    assert lead(256, 8192) == 128     # 70B o and down: 64 tiles of 256, 128 of 128
+    assert lead(256, 4096) == 64      # 7B o and down: 32 · 64 · 128 tiles
+    assert lead(200, 4096) == 64
+    assert lead(2048, 4096) == 256    # prefill: 8 token tiles × 32
+    assert lead(256, 1024) == 64      # too few tiles at any size: the smallest
+    for m, n in ((129, 512), (256, 4096), (2048, 57344)):
+        configs = pr.ordered_configs(m, n, 132)
+        assert sorted(configs) == sorted(list(pr.CONFIGS) + [next(c for c in pr.SMALL_CONFIGS if c[0] == bt)
+                                                             for bt in (128, 64)])
+        assert len(set(configs)) == len(configs)
 
 
 def test_register_operand_refuses_a_split_that_is_not_a_count():
