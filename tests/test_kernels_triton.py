@@ -455,9 +455,13 @@ def test_dispatcher_from_two_rows_matches_reference(m):
         (pick, ) = tb._PREFILL_CHOICE.values()
         assert pick[0] == "rs" if m > 4 else pick == "decode" or pick[0] == "rs"
         tb._PREFILL_CHOICE.clear()  # untimed: the register-operand kernel from two rows up
-        torch.testing.assert_close(tb.bitdelta_linear_triton(*args).float().cpu(), ref, rtol=0, atol=atol)
-        (pick, ) = tb._PREFILL_CHOICE.values()
-        assert pick[0] == "rs" and pick[1] == pr.usable_configs(args[0], args[1], args[2])[0] and pick[3]
+        launches, launch = [], pr.bitdelta_linear_prefill_rs
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pr, "bitdelta_linear_prefill_rs", lambda *a: launches.append(a[6:]) or launch(*a))
+            torch.testing.assert_close(tb.bitdelta_linear_triton(*args).float().cpu(), ref, rtol=0, atol=atol)
+        config = pr.usable_configs(args[0], args[1], args[2])[0]
+        assert launches == [(config, pr.default_split(m, 512, 1024, config, pr.multiprocessors(args[0].device)),
+                             True)]
 
 
 def test_register_operand_split_fills_one_wave_and_no_more():
