@@ -114,16 +114,26 @@ if HAVE_GLUON:
             return gl.load(s_ptr + rn * stride_sw + w)
 
     @gluon.jit
-    def _unit(u, M, N, K, SPLIT, PER, BT: gl.constexpr, BK: gl.constexpr):
-        """Work unit ``u``: ``(off_t, off_n, first K step, K steps, tile)``. Units run along the tokens,
-        then the K chunks of a tile, then the feature tiles, so the units running at once share W
-        panels; a chunk has ``PER`` steps (the last may be shorter, never empty: the wrapper)."""
+    def _unit(u, M, N, K, SPLIT, PER, WHOLE, BT: gl.constexpr, BK: gl.constexpr):
+        """Work unit ``u``: ``(off_t, off_n, first K step, K steps, tile)``. The first ``WHOLE`` units
+        are the first ``WHOLE`` tiles, whole (a multiple of the token tiles: the wrapper); then each
+        further tile's ``SPLIT`` K chunks. Units run along the tokens, then the K chunks of a tile,
+        then the feature tiles, so the units running at once share W panels; a chunk has ``PER``
+        steps (the last may be shorter, never empty: the wrapper)."""
         num_t = gl.cdiv(M, BT)
-        pid_t = u % num_t
-        pid_k = (u // num_t) % SPLIT
-        pid_n = u // (num_t * SPLIT)
-        k_first = pid_k * PER
-        return pid_t * BT, pid_n * 128, k_first, gl.minimum(PER, K // BK - k_first), pid_n * num_t + pid_t
+        if u < WHOLE:
+            pid_t = u % num_t
+            pid_n = u // num_t
+            k_first = u * 0
+            num_k = K // BK
+        else:
+            v = u - WHOLE
+            pid_t = v % num_t
+            pid_k = (v // num_t) % SPLIT
+            pid_n = WHOLE // num_t + v // (num_t * SPLIT)
+            k_first = pid_k * PER
+            num_k = gl.minimum(PER, K // BK - k_first)
+        return pid_t * BT, pid_n * 128, k_first, num_k, pid_n * num_t + pid_t
 
     @gluon.jit
     def _seg_unit(u, NT, tile_ptr, N, K, BK: gl.constexpr):
@@ -141,7 +151,7 @@ if HAVE_GLUON:
     def _rs_load(p, STAGES: gl.constexpr, SEGMENTS: gl.constexpr):
         """The loader: the x and W tiles of each K step of the program's units by TMA, ``STAGES``
         steps ahead of the slower consumer (across units: the ring stays full between them)."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr) = p
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr, WHOLE) = p
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -150,7 +160,7 @@ if HAVE_GLUON:
             if SEGMENTS:
                 off_t, off_n, k_first, num_k, stop, slot = _seg_unit(u, M, tile_ptr, N, K, BK)
             else:
-                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, WHOLE, BT, BK)
             for ki in range(num_k):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # both consumers are done with it
@@ -164,7 +174,7 @@ if HAVE_GLUON:
                     ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, TILED: gl.constexpr,
                     SEGMENTS: gl.constexpr):
         """A consumer warpgroup: features ``off_n + ROW0 … + 63`` of each of the program's units."""
-        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr) = p
+        (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr, WHOLE) = p
         (s_base, a_base, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, stride_ss, stride_as) = q
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -188,7 +198,7 @@ if HAVE_GLUON:
                 nab = _neg_alpha_pair(a_ptr, rn, ALPHA_PER_ROW, dtype)
                 nab = gl.where(slot >= 0, nab, -2147450880)  # 0x80008000: −0.0 in both halves
             else:
-                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, BT, BK)
+                off_t, off_n, k_first, num_k, tile = _unit(u, M, N, K, SPLIT, PER, WHOLE, BT, BK)
                 stop = M
                 s_ptr = s_base
                 rn = (off_n + ROW0 + gl.arange(0, RW, layout=rn_l)) % N
@@ -237,7 +247,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
             feat = off_n + ROW0 + gl.arange(0, RW, layout=gl.SliceLayout(1, acc_l))
-            if SPLIT > 1:  # K split: the partial sums meet in the float32 workspace; the last chunk writes y
+            if (SPLIT > 1) & (u >= WHOLE):  # a K chunk: the sums meet in the workspace; the last chunk writes y
                 tok = off_t + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
                 ws_ptrs = ws_ptr + gl.expand_dims(tok, 0) * N + gl.expand_dims(feat, 1)  # M·N < 2³¹ (the wrapper)
                 wmask = gl.expand_dims(feat < N, 1) & gl.expand_dims(tok < M, 0)
@@ -270,11 +280,12 @@ if HAVE_GLUON:
                            ALPHA_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                            U: gl.constexpr, PRE: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr,
                            TILED: gl.constexpr = False, tile_ptr=None, stride_ss=0, stride_as=0,
-                           SEGMENTS: gl.constexpr = False):
+                           SEGMENTS: gl.constexpr = False, WHOLE=0):
         """Work units of one ``[BLOCK_T tokens, 128 features]`` output tile and one chunk of ``PER`` K
-        steps (of ``SPLIT``): unit ``program_id, + num_programs, …`` (one per program, or persistent
-        programs walking several with the ring kept full between them). Consumer warpgroup 0 (the
-        default partition) and 1, and the loader warp (module docstring). With ``SEGMENTS`` M is
+        steps (of ``SPLIT``; the first ``WHOLE`` tiles unsplit): unit ``program_id, + num_programs,
+        …`` (one per program, or persistent programs walking several with the ring kept full between
+        them). Consumer warpgroup 0 (the default partition) and 1, and the loader warp (module
+        docstring). With ``SEGMENTS`` M is
         the number of entries of the tile table ``tile_ptr`` and a unit is one tile's feature tile,
         its slot's signs ``stride_ss`` words and its scales ``stride_as`` apart (``SPLIT`` 1, no PRE)."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
@@ -282,7 +293,7 @@ if HAVE_GLUON:
         if SEGMENTS:
             UNITS = M * gl.cdiv(N, 128)
         else:
-            UNITS = gl.cdiv(M, BT) * gl.cdiv(N, 128) * SPLIT
+            UNITS = WHOLE + (gl.cdiv(M, BT) * gl.cdiv(N, 128) - WHOLE) * SPLIT
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 128, BK], w_desc.layout)
@@ -291,7 +302,7 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr)
+        p = (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, SPLIT, PER, UNITS, tile_ptr, WHOLE)
         q = (s_ptr, a_ptr, b_ptr, y_ptr, stride_sw, stride_ym, ws_ptr, cnt_ptr, stride_ss, stride_as)
         gl.warp_specialize([
             (_rs_load, (p, STAGES, SEGMENTS)),
@@ -338,20 +349,35 @@ def ordered_configs(m: int, n: int, sms: int) -> list[tuple]:
     return [first] + [c for c in fits if c is not first]
 
 
-def default_split(m: int, n: int, k: int, config: tuple, sms: int) -> int:
-    """K chunks per output tile: as many as keep every unit (a tile's chunk) in one wave, one program
-    per multiprocessor (the register file holds one), so ``max(1, sms // tiles)``; at most one chunk
-    per loop body of ``U`` steps. A matrix of many tiles is not split, even where its last wave is
-    partly empty: its programs already draw nearly the whole memory bandwidth, and a split adds each
-    unit's float32 sums to the workspace (measured on an H100, docs/kernels.md). Token tiles of 256 are
-    never split: their ``[128, 256]`` sums' atomic adds cost more than the wave they would fill."""
+def default_split(m: int, n: int, k: int, config: tuple, sms: int) -> tuple[int, int]:
+    """``(split, whole)``: K chunks per split output tile, and how many leading tiles run whole. One
+    program per multiprocessor (the register file holds one):
+
+    * up to one wave of tiles: as many chunks as keep every unit in that wave, ``max(1, sms //
+      tiles)``, at most one per loop body;
+    * more tiles, with a last wave at most half full: the full waves' tiles whole and the rest in
+      ``sms // rest`` chunks, so the rest spread over every multiprocessor (Llama-2-7B gate_up: 172
+      tiles on 132);
+    * otherwise whole: the programs already draw nearly the whole memory bandwidth, and each chunk
+      adds its float32 sums to the workspace (docs/kernels.md).
+
+    Token tiles of 256 are never split: their ``[128, 256]`` sums' atomic adds cost more than the
+    wave they would fill."""
     bt, u = config[0], config[2]
     if bt >= 256:
-        return 1
-    tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
+        return 1, 0
+    num_t = triton.cdiv(m, bt)
+    tiles = num_t * triton.cdiv(n, BLOCK_N)
     bodies = max(1, k // (BLOCK_K * u))
-    s = min(max(1, sms // tiles), bodies)
-    return triton.cdiv(bodies, triton.cdiv(bodies, s))  # no chunk short of a body
+    whole, rest = 0, tiles
+    if tiles > sms:
+        if tiles % sms == 0 or sms // (tiles % sms) < 2:
+            return 1, 0
+        whole = (tiles - tiles % sms) // num_t * num_t
+        rest = tiles - whole
+    s = min(max(1, sms // rest), bodies)
+    s = triton.cdiv(bodies, triton.cdiv(bodies, s))  # no chunk short of a body
+    return (s, whole) if s > 1 else (1, 0)
 
 
 _SMS: dict = {}  # device index -> multiprocessors
@@ -366,7 +392,8 @@ def multiprocessors(device: torch.device) -> int:
 
 def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor, alpha: torch.Tensor,
                                bias: torch.Tensor | None, y: torch.Tensor,
-                               config: tuple = CONFIGS[0], split: int = 1, persistent: bool = False) -> torch.Tensor:
+                               config: tuple = CONFIGS[0], split: int = 1, persistent: bool = False,
+                               whole: int = 0) -> torch.Tensor:
     """Launch the register-operand kernel: ``y[M, N] = x2 · (W + α·s)ᵀ (+ bias)``.
 
     Args:
@@ -384,6 +411,8 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
         persistent: launch one program per multiprocessor, each walking the work units (a tile's
             K chunk) ``program, + programs, …`` with its ring kept full between them, instead of
             one program per unit.
+        whole: with a split, the first ``whole`` output tiles (rounded down to whole feature tiles)
+            run unsplit and only the rest in ``split`` chunks (:func:`default_split`).
 
     Returns:
         ``y``.
@@ -417,7 +446,9 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     bodies = k // (BLOCK_K * u)
     per = triton.cdiv(bodies, min(split, bodies))  # bodies per chunk
     split = triton.cdiv(bodies, per)               # no empty chunk
-    tiles = triton.cdiv(m, bt) * triton.cdiv(n, BLOCK_N)
+    num_t = triton.cdiv(m, bt)
+    tiles = num_t * triton.cdiv(n, BLOCK_N)
+    whole = min(max(whole, 0), tiles) // num_t * num_t if split > 1 else 0
     if split > 1 and m * n >= 2**31:
         raise ValueError(f"M·N = {m * n} sums do not fit the split-K workspace; use split=1")
     from deltafleet.kernels.triton_bitdelta import _workspace
@@ -429,12 +460,12 @@ def bitdelta_linear_prefill_rs(x2: torch.Tensor, weight: torch.Tensor, sign: tor
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))
     words = sign.view(torch.int32)  # little-endian: bit j of word i is k = 32·i + j
-    units = tiles * split
+    units = whole + (tiles - whole) * split
     grid = (min(units, multiprocessors(x2.device)) if persistent else units, )
     _prefill_rs_kernel[grid](x_desc, w_desc, words, alpha, bias if bias is not None else alpha, y, ws, cnt, m, n, k,
                              words.stride(0), y.stride(0), split, per * u, ALPHA_PER_ROW=alpha.dim() == 1,
                              HAS_BIAS=bias is not None, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
-                             maxnreg=LAUNCH_REGS, TILED=sign.dim() == 4)
+                             maxnreg=LAUNCH_REGS, TILED=sign.dim() == 4, WHOLE=whole)
     return y
 
 
@@ -508,7 +539,8 @@ def compile_for_sm90(config: tuple, dtype: str = "bf16", tiled: bool = False, se
     sig = {"x_desc": f"tensordesc<{dtype}[{bt}, {BLOCK_K}],{xl!r}>",
            "w_desc": f"tensordesc<{dtype}[{BLOCK_N}, {BLOCK_K}],{wl!r}>", "s_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-           "M": "i32", "N": "i32", "K": "i32", "stride_sw": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32"}
+           "M": "i32", "N": "i32", "K": "i32", "stride_sw": "i32", "stride_ym": "i32", "SPLIT": "i32", "PER": "i32",
+           "WHOLE": "i32"}
     consts = dict(ALPHA_PER_ROW=True, HAS_BIAS=not segments, STAGES=stages, U=u, PRE=pre, REGS=regs, num_warps=4,
                   TILED=tiled, SEGMENTS=segments)
     if segments:

@@ -629,10 +629,11 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     contiguous, or None), timed once per shape (M rounded up to a power of two) by CUDA-graph replay
     (``_fastest``), the fastest kept:
 
-    * the register-operand kernel (``("rs", config, split, persistent)``), each of the first four
-      of ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its one-wave K split
-      (``gluon_prefill_rs.default_split``), half and twice that, with one program per work unit and
-      persistent, where it runs;
+    * the register-operand kernel (``("rs", config, split, persistent, whole)``), each of the first
+      four of ``deltafleet.kernels.gluon_prefill_rs.usable_configs`` at its default K split
+      (``gluon_prefill_rs.default_split``), half and twice that (or, where the default runs the full
+      waves' tiles whole and splits the rest: that, and every tile whole or in two chunks), with one
+      program per work unit and persistent, where it runs;
     * up to 64 rows where it runs, only those, and ``decode`` (the CUDA-core kernel, a call with no
       arguments, given up to ``GEMV_MAX_M`` rows) as ``"decode"``;
     * else also the Gluon kernel (``deltafleet.kernels.gluon_bitdelta.CONFIGS``) and the autotuned
@@ -640,7 +641,7 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
 
     While a CUDA graph is being captured, with ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests) or
     ``DELTAFLEET_TRITON_AUTOTUNE=0``, nothing is timed: the register-operand kernel's first
-    configuration, persistent at its one-wave split, where it runs (from two rows up it is faster
+    configuration, persistent at its default split, where it runs (from two rows up it is faster
     than the CUDA-core kernel on every Llama-2 layer shape, docs/kernels.md), else ``"decode"`` when
     given, else the Gluon kernel's default."""
     m, k = x2.shape
@@ -653,16 +654,19 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
     if (torch.cuda.is_current_stream_capturing() or os.environ.get("DELTAFLEET_TRITON_QUICK_TUNE") == "1"
             or not AUTOTUNE):
         if configs:
-            return ("rs", configs[0], gluon_prefill_rs.default_split(m, n, k, configs[0], sms), True)
+            split, whole = gluon_prefill_rs.default_split(m, n, k, configs[0], sms)
+            return ("rs", configs[0], split, True, whole)
         return "decode" if decode is not None else gluon_bitdelta.DEFAULT_CONFIG
     runs = {}
     for cfg in configs[:4]:  # (up to 128 rows: the smallest token tiles that hold the rows first)
         for persistent in (False, True):
-            d = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
-            for split in sorted({d, max(1, d // 2), 2 * d}):
-                runs[("rs", cfg, split, persistent)] = (
-                    lambda cfg=cfg, split=split, persistent=persistent: gluon_prefill_rs.bitdelta_linear_prefill_rs(
-                        x2, weight, sign, alpha, bias, y, cfg, split, persistent))
+            d, whole = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
+            forms = {(d, whole), (1, 0), (2, 0)} if whole else {(s, 0) for s in (d, max(1, d // 2), 2 * d)}
+            for split, whole in sorted(forms):
+                runs[("rs", cfg, split, persistent, whole)] = (
+                    lambda cfg=cfg, split=split, persistent=persistent, whole=whole:
+                    gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, bias, y, cfg, split,
+                                                                persistent, whole))
     if decode is not None:
         runs["decode"] = decode
     if not configs or m > 64:

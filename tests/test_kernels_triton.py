@@ -404,9 +404,10 @@ def test_gluon_prefill_matches_reference(dtype, m, n, k, row_alpha, bias):
 )
 def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_alpha, bias, tiled):
     """Every small-batch configuration (``gluon_prefill_rs.SMALL_CONFIGS``) at K splits of 1, 2, 3
-    and 16 (more chunks than loop bodies: rounded down), one program per work unit and persistent,
-    matches the reference, and leaves the split-K workspace as it found it (zeros), so the next call
-    is right too."""
+    and 16 (more chunks than loop bodies: rounded down), with the first half of the tiles whole (a
+    count rounded down to whole feature tiles, and past every tile), one program per work unit and
+    persistent, matches the reference, and leaves the split-K workspace as it found it (zeros), so
+    the next call is right too."""
     from deltafleet.kernels import gluon_prefill_rs as pr
     from deltafleet.kernels import tile_signs
     from deltafleet.kernels.triton_bitdelta import _workspace
@@ -420,13 +421,15 @@ def test_register_operand_kernel_small_batches_and_k_splits(dtype, m, n, k, row_
     b = b.cuda() if b is not None else None
     atol = TOL[dtype] * ref.abs().max().item()
     for config in pr.SMALL_CONFIGS:
-        for split in (1, 2, 3, 16):
+        half = triton.cdiv(m, config[0]) * (triton.cdiv(n, 128) // 2)  # the first half of the feature tiles
+        for split, whole in ((1, 0), (2, 0), (3, 0), (16, 0), (2, half), (3, half + 1), (3, 1 << 20)):
             for persistent in (False, True):
                 for _ in range(2):  # twice: the second call reads the workspace the first one left
                     y = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                    pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config, split, persistent)
-                    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=atol,
-                                               msg=lambda s: f"{config} split {split} persistent {persistent}: {s}")
+                    pr.bitdelta_linear_prefill_rs(x, w, sign, alpha, b, y, config, split, persistent, whole)
+                    torch.testing.assert_close(
+                        y.float().cpu(), ref, rtol=0, atol=atol,
+                        msg=lambda s: f"{config} split {split} whole {whole} persistent {persistent}: {s}")
     ws, cnt = _workspace(x.device, 1, 1)
     assert not ws.any() and not cnt.any()
 
@@ -460,32 +463,39 @@ def test_dispatcher_from_two_rows_matches_reference(m):
             mp.setattr(pr, "bitdelta_linear_prefill_rs", lambda *a: launches.append(a[6:]) or launch(*a))
             torch.testing.assert_close(tb.bitdelta_linear_triton(*args).float().cpu(), ref, rtol=0, atol=atol)
         config = pr.usable_configs(args[0], args[1], args[2])[0]
-        assert launches == [(config, pr.default_split(m, 512, 1024, config, pr.multiprocessors(args[0].device)),
-                             True)]
+        split, whole = pr.default_split(m, 512, 1024, config, pr.multiprocessors(args[0].device))
+        assert launches == [(config, split, True, whole)]
 
 
 def test_register_operand_split_fills_one_wave_and_no_more():
-    """The K split (``gluon_prefill_rs.default_split``): a matrix of few 128-feature tiles is split
-    until its units fill one wave of programs, one per multiprocessor, and no further; one of many
-    tiles is not split; every chunk holds at least one loop body. The cases are the Llama-2 layers
-    whose best split an H100 sweep found (docs/kernels.md)."""
+    """The K split (``gluon_prefill_rs.default_split``, ``(split, whole)``): a matrix of few 128-feature
+    tiles is split until its units fill one wave of programs, one per multiprocessor, and no further;
+    one of more tiles runs its full waves whole and splits the rest over the multiprocessors when that
+    rest is at most half a wave, else nothing; every chunk holds at least one loop body. The cases
+    are the Llama-2 layers whose best form an H100 sweep found (docs/kernels.md)."""
     from deltafleet.kernels import gluon_prefill_rs as pr
 
     c16, c64, c128 = (next(c for c in pr.SMALL_CONFIGS if c[0] == bt) for bt in (16, 64, 128))
-    assert pr.default_split(16, 4096, 4096, c16, 132) == 4        # Llama-2-7B o: 32 tiles, 128 units
-    assert pr.default_split(16, 4096, 11008 // 128 * 128, c16, 132) == 4
-    assert pr.default_split(16, 8192, 28672, c16, 132) == 2       # 70B down: 64 tiles
-    assert pr.default_split(16, 12288, 4096, c16, 132) == 1       # 7B qkv: 96 tiles, 73% of a wave
-    assert pr.default_split(16, 22016, 4096, c16, 132) == 1       # 7B gate_up: 172 tiles, 1.3 waves
-    assert pr.default_split(64, 10240, 8192, c64, 132) == 1       # 70B qkv: 80 tiles
-    assert pr.default_split(128, 4096, 4096, c128, 132) == 4
-    assert pr.default_split(200, 4096, 4096, c64, 132) == 1       # 4 token tiles × 32: one wave
-    assert pr.default_split(16, 128, 128, c16, 132) == 1          # one body of K: nothing to split
-    assert pr.default_split(16, 128, 640, c16, 132) == 5          # at most one chunk per body
-    assert pr.default_split(16, 128, 768, c16, 132) == 6
-    assert pr.default_split(16, 256, 640, c16, 3) == 1            # 2 tiles on 3 multiprocessors
+    assert pr.default_split(16, 4096, 4096, c16, 132) == (4, 0)       # Llama-2-7B o: 32 tiles, 128 units
+    assert pr.default_split(16, 4096, 11008 // 128 * 128, c16, 132) == (4, 0)
+    assert pr.default_split(16, 8192, 28672, c16, 132) == (2, 0)      # 70B down: 64 tiles
+    assert pr.default_split(16, 12288, 4096, c16, 132) == (1, 0)      # 7B qkv: 96 tiles, 73% of a wave
+    assert pr.default_split(64, 10240, 8192, c64, 132) == (1, 0)      # 70B qkv: 80 tiles
+    assert pr.default_split(128, 4096, 4096, c128, 132) == (4, 0)
+    assert pr.default_split(200, 4096, 4096, c64, 132) == (1, 0)      # 4 token tiles × 32: one wave
+    # 7B gate_up, 172 tiles: 132 whole, the other 40 in 3 chunks (120 units); 70B gate_up, 448: 396 + 52 × 2
+    assert pr.default_split(16, 22016, 4096, c16, 132) == (3, 132)
+    assert pr.default_split(64, 22016, 4096, c64, 132) == (3, 132)
+    assert pr.default_split(64, 57344, 8192, c64, 132) == (2, 396)
+    assert pr.default_split(128, 22016, 4096, c64, 132) == (1, 0)     # 344 tiles: a rest of 80, over half
+    assert pr.default_split(128, 70 * 128, 4096, c64, 132) == (16, 132)  # whole tiles: both token tiles
+    assert pr.default_split(16, 264 * 128, 4096, c16, 132) == (1, 0)  # two full waves
+    assert pr.default_split(16, 128, 128, c16, 132) == (1, 0)         # one body of K: nothing to split
+    assert pr.default_split(16, 128, 640, c16, 132) == (5, 0)         # at most one chunk per body
+    assert pr.default_split(16, 128, 768, c16, 132) == (6, 0)
+    assert pr.default_split(16, 256, 640, c16, 3) == (1, 0)           # 2 tiles on 3 multiprocessors
     for m, n, k in ((256, 4096, 4096), (512, 22016, 4096), (2048, 8192, 28672)):  # 256-token tiles: whole
-        assert pr.default_split(m, n, k, pr.CONFIGS[0], 132) == 1
+        assert pr.default_split(m, n, k, pr.CONFIGS[0], 132) == (1, 0)
 
 
 def test_register_operand_default_token_tile_fills_half_a_wave_unsplit():
