@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -53,6 +54,16 @@ def replace_dir(src: Path, dst: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink()
+
+
+def remove_dir(path: Path) -> None:
+    """Remove the folder ``path`` at once (renamed to a staging name first, then deleted): a process
+    killed while deleting leaves no part of it under ``path``, and the next :func:`staged_dir` of
+    ``path`` on this host removes what is left."""
+    gone = path.parent / f".{path.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    os.replace(path, gone)
+    fsync_path(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -105,6 +116,18 @@ def unlisted_files(folder: Path, listed, job: str) -> str | None:
     return f"files the {job} did not write: {', '.join(extra[:3])}" if extra else None
 
 
+def _check_writable(out: Path, key: str) -> None:
+    """Refuse an ``out`` whose staging folder could not be made (:func:`staged_dir` makes it beside
+    ``out``): a folder is made and removed in the nearest existing folder on the way to ``out``, since
+    permission bits say nothing for root and nothing of a file system such as /proc."""
+    parent = next((p for p in out.parents if p.exists()), out)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=parent))
+    except OSError as e:
+        raise ValueError(f"{key} {out} cannot be written: a folder cannot be made in {parent} "
+                         f"({e.strerror or e})") from None
+
+
 def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Callable[[Path], str | None], *,
                       job: str, key: str = "out_dir", overwrite: bool = False) -> None:
     """Refuse, before any work, an output folder whose replacement would lose data: one that is, holds
@@ -128,6 +151,7 @@ def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Ca
                          f"(deleting what else is there); choose a new folder")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{key} {out} exists and is not a folder")
+    _check_writable(out, key)
     if out.is_dir() and not overwrite and any(out.iterdir()):
         why = foreign(out)
         if why:

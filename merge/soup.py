@@ -42,6 +42,36 @@ RANK_MODES = ("energy", "effective_rank")
 RankMode = Literal["energy", "effective_rank"]
 MergeMethod = Literal["monosoup", "svd_soup", "average", "none"]
 
+
+
+def check_soup_settings(method: str = "monosoup", every_n_steps: int = 1000, energy_ratio: float = 0.8,
+                        rank_mode: str = "energy", rank: int = 8, val_batches: int = 8, min_rel_update: float = 1e-6,
+                        monitor: str = "val/loss", prefix: str = "") -> None:
+    """Check the settings of a merge every N steps during training (``MonoSoupCallback``, ``conf/merge``),
+    each of its kind and range; ``prefix`` leads each setting's name in the message (``merge.``).
+
+    Raises:
+        ValueError: naming the first wrong setting, what it must be and what it is.
+    """
+    def real(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    checks = (("method", method, method in MERGE_METHODS, f"one of {', '.join(MERGE_METHODS)}"),
+              ("every_n_steps", every_n_steps, whole(every_n_steps) and every_n_steps >= 1, "a whole number ≥ 1"),
+              ("energy_ratio", energy_ratio, real(energy_ratio) and 0 < energy_ratio <= 1, "a number in (0, 1]"),
+              ("rank_mode", rank_mode, rank_mode in RANK_MODES, f"one of {', '.join(RANK_MODES)}"),
+              ("rank", rank, whole(rank) and rank >= 1, "a whole number ≥ 1"),
+              ("val_batches", val_batches, whole(val_batches) and val_batches >= 0, "a whole number ≥ 0"),
+              ("min_rel_update", min_rel_update, real(min_rel_update) and min_rel_update >= 0, "a number ≥ 0"),
+              ("monitor", monitor, isinstance(monitor, str) and bool(monitor), "a logged metric's name"))
+    for name, value, ok, what in checks:
+        if not ok:
+            raise ValueError(f"{prefix}{name} must be {what}, got {value!r}")
+
+
 _EPS = 1e-12  # numerical guard of the explainer's formulas (ε in [E §1, §4, §5])
 
 

@@ -132,3 +132,17 @@ def test_check_replaceable_never_takes_the_current_directory_and_says_what_overw
     (mine / "merge.json").write_text("{}")
     check_replaceable(mine, [], foreign, job="merge")
     check_replaceable(tmp_path / "new" / "out", [], foreign, job="merge")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_check_replaceable_refuses_a_folder_that_cannot_be_made(tmp_path):
+    """An output folder whose staging folder cannot be made is refused before any work, naming the
+    folder (found by a fresh user: ``out_dir=/proc/x`` trained for the whole run, then failed with a
+    traceback), whatever the permission bits say to root; a writable one leaves nothing behind."""
+    from deltafleet.atomic import check_replaceable
+
+    with pytest.raises(ValueError, match=r"^out_dir /proc/deltafleet-x/out cannot be written: a folder cannot be "
+                                         r"made in /proc \("):
+        check_replaceable("/proc/deltafleet-x/out", [], lambda f: None, job="training")
+    check_replaceable(tmp_path / "a" / "out", [], lambda f: None, job="training")
+    assert list(tmp_path.iterdir()) == []

@@ -101,7 +101,8 @@ KW = dict(energy_ratio=0.8, rank_mode="energy", rank=4)
 
 @pytest.mark.parametrize("method, rank_mode", [("monosoup", "energy"), ("monosoup", "effective_rank"),
                                                ("svd_soup", "energy"), ("average", "energy")])
-def test_merge_steps_weights_and_csv_records(tmp_path, method, rank_mode):
+def test_merge_steps_weights_and_csv_records(tmp_path, method, rank_mode, caplog):
+    caplog.set_level("INFO")
     kw = {**KW, "rank_mode": rank_mode}
     module, dm = make_module(), BlocksDataModule()
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -133,6 +134,9 @@ def test_merge_steps_weights_and_csv_records(tmp_path, method, rank_mode):
         assert 0.0 <= first["mean_lambda_low"] <= 1.0
     if method == "svd_soup":
         assert first["mean_rank"] <= 4
+    # the log line gives a rank and an energy kept for the SVD methods only (a plain mean has neither)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[merge] step ")]
+    assert len(lines) == 3 and all((", mean rank " in line) == (method != "average") for line in lines), lines
 
     # the same numbers reach the CSV logger
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
@@ -260,12 +264,17 @@ def test_merge_config_group_is_complete():
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="unknown merge method"):
+    with pytest.raises(ValueError, match="^method must be one of monosoup, svd_soup, average, none, got 'ties'$"):
         MonoSoupCallback(method="ties")
-    with pytest.raises(ValueError, match=r"energy_ratio must lie in \(0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"^energy_ratio must be a number in \(0, 1\], got 1.5$"):
         MonoSoupCallback(energy_ratio=1.5)
-    with pytest.raises(ValueError, match="rank must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="^rank must be a whole number ≥ 1, got 0$"):
         MonoSoupCallback(method="svd_soup", rank=0)
+    # of the wrong kind: named, where `'abc' < 1` was a TypeError naming nothing (found by a fresh user)
+    with pytest.raises(ValueError, match="^every_n_steps must be a whole number ≥ 1, got 'abc'$"):
+        MonoSoupCallback(every_n_steps="abc")
+    with pytest.raises(ValueError, match="^val_batches must be a whole number ≥ 0, got 2.5$"):
+        MonoSoupCallback(val_batches=2.5)
     with pytest.raises(ValueError, match="rank_mode"):
         MonoSoupCallback(rank_mode="variance")
     with pytest.raises(ValueError, match="every_n_steps"):

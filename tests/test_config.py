@@ -299,6 +299,53 @@ def test_optimizer_schedule_and_lora_settings_are_checked_by_name(tmp_path, over
         check_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("variant.init=foo", "variant.init must be 'scratch' or 'base', got 'foo'"),
+    ("merge=monosoup merge.every_n_steps=0", "merge.every_n_steps must be a whole number ≥ 1, got 0"),
+    ("merge=monosoup merge.every_n_steps=abc", "merge.every_n_steps must be a whole number ≥ 1, got 'abc'"),
+    ("merge=monosoup merge.energy_ratio=2", "merge.energy_ratio must be a number in (0, 1], got 2"),
+    ("merge=monosoup merge.rank_mode=foo", "merge.rank_mode must be one of energy, effective_rank, got 'foo'"),
+    ("merge=svd_soup merge.rank=0", "merge.rank must be a whole number ≥ 1, got 0"),
+    ("merge=average merge.method=bogus", "merge.method must be one of monosoup, svd_soup, average, none, got 'bogus'"),
+    ("merge=average +merge.rnk=4", "merge.rnk is not a setting of the merge every N steps (its settings: "),
+    ("variant.limit_val_batches=-1", "variant.limit_val_batches must be a whole number of batches ≥ 0 or a fraction "
+                                     "in [0, 1], got -1"),
+    ("variant.limit_val_batches=1.5", "variant.limit_val_batches must be a whole number of batches ≥ 0 or a "
+                                      "fraction in [0, 1], got 1.5"),
+])
+def test_init_merge_and_validation_settings_are_refused_before_loading(tmp_path, override, message):
+    """Found by a fresh user: these were refused only once the data and the model had loaded, by a
+    traceback (``variant.init``), Hydra's several-line instantiation error (the merge settings; ``'abc'``
+    as a TypeError naming no key) or Lightning's (``limit_val_batches``)."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", *override.split()])
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        check_config(cfg)
+
+
+def test_a_resume_from_a_run_folder_names_its_checkpoint(tmp_path):
+    """Found by a fresh user: ``ckpt_path=outputs/train/<variant>`` (the run's folder) failed inside
+    Lightning with a 40-line IsADirectoryError once the model had loaded; a DeepSpeed checkpoint,
+    which is a folder, is still taken."""
+    from deltafleet.train.run import check_resume
+
+    run = tmp_path / "train" / "coder"
+    with pytest.raises(ValueError, match=r"ckpt_path .*coder is a folder, not a checkpoint .*: pass a checkpoint "
+                                         r"file, a run's checkpoints/last.ckpt$"):
+        run.mkdir(parents=True)
+        check_resume(str(run), "coder")
+    for stamp in ("2026-12-01_10-00-00", "2026-12-02_10-00-00"):
+        (run / stamp / "checkpoints").mkdir(parents=True)
+        (run / stamp / "checkpoints" / "last.ckpt").write_text("x")
+    newest = run / "2026-12-02_10-00-00" / "checkpoints" / "last.ckpt"
+    os.utime(newest, (2e9, 2e9))
+    with pytest.raises(ValueError, match=f"e.g. ckpt_path={re.escape(str(newest))}, its newest$"):
+        check_resume(str(run), "coder")
+    (run / "latest").write_text("checkpoint")  # DeepSpeed's layout: Lightning reads it
+    check_resume(str(run), "coder")
+
+
 def test_a_resume_from_a_file_that_is_no_checkpoint_is_named(tmp_path):
     from deltafleet.train.run import check_resume
 
@@ -371,3 +418,35 @@ def test_a_bad_thread_setting_is_one_line_in_every_job(script, job, tmp_path):
                        env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == f"{job}: ValueError: threads must be null or a positive integer, got 0"
+
+
+@pytest.mark.parametrize("export", [True, False])
+def test_the_replaced_fine_tunes_artifact_is_retired(tmp_path, capsys, export):
+    """Found by a fresh user: Ctrl-C after a run had written its fine-tune but before its export left
+    the previous run's artifact beside the new fine-tune, unmarked. With the export on it is removed
+    (the export writes the new one next); with it off it is kept and named as stale. Another
+    variant's artifact, or a folder that is no artifact, is left alone."""
+    from safetensors.torch import save_file
+
+    from deltafleet.compress.bitdelta import compress
+    from deltafleet.train.run import retire_artifact
+
+    for name, w in (("b", torch.zeros(4, 8)), ("f", torch.ones(4, 8))):
+        (tmp_path / name).mkdir()
+        save_file({"lin.weight": w}, tmp_path / name / "model.safetensors")
+    art = tmp_path / "artifacts" / "coder"
+    compress(tmp_path / "b", tmp_path / "f", art, variant="coder")
+    other = OmegaConf.create({"variant": {"name": "math"}, "export": {"out_dir": str(art), "enabled": export}})
+    retire_artifact(other)
+    assert (art / "bitdelta.json").is_file() and capsys.readouterr().out == ""
+    cfg = OmegaConf.create({"variant": {"name": "coder"}, "export": {"out_dir": str(art), "enabled": export}})
+    retire_artifact(cfg)
+    out = capsys.readouterr().out
+    if export:
+        assert not art.exists() and list((tmp_path / "artifacts").iterdir()) == []
+        assert out == f"[train] removed {art}, the artifact of the fine-tune this run replaced\n"
+    else:
+        assert (art / "bitdelta.json").is_file()
+        assert out == (f"[train] warning: {art} is the artifact of the fine-tune this run replaced, not of this one: "
+                       "`make export VARIANT=coder` exports this one\n")
+    retire_artifact(cfg)  # nothing there now (export on), or the same stale one again: no error

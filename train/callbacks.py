@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from deltafleet.merge.soup import MERGE_METHODS, RANK_MODES, merge_param, summarize
+from deltafleet.merge.soup import check_soup_settings, merge_param, summarize
 from deltafleet.train.distributed import deepspeed_module, full_shape, read_full_param, world_size, write_full_param
 
 
@@ -60,25 +60,14 @@ class MonoSoupCallback(L.Callback):
         monitor: the logged metric that ranks checkpoints (lower is better).
 
     Raises:
-        ValueError: an unknown ``method`` or ``rank_mode``, or a non-positive ``every_n_steps``.
+        ValueError: a setting of the wrong kind or range (``merge.soup.check_soup_settings``).
         NotImplementedError: at setup, for strategies other than single-device, DDP and DeepSpeed.
     """
 
     def __init__(self, method: str = "monosoup", every_n_steps: int = 1000, energy_ratio: float = 0.8,
                  rank_mode: str = "energy", rank: int = 8, val_batches: int = 8, min_rel_update: float = 1e-6,
                  monitor: str = "val/loss"):
-        if method not in MERGE_METHODS:
-            raise ValueError(f"unknown merge method {method!r}; expected one of {MERGE_METHODS}")
-        if rank_mode not in RANK_MODES:
-            raise ValueError(f"rank_mode must be one of {RANK_MODES}, got {rank_mode!r}")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        if val_batches < 0:
-            raise ValueError(f"val_batches must be >= 0, got {val_batches}")
-        if not 0.0 < energy_ratio <= 1.0:
-            raise ValueError(f"energy_ratio must lie in (0, 1], got {energy_ratio}")
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
+        check_soup_settings(method, every_n_steps, energy_ratio, rank_mode, rank, val_batches, min_rel_update, monitor)
         self.method, self.every_n_steps, self.val_batches, self.monitor = method, every_n_steps, val_batches, monitor
         self.merge_kwargs = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, rank=rank,
                                  min_rel_update=min_rel_update)
@@ -149,10 +138,12 @@ class MonoSoupCallback(L.Callback):
             self._log(trainer, record)
             return
         record = self.merge(trainer, pl_module)
+        # a rank and an energy kept describe the SVD methods only; a plain mean has neither
+        spectral = (f"mean rank {record['mean_rank']:.1f}, energy kept {record['mean_energy_kept']:.3f}, "
+                    if self.method != "average" else "")
         rank_zero_info(f"[merge] step {step}: {self.method} with best@{self.best_step} "
                        f"(val {self.best_val_loss:.4f}); val loss {record['val_loss_before']:.4f} -> "
-                       f"{record['val_loss_after']:.4f}, mean rank {record['mean_rank']:.1f}, "
-                       f"energy kept {record['mean_energy_kept']:.3f}, {record['seconds']:.2f}s")
+                       f"{record['val_loss_after']:.4f}, {spectral}{record['seconds']:.2f}s")
         self._log(trainer, record)
 
     # --------------------------------------------------------------- merging

@@ -19,6 +19,7 @@ the artifact (its manifest as metadata) to W&B.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -33,7 +34,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from deltafleet.atomic import check_replaceable, staged_dir, unlisted_files, write_text
+from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
 from deltafleet.cli import fit, flag, interruptible, no_base, stop_on_sigterm, user_errors
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -120,6 +121,11 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path {ckpt_path} does not exist")
+    if path.is_dir() and not ((path / "latest").is_file() or any(path.glob("*/*model_states.pt"))):
+        found = sorted(path.glob("**/checkpoints/last.ckpt"), key=lambda f: f.stat().st_mtime)
+        hint = f"e.g. ckpt_path={found[-1]}, its newest" if found else "a run's checkpoints/last.ckpt"
+        raise ValueError(f"ckpt_path {ckpt_path} is a folder, not a checkpoint (nor a DeepSpeed checkpoint's "
+                         f"folder): pass a checkpoint file, {hint}")
     if path.is_file():  # DeepSpeed checkpoints are folders; Lightning checks those itself
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -199,6 +205,23 @@ def _check_numbers(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be {what}, got {value!r}")
 
 
+def _check_merge(cfg: DictConfig) -> None:
+    """The merge callback's settings (:func:`check_config`), named ``merge.<key>``, where the callback
+    would refuse them only once the data and the model are loaded, in Hydra's words."""
+    from deltafleet.merge.soup import check_soup_settings
+
+    merge = cfg.get("merge")
+    if merge is None or not str(merge.get("_target_", "")).endswith(".MonoSoupCallback"):
+        return
+    settings = {k: v for k, v in merge.items() if k != "_target_"}
+    known = set(inspect.signature(check_soup_settings).parameters) - {"prefix"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"merge.{unknown[0]} is not a setting of the merge every N steps "
+                         f"(its settings: {', '.join(sorted(known))})")
+    check_soup_settings(**settings, prefix="merge.")
+
+
 def check_config(cfg: DictConfig) -> None:
     """The job's checks of its config, inputs and machine, before any work (so a mistake costs no
     training): the base and the domain's data exist, the settings are valid, a resume point is not
@@ -215,6 +238,8 @@ def check_config(cfg: DictConfig) -> None:
     from deltafleet.compress.bitdelta import GRANULARITIES, check_variant_name
 
     check_variant_name(cfg.variant.name)  # it names the checkpoint and artifact folders, and the model id
+    if cfg.variant.init not in ("scratch", "base"):
+        raise ValueError(f"variant.init must be 'scratch' or 'base', got {cfg.variant.init!r}")
     steps = cfg.trainer.get("max_steps")
     if not count(steps):  # Lightning's -1 would never stop
         raise ValueError(f"trainer.max_steps must be a whole number of steps, at least 1, got {steps!r} "
@@ -225,7 +250,13 @@ def check_config(cfg: DictConfig) -> None:
     for key, value in (("eval_batches", cfg.eval_batches), ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps)):
         if not count(value):
             raise ValueError(f"{key} must be a whole number, at least 1, got {value!r}")
+    limit = cfg.variant.get("limit_val_batches")
+    if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit >= 0
+            and (isinstance(limit, int) or limit <= 1)):
+        raise ValueError(f"variant.limit_val_batches must be a whole number of batches ≥ 0 or a fraction in [0, 1], "
+                         f"got {limit!r}")
     _check_numbers(cfg)
+    _check_merge(cfg)
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(no_base(cfg))
@@ -374,6 +405,8 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
     save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out}, adapter_dir)
     print(f"[train] wrote {out_dir}", flush=True)
+    if cfg.variant.init == "base":
+        retire_artifact(cfg)
 
     manifest = None
     if cfg.variant.init == "base" and cfg.export.enabled:
@@ -387,6 +420,24 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     files = json.loads((out_dir / "training.json").read_text())["files"]  # as save_checkpoint listed them
     write_text(out_dir / "training.json", json.dumps({"run_id": run_dir.name, **record, "files": files}, indent=2) + "\n")
     return out
+
+
+def retire_artifact(cfg: DictConfig) -> None:
+    """The variant's artifact (``export.out_dir``) was made from the fine-tune this run has just
+    replaced. With the export on, it is removed before the export writes this run's, so a run stopped
+    in between (Ctrl-C) leaves no artifact rather than the previous run's beside the new fine-tune;
+    with the export off it is kept, and named as stale."""
+    from deltafleet.compress.bitdelta import not_artifact
+
+    out = Path(cfg.export.out_dir)
+    if not out.is_dir() or not_artifact(out, cfg.variant.name) is not None:
+        return
+    if cfg.export.enabled:
+        remove_dir(out)
+        print(f"[train] removed {out}, the artifact of the fine-tune this run replaced", flush=True)
+    else:
+        print(f"[train] warning: {out} is the artifact of the fine-tune this run replaced, not of this one: "
+              f"`make export VARIANT={cfg.variant.name}` exports this one", flush=True)
 
 
 def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, base_loss: float,
