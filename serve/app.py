@@ -353,9 +353,9 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 
     class HeadLimitHttpTools(HeadTimeout):
         """httptools with the head timer and the head size limit. The bytes of a head are counted
-        per read: a read in which the parser neither finished a head nor a message, having started
-        it waiting for a head, was all head (one that finished something is not counted: the limit
-        holds within one read's size)."""
+        per read, before the parser assembles them: a read in which the parser neither finished a
+        head nor a message, having started it waiting for a head, was all head. A head that came
+        within one read is counted as it is parsed (its request target and headers)."""
 
         _awaiting_head = True  # from the connection's start or a message's end to the next whole head
         _head_bytes = 0
@@ -371,10 +371,22 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
                                            f"{MAX_HEAD_BYTES} bytes.")
 
         def on_message_begin(self) -> None:
-            self._hosts = 0
+            self._hosts = self._parsed = 0
             super().on_message_begin()
 
+        def _count(self, n: int) -> None:
+            """The parsed head's bytes: a head that came whole within one read is held to the limit here
+            (the parser's error: uvicorn's 400)."""
+            self._parsed += n
+            if self._parsed > MAX_HEAD_BYTES:
+                raise ValueError(f"the request head is longer than {MAX_HEAD_BYTES} bytes")
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
         def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)  # ": " and the line's end
             if name.lower() == b"host":  # RFC 9112 §3.2: a request with two is a 400 (h11 refuses it)
                 self._hosts += 1
                 if self._hosts > 1:
