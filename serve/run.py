@@ -141,8 +141,9 @@ def check_settings(cfg: DictConfig) -> None:
     integers in range; durations and budgets numbers (a half-life may be infinite); ``device`` cpu,
     cuda or cuda:N, with a CUDA device present for the latter; ``log_level`` one of uvicorn's;
     ``family``, the base's model id and its variants' prefix (``<family>-<variant>``), of a variant
-    name's characters (no ``/``: ``/v1/models/{id}`` must find it). The parts still check what only
-    they can (the dtype, the attention backend, the KV cache's options, the synthetic family's).
+    name's characters (no ``/``: ``/v1/models/{id}`` must find it); ``attention`` and
+    ``delta_cache.sign_layout`` one of theirs. The parts still check what only they can (the dtype,
+    the KV cache's options, the synthetic family's).
 
     Raises:
         ValueError: the first setting that is not of its kind, by name.
@@ -190,6 +191,12 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (or a number), got {cfg.log_level!r}")
     if cfg.api_key is not None and not isinstance(cfg.api_key, str):
         raise ValueError(f"api_key must be a string or null, got {cfg.api_key!r}")
+    from deltafleet.serve.attention import BACKENDS
+    from deltafleet.serve.batch import check_sign_layout
+
+    if cfg.attention not in BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(BACKENDS)}, got {cfg.attention!r}")
+    check_sign_layout(dc.get("sign_layout", "tiled"), "delta_cache.sign_layout")
     _check_device(cfg.device)
     _check_timeouts(cfg)
     _check_cors(cfg)

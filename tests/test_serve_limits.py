@@ -387,6 +387,9 @@ FAMILY = ("family (the base's model id; variants are <family>-<variant>) must be
     ("family=a/b", FAMILY + "'a/b'"),  # served, but GET /v1/models/a/b found no model
     ("family=-x", FAMILY + "'-x'"),
     ("family=7", FAMILY + "7"),
+    # refused only once the base had loaded (found by a fresh user)
+    ("attention=foo", "attention must be one of auto, flex, sdpa, got 'foo'"),
+    ("delta_cache.sign_layout=diag", "delta_cache.sign_layout must be one of ('rows', 'tiled'), got 'diag'"),
 ])
 def test_a_bad_serve_setting_is_refused_by_name(override, message):
     from deltafleet.serve.run import check_settings
@@ -501,9 +504,9 @@ def test_tensor_parallel_settings_that_cannot_start_stop_with_one_line(tiny_fami
         r = run(f"base_dir={tmp_path / 'none'}", "tp=2", f"tp_port={port}", "port=0")
         assert r.returncode == 2 and r.stderr.startswith("error: no base checkpoint at") and r.stderr.count("\n") == 1
         r = run(base, f"artifacts_dir={tiny_family.artifacts_dir}", "tp=2", f"tp_port={port}", "port=0",
-                "attention=foo")  # rank 0's own check, once the ranks have started
-        assert r.returncode == 2 and r.stderr.strip() == "error: attention must be one of ('auto', 'flex', 'sdpa'), " \
-                                                          "got 'foo'", r.stderr
+                "kv_cache.block_size=0")  # rank 0's own check, once the ranks have started
+        assert r.returncode == 2 and r.stderr.strip() == "error: kv_cache.block_size must be an integer ≥ 1, got 0", \
+            r.stderr
         # every rank fails on this one, the other rank often first: rank 0's line and status still
         no_weights = tmp_path / "no-weights"
         shutil.copytree(tiny_family.base_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
