@@ -1233,10 +1233,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             raise _api_error(e) from None
         reqs = await prepare_all(body.model, prompts, body.sampling(body.max_tokens), body.n, "prompt")
         rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model_id = reqs[0].model_id  # the canonical id, as /v1/models lists it, for a bare variant name too
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
 
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
-            return {"id": rid, "object": "text_completion", "created": created_at, "model": body.model,
+            return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                     "choices": [{"index": index, "text": text or "", "logprobs": completion_logprobs(steps, offset),
                                  "finish_reason": finish_reason}]}
 
@@ -1275,6 +1276,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             raise _api_error(e) from None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
+        model_id = reqs[0].model_id  # the canonical id, as /v1/models lists it, for a bare variant name too
         rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         calls_tools = body.calls_tools()
         # a function named by tool_choice ends "stop", as OpenAI's and vLLM's do; a call the model chose, "tool_calls"
@@ -1300,7 +1302,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             lp = chat_logprobs(steps)
             if steps and not first and not delta and finish_reason is None and lp is None:
                 return None  # text the tool-call scanner holds back: no empty delta per token
-            return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": body.model,
+            return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
                     "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
 
         def message(text: str, reason: str) -> tuple[dict, str]:
@@ -1323,7 +1325,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             for i, (text, reason, _, st) in enumerate(done):
                 msg, reason = message(text, reason)
                 choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason})
-            return {"id": rid, "object": "chat.completion", "created": created_at, "model": body.model,
+            return {"id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
                     "choices": choices, "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
         return await json_off_loop(answer)
 

@@ -895,15 +895,21 @@ def test_a_corrupt_artifact_is_503_and_others_keep_working(server, client, root)
 
 
 def test_a_variant_is_served_under_its_bare_name_too(server, client):
-    """As vLLM serves an adapter under its ``lora_name``: ``coder`` is ``tiny-coder``, and counted as it
-    on /metrics (no series of its own)."""
+    """As vLLM serves an adapter under its ``lora_name``: ``coder`` is ``tiny-coder``, answered under its
+    id (as /v1/models lists it: found by a fresh user, a client grouping by the response's model saw
+    two names for one variant) and counted as it on /metrics (no series of its own)."""
     def logprobs(model):
         r = client.completions.create(model=model, prompt="def main(", logprobs=1, **GREEDY)
         return r.model, r.choices[0].logprobs.token_logprobs
 
     (bare_model, bare), (_, full), (_, base) = logprobs("coder"), logprobs("tiny-coder"), logprobs("tiny")
     assert bare == full and bare != base
-    assert bare_model == "coder"  # echoed as asked, like vLLM
+    assert bare_model == "tiny-coder"
+    chat = client.chat.completions.create(model="coder", messages=[{"role": "user", "content": "hi"}], **GREEDY)
+    assert chat.model == "tiny-coder"
+    with client.chat.completions.create(model="coder", messages=[{"role": "user", "content": "hi"}], stream=True,
+                                        **GREEDY) as stream:
+        assert {chunk.model for chunk in stream} == {"tiny-coder"}
     assert client.models.retrieve("coder").id == "tiny-coder"
     text = httpx.get(f"{server}/metrics").text
     assert 'model_name="tiny-coder"' in text and 'model_name="coder"' not in text
