@@ -1065,7 +1065,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         queue, cancel = job
         mid, last = req.model_id, None
         itl, tokens = metrics.itl.labels(mid), metrics.generation_tokens.labels(mid)  # once, not per token
-        item = None
+        item, ended = None, False
         try:
             # To the end, even once cancelled: the scheduler ends the request after its current step
             # and sends the last item then.
@@ -1087,11 +1087,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     if batch[-1].finish_reason is not None:
                         metrics.e2e.labels(mid).observe(now - arrival)
                         metrics.requests.labels(mid, batch[-1].finish_reason).inc()
+                        ended = True
                     yield batch
                 if isinstance(item, BaseException):
                     metrics.requests.labels(mid, "error").inc()
+                    ended = True
                     raise item
         finally:
+            if not ended:  # cancelled: its client hung up (vLLM's finished_reason "abort")
+                metrics.requests.labels(mid, "abort").inc()
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
     async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int, list]]:

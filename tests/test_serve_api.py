@@ -604,6 +604,12 @@ def test_concurrent_requests_and_client_disconnect(server, client):
         t.join()
     assert together == alone
 
+    def aborted() -> float:
+        line = 'deltafleet:request_success_total{finished_reason="abort",model_name="tiny-coder"} '
+        return float(next((x.removeprefix(line) for x in httpx.get(f"{server}/metrics").text.splitlines()
+                           if x.startswith(line)), 0))
+
+    before = aborted()
     body = {"model": "tiny-coder", "prompt": "a", "max_tokens": 100, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
         assert next(r.iter_lines()).startswith("data: {")  # then hang up
@@ -611,6 +617,10 @@ def test_concurrent_requests_and_client_disconnect(server, client):
     deadline = time.time() + 5
     while 'deltafleet:num_requests_running{model_name="tiny-coder"} 0.0' not in httpx.get(f"{server}/metrics").text:
         assert time.time() < deadline, "the abandoned request still counts as running"
+        time.sleep(0.05)
+    # counted as ended, with vLLM's finished_reason "abort" (found by a fresh user: its tokens counted, it not)
+    while aborted() != before + 1:
+        assert time.time() < deadline, f"aborted requests: {aborted()} after {before}"
         time.sleep(0.05)
 
 
