@@ -43,7 +43,6 @@ RankMode = Literal["energy", "effective_rank"]
 MergeMethod = Literal["monosoup", "svd_soup", "average", "none"]
 
 
-
 def check_soup_settings(method: str = "monosoup", every_n_steps: int = 1000, energy_ratio: float = 0.8,
                         rank_mode: str = "energy", rank: int = 8, val_batches: int = 8, min_rel_update: float = 1e-6,
                         monitor: str = "val/loss", prefix: str = "") -> None:
