@@ -63,7 +63,32 @@ def user_errors(job: str) -> Iterator[None]:
         try:
             yield
         except USER_ERRORS as e:
+            drop_refused_run_dir()
             raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
+
+
+def drop_refused_run_dir() -> None:
+    """Remove the run folder Hydra made for this job (``hydra.run.dir``) when it holds nothing but
+    Hydra's own files (``.hydra/``, ``<job>.log``): a job refused before any work leaves no run folder
+    behind. A folder holding anything else is left as it is, and so are multirun folders."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+            return
+        hc = HydraConfig.get()
+        run, log = Path(hc.runtime.output_dir), f"{hc.job.name}.log"
+    except Exception:  # no Hydra, or a config without its runtime: nothing Hydra made
+        return
+    if not run.is_dir() or not {p.name for p in run.iterdir()} <= {".hydra", log}:
+        return
+    import shutil
+
+    shutil.rmtree(run / ".hydra", ignore_errors=True)
+    (run / log).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # something came meanwhile: left as it is
+        run.rmdir()
 
 
 def flag(cfg, key: str) -> bool:

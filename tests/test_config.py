@@ -393,6 +393,16 @@ def test_a_bad_thread_count_is_one_line(tmp_path, script):
     job = "train" if script == "train/run.py" else "real-base"
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1] == f"{job}: ValueError: threads must be null or a positive integer, got 0"
+    # the run folder Hydra made holds only its own files: removed (found by a fresh user: twenty left
+    # under outputs/train/<variant>/ by refused runs)
+    assert not (tmp_path / "run").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    subprocess.run([sys.executable, script, "threads=0", f"paths.root={tmp_path}", f"hydra.run.dir={kept}"],
+                   cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert sorted(p.name for p in kept.iterdir()) == [".hydra", "notes.txt", f"{script[6:-3]}.log"]
 
 
 def test_the_jobs_check_their_settings_before_importing_the_training_stack():
