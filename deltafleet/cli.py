@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import runpy
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -75,16 +76,14 @@ def drop_refused_run_dir() -> None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        hc = HydraConfig.get() if HydraConfig.initialized() else None
+        if hc is None or hc.mode != RunMode.RUN:
             return
-        hc = HydraConfig.get()
         run, log = Path(hc.runtime.output_dir), f"{hc.job.name}.log"
     except Exception:  # no Hydra, or a config without its runtime: nothing Hydra made
         return
     if not run.is_dir() or not {p.name for p in run.iterdir()} <= {".hydra", log}:
         return
-    import shutil
-
     shutil.rmtree(run / ".hydra", ignore_errors=True)
     (run / log).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # something came meanwhile: left as it is
@@ -127,7 +126,6 @@ def build_hint(cfg, what: str, variant: str | None = None) -> str:
 def _conf_dir():
     """``conf/``, beside the jobs' code, in the repository and in the installed package alike."""
     import importlib.util
-    from pathlib import Path
 
     return Path(importlib.util.find_spec("deltafleet.train").origin).resolve().parent.parent / "conf"
 

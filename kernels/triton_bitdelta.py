@@ -659,10 +659,10 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
         return "decode" if decode is not None else gluon_bitdelta.DEFAULT_CONFIG
     runs = {}
     for cfg in configs[:4]:  # (up to 128 rows: the smallest token tiles that hold the rows first)
+        d, whole = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
+        forms = sorted({(d, whole), (1, 0), (2, 0)} if whole else {(s, 0) for s in (d, max(1, d // 2), 2 * d)})
         for persistent in (False, True):
-            d, whole = gluon_prefill_rs.default_split(m, n, k, cfg, sms)
-            forms = {(d, whole), (1, 0), (2, 0)} if whole else {(s, 0) for s in (d, max(1, d // 2), 2 * d)}
-            for split, whole in sorted(forms):
+            for split, whole in forms:
                 runs[("rs", cfg, split, persistent, whole)] = (
                     lambda cfg=cfg, split=split, persistent=persistent, whole=whole:
                     gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, bias, y, cfg, split,

@@ -37,6 +37,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from deltafleet.values import real, whole
+
 MERGE_METHODS = ("monosoup", "svd_soup", "average", "none")
 RANK_MODES = ("energy", "effective_rank")
 RankMode = Literal["energy", "effective_rank"]
@@ -52,12 +54,6 @@ def check_soup_settings(method: str = "monosoup", every_n_steps: int = 1000, ene
     Raises:
         ValueError: naming the first wrong setting, what it must be and what it is.
     """
-    def real(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    def whole(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     checks = (("method", method, method in MERGE_METHODS, f"one of {', '.join(MERGE_METHODS)}"),
               ("every_n_steps", every_n_steps, whole(every_n_steps) and every_n_steps >= 1, "a whole number ≥ 1"),
               ("energy_ratio", energy_ratio, real(energy_ratio) and 0 < energy_ratio <= 1, "a number in (0, 1]"),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -35,6 +34,9 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from deltafleet.values import real as _number
+from deltafleet.values import whole as _integer
 
 
 def _cache_options(cfg: DictConfig) -> dict:
@@ -124,14 +126,6 @@ FLAGS = ("force", "async_scheduling", "late_planning", "cuda_graphs", "prefill_g
 COUNTS = ("max_batch", "max_num_batched_tokens", "tp")  # integers ≥ 1
 LIMITS = ("max_waiting", "max_request_bytes", "max_pending_body_bytes", "delta_cache.device_slots")  # or null
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
-
-
-def _integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_settings(cfg: DictConfig) -> None:

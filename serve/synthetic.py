@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,8 @@ from deltafleet.serve.batch import check_sign_layout
 from deltafleet.serve.delta import VariantDelta, hf_name
 from deltafleet.serve.model import ModelArgs, Transformer
 from deltafleet.serve.tp import _kind, shard_model, shard_sign, slice_for
+from deltafleet.values import real as _finite
+from deltafleet.values import whole as _integer
 
 SPEC_NAME = "synthetic.json"
 SOURCE_PREFIX = "synthetic:"  # a synthetic variant's `source` (what rank 0 tells the other ranks to load)
@@ -225,13 +226,6 @@ def _check_replicas(model: Transformer, group) -> None:
 SHAPE_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SHAPE_OPTIONAL = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
-
-def _integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_options(opts) -> dict:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
 from deltafleet.cli import fit, flag, interruptible, no_base, stop_on_sigterm, user_errors
+from deltafleet.values import real, whole
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
 from deltafleet.train.data import SPLITS, split_file
@@ -180,21 +181,15 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
 def _check_numbers(cfg: DictConfig) -> None:
     """The optimizer's, the schedule's and LoRA's settings (:func:`check_config`): each of its kind and
     range, named, where a wrong one trained with it or failed inside Lightning or PEFT."""
-    def real(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    def integer(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     checks = [("variant.lr", lambda v: real(v) and v > 0, "a number > 0"),
               ("variant.weight_decay", lambda v: real(v) and v >= 0, "a number ≥ 0"),
-              ("variant.warmup_steps", lambda v: integer(v) and v >= 0, "a whole number of steps ≥ 0"),
+              ("variant.warmup_steps", lambda v: whole(v) and v >= 0, "a whole number of steps ≥ 0"),
               ("variant.min_lr_ratio", lambda v: real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-              ("seed", integer, "an integer")]
+              ("seed", whole, "an integer")]
     if cfg.model.get("finetune_lr") is not None:
         checks.append(("model.finetune_lr", lambda v: real(v) and v > 0, "null or a number > 0"))
     if cfg.variant.get("adapter") == "lora":
-        checks += [("lora.r", lambda v: integer(v) and v >= 1, "a whole number ≥ 1"),
+        checks += [("lora.r", lambda v: whole(v) and v >= 1, "a whole number ≥ 1"),
                    ("lora.alpha", lambda v: real(v) and v > 0, "a number > 0"),
                    ("lora.dropout", lambda v: real(v) and 0 <= v < 1, "a number in [0, 1)"),
                    ("lora.target_modules", lambda v: OmegaConf.is_list(v) and len(v) > 0
@@ -233,7 +228,7 @@ def check_config(cfg: DictConfig) -> None:
         ValueError: an invalid setting, or a machine without the GPUs the trainer needs.
     """
     def count(value) -> bool:  # a whole number ≥ 1 (YAML's true is an int to Python)
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return whole(value) and value >= 1
 
     from deltafleet.compress.bitdelta import GRANULARITIES, check_variant_name
 
