@@ -51,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -434,6 +435,40 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class StatusCount:
+    """ASGI middleware, the outermost: counts every HTTP answer by route, method and status code in
+    ``counter`` (``http_requests_total``, the labels of prometheus-fastapi-instrumentator, which vLLM
+    serves, with each code whole rather than grouped as ``4xx``), refusals by the layers inside it
+    (413, 408, 503 ``server_busy``, 401) and 429s included. ``handler`` is the route's path template,
+    ``none`` for a path no route matches (a client's own paths would make series without end).
+    ``/metrics`` and ``/health`` are not counted: scrapes and probes would outnumber the API's calls."""
+
+    def __init__(self, app: ASGIApp, counter: Counter, routes: Callable[[], list]):
+        self.app, self.counter, self.routes = app, counter, routes
+
+    def handler(self, scope: Scope) -> str:
+        for route in self.routes():
+            if route.matches(scope)[0] != Match.NONE:  # PARTIAL: the path with another method (405)
+                return getattr(route, "path", "none")
+        return "none"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        status = 500  # no answer began: Starlette's ServerErrorMiddleware, outside this, sends a 500
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            self.counter.labels(self.handler(scope), scope["method"], str(status)).inc()
+
+
 class _EngineCollector:
     """The scheduler's own state, read at each scrape: the KV cache's use and the preemptions so far
     (vLLM's ``kv_cache_usage_perc`` and ``num_preemptions``), and the seconds it waited to plan late."""
@@ -501,9 +536,11 @@ class _VllmCollector:
 
 
 class Metrics:
-    """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``)."""
+    """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``). The
+    delta cache's series are the variants' alone: ``family``, the base, has no delta."""
 
-    def __init__(self, model_ids: list[str]):
+    def __init__(self, model_ids: list[str], family: str | None = None):
+        self.family = family
         r = self.registry = CollectorRegistry()
         L = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from request arrival to the first token.",
@@ -541,6 +578,9 @@ class Metrics:
         self.launch_seconds = Histogram(PREFIX + "engine_step_launch_seconds", "The host's part of a step: "
                                         "preparing and launching its forward (ModelRunner.execute).", ["kind"],
                                         buckets=STEP_BUCKETS, registry=r)
+        self.http_requests = Counter("http_requests_total", "HTTP answers by route (handler), method and "
+                                     "status code; not /metrics or /health.", ["handler", "method", "status"],
+                                     registry=r)
         for kind in ("decode", "prefill"):
             self.step_seconds.labels(kind)
             self.launch_seconds.labels(kind)
@@ -555,7 +595,11 @@ class Metrics:
     def add_model(self, model_id: str) -> None:
         """Create every series of a model at zero, so it shows in /metrics before its first request."""
         for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
-                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures):
+                  self.generation_tokens):
+            m.labels(model_id)
+        if model_id == self.family:
+            return
+        for m in (self.hits, self.misses, self.loads, self.load_failures):
             m.labels(model_id)
         for tier in ("device", "host"):
             self.evictions.labels(model_id, tier)
@@ -721,12 +765,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     if with_key:
         app.add_middleware(APIKeyCheck, key=str(api_key))
 
-    if cors is not None:  # added last: the outermost layer
+    if cors is not None:  # outside the key check: a preflight is answered without the key
         app.add_middleware(CORSMiddleware, **cors)
 
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
-    metrics = Metrics([m.id for m in engine.models()])
+    metrics = Metrics([m.id for m in engine.models()], engine.family)
+    app.add_middleware(StatusCount, counter=metrics.http_requests, routes=lambda: app.routes)  # the outermost
     metrics.registry.register(_EngineCollector(engine))
     metrics.registry.register(_VllmCollector(engine, metrics))
     engine.add_listener(metrics.on_delta_event)

@@ -944,7 +944,37 @@ def test_metrics_after_traffic(server, client):
     assert float(samples['deltafleet:delta_cache_misses_total{model_name="tiny-writer"}']) >= 1.0
     assert float(samples['deltafleet:delta_cache_load_failures_total{model_name="tiny-broken"}']) >= 1.0
     assert float(samples['deltafleet:e2e_request_latency_seconds_count{model_name="tiny-writer"}']) >= 2.0
+    assert 'model_name="tiny"' in text and 'delta_cache_hits_total{model_name="tiny"}' not in text  # no delta
+    assert 'delta_load_seconds_count{model_name="tiny",' not in text
     assert httpx.get(f"{server}/health").status_code == 200  # still up after all the bad requests
+
+
+def test_every_http_answer_is_counted_by_route_and_status(server, client):
+    """``http_requests_total`` (vLLM's series, from prometheus-fastapi-instrumentator, with whole codes)
+    counts the answers of the layers outside the routes too: a 413 refused unread, a path no route
+    has (as ``none``), a 405; scrapes and health probes are not counted."""
+    def counts():
+        text = httpx.get(f"{server}/metrics").text
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                          if line.startswith("http_requests_total{"))}
+
+    def key(handler, method, status):
+        return f'http_requests_total{{handler="{handler}",method="{method}",status="{status}"}}'
+
+    before = counts()
+    client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert httpx.post(f"{server}/v1/completions", content=b"{" * (3 * 2**20),
+                      headers={"content-type": "application/json"}).status_code == 413
+    assert httpx.post(f"{server}/v1/completions", json={"model": "nosuch", "prompt": "x"}).status_code == 404
+    assert httpx.get(f"{server}/v1/nosuch/path").status_code == 404
+    assert httpx.get(f"{server}/v1/completions").status_code == 405
+    httpx.get(f"{server}/health")
+    after = counts()
+    for k, n in {key("/v1/completions", "POST", 200): 1, key("/v1/completions", "POST", 413): 1,
+                 key("/v1/completions", "POST", 404): 1, key("none", "GET", 404): 1,
+                 key("/v1/completions", "GET", 405): 1}.items():
+        assert after.get(k, 0) - before.get(k, 0) == n, k
+    assert not any('handler="/health"' in k or 'handler="/metrics"' in k or "nosuch" in k for k in after)
 
 
 def test_engine_steps_are_in_the_metrics(engine):
