@@ -1155,7 +1155,7 @@ def test_vllm_series_for_the_endpoint_picker(engine):
             while 'vllm:num_requests_waiting{model_name="tiny"} 1.0' not in (text := tc.get("/metrics").text):
                 assert time.time() < deadline
                 time.sleep(0.02)
-            assert f'waiting_lora_adapters="tiny-coder"' in text and 'running_lora_adapters=""' in text
+            assert 'waiting_lora_adapters="tiny-coder"' in text and 'running_lora_adapters=""' in text
         finally:
             engine._gen_lock.release()
         t.join(timeout=30)
