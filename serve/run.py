@@ -444,7 +444,7 @@ def _rank_main(rank: int, cfg_dict: dict) -> None:
     cuda = cfg.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    ctx = connect(rank, cfg.tp, "nccl" if cuda else "gloo", f"tcp://127.0.0.1:{cfg.tp_port}", cfg.tp_timeout_s)
+    ctx = connect(rank, cfg.tp, "nccl" if cuda else "gloo", "127.0.0.1", cfg.tp_port, cfg.tp_timeout_s)
     device = f"cuda:{rank}" if cuda else cfg.device
     try:
         if rank == 0:

@@ -18,6 +18,7 @@ same inputs and gets the same logits.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from datetime import timedelta
 
@@ -163,9 +164,13 @@ def shard_delta(delta, rank: int, world: int):
 COMMAND_WAIT = timedelta(days=3650)
 
 
-def connect(rank: int, world: int, backend: str, init_method: str, timeout_s: float) -> TPContext:
+def connect(rank: int, world: int, backend: str, host: str, port: int, timeout_s: float) -> TPContext:
     """Join the tensor-parallel group as ``rank`` of ``world``: the default process group (``backend``:
     NCCL on GPUs, gloo on the CPU), which the all-reduces use, and a gloo group for rank 0's commands.
+
+    The ranks meet at rank 0's ``TCPStore`` on ``host:port``. Rank 0 binds its listening socket to
+    ``host`` itself and hands it to the store: a store that binds its own listens on every interface
+    (``*:port``), whatever address the ranks use, and would take connections from other machines.
 
     Every collective waits at most ``timeout_s`` (``tp_timeout_s``) for the other ranks, so that a
     rank that stops answering (stopped, hung) fails the requests it holds up instead of hanging them
@@ -174,7 +179,15 @@ def connect(rank: int, world: int, backend: str, init_method: str, timeout_s: fl
     for rank 0's next command (:data:`COMMAND_WAIT`): an idle server sends none for as long as it is
     idle, and rank 0's end closes the connections that wait. Both groups are created by every rank."""
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    fd = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen()
+        fd = listener.detach()  # the store's from now on: not closed with the socket object
+    store = dist.TCPStore(host, port, world, rank == 0, timeout, master_listen_fd=fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else COMMAND_WAIT)
     return TPContext(rank, world, None, control, timeout_s)
 

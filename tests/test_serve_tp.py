@@ -161,6 +161,18 @@ def _tp_server(tiny_family, out: Path, *overrides: str):
     return proc, f"http://127.0.0.1:{ports[0]}", log
 
 
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            addr, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(addr)
+    return found
+
+
 def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path):
     """``serve/run.py tp=2`` (two gloo processes; rank 0 serves HTTP) through the real openai client:
     greedy answers for the base and each variant, sent together, equal the one-process engine's."""
@@ -177,6 +189,9 @@ def test_a_tensor_parallel_server_answers_like_one_process(tiny_family, tmp_path
     proc, url, log = _tp_server(tiny_family, tmp_path)
     try:
         wait_healthy(proc, url, tmp_path / "server.log", 120)
+        # found by a fresh user: the ranks' store listened on every interface (*:tp_port)
+        tp_port = int(next(a for a in proc.args if a.startswith("tp_port=")).split("=")[1])
+        assert _listening(tp_port) == ["0100007F"]  # 127.0.0.1 alone, as /proc/net/tcp writes it
         ref = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         jobs = [(m, p) for m in ("tiny", "tiny-coder", "tiny-writer") for p in ("def main(", "The quick")]
