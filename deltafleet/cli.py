@@ -104,6 +104,19 @@ def flag(cfg, key: str) -> bool:
     return value
 
 
+def check_report_name(name) -> str:
+    """``name``, a benchmark's ``report_name``: the stem of its files in the reports folder, so
+    non-empty text that names no other folder (no ``/``, no ``\\``, not ``.`` or ``..``).
+
+    Raises:
+        ValueError: naming the setting, for anything else."""
+    if isinstance(name, int) and not isinstance(name, bool):  # Hydra reads report_name=42 as a number
+        name = str(name)
+    if not isinstance(name, str) or name.strip() in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"report_name must be a file name (no folder) for reports/<report_name>.json, got {name!r}")
+    return name
+
+
 def build_hint(cfg, what: str, variant: str | None = None) -> str:
     """The command that builds a missing checkpoint of the configured family, for an error message:
     ``model.build.base`` or ``model.build.variant`` (``{variant}`` filled in) from ``conf/model/``.

@@ -336,6 +336,48 @@ class SettingError(ValueError):
     """A setting of the run, or a partial report it cannot go on from: said in one line, no traceback."""
 
 
+FLAGS = ("engine_steps", "peers", "structured.enabled", "synthetic", "kernel_autotune", "resume")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Raises SettingError for a setting of the wrong kind or out of range, naming it, before any
+    work: the yes/no settings (``peers=no`` is text to Hydra, not false), the counts (a load of no
+    clients or no requests would meet its goals with nothing sent), the port, the shape, the dtype
+    and the report's name (a file name inside ``reports/``). The server checks its own settings
+    (``device``, ``sign_layout``, ``server.*``) and the benchmark shows its error line."""
+    from deltafleet.cli import check_report_name, flag
+    from deltafleet.values import real, whole
+
+    try:
+        for key in FLAGS:
+            flag(cfg, key)
+        check_report_name(cfg.report_name)
+    except ValueError as e:
+        raise SettingError(str(e)) from None
+    counts = {"variants": cfg.variants, "client_processes": cfg.client_processes,
+              "max_position_embeddings": cfg.max_position_embeddings, "summary_concurrency": cfg.summary_concurrency,
+              "ttft.requests": cfg.ttft.requests, "ttft.concurrency": cfg.ttft.concurrency,
+              "burst.requests": cfg.burst.requests, **{f"requests.{k}": v for k, v in cfg.requests.items()},
+              **{f"concurrency[{i}]": c for i, c in enumerate(cfg.concurrency)}}
+    for key, v in counts.items():
+        if not whole(v) or v < 1:
+            raise SettingError(f"{key} must be a whole number ≥ 1, got {v!r}")
+    if not whole(cfg.port) or not 1 <= cfg.port <= 65535:
+        raise SettingError(f"port must be a port number from 1 to 65535, got {cfg.port!r}")
+    if cfg.shape not in cfg.shapes:
+        raise SettingError(f"shape must be one of {sorted(cfg.shapes)} (or a new entry under shapes), got {cfg.shape!r}")
+    if cfg.dtype not in DTYPE_NAMES:
+        raise SettingError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {cfg.dtype!r}")
+    ln = cfg.lengths
+    if not (whole(ln.min) and whole(ln.max) and 1 <= ln.min <= ln.max):
+        raise SettingError(f"lengths.min and lengths.max must be whole numbers with 1 ≤ min ≤ max, got {ln.min!r}, "
+                           f"{ln.max!r}")
+    for key in ("prompt_median", "output_median", "sigma"):
+        if not real(v := ln[key]) or v <= 0:
+            raise SettingError(f"lengths.{key} must be a number > 0, got {v!r}")
+
+
 def check_workload(cfg: DictConfig) -> None:
     """Raises SettingError where a fixed setting does not fit the served context, or a level is missing."""
     ctx = cfg.max_position_embeddings
@@ -407,6 +449,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(RuntimeError):
+    """The server could not start: its port is taken, or it exited (its error line in the message)."""
+
+
+def _error_line(log: Path) -> str:
+    """``: <line>`` for the last line of the server's ``log`` that names an error (serve/run.py's
+    ``error: …`` for a refused setting), else nothing."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found = [ln.strip() for ln in lines if ln.startswith("error:") or "Error:" in ln]
+    return f": {found[-1]}" if found else ""
+
+
 class Server:
     """``serve/run.py`` in a child process (its own session, so that every rank of it can be stopped)
     on 127.0.0.1; ``startup_s``: seconds from the start to a healthy ``/health``; ``overrides``: its own
@@ -427,7 +484,7 @@ class Server:
             try:
                 sock.bind(("127.0.0.1", cfg.port))
             except OSError as e:
-                raise RuntimeError(f"port {cfg.port} on 127.0.0.1 is in use ({e.strerror or e}): the benchmark "
+                raise ServerStartError(f"port {cfg.port} on 127.0.0.1 is in use ({e.strerror or e}): the benchmark "
                                    "would measure whatever listens there; stop it, or choose another port=N") from None
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.overrides = server_overrides(cfg, family, free_port())
@@ -447,9 +504,9 @@ class Server:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.proc.returncode}; see {log}")
+                    raise ServerStartError(f"the server exited with {self.proc.returncode}{_error_line(log)}; see {log}")
                 try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -499,6 +556,7 @@ _NEXT = None  # in a client process: the shared counter of requests handed out (
 def _client_init(counter) -> None:
     global _NEXT
     _NEXT = counter
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process stops them
 
 
 def _client_ready(processes: int, timeout_s: float) -> int:
@@ -534,7 +592,8 @@ async def _clients(url: str, jobs: list, workers: int) -> list[tuple[int, dict]]
 
     out: list[tuple[int, dict]] = []
     limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=120.0)) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=120.0),
+                                 trust_env=False) as client:  # loopback: never through a proxy
         async def worker():
             while (i := _next_job(len(jobs))) is not None:
                 out.append((i, await stream_completion(client, *jobs[i])))
@@ -899,7 +958,7 @@ def _scrape(url: str) -> str:
     import httpx
 
     try:
-        return httpx.get(url + "/metrics", timeout=10).text
+        return httpx.get(url + "/metrics", timeout=10, trust_env=False).text
     except httpx.HTTPError:
         return ""
 
@@ -1279,7 +1338,8 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
     try:
         url = server.url
         mem_started = gpu_memory_used_mib()
-        listed = [{"id": m["id"], "parent": m["parent"]} for m in httpx.get(url + "/v1/models").json()["data"]]
+        models = httpx.get(url + "/v1/models", trust_env=False).json()["data"]
+        listed = [{"id": m["id"], "parent": m["parent"]} for m in models]
         variants = sorted(m["id"] for m in listed if m["id"] != BASE_ID)
         ranked = [BASE_ID] + variants  # Zipf rank order: the base, then v00, v01, ...
         report["server"] = {"startup_s": server.startup_s, "overrides": server.overrides, "models": listed,
@@ -1337,15 +1397,16 @@ def serve_and_load(cfg: DictConfig, report: dict, family: Path, out_dir: Path, v
         on_host, host = [], None
         if not cfg.synthetic:  # past the device slots: the coldest variants go to the host tier
             for i in range(cfg.extra_for_host_tier):
-                r = httpx.post(url + "/v1/load_variant", json={"variant": f"extra{i}", "path": "v00"}, timeout=600)
+                r = httpx.post(url + "/v1/load_variant", json={"variant": f"extra{i}", "path": "v00"}, timeout=600,
+                               trust_env=False)
                 r.raise_for_status()
-            cache = httpx.get(url + "/v1/delta_cache").json()
+            cache = httpx.get(url + "/v1/delta_cache", trust_env=False).json()
             on_host = sorted(m for m, v in cache["variants"].items() if v["tier"] == "host")
             if on_host:
                 host = phase_stats(gen.run(url, [(m, [5, 6, 7], 2, 0) for m in on_host], 1))
         report["host_tier"] = {"evicted_to_host": on_host, "requests": host}
-        report["cold_load_seconds_by_tier"] = parse_load_seconds(httpx.get(url + "/metrics").text)
-        report["delta_cache"] = httpx.get(url + "/v1/delta_cache").json()
+        report["cold_load_seconds_by_tier"] = parse_load_seconds(_scrape(url))
+        report["delta_cache"] = httpx.get(url + "/v1/delta_cache", trust_env=False).json()
         checkpoint("burst")  # with the server's state after it: memory, host tier, cold loads
     finally:
         server.stop()
@@ -1358,13 +1419,12 @@ def main(cfg: DictConfig) -> dict:
     from deltafleet.atomic import write_text
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    check_settings(cfg)
     check_workload(cfg)
     levels = sorted({int(c) for c in cfg.concurrency})
     summary_c = int(cfg.summary_concurrency)
     if summary_c not in levels:
         raise SettingError(f"summary_concurrency={summary_c} is not one of the concurrency levels {levels}")
-    if not isinstance(cfg.get("resume", False), bool):
-        raise SettingError(f"resume must be true or false, got {cfg.resume!r}")
     stop = cfg.get("stop_after_s")
     if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, float)) or not stop >= 0):
         raise SettingError(f"stop_after_s must be null or a number of seconds ≥ 0, got {stop!r}")
@@ -1443,15 +1503,22 @@ def _terminated(signum, frame) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")
 def _entry(cfg: DictConfig) -> None:
+    from deltafleet.cli import drop_refused_run_dir, interruptible
+
     signal.signal(signal.SIGTERM, _terminated)
     try:
-        main(cfg)
+        with interruptible("bench-serve"):  # the partial report keeps the phases done (resume=true)
+            main(cfg)
     except StoppedForResume as e:
         print(e, flush=True)
         sys.exit(STOPPED_EXIT)
     except SettingError as e:  # a setting, or a partial report that cannot be resumed: named, no traceback
+        drop_refused_run_dir()
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except ServerStartError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -392,9 +392,9 @@ def test_the_transformers_peers_count_only_the_requested_tokens(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def run_bench(args: list[str], tmp_path: Path) -> dict:
+def run_bench(args: list[str], tmp_path: Path, env: dict = ENV) -> dict:
     r = subprocess.run([sys.executable, "serve/bench.py", *args, f"paths.root={tmp_path}", "machine=test",
-                        f"hydra.run.dir={tmp_path / 'run'}"], check=False, cwd=REPO, env=ENV, capture_output=True,
+                        f"hydra.run.dir={tmp_path / 'run'}"], check=False, cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=600)
     log = tmp_path / "run" / "server.log"
     assert r.returncode == 0, r.stderr[-3000:] + (log.read_text()[-3000:] if log.is_file() else "")
@@ -420,7 +420,10 @@ def check_load(stats: dict, requests: list, models: list[str]) -> None:
 def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
     args = [*TINY, "synthetic=false", "extra_for_host_tier=1", "engine_steps=false", "port=8139",
             f"family_dir={tmp_path / 'fam'}"]
-    d = run_bench(args, tmp_path)
+    # a proxy in the environment is not used (found by a fresh user: the loopback traffic went through it)
+    dead = "http://127.0.0.1:9"  # nothing listens: a request sent there fails
+    d = run_bench(args, tmp_path, {**ENV, **{k: dead for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")},
+                                   "NO_PROXY": "", "no_proxy": ""})
     cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *args])
     s = d["summary"]
     assert set(s) == {"step_over_floor", "tokens_per_s", "ttft_p50_s", "machine", "commit"}
@@ -511,6 +514,44 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
     assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
     assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
+
+
+@pytest.mark.parametrize("override, message", [
+    ("peers=no", "peers must be true or false, got 'no'"),
+    ("engine_steps=off", "engine_steps must be true or false, got 'off'"),
+    ("structured.enabled=maybe", "structured.enabled must be true or false, got 'maybe'"),
+    ("concurrency=[4,0]", "concurrency[1] must be a whole number ≥ 1, got 0"),
+    ("ttft.requests=0", "ttft.requests must be a whole number ≥ 1, got 0"),
+    ("burst.requests=0", "burst.requests must be a whole number ≥ 1, got 0"),
+    ("requests.max=0", "requests.max must be a whole number ≥ 1, got 0"),
+    ("client_processes=0", "client_processes must be a whole number ≥ 1, got 0"),
+    ("variants=-2", "variants must be a whole number ≥ 1, got -2"),
+    ("port=99999", "port must be a port number from 1 to 65535, got 99999"),
+    ("port=abc", "port must be a port number from 1 to 65535, got 'abc'"),
+    ("shape=nosuch", "shape must be one of ['llama2-7b', 'tiny'] (or a new entry under shapes), got 'nosuch'"),
+    ("dtype=float64x", "dtype must be one of bfloat16, float16, float32, got 'float64x'"),
+    ("lengths.sigma=-1", "lengths.sigma must be a number > 0, got -1"),
+    ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
+    ("report_name=/tmp/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
+                             "got '/tmp/x/y'"),
+])
+def test_a_bad_setting_is_refused_by_name_before_any_work(tmp_path, override, message):
+    """Found by a fresh user: ``peers=no`` ran the peers (text, to Hydra), a load of no requests met
+    its goals with nothing sent, ``report_name`` wrote outside reports/, and the rest were tracebacks."""
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, override])
+    with pytest.raises(bench.SettingError) as e:
+        bench.main(cfg)
+    assert str(e.value) == message
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_server_that_refuses_its_settings_is_named_with_its_error(tmp_path):
+    """The server's own checks (``device``, ``server.*``) stop it with exit status 2 and one line; the
+    benchmark's error carries that line, not only "see server.log"."""
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, "server={max_batch:0}", "port=8140"])
+    (tmp_path / "fam").mkdir()
+    with pytest.raises(bench.ServerStartError, match=r"^the server exited with 2: error: max_batch must be .*; see "):
+        bench.Server(cfg, tmp_path / "fam", tmp_path / "server.log")
 
 
 def test_the_pacing_flags_of_a_run_are_checked_first(tmp_path):
