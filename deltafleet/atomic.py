@@ -208,3 +208,14 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 def write_text(path: str | Path, text: str) -> None:
     """:func:`write_bytes` of ``text`` encoded as UTF-8."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def write_figure(fig, path: str | Path, **savefig) -> None:
+    """A matplotlib figure as PNG at ``path``, written as :func:`write_bytes` writes (``savefig``:
+    ``Figure.savefig``'s options, e.g. ``dpi``): a run stopped while it draws leaves the old picture
+    or none, never a truncated one beside a new report."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig)
+    write_bytes(path, buf.getvalue())

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from deltafleet.atomic import write_figure, write_text
+
 TARGET_SINGLE = 1.10   # one variant at M = 1, 256 and 2048 rows
 TARGET_BATCH = 1.15    # one variant at 2 ≤ M ≤ 64 rows (issue 26)
 
@@ -280,9 +282,8 @@ def zipf_slots(m: int, tenants: int, s: float, seed: int) -> torch.Tensor:
 
 def _write_partial(cfg, copy_gbs: float, rows: list[dict]) -> None:
     """The rows so far, in ``<report_name>.partial.json`` (survives an interrupted run; removed at the end)."""
-    partial = Path(cfg.paths.reports_dir) / f"{cfg.report_name}.partial.json"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text(json.dumps({"copy_GBps": copy_gbs, "rows": rows}))
+    write_text(Path(cfg.paths.reports_dir) / f"{cfg.report_name}.partial.json",
+               json.dumps({"copy_GBps": copy_gbs, "rows": rows}))
 
 
 def _plain(cfg) -> dict:
@@ -416,23 +417,23 @@ def plot(report: dict, path: Path) -> None:
     fig.suptitle(f"BitDelta kernels vs dense bf16 — {m['gpu']}{sep}torch {m['torch']}, triton {m['triton']}, "
                  f"{cfg['timing']} timing, {report['date'][:10]}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def main(cfg) -> dict:
-    from deltafleet.cli import user_errors
+    from deltafleet.cli import check_report_name, drop_refused_run_dir, user_errors
 
+    with user_errors("bench-kernels"):
+        check_report_name(cfg.report_name)
     if not torch.cuda.is_available():
+        drop_refused_run_dir()
         raise SystemExit("bench-kernels: needs a CUDA GPU (the kernels' CPU tests are `make test`)")
     with user_errors("bench-kernels"):
         report = run(cfg)
     reports = Path(cfg.paths.reports_dir)
-    reports.mkdir(parents=True, exist_ok=True)
     js, png = reports / f"{cfg.report_name}.json", reports / f"{cfg.report_name}.png"
-    tmp = js.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(js)
+    write_text(js, json.dumps(report, indent=1))
     plot(report, png)
     (reports / f"{cfg.report_name}.partial.json").unlink(missing_ok=True)
     print(f"wrote {js} and {png}", flush=True)

@@ -116,7 +116,7 @@ def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float
 
 
 def main(cfg: DictConfig) -> dict:
-    from deltafleet.atomic import write_text
+    from deltafleet.atomic import write_figure, write_text
     from deltafleet.merge.kmerge import AdapterPool
 
     t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def main(cfg: DictConfig) -> dict:
                  fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(reports / f"{cfg.report_name}.png", dpi=110)
+    write_figure(fig, reports / f"{cfg.report_name}.png", dpi=110)
     print("\n".join(lines))
     print(f"wrote {reports / cfg.report_name}.{{json,md,png}}")
     return report

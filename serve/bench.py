@@ -1245,6 +1245,8 @@ def plot(report: dict, png: Path) -> None:
     """tokens/s and TTFT P50/P99 against concurrency (base, mixed; the peers as points), step ÷ floor bars."""
     import matplotlib
 
+    from deltafleet.atomic import write_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -1299,7 +1301,7 @@ def plot(report: dict, png: Path) -> None:
     fig.suptitle(f"{c['shape']} family{' (synthetic)' if c.get('synthetic') else ''}, {c['variants']} variants{tp} — "
                  f"{s['machine']} — {report['date']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    write_figure(fig, png, dpi=110)
     plt.close(fig)
 
 

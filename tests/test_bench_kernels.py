@@ -127,3 +127,49 @@ def test_time_interleaved_times_in_turn_and_takes_medians():
 
 def bench_time(bench_fn, rounds):
     return bench.time_interleaved(bench_fn, {"dense": lambda: "dense", "triton": lambda: "triton"}, rounds)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal shown without a GPU")
+def test_a_refused_run_names_why_and_leaves_no_run_folder(tmp_path):
+    """Found by a fresh user: each refused run left ``outputs/bench-kernels/<time>/`` (Hydra's files and
+    an empty log), and ``report_name`` was not checked before the GPU was asked for."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH"))))}
+    for extra, line in (([], "bench-kernels: needs a CUDA GPU (the kernels' CPU tests are `make test`)"),
+                        (["report_name=a/b"], "bench-kernels: ValueError: report_name must be a file name (no "
+                                              "folder) for reports/<report_name>.json, got 'a/b'")):
+        run = tmp_path / "run"
+        r = subprocess.run([sys.executable, "kernels/bench.py", f"paths.root={tmp_path}", f"hydra.run.dir={run}",
+                            *extra], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == line, r.stderr[-2000:]
+        assert not run.exists() and not (tmp_path / "reports").exists()
+
+
+def test_the_png_is_replaced_whole(tmp_path, monkeypatch):
+    """The picture is written beside the report as the report is: a draw that fails leaves the old file."""
+    cfg = _cfg(tmp_path)
+    report = {"config": bench._plain(cfg), "summary": bench._summary(_rows(), cfg), "date": "2026-11-29T00:00:00",
+              "machine": {"gpu": "none", "torch": torch.__version__, "triton": "-"}}
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    png = tmp_path / "r.png"
+    png.write_bytes(b"old")
+
+    def broken(self, fname, **kw):  # half a picture written, then the disk is full
+        if hasattr(fname, "write"):
+            fname.write(b"\x89PNG half")
+        else:
+            Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        bench.plot(report, png)
+    assert png.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["r.png"]

@@ -121,6 +121,8 @@ def summarize(results: list[dict]) -> list[dict]:
 def write_report(results: list[dict], args, out_stem: Path) -> None:
     import matplotlib
 
+    from deltafleet.atomic import write_figure, write_text
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -131,7 +133,7 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
                "settings": {"steps": args.steps, "merge_every": args.every, "val_every": args.val_every,
                             "seed": args.seed, "overrides": args.extra}, "summary": summary, "runs": results}
     out_stem.parent.mkdir(parents=True, exist_ok=True)
-    out_stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_text(out_stem.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
     lines = [f"# Checkpoint merging during fine-tuning — {payload['date']}", "",
              f"Machine: {machine}. Command: `{payload['command']}`.",
              f"Each variant fine-tuned from {base_dir(args.extra)} for {args.steps} steps (seed {args.seed}); merges every "
@@ -153,7 +155,7 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
     lines += ["", "| method | mean held-out loss | mean gain | mean roughness |", "|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['method']} | {s['heldout_loss']:.4f} | {s['gain']:+.4f} | {s['roughness']:.4f} |")
-    out_stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_text(out_stem.with_suffix(".md"), "\n".join(lines) + "\n")
 
     variants = sorted({r["variant"] for r in results})
     fig, axes = plt.subplots(1, len(variants) + 1, figsize=(4.2 * (len(variants) + 1), 3.6))
@@ -171,7 +173,7 @@ def write_report(results: list[dict], args, out_stem: Path) -> None:
     ax.set_title("mean held-out gain over base")
     ax.set_ylabel("nats/token")
     fig.tight_layout()
-    fig.savefig(out_stem.with_suffix(".png"), dpi=120)
+    write_figure(fig, out_stem.with_suffix(".png"), dpi=120)
     print("\n".join(lines))
 
 
