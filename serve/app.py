@@ -1130,8 +1130,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     last = now
                     tokens.inc(len(batch))
                     if batch[-1].finish_reason is not None:
-                        metrics.e2e.labels(mid).observe(now - arrival)
-                        metrics.requests.labels(mid, batch[-1].finish_reason).inc()
+                        if cancel.is_set():  # ended early for its client's hang-up (a whole answer's too)
+                            metrics.requests.labels(mid, "abort").inc()
+                        else:
+                            metrics.e2e.labels(mid).observe(now - arrival)
+                            metrics.requests.labels(mid, batch[-1].finish_reason).inc()
                         ended = True
                     yield batch
                 if isinstance(item, BaseException):

@@ -642,20 +642,25 @@ def test_abandoned_non_streaming_request_is_cancelled(request, key):
             break
     else:
         pytest.fail("no prompt generates max_tokens tokens")
-    def metric(name: str) -> float:
-        line = f'deltafleet:{name}{{model_name="tiny"}} '
-        return float(next(x for x in httpx.get(f"{server}/metrics").text.splitlines() if x.startswith(line))
-                     .removeprefix(line))
+    def metric(name: str, labels: str = "") -> float:
+        line = f'deltafleet:{name}{{{labels}model_name="tiny"}} '
+        return float(next((x for x in httpx.get(f"{server}/metrics").text.splitlines() if x.startswith(line)),
+                          line + "0").removeprefix(line))
 
-    before = metric("generation_tokens_total")
+    counted = ("generation_tokens_total", ""), ("request_success_total", 'finished_reason="abort",'), \
+        ("request_success_total", 'finished_reason="length",'), ("e2e_request_latency_seconds_count", "")
+    before = {c: metric(*c) for c in counted}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json={**long, "prompt": prompt}, headers=headers, timeout=t_long / 10)
     deadline = time.time() + 2 * t_long
     while metric("num_requests_running"):
         assert time.time() < deadline, "the abandoned request still runs"
         time.sleep(0.02)
-    generated = metric("generation_tokens_total") - before
+    after = {c: metric(*c) - before[c] for c in counted}
+    generated = after[counted[0]]
     assert generated < long["max_tokens"] / 2, f"{generated:.0f} of {long['max_tokens']} tokens after hanging up"
+    # counted as aborted, as a stream's hang-up is (found by a fresh user: a "length" finish, with its latency)
+    assert [after[c] for c in counted[1:]] == [1, 0, 0]
 
 
 # ------------------------------------------------------------------------------------ errors
