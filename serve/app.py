@@ -31,6 +31,7 @@ not served until it is loaded again): ``POST /v1/load_variant``, ``POST /v1/unlo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -606,6 +607,18 @@ class Metrics:
         for tier in ("host", "disk"):
             self.load_seconds.labels(model_id, tier)
 
+    def remove_model(self, model_id: str) -> None:
+        """Drop every series of a model (a name whose hot load failed: a client cannot grow the
+        series without end)."""
+        for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
+                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures):
+            with contextlib.suppress(KeyError):
+                m.remove(model_id)
+        for m, tiers in ((self.evictions, ("device", "host")), (self.load_seconds, ("host", "disk"))):
+            for tier in tiers:
+                with contextlib.suppress(KeyError):
+                    m.remove(model_id, tier)
+
     def on_delta_event(self, event: str, model_id: str, seconds: float, tier: str | None = None) -> None:
         if event == "hit":
             self.hits.labels(model_id).inc()
@@ -944,10 +957,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if m == f"{engine.family}-{name}" and ev in ("hit", "load"):
                 events.append("device" if ev == "hit" else tier)
 
+        known = f"{engine.family}-{name}" in {m.id for m in engine.models()}
         engine.add_listener(note)
         try:
             card = await run_in_threadpool(engine.add_variant, name, body.path)
         except Exception as e:
+            if not known:  # its load's events made series of its own: gone with the name
+                metrics.remove_model(f"{engine.family}-{name}")
             raise _api_error(e) from None
         finally:
             engine.cache.remove_listener(note)

@@ -406,6 +406,14 @@ class DeltaCache:
             self._drop(e)
             return True
 
+    def forget(self, model_id: str) -> None:
+        """Drop what the cache knows of a variant it holds in no tier and with no request in flight (its
+        request count too): a name whose hot load failed leaves no entry in :meth:`snapshot`."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None and e.device is None and e.host is None and not e.in_flight:
+                del self._entries[model_id]
+
     def tier(self, model_id: str) -> Tier:
         """Where a variant is now: device, host or disk."""
         with self._lock:

@@ -682,6 +682,7 @@ class Engine:
             with self._registry_lock:
                 if old is None:
                     self._variants.pop(mid, None)
+                    self.cache.forget(mid)
                 else:
                     self._variants[mid] = old
                 if was_removed:

@@ -242,6 +242,12 @@ def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path
             assert tc.get("/v1/models/tiny-c5").status_code == 404
             r = tc.post("/v1/load_lora_adapter", json={"lora_name": "c6", "lora_path": "fullmat"})  # vLLM's route
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+            # nor kept anywhere else (found by a fresh user: each failed name stayed in the delta cache's
+            # state and made metric series of its own, which any client could grow without end)
+            assert not {"tiny-c5", "tiny-c6"} & set(tc.get("/v1/delta_cache").json()["variants"])
+            assert 'model_name="tiny-c5"' not in tc.get("/metrics").text
+            assert 'model_name="tiny-c6"' not in tc.get("/metrics").text
+            assert 'delta_cache_load_failures_total{model_name="tiny-fullmat"}' in tc.get("/metrics").text  # listed
     finally:
         shutil.rmtree(bad)
 
