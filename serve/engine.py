@@ -102,6 +102,16 @@ def _without_paths(text: str, *dirs: Path) -> str:
     return re.sub(r"(?<![\w.~])/(?:[^\s/'\":]+/)+", "", text)
 
 
+
+def _unbounded(tokenizer):
+    """``tokenizer`` without its own length limit: the engine refuses a prompt over the served context
+    by itself (``context_length_exceeded``), and transformers' warning of a sequence over
+    ``model_max_length`` ("will result in indexing errors") would read as a fault of the model."""
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER  # transformers' "no limit"
+
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
+
 class Engine:
     """Serve a base checkpoint and every BitDelta artifact found for it.
 
@@ -173,7 +183,7 @@ class Engine:
             log.warning("artifacts_dir %s is not a folder: serving the base alone until it exists "
                         "(variants are found at their first request or by /v1/load_variant)", self.artifacts_dir)
         self.family, self.device, self.force = family, torch.device(device), force
-        self.tokenizer = load_tokenizer(self.base_dir)
+        self.tokenizer = _unbounded(load_tokenizer(self.base_dir))
         # Special tokens (eos, role markers, ...) by text: only a chat template may emit them, see encode_chat.
         self._special_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         longest_first = sorted(self._special_ids, key=len, reverse=True)
@@ -197,7 +207,7 @@ class Engine:
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         # The scheduler's detokenizer has its own copy: encoding a huge prompt in a request thread must
         # not stall every running sequence's next token.
-        self.detokenizer = load_tokenizer(self.base_dir)
+        self.detokenizer = _unbounded(load_tokenizer(self.base_dir))
         self._detok_lock = threading.Lock()
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time

@@ -806,6 +806,24 @@ def test_harmless_parameters_are_accepted(client):
     assert chunks[-1].usage.completion_tokens >= 1
 
 
+def test_a_long_prompt_is_not_logged_as_a_model_fault(engine):
+    """Found by a fresh user: a prompt over the tokenizer's ``model_max_length`` (refused by the engine
+    with a 400 of its own) logged transformers' "will result in indexing errors" on the server."""
+    import logging
+
+    assert engine.tokenizer.model_max_length > 10**20 and engine.detokenizer.model_max_length > 10**20
+    said = []
+    seen = logging.Handler()
+    seen.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(seen)  # its own handler: transformers does not propagate
+    try:
+        ids = engine.encode_prompt("import os, sys\n" * 100, True, False)
+    finally:
+        logging.getLogger("transformers").removeHandler(seen)
+    assert 512 < len(ids) < engine.max_model_len  # over the tokenizer's recorded 512, within the context
+    assert not [m for m in said if "indexing errors" in m]
+
+
 def test_prompt_too_long_is_400(server, client, engine):
     long_prompt = "import os, sys\n" * engine.max_model_len  # several tokens per line
     err = api_error(httpx.post(f"{server}/v1/completions", json={"model": "tiny-coder", "prompt": long_prompt}), 400)
