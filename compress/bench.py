@@ -3,7 +3,8 @@
     python compress/bench.py                                   # Llama-2-7B shapes, bf16
     python compress/bench.py shape.num_hidden_layers=2 machine=cpu2
 
-1. Generates (once; reused while ``pair_dir`` is complete) a random base and "fine-tune" with
+1. Generates (once; reused while ``pair_dir`` holds a complete pair of the same ``shape``, ``dtype``,
+   ``delta_std`` and ``seed``, as its ``pair.json`` records them) a random base and "fine-tune" with
    Llama-2-7B's tensor names and shapes as sharded Hugging Face safetensors checkpoints
    (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` + ``config.json``):
    base weights ~ N(0, 0.02²), fine-tune = base + N(0, delta_std²), norms near 1.
@@ -15,6 +16,12 @@
    the pair does not fit in free memory (``naive=auto``).
 4. Checks that both produce the same signs and α, and writes
    ``reports/<report_name>.json`` and ``.png`` (resident memory over time for both paths).
+
+Every setting is checked before any work (``error: ...``, exit status 2). The benchmark replaces or
+deletes only folders it made: ``pair_dir`` must be absent, empty or a pair it generated, and
+``work_dir`` absent, empty or holding only its ``streaming/`` and ``naive/`` exports; never the
+current directory or a folder holding it. A run in which an export or the comparison failed (or
+the two paths disagree) still writes its report, then exits with status 1.
 
 Measured per path: wall seconds inside the child, throughput = bytes of both checkpoints ÷ wall
 seconds (GB/s, 1 GB = 10⁹ bytes), peak resident set (the child's ``VmHWM``; samples of ``VmRSS``
@@ -34,6 +41,203 @@ from pathlib import Path
 import torch
 
 GB = 1e9
+DTYPES = ("float32", "float16", "bfloat16")  # the generated pair's dtypes
+GRANULARITIES = ("matrix", "row")  # the export's α granularities the naive path computes too
+SHAPE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads")
+PAIR_RECORD = "pair.json"  # written last into a generated pair (staged): its settings
+
+
+# --------------------------------------------------------------------------------------------
+# Settings, and the folders the benchmark may replace (shared with merge/bench.py)
+# --------------------------------------------------------------------------------------------
+
+
+def check_shape(shape: dict) -> None:
+    """Raises ValueError unless ``shape`` has a ``name`` (text) and each of :data:`SHAPE_SIZES` is a
+    whole number of at least 1, with ``hidden_size`` a multiple of ``num_attention_heads`` and that a
+    multiple of ``num_key_value_heads`` (Llama's attention), and an even head dimension
+    ``hidden_size / num_attention_heads`` (RoPE rotates pairs; ``LlamaConfig`` refuses an odd one)."""
+    from deltafleet.values import whole
+
+    name = shape.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"shape.name must be a text, got {name!r}")
+    for key in SHAPE_SIZES:
+        if not whole(shape.get(key)) or shape[key] < 1:
+            raise ValueError(f"shape.{key} must be a whole number, at least 1, got {shape.get(key)!r}")
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    if h % heads:
+        raise ValueError(f"shape.hidden_size {h} is not a multiple of shape.num_attention_heads {heads}")
+    if h // heads % 2:
+        raise ValueError(f"shape.hidden_size {h} / shape.num_attention_heads {heads} is {h // heads}: the head "
+                         f"dimension must be even (RoPE)")
+    if heads % kv:
+        raise ValueError(f"shape.num_attention_heads {heads} is not a multiple of shape.num_key_value_heads {kv}")
+
+
+def check_reports_dir(reports: Path) -> None:
+    """Make ``reports`` (``paths.reports_dir``) and a file in it, before any work; raises ValueError
+    naming it where either fails (a read-only folder, a file on the way, /proc)."""
+    import tempfile
+
+    try:
+        reports.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=reports, prefix=".check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"paths.reports_dir {reports} cannot be written: {e.strerror or e}") from None
+
+
+def check_own_folder(folder: str | Path, key: str, foreign, inputs=(), job: str = "benchmark") -> Path:
+    """Refuse, before any work, a folder the benchmark would replace or delete that is not its own: a
+    file, the current directory or a folder holding it, one overlapping ``inputs``, one that cannot be
+    made (:func:`deltafleet.atomic.check_replaceable`), or an existing non-empty folder for which
+    ``foreign(folder)`` says why it holds more than the benchmark's own output.
+
+    Returns:
+        ``folder``, resolved.
+
+    Raises:
+        ValueError: naming ``key``, the folder and the reason (the foreign files, by name).
+    """
+    from deltafleet.atomic import check_replaceable
+
+    folder = Path(folder).resolve()
+    # overwrite=True: every check but the foreign files, whose refusal here has no overwrite to offer
+    check_replaceable(folder, inputs, foreign, job=job, key=key, overwrite=True)
+    if folder.is_dir() and any(folder.iterdir()):
+        why = foreign(folder)
+        if why:
+            raise ValueError(f"{key} {folder} exists and holds files that are not an earlier {job}'s output "
+                             f"({why}): the {job} replaces and deletes what it writes there; choose a new "
+                             f"{key} or one an earlier run made")
+    return folder
+
+
+def not_pair(folder: Path) -> str | None:
+    """Why ``folder`` is not (only) a pair :func:`generate_pair` wrote, or None if it is: its
+    ``pair.json``, and ``base/`` and ``ft/`` (either may be gone) holding nothing but a sharded
+    Hugging Face checkpoint's files."""
+    from deltafleet.atomic import unlisted_files
+
+    try:
+        info = json.loads((folder / PAIR_RECORD).read_text())
+    except (OSError, ValueError):
+        held = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        return f"no readable {PAIR_RECORD}; it holds {', '.join(held[:4])}{', …' if len(held) > 4 else ''}"
+    if not isinstance(info, dict) or not isinstance(info.get("shape"), dict):
+        return f"its {PAIR_RECORD} was not written by this benchmark"
+    why = unlisted_files(folder, [PAIR_RECORD, "base", "ft"], "benchmark")
+    for which in ("base", "ft"):
+        sub = folder / which
+        if why is None and (sub.is_file() or sub.is_symlink()):
+            why = f"{which} is not a folder"
+        elif why is None and sub.is_dir():
+            ours = [p.name for p in sub.iterdir() if p.name in ("config.json", "model.safetensors.index.json")
+                    or (p.name.startswith("model-") and p.name.endswith(".safetensors"))]
+            why = unlisted_files(sub, ours, "benchmark")
+            why = why and f"in {which}/: {why}"
+    return why
+
+
+def pair_differences(info: dict, want: dict) -> list[str]:
+    """The settings in which the generated pair recorded as ``info`` (its ``pair.json``) differs from
+    ``want`` (``shape`` as a dict, ``dtype`` as ``"torch.<name>"``, ``delta_std``, ``seed``), as
+    ``"<key> <recorded>, not <wanted>"``; empty for a pair of these settings."""
+    out = []
+    for key, value in want.items():
+        have = info.get(key)
+        if isinstance(value, dict):
+            have = have if isinstance(have, dict) else {}
+            out += [f"{key}.{k} {have.get(k)!r}, not {value.get(k)!r}" for k in sorted(set(value) | set(have))
+                    if have.get(k) != value.get(k)]
+        elif have != value:
+            out.append(f"{key} {have!r}, not {value!r}")
+    return out
+
+
+def cached_pair(pair_dir: Path, want: dict) -> tuple[dict | None, list[str]]:
+    """The record of the pair generated in ``pair_dir`` with ``want``'s settings
+    (:func:`pair_differences`), or None and how the one there differs (empty: none there); a pair
+    of other settings is generated again, not reused under this run's name."""
+    try:
+        info = json.loads((pair_dir / PAIR_RECORD).read_text())
+    except (OSError, ValueError):
+        return None, []
+    diff = pair_differences(info, want)
+    return (None, diff) if diff else (info, [])
+
+
+def not_work_dir(folder: Path) -> str | None:
+    """Why ``folder`` (``work_dir``) holds more than this benchmark's exports, or None: ``streaming/``
+    (a BitDelta artifact of variant ``bench``) and ``naive/`` (``delta.safetensors``) only."""
+    from deltafleet.atomic import unlisted_files
+    from deltafleet.compress.bitdelta import not_artifact
+
+    why = unlisted_files(folder, ["streaming", "naive"], "benchmark")
+    for sub, check in (("streaming", lambda f: not_artifact(f, "bench", job="benchmark")),
+                       ("naive", lambda f: unlisted_files(f, ["delta.safetensors"], "benchmark"))):
+        path = folder / sub
+        if why is None and (path.is_file() or path.is_symlink()):
+            why = f"{sub} is not a folder"
+        elif why is None and path.is_dir() and any(path.iterdir()):
+            why = check(path)
+            why = why and f"in {sub}/: {why}"
+    return why
+
+
+def check_config(cfg) -> dict:
+    """Check every setting of ``conf/bench.yaml`` before any work.
+
+    Returns:
+        ``{"shape", "naive" (True, False or "auto"), "keep_pair", "report_name", "pair_dir",
+        "work_dir"}``, the folders resolved.
+
+    Raises:
+        ValueError: naming the setting (an unknown one, a bad value, a folder that is not the
+            benchmark's own: :func:`check_own_folder`).
+    """
+    from omegaconf import OmegaConf
+
+    from deltafleet.cli import check_report_name, check_settings, flag
+    from deltafleet.values import real, whole
+
+    check_settings(cfg, "bench.yaml", ("shape",))
+    shape = OmegaConf.to_container(cfg.shape, resolve=True)
+    check_shape(shape)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if not real(cfg.delta_std) or cfg.delta_std <= 0:
+        raise ValueError(f"delta_std must be a positive number, got {cfg.delta_std!r}")
+    if not whole(cfg.seed) or cfg.seed < 0:
+        raise ValueError(f"seed must be a whole number, at least 0, got {cfg.seed!r}")
+    if not whole(cfg.checkpoint_shard_bytes) or cfg.checkpoint_shard_bytes < 1:
+        raise ValueError(f"checkpoint_shard_bytes must be a whole number of bytes, at least 1, "
+                         f"got {cfg.checkpoint_shard_bytes!r}")
+    if cfg.granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)} (the naive path's), "
+                         f"got {cfg.granularity!r}")
+    if cfg.max_shard_bytes is not None and (not whole(cfg.max_shard_bytes) or cfg.max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a whole number of bytes, at least 1 (or null: one shard), "
+                         f"got {cfg.max_shard_bytes!r}")
+    for key in ("sample_every_s", "rss_limit_gb"):
+        if not real(cfg[key]) or cfg[key] <= 0:
+            raise ValueError(f"{key} must be a positive number, got {cfg[key]!r}")
+    try:
+        naive = "auto" if cfg.naive == "auto" else flag(cfg, "naive")
+    except ValueError:
+        raise ValueError(f"naive must be true, false or auto, got {cfg.naive!r}") from None
+    keep_pair = flag(cfg, "keep_pair")
+    report_name = check_report_name(cfg.report_name)
+    for key in ("pair_dir", "work_dir"):
+        if not isinstance(cfg[key], str) or not cfg[key].strip():
+            raise ValueError(f"{key} must be a folder path, got {cfg[key]!r}")
+    pair_dir = check_own_folder(cfg.pair_dir, "pair_dir", not_pair)
+    work_dir = check_own_folder(cfg.work_dir, "work_dir", not_work_dir, inputs=[pair_dir])
+    check_reports_dir(Path(cfg.paths.reports_dir))
+    return {"shape": shape, "naive": naive, "keep_pair": keep_pair, "report_name": report_name,
+            "pair_dir": pair_dir, "work_dir": work_dir}
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +491,8 @@ def plot(report: dict, png: Path) -> None:
     """Resident memory over time of both paths, with the RSS target."""
     import matplotlib
 
+    from deltafleet.atomic import write_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -308,29 +514,39 @@ def plot(report: dict, png: Path) -> None:
     ax.set_ylabel("resident memory (GB)")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    write_figure(fig, png, dpi=120)
     plt.close(fig)
 
 
 def main(cfg) -> dict:
-    from omegaconf import OmegaConf
+    """One run of the benchmark (the module's docstring): :func:`run` after :func:`check_config`.
 
-    from deltafleet.atomic import write_text
+    Raises:
+        ValueError: a setting :func:`check_config` refuses, before any work.
+    """
+    return run(cfg, check_config(cfg))
 
-    shape = OmegaConf.to_container(cfg.shape, resolve=True)
-    pair_dir, work = Path(cfg.pair_dir), Path(cfg.work_dir)
-    if (pair_dir / "pair.json").is_file():
-        pair = json.loads((pair_dir / "pair.json").read_text())
+
+def run(cfg, checked: dict) -> dict:
+    """The benchmark with ``cfg``'s settings, as :func:`check_config` returned them in ``checked``;
+    its report, whose ``failed`` lists what did not run through (empty for a complete run)."""
+    from deltafleet.atomic import remove_dir, write_text
+
+    shape, pair_dir, work = checked["shape"], checked["pair_dir"], checked["work_dir"]
+    want = {"shape": shape, "dtype": str(getattr(torch, cfg.dtype)), "delta_std": cfg.delta_std, "seed": cfg.seed}
+    pair, differs = cached_pair(pair_dir, want)
+    if pair is not None:
         print(f"[bench] reusing {pair_dir}")
     else:
-        t0 = time.perf_counter()
+        if differs:
+            print(f"[bench] {pair_dir} holds a pair of other settings ({'; '.join(differs)}): generating it again")
         print(f"[bench] generating the {shape['name']} pair ({cfg.shape.num_hidden_layers} layers) in {pair_dir} …")
         gen = run_measured("generate", {"pair_dir": str(pair_dir), "shape": shape, "dtype": cfg.dtype,
                                         "delta_std": cfg.delta_std, "seed": cfg.seed,
                                         "shard_bytes": cfg.checkpoint_shard_bytes}, 1.0)
         if gen["returncode"] != 0:
             raise SystemExit(f"generating the pair failed:\n{gen.get('error', '')}")
-        pair = json.loads((pair_dir / "pair.json").read_text())
+        pair = json.loads((pair_dir / PAIR_RECORD).read_text())
         print(f"[bench] generated 2 × {pair['checkpoint_bytes'] / GB:.2f} GB in {gen['wall_s']:.0f} s")
     pair_bytes = 2 * pair["checkpoint_bytes"]
     report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
@@ -349,12 +565,11 @@ def main(cfg) -> dict:
 
     need = int(pair_bytes * 1.15)
     avail = _mem_available()
-    run_naive = cfg.naive is True or (cfg.naive == "auto" and need < avail)
+    run_naive = checked["naive"] is True or (checked["naive"] == "auto" and need < avail)
     if run_naive:
         print("[bench] naive export (both checkpoints loaded) …")
-        import shutil
-
-        shutil.rmtree(work / "naive", ignore_errors=True)
+        if (work / "naive").is_dir():  # the previous run's (check_config: nothing else is there)
+            remove_dir(work / "naive")
         report["paths"]["naive"] = run_measured("naive", {**args, "out_dir": str(work / "naive")}, cfg.sample_every_s)
     else:
         report["paths"]["naive"] = {"skipped": f"needs ~{need / GB:.1f} GB resident (both checkpoints), "
@@ -367,13 +582,20 @@ def main(cfg) -> dict:
         report["agreement"] = run_measured("compare", {"streaming_dir": str(work / "streaming"),
                                                        "naive_dir": str(work / "naive")}, 1.0)
         report["agreement"].pop("rss", None)
+        a = report["agreement"]
+        if a["returncode"] == 0 and (a["sign_mismatches"] or not a["full_tensors_equal"]):
+            a["error"] = (f"the paths disagree: {len(a['sign_mismatches'])} matrices' signs differ, "
+                          f"full tensors equal {a['full_tensors_equal']}")
         report["peak_rss_ratio_naive_over_streaming"] = n["peak_rss_bytes"] / s["peak_rss_bytes"]
         report["speed_ratio_streaming_over_naive"] = s["gb_per_s"] / n["gb_per_s"]
     report["streaming_within_rss_limit"] = s.get("returncode") == 0 and s["peak_rss_bytes"] <= cfg.rss_limit_gb * GB
+    report["failed"] = [f"{path} export" for path, r in report["paths"].items() if r.get("returncode", 0) != 0]
+    if "error" in report.get("agreement", {}):
+        report["failed"].append("comparison")
 
     reports = Path(cfg.paths.reports_dir)
     reports.mkdir(parents=True, exist_ok=True)
-    js, png = reports / f"{cfg.report_name}.json", reports / f"{cfg.report_name}.png"
+    js, png = reports / f"{checked['report_name']}.json", reports / f"{checked['report_name']}.png"
     write_text(js, json.dumps(report, indent=1) + "\n")
     plot(report, png)
     for path, r in report["paths"].items():
@@ -385,7 +607,9 @@ def main(cfg) -> dict:
             print(f"[bench] {path:9s} {r['wall_s']:7.1f} s  {r['gb_per_s']:.3f} GB/s  "
                   f"peak RSS {r['peak_rss_bytes'] / GB:.2f} GB  artifact {r['artifact_bytes'] / GB:.3f} GB "
                   f"({r['bits_per_parameter']:.4f} bits/param)")
-    if "agreement" in report:
+    if "error" in report.get("agreement", {}):
+        print(f"[bench] comparison FAILED: {report['agreement']['error'][-500:]}")
+    elif "agreement" in report:
         a = report["agreement"]
         print(f"[bench] agreement: {a['matrices']} matrices, sign mismatches {len(a['sign_mismatches'])}, "
               f"max α relative difference {a['alpha_max_relative_difference']:.2e}, "
@@ -393,11 +617,29 @@ def main(cfg) -> dict:
         print(f"[bench] naive ÷ streaming peak RSS = {report['peak_rss_ratio_naive_over_streaming']:.2f}×, "
               f"streaming ÷ naive throughput = {report['speed_ratio_streaming_over_naive']:.2f}×")
     print(f"[bench] → {js}, {png}")
-    if not cfg.keep_pair:
-        import shutil
-
-        shutil.rmtree(pair_dir, ignore_errors=True)
+    if not checked["keep_pair"]:
+        remove_dir(pair_dir)  # generated or checked as a pair (check_config)
+    if report["failed"]:
+        print(f"[bench] FAILED: {', '.join(report['failed'])}")
     return report
+
+
+def _entry(cfg) -> None:
+    """``python compress/bench.py``: a refused setting is ``error: <why>`` on stderr and exit status 2,
+    before any work (its Hydra run folder removed); a run in which something failed exits with 1,
+    after its report is written."""
+    from deltafleet.cli import USER_ERRORS, drop_refused_run_dir, interruptible
+
+    with interruptible("bench-compress"):
+        try:
+            checked = check_config(cfg)
+        except USER_ERRORS as e:
+            drop_refused_run_dir()
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        report = run(cfg, checked)
+    if report["failed"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
@@ -406,4 +648,4 @@ if __name__ == "__main__":
     else:
         import hydra
 
-        hydra.main(config_path="../conf", config_name="bench", version_base="1.3")(main)()
+        hydra.main(config_path="../conf", config_name="bench", version_base="1.3")(_entry)()

@@ -1,8 +1,15 @@
 """Memory of offline merges (``make bench-merge``, ``conf/bench_merge.yaml``): peak resident set of
 ``merge/run.py`` merging two 7B-shaped checkpoints (with their base for the task-vector methods),
-each method in its own process, next to the size of one checkpoint. JSON + PNG in ``reports/``."""
+each method in its own process, next to the size of one checkpoint. JSON + PNG in ``reports/``.
+
+The inputs (``work_dir/a``: base and fine-tune, ``work_dir/b``: another model) are generated once
+and reused while their ``pair.json`` records this run's shape, dtype and seed. Every setting is
+checked before any work (``error: ...``, exit status 2). ``work_dir`` must be absent, empty or hold
+only the benchmark's own inputs and merges; ``keep_inputs=false`` deletes those and nothing else. A
+run in which a method's merge failed still writes its report, then exits with status 1."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
+DELTA_STD = 1e-3  # the generated fine-tune: base + N(0, DELTA_STD²)
 
 
 def _child_env() -> dict:
@@ -25,7 +33,7 @@ def _child_env() -> dict:
 
 def _generate(pair_dir: Path, shape: dict, dtype: str, seed: int) -> None:
     """compress's generator (base + fine-tune), in a child process."""
-    args = {"pair_dir": str(pair_dir), "shape": shape, "dtype": dtype, "delta_std": 1e-3, "seed": seed,
+    args = {"pair_dir": str(pair_dir), "shape": shape, "dtype": dtype, "delta_std": DELTA_STD, "seed": seed,
             "shard_bytes": 2_000_000_000}
     r = subprocess.run([sys.executable, str(REPO / "compress" / "bench.py"), "--worker", "generate", json.dumps(args)],
                        capture_output=True, text=True, env=_child_env())
@@ -33,15 +41,105 @@ def _generate(pair_dir: Path, shape: dict, dtype: str, seed: int) -> None:
         raise SystemExit(f"generating {pair_dir} failed:\n{r.stderr[-2000:]}")
 
 
-def _inputs(cfg: DictConfig) -> tuple[Path, Path, Path]:
-    work = Path(cfg.work_dir)
-    base, ft, other = work / "a" / "base", work / "a" / "ft", work / "b" / "ft"
+def _not_own_work(folder: Path) -> str | None:
+    """Why ``folder`` (``work_dir``) holds more than this benchmark's inputs (``a/``, ``b/``: generated
+    pairs) and merges (``merged-<method>/``: an earlier merge's output), or None."""
+    from deltafleet.atomic import not_recorded_output
+    from deltafleet.compress.bench import not_pair
+    from deltafleet.merge.stream import WRITTEN_BY
+
+    def not_merge(f: Path) -> str | None:
+        return not_recorded_output(f, "merge.json", WRITTEN_BY, "merge")
+
+    for p in sorted(folder.iterdir()):
+        if p.name in ("a", "b"):
+            check = not_pair
+        elif p.name.startswith("merged-"):
+            check = not_merge
+        else:
+            return f"files the benchmark did not write: {p.name}"
+        if p.is_symlink() or not p.is_dir():
+            return f"{p.name} is not a folder"
+        why = any(p.iterdir()) and check(p)
+        if why:
+            return f"in {p.name}/: {why}"
+    return None
+
+
+def check_config(cfg: DictConfig) -> dict:
+    """Check every setting of ``conf/bench_merge.yaml`` before any work, and apply ``threads``.
+
+    Returns:
+        ``{"shape", "keep_inputs", "report_name", "work_dir"}``, the folder resolved.
+
+    Raises:
+        ValueError: naming the setting: an unknown one, a bad value, a method that cannot merge the two
+            models (an unknown name or parameter, no base for a task-vector method), a ``work_dir`` that
+            is not the benchmark's own (:func:`deltafleet.compress.bench.check_own_folder`).
+    """
+    from deltafleet.cli import check_report_name, check_settings, flag
+    from deltafleet.compress.bench import DTYPES, check_own_folder, check_reports_dir, check_shape
+    from deltafleet.merge.methods import get_method
+    from deltafleet.threads import set_threads
+    from deltafleet.values import real, whole
+
+    check_settings(cfg, "bench_merge.yaml", ("shape",))
+    set_threads(cfg)
     shape = OmegaConf.to_container(cfg.shape, resolve=True)
-    if not (work / "a" / "pair.json").is_file():
-        _generate(work / "a", shape, cfg.dtype, cfg.seed)
-    if not (work / "b" / "pair.json").is_file():
-        _generate(work / "b", shape, cfg.dtype, cfg.seed + 1)
-        shutil.rmtree(work / "b" / "base", ignore_errors=True)  # only its second model is used
+    check_shape(shape)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if not whole(cfg.seed) or cfg.seed < 0:
+        raise ValueError(f"seed must be a whole number, at least 0, got {cfg.seed!r}")
+    if not real(cfg.rss_limit_gb) or cfg.rss_limit_gb <= 0:
+        raise ValueError(f"rss_limit_gb must be a positive number, got {cfg.rss_limit_gb!r}")
+    keep_inputs = flag(cfg, "keep_inputs")
+    report_name = check_report_name(cfg.report_name)
+    if not OmegaConf.is_list(cfg.methods) or not cfg.methods:
+        raise ValueError(f"methods must be a list of {{method: <name>, base: true|false, params: {{...}}}}, "
+                         f"got {cfg.methods!r}")
+    for i, spec in enumerate(cfg.methods):
+        if not OmegaConf.is_dict(spec) or set(spec) != {"method", "base", "params"}:
+            raise ValueError(f"methods[{i}] must be {{method: <name>, base: true|false, params: {{...}}}}, "
+                             f"got {spec!r}")
+        uses_base = flag(cfg, f"methods[{i}].base")
+        if spec.params is not None and not OmegaConf.is_dict(spec.params):
+            raise ValueError(f"methods[{i}].params must be a mapping of the method's parameters, got {spec.params!r}")
+        params = OmegaConf.to_container(spec.params, resolve=True) if spec.params is not None else {}
+        try:
+            method = get_method(str(spec.method), **params)
+        except ValueError as e:
+            raise ValueError(f"methods[{i}]: {e}") from None
+        if not uses_base and method.name != "linear":
+            raise ValueError(f"methods[{i}]: merge method {method.name!r} needs the base (task vectors are "
+                             f"W − W_base): base: true")
+        if method.weights is not None and len(method.weights) != 2:
+            raise ValueError(f"methods[{i}]: {len(method.weights)} weights for the benchmark's 2 models")
+    if not isinstance(cfg.work_dir, str) or not cfg.work_dir.strip():
+        raise ValueError(f"work_dir must be a folder path, got {cfg.work_dir!r}")
+    work_dir = check_own_folder(cfg.work_dir, "work_dir", _not_own_work)
+    check_reports_dir(Path(cfg.paths.reports_dir))
+    return {"shape": shape, "keep_inputs": keep_inputs, "report_name": report_name, "work_dir": work_dir}
+
+
+def _inputs(cfg: DictConfig, work: Path, shape: dict) -> tuple[Path, Path, Path]:
+    """The base, fine-tune and other model under ``work``, generated unless ``a/`` and ``b/`` hold
+    pairs of this ``shape``, ``cfg.dtype`` and seed (``cfg.seed``, ``cfg.seed + 1``)."""
+    import torch
+
+    from deltafleet.compress.bench import cached_pair
+
+    base, ft, other = work / "a" / "base", work / "a" / "ft", work / "b" / "ft"
+    for pair_dir, seed in ((work / "a", cfg.seed), (work / "b", cfg.seed + 1)):
+        want = {"shape": shape, "dtype": str(getattr(torch, cfg.dtype)), "delta_std": DELTA_STD, "seed": seed}
+        info, differs = cached_pair(pair_dir, want)
+        if info is None:
+            if differs:
+                print(f"{pair_dir} holds a model of other settings ({'; '.join(differs)}): generating it again",
+                      flush=True)
+            _generate(pair_dir, shape, cfg.dtype, seed)
+            if pair_dir.name == "b":
+                shutil.rmtree(pair_dir / "base", ignore_errors=True)  # only its second model is used
     return base, ft, other
 
 
@@ -60,28 +158,50 @@ def _merge(cfg: DictConfig, spec, base: Path, models: list[Path], out: Path, log
 
 
 def main(cfg: DictConfig) -> dict:
-    from deltafleet.atomic import write_text
+    """One run of the benchmark: :func:`run` after :func:`check_config`.
 
-    base, ft, other = _inputs(cfg)
-    ck_bytes = json.loads((Path(cfg.work_dir) / "a" / "pair.json").read_text())["checkpoint_bytes"]
+    Raises:
+        ValueError: a setting :func:`check_config` refuses, before any work.
+    """
+    return run(cfg, check_config(cfg))
+
+
+def run(cfg: DictConfig, checked: dict) -> dict:
+    """The benchmark with ``cfg``'s settings, as :func:`check_config` returned them in ``checked``;
+    its report, whose ``failed`` names the methods whose merge failed (empty for a complete run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from deltafleet.atomic import remove_dir, write_figure, write_text
+
+    work = checked["work_dir"]
+    base, ft, other = _inputs(cfg, work, checked["shape"])
+    ck_bytes = json.loads((work / "a" / "pair.json").read_text())["checkpoint_bytes"]
+    # each merge's own Hydra run folder (its log), in this run's
+    logs = (Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized()
+            else Path(cfg.paths.output_dir) / "bench-merge")
     runs = []
     for spec in cfg.methods:
-        out = Path(cfg.work_dir) / f"merged-{spec.method}"
-        res = _merge(cfg, spec, base, [ft, other], out, Path(cfg.paths.output_dir) / "bench-merge" / spec.method)
+        out = work / f"merged-{spec.method}"
+        res = _merge(cfg, spec, base, [ft, other], out, logs / spec.method)
         shutil.rmtree(out, ignore_errors=True)
         res["within_rss_limit"] = "error" not in res and res["peak_rss_bytes"] <= cfg.rss_limit_gb * GB
         runs.append(res)
-        print(f"{spec.method:12s} peak RSS {res.get('peak_rss_bytes', 0) / GB:6.2f} GB  "
-              f"{res.get('seconds', float('nan')):7.1f} s  {'ok' if res['within_rss_limit'] else 'OVER/ERROR'}",
-              flush=True)
+        if "error" in res:
+            last = next((ln for ln in reversed(res["error"].splitlines()) if ln.strip()), "no message")
+            print(f"{spec.method:12s} ERROR: {last}", flush=True)
+        else:
+            print(f"{spec.method:12s} peak RSS {res['peak_rss_bytes'] / GB:6.2f} GB  {res['seconds']:7.1f} s  "
+                  f"{'ok' if res['within_rss_limit'] else 'OVER'}", flush=True)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": cfg.machine, "cpus": os.cpu_count(),
               "shape": OmegaConf.to_container(cfg.shape), "dtype": cfg.dtype, "checkpoint_bytes": ck_bytes,
               "inputs": {"base": str(base), "models": [str(ft), str(other)],
                          "note": "the second model is a random checkpoint of the same shape (another seed)"},
-              "rss_limit_gb": cfg.rss_limit_gb, "runs": runs}
+              "rss_limit_gb": cfg.rss_limit_gb, "runs": runs,
+              "failed": [r["method"] for r in runs if "error" in r]}
+    name = checked["report_name"]
     reports = Path(cfg.paths.reports_dir)
     reports.mkdir(parents=True, exist_ok=True)
-    write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
+    write_text(reports / f"{name}.json", json.dumps(report, indent=1, default=str) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,21 +217,36 @@ def main(cfg: DictConfig) -> dict:
                  f"{cfg.machine}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(reports / f"{cfg.report_name}.png", dpi=110)
-    if not cfg.keep_inputs:
-        shutil.rmtree(cfg.work_dir, ignore_errors=True)
-    print(f"wrote {reports / cfg.report_name}.json and .png")
+    write_figure(fig, reports / f"{name}.png", dpi=110)
+    plt.close(fig)
+    if not checked["keep_inputs"]:  # what it made (check_config: nothing else was there), then the folder if empty
+        for made in sorted(work.iterdir()):
+            if made.is_dir() and not made.is_symlink() and (made.name in ("a", "b") or made.name.startswith("merged-")):
+                remove_dir(made)
+        with contextlib.suppress(OSError):
+            work.rmdir()
+    print(f"wrote {reports / name}.json and .png")
+    if report["failed"]:
+        print(f"FAILED: {', '.join(report['failed'])}", flush=True)
     return report
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_merge")
 def _entry(cfg: DictConfig) -> None:
-    from deltafleet.cli import user_errors
-    from deltafleet.threads import set_threads
+    """A refused setting is ``error: <why>`` on stderr and exit status 2, before any work (its Hydra run
+    folder removed); a run in which a method's merge failed exits with 1, after its report is written."""
+    from deltafleet.cli import USER_ERRORS, drop_refused_run_dir, interruptible
 
-    with user_errors("bench-merge"):  # a bad threads setting: one line, not a traceback
-        set_threads(cfg)
-    main(cfg)
+    with interruptible("bench-merge"):
+        try:
+            checked = check_config(cfg)
+        except USER_ERRORS as e:
+            drop_refused_run_dir()
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        report = run(cfg, checked)
+    if report["failed"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
