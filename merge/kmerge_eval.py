@@ -205,12 +205,52 @@ def main(cfg: DictConfig) -> dict:
     return report
 
 
+POLICIES = ("kmerge", "kmerge++", "budget_opcm", "linear", "ties")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raises ValueError naming the first bad setting, before any adapter is trained: a domain with
+    no ``conf/variant/`` config (its training would fail after the others'), seeds, slot counts,
+    policies, the evaluation's sizes and the report's name."""
+    from deltafleet.cli import check_report_name, check_settings, variant_configs
+    from deltafleet.values import real, whole
+
+    check_settings(cfg, "kmerge_eval.yaml")
+    known = variant_configs()
+    for key, items, ok, what in (
+            ("domains", cfg.domains, lambda d: d in known, f"a variant config ({', '.join(known)})"),
+            ("seeds", cfg.seeds, lambda v: whole(v) and v >= 0, "a whole number ≥ 0"),
+            ("ks", cfg.ks, lambda v: whole(v) and v >= 1, "a whole number ≥ 1"),
+            ("policies", cfg.policies, lambda v: v in POLICIES, f"one of {', '.join(POLICIES)}")):
+        if not OmegaConf.is_list(items) or not items:
+            raise ValueError(f"{key} must be a non-empty list, got {items!r}")
+        bad = [v for v in items if not ok(v)]
+        if bad:
+            raise ValueError(f"{key}: each must be {what}, got {bad[0]!r}")
+        if len(set(items)) != len(items):
+            raise ValueError(f"{key} lists {next(v for v in items if list(items).count(v) > 1)!r} twice")
+    if cfg.order not in ("interleaved", "grouped"):
+        raise ValueError(f"order must be interleaved or grouped, got {cfg.order!r}")
+    if cfg.evicted_to not in ("similar", "base"):
+        raise ValueError(f"evicted_to must be similar or base, got {cfg.evicted_to!r}")
+    for key in ("rank", "seq_len", "batch_size", "eval_batches", "gate_batches"):
+        if not whole(cfg[key]) or cfg[key] < 1:
+            raise ValueError(f"{key} must be a whole number ≥ 1, got {cfg[key]!r}")
+    for key in ("threshold", "gate", "alpha", "ties_density"):
+        if not real(cfg[key]) or not 0 <= cfg[key] <= 1:
+            raise ValueError(f"{key} must be a number from 0 to 1, got {cfg[key]!r}")
+    check_report_name(cfg.report_name)
+    if not (Path(cfg.base_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"base_dir {cfg.base_dir} holds no config.json: build the base first (make base)")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="kmerge_eval")
 def _entry(cfg: DictConfig) -> None:
     from deltafleet.cli import user_errors
     from deltafleet.threads import set_threads
 
-    with user_errors("kmerge-eval"):  # a bad threads setting: one line, not a traceback
+    with user_errors("kmerge-eval"):  # a bad setting: one line, not a traceback, and no run folder left
+        check_config(cfg)
         set_threads(cfg)
     main(cfg)
 

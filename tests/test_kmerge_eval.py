@@ -2,6 +2,7 @@
 LoRA factors reproduce PEFT's own merged weights; the arrival-order baselines."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deltafleet.merge.kmerge_eval import baseline_pool, load_factors
@@ -43,3 +44,57 @@ def test_arrival_order_baselines():
 
     dense = [x["m"][1] @ x["m"][0] for x in ad.values()]
     torch.testing.assert_close(b @ a, disjoint_merge(dense, [1, 1, 1]), rtol=1e-5, atol=1e-6)  # TIES runs in fp32
+
+
+def _cfg(tmp_path, *overrides):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="kmerge_eval", overrides=[f"paths.root={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("domains=[coder,nosuch]", "domains: each must be a variant config (base, chat, coder, legal, math, writer), "
+                               "got 'nosuch'"),
+    ("seeds=[1,-1]", "seeds: each must be a whole number ≥ 0, got -1"),
+    ("seeds=[1,1]", "seeds lists 1 twice"),
+    ("ks=[]", "ks must be a non-empty list, got []"),
+    ("ks=[0,1]", "ks: each must be a whole number ≥ 1, got 0"),
+    ("policies=[kmerge,opcm]", "policies: each must be one of kmerge, kmerge++, budget_opcm, linear, ties, "
+                               "got 'opcm'"),
+    ("order=random", "order must be interleaved or grouped, got 'random'"),
+    ("gate=1.5", "gate must be a number from 0 to 1, got 1.5"),
+    ("eval_batches=0", "eval_batches must be a whole number ≥ 1, got 0"),
+    ("report_name=a/b", "report_name must be a file name (no folder) for reports/<report_name>.json, got 'a/b'"),
+    ("+polices=[kmerge]", "polices is not a setting of conf/kmerge_eval.yaml; its settings: adapters_dir, alpha, "
+                          "base_dir, batch_size, domains, eval_batches, evicted_to, gate, gate_batches, ks, "
+                          "machine, order, paths, policies, rank, report_name, seeds, seq_len, threads, "
+                          "threshold, ties_density"),
+])
+def test_a_bad_setting_is_refused_before_any_adapter_is_trained(tmp_path, override, message):
+    """Found by a fresh user: a domain with no variant config was found only when its adapter's training
+    failed, after the others trained, leaving their run folders; the other settings were never checked."""
+    from deltafleet.merge.kmerge_eval import check_config
+
+    with pytest.raises(ValueError) as e:
+        check_config(_cfg(tmp_path, override))
+    assert str(e.value) == message
+
+
+def test_a_refused_run_is_one_line_and_leaves_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "merge/kmerge_eval.py", f"paths.root={tmp_path}", "domains=[nosuch]",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=repo, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        "kmerge-eval: ValueError: domains: each must be a variant config"), r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # no run folder, no adapter trained
