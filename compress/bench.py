@@ -76,6 +76,27 @@ def check_shape(shape: dict) -> None:
         raise ValueError(f"shape.num_attention_heads {heads} is not a multiple of shape.num_key_value_heads {kv}")
 
 
+def pair_parameters(shape: dict) -> int:
+    """The parameters of one model of the generated pair (:func:`llama_tensors`)."""
+    return sum(torch.Size(s).numel() for _, s in llama_tensors(shape))
+
+
+def check_free_disk(folder: Path, need: int) -> None:
+    """Raises SystemExit (one line) unless the file system of ``folder`` (or its nearest existing
+    parent) has ``need`` bytes free, with a 5% margin: a default run writes 2 × 13.5 GB of pair, and a
+    full disk stops it half way, and everything else on that disk with it."""
+    import shutil
+
+    at = folder
+    while not at.exists():
+        at = at.parent
+    free = shutil.disk_usage(at).free
+    if free < 1.05 * need:
+        raise SystemExit(f"error: the pair needs {need / GB:.1f} GB in {folder}, and its disk has {free / GB:.1f} GB "
+                         f"free: free some, choose pair_dir on another disk, or a smaller shape "
+                         f"(shape.num_hidden_layers=2)")
+
+
 def check_reports_dir(reports: Path) -> None:
     """Make ``reports`` (``paths.reports_dir``) and a file in it, before any work; raises ValueError
     naming it where either fails (a read-only folder, a file on the way, /proc)."""
@@ -540,6 +561,7 @@ def run(cfg, checked: dict) -> dict:
     else:
         if differs:
             print(f"[bench] {pair_dir} holds a pair of other settings ({'; '.join(differs)}): generating it again")
+        check_free_disk(pair_dir, 2 * pair_parameters(shape) * getattr(torch, cfg.dtype).itemsize)
         print(f"[bench] generating the {shape['name']} pair ({cfg.shape.num_hidden_layers} layers) in {pair_dir} …")
         gen = run_measured("generate", {"pair_dir": str(pair_dir), "shape": shape, "dtype": cfg.dtype,
                                         "delta_std": cfg.delta_std, "seed": cfg.seed,

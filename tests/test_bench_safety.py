@@ -255,3 +255,29 @@ def test_merge_bench_exits_1_when_a_merge_failed(tmp_path):
     assert report["failed"] == ["linear"] and "error" in report["runs"][0]
     assert not report["runs"][0]["within_rss_limit"]
     assert not work.exists()  # keep_inputs=false: its own inputs, then the folder they left empty
+
+
+def test_compress_bench_checks_the_disk_before_generating_its_pair(tmp_path, monkeypatch):
+    """Found by a fresh user: a default run writes 2 × 13.5 GB of pair with no check of the free space
+    (a full disk stops it half way, and whatever else shares the disk)."""
+    import shutil
+    from collections import namedtuple
+
+    from hydra import compose, initialize_config_dir
+
+    from deltafleet.compress import bench as cb
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=[*SHAPE_ARGS, f"paths.root={tmp_path}", "naive=false",
+                                                      f"pair_dir={tmp_path / 'pair'}", f"work_dir={tmp_path / 'w'}"])
+    need = 2 * cb.pair_parameters(SHAPE) * 2  # bf16
+    assert need == 2 * 2 * sum(torch.Size(s).numel() for _, s in llama_tensors(SHAPE))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - need, need))  # no margin left
+    with pytest.raises(SystemExit) as e:
+        cb.main(cfg)
+    assert str(e.value) == (f"error: the pair needs {need / 1e9:.1f} GB in {(tmp_path / 'pair').resolve()}, and its "
+                            f"disk has {need / 1e9:.1f} GB free: free some, choose pair_dir on another disk, or a "
+                            f"smaller shape (shape.num_hidden_layers=2)")
+    assert not (tmp_path / "pair").exists()
+    cb.check_free_disk(tmp_path / "pair" / "deeper", int(need / 1.06))  # the same free space holds less
