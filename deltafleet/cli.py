@@ -68,6 +68,23 @@ def user_errors(job: str) -> Iterator[None]:
             raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
 
 
+def checked_run(job: str, cfg, check, run) -> None:
+    """A benchmark's entry: ``check(cfg)`` before any work — a refused setting is ``error: <why>`` on
+    stderr and exit status 2, its Hydra run folder removed — then ``run(cfg, checked)``, whose report
+    lists in ``failed`` what did not run through: anything there exits with 1, after the report is
+    written. Ctrl-C is :func:`interruptible`."""
+    with interruptible(job):
+        try:
+            checked = check(cfg)
+        except USER_ERRORS as e:
+            drop_refused_run_dir()
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        report = run(cfg, checked)
+    if report["failed"]:
+        raise SystemExit(1)
+
+
 def drop_refused_run_dir() -> None:
     """Remove the run folder Hydra made for this job (``hydra.run.dir``) when it holds nothing but
     Hydra's own files (``.hydra/``, ``<job>.log``): a job refused before any work leaves no run folder

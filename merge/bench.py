@@ -235,18 +235,9 @@ def run(cfg: DictConfig, checked: dict) -> dict:
 def _entry(cfg: DictConfig) -> None:
     """A refused setting is ``error: <why>`` on stderr and exit status 2, before any work (its Hydra run
     folder removed); a run in which a method's merge failed exits with 1, after its report is written."""
-    from deltafleet.cli import USER_ERRORS, drop_refused_run_dir, interruptible
+    from deltafleet.cli import checked_run
 
-    with interruptible("bench-merge"):
-        try:
-            checked = check_config(cfg)
-        except USER_ERRORS as e:
-            drop_refused_run_dir()
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        report = run(cfg, checked)
-    if report["failed"]:
-        sys.exit(1)
+    checked_run("bench-merge", cfg, check_config, run)
 
 
 if __name__ == "__main__":
