@@ -250,8 +250,8 @@ def _entry(cfg: DictConfig) -> None:
     from deltafleet.threads import set_threads
 
     with user_errors("kmerge-eval"):  # a bad setting: one line, not a traceback, and no run folder left
-        check_config(cfg)
         set_threads(cfg)
+        check_config(cfg)
     main(cfg)
 
 
