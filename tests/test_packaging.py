@@ -66,7 +66,12 @@ def test_the_installed_command_runs_outside_the_checkout(wheel, tmp_path):
     job_help = run("-m", "deltafleet", "serve", "--help")  # Hydra's, named as typed, not after run.py
     assert job_help.returncode == 0 and job_help.stdout.startswith("deltafleet serve is powered by Hydra."), \
         job_help.stdout[:200] + job_help.stderr[-2000:]
-    # found by a fresh user: a job whose config has a group to choose (variant) gave a traceback
+    # found by a fresh user: a benchmark's help listed the training's config groups (trainer, variant, …)
+    bench_help = run("-m", "deltafleet", "bench", "serve", "--help")
+    assert bench_help.returncode == 0, bench_help.stderr[-2000:]
+    assert bench_help.stdout.splitlines()[2].startswith("Settings (conf/bench_serve.yaml; override any as key=value")
+    assert "Configuration groups" not in bench_help.stdout and "\ntrainer:" not in bench_help.stdout
+    assert "\nconcurrency:\n- 1\n" in bench_help.stdout  # its own settings, as composed
     for job in ("export", "distill"):
         choose = run("-m", "deltafleet", job, "--help")
         assert choose.returncode == 2 and "Traceback" not in choose.stderr, choose.stderr[-2000:]
