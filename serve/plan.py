@@ -195,7 +195,8 @@ class Planner:
         admissions = self._admissions
         # the blocks the prompts already started still need: an admission leaves them free
         owed = sum(self.pool.extra_blocks(s, len(s.tokens)) for s in self.running if s.prefilling)
-        while budget > 0 and len(self.running) < self.max_running and any(self.waiting.values()):
+        held = False  # a queue's first request found no room: the blocks that come free are its
+        while budget > 0 and len(self.running) < self.max_running and any(self.waiting.values()) and not held:
             admitted = False
             first = [m for m, q in self.waiting.items() if q and q[0].preempted]  # then the queues in turn
             for model_id in first + [m for m in self.waiting if m not in first]:
@@ -204,7 +205,11 @@ class Planner:
                     continue
                 seq = queue[0]
                 if self.pool.extra_blocks(seq, len(seq.tokens)) + owed > self.pool.free_blocks:
-                    continue  # no room for its whole prompt yet: it keeps its place
+                    # no room for its whole prompt yet: it keeps its place, and nothing after it in the
+                    # turn takes the blocks it waits for (as vLLM stops at the first request it cannot
+                    # place), else other queues' shorter prompts could keep a long one waiting for ever
+                    held = True
+                    break
                 queue.popleft()
                 self.waiting.move_to_end(model_id)  # the next admission starts with another queue
                 seq.admitted, self._admissions, seq.preempted = self._admissions, self._admissions + 1, False

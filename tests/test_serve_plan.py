@@ -116,6 +116,31 @@ def test_admission_waits_for_blocks_and_decodes_preempt_the_latest():
     assert plan.prefill == [(second, 0, 5), (third, 0, 4)]
 
 
+def test_a_long_prompt_that_does_not_fit_is_not_passed_by_other_queues():
+    """Found by a fresh user: a quiet variant's long prompt that did not fit the free blocks was skipped,
+    and a busy variant's short prompts took each block as it came free, so it waited as long as that
+    traffic went on (8–14 s against 0.07 s alone). The blocks that come free are now the waiting one's."""
+    pool = BlockPool(8, block_size=8)
+    planner = Planner(pool, max_running=8, token_budget=64)
+    busy = [_seq("tiny-busy", 12) for _ in range(3)]
+    for s in busy:
+        planner.add(s)
+    _run(planner, planner.schedule())  # three prompts hold 6 of the 8 blocks (room to decode in them)
+    long = _seq("tiny-quiet", 30)  # needs 4 blocks
+    more = [_seq("tiny-busy", 4) for _ in range(3)]  # one block each
+    for s in (long, *more):
+        planner.add(s)
+    plan = planner.schedule()  # the busy queue's turn came first; then the long one finds no room: held
+    assert plan.prefill == [(more[0], 0, 4)] and list(planner.waiting["tiny-busy"]) == more[1:]
+    _run(planner, plan)
+    plan = planner.schedule()  # one block is free, and more[1] needs one: it is the long one's
+    assert not plan.prefill and not plan.preempted and pool.free_blocks == 1
+    _run(planner, plan)
+    for s in busy:  # the busy variant's first prompts end: the long one goes first
+        planner.finish(s)
+    assert planner.schedule().prefill[0] == (long, 0, 30)
+
+
 def test_a_preempted_sequence_goes_back_ahead_of_its_queue():
     pool = BlockPool(5, block_size=2)
     planner = Planner(pool, max_running=4, token_budget=32)
