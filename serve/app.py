@@ -505,15 +505,11 @@ class _VllmCollector:
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
 
-    @staticmethod
-    def _per_model(gauge) -> dict[str, float]:
-        return {s.labels["model_name"]: s.value for m in gauge.collect() for s in m.samples}
-
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
         family = self.engine.family
-        running, waiting = self._per_model(self.metrics.running), self._per_model(self.metrics.waiting)
+        running, waiting = self.engine.scheduler.load()
         for name, counts, text in (("num_requests_running", running, "Requests generating now, all models."),
                                    ("num_requests_waiting", waiting, "Requests waiting, all models.")):
             g = GaugeMetricFamily("vllm:" + name, text, labels=["model_name"])
@@ -540,8 +536,10 @@ class Metrics:
     """Prometheus metrics of one app, in their own registry (vLLM's names under ``deltafleet:``). The
     delta cache's series are the variants' alone: ``family``, the base, has no delta."""
 
-    def __init__(self, model_ids: list[str], family: str | None = None):
-        self.family = family
+    def __init__(self, model_ids: list[str], family: str | None = None, load: Callable[[], tuple] | None = None):
+        """``load``: the scheduler's ``(running, waiting)`` per model id (``Scheduler.load``), which the
+        running and waiting gauges read at each scrape; None: they stay 0."""
+        self.family, self.load = family, load
         r = self.registry = CollectorRegistry()
         L = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from request arrival to the first token.",
@@ -552,8 +550,9 @@ class Metrics:
                              L, buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time a request waited for the model.",
                                L, buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests generating now.", L, registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the model.", L, registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in the model's batch now.", L, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the model's batch, preempted "
+                             "ones included.", L, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", L, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", L, registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests.", L + ["finished_reason"], registry=r)
@@ -595,9 +594,11 @@ class Metrics:
 
     def add_model(self, model_id: str) -> None:
         """Create every series of a model at zero, so it shows in /metrics before its first request."""
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
-                  self.generation_tokens):
+        for m in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens):
             m.labels(model_id)
+        if self.load is not None:
+            self.running.labels(model_id).set_function(lambda: self.load()[0].get(model_id, 0))
+            self.waiting.labels(model_id).set_function(lambda: self.load()[1].get(model_id, 0))
         if model_id == self.family:
             return
         for m in (self.hits, self.misses, self.loads, self.load_failures):
@@ -783,7 +784,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
-    metrics = Metrics([m.id for m in engine.models()], engine.family)
+    metrics = Metrics([m.id for m in engine.models()], engine.family, engine.scheduler.load)
     app.add_middleware(StatusCount, counter=metrics.http_requests, routes=lambda: app.routes)  # the outermost
     metrics.registry.register(_EngineCollector(engine))
     metrics.registry.register(_VllmCollector(engine, metrics))
@@ -1077,7 +1078,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         request's other choices) and submit it to the scheduler, its steps coming to an asyncio
         queue through this loop's outbox (one hand-over per engine step).
 
-        The gauges and counters are kept right when the request ends (its last item, in the loop),
+        The counters are kept right when the request ends (its last item, in the loop),
         so a response that is never consumed leaks nothing; setting the returned event ends the
         request after its current step.
         """
@@ -1091,19 +1092,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if admit:  # the HTTP request waits (counts against max_waiting) until its first choice starts
                 with queued_lock:
                     queued["n"] -= 1
-            metrics.waiting.labels(mid).dec()
-            metrics.running.labels(mid).inc()
             metrics.queue.labels(mid).observe(time.perf_counter() - arrival)
 
         def on_end() -> None:  # in the loop, before the queue's last item
             engine.release(req)  # the variant may be evicted again
-            if state["started"]:
-                metrics.running.labels(mid).dec()
-            else:
-                metrics.waiting.labels(mid).dec()
-                if admit:
-                    with queued_lock:
-                        queued["n"] -= 1
+            if not state["started"] and admit:
+                with queued_lock:
+                    queued["n"] -= 1
 
         with queued_lock:
             if admit and max_waiting is not None and queued["n"] >= max_waiting:
@@ -1113,7 +1108,6 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                                headers={"Retry-After": str(RETRY_AFTER_S)})
             if admit:
                 queued["n"] += 1
-        metrics.waiting.labels(mid).inc()
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
         engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end), group=group)
         return queue, cancel

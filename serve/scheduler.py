@@ -256,6 +256,15 @@ class Scheduler:
         with self._cv:
             return {m: len(q) for m, q in self.planner.waiting.items() if q}
 
+    def load(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per model id with any: the sequences in the batch (at most ``max_batch``) and those waiting
+        for it, preempted ones included, as vLLM's ``num_requests_running`` and ``_waiting`` count."""
+        with self._cv:
+            running: dict[str, int] = {}
+            for seq in self.planner.running:
+                running[seq.model_id] = running.get(seq.model_id, 0) + 1
+            return running, {m: len(q) for m, q in self.planner.waiting.items() if q}
+
     def add_step_listener(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` (in the detokenizer's thread) after every step's items are put: an
         :class:`Outbox` hands them to an event loop at once, not one wake-up per token."""

@@ -320,3 +320,33 @@ def test_paced_admission_groups_arrivals_while_streams_run():
     for bad in (-1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=f"scheduler_delay_factor must be finite and ≥ 0, got {bad}"):
             Planner(BlockPool(8, 4), 2, 8, delay_factor=bad)
+
+
+def test_the_load_gauges_count_the_batch_and_the_preempted_as_waiting():
+    """Found by a fresh user: ``num_requests_running`` went above ``max_batch`` (9 with 8) and a preempted
+    request was never counted as waiting again: the gauges were kept by the HTTP side, a request
+    running from its first start to its end. They now read the scheduler's own sets at the scrape."""
+    import threading
+    import types
+
+    from prometheus_client import generate_latest
+
+    from deltafleet.serve.app import Metrics
+    from deltafleet.serve.scheduler import Scheduler
+
+    pool = BlockPool(5, block_size=2)
+    planner = Planner(pool, max_running=4, token_budget=32)
+    first, second, third = _seq("tiny-a", 4), _seq("tiny-b", 4), _seq("tiny-a", 4)
+    for s in (first, second, third):
+        planner.add(s)
+    _run(planner, planner.schedule())
+    plan = planner.schedule()
+    assert plan.preempted == [second]  # (as in the test above)
+    sched = types.SimpleNamespace(planner=planner, _cv=threading.Condition())
+    assert Scheduler.load(sched) == ({"tiny-a": 1}, {"tiny-a": 1, "tiny-b": 1})
+    metrics = Metrics(["tiny", "tiny-a", "tiny-b"], "tiny", lambda: Scheduler.load(sched))
+    text = generate_latest(metrics.registry).decode()
+    for line in ('num_requests_running{model_name="tiny-a"} 1.0', 'num_requests_running{model_name="tiny-b"} 0.0',
+                 'num_requests_waiting{model_name="tiny-a"} 1.0', 'num_requests_waiting{model_name="tiny-b"} 1.0',
+                 'num_requests_running{model_name="tiny"} 0.0'):
+        assert f"deltafleet:{line}" in text, line
