@@ -502,8 +502,8 @@ class _VllmCollector:
       list comma-separated, and ``max_lora`` the device delta slots; the value is the scrape time,
       as vLLM's (the picker keeps the newest sample)."""
 
-    def __init__(self, engine: Engine, metrics: Metrics):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
@@ -584,6 +584,12 @@ class Metrics:
         for kind in ("decode", "prefill"):
             self.step_seconds.labels(kind)
             self.launch_seconds.labels(kind)
+        # a model's series: every model's; a variant's delta cache; those by tier
+        self._model_series = (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting,
+                              self.prompt_tokens, self.generation_tokens)
+        self._delta_series = (self.hits, self.misses, self.loads, self.load_failures)
+        self._tier_series = ((self.evictions, ("device", "host")), (self.load_seconds, ("host", "disk")))
+        self._models: set[str] = set()
         for mid in model_ids:
             self.add_model(mid)
 
@@ -593,29 +599,31 @@ class Metrics:
         self.launch_seconds.labels(kind).observe(launch)
 
     def add_model(self, model_id: str) -> None:
-        """Create every series of a model at zero, so it shows in /metrics before its first request."""
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens):
+        """Create every series of a model at zero (once), so it shows in /metrics before its first request."""
+        if model_id in self._models:
+            return
+        self._models.add(model_id)
+        for m in self._model_series:
             m.labels(model_id)
         if self.load is not None:
             self.running.labels(model_id).set_function(lambda: self.load()[0].get(model_id, 0))
             self.waiting.labels(model_id).set_function(lambda: self.load()[1].get(model_id, 0))
         if model_id == self.family:
             return
-        for m in (self.hits, self.misses, self.loads, self.load_failures):
+        for m in self._delta_series:
             m.labels(model_id)
-        for tier in ("device", "host"):
-            self.evictions.labels(model_id, tier)
-        for tier in ("host", "disk"):
-            self.load_seconds.labels(model_id, tier)
+        for m, tiers in self._tier_series:
+            for tier in tiers:
+                m.labels(model_id, tier)
 
     def remove_model(self, model_id: str) -> None:
         """Drop every series of a model (a name whose hot load failed: a client cannot grow the
         series without end)."""
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.prompt_tokens,
-                  self.generation_tokens, self.hits, self.misses, self.loads, self.load_failures):
+        self._models.discard(model_id)
+        for m in (*self._model_series, *self._delta_series):
             with contextlib.suppress(KeyError):
                 m.remove(model_id)
-        for m, tiers in ((self.evictions, ("device", "host")), (self.load_seconds, ("host", "disk"))):
+        for m, tiers in self._tier_series:
             for tier in tiers:
                 with contextlib.suppress(KeyError):
                     m.remove(model_id, tier)
@@ -787,7 +795,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     metrics = Metrics([m.id for m in engine.models()], engine.family, engine.scheduler.load)
     app.add_middleware(StatusCount, counter=metrics.http_requests, routes=lambda: app.routes)  # the outermost
     metrics.registry.register(_EngineCollector(engine))
-    metrics.registry.register(_VllmCollector(engine, metrics))
+    metrics.registry.register(_VllmCollector(engine))
     engine.add_listener(metrics.on_delta_event)
     engine.scheduler.step_observers.append(metrics.on_step)
     app.state.engine, app.state.metrics = engine, metrics
