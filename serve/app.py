@@ -999,7 +999,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def load_lora_adapter(body: LoadLoraAdapterRequest):
         """vLLM's route, as the Gateway API Inference Extension's adapter sync calls it: ``lora_name``
         is the model id to serve (``<family>-<variant>``, or the variant's name), ``lora_path`` its
-        artifact folder; the same as ``/v1/load_variant``, answered as vLLM does (plain text)."""
+        artifact folder; the same as ``/v1/load_variant``, answered as vLLM does (plain text). As vLLM,
+        a name already served is refused (400) unless ``load_inplace`` asks to replace it."""
+        mid = f"{engine.family}-{body.lora_name.removeprefix(f'{engine.family}-')}"
+        if not body.load_inplace and mid in {m.id for m in engine.models()}:
+            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
+                           param="lora_name", code="already_loaded")
         try:
             await load_variant(LoadVariantRequest(variant=body.lora_name, path=body.lora_path))
         except APIError as e:  # its parameters by vLLM's names

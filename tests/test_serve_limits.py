@@ -137,6 +137,19 @@ def test_vllm_lora_adapter_routes_unload_and_load_a_variant(tiny_family):
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'again' added successfully."
         assert tc.post("/v1/completions", json=body | {"model": "again"}).json()["choices"][0]["text"] == before
         assert "tiny-again" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+        # a name already served is refused, as vLLM does (found by a fresh user: the second load replaced
+        # the first silently), by either name; load_inplace replaces it
+        for name in ("again", "tiny-again"):
+            twice = tc.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "writer"})
+            assert twice.status_code == 400 and twice.json()["error"] == {
+                "message": f"The lora adapter '{name}' has already been loaded.", "type": "invalid_request_error",
+                "param": "lora_name", "code": "already_loaded"}
+        assert tc.post("/v1/completions", json=body | {"model": "again"}).json()["choices"][0]["text"] == before
+        r = tc.post("/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "writer", "load_inplace": True})
+        assert r.status_code == 200, r.text
+        writer = tc.post("/v1/completions", json=body | {"model": "tiny-writer"}).json()["choices"][0]["text"]
+        assert writer != before
+        assert tc.post("/v1/completions", json=body | {"model": "again"}).json()["choices"][0]["text"] == writer
         assert tc.post("/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
         assert api_error(tc.post("/v1/completions", json=body | {"model": "again"}), 404)["code"] == "model_not_found"
         assert api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "../x"}), 400)["param"] == "lora_name"
