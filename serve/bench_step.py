@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{name} must be ≥ 1, got {values if len(values) > 1 else values[0]}")
     if a.profile < 0:
         p.error(f"--profile must be ≥ 0, got {a.profile}")
+    if a.context < 0:  # the rows' position: 0 is a first decode token after a one-token prompt
+        p.error(f"--context must be ≥ 0, got {a.context}")
     if not torch.cuda.is_available():
         p.exit(2, "error: the engine-step benchmark needs a CUDA device (the floor is a GPU's bandwidth)\n")
     res = engine_steps({"engine_steps_options": {"rows": a.rows, "context": a.context, "iters": a.iters,

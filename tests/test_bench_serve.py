@@ -695,6 +695,9 @@ def test_the_engine_step_command_refuses_what_it_cannot_run(capsys):
     with pytest.raises(SystemExit) as e:
         bench_step.main(["--rows", "16", "--profile", "-1"])
     assert e.value.code == 2 and "error: --profile must be ≥ 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # found by a fresh user: never checked
+        bench_step.main(["--rows", "16", "--context", "-5"])
+    assert e.value.code == 2 and "error: --context must be ≥ 0, got -5" in capsys.readouterr().err
     if torch.cuda.is_available():
         return
     with pytest.raises(SystemExit) as e:
