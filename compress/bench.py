@@ -254,11 +254,12 @@ def check_config(cfg) -> dict:
     for key in ("pair_dir", "work_dir"):
         if not isinstance(cfg[key], str) or not cfg[key].strip():
             raise ValueError(f"{key} must be a folder path, got {cfg[key]!r}")
-    pair_dir = check_own_folder(cfg.pair_dir, "pair_dir", not_pair)
-    work_dir = check_own_folder(cfg.work_dir, "work_dir", not_work_dir, inputs=[pair_dir])
-    check_reports_dir(Path(cfg.paths.reports_dir))
+    reports = Path(cfg.paths.reports_dir).resolve()  # not inside a folder the benchmark deletes
+    pair_dir = check_own_folder(cfg.pair_dir, "pair_dir", not_pair, inputs=[reports])
+    work_dir = check_own_folder(cfg.work_dir, "work_dir", not_work_dir, inputs=[pair_dir, reports])
+    check_reports_dir(reports)
     return {"shape": shape, "naive": naive, "keep_pair": keep_pair, "report_name": report_name,
-            "pair_dir": pair_dir, "work_dir": work_dir}
+            "pair_dir": pair_dir, "work_dir": work_dir, "pair_existed": pair_dir.exists()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,8 +640,15 @@ def run(cfg, checked: dict) -> dict:
         print(f"[bench] naive ÷ streaming peak RSS = {report['peak_rss_ratio_naive_over_streaming']:.2f}×, "
               f"streaming ÷ naive throughput = {report['speed_ratio_streaming_over_naive']:.2f}×")
     print(f"[bench] → {js}, {png}")
-    if not checked["keep_pair"]:
-        remove_dir(pair_dir)  # generated or checked as a pair (check_config)
+    if not checked["keep_pair"]:  # generated or checked as a pair (check_config); a folder it found stays
+        if checked["pair_existed"]:
+            for made in (PAIR_RECORD, "base", "ft"):
+                if (pair_dir / made).is_dir():
+                    remove_dir(pair_dir / made)
+                else:
+                    (pair_dir / made).unlink(missing_ok=True)
+        else:
+            remove_dir(pair_dir)
     if report["failed"]:
         print(f"[bench] FAILED: {', '.join(report['failed'])}")
     return report

@@ -43,24 +43,16 @@ def _generate(pair_dir: Path, shape: dict, dtype: str, seed: int) -> None:
 
 def _not_own_work(folder: Path) -> str | None:
     """Why ``folder`` (``work_dir``) holds more than this benchmark's inputs (``a/``, ``b/``: generated
-    pairs) and merges (``merged-<method>/``: an earlier merge's output), or None."""
-    from deltafleet.atomic import not_recorded_output
+    pairs), or None. Its merges (``merged-<method>/``) are deleted as soon as they are measured, so
+    one found there is not its own: ``merge/run.py`` writes the same folders for a user."""
     from deltafleet.compress.bench import not_pair
-    from deltafleet.merge.stream import WRITTEN_BY
-
-    def not_merge(f: Path) -> str | None:
-        return not_recorded_output(f, "merge.json", WRITTEN_BY, "merge")
 
     for p in sorted(folder.iterdir()):
-        if p.name in ("a", "b"):
-            check = not_pair
-        elif p.name.startswith("merged-"):
-            check = not_merge
-        else:
+        if p.name not in ("a", "b"):
             return f"files the benchmark did not write: {p.name}"
         if p.is_symlink() or not p.is_dir():
             return f"{p.name} is not a folder"
-        why = any(p.iterdir()) and check(p)
+        why = any(p.iterdir()) and not_pair(p)
         if why:
             return f"in {p.name}/: {why}"
     return None
@@ -117,9 +109,11 @@ def check_config(cfg: DictConfig) -> dict:
             raise ValueError(f"methods[{i}]: {len(method.weights)} weights for the benchmark's 2 models")
     if not isinstance(cfg.work_dir, str) or not cfg.work_dir.strip():
         raise ValueError(f"work_dir must be a folder path, got {cfg.work_dir!r}")
-    work_dir = check_own_folder(cfg.work_dir, "work_dir", _not_own_work)
-    check_reports_dir(Path(cfg.paths.reports_dir))
-    return {"shape": shape, "keep_inputs": keep_inputs, "report_name": report_name, "work_dir": work_dir}
+    reports = Path(cfg.paths.reports_dir).resolve()  # not inside a folder the benchmark deletes
+    work_dir = check_own_folder(cfg.work_dir, "work_dir", _not_own_work, inputs=[reports])
+    check_reports_dir(reports)
+    return {"shape": shape, "keep_inputs": keep_inputs, "report_name": report_name, "work_dir": work_dir,
+            "work_existed": work_dir.exists()}
 
 
 def _inputs(cfg: DictConfig, work: Path, shape: dict) -> tuple[Path, Path, Path]:
@@ -219,12 +213,13 @@ def run(cfg: DictConfig, checked: dict) -> dict:
     fig.tight_layout()
     write_figure(fig, reports / f"{name}.png", dpi=110)
     plt.close(fig)
-    if not checked["keep_inputs"]:  # what it made (check_config: nothing else was there), then the folder if empty
-        for made in sorted(work.iterdir()):
-            if made.is_dir() and not made.is_symlink() and (made.name in ("a", "b") or made.name.startswith("merged-")):
-                remove_dir(made)
-        with contextlib.suppress(OSError):
-            work.rmdir()
+    if not checked["keep_inputs"]:  # its inputs (check_config: nothing else was there); the folder if it made it
+        for made in ("a", "b"):
+            if (work / made).is_dir():
+                remove_dir(work / made)
+        if not checked["work_existed"]:
+            with contextlib.suppress(OSError):
+                work.rmdir()
     print(f"wrote {reports / name}.json and .png")
     if report["failed"]:
         print(f"FAILED: {', '.join(report['failed'])}", flush=True)

@@ -243,9 +243,6 @@ def test_merge_bench_exits_1_when_a_merge_failed(tmp_path):
     make_pair(work / "a", SHAPE)
     make_pair(work / "b", SHAPE, seed=1)
     corrupt(work / "b" / "ft")
-    (work / "merged-ties").mkdir()  # an earlier run's merge
-    (work / "merged-ties" / "merge.json").write_text(json.dumps({"written_by": "deltafleet merge",
-                                                                 "files": ["merge.json"]}))
     r = bench("merge/bench.py", [LINEAR, f"work_dir={work}", "report_name=r", "keep_inputs=false"], tmp_path)
     assert r.returncode == 1, r.stderr[-3000:]
     lines = r.stdout.splitlines()
@@ -254,7 +251,35 @@ def test_merge_bench_exits_1_when_a_merge_failed(tmp_path):
     report = json.loads((tmp_path / "reports" / "r.json").read_text())  # what it measured is kept
     assert report["failed"] == ["linear"] and "error" in report["runs"][0]
     assert not report["runs"][0]["within_rss_limit"]
-    assert not work.exists()  # keep_inputs=false: its own inputs, then the folder they left empty
+    assert work.is_dir() and not any(work.iterdir())  # keep_inputs=false: its inputs; the folder was there before
+
+
+def test_merge_bench_keeps_a_users_merge_and_its_reports(tmp_path):
+    """Found by a fresh user: a merge of the user's own (``merge/run.py``'s ``merged-mine``) passed as the
+    benchmark's, and keep_inputs=false deleted it with the work_dir; a reports_dir inside work_dir (or
+    compress's pair_dir) was deleted with it, right after the report was written there."""
+    work = tmp_path / "mw"
+    (work / "merged-mine").mkdir(parents=True)
+    (work / "merged-mine" / "merge.json").write_text(json.dumps({"written_by": "deltafleet merge",
+                                                                "files": ["merge.json"]}))
+    r = bench("merge/bench.py", [LINEAR, f"work_dir={work}", "keep_inputs=false"], tmp_path)
+    assert r.returncode == 2 and "files the benchmark did not write: merged-mine" in r.stderr, r.stderr[-2000:]
+    assert (work / "merged-mine" / "merge.json").is_file()
+    for script, key in (("merge/bench.py", "work_dir"), ("compress/bench.py", "pair_dir")):
+        r = bench(script, [LINEAR] * (script == "merge/bench.py") + [f"{key}={tmp_path / 'x'}",
+                                                                     f"paths.reports_dir={tmp_path / 'x' / 'r'}"],
+                  tmp_path)
+        assert r.returncode == 2 and f"{key} {(tmp_path / 'x').resolve()} overlaps the input " in r.stderr, \
+            r.stderr[-2000:]
+
+
+def test_compress_bench_keeps_an_empty_pair_dir_the_user_made(tmp_path):
+    pair = tmp_path / "mine"
+    pair.mkdir()
+    r = bench("compress/bench.py", ["naive=false", f"pair_dir={pair}", f"work_dir={tmp_path / 'w'}", "keep_pair=false",
+                                    "report_name=r"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert pair.is_dir() and not any(pair.iterdir())  # what it generated there is gone, the folder stays
 
 
 def test_compress_bench_checks_the_disk_before_generating_its_pair(tmp_path, monkeypatch):
