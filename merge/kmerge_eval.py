@@ -31,7 +31,8 @@ def train_adapter(cfg: DictConfig, domain: str, seed: int, out: Path) -> None:
         return
     r = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), f"variant={domain}", "variant.adapter=lora",
                         f"variant.name={domain}-lora-s{seed}", f"seed={seed}", "export.enabled=false", "logger=csv",
-                        f"out_dir={out}", f"paths.root={cfg.paths.root}"], cwd=REPO, capture_output=True, text=True,
+                        f"out_dir={out}", f"paths.root={cfg.paths.root}", f"base_dir={cfg.base_dir}"], cwd=REPO,
+                       capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     if r.returncode != 0:
         raise SystemExit(f"training the {domain} adapter (seed {seed}) failed:\n{r.stderr[-2000:]}")
@@ -236,9 +237,11 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("rank", "seq_len", "batch_size", "eval_batches", "gate_batches"):
         if not whole(cfg[key]) or cfg[key] < 1:
             raise ValueError(f"{key} must be a whole number ≥ 1, got {cfg[key]!r}")
-    for key in ("threshold", "gate", "alpha", "ties_density"):
+    for key in ("threshold", "gate", "alpha"):
         if not real(cfg[key]) or not 0 <= cfg[key] <= 1:
             raise ValueError(f"{key} must be a number from 0 to 1, got {cfg[key]!r}")
+    if not real(cfg.ties_density) or not 0 < cfg.ties_density <= 1:  # the share of each task vector TIES keeps
+        raise ValueError(f"ties_density must be a number above 0, at most 1, got {cfg.ties_density!r}")
     check_report_name(cfg.report_name)
     if not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"base_dir {cfg.base_dir} holds no config.json: build the base first (make base)")

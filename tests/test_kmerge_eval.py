@@ -67,6 +67,7 @@ def _cfg(tmp_path, *overrides):
                                "got 'opcm'"),
     ("order=random", "order must be interleaved or grouped, got 'random'"),
     ("gate=1.5", "gate must be a number from 0 to 1, got 1.5"),
+    ("ties_density=0", "ties_density must be a number above 0, at most 1, got 0"),
     ("eval_batches=0", "eval_batches must be a whole number ≥ 1, got 0"),
     ("report_name=a/b", "report_name must be a file name (no folder) for reports/<report_name>.json, got 'a/b'"),
     ("+polices=[kmerge]", "polices is not a setting of conf/kmerge_eval.yaml; its settings: adapters_dir, alpha, "
@@ -98,3 +99,18 @@ def test_a_refused_run_is_one_line_and_leaves_nothing(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
         "kmerge-eval: ValueError: domains: each must be a variant config"), r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []  # no run folder, no adapter trained
+
+
+def test_adapters_are_trained_on_the_base_they_are_scored_on(tmp_path, monkeypatch):
+    """Found by a fresh user: ``base_dir`` was checked and scored against, while the adapters' training
+    used ``paths.root``'s base (another base, or none)."""
+    import subprocess
+    import types
+
+    from deltafleet.merge import kmerge_eval
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or types.SimpleNamespace(returncode=0))
+    cfg = _cfg(tmp_path, f"base_dir={tmp_path / 'elsewhere' / 'base'}")
+    kmerge_eval.train_adapter(cfg, "coder", 1, tmp_path / "out")
+    assert f"base_dir={tmp_path / 'elsewhere' / 'base'}" in seen[0]
