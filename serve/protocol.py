@@ -706,7 +706,7 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_name: str = Field(pattern=VARIANT_NAME, description="the model id to serve (<family>-<variant>) or the "
                                                              "variant's name")
     lora_path: str | None = Field(None, description="artifact folder, as LoadVariantRequest.path")
-    load_inplace: bool = Field(False, description="vLLM's: replace the adapter served under that name (without "
+    load_inplace: bool = Field(False, strict=True, description="vLLM's: replace the adapter served under that name (without "
                                                   "it, a name already served is refused with 400)")
 
 

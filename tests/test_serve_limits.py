@@ -145,6 +145,8 @@ def test_vllm_lora_adapter_routes_unload_and_load_a_variant(tiny_family):
                 "message": f"The lora adapter '{name}' has already been loaded.", "type": "invalid_request_error",
                 "param": "lora_name", "code": "already_loaded"}
         assert tc.post("/v1/completions", json=body | {"model": "again"}).json()["choices"][0]["text"] == before
+        yes = tc.post("/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "writer", "load_inplace": "yes"})
+        assert yes.status_code == 400 and yes.json()["error"]["param"] == "load_inplace"  # a JSON boolean only
         r = tc.post("/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "writer", "load_inplace": True})
         assert r.status_code == 200, r.text
         writer = tc.post("/v1/completions", json=body | {"model": "tiny-writer"}).json()["choices"][0]["text"]
