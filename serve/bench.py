@@ -365,8 +365,29 @@ def check_settings(cfg: DictConfig) -> None:
             raise SettingError(f"{key} must be a whole number ≥ 1, got {v!r}")
     if not whole(cfg.port) or not 1 <= cfg.port <= 65535:
         raise SettingError(f"port must be a port number from 1 to 65535, got {cfg.port!r}")
+    if not whole(cfg.warmup.max_tokens) or cfg.warmup.max_tokens < 1:
+        raise SettingError(f"warmup.max_tokens must be a whole number ≥ 1, got {cfg.warmup.max_tokens!r}")
+    if not whole(cfg.extra_for_host_tier) or cfg.extra_for_host_tier < 0:
+        raise SettingError(f"extra_for_host_tier must be a whole number ≥ 0, got {cfg.extra_for_host_tier!r}")
+    for key in ("startup_timeout_s", "zipf_s"):  # seconds > 0; a popularity exponent ≥ 0 (0: uniform)
+        if not real(v := cfg[key]) or v < 0 or (v == 0 and key == "startup_timeout_s"):
+            raise SettingError(f"{key} must be a number {'> 0' if key == 'startup_timeout_s' else '≥ 0'}, got {v!r}")
     if cfg.shape not in cfg.shapes:
         raise SettingError(f"shape must be one of {sorted(cfg.shapes)} (or a new entry under shapes), got {cfg.shape!r}")
+    shape = cfg.shapes[cfg.shape]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads"):
+        if not whole(shape.get(key)) or shape[key] < 1:
+            raise SettingError(f"shapes.{cfg.shape}.{key} must be a whole number ≥ 1, got {shape.get(key)!r}")
+    h, heads, kv = shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads
+    if h % heads or (h // heads) % 2 or heads % kv:
+        raise SettingError(f"shapes.{cfg.shape}: hidden_size {h} must be num_attention_heads {heads} × an even head "
+                           f"size, and num_attention_heads a multiple of num_key_value_heads {kv}")
+    served = _served_settings()
+    unknown = sorted(set(cfg.get("server") or {}) - served)
+    if unknown:
+        raise SettingError(f"server.{unknown[0]} is not a setting of conf/serve.yaml (the server's); its settings: "
+                           f"{', '.join(sorted(served))}")
     if cfg.dtype not in DTYPE_NAMES:
         raise SettingError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {cfg.dtype!r}")
     ln = cfg.lengths
@@ -376,6 +397,13 @@ def check_settings(cfg: DictConfig) -> None:
     for key in ("prompt_median", "output_median", "sigma"):
         if not real(v := ln[key]) or v <= 0:
             raise SettingError(f"lengths.{key} must be a number > 0, got {v!r}")
+
+
+def _served_settings() -> set[str]:
+    """The top-level settings of the server's config (``conf/serve.yaml`` and its groups' names)."""
+    conf = OmegaConf.load(REPO / "conf" / "serve.yaml")
+    groups = {d if isinstance(d, str) else next(iter(d)) for d in conf.pop("defaults", [])}
+    return (set(conf) - {"hydra"}) | groups - {"_self_"}
 
 
 def check_workload(cfg: DictConfig) -> None:

@@ -531,6 +531,13 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     ("shape=nosuch", "shape must be one of ['llama2-7b', 'tiny'] (or a new entry under shapes), got 'nosuch'"),
     ("dtype=float64x", "dtype must be one of bfloat16, float16, float32, got 'float64x'"),
     ("lengths.sigma=-1", "lengths.sigma must be a number > 0, got -1"),
+    ("startup_timeout_s=0", "startup_timeout_s must be a number > 0, got 0"),
+    ("zipf_s=-1", "zipf_s must be a number ≥ 0, got -1"),
+    ("warmup.max_tokens=0", "warmup.max_tokens must be a whole number ≥ 1, got 0"),
+    ("extra_for_host_tier=-1", "extra_for_host_tier must be a whole number ≥ 0, got -1"),
+    ("shapes.tiny.hidden_size=0", "shapes.tiny.hidden_size must be a whole number ≥ 1, got 0"),
+    ("shapes.tiny.num_attention_heads=3", "shapes.tiny: hidden_size 128 must be num_attention_heads 3 × an even head "
+                                          "size, and num_attention_heads a multiple of num_key_value_heads 2"),
     ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
     ("report_name=/tmp/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
                              "got '/tmp/x/y'"),
@@ -542,6 +549,16 @@ def test_a_bad_setting_is_refused_by_name_before_any_work(tmp_path, override, me
     with pytest.raises(bench.SettingError) as e:
         bench.main(cfg)
     assert str(e.value) == message
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_server_setting_the_server_does_not_have_is_refused_first(tmp_path):
+    """Found by a fresh user: ``+server.bogus=1`` was forwarded as ``bogus=1``, and the server's Hydra
+    refused it after the family was built, as "the server exited with 1"."""
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", *TINY, "+server.bogus=1"])
+    with pytest.raises(bench.SettingError, match=r"^server\.bogus is not a setting of conf/serve\.yaml \(the "
+                                                 r"server's\); its settings: .*\bmax_batch\b"):
+        bench.main(cfg)
     assert not (tmp_path / "reports").exists()
 
 
