@@ -165,6 +165,22 @@ def variant_configs() -> list[str]:
     return sorted(p.stem for p in (_conf_dir() / "variant").glob("*.yaml"))
 
 
+def _settings_of(config: str):
+    """``conf/<config>`` without Hydra's own keys, and the names of the config groups it takes."""
+    from omegaconf import OmegaConf
+
+    known = OmegaConf.load(_conf_dir() / config)
+    known.pop("hydra", None)  # Hydra's own, not in the task's settings
+    groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
+    return known, [g for g in groups if g != "_self_"]
+
+
+def top_level_settings(config: str) -> set[str]:
+    """The names ``conf/<config>`` takes at its top level: its keys and its config groups."""
+    known, groups = _settings_of(config)
+    return set(known) | set(groups)
+
+
 def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     """Raises ValueError for a setting the job's ``conf/<config>`` does not have (Hydra takes
     ``+name=value`` for any name, so a misspelt ``+overwite=true`` would otherwise be ignored), at the
@@ -173,9 +189,7 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     from omegaconf import DictConfig, OmegaConf
 
     conf = _conf_dir()
-    known = OmegaConf.load(conf / config)
-    known.pop("hydra", None)  # Hydra's own, not in the task's settings
-    groups = [d if isinstance(d, str) else next(iter(d)) for d in known.pop("defaults", [])]
+    known, groups = _settings_of(config)
     checks = [("", cfg, set(known) | set(groups))]
     checks += [(f"{s}.", cfg[s], set(known[s])) for s in sections if isinstance(cfg.get(s), DictConfig)]
     for g in groups:

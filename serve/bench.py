@@ -346,7 +346,7 @@ def check_settings(cfg: DictConfig) -> None:
     clients or no requests would meet its goals with nothing sent), the port, the shape, the dtype
     and the report's name (a file name inside ``reports/``). The server checks its own settings
     (``device``, ``sign_layout``, ``server.*``) and the benchmark shows its error line."""
-    from deltafleet.cli import check_report_name, flag
+    from deltafleet.cli import check_report_name, flag, top_level_settings
     from deltafleet.values import real, whole
 
     try:
@@ -383,7 +383,7 @@ def check_settings(cfg: DictConfig) -> None:
     if h % heads or (h // heads) % 2 or heads % kv:
         raise SettingError(f"shapes.{cfg.shape}: hidden_size {h} must be num_attention_heads {heads} × an even head "
                            f"size, and num_attention_heads a multiple of num_key_value_heads {kv}")
-    served = _served_settings()
+    served = top_level_settings("serve.yaml")
     unknown = sorted(set(cfg.get("server") or {}) - served)
     if unknown:
         raise SettingError(f"server.{unknown[0]} is not a setting of conf/serve.yaml (the server's); its settings: "
@@ -397,13 +397,6 @@ def check_settings(cfg: DictConfig) -> None:
     for key in ("prompt_median", "output_median", "sigma"):
         if not real(v := ln[key]) or v <= 0:
             raise SettingError(f"lengths.{key} must be a number > 0, got {v!r}")
-
-
-def _served_settings() -> set[str]:
-    """The top-level settings of the server's config (``conf/serve.yaml`` and its groups' names)."""
-    conf = OmegaConf.load(REPO / "conf" / "serve.yaml")
-    groups = {d if isinstance(d, str) else next(iter(d)) for d in conf.pop("defaults", [])}
-    return (set(conf) - {"hydra"}) | groups - {"_self_"}
 
 
 def check_workload(cfg: DictConfig) -> None:

@@ -253,17 +253,15 @@ class Scheduler:
             self._cv.notify()
 
     def waiting(self) -> dict[str, int]:
-        with self._cv:
-            return {m: len(q) for m, q in self.planner.waiting.items() if q}
+        """Per model id with any: the sequences waiting for the batch, preempted ones included."""
+        return self.load()[1]
 
     def load(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per model id with any: the sequences in the batch (at most ``max_batch``) and those waiting
         for it, preempted ones included, as vLLM's ``num_requests_running`` and ``_waiting`` count."""
         with self._cv:
-            running: dict[str, int] = {}
-            for seq in self.planner.running:
-                running[seq.model_id] = running.get(seq.model_id, 0) + 1
-            return running, {m: len(q) for m, q in self.planner.waiting.items() if q}
+            running = Counter(seq.model_id for seq in self.planner.running)
+            return dict(running), {m: len(q) for m, q in self.planner.waiting.items() if q}
 
     def add_step_listener(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` (in the detokenizer's thread) after every step's items are put: an
