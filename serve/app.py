@@ -1184,7 +1184,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             return "".join(parts), reason, len(all_steps), all_steps
 
         try:
-            return await asyncio.gather(*(one(r, j) for r, j in zip(reqs, jobs)))
+            done = await asyncio.gather(*(one(r, j) for r, j in zip(reqs, jobs)))
+            if await http.is_disconnected():  # an answer no one reads: nginx's 499 in http_requests_total
+                raise APIError(499, "The client closed the request before its answer.", "invalid_request_error",
+                               None, "client_closed_request")
+            return done
         except Exception as e:
             for _, cancel in jobs:  # one failed: the others are not answered either
                 cancel.set()

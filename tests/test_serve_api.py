@@ -642,13 +642,15 @@ def test_abandoned_non_streaming_request_is_cancelled(request, key):
             break
     else:
         pytest.fail("no prompt generates max_tokens tokens")
-    def metric(name: str, labels: str = "") -> float:
-        line = f'deltafleet:{name}{{{labels}model_name="tiny"}} '
+    def metric(name: str, labels: str = "", prefix: str = "deltafleet:", model: str = 'model_name="tiny"') -> float:
+        line = f'{prefix}{name}{{{labels}{model}}} '
         return float(next((x for x in httpx.get(f"{server}/metrics").text.splitlines() if x.startswith(line)),
                           line + "0").removeprefix(line))
 
     counted = ("generation_tokens_total", ""), ("request_success_total", 'finished_reason="abort",'), \
-        ("request_success_total", 'finished_reason="length",'), ("e2e_request_latency_seconds_count", "")
+        ("request_success_total", 'finished_reason="length",'), ("e2e_request_latency_seconds_count", ""), \
+        *(("http_requests_total", f'handler="/v1/completions",method="POST",status="{code}"', "", "")
+          for code in (200, 499))
     before = {c: metric(*c) for c in counted}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json={**long, "prompt": prompt}, headers=headers, timeout=t_long / 10)
@@ -656,11 +658,15 @@ def test_abandoned_non_streaming_request_is_cancelled(request, key):
     while metric("num_requests_running"):
         assert time.time() < deadline, "the abandoned request still runs"
         time.sleep(0.02)
+    while sum(metric(*c) - before[c] for c in counted[4:]) == 0:  # counted once its answer is sent
+        assert time.time() < deadline, "the abandoned request's answer is not counted"
+        time.sleep(0.02)
     after = {c: metric(*c) - before[c] for c in counted}
     generated = after[counted[0]]
     assert generated < long["max_tokens"] / 2, f"{generated:.0f} of {long['max_tokens']} tokens after hanging up"
     # counted as aborted, as a stream's hang-up is (found by a fresh user: a "length" finish, with its latency)
-    assert [after[c] for c in counted[1:]] == [1, 0, 0]
+    # and its answer, which no one reads, as nginx's 499 "client closed request", not a 200 (found by a fresh user)
+    assert [after[c] for c in counted[1:]] == [1, 0, 0, 0, 1]
 
 
 # ------------------------------------------------------------------------------------ errors
