@@ -1125,11 +1125,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end), group=group)
         return queue, cancel
 
-    async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event]) -> AsyncIterator[list[Step]]:
+    async def steps(req, arrival: float, job: tuple[asyncio.Queue, threading.Event],
+                    counted: bool = True) -> AsyncIterator[list[Step]]:
         """The steps of a started job as they come, recording the latency metrics: each time, every
         step waiting in the queue (one, unless this event loop fell behind the model; then the
         stream catches up in fewer, larger chunks, as vLLM merges the outputs a slow consumer has
-        not taken yet)."""
+        not taken yet). ``counted`` False: its tokens are not the answer's (``max_tokens: 0``), and
+        ``generation_tokens_total`` leaves them out, as ``usage`` does."""
         queue, cancel = job
         mid, last = req.model_id, None
         itl, tokens = metrics.itl.labels(mid), metrics.generation_tokens.labels(mid)  # once, not per token
@@ -1151,7 +1153,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     for _ in batch[1:]:
                         itl.observe(0.0)  # delivered with the one before
                     last = now
-                    tokens.inc(len(batch))
+                    if counted:
+                        tokens.inc(len(batch))
                     if batch[-1].finish_reason is not None:
                         if cancel.is_set():  # ended early for its client's hang-up (a whole answer's too)
                             metrics.requests.labels(mid, "abort").inc()
@@ -1169,14 +1172,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 metrics.requests.labels(mid, "abort").inc()
             cancel.set()  # the client went away (or we are done): stop the worker after its step
 
-    async def run(reqs, arrival: float, http: Request) -> list[tuple[str, str, int, list]]:
-        """Run ``reqs`` together; ``(text, finish reason, tokens, steps)`` of each, in order."""
+    async def run(reqs, arrival: float, http: Request, counted: bool = True) -> list[tuple[str, str, int, list]]:
+        """Run ``reqs`` together; ``(text, finish reason, tokens, steps)`` of each, in order
+        (``counted``: as :func:`steps`)."""
         jobs = start_all(reqs, arrival)
         watch = asyncio.create_task(cancel_on_disconnect(http, [c for _, c in jobs]))
 
         async def one(req, job) -> tuple[str, str, int, list]:
             parts, reason, all_steps = [], "length", []
-            async for batch in steps(req, arrival, job):
+            async for batch in steps(req, arrival, job, counted):
                 for s in batch:
                     parts.append(s.text)
                     reason = s.finish_reason or reason
@@ -1323,23 +1327,22 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         if body.stream:
             opts = body.stream_options
             return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
-        done = await run(reqs, arrival, http)
+        dropped = body.echo and body.max_tokens == 0  # the one token generated is not the answer's
+        done = await run(reqs, arrival, http, counted=not dropped)
 
         def answer() -> dict:
             out = chunk("", None, True, 0)
-            if body.echo:  # the prompt before each choice's text; max_tokens 0: the one token generated is dropped
-                drop = body.max_tokens == 0
+            if body.echo:  # the prompt before each choice's text
                 texts = [p if isinstance(p, str) else engine.decode(p) for p in body.prompts()]
                 firsts = engine.token_texts([ids[0] for ids in prompts])
-                out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if drop else text),
-                                   "finish_reason": "length" if drop else reason,
+                out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if dropped else text),
+                                   "finish_reason": "length" if dropped else reason,
                                    "logprobs": None if body.logprobs is None else
-                                   echo_logprobs(firsts[i // body.n], st, 0 if drop else len(st))}
+                                   echo_logprobs(firsts[i // body.n], st, 0 if dropped else len(st))}
                                   for i, (text, reason, _, st) in enumerate(done)]
             else:
                 out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
                                    "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
-            dropped = body.echo and body.max_tokens == 0  # the one token generated is not the answer's
             out["usage"] = _usage(prompt_tokens, 0 if dropped else sum(n for _, _, n, _ in done))
             return out
         return await json_off_loop(answer)

@@ -527,9 +527,16 @@ def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
     ref = ref.float().log_softmax(-1)
     want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     with TestClient(create_app(small)) as tc:
+        def generated() -> float:
+            line = 'deltafleet:generation_tokens_total{model_name="tiny-coder"} '
+            return float(next((x for x in tc.get("/metrics").text.splitlines() if x.startswith(line)),
+                              line + "0").removeprefix(line))
+
+        before = generated()
         r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 2,
                                              "max_tokens": 0})
         assert r.status_code == 200, r.text
+        assert generated() == before  # the token generated and dropped is not counted, as usage does not count it
         (choice,) = r.json()["choices"]
         lp = choice["logprobs"]
         assert choice["text"] == prompt and choice["finish_reason"] == "length"
