@@ -202,6 +202,7 @@ class Engine:
         self._removed: set[str] = set()  # ids unloaded by remove_variant: not rediscovered until add_variant
         # ids of artifacts on disk this server cannot serve → why: (their 404's reason, the log line's), _not_servable
         self._unserved: dict[str, tuple[str, str]] = {}
+        self._misnamed: set[str] = set()  # folders in the artifact root named no variant name: warned of once
         self._registry_lock = threading.Lock()  # guards _variants and _removed
         self._closing: BaseException | None = None  # set by drain(): the server is shutting down
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -400,6 +401,13 @@ class Engine:
             root = self.artifacts_dir.resolve()
             for manifest in sorted(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")):
                 if manifest.parent.name.startswith("."):  # temp or old folders of an atomic write
+                    continue
+                if not re.fullmatch(VARIANT_NAME, manifest.parent.name):  # no load route could name it again
+                    if manifest.parent.name not in self._misnamed:
+                        self._misnamed.add(manifest.parent.name)
+                        log.warning("not serving the artifact folder %s: its name is no variant name (1–64 letters, "
+                                    "digits, '.', '_' or '-', starting with a letter or digit)",
+                                    ascii(manifest.parent.name))
                     continue
                 if not manifest.parent.resolve().is_relative_to(root):  # a symbolic link out of the root
                     log.warning("not serving %s: it resolves outside the artifact root", manifest.parent.name)
@@ -664,7 +672,7 @@ class Engine:
         raw = Path(path) if path else Path(name)
         try:
             folder = (raw if raw.is_absolute() else root / raw).resolve()
-        except (ValueError, OSError):  # an embedded NUL, a loop of links, ...
+        except (ValueError, OSError, RuntimeError):  # an embedded NUL, a loop of links (RuntimeError before 3.13), ...
             raise InvalidRequestError("`path` is not a usable path", "path", "path_not_allowed") from None
         if not folder.is_relative_to(root):
             raise InvalidRequestError("`path` must be inside the server's artifact root", "path", "path_not_allowed")
@@ -676,6 +684,10 @@ class Engine:
             raise InvalidRequestError(f"the artifact in `{folder.relative_to(root)}` was exported against another "
                                       f"base (fingerprint {other}, this server's base {self.base_fingerprint})",
                                       "path", "base_mismatch")
+        why = self._not_servable(folder / MANIFEST_NAME)  # column scales where the slots hold none
+        if why is not None:
+            raise InvalidRequestError(f"the artifact in `{folder.relative_to(root)}` cannot be used: it {why[0]}",
+                                      "path", "artifact_unusable")
         with self._registry_lock:
             was_removed = mid in self._removed
             self._removed.discard(mid)

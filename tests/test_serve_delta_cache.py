@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from deltafleet.serve.app import create_app
 from deltafleet.serve.engine import Engine, SamplingParams, VariantUnavailableError
+from tests.conftest import api_error
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -204,6 +205,33 @@ def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
             assert r.status_code == 404
     finally:
         link.unlink()
+
+
+def test_folders_that_name_no_variant_are_not_served_and_a_link_loop_is_400(root, tmp_path, caplog):
+    """Found by a fresh user: a folder in the artifact root whose name is no variant name was served
+    as ``tiny-<name>`` (a space, a leading '_': once unloaded, no load route could name it again), and
+    one whose name is not UTF-8 made ``/v1/models`` and every later ``/metrics`` scrape a 500. They are
+    skipped, each named once in a warning. A symbolic link that loops is a bad path (400), not a 500."""
+    arts = tmp_path / "artifacts"
+    names = ["has space", "_under", os.fsdecode(b"bad\xffname")]
+    for name in ["coder", *names]:
+        shutil.copytree(root / "artifacts" / "coder", arts / name)
+    os.symlink(arts / "linkloop", arts / "linkloop")
+    engine = Engine(root / "models" / "base", arts, family="tiny")
+    with TestClient(create_app(engine)) as tc:
+        for _ in range(2):
+            r = tc.get("/v1/models")
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny", "tiny-coder"]
+            assert tc.get("/metrics").status_code == 200
+        skipped = [r.getMessage() for r in caplog.records if "is no variant name" in r.getMessage()]
+        assert len(skipped) == len(names), skipped  # once each, however often the root is listed
+        assert [m.encode() for m in skipped]  # a name that is not UTF-8 is written escaped (else: UnicodeEncodeError)
+        for variant in ("linkloop", "tiny-linkloop"):
+            err = api_error(tc.post("/v1/load_variant", json={"variant": variant}), 400)
+            assert (err["param"], err["code"]) == ("path", "path_not_allowed")
+        err = api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "linkloop"}), 400)
+        assert (err["param"], err["code"]) == ("lora_path", "path_not_allowed")
+        assert tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path):

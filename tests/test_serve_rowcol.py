@@ -98,7 +98,7 @@ def test_an_engine_started_without_rowcol_variants_refuses_one_added_later(tiny_
     like an artifact of another base: not listed, a 404 saying why and what to do, the warning logged
     once; so too a listed variant re-exported as rowcol, at its next request. The resident variants
     stay served, nothing evicted for it."""
-    from deltafleet.serve.engine import ModelNotFoundError
+    from deltafleet.serve.engine import InvalidRequestError, ModelNotFoundError
 
     arts = tmp_path / "artifacts"
     shutil.copytree(tiny_family.artifacts_dir / "writer", arts / "writer")
@@ -119,5 +119,11 @@ def test_an_engine_started_without_rowcol_variants_refuses_one_added_later(tiny_
     with pytest.raises(ModelNotFoundError, match=refused.format("plain")):
         engine.complete("tiny-plain", "import", params)
     assert "tiny-plain" not in [c.id for c in engine.models()]
+    # a hot load of one is the caller's to fix, as docs/serving.md says: 400 artifact_unusable (it was a 404)
+    with pytest.raises(InvalidRequestError, match=r"the artifact in `coder` cannot be used: it is not served by this "
+                       r"server: its artifact has column scales") as refusal:
+        engine.add_variant("again", "coder")
+    assert (refusal.value.param, refusal.value.code) == ("path", "artifact_unusable")
+    assert "tiny-again" not in [c.id for c in engine.models()]
     assert engine.cache.tier("tiny-writer") == "device"  # not evicted to make room for either
     assert engine.complete("tiny-writer", "The", params).token_ids == before
