@@ -696,6 +696,13 @@ def chat_logprobs(steps: list) -> dict | None:
                         for s in steps]}
 
 
+def stop_reason(steps: list, finish_reason: str | None) -> int | str | None:
+    """vLLM's ``stop_reason`` of a choice (or chunk) that ends with ``steps`` and ``finish_reason``:
+    the stop string or ``stop_token_ids`` id that ended it; None for any other end (the model's eos,
+    a grammar's, length, tool calls) and before the end."""
+    return steps[-1].stop_reason if steps and finish_reason == "stop" else None
+
+
 async def json_off_loop(build: Callable[[], dict]) -> Response:
     """``build()``'s answer as JSON, made and encoded in a worker thread (as FastAPI's JSONResponse
     encodes it): a large answer (``n`` choices with logprobs: megabytes) must not hold up the event
@@ -1322,7 +1329,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
             return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                     "choices": [{"index": index, "text": text or "", "logprobs": completion_logprobs(steps, offset),
-                                 "finish_reason": finish_reason}]}
+                                 "finish_reason": finish_reason, "stop_reason": stop_reason(steps, finish_reason)}]}
 
         if body.stream:
             opts = body.stream_options
@@ -1337,12 +1344,14 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 firsts = engine.token_texts([ids[0] for ids in prompts])
                 out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if dropped else text),
                                    "finish_reason": "length" if dropped else reason,
+                                   "stop_reason": None if dropped else stop_reason(st, reason),
                                    "logprobs": None if body.logprobs is None else
                                    echo_logprobs(firsts[i // body.n], st, 0 if dropped else len(st))}
                                   for i, (text, reason, _, st) in enumerate(done)]
             else:
                 out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
-                                   "finish_reason": reason} for i, (text, reason, _, st) in enumerate(done)]
+                                   "finish_reason": reason, "stop_reason": stop_reason(st, reason)}
+                                  for i, (text, reason, _, st) in enumerate(done)]
             out["usage"] = _usage(prompt_tokens, 0 if dropped else sum(n for _, _, n, _ in done))
             return out
         return await json_off_loop(answer)
@@ -1385,7 +1394,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if steps and not first and not delta and finish_reason is None and lp is None:
                 return None  # text the tool-call scanner holds back: no empty delta per token
             return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
-                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
+                                 "stop_reason": stop_reason(steps, finish_reason)}]}
 
         def message(text: str, reason: str) -> tuple[dict, str]:
             """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""
@@ -1406,7 +1416,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             choices = []
             for i, (text, reason, _, st) in enumerate(done):
                 msg, reason = message(text, reason)
-                choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason})
+                choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(st), "finish_reason": reason,
+                                "stop_reason": stop_reason(st, reason)})
             return {"id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
                     "choices": choices, "usage": _usage(len(ids), sum(n for _, _, n, _ in done))}
         return await json_off_loop(answer)

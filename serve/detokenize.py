@@ -103,8 +103,8 @@ class TextStream:
     prompt's text ends with U+FFFD there). Stop strings: one Knuth–Morris–Pratt automaton per stop,
     fed each new character once; the automata's longest partial match is the text held back, since it may still
     begin a stop. The first stop completed ends the text just before it (of two completed by the
-    same character, the longer); before ``min_tokens`` tokens none does, as in vLLM (a stop that
-    begins before and is completed after counts).
+    same character, the longer), and :attr:`matched` names it (vLLM's ``stop_reason``); before
+    ``min_tokens`` tokens none does, as in vLLM (a stop that begins before and is completed after counts).
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0,
@@ -130,6 +130,7 @@ class TextStream:
             self.prefix_text, self.open = closed, self.prefix_text[len(closed):]
         self.fed = 0  # characters the window adds that went through the automata already
         self.held = ""  # text checked but not released: it may begin a stop string
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def _decode(self, ids: list[int]) -> str:
         with self.lock:
@@ -165,7 +166,7 @@ class TextStream:
         if not self.stops:
             return chars, False
         for i, c in enumerate(chars):
-            hit = 0
+            hit = ""
             for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
                 n = self.states[k]
                 while n and stop[n] != c:
@@ -173,12 +174,12 @@ class TextStream:
                 if stop[n] == c:
                     n += 1
                     if n == len(stop):
-                        hit, n = max(hit, n), table[n - 1]
+                        hit, n = max(hit, stop, key=len), table[n - 1]
                 self.states[k] = n
             if hit and len(self.ids) - self.given >= self.min_tokens:  # (one completed earlier ends nothing)
                 text = self.held + chars[:i + 1]
-                self.held = ""
-                return text[:len(text) - hit], True
+                self.held, self.matched = "", hit
+                return text[:len(text) - len(hit)], True
         text = self.held + chars
         cut = len(text) - max(self.states)
         out, self.held = text[:cut], text[cut:]

@@ -742,6 +742,9 @@ class Usage(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+STOP_REASON = ("vLLM's: the stop string (of `stop`) or token id (of `stop_token_ids`) that ended the choice; "
+               "null when it ended otherwise (the model's end-of-sequence token, a grammar's end, length, "
+               "tool calls). Streamed: on the chunk with the finish_reason, null on the others")
 
 
 class CompletionLogprobs(BaseModel):
@@ -760,6 +763,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = Field(None, description=STOP_REASON)
 
 
 class Completion(BaseModel):
@@ -796,6 +800,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = Field(None, description=STOP_REASON)
 
 
 class ChatCompletion(BaseModel):

@@ -122,6 +122,7 @@ class Step:
     top_logprobs: list[tuple[str, float]] | None = None  # the `logprobs` likeliest tokens: (decoded, log-probability)
     token_bytes: list[bytes] | None = None             # the token's and then the likeliest ones' own bytes (logprobs)
     prompt_logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None  # first Step: prompt tokens 2…
+    stop_reason: int | str | None = None  # last Step, finish "stop": the stop string or stop_token_ids id that ended it
 
 
 @dataclass

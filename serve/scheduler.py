@@ -719,17 +719,15 @@ class _Detokenizer:
             return
         token, end, lp, prompt_lp = item[2], item[3], item[4], item[5]
         try:
-            if end == "eos":
-                step = Step(token, seq.text.flush()[0], "stop")
+            if end == "eos":  # vLLM's stop_reason: a stop token id, not the model's eos or a grammar's end
+                stop = token if token in seq.req.params.stop_token_ids else None
+                step = Step(token, seq.text.flush()[0], "stop", stop_reason=stop)
             else:
                 piece, stopped = seq.text.push(token)
-                if stopped:
-                    step = Step(token, piece, "stop")
-                elif end == "length":
+                if not stopped and end == "length":
                     rest, stopped = seq.text.flush()
-                    step = Step(token, piece + rest, "stop" if stopped else "length")
-                else:
-                    step = Step(token, piece)
+                    piece += rest
+                step = Step(token, piece, "stop" if stopped else end, stop_reason=seq.text.matched)  # None unstopped
         except Exception as e:  # noqa: BLE001 — this row's own failure ends this request only
             log.error("detokenizing failed for a request on %s", seq.req.model_id, exc_info=e)
             seq.finished = seq.stop_hit = True

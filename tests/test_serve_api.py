@@ -347,6 +347,62 @@ def test_stop_token_ids_end_the_completion_and_leave_the_token_out(client, engin
             assert r.usage.completion_tokens == j + 1
 
 
+def _stop_reasons(chunks) -> list:
+    """Each streamed chunk's ``stop_reason`` (the usage chunk has no choice)."""
+    return [c.choices[0].stop_reason for c in chunks if c.choices]
+
+
+def test_stop_reason_names_the_stop_string_or_token_id_that_ended_a_choice(client, engine, server):
+    """vLLM's ``stop_reason``: the stop string that ended a choice (here the second of two given),
+    or the id of ``stop_token_ids`` (the second given) that did; null when ``max_tokens`` did.
+    Streamed, the chunk with the finish_reason carries it, every chunk before has null (steps that
+    come together are one chunk: a loaded test machine may send fewer)."""
+    text = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=24)).text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    args = dict(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=24, stop=["never-seen-stop", stop])
+    r = client.completions.create(**args)
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", stop)
+    reasons = _stop_reasons(list(client.completions.create(stream=True, **args)))
+    assert reasons == [None] * (len(reasons) - 1) + [stop]
+
+    messages = [{"role": "user", "content": "Write a function."}]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    steps = list(engine.generate("tiny-writer", engine.encode_chat(messages), greedy))
+    content = "".join(s.text for s in steps)
+    chat_stop = content[len(content) // 2: len(content) // 2 + 3]
+    chat = dict(model="tiny-writer", messages=messages, temperature=0, max_tokens=24)
+    r = client.chat.completions.create(**chat, stop=["never-seen-stop", chat_stop])
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", chat_stop)
+    reasons = _stop_reasons(list(client.chat.completions.create(stream=True, stop=["never-seen-stop", chat_stop],
+                                                                **chat)))
+    assert reasons == [None] * (len(reasons) - 1) + [chat_stop]
+    chat_ids = [s.token_id for s in steps]
+    k = _fresh_index(chat_ids, 2)
+    for stream in (False, True):
+        out = client.chat.completions.create(stream=stream, extra_body={"stop_token_ids": [chat_ids[k]]}, **chat)
+        reasons = _stop_reasons(list(out)) if stream else [out.choices[0].stop_reason]
+        assert reasons == [None] * (len(reasons) - 1) + [chat_ids[k]]
+
+    ids = engine.complete("tiny", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12)).token_ids
+    j = _fresh_index(ids, 2)
+    args = dict(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=12,
+                extra_body={"stop_token_ids": [3 if ids[j] != 3 else 4, ids[j]]})
+    r = client.completions.create(**args)
+    assert r.choices[0].finish_reason == "stop" and type(r.choices[0].stop_reason) is int
+    assert r.choices[0].stop_reason == ids[j]
+    reasons = _stop_reasons(list(client.completions.create(stream=True, **args)))
+    assert reasons == [None] * (len(reasons) - 1) + [ids[j]]
+
+    for path, body in (("completions", {"prompt": PROMPTS[0]}), ("chat/completions", {"messages": messages})):
+        body = body | {"model": "tiny", "temperature": 0, "max_tokens": 3, "stop": ["never-seen-stop"]}
+        choice = httpx.post(f"{server}/v1/{path}", json=body, timeout=30).json()["choices"][0]
+        assert choice["finish_reason"] == "length" and "stop_reason" in choice and choice["stop_reason"] is None
+        with httpx.stream("POST", f"{server}/v1/{path}", json=body | {"stream": True}, timeout=30) as s:
+            events = [json.loads(e.removeprefix("data: ")) for e in s.read().decode().split("\n\n")[:-2]]
+        assert events and all(e["choices"][0]["stop_reason"] is None for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(client, engine):
     """Before ``min_tokens`` tokens a request's stop token ids (and eos) cannot be drawn: greedy
     decoding then takes the next most likely token instead; min_tokens above max_tokens is a 400."""
@@ -379,6 +435,9 @@ def test_ignore_eos_generates_to_max_tokens(engine, monkeypatch):
     monkeypatch.setattr(engine, "eos_token_ids", engine.eos_token_ids | {ids[j]})
     ended = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10))
     assert ended.finish_reason == "stop" and ended.token_ids == ids[:j + 1]
+    steps = list(engine.generate("tiny", engine.encode_prompt(PROMPTS[2]),
+                                 SamplingParams(temperature=0, max_tokens=10)))
+    assert steps[-1].token_id == ids[j] and steps[-1].stop_reason is None  # eos: no stop_reason (vLLM's)
     full = engine.complete("tiny", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert full.finish_reason == "length" and full.token_ids == ids
     # and min_tokens keeps the eos out of the first tokens: greedy takes another token at j
@@ -544,6 +603,12 @@ def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
         assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), want, rtol=0, atol=1e-4)
         assert all(len(top) >= 2 and max(top.values()) <= 0 for top in lp["top_logprobs"][1:])
+        first = small.complete("tiny-coder", ids, SamplingParams(temperature=0, max_tokens=1)).token_ids[0]
+        (dropped,) = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True,
+                                                      "max_tokens": 0, "temperature": 0,
+                                                      "stop_token_ids": [first]}).json()["choices"]
+        # the token generated ended it as a stop token, but it is not the answer's: no stop_reason
+        assert (dropped["text"], dropped["finish_reason"], dropped["stop_reason"]) == (prompt, "length", None)
         greedy = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "max_tokens": 4,
                                                   "temperature": 0}).json()["choices"][0]["text"]
         both = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 0,

@@ -210,6 +210,18 @@ def test_stop_strings_cut_the_text_before_the_first_one_and_hold_back_what_may_b
     assert _stream([0, 1], ("",))[:2] == ("ab", False)  # an empty stop never matches
 
 
+def test_matched_names_the_stop_string_that_ended_the_text():
+    """``TextStream.matched`` (vLLM's ``stop_reason``): the stop that ended the text, the longer of
+    two that one character completes, whichever order they are given in; None until one does."""
+    for stop in (("cd", "bcd", "x"), ("x", "bcd", "cd")):
+        ts = TextStream(_CharTokenizer(), stop, threading.Lock())
+        assert ts.push(6) == ("a", False) and ts.matched is None  # "abc": "bc" held, it may begin "bcd"
+        assert ts.push(3) == ("", True) and ts.matched == "bcd"
+    ts = TextStream(_CharTokenizer(), ("zz", "b"), threading.Lock())
+    assert ts.push(0) == ("a", False) and ts.matched is None
+    assert ts.push(1) == ("", True) and ts.matched == "b"  # the second given
+
+
 def test_stop_strings_end_nothing_before_min_tokens():
     """vLLM's ``min_tokens``: a stop string completed within the first ``min_tokens`` tokens ends
     nothing (its text is released); one completed later ends the text, also when it began earlier."""

@@ -210,6 +210,22 @@ def test_required_and_named_choices_answer_one_call_that_follows_the_schema(clie
             assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET")
 
 
+def test_a_call_has_no_stop_reason_though_a_stop_token_ended_it(client, engine):
+    """vLLM's ``stop_reason`` is null on a choice that ends "tool_calls", also when the token that
+    ended it (the grammar's eos, here a stop token id too) would give one; a named call, which
+    ends "stop", keeps it."""
+    eos = sorted(engine.eos_token_ids)
+    for choice, reason in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}},
+                                                        "stop")):
+        kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=96, temperature=0.8,
+                  seed=4, extra_body={"stop_token_ids": eos})
+        c = client.chat.completions.create(**kw).choices[0]
+        assert c.message.tool_calls and c.finish_reason == reason
+        assert (c.stop_reason is None) if reason == "tool_calls" else (c.stop_reason in eos)
+        last = [ch for chunk in client.chat.completions.create(**kw, stream=True) for ch in chunk.choices][-1]
+        assert (last.finish_reason, last.stop_reason) == (c.finish_reason, c.stop_reason)
+
+
 def test_a_streamed_call_comes_as_deltas_that_assemble_into_it(client):
     kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=96, temperature=0.8,
               seed=4)
