@@ -267,21 +267,26 @@ def _base_vocab_sizes(base_dir: Path) -> set[int]:
     return {v for v in found if isinstance(v, int)}
 
 
+def _resizes_vocabulary(name: str, base_shape: tuple[int, ...], shape: tuple[int, ...], vocab: set[int]) -> bool:
+    """Whether ``shape`` differs from the base's ``base_shape`` of parameter ``name`` as a resized
+    vocabulary does: in one dimension, which is a vocabulary matrix's rows (:func:`is_vocab_matrix`)
+    or the base's ``vocab_size`` (one of ``vocab``: another family's embedding name, an LM head's bias)."""
+    if len(base_shape) != len(shape):
+        return False
+    dims = [i for i in range(len(shape)) if base_shape[i] != shape[i]]
+    return len(dims) == 1 and ((is_vocab_matrix(name) and dims == [0]) or base_shape[dims[0]] in vocab)
+
+
 def _check_shapes(base: Checkpoint, ft: Checkpoint, base_dir: Path, finetuned_dir: Path) -> None:
     """Raise ArtifactError for a parameter of both checkpoints whose shape differs, unless it is indexed
-    by token and the vocabulary was resized: one dimension differs, and it is a vocabulary matrix's
-    rows (:func:`is_vocab_matrix`) or the base's ``vocab_size`` (another family's embedding name, an
-    LM head's bias). Any other change means the fine-tune is of another
-    architecture, which no base + delta can serve."""
+    by token and the vocabulary was resized (:func:`_resizes_vocabulary`). Any other change means the
+    fine-tune is of another architecture, which no base + delta can serve."""
     vocab = _base_vocab_sizes(base_dir)
     for name in ft.names():
         if name not in base:
             continue
         b, f = tuple(base.info(name).shape), tuple(ft.info(name).shape)
-        if b == f:
-            continue
-        dims = [i for i in range(len(b)) if b[i] != f[i]] if len(b) == len(f) else []
-        if len(dims) == 1 and ((is_vocab_matrix(name) and dims == [0]) or b[dims[0]] in vocab):
+        if b == f or _resizes_vocabulary(name, b, f, vocab):
             continue
         raise ArtifactError(
             f"{name}: shape {list(f)} in {finetuned_dir} differs from the base's {list(b)} in {base_dir}; "
@@ -658,8 +663,10 @@ def load_artifact(
     ``base_fingerprint`` is given); every file in ``files`` exists and (``verify_hashes``) matches
     its sha256; every ``P.sign`` is uint8 ``[d_out, ceil(d_in/8)]`` with a finite, non-negative
     ``P.alpha``: float32 ``[]`` (granularity matrix) or ``[d_out]`` (granularity row), or float16
-    ``[d_out]`` with a finite, non-negative float16 ``P.beta`` ``[d_in]`` (granularity rowcol). A
-    tensor named ``X.alpha`` or ``X.beta`` with no ``X.sign`` is a parameter stored in full.
+    ``[d_out]`` with a finite, non-negative float16 ``P.beta`` ``[d_in]`` (granularity rowcol); every
+    floating tensor stored in full is finite. A tensor named ``X.alpha`` or ``X.beta`` with no
+    ``X.sign`` is a parameter stored in full (:func:`materialize` refuses one whose ``X`` is a
+    parameter: a scale that lost its signs).
 
     Args:
         path: the artifact folder (``artifacts/<variant>/``).
@@ -670,9 +677,9 @@ def load_artifact(
             files already verified.
         values: read the tensors. False: read only the safetensors files' headers, and give every
             tensor as a meta tensor of its dtype and shape (``device`` is ignored): the checks above
-            but the hashes and the scales' values, at the cost of the manifest and the headers (the
-            server's check of every artifact at start). A tensor of a dtype torch has no meta
-            counterpart for here is read.
+            but the hashes and the values (scales, full tensors), at the cost of the manifest and the
+            headers (the server's check of every artifact at start). A tensor of a dtype torch has no
+            meta counterpart for here is read.
 
     Returns:
         The :class:`Artifact`.
@@ -761,6 +768,7 @@ def load_artifact(
         elif name.endswith((ALPHA_SUFFIX, BETA_SUFFIX)) and name.rsplit(".", 1)[0] + SIGN_SUFFIX in tensors:
             continue  # taken with its sign
         else:
+            _check_full(path, name, t)
             art.full[name] = t
     return art
 
@@ -786,6 +794,15 @@ def _check_scale(path: Path, name: str, t: torch.Tensor) -> None:
         raise ArtifactError(f"{path}: {name} has negative or non-finite values")
 
 
+def _check_full(path: Path, name: str, t: torch.Tensor) -> None:
+    """Refuse a floating tensor stored in full that holds NaN or inf (the export refuses to write one):
+    served, every output it reaches would be NaN, with nothing to say which tensor made it so."""
+    if t.is_meta or not t.is_floating_point():  # load_artifact(values=False): no values to check
+        return
+    if not bool(torch.isfinite(t).all()):
+        raise ArtifactError(f"{path}: {name} (stored in full) has non-finite values (NaN or inf)")
+
+
 def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Tensor]:
     """The approximate fine-tuned state dict: base + artifact, on the CPU, streamed from the base.
 
@@ -805,15 +822,34 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
 
     Raises:
         ArtifactError: if a compressed parameter is missing from the base or its sign/alpha
-            shapes do not fit the base weight.
+            shapes do not fit the base weight; if a tensor stored in full has a shape other than the
+            base's for its name (but along a resized vocabulary, :func:`_resizes_vocabulary`); or if one
+            is a scale without its signs (``P.alpha`` or ``P.beta`` where ``P`` is a parameter of the
+            base or of the artifact, or a vocabulary matrix: no parameter can be named so). The checks
+            the server makes (``serve.delta.VariantDelta.check``), but for what a checkpoint may hold and
+            the server does not serve: a resized vocabulary and parameters the base lacks.
     """
     out: dict[str, torch.Tensor] = {}
+    base_dir = Path(base_dir)
     base = Checkpoint(base_dir)
     unknown = sorted(p for p in artifact.signs if p not in base)
     if unknown:
         raise ArtifactError(
             f"{artifact.path}: compressed parameter(s) not in base {base_dir}: {', '.join(unknown[:5])}"
         )
+    vocab = _base_vocab_sizes(base_dir)
+    for name, t in artifact.full.items():
+        if name in base:
+            b, f = tuple(base.info(name).shape), tuple(t.shape)
+            if b != f and not _resizes_vocabulary(name, b, f, vocab):
+                raise ArtifactError(
+                    f"{artifact.path}: {name} is stored in full with shape {list(f)}, the base's is {list(b)} "
+                    f"in {base_dir}: only a parameter indexed by token may change shape, along the vocabulary")
+        elif name.endswith((ALPHA_SUFFIX, BETA_SUFFIX)):
+            p = name.rsplit(".", 1)[0]
+            if p in base or p in artifact.full or is_vocab_matrix(p):
+                raise ArtifactError(f"{artifact.path}: {name} has no matching {p + SIGN_SUFFIX}: a scale without "
+                                    "its signs (a damaged artifact)")
     for name in base.names():
         if name in artifact.full:
             continue
@@ -893,7 +929,8 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
 
     Raises:
         FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
-        ArtifactError: a damaged or inconsistent artifact.
+        ArtifactError: a damaged or inconsistent artifact, or one that does not fit the base
+            (:func:`materialize`); nothing is written.
         ValueError: an ``out_dir`` it must not replace.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)

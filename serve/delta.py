@@ -79,23 +79,29 @@ class VariantDelta:
                    for t in d.values())
 
     def check_scales(self, dtype: torch.dtype) -> None:
-        """Check every α against the dtype the model is served in: the kernels round α·sign, and the
-        weight plus it, to that dtype, where an α beyond its largest finite value is ±inf and every
-        output it reaches is NaN or inf (in float32, whose range α shares, nothing is refused).
-        Non-finite α are refused where the artifact is read (``compress.bitdelta.load_artifact``); a large
-        α inside the range is left as it is, having no principled bound. β (rowcol) is float16 in an
-        artifact, inside the range of every dtype served.
+        """Check every α, and every floating tensor stored in full, against the dtype the model is
+        served in: the kernels round α·sign, and the weight plus it, to that dtype, where an α beyond its
+        largest finite value is ±inf and every output it reaches is NaN or inf (in float32, whose range α
+        shares, nothing is refused); a full tensor is cast to it (``__init__``), where a value beyond it is
+        inf already. Non-finite α and full tensors are refused where the artifact is read
+        (``compress.bitdelta.load_artifact``); a large α inside the range is left as it is, having no
+        principled bound. β (rowcol) is float16 in an artifact, inside the range of every dtype served.
 
         Raises:
-            ValueError: naming the first α out of range, its largest magnitude and the dtype.
+            ValueError: naming the first α out of range, its largest magnitude and the dtype, or the
+                first full tensor that is not finite in the dtype served.
         """
         top = torch.finfo(dtype).max
+        served = str(dtype).removeprefix("torch.")
         for name, alpha in self.alphas.items():
             peak = float(alpha.abs().max()) if alpha.numel() else 0.0
             if peak > top:
                 raise ValueError(f"variant {self.name!r}: {name}.alpha holds {peak:.4g}, beyond what "
-                                 f"{str(dtype).removeprefix('torch.')} (the dtype served) holds ({top:.4g} at "
-                                 "most): it would be inf there")
+                                 f"{served} (the dtype served) holds ({top:.4g} at most): it would be inf there")
+        for name, t in self.full.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"variant {self.name!r}: {name} (stored in full) is not finite in {served} (the "
+                                 f"dtype served, {top:.4g} at most): a value beyond that range, or NaN or inf")
 
     def check(self, shapes: dict[str, torch.Size]) -> None:
         """Check every stored tensor against the model's parameter shapes (HF names).
@@ -125,5 +131,21 @@ class VariantDelta:
             if name not in shapes:
                 raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")
             if t.shape != shapes[name]:
+                why = ("resized vocabularies are not served" if _resizes_vocabulary(t.shape, shapes[name], shapes)
+                       else "not a tensor of the base's shapes: is the artifact this base's?")
                 raise ValueError(f"variant {self.name!r}: {name} has shape {tuple(t.shape)}, the base "
-                                 f"{tuple(shapes[name])} (resized vocabularies are not served)")
+                                 f"{tuple(shapes[name])} ({why})")
+
+
+_VOCAB_MATRICES = ("embed_tokens.weight", "lm_head.weight")  # as compress.bitdelta.VOCAB_MATRIX_SUFFIXES
+
+
+def _resizes_vocabulary(shape: torch.Size, base: torch.Size, shapes: dict[str, torch.Size]) -> bool:
+    """Whether ``shape`` differs from the base's ``base`` as a resized vocabulary does: in one
+    dimension, whose size in the base is the vocabulary's (the rows of the embedding or the head in
+    ``shapes``), as ``compress.bitdelta`` tells the resizes it stores in full."""
+    if len(shape) != len(base):
+        return False
+    dims = [i for i in range(len(base)) if shape[i] != base[i]]
+    vocab = {s[0] for n, s in shapes.items() if n.endswith(_VOCAB_MATRICES) and len(s) == 2}
+    return len(dims) == 1 and base[dims[0]] in vocab

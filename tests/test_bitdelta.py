@@ -1111,3 +1111,91 @@ def test_other_families_vocabulary_resizes_dtypes_and_nested_configs(tmp_path):
     (b / "config.json").write_text(json.dumps({"vocab_size": 10}))
     with pytest.raises(ArtifactError, match=r"h.0.w.weight: shape \[6, 5\]"):
         compress(b, f, tmp_path / "art2", variant="v")
+
+
+# --------------------------------------------------------------------------------------------
+# found by a fresh user: full tensors the reader passed, format=hf checkpoints that did not fit the base
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_full_tensor_holding_nan_or_inf_is_refused_by_name(artifact_dir, tmp_path, value, dtype):
+    """A norm set to NaN in delta.safetensors (sha256 redone) loaded, and the server then answered every
+    request for the variant with non-finite logits, naming nothing. The reader refuses it as it refuses
+    a NaN α (the export refuses to write either); a headers-only load reads no values."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+
+    def poison(t):
+        t[CHANGED_NORM] = t[CHANGED_NORM].clone().to(dtype)
+        t[CHANGED_NORM][3] = value
+
+    _rewrite_delta(art, poison)
+    with pytest.raises(ArtifactError, match=rf"{re.escape(CHANGED_NORM)} \(stored in full\) has non-finite values"):
+        load_artifact(art)
+    assert CHANGED_NORM in load_artifact(art, values=False).full  # the structure is sound
+
+
+def _an_earlier_export(base_dir: Path, artifact_dir: Path, out: Path) -> dict:
+    bd.export_hf(base_dir, artifact_dir, out)
+    return {f.name: f.read_bytes() for f in out.iterdir()}
+
+
+@pytest.mark.parametrize("what", ["norm-shape", "orphan-head-alpha", "orphan-alpha"])
+def test_export_hf_refuses_what_the_server_refuses_and_writes_nothing(family, artifact_dir, tmp_path, what):
+    """``format=hf`` wrote a norm stored as [7] (the base's [32]), which transformers then refused to
+    load, and an ``lm_head.weight.alpha`` whose signs were gone as a parameter of the checkpoint; the
+    server refuses both. The export now does too, naming the tensor, before anything is written: an
+    earlier export in ``out_dir`` is left as it was, and no temporary folder stays behind."""
+    base_dir, _ = family
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    if what == "norm-shape":
+        name = CHANGED_NORM
+        match = rf"{re.escape(CHANGED_NORM)} is stored in full with shape \[7\], the base's is \[32\]"
+        _rewrite_delta(art, lambda t: t.update({CHANGED_NORM: t[CHANGED_NORM][:7].clone()}))
+    else:
+        p = "lm_head.weight" if what == "orphan-head-alpha" else W
+        name, match = p + ".alpha", rf"{re.escape(p)}\.alpha has no matching {re.escape(p)}\.sign"
+        _rewrite_delta(art, lambda t: t.pop(p + ".sign"))
+    assert name in load_artifact(art).full  # the reader alone cannot tell (no base)
+    with pytest.raises(ArtifactError, match=match):
+        materialize(base_dir, load_artifact(art))
+    out = tmp_path / "out" / "hf"
+    with pytest.raises(ArtifactError, match=match):
+        bd.export_hf(base_dir, art, out)
+    assert not out.parent.exists() or os.listdir(out.parent) == []
+    before = _an_earlier_export(base_dir, artifact_dir, out)
+    with pytest.raises(ArtifactError, match=match):
+        bd.export_hf(base_dir, art, out)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before and _leftovers(out.parent) == []
+
+
+def test_an_orphan_beta_is_refused_by_export_hf(family, rowcol_dir, tmp_path):
+    """A rowcol matrix whose signs and α were removed leaves ``P.beta``, read as a tensor stored in full."""
+    art = _copy_artifact(rowcol_dir, tmp_path / "art")
+    _rewrite_delta(art, lambda t: [t.pop(W + ".sign"), t.pop(W + ".alpha")])
+    with pytest.raises(ArtifactError, match=rf"{re.escape(W)}\.beta has no matching {re.escape(W)}\.sign"):
+        bd.export_hf(family[0], art, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_served_shape_check_names_a_resized_vocabulary_only_for_one():
+    """A norm of another shape was refused with "(resized vocabularies are not served)"; that reason is
+    given only where the shape differs along the vocabulary."""
+    from deltafleet.serve.delta import VariantDelta
+
+    shapes = {"model.embed_tokens.weight": torch.Size([128, 32]), "lm_head.weight": torch.Size([128, 32]),
+              "model.norm.weight": torch.Size([32])}
+
+    def check(name, shape):
+        art = Artifact(path=Path("x"), manifest={"variant": "v"}, full={name: torch.zeros(shape)})
+        with pytest.raises(ValueError) as e:
+            VariantDelta(art).check(shapes)
+        return str(e.value)
+
+    said = check("model.norm.weight", (7,))
+    assert said == ("variant 'v': model.norm.weight has shape (7,), the base (32,) (not a tensor of the base's "
+                    "shapes: is the artifact this base's?)")
+    assert "resized vocabularies are not served" in check("model.embed_tokens.weight", (136, 32))
+    assert "resized vocabularies are not served" in check("lm_head.weight", (136, 32))
+    assert "vocabular" not in check("model.embed_tokens.weight", (128, 40))  # columns: not the vocabulary

@@ -484,6 +484,45 @@ def test_an_alpha_beyond_the_dtype_served_is_refused_at_load_by_name(root):
             shutil.rmtree(f)
 
 
+def test_a_full_tensor_that_is_not_finite_is_refused_at_load_by_name(root):
+    """Found by a fresh user: a norm set to NaN in delta.safetensors (its sha256 redone) was hot-loaded
+    (200), and every request for the variant then failed with "logits are not finite", naming nothing.
+    Reading the artifact refuses it, naming the tensor (400 ``artifact_unusable`` on a hot load); a
+    finite value beyond the dtype served (7e4 in float16) is refused by name at load too. A norm of
+    another shape is refused without the word "vocabularies" (it is none)."""
+    norm = "model.layers.0.input_layernorm.weight"
+    folders = {name: root / "artifacts" / name for name in ("nannorm", "bignorm", "shortnorm")}
+
+    def norm_of(value=None, n=None):
+        def edit(t):
+            w = torch.ones(64) if n is None else torch.ones(n)
+            if value is not None:
+                w[1] = value
+            t[norm] = w
+        return edit
+
+    try:
+        for (name, f), edit in zip(folders.items(), (norm_of(float("nan")), norm_of(7e4), norm_of(n=7))):
+            shutil.copytree(root / "artifacts" / "coder", f)
+            _rewrite_delta(f, edit)
+        engine = _engine(root)
+        with TestClient(create_app(engine)) as tc:
+            err = api_error(tc.post("/v1/load_variant", json={"variant": "nan2", "path": "nannorm"}), 400)
+            assert (err["code"], err["param"]) == ("artifact_unusable", "path")
+            assert f"{norm} (stored in full) has non-finite values" in err["message"], err
+            assert "tiny-nan2" not in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            err = api_error(tc.post("/v1/load_variant", json={"variant": "short2", "path": "shortnorm"}), 400)
+            assert f"{norm} has shape (7,), the base (64,)" in err["message"] and "vocabular" not in err["message"]
+        assert engine.get_delta("tiny-bignorm") is not None  # float32: 7e4 is finite
+        engine = Engine(root / "models" / "base", root / "artifacts", family="tiny", dtype="float16")
+        with pytest.raises(VariantUnavailableError, match=rf"`tiny-bignorm` is unavailable: variant 'coder': "
+                                                          rf"{norm} \(stored in full\) is not finite in float16"):
+            engine.get_delta("tiny-bignorm")
+    finally:
+        for f in folders.values():
+            shutil.rmtree(f)
+
+
 def test_a_long_tokenization_does_not_stall_generation(root):
     """Encoding holds the tokenizer's lock (a 4 MB prompt takes seconds); the running sequences
     detokenize with their own copy, so they go on."""
