@@ -5,6 +5,9 @@
 
 Reads ``conf/export.yaml``: diffs ``models/<variant>/`` against ``models/base/`` and writes
 ``artifacts/<variant>/`` (see ``deltafleet.compress.bitdelta.compress``), then prints a one-line summary.
+A setting export.yaml does not have (``+granulariti=row``) is refused before any work (``error: ...``,
+status 2); an output folder whose file system takes no more (full, a file-size limit) ends the export
+with ``export: cannot write ... to out_dir <folder>: <cause>`` (status 1), nothing written.
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.compress.bitdelta import check_variant_name, compress, export_hf
-from deltafleet.cli import flag, require_checkpoints, stop_on_sigterm, user_errors
+from deltafleet.cli import (flag, output_write, refuse_unknown_settings, require_checkpoints, stop_on_sigterm,
+                            user_errors)
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    refuse_unknown_settings(cfg, "export.yaml")  # a misspelt +key: `error: ...`, status 2, before any work
     stop_on_sigterm()  # a stopped export leaves no half artifact
     with user_errors("export"):
         from deltafleet.threads import set_threads
@@ -40,23 +45,25 @@ def _main(cfg: DictConfig) -> dict:
     overwrite, force = flag(cfg, "overwrite"), flag(cfg, "force")
     require_checkpoints(cfg, None if cfg.format == "hf" else variant)
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
-        out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=force, overwrite=overwrite)
+        with output_write("export", "the Hugging Face checkpoint", "hf_out_dir", cfg.hf_out_dir):
+            out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=force, overwrite=overwrite)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
-    manifest = compress(
-        cfg.base_dir,
-        cfg.finetuned_dir,
-        cfg.out_dir,
-        variant=variant,
-        granularity=cfg.granularity,
-        max_shard_bytes=cfg.max_shard_bytes,
-        show_progress=True,
-        overwrite=overwrite,
-        provenance={
-            "run_id": f"export/{variant}/{run_dir.name}",
-            "config": OmegaConf.to_container(cfg, resolve=True),
-        },
-    )
+    with output_write("export", "the artifact", "out_dir", cfg.out_dir):  # a full disk: one line, not a traceback
+        manifest = compress(
+            cfg.base_dir,
+            cfg.finetuned_dir,
+            cfg.out_dir,
+            variant=variant,
+            granularity=cfg.granularity,
+            max_shard_bytes=cfg.max_shard_bytes,
+            show_progress=True,
+            overwrite=overwrite,
+            provenance={
+                "run_id": f"export/{variant}/{run_dir.name}",
+                "config": OmegaConf.to_container(cfg, resolve=True),
+            },
+        )
     s = manifest["stats"]
     bf16_bytes = 2 * s["parameters"]
     print(

@@ -13,6 +13,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import re
 import runpy
 import shutil
 import signal
@@ -66,6 +69,43 @@ def user_errors(job: str) -> Iterator[None]:
         except USER_ERRORS as e:
             drop_refused_run_dir()
             raise SystemExit(f"{job}: {type(e).__name__}: {e}") from None
+
+
+# What the file system of an output does to a write that cannot go on: full (ENOSPC, a quota's
+# EDQUOT), a file-size limit (EFBIG: the file system's, or ``ulimit -f``) or read-only (EROFS). None
+# of them comes from reading, so an export's inputs keep their traceback for anything that goes wrong.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG, errno.EROFS})
+
+
+def write_failure(e: BaseException) -> str | None:
+    """The cause, in the system's words (``No space left on device``), where ``e`` is a write that
+    failed for one of :data:`WRITE_ERRNOS`: an ``OSError``, or safetensors' ``SafetensorError``
+    (its Rust writer's "I/O error: ... (os error 28)"; older releases "IoError(Os { code: 28, ...})").
+    None for anything else."""
+    if isinstance(e, OSError):
+        return (e.strerror or os.strerror(e.errno)) if e.errno in WRITE_ERRNOS else None
+    if type(e).__name__ == "SafetensorError":
+        found = re.search(r"\(os error (\d+)\)|\bcode: (\d+)", str(e))
+        code = int(next(g for g in found.groups() if g)) if found else None
+        return os.strerror(code) if code in WRITE_ERRNOS else None
+    return None
+
+
+@contextlib.contextmanager
+def output_write(job: str, what: str, key: str, out) -> Iterator[None]:
+    """Around the write of a job's output folder ``out`` (the config's ``key``): a file system that
+    takes no more (:func:`write_failure`: full, a file-size limit, read-only) ends the job with
+    ``<job>: cannot write <what> to <key> <out>: <cause>``, exit status 1 and one line on stderr,
+    where Hydra would print a traceback; the staged write has left nothing behind. Any other error
+    keeps its traceback."""
+    try:
+        yield
+    except Exception as e:
+        cause = write_failure(e)
+        if cause is None:
+            raise
+        drop_refused_run_dir()
+        raise SystemExit(f"{job}: cannot write {what} to {key} {out}: {cause}") from None
 
 
 def checked_run(job: str, cfg, check, run) -> None:
@@ -181,25 +221,64 @@ def top_level_settings(config: str) -> set[str]:
     return set(known) | set(groups)
 
 
+def _target_arguments(target) -> set[str] | None:
+    """The keyword arguments the ``_target_`` ``target`` (a dotted name) takes, or None where it takes
+    any (``**kwargs``) or cannot be imported (its instantiation says why, with the job's own error)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(str(target))).parameters.values()
+    except Exception:
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     """Raises ValueError for a setting the job's ``conf/<config>`` does not have (Hydra takes
     ``+name=value`` for any name, so a misspelt ``+overwite=true`` would otherwise be ignored), at the
     top level, in ``sections`` (the file's own groups of settings, checked key by key) and in its
-    config groups (``paths``, ``model``: what any of the group's files has)."""
+    config groups (``paths``, ``model``: what any of the group's files has). A group the job
+    instantiates (its config has a ``_target_``: ``trainer``, ``logger``) also takes any keyword
+    argument of that target (``+trainer.accumulate_grad_batches=4``), and anything where the target
+    takes ``**kwargs`` (``WandbLogger``, whose extra arguments go to ``wandb.init``); the target is
+    imported only for a key none of the group's files has."""
     from omegaconf import DictConfig, OmegaConf
 
     conf = _conf_dir()
     known, groups = _settings_of(config)
-    checks = [("", cfg, set(known) | set(groups))]
-    checks += [(f"{s}.", cfg[s], set(known[s])) for s in sections if isinstance(cfg.get(s), DictConfig)]
+    checks = [("", cfg, set(known) | set(groups), None)]
+    checks += [(f"{s}.", cfg[s], set(known[s]), None) for s in sections if isinstance(cfg.get(s), DictConfig)]
     for g in groups:
         if isinstance(cfg.get(g), DictConfig):
-            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)}))
-    for where, have, want in checks:
+            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)},
+                           cfg[g].get("_target_")))
+    for where, have, want, target in checks:
         unknown = sorted(set(have) - want - {"_self_"})
+        if unknown and target is not None:
+            takes = _target_arguments(target)
+            unknown = [] if takes is None else [k for k in unknown if k not in takes]
         if unknown:
+            also = f" (or an argument of {target})" if target is not None else ""
             raise ValueError(f"{where}{unknown[0]} is not a setting of conf/{config}; its settings"
-                             f"{' under ' + where[:-1] if where else ''}: {', '.join(sorted(want - {'_self_'}))}")
+                             f"{' under ' + where[:-1] if where else ''}: "
+                             f"{', '.join(sorted(want - {'_self_', 'defaults'}))}{also}")
+
+
+def refuse_unknown_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
+    """:func:`check_settings` at an entry point, before any work: a setting ``conf/<config>`` does not
+    have (a misspelt ``+granulariti=row``) is ``error: <why>`` on stderr and exit status 2, as
+    serve/run.py and merge/run.py report it, and the Hydra run folder is removed
+    (:func:`drop_refused_run_dir`)."""
+    try:
+        check_settings(cfg, config, sections)
+    except ValueError as e:
+        drop_refused_run_dir()
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _hydra_choice(group: str) -> str | None:

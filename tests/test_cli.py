@@ -94,3 +94,96 @@ def test_sigterm_during_fit_ends_the_job_with_status_143(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, handler)
     assert exit_info.value.code == 143 and trainer.received_sigterm and trainer.global_step < 3
+
+
+def test_a_write_the_file_system_refuses_is_one_line_and_other_errors_keep_their_traceback():
+    """:func:`output_write`: a full disk, a quota or a file-size limit, as ``OSError`` (the manifest's
+    write) or as safetensors' ``SafetensorError`` (a shard's), is one line naming the output folder and
+    the cause, status 1; another error, even an ``OSError`` of another kind, keeps its traceback."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from deltafleet.cli import output_write
+
+    full = [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                            'left on device" })')]
+    for e in full:
+        with pytest.raises(SystemExit) as exit_info, output_write("export", "the artifact", "out_dir", "/big/art"):
+            raise e
+        cause = "Disk quota exceeded" if e.args[0] == errno.EDQUOT else "No space left on device"
+        assert exit_info.value.code == f"export: cannot write the artifact to out_dir /big/art: {cause}"
+    bugs = [OSError(errno.EIO, "Input/output error"), FileNotFoundError(errno.ENOENT, "gone"),
+            SafetensorError("Error while deserializing header: HeaderTooLarge"), RuntimeError("a bug")]
+    for e in bugs:
+        with pytest.raises(type(e)), output_write("export", "the artifact", "out_dir", "/big/art"):
+            raise e
+
+
+def _ft_pair(root):
+    """models/base and models/coder (a perturbed copy) under ``root``: a tiny pair whose export's
+    delta file is some 60 kB."""
+    from tests.conftest import perturb, tiny_llama
+
+    base = tiny_llama(512, hidden_size=128, intermediate_size=256)
+    base.save_pretrained(root / "models" / "base")
+    ft = tiny_llama(512, hidden_size=128, intermediate_size=256)
+    ft.load_state_dict(perturb(base, seed=1))
+    ft.save_pretrained(root / "models" / "coder")
+
+
+FSIZE = 16 * 1024  # bytes: Hydra's own files (~4 kB) fit, the export's shard (~60 kB) and checkpoint do not
+
+
+def _limited_file_size():
+    """A subprocess's ``preexec_fn``: no file it writes may grow past :data:`FSIZE` (``ulimit -f``), a
+    full disk as a process sees it, without root; SIGXFSZ ignored (as Python does anyway), so a write
+    that goes past fails with EFBIG rather than killing the process."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
+
+
+@pytest.mark.parametrize("how", ["bitdelta", "hf", "manifest"])
+def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_nothing(tmp_path, how):
+    """Found by a fresh user: an export onto a full disk printed Hydra's traceback of a
+    ``SafetensorError ... No space left on device`` (or of the manifest's ``OSError``). Now one line,
+    ``export: cannot write ... to <key> <folder>: <cause>``, status 1 (a failure at run time, not a
+    refused setting), and nothing left: no output, no staging folder, no run folder."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    _ft_pair(tmp_path)
+    args = ["variant=coder", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    out, key, what, cause = tmp_path / "artifacts" / "coder", "out_dir", "the artifact", "File too large"
+    if how == "hf":
+        from deltafleet.compress.bitdelta import compress
+
+        compress(tmp_path / "models" / "base", tmp_path / "models" / "coder", out, variant="coder")
+        out, key, what = tmp_path / "models" / "coder-bitdelta", "hf_out_dir", "the Hugging Face checkpoint"
+        args.append("format=hf")
+    if how == "manifest":  # the shard is written; the manifest's write finds the disk full
+        code = ("import errno, runpy, sys\n"
+                "import deltafleet.compress.bitdelta as bd\n"
+                "def full(folder, manifest):\n"
+                "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+                "bd.write_manifest = full\n"
+                f"sys.argv = ['compress/run.py', *{args!r}]\n"
+                "runpy.run_path('compress/run.py', run_name='__main__')\n")
+        cmd, preexec, cause = [sys.executable, "-c", code], None, "No space left on device"
+    else:
+        cmd, preexec = [sys.executable, "compress/run.py", *args], _limited_file_size
+    before = sorted(p.name for p in out.parent.iterdir()) if out.parent.is_dir() else []
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"export: cannot write {what} to {key} {out}: {cause}", \
+        proc.stderr[-3000:]
+    assert sorted(p.name for p in out.parent.iterdir()) == before  # no output, no .<name>.tmp-* folder
+    assert not (tmp_path / "run").exists()

@@ -460,3 +460,54 @@ def test_the_replaced_fine_tunes_artifact_is_retired(tmp_path, capsys, export):
         assert out == (f"[train] warning: {art} is the artifact of the fine-tune this run replaced, not of this one: "
                        "`make export VARIANT=coder` exports this one\n")
     retire_artifact(cfg)  # nothing there now (export on), or the same stale one again: no error
+
+
+@pytest.mark.parametrize("script, override, message", [
+    ("compress/run.py", "+granulariti=row", "granulariti is not a setting of conf/export.yaml; its settings: base_dir, "
+                                            "finetuned_dir, force, format, granularity, hf_out_dir, max_shard_bytes, "
+                                            "model, out_dir, overwrite, paths, threads, variant"),
+    ("compress/run.py", "+model.nmae=x", "model.nmae is not a setting of conf/export.yaml; its settings under model: "),
+    ("train/run.py", "+eval_batchs=1", "eval_batchs is not a setting of conf/train.yaml; its settings: base_dir, "
+                                       "checkpoint, ckpt_path, data, eval_batches, export, logger, lora, merge, model, "
+                                       "num_workers, out_dir, overwrite, paths, seed, threads, trainer, variant"),
+    ("train/run.py", "+export.granulariti=row", "export.granulariti is not a setting of conf/train.yaml; its settings "
+                                                "under export: enabled, granularity, out_dir"),
+    ("train/run.py", "+lora.rank=4", "lora.rank is not a setting of conf/train.yaml; its settings under lora: alpha, "
+                                     "dropout, r, target_modules"),
+    ("train/run.py", "+trainer.accumulate_grad_batchs=2", "trainer.accumulate_grad_batchs is not a setting of "
+                                                          "conf/train.yaml; its settings under trainer: _target_, "),
+])
+def test_a_misspelt_setting_is_refused_before_any_work(tmp_path, script, override, message):
+    """Found by a fresh user: ``compress/run.py variant=coder +granulariti=row`` exported the default
+    (matrix) artifact with status 0, and ``train/run.py variant=coder +eval_batchs=1`` trained with the
+    default: Hydra takes ``+name=value`` for any name. Refused as serve/run.py and merge/run.py refuse
+    one, ``error: ...`` and status 2, before the inputs are even looked at, the run folder removed."""
+    out = subprocess.run([sys.executable, script, "variant=coder", override, f"paths.root={tmp_path}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=CONF.parent, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run folder, no output
+
+
+def test_settings_added_on_purpose_are_taken():
+    """What a ``+key`` may add to train/run.py's config groups: a keyword argument of the class a group
+    instantiates (``trainer``: Lightning's ``Trainer``; ``merge=ema``: its callback), anything for a
+    class taking ``**kwargs`` (``WandbLogger``, for ``wandb.init``); CSVLogger's unknown ones are refused."""
+    from deltafleet.cli import check_settings
+
+    sections = ("checkpoint", "lora", "export")
+    for overrides in (["+trainer.accumulate_grad_batches=2", "+trainer.deterministic=true"],
+                      ["logger=wandb", "+logger.tags=[a,b]"],
+                      ["merge=ema", "+merge.update_every_n_steps=5"],
+                      ["model=smollm2", "trainer=ddp_cpu", "variant=base"],
+                      ["~logger"]):
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", *overrides]), "train.yaml", sections)
+    with pytest.raises(ValueError, match=r"^logger\.flush is not a setting of conf/train\.yaml; its settings under "
+                                         r"logger: .* \(or an argument of lightning\.pytorch\.loggers\.CSVLogger\)$"):
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=csv", "+logger.flush=2"]),
+                       "train.yaml", sections)
+    for group in ("variant", "paths", "data", "checkpoint"):  # a group or section without a class: its files' keys
+        with pytest.raises(ValueError, match=rf"^{group}\.bogus is not a setting of conf/train\.yaml"):
+            check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", f"+{group}.bogus=1"]),
+                           "train.yaml", sections)

@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
-from deltafleet.cli import fit, flag, interruptible, no_base, stop_on_sigterm, user_errors
+from deltafleet.cli import fit, flag, interruptible, no_base, refuse_unknown_settings, stop_on_sigterm, user_errors
 from deltafleet.values import real, whole
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -505,6 +505,8 @@ def _finish_wandb() -> None:
 def main(cfg: DictConfig) -> float | None:
     from deltafleet.threads import set_threads
 
+    # a misspelt +key (+eval_batchs=1) would train with the default: `error: ...`, status 2, before any work
+    refuse_unknown_settings(cfg, "train.yaml", ("checkpoint", "lora", "export"))
     with user_errors("train"):  # one line for a mistake; a failure during training keeps its traceback
         set_threads(cfg)
         check_config(cfg)
