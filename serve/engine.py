@@ -176,7 +176,8 @@ class Engine:
         if not (self.base_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"no base checkpoint at {self.base_dir} (config.json missing): build it with `make base` "
-                "(or the whole demo family with `make demo`), or set base_dir=/path/to/hf/checkpoint"
+                "(or the whole demo family with `make demo`; an installed package without this checkout: "
+                "`deltafleet train variant=base`), or set base_dir=/path/to/hf/checkpoint"
             )
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
         if self.artifacts_dir is not None and not self.artifacts_dir.is_dir():
@@ -452,7 +453,8 @@ class Engine:
         other = self._other_base(manifest)
         if other is not None:
             return (f"does not exist for this server's base: its artifact was exported against another base "
-                    f"(fingerprint {other}, this server's base {self.base_fingerprint})",
+                    f"(fingerprint {other}, this server's base {self.base_fingerprint}); export it again against "
+                    "this base",
                     f"its artifact {manifest.parent} was exported against another base (fingerprint {other}, this "
                     f"server's base {self.base_fingerprint}); export it again against this base, or start the "
                     "server with force=true")

@@ -978,6 +978,7 @@ def test_an_artifact_of_another_base_is_not_served_and_a_request_says_why(server
         assert err["message"].startswith(f"The model `{model}` does not exist for this server's base: its "
                                          "artifact was exported against another base (fingerprint sha256:")
         assert err["message"].count("sha256:") == 2 and "/" not in err["message"]
+        assert err["message"].endswith("; export it again against this base")  # what to do (found by a fresh user)
     assert api_error(httpx.get(f"{server}/v1/models/tiny-stranger"), 404)["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="tiny-stranger", messages=[{"role": "user", "content": "x"}])

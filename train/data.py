@@ -422,7 +422,9 @@ def math_units(cfg: dict) -> tuple[list[Unit], dict]:
 # ----------------------------------------------------------------------------- writer
 
 _AUSTEN_HELP = ("Jane Austen's novels (Debian package r-cran-janeaustenr) not found in {where}: "
-                "run `make install`, or set data.sources.austen=/path/to/janeaustenr")
+                "run `make install` (an installed package without this checkout: `apt-get download "
+                "r-cran-janeaustenr` and `dpkg -x` the .deb into a folder), or set "
+                "data.sources.austen=/path/to/janeaustenr")
 
 
 def find_austen(path: str | None, data_dir: Path) -> Path:
