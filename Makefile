@@ -1,6 +1,12 @@
 # deltafleet — one base, many fine-tuned variants, 1-bit deltas.
 #
 #   make demo                  install, build the embedded tiny family end to end, serve it
+#   make install               .venv/ with torch (if it has none) and the package (-e '.[dev]')
+#   make data                  data/: the offline text corpora, tokenized (train and test splits)
+#   make base                  models/base/: pretrain the tiny base
+#   make family                models/ and artifacts/ of every VARIANTS (coder math writer legal)
+#   make summary               each built variant's loss: base, fine-tune, exported artifact
+#   make clean                 remove data/, models/, artifacts/, outputs/ and the build's caches
 #   make test                  the test suite (what CI runs)
 #   make test-gpu              the tests marked gpu, kernels compiled for the GPU (skipped without CUDA)
 #   make train VARIANT=math    fine-tune one variant (then exports its BitDelta artifact)
@@ -18,6 +24,9 @@
 #   make merge ARGS="..."      offline merge of fine-tunes (ties, dare, opcm, ...; conf/merge_models.yaml)
 #   make bench-merge           peak memory of merging two 7B-shaped checkpoints (reports/)
 #   make kmerge-eval           LoRA adapter pool: normalised score vs number of slots (reports/)
+#
+# Variables: VARIANT=coder, FORMAT=bitdelta|hf, VARIANTS="...", HOST=127.0.0.1 PORT=8000 (serve,
+# demo), ARGS="..." (Hydra overrides passed to the target's script)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
