@@ -162,13 +162,15 @@ def check_replaceable(out: str | Path, inputs: Iterable[str | Path], foreign: Ca
 
 @contextlib.contextmanager
 def staged_dir(dst: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary folder next to ``dst``; on success it replaces ``dst``.
+    """Yield an empty temporary folder next to ``dst``; on success it replaces ``dst``. ``dst`` is
+    resolved: where it is a symbolic link, its target is replaced and the link kept (the folder
+    :func:`check_replaceable` checks).
 
     On any exception the temporary folder is removed and an existing ``dst`` is left untouched.
     A process killed outright cannot remove its folder; the next ``staged_dir`` of the same ``dst``
     on the same host does (the folder's name holds the host and the process id).
     """
-    dst = Path(dst).absolute()
+    dst = Path(dst).resolve()
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"

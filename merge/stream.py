@@ -132,7 +132,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     total = sum(ref.info(n).nbytes for n in names)
     files = ["model.safetensors"] if len(plan) == 1 else \
         [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
-    with staged_dir(out) as tmp:  # resolved: an out_dir that is a link gets its target replaced
+    with staged_dir(out) as tmp:  # an out_dir that is a link gets its target replaced
         bar = tqdm(total=len(names), desc=f"merge: {method.name}", disable=not show_progress)
         try:
             for file, shard in zip(files, plan):

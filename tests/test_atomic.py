@@ -43,6 +43,22 @@ def test_staged_dir_replaces_only_on_success(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
+def test_staged_dir_through_a_link_replaces_the_links_target(tmp_path):
+    """Found by a fresh user: an export to an out_dir that is a symbolic link replaced the link with a
+    folder, leaving its target (which check_replaceable had checked) stale. Every writer now does what
+    merges did: the target is replaced and the link kept."""
+    target = tmp_path / "store" / "coder"
+    target.mkdir(parents=True)
+    (target / "old.txt").write_text("old")
+    link = tmp_path / "coder"
+    link.symlink_to(target, target_is_directory=True)
+    with atomic.staged_dir(link) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["coder"]  # no staging folder left
+
+
 def test_a_killed_writers_staging_folder_goes_at_the_next_write(tmp_path):
     """SIGKILL leaves ``.ckpt.tmp-<host>.<pid>.<random>`` behind; the next ``staged_dir`` of the same
     destination removes it, and keeps the folders of a live process, of another host, and any other
