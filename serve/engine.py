@@ -684,7 +684,8 @@ class Engine:
         other = self._other_base(folder / MANIFEST_NAME)
         if other is not None:
             raise InvalidRequestError(f"the artifact in `{folder.relative_to(root)}` was exported against another "
-                                      f"base (fingerprint {other}, this server's base {self.base_fingerprint})",
+                                      f"base (fingerprint {other}, this server's base {self.base_fingerprint}); "
+                                      "export it again against this base",
                                       "path", "base_mismatch")
         why = self._not_servable(folder / MANIFEST_NAME)  # column scales where the slots hold none
         if why is not None:

@@ -88,6 +88,7 @@ class _Seq(Sequence):
     text: TextStream | None = None
     seed: int = 0                           # the sampler's 64-bit seed (serve/sampling.py)
     enders: frozenset = frozenset()         # tokens that end it (eos unless ignored, its stop token ids)
+    eos: frozenset = frozenset()            # the model's eos ids among them (none with ignore_eos)
     n: int = 0                              # tokens generated
     started: bool = False                   # on_start called (once, however often it is preempted)
     done: bool = False                      # it ends at the token level (eos, max_tokens, an error): retire it
@@ -471,7 +472,8 @@ class Scheduler:
         seq.started = True
         seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens, p.skip_special_tokens,
                               seq.req.prompt_ids)
-        seq.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids))
+        seq.eos = frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids)
+        seq.enders = frozenset(p.stop_token_ids) | seq.eos
         seq.seed = request_seed(p.seed if p.seed is not None else secrets.randbits(64))
         if seq.req.grammar is not None and seq.matcher is None:  # kept through a preemption: its tokens stay
             seq.matcher = eng.grammars.matcher(seq.req.grammar)
@@ -719,8 +721,9 @@ class _Detokenizer:
             return
         token, end, lp, prompt_lp = item[2], item[3], item[4], item[5]
         try:
-            if end == "eos":  # vLLM's stop_reason: a stop token id, not the model's eos or a grammar's end
-                stop = token if token in seq.req.params.stop_token_ids else None
+            if end == "eos":  # vLLM's stop_reason: a stop token id, not the model's eos (checked first, as
+                # vLLM does: also where it is a stop token id too) or a grammar's end
+                stop = token if token in seq.req.params.stop_token_ids and token not in seq.eos else None
                 step = Step(token, seq.text.flush()[0], "stop", stop_reason=stop)
             else:
                 piece, stopped = seq.text.push(token)

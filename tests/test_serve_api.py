@@ -985,6 +985,7 @@ def test_an_artifact_of_another_base_is_not_served_and_a_request_says_why(server
     # a hot load of it is refused as a bad request, and leaves nothing listed
     err = api_error(httpx.post(f"{server}/v1/load_variant", json={"variant": "s2", "path": "stranger"}), 400)
     assert (err["code"], err["param"]) == ("base_mismatch", "path") and "`stranger`" in err["message"]
+    assert err["message"].endswith("; export it again against this base")
     assert "tiny-s2" not in [m.id for m in client.models.list().data]
     log = (root / "server.log").read_text()
     assert log.count(f"not serving tiny-stranger: its artifact {root / 'artifacts' / 'stranger'} was exported") == 1

@@ -212,16 +212,17 @@ def test_required_and_named_choices_answer_one_call_that_follows_the_schema(clie
 
 def test_a_call_has_no_stop_reason_though_a_stop_token_ended_it(client, engine):
     """vLLM's ``stop_reason`` is null on a choice that ends "tool_calls", also when the token that
-    ended it (the grammar's eos, here a stop token id too) would give one; a named call, which
-    ends "stop", keeps it."""
+    ended it (the grammar's eos, here a stop token id, eos being ignored) would give one; a named
+    call, which ends "stop", keeps it. An eos that is not ignored ends as eos, null, though it is a
+    stop token id too: vLLM checks eos first (found by a fresh user)."""
     eos = sorted(engine.eos_token_ids)
-    for choice, reason in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}},
-                                                        "stop")):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, reason, ignore_eos in (("required", "tool_calls", True), (named, "stop", True), (named, "stop", False)):
         kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=96, temperature=0.8,
-                  seed=4, extra_body={"stop_token_ids": eos})
+                  seed=4, extra_body={"stop_token_ids": eos, "ignore_eos": ignore_eos})
         c = client.chat.completions.create(**kw).choices[0]
         assert c.message.tool_calls and c.finish_reason == reason
-        assert (c.stop_reason is None) if reason == "tool_calls" else (c.stop_reason in eos)
+        assert (c.stop_reason in eos) if reason == "stop" and ignore_eos else (c.stop_reason is None)
         last = [ch for chunk in client.chat.completions.create(**kw, stream=True) for ch in chunk.choices][-1]
         assert (last.finish_reason, last.stop_reason) == (c.finish_reason, c.stop_reason)
 
