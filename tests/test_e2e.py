@@ -195,6 +195,37 @@ runpy.run_path("train/run.py", run_name="__main__")
     assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(".stopped.")]
 
 
+@pytest.mark.parametrize("what", ["fine-tune", "artifact"])
+def test_a_run_whose_disk_is_full_ends_in_one_line(family, what):
+    """Found by a fresh user: a run whose disk filled up as it saved its fine-tune, or as it exported its
+    artifact, ended in Hydra's traceback. It ends as an export does: ``train: cannot write ... to <key>
+    <folder>: <cause>``, status 1, and that folder is not written (the fine-tune saved before stays)."""
+    root, _, _ = family
+    name = f"full-{what}"
+    model, artifact = root / "models" / name, root / "artifacts" / name
+    if what == "fine-tune":  # the staged write of the model folder finds the disk full
+        patch, out, key = "atomic.staged_dir", model, "out_dir"
+    else:  # the fine-tune is saved; the artifact's manifest finds the disk full
+        patch, out, key = "bitdelta.write_manifest", artifact, "export.out_dir"
+    code = f"""
+import errno, runpy, sys
+import deltafleet.atomic as atomic, deltafleet.compress.bitdelta as bitdelta
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+{patch} = full
+sys.argv = {["train/run.py", "variant=math", f"variant.name={name}", "logger=csv", "trainer.max_steps=2",
+             "hydra.run.dir=" + str(root / "outputs" / name), *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]!r}
+runpy.run_path("train/run.py", run_name="__main__")
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"train: cannot write the {what} to {key} {out}: No space left on device", proc.stderr[-2000:]
+    assert not out.exists() and model.exists() == (what == "artifact")
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(family):
     import signal
 

@@ -35,7 +35,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
-from deltafleet.cli import fit, flag, interruptible, no_base, refuse_unknown_settings, stop_on_sigterm, user_errors
+from deltafleet.cli import (fit, flag, interruptible, no_base, output_write, refuse_unknown_settings, stop_on_sigterm,
+                            user_errors)
 from deltafleet.values import real, whole
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -398,7 +399,8 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
 
     out_dir = Path(cfg.out_dir)
     adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
-    save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out}, adapter_dir)
+    with output_write("train", "the fine-tune", "out_dir", out_dir):  # a full disk: one line, not a traceback
+        save_checkpoint(model, tokenizer, out_dir, {"run_id": run_dir.name, **metrics, **out}, adapter_dir)
     print(f"[train] wrote {out_dir}", flush=True)
     if cfg.variant.init == "base":
         retire_artifact(cfg)
@@ -444,9 +446,10 @@ def export_and_check(cfg: DictConfig, run_dir: Path, test_blocks: torch.Tensor, 
     from deltafleet.train.module import heldout_loss
 
     out = Path(cfg.export.out_dir)
-    manifest = compress(cfg.base_dir, cfg.out_dir, out, variant=cfg.variant.name,
-                        granularity=cfg.export.granularity,
-                        provenance={"run_id": run_dir.name, "config": OmegaConf.to_container(cfg, resolve=True)})
+    with output_write("train", "the artifact", "export.out_dir", out):
+        manifest = compress(cfg.base_dir, cfg.out_dir, out, variant=cfg.variant.name,
+                            granularity=cfg.export.granularity,
+                            provenance={"run_id": run_dir.name, "config": OmegaConf.to_container(cfg, resolve=True)})
     artifact = load_artifact(out)
     approx = AutoModelForCausalLM.from_pretrained(cfg.base_dir, dtype=torch.float32)
     approx.load_state_dict(materialize(cfg.base_dir, artifact), strict=False)
