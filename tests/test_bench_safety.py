@@ -19,6 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"name": "tiny", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 SHAPE_ARGS = [f"shape.{k}={v}" for k, v in SHAPE.items()]
+# every benchmark's report_name: a file name under reports/ ({tmp}: the test's folder)
+REPORT_NAME_CASES = [
+    ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
+    ("report_name={tmp}/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
+                              "got '{tmp}/x/y'"),
+]
 
 
 def bench(script: str, args: list[str], root: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -115,9 +121,7 @@ def test_compress_bench_never_writes_into_the_root_or_the_current_directory(tmp_
     ("max_shard_bytes=0", "max_shard_bytes must be a whole number of bytes, at least 1 (or null: one shard), got 0"),
     ("pair_dir=/proc/x", "pair_dir /proc/x cannot be written: a folder cannot be made in /proc (No such file or "
                          "directory)"),
-    ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
-    ("report_name={tmp}/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
-                              "got '{tmp}/x/y'"),
+    *REPORT_NAME_CASES,
 ])
 def test_compress_bench_refuses_a_bad_setting_before_any_work(tmp_path, override, error):
     tmp = str(tmp_path)
@@ -201,9 +205,7 @@ def test_merge_bench_keeps_a_work_dir_it_did_not_make(tmp_path):
     ("methods=[{method: ties, base: yes, params: {}}]", "methods[0].base must be true or false, got 'yes'"),
     ("work_dir=/proc/x", "work_dir /proc/x cannot be written: a folder cannot be made in /proc (No such file or "
                          "directory)"),
-    ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
-    ("report_name={tmp}/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
-                              "got '{tmp}/x/y'"),
+    *REPORT_NAME_CASES,
 ])
 def test_merge_bench_refuses_a_bad_setting_before_any_work(tmp_path, override, error):
     tmp = str(tmp_path)
