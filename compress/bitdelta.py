@@ -267,7 +267,7 @@ def _base_vocab_sizes(base_dir: Path) -> set[int]:
     return {v for v in found if isinstance(v, int)}
 
 
-def _resizes_vocabulary(name: str, base_shape: tuple[int, ...], shape: tuple[int, ...], vocab: set[int]) -> bool:
+def resizes_vocabulary(name: str, base_shape: tuple[int, ...], shape: tuple[int, ...], vocab: set[int]) -> bool:
     """Whether ``shape`` differs from the base's ``base_shape`` of parameter ``name`` as a resized
     vocabulary does: in one dimension, which is a vocabulary matrix's rows (:func:`is_vocab_matrix`)
     or the base's ``vocab_size`` (one of ``vocab``: another family's embedding name, an LM head's bias)."""
@@ -279,14 +279,14 @@ def _resizes_vocabulary(name: str, base_shape: tuple[int, ...], shape: tuple[int
 
 def _check_shapes(base: Checkpoint, ft: Checkpoint, base_dir: Path, finetuned_dir: Path) -> None:
     """Raise ArtifactError for a parameter of both checkpoints whose shape differs, unless it is indexed
-    by token and the vocabulary was resized (:func:`_resizes_vocabulary`). Any other change means the
+    by token and the vocabulary was resized (:func:`resizes_vocabulary`). Any other change means the
     fine-tune is of another architecture, which no base + delta can serve."""
     vocab = _base_vocab_sizes(base_dir)
     for name in ft.names():
         if name not in base:
             continue
         b, f = tuple(base.info(name).shape), tuple(ft.info(name).shape)
-        if b == f or _resizes_vocabulary(name, b, f, vocab):
+        if b == f or resizes_vocabulary(name, b, f, vocab):
             continue
         raise ArtifactError(
             f"{name}: shape {list(f)} in {finetuned_dir} differs from the base's {list(b)} in {base_dir}; "
@@ -823,7 +823,7 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     Raises:
         ArtifactError: if a compressed parameter is missing from the base or its sign/alpha
             shapes do not fit the base weight; if a tensor stored in full has a shape other than the
-            base's for its name (but along a resized vocabulary, :func:`_resizes_vocabulary`); or if one
+            base's for its name (but along a resized vocabulary, :func:`resizes_vocabulary`); or if one
             is a scale without its signs (``P.alpha`` or ``P.beta`` where ``P`` is a parameter of the
             base or of the artifact, or a vocabulary matrix: no parameter can be named so). The checks
             the server makes (``serve.delta.VariantDelta.check``), but for what a checkpoint may hold and
@@ -841,7 +841,7 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     for name, t in artifact.full.items():
         if name in base:
             b, f = tuple(base.info(name).shape), tuple(t.shape)
-            if b != f and not _resizes_vocabulary(name, b, f, vocab):
+            if b != f and not resizes_vocabulary(name, b, f, vocab):
                 raise ArtifactError(
                     f"{artifact.path}: {name} is stored in full with shape {list(f)}, the base's is {list(b)} "
                     f"in {base_dir}: only a parameter indexed by token may change shape, along the vocabulary")

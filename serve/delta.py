@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from deltafleet.compress.bitdelta import VOCAB_MATRIX_SUFFIXES, resizes_vocabulary
 from deltafleet.kernels import packed_width
 
 
@@ -131,21 +132,10 @@ class VariantDelta:
             if name not in shapes:
                 raise ValueError(f"variant {self.name!r}: full tensor {name!r} is not a parameter of the base")
             if t.shape != shapes[name]:
-                why = ("resized vocabularies are not served" if _resizes_vocabulary(t.shape, shapes[name], shapes)
+                vocab = {s[0] for n, s in shapes.items() if n.endswith(VOCAB_MATRIX_SUFFIXES) and len(s) == 2}
+                resized = resizes_vocabulary(name, tuple(shapes[name]), tuple(t.shape), vocab)
+                why = ("resized vocabularies are not served" if resized
                        else "not a tensor of the base's shapes: is the artifact this base's?")
                 raise ValueError(f"variant {self.name!r}: {name} has shape {tuple(t.shape)}, the base "
                                  f"{tuple(shapes[name])} ({why})")
 
-
-_VOCAB_MATRICES = ("embed_tokens.weight", "lm_head.weight")  # as compress.bitdelta.VOCAB_MATRIX_SUFFIXES
-
-
-def _resizes_vocabulary(shape: torch.Size, base: torch.Size, shapes: dict[str, torch.Size]) -> bool:
-    """Whether ``shape`` differs from the base's ``base`` as a resized vocabulary does: in one
-    dimension, whose size in the base is the vocabulary's (the rows of the embedding or the head in
-    ``shapes``), as ``compress.bitdelta`` tells the resizes it stores in full."""
-    if len(shape) != len(base):
-        return False
-    dims = [i for i in range(len(base)) if shape[i] != base[i]]
-    vocab = {s[0] for n, s in shapes.items() if n.endswith(_VOCAB_MATRICES) and len(s) == 2}
-    return len(dims) == 1 and base[dims[0]] in vocab
