@@ -128,7 +128,9 @@ def checked_run(job: str, cfg, check, run) -> None:
 def drop_refused_run_dir() -> None:
     """Remove the run folder Hydra made for this job (``hydra.run.dir``) when it holds nothing but
     Hydra's own files (``.hydra/``, ``<job>.log``): a job refused before any work leaves no run folder
-    behind. A folder holding anything else is left as it is, and so are multirun folders."""
+    behind. So do the folders above it that are left empty, up to the job's ``paths.output_dir``
+    (not itself): ``outputs/export/<variant>/`` goes with the export's run folder. A folder holding
+    anything else is left as it is, and so are multirun folders."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -145,6 +147,24 @@ def drop_refused_run_dir() -> None:
     (run / log).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # something came meanwhile: left as it is
         run.rmdir()
+        top = _output_dir(hc)
+        folder = run.resolve().parent
+        while top is not None and folder != top and folder.is_relative_to(top):
+            folder.rmdir()  # not empty: OSError, and the walk stops
+            folder = folder.parent
+
+
+def _output_dir(hc) -> Path | None:
+    """The job's ``paths.output_dir``, resolved; None where its config has none. The job's config is
+    the Hydra node's parent: Hydra sets it so that the node's interpolations (``${paths.output_dir}``
+    in ``hydra.run.dir``) resolve against it."""
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(hc._get_parent(), "paths.output_dir")
+    except Exception:
+        return None
+    return Path(value).resolve() if isinstance(value, str) and value else None
 
 
 def flag(cfg, key: str) -> bool:

@@ -490,6 +490,24 @@ def test_a_misspelt_setting_is_refused_before_any_work(tmp_path, script, overrid
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run folder, no output
 
 
+@pytest.mark.parametrize("script, args, message", [
+    ("compress/run.py", ["variant=coder"],
+     "export: FileNotFoundError: no base model at {root}/models/base: run `make base` first"),
+    ("merge/run.py", ["method=nope", "models=[a,b]"], "error: "),
+])
+def test_a_refused_job_leaves_no_folder_under_outputs(tmp_path, script, args, message):
+    """Found by a fresh user: an export refused for a missing base removed its run folder but left
+    ``outputs/export/<variant>/`` behind, empty. The folders Hydra made for the run go with it, up to
+    ``paths.output_dir``, which stays (it may be the user's)."""
+    out = subprocess.run([sys.executable, script, *args, f"paths.root={tmp_path}"],
+                         cwd=CONF.parent, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(message.format(root=tmp_path)), out.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    assert list((tmp_path / "outputs").iterdir()) == []
+
+
 def test_settings_added_on_purpose_are_taken():
     """What a ``+key`` may add to train/run.py's config groups: a keyword argument of the class a group
     instantiates (``trainer``: Lightning's ``Trainer``; ``merge=ema``: its callback), anything for a
