@@ -241,20 +241,30 @@ def top_level_settings(config: str) -> set[str]:
     return set(known) | set(groups)
 
 
+# Targets whose ``**kwargs`` all go on to one callee, documented as such: checked against its arguments.
+KWARGS_GO_TO = {"lightning.pytorch.loggers.WandbLogger": "wandb.init"}
+
+
 def _target_arguments(target) -> set[str] | None:
     """The keyword arguments the ``_target_`` ``target`` (a dotted name) takes, or None where it takes
-    any (``**kwargs``) or cannot be imported (its instantiation says why, with the job's own error)."""
+    any (``**kwargs``) or cannot be imported (its instantiation says why, with the job's own error).
+    A target of :data:`KWARGS_GO_TO` takes its own and its callee's."""
     import inspect
 
     from hydra.utils import get_object
 
-    try:
-        params = inspect.signature(get_object(str(target))).parameters.values()
-    except Exception:
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    names: set[str] = set()
+    for dotted in (str(target), KWARGS_GO_TO.get(str(target))):
+        if dotted is None:
+            return None
+        try:
+            params = inspect.signature(get_object(dotted)).parameters.values()
+        except Exception:
+            return None
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
 
 
 def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
@@ -264,8 +274,9 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     config groups (``paths``, ``model``: what any of the group's files has). A group the job
     instantiates (its config has a ``_target_``: ``trainer``, ``logger``) also takes any keyword
     argument of that target (``+trainer.accumulate_grad_batches=4``), and anything where the target
-    takes ``**kwargs`` (``WandbLogger``, whose extra arguments go to ``wandb.init``); the target is
-    imported only for a key none of the group's files has."""
+    takes ``**kwargs``, but for a target whose extra arguments go on to one known callee
+    (:data:`KWARGS_GO_TO`: ``WandbLogger``'s to ``wandb.init``), checked against that one's; the target
+    is imported only for a key none of the group's files has."""
     from omegaconf import DictConfig, OmegaConf
 
     conf = _conf_dir()
@@ -282,7 +293,8 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
             takes = _target_arguments(target)
             unknown = [] if takes is None else [k for k in unknown if k not in takes]
         if unknown:
-            also = f" (or an argument of {target})" if target is not None else ""
+            callee = KWARGS_GO_TO.get(str(target))
+            also = "" if target is None else f" (or an argument of {target}{' or ' + callee if callee else ''})"
             raise ValueError(f"{where}{unknown[0]} is not a setting of conf/{config}; its settings"
                              f"{' under ' + where[:-1] if where else ''}: "
                              f"{', '.join(sorted(want - {'_self_', 'defaults'}))}{also}")

@@ -511,7 +511,9 @@ def test_a_refused_job_leaves_no_folder_under_outputs(tmp_path, script, args, me
 def test_settings_added_on_purpose_are_taken():
     """What a ``+key`` may add to train/run.py's config groups: a keyword argument of the class a group
     instantiates (``trainer``: Lightning's ``Trainer``; ``merge=ema``: its callback), anything for a
-    class taking ``**kwargs`` (``WandbLogger``, for ``wandb.init``); CSVLogger's unknown ones are refused."""
+    class taking ``**kwargs``; for ``WandbLogger``, whose ``**kwargs`` go to ``wandb.init``, an argument of
+    either (found by a fresh user: ``+logger.<typo>`` passed the check and failed in ``wandb.init`` with a
+    traceback after the data was loaded); CSVLogger's unknown ones are refused."""
     from deltafleet.cli import check_settings
 
     sections = ("checkpoint", "lora", "export")
@@ -524,6 +526,11 @@ def test_settings_added_on_purpose_are_taken():
     with pytest.raises(ValueError, match=r"^logger\.flush is not a setting of conf/train\.yaml; its settings under "
                                          r"logger: .* \(or an argument of lightning\.pytorch\.loggers\.CSVLogger\)$"):
         check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=csv", "+logger.flush=2"]),
+                       "train.yaml", sections)
+    with pytest.raises(ValueError, match=r"^logger\.flush is not a setting of conf/train\.yaml; its settings under "
+                                         r"logger: .* \(or an argument of lightning\.pytorch\.loggers\.WandbLogger "
+                                         r"or wandb\.init\)$"):  # WandbLogger's **kwargs go to wandb.init: checked there
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=wandb", "+logger.flush=2"]),
                        "train.yaml", sections)
     for group in ("variant", "paths", "data", "checkpoint"):  # a group or section without a class: its files' keys
         with pytest.raises(ValueError, match=rf"^{group}\.bogus is not a setting of conf/train\.yaml"):
