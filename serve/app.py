@@ -199,6 +199,34 @@ def _is_utf8_json_text(body: bytes) -> bool:
     return b"\x00" not in body
 
 
+class Stopping:
+    """A flag set once, from any thread (the drain's), that the event loop can also await: the
+    server's shutdown, for :class:`BodyLimit`'s bodies still arriving."""
+
+    def __init__(self):
+        self._set = False
+        self._event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def event(self) -> asyncio.Event:
+        """The flag as an ``asyncio.Event`` of the running loop (the server's one loop)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+            self._loop = asyncio.get_running_loop()  # after the event: set() reads the loop, then the event
+            if self._set:
+                self._event.set()
+        return self._event
+
+    def set(self) -> None:
+        self._set = True
+        loop = self._loop
+        if loop is not None and self._event is not None:
+            loop.call_soon_threadsafe(self._event.set)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes (None: no limit) is answered 413
     (``request_too_large``) before the app parses any of it — at once by its Content-Length, or as
@@ -208,13 +236,35 @@ class BodyLimit:
     A body that has not arrived whole ``timeout_s`` seconds after its head (None: no limit) is
     answered 408 (``request_timeout``), and one that would take the bytes of all bodies being received
     at once past ``pending_limit`` (None: no limit) 503 (``server_busy``); either closes the connection.
+    Once ``stopping`` (None: never) is set, a body still arriving is answered 503 (``shutting_down``)
+    at once, and the connection closed: the server's shutdown does not wait for a slow upload.
     Parsing a body holds the event loop (about 0.25 s per MiB of deeply nested JSON): the limits bound
     that, and the memory slow clients can hold."""
 
     def __init__(self, app: ASGIApp, limit: int | None, timeout_s: float | None = None,
-                 pending_limit: int | None = None):
+                 pending_limit: int | None = None, stopping: Stopping | None = None):
         self.app, self.limit, self.timeout_s, self.pending_limit = app, limit, timeout_s, pending_limit
+        self.stopping = stopping
         self.pending = 0  # bytes of the bodies being received now (one event loop: no lock)
+
+    async def _receive(self, receive: Receive, timeout_s: float | None):
+        """The next message, or None where ``stopping`` was set first; TimeoutError after ``timeout_s``."""
+        if self.stopping is None:
+            return await asyncio.wait_for(receive(), timeout_s)
+        stop = self.stopping.event()
+        if stop.is_set():
+            return None
+        message, waiter = asyncio.ensure_future(receive()), asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait((message, waiter), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if message in done:
+            return message.result()
+        message.cancel()
+        if waiter in done:
+            return None
+        raise TimeoutError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):  # no body read by the app
@@ -228,10 +278,15 @@ class BodyLimit:
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(receive(), None if deadline is None else deadline - loop.time())
+                    message = await self._receive(receive, None if deadline is None else deadline - loop.time())
                 except TimeoutError:
                     error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
                                      "invalid_request_error", None, "request_timeout", headers={"Connection": "close"})
+                    return await error.response()(scope, receive, send)
+                if message is None:
+                    error = APIError(503, "The server is shutting down; send the request to another server, or "
+                                     "again once this one is back.", "service_unavailable_error", None,
+                                     "shutting_down", headers={"Connection": "close"})
                     return await error.response()(scope, receive, send)
                 if message["type"] != "http.request":  # the client left: the app sees it
                     break
@@ -785,8 +840,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     app = FastAPI(title="deltafleet", version="0.1.0",
                   description="OpenAI-compatible API over one base model and its BitDelta variants")
     # inside the API key check, added next
+    stopping = Stopping()  # set by drain(): bodies still arriving are refused at once
     app.add_middleware(BodyLimit, limit=None if max_request_bytes is None else int(max_request_bytes),
-                       timeout_s=request_timeout_s, pending_limit=max_pending_body_bytes)
+                       timeout_s=request_timeout_s, pending_limit=max_pending_body_bytes, stopping=stopping)
     with_key = api_key is not None and str(api_key) != ""
     guarded = (500, 401) if with_key else (500,)  # the statuses of every /v1 route
     posted = guarded + (400, 408, 413, 503)  # and of every one with a body
@@ -814,6 +870,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         off with the same error (in-band for a stream that has begun)."""
         if engine.draining:
             return
+        stopping.set()
         engine.drain(engine.failure() or ServerShuttingDownError("The server is shutting down; send the request "
                                                                  "to another server, or again once this one is back."))
         if timeout_s is not None:

@@ -1001,6 +1001,48 @@ def test_a_shutdown_refuses_waiting_requests_and_cuts_off_running_ones_with_503(
         runs.join(timeout=30)
 
 
+def test_a_shutdown_refuses_a_body_still_arriving_at_once(tiny_family):
+    """Found by a fresh user: at SIGTERM, a request whose body was still arriving (9 of 100 bytes sent)
+    held the shutdown until its 408 came, ``timeout_request_s`` later. Now it gets its 503
+    ``shutting_down`` at once, the connection is closed, and the server exits."""
+    import uvicorn
+
+    from deltafleet.serve.run import ANSWER_S, _draining_server
+
+    eng = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", max_batch=1)
+    app, port = create_app(eng, request_timeout_s=30.0), free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5 + ANSWER_S)
+    server = _draining_server(config, lambda: app.state.drain(5.0), lambda: None)
+    runs = threading.Thread(target=server.run)
+    runs.start()
+    try:
+        deadline = time.time() + 60
+        while not server.started:
+            assert time.time() < deadline and runs.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\":")
+            time.sleep(0.3)  # the head is in, the body arriving
+            t0 = time.time()
+            server.handle_exit(15, None)  # what SIGTERM calls
+            answer = b""
+            while chunk := slow.recv(65536):  # until the server closes the connection
+                answer += chunk
+            took = time.time() - t0
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer
+        assert b"connection: close" in head.lower(), head
+        assert json.loads(body)["error"]["code"] == "shutting_down", body
+        assert took < 3, took  # not the 30 s of timeout_request_s
+        runs.join(timeout=15)
+        assert not runs.is_alive()
+    finally:
+        server.should_exit = True
+        runs.join(timeout=30)
+
+
 def test_a_second_ctrl_c_while_requests_run_exits_130_without_an_abort(tiny_family, tmp_path):
     """Found by a fresh user: a second Ctrl-C while requests ran ended the process with ``terminate
     called without an active exception`` (SIGABRT, status 134): the interpreter exited while the model
