@@ -66,6 +66,7 @@ class _Entry:
     nbytes: int = 0
     stamp: Any = None           # the artifact's stamp when it was read
     draining: bool = False      # a load waits for its room: new requests wait too (DeltaCache._make_room)
+    gone: bool = False          # its artifact is gone: it leaves every tier with its last request (discard)
     lock: threading.Lock = field(default_factory=threading.Lock)  # single flight
 
 
@@ -272,9 +273,9 @@ class DeltaCache:
                 self._room.wait(left)
             self._touch(e)
             if stamp is None:
-                if e.in_flight == 0:  # requests still running keep what they hold
-                    self._drop(e)
+                self._discard(e)  # requests still running keep what they hold
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
+            e.gone = False  # back on disk (if it had gone) before its last request ended
             if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
                 # changed on disk: read it again; requests running on the old version keep it
                 self._drop(e) if e.in_flight == 0 else self._retire(e)
@@ -351,6 +352,8 @@ class DeltaCache:
                         self._retired.remove(e)
                         self._free(e, kept=False)
                         e.device = None
+                    elif e.gone and self._entries.get(model_id) is e:  # its artifact went meanwhile
+                        self._drop(e)
                     self._room.notify_all()
 
     # ------------------------------------------------------------------ admin
@@ -405,6 +408,21 @@ class DeltaCache:
                 raise RuntimeError(f"variant `{model_id}` has {e.in_flight} requests in flight")
             self._drop(e)
             return True
+
+    def discard(self, model_id: str) -> None:
+        """Drop a variant whose artifact is gone from disk from every tier: now, or, with requests in
+        flight, when the last of them ends (they keep what they hold). Nothing if it is not cached."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None:
+                self._discard(e)
+
+    def _discard(self, e: _Entry) -> None:
+        """:meth:`discard` with the lock held."""
+        if e.in_flight == 0:
+            self._drop(e)
+        else:
+            e.gone = True
 
     def forget(self, model_id: str) -> None:
         """Drop what the cache knows of a variant it holds in no tier and with no request in flight (its

@@ -434,11 +434,8 @@ class Engine:
             for mid, card in found.items():
                 if mid not in self._removed:
                     self._variants.setdefault(mid, card)
-        for mid in gone:
-            try:
-                self.cache.unload(mid)
-            except RuntimeError:  # requests in flight keep what they hold, as DeltaCache.acquire lets them
-                pass
+        for mid in gone:  # requests in flight keep what they hold; it leaves with the last of them
+            self.cache.discard(mid)
         return self.models()
 
     @staticmethod

@@ -433,6 +433,30 @@ def test_requests_in_flight_keep_a_removed_artifact_until_they_end():
     assert cache.tier("a") == "disk" and cache.device_bytes == 0
 
 
+@pytest.mark.parametrize("found_by", ["discard", "request"])
+def test_a_removed_artifact_leaves_every_tier_with_its_last_request(found_by):
+    """Found by a fresh user: a variant whose folder was removed while a request ran on it, and seen
+    gone meanwhile (the scan of ``/v1/models``: :meth:`DeltaCache.discard`; or a request for it), kept
+    its device slot, then its host copy, for ever: nothing asked for it again. It now leaves with the
+    last running request, without another one coming."""
+    disk = Disk({"a": 100, "b": 50})
+    cache, events = make(disk)
+    held = cache.acquire("a")
+    use(cache, "b")
+    del disk.stamps["a"]
+    if found_by == "discard":
+        cache.discard("a")
+        cache.discard("b")  # not gone: discard is only called for what is; idle, it leaves at once
+    else:
+        with pytest.raises(ArtifactGoneError):
+            cache.acquire("a")
+    assert cache.tier("a") == "device" and cache.snapshot()["a"]["in_flight"] == 1  # the running one keeps it
+    cache.release("a", held)
+    assert "a" not in cache.snapshot() and cache.device_bytes == (0 if found_by == "discard" else 50)  # b's
+    assert cache.host_bytes == 0 and ("evict", "a", "device") in events
+    assert sorted(cache.snapshot()) == ([] if found_by == "discard" else ["b"])
+
+
 def test_the_snapshot_reports_pinning_not_requests_in_flight():
     cache, _ = make(Disk({"a": 100, "b": 100}), pinned=["b"])
     cache.acquire("a")
