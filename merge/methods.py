@@ -37,7 +37,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from deltafleet.merge.soup import merge_param
+from deltafleet.merge.soup import check_soup_settings, merge_param
 
 REGISTRY: dict[str, type[MergeMethod]] = {}
 
@@ -61,7 +61,7 @@ def get_method(name: str, **params) -> MergeMethod:
     _check_params(name, REGISTRY[name], params)
     try:
         return REGISTRY[name](**params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"merge method {name!r}: {e}") from None
 
 
@@ -123,6 +123,8 @@ class MergeMethod:
     def __init__(self, weights: Sequence[float] | None = None):
         if weights is not None and any(not math.isfinite(w) for w in weights):
             raise ValueError(f"weights must be finite, got {list(weights)}")
+        if weights is not None and len(weights) and not any(weights):  # a merge of nothing: the base itself
+            raise ValueError(f"weights are all 0, so no model would take part in the merge: {list(weights)}")
         self.weights = None if weights is None else [float(w) for w in weights]
 
     def _w(self, n: int) -> list[float]:
@@ -295,6 +297,8 @@ class _Dare(MergeMethod):
         super().__init__(weights)
         if isinstance(seed, bool) or not float(seed).is_integer():
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not abs(seed) < 2**40:  # the generator's seed, seed · 1_000_003 + ..., must fit in 64 bits
+            raise ValueError(f"seed must be an integer of magnitude below 2^40, got {seed!r}")
         self.density, self.scaling, self.seed = _check_density(density), float(scaling), int(seed)
 
     def _dropped(self, name: str, block: int, taus: list[Tensor]) -> list[Tensor]:
@@ -322,6 +326,7 @@ class MonoSoup(MergeMethod):
 
     def __init__(self, energy_ratio: float = 0.8, rank_mode: str = "energy", min_rel_update: float = 1e-6):
         super().__init__(None)
+        check_soup_settings("monosoup", energy_ratio=energy_ratio, rank_mode=rank_mode, min_rel_update=min_rel_update)
         self.energy_ratio, self.rank_mode, self.min_rel_update = energy_ratio, rank_mode, min_rel_update
 
     def _merge(self, name, base, taus):
@@ -333,6 +338,7 @@ class MonoSoup(MergeMethod):
 class SvdSoup(MergeMethod):
     def __init__(self, rank: int = 8):
         super().__init__(None)
+        check_soup_settings("svd_soup", rank=int(rank) if float(rank).is_integer() else rank)
         self.rank = int(rank)
 
     def _merge(self, name, base, taus):

@@ -232,6 +232,25 @@ def test_density_zero_and_other_bad_method_parameters_are_refused():
             get_method("opcm", alpha=alpha)
     with pytest.raises(ValueError, match=r"weights must be finite, got \[1.0, nan\]"):
         get_method("linear", weights=[1.0, float("nan")])
+    # found by a fresh user: ties with weights [0, 0] gave the base back, where linear refused them; an
+    # out-of-range seed was torch's "Overflow when unpacking long long"; monosoup took a negative
+    # min_rel_update, and neither soup checked its settings as the training callback does
+    for method in ("ties", "task_arithmetic", "dare_linear", "linear"):
+        with pytest.raises(ValueError, match=rf"^merge method '{method}': weights are all 0, so no model would "
+                                             r"take part in the merge: \[0, 0\]$"):
+            get_method(method, weights=[0, 0])
+    for params, message in [(dict(seed=99999999999999), "seed must be an integer of magnitude below 2^40, got "
+                                                          "99999999999999")]:
+        with pytest.raises(ValueError, match=re.escape(f"merge method 'dare_ties': {message}")):
+            get_method("dare_ties", **params)
+    assert get_method("dare_linear", seed=-(2**40 - 1)).seed == -(2**40 - 1)
+    for method, params, message in [
+            ("monosoup", dict(min_rel_update=-5.0), "min_rel_update must be a number ≥ 0, got -5.0"),
+            ("monosoup", dict(energy_ratio=1.5), "energy_ratio must be a number in (0, 1], got 1.5"),
+            ("monosoup", dict(rank_mode="big"), "rank_mode must be one of "),
+            ("svd_soup", dict(rank=0), "rank must be a whole number ≥ 1, got 0")]:
+        with pytest.raises(ValueError, match="^" + re.escape(f"merge method '{method}': {message}")):
+            get_method(method, **params)
     base, ms = _setup(n=2)
     with pytest.raises(ValueError, match="linear: the weights sum to 0"):
         get_method("linear", weights=[1, -1]).merge("w", base, ms)
