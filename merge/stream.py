@@ -170,7 +170,8 @@ def _check_family(base_dir, model_dirs) -> None:
     """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type`` or
     ``architectures`` differ), as mergekit does; warn where the output will have no ``config.json`` (the
     base, or the first model without a base, has none: transformers cannot load it), and where a
-    model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``."""
+    model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``, unless
+    that one holds the same weights (a copy of the base: :func:`_same_weights`)."""
     dirs = ([Path(base_dir)] if base_dir is not None else []) + [Path(d) for d in model_dirs]
     configs = [(d, _read_json(d / "config.json")) for d in dirs]
     for key in ("model_type", "architectures"):
@@ -188,9 +189,21 @@ def _check_family(base_dir, model_dirs) -> None:
     if base_dir is not None:
         for d in dirs[1:]:
             trained_on = (_read_json(d / "training.json") or {}).get("base_dir")
-            if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve():
+            if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve() \
+                    and not _same_weights(trained_on, base_dir):
                 warnings.warn(f"{d} was fine-tuned from {trained_on} (its training.json), not from the base "
                               f"{base_dir}: its task vector against this base is not its fine-tune's", stacklevel=3)
+
+
+def _same_weights(a, b) -> bool:
+    """Whether checkpoint folders ``a`` and ``b`` hold the same weights, by the export's fingerprint (a
+    copy of the base elsewhere is the same base); False where either cannot be read."""
+    from deltafleet.compress.bitdelta import fingerprint
+
+    try:
+        return fingerprint(a) == fingerprint(b)
+    except Exception:
+        return False
 
 
 def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: MergeMethod, bar) -> None:

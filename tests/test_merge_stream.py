@@ -335,10 +335,18 @@ def test_checkpoints_of_different_architectures_are_refused_and_doubtful_familie
     with pytest.warns(UserWarning, match=r"m was fine-tuned from .*/elsewhere \(its training.json\), not from the base"):
         merge_checkpoints(base, [m], tmp_path / "out2", get_method("task_arithmetic"))
     (m / "training.json").write_text(json.dumps({"base_dir": str(base)}))
+    import shutil
     import warnings as w
     with w.catch_warnings():
         w.simplefilter("error")
         merge_checkpoints(base, [m], tmp_path / "out3", get_method("task_arithmetic"))
+        # found by a fresh user: a copy of the base named as the base warned that m was fine-tuned from
+        # another one; the weights are the same (the export's fingerprint), so it does not
+        shutil.copytree(base, tmp_path / "copy")
+        merge_checkpoints(tmp_path / "copy", [m], tmp_path / "out4", get_method("task_arithmetic"))
+    _ckpt(tmp_path / "other", {"a": torch.full((2, 3), 0.5)}, llama)  # another base: still warned
+    with pytest.warns(UserWarning, match=r"m was fine-tuned from .*/base \(its training.json\), not from the base"):
+        merge_checkpoints(tmp_path / "other", [m], tmp_path / "out5", get_method("task_arithmetic"))
 
 
 @pytest.mark.parametrize("name, params", [("monosoup", {"energy_ratio": 0.9}), ("ties", {"density": 0.5}),
