@@ -1277,8 +1277,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
                      prompt_tokens: int) -> StreamingResponse:
         """SSE: ``chunk(text, finish_reason, first, index)`` per step of choice ``index`` (of ``reqs``)
-        with text or a finish (unless it returns None), the choices' steps interleaved as they come;
-        then usage; then [DONE].
+        with text or a finish (unless it returns None; a list is sent chunk by chunk), the choices'
+        steps interleaved as they come; then usage; then [DONE].
 
         The status line waits for the first choice's first token (the choices are admitted together,
         so a 429 is raised before), so that an error of its prefill or first step is still a status
@@ -1348,7 +1348,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         text, reason = "".join(x.text for x in s), s[-1].finish_reason
                         if text or reason or any(x.logprob is not None for x in s):
                             c = chunk(text, reason, first[i], i, s, sent[i])
-                            if c is not None:  # None: the steps add nothing yet (text a tool call holds)
+                            # None: the steps add nothing yet (text a tool call holds); a list: chunks in turn
+                            for c in [] if c is None else c if isinstance(c, list) else [c]:
                                 yield _sse(c | {"usage": None} if include_usage else c)  # as OpenAI's
                                 first[i] = False
                         sent[i] += sum(len(x.token_str or "") for x in s)
@@ -1441,18 +1442,22 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     rest, more = ts.finish()
                     text, calls = text + rest, calls + more
                     finish_reason = call_reason if ts.calls and finish_reason == "stop" else finish_reason
-            if first:  # content null, not "", when it starts as tool calls (as the non-streamed answer has it)
-                delta = {"role": "assistant", "content": text or (None if calls_tools else "")}
-            else:
-                delta = {"content": text} if text else {}
+            delta = {"content": text} if text else {}
             if calls:
                 delta["tool_calls"] = calls
             lp = chat_logprobs(steps)
-            if steps and not first and not delta and finish_reason is None and lp is None:
-                return None  # text the tool-call scanner holds back: no empty delta per token
-            return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
-                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
-                                 "stop_reason": stop_reason(steps, finish_reason)}]}
+
+            def one(delta, lp, finish_reason):
+                return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
+                        "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
+                                     "stop_reason": stop_reason(steps, finish_reason)}]}
+
+            if steps and not delta and finish_reason is None and lp is None:
+                # text the tool-call scanner holds back: no empty delta per token; a choice's first
+                # chunk is its role alone, as OpenAI's and vLLM's are
+                return one({"role": "assistant", "content": ""}, None, None) if first else None
+            rest = one(delta, lp, finish_reason)
+            return [one({"role": "assistant", "content": ""}, None, None), rest] if first else rest
 
         def message(text: str, reason: str) -> tuple[dict, str]:
             """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""

@@ -173,6 +173,10 @@ def test_streamed_choices_interleave_with_their_indices(client):
         for choice in c.choices:
             seen.setdefault(choice.index, []).append(choice.delta)
     assert sorted(seen) == [0, 1, 2] and all(d[0].role == "assistant" for d in seen.values())
+    # found by a fresh user: the role came with the first token; as OpenAI's and vLLM's, each choice's first
+    # chunk is its role alone, content "", and no other chunk names the role
+    assert all(d[0].content == "" and d[0].tool_calls is None for d in seen.values())
+    assert all(x.role is None for ds in seen.values() for x in ds[1:])
     assert {i: "".join(d.content or "" for d in ds) for i, ds in seen.items()} == {
         c.index: c.message.content for c in full.choices}
 
@@ -298,6 +302,7 @@ def test_streaming_matches_non_streaming(client, server):
         full = client.chat.completions.create(**chat)
         chunks = list(client.chat.completions.create(stream=True, **chat))
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].finish_reason is None
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
         assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
         assert all(c.usage is None for c in chunks)  # no include_usage
