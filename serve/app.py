@@ -85,6 +85,7 @@ from deltafleet.serve.protocol import (
     LoadedVariant,
     LoadLoraAdapterRequest,
     LoadVariantRequest,
+    MAX_REQUEST_ID,
     ModelInfo,
     ModelList,
     NamedToolChoice,
@@ -149,6 +150,21 @@ def _api_error(e: Exception) -> APIError:
     log.error("internal error", exc_info=e)
     return APIError(500, "The server had an error while processing your request (see the server log).",
                     "server_error", None, "internal_error")
+
+
+def request_id(http: Request, body) -> str:
+    """The id a completion's answer is named by (after its ``cmpl-``), as vLLM picks it: the client's
+    ``X-Request-Id`` header, else the body's ``request_id``, else a random one.
+
+    Raises:
+        APIError: 400, a header longer than ``MAX_REQUEST_ID`` characters."""
+    given = http.headers.get("x-request-id")
+    if given:
+        if len(given) > MAX_REQUEST_ID:
+            raise APIError(400, f"The X-Request-Id header is {len(given)} characters long; at most {MAX_REQUEST_ID} "
+                           "are taken.", "invalid_request_error", "X-Request-Id", "invalid_value")
+        return given
+    return body.request_id or uuid.uuid4().hex
 
 
 def _is_json_media(content_type: str | None) -> bool:
@@ -1375,12 +1391,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def completions(body: CompletionRequest, http: Request):
         arrival = time.perf_counter()
         body.check()
+        rid = f"cmpl-{request_id(http, body)}"
         try:
             prompts = [await run_in_threadpool(engine.encode_prompt, p) for p in body.prompts()]
         except InvalidRequestError as e:
             raise _api_error(e) from None
         reqs = await prepare_all(body.model, prompts, body.sampling(body.max_tokens), body.n, "prompt")
-        rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        created_at = int(time.time())
         model_id = reqs[0].model_id  # the canonical id, as /v1/models lists it, for a bare variant name too
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
 
@@ -1418,6 +1435,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         arrival = time.perf_counter()
         body.check()
+        rid = f"chatcmpl-{request_id(http, body)}"
         try:
             messages = [m.as_dict() for m in body.messages]
             ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts())
@@ -1426,7 +1444,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
         reqs = await prepare_all(body.model, [ids], body.sampling(max_tokens), body.n, "messages")
         model_id = reqs[0].model_id  # the canonical id, as /v1/models lists it, for a bare variant name too
-        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        created_at = int(time.time())
         calls_tools = body.calls_tools()
         # a function named by tool_choice ends "stop", as OpenAI's and vLLM's do; a call the model chose, "tool_calls"
         call_reason = "stop" if isinstance(body.tool_choice, NamedToolChoice) else "tool_calls"

@@ -246,6 +246,9 @@ def check_texts(request: BaseModel) -> None:
             walk(value, name)
 
 
+MAX_REQUEST_ID = 256  # characters of a client's request id (body or X-Request-Id header)
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra=_sampling_schema)  # extra: for check
 
@@ -271,6 +274,9 @@ class _Sampling(BaseModel):
                     Field(description=f"up to {MAX_STOP} sequences, {MAX_STOP_CHARS} characters in all; the text "
                                       "ends before the first one generated")] = None
     seed: int | None = Field(None, strict=True, description="any integer")
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID, strict=True,
+                                   description="vLLM's: the answer's id is `cmpl-<request_id>` (`chatcmpl-` for a "
+                                               "chat); an `X-Request-Id` header takes precedence")
     ignore_eos: bool = Field(False, strict=True, description="vLLM's: eos does not end the completion")
     min_tokens: int = Field(0, ge=0, strict=True, description="vLLM's: eos and stop_token_ids cannot be "
                                                                 "sampled before this many tokens")

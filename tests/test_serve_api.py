@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -314,6 +315,28 @@ def test_streaming_matches_non_streaming(client, server):
     events = raw.split("\n\n")
     assert raw.endswith("data: [DONE]\n\n") and events[-2] == "data: [DONE]"
     assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_a_client_request_id_names_the_answer_as_vllm_does(client, server):
+    """Found by a fresh user from vLLM: ``X-Request-Id`` and the body's ``request_id`` were ignored. As
+    vLLM's, the answer's id is ``cmpl-<id>`` (``chatcmpl-`` for a chat), streamed or not, the header
+    first; without either, a random one; a header past 256 characters is a 400 naming it."""
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "trace-42"},
+                                  extra_body={"request_id": "body-1"})
+    assert r.id == "cmpl-trace-42"
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"request_id": "b-7"}).id \
+        == "cmpl-b-7"
+    assert {c.id for c in client.chat.completions.create(stream=True, extra_headers={"X-Request-Id": "s-1"}, **chat)} \
+        == {"chatcmpl-s-1"}
+    assert client.chat.completions.create(extra_body={"request_id": "c-2"}, **chat).id == "chatcmpl-c-2"
+    ids = {client.completions.create(model="tiny", prompt="x", max_tokens=1).id for _ in range(2)}
+    assert len(ids) == 2 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+    long = httpx.post(f"{server}/v1/completions", headers={"X-Request-Id": "a" * 257}, timeout=30,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "X-Request-Id", long.text
+    bad = httpx.post(f"{server}/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "request_id": 5})
+    assert bad.status_code == 400 and "request_id" in bad.json()["error"]["message"], bad.text
 
 
 def test_stop_strings_cut_the_text_also_when_streaming(client, engine):
