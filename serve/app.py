@@ -687,9 +687,13 @@ class Metrics:
             for tier in tiers:
                 m.labels(model_id, tier)
 
+    def has_model(self, model_id: str) -> bool:
+        """Whether the model's series exist (:meth:`add_model`): it is served, or was in this process."""
+        return model_id in self._models
+
     def remove_model(self, model_id: str) -> None:
-        """Drop every series of a model (a name whose hot load failed: a client cannot grow the
-        series without end)."""
+        """Drop every series of a model (a name never served whose hot load failed: a client cannot
+        grow the series without end). Never one served before: its counters only go up."""
         self._models.discard(model_id)
         for m in (*self._model_series, *self._delta_series):
             with contextlib.suppress(KeyError):
@@ -1046,12 +1050,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             if m == f"{engine.family}-{name}" and ev in ("hit", "load"):
                 events.append("device" if ev == "hit" else tier)
 
-        known = f"{engine.family}-{name}" in {m.id for m in engine.models()}
+        counted = metrics.has_model(f"{engine.family}-{name}")  # served before (or now): its counters stay
         engine.add_listener(note)
         try:
             card = await run_in_threadpool(engine.add_variant, name, body.path)
         except Exception as e:
-            if not known:  # its load's events made series of its own: gone with the name
+            if not counted:  # its load's events made series of its own: gone with the name
                 metrics.remove_model(f"{engine.family}-{name}")
             raise _api_error(e) from None
         finally:

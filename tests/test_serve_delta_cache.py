@@ -276,8 +276,29 @@ def test_an_artifact_with_a_full_matrix_is_503_and_evicts_nothing(root, tmp_path
             assert 'model_name="tiny-c5"' not in tc.get("/metrics").text
             assert 'model_name="tiny-c6"' not in tc.get("/metrics").text
             assert 'delta_cache_load_failures_total{model_name="tiny-fullmat"}' in tc.get("/metrics").text  # listed
+            # found by a fresh user: a variant served, unloaded, then named by a failed load lost its counters
+            # (generation_tokens_total back to 0 at its next load); a counter only goes up in a process's life
+            assert tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "x", "max_tokens": 3}).is_success
+            before = _series(tc.get("/metrics").text, "tiny-coder")
+            assert before["deltafleet:generation_tokens_total"] == 3.0
+            assert tc.post("/v1/unload_variant", json={"variant": "coder"}).is_success
+            assert tc.post("/v1/load_variant", json={"variant": "coder", "path": "fullmat"}).status_code == 400
+            failed = _series(tc.get("/metrics").text, "tiny-coder")
+            assert failed.keys() == before.keys() and all(failed[k] >= before[k] for k in before), (before, failed)
+            assert failed["deltafleet:delta_cache_load_failures_total"] == 1 + before[
+                "deltafleet:delta_cache_load_failures_total"]  # the failed load is counted on the name
+            assert tc.post("/v1/load_variant", json={"variant": "coder"}).is_success
+            after = _series(tc.get("/metrics").text, "tiny-coder")
+            assert after["deltafleet:generation_tokens_total"] == 3.0
+            assert after["deltafleet:delta_cache_loads_total"] == before["deltafleet:delta_cache_loads_total"] + 1
     finally:
         shutil.rmtree(bad)
+
+
+def _series(text: str, model: str) -> dict[str, float]:
+    """The counters of ``model`` in a /metrics text, by name (``_total`` samples with only its label)."""
+    found = re.findall(rf'^(\S+_total)\{{model_name="{re.escape(model)}"\}} (\S+)$', text, re.M)
+    return {name: float(value) for name, value in found}
 
 
 def test_an_artifact_changed_in_place_or_for_another_base_is_seen_at_its_next_request(root):
