@@ -269,13 +269,14 @@ ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get
 
 
 def _draining_server(config, drain, announce, failed=lambda: False):
-    """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM or Ctrl-C
-    also calls ``drain()`` (``app.state.drain``: the requests not started are refused at once, the
+    """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM, SIGHUP
+    (unless ignored) or Ctrl-C also calls ``drain()`` (``app.state.drain``: the requests not started are refused at once, the
     running ones cut off at the grace's end), in a thread of its own: the signal may come while this
     thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
     dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130.
     Once ``failed()`` (checked every tick, a tenth of a second: the engine cannot generate any more)
     it shuts down as on a signal."""
+    import contextlib
     import threading
 
     import uvicorn
@@ -291,6 +292,22 @@ def _draining_server(config, drain, announce, failed=lambda: False):
                 self.should_exit = True
                 threading.Thread(target=drain, name="drain", daemon=True).start()
             return await super().on_tick(counter)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's (SIGINT, SIGTERM), and SIGHUP, a closed terminal's, as SIGTERM, unless it is
+            ignored (``nohup``: the server goes on)."""
+            hup = getattr(signal, "SIGHUP", None)
+            take = (hup is not None and threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(hup) is signal.SIG_DFL)
+            if take:
+                signal.signal(hup, self.handle_exit)
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                if take:
+                    signal.signal(hup, signal.SIG_DFL)
 
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: out at once, as uvicorn's
@@ -628,6 +645,8 @@ def main(cfg: DictConfig) -> None:
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
+        if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # ignored (nohup): so it stays, in the ranks too
+            signal.signal(signal.SIGHUP, forward)
         ranks = mp.spawn(_rank_main, args=(OmegaConf.to_container(cfg, resolve=True),), nprocs=cfg.tp, join=False)
         for sig in signals[:2]:  # those that came while the ranks were being started
             _signal_rank0(ranks, sig)

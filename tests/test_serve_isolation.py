@@ -870,6 +870,34 @@ def _server(tiny_family, out: Path, *settings: str):
     return proc, f"http://127.0.0.1:{port}", log
 
 
+@pytest.mark.parametrize("ignored", [False, True])
+def test_sighup_shuts_down_as_sigterm_unless_ignored(tiny_family, tmp_path, ignored):
+    """Found by a fresh user: SIGHUP (a closed terminal) killed the server at once, status 129, its
+    streams cut without an error event and its waiting requests without an answer. It now drains as
+    SIGTERM does and exits with 0; where it is ignored (``nohup``), the server goes on serving."""
+    import signal
+
+    def ignore_hup():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
+                             "log_level=warning", f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, preexec_fn=ignore_hup if ignored else None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, tmp_path / "server.log", 120)
+        proc.send_signal(signal.SIGHUP)
+        if ignored:
+            time.sleep(1)
+            assert proc.poll() is None and httpx.get(f"{url}/health").status_code == 200
+            proc.terminate()
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()[-2000:]
+    finally:
+        stop_server(proc, log, 10)
+
+
 def test_sigterm_gives_requests_in_flight_a_bounded_time(tiny_family, tmp_path):
     """Found by a fresh user: on SIGTERM the server waited for every request in flight to finish
     (minutes for a long one). ``timeout_graceful_shutdown_s`` bounds that wait: the requests still
