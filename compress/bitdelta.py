@@ -496,7 +496,7 @@ def compress(
             "run_id": uuid.uuid4().hex,
             "config": None,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "finetuned": {"name_or_path": str(finetuned_dir), "fingerprint": ft_fp},
+            "finetuned": {"name_or_path": str(finetuned_dir), "fingerprint": ft_fp, **_merged_from(finetuned_dir)},
             "deltafleet_version": _deltafleet_version(),
         }
         prov.update(provenance or {})
@@ -524,6 +524,20 @@ def compress(
         log.warning("%s: the fine-tune equals the base (every Δ is zero): the artifact serves the base itself "
                     "(is %s the fine-tune?)", variant, finetuned_dir)
     return manifest
+
+
+def _merged_from(finetuned_dir: str | Path) -> dict:
+    """``{"merge": {method, params, base, models}}`` where the fine-tune is a merge's output (its
+    ``merge.json``, written by ``merge/run.py``), so that the artifact says how it was made; else {}."""
+    from deltafleet.merge.stream import WRITTEN_BY
+
+    try:
+        record = json.loads((Path(finetuned_dir) / "merge.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY:
+        return {}
+    return {"merge": {k: record.get(k) for k in ("method", "params", "base", "models")}}
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:

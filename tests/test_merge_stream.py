@@ -364,3 +364,20 @@ def test_merge_json_records_the_params_that_make_the_method_again(name, params, 
     assert params.items() <= recorded.items()
     merge_checkpoints(None if name == "linear" else base, ms, tmp_path / "again", get_method(name, **recorded))
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+def test_an_exported_merge_says_how_it_was_made(tmp_path):
+    """Found by a fresh user: a merge exported as a BitDelta artifact recorded only the folder it came
+    from. Its manifest's provenance now carries the merge's method, parameters and inputs
+    (``finetuned.merge``, from merge.json); an ordinary fine-tune's has no ``merge``."""
+    from deltafleet.compress.bitdelta import compress
+
+    llama = '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    base = _ckpt(tmp_path / "base", {"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 16)}, llama)
+    a = _ckpt(tmp_path / "a", {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 16)}, llama)
+    b = _ckpt(tmp_path / "b", {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 16)}, llama)
+    merge_checkpoints(base, [a, b], tmp_path / "merged", get_method("ties", density=0.5), show_progress=False)
+    merged = compress(base, tmp_path / "merged", tmp_path / "art", variant="merged")
+    assert merged["provenance"]["finetuned"]["merge"] == {
+        "method": "ties", "params": {"density": 0.5, "scaling": 1.0}, "base": str(base), "models": [str(a), str(b)]}
+    assert "merge" not in compress(base, a, tmp_path / "art-a", variant="a")["provenance"]["finetuned"]
