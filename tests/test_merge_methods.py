@@ -257,3 +257,27 @@ def test_density_zero_and_other_bad_method_parameters_are_refused():
     # normalize=False: a plain weighted sum of the models, zero-sum weights allowed
     torch.testing.assert_close(get_method("linear", weights=[1, -1], normalize=False).merge("w", base, ms),
                                ms[0] - ms[1])
+
+
+def test_the_merge_help_lists_every_method_with_its_defaults():
+    """Found by a fresh user: ``merge/run.py --help`` listed every config group under conf/ (``merge``:
+    the training callbacks, which the merge job refuses) and no method; ``--cfg job`` shows params as
+    null. The help lists each registered method with its parameters' defaults, as the code has them."""
+    import inspect
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "merge/run.py", "--help"], cwd=repo, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = dict(re.findall(r"^  (\w+) {2,}(.+)$", out.stdout, re.M))
+    assert sorted(listed) == sorted(REGISTRY)
+    for name, cls in REGISTRY.items():
+        params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        want = ", ".join(p.name if p.default is None else
+                         f"{p.name}={str(p.default).lower() if isinstance(p.default, bool) else p.default}"
+                         for p in params)
+        assert listed[name].split(" (")[0] == want, (name, listed[name])
+    assert "Configuration groups" not in out.stdout and "trainer" not in out.stdout
