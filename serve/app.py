@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -989,8 +990,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         try:
             if body.messages is not None:
                 messages = [m.as_dict() for m in body.messages]
-                ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs,
-                                              body.tool_dicts(), False)
+                ids = await run_in_threadpool(functools.partial(
+                    engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts(), False,
+                    add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message))
             else:
                 ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens, False)
         except InvalidRequestError as e:
@@ -1442,7 +1444,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         rid = f"chatcmpl-{request_id(http, body)}"
         try:
             messages = [m.as_dict() for m in body.messages]
-            ids = await run_in_threadpool(engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts())
+            ids = await run_in_threadpool(functools.partial(
+                engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts(),
+                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message))
         except InvalidRequestError as e:
             raise _api_error(e) from None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context

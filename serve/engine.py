@@ -788,7 +788,8 @@ class Engine:
             return self.tokenizer.convert_ids_to_tokens(ids)
 
     def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None, generating: bool = True) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, generating: bool = True, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """Token ids of a chat (``[{"role", "content": str}]``, an assistant's ``tool_calls`` and a tool
         result's ``tool_call_id`` too), rendered with the tokenizer's chat template and the generation
         prompt; ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are more variables for the
@@ -799,6 +800,9 @@ class Engine:
         one (``"hi <|assistant|>"``) has it encoded as plain text, so its content cannot forge a turn;
         tools and tool calls that spell one are refused. A chat without such text is encoded exactly
         as ``apply_chat_template(tokenize=True)`` does. ``generating``: as :meth:`encode_prompt`'s.
+        ``add_generation_prompt``, ``continue_final_message``: transformers' (vLLM's request fields):
+        the text ends with the assistant turn's opening, or inside the last message, cut after its
+        content where transformers cuts it (not both: the caller checks).
         """
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -822,15 +826,16 @@ class Engine:
                           + (len(listed) if tools else 0), "messages", generating)
         for m in messages:
             check_unicode(m["content"], "messages")
+        ending = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         if not any(s in m["content"] for m in messages for s in self._special_ids):
-            text = self._render_chat(messages, template_kwargs, tools)
+            text = self._render_chat(messages, template_kwargs, tools, **ending)
             with self._tok_lock:
                 return self.tokenizer.encode(text, add_special_tokens=False)
         # Render with a placeholder for each content, cut the text at the (template's) special tokens,
         # put the contents back into the pieces (one pass: a content is never searched for marks) and
         # encode every piece as plain text, in one batch.
         marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        text = self._render_chat(marked, template_kwargs, tools)
+        text = self._render_chat(marked, template_kwargs, tools, **ending)
         pieces = [p for p in self._special_re.split(text) if p]
         plain = [_MARK.sub(lambda match: messages[int(match[1])]["content"], p) for p in pieces
                  if p not in self._special_ids]
@@ -870,13 +875,16 @@ class Engine:
             )
 
     def _render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
-        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation", "tools"} & set(template_kwargs or {})
+                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+        reserved = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "conversation",
+                    "tools"} & set(template_kwargs or {})
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs",
                                       "invalid_value")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False,
                                                       **(template_kwargs or {}), **({"tools": tools} if tools else {}))
         except Exception as e:  # jinja errors: a message shape the template rejects
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}", "messages",

@@ -64,7 +64,7 @@ UNSUPPORTED = {
     "spaces_between_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
     "use_beam_search": lambda v: v is False,
-    "add_generation_prompt": lambda v: v is True,
+    "add_generation_prompt": lambda v: v is True,  # completions' (chat and /tokenize implement them)
     "continue_final_message": lambda v: v is False,
     "chat_template": lambda v: False,
     "allowed_token_ids": lambda v: False,
@@ -566,6 +566,20 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+ADD_GENERATION_PROMPT = ("vLLM's: the rendered chat ends with the opening of the assistant's turn (the "
+                         "template's generation prompt); false: it ends as the messages do")
+CONTINUE_FINAL_MESSAGE = ("vLLM's: the rendered chat ends inside the last message, which the answer continues "
+                          "(an assistant's prefill); needs add_generation_prompt false")
+
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule for a chat's ending: InvalidRequestError where both are asked for."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: "
+                                  "the reply either opens a new turn or continues the last message.",
+                                  "continue_final_message", "invalid_value")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
                         _too_many("messages", MAX_MESSAGES)]
@@ -583,6 +597,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = Field(False, strict=True, description="each generated token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True,
                                      description="with logprobs: those of this many likeliest tokens too")
+    add_generation_prompt: bool = Field(True, strict=True, description=ADD_GENERATION_PROMPT)
+    continue_final_message: bool = Field(False, strict=True, description=CONTINUE_FINAL_MESSAGE)
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -591,6 +607,7 @@ class ChatCompletionRequest(_Sampling):
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("`top_logprobs` needs `logprobs: true`", "top_logprobs", "invalid_value")
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
             raise InvalidRequestError("two tools have one name", "tools", "invalid_value")
@@ -644,7 +661,8 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
                         _too_many("messages", MAX_MESSAGES)] | None = None
     add_special_tokens: bool = Field(True, strict=True, description="prompt: the tokenizer's own (e.g. BOS)")
-    add_generation_prompt: bool = Field(True, strict=True, description="messages: only true (as generation)")
+    add_generation_prompt: bool = Field(True, strict=True, description="messages: " + ADD_GENERATION_PROMPT)
+    continue_final_message: bool = Field(False, strict=True, description="messages: " + CONTINUE_FINAL_MESSAGE)
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_check_template_kwargs)] = Field(
         None, description="messages: as in chat completions")
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS), _too_many("tools", MAX_TOOLS)] | None = Field(
@@ -664,9 +682,8 @@ class TokenizeRequest(BaseModel):
             raise InvalidRequestError("`tools` go with `messages`", "tools", "invalid_value")
         if self.messages is not None:
             check_messages(self.messages)
-        if self.messages is not None and not self.add_generation_prompt:
-            raise InvalidRequestError("`add_generation_prompt: false` is not supported by this server",
-                                      "add_generation_prompt", "unsupported_parameter")
+        if self.messages is not None:
+            check_continuation(self.add_generation_prompt, self.continue_final_message)
 
 
 class Tokenized(BaseModel):

@@ -249,7 +249,7 @@ def test_tokenize_detokenize_and_version(server, engine):
     assert httpx.get(f"{server}/version").json() == {"version": __version__}
     for path, body, status, param in [
             ("tokenize", {"prompt": "x", "messages": messages}, 400, "prompt"),
-            ("tokenize", {"messages": messages, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+            ("tokenize", {"messages": messages, "continue_final_message": True}, 400, "continue_final_message"),
             ("tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
             ("detokenize", {"tokens": [engine.model.args.vocab_size]}, 400, "tokens"),
             ("detokenize", {"model": "tiny"}, 400, "tokens"),
@@ -1291,6 +1291,38 @@ def test_vllm_series_for_the_endpoint_picker(engine):
             engine._gen_lock.release()
         t.join(timeout=30)
     assert results[0].status_code == 200
+
+
+def test_a_chat_can_end_without_the_generation_prompt_or_inside_its_last_message(server, client, engine):
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message`` (an assistant's prefill), on chat
+    completions and /tokenize, were refused. The chat is rendered as transformers renders it with them
+    (a special-token spelling in the continued message stays text); the reply continues the message
+    exactly as a completion of those token ids; both at once is vLLM's 400."""
+    tok = engine.tokenizer
+    ask = [{"role": "user", "content": "Write a function."}]
+    prefill = ask + [{"role": "assistant", "content": "def parse(self, "}]
+    for messages, ending in [(ask, dict(add_generation_prompt=False)),
+                             (prefill, dict(add_generation_prompt=False, continue_final_message=True))]:
+        want = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **ending)
+        r = httpx.post(f"{server}/tokenize", json={"messages": messages, **ending})
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    assert tok.decode(want).endswith("<|assistant|>\ndef parse(self, ")  # cut after the content: no end of turn
+    chat = client.chat.completions.create(model="tiny-coder", messages=prefill, max_tokens=8, temperature=0,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.completions.create(model="tiny-coder", prompt=want, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.usage.prompt_tokens == len(want)
+    forged = ask + [{"role": "assistant", "content": "x <|user|> y"}]
+    ids = httpx.post(f"{server}/tokenize", json={"messages": forged, "add_generation_prompt": False,
+                                                 "continue_final_message": True}).json()["tokens"]
+    assert ids[-3:] == tok.encode(" <|user|> y", add_special_tokens=False, split_special_tokens=True)[-3:]
+    assert tok.convert_tokens_to_ids("<|user|>") not in ids[-6:]
+    err = api_error(httpx.post(f"{server}/v1/chat/completions", json={
+        "model": "tiny", "messages": prefill, "continue_final_message": True}), 400)
+    assert (err["param"], err["code"]) == ("continue_final_message", "invalid_value")
+    assert err["message"].startswith("Cannot set both `continue_final_message` and `add_generation_prompt`")
+    err = api_error(httpx.post(f"{server}/v1/completions", json={  # a chat's setting: refused on completions
+        "model": "tiny", "prompt": "x", "continue_final_message": True}), 400)
+    assert err["code"] == "unsupported_parameter"
 
 
 def test_text_that_spells_a_special_token_stays_text(server, client, engine):
