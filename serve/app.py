@@ -1297,10 +1297,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
-                     prompt_tokens: int) -> StreamingResponse:
+                     prompt_tokens: int, choice_prompt_tokens: list[int] | None = None) -> StreamingResponse:
         """SSE: ``chunk(text, finish_reason, first, index)`` per step of choice ``index`` (of ``reqs``)
         with text or a finish (unless it returns None; a list is sent chunk by chunk), the choices'
-        steps interleaved as they come; then usage; then [DONE].
+        steps interleaved as they come; then usage; then [DONE]. ``choice_prompt_tokens`` (vLLM's
+        ``continuous_usage_stats``; None: off): each chunk's usage is its choice's so far, that many
+        prompt tokens (its prompt's) and its tokens up to this chunk.
 
         The status line waits for the first choice's first token (the choices are admitted together,
         so a 429 is raised before), so that an error of its prefill or first step is still a status
@@ -1355,6 +1357,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         async def events():
             sent = [0] * len(items)  # characters of each choice's tokens so far (completions' text_offset)
+            made = [0] * len(items)  # each choice's tokens so far (continuous usage)
             n, first, live = 0, [True] * len(items), len(items)
             source = merged()
             try:
@@ -1367,12 +1370,17 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         break
                     else:  # the steps of choice i that came together: one chunk
                         n += len(s)
+                        made[i] += len(s)
                         text, reason = "".join(x.text for x in s), s[-1].finish_reason
                         if text or reason or any(x.logprob is not None for x in s):
                             c = chunk(text, reason, first[i], i, s, sent[i])
                             # None: the steps add nothing yet (text a tool call holds); a list: chunks in turn
-                            for c in [] if c is None else c if isinstance(c, list) else [c]:
-                                yield _sse(c | {"usage": None} if include_usage else c)  # as OpenAI's
+                            out = [] if c is None else c if isinstance(c, list) else [c]
+                            for k, c in enumerate(out):
+                                if include_usage:  # as OpenAI's: null but on the last chunk; vLLM's continuous
+                                    c = c | {"usage": None if choice_prompt_tokens is None else _usage(
+                                        choice_prompt_tokens[i], made[i] if k == len(out) - 1 else 0)}
+                                yield _sse(c)
                                 first[i] = False
                         sent[i] += sum(len(x.token_str or "") for x in s)
                 else:
@@ -1414,7 +1422,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), prompt_tokens)
+            usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+            return await stream(reqs, arrival, http, chunk, usage, prompt_tokens,
+                                [len(prompts[j // body.n]) for j in range(len(reqs))] if continuous else None)
         dropped = body.echo and body.max_tokens == 0  # the one token generated is not the answer's
         done = await run(reqs, arrival, http, counted=not dropped)
 
@@ -1497,7 +1507,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            return await stream(reqs, arrival, http, chunk, bool(opts and opts.include_usage), len(ids))
+            usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+            return await stream(reqs, arrival, http, chunk, usage, len(ids),
+                                [len(ids)] * len(reqs) if continuous else None)
         done = await run(reqs, arrival, http)
 
         def answer() -> dict:

@@ -40,7 +40,7 @@ TOP_K_ALL = 2**31  # a top_k this large is past any vocabulary: no limit (the sa
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's usage on every chunk: not implemented, refused when true
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, each chunk's choice's usage so far
 
 
 # OpenAI parameters this server does not implement, with the test of a value that asks for nothing
@@ -374,10 +374,6 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise InvalidRequestError("The parameter `stream_options.continuous_usage_stats` (usage on every chunk) "
-                                      "is not supported by this server; `include_usage` gives it on the last chunk.",
-                                      "stream_options", "unsupported_parameter")
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and (type(best_of) is not int or best_of != self.n):
             raise InvalidRequestError(f"The parameter `best_of` (here {json.dumps(best_of)[:100]}) is not supported "

@@ -289,6 +289,37 @@ def test_chat_completions_match_engine(client, engine):
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(steps))
 
 
+def test_continuous_usage_gives_each_chunk_its_choices_usage_so_far(client):
+    """vLLM's ``stream_options.continuous_usage_stats`` was refused. With ``include_usage``, every chunk's
+    usage is its choice's so far: its prompt's tokens and its own tokens up to that chunk (a chat
+    choice's role-only chunk: 0); the last chunk has the totals, as without it."""
+    kw = dict(model="tiny-writer", prompt=["one two three", "x"], n=2, seed=5, temperature=1.0, max_tokens=6)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    lengths = [client.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens
+               for p in kw["prompt"]]  # each prompt's tokens: choices 0, 1 are the first's, 2, 3 the second's
+    assert lengths[0] != lengths[1]
+    made: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        u = c.usage
+        assert u is not None and u.prompt_tokens == lengths[choice.index // 2], (choice.index, u)
+        assert u.completion_tokens > made.get(choice.index, 0) or choice.finish_reason is not None
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+        made[choice.index] = u.completion_tokens
+    assert sum(made.values()) == full.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(c.usage.completion_tokens >= 1 for c in chat[1:-1]) and chat[-1].choices == []
+    # without include_usage there is no usage at all, as vLLM's
+    assert all(c.usage is None for c in client.completions.create(
+        model="tiny", prompt="x", max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+
+
 def test_streaming_matches_non_streaming(client, server):
     for model in ("tiny", "tiny-writer"):
         full = client.completions.create(model=model, prompt=PROMPTS[1], **GREEDY)
@@ -876,7 +907,6 @@ def test_unserved_dtype_is_refused_at_startup(root):
     ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("chat/completions", {"prediction": {"type": "content", "content": "x"}}),
     ("chat/completions", {"reasoning_effort": "low"}),
-    ("completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
     ("chat/completions", {"web_search_options": {"search_context_size": "high"}}),
     ("chat/completions", {"verbosity": "low"}),
     ("chat/completions", {"service_tier": "flex"}),
