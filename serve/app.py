@@ -1414,10 +1414,22 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         created_at = int(time.time())
         model_id = reqs[0].model_id  # the canonical id, as /v1/models lists it, for a bare variant name too
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
+        # echo streamed: each choice's first chunk starts with its prompt (and its tokens' logprobs), and
+        # its later chunks' text_offset count the prompt's tokens' characters
+        echoed = [p if isinstance(p, str) else engine.decode(p) for p in body.prompts()] if body.echo else None
+        firsts = engine.token_texts([ids[0] for ids in prompts]) if body.echo and body.logprobs is not None else None
+        prompt_chars: dict[int, int] = {}
 
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
+            logprobs = completion_logprobs(steps, offset + prompt_chars.get(index, 0))
+            if body.stream and echoed is not None and first:
+                text = echoed[index // body.n] + (text or "")
+                if firsts is not None and steps:
+                    logprobs = echo_logprobs(firsts[index // body.n], steps, len(steps))
+                    prompt_chars[index] = len(firsts[index // body.n]) + sum(
+                        len(t) for t, _, _ in steps[0].prompt_logprobs or [])
             return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
-                    "choices": [{"index": index, "text": text or "", "logprobs": completion_logprobs(steps, offset),
+                    "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason(steps, finish_reason)}]}
 
         if body.stream:
@@ -1431,13 +1443,12 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         def answer() -> dict:
             out = chunk("", None, True, 0)
             if body.echo:  # the prompt before each choice's text
-                texts = [p if isinstance(p, str) else engine.decode(p) for p in body.prompts()]
-                firsts = engine.token_texts([ids[0] for ids in prompts])
+                texts, heads = echoed, engine.token_texts([ids[0] for ids in prompts])
                 out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if dropped else text),
                                    "finish_reason": "length" if dropped else reason,
                                    "stop_reason": None if dropped else stop_reason(st, reason),
                                    "logprobs": None if body.logprobs is None else
-                                   echo_logprobs(firsts[i // body.n], st, 0 if dropped else len(st))}
+                                   echo_logprobs(heads[i // body.n], st, 0 if dropped else len(st))}
                                   for i, (text, reason, _, st) in enumerate(done)]
             else:
                 out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),

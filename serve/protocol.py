@@ -412,9 +412,9 @@ class CompletionRequest(_Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError("`max_tokens: 0` needs `echo: true` (the prompt's log-probabilities only)",
                                       "max_tokens", "invalid_value")
-        if self.echo and self.stream:
-            raise InvalidRequestError("The parameter `echo` is not supported by this server with `stream: true`.",
-                                      "echo", "unsupported_parameter")
+        if self.echo and self.stream and self.max_tokens == 0:
+            raise InvalidRequestError("`echo` with `max_tokens: 0` (the prompt alone) is not streamed by this "
+                                      "server; ask without `stream`.", "stream", "unsupported_parameter")
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """As every request's, at least one token (``max_tokens: 0`` generates one that the answer

@@ -672,6 +672,23 @@ def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
                                                   "temperature": 0}).json()["choices"][0]["text"]
         both = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": prompt, "echo": True, "logprobs": 0,
                                                 "max_tokens": 4, "temperature": 0}).json()["choices"][0]
+        # echo streamed (vLLM's; was refused): joined, each choice's chunks are the answer's choice, its
+        # prompt first, then its tokens, with their logprobs and text_offset
+        two = {"model": "tiny-coder", "prompt": [ids, ids[:9]], "echo": True, "logprobs": 2, "max_tokens": 4,
+               "temperature": 0, "n": 2}
+        whole = tc.post("/v1/completions", json=two).json()["choices"]
+        streamed: dict[int, dict] = {}
+        for line in tc.post("/v1/completions", json=two | {"stream": True}).text.splitlines():
+            if line.startswith("data: {"):
+                (c,) = json.loads(line.removeprefix("data: "))["choices"]
+                got = streamed.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [],
+                                                       "top_logprobs": [], "text_offset": []})
+                got["text"] += c["text"]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    got[key] += c["logprobs"][key]
+        assert sorted(streamed) == [0, 1, 2, 3]
+        for c in whole:
+            assert streamed[c["index"]] == {"text": c["text"], **c["logprobs"]}, c["index"]
         # lm-eval's local-completions loglikelihood request: a batch of token-id prompts, echo, 1 token
         batch = [ids[:20], ids[:9]]
         lm = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": batch, "echo": True, "logprobs": 1,
@@ -683,7 +700,7 @@ def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):
                                    rtol=0, atol=1e-4)
     assert both["text"] == prompt + greedy and len(both["logprobs"]["tokens"]) == len(ids) + 4
     torch.testing.assert_close(torch.tensor(both["logprobs"]["token_logprobs"][1:len(ids)]), want, rtol=0, atol=1e-4)
-    for body, param in (({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo")):
+    for body, param in (({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True, "max_tokens": 0}, "stream")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt="x", **body)
         assert e.value.body["param"] == param
