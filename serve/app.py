@@ -1499,12 +1499,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                         "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                                      "stop_reason": stop_reason(steps, finish_reason)}]}
 
+            # a choice's first chunk is its role alone, as OpenAI's and vLLM's are; its content null, not
+            # "", when tools are on (as the non-streamed answer has it when the reply is calls alone)
+            role = {"role": "assistant", "content": None if calls_tools else ""}
             if steps and not delta and finish_reason is None and lp is None:
-                # text the tool-call scanner holds back: no empty delta per token; a choice's first
-                # chunk is its role alone, as OpenAI's and vLLM's are
-                return one({"role": "assistant", "content": ""}, None, None) if first else None
+                return one(role, None, None) if first else None  # text the tool-call scanner holds back
             rest = one(delta, lp, finish_reason)
-            return [one({"role": "assistant", "content": ""}, None, None), rest] if first else rest
+            return [one(role, None, None), rest] if first else rest
 
         def message(text: str, reason: str) -> tuple[dict, str]:
             """The answer's message and finish reason, its tool-call blocks parsed when tools are on."""

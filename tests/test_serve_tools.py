@@ -232,7 +232,13 @@ def test_a_streamed_call_comes_as_deltas_that_assemble_into_it(client):
               seed=4)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
     calls, reasons, content, empty = {}, [], "", 0
-    for chunk in client.chat.completions.create(**kw, stream=True):
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    # found by a fresh user: the role-only first chunk had content "", and the official client's stream
+    # helper ended with content '' where the whole answer has null
+    assert chunks[0].choices[0].delta.model_dump(exclude_unset=True) == {"role": "assistant", "content": None}
+    with client.chat.completions.stream(**kw) as s:
+        assert s.get_final_completion().choices[0].message.content is None
+    for chunk in chunks:
         for ch in chunk.choices:
             empty += not (ch.delta.role or ch.delta.content or ch.delta.tool_calls or ch.finish_reason)
             content += ch.delta.content or ""
