@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from hydra.experimental.callback import Callback
+
 from deltafleet.checkpoint import CheckpointError
 
 # What a user can cause with a bad path, file or value: reported as one line, not a traceback.
@@ -125,12 +127,27 @@ def checked_run(job: str, cfg, check, run) -> None:
         raise SystemExit(1)
 
 
+class RunFolders(Callback):
+    """Hydra callback (``hydra.callbacks.run_folders`` in every job's config): before a run starts,
+    notes the topmost folder of ``hydra.run.dir`` that does not exist yet, which Hydra is about to
+    make, so that :func:`drop_refused_run_dir` removes what Hydra made for the run and nothing that
+    was there before (an empty folder of the user's, the working folder)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        global _MADE_FOR_RUN
+        run = Path(str(config.hydra.run.dir)).absolute()
+        _MADE_FOR_RUN = next((f for f in [*reversed(run.parents), run] if not f.exists()), None)
+
+
+_MADE_FOR_RUN: Path | None = None  # RunFolders: the topmost folder Hydra made for this run; None: it made none
+
+
 def drop_refused_run_dir() -> None:
-    """Remove the run folder Hydra made for this job (``hydra.run.dir``) when it holds nothing but
-    Hydra's own files (``.hydra/``, ``<job>.log``): a job refused before any work leaves no run folder
-    behind. So do the folders above it that are left empty, up to the job's ``paths.output_dir``
-    (not itself): ``outputs/export/<variant>/`` goes with the export's run folder. A folder holding
-    anything else is left as it is, and so are multirun folders."""
+    """Undo what Hydra made for a job that was refused before any work: its files in the run folder
+    (``.hydra/``, ``<job>.log``), and, where the run folder holds nothing else, the folders Hydra made
+    for it (:class:`RunFolders` noted them), so ``outputs/export/<variant>/<time>/`` goes, and
+    ``outputs/`` too if the run made it. A folder that was there before stays, even empty; so does
+    anything else in the run folder, and multirun folders."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -145,26 +162,15 @@ def drop_refused_run_dir() -> None:
         return
     shutil.rmtree(run / ".hydra", ignore_errors=True)
     (run / log).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # something came meanwhile: left as it is
-        run.rmdir()
-        top = _output_dir(hc)
-        folder = run.resolve().parent
-        while top is not None and folder != top and folder.is_relative_to(top):
-            folder.rmdir()  # not empty: OSError, and the walk stops
-            folder = folder.parent
-
-
-def _output_dir(hc) -> Path | None:
-    """The job's ``paths.output_dir``, resolved; None where its config has none. The job's config is
-    the Hydra node's parent: Hydra sets it so that the node's interpolations (``${paths.output_dir}``
-    in ``hydra.run.dir``) resolve against it."""
-    from omegaconf import OmegaConf
-
-    try:
-        value = OmegaConf.select(hc._get_parent(), "paths.output_dir")
-    except Exception:
-        return None
-    return Path(value).resolve() if isinstance(value, str) and value else None
+    made = _MADE_FOR_RUN
+    run = run.absolute()
+    if made is None or not run.is_relative_to(made):  # the run folder was there before: it stays
+        return
+    with contextlib.suppress(OSError):  # not empty (something came meanwhile): left as it is, and above it
+        for folder in [run, *run.parents]:
+            folder.rmdir()
+            if folder == made:
+                break
 
 
 def flag(cfg, key: str) -> bool:
@@ -245,6 +251,18 @@ def top_level_settings(config: str) -> set[str]:
 KWARGS_GO_TO = {"lightning.pytorch.loggers.WandbLogger": "wandb.init"}
 
 
+def _callee_of(target) -> str | None:
+    """The :data:`KWARGS_GO_TO` callee of the class ``target`` names, however its path is spelt
+    (``lightning.pytorch.loggers.wandb.WandbLogger`` too); None for any other."""
+    from hydra.utils import get_object
+
+    try:
+        cls = get_object(str(target))
+        return next((c for t, c in KWARGS_GO_TO.items() if get_object(t) is cls), None)
+    except Exception:
+        return None
+
+
 def _target_arguments(target) -> set[str] | None:
     """The keyword arguments the ``_target_`` ``target`` (a dotted name) takes, or None where it takes
     any (``**kwargs``) or cannot be imported (its instantiation says why, with the job's own error).
@@ -254,7 +272,7 @@ def _target_arguments(target) -> set[str] | None:
     from hydra.utils import get_object
 
     names: set[str] = set()
-    for dotted in (str(target), KWARGS_GO_TO.get(str(target))):
+    for dotted in (str(target), _callee_of(target)):
         if dotted is None:
             return None
         try:
@@ -293,7 +311,7 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
             takes = _target_arguments(target)
             unknown = [] if takes is None else [k for k in unknown if k not in takes]
         if unknown:
-            callee = KWARGS_GO_TO.get(str(target))
+            callee = _callee_of(target)
             also = "" if target is None else f" (or an argument of {target}{' or ' + callee if callee else ''})"
             raise ValueError(f"{where}{unknown[0]} is not a setting of conf/{config}; its settings"
                              f"{' under ' + where[:-1] if where else ''}: "

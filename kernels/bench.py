@@ -422,8 +422,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(cfg) -> dict:
-    from deltafleet.cli import check_report_name, drop_refused_run_dir, user_errors
+    from deltafleet.cli import check_report_name, drop_refused_run_dir, refuse_unknown_settings, user_errors
 
+    refuse_unknown_settings(cfg, "bench_kernels.yaml")  # a misspelt +key: `error: ...`, status 2 (its own shapes taken)
     with user_errors("bench-kernels"):
         check_report_name(cfg.report_name)
     if not torch.cuda.is_available():

@@ -346,10 +346,11 @@ def check_settings(cfg: DictConfig) -> None:
     clients or no requests would meet its goals with nothing sent), the port, the shape, the dtype
     and the report's name (a file name inside ``reports/``). The server checks its own settings
     (``device``, ``sign_layout``, ``server.*``) and the benchmark shows its error line."""
-    from deltafleet.cli import check_report_name, flag, top_level_settings
+    from deltafleet.cli import check_report_name, check_settings as check_names, flag, top_level_settings
     from deltafleet.values import real, whole
 
     try:
+        check_names(cfg, "bench_serve.yaml")  # a misspelt +key at the top level (its sections hold shapes, ...)
         for key in FLAGS:
             flag(cfg, key)
         check_report_name(cfg.report_name)

@@ -352,6 +352,9 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     except TensorParallelError:  # a rank died or stopped answering while the others started (logged)
         _exit(GROUP_FAILED)
     except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
+        from deltafleet.cli import drop_refused_run_dir
+
+        drop_refused_run_dir()  # a rank of tp > 1 runs outside Hydra: nothing
         print(f"error: {e}", file=sys.stderr)
         if tp is not None:
             # No ("stop",) to the other ranks: they may be in a collective of their own start (a synthetic
@@ -614,15 +617,19 @@ def _join_ranks(ranks, signals: list[int], stop_after_s: float | None = None, ti
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
+    from deltafleet.cli import drop_refused_run_dir
+
     try:
         check_settings(cfg)
     except ValueError as e:
+        drop_refused_run_dir()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if cfg.synthetic is not None:  # {} too: refused for want of a shape, not taken for null
         try:
             _write_synthetic(cfg)
         except (OSError, ValueError) as e:
+            drop_refused_run_dir()
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
     if cfg.tp > 1:
@@ -631,6 +638,7 @@ def main(cfg: DictConfig) -> None:
         try:
             check_tensor_parallel(cfg)
         except ValueError as e:
+            drop_refused_run_dir()
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         # once a rank stops on its error line, the launcher stops the others with a warning each: not news

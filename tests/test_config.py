@@ -494,18 +494,47 @@ def test_a_misspelt_setting_is_refused_before_any_work(tmp_path, script, overrid
     ("compress/run.py", ["variant=coder"],
      "export: FileNotFoundError: no base model at {root}/models/base: run `make base` first"),
     ("merge/run.py", ["method=nope", "models=[a,b]"], "error: "),
+    ("serve/run.py", ["+bogus=1"], "error: bogus is not a setting of conf/serve.yaml"),
+    ("serve/run.py", [], "error: no base checkpoint at {root}/models/base (config.json missing)"),
 ])
-def test_a_refused_job_leaves_no_folder_under_outputs(tmp_path, script, args, message):
-    """Found by a fresh user: an export refused for a missing base removed its run folder but left
-    ``outputs/export/<variant>/`` behind, empty. The folders Hydra made for the run go with it, up to
-    ``paths.output_dir``, which stays (it may be the user's)."""
-    out = subprocess.run([sys.executable, script, *args, f"paths.root={tmp_path}"],
-                         cwd=CONF.parent, capture_output=True, text=True, timeout=300,
+def test_a_refused_job_removes_the_folders_made_for_its_run_and_no_other(tmp_path, script, args, message):
+    """Found by fresh users: an export refused for a missing base removed its run folder but left
+    ``outputs/export/<variant>/`` behind, empty, and a refused merge left its whole run folder. The
+    folders Hydra made for the run go (``outputs/`` too); a folder that was there before stays, even
+    empty: one of the user's next to it or above it, or a run folder given as ``hydra.run.dir``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    def refused(*more):
+        out = subprocess.run([sys.executable, script, *args, f"paths.root={tmp_path}", *more], cwd=CONF.parent,
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines()[-1].startswith(message.format(root=tmp_path)), out.stderr[-2000:]
+
+    refused()
+    assert list(tmp_path.iterdir()) == []
+    job = {"compress/run.py": "export/coder", "merge/run.py": "merge", "serve/run.py": "serve"}[script]
+    mine = [tmp_path / "outputs" / job, tmp_path / "outputs" / "other", tmp_path / "here"]
+    for folder in mine:
+        folder.mkdir(parents=True)
+    refused()  # its run folder in outputs/<job>/, which was there
+    refused(f"hydra.run.dir={tmp_path / 'here'}")  # the run folder itself was there: it stays, emptied
+    assert sorted(p for p in tmp_path.rglob("*")) == sorted({*mine, *(f.parent for f in mine if f.parent != tmp_path)})
+    assert all(not any(f.iterdir()) for f in mine)
+
+
+@pytest.mark.parametrize("script, config", [("train/data.py", "prepare"), ("train/real_base.py", "real_base"),
+                                            ("kernels/bench.py", "bench_kernels"), ("serve/bench.py", "bench_serve")])
+def test_the_other_jobs_refuse_a_misspelt_setting_too(tmp_path, script, config):
+    """Found by a fresh user: ``train/real_base.py +x=1`` ran (and wrote the model), as did ``make data``,
+    the kernel and the serving benchmarks with a setting their config does not have. Refused as the
+    other jobs refuse one: ``error: ...``, status 2, before any work, nothing left."""
+    out = subprocess.run([sys.executable, script, "+bogus=1", f"paths.root={tmp_path}"], cwd=CONF.parent,
+                         capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1].startswith(message.format(root=tmp_path)), out.stderr[-2000:]
-    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
-    assert list((tmp_path / "outputs").iterdir()) == []
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: bogus is not a setting of conf/{config}.yaml; "), \
+        out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_settings_added_on_purpose_are_taken():
@@ -531,6 +560,10 @@ def test_settings_added_on_purpose_are_taken():
                                          r"logger: .* \(or an argument of lightning\.pytorch\.loggers\.WandbLogger "
                                          r"or wandb\.init\)$"):  # WandbLogger's **kwargs go to wandb.init: checked there
         check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=wandb", "+logger.flush=2"]),
+                       "train.yaml", sections)
+    with pytest.raises(ValueError, match=r"^logger\.tagz is not .* or wandb\.init\)$"):  # the class by another path
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=wandb", "+logger.tagz=1",
+                                             "logger._target_=lightning.pytorch.loggers.wandb.WandbLogger"]),
                        "train.yaml", sections)
     for group in ("variant", "paths", "data", "checkpoint"):  # a group or section without a class: its files' keys
         with pytest.raises(ValueError, match=rf"^{group}\.bogus is not a setting of conf/train\.yaml"):

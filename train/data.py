@@ -774,9 +774,10 @@ def format_summary(manifest: Mapping) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import user_errors
+    from deltafleet.cli import refuse_unknown_settings, user_errors
     from deltafleet.threads import set_threads
 
+    refuse_unknown_settings(cfg, "prepare.yaml")  # a misspelt +key: `error: ...`, status 2, before any work
     with user_errors("data"):  # a bad threads setting: one line, not a traceback
         set_threads(cfg)
     t0 = time.perf_counter()

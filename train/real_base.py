@@ -222,9 +222,10 @@ def convert(out_dir: Path, gguf: Path | None = None, dtype: str = "float32", max
 
 
 def main(cfg) -> dict:
-    from deltafleet.cli import stop_on_sigterm, user_errors
+    from deltafleet.cli import refuse_unknown_settings, stop_on_sigterm, user_errors
     from deltafleet.threads import set_threads
 
+    refuse_unknown_settings(cfg, "real_base.yaml")  # a misspelt +key: `error: ...`, status 2, before any work
     stop_on_sigterm()  # a timeout or a cancelled job unwinds like Ctrl-C, so the temporary directory goes too
     with user_errors("real-base"):  # a missing GGUF, a bad setting or a failed check: one line
         set_threads(cfg)
