@@ -161,6 +161,8 @@ def request_id(http: Request, body) -> str:
         APIError: 400, a header longer than ``MAX_REQUEST_ID`` characters."""
     given = http.headers.get("x-request-id")
     if given:
+        with contextlib.suppress(UnicodeError):  # Starlette decodes a header as Latin-1; clients send UTF-8
+            given = given.encode("latin-1").decode("utf-8")
         if len(given) > MAX_REQUEST_ID:
             raise APIError(400, f"The X-Request-Id header is {len(given)} characters long; at most {MAX_REQUEST_ID} "
                            "are taken.", "invalid_request_error", "X-Request-Id", "invalid_value")

@@ -363,6 +363,9 @@ def test_a_client_request_id_names_the_answer_as_vllm_does(client, server):
     assert client.chat.completions.create(extra_body={"request_id": "c-2"}, **chat).id == "chatcmpl-c-2"
     ids = {client.completions.create(model="tiny", prompt="x", max_tokens=1).id for _ in range(2)}
     assert len(ids) == 2 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+    utf8 = httpx.post(f"{server}/v1/completions", headers={"X-Request-Id": "café-1".encode()}, timeout=30,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert utf8.json()["id"] == "cmpl-café-1"  # a UTF-8 header, not read as Latin-1
     long = httpx.post(f"{server}/v1/completions", headers={"X-Request-Id": "a" * 257}, timeout=30,
                       json={"model": "tiny", "prompt": "x", "max_tokens": 1})
     assert long.status_code == 400 and long.json()["error"]["param"] == "X-Request-Id", long.text
