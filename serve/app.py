@@ -1378,10 +1378,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                             c = chunk(text, reason, first[i], i, s, sent[i])
                             # None: the steps add nothing yet (text a tool call holds); a list: chunks in turn
                             out = [] if c is None else c if isinstance(c, list) else [c]
-                            for k, c in enumerate(out):
+                            for c in out:
                                 if include_usage:  # as OpenAI's: null but on the last chunk; vLLM's continuous
+                                    role_only = "role" in c["choices"][0].get("delta", {})  # a chat choice's first
                                     c = c | {"usage": None if choice_prompt_tokens is None else _usage(
-                                        choice_prompt_tokens[i], made[i] if k == len(out) - 1 else 0)}
+                                        choice_prompt_tokens[i], 0 if role_only else made[i])}
                                 yield _sse(c)
                                 first[i] = False
                         sent[i] += sum(len(x.token_str or "") for x in s)
@@ -1436,7 +1437,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+            usage, continuous = opts.usage() if opts else (False, False)
             return await stream(reqs, arrival, http, chunk, usage, prompt_tokens,
                                 [len(prompts[j // body.n]) for j in range(len(reqs))] if continuous else None)
         dropped = body.echo and body.max_tokens == 0  # the one token generated is not the answer's
@@ -1521,7 +1522,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         if body.stream:
             opts = body.stream_options
-            usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+            usage, continuous = opts.usage() if opts else (False, False)
             return await stream(reqs, arrival, http, chunk, usage, len(ids),
                                 [len(ids)] * len(reqs) if continuous else None)
         done = await run(reqs, arrival, http)

@@ -39,8 +39,18 @@ TOP_K_ALL = 2**31  # a top_k this large is past any vocabulary: no limit (the sa
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, each chunk's choice's usage so far
+    # null is the default, as vLLM's Optional[bool]s take it
+    include_usage: StrictBool | None = Field(None, description="usage on a last chunk (null: false, but true "
+                                                                "with continuous_usage_stats, as in vLLM)")
+    continuous_usage_stats: StrictBool | None = Field(None, description="vLLM's: each chunk's usage, its choice's "
+                                                                          "so far (with include_usage)")
+
+    def usage(self) -> tuple[bool, bool]:
+        """``(include_usage, continuous_usage_stats)`` as vLLM takes them: continuous usage asks for the
+        usage chunk too, unless ``include_usage`` is false."""
+        continuous = bool(self.continuous_usage_stats)
+        include = continuous if self.include_usage is None else self.include_usage
+        return include, include and continuous
 
 
 # OpenAI parameters this server does not implement, with the test of a value that asks for nothing

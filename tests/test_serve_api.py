@@ -315,9 +315,19 @@ def test_continuous_usage_gives_each_chunk_its_choices_usage_so_far(client):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
     assert all(c.usage.completion_tokens >= 1 for c in chat[1:-1]) and chat[-1].choices == []
-    # without include_usage there is no usage at all, as vLLM's
+    # found by a fresh user: continuous_usage_stats alone gave no usage, where vLLM's include_usage is true
+    # unless set false; null is either's default
+    alone = list(client.completions.create(model="tiny", prompt="x", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True, "include_usage": None}))
+    assert all(c.usage is not None for c in alone) and alone[-1].choices == []
     assert all(c.usage is None for c in client.completions.create(
-        model="tiny", prompt="x", max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+        model="tiny", prompt="x", max_tokens=3, stream=True,
+        stream_options={"continuous_usage_stats": True, "include_usage": False}))
+    tools = list(client.chat.completions.create(  # a tool-call stream's role chunk too: 0 tokens so far
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        tool_choice="required", stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert tools[0].choices[0].delta.role == "assistant" and tools[0].usage.completion_tokens == 0
 
 
 def test_streaming_matches_non_streaming(client, server):
