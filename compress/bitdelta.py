@@ -496,7 +496,8 @@ def compress(
             "run_id": uuid.uuid4().hex,
             "config": None,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "finetuned": {"name_or_path": str(finetuned_dir), "fingerprint": ft_fp, **_merged_from(finetuned_dir)},
+            "finetuned": {"name_or_path": str(finetuned_dir), "fingerprint": ft_fp,
+                          **_merged_from(finetuned_dir, ft_fp)},
             "deltafleet_version": _deltafleet_version(),
         }
         prov.update(provenance or {})
@@ -526,16 +527,18 @@ def compress(
     return manifest
 
 
-def _merged_from(finetuned_dir: str | Path) -> dict:
+def _merged_from(finetuned_dir: str | Path, weights: str) -> dict:
     """``{"merge": {method, params, base, models}}`` where the fine-tune is a merge's output (its
-    ``merge.json``, written by ``merge/run.py``), so that the artifact says how it was made; else {}."""
+    ``merge.json``, written by ``merge/run.py``) and still holds the weights that merge wrote (its
+    fingerprint is ``weights``: a folder written over since is no longer the merge), so that the
+    artifact says how it was made; else {}."""
     from deltafleet.merge.stream import WRITTEN_BY
 
     try:
         record = json.loads((Path(finetuned_dir) / "merge.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY:
+    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY or record.get("fingerprint") != weights:
         return {}
     return {"merge": {k: record.get(k) for k in ("method", "params", "base", "models")}}
 

@@ -147,10 +147,15 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         for f in SIDECAR_FILES:
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)
+        from deltafleet.compress.bitdelta import fingerprint
+
         summary = {"written_by": WRITTEN_BY, "method": method.name,
                    # the method's parameters as get_method takes them (None: its default, left out)
                    "params": {k: v for k, v in vars(method).items() if not k.startswith("_") and v is not None},
-                   "base": None if base_dir is None else str(base_dir), "models": [str(d) for d in model_dirs],
+                   "base": None if base_dir is None else str(Path(base_dir).absolute()),
+                   "models": [str(Path(d).absolute()) for d in model_dirs],
+                   # what was written (the export's fingerprint): a record of these weights, not the folder's
+                   "fingerprint": fingerprint(tmp),
                    "tensors": len(names), "bytes": total, "shards": len(plan),
                    "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss(),
                    "files": sorted([p.name for p in tmp.iterdir()] + ["merge.json"])}

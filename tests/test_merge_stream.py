@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -381,3 +382,8 @@ def test_an_exported_merge_says_how_it_was_made(tmp_path):
     assert merged["provenance"]["finetuned"]["merge"] == {
         "method": "ties", "params": {"density": 0.5, "scaling": 1.0}, "base": str(base), "models": [str(a), str(b)]}
     assert "merge" not in compress(base, a, tmp_path / "art-a", variant="a")["provenance"]["finetuned"]
+    # found by a fresh user: weights written over the merge's (a further fine-tune saved in its folder)
+    # kept its record; merge.json has the fingerprint of what the merge wrote, and only those weights match
+    shutil.copyfile(a / "model.safetensors", tmp_path / "merged" / "model.safetensors")
+    again = compress(base, tmp_path / "merged", tmp_path / "art2", variant="merged")
+    assert "merge" not in again["provenance"]["finetuned"]
