@@ -196,8 +196,11 @@ def _check_family(base_dir, model_dirs) -> None:
             trained_on = (_read_json(d / "training.json") or {}).get("base_dir")
             if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve() \
                     and not _same_weights(trained_on, base_dir):
+                gone = "" if Path(trained_on).is_dir() else \
+                    " (that folder is gone, so its weights could not be compared; if it moved to the base, ignore this)"
                 warnings.warn(f"{d} was fine-tuned from {trained_on} (its training.json), not from the base "
-                              f"{base_dir}: its task vector against this base is not its fine-tune's", stacklevel=3)
+                              f"{base_dir}{gone}: its task vector against this base is not its fine-tune's",
+                              stacklevel=3)
 
 
 def _same_weights(a, b) -> bool:
