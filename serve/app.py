@@ -227,9 +227,6 @@ class Stopping:
         self._event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def is_set(self) -> bool:
-        return self._set
-
     def event(self) -> asyncio.Event:
         """The flag as an ``asyncio.Event`` of the running loop (the server's one loop)."""
         if self._event is None:
@@ -1446,12 +1443,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         def answer() -> dict:
             out = chunk("", None, True, 0)
             if body.echo:  # the prompt before each choice's text
-                texts, heads = echoed, engine.token_texts([ids[0] for ids in prompts])
-                out["choices"] = [{"index": i, "text": texts[i // body.n] + ("" if dropped else text),
+                out["choices"] = [{"index": i, "text": echoed[i // body.n] + ("" if dropped else text),
                                    "finish_reason": "length" if dropped else reason,
                                    "stop_reason": None if dropped else stop_reason(st, reason),
                                    "logprobs": None if body.logprobs is None else
-                                   echo_logprobs(heads[i // body.n], st, 0 if dropped else len(st))}
+                                   echo_logprobs(firsts[i // body.n], st, 0 if dropped else len(st))}
                                   for i, (text, reason, _, st) in enumerate(done)]
             else:
                 out["choices"] = [{"index": i, "text": text, "logprobs": completion_logprobs(st),
