@@ -877,14 +877,14 @@ def test_sighup_shuts_down_as_sigterm_unless_ignored(tiny_family, tmp_path, igno
     SIGTERM does and exits with 0; where it is ignored (``nohup``), the server goes on serving."""
     import signal
 
-    def ignore_hup():
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    def hup():  # set either way: a test run under nohup would hand its SIG_IGN down
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
 
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", f"port={port}",
                              "log_level=warning", f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, preexec_fn=ignore_hup if ignored else None)
+                            stderr=subprocess.STDOUT, preexec_fn=hup)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, tmp_path / "server.log", 120)
