@@ -189,15 +189,15 @@ class Linear(MergeMethod):
 
     def __init__(self, weights=None, normalize: bool = True):
         super().__init__(weights)
+        if normalize and weights is not None and sum(self.weights) == 0:  # before any work, not at the first tensor
+            raise ValueError(f"the weights sum to 0, which a normalised merge divides by: {list(weights)} "
+                             "(normalize=false merges their plain weighted sum)")
         self.normalize = normalize
 
     def _merge_block(self, name, block, base, taus):
         w = self._w(len(taus))
-        total = sum(w) if self.normalize else 1.0
-        if total == 0:
-            raise ValueError("linear: the weights sum to 0")
-        out = sum(wi * (base + t) for wi, t in zip(w, taus)) / total
-        return out
+        total = sum(w) if self.normalize else 1.0  # not 0: refused at construction
+        return sum(wi * (base + t) for wi, t in zip(w, taus)) / total
 
 
 @register("task_arithmetic")

@@ -251,9 +251,11 @@ def test_density_zero_and_other_bad_method_parameters_are_refused():
             ("svd_soup", dict(rank=0), "rank must be a whole number ≥ 1, got 0")]:
         with pytest.raises(ValueError, match="^" + re.escape(f"merge method '{method}': {message}")):
             get_method(method, **params)
+    # found by a fresh user: refused only once the merge reached its first tensor; now by get_method
+    with pytest.raises(ValueError, match=r"^merge method 'linear': the weights sum to 0, which a normalised merge "
+                                         r"divides by: \[1, -1\]"):
+        get_method("linear", weights=[1, -1])
     base, ms = _setup(n=2)
-    with pytest.raises(ValueError, match="linear: the weights sum to 0"):
-        get_method("linear", weights=[1, -1]).merge("w", base, ms)
     # normalize=False: a plain weighted sum of the models, zero-sum weights allowed
     torch.testing.assert_close(get_method("linear", weights=[1, -1], normalize=False).merge("w", base, ms),
                                ms[0] - ms[1])
