@@ -99,6 +99,7 @@ from deltafleet.serve.protocol import (
 )
 
 PREFIX = "deltafleet:"
+PROBES = ("/health", "/ping", "/metrics")  # without the API key, and not counted in http_requests_total
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
@@ -497,7 +498,7 @@ class APIKeyCheck:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+        if scope["type"] == "http" and scope["path"] not in PROBES:
             scheme, _, sent = (Headers(scope=scope).get("authorization") or "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), self.key):
                 response = APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
@@ -525,7 +526,7 @@ class StatusCount:
         return "none"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+        if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
         status = 500  # no answer began: Starlette's ServerErrorMiddleware, outside this, sends a 500
 
@@ -844,8 +845,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         engine: the loaded engine.
         max_waiting: with this many requests already waiting for the model, a new one is
             refused with 429 (OpenAI ``rate_limit_error``) instead of queueing; None: no limit.
-        api_key: if set (not None or ""), every request but ``/health`` and ``/metrics`` must send
-            ``Authorization: Bearer <api_key>`` (else 401, OpenAI's ``invalid_api_key``).
+        api_key: if set (not None or ""), every request but :data:`PROBES` (``/health``, ``/ping``,
+            ``/metrics``) must send ``Authorization: Bearer <api_key>`` (else 401, OpenAI's
+            ``invalid_api_key``).
         max_request_bytes: a request body larger than this is refused with 413 before it is read
             whole or parsed (:class:`BodyLimit`); None: no limit.
         request_timeout_s: a request body that has not arrived whole this many seconds after its
@@ -965,6 +967,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     # ---------------------------------------------------------------- plain endpoints
 
     @app.get("/health", responses=_responses(500, 503, ok=Health))
+    @app.get("/ping", responses=_responses(500, 503, ok=Health))  # vLLM's (SageMaker's) name for it
     async def health():
         failure = engine.failure()
         if failure is not None:  # a tensor-parallel rank died or stopped answering: the server stops

@@ -1160,12 +1160,14 @@ def test_every_http_answer_is_counted_by_route_and_status(server, client):
     assert httpx.get(f"{server}/v1/nosuch/path").status_code == 404
     assert httpx.get(f"{server}/v1/completions").status_code == 405
     httpx.get(f"{server}/health")
+    httpx.get(f"{server}/ping")
     after = counts()
     for k, n in {key("/v1/completions", "POST", 200): 1, key("/v1/completions", "POST", 413): 1,
                  key("/v1/completions", "POST", 404): 1, key("none", "GET", 404): 1,
                  key("/v1/completions", "GET", 405): 1}.items():
         assert after.get(k, 0) - before.get(k, 0) == n, k
-    assert not any('handler="/health"' in k or 'handler="/metrics"' in k or "nosuch" in k for k in after)
+    assert not any(f'handler="{probe}"' in k for k in after for probe in ("/health", "/ping", "/metrics"))
+    assert not any("nosuch" in k for k in after)
 
 
 def test_engine_steps_are_in_the_metrics(engine):

@@ -562,5 +562,9 @@ def test_api_key_scheme_is_case_insensitive_and_docs_are_guarded(root):
         assert tc.get("/v1/models", headers={"Authorization": "bearer k1"}).status_code == 200
         assert tc.get("/v1/models", headers={"Authorization": "Basic k1"}).status_code == 401
         assert tc.get("/openapi.json").status_code == 401
+        # vLLM's /ping (SageMaker's health check) is /health, answered without the key as /health is
+        assert tc.get("/ping").json() == tc.get("/health").json() == {"status": "ok"}
+        tc.app.state.drain(None)
+        assert api_error(tc.get("/ping"), 503)["code"] == "shutting_down"
     with TestClient(create_app(_engine(root), api_key="")) as tc:  # empty: no key
         assert tc.get("/v1/models").status_code == 200
