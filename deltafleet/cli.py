@@ -21,7 +21,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 from hydra.experimental.callback import Callback
 
@@ -110,6 +110,14 @@ def output_write(job: str, what: str, key: str, out) -> Iterator[None]:
         raise SystemExit(f"{job}: cannot write {what} to {key} {out}: {cause}") from None
 
 
+def refuse(why) -> NoReturn:
+    """End a job refused before any work: ``error: <why>`` on stderr, exit status 2, and the run
+    folder Hydra made for it removed (:func:`drop_refused_run_dir`)."""
+    drop_refused_run_dir()
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def checked_run(job: str, cfg, check, run) -> None:
     """A benchmark's entry: ``check(cfg)`` before any work — a refused setting is ``error: <why>`` on
     stderr and exit status 2, its Hydra run folder removed — then ``run(cfg, checked)``, whose report
@@ -119,9 +127,7 @@ def checked_run(job: str, cfg, check, run) -> None:
         try:
             checked = check(cfg)
         except USER_ERRORS as e:
-            drop_refused_run_dir()
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            refuse(e)
         report = run(cfg, checked)
     if report["failed"]:
         raise SystemExit(1)
@@ -326,9 +332,7 @@ def refuse_unknown_settings(cfg, config: str, sections: tuple[str, ...] = ()) ->
     try:
         check_settings(cfg, config, sections)
     except ValueError as e:
-        drop_refused_run_dir()
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(e)
 
 
 def _hydra_choice(group: str) -> str | None:

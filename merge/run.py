@@ -11,7 +11,6 @@ inputs, time). An existing ``out_dir`` is replaced only if it is an earlier merg
 from __future__ import annotations
 
 import json
-import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="merge_models")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import USER_ERRORS, check_settings, drop_refused_run_dir, flag, interruptible, stop_on_sigterm
+    from deltafleet.cli import USER_ERRORS, check_settings, flag, interruptible, refuse, stop_on_sigterm
     from deltafleet.merge.methods import get_method
     from deltafleet.merge.stream import merge_checkpoints
 
@@ -47,13 +46,9 @@ def main(cfg: DictConfig) -> None:
                                         max_shard_bytes=max(1, int(shard_gb * 1e9)), show_progress=progress,
                                         overwrite=overwrite)
     except USER_ERRORS as e:
-        drop_refused_run_dir()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     except OSError as e:  # the output's file system: read-only, full, a mount point
-        drop_refused_run_dir()
-        print(f"error: cannot write the merge to out_dir {cfg.out_dir}: {e.strerror or e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"cannot write the merge to out_dir {cfg.out_dir}: {e.strerror or e}")
     print(json.dumps(summary, indent=1, default=str))
     print(f"wrote {cfg.out_dir}")
 

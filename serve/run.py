@@ -270,9 +270,9 @@ ANSWER_S = 5.0  # past timeout_graceful_shutdown_s: the requests it cuts off get
 
 def _draining_server(config, drain, announce, failed=lambda: False):
     """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM, SIGHUP
-    (unless ignored) or Ctrl-C also calls ``drain()`` (``app.state.drain``: the requests not started are refused at once, the
-    running ones cut off at the grace's end), in a thread of its own: the signal may come while this
-    thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
+    (unless ignored) or Ctrl-C also calls ``drain()`` (``app.state.drain``: the requests not started
+    are refused at once, the running ones cut off at the grace's end), in a thread of its own: the
+    signal may come while this thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
     dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130.
     Once ``failed()`` (checked every tick, a tenth of a second: the engine cannot generate any more)
     it shuts down as on a signal."""
@@ -617,30 +617,24 @@ def _join_ranks(ranks, signals: list[int], stop_after_s: float | None = None, ti
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
-    from deltafleet.cli import drop_refused_run_dir
+    from deltafleet.cli import refuse
 
     try:
         check_settings(cfg)
     except ValueError as e:
-        drop_refused_run_dir()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     if cfg.synthetic is not None:  # {} too: refused for want of a shape, not taken for null
         try:
             _write_synthetic(cfg)
         except (OSError, ValueError) as e:
-            drop_refused_run_dir()
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            refuse(e)
     if cfg.tp > 1:
         import torch.multiprocessing as mp
 
         try:
             check_tensor_parallel(cfg)
         except ValueError as e:
-            drop_refused_run_dir()
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            refuse(e)
         # once a rank stops on its error line, the launcher stops the others with a warning each: not news
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         signals: list[int] = []
