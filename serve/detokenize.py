@@ -186,11 +186,15 @@ class TextStream:
         return out, False
 
     def flush(self) -> tuple[str, bool]:
-        """The generation ended: the rest of the text (what was held back, and an incomplete UTF-8
-        sequence's U+FFFD), cut before a stop string it completes; and whether it did."""
+        """The generation ended: the rest of the text (what was held back), cut before a stop string it
+        completes; and whether it did. A character the generated tokens begin and never finish is
+        dropped, as vLLM drops it (its U+FFFD would end the text); bytes that are no UTF-8 at all
+        stay U+FFFD."""
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
         if self.open:
             new = self._close(new)
+        if len(self.ids) > self.given and _open_tokens(self.tokenizer, self.ids[self.given:], self.lock):
+            new = new.rstrip("\ufffd")
         rest, self.fed = new[self.fed:], len(new)
         out, stopped = self._check(rest)
         out, self.held = out + self.held, ""

@@ -320,8 +320,29 @@ def test_an_open_character_after_a_space_in_one_token():
     assert tok.decode([0, 1, 2, 3, 4, 5, 3, 4]) == "I love 🌱🌱"
     assert _stream([3, 4, 5, 3, 4], (), tok, context=(0, 1, 2))[0] == "🌱🌱"
     assert _stream([4, 5, 3, 4], (), tok, context=(0, 1, 2, 3))[0] == "🌱🌱"
-    assert _stream([6, 5], (), tok, context=(0, 1, 2))[0] == " \ufffd"  # never finished: the prompt's U+FFFD
+    assert _stream([6, 5], (), tok, context=(0, 1, 2))[0] == " "  # neither emoji finished: no U+FFFD
     assert _stream([3, 4, 5, 3, 4], ("🌱",), tok, min_tokens=3, context=(0, 1, 2))[:2] == ("🌱", True)
+
+
+def test_a_character_left_unfinished_at_the_end_is_dropped():
+    """A generation that ends inside a character (``max_tokens`` between its bytes) ends before it, as
+    vLLM's does, whether a token holds some of its bytes or one byte each; found by a fresh user (the
+    text ended in U+FFFD). Bytes that begin no character stay U+FFFD, wherever they are."""
+    sp = _sentencepiece_style()
+    assert _stream([5, 6, 7], (), sp, context=(3,))[0] == " Hello"  # € = E2 82 AC, cut after two bytes
+    assert _stream([5, 6], (), sp, context=(3,))[0] == " Hello"
+    assert _stream([5, 6, 7, 8], (), sp, context=(3,))[0] == " Hello€"
+    assert _stream([5, 7], (), sp, context=(3,))[0] == " Hello\ufffd"  # a lone continuation byte
+    assert _stream([7, 5], (), sp, context=(3,))[0] == "\ufffd Hello"
+    assert _stream([6], (), sp, context=(3,))[0] == ""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(vocab={"I": 0, "Ġlove": 1, "ĠðŁ": 2, "Į": 3, "±": 4}, merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    assert _stream([1, 2, 3], (), tok, context=(0,))[0] == " love "  # the space is whole; 🌱 is not
+    assert _stream([1, 2, 3, 4], (), tok, context=(0,))[0] == " love 🌱"
 
 
 def test_a_prompt_cut_anywhere_leaves_the_completion_its_characters(engine):
