@@ -4,6 +4,7 @@ A leaf module.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import threading
@@ -54,27 +55,22 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     return out
 
 
-def _open_tokens(tokenizer, ids: list[int], lock: threading.Lock) -> int:
+def _open_tail(tokenizer, ids: list[int], lock: threading.Lock) -> tuple[int, int]:
     """How many of the last tokens of ``ids`` hold the start of a UTF-8 character their bytes leave
-    incomplete (0 when they end on a character's end, or in bytes that are no UTF-8 at all)."""
+    incomplete, and how many bytes of it they hold ((0, 0) when they end on a character's end, or in
+    bytes that begin no character, such as F0 80): what a UTF-8 decoder holds back for more."""
     if not ids:
-        return 0
+        return 0, 0
     with lock:
         pieces = token_bytes(tokenizer, ids)
-    tail = b"".join(pieces[-4:])[-4:]  # a character is at most four bytes
-    for back in range(1, min(len(tail), 3) + 1):
-        lead = tail[-back]
-        if lead & 0xC0 == 0x80:  # a continuation byte: look further back
-            continue
-        need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 1
-        if need <= back:
-            return 0
-        n, count = 0, 0
-        for piece in reversed(pieces):  # the tokens that hold those ``back`` bytes
-            n, count = n + len(piece), count + 1
-            if n >= back:
-                return count
-    return 0
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(pieces[-4:])[-4:], final=False)  # a character is at most four bytes
+    back = len(decoder.getstate()[0])
+    n, count = 0, 0
+    while n < back:  # the tokens that hold those bytes
+        count += 1
+        n += len(pieces[-count])
+    return count, back
 
 
 def _failure_table(stop: str) -> list[int]:
@@ -122,7 +118,7 @@ class TextStream:
         self.ids = list(context[-CONTEXT_TOKENS:])
         self.given = len(self.ids)  # ids[:given] are the prompt's, ids[given:] generated
         self.prefix = 0  # the window is ids[prefix:]; ids[prefix:read] are the previous step's
-        self.read = self.given - _open_tokens(tokenizer, self.ids, lock)  # a character left open is the window's
+        self.read = self.given - _open_tail(tokenizer, self.ids, lock)[0]  # a character left open is the window's
         self.prefix_text = self._decode(self.ids) if self.ids else ""  # the window's text before its new tokens
         self.open = ""  # how the prompt's text ends in the open character (U+FFFD): the completion's if it ends it
         if self.read < self.given:  # the prompt's text before that character (its tokens may hold more: a space)
@@ -193,8 +189,12 @@ class TextStream:
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
         if self.open:
             new = self._close(new)
-        if len(self.ids) > self.given and _open_tokens(self.tokenizer, self.ids[self.given:], self.lock):
-            new = new.rstrip("\ufffd")
+        last = self.ids[max(self.given, len(self.ids) - 4):]  # a character is at most four bytes
+        if new.endswith("\ufffd") and last:
+            tokens, n = _open_tail(self.tokenizer, last, self.lock)
+            if tokens:  # its U+FFFD: one, or one per byte where byte tokens decode (SentencePiece's byte fallback)
+                n = n if _kind(self.tokenizer)[0] is None else 1
+                new = new[:len(new) - min(n, len(new) - len(new.rstrip("\ufffd")))]
         rest, self.fed = new[self.fed:], len(new)
         out, stopped = self._check(rest)
         out, self.held = out + self.held, ""
