@@ -140,8 +140,16 @@ class RunFolders(Callback):
     was there before (an empty folder of the user's, the working folder)."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
         global _MADE_FOR_RUN
-        run = Path(str(config.hydra.run.dir)).absolute()
+        hc = HydraConfig.instance()
+        before = hc.cfg
+        hc.set_config(config)  # as Hydra sets it to make the run folder: ${hydra:runtime.cwd} resolves
+        try:
+            run = Path(str(config.hydra.run.dir)).absolute()
+        finally:
+            hc.cfg = before
         _MADE_FOR_RUN = next((f for f in [*reversed(run.parents), run] if not f.exists()), None)
 
 

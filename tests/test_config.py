@@ -522,6 +522,20 @@ def test_a_refused_job_removes_the_folders_made_for_its_run_and_no_other(tmp_pat
     assert all(not any(f.iterdir()) for f in mine)
 
 
+@pytest.mark.parametrize("script, args", [("compress/run.py", ["variant=coder"]),
+                                          ("train/run.py", ["variant=coder", "variant.lr=-1"]),
+                                          ("merge/run.py", ["method=nope", "models=[a,b]"])])
+def test_a_refused_job_in_the_default_folders_leaves_nothing(tmp_path, script, args):
+    """Found by a fresh user: with ``paths.root`` left at its default (``${hydra:runtime.cwd}``),
+    ``RunFolders`` could not resolve the run folder before the run ("HydraConfig was not set"), warned
+    on every job, and every refused job left its empty run folder under ``outputs/``."""
+    out = subprocess.run([sys.executable, str(CONF.parent / script), *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "RunFolders" not in out.stderr and "HydraConfig was not set" not in out.stderr, out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("script, config", [("train/data.py", "prepare"), ("train/real_base.py", "real_base"),
                                             ("kernels/bench.py", "bench_kernels"), ("serve/bench.py", "bench_serve")])
 def test_the_other_jobs_refuse_a_misspelt_setting_too(tmp_path, script, config):
