@@ -226,6 +226,26 @@ runpy.run_path("train/run.py", run_name="__main__")
     assert not out.exists() and model.exists() == (what == "artifact")
 
 
+@pytest.mark.parametrize("adapter", [[], ["variant.adapter=lora", "lora.r=4"]])
+def test_a_diverged_run_writes_nothing(family, adapter):
+    """Found by a fresh user: a run whose weights went to NaN (too high a learning rate) wrote its
+    fine-tune, all NaN, exited 0 with the export off and in a traceback with it on. It now ends in one
+    line naming the tensor, status 1, with no fine-tune, no artifact and no adapter staging folder."""
+    root, _, _ = family
+    name = "diverged" + ("-lora" if adapter else "")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "train/run.py", "variant=math", f"variant.name={name}", "logger=csv",
+                           "trainer.max_steps=3", "variant.lr=1e30", *adapter, *SMALL_MODEL, *SMALL_RUN,
+                           f"paths.root={root}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train: the fine-tune diverged: ") and " holds NaN or inf after 3 steps, so nothing " \
+        f"was written to {root / 'models' / name}; lower the learning rate (1e+30: " in last, last
+    assert not (root / "models" / name).exists() and not (root / "artifacts" / name).exists()
+    assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(f".{name}")]
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(family):
     import signal
 

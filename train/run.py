@@ -379,6 +379,7 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     from deltafleet.train.module import heldout_loss
 
     variant, domain = cfg.variant.name, cfg.variant.domain
+    check_finite(model, cfg, metrics.get("global_step"))
     model = model.float().to(device).eval()
     out: dict = {}
     after = heldout_loss(model, test_blocks, cfg.variant.batch_size, cfg.eval_batches, device=device)
@@ -417,6 +418,22 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
     files = json.loads((out_dir / "training.json").read_text())["files"]  # as save_checkpoint listed them
     write_text(out_dir / "training.json", json.dumps({"run_id": run_dir.name, **record, "files": files}, indent=2) + "\n")
     return out
+
+
+def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
+    """Refuse to write a fine-tune that diverged: a weight holding NaN or inf ends the job (status 1,
+    one line) with nothing written, its adapter's staging folder removed; the run folder and its
+    checkpoints stay, to resume from an earlier one."""
+    bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is None:
+        return
+    adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
+    if adapter_dir is not None:
+        remove_dir(Path(adapter_dir))
+    raise SystemExit(f"train: the fine-tune diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
+                     f"written to {cfg.out_dir}; lower the learning rate ({learning_rate(cfg):g}: variant.lr, or "
+                     f"model.finetune_lr for a pretrained family) or resume from a checkpoint before it diverged "
+                     f"(ckpt_path=...)")
 
 
 def retire_artifact(cfg: DictConfig) -> None:
