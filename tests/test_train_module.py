@@ -103,3 +103,27 @@ def test_a_resume_is_checked_before_training(tmp_path):
         check_resume(str(ckpt), "r2", 40, 1e-3, "math", "base")
     with pytest.raises(ValueError, match=r"was trained on initial weights 'base', this run on 'scratch' \(variant.init\)"):
         check_resume(str(ckpt), "r2", 40, 1e-3, "coder", "scratch")
+    # found by a fresh user: the schedule's other settings and a LoRA rank were not compared (the rank
+    # failed in Lightning's load_state_dict, a 56-line traceback after the data and the model loaded)
+    sched = {"weight_decay": 0.0, "warmup_steps": 10, "min_lr_ratio": 0.1}
+    lora = {"model.layers.0.q_proj.lora_A.default.weight": torch.zeros(16, 64),
+            "model.layers.0.q_proj.lora_B.default.weight": torch.zeros(64, 16)}
+    torch.save({"state_dict": lora, "global_step": 20,
+                "hyper_parameters": {"variant": "r2", "lr": 1e-3, **sched}}, ckpt)
+    check_resume(str(ckpt), "r2", 80, 1e-3, schedule={**sched, "warmup_steps": 10.0}, lora_r=16)  # a longer run
+    for key, value in (("weight_decay", 0.1), ("warmup_steps", 5), ("min_lr_ratio", 0.0)):
+        with pytest.raises(ValueError, match=rf"was trained with {key} {sched[key]!r}, this run asks for {value!r} "
+                                             rf"\(variant.{key}\): .* resume with variant.{key}={sched[key]!r}$"):
+            check_resume(str(ckpt), "r2", 80, 1e-3, schedule={**sched, key: value}, lora_r=16)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters of rank 16, this run asks for lora.r=8: resume it "
+                                         r"with lora.r=16$"):
+        check_resume(str(ckpt), "r2", 80, 1e-3, lora_r=8)
+    with pytest.raises(ValueError, match=r"is a LoRA run's \(rank 16\), this run a full fine-tune: resume it with "
+                                         r"variant.adapter=lora lora.r=16$"):
+        check_resume(str(ckpt), "r2", 80, 1e-3)
+    torch.save({"state_dict": {"model.layers.0.q_proj.weight": torch.zeros(64, 64)}, "global_step": 20,
+                "hyper_parameters": {"variant": "r2", "lr": 1e-3}}, ckpt)
+    with pytest.raises(ValueError, match=r"holds a full fine-tune, no LoRA adapters, this run asks for lora.r=8: "
+                                         r"resume it with no variant.adapter$"):
+        check_resume(str(ckpt), "r2", 80, 1e-3, lora_r=8)
+    check_resume(str(ckpt), "r2", 80, 1e-3, schedule=sched)  # a checkpoint that records no schedule

@@ -111,13 +111,17 @@ def _not_training_output(folder: Path) -> str | None:
 
 
 def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = None, lr: float | None = None,
-                 domain: str | None = None, init: str | None = None) -> None:
+                 domain: str | None = None, init: str | None = None, schedule: dict | None = None,
+                 lora_r: int | None = None) -> None:
     """Refuse a ``ckpt_path`` that is missing, was written by another variant's run, or by a run on
     another ``domain``'s data or from other initial weights (``init``: a fine-tune of the base against
-    a model trained from scratch), was trained at another learning rate than ``lr`` (a resume
-    restores the checkpoint's optimizer and schedule, so the run would not use ``lr``), or is already
-    at or past ``max_steps`` (nothing would be trained). Checkpoints of older runs record no domain
-    or init; those are not compared."""
+    a model trained from scratch), was trained at another learning rate than ``lr`` or other
+    ``schedule`` settings (``variant.<key>``: a resume restores the checkpoint's optimizer and
+    schedule, so the run would not use them), holds LoRA adapters of another rank than ``lora_r``
+    (None: a full fine-tune, no adapters), or is already at or past ``max_steps`` (nothing would be
+    trained). Another ``max_steps`` is a run made longer or shorter: the cosine decay stretches to the
+    new end, as Lightning and transformers' Trainer rebuild a schedule. Checkpoints of older runs
+    record no domain, init or schedule; those are not compared."""
     if not ckpt_path:
         return
     path = Path(ckpt_path)
@@ -147,6 +151,21 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
         if lr is not None and hp.get("lr") not in (None, lr):
             raise ValueError(f"ckpt_path {ckpt_path} was trained at lr {hp['lr']:g}, this run asks for {lr:g}: a "
                              "resume keeps the checkpoint's optimizer and schedule; resume at its lr")
+        for key, want in (schedule or {}).items():
+            if hp.get(key) not in (None, want):
+                raise ValueError(f"ckpt_path {ckpt_path} was trained with {key} {hp[key]!r}, this run asks for "
+                                 f"{want!r} (variant.{key}): a resume keeps the checkpoint's optimizer and schedule; "
+                                 f"resume with variant.{key}={hp[key]!r}")
+        ranks = {int(t.shape[0]) for k, t in ckpt["state_dict"].items()
+                 if ".lora_A." in k and isinstance(t, torch.Tensor) and t.dim() == 2}
+        if ranks and lora_r is None:
+            raise ValueError(f"ckpt_path {ckpt_path} is a LoRA run's (rank {max(ranks)}), this run a full fine-tune: "
+                             f"resume it with variant.adapter=lora lora.r={max(ranks)}")
+        if lora_r is not None and ckpt["state_dict"] and ranks != {lora_r}:
+            got = f"LoRA adapters of rank {max(ranks)}" if ranks else "a full fine-tune, no LoRA adapters"
+            fix = f"lora.r={max(ranks)}" if ranks else "no variant.adapter"
+            raise ValueError(f"ckpt_path {ckpt_path} holds {got}, this run asks for lora.r={lora_r}: resume it "
+                             f"with {fix}")
         step = ckpt.get("global_step")
         if max_steps is not None and max_steps >= 0 and step is not None and step >= max_steps:
             raise ValueError(f"ckpt_path {ckpt_path} is at step {step}, at or past max_steps={max_steps}: "
@@ -274,7 +293,9 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
     check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg),
-                 cfg.variant.domain, cfg.variant.init)
+                 cfg.variant.domain, cfg.variant.init,
+                 {k: cfg.variant.get(k) for k in ("weight_decay", "warmup_steps", "min_lr_ratio")},
+                 cfg.lora.r if cfg.variant.adapter == "lora" else None)
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         choice = HydraConfig.get().runtime.choices.get("trainer") if HydraConfig.initialized() else "gpu"
         raise ValueError(f"trainer={choice} needs CUDA GPUs and this machine has none: "
