@@ -127,3 +127,25 @@ def test_a_resume_is_checked_before_training(tmp_path):
                                          r"resume it with no variant.adapter$"):
         check_resume(str(ckpt), "r2", 80, 1e-3, lora_r=8)
     check_resume(str(ckpt), "r2", 80, 1e-3, schedule=sched)  # a checkpoint that records no schedule
+
+
+def test_ckpt_path_last_is_the_newest_checkpoint_of_the_variants_runs(tmp_path):
+    """Lightning takes ``ckpt_path="last"``; found by a fresh user, it was refused as a missing file.
+    It names the newest ``checkpoints/last.ckpt`` of the variant's runs, never another variant's."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from deltafleet.train.run import last_checkpoint
+
+    cfg = OmegaConf.create({"paths": {"output_dir": str(tmp_path)}, "variant": {"name": "writer"}})
+    with pytest.raises(FileNotFoundError, match=rf"^ckpt_path=last: no run of variant writer under "
+                                                rf"{tmp_path}/train/writer has a checkpoint"):
+        last_checkpoint(cfg)
+    for i, (variant, run) in enumerate([("writer", "b"), ("writer", "a"), ("legal", "c"), ("writer", "d")]):
+        f = tmp_path / "train" / variant / run / "checkpoints" / "last.ckpt"
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"x")
+        os.utime(f, (1_000_000 + i, 1_000_000 + (i if run != "d" else -5)))  # d: the oldest
+    (tmp_path / "train" / "writer" / "e" / "checkpoints").mkdir(parents=True)  # a run with none (this one)
+    assert last_checkpoint(cfg) == tmp_path / "train" / "writer" / "a" / "checkpoints" / "last.ckpt"

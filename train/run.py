@@ -5,6 +5,7 @@
     python train/run.py variant=math logger=csv      # same numbers without Weights & Biases
     python train/run.py -m variant=coder,math,writer,legal        # Hydra multirun, one by one
     python train/run.py variant=coder ckpt_path=outputs/train/coder/<run>/checkpoints/last.ckpt
+    python train/run.py variant=coder ckpt_path=last     # the newest of the variant's runs
     python train/run.py variant=coder trainer=deepspeed_zero3     # every visible GPU
     python train/run.py variant=coder variant.adapter=lora        # LoRA instead of full weights
 
@@ -172,6 +173,17 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
                              "nothing would be trained; raise max_steps to train further")
 
 
+def last_checkpoint(cfg: DictConfig) -> Path:
+    """The newest ``checkpoints/last.ckpt`` of the variant's runs (``<output_dir>/train/<variant>/*/``):
+    what ``ckpt_path=last`` resumes from. FileNotFoundError where no run of it has one."""
+    runs = Path(cfg.paths.output_dir) / "train" / cfg.variant.name
+    found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"ckpt_path=last: no run of variant {cfg.variant.name} under {runs} has a "
+                                f"checkpoint (checkpoints/last.ckpt); train it first, or pass a checkpoint file")
+    return found[-1]
+
+
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     """Periodic checkpoints (for ``ckpt_path`` resume; none with ``trainer.enable_checkpointing=false``)
     and the checkpoint-merging callback."""
@@ -292,6 +304,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"variant.adapter must be null or 'lora', got {cfg.variant.adapter!r}")
     if cfg.export.granularity not in GRANULARITIES:  # fail before training, not after it
         raise ValueError(f"export.granularity must be one of {GRANULARITIES}, got {cfg.export.granularity!r}")
+    if cfg.ckpt_path == "last":  # Lightning's word for the newest checkpoint: here, of this variant's runs
+        cfg.ckpt_path = str(last_checkpoint(cfg))
+        print(f"[train] ckpt_path=last: resuming from {cfg.ckpt_path}", flush=True)
     check_resume(cfg.ckpt_path, cfg.variant.name, cfg.trainer.get("max_steps"), learning_rate(cfg),
                  cfg.variant.domain, cfg.variant.init,
                  {k: cfg.variant.get(k) for k in ("weight_decay", "warmup_steps", "min_lr_ratio")},
