@@ -299,6 +299,25 @@ def test_multirun_trains_variants_one_after_another(family):
         assert logged == [pytest.approx(rec["heldout/base_loss"])]
 
 
+def test_a_sweep_never_replaces_the_fine_tune_of_its_own_earlier_job(family):
+    """Found by a fresh user: ``-m variant=coder variant.lr=1e-3,5e-4`` trained both jobs into
+    ``models/coder``, and only the last was left. The second job is refused before it trains, naming the
+    job that wrote the folder; a name per job (``variant.name=...-${hydra:job.num}``) keeps both."""
+    root, _, _ = family
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    common = ["train/run.py", "-m", "variant=legal", "variant.lr=1e-3,5e-4", "trainer.max_steps=2", "logger=csv",
+              "export.enabled=false", "variant.warmup_steps=1", *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]
+    proc = subprocess.run([sys.executable, *common, "variant.name=swept", f"hydra.sweep.dir={root}/outputs/sweep1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train: ValueError: job 0 of this sweep wrote {root}/models/swept, and this job (1) would replace it: give "
+        "each job its own variant.name, e.g. 'variant.name=swept-${hydra:job.num}'"), proc.stderr[-2000:]
+    assert json.loads((root / "models/swept/training.json").read_text())["lr"] == 1e-3
+    run([*common[:-1], "variant.name=swept-${hydra:job.num}", f"hydra.sweep.dir={root}/outputs/sweep2"], root)
+    assert [json.loads((root / f"models/swept-{i}/training.json").read_text())["lr"] for i in (0, 1)] == [1e-3, 5e-4]
+
+
 def test_summary_prints_a_table_per_base(family, tmp_path):
     """``make summary`` (python -m deltafleet.train.summary): the trained family's held-out losses,
     and a fine-tune of another base (the real base's ``smollm2-coder``) in a table of its own rather

@@ -249,6 +249,35 @@ def _check_merge(cfg: DictConfig) -> None:
     check_soup_settings(**settings, prefix="merge.")
 
 
+def _sweep_job() -> dict:
+    """Where a Hydra multirun job belongs: ``{"sweep_dir": <absolute>, "job_num": n}``; {} outside one."""
+    if not HydraConfig.initialized():
+        return {}
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return {}
+    return {"sweep_dir": str(Path(hc.sweep.dir).absolute()), "job_num": int(hc.job.num)}
+
+
+def _check_sweep(cfg: DictConfig) -> None:
+    """Refuse a multirun job whose ``out_dir`` another job of the same sweep wrote: the jobs of
+    ``-m variant=coder variant.lr=1e-3,5e-4`` share ``variant.name``, and each would replace the fine-tune
+    (and artifact) of the one before."""
+    job = _sweep_job()
+    if not job:
+        return
+    try:
+        record = json.loads((Path(cfg.out_dir) / "training.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict) and record.get("sweep_dir") == job["sweep_dir"] and record.get("job_num") != job["job_num"]:
+        raise ValueError(f"job {record.get('job_num')} of this sweep wrote {cfg.out_dir}, and this job "
+                         f"({job['job_num']}) would replace it: give each job its own variant.name, e.g. "
+                         f"'variant.name={cfg.variant.name}-${{hydra:job.num}}'")
+
+
 def check_config(cfg: DictConfig) -> None:
     """The job's checks of its config, inputs and machine, before any work (so a mistake costs no
     training): the base and the domain's data exist, the settings are valid, a resume point is not
@@ -291,6 +320,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"variant.name={cfg.variant.name} writes its fine-tune to {cfg.out_dir}, the base it "
                              f"starts from, which every artifact is checked against: choose another variant.name")
     overwrite, export = flag(cfg, "overwrite"), flag(cfg, "export.enabled")
+    _check_sweep(cfg)
     check_replaceable(cfg.out_dir, [cfg.base_dir] if cfg.variant.init == "base" else [], _not_training_output,
                       job="training", overwrite=overwrite)
     if cfg.variant.init == "base" and export:
@@ -358,7 +388,7 @@ def train(cfg: DictConfig) -> dict:
     logger = hydra.utils.instantiate(cfg.logger)
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable,
-                     "lr": learning_rate(cfg)}
+                     "lr": learning_rate(cfg), **_sweep_job()}
     try:
         module = CausalLMModule(model, lr=metrics["lr"], weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
