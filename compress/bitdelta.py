@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -51,7 +52,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
-from deltafleet.checkpoint import CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, row_block
+from deltafleet.checkpoint import (CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, check_same_architecture,
+                                   row_block)
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -342,6 +344,33 @@ def _compress_tensors(
                 yield name, fi.numel, {name: w_ft}, "full"
 
 
+def _generation_settings(folder: Path) -> dict:
+    """What an engine reads beside the weights to generate: the end-of-sequence ids and the chat template."""
+    def read(name: str):
+        try:
+            return json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    gen, config, tok = (read(f) for f in ("generation_config.json", "config.json", "tokenizer_config.json"))
+    eos = next((d["eos_token_id"] for d in (gen, config) if isinstance(d, dict) and "eos_token_id" in d), None)
+    template = tok.get("chat_template") if isinstance(tok, dict) else None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(errors="replace")
+    return {"eos_token_id": eos, "chat template": template}
+
+
+def _warn_dropped_generation_settings(base_dir: Path, finetuned_dir: Path) -> None:
+    """An artifact holds weights only: the server and ``format=hf`` take the base's config, generation
+    config and tokenizer. Warn where the fine-tune's end-of-sequence ids or chat template differ from
+    the base's (an instruct fine-tune of a pretrained base), since they would be lost."""
+    base, ft = _generation_settings(base_dir), _generation_settings(finetuned_dir)
+    differ = [k for k in base if ft[k] is not None and ft[k] != base[k]]
+    if differ:
+        warnings.warn(f"{finetuned_dir} has another {' and '.join(differ)} than the base {base_dir}; the artifact "
+                      "keeps the weights only, and the server and format=hf use the base's", stacklevel=4)
+
+
 def compress(
     base_dir: str | Path,
     finetuned_dir: str | Path,
@@ -406,7 +435,8 @@ def compress(
 
     Raises:
         ValueError: on an unknown ``granularity``, a ``variant`` that is no name
-            (:func:`check_variant_name`), a ``max_shard_bytes``
+            (:func:`check_variant_name`), a fine-tune of another architecture than the base's
+            (``config.json``: :func:`deltafleet.checkpoint.check_same_architecture`), a ``max_shard_bytes``
             that is not a positive integer, or an ``out_dir`` it must not replace (above).
         FileNotFoundError: if either folder holds no safetensors checkpoint.
         ArtifactError: if the base has parameters the fine-tuned checkpoint lacks, one of a shape
@@ -421,6 +451,7 @@ def compress(
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
     check_replaceable(out_dir, [base_dir, finetuned_dir], lambda f: not_artifact(f, variant), job="export",
                       overwrite=overwrite)
+    check_same_architecture([base_dir, finetuned_dir])  # not a fine-tune of this base: its extra tensors stored whole
 
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
@@ -449,6 +480,7 @@ def compress(
                 f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
             )
         _check_shapes(base, ft, base_dir, finetuned_dir)
+        _warn_dropped_generation_settings(base_dir, finetuned_dir)
         names = ft.names()
         progress = tqdm(total=len(names), desc=f"bitdelta {variant}", unit="tensor",
                         disable=not show_progress)

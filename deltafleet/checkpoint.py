@@ -45,6 +45,39 @@ class CheckpointError(ValueError):
     """A safetensors file or index is missing, truncated or malformed."""
 
 
+# config.json keys that make two checkpoints different architectures (the vocabulary may differ: resized)
+ARCHITECTURE_KEYS = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "hidden_size", "intermediate_size")
+
+
+def _config(folder: Path) -> dict | None:
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")  # a multimodal config nests the language model's
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def check_same_architecture(folders) -> None:
+    """Refuse checkpoints whose ``config.json`` give different :data:`ARCHITECTURE_KEYS` (a folder
+    without a readable config is not compared): ValueError naming the key and both folders. A
+    fine-tune or merge of a base has the base's architecture; a Qwen2 model over a Llama base, or
+    one with more layers, would be stored or merged as something it is not."""
+    configs = [(Path(f), _config(f)) for f in folders]
+    for key in ARCHITECTURE_KEYS:
+        seen: dict[str, Path] = {}
+        for folder, config in configs:
+            if config is not None and key in config:
+                seen.setdefault(json.dumps(config[key]), folder)
+        if len(seen) > 1:
+            (a, fa), (b, fb) = list(seen.items())[:2]
+            raise ValueError(f"the checkpoints are of different architectures: {key} {a} in {fa}/config.json, "
+                             f"{b} in {fb}/config.json")
+
+
 def load_tokenizer(path: str | Path):
     """``AutoTokenizer.from_pretrained(path)`` of a checkpoint folder, or a CheckpointError saying
     that the folder holds no tokenizer transformers can load (where transformers says it would need

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
-from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint
+from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture
 from deltafleet.merge.methods import MergeMethod
 
 
@@ -172,23 +172,14 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _check_family(base_dir, model_dirs) -> None:
-    """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type`` or
-    ``architectures`` differ), as mergekit does; warn where the output will have no ``config.json`` (the
+    """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type``,
+    ``architectures`` or layer and head counts differ: ``check_same_architecture``), as mergekit does; warn where the output will have no ``config.json`` (the
     base, or the first model without a base, has none: transformers cannot load it), and where a
     model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``, unless
     that one holds the same weights (a copy of the base: :func:`_same_weights`)."""
     dirs = ([Path(base_dir)] if base_dir is not None else []) + [Path(d) for d in model_dirs]
-    configs = [(d, _read_json(d / "config.json")) for d in dirs]
-    for key in ("model_type", "architectures"):
-        seen: dict[str, Path] = {}
-        for d, c in configs:
-            if c is not None and key in c:
-                seen.setdefault(json.dumps(c[key]), d)
-        if len(seen) > 1:
-            (a, da), (b, db) = list(seen.items())[:2]
-            raise ValueError(f"the checkpoints are of different architectures: {key} {a} in {da}/config.json, "
-                             f"{b} in {db}/config.json")
-    if configs[0][1] is None:
+    check_same_architecture(dirs)
+    if _read_json(dirs[0] / "config.json") is None:
         warnings.warn(f"{dirs[0]} has no readable config.json, so the merged checkpoint has none either: "
                       "transformers cannot load it without one", stacklevel=3)
     if base_dir is not None:

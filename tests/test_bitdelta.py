@@ -270,6 +270,53 @@ def test_bad_arguments(family, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["empty"]  # nothing written
 
 
+def test_a_fine_tune_of_another_architecture_is_refused(family, tmp_path):
+    """Found by a fresh user: a Qwen2 fine-tune over a Llama base, or one with a layer more, was
+    exported with its extra tensors (q/k/v biases, a whole layer) stored in full; ``format=hf`` then
+    wrote the base's config, and transformers dropped them on load. Refused, naming the key."""
+    import json
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    base, ft = family
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+    qwen.save_pretrained(tmp_path / "qwen")
+    with pytest.raises(ValueError, match=rf"^the checkpoints are of different architectures: model_type \"llama\" "
+                                         rf"in {base}/config.json, \"qwen2\" in {tmp_path}/qwen/config.json$"):
+        compress(base, tmp_path / "qwen", tmp_path / "a", variant="v")
+    deeper = tmp_path / "deeper"
+    shutil.copytree(ft, deeper)
+    config = json.loads((deeper / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"different architectures: num_hidden_layers 2 in .*, 3 in "):
+        compress(base, deeper, tmp_path / "a", variant="v")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deeper", "qwen"]  # nothing written
+
+
+def test_a_fine_tunes_own_eos_and_chat_template_are_named_as_dropped(family, tmp_path):
+    """Found by a fresh user: an instruct fine-tune's end-of-sequence ids and chat template were
+    dropped without a word (the artifact is weights only; the server and format=hf use the base's)."""
+    import json
+    import shutil
+    import warnings
+
+    base, ft = family
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same settings: no warning
+        compress(base, ft, tmp_path / "same", variant="v")
+    chat = tmp_path / "chat"
+    shutil.copytree(ft, chat)
+    gen = json.loads((chat / "generation_config.json").read_text())
+    (chat / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 9]}))
+    (chat / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.warns(UserWarning, match=rf"^{chat} has another eos_token_id and chat template than the base {base}; "
+                                         "the artifact keeps the weights only, and the server and format=hf use "
+                                         "the base's$"):
+        compress(base, chat, tmp_path / "a", variant="v")
+
+
 # --------------------------------------------------------------------------------------------
 # fingerprint
 # --------------------------------------------------------------------------------------------
