@@ -76,4 +76,6 @@ def _main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from deltafleet.cli import run_script
+
+    run_script(main)

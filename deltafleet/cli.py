@@ -433,6 +433,27 @@ def _hydra_job(module: str) -> bool:
     return spec is not None and spec.origin is not None and "hydra.main(" in Path(spec.origin).read_text()
 
 
+
+_FROM_COMMAND = False  # the deltafleet command runs the script: its own --help message applies
+
+
+def run_script(main, argv: list[str] | None = None) -> None:
+    """A Hydra script's ``__main__``: ``main()``, except that ``--help`` before a required group is
+    chosen (``variant=...``), which Hydra cannot compose, is one line on stderr and status 2, as
+    ``deltafleet <job> --help`` says it, not a traceback."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        main()
+    except Exception as e:
+        if _FROM_COMMAND or not ("--help" in args or "-h" in args) \
+                or type(e).__name__ != "ConfigCompositionException":
+            raise  # (the deltafleet command says it in its own name)
+        script = Path(sys.argv[0]).as_posix()
+        print(f"{script}: {e}; its help shows the config of that choice, e.g. `python {script} variant=coder "
+              f"--help`", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``deltafleet <job> [args]`` (``bench <name> [args]`` for a benchmark) as that job's module
     run as a script; returns the exit status (a job that exits raises its SystemExit). ``<job>
@@ -457,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     if helping:  # its help names the script (run, ...)
         pre = [*pre, f"hydra.help.app_name='{prog} {args[0]}'"]
     sys.argv = [f"{prog} {args[0]}", *pre, *args[1:]]
+    global _FROM_COMMAND
+    _FROM_COMMAND = True
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
     except Exception as e:

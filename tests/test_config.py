@@ -583,3 +583,19 @@ def test_settings_added_on_purpose_are_taken():
         with pytest.raises(ValueError, match=rf"^{group}\.bogus is not a setting of conf/train\.yaml"):
             check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", f"+{group}.bogus=1"]),
                            "train.yaml", sections)
+
+
+@pytest.mark.parametrize("script", ["compress/run.py", "compress/distill.py"])
+def test_a_scripts_help_before_its_variant_is_chosen_is_one_line(script):
+    """Found by a fresh user: ``python compress/run.py --help`` ended in Hydra's traceback (its config
+    cannot be composed until ``variant`` is chosen); ``deltafleet export --help`` already said so in one
+    line. The script now says it as the command does; with the variant chosen, Hydra's help."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, script, "--help"], cwd=CONF.parent, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith(f"{script}: You must specify 'variant'"), out.stderr[-2000:]
+    assert out.stderr.rstrip().endswith(f"e.g. `python {script} variant=coder --help`"), out.stderr[-2000:]
+    chosen = subprocess.run([sys.executable, script, "variant=coder", "--help"], cwd=CONF.parent,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert chosen.returncode == 0 and "powered by Hydra" in chosen.stdout, chosen.stderr[-2000:]
