@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
 from deltafleet.checkpoint import (CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, check_same_architecture,
-                                   row_block)
+                                   read_config, row_block)
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -479,6 +479,11 @@ def compress(
                 f"{finetuned_dir} lacks {len(missing)} parameter(s) of the base "
                 f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
             )
+        if "lm_head.weight" in ft and "lm_head.weight" not in base \
+                and (read_config(finetuned_dir) or {}).get("tie_word_embeddings") is True:
+            # transformers ties the head of a model whose config says so, and ignores a stored one: so
+            # does the export (stored in full, it would untie a head that is the embedding)
+            del ft.tensors["lm_head.weight"]
         _check_shapes(base, ft, base_dir, finetuned_dir)
         _warn_dropped_generation_settings(base_dir, finetuned_dir)
         names = ft.names()

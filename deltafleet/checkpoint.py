@@ -50,7 +50,9 @@ ARCHITECTURE_KEYS = ("model_type", "architectures", "num_hidden_layers", "num_at
                      "num_key_value_heads", "hidden_size", "intermediate_size")
 
 
-def _config(folder: Path) -> dict | None:
+def read_config(folder: Path) -> dict | None:
+    """A checkpoint's ``config.json`` with a nested ``text_config`` (a multimodal model's language
+    model) laid over it; None where it has no readable one."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
@@ -66,7 +68,7 @@ def check_same_architecture(folders) -> None:
     without a readable config is not compared): ValueError naming the key and both folders. A
     fine-tune or merge of a base has the base's architecture; a Qwen2 model over a Llama base, or
     one with more layers, would be stored or merged as something it is not."""
-    configs = [(Path(f), _config(f)) for f in folders]
+    configs = [(Path(f), read_config(f)) for f in folders]
     for key in ARCHITECTURE_KEYS:
         seen: dict[str, Path] = {}
         for folder, config in configs:

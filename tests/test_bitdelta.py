@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1087,6 +1088,33 @@ def test_export_hf_copies_every_tokenizer_layout_unties_an_own_head_and_keeps_th
     head = load_file(tmp_path / "ft" / "model.safetensors")["lm_head.weight"].float()
     assert torch.equal(loaded.lm_head.weight, head) and not torch.equal(loaded.lm_head.weight,
                                                                         loaded.model.embed_tokens.weight)
+
+
+def test_a_tied_fine_tunes_stored_head_is_ignored_as_transformers_ignores_it(tmp_path):
+    """Found by a fresh user: a fine-tune whose config ties the head but whose file also holds
+    ``lm_head.weight`` (some tools save both) had the head stored in full (about 5x the bytes here),
+    and ``format=hf`` untied it. transformers ties such a model and ignores the tensor; so does the
+    export: the artifact is the one of the same fine-tune saved without it."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    model.save_pretrained(tmp_path / "ft")
+    shutil.copytree(tmp_path / "ft", tmp_path / "ft-head")
+    state = load_file(tmp_path / "ft" / "model.safetensors")
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()},
+              tmp_path / "ft-head" / "model.safetensors", metadata={"format": "pt"})
+    plain = compress(tmp_path / "base", tmp_path / "ft", tmp_path / "a", variant="v")
+    headed = compress(tmp_path / "base", tmp_path / "ft-head", tmp_path / "b", variant="v")
+    assert "lm_head.weight" not in load_artifact(tmp_path / "b").full
+    assert headed["stats"] == plain["stats"]
+    assert json.loads((bd.export_hf(tmp_path / "base", tmp_path / "b", tmp_path / "hf") / "config.json")
+                      .read_text())["tie_word_embeddings"] is True
 
 
 def test_a_matrix_of_another_shape_is_refused_but_a_resized_vocabulary_is_not(tmp_path):
