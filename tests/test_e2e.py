@@ -246,6 +246,17 @@ def test_a_diverged_run_writes_nothing(family, adapter):
     assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(f".{name}")]
 
 
+def test_fast_dev_run_writes_no_fine_tune_and_no_artifact(family):
+    """Lightning's ``fast_dev_run`` is a smoke run (a batch or a few, no checkpoints, no loggers); found by
+    a fresh user, it wrote a real ``models/<v>`` and ``artifacts/<v>`` of one step's training."""
+    root, _, _ = family
+    proc = run(["train/run.py", "variant=math", "variant.name=smoke", "logger=csv", "+trainer.fast_dev_run=2",
+                *SMALL_MODEL, *SMALL_RUN], root)
+    assert f"[train] fast_dev_run: 2 step(s) ran; nothing written to {root / 'models' / 'smoke'} or " \
+        "export.out_dir" in proc.stdout, proc.stdout[-2000:]
+    assert not (root / "models" / "smoke").exists() and not (root / "artifacts" / "smoke").exists()
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(family):
     import signal
 

@@ -406,6 +406,10 @@ def train(cfg: DictConfig) -> dict:
             stop_on_sigterm()
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["global_step"] = trainer.global_step
+        if trainer.fast_dev_run:  # Lightning's smoke run: a few batches, no checkpoints, and so no outputs
+            print(f"[train] fast_dev_run: {trainer.global_step} step(s) ran; nothing written to {cfg.out_dir}"
+                  + (" or export.out_dir" if cfg.variant.init == "base" and cfg.export.enabled else ""), flush=True)
+            return metrics
         if cfg.variant.adapter == "lora":
             model = finish_lora(module.model, Path(cfg.out_dir), trainer)
         else:
