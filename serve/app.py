@@ -58,6 +58,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafleet.serve import tools
+from deltafleet.serve.detokenize import token_chars
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.request import (
     EngineFailedError,
@@ -724,22 +725,23 @@ class Metrics:
 def completion_logprobs(steps: list, offset: int = 0) -> dict | None:
     """OpenAI's completions ``logprobs`` of ``steps`` (None if they carry none); ``offset``: the
     characters of the tokens before the first step's. A token's offset is the length of the tokens
-    before it, each decoded alone (as vLLM counts; a piece of a UTF-8 character counts as one "�")."""
+    before it, each decoded alone (as vLLM counts; a piece of a UTF-8 character, named ``bytes:\\xNN…``,
+    counts as its bytes decode alone: one "�" a run; ``detokenize.token_chars``)."""
     steps = [s for s in steps if s.logprob is not None]
     if not steps:
         return None
     offsets = []
     for s in steps:
         offsets.append(offset)
-        offset += len(s.token_str)
+        offset += token_chars(s.token_str)
     return {"tokens": [s.token_str for s in steps], "token_logprobs": [s.logprob for s in steps],
             "top_logprobs": [_top_dict(s.top_logprobs + [(s.token_str, s.logprob)]) for s in steps],  # the token too
             "text_offset": offsets}
 
 
 def _top_dict(pairs) -> dict[str, float]:
-    """``{text: log-probability}``, the highest where several tokens decode alike (pieces of one
-    UTF-8 character all read "�")."""
+    """``{token: log-probability}``, the highest where a token comes twice (the one sampled is added to
+    the likeliest, among which it may be)."""
     out: dict[str, float] = {}
     for t, v in pairs:
         if t not in out or v > out[t]:
@@ -754,8 +756,8 @@ def echo_logprobs(first: str, steps: list, keep: int) -> dict:
     tokens = [first] + [t for t, _, _ in prompt]
     out = {"tokens": tokens, "token_logprobs": [None] + [v for _, v, _ in prompt],
            "top_logprobs": [None] + [_top_dict(top + [(t, v)]) for t, v, top in prompt],
-           "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
-    generated = completion_logprobs(steps[:keep], sum(len(t) for t in tokens))
+           "text_offset": [sum(token_chars(t) for t in tokens[:i]) for i in range(len(tokens))]}
+    generated = completion_logprobs(steps[:keep], sum(token_chars(t) for t in tokens))
     for key in out if generated else ():
         out[key] = out[key] + generated[key]
     return out
@@ -1385,7 +1387,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                                         choice_prompt_tokens[i], 0 if role_only else made[i])}
                                 yield _sse(c)
                                 first[i] = False
-                        sent[i] += sum(len(x.token_str or "") for x in s)
+                        sent[i] += sum(token_chars(x.token_str or "") for x in s)
                 else:
                     if include_usage:
                         yield _sse(chunk(None, None, False, 0, [], 0) | {"choices": [], "usage": _usage(prompt_tokens, n)})
@@ -1429,8 +1431,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 text = echoed[index // body.n] + (text or "")
                 if firsts is not None and steps:
                     logprobs = echo_logprobs(firsts[index // body.n], steps, len(steps))
-                    prompt_chars[index] = len(firsts[index // body.n]) + sum(
-                        len(t) for t, _, _ in steps[0].prompt_logprobs or [])
+                    prompt_chars[index] = token_chars(firsts[index // body.n]) + sum(
+                        token_chars(t) for t, _, _ in steps[0].prompt_logprobs or [])
             return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                     "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason(steps, finish_reason)}]}

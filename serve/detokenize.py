@@ -55,6 +55,24 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     return out
 
 
+def token_name(own: bytes) -> str:
+    """How log-probabilities name a token of bytes ``own`` (:func:`token_bytes`), as OpenAI does: its
+    text where they are whole UTF-8 (a SentencePiece token's leading space included), else
+    ``bytes:\\xNN…`` (a piece of a character), so that two such pieces are two names."""
+    try:
+        return own.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in own)
+
+
+def token_chars(name: str) -> int:
+    """The characters a token named ``name`` (:func:`token_name`) counts for in ``text_offset``: its
+    text's, and a piece of a character's as its bytes decode alone (one U+FFFD for each invalid run)."""
+    if name.startswith("bytes:\\x"):
+        return len(bytes.fromhex(name[6:].replace("\\x", "")).decode("utf-8", "replace"))
+    return len(name)
+
+
 def _open_tail(tokenizer, ids: list[int], lock: threading.Lock) -> tuple[int, int]:
     """How many of the last tokens of ``ids`` hold the start of a UTF-8 character their bytes leave
     incomplete, and how many bytes of it they hold ((0, 0) when they end on a character's end, or in

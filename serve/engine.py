@@ -34,6 +34,7 @@ from deltafleet.serve.attention import check_block_size, pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
 from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.detokenize import token_bytes, token_name
 from deltafleet.serve.grammar import Grammars
 from deltafleet.serve.loading import load_model
 from deltafleet.serve.request import (  # noqa: F401  (FinishReason, SamplingParams, Step: re-exported)
@@ -778,9 +779,10 @@ class Engine:
             return self.tokenizer.decode(ids)
 
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each id decoded alone (special tokens kept), as log-probabilities name tokens."""
+        """Each id as log-probabilities name tokens (``detokenize.token_name``: its own bytes' text, special
+        tokens' too, or ``bytes:\\xNN…`` for a piece of a character)."""
         with self._tok_lock:
-            return [self.tokenizer.decode([i]) for i in ids]
+            return [token_name(b) for b in token_bytes(self.tokenizer, ids)]
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """The vocabulary's string of each id (byte-level pieces as the tokenizer spells them)."""

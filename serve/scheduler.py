@@ -66,7 +66,7 @@ from typing import Callable
 import torch
 
 from deltafleet.serve import sampling
-from deltafleet.serve.detokenize import TextStream, token_bytes
+from deltafleet.serve.detokenize import TextStream, token_bytes, token_name
 from deltafleet.serve.kv import BlockPool
 from deltafleet.serve.pacing import StepClock, decode_kind
 from deltafleet.serve.plan import PENDING, Planner, Sequence, StepPlan
@@ -740,14 +740,15 @@ class _Detokenizer:
             top = lp[1][:seq.req.params.logprobs]
             ids = [token] + [i for i, _ in top]
             with seq.text.lock:
-                strs = [seq.text.tokenizer.decode([i]) for i in ids]
                 step.token_bytes = token_bytes(seq.text.tokenizer, ids)
+            strs = [token_name(b) for b in step.token_bytes]
             step.logprob, step.token_str = lp[0], strs[0]
             step.top_logprobs = [(s, v) for s, (_, v) in zip(strs[1:], top)]
         if prompt_lp is not None:
             with seq.text.lock:
-                dec = lambda i: seq.text.tokenizer.decode([i])
-                step.prompt_logprobs = [(dec(t), v, [(dec(i), w) for i, w in top]) for t, v, top in prompt_lp]
+                own = [token_bytes(seq.text.tokenizer, [t] + [i for i, _ in top]) for t, _, top in prompt_lp]
+            step.prompt_logprobs = [(token_name(b[0]), v, [(token_name(c), w) for c, (_, w) in zip(b[1:], top)])
+                                    for b, (_, v, top) in zip(own, prompt_lp)]
         seq.out.put(step)
         if step.finish_reason is not None:
             seq.finished = True

@@ -590,15 +590,18 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     tokens = [s.token_id for s in engine.generate("tiny-coder", prompt_ids, SamplingParams(**GREEDY))]
     ref = _reference_logprobs(engine, "tiny-coder", prompt_ids, tokens)
     assert len(lp.tokens) == len(tokens) == r.usage.completion_tokens
-    assert "".join(lp.tokens) == r.choices[0].text  # nothing held back or cut here
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(tokens))]
+    own = [bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:\\x") else t.encode() for t in lp.tokens]
+    assert b"".join(own).decode("utf-8", "replace") == r.choices[0].text  # nothing held back or cut here
+    assert all(t == (b.decode() if _utf8(b) else "bytes:" + "".join(f"\\x{x:02x}" for x in b))
+               for t, b in zip(lp.tokens, own))  # a whole character's text, or a piece's bytes
+    assert lp.text_offset == [sum(len(b.decode("utf-8", "replace")) for b in own[:i]) for i in range(len(tokens))]
     torch.testing.assert_close(torch.tensor(lp.token_logprobs), ref.gather(1, torch.tensor(tokens)[:, None])[:, 0],
                                rtol=0, atol=1e-4)
     for i, top in enumerate(lp.top_logprobs):
         values, ids = ref[i].topk(k)
-        by_text: dict[str, list[float]] = {}  # two ids may decode alike (a piece of a UTF-8 character: "�")
+        by_text: dict[str, list[float]] = {}  # the names of the likeliest, each its own (bytes:\x.. for pieces)
         for v, t in zip(values.tolist(), ids.tolist()):
-            by_text.setdefault(engine.tokenizer.decode([t]), []).append(v)
+            by_text.setdefault(engine.token_texts([t])[0], []).append(v)
         assert top[lp.tokens[i]] == lp.token_logprobs[i]  # greedy: the token is among the likeliest
         assert set(top) == set(by_text) and all(min(abs(top[t] - v) for v in by_text[t]) < 1e-4 for t in top)
 
@@ -614,7 +617,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     tokens = [s.token_id for s in engine.generate("tiny", chat_ids, SamplingParams(**GREEDY))]
     ref = _reference_logprobs(engine, "tiny", chat_ids, tokens)
     assert len(content) == len(tokens)  # a whole token's bytes are its text's (pieces of characters: below)
-    assert all(c.bytes == list(c.token.encode()) for c in content if "\ufffd" not in c.token)
+    assert all(c.bytes == list(c.token.encode()) for c in content if not c.token.startswith("bytes:"))
     torch.testing.assert_close(torch.tensor([c.logprob for c in content]), ref.max(-1).values, rtol=0, atol=1e-4)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
     plain = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
@@ -628,21 +631,32 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     assert e.value.body["param"] == "logprobs"
 
 
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_chat_logprobs_bytes_are_each_tokens_own(client):
-    """Held to characters that the tiny BPE spells in several tokens, the chat's tokens decoded alone
-    read U+FFFD, but each one's ``bytes`` are its own (OpenAI's field): in order they are the content's
-    bytes; so are the likeliest tokens'."""
+    """Held to characters that the tiny BPE spells in several tokens, each token's ``bytes`` are its own
+    (OpenAI's field): in order they are the content's bytes; so are the likeliest tokens'. A piece of a
+    character is named by its bytes, ``bytes:\\xNN…``, as OpenAI names it: found by a fresh user, every
+    piece read "�", so a completion's ``top_logprobs`` (keyed by name) kept one of them."""
     chat = client.chat.completions.create(model="tiny-writer", messages=[{"role": "user", "content": "hi"}],
                                           logprobs=True, top_logprobs=2, extra_body={"guided_regex": "[é你🙂]{3,10}"},
                                           temperature=0, max_tokens=64)
     content, lp = chat.choices[0].message.content, chat.choices[0].logprobs.content
     assert chat.choices[0].finish_reason == "stop"  # the regex ended: no character cut short
-    assert "\ufffd" in [c.token for c in lp]  # pieces of characters: the case the field is for
+    assert any(c.token.startswith("bytes:") for c in lp)  # pieces of characters: the case the field is for
     assert lp[-1].token == "<|endoftext|>" and lp[-1].bytes == list(b"<|endoftext|>")  # the end: not in content
     assert bytes(b for c in lp[:-1] for b in c.bytes) == content.encode()
     tops = [t for c in lp for t in c.top_logprobs]  # the model's likeliest, pieces of characters too
-    assert all(t.bytes == list(t.token.encode()) for t in tops if t.token != "\ufffd")
-    assert all(t.bytes != list("\ufffd".encode()) for t in tops if t.token == "\ufffd")
+    named = lambda b: "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+    assert all(t.token == (named(t.bytes) if t.token.startswith("bytes:") else bytes(t.bytes).decode()) for t in tops)
+    assert all(t.token.startswith("bytes:") for t in tops if not _utf8(bytes(t.bytes)))
+    assert len({t.token for t in lp[0].top_logprobs}) == 2
 
 
 def test_echo_logprobs_of_a_prompt_equal_a_teacher_forced_pass(client, root):

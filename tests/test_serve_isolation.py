@@ -1178,3 +1178,18 @@ def test_two_ctrl_c_end_the_server_without_a_traceback(tiny_family, tmp_path):
         stop_server(proc, log, 10)
     out = (tmp_path / "server.log").read_text()
     assert out.startswith("serving tiny, tiny-coder, tiny-writer") and "Traceback" not in out, out[-2000:]
+
+
+def test_log_probabilities_name_each_token_by_its_own_bytes():
+    """Found by a fresh user: a SentencePiece token (``▁or``) decoded alone lost its leading space, so
+    ``▁or`` and ``or`` were one name, and tokens read "rights" with bytes " rights"; every piece of a
+    character read "�". Names are the token's own text, or ``bytes:\\xNN…`` (OpenAI's) for a piece, and
+    ``text_offset`` counts a piece as its bytes decode alone."""
+    from deltafleet.serve.detokenize import token_chars, token_name
+
+    sp = _sentencepiece_style()
+    names = [token_name(b) for b in token_bytes(sp, [5, 4, 6, 7, 1, 2])]
+    assert names == [" Hello", "b", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xc3", "bytes:\\xa9"]
+    assert [token_chars(n) for n in names] == [6, 1, 1, 1, 1, 1]
+    assert token_name(b"\xc3\xa9") == "é" and token_chars("bytes:\\xe2\\x82") == 1
+    assert token_chars("bytes:\\xa5\\xa5") == 2 and token_chars("bytes:\\x20\\xf0\\x9f") == 2  # " " then a piece
