@@ -247,6 +247,15 @@ def tc(engine):
         yield tc
 
 
+def is_utf8(b: bytes) -> bool:
+    """Whether ``b`` is whole UTF-8 text (a token's bytes may be a piece of a character)."""
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def api_error(r, status: int) -> dict:
     """The OpenAI error object of the HTTP response ``r``, asserting its status and JSON shape."""
     assert r.status_code == status, r.text

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from deltafleet.compress.bitdelta import compress
 from deltafleet.serve.app import create_app
 from deltafleet.serve.engine import Engine, ModelNotFoundError, SamplingParams, VariantUnavailableError
-from tests.conftest import api_error, free_port, perturb, stop_server, tiny_llama, wait_healthy
+from tests.conftest import api_error, free_port, is_utf8, perturb, stop_server, tiny_llama, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(", "import os\n", "The quick brown"]
@@ -592,7 +592,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     assert len(lp.tokens) == len(tokens) == r.usage.completion_tokens
     own = [bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:\\x") else t.encode() for t in lp.tokens]
     assert b"".join(own).decode("utf-8", "replace") == r.choices[0].text  # nothing held back or cut here
-    assert all(t == (b.decode() if _utf8(b) else "bytes:" + "".join(f"\\x{x:02x}" for x in b))
+    assert all(t == (b.decode() if is_utf8(b) else "bytes:" + "".join(f"\\x{x:02x}" for x in b))
                for t, b in zip(lp.tokens, own))  # a whole character's text, or a piece's bytes
     assert lp.text_offset == [sum(len(b.decode("utf-8", "replace")) for b in own[:i]) for i in range(len(tokens))]
     torch.testing.assert_close(torch.tensor(lp.token_logprobs), ref.gather(1, torch.tensor(tokens)[:, None])[:, 0],
@@ -631,14 +631,6 @@ def test_logprobs_are_the_models_log_softmax_at_each_token(client, engine):
     assert e.value.body["param"] == "logprobs"
 
 
-def _utf8(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def test_chat_logprobs_bytes_are_each_tokens_own(client):
     """Held to characters that the tiny BPE spells in several tokens, each token's ``bytes`` are its own
     (OpenAI's field): in order they are the content's bytes; so are the likeliest tokens'. A piece of a
@@ -655,7 +647,7 @@ def test_chat_logprobs_bytes_are_each_tokens_own(client):
     tops = [t for c in lp for t in c.top_logprobs]  # the model's likeliest, pieces of characters too
     named = lambda b: "bytes:" + "".join(f"\\x{x:02x}" for x in b)
     assert all(t.token == (named(t.bytes) if t.token.startswith("bytes:") else bytes(t.bytes).decode()) for t in tops)
-    assert all(t.token.startswith("bytes:") for t in tops if not _utf8(bytes(t.bytes)))
+    assert all(t.token.startswith("bytes:") for t in tops if not is_utf8(bytes(t.bytes)))
     assert len({t.token for t in lp[0].top_logprobs}) == 2
 
 

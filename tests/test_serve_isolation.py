@@ -29,7 +29,7 @@ from deltafleet.serve.detokenize import TextStream, token_bytes
 from deltafleet.serve.engine import Engine
 from deltafleet.serve.sampling import SamplingBatch
 from deltafleet.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS, NULL_IS_DEFAULT
-from tests.conftest import api_error, free_port, stop_server, wait_healthy
+from tests.conftest import api_error, free_port, is_utf8, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -271,7 +271,7 @@ def test_each_token_spells_its_own_bytes_pieces_of_characters_too(engine):
     ids = tok.encode(text, add_special_tokens=False)
     got = token_bytes(tok, ids)
     assert b"".join(got) == text.encode()
-    assert any(_not_utf8(b) for b in got)  # pieces of a character: the case the field is for
+    assert any(not is_utf8(b) for b in got)  # pieces of a character: the case the field is for
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     assert token_bytes(tok, [eos]) == [b"<|endoftext|>"]
 
@@ -371,14 +371,6 @@ def test_a_prompt_cut_anywhere_leaves_the_completion_its_characters(engine):
     j = len(tok.encode("def é(x): return", add_special_tokens=False))
     assert _stream(ids[j:], ("'",), tok, context=tuple(ids[:j]))[:2] == (" ", True)
     assert _stream(ids[j:], (" ",), tok, min_tokens=2, context=tuple(ids[:j]))[:2] == (" '你🙂", True)
-
-
-def _not_utf8(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    return False
 
 
 def test_a_long_held_stop_prefix_costs_time_linear_in_the_new_text():
