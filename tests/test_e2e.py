@@ -405,6 +405,10 @@ def test_exporting_the_base_is_refused(family):
     ("export.granularity=bogus", "export.granularity must be one of ('matrix', 'row', 'rowcol'), got 'bogus'"),
     # found by a fresh user: fit found no batch, then saving failed with a TypeError traceback
     ("variant.batch_size=100000", "the legal train split holds "),
+    # found by a fresh user: Lightning refused these only after the data and the model loaded
+    ("trainer.precision=banana", "trainer.precision must be one of Lightning's 64, 32, 16, transformer-engine, "),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval must be a whole number of steps ≥ 1 or a fraction "
+                                     "of an epoch in (0, 1], got 0"),
 ])
 def test_bad_settings_fail_before_training(family, override, message):
     root, _, _ = family

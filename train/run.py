@@ -232,6 +232,30 @@ def _check_numbers(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be {what}, got {value!r}")
 
 
+def _check_trainer(cfg: DictConfig) -> None:
+    """The Lightning settings that Lightning would refuse only once the data and the model are loaded
+    (``precision``), or fail on in its loop (``val_check_interval=0``: a ZeroDivisionError)."""
+    import typing
+
+    precision = cfg.trainer.get("precision")
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT  # what Trainer(precision=...) takes
+    except ImportError:  # another Lightning: it checks for itself
+        _PRECISION_INPUT = None
+    if precision is not None and _PRECISION_INPUT is not None:
+        def values(t) -> list:
+            return [v for a in typing.get_args(t) for v in (values(a) if typing.get_args(a) else [a])]
+
+        known = values(_PRECISION_INPUT)
+        if isinstance(precision, bool) or precision not in known:
+            raise ValueError(f"trainer.precision must be one of Lightning's {', '.join(str(v) for v in known)}; "
+                             f"got {precision!r}")
+    interval = cfg.trainer.get("val_check_interval")
+    if interval is not None and not (whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1):
+        raise ValueError(f"trainer.val_check_interval must be a whole number of steps ≥ 1 or a fraction of an epoch "
+                         f"in (0, 1], got {interval!r}")
+
+
 def _check_merge(cfg: DictConfig) -> None:
     """The merge callback's settings (:func:`check_config`), named ``merge.<key>``, where the callback
     would refuse them only once the data and the model are loaded, in Hydra's words."""
@@ -312,6 +336,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"variant.limit_val_batches must be a whole number of batches ≥ 0 or a fraction in [0, 1], "
                          f"got {limit!r}")
     _check_numbers(cfg)
+    _check_trainer(cfg)
     _check_merge(cfg)
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
