@@ -110,8 +110,10 @@ base: install data/manifest.json
 train: install
 	$(PY) train/run.py variant=$(VARIANT) $(ARGS)
 
+# VARIANT: a conf/variant/ preset, or the variant.name of a fine-tune trained under another name
+# (`train/run.py variant=coder variant.name=c1`): exported with the coder preset's other settings
 export: install
-	$(PY) compress/run.py variant=$(VARIANT) format=$(FORMAT) $(ARGS)
+	$(PY) compress/run.py $(if $(wildcard conf/variant/$(VARIANT).yaml),variant=$(VARIANT),variant=coder variant.name=$(VARIANT)) format=$(FORMAT) $(ARGS)
 
 eval: install
 	$(PY) train/eval.py $(ARGS)

@@ -599,3 +599,17 @@ def test_a_scripts_help_before_its_variant_is_chosen_is_one_line(script):
     chosen = subprocess.run([sys.executable, script, "variant=coder", "--help"], cwd=CONF.parent,
                             capture_output=True, text=True, timeout=300, env=env)
     assert chosen.returncode == 0 and "powered by Hydra" in chosen.stdout, chosen.stderr[-2000:]
+
+
+def test_make_export_takes_a_variant_trained_under_its_own_name():
+    """Found by a fresh user: ``make export VARIANT=c1`` for a fine-tune trained as
+    ``variant=coder variant.name=c1`` failed in Hydra ("Could not find 'variant/c1'"). A name with no
+    preset is exported under the coder preset's other settings; a preset's name is its preset."""
+    def command(variant: str) -> str:
+        out = subprocess.run(["make", "-n", "export", f"VARIANT={variant}"], cwd=CONF.parent, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return next(line.rstrip() for line in out.stdout.splitlines() if "compress/run.py" in line)
+
+    assert command("c1").endswith("compress/run.py variant=coder variant.name=c1 format=bitdelta")
+    assert command("math").endswith("compress/run.py variant=math format=bitdelta")
