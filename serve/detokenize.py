@@ -205,14 +205,16 @@ class TextStream:
         dropped, as vLLM drops it (its U+FFFD would end the text); bytes that are no UTF-8 at all
         stay U+FFFD."""
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
+        last = self.ids[max(self.given, len(self.ids) - 4):]  # a character is at most four bytes
+        tokens = _open_tail(self.tokenizer, last, self.lock)[0] if new.endswith("\ufffd") and last else 0
+        if tokens and _kind(self.tokenizer)[0] is None:
+            # byte tokens (SentencePiece's byte fallback): a run of them that does not decode whole reads
+            # U+FFFD a byte, the whole characters before the open one too, so decode without its tokens
+            new = self._decode(self.ids[self.prefix:max(self.prefix, len(self.ids) - tokens)])[len(self.prefix_text):]
+        elif tokens:  # byte-level BPE: one U+FFFD for the open character, the text before it as it was
+            new = new[:-1]
         if self.open:
             new = self._close(new)
-        last = self.ids[max(self.given, len(self.ids) - 4):]  # a character is at most four bytes
-        if new.endswith("\ufffd") and last:
-            tokens, n = _open_tail(self.tokenizer, last, self.lock)
-            if tokens:  # its U+FFFD: one, or one per byte where byte tokens decode (SentencePiece's byte fallback)
-                n = n if _kind(self.tokenizer)[0] is None else 1
-                new = new[:len(new) - min(n, len(new) - len(new.rstrip("\ufffd")))]
         rest, self.fed = new[self.fed:], len(new)
         out, stopped = self._check(rest)
         out, self.held = out + self.held, ""

@@ -1185,3 +1185,32 @@ def test_log_probabilities_name_each_token_by_its_own_bytes():
     assert [token_chars(n) for n in names] == [6, 1, 1, 1, 1, 1]
     assert token_name(b"\xc3\xa9") == "é" and token_chars("bytes:\\xe2\\x82") == 1
     assert token_chars("bytes:\\xa5\\xa5") == 2 and token_chars("bytes:\\x20\\xf0\\x9f") == 2  # " " then a piece
+
+
+def test_a_byte_fallback_text_cut_anywhere_ends_as_a_utf8_decoder_ends_it():
+    """SentencePiece byte fallback (Llama-2's, Mistral's) decodes a run of byte tokens that is not
+    whole UTF-8 as one U+FFFD a byte, the whole characters before the open one included; found by a
+    fresh user, a text cut inside a character after a whole one ended "你��" instead of "你". Random
+    cuts of random text end where Python's incremental UTF-8 decoder ends them."""
+    import codecs
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581Hi": 1, "a": 2, "\u2581b": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)}}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=sp)
+
+    def ids_of(char: str) -> list[int]:
+        return [vocab[char]] if char in vocab else [4 + b for b in char.encode()]
+
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [i for c in rng.choices(["你", "好", "é", "😀", "a", "\u2581b", "\u0301"], k=rng.randrange(1, 8))
+               for i in ids_of(c)]
+        ids = ids[:rng.randrange(1, len(ids) + 1)]
+        want = codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(token_bytes(sp, ids)), final=False)
+        assert _stream(ids, (), sp, context=(1,))[0] == want, ids
