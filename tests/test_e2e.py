@@ -255,6 +255,8 @@ def test_fast_dev_run_writes_no_fine_tune_and_no_artifact(family):
     assert f"[train] fast_dev_run: 2 step(s) ran; nothing written to {root / 'models' / 'smoke'} or " \
         "export.out_dir" in proc.stdout, proc.stdout[-2000:]
     assert not (root / "models" / "smoke").exists() and not (root / "artifacts" / "smoke").exists()
+    assert not list((root / "outputs" / "train" / "smoke").glob("*/checkpoints/*"))  # nor a checkpoint for
+    # ckpt_path=last to take (found by a fresh user)
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(family):
@@ -327,6 +329,10 @@ def test_a_sweep_never_replaces_the_fine_tune_of_its_own_earlier_job(family):
     assert json.loads((root / "models/swept/training.json").read_text())["lr"] == 1e-3
     run([*common[:-1], "variant.name=swept-${hydra:job.num}", f"hydra.sweep.dir={root}/outputs/sweep2"], root)
     assert [json.loads((root / f"models/swept-{i}/training.json").read_text())["lr"] for i in (0, 1)] == [1e-3, 5e-4]
+    # another sweep into the same folder is another sweep: its job 0 may replace the last one's job 1
+    run([*(c for c in common[:-1] if not c.startswith("variant.lr=")), "variant.name=swept-1,swept-0",
+         f"hydra.sweep.dir={root}/outputs/sweep2"], root)
+    assert [json.loads((root / f"models/swept-{i}/training.json").read_text())["job_num"] for i in (0, 1)] == [1, 0]
 
 
 def test_summary_prints_a_table_per_base(family, tmp_path):
@@ -407,8 +413,9 @@ def test_exporting_the_base_is_refused(family):
     ("variant.batch_size=100000", "the legal train split holds "),
     # found by a fresh user: Lightning refused these only after the data and the model loaded
     ("trainer.precision=banana", "trainer.precision must be one of Lightning's 64, 32, 16, transformer-engine, "),
-    ("trainer.val_check_interval=0", "trainer.val_check_interval must be a whole number of steps ≥ 1 or a fraction "
-                                     "of an epoch in (0, 1], got 0"),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval must be a whole number of steps ≥ 1, a fraction "
+                                     "of an epoch in (0, 1] or a time (Lightning's \"DD:HH:MM:SS\" or {seconds: ...}), "
+                                     "got 0"),
 ])
 def test_bad_settings_fail_before_training(family, override, message):
     root, _, _ = family

@@ -127,6 +127,34 @@ def test_a_resume_is_checked_before_training(tmp_path):
                                          r"resume it with no variant.adapter$"):
         check_resume(str(ckpt), "r2", 80, 1e-3, lora_r=8)
     check_resume(str(ckpt), "r2", 80, 1e-3, schedule=sched)  # a checkpoint that records no schedule
+    # found by a fresh user: ckpt_path=last took a diverged run's checkpoint, trained NaNs to the end,
+    # and only then refused to write them
+    torch.save({"state_dict": {"model.layers.0.q_proj.weight": torch.full((4, 4), float("nan"))}, "global_step": 20,
+                "hyper_parameters": {"variant": "r2", "lr": 1e-3}}, ckpt)
+    with pytest.raises(ValueError, match=r"holds NaN or inf weights \(model.layers.0.q_proj.weight\): its run "
+                                         r"diverged; train again at a lower learning rate$"):
+        check_resume(str(ckpt), "r2", 80, 1e-3)
+
+
+def test_lightning_settings_are_checked_as_lightning_takes_them():
+    """``trainer.precision`` and ``trainer.val_check_interval`` are refused before any work where
+    Lightning would refuse them after the data and model load (or fail in its loop: 0), and taken in
+    every form Lightning takes: found by fresh users, 32.0 passed the check, and Lightning's time
+    forms of the interval were refused."""
+    from omegaconf import OmegaConf
+
+    from deltafleet.train.run import _check_trainer
+
+    for precision in ("32-true", "bf16-mixed", 16, "16", "bf16", None):
+        _check_trainer(OmegaConf.create({"trainer": {"precision": precision}}))
+    for precision in ("banana", 32.0, True):
+        with pytest.raises(ValueError, match=r"^trainer.precision must be one of Lightning's .*; got "):
+            _check_trainer(OmegaConf.create({"trainer": {"precision": precision}}))
+    for interval in (1, 50, 0.25, 1.0, "00:00:00:05", {"seconds": 5}, None):
+        _check_trainer(OmegaConf.create({"trainer": {"val_check_interval": interval}}))
+    for interval in (0, -1, 1.5, 0.0, True):
+        with pytest.raises(ValueError, match=r"^trainer.val_check_interval must be a whole number of steps"):
+            _check_trainer(OmegaConf.create({"trainer": {"val_check_interval": interval}}))
 
 
 def test_ckpt_path_last_is_the_newest_checkpoint_of_the_variants_runs(tmp_path):

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import hydra
@@ -167,6 +168,11 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
             fix = f"lora.r={max(ranks)}" if ranks else "no variant.adapter"
             raise ValueError(f"ckpt_path {ckpt_path} holds {got}, this run asks for lora.r={lora_r}: resume it "
                              f"with {fix}")
+        bad = next((k for k, t in ckpt["state_dict"].items() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:  # a diverged run's: resuming would train NaNs to the end, then write nothing
+            raise ValueError(f"ckpt_path {ckpt_path} holds NaN or inf weights ({bad}): its run diverged; train "
+                             f"again at a lower learning rate")
         step = ckpt.get("global_step")
         if max_steps is not None and max_steps >= 0 and step is not None and step >= max_steps:
             raise ValueError(f"ckpt_path {ckpt_path} is at step {step}, at or past max_steps={max_steps}: "
@@ -190,7 +196,7 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callbacks = []
-    if cfg.trainer.get("enable_checkpointing", True):
+    if cfg.trainer.get("enable_checkpointing", True) and not cfg.trainer.get("fast_dev_run"):  # (a smoke run: none)
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
                                          every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
                                          save_last=True, auto_insert_metric_name=False))
@@ -247,13 +253,14 @@ def _check_trainer(cfg: DictConfig) -> None:
             return [v for a in typing.get_args(t) for v in (values(a) if typing.get_args(a) else [a])]
 
         known = values(_PRECISION_INPUT)
-        if isinstance(precision, bool) or precision not in known:
+        if not isinstance(precision, (int, str)) or isinstance(precision, bool) or precision not in known:
             raise ValueError(f"trainer.precision must be one of Lightning's {', '.join(str(v) for v in known)}; "
                              f"got {precision!r}")
     interval = cfg.trainer.get("val_check_interval")
-    if interval is not None and not (whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1):
-        raise ValueError(f"trainer.val_check_interval must be a whole number of steps ≥ 1 or a fraction of an epoch "
-                         f"in (0, 1], got {interval!r}")
+    timed = isinstance(interval, str) or OmegaConf.is_dict(interval)  # Lightning's time: "DD:HH:MM:SS", {seconds: 5}
+    if interval is not None and not timed and not (whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1):
+        raise ValueError(f"trainer.val_check_interval must be a whole number of steps ≥ 1, a fraction of an epoch "
+                         f"in (0, 1] or a time (Lightning's \"DD:HH:MM:SS\" or {{seconds: ...}}), got {interval!r}")
 
 
 def _check_merge(cfg: DictConfig) -> None:
@@ -282,7 +289,11 @@ def _sweep_job() -> dict:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return {}
-    return {"sweep_dir": str(Path(hc.sweep.dir).absolute()), "job_num": int(hc.job.num)}
+    return {"sweep_dir": str(Path(hc.sweep.dir).absolute()), "sweep_id": _SWEEP_ID, "job_num": int(hc.job.num)}
+
+
+_SWEEP_ID = uuid.uuid4().hex  # one invocation's jobs share it (Hydra's basic launcher runs them in this process):
+# a later sweep into the same hydra.sweep.dir is another sweep
 
 
 def _check_sweep(cfg: DictConfig) -> None:
@@ -296,7 +307,7 @@ def _check_sweep(cfg: DictConfig) -> None:
         record = json.loads((Path(cfg.out_dir) / "training.json").read_text())
     except (OSError, ValueError):
         return
-    if isinstance(record, dict) and record.get("sweep_dir") == job["sweep_dir"] and record.get("job_num") != job["job_num"]:
+    if isinstance(record, dict) and record.get("sweep_id") == job["sweep_id"] and record.get("job_num") != job["job_num"]:
         raise ValueError(f"job {record.get('job_num')} of this sweep wrote {cfg.out_dir}, and this job "
                          f"({job['job_num']}) would replace it: give each job its own variant.name, e.g. "
                          f"'variant.name={cfg.variant.name}-${{hydra:job.num}}'")
@@ -518,7 +529,7 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
 def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
     """Refuse to write a fine-tune that diverged: a weight holding NaN or inf ends the job (status 1,
     one line) with nothing written, its adapter's staging folder removed; the run folder and its
-    checkpoints stay, to resume from an earlier one."""
+    checkpoints stay (a resume from a diverged one is refused: :func:`check_resume`)."""
     bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
     if bad is None:
         return
@@ -527,8 +538,8 @@ def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
         remove_dir(Path(adapter_dir))
     raise SystemExit(f"train: the fine-tune diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
                      f"written to {cfg.out_dir}; lower the learning rate ({learning_rate(cfg):g}: variant.lr, or "
-                     f"model.finetune_lr for a pretrained family) or resume from a checkpoint before it diverged "
-                     f"(ckpt_path=...)")
+                     f"model.finetune_lr for a pretrained family) and train again (this run's last checkpoint "
+                     f"holds the diverged weights, and a resume from it is refused)")
 
 
 def retire_artifact(cfg: DictConfig) -> None:
@@ -631,4 +642,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltafleet.cli import run_script
+
+    run_script(main)
