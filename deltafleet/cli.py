@@ -439,16 +439,20 @@ _FROM_COMMAND = False  # the deltafleet command runs the script: its own --help 
 
 def run_script(main, argv: list[str] | None = None) -> None:
     """A Hydra script's ``__main__``: ``main()``, except that ``--help`` before a required group is
-    chosen (``variant=...``), which Hydra cannot compose, is one line on stderr and status 2, as
-    ``deltafleet <job> --help`` says it, not a traceback."""
+    chosen (``variant=...``), or with a choice that does not exist (``variant=codr``), which Hydra
+    cannot compose, is said on stderr with status 2, as ``deltafleet <job> --help`` says it, not a
+    traceback."""
     args = sys.argv[1:] if argv is None else argv
     try:
         main()
     except Exception as e:
         if _FROM_COMMAND or not ("--help" in args or "-h" in args) \
-                or type(e).__name__ != "ConfigCompositionException":
+                or type(e).__name__ not in ("ConfigCompositionException", "MissingConfigException"):
             raise  # (the deltafleet command says it in its own name)
         script = Path(sys.argv[0]).as_posix()
+        if type(e).__name__ == "MissingConfigException":  # a misspelt choice (variant=codr): Hydra's words
+            print(f"{script}: {str(e).splitlines()[0]}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"{script}: {e}; its help shows the config of that choice, e.g. `python {script} variant=coder "
               f"--help`", file=sys.stderr)
         raise SystemExit(2) from None
