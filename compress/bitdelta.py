@@ -354,6 +354,7 @@ def _generation_settings(folder: Path) -> dict:
 
     gen, config, tok = (read(f) for f in ("generation_config.json", "config.json", "tokenizer_config.json"))
     eos = next((d["eos_token_id"] for d in (gen, config) if isinstance(d, dict) and "eos_token_id" in d), None)
+    eos = sorted(set(eos)) if isinstance(eos, list) else [eos] if eos is not None else None  # 2 and [2] alike
     template = tok.get("chat_template") if isinstance(tok, dict) else None
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(errors="replace")
@@ -367,7 +368,8 @@ def _warn_dropped_generation_settings(base_dir: Path, finetuned_dir: Path) -> No
     base, ft = _generation_settings(base_dir), _generation_settings(finetuned_dir)
     differ = [k for k in base if ft[k] is not None and ft[k] != base[k]]
     if differ:
-        warnings.warn(f"{finetuned_dir} has another {' and '.join(differ)} than the base {base_dir}; the artifact "
+        said = [f"{k} {ft[k]} against {base[k]}" if k == "eos_token_id" else k for k in differ]
+        warnings.warn(f"{finetuned_dir} has another {' and '.join(said)} than the base {base_dir}; the artifact "
                       "keeps the weights only, and the server and format=hf use the base's", stacklevel=4)
 
 

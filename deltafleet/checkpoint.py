@@ -72,7 +72,7 @@ def check_same_architecture(folders) -> None:
     for key in ARCHITECTURE_KEYS:
         seen: dict[str, Path] = {}
         for folder, config in configs:
-            if config is not None and key in config:
+            if config is not None and config.get(key) is not None:  # (null: not given)
                 seen.setdefault(json.dumps(config[key]), folder)
         if len(seen) > 1:
             (a, fa), (b, fb) = list(seen.items())[:2]

@@ -304,17 +304,23 @@ def test_a_fine_tunes_own_eos_and_chat_template_are_named_as_dropped(family, tmp
     import warnings
 
     base, ft = family
+    same = tmp_path / "same-ft"  # the same ids written as a list, and a null architectures: no warning, no refusal
+    shutil.copytree(ft, same)
+    gen = json.loads((same / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    (same / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2]}))
+    config = json.loads((same / "config.json").read_text())
+    (same / "config.json").write_text(json.dumps({**config, "architectures": None}))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same settings: no warning
-        compress(base, ft, tmp_path / "same", variant="v")
+        warnings.simplefilter("error")
+        compress(base, same, tmp_path / "same", variant="v")
     chat = tmp_path / "chat"
     shutil.copytree(ft, chat)
-    gen = json.loads((chat / "generation_config.json").read_text())
     (chat / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 9]}))
     (chat / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    with pytest.warns(UserWarning, match=rf"^{chat} has another eos_token_id and chat template than the base {base}; "
-                                         "the artifact keeps the weights only, and the server and format=hf use "
-                                         "the base's$"):
+    with pytest.warns(UserWarning, match=re.escape(f"{chat} has another eos_token_id [2, 9] against [2] and chat "
+                                                   f"template than the base {base}; the artifact keeps the weights "
+                                                   "only, and the server and format=hf use the base's")):
         compress(base, chat, tmp_path / "a", variant="v")
 
 
