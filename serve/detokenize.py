@@ -67,7 +67,8 @@ def token_name(own: bytes) -> str:
 
 def token_chars(name: str) -> int:
     """The characters a token named ``name`` (:func:`token_name`) counts for in ``text_offset``: its
-    text's, and a piece of a character's as its bytes decode alone (one U+FFFD for each invalid run)."""
+    text's, and a piece of a character's as its bytes decode alone (U+FFFD for an unfinished character
+    and for each byte that begins none)."""
     if name.startswith("bytes:\\x"):
         return len(bytes.fromhex(name[6:].replace("\\x", "")).decode("utf-8", "replace"))
     return len(name)

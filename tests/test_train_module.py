@@ -124,7 +124,7 @@ def test_a_resume_is_checked_before_training(tmp_path):
     torch.save({"state_dict": {"model.layers.0.q_proj.weight": torch.zeros(64, 64)}, "global_step": 20,
                 "hyper_parameters": {"variant": "r2", "lr": 1e-3}}, ckpt)
     with pytest.raises(ValueError, match=r"holds a full fine-tune, no LoRA adapters, this run asks for lora.r=8: "
-                                         r"resume it with no variant.adapter$"):
+                                         r"resume it with variant.adapter=null$"):
         check_resume(str(ckpt), "r2", 80, 1e-3, lora_r=8)
     check_resume(str(ckpt), "r2", 80, 1e-3, schedule=sched)  # a checkpoint that records no schedule
     # found by a fresh user: ckpt_path=last took a diverged run's checkpoint, trained NaNs to the end,

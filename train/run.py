@@ -165,7 +165,7 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
                              f"resume it with variant.adapter=lora lora.r={max(ranks)}")
         if lora_r is not None and ckpt["state_dict"] and ranks != {lora_r}:
             got = f"LoRA adapters of rank {max(ranks)}" if ranks else "a full fine-tune, no LoRA adapters"
-            fix = f"lora.r={max(ranks)}" if ranks else "no variant.adapter"
+            fix = f"lora.r={max(ranks)}" if ranks else "variant.adapter=null"
             raise ValueError(f"ckpt_path {ckpt_path} holds {got}, this run asks for lora.r={lora_r}: resume it "
                              f"with {fix}")
         bad = next((k for k, t in ckpt["state_dict"].items() if isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -536,7 +536,8 @@ def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
     adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
     if adapter_dir is not None:
         remove_dir(Path(adapter_dir))
-    raise SystemExit(f"train: the fine-tune diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
+    what = "fine-tune" if cfg.variant.init == "base" else "model"
+    raise SystemExit(f"train: the {what} diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
                      f"written to {cfg.out_dir}; lower the learning rate ({learning_rate(cfg):g}: variant.lr, or "
                      f"model.finetune_lr for a pretrained family) and train again (this run's last checkpoint "
                      f"holds the diverged weights, and a resume from it is refused)")
