@@ -281,7 +281,8 @@ def _check_merge(cfg: DictConfig) -> None:
 
 
 def _sweep_job() -> dict:
-    """Where a Hydra multirun job belongs: ``{"sweep_dir": <absolute>, "job_num": n}``; {} outside one."""
+    """Where a Hydra multirun job belongs: ``{"sweep_dir": <absolute>, "sweep_id": <this invocation's>,
+    "job_num": n}``; {} outside one."""
     if not HydraConfig.initialized():
         return {}
     from hydra.types import RunMode
@@ -539,8 +540,8 @@ def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
     what = "fine-tune" if cfg.variant.init == "base" else "model"
     raise SystemExit(f"train: the {what} diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
                      f"written to {cfg.out_dir}; lower the learning rate ({learning_rate(cfg):g}: variant.lr, or "
-                     f"model.finetune_lr for a pretrained family) and train again (this run's last checkpoint "
-                     f"holds the diverged weights, and a resume from it is refused)")
+                     f"model.finetune_lr for a pretrained family) and train again (a resume from a checkpoint "
+                     f"holding diverged weights is refused)")
 
 
 def retire_artifact(cfg: DictConfig) -> None:
