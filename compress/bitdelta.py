@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
 from deltafleet.checkpoint import (CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, check_same_architecture,
-                                   read_config, row_block)
+                                   read_config, read_json, row_block)
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -346,16 +346,11 @@ def _compress_tensors(
 
 def _generation_settings(folder: Path) -> dict:
     """What an engine reads beside the weights to generate: the end-of-sequence ids and the chat template."""
-    def read(name: str):
-        try:
-            return json.loads((folder / name).read_text())
-        except (OSError, ValueError):
-            return None
-
-    gen, config, tok = (read(f) for f in ("generation_config.json", "config.json", "tokenizer_config.json"))
-    eos = next((d["eos_token_id"] for d in (gen, config) if isinstance(d, dict) and "eos_token_id" in d), None)
+    gen, config, tok = (read_json(folder / f) or {} for f in ("generation_config.json", "config.json",
+                                                              "tokenizer_config.json"))
+    eos = next((d["eos_token_id"] for d in (gen, config) if "eos_token_id" in d), None)
     eos = sorted(set(eos)) if isinstance(eos, list) else [eos] if eos is not None else None  # 2 and [2] alike
-    template = tok.get("chat_template") if isinstance(tok, dict) else None
+    template = tok.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(errors="replace")
     return {"eos_token_id": eos, "chat template": template}
@@ -573,11 +568,8 @@ def _merged_from(finetuned_dir: str | Path, weights: str) -> dict:
     artifact says how it was made; else {}."""
     from deltafleet.merge.stream import WRITTEN_BY
 
-    try:
-        record = json.loads((Path(finetuned_dir) / "merge.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY or record.get("fingerprint") != weights:
+    record = read_json(Path(finetuned_dir) / "merge.json")
+    if record is None or record.get("written_by") != WRITTEN_BY or record.get("fingerprint") != weights:
         return {}
     return {"merge": {k: record.get(k) for k in ("method", "params", "base", "models")}}
 

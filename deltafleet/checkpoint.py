@@ -50,16 +50,21 @@ ARCHITECTURE_KEYS = ("model_type", "architectures", "num_hidden_layers", "num_at
                      "num_key_value_heads", "hidden_size", "intermediate_size")
 
 
-def read_config(folder: Path) -> dict | None:
-    """A checkpoint's ``config.json`` with a nested ``text_config`` (a multimodal model's language
-    model) laid over it; None where it has no readable one."""
+def read_json(path: str | Path) -> dict | None:
+    """The JSON object in the file ``path``; None where it is missing, unreadable or not an object
+    (a record beside a checkpoint that may be absent: ``config.json``, ``merge.json``, ...)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        out = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config")  # a multimodal config nests the language model's
+    return out if isinstance(out, dict) else None
+
+
+def read_config(folder: str | Path) -> dict | None:
+    """A checkpoint's ``config.json`` with a nested ``text_config`` (a multimodal model's language
+    model) laid over it; None where it has no readable one."""
+    config = read_json(Path(folder) / "config.json")
+    text = None if config is None else config.get("text_config")  # a multimodal config nests the language model's
     return {**config, **text} if isinstance(text, dict) else config
 
 

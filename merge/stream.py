@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
-from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture
+from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture, read_json
 from deltafleet.merge.methods import MergeMethod
 
 
@@ -163,28 +163,21 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     return summary
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
-
-
 def _check_family(base_dir, model_dirs) -> None:
     """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type``,
-    ``architectures`` or layer and head counts differ: ``check_same_architecture``), as mergekit does; warn where the output will have no ``config.json`` (the
-    base, or the first model without a base, has none: transformers cannot load it), and where a
+    ``architectures`` or layer and head counts differ: ``check_same_architecture``), as mergekit does;
+    warn where the output will have no ``config.json`` (the base, or the first model without a base,
+    has none: transformers cannot load it), and where a
     model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``, unless
     that one holds the same weights (a copy of the base: :func:`_same_weights`)."""
     dirs = ([Path(base_dir)] if base_dir is not None else []) + [Path(d) for d in model_dirs]
     check_same_architecture(dirs)
-    if _read_json(dirs[0] / "config.json") is None:
+    if read_json(dirs[0] / "config.json") is None:
         warnings.warn(f"{dirs[0]} has no readable config.json, so the merged checkpoint has none either: "
                       "transformers cannot load it without one", stacklevel=3)
     if base_dir is not None:
         for d in dirs[1:]:
-            trained_on = (_read_json(d / "training.json") or {}).get("base_dir")
+            trained_on = (read_json(d / "training.json") or {}).get("base_dir")
             if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve() \
                     and not _same_weights(trained_on, base_dir):
                 gone = "" if Path(trained_on).is_dir() else \

@@ -37,6 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
+from deltafleet.checkpoint import read_json
 from deltafleet.cli import (fit, flag, interruptible, no_base, output_write, refuse_unknown_settings, stop_on_sigterm,
                             user_errors)
 from deltafleet.values import real, whole
@@ -304,11 +305,8 @@ def _check_sweep(cfg: DictConfig) -> None:
     job = _sweep_job()
     if not job:
         return
-    try:
-        record = json.loads((Path(cfg.out_dir) / "training.json").read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(record, dict) and record.get("sweep_id") == job["sweep_id"] and record.get("job_num") != job["job_num"]:
+    record = read_json(Path(cfg.out_dir) / "training.json") or {}
+    if record.get("sweep_id") == job["sweep_id"] and record.get("job_num") != job["job_num"]:
         raise ValueError(f"job {record.get('job_num')} of this sweep wrote {cfg.out_dir}, and this job "
                          f"({job['job_num']}) would replace it: give each job its own variant.name, e.g. "
                          f"'variant.name={cfg.variant.name}-${{hydra:job.num}}'")
