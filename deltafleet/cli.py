@@ -433,7 +433,6 @@ def _hydra_job(module: str) -> bool:
     return spec is not None and spec.origin is not None and "hydra.main(" in Path(spec.origin).read_text()
 
 
-
 _FROM_COMMAND = False  # the deltafleet command runs the script: its own --help message applies
 
 
@@ -450,12 +449,16 @@ def run_script(main, argv: list[str] | None = None) -> None:
                 or type(e).__name__ not in ("ConfigCompositionException", "MissingConfigException"):
             raise  # (the deltafleet command says it in its own name)
         script = Path(sys.argv[0]).as_posix()
-        if type(e).__name__ == "MissingConfigException":  # a misspelt choice (variant=codr): Hydra's words
-            print(f"{script}: {str(e).splitlines()[0]}", file=sys.stderr)
-            raise SystemExit(2) from None
-        print(f"{script}: {e}; its help shows the config of that choice, e.g. `python {script} variant=coder "
-              f"--help`", file=sys.stderr)
+        print(_help_refusal(script, e, f"python {script}"), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _help_refusal(name: str, e: Exception, command: str) -> str:
+    """What ``<command> --help`` says where Hydra cannot compose the config for its help: a misspelt
+    choice (``variant=codr``) in Hydra's first line, or a group still to choose, with an example."""
+    if type(e).__name__ == "MissingConfigException":
+        return f"{name}: {str(e).splitlines()[0]}"
+    return f"{name}: {e}; its help shows the config of that choice, e.g. `{command} variant=coder --help`"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,7 +494,6 @@ def main(argv: list[str] | None = None) -> int:
         # do until it is chosen: say so in one line, as Hydra's own message, not a traceback
         if not helping or type(e).__name__ != "ConfigCompositionException":
             raise
-        print(f"{prog} {args[0]}: {e}; its help shows the config of that choice, e.g. "
-              f"`{prog} {args[0]} variant=coder --help`", file=sys.stderr)
+        print(_help_refusal(f"{prog} {args[0]}", e, f"{prog} {args[0]}"), file=sys.stderr)
         return 2
     return 0
