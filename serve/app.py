@@ -726,7 +726,7 @@ def completion_logprobs(steps: list, offset: int = 0) -> dict | None:
     """OpenAI's completions ``logprobs`` of ``steps`` (None if they carry none); ``offset``: the
     characters of the tokens before the first step's. A token's offset is the length of the tokens
     before it, each decoded alone (as vLLM counts; a piece of a UTF-8 character, named ``bytes:\\xNN…``,
-    counts as its bytes decode alone: one "�" a run; ``detokenize.token_chars``)."""
+    counts as its bytes decode alone: ``detokenize.token_chars``)."""
     steps = [s for s in steps if s.logprob is not None]
     if not steps:
         return None
@@ -996,7 +996,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                 messages = [m.as_dict() for m in body.messages]
                 ids = await run_in_threadpool(functools.partial(
                     engine.encode_chat, messages, body.chat_template_kwargs, body.tool_dicts(), False,
-                    add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message))
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message))
             else:
                 ids = await run_in_threadpool(engine.encode_prompt, body.prompt, body.add_special_tokens, False)
         except InvalidRequestError as e:
@@ -1426,13 +1427,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         prompt_chars: dict[int, int] = {}
 
         def chunk(text, finish_reason, first, index, steps=(), offset=0):
-            logprobs = completion_logprobs(steps, offset + prompt_chars.get(index, 0))
-            if body.stream and echoed is not None and first:
+            echoing = body.stream and echoed is not None and first
+            if echoing and firsts is not None and steps:
+                logprobs = echo_logprobs(firsts[index // body.n], steps, len(steps))
+                prompt_chars[index] = token_chars(firsts[index // body.n]) + sum(
+                    token_chars(t) for t, _, _ in steps[0].prompt_logprobs or [])
+            else:
+                logprobs = completion_logprobs(steps, offset + prompt_chars.get(index, 0))
+            if echoing:
                 text = echoed[index // body.n] + (text or "")
-                if firsts is not None and steps:
-                    logprobs = echo_logprobs(firsts[index // body.n], steps, len(steps))
-                    prompt_chars[index] = token_chars(firsts[index // body.n]) + sum(
-                        token_chars(t) for t, _, _ in steps[0].prompt_logprobs or [])
             return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                     "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason(steps, finish_reason)}]}
