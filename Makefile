@@ -112,8 +112,9 @@ train: install
 
 # VARIANT: a conf/variant/ preset, or the variant.name of a fine-tune trained under another name
 # (`train/run.py variant=coder variant.name=c1`): exported with the coder preset's other settings
+EXPORTED = $(if $(wildcard conf/variant/$(VARIANT).yaml),variant=$(VARIANT),variant=coder variant.name=$(VARIANT))
 export: install
-	$(PY) compress/run.py $(if $(wildcard conf/variant/$(VARIANT).yaml),variant=$(VARIANT),variant=coder variant.name=$(VARIANT)) format=$(FORMAT) $(ARGS)
+	$(PY) compress/run.py $(EXPORTED) format=$(FORMAT) $(ARGS)
 
 eval: install
 	$(PY) train/eval.py $(ARGS)

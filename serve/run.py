@@ -272,8 +272,9 @@ def _draining_server(config, drain, announce, failed=lambda: False):
     """uvicorn's server, which calls ``announce()`` once it listens, and on the first SIGTERM, SIGHUP
     (unless ignored) or Ctrl-C also calls ``drain()`` (``app.state.drain``: the requests not started
     are refused at once, the running ones cut off at the grace's end), in a thread of its own: the
-    signal may come while this thread holds the scheduler's lock. Its ``run`` returns after a signal (status 0), rather than
-    dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at once with status 130.
+    signal may come while this thread holds the scheduler's lock. Its ``run`` returns after a signal
+    (status 0), rather than dying of it as ``uvicorn.run`` does; a second Ctrl-C ends the process at
+    once with status 130.
     Once ``failed()`` (checked every tick, a tenth of a second: the engine cannot generate any more)
     it shuts down as on a signal."""
     import contextlib

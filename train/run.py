@@ -259,7 +259,8 @@ def _check_trainer(cfg: DictConfig) -> None:
                              f"got {precision!r}")
     interval = cfg.trainer.get("val_check_interval")
     timed = isinstance(interval, str) or OmegaConf.is_dict(interval)  # Lightning's time: "DD:HH:MM:SS", {seconds: 5}
-    if interval is not None and not timed and not (whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1):
+    steps_or_share = whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1
+    if interval is not None and not timed and not steps_or_share:
         raise ValueError(f"trainer.val_check_interval must be a whole number of steps ≥ 1, a fraction of an epoch "
                          f"in (0, 1] or a time (Lightning's \"DD:HH:MM:SS\" or {{seconds: ...}}), got {interval!r}")
 
