@@ -71,7 +71,7 @@ from deltafleet.serve.request import (
     VariantInUseError,
     VariantUnavailableError,
 )
-from deltafleet.serve.scheduler import END, Outbox
+from deltafleet.serve.scheduler import END, Group, Outbox
 from deltafleet.serve.protocol import (
     _OWN_ERRORS,
     _UNION_TAGS,
@@ -1153,7 +1153,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     def start_all(reqs, arrival: float) -> list[tuple[asyncio.Queue, threading.Event]]:
         """:func:`start` the requests of one HTTP request (its prompts and choices), admitted together:
         ``max_waiting`` counts the HTTP request once, so that ``n`` above it is not always refused."""
-        jobs, group = [], object()  # a shutdown lets the request run once one of its choices has started
+        jobs, group = [], Group()  # a shutdown lets the request run once one of its choices has started
         try:
             for i, r in enumerate(reqs):
                 jobs.append(start(r, arrival, admit=i == 0, group=group))
@@ -1177,7 +1177,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             engine.scheduler.add_step_listener(box.flush)
         return box
 
-    def start(req, arrival: float, admit: bool = True, group: object = None) -> tuple[asyncio.Queue, threading.Event]:
+    def start(req, arrival: float, admit: bool = True,
+              group: Group | None = None) -> tuple[asyncio.Queue, threading.Event]:
         """Admit ``req`` (429 past ``max_waiting``; ``admit=False``: already admitted with its
         request's other choices) and submit it to the scheduler, its steps coming to an asyncio
         queue through this loop's outbox (one hand-over per engine step).

@@ -79,6 +79,17 @@ log = logging.getLogger(__name__)
 END = object()  # the last item of a request's queue
 
 
+class Group:
+    """The requests of one HTTP request, its prompts and choices (:meth:`Scheduler.submit`): for
+    :meth:`Scheduler.abort`, all have started once one of them has entered the batch, also after
+    that one has ended."""
+
+    __slots__ = ("started",)
+
+    def __init__(self):
+        self.started = False
+
+
 @dataclass(eq=False)
 class _Seq(Sequence):
     req: object = None                      # serve.engine.Request
@@ -99,7 +110,7 @@ class _Seq(Sequence):
     prompt_lp: list | None = None           # those log-probabilities, until the first Step carries them
     matcher: object = None                  # its grammar's matcher (serve/grammar.py), None without one
     abort: BaseException | None = None      # ended by :meth:`Scheduler.abort`: its error, sent before END
-    group: object = None                    # the choices of one HTTP request share it (submit's); else itself
+    group: Group | None = None              # the choices of one HTTP request share it (submit's); else its own
 
     @property
     def leaving(self) -> bool:
@@ -222,16 +233,14 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def submit(self, req, cancel: threading.Event | None = None, on_start: Callable[[], None] | None = None,
-               out=None, group: object = None) -> tuple[queue.Queue, threading.Event]:
+               out=None, group: Group | None = None) -> tuple[queue.Queue, threading.Event]:
         """Queue a prepared request; returns (where its items go: ``out``, an object with ``put(item)``,
         or a new ``queue.Queue``; its cancel event — set it to end the request after the current step).
         The items are its Steps, an exception if it fails, and :data:`END` last. Requests submitted
         with one ``group`` (the choices of one HTTP request) have started once one has (:meth:`abort`)."""
         seq = _Seq(req.model_id, list(req.prompt_ids), len(req.prompt_ids), req=req,
                    out=queue.Queue() if out is None else out, cancel=cancel or threading.Event(),
-                   on_start=on_start, group=group)
-        if group is None:
-            seq.group = seq
+                   on_start=on_start, group=Group() if group is None else group)
         with self._cv:
             seq.abort = self._refuse
             self.planner.add(seq)
@@ -245,11 +254,12 @@ class Scheduler:
         delivered; ``error`` comes before END."""
         with self._cv:
             self._refuse = error
-            seqs = [s for q in self.planner.waiting.values() for s in q] + self.planner.running
-            # a preempted sequence waits again, but has started; so has a choice whose sibling has
-            started = {s.group for s in seqs if s.started}
-            for seq in seqs:
-                if running or seq.group not in started:
+            for seq in self.planner.running:  # in the batch, though its launch (and on_start) may be to come
+                seq.group.started = True
+            # a preempted sequence waits again, but has started; so has a choice whose sibling has, even
+            # one that has ended since
+            for seq in [s for q in self.planner.waiting.values() for s in q] + self.planner.running:
+                if running or not seq.group.started:
                     seq.abort = error
             self._cv.notify()
 
@@ -469,7 +479,7 @@ class Scheduler:
 
     def _start(self, seq: _Seq) -> None:
         p, eng = seq.req.params, self.engine
-        seq.started = True
+        seq.started = seq.group.started = True
         seq.text = TextStream(eng.detokenizer, p.stop, eng._detok_lock, p.min_tokens, p.skip_special_tokens,
                               seq.req.prompt_ids)
         seq.eos = frozenset() if p.ignore_eos else frozenset(eng.eos_token_ids)

@@ -238,7 +238,7 @@ def test_a_drain_refuses_what_has_not_started_and_keeps_a_request_with_a_choice_
     in the batch and one waiting was refused as a whole, throwing away the running choice. Choices of
     one group have started once one has: both go on and end as they would have."""
     from deltafleet.serve.request import ServerShuttingDownError
-    from deltafleet.serve.scheduler import END
+    from deltafleet.serve.scheduler import END, Group
 
     engine = _engine(tiny_family, max_batch=1)
     sch = engine.scheduler
@@ -246,7 +246,7 @@ def test_a_drain_refuses_what_has_not_started_and_keeps_a_request_with_a_choice_
     ids = engine.encode_prompt(PROMPTS["tiny-coder"])
     started = threading.Event()
     with engine._gen_lock:  # no step runs until all are queued
-        group = object()
+        group = Group()
         a = sch.submit(engine.prepare("tiny-coder", ids, params), on_start=started.set, group=group)[0]
         b = sch.submit(engine.prepare("tiny-coder", ids, params), group=group)[0]
         alone = sch.submit(engine.prepare("tiny-writer", ids, params))[0]
@@ -271,3 +271,73 @@ def test_a_drain_refuses_what_has_not_started_and_keeps_a_request_with_a_choice_
         assert [s.token_id for s in got] == want and got[-1].finish_reason == "length"
     wait_released(engine, "tiny-coder")
     assert sch.idle
+
+
+def _items(out) -> list:
+    """Every item of a submitted request's queue, up to its END."""
+    from deltafleet.serve.scheduler import END
+
+    got = []
+    while (item := out.get(timeout=60)) is not END:
+        got.append(item)
+    return got
+
+
+def test_a_drain_keeps_a_waiting_choice_whose_sibling_has_ended(tiny_family):
+    """A choice of a request is started once another has entered the batch, also once that one has
+    ended: a drain lets it run. Found by a review: the started groups were read off the waiting and
+    running sequences only, so a choice still waiting behind a full batch (``max_batch=1``) got the
+    shutdown's error once its sibling had finished."""
+    from deltafleet.serve.request import ServerShuttingDownError
+    from deltafleet.serve.scheduler import Group
+
+    engine = _engine(tiny_family, max_batch=1)
+    sch = engine.scheduler
+    ids = engine.encode_prompt(PROMPTS["tiny-coder"])
+    group, started = Group(), threading.Event()
+    with engine._gen_lock:
+        a = sch.submit(engine.prepare("tiny-coder", ids, SamplingParams(max_tokens=1, temperature=0,
+                                                                        ignore_eos=True)), group=group)[0]
+        other = sch.submit(engine.prepare("tiny-writer", ids, SamplingParams(max_tokens=40, temperature=0,
+                                                                             ignore_eos=True)))[0]
+        b = sch.submit(engine.prepare("tiny-coder", ids, SamplingParams(max_tokens=3, temperature=0,
+                                                                        ignore_eos=True)),
+                       on_start=started.set, group=group)[0]
+    first = _items(a)
+    assert [s.finish_reason for s in first] == ["length"]
+    error = ServerShuttingDownError("shutting down")
+    with engine._gen_lock:  # no step between the check and the drain
+        assert not started.is_set()  # b still waits behind the other request's 40 tokens
+        engine.drain(error)
+    got = _items(b)
+    assert [type(s).__name__ for s in got] == ["Step"] * 3 and got[-1].finish_reason == "length"
+    assert len(_items(other)) == 40  # in the batch at the drain: it goes on
+
+
+def test_a_drain_between_a_plan_and_its_launch_keeps_the_request_the_plan_admitted(tiny_family):
+    """A request the planner has put in the batch has started, though its step (and ``on_start``) is
+    still to be launched: a drain in that moment lets it run. Found by a review: ``started`` was set
+    at the launch, outside the lock the drain takes, so the request was refused after its prefill
+    ran and its ``on_start`` had counted it as started."""
+    from deltafleet.serve.request import ServerShuttingDownError
+
+    engine = _engine(tiny_family, max_batch=1)
+    sch = engine.scheduler
+    error = ServerShuttingDownError("shutting down")
+    real, drained = sch.planner.schedule, []
+
+    def schedule():  # (called under the scheduler's lock, as Engine.drain's abort is)
+        plan = real()
+        if plan.prefill and not drained:  # the request is in the batch now, not yet launched
+            drained.append(True)
+            sch.abort(error)
+        return plan
+
+    sch.planner.schedule = schedule
+    started = threading.Event()
+    ids = engine.encode_prompt(PROMPTS["tiny"])
+    got = _items(sch.submit(engine.prepare("tiny", ids, SamplingParams(max_tokens=4, temperature=0,
+                                                                         ignore_eos=True)),
+                            on_start=started.set)[0])
+    assert drained and started.is_set()
+    assert [type(s).__name__ for s in got] == ["Step"] * 4 and got[-1].finish_reason == "length"
