@@ -22,8 +22,8 @@ class OutOfBlocksError(RuntimeError):
 class BlockPool:
     """``n_blocks`` KV blocks of ``block_size`` tokens and the block table of each sequence.
 
-    Block ids are handed out lowest first and a freed block is reused before a never-used one, so a
-    lightly loaded server keeps its sequences in few, warm blocks.
+    Freed blocks are reused before never-used ones, the last freed first, and never-used ones go out
+    lowest id first, so a lightly loaded server keeps its sequences in few, warm blocks.
 
     Raises:
         ValueError: ``n_blocks`` or ``block_size`` < 1.
