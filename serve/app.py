@@ -43,6 +43,8 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
+import anyio
+import anyio.to_thread
 import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -108,6 +110,7 @@ MAX_REQUEST_BYTES = 2 * 2**20  # request bodies larger than this are refused (41
 MAX_PENDING_BODY_BYTES = 64 * 2**20  # bodies being received at once, all requests: past it, 503
 RETRY_AFTER_S = 1  # the Retry-After of a 429
 MAX_CHOICES = 2048  # prompts × n of one request
+MAX_PREPARING = 1024  # without max_waiting: requests waiting for their variant's deltas at once (the rest queue)
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -582,7 +585,7 @@ class _VllmCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         family = self.engine.family
-        running, waiting = self.engine.scheduler.load()
+        running, waiting = self.engine.load()
         for name, counts, text in (("num_requests_running", running, "Requests generating now, all models."),
                                    ("num_requests_waiting", waiting, "Requests waiting, all models.")):
             g = GaugeMetricFamily("vllm:" + name, text, labels=["model_name"])
@@ -610,7 +613,7 @@ class Metrics:
     delta cache's series are the variants' alone: ``family``, the base, has no delta."""
 
     def __init__(self, model_ids: list[str], family: str | None = None, load: Callable[[], tuple] | None = None):
-        """``load``: the scheduler's ``(running, waiting)`` per model id (``Scheduler.load``), which the
+        """``load``: the engine's ``(running, waiting)`` per model id (``Engine.load``), which the
         running and waiting gauges read at each scrape; None: they stay 0."""
         self.family, self.load = family, load
         r = self.registry = CollectorRegistry()
@@ -625,7 +628,7 @@ class Metrics:
                                L, buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in the model's batch now.", L, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the model's batch, preempted "
-                             "ones included.", L, registry=r)
+                             "ones included, or for their variant's deltas on the device.", L, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", L, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", L, registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests.", L + ["finished_reason"], registry=r)
@@ -879,7 +882,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     queued = {"n": 0}  # requests admitted but not yet started
     queued_lock = threading.Lock()
-    metrics = Metrics([m.id for m in engine.models()], engine.family, engine.scheduler.load)
+    metrics = Metrics([m.id for m in engine.models()], engine.family, engine.load)
     app.add_middleware(StatusCount, counter=metrics.http_requests, routes=lambda: app.routes)  # the outermost
     metrics.registry.register(_EngineCollector(engine))
     metrics.registry.register(_VllmCollector(engine))
@@ -1123,21 +1126,47 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
     # ---------------------------------------------------------------- generation
 
+    # Engine.prepare waits for a variant's deltas (a load, or room on the device, up to wait_timeout_s),
+    # under a thread limit of its own: requests waiting so never take the threads that every other
+    # request's tokenizing and answering need (anyio's default limit, 40). Each waits under its
+    # admission (max_waiting), so no more than max_waiting wait at once and none queues for the limit.
+    preparing: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
+
     async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str):
-        try:
-            req = await run_in_threadpool(engine.prepare, model, prompt_ids, params, param)
+        loop = asyncio.get_running_loop()
+        if loop not in preparing:
+            preparing[loop] = anyio.CapacityLimiter(max_waiting or MAX_PREPARING)
+        try:  # (a cancelled request waits for its thread, whose hold on the variant it then releases)
+            req = await anyio.to_thread.run_sync(functools.partial(engine.prepare, model, prompt_ids, params, param),
+                                                 limiter=preparing[loop])
         except Exception as e:
             raise _api_error(e) from None
         metrics.add_model(req.model_id)  # the canonical id (a bare variant name would start series of its own)
         return req
 
+    def admit() -> None:
+        """Count one more HTTP request waiting (429 past ``max_waiting``), from before its variant's
+        deltas are acquired until its first choice starts or ends (:func:`start`)."""
+        with queued_lock:
+            if max_waiting is not None and queued["n"] >= max_waiting:
+                raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
+                               "Retry later.", "rate_limit_error", None, "overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            queued["n"] += 1
+
+    def unadmit() -> None:
+        with queued_lock:
+            queued["n"] -= 1
+
     async def prepare_all(model: str, prompts: list[list[int]], params: SamplingParams, n: int,
                           param: str) -> list:
         """One request per prompt and choice (prompt i's choice j at ``i·n + j``; with a seed, choice j
-        samples with seed + j); all checked before any starts, none kept if one fails."""
+        samples with seed + j); all checked before any starts, none kept if one fails. The HTTP request
+        is admitted first (:func:`admit`): a request waiting for its variant's deltas waits under it."""
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts × n = {n} is {len(prompts) * n} choices; at most "
                            f"{MAX_CHOICES} per request", "invalid_request_error", "n", "invalid_value")
+        admit()
         reqs = []
         try:
             for ids in prompts:
@@ -1147,6 +1176,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         except BaseException:
             for r in reqs:
                 engine.release(r)
+            unadmit()
             raise
         return reqs
 
@@ -1156,12 +1186,14 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         jobs, group = [], Group()  # a shutdown lets the request run once one of its choices has started
         try:
             for i, r in enumerate(reqs):
-                jobs.append(start(r, arrival, admit=i == 0, group=group))
+                jobs.append(start(r, arrival, first=i == 0, group=group))
         except BaseException:
             for _, cancel in jobs:
                 cancel.set()
-            for r in reqs[len(jobs) + 1:]:  # start() released its own
+            for r in reqs[len(jobs):]:
                 engine.release(r)
+            if not jobs:  # else the first choice's end gives the admission back
+                unadmit()
             raise
         return jobs
 
@@ -1177,11 +1209,11 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             engine.scheduler.add_step_listener(box.flush)
         return box
 
-    def start(req, arrival: float, admit: bool = True,
+    def start(req, arrival: float, first: bool = True,
               group: Group | None = None) -> tuple[asyncio.Queue, threading.Event]:
-        """Admit ``req`` (429 past ``max_waiting``; ``admit=False``: already admitted with its
-        request's other choices) and submit it to the scheduler, its steps coming to an asyncio
-        queue through this loop's outbox (one hand-over per engine step).
+        """Submit ``req`` to the scheduler, its steps coming to an asyncio queue through this loop's
+        outbox (one hand-over per engine step). ``first``: the first choice of its HTTP request,
+        whose start (or end, if it never starts) gives back the request's admission (:func:`admit`).
 
         The counters are kept right when the request ends (its last item, in the loop),
         so a response that is never consumed leaks nothing; setting the returned event ends the
@@ -1194,25 +1226,15 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
 
         def on_start() -> None:  # in the scheduler's thread
             state["started"] = True
-            if admit:  # the HTTP request waits (counts against max_waiting) until its first choice starts
-                with queued_lock:
-                    queued["n"] -= 1
+            if first:  # the HTTP request waits (counts against max_waiting) until its first choice starts
+                unadmit()
             metrics.queue.labels(mid).observe(time.perf_counter() - arrival)
 
         def on_end() -> None:  # in the loop, before the queue's last item
             engine.release(req)  # the variant may be evicted again
-            if not state["started"] and admit:
-                with queued_lock:
-                    queued["n"] -= 1
+            if not state["started"] and first:
+                unadmit()
 
-        with queued_lock:
-            if admit and max_waiting is not None and queued["n"] >= max_waiting:
-                engine.release(req)
-                raise APIError(429, f"The server is overloaded: {queued['n']} requests are waiting already. "
-                               "Retry later.", "rate_limit_error", None, "overloaded",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
-            if admit:
-                queued["n"] += 1
         metrics.prompt_tokens.labels(mid).inc(len(req.prompt_ids))
         engine.scheduler.submit(req, cancel, on_start, out=outbox().sink(queue, on_end), group=group)
         return queue, cancel

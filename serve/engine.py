@@ -215,6 +215,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time
         self._release_lock = threading.Lock()
+        self._loading: dict[str, int] = {}  # per variant, requests waiting in acquire_delta (a load, or room)
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
@@ -524,6 +525,8 @@ class Engine:
         if card.parent is None:
             return None
         model_id = card.id
+        with self._release_lock:
+            self._loading[model_id] = self._loading.get(model_id, 0) + 1
         try:
             return self.cache.acquire(model_id)
         except ArtifactGoneError:
@@ -534,6 +537,23 @@ class Engine:
             raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}", transient=True) from None
         except TensorParallelError as e:  # announcing a load or an eviction to the other ranks failed
             raise EngineFailedError(e.reason) from None
+        finally:
+            with self._release_lock:
+                if (n := self._loading[model_id] - 1) == 0:
+                    del self._loading[model_id]
+                else:
+                    self._loading[model_id] = n
+
+    def load(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per model id with any: the requests running (in the batch) and those waiting, as vLLM's
+        ``num_requests_running`` and ``_waiting`` count: for the batch (:meth:`Scheduler.load`), and
+        for their variant's deltas, being loaded or waiting for room on the device (a variant past
+        ``max_loras`` waits in vLLM's queue too)."""
+        running, waiting = self.scheduler.load()
+        with self._release_lock:
+            for model_id, n in self._loading.items():
+                waiting[model_id] = waiting.get(model_id, 0) + n
+        return running, waiting
 
     def release_delta(self, model_id: str, delta: VariantDelta | None = None) -> None:
         """End one hold of :meth:`acquire_delta` (no-op for the base); ``delta``: what it returned

@@ -80,6 +80,57 @@ def test_a_request_in_flight_keeps_its_variant_and_another_variant_waits_or_gets
     assert engine.cache.tier("tiny-coder") in ("host", "disk")
 
 
+def _behind_a_busy_slot(root, max_waiting, check) -> list:
+    """45 requests for tiny-writer, waiting while the one device slot's variant (tiny-coder) is in
+    flight; ``check(tc)`` runs once the gauges count them all, then the slot comes free. Returns their
+    responses."""
+    engine = _engine(root, device_slots=1, wait_timeout_s=60)
+    held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)  # the one slot, in flight
+    body = {"model": "tiny-writer", "prompt": "x", "max_tokens": 2}
+    answers: list = []
+    with TestClient(create_app(engine, max_waiting=max_waiting)) as tc:
+        threads = [threading.Thread(target=lambda: answers.append(tc.post("/v1/completions", json=body)))
+                   for _ in range(45)]
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.time() + 30
+            while 'deltafleet:num_requests_waiting{model_name="tiny-writer"} 45.0' not in tc.get("/metrics").text:
+                assert time.time() < deadline, "the requests waiting for tiny-writer's deltas are not counted"
+                time.sleep(0.05)
+            assert not answers  # all still wait
+            check(tc)
+        finally:
+            engine.release(held)
+            for t in threads:
+                t.join(timeout=90)
+    return answers
+
+
+def test_requests_waiting_for_a_variant_count_as_waiting_and_hold_up_no_other(root):
+    """A request waits for its variant's deltas (no free slot: the one slot's variant is in flight)
+    as vLLM's requests wait past ``max_loras``: counted in the waiting gauges and
+    ``waiting_lora_adapters``, and in ``max_waiting`` (429 past it), and holding none of the threads
+    every other request needs. Found by a fresh user: such requests were in no gauge, and 40 of
+    them (anyio's thread limit) stalled every request of the server, the base's too, until their
+    ``wait_timeout_s`` ran out."""
+    def counted(tc):
+        metrics = tc.get("/metrics").text
+        assert 'vllm:num_requests_waiting{model_name="tiny"} 45.0' in metrics
+        assert re.search(r'vllm:lora_requests_info\{max_lora="1",running_lora_adapters="",'
+                         r'waiting_lora_adapters="tiny-writer"\}', metrics)
+        r = tc.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert api_error(r, 429)["code"] == "overloaded"
+
+    def base_answered(tc):  # no max_waiting: the base is answered while the 45 wait
+        r = tc.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+    for max_waiting, check in ((45, counted), (None, base_answered)):
+        answers = _behind_a_busy_slot(root, max_waiting, check)
+        assert sorted(r.status_code for r in answers) == [200] * 45
+
+
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
     engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
