@@ -1132,13 +1132,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     # admission (max_waiting), so no more than max_waiting wait at once and none queues for the limit.
     preparing: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
 
-    async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str):
+    async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str, held: bool):
         loop = asyncio.get_running_loop()
         if loop not in preparing:
             preparing[loop] = anyio.CapacityLimiter(max_waiting or MAX_PREPARING)
         try:  # (a cancelled request waits for its thread, whose hold on the variant it then releases)
-            req = await anyio.to_thread.run_sync(functools.partial(engine.prepare, model, prompt_ids, params, param),
-                                                 limiter=preparing[loop])
+            req = await anyio.to_thread.run_sync(
+                functools.partial(engine.prepare, model, prompt_ids, params, param, held), limiter=preparing[loop])
         except Exception as e:
             raise _api_error(e) from None
         metrics.add_model(req.model_id)  # the canonical id (a bare variant name would start series of its own)
@@ -1172,7 +1172,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             for ids in prompts:
                 for j in range(n):
                     p = params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
-                    reqs.append(await prepare(model, ids, p, param))
+                    reqs.append(await prepare(model, ids, p, param, bool(reqs)))  # the first holds the variant
         except BaseException:
             for r in reqs:
                 engine.release(r)

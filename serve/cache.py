@@ -259,16 +259,18 @@ class DeltaCache:
 
     # ------------------------------------------------------------------ requests
 
-    def acquire(self, model_id: str) -> Any:
+    def acquire(self, model_id: str, join: bool = False) -> Any:
         """The variant's delta on the device, loaded if needed; counts one request in flight until
-        :meth:`release`. Returns the delta object (keep it for the request's lifetime)."""
+        :meth:`release`. Returns the delta object (keep it for the request's lifetime). ``join``: the
+        caller holds the variant already (another choice of its HTTP request), so it does not wait
+        behind a load that drains the variant: that load waits for the caller's hold to end."""
         stamp = self._stamp(model_id)
         deadline = time.monotonic() + self.wait_timeout
         with self._lock:
             while True:  # a draining variant's new requests wait behind the load that drains it
                 e = self._entries.setdefault(model_id, _Entry(model_id))
                 left = deadline - time.monotonic()
-                if not (e.draining and e.device is not None) or self._closed is not None or left <= 0:
+                if not (e.draining and e.device is not None) or join or self._closed is not None or left <= 0:
                     break
                 self._room.wait(left)
             self._touch(e)

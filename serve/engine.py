@@ -509,9 +509,10 @@ class Engine:
         and evictions (see :data:`DeltaListener`)."""
         self.cache.add_listener(fn)
 
-    def acquire_delta(self, model_id: str) -> VariantDelta | None:
+    def acquire_delta(self, model_id: str, held: bool = False) -> VariantDelta | None:
         """The variant's deltas on the serving device (None for the base), loaded if needed, held
-        (never evicted) until :meth:`release_delta` of the same id.
+        (never evicted) until :meth:`release_delta` of the same id. ``held``: the caller holds it
+        already (``DeltaCache.acquire``'s ``join``).
 
         Raises:
             ModelNotFoundError: unknown id, or its artifact was removed.
@@ -528,7 +529,7 @@ class Engine:
         with self._release_lock:
             self._loading[model_id] = self._loading.get(model_id, 0) + 1
         try:
-            return self.cache.acquire(model_id)
+            return self.cache.acquire(model_id, join=held)
         except ArtifactGoneError:
             with self._registry_lock:
                 self._variants.pop(model_id, None)
@@ -951,8 +952,10 @@ class Engine:
     # ---------------------------------------------------------------- generation
 
     def prepare(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                param: str = "prompt") -> Request:
-        """Check a request and load its variant, so that errors surface before any output.
+                param: str = "prompt", held: bool = False) -> Request:
+        """Check a request and load its variant, so that errors surface before any output. ``held``:
+        another request of the caller's holds the variant already (a later choice of one HTTP
+        request): it never waits behind a load that waits for that hold to end (:meth:`acquire_delta`).
 
         Raises:
             ModelNotFoundError: unknown model id (404).
@@ -979,7 +982,7 @@ class Engine:
         grammar = None
         if params.constraint is not None:  # compiled here, in the request's thread: a bad schema is its 400
             grammar = self.grammars.compile(*params.constraint, param=params.constraint_param)
-        req = Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id))
+        req = Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id, held))
         req.grammar = grammar
         return req
 

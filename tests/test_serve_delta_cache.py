@@ -131,6 +131,32 @@ def test_requests_waiting_for_a_variant_count_as_waiting_and_hold_up_no_other(ro
         assert sorted(r.status_code for r in answers) == [200] * 45
 
 
+def test_a_later_choice_of_a_request_never_waits_behind_the_load_its_first_choice_blocks(root):
+    """A request's choices are acquired one after another and none starts before all are: a later
+    choice (``held``: the first holds the variant) does not wait behind a load that drains the
+    variant, since that load waits for the first choice's hold to end. Found by a review: with one
+    slot, ``n=2`` for the resident variant while another variant's load waited for room made both
+    wait out ``wait_timeout_s``, then that load got a 503."""
+    engine = _engine(root, device_slots=1, wait_timeout_s=20)
+    ids = engine.encode_prompt("x")
+    first = engine.prepare("tiny-coder", ids, GREEDY)  # choice 0: holds the one slot, not started
+    other: list = []
+    cold = threading.Thread(target=lambda: other.append(engine.prepare("tiny-writer", ids, GREEDY)))
+    cold.start()
+    deadline = time.time() + 10
+    while not engine.cache._entries["tiny-coder"].draining:  # the writer's load waits for room
+        assert time.time() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    second = engine.prepare("tiny-coder", ids, GREEDY, held=True)  # choice 1 of the same request
+    assert time.monotonic() - t0 < 5 and second.delta is first.delta
+    for r in (first, second):
+        engine.release(r)
+    cold.join(timeout=20)
+    assert [r.model_id for r in other] == ["tiny-writer"] and engine.cache.tier("tiny-writer") == "device"
+    engine.release(other[0])
+
+
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
     engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
