@@ -404,10 +404,10 @@ class DeltaCache:
         """
         with self._lock:
             e = self._entries.get(model_id)
+            if e is not None and e.in_flight:  # (also while its first load runs: it would land after)
+                raise RuntimeError(f"variant `{model_id}` has {e.in_flight} requests in flight")
             if e is None or (e.device is None and e.host is None):
                 return False
-            if e.in_flight:
-                raise RuntimeError(f"variant `{model_id}` has {e.in_flight} requests in flight")
             self._drop(e)
             return True
 

@@ -295,6 +295,29 @@ def test_unload_refuses_a_variant_in_flight():
     assert cache.load("a") == "device"
 
 
+def test_unload_refuses_a_variant_whose_first_load_runs():
+    """A request whose load is still reading the artifact is in flight too: unload refuses, rather
+    than answer "not cached" and see the variant land on the device after it. Found by a review:
+    ``Engine.add_variant`` replacing a folder relies on it."""
+    disk = Disk({"a": 100})
+    disk.gates["a"] = threading.Event()
+    cache, _ = make(disk)
+    t = threading.Thread(target=cache.acquire, args=("a",))
+    t.start()
+    try:
+        deadline = time.time() + 10
+        while disk.reads["a"] == 0:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        with pytest.raises(RuntimeError, match="variant `a` has 1 requests in flight"):
+            cache.unload("a")
+    finally:
+        disk.gates["a"].set()
+        t.join(10)
+    cache.release("a")
+    assert cache.unload("a") is True and cache.tier("a") == "disk"
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="half_life_s must be > 0, got 0"):
         DeltaCache(print, print, print, half_life_s=0)
