@@ -66,6 +66,7 @@ class _Entry:
     nbytes: int = 0
     stamp: Any = None           # the artifact's stamp when it was read
     draining: bool = False      # a load waits for its room: new requests wait too (DeltaCache._make_room)
+    moving: bool = False        # its host copy is being loaded onto the device: not a host-tier victim
     gone: bool = False          # its artifact is gone: it leaves every tier with its last request (discard)
     lock: threading.Lock = field(default_factory=threading.Lock)  # single flight
 
@@ -165,7 +166,7 @@ class DeltaCache:
         now = self.clock()
         keep = self._protected(now) if tier == "device" else set()
         return self._coldest([e for e in self._entries.values() if getattr(e, tier) is not None
-                              and e.model_id != exclude and e.model_id not in keep], now)
+                              and e.model_id != exclude and e.model_id not in keep and not e.moving], now)
 
     def _coldest(self, entries: list[_Entry], now: float) -> _Entry | None:
         """The entry with the smallest decayed request count (the least recently used among equals)."""
@@ -182,17 +183,31 @@ class DeltaCache:
         if self.host_budget is not None and e.nbytes > self.host_budget:
             self._let_go(host_copy)
             return
-        while not self._fits(self.host_bytes, self.host_budget, e.nbytes):
-            v = self._victim("host", exclude=e.model_id)
-            if v is None:
+        # a copy moving up to the device leaves the host tier when its load ends: its room counts as free
+        moving = sum(x.nbytes for x in self._entries.values() if x.moving and x.host is not None)
+        while not self._fits(self.host_bytes - moving, self.host_budget, e.nbytes):
+            if not self._evict_host(exclude=e.model_id):
                 self._let_go(host_copy)
                 return
-            self._let_go(v.host)
-            v.host = None
-            self.host_bytes -= v.nbytes
-            self._emit("evict", v.model_id, 0.0, "host")
         e.host = host_copy
         self.host_bytes += e.nbytes
+
+    def _evict_host(self, exclude: str | None = None) -> bool:
+        """Let the coldest host copy go (not ``exclude``'s, nor one moving up to the device); whether
+        there was one (called with the lock held)."""
+        v = self._victim("host", exclude=exclude)
+        if v is None:
+            return False
+        self._let_go(v.host)
+        v.host = None
+        self.host_bytes -= v.nbytes
+        self._emit("evict", v.model_id, 0.0, "host")
+        return True
+
+    def _trim_host(self) -> None:
+        """Evict host copies until the host tier is within its budget again (called with the lock held)."""
+        while not self._fits(self.host_bytes, self.host_budget, 0) and self._evict_host():
+            pass
 
     def _let_go(self, host_copy: Any) -> None:
         if self._free_host is not None:
@@ -304,6 +319,7 @@ class DeltaCache:
                 if e.device is not None:
                     return e.device
                 host = e.host
+                e.moving = host is not None  # the host tier keeps this copy until it is on the device
             t0 = time.perf_counter()
             tier: Tier = "host" if host is not None else "disk"
             held = 0  # device bytes reserved for e
@@ -325,13 +341,15 @@ class DeltaCache:
                         held = e.nbytes
                 dev = self._to_device(host)
             except BaseException:
-                if held:
-                    with self._lock:
-                        self.device_bytes -= held
-                        self._room.notify_all()
+                with self._lock:
+                    self.device_bytes -= held
+                    e.moving = False
+                    self._trim_host()  # a copy that stayed, over the room the demotions took meanwhile
+                    self._room.notify_all()
                 self._emit("load_failed", e.model_id, time.perf_counter() - t0, tier)
                 raise
             with self._lock:
+                e.moving = False
                 e.device, e.stamp = dev, stamp
                 if e.host is not None:  # the tiers are exclusive: the host copy moved up
                     e.host = None

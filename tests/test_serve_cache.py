@@ -295,6 +295,37 @@ def test_unload_refuses_a_variant_in_flight():
     assert cache.load("a") == "device"
 
 
+def test_a_host_copy_moving_up_is_not_evicted_by_the_demotion_it_makes_room_with():
+    """One device slot, one host slot: a on the host, b on the device. a's load demotes b to the host
+    tier, where a's own copy is still counted until it is on the device: that copy is not the host
+    tier's victim (it was let go, ``free_host`` called on it and an eviction counted, and under
+    tensor parallelism the other ranks read a from disk), and b's copy stays, since a's room comes
+    free. A failed load gives the host tier back its budget. Found by a review."""
+    disk, clock, gone = Disk({"a": 100, "b": 100}), Clock(), []
+    cache, events = make(disk, device_budget_bytes=100, host_budget_bytes=100, clock=clock,
+                         free_host=lambda d: gone.append(d.name))
+    use(cache, "a")
+    clock.t = 1
+    use(cache, "b")                                       # a goes down to the host tier
+    assert cache.tier("a") == "host" and cache.tier("b") == "device"
+    events.clear()
+    clock.t = 2
+    assert use(cache, "a").where == "device"
+    assert events == [("miss", "a", None), ("evict", "b", "device"), ("load", "a", "host")]
+    assert gone == [] and cache.tier("b") == "host" and cache.host_bytes == 100
+    # the same move failing on its way to the device: b's copy came down meanwhile, one of the two goes
+    cache2, _ = make(disk, device_budget_bytes=100, host_budget_bytes=100, clock=clock)
+    clock.t = 3
+    use(cache2, "a")
+    clock.t = 4
+    use(cache2, "b")
+    cache2._to_device = lambda d: (_ for _ in ()).throw(RuntimeError("device copy failed"))
+    clock.t = 5
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        cache2.acquire("a")
+    assert cache2.host_bytes == 100 and cache2.device_bytes == 0
+
+
 def test_unload_refuses_a_variant_whose_first_load_runs():
     """A request whose load is still reading the artifact is in flight too: unload refuses, rather
     than answer "not cached" and see the variant land on the device after it. Found by a review:
