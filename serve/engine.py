@@ -22,6 +22,7 @@ import math
 import os
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -112,6 +113,20 @@ def _unbounded(tokenizer):
 
     tokenizer.model_max_length = VERY_LARGE_INTEGER
     return tokenizer
+
+
+def _steps(out, cancel: threading.Event) -> Iterator[Step]:
+    """A submitted request's Steps from ``out`` to its END (:meth:`Engine.run`), raising its error."""
+    ended = False
+    try:
+        while (item := out.get()) is not END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        ended = True
+    finally:
+        if not ended:  # closed early: the scheduler drops the sequence after its current step
+            cancel.set()
 
 class Engine:
     """Serve a base checkpoint and every BitDelta artifact found for it.
@@ -997,19 +1012,14 @@ class Engine:
         concatenate to the completion: a stop string is cut off (the text ends before it); partial
         UTF-8 and possible stop prefixes are held back until resolved. ``on_start`` is called once
         the request enters the batch; setting ``cancel`` (or closing this iterator) ends it after the
-        current step and frees its KV blocks and its hold on the variant.
+        current step and frees its KV blocks and its hold on the variant. The request is submitted
+        here, not at the first step read, and an iterator dropped unread ends it too: it never holds
+        its variant for ever.
         """
         out, cancel = self.scheduler.submit(request, cancel, on_start)
-        ended = False
-        try:
-            while (item := out.get()) is not END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            ended = True
-        finally:
-            if not ended:  # closed early: the scheduler drops the sequence after its current step
-                cancel.set()
+        steps = _steps(out, cancel)
+        weakref.finalize(steps, cancel.set)  # collected before its end (never read, say): the request ends
+        return steps
 
     def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
         """:meth:`prepare` then :meth:`run`."""

@@ -157,6 +157,25 @@ def test_a_later_choice_of_a_request_never_waits_behind_the_load_its_first_choic
     engine.release(other[0])
 
 
+def test_a_generation_never_read_gives_its_variant_back(root):
+    """``Engine.generate`` holds the variant from its call: an iterator closed or dropped before its
+    first step is read ends the request, so the variant is neither held for ever nor kept from
+    removal. Found by a review: the request was submitted only at the first step read, and its
+    hold was never released."""
+    from tests.conftest import wait_released
+
+    engine = _engine(root)
+    gen = engine.generate("tiny-coder", engine.encode_prompt("x"), GREEDY)
+    gen.close()
+    del gen
+    wait_released(engine, "tiny-coder")
+    engine.remove_variant("tiny-coder")  # no request in flight: 409 before
+    assert "tiny-coder" not in [c.id for c in engine.models()]
+    ids = engine.encode_prompt("x")  # read to the end as ever
+    steps = list(engine.generate("tiny-writer", ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+    assert [s.finish_reason for s in steps] == [None, None, "length"]
+
+
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
     engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
