@@ -252,7 +252,8 @@ class DeltaCache:
         return v
 
     def _no_room(self, e: _Entry) -> CacheFullError:
-        busy = sorted(m for m, x in self._entries.items() if x.device is not None)
+        busy = sorted({m for m, x in self._entries.items() if x.device is not None}
+                      | {r.model_id for r in self._retired})  # (an old version, held by its requests)
         return CacheFullError(f"no room on the device for variant `{e.model_id}` ({e.nbytes} bytes): every resident "
                               f"variant ({', '.join(busy)}) is in flight or pinned; retry later")
 
@@ -293,7 +294,8 @@ class DeltaCache:
                 self._discard(e)  # requests still running keep what they hold
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
             e.gone = False  # back on disk (if it had gone) before its last request ended
-            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
+            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None) and not join:
+                # (a joining choice takes the version its request holds, however the artifact changed)
                 # changed on disk: read it again; requests running on the old version keep it
                 self._drop(e) if e.in_flight == 0 else self._retire(e)
                 e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
