@@ -709,6 +709,8 @@ class Metrics:
                     m.remove(model_id, tier)
 
     def on_delta_event(self, event: str, model_id: str, seconds: float, tier: str | None = None) -> None:
+        if event == "miss" and not self.has_model(model_id):  # a variant found since: its series while it loads
+            self.add_model(model_id)
         if event == "hit":
             self.hits.labels(model_id).inc()
         elif event == "miss":
@@ -1136,9 +1138,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         loop = asyncio.get_running_loop()
         if loop not in preparing:
             preparing[loop] = anyio.CapacityLimiter(max_waiting or MAX_PREPARING)
-        try:  # (a cancelled request waits for its thread, whose hold on the variant it then releases)
-            req = await anyio.to_thread.run_sync(
-                functools.partial(engine.prepare, model, prompt_ids, params, param, held), limiter=preparing[loop])
+        job = asyncio.ensure_future(anyio.to_thread.run_sync(
+            functools.partial(engine.prepare, model, prompt_ids, params, param, held), limiter=preparing[loop]))
+        try:
+            req = await asyncio.shield(job)
+        except asyncio.CancelledError:  # its thread goes on: the hold on the variant it takes is given back
+            job.add_done_callback(lambda j: j.cancelled() or j.exception() or engine.release(j.result()))
+            raise
         except Exception as e:
             raise _api_error(e) from None
         metrics.add_model(req.model_id)  # the canonical id (a bare variant name would start series of its own)

@@ -230,7 +230,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time
         self._release_lock = threading.Lock()
-        self._loading: dict[str, int] = {}  # per variant, requests waiting in acquire_delta (a load, or room)
+        self._loading: dict[str, int] = {}  # per model id, requests waiting in prepare for their deltas
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
@@ -541,8 +541,6 @@ class Engine:
         if card.parent is None:
             return None
         model_id = card.id
-        with self._release_lock:
-            self._loading[model_id] = self._loading.get(model_id, 0) + 1
         try:
             return self.cache.acquire(model_id, join=held)
         except ArtifactGoneError:
@@ -553,12 +551,6 @@ class Engine:
             raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}", transient=True) from None
         except TensorParallelError as e:  # announcing a load or an eviction to the other ranks failed
             raise EngineFailedError(e.reason) from None
-        finally:
-            with self._release_lock:
-                if (n := self._loading[model_id] - 1) == 0:
-                    del self._loading[model_id]
-                else:
-                    self._loading[model_id] = n
 
     def load(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per model id with any: the requests running (in the batch) and those waiting, as vLLM's
@@ -997,9 +989,25 @@ class Engine:
         grammar = None
         if params.constraint is not None:  # compiled here, in the request's thread: a bad schema is its 400
             grammar = self.grammars.compile(*params.constraint, param=params.constraint_param)
-        req = Request(model_id, list(prompt_ids), max_tokens, params, self.acquire_delta(model_id, held))
+        req = Request(model_id, list(prompt_ids), max_tokens, params, self._acquire_waiting(model_id, held))
         req.grammar = grammar
         return req
+
+    def _acquire_waiting(self, model_id: str, held: bool) -> VariantDelta | None:
+        """:meth:`acquire_delta` for a request, counted among the waiting (:meth:`load`) while it waits
+        (a hot load's wait, :meth:`add_variant`, is no request's)."""
+        if model_id == self.family:
+            return None
+        with self._release_lock:
+            self._loading[model_id] = self._loading.get(model_id, 0) + 1
+        try:
+            return self.acquire_delta(model_id, held)
+        finally:
+            with self._release_lock:
+                if (n := self._loading[model_id] - 1) == 0:
+                    del self._loading[model_id]
+                else:
+                    self._loading[model_id] = n
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,
             on_start: Callable[[], None] | None = None) -> Iterator[Step]:

@@ -176,6 +176,99 @@ def test_a_generation_never_read_gives_its_variant_back(root):
     assert [s.finish_reason for s in steps] == [None, None, "length"]
 
 
+def _until(cond, what: str, timeout_s: float = 20) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_request_cancelled_while_waiting_for_its_variant_gives_the_hold_back(root):
+    """A request task cancelled while its thread waits for the variant's deltas (an ASGI client's
+    timeout; uvicorn's cancel at the end of its graceful shutdown): the thread goes on, and the hold
+    it then takes is given back, as is the request's admission. Found by a fresh user: the variant
+    stayed held for good (never evicted, every other variant 503, unload 409)."""
+    import asyncio
+
+    import httpx
+
+    engine = _engine(root, device_slots=1, wait_timeout_s=20)
+    held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)  # the one slot
+    app = create_app(engine, max_waiting=1)
+
+    async def cancelled():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.post("/v1/completions", json={"model": "tiny-writer", "prompt": "x",
+                                                                        "max_tokens": 2}), 0.5)
+        engine.release(held)  # the slot comes free: the thread left behind loads tiny-writer
+        deadline = time.time() + 20  # (the event loop runs meanwhile, as a server's does)
+        while engine.cache.tier("tiny-writer") != "device" or engine.cache.snapshot()["tiny-writer"]["in_flight"]:
+            assert time.time() < deadline, f"tiny-writer's hold was never given back: {engine.cache.snapshot()}"
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200  # its admission was given back too (max_waiting=1)
+
+    asyncio.run(cancelled())
+
+
+def test_a_later_choice_takes_the_version_its_request_holds(root, tmp_path):
+    """A request's later choice (``held``) takes the variant's version that its first choice holds,
+    even when the artifact was re-exported in between: it does not retire that version and wait,
+    behind its own first choice, for room to load the new one. Found by a fresh user."""
+    shutil.copytree(root / "models", tmp_path / "models")
+    shutil.copytree(root / "artifacts", tmp_path / "artifacts")
+    engine = _engine(tmp_path, device_slots=1, wait_timeout_s=20)
+    ids = engine.encode_prompt("x")
+    first = engine.prepare("tiny-coder", ids, GREEDY)
+    manifest = tmp_path / "artifacts" / "coder" / "bitdelta.json"
+    st = manifest.stat()
+    os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # re-exported: its stamp changes
+    t0 = time.monotonic()
+    second = engine.prepare("tiny-coder", ids, GREEDY, held=True)
+    assert time.monotonic() - t0 < 5 and second.delta is first.delta
+    for r in (first, second):
+        engine.release(r)
+    third = engine.prepare("tiny-coder", ids, GREEDY)  # a new request reads the new version
+    assert third.delta is not first.delta
+    engine.release(third)
+
+
+def test_a_hot_load_is_no_waiting_request_and_a_new_variant_has_its_series(root, tmp_path):
+    """``/v1/load_variant`` waiting for room is no request: the waiting gauges stay 0. A variant
+    whose folder appeared after the start has its ``deltafleet:`` series from its first wait, so
+    both gauges count that request. Found by a fresh user."""
+    shutil.copytree(root / "models", tmp_path / "models")
+    shutil.copytree(root / "artifacts", tmp_path / "artifacts")
+    engine = _engine(tmp_path, device_slots=1, wait_timeout_s=20)
+    held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)
+    out: list = []
+    with TestClient(create_app(engine)) as tc:
+        shutil.copytree(tmp_path / "artifacts" / "writer", tmp_path / "artifacts" / "late")
+        threads = [threading.Thread(target=lambda: out.append(tc.post("/v1/load_variant", json={"variant": "writer"}))),
+                   threading.Thread(target=lambda: out.append(tc.post("/v1/completions", json={
+                       "model": "tiny-late", "prompt": "x", "max_tokens": 2})))]
+        try:
+            threads[0].start()
+            _until(lambda: engine.cache._entries.get("tiny-writer") is not None
+                   and engine.cache._entries["tiny-coder"].draining, "the hot load never waited for room")
+            metrics = tc.get("/metrics").text
+            assert 'vllm:num_requests_waiting{model_name="tiny"} 0.0' in metrics
+            assert 'deltafleet:num_requests_waiting{model_name="tiny-writer"} 0.0' in metrics
+            threads[1].start()
+            _until(lambda: engine.load()[1].get("tiny-late") == 1, "the request for tiny-late never waited")
+            metrics = tc.get("/metrics").text
+            assert 'vllm:num_requests_waiting{model_name="tiny"} 1.0' in metrics
+            assert 'deltafleet:num_requests_waiting{model_name="tiny-late"} 1.0' in metrics
+        finally:
+            engine.release(held)
+            for t in threads:
+                if t.ident is not None:  # (started)
+                    t.join(timeout=60)
+    assert sorted(r.status_code for r in out) == [200, 200]
+
+
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
     engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
