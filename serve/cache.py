@@ -94,7 +94,7 @@ class DeltaCache:
         size: bytes a delta takes on the device (default its ``nbytes``).
         device_budget_bytes, host_budget_bytes: tier sizes in bytes (None: unbounded; 0 host:
             no host tier).
-        pinned: model ids never evicted. pin_top_n: also never evict the n most requested.
+        pinned: model ids never evicted. pin_top_n: also never evict the n most requested residents.
         half_life_s: half-life of the request counts, seconds.
         wait_timeout_s: how long a request waits for room on the device before CacheFullError,
             from its arrival (its own read of the artifact excluded).
@@ -156,10 +156,12 @@ class DeltaCache:
         return {m for m, e in self._entries.items() if e.in_flight > 0} | self.pinned | self._top_n(now)
 
     def _top_n(self, now: float) -> set[str]:
-        """The ``pin_top_n`` most requested model ids."""
+        """The ``pin_top_n`` most requested model ids on the device (one elsewhere, or whose loads
+        fail, takes no pin from them)."""
         if not self.pin_top_n:
             return set()
-        ranked = sorted(self._entries.values(), key=lambda e: self._count(e, now), reverse=True)
+        ranked = sorted((e for e in self._entries.values() if e.device is not None),
+                        key=lambda e: self._count(e, now), reverse=True)
         return {e.model_id for e in ranked[:self.pin_top_n]}
 
     def _victim(self, tier: str, exclude: str) -> _Entry | None:

@@ -326,6 +326,24 @@ def test_a_host_copy_moving_up_is_not_evicted_by_the_demotion_it_makes_room_with
     assert cache2.host_bytes == 100 and cache2.device_bytes == 0
 
 
+def test_pin_top_n_pins_the_most_requested_residents():
+    """``pin_top_n`` keeps the n most requested variants on the device: a variant elsewhere, even one
+    requested more (here one whose every load fails), takes no pin from them. Found by a review: the
+    failing variant outranked the hottest resident, which was then evicted as if unpinned."""
+    disk, clock = Disk({"a": 100, "b": 100, "bad": 100}), Clock()
+    disk.fail.add("bad")
+    cache, _ = make(disk, device_budget_bytes=100, pin_top_n=1, half_life_s=1000.0, wait_timeout_s=0.2, clock=clock)
+    for _ in range(5):
+        use(cache, "a")
+    for _ in range(10):
+        with pytest.raises(OSError):
+            cache.acquire("bad")
+    clock.t = 1
+    with pytest.raises(CacheFullError, match=r"every resident variant \(a\) is in flight or pinned"):
+        cache.acquire("b")
+    assert cache.tier("a") == "device" and cache.snapshot()["a"]["pinned"]
+
+
 def test_unload_refuses_a_variant_whose_first_load_runs():
     """A request whose load is still reading the artifact is in flight too: unload refuses, rather
     than answer "not cached" and see the variant land on the device after it. Found by a review:
