@@ -292,6 +292,8 @@ class DeltaCache:
                     break
                 self._room.wait(left)
             self._touch(e)
+            if stamp is None:  # again, under the lock: a variant served again since is not gone
+                stamp = self._stamp(model_id)
             if stamp is None:
                 self._discard(e)  # requests still running keep what they hold
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")

@@ -545,7 +545,8 @@ class Engine:
             return self.cache.acquire(model_id, join=held)
         except ArtifactGoneError:
             with self._registry_lock:
-                self._variants.pop(model_id, None)
+                if self._variants.get(model_id) is card:  # not one added again under the name meanwhile
+                    del self._variants[model_id]
             raise ModelNotFoundError(f"The model `{model_id}` does not exist (its artifact was removed)") from None
         except CacheFullError as e:
             raise VariantUnavailableError(f"variant `{model_id}` is unavailable: {e}", transient=True) from None

@@ -269,6 +269,46 @@ def test_a_hot_load_is_no_waiting_request_and_a_new_variant_has_its_series(root,
     assert sorted(r.status_code for r in out) == [200, 200]
 
 
+def test_a_stale_gone_answer_leaves_a_variant_added_again_meanwhile(root):
+    """A request that found a variant, then saw its artifact gone while the variant was removed and
+    added again, takes the variant served again: the new card stays listed, its deltas on the device.
+    Found by a review (the interleaving forced by pausing the request's stamp)."""
+    engine = _engine(root)
+    engine.add_variant("mine", path="coder")
+    removed, stamped, readded = threading.Event(), threading.Event(), threading.Event()
+    real_stamp = engine.cache._stamp
+
+    def paused_stamp(model_id):
+        if threading.current_thread().name != "stale-request":
+            return real_stamp(model_id)
+        assert removed.wait(10)
+        stamp = real_stamp(model_id)  # None: removed
+        stamped.set()
+        assert readded.wait(10)
+        return stamp
+
+    engine.cache._stamp = paused_stamp
+    errors: list = []
+
+    def request():
+        try:
+            engine.release_delta("tiny-mine", engine.acquire_delta("tiny-mine"))
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            errors.append(e)
+
+    t = threading.Thread(target=request, name="stale-request")
+    t.start()
+    time.sleep(0.2)  # it found the card and waits in its stamp
+    engine.remove_variant("tiny-mine")
+    removed.set()
+    assert stamped.wait(10)
+    engine.add_variant("mine", path="coder")
+    readded.set()
+    t.join(10)
+    assert errors == []  # its second look, under the cache's lock, finds the variant served again
+    assert "tiny-mine" in [c.id for c in engine.models()] and engine.cache.tier("tiny-mine") == "device"
+
+
 def test_pinned_variant_is_not_evicted(root, delta_bytes):
     engine = _engine(root, device_slots=2, pinned=["coder"], half_life_s=0.001)
     engine.get_delta("tiny-coder")
