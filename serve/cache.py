@@ -299,8 +299,8 @@ class DeltaCache:
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
             e.gone = False  # back on disk (if it had gone) before its last request ended
             if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None) and not join:
-                # (a joining choice takes the version its request holds, however the artifact changed)
-                # changed on disk: read it again; requests running on the old version keep it
+                # changed on disk: read it again; requests running on the old version keep it (a joining
+                # choice takes the version its request holds)
                 self._drop(e) if e.in_flight == 0 else self._retire(e)
                 e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
             e.in_flight += 1
