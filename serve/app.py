@@ -1134,7 +1134,7 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
     # admission (max_waiting), so no more than max_waiting wait at once and none queues for the limit.
     preparing: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
 
-    async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str, held: bool):
+    async def prepare(model: str, prompt_ids: list[int], params: SamplingParams, param: str, held=None):
         loop = asyncio.get_running_loop()
         if loop not in preparing:
             preparing[loop] = anyio.CapacityLimiter(max_waiting or MAX_PREPARING)
@@ -1178,7 +1178,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             for ids in prompts:
                 for j in range(n):
                     p = params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
-                    reqs.append(await prepare(model, ids, p, param, bool(reqs)))  # the first holds the variant
+                    # the later choices take the deltas the first holds
+                    reqs.append(await prepare(model, ids, p, param, reqs[0].delta if reqs else None))
         except BaseException:
             for r in reqs:
                 engine.release(r)

@@ -277,18 +277,29 @@ class DeltaCache:
 
     # ------------------------------------------------------------------ requests
 
-    def acquire(self, model_id: str, join: bool = False) -> Any:
+    def acquire(self, model_id: str, join: Any = None) -> Any:
         """The variant's delta on the device, loaded if needed; counts one request in flight until
         :meth:`release`. Returns the delta object (keep it for the request's lifetime). ``join``: the
-        caller holds the variant already (another choice of its HTTP request), so it does not wait
-        behind a load that drains the variant: that load waits for the caller's hold to end."""
+        delta the caller holds already (what this returned for another choice of its HTTP request),
+        taken again as it is: its version, whatever changed on disk since, and without waiting
+        behind a load that drains the variant (that load waits for the caller's hold to end)."""
+        if join is not None:
+            with self._lock:
+                e = self._entries.get(model_id)
+                held = e if e is not None and e.device is join else next(
+                    (r for r in self._retired if r.device is join), None)
+                if held is not None:
+                    self._touch(held)
+                    held.in_flight += 1
+                    self._emit("hit", model_id)
+                    return join
         stamp = self._stamp(model_id)
         deadline = time.monotonic() + self.wait_timeout
         with self._lock:
             while True:  # a draining variant's new requests wait behind the load that drains it
                 e = self._entries.setdefault(model_id, _Entry(model_id))
                 left = deadline - time.monotonic()
-                if not (e.draining and e.device is not None) or join or self._closed is not None or left <= 0:
+                if not (e.draining and e.device is not None) or self._closed is not None or left <= 0:
                     break
                 self._room.wait(left)
             self._touch(e)
@@ -298,9 +309,8 @@ class DeltaCache:
                 self._discard(e)  # requests still running keep what they hold
                 raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
             e.gone = False  # back on disk (if it had gone) before its last request ended
-            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None) and not join:
-                # changed on disk: read it again; requests running on the old version keep it (a joining
-                # choice takes the version its request holds)
+            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
+                # changed on disk: read it again; requests running on the old version keep it
                 self._drop(e) if e.in_flight == 0 else self._retire(e)
                 e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
             e.in_flight += 1

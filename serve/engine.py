@@ -524,10 +524,10 @@ class Engine:
         and evictions (see :data:`DeltaListener`)."""
         self.cache.add_listener(fn)
 
-    def acquire_delta(self, model_id: str, held: bool = False) -> VariantDelta | None:
+    def acquire_delta(self, model_id: str, held: VariantDelta | None = None) -> VariantDelta | None:
         """The variant's deltas on the serving device (None for the base), loaded if needed, held
-        (never evicted) until :meth:`release_delta` of the same id. ``held``: the caller holds it
-        already (``DeltaCache.acquire``'s ``join``).
+        (never evicted) until :meth:`release_delta` of the same id. ``held``: the deltas the caller
+        holds already, taken again as they are (``DeltaCache.acquire``'s ``join``).
 
         Raises:
             ModelNotFoundError: unknown id, or its artifact was removed.
@@ -960,10 +960,11 @@ class Engine:
     # ---------------------------------------------------------------- generation
 
     def prepare(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                param: str = "prompt", held: bool = False) -> Request:
+                param: str = "prompt", held: VariantDelta | None = None) -> Request:
         """Check a request and load its variant, so that errors surface before any output. ``held``:
-        another request of the caller's holds the variant already (a later choice of one HTTP
-        request): it never waits behind a load that waits for that hold to end (:meth:`acquire_delta`).
+        the variant's deltas another request of the caller's holds (a later choice of one HTTP request
+        passes its first choice's ``delta``): this one takes them too, their version, without waiting
+        behind a load that waits for that hold to end (:meth:`acquire_delta`).
 
         Raises:
             ModelNotFoundError: unknown model id (404).
@@ -994,7 +995,7 @@ class Engine:
         req.grammar = grammar
         return req
 
-    def _acquire_waiting(self, model_id: str, held: bool) -> VariantDelta | None:
+    def _acquire_waiting(self, model_id: str, held: VariantDelta | None) -> VariantDelta | None:
         """:meth:`acquire_delta` for a request, counted among the waiting (:meth:`load`) while it waits
         (a hot load's wait, :meth:`add_variant`, is no request's)."""
         if model_id == self.family:

@@ -344,6 +344,25 @@ def test_pin_top_n_pins_the_most_requested_residents():
     assert cache.tier("a") == "device" and cache.snapshot()["a"]["pinned"]
 
 
+def test_a_joining_choice_takes_the_version_its_request_holds_also_once_retired():
+    """``join``: a request's later choice takes the delta its first choice holds, also once another
+    request has retired that version for a re-export; then both versions' holds end apart. Found by
+    a review: the joining choice found the new version's entry."""
+    from types import SimpleNamespace
+
+    version = {"a": 1}
+    cache = DeltaCache(lambda m: SimpleNamespace(v=version[m], nbytes=1), lambda d: d, lambda m: version[m])
+    first = cache.acquire("a")                  # a request's first choice: version 1
+    version["a"] = 2                            # re-exported
+    other = cache.acquire("a")                  # another request: version 1 retired, version 2 loaded
+    assert (first.v, other.v) == (1, 2)
+    joined = cache.acquire("a", join=first)     # the first request's second choice
+    assert joined is first and cache.snapshot()["a"]["in_flight"] == 1  # (the new version's: the other's)
+    for d in (first, joined, other):
+        cache.release("a", d)
+    assert cache._retired == [] and cache.snapshot()["a"]["in_flight"] == 0
+
+
 def test_unload_refuses_a_variant_whose_first_load_runs():
     """A request whose load is still reading the artifact is in flight too: unload refuses, rather
     than answer "not cached" and see the variant land on the device after it. Found by a review:

@@ -148,7 +148,7 @@ def test_a_later_choice_of_a_request_never_waits_behind_the_load_its_first_choic
         assert time.time() < deadline
         time.sleep(0.01)
     t0 = time.monotonic()
-    second = engine.prepare("tiny-coder", ids, GREEDY, held=True)  # choice 1 of the same request
+    second = engine.prepare("tiny-coder", ids, GREEDY, held=first.delta)  # choice 1 of the same request
     assert time.monotonic() - t0 < 5 and second.delta is first.delta
     for r in (first, second):
         engine.release(r)
@@ -226,7 +226,7 @@ def test_a_later_choice_takes_the_version_its_request_holds(root, tmp_path):
     st = manifest.stat()
     os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # re-exported: its stamp changes
     t0 = time.monotonic()
-    second = engine.prepare("tiny-coder", ids, GREEDY, held=True)
+    second = engine.prepare("tiny-coder", ids, GREEDY, held=first.delta)
     assert time.monotonic() - t0 < 5 and second.delta is first.delta
     for r in (first, second):
         engine.release(r)
