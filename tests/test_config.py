@@ -612,8 +612,9 @@ def test_make_export_takes_a_variant_trained_under_its_own_name():
     ``variant=coder variant.name=c1`` failed in Hydra ("Could not find 'variant/c1'"). A name with no
     preset is exported under the coder preset's other settings; a preset's name is its preset."""
     def command(variant: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
         out = subprocess.run(["make", "-n", "export", f"VARIANT={variant}"], cwd=CONF.parent, capture_output=True,
-                             text=True, timeout=60)
+                             text=True, timeout=60, env=env)  # not `make test ARGS=...`'s own variables
         assert out.returncode == 0, out.stderr
         return next(line.rstrip() for line in out.stdout.splitlines() if "compress/run.py" in line)
 
