@@ -23,6 +23,7 @@ import os
 import re
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -128,6 +129,7 @@ def _steps(out, cancel: threading.Event) -> Iterator[Step]:
         if not ended:  # closed early: the scheduler drops the sequence after its current step
             cancel.set()
 
+
 class Engine:
     """Serve a base checkpoint and every BitDelta artifact found for it.
 
@@ -230,7 +232,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)  # structured output
         self._gen_lock = threading.Lock()  # one generation at a time
         self._release_lock = threading.Lock()
-        self._loading: dict[str, int] = {}  # per model id, requests waiting in prepare for their deltas
+        self._loading: Counter[str] = Counter()  # per model id, requests waiting in prepare for their deltas
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
@@ -560,7 +562,7 @@ class Engine:
         ``max_loras`` waits in vLLM's queue too)."""
         running, waiting = self.scheduler.load()
         with self._release_lock:
-            for model_id, n in self._loading.items():
+            for model_id, n in (+self._loading).items():  # (+: those above 0)
                 waiting[model_id] = waiting.get(model_id, 0) + n
         return running, waiting
 
@@ -1001,15 +1003,12 @@ class Engine:
         if model_id == self.family:
             return None
         with self._release_lock:
-            self._loading[model_id] = self._loading.get(model_id, 0) + 1
+            self._loading[model_id] += 1
         try:
             return self.acquire_delta(model_id, held)
         finally:
             with self._release_lock:
-                if (n := self._loading[model_id] - 1) == 0:
-                    del self._loading[model_id]
-                else:
-                    self._loading[model_id] = n
+                self._loading[model_id] -= 1
 
     def run(self, request: Request, *, cancel: threading.Event | None = None,
             on_start: Callable[[], None] | None = None) -> Iterator[Step]:
