@@ -7,6 +7,7 @@ cache and tensor parallelism all import it.
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -14,6 +15,19 @@ from torch import Tensor
 
 from deltafleet.compress.bitdelta import VOCAB_MATRIX_SUFFIXES, resizes_vocabulary
 from deltafleet.kernels import packed_width
+
+
+def artifact_stamp(folder) -> tuple | None:
+    """The ``(name, size, mtime, inode)`` of every file in an artifact's folder, or None once its
+    manifest (``bitdelta.json``) is gone: it changes when the artifact is re-exported (a new folder
+    renamed in) or a file is changed in place, so two reads with one stamp read one version."""
+    try:
+        with os.scandir(folder) as entries:
+            files = tuple(sorted((e.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                                 for e in entries if e.is_file() for st in (e.stat(),)))
+    except OSError:
+        return None
+    return files if any(f[0] == "bitdelta.json" for f in files) else None
 
 
 def hf_name(name: str) -> str:

@@ -16,10 +16,10 @@ any sink with ``put`` (the HTTP layer's, serve/app.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
-import os
 import re
 import threading
 import weakref
@@ -35,7 +35,7 @@ from deltafleet.compress.bitdelta import ArtifactError, fingerprint, load_artifa
 from deltafleet.serve.attention import check_block_size, pick_backend
 from deltafleet.serve.batch import DeltaSlots, check_sign_layout
 from deltafleet.serve.cache import ArtifactGoneError, CacheFullError, DeltaCache
-from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.delta import VariantDelta, artifact_stamp
 from deltafleet.serve.detokenize import token_bytes, token_name
 from deltafleet.serve.grammar import Grammars
 from deltafleet.serve.loading import load_model
@@ -128,6 +128,13 @@ def _steps(out, cancel: threading.Event) -> Iterator[Step]:
     finally:
         if not ended:  # closed early: the scheduler drops the sequence after its current step
             cancel.set()
+
+
+def _changed_while_loading(model_id: str) -> VariantUnavailableError:
+    """Tensor parallel: a variant's artifact changed or went on disk between rank 0's read and another
+    rank's, so the ranks would hold two versions; no rank takes it and the next request reads it again."""
+    reason = "its artifact changed on disk while it was being loaded: retry"
+    return VariantUnavailableError(f"variant `{model_id}` is unavailable: {reason}", transient=True, reason=reason)
 
 
 class Engine:
@@ -233,6 +240,7 @@ class Engine:
         self._gen_lock = threading.Lock()  # one generation at a time
         self._release_lock = threading.Lock()
         self._loading: Counter[str] = Counter()  # per model id, requests waiting in prepare for their deltas
+        self._reads = itertools.count()  # names each read of an artifact (tensor parallel: _put_slot)
         opts = dict(delta_cache or {})
         opts["pinned"] = [p if p.startswith(f"{family}-") else f"{family}-{p}" for p in opts.get("pinned") or ()]
         n_slots = opts.pop("device_slots", None)
@@ -358,14 +366,21 @@ class Engine:
     def _put_slot(self, delta: VariantDelta) -> VariantDelta:
         if self.tp is None:
             return self.slots.put(delta)
-        with self.tp.lock:  # the slot is chosen and announced under one hold of the lock
+        with self.tp.lock:  # the slot is chosen, announced and filled under one hold of the lock
             slot = self.slots.next_free()
             # a host copy goes back from each rank's own host copy (serve/follower.py), not from disk, where
-            # the artifact may have changed or gone since it was read
-            with self.collective(("load", delta.source, slot, getattr(delta, "host_copy", False))):
-                view = self.slots.put(delta, slot)
-                view.source = delta.source  # kept by its host copy, for a reload from the host tier
-                return view
+            # the artifact may have changed or gone since it was read; a read from disk must find the
+            # version rank 0 read (its stamp), or no rank takes it
+            self.tp.send(("load", delta.key, delta.source, slot, getattr(delta, "host_copy", False),
+                          getattr(delta, "stamp", None)))
+            failed = self.tp.gather(None)
+            if any(failed):
+                log.warning("variant %s: %s", delta.source, next(f for f in failed if f))
+                raise _changed_while_loading(delta.model_id)
+            view = self.slots.put(delta, slot)
+            for name in ("source", "key", "model_id"):  # kept by its host copy, for a reload from the host tier
+                setattr(view, name, getattr(delta, name))
+            return view
 
     def _free_slot(self, view: VariantDelta, kept: bool) -> None:
         with self.collective(("free", view.slot, kept)):  # kept: rank 0's host tier has a copy
@@ -374,7 +389,7 @@ class Engine:
     def _free_host(self, delta: VariantDelta) -> None:
         if self.tp is not None:  # the other ranks drop their copies too (serve/follower.py)
             with self.tp.lock:
-                self.tp.send(("drop", delta.source))
+                self.tp.send(("drop", delta.key))
 
     def failure(self) -> EngineFailedError | None:
         """Why this engine cannot generate any more (its tensor-parallel group failed: a rank died or
@@ -588,7 +603,7 @@ class Engine:
         self.release_delta(request.model_id, request.delta)
 
     def _artifact_stamp(self, model_id: str):
-        """The (name, size, mtime, inode) of every file in the variant's folder, or None once its manifest
+        """The variant's artifact stamp (serve/delta.py, ``artifact_stamp``), or None once its manifest
         is gone: a re-export (a new folder renamed in) and a file changed in place both read the artifact
         again."""
         card = self._variants.get(model_id)
@@ -596,13 +611,7 @@ class Engine:
             return self.synthetic.fingerprint  # generated: never changes, never gone
         if card is None or card.artifact_dir is None:
             return None
-        try:
-            with os.scandir(card.artifact_dir) as entries:
-                files = tuple(sorted((e.name, st.st_size, st.st_mtime_ns, st.st_ino)
-                                     for e in entries if e.is_file() for st in (e.stat(),)))
-        except OSError:
-            return None
-        return files if any(f[0] == MANIFEST_NAME for f in files) else None
+        return artifact_stamp(card.artifact_dir)
 
     def _read_delta(self, model_id: str) -> VariantDelta:
         """Read and check a variant's artifact into host memory (pinned when serving on a GPU)."""
@@ -610,8 +619,10 @@ class Engine:
         if card is None:  # removed (remove_variant) after its request found it
             raise ModelNotFoundError(f"The model `{model_id}` does not exist")
         if card.artifact_dir is None and self.synthetic is not None:  # generated into its slot by put
-            return self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
-                                          None if self.tp is None else self.tp.shard)
+            delta = self.synthetic.variant(card.id.removeprefix(f"{self.family}-"), self.device,
+                                           None if self.tp is None else self.tp.shard)
+            delta.model_id, delta.stamp, delta.key = card.id, None, next(self._reads)
+            return delta
         why = self._not_servable(card.artifact_dir / MANIFEST_NAME)
         if why is not None:  # re-exported so since it was listed: as discover() finds it
             with self._registry_lock:
@@ -619,6 +630,7 @@ class Engine:
                 self._unserved[card.id] = why
             raise ModelNotFoundError(f"The model `{card.id}` {why[0]}")
         fp = None if self.force else self.base_fingerprint
+        stamp = None if self.tp is None else artifact_stamp(card.artifact_dir)  # what the other ranks must read
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
             delta = VariantDelta(artifact, "cpu", self.dtype)
@@ -632,8 +644,13 @@ class Engine:
             log.warning("variant %s (%s) is unavailable: %s", card.id, card.artifact_dir, e)
             reason = _without_paths(str(e), card.artifact_dir.parent, self.base_dir)
             raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}", reason=reason) from e
+        if self.tp is not None and artifact_stamp(card.artifact_dir) != stamp:
+            raise _changed_while_loading(card.id)
         delta = delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
-        delta.source = str(card.artifact_dir)  # where the other tensor-parallel ranks read it
+        # tensor parallel: where the other ranks read it, the version they must find there, and the name
+        # of this read, by which they keep their host copies of it as rank 0's host tier keeps its own
+        delta.source, delta.stamp, delta.key = str(card.artifact_dir), stamp, next(self._reads)
+        delta.model_id = card.id
         return delta
 
     def _check_fits(self, delta: VariantDelta) -> None:
@@ -671,7 +688,8 @@ class Engine:
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
         """A host copy of a slot's views (the slot is given back right after)."""
         out = delta.to("cpu", pin=self.device.type == "cuda")
-        out.source = getattr(delta, "source", None)  # tensor parallel: what the other ranks load again
+        for name in ("source", "key", "model_id"):  # tensor parallel: what the other ranks load again, ...
+            setattr(out, name, getattr(delta, name, None))
         out.host_copy = True  # ... from their own host copies of it
         return out
 

@@ -229,6 +229,25 @@ class TPContext:
     def _broadcast(self, cmd: tuple) -> None:
         dist.broadcast_object_list([cmd], src=0, group=self.control)
 
+    def gather(self, reply) -> list:
+        """Every rank, after a command that asks for replies (``load``): a follower sends ``reply``
+        (picklable) to rank 0; rank 0 (``reply`` ignored) returns the other ranks' replies, rank 1's
+        first, and raises :class:`TensorParallelError` as :meth:`send` does."""
+        if self.rank != 0:
+            self._gather(reply)
+            return []
+        if self.failed is not None:
+            raise TensorParallelError(self.failed)
+        try:
+            return self._gather(None)[1:]
+        except RuntimeError as e:
+            raise self.fail(e) from e
+
+    def _gather(self, reply) -> list:
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(reply, out, dst=0, group=self.control)
+        return out
+
     def fail(self, error: BaseException) -> TensorParallelError:
         """Rank 0: the group failed with ``error``, raised by a collective (or by anything in a step:
         a step that did not run to its end on every rank leaves the ranks out of step). Records why,

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from deltafleet.compress.bitdelta import load_artifact
 from deltafleet.serve.batch import DeltaSlots
-from deltafleet.serve.delta import VariantDelta
+from deltafleet.serve.delta import VariantDelta, artifact_stamp
 from deltafleet.serve.loading import load_model
 from deltafleet.serve.runner import ModelRunner, StepInput
 from deltafleet.serve.tp import shard_delta, shard_model
@@ -413,12 +413,11 @@ def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp
     for again after its artifact folder was moved away came back from rank 0's host copy, while rank
     1 read the folder again, died (ArtifactError) and took the server down. A follower now keeps its
     own slice of a variant that leaves its slot and takes that back on a load from the host tier;
-    after rank 0's ``drop`` it has none, and a load reads the folder (here: gone, so it fails)."""
+    after rank 0's ``drop`` it has none, and a load reads the folder (here: gone, so it answers rank 0
+    why it took nothing)."""
     import shutil
 
-    from deltafleet.compress.bitdelta import ArtifactError
     from deltafleet.serve.follower import run_follower
-    from deltafleet.serve.tp import TPContext
 
     art = tmp_path / "coder"
     shutil.copytree(tiny_family.artifacts_dir / "coder", art)
@@ -433,32 +432,96 @@ def test_a_follower_takes_a_variant_back_from_its_own_host_copy(tiny_family, tmp
 
     monkeypatch.setattr(DeltaSlots, "put", record)
 
-    class Follower(TPContext):  # rank 1 of 2, its commands from a list
+    follower = _follower_of(art, tmp_path / ".coder-away")
+    init = ("init", 1, 2, 64, "tiled", 4, 16, "sdpa", False)
+    stamp = artifact_stamp(art)
+    run_follower(follower([init, ("load", 7, src, 0, False, stamp), ("free", 0, True), ("move",),
+                           ("load", 7, src, 0, True, stamp), ("free", 0, True), ("stop",)]),
+                 str(tiny_family.base_dir), "cpu", torch.float32)
+    assert len(puts) == 2 and puts[0].keys() == puts[1].keys()
+    assert all(torch.equal(puts[0][k], puts[1][k]) for k in puts[0])  # rank 1's slice, as first read
+    (tmp_path / ".coder-away").rename(art)
+    # after rank 0's drop, and for a slot freed with nothing kept on rank 0 (a dropped variant, an old
+    # version's last request): none here, so the load answers why it took nothing, and the follower goes on
+    for free in [[("free", 0, True), ("drop", 7)], [("free", 0, False)]]:
+        f = follower([init, ("load", 7, src, 0, False, stamp), *free, ("move",), ("load", 7, src, 0, True, stamp),
+                      ("stop",)])
+        run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
+        assert f.replies == [None, "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"]
+        (tmp_path / ".coder-away").rename(art)
+
+
+def _follower_of(art: Path, away: Path):
+    """A rank 1 of 2 (``TPContext``) whose commands come from a list and whose replies to rank 0 are
+    kept in ``replies``; the command ``("move",)`` moves the folder ``art`` to ``away``."""
+    from deltafleet.serve.tp import TPContext
+
+    class Follower(TPContext):
         def __init__(self, cmds):
             super().__init__(1, 2)
-            self.cmds = iter(cmds)
+            self.cmds, self.replies = iter(cmds), []
 
         def recv(self):
             cmd = next(self.cmds)
             if cmd == ("move",):  # not a command: the user moves the folder away
-                art.rename(tmp_path / ".coder-away")
+                art.rename(away)
                 cmd = next(self.cmds)
             return cmd
 
-    init = ("init", 1, 2, 64, "tiled", 4, 16, "sdpa", False)
-    run_follower(Follower([init, ("load", src, 0, False), ("free", 0, True), ("move",), ("load", src, 0, True),
-                           ("free", 0, True), ("stop",)]), str(tiny_family.base_dir), "cpu", torch.float32)
-    assert len(puts) == 2 and puts[0].keys() == puts[1].keys()
-    assert all(torch.equal(puts[0][k], puts[1][k]) for k in puts[0])  # rank 1's slice, as first read
-    (tmp_path / ".coder-away").rename(art)
-    with pytest.raises(ArtifactError, match="no bitdelta.json"):
-        run_follower(Follower([init, ("load", src, 0, False), ("free", 0, True), ("drop", src), ("move",),
-                               ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
-    (tmp_path / ".coder-away").rename(art)
-    # a slot freed with nothing kept on rank 0 (a dropped variant, an old version's last request): none here
-    with pytest.raises(ArtifactError, match="no bitdelta.json"):
-        run_follower(Follower([init, ("load", src, 0, False), ("free", 0, False), ("move",),
-                               ("load", src, 0, True)]), str(tiny_family.base_dir), "cpu", torch.float32)
+        def _gather(self, reply):
+            self.replies.append(reply)
+
+    return Follower
+
+
+def test_a_follower_reads_only_the_version_rank_0_read(tiny_family, tmp_path, monkeypatch):
+    """Found by a reviewer: rank 0 reads a variant, waits for room, then tells the other ranks to load
+    it, and they read its folder only then. A folder re-exported meanwhile was served at two versions
+    in one slot (rank 1 the new one); one removed meanwhile killed the follower and the server. The
+    load now carries the stamp of what rank 0 read: a follower that finds another version (or none)
+    takes nothing and says why, and the follower goes on serving."""
+    import shutil
+
+    from deltafleet.serve.follower import run_follower
+
+    art = tmp_path / "coder"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", art)
+    src, stamp = str(art), artifact_stamp(art)
+    puts = []
+    put = DeltaSlots.put
+    monkeypatch.setattr(DeltaSlots, "put", lambda self, delta, slot=None: puts.append(slot) or put(self, delta, slot))
+    # re-exported: a new folder with the writer's deltas renamed in (as export's atomic write does)
+    shutil.copytree(tiny_family.artifacts_dir / "writer", tmp_path / ".coder-new")
+    shutil.rmtree(art)
+    (tmp_path / ".coder-new").rename(art)
+    assert artifact_stamp(art) not in (None, stamp)
+    init = ("init", 2, 2, 64, "tiled", 4, 16, "sdpa", False)
+    f = _follower_of(art, tmp_path / ".coder-away")(
+        [init, ("load", 1, src, 0, False, stamp), ("load", 2, src, 1, False, artifact_stamp(art)), ("move",),
+         ("load", 3, src, 0, False, artifact_stamp(art)), ("stop",)])
+    run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
+    changed = "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"
+    assert f.replies == [changed, None, changed] and puts == [1]
+
+
+def test_two_names_of_one_folder_keep_a_host_copy_each_on_a_follower(tiny_family, tmp_path):
+    """Found by a reviewer: a follower kept its host copies by folder, rank 0 by model id, so two names
+    served from one folder (``add_variant("alias", "coder")``) shared one copy on the follower: a drop
+    of one took it, and a later load of the other from the host tier read the folder again (here
+    moved away: the follower died). Both now key them by rank 0's read."""
+    import shutil
+
+    from deltafleet.serve.follower import run_follower
+
+    art = tmp_path / "coder"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", art)
+    src, stamp = str(art), artifact_stamp(art)
+    init = ("init", 2, 2, 64, "tiled", 4, 16, "sdpa", False)
+    f = _follower_of(art, tmp_path / ".coder-away")(
+        [init, ("load", 1, src, 0, False, stamp), ("load", 2, src, 1, False, stamp), ("free", 0, True),
+         ("free", 1, True), ("drop", 1), ("move",), ("load", 2, src, 0, True, stamp), ("stop",)])
+    run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
+    assert f.replies == [None, None, None]
 
 
 def _ranks_by_role(proc, url: str, log: Path) -> tuple[int, int]:
@@ -668,3 +731,95 @@ def test_the_rendezvous_port_must_differ_from_the_servers(tiny_family):
                             "tp_port": 8139})
     with pytest.raises(ValueError, match=r"^tp_port \(8139, the ranks' rendezvous\) must differ from port"):
         check_tensor_parallel(cfg)
+
+
+def test_rank_0_and_a_follower_serve_one_version_of_an_artifact_re_exported_while_it_loads(tiny_family, tmp_path,
+                                                                                           monkeypatch):
+    """Rank 0 (an engine serving the whole model, its other rank a real follower thread that loads its
+    slices and skips the steps): an artifact re-exported between rank 0's read and the follower's
+    answers 503 (transient, Retry-After) naming the change, takes no slot on either rank, and the
+    next request serves the new version on both; the follower lives on."""
+    import queue
+    import shutil
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+    from deltafleet.serve.engine import Engine
+    from deltafleet.serve.follower import run_follower
+    from deltafleet.serve.tp import TPContext
+    from tests.conftest import api_error
+
+    arts = tmp_path / "artifacts"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", arts / "coder")
+    cmds, replies = queue.Queue(), queue.Queue()
+
+    class Rank0(TPContext):  # the whole model (a world of one for its own slices), its commands to the follower
+        def __init__(self):
+            super().__init__(0, 1, timeout_s=30)
+
+        def _broadcast(self, cmd):
+            cmds.put(cmd)
+
+        def _gather(self, reply):
+            return [None, replies.get(timeout=60)]
+
+    class Rank1(TPContext):
+        def __init__(self):
+            super().__init__(1, 2)
+
+        def recv(self):
+            while (cmd := cmds.get())[0] == "step":  # steps need the all-reduces: not here
+                pass
+            return cmd
+
+        def _gather(self, reply):
+            replies.put(reply)
+
+    loaded = []
+    put = DeltaSlots.put
+
+    def record(self, delta, slot=None):  # which rank put which signs
+        loaded.append(("rank1" if threading.current_thread().name == "rank1" else "rank0", delta.signs))
+        return put(self, delta, slot)
+
+    monkeypatch.setattr(DeltaSlots, "put", record)
+    follower = threading.Thread(target=run_follower, name="rank1",
+                                args=(Rank1(), str(tiny_family.base_dir), "cpu", torch.float32))
+    follower.start()
+    try:
+        engine = Engine(tiny_family.base_dir, arts, family="tiny", tp=Rank0())
+        read = engine._read_delta
+
+        def read_then_re_export(model_id):  # the user re-exports coder (the writer's deltas) after rank 0 read it
+            delta = read(model_id)
+            if not (tmp_path / ".done").exists():
+                shutil.copytree(tiny_family.artifacts_dir / "writer", tmp_path / ".coder-new")
+                shutil.rmtree(arts / "coder")
+                (tmp_path / ".coder-new").rename(arts / "coder")
+                (tmp_path / ".done").touch()
+            return delta
+
+        monkeypatch.setattr(engine.cache, "_read", read_then_re_export)
+        body = {"model": "tiny-coder", "prompt": "def ", "max_tokens": 2}
+        with TestClient(create_app(engine)) as tc:
+            r = tc.post("/v1/completions", json=body)
+            err = api_error(r, 503)
+            assert r.headers["Retry-After"] == "1"
+            assert err["message"] == ("variant `tiny-coder` is unavailable: its artifact changed on disk while it "
+                                      "was being loaded: retry"), err
+            assert loaded == []
+            assert tc.post("/v1/completions", json=body).status_code == 200
+            engine.shutdown()
+        follower.join(60)
+        assert not follower.is_alive()
+    finally:
+        if follower.is_alive():
+            cmds.put(("stop",))
+            follower.join(60)
+    writer = VariantDelta(load_artifact(tiny_family.artifacts_dir / "writer", force=True), "cpu", torch.float32)
+    assert sorted(name for name, _ in loaded) == ["rank0", "rank1"]  # the second request's load, once each
+    for name, signs in loaded:  # the new version on both ranks
+        want = shard_delta(writer, 1, 2).signs if name == "rank1" else writer.signs
+        assert signs.keys() == want.keys() and all(torch.equal(signs[k], want[k]) for k in want), name
