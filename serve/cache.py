@@ -293,47 +293,57 @@ class DeltaCache:
                     held.in_flight += 1
                     self._emit("hit", model_id)
                     return join
-        stamp = self._stamp(model_id)
         deadline = time.monotonic() + self.wait_timeout
-        with self._lock:
-            while True:  # a draining variant's new requests wait behind the load that drains it
-                e = self._entries.setdefault(model_id, _Entry(model_id))
-                left = deadline - time.monotonic()
-                if not (e.draining and e.device is not None) or self._closed is not None or left <= 0:
-                    break
-                self._room.wait(left)
-            self._touch(e)
-            if stamp is None:  # again, under the lock: a variant served again since is not gone
-                stamp = self._stamp(model_id)
-            if stamp is None:
-                self._discard(e)  # requests still running keep what they hold
-                raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
-            e.gone = False  # back on disk (if it had gone) before its last request ended
-            if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
-                # changed on disk: read it again; requests running on the old version keep it
-                self._drop(e) if e.in_flight == 0 else self._retire(e)
-                e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
-            e.in_flight += 1
-            if e.device is not None:
-                self._emit("hit", model_id)
-                return e.device
-        self._emit("miss", model_id)
-        try:
-            return self._load(e, stamp, deadline)
-        except BaseException:
-            self.release(model_id)
-            raise
+        counted = False  # this request counted in the variant's popularity (once, however many tries)
+        while True:
+            stamp = self._stamp(model_id)
+            with self._lock:
+                while True:  # a draining variant's new requests wait behind the load that drains it
+                    e = self._entries.setdefault(model_id, _Entry(model_id))
+                    left = deadline - time.monotonic()
+                    if not (e.draining and e.device is not None) or self._closed is not None or left <= 0:
+                        break
+                    self._room.wait(left)
+                if not counted:
+                    self._touch(e)
+                    counted = True
+                if stamp is None:  # again, under the lock: a variant served again since is not gone
+                    stamp = self._stamp(model_id)
+                if stamp is None:
+                    self._discard(e)  # requests still running keep what they hold
+                    raise ArtifactGoneError(f"the artifact of `{model_id}` is gone")
+                e.gone = False  # back on disk (if it had gone) before its last request ended
+                if e.stamp is not None and e.stamp != stamp and (e.in_flight == 0 or e.device is not None):
+                    # changed on disk: read it again; requests running on the old version keep it
+                    self._drop(e) if e.in_flight == 0 else self._retire(e)
+                    e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
+                e.in_flight += 1
+                if e.device is not None:
+                    self._emit("hit", model_id)
+                    return e.device
+            self._emit("miss", model_id)
+            try:
+                dev, read = self._load(e, stamp, deadline)
+            except BaseException:
+                self.release(model_id)
+                raise
+            if read == stamp:
+                return dev
+            # it joined a read that began before the artifact changed (the old version, for the request
+            # that began it): this request is the new version's, so it gives that back and reads again
+            self.release(model_id, dev)
 
     def _load(self, e: _Entry, stamp: Any, deadline: float) -> Any:
         """Bring ``e`` onto the device, waiting for room until ``deadline`` (monotonic seconds), which
         counts from the request's arrival, so that requests queued behind a load that waits for room
         give up with it rather than one wait after another; a read of the artifact extends it. When
         the variant's size is known (an earlier read's: a load that failed), room is made before the
-        read, so that no request reads the artifact only to find no room."""
+        read, so that no request reads the artifact only to find no room. Returns the delta on the
+        device and the stamp of the version it is (another request's, where this one found it loaded)."""
         with e.lock:  # single flight: the first request loads, the others find it loaded
             with self._lock:
                 if e.device is not None:
-                    return e.device
+                    return e.device, e.stamp
                 host = e.host
                 e.moving = host is not None  # the host tier keeps this copy until it is on the device
             t0 = time.perf_counter()
@@ -371,7 +381,7 @@ class DeltaCache:
                     e.host = None
                     self.host_bytes -= e.nbytes
             self._emit("load", e.model_id, time.perf_counter() - t0, tier)
-            return dev
+            return dev, stamp
 
     def release(self, model_id: str, delta: Any = None) -> None:
         """End one request of ``model_id`` (pair of :meth:`acquire`); ``delta``: what its acquire

@@ -507,6 +507,38 @@ def test_a_changed_artifact_serves_new_requests_at_once_and_running_ones_to_thei
     assert third not in (old, new) and disk.reads["a"] == 4 and cache.device_bytes == 100
 
 
+def test_a_request_that_sees_a_changed_artifact_does_not_take_the_old_versions_read():
+    """Found by a reviewer: a request that found the artifact changed on disk while the first read of
+    the old version still ran joined that read and got the old version. It now reads the new one once
+    that read ends; the old version stays its own request's and leaves the device with it."""
+    disk = Disk({"a": 100})
+    disk.gates["a"] = threading.Event()
+    freed: list = []
+    cache, events = make(disk, free_device=lambda d, kept: freed.append((d.name, kept)))
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", cache.acquire("a")))
+    first.start()
+    try:
+        while disk.reads["a"] == 0:  # the first read of version 1 runs
+            time.sleep(0.01)
+        disk.stamps["a"] = 2  # re-exported
+        second = threading.Thread(target=lambda: got.setdefault("second", cache.acquire("a")))
+        second.start()
+        while not in_load(second):
+            time.sleep(0.01)
+    finally:
+        disk.gates["a"].set()
+    first.join(10)
+    second.join(10)
+    assert disk.reads["a"] == 2 and got["second"] is not got["first"]
+    assert cache.snapshot()["a"]["in_flight"] == 1  # the new version's request, the old one retired
+    cache.release("a", got["first"])
+    assert freed == [("a", False)]  # its last request ended: the old version leaves, kept nowhere
+    assert use(cache, "a") is got["second"] and disk.reads["a"] == 2
+    cache.release("a", got["second"])
+    assert cache.snapshot()["a"]["in_flight"] == 0
+
+
 def test_requests_in_flight_keep_a_removed_artifact_until_they_end():
     """A removal does not pull a delta from under running requests: new requests get the 404 at once,
     and the delta stays until the running ones have ended."""
