@@ -195,8 +195,6 @@ def _blocks(ft: Checkpoint, names: list[str], block_elements: int) -> list[tuple
     for name in names:
         info = ft.info(name)
         d_out, d_in = info.shape
-        if d_in == 0:
-            continue
         step = row_block(info, block_elements)
         out += [(name, r0, min(d_out, r0 + step)) for r0 in range(0, d_out, step)]
     return out
@@ -238,6 +236,11 @@ def _compress_matrix(
     # Eq. 1, §3.1: α = mean|Δ| over the matrix, or over each row for row granularity
     alpha = abs_sum / d_in if per_row or two_sided else abs_sum.sum() / (d_out * d_in)
     if two_sided:  # the row solution, β = 1: distillation fits both sides (module docstring)
+        big = alpha > torch.finfo(torch.float16).max
+        if bool(big.any()):  # would be inf in float16: an artifact that every loader refuses
+            raise ValueError(f"{name}: row {int(big.nonzero()[0])} has mean |Δ| {float(alpha[big][0]):.4g}, beyond "
+                             "float16's range of granularity rowcol's scales: export it with granularity row "
+                             "(float32 scales); nothing was exported")
         small = int((alpha[alpha > 0] < _FP16_TINY).sum())
         if small:
             log.warning("%s: %d row scale(s) below %.2g lose precision in float16 (granularity rowcol); "
@@ -310,7 +313,8 @@ def _compress_tensors(
 
     def matrix(name: str) -> bool:
         fi = ft.info(name)
-        return name in base and len(fi.shape) == 2 and base.info(name).shape == fi.shape
+        # an empty matrix ([N, 0] or [0, N]) has no signs to pack: left to the other tensors' rule
+        return name in base and len(fi.shape) == 2 and all(fi.shape) and base.info(name).shape == fi.shape
 
     plan = _blocks(ft, [n for n in names if matrix(n)], block_elements)
     with ThreadPoolExecutor(max_workers=2 * _READ_AHEAD) as pool:

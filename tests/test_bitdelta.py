@@ -1280,3 +1280,27 @@ def test_the_served_shape_check_names_a_resized_vocabulary_only_for_one():
     assert "resized vocabularies are not served" in check("model.embed_tokens.weight", (136, 32))
     assert "resized vocabularies are not served" in check("lm_head.weight", (136, 32))
     assert "vocabular" not in check("model.embed_tokens.weight", (128, 40))  # columns: not the vocabulary
+
+
+def test_a_rowcol_scale_beyond_float16_is_refused_and_nothing_is_written(tmp_path):
+    """Found by a reviewer: granularity rowcol stores α in float16; a row whose mean |Δ| exceeds
+    float16's range was written as α = inf, an artifact that load_artifact then refused. The export
+    refuses it, naming the matrix, the row and granularity row (float32 scales) as the way out."""
+    b, f = _save_pair(tmp_path, {"w": torch.zeros(4, 8)}, {"w": torch.cat([torch.ones(3, 8), torch.full((1, 8), 1e5)])})
+    with pytest.raises(ValueError, match=r"^w: row 3 has mean \|Δ\| 1e\+05, beyond float16's range .* granularity row"):
+        compress(b, f, tmp_path / "art", variant="v", granularity="rowcol")
+    assert not (tmp_path / "art").exists()
+    compress(b, f, tmp_path / "art", variant="v", granularity="row")
+    assert torch.equal(load_artifact(tmp_path / "art").alphas["w"], torch.tensor([1.0, 1, 1, 1e5]))
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4)])
+def test_an_empty_matrix_is_left_out_of_the_export(tmp_path, shape):
+    """Found by a reviewer: a 2-D parameter with no columns reached the sign packer and failed the whole
+    export (``in_features must be ≥ 1``). An empty matrix, equal to the base's, is left out; the
+    others are compressed."""
+    b, f = _save_pair(tmp_path, {"e": torch.zeros(shape), "x": torch.zeros(2, 2)},
+                      {"e": torch.zeros(shape), "x": torch.ones(2, 2)})
+    compress(b, f, tmp_path / "art", variant="v")
+    art = load_artifact(tmp_path / "art")
+    assert set(art.signs) == {"x"} and not art.full
