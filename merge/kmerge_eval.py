@@ -12,7 +12,9 @@ order (adapter i → slot i mod K) and merge by plain averaging (``linear``) or 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,19 +41,30 @@ def train_adapter(cfg: DictConfig, domain: str, seed: int, out: Path) -> None:
 
 
 def load_factors(adapter_dir: Path) -> dict:
-    """PEFT adapter → ``{module: (A, B·alpha/r)}`` keyed by the module's name in the model
-    (``model.layers.0.self_attn.q_proj``)."""
+    """PEFT LoRA adapter → ``{module: (A, B·s)}`` keyed by the module's name in the model
+    (``model.layers.0.self_attn.q_proj``), with PEFT's scale ``s``: ``lora_alpha / r``, or
+    ``lora_alpha / √r`` for rsLoRA (``use_rslora``); ``r`` is the module's own rank (its A's rows, as
+    ``rank_pattern`` sets them) and ``alpha_pattern`` overrides ``lora_alpha`` for the modules it names.
+    A DoRA adapter (``use_dora``), whose update is not B·A, is refused (ValueError)."""
     from safetensors.torch import load_file
 
     conf = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = conf["lora_alpha"] / conf["r"]
+    if conf.get("use_dora"):
+        raise ValueError(f"{adapter_dir} is a DoRA adapter (use_dora), whose update is not B·A: not supported")
+    alphas = conf.get("alpha_pattern") or {}
+
+    def scale(module: str, r: int) -> float:
+        alpha = next((v for k, v in alphas.items() if k == module or re.fullmatch(rf"(.*\.)?(?:{k})", module)),
+                     conf["lora_alpha"])
+        return alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+
     t = load_file(adapter_dir / "adapter_model.safetensors")
     out = {}
     for k, a in t.items():
         if k.endswith(".lora_A.weight"):
             mod = k[: -len(".lora_A.weight")].removeprefix("base_model.model.")
             b = t[k.replace(".lora_A.", ".lora_B.")]
-            out[mod] = (a.double(), b.double() * scale)
+            out[mod] = (a.double(), b.double() * scale(mod, a.shape[0]))
     return out
 
 

@@ -9,12 +9,16 @@ from deltafleet.merge.kmerge_eval import baseline_pool, load_factors
 from tests.conftest import tiny_llama
 
 
-def test_peft_adapter_factors_give_peft_merged_weights(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"use_rslora": True},  # rsLoRA: found by a reviewer (scaled by alpha / r)
+                                   {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"layers.1.self_attn.q_proj": 3}}])
+def test_peft_adapter_factors_give_peft_merged_weights(tmp_path, extra):
+    """PEFT's own scale, per module: lora_alpha / r, or / √r for rsLoRA, with rank_pattern and
+    alpha_pattern's per-module ranks and alphas."""
     from peft import LoraConfig, get_peft_model
 
     base = tiny_llama(64, seed=1)
     w0 = {k: v.clone() for k, v in base.state_dict().items()}
-    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], **extra))
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -26,6 +30,16 @@ def test_peft_adapter_factors_give_peft_merged_weights(tmp_path):
     for mod, (a, b) in f.items():
         torch.testing.assert_close((w0[f"{mod}.weight"].double() + b @ a).float(), merged[f"{mod}.weight"],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_dora_adapter_is_refused(tmp_path):
+    """A DoRA adapter's update is not B·A (its magnitude vector rescales each column): refused, named."""
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(tiny_llama(64, seed=1), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"is a DoRA adapter \(use_dora\), whose update is not B·A"):
+        load_factors(tmp_path / "adapter")
 
 
 def test_arrival_order_baselines():
