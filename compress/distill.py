@@ -402,7 +402,8 @@ def distill_scales(
     lr, batch_size, seq_len, calibration_blocks, seed, loss_before, loss_after}`` (then
     ``provenance`` merged over that). It is built in a temporary folder next to ``out_dir`` and
     renamed into place: on any error nothing is left and an existing ``out_dir`` is untouched.
-    ``out_dir`` may be ``artifact_dir`` itself (the source is replaced only at the end).
+    ``out_dir`` must not be ``artifact_dir`` (nor lie inside it or hold it): the source stays as it
+    was, to compare against or distil again (refused before any work, ValueError).
 
     Args:
         base_dir: Hugging Face safetensors checkpoint of the base.
@@ -428,9 +429,10 @@ def distill_scales(
         The manifest written to ``out_dir/bitdelta.json``.
 
     Raises:
-        ValueError: unknown ``loss``, ``steps < 1``, ``batch_size < 1``, ``lr <= 0``, or a
+        ValueError: unknown ``loss``, ``steps < 1``, ``batch_size < 1``, ``lr <= 0``, a
             ``calibration`` that is not a non-empty 2-D int64 tensor or has token ids outside
-            the teacher's vocabulary.
+            the teacher's vocabulary, or an ``out_dir`` that overlaps an input or holds another
+            variant's artifact.
         FingerprintMismatchError: the artifact was exported against another base.
         ArtifactError: a damaged artifact, or one that does not fit the models.
         FileNotFoundError: a folder without a safetensors checkpoint.
