@@ -5,6 +5,7 @@ A leaf module.
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import re
 import threading
@@ -92,6 +93,29 @@ def _open_tail(tokenizer, ids: list[int], lock: threading.Lock) -> tuple[int, in
     return count, back
 
 
+_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → (byte token ids → byte, separator)
+
+
+def _byte_runs(tokenizer) -> tuple[dict[int, int], int | None]:
+    """A SentencePiece-style fast tokenizer's byte tokens (``<0xNN>``: id → byte; empty for byte-level
+    BPE, whose every token is bytes, and for a tokenizer without a Rust backend) and a separator: a token that decodes to one plain character,
+    alone and twice over, to decode text after a run of byte tokens with (None where none is found)."""
+    if tokenizer not in _runs:
+        ids: dict[int, int] = {}
+        sep = None
+        if getattr(tokenizer, "backend_tokenizer", None) is not None and _kind(tokenizer)[0] is None:
+            ids = {i: int(m.group(1), 16) for t, i in tokenizer.get_vocab().items() if (m := _BYTE_TOKEN.fullmatch(t))}
+        if ids:
+            unk = getattr(tokenizer, "unk_token_id", None)
+            for c in "xaeo0":
+                i = tokenizer.convert_tokens_to_ids(c)
+                if i is not None and i != unk and tokenizer.decode([i]) == c and tokenizer.decode([i, i]) == c + c:
+                    sep = i
+                    break
+        _runs[tokenizer] = ids, sep
+    return _runs[tokenizer]
+
+
 def _failure_table(stop: str) -> list[int]:
     """Knuth–Morris–Pratt: ``t[i]`` = the length of the longest proper prefix of ``stop[:i + 1]`` that
     is also its suffix."""
@@ -111,7 +135,8 @@ class TextStream:
     Detokenizing, as vLLM and TGI do: each token decodes a short window of ids that starts at the
     previous step's new tokens (so a SentencePiece leading space comes out right) and releases what
     the window adds to their text; a window that ends in an incomplete UTF-8 sequence (U+FFFD) waits
-    for the next token. The first window starts at ``context``, the prompt's last
+    for the next token (with SentencePiece byte fallback, each run of byte tokens reads as a UTF-8
+    decoder reads it: ``_decode_runs``). The first window starts at ``context``, the prompt's last
     :data:`CONTEXT_TOKENS` tokens: the first generated word keeps its leading space (a SentencePiece
     decoder strips the text's first one), and a character whose first bytes end the prompt and whose
     last ones the completion begins with is the completion's first character (vLLM drops it; the
@@ -125,6 +150,8 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...], lock: threading.Lock, min_tokens: int = 0,
                  skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self.tokenizer, self.lock = tokenizer, lock
+        with lock:
+            self._bytes, self._sep = _byte_runs(tokenizer)  # SentencePiece byte tokens: _decode_runs
         # A fast tokenizer's decode is its Rust backend's, then (with clean_up_tokenization_spaces)
         # a cleanup pass: without the cleanup, call the backend directly (a quarter of the time a token)
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -149,9 +176,35 @@ class TextStream:
 
     def _decode(self, ids: list[int]) -> str:
         with self.lock:
-            if self._backend is not None:
-                return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            if self._sep is not None and any(i in self._bytes for i in ids):
+                return self._decode_runs(ids)
+            return self._decode_plain(ids)
+
+    def _decode_plain(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_runs(self, ids: list[int]) -> str:
+        """SentencePiece byte fallback, with each run of byte tokens decoded as UTF-8 decodes it. The
+        tokenizer reads a run that is not whole UTF-8 as one U+FFFD a byte, whole characters included,
+        so a character released once would read U+FFFD when a stray byte follows it (text taken back).
+        The text between runs is the tokenizer's, after the separator (its leading space kept); a
+        character the last run leaves open reads one U+FFFD, as a byte-level decoder's does."""
+        out: list[str] = []
+        sep = len(self._decode_plain([self._sep]))
+        groups = [(is_bytes, list(group)) for is_bytes, group in itertools.groupby(ids, key=self._bytes.__contains__)]
+        for n, (is_bytes, group) in enumerate(groups):
+            if is_bytes:
+                data = bytes(self._bytes[i] for i in group)
+                if n + 1 < len(groups):
+                    out.append(data.decode("utf-8", "replace"))
+                else:  # the window's end: an open character waits (one U+FFFD)
+                    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+                    out.append(utf8.decode(data, final=False) + ("\ufffd" if utf8.getstate()[0] else ""))
+            else:
+                out.append(self._decode_plain(group) if not out else self._decode_plain([self._sep, *group])[sep:])
+        return "".join(out)
 
     def _close(self, new: str) -> str:
         """The window's new text once something follows the prompt's open character: without that

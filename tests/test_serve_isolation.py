@@ -1214,3 +1214,13 @@ def test_a_byte_fallback_text_cut_anywhere_ends_as_a_utf8_decoder_ends_it():
         ids = ids[:rng.randrange(1, len(ids) + 1)]
         want = codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(token_bytes(sp, ids)), final=False)
         assert _stream(ids, (), sp, context=(1,))[0] == want, ids
+    # bytes that are no UTF-8 anywhere in the text (a stray continuation byte, a character cut short):
+    # found by a reviewer, "中" then byte 0x80 streamed "中" and three U+FFFD (the tokenizer reads the
+    # run as four, the stream had released "中" already); each reads U+FFFD as a UTF-8 decoder reads it
+    pieces = ["你", "é", "😀", "a", "\u2581b", b"\x80", b"\xe4\xbd", b"\xf0\x9f", b"\xff"]
+    for _ in range(300):
+        ids = [i for c in rng.choices(pieces, k=rng.randrange(1, 9))
+               for i in (ids_of(c) if isinstance(c, str) else [4 + b for b in c])]
+        ids = ids[:rng.randrange(1, len(ids) + 1)]
+        want = codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(token_bytes(sp, ids)), final=False)
+        assert _stream(ids, (), sp, context=(1,))[0] == want, ids
