@@ -105,6 +105,9 @@ def check_config(cfg: DictConfig) -> dict:
         if not uses_base and method.name != "linear":
             raise ValueError(f"methods[{i}]: merge method {method.name!r} needs the base (task vectors are "
                              f"W − W_base): base: true")
+        if method.n_models not in (None, 2):
+            raise ValueError(f"methods[{i}]: merge method {method.name!r} merges the base with {method.n_models} "
+                             "model(s); the benchmark merges 2")
         if method.weights is not None and len(method.weights) != 2:
             raise ValueError(f"methods[{i}]: {len(method.weights)} weights for the benchmark's 2 models")
     if not isinstance(cfg.work_dir, str) or not cfg.work_dir.strip():

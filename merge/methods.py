@@ -17,6 +17,9 @@ Non-floating tensors (integer buffers) are taken from the base.
 ``dare_ties``      DARE's drop and rescale, then TIES' sign election and disjoint mean
 ``monosoup``       MonoSoup of the mean task vector (merge/soup.py, arXiv:2602.09689)
 ``svd_soup``       mean of the rank-``rank`` truncations of the ``τ_i`` (merge/soup.py)
+``slerp``          spherical interpolation from the base (``t = 0``) to one model (``t = 1``), each tensor
+                   one vector: ``sin((1−t)θ)/sin θ · W₀ + sin(tθ)/sin θ · W₁``, θ the angle between them;
+                   linear where they are nearly parallel (Shoemake 1985; mergekit's ``slerp``)
 ``opcm``           continual: the models arrive one at a time; each new task vector is projected out of
                    the dominant singular subspace of the running merged task vector, added, and the sum
                    is rescaled to the mean task-vector norm of the whole model (OPCM, Tang et al. 2025,
@@ -119,6 +122,7 @@ class MergeMethod:
     name: ClassVar[str] = ""
     two_pass: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
+    n_models: ClassVar[int | None] = None  # how many models it merges with the base (None: any)
 
     def __init__(self, weights: Sequence[float] | None = None):
         if weights is not None and any(not math.isfinite(w) for w in weights):
@@ -141,10 +145,14 @@ class MergeMethod:
         """The merged tensor, in ``base``'s dtype and shape.
 
         Raises:
-            ValueError: no models, or a shape that differs from the base's.
+            ValueError: no models, another number of models than the method merges (``n_models``),
+                or a shape that differs from the base's.
         """
         if not models:
             raise ValueError("no models to merge")
+        if self.n_models is not None and len(models) != self.n_models:
+            raise ValueError(f"merge method {self.name!r} merges the base with {self.n_models} model(s), "
+                             f"got {len(models)}")
         for m in models:
             if m.shape != base.shape:
                 raise ValueError(f"{name}: shape {tuple(m.shape)} differs from the base's {tuple(base.shape)}")
@@ -343,6 +351,50 @@ class SvdSoup(MergeMethod):
 
     def _merge(self, name, base, taus):
         return merge_param("svd_soup", base, [base + t for t in taus], rank=self.rank)[0]
+
+
+DOT_THRESHOLD = 0.9995  # slerp: |cos θ| above this interpolates linearly (mergekit's threshold)
+_NORM_EPS = 1e-8  # slerp: a vector of norm at most this is not normalised (mergekit's)
+
+
+@register("slerp")
+class Slerp(MergeMethod):
+    """Spherical linear interpolation between the base ``W₀`` (``t = 0``) and one model ``W₁``
+    (``t = 1``), each tensor as one vector (Shoemake 1985, as mergekit's ``slerp``): with
+    ``cos θ = ⟨W₀/‖W₀‖, W₁/‖W₁‖⟩`` (a vector of norm ≤ 1e-8 is not normalised), the merge is
+    ``sin((1−t)θ)/sin θ · W₀ + sin(tθ)/sin θ · W₁``, or ``(1−t) W₀ + t W₁`` where
+    ``|cos θ| > 0.9995``. To interpolate between two fine-tunes, give one of them as the base."""
+
+    elementwise = True
+    n_models = 1
+
+    def __init__(self, t: float = 0.5):
+        super().__init__(None)
+        if not 0.0 <= t <= 1.0:
+            raise ValueError(f"t must be in [0, 1] (0: the base, 1: the model), got {t}")
+        self.t = float(t)
+        self._coef = (1.0 - self.t, self.t)
+
+    def _prepare(self, name, shape, read):
+        """The angle over the whole tensor: its dot product and norms, in float64, block by block."""
+        rows, width = _n_rows(shape)
+        step = max(1, BLOCK_ELEMENTS // max(width, 1))
+        dot = sq0 = sq1 = 0.0
+        for start in range(0, rows, step):
+            b, ms = read(start, min(rows, start + step))
+            v0, v1 = b.double(), ms[0].double()
+            dot, sq0, sq1 = dot + float((v0 * v1).sum()), sq0 + float(v0.pow(2).sum()), sq1 + float(v1.pow(2).sum())
+        n0, n1 = (math.sqrt(x) for x in (sq0, sq1))
+        cos = dot / ((n0 if n0 > _NORM_EPS else 1.0) * (n1 if n1 > _NORM_EPS else 1.0))
+        if abs(cos) > DOT_THRESHOLD:
+            self._coef = (1.0 - self.t, self.t)
+            return
+        theta = math.acos(max(-1.0, min(1.0, cos)))
+        self._coef = (math.sin((1.0 - self.t) * theta) / math.sin(theta), math.sin(self.t * theta) / math.sin(theta))
+
+    def _merge_block(self, name, block, base, taus):
+        s0, s1 = self._coef
+        return (s0 + s1) * base + s1 * taus[0]  # s0·W₀ + s1·W₁, with W₁ = W₀ + τ
 
 
 def opcm_project(merged_tau: Tensor, tau: Tensor, alpha: float) -> Tensor:

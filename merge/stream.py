@@ -77,6 +77,9 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         raise ValueError("no models to merge")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    if method.n_models is not None and len(model_dirs) != method.n_models:
+        raise ValueError(f"merge method {method.name!r} merges the base with {method.n_models} model"
+                         f"{'s' if method.n_models > 1 else ''}, got {len(model_dirs)} models")
     if method.weights is not None and len(method.weights) != len(model_dirs):
         raise ValueError(f"{len(method.weights)} weights for {len(model_dirs)} models")
     out = Path(out_dir).resolve()

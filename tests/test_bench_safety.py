@@ -198,8 +198,10 @@ def test_merge_bench_keeps_a_work_dir_it_did_not_make(tmp_path):
     ("shape.hidden_size=100", "shape.hidden_size 100 / shape.num_attention_heads 4 is 25: the head dimension must "
                               "be even (RoPE)"),
     ("methods=[{method: foo, base: true, params: {}}]",
-     "methods[0]: unknown merge method 'foo'; known: dare_linear, dare_ties, linear, monosoup, opcm, svd_soup, "
-     "task_arithmetic, ties"),
+     "methods[0]: unknown merge method 'foo'; known: dare_linear, dare_ties, linear, monosoup, opcm, slerp, "
+     "svd_soup, task_arithmetic, ties"),
+    ("methods=[{method: slerp, base: true, params: {}}]",
+     "methods[0]: merge method 'slerp' merges the base with 1 model(s); the benchmark merges 2"),
     ("methods=[{method: ties, base: false, params: {}}]",
      "methods[0]: merge method 'ties' needs the base (task vectors are W − W_base): base: true"),
     ("methods=[{method: ties, base: yes, params: {}}]", "methods[0].base must be true or false, got 'yes'"),

@@ -21,9 +21,9 @@ def _setup(shape=(6, 5), n=3, seed=0):
 
 def test_registry_names_every_method_of_the_issue():
     assert set(REGISTRY) == {"linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "monosoup",
-                             "svd_soup", "opcm"}
-    with pytest.raises(ValueError, match="unknown merge method 'slerp'; known: dare_linear, dare_ties"):
-        get_method("slerp")
+                             "svd_soup", "opcm", "slerp"}
+    with pytest.raises(ValueError, match="unknown merge method 'model_stock'; known: dare_linear, dare_ties"):
+        get_method("model_stock")
     with pytest.raises(ValueError, match="merge method 'ties' has no parameter 'densty'; its parameters: "
                                          "weights, density, scaling$"):
         get_method("ties", densty=0.5)
@@ -283,3 +283,51 @@ def test_the_merge_help_lists_every_method_with_its_defaults():
                          for p in params)
         assert listed[name].split(" (")[0] == want, (name, listed[name])
     assert "Configuration groups" not in out.stdout and "trainer" not in out.stdout
+
+
+def _slerp_reference(v0: torch.Tensor, v1: torch.Tensor, t: float) -> torch.Tensor:
+    """Shoemake's slerp of two tensors as vectors, in float64, as mergekit writes it (normalised
+    copies for the angle, the originals blended; linear where |cos θ| > 0.9995)."""
+    a, b = v0.double().flatten(), v1.double().flatten()
+    na, nb = a.norm(), b.norm()
+    cos = float((a / (na if na > 1e-8 else 1)) @ (b / (nb if nb > 1e-8 else 1)))
+    if abs(cos) > 0.9995:
+        out = (1 - t) * a + t * b
+    else:
+        theta = math.acos(cos)
+        out = (math.sin((1 - t) * theta) * a + math.sin(t * theta) * b) / math.sin(theta)
+    return out.reshape(v0.shape)
+
+
+@pytest.mark.parametrize("t", [0.0, 0.3, 0.5, 1.0])
+def test_slerp_follows_the_great_circle_from_the_base_to_the_model(t):
+    """Found missing by a reviewer (mergekit's most used two-model merge). Each tensor is one vector:
+    the reference's blend, the endpoints at t = 0 and 1, and for two orthogonal unit vectors a unit
+    vector at angle tπ/2 (where linear interpolation would shorten it)."""
+    base, (model,) = _setup(shape=(6, 5), n=1, seed=3)
+    model = model + 2.0 * torch.randn(6, 5, generator=torch.Generator().manual_seed(9))  # far from parallel
+    got = get_method("slerp", t=t).merge("w", base, [model])
+    torch.testing.assert_close(got.double(), _slerp_reference(base, model, t), rtol=1e-5, atol=1e-5)
+    e0, e1 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    got = get_method("slerp", t=t).merge("v", e0, [e1])
+    torch.testing.assert_close(got, torch.tensor([math.cos(t * math.pi / 2), math.sin(t * math.pi / 2)]))
+    if t in (0.0, 1.0):
+        torch.testing.assert_close(get_method("slerp", t=t).merge("w", base, [model]), model if t else base)
+
+
+def test_slerp_of_nearly_parallel_or_zero_tensors_and_its_refusals():
+    """Nearly parallel tensors (|cos θ| > 0.9995) and a zero tensor blend as the reference does; the
+    blend keeps the base's dtype; t outside [0, 1] and another number of models than one are refused."""
+    base = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    near = base * 1.5 + 1e-4
+    torch.testing.assert_close(get_method("slerp", t=0.25).merge("w", base, [near]), 0.75 * base + 0.25 * near)
+    zero = torch.zeros(4, 8)
+    torch.testing.assert_close(get_method("slerp", t=0.5).merge("b", zero, [base]).double(),
+                               _slerp_reference(zero, base, 0.5), rtol=1e-6, atol=1e-6)
+    got = get_method("slerp", t=0.5).merge("w", base.bfloat16(), [(base + 1).bfloat16()])
+    assert got.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=re.escape("merge method 'slerp': t must be in [0, 1] (0: the base, 1: "
+                                                   "the model), got 1.5")):
+        get_method("slerp", t=1.5)
+    with pytest.raises(ValueError, match="merge method 'slerp' merges the base with 1 model"):
+        get_method("slerp").merge("w", base, [base, base])

@@ -25,9 +25,10 @@ def _state(d: Path) -> dict:
 
 
 @pytest.mark.parametrize("method, params", [("ties", {"density": 0.3}), ("dare_ties", {"density": 0.5, "seed": 3}),
-                                            ("opcm", {"alpha": 0.5}), ("linear", {"weights": [1, 3]})])
+                                            ("opcm", {"alpha": 0.5}), ("linear", {"weights": [1, 3]}),
+                                            ("slerp", {"t": 0.3})])
 def test_streamed_merge_equals_the_method_on_whole_state_dicts(tiny_family, tmp_path, method, params):
-    models = [tiny_family.base_dir.parent / v for v in ("coder", "writer")]
+    models = [tiny_family.base_dir.parent / v for v in ("coder", "writer")][:get_method(method, **params).n_models]
     out = tmp_path / "merged"
     summary = merge_checkpoints(tiny_family.base_dir, models, out, get_method(method, **params), max_shard_bytes=60_000)
     base, states = _state(tiny_family.base_dir), [_state(m) for m in models]
@@ -57,6 +58,8 @@ def test_bad_inputs_are_named_and_leave_nothing(tiny_family, tmp_path):
         merge_checkpoints(tiny_family.base_dir, [tmp_path / "empty"], tmp_path / "m", get_method("ties"))
     with pytest.raises(ValueError, match="no models to merge"):
         merge_checkpoints(tiny_family.base_dir, [], tmp_path / "m", get_method("ties"))
+    with pytest.raises(ValueError, match="merge method 'slerp' merges the base with 1 model, got 2 models"):
+        merge_checkpoints(tiny_family.base_dir, models * 2, tmp_path / "m", get_method("slerp"))
     assert not (tmp_path / "m").exists() and not any(p.name.startswith(".m.tmp") for p in tmp_path.iterdir())
 
 
@@ -93,10 +96,10 @@ def test_merge_run_cli(tiny_family, tmp_path):
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "model.safetensors").is_file() and '"method": "task_arithmetic"' in r.stdout
-    r = subprocess.run([sys.executable, "merge/run.py", "method=slerp", f"out_dir={out}", "models=[x]",
+    r = subprocess.run([sys.executable, "merge/run.py", "method=model_stock", f"out_dir={out}", "models=[x]",
                         f"hydra.run.dir={tmp_path / 'h2'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 2 and "unknown merge method 'slerp'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "unknown merge method 'model_stock'" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "merge/run.py", "max_shard_gb=abc", f"out_dir={out}", "models=[x]",
                         f"hydra.run.dir={tmp_path / 'h3'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
