@@ -426,9 +426,9 @@ class Engine:
     def discover(self) -> list[ModelCard]:
         """(Re)scan ``artifacts_dir`` for ``*/bitdelta.json`` and make the list of variants what is on
         disk now (``GET /v1/models`` calls it): new artifacts become servable (not those removed with
-        :meth:`remove_variant`), and a variant whose manifest is gone (its folder removed) leaves the
-        list and every cache tier, as its next request would find it (a 404; docs/serving.md, "Changed
-        on disk"). Requests running on it finish on what they hold. As cheap as listing the folder:
+        :meth:`remove_variant`), and a variant whose manifest is gone (its folder removed) or names what
+        this server cannot serve (re-exported against another base) leaves the list and every cache
+        tier, as its next request would find it (a 404; docs/serving.md, "Changed on disk"). Requests running on it finish on what they hold. As cheap as listing the folder:
         each manifest is read for its base fingerprint and each listed variant's manifest looked
         up, no artifact is loaded."""
         found: dict[str, ModelCard] = {}
@@ -460,11 +460,17 @@ class Engine:
             found[f"{self.family}-{name}"] = ModelCard(f"{self.family}-{name}", self.family)
         with self._registry_lock:
             listed = list(self._variants.values())
-        stale = [c for c in listed if self._gone(c)]
+        # a listed variant whose manifest is gone, or names what this server cannot serve now (re-exported
+        # against another base, or with column scales its slots lack), leaves the list as at start
+        unservable = {c.id: why for c in listed if not self._gone(c) and c.artifact_dir is not None
+                      and (why := self._not_servable(c.artifact_dir / MANIFEST_NAME)) is not None}
+        stale = [c for c in listed if self._gone(c) or c.id in unservable]
         with self._registry_lock:
             gone = [c.id for c in stale if self._variants.get(c.id) is c]  # not replaced meanwhile
             for mid in gone:
                 del self._variants[mid]
+                if mid in unservable:  # its requests answer 404 saying why
+                    self._unserved[mid] = unservable[mid]
             for mid, card in found.items():
                 if mid not in self._removed:
                     self._variants.setdefault(mid, card)

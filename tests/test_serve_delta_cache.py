@@ -671,6 +671,32 @@ def test_an_artifact_removed_from_disk_leaves_the_model_list_at_once(root):
             shutil.rmtree(f, ignore_errors=True)
 
 
+def test_a_listed_variant_re_exported_for_another_base_leaves_the_model_list_at_once(root):
+    """Found by a reviewer: a resident variant whose manifest was rewritten for another base stayed in
+    ``/v1/models`` (``/v1/models/{id}`` 200) and in its device slot until a request for it read it,
+    although the same scan logged that it was not served; only a removed folder left the list. It
+    now leaves the list and its slot at the next scan, and its requests answer 404 saying why."""
+    folder = root / "artifacts" / "rebased"
+    try:
+        shutil.copytree(root / "artifacts" / "coder", folder)
+        engine = _engine(root)
+        engine.get_delta("tiny-rebased")  # resident on the device
+        with TestClient(create_app(engine)) as tc:
+            assert "tiny-rebased" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+            manifest = folder / "bitdelta.json"
+            man = json.loads(manifest.read_text())
+            man["base"]["fingerprint"] = "0" * len(man["base"]["fingerprint"])
+            manifest.write_text(json.dumps(man))
+            assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["tiny", "tiny-coder", "tiny-writer"]
+            assert "tiny-rebased" not in engine.cache.snapshot()  # its slot is free again
+            r = tc.post("/v1/completions", json={"model": "tiny-rebased", "prompt": "x", "max_tokens": 2})
+            err = api_error(r, 404)
+            assert err["code"] == "model_not_found" and "exported against another base (fingerprint 0" in err["message"]
+            assert tc.get("/v1/models/tiny-rebased").status_code == 404
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_what_a_killed_export_leaves_takes_no_slot_and_no_column_scales(root):
     """Found by a fresh user: ``kill -9`` during an export leaves its hidden staging folder
     (``.<name>.tmp-<host>.<pid>.<random>``, or ``.<name>.old-…``: the replaced artifact it was deleting)
