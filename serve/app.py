@@ -257,6 +257,7 @@ class BodyLimit:
     A body that has not arrived whole ``timeout_s`` seconds after its head (None: no limit) is
     answered 408 (``request_timeout``), and one that would take the bytes of all bodies being received
     at once past ``pending_limit`` (None: no limit) 503 (``server_busy``); either closes the connection.
+    A body larger than ``pending_limit`` alone is too large (413) whatever ``limit`` is.
     Once ``stopping`` (None: never) is set, a body still arriving is answered 503 (``shutting_down``)
     at once, and the connection closed: the server's shutdown does not wait for a slow upload.
     Parsing a body holds the event loop (about 0.25 s per MiB of deeply nested JSON): the limits bound
@@ -264,7 +265,10 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, limit: int | None, timeout_s: float | None = None,
                  pending_limit: int | None = None, stopping: Stopping | None = None):
-        self.app, self.limit, self.timeout_s, self.pending_limit = app, limit, timeout_s, pending_limit
+        self.app, self.timeout_s, self.pending_limit = app, timeout_s, pending_limit
+        # one body past pending_limit could never be received, however long its client waits: 413, not 503
+        limits = [n for n in (limit, pending_limit) if n is not None]
+        self.limit = min(limits) if limits else None
         self.stopping = stopping
         self.pending = 0  # bytes of the bodies being received now (one event loop: no lock)
 
@@ -512,12 +516,16 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
 class StatusCount:
     """ASGI middleware, the outermost: counts every HTTP answer by route, method and status code in
     ``counter`` (``http_requests_total``, the labels of prometheus-fastapi-instrumentator, which vLLM
     serves, with each code whole rather than grouped as ``4xx``), refusals by the layers inside it
     (413, 408, 503 ``server_busy``, 401) and 429s included. ``handler`` is the route's path template,
-    ``none`` for a path no route matches (a client's own paths would make series without end).
+    ``none`` for a path no route matches (a client's own paths would make series without end), and
+    ``method`` the request's for HTTP's own methods (RFC 9110), ``other`` for any other token.
     ``/metrics`` and ``/health`` are not counted: scrapes and probes would outnumber the API's calls."""
 
     def __init__(self, app: ASGIApp, counter: Counter, routes: Callable[[], list]):
@@ -543,7 +551,8 @@ class StatusCount:
         try:
             await self.app(scope, receive, counted)
         finally:
-            self.counter.labels(self.handler(scope), scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.counter.labels(self.handler(scope), method, str(status)).inc()
 
 
 class _EngineCollector:

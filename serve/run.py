@@ -111,15 +111,16 @@ def _check_cors(cfg: DictConfig) -> None:
 
 
 def _check_timeouts(cfg: DictConfig) -> None:
-    """Raises ValueError unless ``timeout_request_s`` and ``timeout_graceful_shutdown_s`` are null or > 0
-    and ``timeout_keep_alive_s`` > 0."""
+    """Raises ValueError unless ``timeout_request_s`` and ``timeout_graceful_shutdown_s`` are null (none)
+    or finite and > 0, and ``timeout_keep_alive_s`` finite and > 0."""
     for key, nullable in (("timeout_request_s", True), ("timeout_keep_alive_s", False),
                           ("timeout_graceful_shutdown_s", True)):
         value = cfg[key]
         if value is None and nullable:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{key} must be a number of seconds > 0{' or null' if nullable else ''}, got {value!r}")
+        if not _number(value) or not value > 0:
+            raise ValueError(f"{key} must be a finite number of seconds > 0{' or null (none)' if nullable else ''}, "
+                             f"got {value!r}")
 
 
 FLAGS = ("force", "async_scheduling", "late_planning", "cuda_graphs", "prefill_graphs", "capture_at_start")
@@ -154,6 +155,10 @@ def check_settings(cfg: DictConfig) -> None:
     for key in LIMITS:
         if (v := OmegaConf.select(cfg, key)) is not None and (not _integer(v) or v < 1):
             raise ValueError(f"{key} must be null or an integer ≥ 1, got {v!r}")
+    if cfg.max_pending_body_bytes is not None and cfg.max_pending_body_bytes < (cfg.max_request_bytes or 0):
+        # a body between the two would wait for room it can never have (503 with Retry-After, every try)
+        raise ValueError(f"max_pending_body_bytes ({cfg.max_pending_body_bytes}) must be at least max_request_bytes "
+                         f"({cfg.max_request_bytes}), the largest body one request may send")
     if not _integer(v := cfg.long_prefill_token_threshold) or v < 0:
         raise ValueError(f"long_prefill_token_threshold must be an integer ≥ 0, got {v!r}")
     if not _integer(v := cfg.port) or not 0 <= v <= 65535:  # 0: any free port, as the OS picks it
@@ -257,11 +262,11 @@ def _switch_interval(cfg: DictConfig) -> float:
     threads, up to the interval (Python's default, 5 ms, is a decode step's length).
 
     Raises:
-        ValueError: it is not a number > 0.
+        ValueError: it is not a finite number > 0.
     """
     value = cfg.get("gil_switch_interval_ms", 0.5)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"gil_switch_interval_ms must be a number of milliseconds > 0, got {value!r}")
+    if not _number(value) or not value > 0:
+        raise ValueError(f"gil_switch_interval_ms must be a finite number of milliseconds > 0, got {value!r}")
     return value / 1000
 
 

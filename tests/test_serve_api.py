@@ -1176,6 +1176,23 @@ def test_every_http_answer_is_counted_by_route_and_status(server, client):
     assert not any("nosuch" in k for k in after)
 
 
+def test_a_method_outside_http_s_own_is_counted_as_other(engine):
+    """Found by a reviewer: the ``method`` label took any token a client sent (h11 accepts any), a new
+    series for ever for each made-up method, where ``handler`` was bounded already."""
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+
+    with TestClient(create_app(engine)) as tc:
+        for i in range(3):
+            assert tc.request(f"XMETHOD{i}", "/v1/models").status_code == 405
+        assert tc.request("PATCH", "/v1/models").status_code == 405
+        lines = [line for line in tc.get("/metrics").text.splitlines() if line.startswith("http_requests_total{")]
+    assert 'http_requests_total{handler="/v1/models",method="other",status="405"} 3.0' in lines
+    assert 'http_requests_total{handler="/v1/models",method="PATCH",status="405"} 1.0' in lines
+    assert not any("XMETHOD" in line for line in lines)
+
+
 def test_engine_steps_are_in_the_metrics(engine):
     """A request alone: its prompt's tokens, then each generated token but the last, are fed to the
     model once each, and every step is counted once, by kind (prefill: with prompt chunks)."""

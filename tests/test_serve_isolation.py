@@ -664,10 +664,17 @@ def test_stops_at_the_limit_do_not_slow_the_others(server):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("timeout_request_s=0", "timeout_request_s must be a number of seconds > 0 or null, got 0"),
-    ("timeout_keep_alive_s=null", "timeout_keep_alive_s must be a number of seconds > 0, got None"),
-    ("gil_switch_interval_ms=0", "gil_switch_interval_ms must be a number of milliseconds > 0, got 0"),
-    ("timeout_graceful_shutdown_s=-1", "timeout_graceful_shutdown_s must be a number of seconds > 0 or null, got -1"),
+    ("timeout_request_s=0", "timeout_request_s must be a finite number of seconds > 0 or null (none), got 0"),
+    ("timeout_keep_alive_s=null", "timeout_keep_alive_s must be a finite number of seconds > 0, got None"),
+    ("gil_switch_interval_ms=0", "gil_switch_interval_ms must be a finite number of milliseconds > 0, got 0"),
+    ("timeout_graceful_shutdown_s=-1", "timeout_graceful_shutdown_s must be a finite number of seconds > 0 or null "
+                                       "(none), got -1"),
+    # found by a reviewer: inf passed, and SIGTERM's drain then died in threading.Timer (OverflowError)
+    ("timeout_graceful_shutdown_s=inf", "timeout_graceful_shutdown_s must be a finite number of seconds > 0 or "
+                                        "null (none), got inf"),
+    # found by a reviewer: a body between the two got 503 with Retry-After on every try, never a 413
+    ("max_pending_body_bytes=1000", "max_pending_body_bytes (1000) must be at least max_request_bytes (2097152), "
+                                    "the largest body one request may send"),
 ])
 def test_bad_timeouts_are_refused_at_startup(tiny_family, override, message):
     out = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tiny_family.root}", override], cwd=REPO,
@@ -723,6 +730,30 @@ def test_bodies_received_at_once_are_bounded_together():
     assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
     assert json.loads(second[1]["body"])["error"]["code"] == "server_busy"
     assert third[0]["status"] == 200 and limit.pending == 0
+
+    async def alone():  # found by a reviewer: a body too large for pending_limit on its own got 503 every try
+        sent: list = []
+        await BodyLimit(echo, limit=None, pending_limit=100)(scope, _messages([b"g" * 60, b"h" * 60]), _append(sent))
+        return sent
+
+    sent = asyncio.run(alone())
+    assert sent[0]["status"] == 413 and json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
+
+
+def _messages(chunks: list[bytes]):
+    """An ASGI ``receive`` giving ``chunks`` as one body."""
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive():
+        return messages.pop(0)
+    return receive
+
+
+def _append(out: list):
+    """An ASGI ``send`` that keeps what is sent in ``out``."""
+    async def send(message):
+        out.append(message)
+    return send
 
 
 def _recv_all(sock: socket.socket) -> bytes:
