@@ -267,9 +267,12 @@ KWARGS_GO_TO = {"lightning.pytorch.loggers.WandbLogger": "wandb.init"}
 
 def _callee_of(target) -> str | None:
     """The :data:`KWARGS_GO_TO` callee of the class ``target`` names, however its path is spelt
-    (``lightning.pytorch.loggers.wandb.WandbLogger`` too); None for any other."""
+    (``lightning.pytorch.loggers.wandb.WandbLogger`` too); None for any other, and for no target
+    (not asked of Hydra, which logs an ERROR for a name it cannot import)."""
     from hydra.utils import get_object
 
+    if target is None:
+        return None
     try:
         cls = get_object(str(target))
         return next((c for t, c in KWARGS_GO_TO.items() if get_object(t) is cls), None)
