@@ -31,6 +31,7 @@ not served until it is loaded again): ``POST /v1/load_variant``, ``POST /v1/unlo
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1100,6 +1101,8 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
             raise _api_error(e) from None
         return {"id": mid, "object": "model", "unloaded": True}
 
+    adapters_loading: collections.Counter[str] = collections.Counter()  # model ids /v1/load_lora_adapter is loading
+
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_responses(*posted, 404, 409))
     async def load_lora_adapter(body: LoadLoraAdapterRequest):
         """vLLM's route, as the Gateway API Inference Extension's adapter sync calls it: ``lora_name``
@@ -1107,14 +1110,20 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         artifact folder; the same as ``/v1/load_variant``, answered as vLLM does (plain text). As vLLM,
         a name already served is refused (400) unless ``load_inplace`` asks to replace it."""
         mid = f"{engine.family}-{body.lora_name.removeprefix(f'{engine.family}-')}"
-        if not body.load_inplace and mid in {m.id for m in engine.models()}:
+        # (one being loaded counts: a second load of a new name while the first runs is refused too)
+        if not body.load_inplace and (mid in adapters_loading or mid in {m.id for m in engine.models()}):
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
                            param="lora_name", code="already_loaded")
+        adapters_loading[mid] += 1
         try:
             await load_variant(LoadVariantRequest(variant=body.lora_name, path=body.lora_path))
         except APIError as e:  # its parameters by vLLM's names
             e.param = {"variant": "lora_name", "path": "lora_path"}.get(e.param, e.param)
             raise
+        finally:
+            adapters_loading[mid] -= 1
+            if not adapters_loading[mid]:
+                del adapters_loading[mid]
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_responses(*posted, 404, 409))

@@ -159,6 +159,38 @@ def test_vllm_lora_adapter_routes_unload_and_load_a_variant(tiny_family):
         assert (missing["code"], missing["param"]) == ("artifact_not_found", "lora_path")
 
 
+def test_two_loads_of_one_new_lora_name_at_once_load_it_once(tiny_family, monkeypatch):
+    """Found by a reviewer: the ``already_loaded`` check ran before the load, so a second
+    ``/v1/load_lora_adapter`` of a new name sent while the first was loading passed it too, and both
+    answered success (vLLM refuses the second). A name being loaded counts as loaded."""
+    import asyncio
+    import time
+
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
+    add = engine.add_variant
+    calls = []
+
+    def slow_add(name, path=None):  # the first load still runs when the second arrives
+        calls.append(name)
+        time.sleep(0.5)
+        return add(name, path)
+
+    monkeypatch.setattr(engine, "add_variant", slow_add)
+    app = create_app(engine)
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            body = {"lora_name": "twice", "lora_path": "coder"}
+            return await asyncio.gather(client.post("/v1/load_lora_adapter", json=body),
+                                        client.post("/v1/load_lora_adapter", json=body))
+
+    answers = asyncio.run(both())
+    assert sorted(r.status_code for r in answers) == [200, 400] and calls == ["twice"]
+    refused = next(r for r in answers if r.status_code == 400)
+    assert refused.json()["error"]["code"] == "already_loaded"
+    assert "tiny-twice" in [c.id for c in engine.models()]
+
+
 def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
     engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny")
     body = {"model": "tiny-coder", "prompt": "def ", **GREEDY}
