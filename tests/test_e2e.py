@@ -226,6 +226,42 @@ runpy.run_path("train/run.py", run_name="__main__")
     assert not out.exists() and model.exists() == (what == "artifact")
 
 
+@pytest.mark.parametrize("stop", ["disk full", "SIGTERM"])
+def test_a_lora_run_that_cannot_save_leaves_no_adapter_staging_folder(family, stop):
+    """Found by a reviewer: a LoRA run stages its PEFT adapter in ``models/.<name>-adapter-XXXX`` before
+    the held-out evaluation and the save of ``out_dir``, and only a diverged run removed it: a run whose
+    disk was full at the save, or that was stopped then, left it behind in ``models/``. Any run that ends
+    without saving now removes it: status 1 (or 143), no fine-tune, no staging folder."""
+    root, _, _ = family
+    name = "lora-" + stop.split()[0].lower()
+    code = f"""
+import contextlib, errno, os, runpy, signal, sys
+import deltafleet.atomic as atomic
+staged = atomic.staged_dir
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+@contextlib.contextmanager
+def stopped(dst):
+    with staged(dst) as tmp:
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield tmp
+atomic.staged_dir = {"full" if stop == "disk full" else "stopped"}  # the save of out_dir fails or is stopped
+sys.argv = {["train/run.py", "variant=math", f"variant.name={name}", "logger=csv", "trainer.max_steps=2",
+             "variant.adapter=lora", "lora.r=4", "export.enabled=false",
+             "hydra.run.dir=" + str(root / "outputs" / name), *SMALL_MODEL, *SMALL_RUN, f"paths.root={root}"]!r}
+runpy.run_path("train/run.py", run_name="__main__")
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == (1 if stop == "disk full" else 143), proc.stderr[-3000:]
+    if stop == "disk full":
+        assert proc.stderr.strip().splitlines()[-1] == \
+            f"train: cannot write the fine-tune to out_dir {root / 'models' / name}: No space left on device"
+    assert not (root / "models" / name).exists()
+    assert not [p.name for p in (root / "models").iterdir() if p.name.startswith(f".{name}")]
+
+
 @pytest.mark.parametrize("adapter", [[], ["variant.adapter=lora", "lora.r=4"]])
 def test_a_diverged_run_writes_nothing(family, adapter):
     """Found by a fresh user: a run whose weights went to NaN (too high a learning rate) wrote its

@@ -425,6 +425,7 @@ def train(cfg: DictConfig) -> dict:
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable,
                      "lr": learning_rate(cfg), **_sweep_job()}
+    adapter_dir = None  # a LoRA run's staged adapter (finish_lora), until the save of out_dir moves it in
     try:
         module = CausalLMModule(model, lr=metrics["lr"], weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
@@ -448,6 +449,7 @@ def train(cfg: DictConfig) -> dict:
             return metrics
         if cfg.variant.adapter == "lora":
             model = finish_lora(module.model, Path(cfg.out_dir), trainer)
+            adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
         else:
             model = None
             if trainer.is_global_zero:  # a fresh, unsharded model holding the consolidated weights
@@ -459,20 +461,29 @@ def train(cfg: DictConfig) -> dict:
         metrics.update(evaluate_and_save(cfg, run_dir, model, tokenizer, test_blocks, initial, metrics, logger,
                                          device))
     finally:
+        # moved into out_dir by a successful save; a run that failed, diverged or was stopped leaves none
+        if adapter_dir is not None:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
         _finish_wandb()
     return metrics
 
 
 def finish_lora(peft_model, out_dir: Path, trainer):
     """Save the PEFT adapter (rank 0) in a fresh staging folder beside ``out_dir``; return the
-    model with the adapter merged in (the staging folder rides along as ``_deltafleet_adapter_dir``)."""
+    model with the adapter merged in (the staging folder rides along as ``_deltafleet_adapter_dir``).
+    The folder is removed here if this fails, and by :func:`train` after any later failure or stop;
+    only :func:`save_checkpoint` moves it into ``out_dir``."""
     from deltafleet.train.lora import save_adapter_and_merge
 
     if not trainer.is_global_zero:
         return None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-adapter-"))
-    model = save_adapter_and_merge(peft_model.float().cpu(), staging)
+    try:
+        model = save_adapter_and_merge(peft_model.float().cpu(), staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     model._deltafleet_adapter_dir = staging
     return model
 
@@ -528,14 +539,11 @@ def evaluate_and_save(cfg: DictConfig, run_dir: Path, model, tokenizer, test_blo
 
 def check_finite(model, cfg: DictConfig, steps: int | None) -> None:
     """Refuse to write a fine-tune that diverged: a weight holding NaN or inf ends the job (status 1,
-    one line) with nothing written, its adapter's staging folder removed; the run folder and its
-    checkpoints stay (a resume from a diverged one is refused: :func:`check_resume`)."""
+    one line) with nothing written (:func:`train` removes a LoRA run's staged adapter); the run folder
+    and its checkpoints stay (a resume from a diverged one is refused: :func:`check_resume`)."""
     bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
     if bad is None:
         return
-    adapter_dir = getattr(model, "_deltafleet_adapter_dir", None)
-    if adapter_dir is not None:
-        remove_dir(Path(adapter_dir))
     what = "fine-tune" if cfg.variant.init == "base" else "model"
     raise SystemExit(f"train: the {what} diverged: {bad} holds NaN or inf after {steps} steps, so nothing was "
                      f"written to {cfg.out_dir}; lower the learning rate ({learning_rate(cfg):g}: variant.lr, or "
