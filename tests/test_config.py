@@ -283,7 +283,7 @@ def test_counts_that_failed_after_training_are_refused_before_it(tmp_path, overr
     ("variant.lr=abc", "variant.lr must be a number > 0, got 'abc'"),
     ("variant.lr=0", "variant.lr must be a number > 0, got 0"),
     ("variant.weight_decay=nan", "variant.weight_decay must be a number ≥ 0, got nan"),
-    ("seed=abc", "seed must be an integer, got 'abc'"),
+    ("seed=abc", "seed must be an integer in [0, 4294967295], got 'abc'"),
     ("variant.adapter=lora lora.r=0", "lora.r must be a whole number ≥ 1, got 0"),
     ("variant.adapter=lora lora.dropout=1", "lora.dropout must be a number in [0, 1), got 1"),
     ("variant.adapter=lora lora.target_modules=[]", "lora.target_modules must be a list of module names"),
@@ -296,6 +296,23 @@ def test_optimizer_schedule_and_lora_settings_are_checked_by_name(tmp_path, over
 
     cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", *override.split()])
     with pytest.raises(ValueError, match="^" + re.escape(message)):
+        check_config(cfg)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_lightning_cannot_take_is_refused_by_name(tmp_path, seed):
+    """Found by a reviewer: ``seed`` was checked only as an integer, so ``seed=-1`` or ``seed=4294967296``
+    passed and then failed in Lightning's ``seed_everything`` (numpy's seeds: 0 to 2**32 - 1) with a
+    traceback. Refused by name with the other settings, before any work; the last seed numpy takes is
+    taken (the check goes on to the missing base)."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"seed={seed}"])
+    message = f"seed must be an integer in [0, 4294967295], got {seed}"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        check_config(cfg)
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", f"seed={2**32 - 1}"])
+    with pytest.raises(FileNotFoundError, match="no base model at "):
         check_config(cfg)
 
 

@@ -224,7 +224,8 @@ def _check_numbers(cfg: DictConfig) -> None:
               ("variant.weight_decay", lambda v: real(v) and v >= 0, "a number ≥ 0"),
               ("variant.warmup_steps", lambda v: whole(v) and v >= 0, "a whole number of steps ≥ 0"),
               ("variant.min_lr_ratio", lambda v: real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-              ("seed", whole, "an integer")]
+              # Lightning's seed_everything (numpy's seeds) takes 0..2**32 - 1 and raises a ValueError for others
+              ("seed", lambda v: whole(v) and 0 <= v < 2**32, f"an integer in [0, {2**32 - 1}]")]
     if cfg.model.get("finetune_lr") is not None:
         checks.append(("model.finetune_lr", lambda v: real(v) and v > 0, "null or a number > 0"))
     if cfg.variant.get("adapter") == "lora":
