@@ -262,7 +262,8 @@ def top_level_settings(config: str) -> set[str]:
 
 
 # Targets whose ``**kwargs`` all go on to one callee, documented as such: checked against its arguments.
-KWARGS_GO_TO = {"lightning.pytorch.loggers.WandbLogger": "wandb.init"}
+KWARGS_GO_TO = {"lightning.pytorch.loggers.WandbLogger": "wandb.init",
+                "lightning.pytorch.callbacks.EMAWeightAveraging": "torch.optim.swa_utils.AveragedModel"}
 
 
 def _callee_of(target) -> str | None:
@@ -307,11 +308,13 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     ``+name=value`` for any name, so a misspelt ``+overwite=true`` would otherwise be ignored), at the
     top level, in ``sections`` (the file's own groups of settings, checked key by key) and in its
     config groups (``paths``, ``model``: what any of the group's files has). A group the job
-    instantiates (its config has a ``_target_``: ``trainer``, ``logger``) also takes any keyword
-    argument of that target (``+trainer.accumulate_grad_batches=4``), and anything where the target
-    takes ``**kwargs``, but for a target whose extra arguments go on to one known callee
-    (:data:`KWARGS_GO_TO`: ``WandbLogger``'s to ``wandb.init``), checked against that one's; the target
-    is imported only for a key none of the group's files has."""
+    instantiates (its config has a ``_target_``: ``trainer``, ``logger``, ``merge``) takes what the
+    group's files of that same target have, and any keyword argument of that target
+    (``+trainer.accumulate_grad_batches=4``), and anything where the target takes ``**kwargs``, but for
+    a target whose extra arguments go on to one known callee (:data:`KWARGS_GO_TO`: ``WandbLogger``'s to
+    ``wandb.init``), checked against that one's; the target is imported only for a key none of those
+    files has. A key of another file's class (``merge=ema`` with ``+merge.every_n_steps=5``, a
+    ``MonoSoupCallback`` setting) is refused, not passed to a class that takes no such argument."""
     from omegaconf import DictConfig, OmegaConf
 
     conf = _conf_dir()
@@ -320,8 +323,11 @@ def check_settings(cfg, config: str, sections: tuple[str, ...] = ()) -> None:
     checks += [(f"{s}.", cfg[s], set(known[s]), None) for s in sections if isinstance(cfg.get(s), DictConfig)]
     for g in groups:
         if isinstance(cfg.get(g), DictConfig):
-            checks.append((f"{g}.", cfg[g], {k for f in (conf / g).glob("*.yaml") for k in OmegaConf.load(f)},
-                           cfg[g].get("_target_")))
+            files = [OmegaConf.load(f) for f in sorted((conf / g).glob("*.yaml"))]
+            target = cfg[g].get("_target_")
+            # a class's settings are those of the files that build the same class (all, if none does)
+            same = [f for f in files if target is not None and f.get("_target_") == target]
+            checks.append((f"{g}.", cfg[g], {k for f in same or files for k in f}, target))
     for where, have, want, target in checks:
         unknown = sorted(set(have) - want - {"_self_"})
         if unknown and target is not None:

@@ -603,6 +603,35 @@ def test_settings_added_on_purpose_are_taken():
                            "train.yaml", sections)
 
 
+def test_a_setting_of_another_class_of_the_group_is_refused_before_any_work(tmp_path):
+    """Found by a reviewer: ``merge=ema +merge.every_n_steps=5`` passed the check of settings, as
+    ``every_n_steps`` is a key of conf/merge's other files (MonoSoupCallback's), and the run loaded the
+    data and the model, then failed in Lightning's setup with a TypeError traceback (EMAWeightAveraging
+    passes keywords it does not take on to AveragedModel). A group's key is now one of the files that
+    build the same class, or an argument of that class (EMA's own, or AveragedModel's): ``error: ...``
+    and status 2, before any work; the same holds for ``logger=csv`` and WandbLogger's ``project``."""
+    out = subprocess.run([sys.executable, "train/run.py", "variant=coder", "merge=ema", "+merge.every_n_steps=5",
+                          f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=CONF.parent,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: merge.every_n_steps is not a setting of conf/train.yaml; its settings under merge: _target_, "
+        "decay (or an argument of lightning.pytorch.callbacks.EMAWeightAveraging or "
+        "torch.optim.swa_utils.AveragedModel)"), out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+    from deltafleet.cli import check_settings
+
+    sections = ("checkpoint", "lora", "export")
+    with pytest.raises(ValueError, match=r"^logger\.project is not a setting of conf/train\.yaml; its settings under "
+                                         r"logger: _target_, name, save_dir \(or an argument of "):
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", "logger=csv", "+logger.project=x"]),
+                       "train.yaml", sections)
+    for overrides in (["merge=ema", "+merge.use_buffers=false"], ["merge=average", "+merge.rank=4"]):
+        check_settings(compose_cfg("train", ["variant=coder", "paths.root=/r", *overrides]), "train.yaml", sections)
+
+
 @pytest.mark.parametrize("script", ["compress/run.py", "compress/distill.py"])
 def test_a_scripts_help_before_its_variant_is_chosen_is_one_line(script):
     """Found by a fresh user: ``python compress/run.py --help`` ended in Hydra's traceback (its config
