@@ -197,6 +197,46 @@ def test_resume_restores_best_checkpoint(tmp_path):
     assert all(torch.equal(soup2.base[n], soup1.base[n]) for n in soup1.base)
 
 
+def test_a_resume_without_merge_state_takes_w_base_from_the_base(tmp_path):
+    """Found by a reviewer: resuming with a soup (``merge=monosoup``) from a checkpoint written with
+    ``merge=none`` or ``merge=ema``, which holds no state of this callback, took the resumed fine-tuned
+    weights as ``W_base``, so every later merge worked on task vectors from step N, not from the base.
+    W_base is now read from ``base_dir``, which train/run.py passes to the soups; a fresh run, and a
+    resume with the callback's state, keep theirs (test_resume_restores_best_checkpoint)."""
+    from hydra import compose, initialize_config_dir
+
+    from deltafleet.train.run import build_callbacks
+
+    base_dir = tmp_path / "base"
+    tiny_llama(0).save_pretrained(base_dir)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    make_trainer(tmp_path, 4, [ckpt], enable_checkpointing=True).fit(make_module(max_steps=12),
+                                                                      datamodule=BlocksDataModule())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    assert "MonoSoupCallback" not in resumed["callbacks"]
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.base = {n: t.clone() for n, t in soup.base.items()}
+
+    soup, probe = MonoSoupCallback(every_n_steps=4, val_batches=2, base_dir=str(base_dir)), Probe()
+    make_trainer(tmp_path, 8, [soup, probe]).fit(make_module(seed=1, max_steps=12), datamodule=BlocksDataModule(),
+                                                 ckpt_path=str(last))
+    base = {f"model.{n}": p for n, p in tiny_llama(0).named_parameters()}
+    assert probe.base.keys() == base.keys()
+    assert all(torch.equal(probe.base[n], base[n]) for n in base)
+    assert any(not torch.equal(resumed["state_dict"][n], base[n]) for n in base)  # not the resumed weights
+    assert [(r["step"], r["skipped"]) for r in soup.records] == [(8, 0)]  # a merge over that base ran
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # what train/run.py passes
+        for merge, want in (("monosoup", f"{tmp_path}/models/base"), ("svd_soup", f"{tmp_path}/models/base"),
+                            ("ema", None)):
+            cfg = compose("train", ["variant=coder", f"paths.root={tmp_path}", f"merge={merge}"])
+            (cb,) = [c for c in build_callbacks(cfg, tmp_path) if not isinstance(c, ModelCheckpoint)]
+            assert getattr(cb, "base_dir", None) == want
+
+
 def test_ddp_two_ranks_merge_identically(tmp_path, method="monosoup"):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}

@@ -26,7 +26,8 @@ class MonoSoupCallback(L.Callback):
     """Every ``every_n_steps`` optimizer steps, merge the current weights with the best checkpoint.
 
     The *base* ``W_base`` is the model's weights when training first starts (for a variant: the
-    weights of ``models/base``); the *best checkpoint* is a snapshot of the weights at the lowest
+    weights of ``models/base``, read from ``base_dir`` where a resumed run has no state of this
+    callback to restore it from); the *best checkpoint* is a snapshot of the weights at the lowest
     ``monitor`` value seen at a validation end. At each merge step, for every parameter in turn,
     :func:`deltafleet.merge.soup.merge_param` combines ``[current, best]`` over ``W_base`` and the result is
     written back into the training model (and, under DeepSpeed, into the optimizer's fp32 master
@@ -47,7 +48,10 @@ class MonoSoupCallback(L.Callback):
     ``merge/mean_lambda_low``). A merge step with no best checkpoint yet logs ``merge/skipped = 1``.
 
     Resume: :meth:`state_dict` carries the best loss, step and weights, the base weights and the
-    records, so ``Trainer.fit(ckpt_path=...)`` continues with the same best checkpoint.
+    records, so ``Trainer.fit(ckpt_path=...)`` continues with the same best checkpoint. A checkpoint
+    written without this callback's state (``merge=none`` or ``ema``) holds a fine-tune's weights, not
+    the base's: ``W_base`` is then read from ``base_dir`` (without one, the resumed weights are taken,
+    with a warning).
 
     Args:
         method: ``"monosoup"``, ``"svd_soup"``, ``"average"`` or ``"none"`` (the callback does nothing).
@@ -58,17 +62,22 @@ class MonoSoupCallback(L.Callback):
         val_batches: validation batches for the before/after loss (0: not measured, logged as NaN).
         min_rel_update: MonoSoup's relative-update threshold ``τ``.
         monitor: the logged metric that ranks checkpoints (lower is better).
+        base_dir: the Hugging Face checkpoint the model was first trained from (``train/run.py`` passes
+            the variant's ``base_dir``), read only by a resumed run without this callback's state; its
+            parameters must be those of the trained model (``pl_module.model``, or ``pl_module``).
 
     Raises:
-        ValueError: a setting of the wrong kind or range (``merge.soup.check_soup_settings``).
+        ValueError: a setting of the wrong kind or range (``merge.soup.check_soup_settings``), or a
+            ``base_dir`` whose parameters are not the model's.
         NotImplementedError: at setup, for strategies other than single-device, DDP and DeepSpeed.
     """
 
     def __init__(self, method: str = "monosoup", every_n_steps: int = 1000, energy_ratio: float = 0.8,
                  rank_mode: str = "energy", rank: int = 8, val_batches: int = 8, min_rel_update: float = 1e-6,
-                 monitor: str = "val/loss"):
+                 monitor: str = "val/loss", base_dir: str | None = None):
         check_soup_settings(method, every_n_steps, energy_ratio, rank_mode, rank, val_batches, min_rel_update, monitor)
         self.method, self.every_n_steps, self.val_batches, self.monitor = method, every_n_steps, val_batches, monitor
+        self.base_dir = base_dir
         self.merge_kwargs = dict(energy_ratio=energy_ratio, rank_mode=rank_mode, rank=rank,
                                  min_rel_update=min_rel_update)
         self.best_val_loss = math.inf
@@ -104,10 +113,16 @@ class MonoSoupCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After any checkpoint restore (DDP restores before on_fit_start, DeepSpeed after it), so a
-        # restored base is kept and a fresh run snapshots the weights it starts from.
+        # restored base is kept and a fresh run snapshots the weights it starts from. A resume that
+        # restored no base starts from a fine-tune's weights: the base is read from base_dir.
         if not self.enabled:
             return
-        if self.base is None:
+        if self.base is None and trainer.ckpt_path and self.base_dir is not None:
+            self.base = self._read_base(trainer, pl_module)
+        elif self.base is None:
+            if trainer.ckpt_path:
+                rank_zero_warn("MonoSoupCallback: the checkpoint holds no merge state and no base_dir was given; "
+                               "the resumed weights are taken as W_base")
             self.base = self._snapshot(trainer, pl_module)
         if not trainer.is_global_zero:  # a restored checkpoint gave every rank a copy: keep rank 0's
             self.base = self.best = None
@@ -181,6 +196,24 @@ class MonoSoupCallback(L.Callback):
             if trainer.is_global_zero:
                 out[name] = full.detach().to("cpu", torch.float32, copy=True)
         return out if trainer.is_global_zero else None
+
+    def _read_base(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor] | None:
+        """``base_dir``'s weights as float32 CPU tensors named as ``pl_module``'s parameters, on rank 0
+        (``None`` elsewhere); ValueError where its parameters are not the model's."""
+        if not trainer.is_global_zero:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        inner = getattr(pl_module, "model", pl_module)
+        prefix = next(name for name, m in pl_module.named_modules() if m is inner)
+        prefix = f"{prefix}." if prefix else ""
+        base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        out = {prefix + name: p.detach() for name, p in base.named_parameters()}
+        want = {name: tuple(full_shape(p)) for name, p in pl_module.named_parameters()}
+        if {name: tuple(t.shape) for name, t in out.items()} != want:
+            raise ValueError(f"MonoSoupCallback: the parameters of base_dir {self.base_dir} are not those of the "
+                             f"model trained")
+        return out
 
     @torch.no_grad()
     def _val_loss(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float:

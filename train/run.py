@@ -206,7 +206,9 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     if name is None or name == "none":
         return callbacks
     if cfg.variant.init == "base" and cfg.variant.adapter is None:
-        callbacks.append(hydra.utils.instantiate(merge))
+        # the soups' W_base is the base's weights: a resume from a checkpoint without their state reads it there
+        soup = str(merge.get("_target_", "")).endswith(".MonoSoupCallback")
+        callbacks.append(hydra.utils.instantiate(merge, **({"base_dir": str(cfg.base_dir)} if soup else {})))
         every, steps = merge.get("every_n_steps"), cfg.trainer.get("max_steps")
         if isinstance(every, int) and isinstance(steps, int) and every > steps:
             print(f"[train] merge callback ({name}) merges every {every} steps: not once in this run of {steps} "
