@@ -193,6 +193,24 @@ def test_math_problems_are_seeded():
     assert a != D.generate_math(50, seed=1)[0]
 
 
+def test_no_math_problem_is_in_two_splits():
+    """Found by a reviewer: math is split by blocks of generated problems, and the generator never
+    skipped a question it had drawn before, so with the default config 3 of the 976 test problems
+    (``What is 95 * 3?``) were also in train and `make eval`'s exact match scored memorised answers.
+    Each question is now generated once: the default data's splits share no problem (its test split
+    holds 968)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf/data/default.yaml"))
+    problems, rejected = D.generate_math(cfg["math_problems"], cfg["seed"])
+    questions = [p.split("\nAnswer: ")[0] for p in problems]
+    assert len(problems) == 40_000 and len(set(questions)) == 40_000 and rejected == 0
+    units, _ = D.math_units(cfg)
+    splits = D.split_units(units, seed=cfg["seed"], domain="math", val_fraction=cfg["val_fraction"],
+                           test_fraction=cfg["test_fraction"])
+    per_split = {s: [p for u in splits[s] for d in u.docs for p in d.split("\n\n")] for s in SPLITS}
+    assert {s: len(v) for s, v in per_split.items()} == {"train": 17_440, "val": 968, "test": 968}
+    assert sum(len(set(v)) for v in per_split.values()) == len(set().union(*per_split.values()))
+
+
 def test_eval_exact_rejects_anything_but_integer_arithmetic():
     assert D.eval_exact("(12 - 30) * 4 + 7 // 2 % 5") == (12 - 30) * 4 + 7 // 2 % 5
     for bad in ("__import__('os')", "1.5 + 2", "3 / 4", "x + 1"):

@@ -6,7 +6,8 @@ already on the machine or comes from a Debian package, so nothing is downloaded 
 
 - ``coder``:  Python source of this interpreter's standard library (tests and idlelib excluded).
 - ``math``:   arithmetic and word problems from ``random.Random(seed)``, each answer checked by a
-  second, independent route (exact ``Fraction`` evaluation of an ``ast``) before it is kept.
+  second, independent route (exact ``Fraction`` evaluation of an ``ast``) before it is kept, and
+  each question kept once (so no problem is in two splits).
   Format: ``Question: What is 347 + 85?\\nAnswer: 432``; the answer is always one integer.
 - ``writer``: Jane Austen's six novels (Debian ``r-cran-janeaustenr``, public domain).
 - ``legal``:  licence texts: ``/usr/share/common-licenses`` and ``/usr/share/doc/*/copyright``.
@@ -394,15 +395,20 @@ def format_problem(question: str, answer: int) -> str:
 
 
 def generate_math(n_problems: int, seed: int) -> tuple[list[str], int]:
-    """``n_problems`` verified problems as text, and how many were rejected by the check."""
+    """``n_problems`` verified problems as text, each question once, and how many were rejected by the
+    check. A question drawn again is skipped (not counted as rejected): the splits take blocks of
+    problems, so a repeat could put the same problem in train and in test."""
     rng = random.Random(seed)
-    out, rejected = [], 0
+    out, rejected, seen = [], 0, set()
     while len(out) < n_problems:
         question, answer, check = math_problem(rng)
+        if question in seen:
+            continue
         exact = eval_exact(check)
         if exact.denominator != 1 or int(exact) != answer:
             rejected += 1
             continue
+        seen.add(question)
         out.append(format_problem(question, answer))
     return out, rejected
 
