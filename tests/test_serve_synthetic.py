@@ -221,6 +221,9 @@ class _OneRank(TPContext):
     def _broadcast(self, cmd):
         self.sent.append(cmd)
 
+    def _gather(self, reply):  # rank 0's own place only: no follower to answer a load
+        return [None]
+
 
 def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(tokenizer_dir, tmp_path):
     """One slot for three variants: each load evicts the previous one to the host tier, and a load from
@@ -236,8 +239,9 @@ def test_a_variant_evicted_to_the_host_tier_comes_back_and_the_ranks_are_told(to
     assert eng.cache.tier("syn-v00") == "host"
     again = eng.complete("syn-v00", "def main(", greedy).text
     loads = [c for c in tp.sent if c[0] == "load"]
-    assert loads == [("load", "synthetic:v00", 0, False), ("load", "synthetic:v01", 0, False),
-                     ("load", "synthetic:v00", 0, True)]  # the last from the host tier
+    # ("load", rank 0's read, source, slot, from the host tier, stamp): the last from the host copy of read 0
+    assert loads == [("load", 0, "synthetic:v00", 0, False, None), ("load", 1, "synthetic:v01", 0, False, None),
+                     ("load", 0, "synthetic:v00", 0, True, None)]
     assert again == first
     eng.shutdown()
 
