@@ -242,16 +242,26 @@ def _check_numbers(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be {what}, got {value!r}")
 
 
+# What Lightning 2's Trainer(precision=...) takes (lightning.fabric.connector._PRECISION_INPUT): such a
+# value passes without importing Lightning; any other is checked against the installed Lightning's list.
+LIGHTNING_PRECISIONS = (64, 32, 16, "64", "32", "16", "bf16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+                        "32-true", "64-true", "transformer-engine", "transformer-engine-float16")
+
+
 def _check_trainer(cfg: DictConfig) -> None:
     """The Lightning settings that Lightning would refuse only once the data and the model are loaded
     (``precision``), or fail on in its loop (``val_check_interval=0``: a ZeroDivisionError)."""
     import typing
 
     precision = cfg.trainer.get("precision")
-    try:
-        from lightning.fabric.connector import _PRECISION_INPUT  # what Trainer(precision=...) takes
-    except ImportError:  # another Lightning: it checks for itself
-        _PRECISION_INPUT = None
+    if any(type(precision) is type(v) and precision == v for v in LIGHTNING_PRECISIONS):  # (32.0, True: no)
+        precision = None  # a value every Lightning 2 takes: no need to import Lightning (seconds) to ask
+    _PRECISION_INPUT = None
+    if precision is not None:
+        try:
+            from lightning.fabric.connector import _PRECISION_INPUT  # what Trainer(precision=...) takes
+        except ImportError:  # another Lightning: it checks for itself
+            pass
     if precision is not None and _PRECISION_INPUT is not None:
         def values(t) -> list:
             return [v for a in typing.get_args(t) for v in (values(a) if typing.get_args(a) else [a])]
