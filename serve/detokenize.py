@@ -98,8 +98,9 @@ _runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → 
 
 def _byte_runs(tokenizer) -> tuple[dict[int, int], int | None]:
     """A SentencePiece-style fast tokenizer's byte tokens (``<0xNN>``: id → byte; empty for byte-level
-    BPE, whose every token is bytes, and for a tokenizer without a Rust backend) and a separator: a token that decodes to one plain character,
-    alone and twice over, to decode text after a run of byte tokens with (None where none is found)."""
+    BPE, whose every token is bytes, and for a tokenizer without a Rust backend) and a separator: a
+    token that decodes to one plain character, alone and twice over, to decode text after a run of
+    byte tokens with (None where none is found)."""
     if tokenizer not in _runs:
         ids: dict[int, int] = {}
         sep = None
@@ -192,7 +193,6 @@ class TextStream:
         The text between runs is the tokenizer's, after the separator (its leading space kept); a
         character the last run leaves open reads one U+FFFD, as a byte-level decoder's does."""
         out: list[str] = []
-        sep = len(self._decode_plain([self._sep]))
         groups = [(is_bytes, list(group)) for is_bytes, group in itertools.groupby(ids, key=self._bytes.__contains__)]
         for n, (is_bytes, group) in enumerate(groups):
             if is_bytes:
@@ -203,7 +203,8 @@ class TextStream:
                     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
                     out.append(utf8.decode(data, final=False) + ("\ufffd" if utf8.getstate()[0] else ""))
             else:
-                out.append(self._decode_plain(group) if not out else self._decode_plain([self._sep, *group])[sep:])
+                # (the separator decodes to one character: _byte_runs)
+                out.append(self._decode_plain(group) if not out else self._decode_plain([self._sep, *group])[1:])
         return "".join(out)
 
     def _close(self, new: str) -> str:

@@ -137,6 +137,13 @@ def _changed_while_loading(model_id: str) -> VariantUnavailableError:
     return VariantUnavailableError(f"variant `{model_id}` is unavailable: {reason}", transient=True, reason=reason)
 
 
+def _copy_read(src: VariantDelta, dst: VariantDelta) -> None:
+    """Tensor parallel: carry a delta's read (``source`` folder, rank 0's read ``key``, ``model_id``;
+    serve/follower.py) over to its slot's views or its host copy."""
+    for name in ("source", "key", "model_id"):
+        setattr(dst, name, getattr(src, name, None))
+
+
 class Engine:
     """Serve a base checkpoint and every BitDelta artifact found for it.
 
@@ -378,8 +385,7 @@ class Engine:
                 log.warning("variant %s: %s", delta.source, next(f for f in failed if f))
                 raise _changed_while_loading(delta.model_id)
             view = self.slots.put(delta, slot)
-            for name in ("source", "key", "model_id"):  # kept by its host copy, for a reload from the host tier
-                setattr(view, name, getattr(delta, name))
+            _copy_read(delta, view)  # kept by its host copy, for a reload from the host tier
             return view
 
     def _free_slot(self, view: VariantDelta, kept: bool) -> None:
@@ -428,9 +434,10 @@ class Engine:
         disk now (``GET /v1/models`` calls it): new artifacts become servable (not those removed with
         :meth:`remove_variant`), and a variant whose manifest is gone (its folder removed) or names what
         this server cannot serve (re-exported against another base) leaves the list and every cache
-        tier, as its next request would find it (a 404; docs/serving.md, "Changed on disk"). Requests running on it finish on what they hold. As cheap as listing the folder:
-        each manifest is read for its base fingerprint and each listed variant's manifest looked
-        up, no artifact is loaded."""
+        tier, as its next request would find it (a 404; docs/serving.md, "Changed on disk").
+        Requests running on it finish on what they hold. As cheap as listing the folder: each
+        manifest is read for its base fingerprint and each listed variant's manifest looked up, no
+        artifact is loaded."""
         found: dict[str, ModelCard] = {}
         if self.artifacts_dir is not None and self.artifacts_dir.is_dir():
             root = self.artifacts_dir.resolve()
@@ -694,8 +701,7 @@ class Engine:
     def _to_host(self, delta: VariantDelta) -> VariantDelta:
         """A host copy of a slot's views (the slot is given back right after)."""
         out = delta.to("cpu", pin=self.device.type == "cuda")
-        for name in ("source", "key", "model_id"):  # tensor parallel: what the other ranks load again, ...
-            setattr(out, name, getattr(delta, name, None))
+        _copy_read(delta, out)  # tensor parallel: what the other ranks load again, ...
         out.host_copy = True  # ... from their own host copies of it
         return out
 

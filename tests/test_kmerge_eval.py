@@ -10,7 +10,8 @@ from tests.conftest import tiny_llama
 
 
 @pytest.mark.parametrize("extra", [{}, {"use_rslora": True},  # rsLoRA: found by a reviewer (scaled by alpha / r)
-                                   {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"layers.1.self_attn.q_proj": 3}}])
+                                   {"rank_pattern": {"down_proj": 2},
+                                    "alpha_pattern": {"layers.1.self_attn.q_proj": 3}}])
 def test_peft_adapter_factors_give_peft_merged_weights(tmp_path, extra):
     """PEFT's own scale, per module: lora_alpha / r, or / √r for rsLoRA, with rank_pattern and
     alpha_pattern's per-module ranks and alphas."""
