@@ -474,6 +474,10 @@ def compress(
             shard, shard_bytes = {}, 0
 
         base, ft = Checkpoint(base_dir), Checkpoint(finetuned_dir)
+        if "lm_head.weight" in base and (read_config(base_dir) or {}).get("tie_word_embeddings") is True:
+            # transformers ties the head of a base whose config says so, ignoring a stored one, and so
+            # does the server: the export compares against the head the base runs with (none of its own)
+            del base.tensors["lm_head.weight"]
         missing = sorted(set(base.tensors) - set(ft.tensors))
         if missing:
             raise ArtifactError(
@@ -687,12 +691,21 @@ def _tensor_files(path: Path, files: dict) -> dict[str, list[str] | None]:
             raise ArtifactError(f"{path / DELTA_INDEX_NAME}: weight_map must be an object")
         shards: dict[str, list[str]] = {}
         for tensor, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise ArtifactError(f"{path / DELTA_INDEX_NAME}: the file of {tensor!r} must be a file name, "
+                                    f"got {shard!r}")
             shards.setdefault(shard, []).append(tensor)
         for shard in shards:
             if shard not in files:
                 raise ArtifactError(
                     f"{path}: shard {shard!r} of {DELTA_INDEX_NAME} is not in the manifest's files"
                 )
+        # the manifest and the index must agree: a listed tensor file the index leaves out would be
+        # skipped, its matrices served as the base's
+        unmapped = sorted(f for f in files if f.endswith(".safetensors") and f not in shards)
+        if unmapped:
+            raise ArtifactError(f"{path}: {', '.join(unmapped)} in the manifest's files but no tensor of "
+                                f"{DELTA_INDEX_NAME} maps to it")
         return shards
     if DELTA_NAME not in files:
         raise ArtifactError(f"{path}: the manifest lists neither {DELTA_NAME} nor {DELTA_INDEX_NAME}")

@@ -526,9 +526,10 @@ def test_sign_that_does_not_fit_the_base(family, artifact_dir, tmp_path):
         materialize(family[0], art)
 
 
-def _reshard(art: Path, stowaway: dict | None = None) -> dict:
+def _reshard(art: Path, stowaway: dict | None = None, edit_index=None) -> dict:
     """Cut ``art``'s one delta file into two shards (alternate tensors) with an index and a manifest
-    that lists them, ``stowaway`` tensors added to the second shard only; returns the manifest."""
+    that lists them, ``stowaway`` tensors added to the second shard only, ``edit_index(index)`` applied
+    to the index before it is written and signed; returns the manifest."""
     tensors = load_file(art / "delta.safetensors")
     names = sorted(tensors)
     shards = {"delta-00001-of-00002.safetensors": names[::2], "delta-00002-of-00002.safetensors": names[1::2]}
@@ -536,6 +537,8 @@ def _reshard(art: Path, stowaway: dict | None = None) -> dict:
         extra = (stowaway or {}) if file.startswith("delta-00002") else {}
         save_file({**{n: tensors[n] for n in ns}, **extra}, art / file, metadata={"format": "pt"})
     index = {"metadata": {"total_size": 0}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    if edit_index is not None:
+        edit_index(index)
     (art / "delta.safetensors.index.json").write_text(json.dumps(index))
     (art / "delta.safetensors").unlink()
     manifest = json.loads((art / "bitdelta.json").read_text())
@@ -975,6 +978,69 @@ def test_a_shard_holding_tensors_the_index_does_not_map_to_it_is_rejected(artifa
     with pytest.raises(ArtifactError, match=r"shard delta-00002-of-00002.safetensors does not hold the tensors "
                                             r"delta.safetensors.index.json maps to it"):
         load_artifact(art)
+
+
+@pytest.mark.parametrize("values", [True, False])
+def test_an_index_mapping_a_tensor_to_no_file_name_is_an_artifact_error(artifact_dir, tmp_path, values):
+    """A weight_map value that is not a file name (a list here) is refused naming the index and the
+    tensor, at the header read as at the full one (it raised TypeError, which took a server's start down)."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    name = UNCHANGED_MATRIX.replace("o_proj", "q_proj") + ".sign"
+    _reshard(art, edit_index=lambda index: index["weight_map"].update({name: [index["weight_map"][name]]}))
+    with pytest.raises(ArtifactError, match=rf"delta.safetensors.index.json: the file of '{re.escape(name)}' must be "
+                                            r"a file name, got \['delta-0000"):
+        load_artifact(art, values=values)
+
+
+def test_a_listed_shard_the_index_maps_no_tensor_to_is_an_artifact_error(artifact_dir, tmp_path):
+    """The manifest lists (and signs) three shards, each holding whole parameters; the index maps the
+    tensors of two. The third's matrices would be skipped and served as the base's, so the reader
+    refuses the artifact, naming the shard."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    tensors = load_file(art / "delta.safetensors")
+    params = sorted({n.removesuffix(".sign").removesuffix(".alpha") for n in tensors})
+    shards = {f"delta-0000{i + 1}-of-00003.safetensors": [n for n in tensors if n.removesuffix(".sign")
+                                                          .removesuffix(".alpha") in params[i::3]] for i in range(3)}
+    for file, names in shards.items():
+        save_file({n: tensors[n] for n in names}, art / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f in list(shards)[:2] for n in shards[f]}}
+    (art / "delta.safetensors.index.json").write_text(json.dumps(index))
+    (art / "delta.safetensors").unlink()
+    manifest = json.loads((art / "bitdelta.json").read_text())
+    manifest["files"] = {f: bd._sha256_file(art / f) for f in [*shards, "delta.safetensors.index.json"]}
+    (art / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"delta-00003-of-00003.safetensors in the manifest's files but no "
+                                            r"tensor of delta.safetensors.index.json maps to it"):
+        load_artifact(art)
+
+
+def test_a_tied_base_that_stores_its_head_exports_no_head_delta(tmp_path):
+    """A base whose config ties the head to the embedding but whose checkpoint stores ``lm_head.weight``
+    too: transformers (and the server) ignore the stored head, so the export leaves it out rather than
+    writing a head delta that no server can apply. An untied fine-tune of it keeps its head, in full."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # tied, and stored
+    for name, tied in (("base", True), ("ft", True), ("untied", False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**cfg.to_dict(), "tie_word_embeddings": tied}))
+        if name != "base":
+            g = torch.Generator().manual_seed(1)
+            state = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in state.items()}
+        save_file(state, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="v")
+    art = load_artifact(tmp_path / "art")
+    assert "model.embed_tokens.weight" in art.signs
+    assert "lm_head.weight" not in {*art.signs, *art.full}
+    compress(tmp_path / "base", tmp_path / "untied", tmp_path / "art2", variant="v")
+    art2 = load_artifact(tmp_path / "art2")
+    assert "lm_head.weight" not in art2.signs
+    assert torch.equal(art2.full["lm_head.weight"], state["lm_head.weight"])
 
 
 def test_an_unchanged_row_gets_alpha_zero_and_loads(tmp_path):
