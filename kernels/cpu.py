@@ -47,7 +47,7 @@ def sign_product(x: torch.Tensor, packed: torch.Tensor, k: int) -> torch.Tensor:
     table = (xb @ _lut(x.device).t()).reshape(m, kp * 256)   # [M, kp·256]: T[m, b, v]
     index = packed.to(torch.int32) + 256 * torch.arange(kp, dtype=torch.int32, device=packed.device)
     if m == 1:  # one row: a gather of scalars, which embedding_bag does one by one
-        return table[0].index_select(0, index.view(-1)).view(1, n, kp).sum(-1)
+        return table[0].index_select(0, index.reshape(-1)).view(1, n, kp).sum(-1)
     return F.embedding_bag(index, table.t().contiguous(), mode="sum").t()
 
 

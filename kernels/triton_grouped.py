@@ -317,7 +317,9 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     ``groups``: :func:`group_rows` of ``slot``, when the caller has it (it is the same for every layer
     of a step); its ``block_m`` (4, 8, 16, 32 or 64; :func:`grouped_block_m` by default) is the rows a
     program multiplies. ``betas`` (float32 ``[S, K]``, granularity rowcol): the sign products read
-    ``x ⊙ β_slot``, rounded to ``x.dtype`` (one elementwise product; the kernels are unchanged)."""
+    ``x ⊙ β_slot``, rounded to ``x.dtype`` (one elementwise product; the kernels are unchanged). In
+    float16, where x ⊙ β can overflow with x and β in range, a slot's β above 1 is divided by its peak
+    and the slot's α multiplied by it first."""
     check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
@@ -327,6 +329,10 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     xs = x
     if betas is not None:  # base rows (slot −1) read some slot's β: their sign product is never added
         b = betas.to(x.device, torch.float32)
+        if x.dtype == torch.float16:  # x and β in range, x ⊙ β may not be: β at most 1, each slot's peak into α
+            peak = b.abs().amax(-1).clamp_min(1.0)
+            b = b / peak[:, None]
+            alphas = alphas * peak.view(-1, *[1] * (alphas.dim() - 1)).to(alphas.dtype)
         b = b[0] if b.shape[0] == 1 else b[slot.long().clamp(0, b.shape[0] - 1)]  # one variant: broadcast
         xs = (x.float() * b).to(x.dtype)
     if groups is None:

@@ -106,3 +106,23 @@ def test_the_byte_table_is_not_kept_from_a_fake_tensor_run():
     with FakeTensorMode(allow_non_fake_inputs=True):
         cpu.sign_product(x, packed, 16)
     assert type(cpu.sign_product(x, packed, 16)) is torch.Tensor
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_sign_rows_that_are_not_contiguous_match_the_reference(m):
+    """Packed sign rows with column-major strides (a transposed copy, as a slice or a permuted layout
+    gives) are read as the reference reads them, for one row (a gather through the byte table) and for
+    a variant holding one row of a batch."""
+    g = torch.Generator().manual_seed(m)
+    s, n, k = 3, 24, 40
+    w = torch.randn(n, k, generator=g)
+    signs = _signs(s, n, k, g)
+    strided = signs.transpose(1, 2).contiguous().transpose(1, 2)
+    alphas = torch.rand(s, n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    torch.testing.assert_close(bitdelta_linear(x, w, strided[0], alphas[0]),
+                               reference.bitdelta_linear(x, w, signs[0], alphas[0]))
+    slot = torch.tensor([0, -1, 2, 2], dtype=torch.int32)  # variant 0 holds one row
+    x4 = torch.randn(4, k, generator=g)
+    torch.testing.assert_close(bitdelta_linear_batched(x4, w, strided, alphas, slot),
+                               reference.bitdelta_linear_batched(x4, w, signs, alphas, slot))

@@ -208,6 +208,28 @@ def test_column_scales_multiply_each_rows_own_input(tiled):
         assert (off[rows] - y.float().cpu()[rows]).abs().max() > 4 * atol
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+def test_column_scales_whose_product_with_x_passes_float16_stay_finite(tiled):
+    """In float16 an activation of 100 and a column scale of 2,000, both in range, multiply past
+    float16's largest value: the grouped path must not round ``x ⊙ β`` to inf (every output of the row
+    NaN or inf) where the float32 reference is finite."""
+    g = torch.Generator().manual_seed(0)
+    n, k, s = 16, 128, 2
+    w = (0.05 * torch.randn(n, k, generator=g)).half()
+    signs = torch.stack([pack_signs(torch.randn(n, k, generator=g)) for _ in range(s)])
+    alphas = torch.full((s, n), 1e-3)
+    betas = torch.ones(s, k)
+    betas[:, 3] = 2000.0
+    x = torch.randn(4, k, generator=g).half()
+    x[:, 3] = 100.0
+    slot = torch.tensor([0, 1, 0, -1], dtype=torch.int32)
+    ref = bitdelta_linear_batched(x.float(), w.float(), signs, alphas, slot, betas=betas)
+    assert torch.isfinite(ref).all() and ref.abs().max() < 1e3
+    held = tile_signs(signs) if tiled else signs
+    y = bitdelta_linear_grouped(*(t.to(DEVICE) for t in (x, w, held, alphas, slot)), betas=betas.to(DEVICE))
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=0, atol=TOL[torch.float16] * ref.abs().max().item())
+
+
 def test_column_scales_of_the_wrong_shape_are_named():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     signs, alphas, slot = torch.zeros(2, 8, 2, dtype=torch.uint8), torch.ones(2, 8), torch.tensor([0, 1, -1])
