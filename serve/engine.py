@@ -980,6 +980,9 @@ class Engine:
             )
         if max_tokens is None:
             max_tokens = n - prompt_tokens
+        if max_tokens < 1:  # the prompt's prefill samples a first token (vLLM refuses it too)
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens",
+                                      "invalid_value")
         if prompt_tokens + max_tokens > n:
             raise InvalidRequestError(
                 f"This model's maximum context length is {n} tokens. However, you requested "
@@ -1000,8 +1003,8 @@ class Engine:
 
         Raises:
             ModelNotFoundError: unknown model id (404).
-            InvalidRequestError: empty prompt, prompt + max_tokens beyond the context, min_tokens above
-                max_tokens, or a stop token id outside the vocabulary (400).
+            InvalidRequestError: empty prompt, max_tokens below 1, prompt + max_tokens beyond the context,
+                min_tokens above max_tokens, or a prompt or stop token id outside the vocabulary (400).
             VariantUnavailableError: the variant's artifact cannot be used (503).
             EngineFailedError: the engine cannot generate any more (:meth:`failure`).
             ServerShuttingDownError (or the error :meth:`drain` was given): the server is shutting down.
@@ -1016,6 +1019,10 @@ class Engine:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})",
                                       "min_tokens", "invalid_value")
         vocab = self.model.args.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]  # the in-process API's (HTTP's: encode_prompt)
+        if bad:  # in a step, an id outside the embedding fails every request of it (on CUDA: the device)
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param,
+                                      "invalid_value")
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids",

@@ -488,7 +488,12 @@ class Scheduler:
         if seq.req.grammar is not None and seq.matcher is None:  # kept through a preemption: its tokens stay
             seq.matcher = eng.grammars.matcher(seq.req.grammar)
         if seq.on_start is not None:
-            seq.on_start()
+            try:
+                seq.on_start()
+            except Exception as e:  # noqa: BLE001 - the caller's callback: its failure ends its own request
+                log.error("on_start failed for a request on %s", seq.req.model_id, exc_info=e)
+                self._items.append(("error", seq, e))
+                seq.abort = e  # leaving: retired before the next step, its tokens of this one dropped
 
     def _inputs(self, plan: StepPlan, prev: _Launched | None = None) -> tuple[StepInput, list[_Seq], list]:
         """The step's flat batch (decode rows, then the chunks), the sequences that sample, in order, and

@@ -341,3 +341,56 @@ def test_a_drain_between_a_plan_and_its_launch_keeps_the_request_the_plan_admitt
                             on_start=started.set)[0])
     assert drained and started.is_set()
     assert [type(s).__name__ for s in got] == ["Step"] * 4 and got[-1].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def four_rows(tiny_family) -> Engine:
+    return _engine(tiny_family, max_batch=4)
+
+
+def test_a_prompt_id_outside_the_vocabulary_is_refused_before_the_batch(four_rows):
+    """The in-process API checks prompt ids as HTTP does (``encode_prompt``): an id past the vocabulary
+    is the request's own 400, and a request decoding beside it is not touched (in a step the id would
+    fail every request of it, and on CUDA the device)."""
+    from deltafleet.serve.request import InvalidRequestError
+
+    eng = four_rows
+    good = eng.generate("tiny", eng.encode_prompt("def main("), SamplingParams(max_tokens=20, temperature=0,
+                                                                              ignore_eos=True))
+    next(good)
+    vocab = eng.model.args.vocab_size
+    for ids in ([5, vocab + 7], [-1, 5]):
+        with pytest.raises(InvalidRequestError, match=rf"prompt token ids out of range \[0, {vocab}\): "
+                                                      rf"\[{ids[0] if ids[0] < 0 else ids[1]}\]"):
+            eng.prepare("tiny", ids, SamplingParams(max_tokens=3))
+    assert len(list(good)) == 19
+
+
+@pytest.mark.parametrize("max_tokens", [0, -2])
+def test_max_tokens_below_one_is_refused(four_rows, max_tokens):
+    """The prompt's prefill samples a token: ``max_tokens`` 0 would get one anyway (vLLM's
+    SamplingParams refuses it too); HTTP's ``echo`` with 0 asks the engine for one and drops it."""
+    from deltafleet.serve.request import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=rf"max_tokens must be at least 1, got {max_tokens}") as e:
+        four_rows.prepare("tiny", four_rows.encode_prompt("def main("), SamplingParams(max_tokens=max_tokens))
+    assert e.value.param == "max_tokens"
+
+
+def test_an_on_start_callback_that_raises_ends_its_own_request_alone(four_rows):
+    """``Engine.run``'s ``on_start`` runs in the scheduler's thread as the request enters the batch: its
+    exception is that request's error, and a request decoding in the same steps runs on to its end."""
+    eng = four_rows
+    good = eng.generate("tiny-coder", eng.encode_prompt("import os\nimport"),
+                        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    next(good)
+
+    def boom():
+        raise RuntimeError("on_start callback failed")
+
+    req = eng.prepare("tiny", eng.encode_prompt("The quick"), SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(RuntimeError, match="on_start callback failed"):
+        list(eng.run(req, on_start=boom))
+    assert len(list(good)) == 29
+    wait_released(eng, "tiny-coder")
+    assert eng.complete("tiny", "The quick", SamplingParams(max_tokens=3, temperature=0)).token_ids
