@@ -80,16 +80,16 @@ def _rope_store():
         _ROPE_STORE = rope_store
     return _ROPE_STORE or None
 
-# FlexAttention's decoding kernel (one query per row) on CUDA: 64-key tiles, two pipeline stages,
-# four warps. Its defaults (one stage, two warps) leave the loads unpipelined; docs/serving.md
-# ("Attention") has the sweep these come from. Passed only where that kernel runs: a power-of-two
+# FlexAttention's decoding kernel (one query per row) on CUDA: 64-key tiles (at most the mask
+# block), two pipeline stages, two warps. Its defaults (one stage) leave the loads unpipelined;
+# docs/serving.md ("Attention") has the sweeps these come from. Passed only where that kernel runs: a power-of-two
 # ratio of query to key-value heads, else FlexAttention takes its main kernel.
-FLEX_DECODE_OPTIONS = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4}
+FLEX_DECODE_OPTIONS = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 2}
 # Keys per block of the FlexAttention block mask, a divisor of the cache's block size, and so the
 # decoding kernel's largest key tile (BLOCK_N must divide it). A row's last mask block is read whole
 # and masked: with 128-key mask blocks over 128-token cache blocks a row at position 256 reads 384
-# keys for its 257, with 32-key blocks 288 (docs/serving.md, "Attention", has the measurement).
-FLEX_MASK_BLOCK = 32
+# keys for its 257, with 16-key blocks 272 (docs/serving.md, "Attention", has the measurements).
+FLEX_MASK_BLOCK = 16
 
 
 def mask_block(block_size: int) -> int:
