@@ -13,7 +13,7 @@ sequence's consecutive tokens). Every token's key and value are written to its s
 
 - **decode rows** attend to their sequence's blocks: FlexAttention (``torch.nn.attention.
   flex_attention``) over the whole cache, with a block mask made from the block tables in blocks of
-  :data:`FLEX_MASK_BLOCK` keys (every mask block of the row before its position's is read whole,
+  :func:`mask_block` keys (every mask block of the row before its position's is read whole,
   that one up to the row's position), so the kernel reads only live blocks and nothing is gathered.
   Off CUDA, or with ``backend="sdpa"``, the rows' keys are gathered and read by
   ``F.scaled_dot_product_attention`` (the reference the tests compare with);
@@ -80,22 +80,35 @@ def _rope_store():
         _ROPE_STORE = rope_store
     return _ROPE_STORE or None
 
-# FlexAttention's decoding kernel (one query per row) on CUDA: 64-key tiles (at most the mask
-# block), two pipeline stages, two warps. Its defaults (one stage) leave the loads unpipelined;
-# docs/serving.md ("Attention") has the sweeps these come from. Passed only where that kernel runs: a power-of-two
-# ratio of query to key-value heads, else FlexAttention takes its main kernel.
+# FlexAttention's decoding kernel (one query per row) on CUDA, and the keys per block of the decode
+# rows' block mask (a divisor of the cache's block size, and so the kernel's largest key tile: BLOCK_N
+# must divide it), both by the step's decode rows (padded). A row's last mask block is read whole and
+# masked: with 128-key mask blocks over 128-token cache blocks a row at position 256 reads 384 keys
+# for its 257, with 32-key blocks 288, with 16-key blocks 272. Above FLEX_FEW_ROWS rows 16-key blocks
+# with two warps read least; up to it, 32-key blocks with four warps (a 16-key tile is little work,
+# which long contexts of few rows pay for). Two pipeline stages: the kernel's default (one) leaves the
+# loads unpipelined. docs/serving.md ("Attention") has the sweeps these come from. The options are
+# passed only where that kernel runs (a power-of-two ratio of query to key-value heads), else
+# FlexAttention takes its main kernel.
+FLEX_FEW_ROWS = 16
+FLEX_MASK_BLOCK = 16       # above FLEX_FEW_ROWS rows
+FLEX_MASK_BLOCK_FEW = 32   # up to FLEX_FEW_ROWS rows
 FLEX_DECODE_OPTIONS = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 2}
-# Keys per block of the FlexAttention block mask, a divisor of the cache's block size, and so the
-# decoding kernel's largest key tile (BLOCK_N must divide it). A row's last mask block is read whole
-# and masked: with 128-key mask blocks over 128-token cache blocks a row at position 256 reads 384
-# keys for its 257, with 16-key blocks 272 (docs/serving.md, "Attention", has the measurements).
-FLEX_MASK_BLOCK = 16
+FLEX_DECODE_OPTIONS_FEW = {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4}
 
 
-def mask_block(block_size: int) -> int:
-    """The FlexAttention mask's keys per block for a cache of ``block_size``-token blocks:
-    :data:`FLEX_MASK_BLOCK` where it divides the block size, else the block size."""
-    return FLEX_MASK_BLOCK if block_size % FLEX_MASK_BLOCK == 0 else block_size
+def mask_block(block_size: int, rows: int | None = None) -> int:
+    """The FlexAttention mask's keys per block for ``rows`` decode rows (None: many) over a cache of
+    ``block_size``-token blocks: :data:`FLEX_MASK_BLOCK` (:data:`FLEX_MASK_BLOCK_FEW` up to
+    :data:`FLEX_FEW_ROWS` rows) where it divides the block size, else the block size."""
+    mb = FLEX_MASK_BLOCK_FEW if rows is not None and rows <= FLEX_FEW_ROWS else FLEX_MASK_BLOCK
+    return mb if block_size % mb == 0 else block_size
+
+
+def decode_options(rows: int, mb: int) -> dict:
+    """FlexAttention's decoding kernel options for ``rows`` decode rows over mask blocks of ``mb`` keys."""
+    opts = FLEX_DECODE_OPTIONS_FEW if rows <= FLEX_FEW_ROWS else FLEX_DECODE_OPTIONS
+    return {**opts, "BLOCK_N": min(opts["BLOCK_N"], mb)}
 
 
 class PagedKVCache:
@@ -173,7 +186,7 @@ class PagedStep:
             from torch.nn.attention.flex_attention import BlockMask
 
             bs, b = self.cache.block_size, self.tables.shape[0]  # decode rows and any padding rows
-            mb = mask_block(bs)
+            mb = mask_block(bs, b)
             self._set_masks()
             # eager FlexAttention (off CUDA) makes a dense mask: a column per block of the cache
             width = None if self.tables.is_cuda else self.cache.k.shape[2] // bs
@@ -480,9 +493,9 @@ class PagedLayer:
 
                 return flex_attention(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa)[:n]
             ratio = q.shape[1] // kc.shape[0]
-            mb = mask_block(st.cache.block_size)
+            mb = mask_block(st.cache.block_size, b)
             if ratio & (ratio - 1) == 0:  # the decoding kernel
-                opts = {**FLEX_DECODE_OPTIONS, "BLOCK_N": min(FLEX_DECODE_OPTIONS["BLOCK_N"], mb)}
+                opts = decode_options(b, mb)
             else:  # the main kernel, its own options but a key tile that divides the mask's blocks
                 opts = {"BLOCK_N": mb} if mb < 128 else None
             return _flex()(q, kk, vv, block_mask=st.block_mask(), enable_gqa=gqa, kernel_options=opts)[:n]

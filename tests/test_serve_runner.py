@@ -111,7 +111,8 @@ def test_the_backends_agree_on_a_partial_last_block(eng, monkeypatch, mask_block
     from deltafleet.serve.attention import FlexMask, PagedKVCache, PagedStep, decode_sdpa
 
     monkeypatch.setattr(attention, "FLEX_MASK_BLOCK", mask_block)
-    assert attention.mask_block(BS) == mask_block
+    monkeypatch.setattr(attention, "FLEX_MASK_BLOCK_FEW", mask_block)
+    assert attention.mask_block(BS) == attention.mask_block(BS, 3) == mask_block
     torch.manual_seed(0)
     cache = PagedKVCache(1, 2, 16, n_blocks=12, block_size=BS, dtype=torch.float32, device="cpu")
     cache.k.normal_()
