@@ -119,8 +119,11 @@ export: install
 eval: install
 	$(PY) train/eval.py $(ARGS)
 
+# as EXPORTED, and a renamed fine-tune's calibration text of the domain it was trained on (its training.json)
+TRAINED_DOMAIN = $(shell sed -n 's/^  "domain": "\([A-Za-z0-9_.-]*\)",*$$/\1/p' models/$(VARIANT)/training.json 2>/dev/null)
+DISTILLED = $(EXPORTED)$(if $(wildcard conf/variant/$(VARIANT).yaml),,$(if $(TRAINED_DOMAIN), variant.domain=$(TRAINED_DOMAIN)))
 distill: install
-	$(PY) compress/distill.py variant=$(VARIANT) $(ARGS)
+	$(PY) compress/distill.py $(DISTILLED) $(ARGS)
 
 artifacts/%/bitdelta.json: | models/base/config.json
 	$(PY) train/run.py variant=$* $(ARGS)

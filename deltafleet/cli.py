@@ -135,9 +135,11 @@ def checked_run(job: str, cfg, check, run) -> None:
 
 class RunFolders(Callback):
     """Hydra callback (``hydra.callbacks.run_folders`` in every job's config): before a run starts,
-    notes the topmost folder of ``hydra.run.dir`` that does not exist yet, which Hydra is about to
-    make, so that :func:`drop_refused_run_dir` removes what Hydra made for the run and nothing that
-    was there before (an empty folder of the user's, the working folder)."""
+    notes the folders of ``hydra.run.dir`` that do not exist yet, which Hydra is about to make, so that
+    :func:`drop_refused_run_dir` removes what Hydra made for the run and nothing that was there before
+    (an empty folder of the user's, the working folder). Hydra makes them as ``os.makedirs`` does,
+    each prefix of the path as written: ``outputs/train/../../x/<time>`` makes ``outputs/``,
+    ``outputs/train/``, ``x/`` and ``x/<time>/``."""
 
     def on_run_start(self, config, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -147,13 +149,18 @@ class RunFolders(Callback):
         before = hc.cfg
         hc.set_config(config)  # as Hydra sets it to make the run folder: ${hydra:runtime.cwd} resolves
         try:
-            run = Path(str(config.hydra.run.dir)).absolute()
+            parts = Path(str(config.hydra.run.dir)).absolute().parts
         finally:
             hc.cfg = before
-        _MADE_FOR_RUN = next((f for f in [*reversed(run.parents), run] if not f.exists()), None)
+        made: list[Path] = []
+        for i in range(1, len(parts) + 1):
+            f = Path(os.path.abspath(os.path.join(*parts[:i])))  # (`..` steps resolved as the OS does)
+            if f not in made and not f.exists():
+                made.append(f)
+        _MADE_FOR_RUN = made
 
 
-_MADE_FOR_RUN: Path | None = None  # RunFolders: the topmost folder Hydra made for this run; None: it made none
+_MADE_FOR_RUN: list[Path] = []  # RunFolders: the folders Hydra made for this run, in the order made
 
 
 def drop_refused_run_dir() -> None:
@@ -177,14 +184,11 @@ def drop_refused_run_dir() -> None:
     shutil.rmtree(run / ".hydra", ignore_errors=True)
     (run / log).unlink(missing_ok=True)
     made = _MADE_FOR_RUN
-    run = run.absolute()
-    if made is None or not run.is_relative_to(made):  # the run folder was there before: it stays
+    if Path(os.path.abspath(run)) not in made:  # the run folder was there before: it stays
         return
-    with contextlib.suppress(OSError):  # not empty (something came meanwhile): left as it is, and above it
-        for folder in [run, *run.parents]:
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):  # not empty (something came meanwhile): left as it is
             folder.rmdir()
-            if folder == made:
-                break
 
 
 def flag(cfg, key: str) -> bool:

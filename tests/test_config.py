@@ -1,6 +1,7 @@
 """Every config in conf/ composes, and every `_target_` in it instantiates (STYLE.md habit 4)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -542,11 +543,14 @@ def test_a_refused_job_removes_the_folders_made_for_its_run_and_no_other(tmp_pat
 
 @pytest.mark.parametrize("script, args", [("compress/run.py", ["variant=coder"]),
                                           ("train/run.py", ["variant=coder", "variant.lr=-1"]),
-                                          ("merge/run.py", ["method=nope", "models=[a,b]"])])
+                                          ("merge/run.py", ["method=nope", "models=[a,b]"]),
+                                          ("compress/run.py", ["variant=coder", "variant.name=../evil"]),
+                                          ("train/run.py", ["variant=coder", "variant.name=../../x"])])
 def test_a_refused_job_in_the_default_folders_leaves_nothing(tmp_path, script, args):
     """Found by a fresh user: with ``paths.root`` left at its default (``${hydra:runtime.cwd}``),
     ``RunFolders`` could not resolve the run folder before the run ("HydraConfig was not set"), warned
-    on every job, and every refused job left its empty run folder under ``outputs/``."""
+    on every job, and every refused job left its empty run folder under ``outputs/``. Found by another:
+    a variant name with ``..`` (refused) left ``outputs/train/`` and a run folder outside ``outputs/``."""
     out = subprocess.run([sys.executable, str(CONF.parent / script), *args], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -667,3 +671,25 @@ def test_make_export_takes_a_variant_trained_under_its_own_name():
 
     assert command("c1").endswith("compress/run.py variant=coder variant.name=c1 format=bitdelta")
     assert command("math").endswith("compress/run.py variant=math format=bitdelta")
+
+
+def test_make_distill_takes_a_variant_trained_under_its_own_name(tmp_path):
+    """Found by a fresh user: ``make distill VARIANT=math50`` for the README's ``variant=math
+    variant.name=math50`` failed in Hydra as ``make export`` once did. A name with no preset is distilled
+    under the coder preset's settings, on the text of the domain its training.json records."""
+    for name in ("conf", "pyproject.toml"):  # the presets, and what `install` depends on
+        (tmp_path / name).symlink_to(CONF.parent / name)
+    (tmp_path / "models" / "math50").mkdir(parents=True)
+    (tmp_path / "models" / "math50" / "training.json").write_text(json.dumps(
+        {"run_id": "r", "variant": "math50", "domain": "math", "files": []}, indent=2) + "\n")
+
+    def command(variant: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
+        out = subprocess.run(["make", "-n", "-f", str(CONF.parent / "Makefile"), "distill", f"VARIANT={variant}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        return next(line.rstrip() for line in out.stdout.splitlines() if "compress/distill.py" in line)
+
+    assert command("math50").endswith("compress/distill.py variant=coder variant.name=math50 variant.domain=math")
+    assert command("c1").endswith("compress/distill.py variant=coder variant.name=c1")  # no record: coder's text
+    assert command("math").endswith("compress/distill.py variant=math")
