@@ -277,6 +277,12 @@ class Engine:
                 log.warning("delta_cache.pinned names %s, the base, which is always on the device", family)
             elif mid not in {c.id for c in served}:  # not an error: its artifact may be exported later (discover)
                 log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
+        held = len(set(opts["pinned"]) - {f"{family}-{family}"}) + opts.get("pin_top_n", 0)
+        if held >= self.slots.n_slots:  # no slot left to evict for: the others' loads wait, then 503
+            log.warning("delta_cache: %d pinned variants and pin_top_n %d can hold all %d device slots; once "
+                        "they do, any other variant waits wait_timeout_s and gets 503 on every request: pin "
+                        "fewer or raise delta_cache.device_slots", held - opts.get("pin_top_n", 0),
+                        opts.get("pin_top_n", 0), self.slots.n_slots)
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         pick_backend(attention, self.device)  # a bad name is refused here, before any rank is told

@@ -322,6 +322,25 @@ def test_pinned_variant_is_not_evicted(root, delta_bytes):
         shutil.rmtree(root / "artifacts" / "third")
 
 
+@pytest.mark.parametrize("cache, warned", [({"device_slots": 1, "pinned": ["coder"]}, "1 pinned variants and pin_top_n 0"),
+                                           ({"device_slots": 2, "pinned": ["coder"], "pin_top_n": 1},
+                                            "1 pinned variants and pin_top_n 1"),
+                                           ({"device_slots": 2, "pinned": ["coder", "tiny"]}, None),
+                                           ({"device_slots": 2, "pin_top_n": 1}, None)])
+def test_pins_that_can_hold_every_device_slot_are_named_at_start(root, caplog, cache, warned):
+    """Found by a reviewer: with every device slot pinned (by name or count), any other variant waits its
+    ``wait_timeout_s`` and gets 503 on every request. Not an error (those variants may never come), but
+    named at start; the base, pinned by name, takes no slot."""
+    with caplog.at_level("WARNING", logger="deltafleet.serve.engine"):
+        _engine(root, **cache)
+    lines = [r.getMessage() for r in caplog.records if "can hold all" in r.getMessage()]
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(f"delta_cache: {warned} can hold all {cache['device_slots']} "
+                                                       "device slots"), lines
+
+
 def test_hot_load_and_unload_endpoints_confined_to_the_artifact_root(root, tmp_path):
     engine = _engine(root)
     outside = tmp_path / "outside"
