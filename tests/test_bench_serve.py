@@ -120,16 +120,21 @@ def test_decode_bytes_from_the_shape_are_what_a_built_model_holds(shape, layout,
 
 
 def test_the_decode_floor_ratio_of_a_hand_computed_load():
+    """A request of n new tokens decodes n − 1 (the prefill samples the first; found by a reviewer: every
+    request took one decode step too many), the first of them reading its prompt and that token."""
     nbytes = {"weights": 100, "signs": 10, "kv_per_token": 1}
     # two at once: step 1 holds requests 0 (variant 0, context 2) and 1 (the base, context 1): 100 + 3 + 2
     # bytes, and variant 0's signs; request 1 ends, 2 (variant 1, context 3) joins request 0 (now at 3):
     # 100 + 4 + 4, and the signs of variants 0 and 1
-    out = bench.decode_floor_ratio([(2, 2), (1, 1), (3, 1)], [0, -1, 1], 2, nbytes)
+    out = bench.decode_floor_ratio([(2, 3), (1, 2), (3, 2)], [0, -1, 1], 2, nbytes)
     assert out == {"mixed_over_base": pytest.approx((105 + 108) / (115 + 128)), "steps": 2, "mean_rows": 2.0,
                    "mean_variants": 1.5}
     assert bench.decode_floor_ratio([(4, 3)] * 3, [-1] * 3, 8, nbytes)["mixed_over_base"] == 1.0  # base only
     assert bench.decode_floor_ratio([], [], 4, nbytes) == {"mixed_over_base": None, "steps": 0, "mean_rows": None,
                                                            "mean_variants": None}
+    assert bench.decode_floor_ratio([(4, 1)] * 3, [0, 1, 2], 8, nbytes)["steps"] == 0  # the prefill's token alone
+    out = bench.decode_floor_ratio([(2, 3)], [0], 1, nbytes)  # decode steps at positions 2 and 3
+    assert out["steps"] == 2 and out["mixed_over_base"] == pytest.approx((103 + 104) / (113 + 114))
 
 
 def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_path):
@@ -225,6 +230,53 @@ def test_summary_ratios_and_goals():
     _, goals = ratios_and_goals(r)
     assert goals["step_over_floor <= 1.3"] is None and goals["base >= 4x hf_continuous_batching"] is None
     assert goals["burst answered, no 5xx"] is False and goals["every request answered"] is False
+
+
+def test_a_goal_is_not_met_on_partial_figures_nor_at_other_settings():
+    """Found by a reviewer: goals read true where an input was missing (step rows 64 and 256 not
+    measured), partial (a mixed load whose variant requests failed ran its base share at full speed; a
+    peer that finished 56 of its 256 requests), or of other settings (16 clients where the issue says
+    64; a TTFT setting of other prompts). Each is null now, and the summary's figure of a load or peer
+    not wholly answered is null too."""
+    steps = {"step_over_floor": {k: {"base": 1.1, "mixed": 1.2} for k in ("16", "64", "256")}}
+    peers = {"hf_continuous_batching": {"tokens_per_s": 400.0, "failed": 0, "short": 0},
+             "hf_static": {"tokens_per_s": 900.0, "failed": 0, "short": 0}}
+
+    def goals_of(r):
+        r["summary"] = summarize(r)
+        return ratios_and_goals(r)[1]
+
+    assert all(goals_of(hand_report(steps, peers))[k] is True for k in (
+        "step_over_floor <= 1.3", "base >= 4x hf_continuous_batching", "base >= 2x hf_static", "mixed/base >= 0.85",
+        "ttft_p50 <= 0.1 s", "variant/base ttft <= 1.05"))
+    r = hand_report({"step_over_floor": {"16": {"base": 1.1, "mixed": 1.2}}}, peers)
+    assert goals_of(r)["step_over_floor <= 1.3"] is None
+    r = hand_report(steps, peers)
+    r["loads"]["64"]["mixed"]["all_answered"] = False
+    goals = goals_of(r)
+    assert r["summary"]["tokens_per_s"]["mixed"] is None and goals["mixed/base >= 0.85"] is None
+    r = hand_report(steps, {**peers, "hf_continuous_batching": {"tokens_per_s": 400.0, "failed": 200, "short": 0}})
+    goals = goals_of(r)
+    assert r["summary"]["tokens_per_s"]["hf_continuous_batching"] is None
+    assert goals["base >= 4x hf_continuous_batching"] is None and goals["base >= 2x hf_static"] is True
+    r = hand_report(steps, {**peers, "hf_static": {"tokens_per_s": 900.0, "failed": 0, "short": 3}})
+    assert goals_of(r)["base >= 2x hf_static"] is None
+    r = hand_report(steps, peers)
+    r["ttft"]["mixed"]["all_answered"] = False
+    goals = goals_of(r)
+    assert goals["ttft_p50 <= 0.1 s"] is None and goals["variant/base ttft <= 1.05"] is None
+    r = hand_report(steps, peers)
+    r["summary_concurrency"] = 16
+    goals = goals_of(r)
+    assert r["summary"]["tokens_per_s"]["base"] == 900.0  # the load at 16, as the summary says
+    assert [goals[k] for k in ("base >= 4x hf_continuous_batching", "base >= 2x hf_static",
+                               "mixed/base >= 0.85")] == [None, None, None]
+    r = hand_report(steps, peers)
+    r["config"] = {"ttft": {"concurrency": 16, "requests": 64, "prompt_tokens": 32, "max_tokens": 64}}
+    goals = goals_of(r)
+    assert goals["ttft_p50 <= 0.1 s"] is None and goals["variant/base ttft <= 1.05"] is None
+    r["config"]["ttft"]["prompt_tokens"] = 128
+    assert goals_of(r)["ttft_p50 <= 0.1 s"] is True
 
 
 def test_load_seconds_are_read_per_tier_from_metrics():
@@ -535,6 +587,11 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     ("zipf_s=-1", "zipf_s must be a number ≥ 0, got -1"),
     ("warmup.max_tokens=0", "warmup.max_tokens must be a whole number ≥ 1, got 0"),
     ("extra_for_host_tier=-1", "extra_for_host_tier must be a whole number ≥ 0, got -1"),
+    ("requests.max=3", "requests: the load at concurrency 4 has 3 requests, fewer than its clients: raise "
+                       "requests.max (or min)"),
+    ("ttft.requests=2", "ttft: 2 requests for 4 clients: the load would run below its concurrency"),
+    ("max_position_embeddings=3", "max_position_embeddings: a context of 3 cannot hold a prompt and an output of "
+                                  "lengths.min (2) tokens each"),
     ("shapes.tiny.hidden_size=0", "shapes.tiny.hidden_size must be a whole number ≥ 1, got 0"),
     ("shapes.tiny.num_attention_heads=3", "shapes.tiny: hidden_size 128 must be num_attention_heads 3 × an even head "
                                           "size, and num_attention_heads a multiple of num_key_value_heads 2"),
