@@ -22,6 +22,7 @@ import logging
 import math
 import re
 import threading
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -379,6 +380,8 @@ class Engine:
     def _put_slot(self, delta: VariantDelta) -> VariantDelta:
         if self.tp is None:
             return self.slots.put(delta)
+        if getattr(delta, "stamp", None) is not None and not getattr(delta, "host_copy", False):
+            self._wait_for_reads(delta.key)  # a read from disk: the other ranks' (prefetch) is done first
         with self.tp.lock:  # the slot is chosen, announced and filled under one hold of the lock
             slot = self.slots.next_free()
             # a host copy goes back from each rank's own host copy (serve/follower.py), not from disk, where
@@ -393,6 +396,21 @@ class Engine:
             view = self.slots.put(delta, slot)
             _copy_read(delta, view)  # kept by its host copy, for a reload from the host tier
             return view
+
+    def _wait_for_reads(self, key) -> None:
+        """Until every other rank has its slice of read ``key`` (announced by :meth:`_read_delta`) in
+        host memory, or ``tp_timeout_s`` has passed: asks them between steps, so that the load that
+        follows holds the steps of every model only for the copy into the slot, not for what is left of
+        a read from disk (serve/follower.py)."""
+        deadline = time.monotonic() + (self.tp.timeout_s or 600.0)
+        pause = 0.002
+        while time.monotonic() < deadline:
+            with self.tp.lock:
+                self.tp.send(("reading", key))
+                if not any(self.tp.gather(False)):
+                    return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def _free_slot(self, view: VariantDelta, kept: bool) -> None:
         with self.collective(("free", view.slot, kept)):  # kept: rank 0's host tier has a copy
@@ -650,6 +668,25 @@ class Engine:
             raise ModelNotFoundError(f"The model `{card.id}` {why[0]}")
         fp = None if self.force else self.base_fingerprint
         stamp = None if self.tp is None else artifact_stamp(card.artifact_dir)  # what the other ranks must read
+        key = next(self._reads)
+        if self.tp is not None:  # the other ranks read their slices meanwhile, beside their steps (follower.py)
+            with self.tp.lock:
+                self.tp.send(("prefetch", key, str(card.artifact_dir), stamp))
+        try:
+            delta = self._read_checked(card, fp, stamp)
+        except BaseException:
+            if self.tp is not None:  # no load follows: the others let their read go
+                with contextlib.suppress(Exception), self.tp.lock:
+                    self.tp.send(("drop", key))
+            raise
+        # tensor parallel: where the other ranks read it, the version they must find there, and the name
+        # of this read, by which they keep their host copies of it as rank 0's host tier keeps its own
+        delta.source, delta.stamp, delta.key = str(card.artifact_dir), stamp, key
+        delta.model_id = card.id
+        return delta
+
+    def _read_checked(self, card: ModelCard, fp: str | None, stamp) -> VariantDelta:
+        """:meth:`_read_delta` of an artifact folder: this rank's slice, checked, in host memory."""
         try:
             artifact = load_artifact(card.artifact_dir, base_fingerprint=fp, force=self.force, device="cpu")
             delta = VariantDelta(artifact, "cpu", self.dtype)
@@ -665,12 +702,7 @@ class Engine:
             raise VariantUnavailableError(f"variant `{card.id}` is unavailable: {reason}", reason=reason) from e
         if self.tp is not None and artifact_stamp(card.artifact_dir) != stamp:
             raise _changed_while_loading(card.id)
-        delta = delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
-        # tensor parallel: where the other ranks read it, the version they must find there, and the name
-        # of this read, by which they keep their host copies of it as rank 0's host tier keeps its own
-        delta.source, delta.stamp, delta.key = str(card.artifact_dir), stamp, next(self._reads)
-        delta.model_id = card.id
-        return delta
+        return delta.to("cpu", pin=True) if self.device.type == "cuda" else delta
 
     def _check_fits(self, delta: VariantDelta) -> None:
         """Raise ValueError where a variant's deltas cannot be served here: not the base's shapes, a
@@ -722,7 +754,10 @@ class Engine:
                 (``base_mismatch``) or one that cannot be used (``artifact_unusable``: unreadable,
                 corrupt, not this base's shapes).
             VariantUnavailableError: no room on the device for it in time (``transient``).
+            EngineFailedError: the engine cannot generate any more (:meth:`failure`).
         """
+        if (failure := self.failure()) is not None:  # no rank can load it, nor run it
+            raise failure
         if not re.fullmatch(VARIANT_NAME, name or ""):
             raise InvalidRequestError("`variant` must be 1–64 letters, digits, '.', '_' or '-', starting with a "
                                       "letter or digit", "variant", "invalid_value")
@@ -764,7 +799,7 @@ class Engine:
                 try:
                     self.cache.unload(mid)  # another folder under this name: the new one replaces it
                 except RuntimeError as e:
-                    raise VariantInUseError(str(e)) from None
+                    raise self._in_use(e) from None
             self._variants[mid] = ModelCard(mid, self.family, folder)
         try:
             self.get_delta(mid)
@@ -794,10 +829,13 @@ class Engine:
             InvalidRequestError: ``model_id`` is the base, which is always loaded.
             ModelNotFoundError: unknown id, or removed already.
             VariantInUseError: the variant has requests in flight.
+            EngineFailedError: the engine cannot generate any more (:meth:`failure`).
         """
         if model_id == self.family:
             raise InvalidRequestError(f"`{model_id}` is the base model, which is always loaded: it cannot be "
                                       "unloaded", "variant", "base_model")
+        if (failure := self.failure()) is not None:  # no rank can be told to free its slot
+            raise failure
         card = self.card(model_id)  # finds an artifact folder added since the last listing
         with self._registry_lock:
             if self._variants.get(model_id) is not card:
@@ -808,10 +846,16 @@ class Engine:
                     raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
                 self.cache.unload(model_id)
             except RuntimeError as e:
-                raise VariantInUseError(str(e)) from None
+                raise self._in_use(e) from None
             del self._variants[model_id]
             self._removed.add(model_id)
         return card
+
+    def _in_use(self, e: RuntimeError) -> Exception:
+        """The error of an unload refused with ``e``: the variant has requests in flight, or (a
+        TensorParallelError) the group failed while the other ranks were told to free its slot."""
+        failure = self.failure()
+        return failure if failure is not None else VariantInUseError(str(e))
 
     # ---------------------------------------------------------------- tokens
 

@@ -230,7 +230,18 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
     config = Path(cfg.base_dir) / "config.json"
     if not config.is_file():  # every rank would fail to load it
         raise ValueError(_no_base(cfg))
-    args = ModelArgs.from_hf_config(json.loads(config.read_text()))
+    try:
+        args = ModelArgs.from_hf_config(json.loads(config.read_text()))
+    except NotImplementedError as e:  # an architecture not served: every rank would fail on it
+        raise ValueError(f"{config}: {e}") from None
+    if str(cfg.get("device", "cpu")).startswith("cuda"):  # one process a GPU, rank r on cuda:r
+        import torch
+
+        if cfg.device != "cuda":
+            raise ValueError(f"device={cfg.device} with tp={cfg.tp}: tensor parallelism puts rank r on cuda:r; "
+                             "use device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+        if cfg.tp > torch.cuda.device_count():
+            raise ValueError(f"tp={cfg.tp} needs {cfg.tp} GPUs, one a rank; there are {torch.cuda.device_count()}")
     if not heads_split(args, cfg.tp):
         raise ValueError(f"tp={cfg.tp} does not split the base's {args.n_head} query / {args.n_local_heads} "
                          "key-value heads: choose a tp that divides both")
@@ -357,7 +368,7 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
                         late_planning=cfg.late_planning)
     except TensorParallelError:  # a rank died or stopped answering while the others started (logged)
         _exit(GROUP_FAILED)
-    except (FileNotFoundError, ValueError) as e:  # no base checkpoint; a dtype that is not served
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:  # no base; a dtype or architecture not served
         from deltafleet.cli import drop_refused_run_dir
 
         drop_refused_run_dir()  # a rank of tp > 1 runs outside Hydra: nothing
@@ -411,18 +422,19 @@ def _exit(status: int) -> None:
 
 
 def _preload(engine) -> None:
-    """Generate every variant of a synthetic family into its device slot now (in order, as many as
+    """Generate the variants of a synthetic family into their device slots now (in order, as many as
     there are slots), so the memory is all taken before the first request."""
     import time
 
     import torch
 
     t0 = time.perf_counter()
-    for card in engine.models()[1:]:
+    cards = engine.models()[1:1 + engine.slots.n_slots]  # more would evict these (or find pinned slots)
+    for card in cards:
         engine.get_delta(card.id)
     cuda = engine.device.type == "cuda"
     mem = f"; {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB allocated on {engine.device}" if cuda else ""
-    print(f"synthetic family: {len(engine.models()) - 1} variants generated into {engine.slots.n_slots} slots "
+    print(f"synthetic family: {len(cards)} variants generated into {engine.slots.n_slots} slots "
           f"in {time.perf_counter() - t0:.1f} s{mem}", flush=True)
 
 

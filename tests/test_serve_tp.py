@@ -823,3 +823,309 @@ def test_rank_0_and_a_follower_serve_one_version_of_an_artifact_re_exported_whil
     for name, signs in loaded:  # the new version on both ranks
         want = shard_delta(writer, 1, 2).signs if name == "rank1" else writer.signs
         assert signs.keys() == want.keys() and all(torch.equal(signs[k], want[k]) for k in want), name
+
+def _gone_after_first_step():
+    """Rank 0 serving the whole model itself (as tests/test_serve_tp.py's ``Rank0``/``Gone``), whose
+    other rank answers every load and is gone at the first step."""
+    from deltafleet.serve.tp import TPContext
+
+    class Gone(TPContext):
+        def __init__(self):
+            super().__init__(0, 1, timeout_s=30)  # a world of one for its own slices
+            self.sent = []
+
+        def _broadcast(self, cmd):
+            self.sent.append(cmd[0])
+            if cmd[0] == "step" or "step" in self.sent:
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+        def _gather(self, reply):
+            return [None, None]
+
+    return Gone()
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/unload_variant", {"variant": "coder"}),              # resident on the device
+    ("/v1/load_variant", {"variant": "coder", "path": "writer"}),  # replaces it: unloads it first
+    ("/v1/load_variant", {"variant": "coder"}),  # resident already: answered "loaded" without asking any rank
+])
+def test_hot_load_and_unload_after_the_group_failed_answer_503_engine_failed(tiny_family, route, body):
+    """Found by a reviewer: once the group failed, every later request is answered 503 ``engine_failed``
+    (docs/serving.md, "A rank that fails"), but unloading (or replacing) a variant on the device, whose
+    ``free`` the failed group refused (a TensorParallelError, a RuntimeError), was answered 409
+    ``variant_in_use``, and a load of a variant already on the device 200 from a server that cannot
+    generate."""
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+    from deltafleet.serve.engine import Engine
+    from tests.conftest import api_error
+
+    group = _gone_after_first_step()
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", tp=group)
+    with TestClient(create_app(engine)) as tc:
+        engine.get_delta("tiny-coder")  # on the device (a load the ranks answered)
+        assert engine.cache.tier("tiny-coder") == "device"
+        err = api_error(tc.post("/v1/completions", json={"model": "tiny", "prompt": "def ", "max_tokens": 2}), 500)
+        assert err["code"] == "generation_failed"
+        assert engine.cache.snapshot()["tiny-coder"]["in_flight"] == 0  # nothing runs on it
+        r = tc.post(route, json=body)
+        engine.shutdown()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", (r.status_code, r.text)
+
+
+def _serve_cfg(tmp_path, tiny_family, *overrides: str):
+    """conf/serve.yaml with ``overrides``, over a base whose config.json (the tiny family's, with 4 query
+    and 4 key-value heads) splits over 4 ranks."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_config import CONF
+
+    config = json.loads((tiny_family.base_dir / "config.json").read_text())
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4,
+                                                               "num_key_value_heads": 4}))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="serve", overrides=[f"base_dir={tmp_path / 'base'}", f"paths.root={tmp_path}",
+                                                       "port=8890", "tp_port=8891", *overrides])
+
+
+def _two_gpus(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tiny_family, tmp_path, monkeypatch):
+    """Found by a reviewer: ``device=cuda tp=4`` on a host with 2 GPUs passed every start check; ranks 2
+    and 3 then crashed in ``torch.cuda.set_device(rank)`` while rank 0 waited at the rendezvous, and the
+    launcher ended in torch's traceback instead of one error line."""
+    from deltafleet.serve import run
+
+    _two_gpus(monkeypatch)
+    cfg = _serve_cfg(tmp_path, tiny_family, "device=cuda", "tp=4")
+    with pytest.raises(ValueError, match=r"GPU|CUDA device"):
+        run.check_settings(cfg)
+        run.check_tensor_parallel(cfg)
+
+
+def _record_rank(rank, cfg_dict, out):
+    """``_rank_main`` of one rank, with the rendezvous and the serving replaced by records of the
+    backend and device each rank would use (run in a forked child: it calls ``os.setpgrp``)."""
+    import torch.distributed as dist
+
+    from deltafleet.serve import follower, run, tp
+
+    seen = {}
+    torch.cuda.set_device = lambda r: seen.setdefault("set_device", r)
+    tp.connect = lambda r, world, backend, *a: seen.setdefault("backend", backend) and tp.TPContext(r, world)
+    run._serve = lambda cfg, device, ctx: seen.setdefault("device", device)
+    follower.run_follower = lambda ctx, base, device, dtype: seen.setdefault("device", device)
+    dist.destroy_process_group = lambda *a: None
+    run._rank_main(rank, cfg_dict)
+    out.put((rank, seen))
+
+
+def test_a_numbered_cuda_device_with_tp_puts_every_rank_on_its_own_gpu_or_is_refused(tiny_family, tmp_path,
+                                                                                     monkeypatch):
+    """Found by a reviewer: ``tp=2`` starts one process per GPU (NCCL), but ``device=cuda:1`` with ``tp=2``
+    put both ranks on cuda:1, all-reducing over gloo. Refused at start now (or, were it accepted, each
+    rank must get its own GPU over NCCL)."""
+    import multiprocessing
+
+    from omegaconf import OmegaConf
+
+    from deltafleet.serve import run
+
+    _two_gpus(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    cfg = _serve_cfg(tmp_path, tiny_family, "device=cuda:1", "tp=2")
+    try:
+        run.check_settings(cfg)
+        run.check_tensor_parallel(cfg)
+    except ValueError:
+        return  # refused at start, by name: fine
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_record_rank, args=(r, OmegaConf.to_container(cfg, resolve=True), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    seen = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    devices = [seen[r]["device"] for r in range(2)]
+    assert len(set(devices)) == 2 and {seen[r]["backend"] for r in range(2)} == {"nccl"}, seen
+
+
+def test_an_unsupported_architecture_with_tp_is_one_error_line_not_a_traceback(tiny_family, tmp_path):
+    """Found by a reviewer: ``serve/run.py tp=2`` over a checkpoint of an architecture the server does
+    not serve died in Hydra's traceback (NotImplementedError, status 1), not one line with status 2 as
+    every other refused setting."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base"
+    shutil.copytree(tiny_family.base_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    r = subprocess.run([sys.executable, "serve/run.py", f"base_dir={base}", f"artifacts_dir={tmp_path / 'none'}",
+                        "port=8896", "tp_port=8897", "tp=2", "threads=1", f"hydra.run.dir={tmp_path / 'run'}",
+                        f"paths.root={tmp_path}"], cwd=repo, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert "Traceback" not in r.stderr and r.returncode == 2, (r.returncode, r.stderr[-1500:])
+    assert r.stderr.startswith("error: ") and "gpt2" in r.stderr, r.stderr[-1500:]
+
+
+def test_a_synthetic_family_with_pinned_variants_filling_the_slots_starts_or_is_refused_by_name(tmp_path):
+    """Found by a reviewer: ``_preload`` generated every variant of a synthetic family, not as many as
+    there are slots: with ``delta_cache.pinned`` holding every slot, the first variant past them found no
+    room and the server died in a traceback at start."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from deltafleet.serve.bench import hydra_value, stdlib_tokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    tok = tmp_path / "tok"
+    stdlib_tokenizer(tok, shape["vocab_size"], shape["max_position_embeddings"])
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "serve/run.py",
+                                 f"synthetic={hydra_value({'shape': shape, 'variants': 2, 'tokenizer_dir': str(tok)})}",
+                                 "port=8898", "threads=1", "delta_cache.device_slots=1", "delta_cache.pinned=[v00]",
+                                 "delta_cache.wait_timeout_s=1", f"hydra.run.dir={tmp_path / 'run'}",
+                                 f"paths.root={tmp_path}"], cwd=repo, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(repo)})
+        healthy = False
+        try:
+            deadline = time.time() + 90
+            while proc.poll() is None and time.time() < deadline and not healthy:
+                try:
+                    healthy = httpx.get("http://127.0.0.1:8898/health", timeout=2).status_code == 200
+                except httpx.TransportError:
+                    time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "Error executing job" not in text, text[-1500:]
+    assert healthy or proc.returncode == 2, (proc.returncode, text[-1500:])
+
+
+READ_S = 3.0  # how long a follower's read of the artifact takes here (a 70B variant's 8.6 GB: seconds or more)
+
+
+def _stall_worker(rank: int, base_dir: str, art_dir: str, port: int, out: str) -> None:
+    """Rank ``rank`` of a real two-rank group (gloo): rank 1 a follower whose artifact reads take
+    :data:`READ_S`; rank 0 an engine that decodes a base request while a variant is loaded, recording
+    when each token came."""
+    import threading
+    import time
+
+    from deltafleet.serve import follower
+    from deltafleet.serve.engine import Engine, SamplingParams
+    from deltafleet.serve.tp import connect
+
+    torch.set_num_threads(1)
+    ctx = connect(rank, 2, "gloo", "127.0.0.1", port, 60)
+    try:
+        if rank == 1:
+            read = follower._read
+            follower._read = lambda *a: (time.sleep(READ_S), read(*a))[1]
+            follower.run_follower(ctx, base_dir, "cpu", torch.float32)
+            return
+        engine = Engine(base_dir, art_dir, family="tiny", tp=ctx)
+        try:
+            times = []
+            started = threading.Event()
+
+            def decode():
+                ids = engine.encode_prompt("def main(")
+                for _ in engine.generate("tiny", ids, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)):
+                    times.append(time.perf_counter())
+                    if len(times) == 5:
+                        started.set()
+
+            t = threading.Thread(target=decode)
+            t.start()
+            started.wait(60)
+            t0 = time.perf_counter()
+            engine.get_delta("tiny-coder")  # a hot load of another variant
+            load_s = time.perf_counter() - t0
+            t.join(120)
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            torch.save({"max_gap": max(gaps), "load_s": load_s, "n": len(times)}, out)
+        finally:
+            engine.shutdown()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_variant_load_under_tp_does_not_stall_the_requests_of_other_models(tiny_family, tmp_path):
+    """Found by a reviewer: "requests for other variants are not blocked" by a load (docs/architecture.md),
+    but under tensor parallelism rank 0 announced the load holding the group's lock and waited while
+    every follower read the whole artifact in its only thread: every stream of every model stopped for
+    the read. The followers now read when rank 0 starts its own read (``prefetch``), beside their steps,
+    and rank 0 announces the load once they have it (``reading``)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "res"
+    mp.spawn(_stall_worker, args=(str(tiny_family.base_dir), str(tiny_family.artifacts_dir), 8899, str(out)),
+             nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["load_s"] >= READ_S  # the load itself waits for the followers' read (fine)
+    assert got["max_gap"] < READ_S / 2, got  # ... but the base's tokens must keep coming meanwhile
+
+def test_a_follower_loads_the_read_it_prefetched(tiny_family, tmp_path):
+    """``prefetch`` reads this rank's slice beside the steps; the load of that read takes it, even with
+    the folder gone since (rank 0 read that version); ``reading`` says whether it is still read; after a
+    ``drop`` the read is let go, and a load reads the folder (gone: it says why)."""
+    import shutil
+    import time
+
+    from deltafleet.serve.follower import run_follower
+
+    art = tmp_path / "coder"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", art)
+    src, stamp = str(art), artifact_stamp(art)
+    base = _follower_of(art, tmp_path / ".coder-away")
+
+    class Polling(base):
+        def recv(self):  # ("await", key): ask ("reading", key) until this rank says it has it
+            cmd = super().recv() if not getattr(self, "waiting", None) else ("reading", self.waiting)
+            if cmd[0] == "await":
+                self.waiting = cmd[1]
+                return ("reading", cmd[1])
+            if cmd[0] == "reading" and self.replies and self.replies[-1] is False:
+                self.waiting = None
+                self.replies.pop()
+                return self.recv()
+            time.sleep(0.001)
+            return cmd
+
+    init = ("init", 2, 2, 64, "tiled", 4, 16, "sdpa", False)
+    f = Polling([init, ("prefetch", 5, src, stamp), ("prefetch", 6, src, stamp), ("await", 5), ("await", 6),
+                 ("drop", 6), ("move",), ("load", 5, src, 0, False, stamp), ("load", 6, src, 1, False, stamp),
+                 ("stop",)])
+    run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
+    assert [r for r in f.replies if r is not True] == [
+        None, "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"]
