@@ -278,7 +278,8 @@ class Engine:
                 log.warning("delta_cache.pinned names %s, the base, which is always on the device", family)
             elif mid not in {c.id for c in served}:  # not an error: its artifact may be exported later (discover)
                 log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
-        held = len(set(opts["pinned"]) - {f"{family}-{family}"}) + opts.get("pin_top_n", 0)
+        # (a pin not served now holds no slot, and has its warning above)
+        held = len(set(opts["pinned"]) & {c.id for c in served}) + opts.get("pin_top_n", 0)
         if held >= self.slots.n_slots:  # no slot left to evict for: the others' loads wait, then 503
             log.warning("delta_cache: %d pinned variants and pin_top_n %d can hold all %d device slots; once "
                         "they do, any other variant waits wait_timeout_s and gets 503 on every request: pin "
