@@ -33,9 +33,10 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
     read it, or cannot be read): then it takes nothing, nor does rank 0. Rank 0 announces a read
     (``prefetch``) as it starts its own: this rank then reads its slice on a thread of its own while
     it goes on taking part in steps; rank 0 asks (``reading``: True while it still reads) between
-    steps until every rank has it, then announces the load, which takes that read. So a load holds the
-    steps of every model only for the copy into the slot, not for a read from disk. A read rank 0 does not load (it failed there) is let go by ``drop``; at most
-    :data:`MAX_PREFETCHED` are held, the oldest let go first (its load then reads from disk).
+    steps until every rank has it, then announces the load, which takes that read. So a load holds
+    the steps of every model only for the copy into the slot, not for a read from disk. A read rank 0
+    does not load (it failed there) is let go by ``drop``; at most :data:`MAX_PREFETCHED` are held,
+    the oldest let go first (its load then reads from disk).
     Steps only take part in the all-reduces (eagerly, over this rank's own paged KV cache of the
     same blocks); the logits are rank 0's to use. A synthetic family's folder
     (serve/synthetic.py) has the base and each variant (``source`` ``"synthetic:<name>"``) generated."""
