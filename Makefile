@@ -120,8 +120,10 @@ eval: install
 	$(PY) train/eval.py $(ARGS)
 
 # as EXPORTED, and a renamed fine-tune's calibration text of the domain it was trained on (its training.json)
-TRAINED_DOMAIN = $(shell sed -n 's/^  "domain": "\([A-Za-z0-9_.-]*\)",*$$/\1/p' models/$(VARIANT)/training.json 2>/dev/null)
-DISTILLED = $(EXPORTED)$(if $(wildcard conf/variant/$(VARIANT).yaml),,$(if $(TRAINED_DOMAIN), variant.domain=$(TRAINED_DOMAIN)))
+TRAINED_DOMAIN = $(shell sed -n 's/^  "domain": "\([A-Za-z0-9_.-]*\)",*$$/\1/p' \
+	models/$(VARIANT)/training.json 2>/dev/null)
+DISTILLED = $(EXPORTED)$(if $(wildcard conf/variant/$(VARIANT).yaml),,\
+	$(if $(TRAINED_DOMAIN),variant.domain=$(TRAINED_DOMAIN)))
 distill: install
 	$(PY) compress/distill.py $(DISTILLED) $(ARGS)
 

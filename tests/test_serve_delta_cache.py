@@ -322,7 +322,8 @@ def test_pinned_variant_is_not_evicted(root, delta_bytes):
         shutil.rmtree(root / "artifacts" / "third")
 
 
-@pytest.mark.parametrize("cache, warned", [({"device_slots": 1, "pinned": ["coder"]}, "1 pinned variants and pin_top_n 0"),
+@pytest.mark.parametrize("cache, warned", [({"device_slots": 1, "pinned": ["coder"]},
+                                            "1 pinned variants and pin_top_n 0"),
                                            ({"device_slots": 2, "pinned": ["coder"], "pin_top_n": 1},
                                             "1 pinned variants and pin_top_n 1"),
                                            ({"device_slots": 2, "pinned": ["coder", "tiny"]}, None),
