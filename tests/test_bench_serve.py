@@ -522,9 +522,13 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
     g = d["goals"]
     assert g["burst answered, no 5xx"] is True and g["every request answered"] is True
     assert g["every completion max_tokens long"] is True and g["step_over_floor <= 1.3"] is None
+    # not the issue's settings (64 clients; 16 clients of 128-token prompts): those goals are not evaluated
+    issue = ("base >= 4x hf_continuous_batching", "base >= 2x hf_static", "mixed/base >= 0.85", "ttft_p50 <= 0.1 s",
+             "variant/base ttft <= 1.05")
+    assert all(g[k] is None for k in issue)
     # (on this CPU every step of a load may carry a prompt chunk: no decode-only step to compare)
     assert all(isinstance(v, bool) for k, v in g.items()
-               if k not in ("step_over_floor <= 1.3", "structured decode step <= 1.05x"))
+               if k not in (*issue, "step_over_floor <= 1.3", "structured decode step <= 1.05x"))
     srv = d["ttft"]["mixed"]["server_ttft"]  # the server saw each request's first token, sooner than its client
     assert srv["requests"] == 8 and 0 < srv["queue_mean_s"] < srv["ttft_mean_s"] < d["ttft"]["mixed"]["ttft_mean_s"]
     structured = d["loads"]["4"]["structured"]  # the base load again, each request held to the grammar
