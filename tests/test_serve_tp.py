@@ -737,11 +737,15 @@ def test_rank_0_and_a_follower_serve_one_version_of_an_artifact_re_exported_whil
                                                                                            monkeypatch):
     """Rank 0 (an engine serving the whole model, its other rank a real follower thread that loads its
     slices and skips the steps): an artifact re-exported between rank 0's read and the follower's
-    answers 503 (transient, Retry-After) naming the change, takes no slot on either rank, and the
-    next request serves the new version on both; the follower lives on."""
+    (which starts with rank 0's, ``prefetch``, and here ends after the re-export) answers 503
+    (transient, Retry-After) naming the change, takes no slot on either rank, and the next request
+    serves the new version on both; the follower lives on."""
     import queue
     import shutil
     import threading
+    import time
+
+    from deltafleet.serve import follower as follower_module
 
     from fastapi.testclient import TestClient
 
@@ -785,6 +789,15 @@ def test_rank_0_and_a_follower_serve_one_version_of_an_artifact_re_exported_whil
         return put(self, delta, slot)
 
     monkeypatch.setattr(DeltaSlots, "put", record)
+    real_read = follower_module._read
+
+    def late_read(*args):  # this rank reads slower than rank 0: after the re-export
+        deadline = time.monotonic() + 60
+        while not (tmp_path / ".done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_read(*args)
+
+    monkeypatch.setattr(follower_module, "_read", late_read)
     follower = threading.Thread(target=run_follower, name="rank1",
                                 args=(Rank1(), str(tiny_family.base_dir), "cpu", torch.float32))
     follower.start()
