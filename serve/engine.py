@@ -273,13 +273,14 @@ class Engine:
                                 free_device=self._free_slot, free_host=self._free_host,
                                 size=lambda d: self.slots.slot_bytes,
                                 device_budget_bytes=self.slots.n_slots * self.slots.slot_bytes, **opts)
+        served_ids = {c.id for c in served}
         for mid in opts["pinned"]:
             if mid == f"{family}-{family}":
                 log.warning("delta_cache.pinned names %s, the base, which is always on the device", family)
-            elif mid not in {c.id for c in served}:  # not an error: its artifact may be exported later (discover)
+            elif mid not in served_ids:  # not an error: its artifact may be exported later (discover)
                 log.warning("delta_cache.pinned names %s, which is not served (no artifact for it yet)", mid)
         # (a pin not served now holds no slot, and has its warning above)
-        held = len(set(opts["pinned"]) & {c.id for c in served}) + opts.get("pin_top_n", 0)
+        held = len(set(opts["pinned"]) & served_ids) + opts.get("pin_top_n", 0)
         if held >= self.slots.n_slots:  # no slot left to evict for: the others' loads wait, then 503
             log.warning("delta_cache: %d pinned variants and pin_top_n %d can hold all %d device slots; once "
                         "they do, any other variant waits wait_timeout_s and gets 503 on every request: pin "
@@ -867,10 +868,7 @@ class Engine:
         ``add_special_tokens`` is false). Token ids pass as they are. ``generating=False``
         (``/tokenize``): a text refused untokenized for its length says so without a completion."""
         if isinstance(prompt, list):
-            bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}",
-                                          "prompt", "invalid_value")
+            self._check_ids(prompt, "token ids", "prompt")
             return list(prompt)
         self._check_chars(len(prompt), "prompt", generating)
         check_unicode(prompt, "prompt")
@@ -883,12 +881,16 @@ class Engine:
         Raises:
             InvalidRequestError: an id outside the vocabulary.
         """
-        bad = [t for t in ids if not 0 <= t < self.model.args.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {self.model.args.vocab_size}): {bad[:5]}", "tokens",
-                                      "invalid_value")
+        self._check_ids(ids, "token ids", "tokens")
         with self._tok_lock:
             return self.tokenizer.decode(ids)
+
+    def _check_ids(self, ids, what: str, param: str | None) -> None:
+        """Raise InvalidRequestError (``param``) naming the first ids of ``ids`` outside the vocabulary."""
+        vocab = self.model.args.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what} out of range [0, {vocab}): {bad[:5]}", param, "invalid_value")
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each id as log-probabilities name tokens (``detokenize.token_name``: its own bytes' text, special
@@ -1069,15 +1071,10 @@ class Engine:
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})",
                                       "min_tokens", "invalid_value")
-        vocab = self.model.args.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]  # the in-process API's (HTTP's: encode_prompt)
-        if bad:  # in a step, an id outside the embedding fails every request of it (on CUDA: the device)
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param,
-                                      "invalid_value")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids",
-                                      "invalid_value")
+        # the in-process API's prompt (HTTP's: encode_prompt): in a step, an id outside the embedding fails
+        # every request of it (on CUDA: the device)
+        self._check_ids(prompt_ids, "prompt token ids", param)
+        self._check_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         grammar = None
         if params.constraint is not None:  # compiled here, in the request's thread: a bad schema is its 400
             grammar = self.grammars.compile(*params.constraint, param=params.constraint_param)
