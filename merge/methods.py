@@ -138,6 +138,10 @@ class MergeMethod:
             raise ValueError(f"{len(self.weights)} weights for {n} models")
         return self.weights
 
+    def reset(self) -> None:
+        """Forget what :meth:`observe` saw: a ``two_pass`` method's first pass of a new merge starts
+        here, so one method object can merge several model sets (no-op otherwise)."""
+
     def observe(self, name: str, base: Tensor, models: Sequence[Tensor]) -> None:
         """First pass of a ``two_pass`` method (no-op otherwise)."""
 
@@ -229,25 +233,42 @@ def _check_density(density: float) -> float:
     return float(density)
 
 
-def top_threshold(magnitudes: Tensor, density: float) -> float:
-    """The ``k``-th largest of ``magnitudes`` (``k = ceil(density·numel)``): TIES keeps the entries at
-    or above it (all of them when ``density = 1``)."""
+def top_threshold(magnitudes: Tensor, density: float) -> tuple[float, int]:
+    """TIES' cut of ``magnitudes`` at its ``k = ceil(density·numel)`` largest: ``(threshold, ties)``,
+    the ``k``-th largest value and how many of the entries equal to it are kept (the first ones in
+    row-major order), so that exactly ``k`` entries are kept however many magnitudes tie, as in
+    bf16 task vectors of a few ulps (``(-inf, 0)``, every entry, when ``k ≥ numel``)."""
     n = magnitudes.numel()
     k = max(1, math.ceil(density * n))
     if k >= n:
-        return -math.inf
-    return float(torch.kthvalue(magnitudes.flatten(), n - k + 1).values)
+        return -math.inf, 0
+    flat = magnitudes.flatten()
+    threshold = float(torch.kthvalue(flat, n - k + 1).values)
+    return threshold, k - int((flat > threshold).sum())
 
 
-def trim_below(tau: Tensor, threshold: float) -> Tensor:
-    """``τ`` with the entries of magnitude below ``threshold`` set to 0."""
-    return torch.where(tau.abs() >= threshold, tau, torch.zeros_like(tau))
+class Trim:
+    """Keeps the entries of ``τ`` that :func:`top_threshold` keeps, over row blocks given in order:
+    those above the threshold, and the first ``ties`` equal to it."""
+
+    def __init__(self, threshold: float, ties: int):
+        self.threshold, self.ties = threshold, ties
+
+    def __call__(self, tau: Tensor) -> Tensor:
+        mag = tau.abs()
+        keep = mag > self.threshold
+        if self.ties > 0:
+            equal = (mag == self.threshold).flatten()
+            take = equal & (equal.cumsum(0) <= self.ties)
+            self.ties -= int(take.sum())
+            keep |= take.reshape(keep.shape)
+        return torch.where(keep, tau, torch.zeros_like(tau))
 
 
 def trim_top(tau: Tensor, density: float) -> Tensor:
-    """``τ`` with the entries below its top-``density`` magnitude threshold set to 0 (TIES' trim; an
-    entry equal to the threshold is kept)."""
-    return trim_below(tau, top_threshold(tau.abs(), density))
+    """``τ`` with all but its top ``ceil(density·numel)`` magnitudes set to 0 (TIES' trim; of entries
+    tied at the cut, the first ones in row-major order are kept)."""
+    return Trim(*top_threshold(tau.abs(), density))(tau)
 
 
 def disjoint_merge(taus: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -270,7 +291,7 @@ class Ties(MergeMethod):
     def __init__(self, weights=None, density: float = 0.2, scaling: float = 1.0):
         super().__init__(weights)
         self.density, self.scaling = _check_density(density), float(scaling)
-        self._thresholds: list[float] = []
+        self._trims: list[Trim] = []
 
     def _prepare(self, name, shape, read):
         """Each model's magnitude threshold over the whole tensor, from one float32 buffer of |τ_i|
@@ -278,17 +299,17 @@ class Ties(MergeMethod):
         rows, width = _n_rows(shape)
         step = max(1, BLOCK_ELEMENTS // max(width, 1))
         n_models = len(read(0, 0)[1])
-        self._thresholds = []
+        self._trims = []
         for i in range(n_models):
             buf = torch.empty(rows, width, dtype=torch.float32)
             for start in range(0, rows, step):
                 b, ms = read(start, min(rows, start + step))
                 buf[start:start + b.shape[0]] = (ms[i].float() - b.float()).abs()
-            self._thresholds.append(top_threshold(buf, self.density))
+            self._trims.append(Trim(*top_threshold(buf, self.density)))
             del buf
 
-    def _merge_block(self, name, block, base, taus):
-        trimmed = [trim_below(t, thr) for t, thr in zip(taus, self._thresholds)]
+    def _merge_block(self, name, block, base, taus):  # blocks in order: the trims count the ties kept
+        trimmed = [trim(t) for trim, t in zip(self._trims, taus)]
         return base + self.scaling * disjoint_merge(trimmed, self._w(len(taus)))
 
 
@@ -434,6 +455,9 @@ class OPCM(MergeMethod):
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
         self.alpha = float(alpha)
+        self.reset()
+
+    def reset(self) -> None:
         self._sq_r = 0.0
         self._sq_tau: list[float] = []
         self._observed = False

@@ -331,3 +331,21 @@ def test_slerp_of_nearly_parallel_or_zero_tensors_and_its_refusals():
         get_method("slerp", t=1.5)
     with pytest.raises(ValueError, match="merge method 'slerp' merges the base with 1 model"):
         get_method("slerp").merge("w", base, [base, base])
+
+def test_ties_keeps_only_the_top_density_share_of_a_bf16_task_vector():
+    """TIES' trim keeps the top k = ceil(density·n) magnitudes (arXiv:2306.01708 Alg. 1; mergekit's
+    topk). Found by a reviewer: every entry tied with the k-th largest was kept, and the task vector
+    of a bf16 fine-tune is a few ulps an entry, so density=0.2 kept about 37% of the entries here."""
+    g = torch.Generator().manual_seed(0)
+    base = (0.02 * torch.randn(256, 256, generator=g)).bfloat16()
+    model = (base.float() + 1e-4 * torch.randn(256, 256, generator=g)).bfloat16()
+    tau = model.float() - base.float()
+    density = 0.2
+    k = math.ceil(density * tau.numel())
+    got = get_method("ties", density=density, scaling=1.0).merge("w", base, [model])
+    kept = (got.float() - base.float())  # one model: the merge is W0 + trimmed τ (exact in bf16)
+    # the reference: the k largest magnitudes (which of several equal ones is kept does not matter)
+    ref_mags = tau.abs().flatten().topk(k).values.sort().values
+    got_mags = kept.abs().flatten()[kept.flatten() != 0].sort().values
+    assert got_mags.numel() == k, f"density {density}: kept {got_mags.numel()} of {tau.numel()} entries, expected {k}"
+    torch.testing.assert_close(got_mags, ref_mags, rtol=0, atol=0)
