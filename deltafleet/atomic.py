@@ -166,24 +166,34 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
     resolved: where it is a symbolic link, its target is replaced and the link kept (the folder
     :func:`check_replaceable` checks).
 
-    On any exception the temporary folder is removed and an existing ``dst`` is left untouched.
+    On any exception the temporary folder, and the parent folders it made, are removed and an
+    existing ``dst`` is left untouched.
     A process killed outright cannot remove its folder; the next ``staged_dir`` of the same ``dst``
     on the same host does (the folder's name holds the host and the process id).
     """
     dst = Path(dst).resolve()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    made = [p for p in dst.parents if not p.exists()]  # deepest first: removed again on failure
     try:
-        tmp.mkdir()  # inside: a signal that lands right after it (SIGTERM as an exception) still removes it
-        yield tmp
-        for f in tmp.rglob("*"):  # some writers (safetensors) create 0600 files: make them readable
-            f.chmod(0o755 if f.is_dir() else 0o644)
-        tmp.chmod(0o755)
-        fsync_path(tmp)
-        replace_dir(tmp, dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(dst)
+        tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()  # inside: a signal that lands right after it (SIGTERM as an exception) still removes it
+            yield tmp
+            for f in tmp.rglob("*"):  # some writers (safetensors) create 0600 files: make them readable
+                f.chmod(0o755 if f.is_dir() else 0o644)
+            tmp.chmod(0o755)
+            fsync_path(tmp)
+            replace_dir(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:  # the parents it made, unless something else was written there meanwhile
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
 
 

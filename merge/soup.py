@@ -287,11 +287,11 @@ def merge_param(
         return ws[0], {}
     out_dtype, device = ws[0].dtype, ws[0].device
     stacked = torch.stack([w.to(device=device, dtype=torch.float32) for w in ws])
-    if w_base.dim() < 2 or method == "average":
+    if w_base.dim() < 2 or method == "average" or w_base.numel() == 0:  # an empty matrix has no spectrum
         merged = stacked.mean(0).to(out_dtype)
         if w_base.dim() < 2:
             return merged, {}
-        r = min(w_base.shape[0], w_base[0].numel())
+        r = min(w_base.shape[0], w_base[0].numel()) if w_base.shape[0] else 0
         return merged, {"rank": r, "full_rank": r, "energy_kept": 1.0}
     base = w_base.to(device=device, dtype=torch.float32)
     deltas = stacked - base

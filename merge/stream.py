@@ -109,19 +109,20 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         def read(start: int, stop: int):
             ms = [m.get_rows(name, start, stop) for m in models]
             b = base.get_rows(name, start, stop) if base is not None else ms[0]
-            for ck, t in zip([*models, base], [*ms, b]):
-                if ck is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{name}: {ck.dir} holds non-finite values (NaN or infinity)")
+            _check_finite(name, [*models, base], [*ms, b])
             return b, ms
         return read, width
 
     from tqdm.auto import tqdm
 
     if method.two_pass:
+        method.reset()
         for name in tqdm(names, desc="merge: statistics", disable=not show_progress):
             ws = [m.get(name) for m in models]
-            method.observe(name, base.get(name) if base is not None else ws[0], ws)
-            del ws
+            b = base.get(name) if base is not None else ws[0]
+            _check_finite(name, [*models, base], [*ws, b])
+            method.observe(name, b, ws)
+            del ws, b
     # shards planned from the headers, so each tensor is written as soon as it is merged
     plan: list[list[str]] = [[]]
     size = 0
@@ -164,6 +165,17 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                    "files": sorted([p.name for p in tmp.iterdir()] + ["merge.json"])}
         (tmp / "merge.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _check_finite(name: str, checkpoints: list, tensors: list[torch.Tensor]) -> None:
+    """Refuse NaN or infinity in any input's ``tensors`` (``checkpoints``: where each was read; None,
+    the base of a merge without one, is skipped). One-byte float types (float8) are checked in
+    float32, which ``isfinite`` supports."""
+    for ck, t in zip(checkpoints, tensors):
+        if ck is None or not t.is_floating_point():
+            continue
+        if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+            raise ValueError(f"{name}: {ck.dir} holds non-finite values (NaN or infinity)")
 
 
 def _check_family(base_dir, model_dirs) -> None:
@@ -221,7 +233,8 @@ def _write_shard(path: Path, shard: list[str], ref: Checkpoint, reader, method: 
                 blocks = iter([read(0, info.numel // max(width, 1))[0]])
             written = 0
             for blk in blocks:
-                if blk.is_floating_point() and not bool(torch.isfinite(blk).all()):
+                if blk.is_floating_point() and not bool(torch.isfinite(blk.float() if blk.element_size() == 1
+                                                                     else blk).all()):
                     raise ValueError(f"{n}: the merge gives non-finite values (NaN or infinity) from finite "
                                      "inputs: the method's weights or scaling overflow the dtype")
                 data = blk.contiguous().view(torch.uint8).numpy()

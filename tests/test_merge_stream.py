@@ -27,6 +27,8 @@ def _state(d: Path) -> dict:
 @pytest.mark.parametrize("method, params", [("ties", {"density": 0.3}), ("dare_ties", {"density": 0.5, "seed": 3}),
                                             ("opcm", {"alpha": 0.5}), ("linear", {"weights": [1, 3]}),
                                             ("slerp", {"t": 0.3})])
+
+
 def test_streamed_merge_equals_the_method_on_whole_state_dicts(tiny_family, tmp_path, method, params):
     models = [tiny_family.base_dir.parent / v for v in ("coder", "writer")][:get_method(method, **params).n_models]
     out = tmp_path / "merged"
@@ -182,6 +184,8 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a shell (pyt
 real = atomic.staged_dir
 
 @contextlib.contextmanager
+
+
 def interrupted(dst, *a, **k):
     with real(dst, *a, **k) as tmp:
         (tmp / "half.bin").write_bytes(b"x" * 1000)
@@ -240,6 +244,8 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
 
 
 # ------------------------------------------------------------------ mutation sweep: small hand-made checkpoints
+
+
 def _ckpt(folder: Path, tensors: dict, config: str | None = None) -> Path:
     from safetensors.torch import save_file
 
@@ -356,6 +362,8 @@ def test_checkpoints_of_different_architectures_are_refused_and_doubtful_familie
 
 @pytest.mark.parametrize("name, params", [("monosoup", {"energy_ratio": 0.9}), ("ties", {"density": 0.5}),
                                           ("linear", {}), ("dare_ties", {"density": 0.7, "seed": 3})])
+
+
 def test_merge_json_records_the_params_that_make_the_method_again(name, params, tmp_path):
     """Found by a fresh user: monosoup's merge.json held {"weights": null, "kw": {...}}, which
     get_method refuses. The params recorded are the method's own (defaults filled in, nulls left
@@ -391,3 +399,99 @@ def test_an_exported_merge_says_how_it_was_made(tmp_path):
     shutil.copyfile(a / "model.safetensors", tmp_path / "merged" / "model.safetensors")
     again = compress(base, tmp_path / "merged", tmp_path / "art2", variant="merged")
     assert "merge" not in again["provenance"]["finetuned"]
+
+
+def test_opcm_refuses_a_nan_in_the_first_model_with_the_documented_error(tmp_path):
+    """Found by a reviewer: a NaN reached OPCM's first pass (its SVD) unchecked and escaped as
+    torch.linalg.LinAlgError, a traceback. Two-pass methods check their inputs in the first pass too:
+    the same ValueError naming the tensor and folder as every other method."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8, generator=g)
+    m1 = w + torch.randn(6, 8, generator=g)
+    m1[0, 0] = float("nan")
+    base = _ckpt(tmp_path / "base", {"w": w})
+    a = _ckpt(tmp_path / "a", {"w": m1})
+    b = _ckpt(tmp_path / "b", {"w": w + torch.randn(6, 8, generator=g)})
+    with pytest.raises(ValueError, match="holds non-finite values"):
+        merge_checkpoints(base, [a, b], tmp_path / "out", get_method("opcm"))
+    assert not (tmp_path / "out").exists()
+
+
+def _opcm_reference(base: torch.Tensor, models: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """OPCM for a one-matrix model, from the full-SVD definition (arXiv:2501.09522 §3):
+    R_1 = τ_1, R_t = R_{t-1} + U P V^T with P = U^T τ_t V, its top-left k×k block and its diagonal
+    zeroed (k: first index where the cumulative share of singular values of R_{t-1} exceeds alpha);
+    merged = W_0 + R_n · mean_i ‖τ_i‖ / ‖R_n‖."""
+    b = base.double()
+    taus = [m.double() - b for m in models]
+    r = taus[0].clone()
+    for t in taus[1:]:
+        u, s, vh = torch.linalg.svd(r, full_matrices=True)
+        k = int(((s.cumsum(0) / s.sum()) > alpha).double().argmax())
+        p = u.T @ t @ vh.T
+        p[:k, :k] = 0
+        p.diagonal().zero_()
+        r = r + u @ p @ vh
+    scale = sum(float(t.norm()) for t in taus) / len(taus) / float(r.norm())
+    return (b + r * scale).float()
+
+
+def test_an_opcm_method_object_used_for_a_second_merge_gives_that_merges_result(tmp_path):
+    """Found by a reviewer: OPCM's whole-model norms stayed in the method object, so a second merge
+    with it was rescaled with the first one's statistics added in. Each merge's first pass starts
+    afresh (``MergeMethod.reset``): both merges equal the full-SVD definition."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8, generator=g)
+    base = _ckpt(tmp_path / "base", {"w": w})
+    states = [w + (i + 1) * torch.randn(6, 8, generator=g) for i in range(4)]
+    ms = [_ckpt(tmp_path / f"m{i}", {"w": s}) for i, s in enumerate(states)]
+    method = get_method("opcm", alpha=0.5)
+    merge_checkpoints(base, ms[:2], tmp_path / "first", method)
+    first = load_file(tmp_path / "first" / "model.safetensors")["w"]
+    torch.testing.assert_close(first, _opcm_reference(w, states[:2], 0.5), rtol=1e-5, atol=1e-5)
+    merge_checkpoints(base, ms[2:], tmp_path / "second", method)  # the same object, other models
+    second = load_file(tmp_path / "second" / "model.safetensors")["w"]
+    torch.testing.assert_close(second, _opcm_reference(w, states[2:], 0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*config.json")
+def test_a_float8_checkpoint_merges_in_float32_and_keeps_its_dtype(tmp_path):
+    """Found by a reviewer: the non-finite check called torch.isfinite on float8 rows, which it does
+    not implement, so every merge of an FP8 checkpoint failed. It merges in float32 and keeps the
+    base's dtype, as docs/merging.md says."""
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(6, 8, generator=g).to(torch.float8_e4m3fn)
+    m1 = (b.float() + 0.3 * torch.randn(6, 8, generator=g)).to(torch.float8_e4m3fn)
+    m2 = (b.float() + 0.3 * torch.randn(6, 8, generator=g)).to(torch.float8_e4m3fn)
+    base = _ckpt(tmp_path / "base", {"w": b})
+    a, c = _ckpt(tmp_path / "a", {"w": m1}), _ckpt(tmp_path / "c", {"w": m2})
+    merge_checkpoints(base, [a, c], tmp_path / "out", get_method("linear"))
+    got = load_file(tmp_path / "out" / "model.safetensors")["w"]
+    assert got.dtype == torch.float8_e4m3fn
+    ref = ((m1.float() + m2.float()) / 2).to(torch.float8_e4m3fn)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["monosoup", "svd_soup"])
+def test_monosoup_and_svd_soup_merge_a_tensor_with_an_empty_first_dimension(tmp_path, method):
+    """Found by a reviewer: a [0, 4] tensor, which every other method merges, made monosoup and
+    svd_soup fail to reshape it for the SVD. An empty matrix is merged as the mean (empty too)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 4, generator=g)
+    base = _ckpt(tmp_path / "base", {"w": w, "e": torch.zeros(0, 4)})
+    ms = [_ckpt(tmp_path / f"m{i}", {"w": w + 0.1 * torch.randn(5, 4, generator=g), "e": torch.zeros(0, 4)})
+          for i in range(2)]
+    merge_checkpoints(base, ms, tmp_path / "out", get_method(method))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert got["e"].shape == (0, 4) and got["w"].shape == (5, 4)
+
+
+def test_a_failed_merge_into_a_new_nested_out_dir_leaves_no_folders(tmp_path):
+    """docs/merging.md: "a failed or stopped merge leaves nothing", which includes the missing parent
+    folders of out_dir that the merge made (staged_dir removes them again)."""
+    w = torch.randn(4, 4)
+    base = _ckpt(tmp_path / "base", {"w": w})
+    bad = _ckpt(tmp_path / "bad", {"w": torch.full((4, 4), float("nan"))})
+    with pytest.raises(ValueError, match="non-finite"):
+        merge_checkpoints(base, [bad], tmp_path / "new" / "sub" / "out", get_method("linear"))
+    assert not (tmp_path / "new").exists(), sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "new").rglob("*"))
