@@ -483,7 +483,9 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p[p["type"]] for p in self.content)  # text or refusal: check_messages checked them
+        # text or refusal parts (check_messages checked them), one a line, as vLLM renders them for
+        # a template that takes string content
+        return "\n".join(p[p["type"]] for p in self.content)
 
 
 def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:

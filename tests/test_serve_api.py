@@ -1490,3 +1490,24 @@ def test_missing_base_tells_to_run_make_base(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 2 and "`make real-base`" in out.stderr and "smollm2-base" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_text_content_parts_are_joined_with_newlines_as_vllm_does(tc):
+    """Found by a reviewer: a message's text parts were concatenated with nothing, so the parts
+    ``["Hello", "world"]`` (content blocks, as LangChain sends them) reached the model as
+    ``"Helloworld"``. They are joined with ``"\\n"``, as vLLM renders them for a template that takes
+    string content; the chat's usage counts the prompt that ``/tokenize`` gives."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+
+    def tokens(content) -> list[int]:
+        r = tc.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    joined = tokens("Hello\nworld")
+    assert tokens("Helloworld") != joined  # the two readings are told apart by the tokens
+    assert tokens(parts) == joined
+    r = tc.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                              "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(joined)
