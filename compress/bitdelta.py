@@ -200,6 +200,16 @@ def _blocks(ft: Checkpoint, names: list[str], block_elements: int) -> list[tuple
     return out
 
 
+FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+               if hasattr(torch, n))
+
+
+def _ties_head(model_dir: Path) -> bool:
+    """Whether the model's config ties its LM head to its embedding (transformers then ignores a
+    stored ``lm_head.weight``, and so do the export, :func:`materialize` and the server)."""
+    return (read_config(model_dir) or {}).get("tie_word_embeddings") is True
+
+
 def format_version(granularity: str) -> int:
     """The format version an artifact of ``granularity`` is written as: 2 for ``rowcol`` (its
     ``P.beta`` and float16 scales are what version 2 adds), else 1, which every reader reads."""
@@ -313,8 +323,10 @@ def _compress_tensors(
 
     def matrix(name: str) -> bool:
         fi = ft.info(name)
-        # an empty matrix ([N, 0] or [0, N]) has no signs to pack: left to the other tensors' rule
-        return name in base and len(fi.shape) == 2 and all(fi.shape) and base.info(name).shape == fi.shape
+        # an empty matrix ([N, 0] or [0, N]) has no signs to pack, and an integer or bool one is no
+        # weight (an index table, a mask): left to the other tensors' rule, stored whole if changed
+        return name in base and len(fi.shape) == 2 and all(fi.shape) and base.info(name).shape == fi.shape \
+            and fi.dtype.is_floating_point and base.info(name).dtype.is_floating_point
 
     plan = _blocks(ft, [n for n in names if matrix(n)], block_elements)
     with ThreadPoolExecutor(max_workers=2 * _READ_AHEAD) as pool:
@@ -474,7 +486,13 @@ def compress(
             shard, shard_bytes = {}, 0
 
         base, ft = Checkpoint(base_dir), Checkpoint(finetuned_dir)
-        if "lm_head.weight" in base and (read_config(base_dir) or {}).get("tie_word_embeddings") is True:
+        for ck, folder in ((base, base_dir), (ft, finetuned_dir)):
+            eight = next((n for n in ck.names() if ck.info(n).dtype in FLOAT8), None)
+            if eight is not None:  # nothing to serve it with: the kernels multiply bf16 / fp16 weights
+                raise ValueError(f"{eight}: {folder} holds {ck.info(eight).dtype_name} weights; the BitDelta "
+                                 "export takes float32, float16 or bfloat16 checkpoints (convert it first): "
+                                 "nothing was exported")
+        if "lm_head.weight" in base and _ties_head(base_dir):
             # transformers ties the head of a base whose config says so, ignoring a stored one, and so
             # does the server: the export compares against the head the base runs with (none of its own)
             del base.tensors["lm_head.weight"]
@@ -485,7 +503,7 @@ def compress(
                 f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
             )
         if "lm_head.weight" in ft and "lm_head.weight" not in base \
-                and (read_config(finetuned_dir) or {}).get("tie_word_embeddings") is True:
+                and _ties_head(finetuned_dir):
             # transformers ties the head of a model whose config says so, and ignores a stored one: so
             # does the export (stored in full, it would untie a head that is the embedding)
             del ft.tensors["lm_head.weight"]
@@ -883,7 +901,8 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
 
     Returns:
         ``{P: tensor}`` with the fine-tuned checkpoint's names, shapes and (for compressed
-        parameters) the base dtype.
+        parameters) the base dtype; without a tied base's stored ``lm_head.weight`` (its head is
+        its embedding, as the export took it), unless the artifact stores a head in full.
 
     Raises:
         ArtifactError: if a compressed parameter is missing from the base or its sign/alpha
@@ -915,9 +934,10 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
             if p in base or p in artifact.full or is_vocab_matrix(p):
                 raise ArtifactError(f"{artifact.path}: {name} has no matching {p + SIGN_SUFFIX}: a scale without "
                                     "its signs (a damaged artifact)")
+    tied = "lm_head.weight" in base and _ties_head(base_dir)
     for name in base.names():
-        if name in artifact.full:
-            continue
+        if name in artifact.full or (tied and name == "lm_head.weight"):
+            continue  # a tied base's stored head is its embedding, which the export compared against
         w = base.get(name)
         if name in artifact.signs:
             sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()

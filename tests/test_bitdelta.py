@@ -1370,3 +1370,72 @@ def test_an_empty_matrix_is_left_out_of_the_export(tmp_path, shape):
     compress(b, f, tmp_path / "art", variant="v")
     art = load_artifact(tmp_path / "art")
     assert set(art.signs) == {"x"} and not art.full
+
+
+def _bitdelta_reference(w_base: torch.Tensor, w_ft: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """W_base + α·sign(Δ) (sign 0 → −1) in float64, cast to the base dtype."""
+    delta = w_ft.double() - w_base.double()
+    alpha = delta.abs().mean(1, keepdim=True) if per_row else delta.abs().mean()
+    return (w_base.double() + alpha * torch.where(delta > 0, 1.0, -1.0)).to(w_base.dtype)
+
+
+def test_integer_and_bool_matrices_are_no_weights(tmp_path):
+    """Found by a reviewer: any changed 2-D tensor of the base's shape was compressed to signs, so a
+    changed int64 table came back as base + α·sign cast to integers, and a bool mask failed the
+    export (torch cannot subtract bools). Only floating-point matrices are weights: a changed integer
+    table is stored whole, an unchanged mask left out."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 8, generator=g)
+    mask = torch.rand(3, 8, generator=g) > 0.5
+    base = {"lin.weight": w, "pos_ids": torch.arange(16).reshape(2, 8), "mask": mask}
+    ft = {"lin.weight": w + 0.1, "pos_ids": torch.arange(16).reshape(2, 8) * 3, "mask": mask.clone()}
+    b, f = _save_pair(tmp_path, base, ft)
+    bd.compress(b, f, tmp_path / "art", variant="v")
+    art = bd.load_artifact(tmp_path / "art", base_fingerprint=bd.fingerprint(b))
+    assert set(art.signs) == {"lin.weight"} and set(art.full) == {"pos_ids"}
+    state = bd.materialize(b, art)
+    assert state["pos_ids"].dtype == torch.int64 and torch.equal(state["pos_ids"], ft["pos_ids"])
+    assert torch.equal(state["mask"], mask)
+    torch.testing.assert_close(state["lin.weight"], _bitdelta_reference(w, w + 0.1, per_row=False), rtol=0, atol=1e-6)
+
+
+def test_a_float8_checkpoint_is_refused_in_one_line(tmp_path):
+    """Found by a reviewer: the checkpoint reader takes float8 tensors, and their export failed inside
+    torch ("Promotion for Float8 Types is not supported"), a traceback. Nothing serves float8 weights,
+    so the export names the tensor and the dtype, and writes nothing."""
+    w = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    b, f = _save_pair(tmp_path, {"w": w}, {"w": (w.float() + 0.25).to(torch.float8_e4m3fn)})
+    with pytest.raises(ValueError, match=r"^w: .* holds F8_E4M3 weights; the BitDelta export takes float32"):
+        bd.compress(b, f, tmp_path / "art", variant="v")
+    assert not (tmp_path / "art").exists()
+
+
+def test_format_hf_of_a_tied_base_that_stores_its_head_runs_the_fine_tuned_head(tmp_path):
+    """Found by a reviewer: base and fine-tune tie the head and both also store ``lm_head.weight``. The
+    export ignores the stored heads, as transformers does, but ``materialize`` kept the base's stored
+    head, so format=hf wrote it untied beside the reconstructed embedding: the variant's output layer
+    was the base's. Now the materialised model's head is the reconstructed embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    state = {k: v.clone() for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # tied, and stored
+    g = torch.Generator().manual_seed(1)
+    ft_state = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v.clone()
+                for k, v in state.items()}
+    ft_state["lm_head.weight"] = ft_state["model.embed_tokens.weight"].clone()
+    for name, s in (("base", state), ("ft", ft_state)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg.to_dict()))
+        save_file(s, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    bd.compress(tmp_path / "base", tmp_path / "ft", tmp_path / "art", variant="v")
+    bd.export_hf(tmp_path / "base", tmp_path / "art", tmp_path / "hf")
+
+    emb = "model.embed_tokens.weight"
+    expected = _bitdelta_reference(state[emb], ft_state[emb], per_row=True)  # vocabulary matrices: α per row
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(model.model.embed_tokens.weight.detach(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.get_output_embeddings().weight.detach(), expected, rtol=0, atol=1e-6)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
