@@ -340,15 +340,16 @@ def _batches(n: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
         pending = pending[batch_size:]
 
 
-def _validate(calibration: Any, loss: str, steps: int, lr: float, batch_size: int) -> None:
+def _validate(calibration: Any, loss: str, steps: int, lr: float, batch_size: int, beta_lr: float = 1.0) -> None:
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer ≥ 1, got {steps!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer ≥ 1, got {batch_size!r}")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    for key, value in (("lr", lr), ("beta_lr", beta_lr)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
     if not isinstance(calibration, torch.Tensor) or calibration.dtype != torch.int64 or calibration.dim() != 2:
         what = (f"{calibration.dtype} {list(calibration.shape)}" if isinstance(calibration, torch.Tensor)
                 else type(calibration).__name__)
@@ -429,7 +430,8 @@ def distill_scales(
         The manifest written to ``out_dir/bitdelta.json``.
 
     Raises:
-        ValueError: unknown ``loss``, ``steps < 1``, ``batch_size < 1``, ``lr <= 0``, a
+        ValueError: unknown ``loss``, ``steps < 1``, ``batch_size < 1``, an ``lr`` or ``beta_lr`` that is
+            not a finite number > 0, a
             ``calibration`` that is not a non-empty 2-D int64 tensor or has token ids outside
             the teacher's vocabulary, or an ``out_dir`` that overlaps an input or holds another
             variant's artifact.
@@ -437,7 +439,7 @@ def distill_scales(
         ArtifactError: a damaged artifact, or one that does not fit the models.
         FileNotFoundError: a folder without a safetensors checkpoint.
     """
-    _validate(calibration, loss, steps, lr, batch_size)
+    _validate(calibration, loss, steps, lr, batch_size, beta_lr)
     from transformers import AutoModelForCausalLM
 
     base_dir, finetuned_dir = Path(base_dir), Path(finetuned_dir)
@@ -471,8 +473,6 @@ def distill_scales(
     loss_before = evaluate(student, teacher, eval_blocks, loss=loss, batch_size=batch_size, device=device)
     log.info("step 0: %s on the evaluation slice (%d blocks) %.6g", loss, eval_blocks.shape[0], loss_before)
 
-    if betas and not beta_lr > 0:
-        raise ValueError(f"beta_lr must be > 0, got {beta_lr}")
     params = [*alphas.values(), *betas.values()]
     groups = [{"params": list(alphas.values()), "lr": lr}, {"params": list(betas.values()), "lr": beta_lr}]
     opt = torch.optim.Adam([g for g in groups if g["params"]]) if params else None

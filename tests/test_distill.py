@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -607,3 +608,14 @@ def test_a_diverged_distillation_or_a_wrong_out_dir_writes_nothing(tiny_family, 
     with pytest.raises(ValueError, match=r"it is the artifact of variant 'writer', not of 'coder'"):
         distill_scales(*args, other, calib[:4], steps=1)
     assert load_artifact(other).manifest["variant"] == "writer" and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("beta_lr", ["0.05", math.inf, 0.0], ids=["text", "inf", "zero"])
+def test_beta_lr_is_checked_as_lr_is(tmp_path, beta_lr):
+    """Found by a reviewer: ``beta_lr`` was only compared with 0, after the models were loaded, so a
+    text value (``beta_lr=1e-2x`` on the command line) raised TypeError and ``inf`` wrote β of 0 or
+    65504. It must be a finite number > 0, as ``lr`` must, checked before any work."""
+    base, ft, art, calib = _tiny_artifact(tmp_path, "rowcol")
+    with pytest.raises(ValueError, match=r"^beta_lr must be a finite number > 0, got "):
+        distill_scales(base, ft, art, tmp_path / "out", calib, steps=1, lr=1e-4, beta_lr=beta_lr, batch_size=2)
+    assert not (tmp_path / "out").exists()
