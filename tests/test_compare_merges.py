@@ -40,7 +40,8 @@ def test_merge_rows_reads_the_callbacks_merges_from_lightnings_csv(tmp_path):
 def test_a_runs_result_keeps_its_validation_curve(tmp_path):
     """Validation losses (every few steps, rows of their own in Lightning's CSV) come back as
     ``[step, loss]`` in step order beside the training curve, so the report shows where validation
-    loss bottomed out for runs that never merged."""
+    loss bottomed out for runs that never merged. Lightning's CSV writes a step's index (the steps done
+    less one); the curve counts steps done, as ``merge/step`` does."""
     import json
 
     from lightning.pytorch.loggers import CSVLogger
@@ -53,6 +54,6 @@ def test_a_runs_result_keeps_its_validation_curve(tmp_path):
     logger.save()
     (tmp_path / "run" / "metrics.json").write_text(json.dumps({"heldout/loss": 2.0, "heldout/base_loss": 2.75}))
     r = collect("math", "none", tmp_path / "run", 12.5)
-    assert r["val_curve"] == [[1, 2.5], [3, 2.2], [5, 2.4]]
+    assert r["val_curve"] == [[2, 2.5], [4, 2.2], [6, 2.4]]
     assert r["train_curve"] == pytest.approx([3.0, 2.9, 2.8, 2.7, 2.6, 2.5])
     assert (r["heldout_loss"], r["base_loss"], r["seconds"], r["merges"]) == (2.0, 2.75, 12.5, [])

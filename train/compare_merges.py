@@ -84,12 +84,14 @@ def collect(variant: str, method: str, run_dir: Path, seconds: float | None) -> 
 
 
 def read_points(metrics_csv: Path, key: str) -> list[list[float]]:
-    """``[step, value]`` for each logged value of ``key`` (validation runs every few steps), in step order."""
+    """``[step, value]`` for each logged value of ``key`` (validation runs every few steps), in step order;
+    ``step`` the optimizer steps done when it was logged, as the merges' ``merge/step`` counts them
+    (Lightning's CSV ``step`` column is that count less one: the index of the step just taken)."""
     by_step: dict[int, float] = {}
     with open(metrics_csv) as f:
         for row in csv.DictReader(f):
             if row.get(key):
-                by_step[int(row["step"])] = float(row[key])
+                by_step[int(row["step"]) + 1] = float(row[key])
     return [[s, by_step[s]] for s in sorted(by_step)]
 
 
