@@ -452,6 +452,9 @@ def test_exporting_the_base_is_refused(family):
     ("trainer.val_check_interval=0", "trainer.val_check_interval must be a whole number of steps ≥ 1, a fraction "
                                      "of an epoch in (0, 1] or a time (Lightning's \"DD:HH:MM:SS\" or {seconds: ...}), "
                                      "got 0"),
+    # found by a reviewer: Lightning's loop failed on it with a ZeroDivisionError traceback
+    ("+trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a whole number of batches ≥ 1, "
+                                           "got 0"),
 ])
 def test_bad_settings_fail_before_training(family, override, message):
     root, _, _ = family

@@ -1,4 +1,5 @@
-"""Training callbacks. ``MonoSoupCallback``: merge the weights with the best checkpoint every N steps.
+"""Training callbacks. ``MonoSoupCallback``: merge the weights with the best checkpoint every N steps;
+``StepCheckpoint``: periodic checkpoints that follow their step's validation.
 
     python train/run.py variant=coder merge=monosoup merge.every_n_steps=40
     python train/run.py variant=coder merge=svd_soup merge.rank=4
@@ -16,10 +17,34 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from deltafleet.merge.soup import check_soup_settings, merge_param, summarize
 from deltafleet.train.distributed import deepspeed_module, full_shape, read_full_param, world_size, write_full_param
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint(every_n_train_steps=N)``, but a step whose validation runs right
+    after it is saved once that validation has ended (Lightning's own deferred save), not before: the
+    checkpoint then holds what the validation changed (the merge callback's best checkpoint), which a
+    resume from it would not see again, since Lightning does not rerun a validation its checkpoint
+    says came due."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        due = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        if due and not self._should_skip_saving_checkpoint(trainer) and self._validates_next(trainer):
+            self._defer_save_until_validation = True  # saved by ModelCheckpoint.on_validation_end
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @staticmethod
+    def _validates_next(trainer: L.Trainer) -> bool:
+        """Whether the fit loop runs a validation after this batch (its own test, as it makes it next)."""
+        loop = trainer.fit_loop
+        fetcher, should = getattr(loop, "_data_fetcher", None), getattr(loop.epoch_loop, "_should_check_val_fx", None)
+        return fetcher is not None and should is not None and bool(should(fetcher))
 
 
 class MonoSoupCallback(L.Callback):

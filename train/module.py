@@ -42,6 +42,19 @@ class CausalLMModule(L.LightningModule):
         loss = self.model(input_ids=batch, labels=batch).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A checkpoint of a run with Lightning's weight averaging (``merge=ema``) holds the average in
+        ``state_dict`` and the run's own weights in ``current_model_state``: a resume continues from
+        the run's weights. With the averaging callback on, it restores both itself (after this hook,
+        reading the average from ``state_dict``); without it, the run's weights go in here."""
+        try:
+            from lightning.pytorch.callbacks import WeightAveraging
+        except ImportError:  # a Lightning before weight averaging: no checkpoint holds it
+            return
+        averaging = any(isinstance(c, WeightAveraging) for c in self.trainer.callbacks)
+        if "current_model_state" in checkpoint and "averaging_state" in checkpoint and not averaging:
+            checkpoint["state_dict"] = checkpoint["current_model_state"]
+
     def configure_optimizers(self):
         hp = self.hparams
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]

@@ -194,13 +194,13 @@ def last_checkpoint(cfg: DictConfig) -> Path:
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     """Periodic checkpoints (for ``ckpt_path`` resume; none with ``trainer.enable_checkpointing=false``)
     and the checkpoint-merging callback."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from deltafleet.train.callbacks import StepCheckpoint
 
     callbacks = []
     if cfg.trainer.get("enable_checkpointing", True) and not cfg.trainer.get("fast_dev_run"):  # (a smoke run: none)
-        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
-                                         every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
-                                         save_last=True, auto_insert_metric_name=False))
+        callbacks.append(StepCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}",
+                                        every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=1,
+                                        save_last=True, auto_insert_metric_name=False))
     merge = cfg.get("merge")
     name = None if merge is None else merge.get("method", merge._target_.rsplit(".", 1)[-1])
     if name is None or name == "none":
@@ -217,6 +217,25 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
         why = "the base trains from scratch" if cfg.variant.init == "scratch" else "LoRA trains adapters only"
         print(f"[train] merge callback ({name}) off: {why}", flush=True)
     return callbacks
+
+
+def trainer_settings(cfg: DictConfig) -> DictConfig:
+    """``cfg.trainer`` as Lightning's Trainer takes it: without ``callbacks`` (:func:`user_callbacks`
+    adds them to the job's own), and with an integer ``val_check_interval`` counted in optimizer
+    steps, as the job's settings are, where Lightning counts training batches: times
+    ``accumulate_grad_batches``."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer.pop("callbacks", None)
+    interval, accumulate = trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches") or 1
+    if whole(interval) and accumulate > 1:
+        trainer["val_check_interval"] = interval * accumulate
+    return OmegaConf.create(trainer)
+
+
+def user_callbacks(cfg: DictConfig) -> list:
+    """The callbacks given as ``+trainer.callbacks=[{_target_: ...}, ...]``, instantiated, to run beside
+    the job's own (checkpoints, the merge callback)."""
+    return [hydra.utils.instantiate(c) for c in cfg.trainer.get("callbacks") or []]
 
 
 def _check_numbers(cfg: DictConfig) -> None:
@@ -250,7 +269,8 @@ LIGHTNING_PRECISIONS = (64, 32, 16, "64", "32", "16", "bf16", "16-true", "16-mix
 
 def _check_trainer(cfg: DictConfig) -> None:
     """The Lightning settings that Lightning would refuse only once the data and the model are loaded
-    (``precision``), or fail on in its loop (``val_check_interval=0``: a ZeroDivisionError)."""
+    (``precision``, ``callbacks`` that are no list), or fail on in its loop (``val_check_interval=0``,
+    ``accumulate_grad_batches=0``: a ZeroDivisionError)."""
     import typing
 
     precision = cfg.trainer.get("precision")
@@ -270,6 +290,13 @@ def _check_trainer(cfg: DictConfig) -> None:
         if not isinstance(precision, (int, str)) or isinstance(precision, bool) or precision not in known:
             raise ValueError(f"trainer.precision must be one of Lightning's {', '.join(str(v) for v in known)}; "
                              f"got {precision!r}")
+    accumulate = cfg.trainer.get("accumulate_grad_batches")
+    if accumulate is not None and not (whole(accumulate) and accumulate >= 1):
+        raise ValueError(f"trainer.accumulate_grad_batches must be a whole number of batches ≥ 1, got {accumulate!r}")
+    callbacks = cfg.trainer.get("callbacks")
+    if callbacks is not None and not OmegaConf.is_list(callbacks):
+        raise ValueError("trainer.callbacks must be a list of callbacks to instantiate ({_target_: ...}), "
+                         f"got {callbacks!r}")
     interval = cfg.trainer.get("val_check_interval")
     timed = isinstance(interval, str) or OmegaConf.is_dict(interval)  # Lightning's time: "DD:HH:MM:SS", {seconds: 5}
     steps_or_share = whole(interval) and interval >= 1 or real(interval) and 0 < interval <= 1
@@ -445,8 +472,8 @@ def train(cfg: DictConfig) -> dict:
                                 min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant, domain=domain,
                                 init=cfg.variant.init)
         consolidate = ConsolidateOnTrainEnd()
-        trainer = hydra.utils.instantiate(cfg.trainer, logger=logger,
-                                          callbacks=[*build_callbacks(cfg, run_dir), consolidate],
+        trainer = hydra.utils.instantiate(trainer_settings(cfg), logger=logger,
+                                          callbacks=[*build_callbacks(cfg, run_dir), *user_callbacks(cfg), consolidate],
                                           default_root_dir=str(run_dir))
         t0 = time.perf_counter()
         fit(trainer, module, datamodule=dm, ckpt_path=cfg.ckpt_path)  # Ctrl-C: KeyboardInterrupt
