@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ast
 import bz2
-import contextlib
 import gzip
 import hashlib
 import json
