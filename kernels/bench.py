@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import platform
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path

@@ -727,8 +727,6 @@ def test_the_report_names_the_commit_it_is_told_before_the_checkouts(monkeypatch
 def test_engine_steps_time_a_step_beside_each_prompt_length():
     """``engine_steps`` on a tiny synthetic family: every row count and mix gets a step for each of
     ``prompts`` (keyed by length), the eager prompt step of the first length, and a floor."""
-    import torch
-
     from deltafleet.serve.bench_step import engine_steps
 
     tiny = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

@@ -653,7 +653,7 @@ def test_a_scripts_help_before_its_variant_is_chosen_is_one_line(script):
     for script in (script, "train/run.py"):  # a misspelt choice: Hydra's one line, found by a fresh user
         typo = subprocess.run([sys.executable, script, "variant=codr", "--help"], cwd=CONF.parent,
                               capture_output=True, text=True, timeout=300, env=env)
-        assert typo.returncode == 2 and typo.stderr.strip().endswith(f"Could not find 'variant/codr'"), \
+        assert typo.returncode == 2 and typo.stderr.strip().endswith("Could not find 'variant/codr'"), \
             typo.stderr[-2000:]
         assert typo.stderr.startswith(f"{script}: In '") and len(typo.stderr.strip().splitlines()) == 1
 

@@ -13,7 +13,6 @@ from deltafleet.compress.bitdelta import compress, export_hf, load_artifact
 from deltafleet.compress.distill import calibration_blocks, distill_scales
 from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.engine import Engine, SamplingParams
-from deltafleet.serve.request import VariantUnavailableError
 from deltafleet.serve.runner import ModelRunner, StepInput
 from tests.conftest import decode_alone, prefill_step
 
