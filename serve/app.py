@@ -1079,7 +1079,10 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         except Exception as e:
             if not counted:  # its load's events made series of its own: gone with the name
                 metrics.remove_model(f"{engine.family}-{name}")
-            raise _api_error(e) from None
+            error = _api_error(e)
+            if error.param == "model":  # no room for it in time: the variant this route was given
+                error.param = "variant"
+            raise error from None
         finally:
             engine.cache.remove_listener(note)
         metrics.add_model(card.id)

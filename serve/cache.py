@@ -24,8 +24,9 @@ so a variant without a slot is not starved by steady traffic to the resident one
 the load has evicted it (then as a miss, loading it again) or given up.
 
 Loading is single-flight: concurrent requests for a variant that is not on the device wait for
-one load of it, and requests for other variants are not held up by it (the per-variant lock is
-held during the read; the cache-wide lock only for bookkeeping). An artifact changed on disk
+one load of it, and share its outcome, a failure too (a request that arrives after it ended tries
+again), and requests for other variants are not held up by it (the per-variant lock is held during
+the read; the cache-wide lock only for bookkeeping). An artifact changed on disk
 (``stamp``) is read again on its next request: the old version, while requests still run on it,
 is *retired* (it keeps its place on the device, counted in the budget, is never evicted and serves
 only those requests, each of which releases it by the delta it was given), and the new one is
@@ -35,6 +36,7 @@ once; the old one leaves the device with its last request. One removed is droppe
 """
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -69,6 +71,8 @@ class _Entry:
     moving: bool = False        # its host copy is being loaded onto the device: not a host-tier victim
     gone: bool = False          # its artifact is gone: it leaves every tier with its last request (discard)
     lock: threading.Lock = field(default_factory=threading.Lock)  # single flight
+    loads: int = 0              # loads of it ended (or failed), for the requests queued behind one
+    error: BaseException | None = None  # how the last of them failed (None: it did not)
 
 
 class DeltaCache:
@@ -340,10 +344,13 @@ class DeltaCache:
         the variant's size is known (an earlier read's: a load that failed), room is made before the
         read, so that no request reads the artifact only to find no room. Returns the delta on the
         device and the stamp of the version it is (another request's, where this one found it loaded)."""
+        queued = e.loads  # the loads that ended before this request queued for one
         with e.lock:  # single flight: the first request loads, the others find it loaded
             with self._lock:
                 if e.device is not None:
                     return e.device, e.stamp
+                if e.loads != queued and e.error is not None:  # the load it queued behind failed: so does it
+                    raise copy.copy(e.error).with_traceback(None)
                 host = e.host
                 e.moving = host is not None  # the host tier keeps this copy until it is on the device
             t0 = time.perf_counter()
@@ -366,16 +373,18 @@ class DeltaCache:
                         self._make_room(e, deadline)
                         held = e.nbytes
                 dev = self._to_device(host)
-            except BaseException:
+            except BaseException as exc:
                 with self._lock:
                     self.device_bytes -= held
                     e.moving = False
+                    e.loads, e.error = e.loads + 1, exc
                     self._trim_host()  # a copy that stayed, over the room the demotions took meanwhile
                     self._room.notify_all()
                 self._emit("load_failed", e.model_id, time.perf_counter() - t0, tier)
                 raise
             with self._lock:
                 e.moving = False
+                e.loads, e.error = e.loads + 1, None
                 e.device, e.stamp = dev, stamp
                 if e.host is not None:  # the tiers are exclusive: the host copy moved up
                     e.host = None
@@ -448,8 +457,10 @@ class DeltaCache:
         """
         with self._lock:
             e = self._entries.get(model_id)
-            if e is not None and e.in_flight:  # (also while its first load runs: it would land after)
-                raise RuntimeError(f"variant `{model_id}` has {e.in_flight} requests in flight")
+            # (also while its first load runs: it would land after; and on an old version of it)
+            in_flight = (e.in_flight if e is not None else 0) + self._retired_in_flight(model_id)
+            if in_flight:
+                raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
             if e is None or (e.device is None and e.host is None):
                 return False
             self._drop(e)
@@ -485,11 +496,17 @@ class DeltaCache:
             return "device" if e and e.device is not None else "host" if e and e.host is not None else "disk"
 
     def snapshot(self) -> dict[str, dict]:
-        """Per variant: tier, bytes, requests in flight, decayed request count, protected from eviction."""
+        """Per variant: tier, bytes, requests in flight (``in_flight_old`` of them on old versions, set
+        aside on the device for them), decayed request count, pinned (by name or among the top n)."""
         with self._lock:
             now = self.clock()
-            keep = self._protected(now)
+            pins = self.pinned | self._top_n(now)  # what is protected whatever its requests
             return {m: {"tier": "device" if e.device is not None else "host" if e.host is not None else "disk",
-                        "bytes": e.nbytes, "in_flight": e.in_flight, "requests": round(self._count(e, now), 3),
-                        "pinned": m in keep and e.in_flight == 0}
+                        "bytes": e.nbytes, "in_flight": e.in_flight + self._retired_in_flight(m),
+                        "in_flight_old": self._retired_in_flight(m),
+                        "requests": round(self._count(e, now), 3), "pinned": m in pins}
                     for m, e in sorted(self._entries.items())}
+
+    def _retired_in_flight(self, model_id: str) -> int:
+        """Requests still running on the old versions of ``model_id`` (called with the lock held)."""
+        return sum(r.in_flight for r in self._retired if r.model_id == model_id)

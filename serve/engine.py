@@ -797,6 +797,7 @@ class Engine:
             was_removed = mid in self._removed
             self._removed.discard(mid)
             old = self._variants.get(mid)
+            was = self.cache.tier(mid)
             if old is not None and old.artifact_dir is not None and old.artifact_dir.resolve() != folder:
                 try:
                     self.cache.unload(mid)  # another folder under this name: the new one replaces it
@@ -814,6 +815,10 @@ class Engine:
                     self._variants[mid] = old
                 if was_removed:
                     self._removed.add(mid)
+            if old is not None and was == "device" and self.cache.tier(mid) != "device":
+                # the replacement failed: the variant it would have replaced goes back onto the device
+                with contextlib.suppress(Exception):
+                    self.get_delta(mid)
             if e.transient:  # no device slot in time: the artifact is fine, try again
                 raise
             # the folder asked for cannot be used, as a bad path or another base's artifact: the caller's

@@ -739,6 +739,8 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_path: str | None = Field(None, description="artifact folder, as LoadVariantRequest.path")
     load_inplace: bool = Field(False, strict=True, description="vLLM's: replace the adapter served under that name (without "
                                                   "it, a name already served is refused with 400)")
+    base_model_name: str | None = Field(None, description="what the Gateway API Inference Extension's adapter sync "
+                                                          "sends beside the adapter; ignored, as vLLM ignores it")
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -875,8 +877,9 @@ class DeltaCacheState(BaseModel):
     device_budget_bytes: int
     host_bytes: int
     host_budget_bytes: int | None
-    variants: dict[str, dict[str, Any]] = Field(description="per model id: tier, bytes, requests in flight, "
-                                                            "decayed request count")
+    variants: dict[str, dict[str, Any]] = Field(description="per model id: tier, bytes, requests in flight "
+                                                            "(in_flight_old: on old versions), decayed request "
+                                                            "count, pinned")
 
 
 class Health(BaseModel):

@@ -357,7 +357,8 @@ def test_a_joining_choice_takes_the_version_its_request_holds_also_once_retired(
     other = cache.acquire("a")                  # another request: version 1 retired, version 2 loaded
     assert (first.v, other.v) == (1, 2)
     joined = cache.acquire("a", join=first)     # the first request's second choice
-    assert joined is first and cache.snapshot()["a"]["in_flight"] == 1  # (the new version's: the other's)
+    state = cache.snapshot()["a"]  # the first request's two choices on the old version, the other's on the new
+    assert joined is first and (state["in_flight"], state["in_flight_old"]) == (3, 2)
     for d in (first, joined, other):
         cache.release("a", d)
     assert cache._retired == [] and cache.snapshot()["a"]["in_flight"] == 0
@@ -495,7 +496,8 @@ def test_a_changed_artifact_serves_new_requests_at_once_and_running_ones_to_thei
     disk.stamps["a"] = 2  # re-exported
     new = cache.acquire("a")  # read again; b leaves the device for the host tier to make room
     assert new is not old and disk.reads["a"] == 2 and freed == [("b", True)]
-    assert cache.device_bytes == 200 and cache.snapshot()["a"]["in_flight"] == 1
+    assert cache.device_bytes == 200 and cache.snapshot()["a"]["in_flight_old"] == 1
+    assert cache.snapshot()["a"]["in_flight"] == 2  # each version's request
     assert use(cache, "a") is new and disk.reads["a"] == 2  # the new version is the one served
     disk.stamps["a"] = 3  # again, with both versions in flight and no room left: the load waits, then gives up
     with pytest.raises(CacheFullError, match="no room on the device for variant `a`"):
@@ -531,7 +533,8 @@ def test_a_request_that_sees_a_changed_artifact_does_not_take_the_old_versions_r
     first.join(10)
     second.join(10)
     assert disk.reads["a"] == 2 and got["second"] is not got["first"]
-    assert cache.snapshot()["a"]["in_flight"] == 1  # the new version's request, the old one retired
+    state = cache.snapshot()["a"]  # the new version's request, and the old one's, retired
+    assert (state["in_flight"], state["in_flight_old"]) == (2, 1)
     cache.release("a", got["first"])
     assert freed == [("a", False)]  # its last request ended: the old version leaves, kept nowhere
     assert use(cache, "a") is got["second"] and disk.reads["a"] == 2

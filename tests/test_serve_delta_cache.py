@@ -17,6 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from deltafleet.serve.app import create_app
+from deltafleet.serve.cache import DeltaCache
 from deltafleet.serve.engine import Engine, SamplingParams, VariantUnavailableError
 from tests.conftest import api_error
 
@@ -843,3 +844,133 @@ def test_api_key_scheme_is_case_insensitive_and_docs_are_guarded(root):
         assert api_error(tc.get("/ping"), 503)["code"] == "shutting_down"
     with TestClient(create_app(_engine(root), api_key="")) as tc:  # empty: no key
         assert tc.get("/v1/models").status_code == 200
+
+
+def _family(root: Path, tmp_path: Path) -> Path:
+    """A private copy of the family (tests change its artifacts)."""
+    shutil.copytree(root / "models", tmp_path / "models")
+    shutil.copytree(root / "artifacts", tmp_path / "artifacts")
+    return tmp_path
+
+
+def test_load_lora_adapter_takes_the_gateway_sidecars_payload(root, tmp_path):
+    """Found by a reviewer: the Gateway API Inference Extension's adapter sync sidecar, which
+    docs/kubernetes.md points to, posts ``{"lora_name", "lora_path", "base_model_name"}``, and the
+    route refused the last field (400), so the sidecar could load no variant. vLLM ignores it; so
+    does this route."""
+    engine = _engine(_family(root, tmp_path))
+    with TestClient(create_app(engine)) as tc:
+        r = tc.post("/v1/load_lora_adapter", json={"lora_name": "tiny-coder2", "lora_path": "coder",
+                                                   "base_model_name": "tiny"})
+        assert r.status_code == 200, r.text
+        assert r.text == "Success: LoRA adapter 'tiny-coder2' added successfully."
+        assert "tiny-coder2" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
+
+
+def test_delta_cache_reports_a_pinned_variant_as_pinned_while_it_serves(root, tmp_path):
+    """Found by a reviewer: a variant pinned by name reported ``pinned: false`` whenever it had a
+    request in flight, so the pin flickered off under traffic. ``pinned`` is the pin, whatever the
+    requests."""
+    engine = _engine(_family(root, tmp_path), pinned=["coder"])
+    with TestClient(create_app(engine)) as tc:
+        engine.get_delta("tiny-coder")
+        assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]["pinned"] is True
+        held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)
+        try:
+            state = tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]
+            assert state["in_flight"] == 1
+            assert state["pinned"] is True, state
+        finally:
+            engine.release(held)
+
+
+def test_a_failed_replacement_leaves_the_served_variant_in_its_slot(root, tmp_path):
+    """Found by a reviewer: a replacement whose artifact cannot be used (a 400) had already unloaded
+    the variant it was to replace, here one pinned by name, which went to disk. The variant served
+    under the name goes back onto the device."""
+    fam = _family(root, tmp_path)
+    bad = fam / "artifacts" / "bad"
+    shutil.copytree(fam / "artifacts" / "coder", bad)
+    data = bytearray((bad / "delta.safetensors").read_bytes())
+    data[-10] ^= 0xFF  # the checksum in bitdelta.json no longer matches
+    (bad / "delta.safetensors").write_bytes(bytes(data))
+    engine = _engine(fam, pinned=["coder"])
+    with TestClient(create_app(engine)) as tc:
+        assert tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "x", "max_tokens": 2}).is_success
+        before = tc.get("/v1/delta_cache").json()
+        assert before["variants"]["tiny-coder"]["tier"] == "device"
+        err = api_error(tc.post("/v1/load_variant", json={"variant": "coder", "path": "bad"}), 400)
+        assert err["code"] == "artifact_unusable"
+        after = tc.get("/v1/delta_cache").json()
+        assert after["variants"]["tiny-coder"]["tier"] == "device", after
+        assert after["device_bytes"] == before["device_bytes"], after
+
+
+def test_concurrent_requests_for_an_unreadable_artifact_share_one_failed_read():
+    """Found by a reviewer: when the one read of a single-flight load failed, each request queued
+    behind it read the artifact again, one after another (N requests, N reads, the last 503 after N
+    read times). They share the failure of the read they queued behind."""
+    reads, gate = [], threading.Event()
+
+    def read(m):
+        reads.append(m)
+        assert gate.wait(10)
+        raise OSError("file delta.safetensors does not match its sha256")
+
+    cache = DeltaCache(read, lambda d: d, lambda m: 1)
+    errors: list = []
+
+    def req():
+        try:
+            cache.acquire("a")
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=req) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while cache.snapshot().get("a", {}).get("in_flight", 0) < 4:  # all four joined the one load
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(20)
+    assert len(errors) == 4
+    assert reads == ["a"], f"{len(reads)} reads of one unreadable artifact by 4 concurrent requests"
+
+
+def test_a_hot_load_with_no_room_names_its_own_parameter(root, tmp_path):
+    """Found by a reviewer: a hot load that finds no device slot in time (a 503) named ``param:
+    "model"``, which neither ``/v1/load_variant`` (``variant``) nor ``/v1/load_lora_adapter``
+    (``lora_name``) has."""
+    engine = _engine(_family(root, tmp_path), device_slots=1, pinned=["coder"], wait_timeout_s=0.2)
+    with TestClient(create_app(engine)) as tc:
+        engine.get_delta("tiny-coder")  # pinned, in the only slot
+        err = api_error(tc.post("/v1/load_variant", json={"variant": "writer"}), 503)
+        assert err["code"] == "variant_unavailable"
+        assert err["param"] == "variant", err
+        err = api_error(tc.post("/v1/load_lora_adapter", json={"lora_name": "w2", "lora_path": "writer"}), 503)
+        assert err["param"] == "lora_name", err
+
+
+def test_unload_is_refused_while_a_request_runs_on_the_variants_previous_version(root, tmp_path):
+    """Found by a reviewer: once a variant's artifact was re-exported and the new version loaded, the
+    requests still running on the old version were invisible to ``/v1/delta_cache`` (``in_flight``
+    0) and to unload, which answered 200 while one generated on it. They count: 409, as README says
+    of a variant in use."""
+    fam = _family(root, tmp_path)
+    engine = _engine(fam, device_slots=2)
+    with TestClient(create_app(engine)) as tc:
+        held = engine.prepare("tiny-coder", engine.encode_prompt("x"), GREEDY)  # a request in flight
+        try:
+            shutil.copytree(fam / "artifacts" / "writer", fam / "artifacts" / ".new")  # re-exported
+            shutil.rmtree(fam / "artifacts" / "coder")
+            os.rename(fam / "artifacts" / ".new", fam / "artifacts" / "coder")
+            assert tc.post("/v1/load_variant", json={"variant": "coder"}).status_code == 200
+            state = tc.get("/v1/delta_cache").json()
+            assert sum(v["in_flight"] for v in state["variants"].values()) == 1, state
+            r = tc.post("/v1/unload_variant", json={"variant": "coder"})
+            assert r.status_code == 409, r.text
+        finally:
+            engine.release(held)
