@@ -57,6 +57,16 @@ class ArtifactGoneError(LookupError):
     """The variant's artifact was removed from disk since it was found (HTTP 404)."""
 
 
+def _again(error: BaseException) -> BaseException:
+    """``error`` to raise in another thread: a copy where it copies (its type, message and
+    attributes), without the first raise's traceback."""
+    try:
+        error = copy.copy(error)
+    except Exception:  # an exception that cannot be built again from its args: the same one
+        pass
+    return error.with_traceback(None)
+
+
 @dataclass
 class _Entry:
     model_id: str
@@ -350,7 +360,7 @@ class DeltaCache:
                 if e.device is not None:
                     return e.device, e.stamp
                 if e.loads != queued and e.error is not None:  # the load it queued behind failed: so does it
-                    raise copy.copy(e.error).with_traceback(None)
+                    raise _again(e.error)
                 host = e.host
                 e.moving = host is not None  # the host tier keeps this copy until it is on the device
             t0 = time.perf_counter()
