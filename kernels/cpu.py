@@ -29,8 +29,9 @@ def _lut(device: torch.device) -> torch.Tensor:
     """float32 ``[256, 8]``: row ``v`` is ``2·bit_j(v) − 1`` for j = 0…7 (bit j LSB first, as packed)."""
     lut = _LUTS.get(device)
     if lut is None:
-        v = torch.arange(256, device=device)[:, None]
-        lut = (((v >> torch.arange(8, device=device)) & 1) * 2 - 1).float()
+        with torch.inference_mode(False):  # kept for every later call: autograd may need to save it
+            v = torch.arange(256, device=device)[:, None]
+            lut = (((v >> torch.arange(8, device=device)) & 1) * 2 - 1).float()
         if type(lut) is torch.Tensor:  # not a fake or traced tensor (shape inference, export)
             _LUTS[device] = lut
     return lut

@@ -134,9 +134,10 @@ def untile_signs(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def check_tensors(**named: torch.Tensor | None) -> None:
-    """The arguments of a BitDelta linear (``x`` among them) before any is read: every one a ``torch.Tensor`` (only
-    ``bias`` may be ``None``), ``x`` floating point with a feature dimension, ``weight`` and the
-    signs (``sign`` or ``signs``) on ``x``'s device, and no argument on the ``meta`` device unless
+    """The arguments of a BitDelta linear (``x`` among them) before any is read: every one a
+    ``torch.Tensor`` (only ``bias`` and the column scales ``beta(s)`` may be ``None``), ``x`` floating
+    point with a feature dimension, ``weight`` and the signs (``sign`` or ``signs``) on ``x``'s
+    device, and no argument on the ``meta`` device unless
     ``x`` is (a meta tensor has no data: a CPU product with one returns uninitialised memory, and a
     meta argument sends a custom op to its fake implementation). ``alpha(s)``, ``bias`` and ``slot``
     may otherwise be elsewhere: the Triton wrappers move them to ``x``'s device. A kernel handed a
@@ -156,7 +157,7 @@ def check_tensors(**named: torch.Tensor | None) -> None:
     if x.dim() == 0:
         raise ValueError("x must have a feature dimension ([..., K]), got a 0-D tensor")
     for name, t in named.items():
-        if name == "x" or (t is None and name == "bias"):
+        if name == "x" or (t is None and name in ("bias", "beta", "betas")):
             continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -270,7 +271,7 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, sign: torch.Tensor,
     Raises:
         ValueError: as :func:`bitdelta_linear`.
     """
-    check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias)
+    check_tensors(x=x, weight=weight, sign=sign, alpha=alpha, bias=bias, beta=beta)
     n, k = check_weight_and_bias(weight, bias)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -419,7 +420,7 @@ def batched_with(add, x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor
                  slot: torch.Tensor, bias: torch.Tensor | None = None, betas: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`bitdelta_linear_batched` (its checks, the base product in float32, the bias) with the
     variants' part added by ``add``, a function of :func:`add_sign_products`' signature and contract."""
-    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias, betas=betas)
     check_weight_and_bias(weight, bias)
     check_batched_args(x, weight, signs, alphas, slot, betas=betas)
     xf = x.float()

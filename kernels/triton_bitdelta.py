@@ -514,6 +514,12 @@ _mm_tuned = _autotune(_mm_configs(), ["N", "K", "M_BUCKET", "TILED"], _mm_entry)
 _lut_tuned = _autotune(_lut_configs(), ["N", "K", "M", "TILED"], _tenants_kernel)
 
 
+def decode_counters(n: int) -> int:
+    """Split-K counters the one-variant decode (one row block) needs for N outputs: one per N tile,
+    and its tiles go down to one row of W a program (``BLOCK_N = 1``)."""
+    return n
+
+
 def _decode_grid(n: int, kb: int, m: int, bm: int | None = None):
     return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(kb, meta["BLOCK_KB"] * meta["CHUNK_ITERS"]),
                          triton.cdiv(m, bm or meta["BLOCK_M"]))
@@ -576,7 +582,7 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
     strides = (x2.stride(0), weight.stride(0), sign.stride(0), y.stride(0))
     if m <= GEMV_MAX_M:
         bm = triton.next_power_of_2(m)
-        ws, cnt = _workspace(x.device, m * n, triton.cdiv(n, 2))
+        ws, cnt = _workspace(x.device, m * n, decode_counters(n))
         args = (x2, weight, sign, alpha, alpha, b, y, ws, cnt, m, n, k, kb, 1,
                 x2.stride(0), weight.stride(0), 0, sign.stride(0), 0, y.stride(0))
         if _interpret():

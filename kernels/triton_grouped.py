@@ -320,14 +320,14 @@ def bitdelta_linear_grouped(x: torch.Tensor, weight: torch.Tensor, signs: torch.
     ``x ⊙ β_slot``, rounded to ``x.dtype`` (one elementwise product; the kernels are unchanged). In
     float16, where x ⊙ β can overflow with x and β in range, a slot's β above 1 is divided by its peak
     and the slot's α multiplied by it first."""
-    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias)
+    check_tensors(x=x, weight=weight, signs=signs, alphas=alphas, slot=slot, bias=bias, betas=betas)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a floating dtype, got {x.dtype} and {weight.dtype}")
     check_batched_args(x, weight, signs, alphas, slot, check_slot_values=slot.device.type == "cpu", betas=betas)
     check_weight_and_bias(weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     xs = x
-    if betas is not None:  # base rows (slot −1) read some slot's β: their sign product is never added
+    if betas is not None and signs.shape[0]:  # base rows (slot −1) read some slot's β, never added; no slot: none
         b = betas.to(x.device, torch.float32)
         if x.dtype == torch.float16:  # x and β in range, x ⊙ β may not be: β at most 1, each slot's peak into α
             peak = b.abs().amax(-1).clamp_min(1.0)

@@ -126,3 +126,42 @@ def test_sign_rows_that_are_not_contiguous_match_the_reference(m):
     x4 = torch.randn(4, k, generator=g)
     torch.testing.assert_close(bitdelta_linear_batched(x4, w, strided, alphas, slot),
                                reference.bitdelta_linear_batched(x4, w, signs, alphas, slot))
+
+
+def test_a_byte_table_built_in_inference_mode_still_serves_autograd():
+    """Found by a reviewer: the cached ±1 byte table was built under the server's
+    ``torch.inference_mode()`` on its first use, and every later call whose x requires grad failed
+    ("Inference tensors cannot be saved for backward"). The table is a normal tensor whatever
+    mode first builds it."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 5, 16
+    w, s = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    sign, alpha = reference.pack_signs(s), torch.tensor(0.1)
+    saved = dict(cpu._LUTS)
+    cpu._LUTS.clear()
+    try:
+        with torch.inference_mode():
+            bitdelta_linear(torch.randn(2, k, generator=g), w, sign, alpha)
+        x = torch.randn(2, k, generator=g, requires_grad=True)
+        y = bitdelta_linear(x, w, sign, alpha)
+        y.sum().backward()
+    finally:
+        cpu._LUTS.clear()
+        cpu._LUTS.update(saved)
+    w_eff = w.double() + 0.1 * torch.where(s > 0, 1.0, -1.0).double()  # Δ > 0: bit 1
+    torch.testing.assert_close(y.double(), x.detach().double() @ w_eff.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), w_eff.sum(0).expand(2, k), rtol=1e-5, atol=1e-5)
+
+
+def test_column_scales_on_meta_are_refused_by_name():
+    """Found by a reviewer: ``beta`` / ``betas`` were not among the checked arguments, so one on the
+    meta device reached the arithmetic and torch's RuntimeError named nothing. A ValueError names it,
+    as for every other argument."""
+    n, k = 5, 16
+    x, w = torch.randn(3, k), torch.randn(n, k)
+    sign = reference.pack_signs(torch.randn(n, k))
+    with pytest.raises(ValueError, match="^beta is on the meta device"):
+        bitdelta_linear(x, w, sign, torch.tensor(0.1), beta=torch.ones(k, device="meta"))
+    with pytest.raises(ValueError, match="^betas is on the meta device"):
+        bitdelta_linear_batched(x, w, sign[None], torch.ones(1), torch.tensor([0, -1, 0]),
+                                betas=torch.ones(1, k, device="meta"))

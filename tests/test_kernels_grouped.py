@@ -392,3 +392,17 @@ def test_the_overlap_switch_takes_a_row_count():
     for bad in ("off", "", "-1", "1.5", "true", "257", "2048"):
         with pytest.raises(ValueError, match="DELTAFLEET_GROUPED_OVERLAP"):
             _overlap_rows(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_column_scales_with_no_slot_give_the_base_product(dtype):
+    """Found by a reviewer: with column scales and an empty slot stack (every row the base, slot −1)
+    the β of ``slot.clamp(0, S − 1)`` was an IndexError; the contract's answer is x·Wᵀ, as without β."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 3, 5, 16
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
+    slot = torch.full((m,), -1, dtype=torch.int32, device=DEVICE)
+    y = bitdelta_linear_grouped(x, w, torch.zeros(0, n, 2, dtype=torch.uint8, device=DEVICE), torch.zeros(0),
+                                slot, betas=torch.ones(0, k))
+    torch.testing.assert_close(y.double().cpu(), (x.double() @ w.double().t()).cpu(), rtol=2**-6, atol=1e-6)

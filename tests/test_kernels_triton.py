@@ -1100,3 +1100,25 @@ def test_tenant_choice_is_kept_apart_for_signs_the_int8_kernel_cannot_read(monke
     aligned["now"] = False
     assert tb._tenants_choice(*args) == gb.tenant_configs(8)[0]
     assert len(tb._TENANTS_CHOICE) == 2
+
+
+@pytest.mark.parametrize("n, k", [(22016, 4096), (57344, 8192)], ids=["llama2-7b-gate_up", "llama2-70b-gate_up"])
+def test_the_decode_split_k_counters_cover_every_tile(n, k):
+    """Found by a reviewer: the one-variant decode asked for cdiv(N, 2) split-K counters, and its
+    autotuned tiles go down to one row of W a program (``BLOCK_N = 1`` with K split), whose counters
+    are one per row: atomics past the buffer's end on the GPU for the gate_up layers. Every tile that
+    splits K has a counter of its own in what the wrapper asks for (a host-side check: the wrapper's
+    request, ``decode_counters``, the workspace it gets, the configurations and the launch grid)."""
+    from deltafleet.kernels import triton_bitdelta as tb
+
+    m, kb = 1, (k + 7) // 8
+    saved = dict(tb._WORKSPACE)
+    tb._WORKSPACE.clear()
+    try:
+        _, cnt = tb._workspace(torch.device("cpu"), m * n, tb.decode_counters(n))
+    finally:
+        tb._WORKSPACE.clear()
+        tb._WORKSPACE.update(saved)
+    short = [cfg.kwargs for cfg in tb._decode_configs(False) + tb._decode_configs_tiled()
+             if (grid := tb._decode_grid(n, kb, m, 1)(cfg.kwargs))[1] > 1 and grid[0] * grid[2] > cnt.numel()]
+    assert not short, f"{len(short)} splitting tiles with more tiles than {cnt.numel()} counters: {short[:3]}"
