@@ -779,6 +779,9 @@ class Engine:
         except (ValueError, OSError, RuntimeError):  # an embedded NUL, a loop of links (RuntimeError before 3.13), ...
             raise InvalidRequestError("`path` is not a usable path", "path", "path_not_allowed") from None
         if not folder.is_relative_to(root):
+            if not path:  # the default folder, <artifacts_dir>/<variant>, is a link out of the root
+                raise InvalidRequestError(f"the folder `{name}` of the artifact root leads outside it (a symbolic "
+                                          "link?): give `path` inside the root", "variant", "path_not_allowed")
             raise InvalidRequestError("`path` must be inside the server's artifact root", "path", "path_not_allowed")
         if not (folder / MANIFEST_NAME).is_file():
             raise InvalidRequestError(f"no {MANIFEST_NAME} in `{folder.relative_to(root)}` under the artifact root",

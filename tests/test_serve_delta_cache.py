@@ -453,6 +453,10 @@ def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
             assert "tiny-evil" not in [m["id"] for m in tc.get("/v1/models").json()["data"]]
             r = tc.post("/v1/completions", json={"model": "tiny-evil", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 404
+            # loaded by name (no path): the error names the variant's folder, not a `path` never sent
+            err = api_error(tc.post("/v1/load_variant", json={"variant": "evil"}), 400)
+            assert (err["param"], err["code"]) == ("variant", "path_not_allowed")
+            assert err["message"].startswith("the folder `evil` of the artifact root leads outside it")
     finally:
         link.unlink()
 
