@@ -350,7 +350,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 def check_settings(cfg: DictConfig) -> None:
     """Raises SettingError for a setting of the wrong kind or out of range, naming it, before any
     work: the yes/no settings (``peers=no`` is text to Hydra, not false), the counts (a load of no
-    clients or no requests would meet its goals with nothing sent), the port, the shape, the dtype
+    clients or no requests would meet its goals with nothing sent), the seed, the port, the shape, the dtype
     and the report's name (a file name inside ``reports/``). The server checks its own settings
     (``device``, ``sign_layout``, ``server.*``) and the benchmark shows its error line."""
     from deltafleet.cli import check_report_name, check_settings as check_names, flag, top_level_settings
@@ -365,12 +365,18 @@ def check_settings(cfg: DictConfig) -> None:
         raise SettingError(str(e)) from None
     counts = {"variants": cfg.variants, "client_processes": cfg.client_processes,
               "max_position_embeddings": cfg.max_position_embeddings, "summary_concurrency": cfg.summary_concurrency,
-              "ttft.requests": cfg.ttft.requests, "ttft.concurrency": cfg.ttft.concurrency,
-              "burst.requests": cfg.burst.requests, **{f"requests.{k}": v for k, v in cfg.requests.items()},
+              "tp": cfg.tp, "ttft.requests": cfg.ttft.requests, "ttft.concurrency": cfg.ttft.concurrency,
+              "ttft.prompt_tokens": cfg.ttft.prompt_tokens, "ttft.max_tokens": cfg.ttft.max_tokens,
+              "burst.requests": cfg.burst.requests, "burst.max_tokens": cfg.burst.max_tokens,
+              **{f"requests.{k}": v for k, v in cfg.requests.items()},
               **{f"concurrency[{i}]": c for i, c in enumerate(cfg.concurrency)}}
     for key, v in counts.items():
         if not whole(v) or v < 1:
             raise SettingError(f"{key} must be a whole number ≥ 1, got {v!r}")
+    if (v := cfg.burst.prompt_tokens) is not None and (not whole(v) or v < 1):
+        raise SettingError(f"burst.prompt_tokens must be null or a whole number ≥ 1, got {v!r}")
+    if not whole(cfg.seed) or cfg.seed < 0:  # the workload's generators (numpy SeedSequence) take no other
+        raise SettingError(f"seed must be a whole number ≥ 0, got {cfg.seed!r}")
     if not whole(cfg.port) or not 1 <= cfg.port <= 65535:
         raise SettingError(f"port must be a port number from 1 to 65535, got {cfg.port!r}")
     if not whole(cfg.warmup.max_tokens) or cfg.warmup.max_tokens < 1:

@@ -602,6 +602,14 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     ("report_name=", "report_name must be a file name (no folder) for reports/<report_name>.json, got ''"),
     ("report_name=/tmp/x/y", "report_name must be a file name (no folder) for reports/<report_name>.json, "
                              "got '/tmp/x/y'"),
+    # found by a reviewer: these passed the checks and failed only after the engine steps (a seed the
+    # workload's generators refuse), or as a traceback (a count that is not a number)
+    ("seed=-1", "seed must be a whole number ≥ 0, got -1"),
+    ("tp=0", "tp must be a whole number ≥ 1, got 0"),
+    ("ttft.max_tokens=abc", "ttft.max_tokens must be a whole number ≥ 1, got 'abc'"),
+    ("ttft.prompt_tokens=1.5", "ttft.prompt_tokens must be a whole number ≥ 1, got 1.5"),
+    ("burst.max_tokens=true", "burst.max_tokens must be a whole number ≥ 1, got True"),
+    ("burst.prompt_tokens=abc", "burst.prompt_tokens must be null or a whole number ≥ 1, got 'abc'"),
 ])
 def test_a_bad_setting_is_refused_by_name_before_any_work(tmp_path, override, message):
     """Found by a fresh user: ``peers=no`` ran the peers (text, to Hydra), a load of no requests met
