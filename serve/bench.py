@@ -1115,17 +1115,24 @@ def mixed_floor(cfg: DictConfig, requests: list[tuple[list[int], int]], concurre
 def predicted_memory(cfg: DictConfig) -> list[dict] | dict:
     """Bytes of tensors each rank of the server holds, per rank: the base's slice and the variant slots
     (``deltafleet.serve.synthetic.predict_memory``), and the paged KV cache of ``kv_cache_tokens``
-    tokens: ``server.kv_cache.max_tokens``, else on the CPU ``max_batch`` full contexts, else (on
-    CUDA the server sizes it from the free memory) None, and the KV cache out of ``total_bytes``.
-    ``{"error": ...}`` where that cannot be computed."""
+    tokens in whole blocks of ``server.kv_cache.block_size``, as the server allocates them: at most
+    ``max_batch`` full contexts (each in whole blocks), and within ``server.kv_cache.max_tokens``
+    where it is set; where it is not, all of them on the CPU, else (on CUDA the server sizes it from
+    the free memory) None, and the KV cache out of ``total_bytes``. ``{"error": ...}`` where that
+    cannot be computed."""
     try:
         from deltafleet.serve.synthetic import predict_memory
 
         server = OmegaConf.to_container(cfg.server, resolve=True) if cfg.get("server") else {}
         ctx = cfg.max_position_embeddings
-        tokens = (server.get("kv_cache") or {}).get("max_tokens")
-        if tokens is None and cfg.device == "cpu":
-            tokens = server.get("max_batch", 8) * ctx
+        kv_opts = server.get("kv_cache") or {}
+        block = kv_opts.get("block_size") or 128  # serve/engine.py's default
+        most = server.get("max_batch", 8) * -(-ctx // block)  # blocks: max_batch full contexts
+        tokens = kv_opts.get("max_tokens")
+        if tokens is not None:
+            tokens = min(most, tokens // block) * block
+        elif cfg.device == "cpu":
+            tokens = most * block
         out = []
         for r in range(cfg.tp):
             one = predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,

@@ -148,6 +148,27 @@ def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_pa
     assert "tp=1" in out and "tp_port=1234" in out and "delta_cache.device_slots=14" in out
 
 
+def test_the_predicted_kv_cache_is_the_whole_blocks_the_server_allocates(tmp_path):
+    """Found by a reviewer: the prediction counted ``max_batch`` contexts of tokens, or ``max_tokens``,
+    where the server (Engine._kv_blocks) allocates whole blocks: ``max_batch`` contexts each rounded up
+    to whole blocks, and ``max_tokens`` rounded down to whole blocks, at most that many."""
+    base = [f"paths.root={tmp_path}", *TINY, "max_position_embeddings=96"]  # tiny: 2 layers, 2 KV heads of 32
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V · layers · KV heads · head dim · float32
+
+    def kv(*overrides):
+        (one,) = bench.predicted_memory(compose_cfg(overrides=[*base, *overrides]))
+        assert one["kv_cache_bytes"] == one["kv_cache_tokens"] * per_token
+        assert one["total_bytes"] == one["base_bytes"] + one["slots_bytes"] + one["kv_cache_bytes"]
+        return one["kv_cache_tokens"]
+
+    assert kv() == 4 * 128  # 4 sequences of 96 tokens: one 128-token block each
+    assert kv("+server.kv_cache={block_size:64}") == 4 * 2 * 64
+    assert kv("+server.kv_cache={block_size:64,max_tokens:300}") == 4 * 64  # whole blocks within the cap
+    assert kv("+server.kv_cache={block_size:16,max_tokens:100000}") == 4 * 96  # at most max_batch contexts
+    (cuda,) = bench.predicted_memory(compose_cfg(overrides=[*base, "device=cuda"]))
+    assert cuda["kv_cache_tokens"] is None and cuda["total_bytes"] == cuda["base_bytes"] + cuda["slots_bytes"]
+
+
 # --------------------------------------------------------------------------------------------
 # A load's figures, the summary, the goals
 # --------------------------------------------------------------------------------------------
@@ -568,8 +589,9 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     assert d["host_tier"] == {"evicted_to_host": [], "requests": None}
     pred = d["memory"]["predicted_bytes_per_rank"]
     assert len(pred) == 2 and pred[0]["base_bytes"] == 4 * pred[0]["params"]  # float32
-    assert pred[0]["kv_cache_tokens"] == 16 * 64  # the config's max_batch full contexts (the CPU's default)
-    assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 64  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
+    # the config's max_batch full contexts (the CPU's default), each in one 128-token block
+    assert pred[0]["kv_cache_tokens"] == 16 * 128
+    assert pred[0]["kv_cache_bytes"] == 2 * 2 * 1 * 32 * 4 * 16 * 128  # K, V · 2 layers · 1 of 2 KV heads · 32 dims
 
 
 @pytest.mark.parametrize("override, message", [
