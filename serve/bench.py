@@ -441,7 +441,9 @@ def check_workload(cfg: DictConfig) -> None:
 
 def hydra_value(v) -> str:
     """``v`` (a dict, list, str, int, float, bool or None) written in Hydra's override grammar, strings
-    quoted: ``{"a": {"b": 1}, "c": "/x"}`` → ``{a:{b:1},c:'/x'}``.
+    quoted: ``{"a": {"b": 1}, "c": "/x"}`` → ``{a:{b:1},c:'/x'}``. In a quoted string a backslash is
+    itself, but for a run of them before a quote or the closing one: those are doubled, and a quote
+    escaped.
 
     Raises:
         TypeError: on another type.
@@ -457,7 +459,8 @@ def hydra_value(v) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, (str, Path)):
-        return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+        s = re.sub(r"(\\*)'", lambda m: 2 * m.group(1) + "\\'", str(v))
+        return "'" + re.sub(r"(\\+)$", lambda m: 2 * m.group(1), s) + "'"
     raise TypeError(f"no Hydra override for {type(v).__name__}")
 
 

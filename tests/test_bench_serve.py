@@ -148,6 +148,18 @@ def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_pa
     assert "tp=1" in out and "tp_port=1234" in out and "delta_cache.device_slots=14" in out
 
 
+def test_a_forwarded_value_reads_back_as_itself_in_hydras_grammar():
+    """Found by a reviewer: every backslash was doubled, where Hydra's quoted strings take a backslash
+    as itself except before a quote, so ``a\\b`` reached the server as ``a\\\\b``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for v in ["a\\b", "x'y", "x\\'y", "end\\", "end\\\\", "\\\\share\\d", "/tmp/a b,c", "",
+              {"dir": "C:\\x\\", "n": [1, 2.5, None, True, "q'\\"]}]:
+        assert parser.parse_override(f"k={bench.hydra_value(v)}").value() == v, v
+    assert bench.hydra_value({"a": {"b": 1}, "c": "/x"}) == "{a:{b:1},c:'/x'}"
+
+
 def test_the_predicted_kv_cache_is_the_whole_blocks_the_server_allocates(tmp_path):
     """Found by a reviewer: the prediction counted ``max_batch`` contexts of tokens, or ``max_tokens``,
     where the server (Engine._kv_blocks) allocates whole blocks: ``max_batch`` contexts each rounded up
