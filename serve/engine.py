@@ -394,6 +394,8 @@ class Engine:
             failed = self.tp.gather(None)
             if any(failed):
                 log.warning("variant %s: %s", delta.source, next(f for f in failed if f))
+                if not all(failed):  # the ranks that took it give the slot back, as free as rank 0's
+                    self.tp.send(("free", slot, False))
                 raise _changed_while_loading(delta.model_id)
             view = self.slots.put(delta, slot)
             _copy_read(delta, view)  # kept by its host copy, for a reload from the host tier

@@ -30,7 +30,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
     artifact whose last request ended) keeps nothing. A load from disk reads the folder ``source``
     only while its files' stamp (serve/delta.py) is the one rank 0 read, and answers rank 0
     (``TPContext.gather``) with None, or why it could not (the artifact changed or went since rank 0
-    read it, or cannot be read): then it takes nothing, nor does rank 0. Rank 0 announces a read
+    read it, or cannot be read): then it takes nothing, nor does rank 0, which frees the slot on the
+    ranks that took it (a rank that holds nothing there lets nothing go). Rank 0 announces a read
     (``prefetch``) as it starts its own: this rank then reads its slice on a thread of its own while
     it goes on taking part in steps; rank 0 asks (``reading``: True while it still reads) between
     steps until every rank has it, then announces the load, which takes that read. So a load holds
@@ -84,6 +85,8 @@ def run_follower(ctx: TPContext, base_dir: str, device: str, dtype: torch.dtype)
                 views[slot] = (key, source, slots.put(delta, slot))
         elif op == "free":
             _, slot, kept_by_rank0 = cmd
+            if slot not in views:  # a load this rank could not take, given back by the ranks that took it
+                continue
             key, source, view = views.pop(slot)
             if kept_by_rank0 and not source.startswith(SOURCE_PREFIX):  # a synthetic one is generated again
                 kept[key] = view.to("cpu", pin=dev.type == "cuda")

@@ -1142,3 +1142,56 @@ def test_a_follower_loads_the_read_it_prefetched(tiny_family, tmp_path):
     run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
     assert [r for r in f.replies if r is not True] == [
         None, "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"]
+
+
+def test_a_load_some_ranks_could_not_take_leaves_the_slot_free_on_every_rank(tiny_family, tmp_path, monkeypatch):
+    """Found by a reviewer: with three or more ranks, a load that one follower could not take (its
+    artifact changed since rank 0 read it) and another took left the slot filled on the second one,
+    free on rank 0; the next load into it found it taken there and killed that rank and the server.
+    Rank 0 now tells the ranks that took it to let it go, and a follower that took nothing lets go
+    of nothing."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from deltafleet.serve.app import create_app
+    from deltafleet.serve.engine import Engine
+    from deltafleet.serve.follower import run_follower
+    from deltafleet.serve.tp import TPContext
+
+    changed = "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"
+
+    class Three(TPContext):  # rank 0 of 3, serving the whole model itself: rank 1 cannot take the load
+        def __init__(self):
+            super().__init__(0, 3, timeout_s=30)
+            self.sent = []
+
+        @property
+        def shard(self):
+            return 0, 1, None
+
+        def _broadcast(self, cmd):
+            self.sent.append(cmd)
+
+        def _gather(self, reply):
+            return [None, False, False] if self.sent[-1][0] == "reading" else [None, changed, None]
+
+    monkeypatch.setattr("deltafleet.serve.tp.shard_delta", lambda delta, rank, world: delta)  # rank 0 holds it whole
+    group = Three()
+    engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", tp=group)
+    with TestClient(create_app(engine)) as tc:
+        r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "def ", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        engine.shutdown()
+    load = next(c for c in group.sent if c[0] == "load")
+    assert group.sent[group.sent.index(load) + 1] == ("free", load[3], False)  # rank 2 gives its slot back
+
+    art = tmp_path / "coder"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", art)
+    src, stamp = str(art), artifact_stamp(art)
+    init = ("init", 1, 2, 64, "tiled", 4, 16, "sdpa", False)
+    for first, replies in ((stamp, [None, None]), (("an older version",), [changed, None])):  # rank 2, rank 1
+        f = _follower_of(art, tmp_path / ".coder-away")(
+            [init, ("load", 1, src, 0, False, first), ("free", 0, False), ("load", 2, src, 0, False, stamp), ("stop",)])
+        run_follower(f, str(tiny_family.base_dir), "cpu", torch.float32)
+        assert f.replies == replies
