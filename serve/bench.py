@@ -429,7 +429,8 @@ def check_workload(cfg: DictConfig) -> None:
         raise SettingError(f"ttft: {cfg.ttft.requests} requests for {cfg.ttft.concurrency} clients: the load would "
                            "run below its concurrency")
     for name, p, o in (("ttft", cfg.ttft.prompt_tokens, cfg.ttft.max_tokens),
-                       ("burst", burst_prompt_tokens(cfg), cfg.burst.max_tokens)):
+                       ("burst", burst_prompt_tokens(cfg), cfg.burst.max_tokens),
+                       ("warmup", cfg.lengths.min, cfg.warmup.max_tokens)):  # its prompts: lengths.min or more
         if p < 1 or o < 1 or p + o > ctx:
             raise SettingError(f"{name}: {p} prompt + {o} new tokens do not fit a context of {ctx}")
 

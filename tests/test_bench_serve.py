@@ -644,6 +644,8 @@ def test_the_70b_config_on_cpu_with_a_tiny_synthetic_family(tmp_path):
     ("ttft.prompt_tokens=1.5", "ttft.prompt_tokens must be a whole number ≥ 1, got 1.5"),
     ("burst.max_tokens=true", "burst.max_tokens must be a whole number ≥ 1, got True"),
     ("burst.prompt_tokens=abc", "burst.prompt_tokens must be null or a whole number ≥ 1, got 'abc'"),
+    # the warm-up's requests were sent uncut and refused by the server
+    ("warmup.max_tokens=127", "warmup: 2 prompt + 127 new tokens do not fit a context of 128"),
 ])
 def test_a_bad_setting_is_refused_by_name_before_any_work(tmp_path, override, message):
     """Found by a fresh user: ``peers=no`` ran the peers (text, to Hydra), a load of no requests met
