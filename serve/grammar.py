@@ -277,15 +277,17 @@ def json_grammar(schema: str, strict: bool = True) -> str:
     return bounded_numbers(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)))
 
 
-_RULE = re.compile(r"(\w+) ::= (.+)")
+# a rule's name: xgrammar names a $defs entry's rules after its key, "-" and "." kept (defs_a-b.c)
+_NAME = r"[\w.-]+"
+_RULE = re.compile(rf"({_NAME}) ::= (.+)")
 # a token of a rule's body: whitespace, a string literal, a character class, a repetition {n, m} or
 # {n}, a name (or Regex / json_string / true of a Regex rule), a punctuation mark
-_TOKEN = re.compile(r'\s+|"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\d+(?:, ?-?\d+)?\}|\w+|[()|*+?,=]')
+_TOKEN = re.compile(rf'\s+|"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{{\d+(?:, ?-?\d+)?\}}|{_NAME}|[()|*+?,=]')
 _ONE_DIGIT = re.compile(r'\[[0-9-]+\]|"[0-9]"')
 _UNBOUNDED = re.compile(r"[*+]|\{(\d+), ?-1\}")
-_COUNTER = re.compile(r"(\w+_multiple_of_\d+)_mod_\d+")  # a state of an integer's multipleOf automaton
-_COUNTER_BODY = re.compile(r'\((?:""|\("\d" \w+\))(?: \| (?:""|\("\d" \w+\)))*\)')
-_COUNTER_STEP = re.compile(r'\("(\d)" (\w+)\)')
+_COUNTER = re.compile(rf"({_NAME}_multiple_of_\d+)_mod_\d+")  # a state of an integer's multipleOf automaton
+_COUNTER_BODY = re.compile(rf'\((?:""|\("\d" {_NAME}\))(?: \| (?:""|\("\d" {_NAME}\)))*\)')
+_COUNTER_STEP = re.compile(rf'\("(\d)" ({_NAME})\)')
 
 
 def bounded_numbers(ebnf: str) -> str:

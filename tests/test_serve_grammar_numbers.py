@@ -230,3 +230,18 @@ def test_a_large_multiple_of_is_not_unrolled():
     assert len(json_grammar(text)) < 1.1 * len(raw)
     small = json.dumps({"type": "object", "properties": {"v": {"type": "integer", "multipleOf": 7}}})
     assert not _unbounded_runs(json_grammar(small))
+
+
+def test_a_defs_name_with_a_dash_or_a_dot_is_bounded_too(grammars):
+    """xgrammar names a ``$defs`` entry's rules after its key with ``-`` and ``.`` kept
+    (``defs_p-q.r``): such a schema is taken and its numbers bounded as any others, an integer's
+    ``multipleOf`` too (found: it was a 400, "unexpected line in xgrammar's EBNF")."""
+    schema = json.dumps({"type": "object", "$defs": {"p-q.r": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}, "x": {"type": "number"}},
+        "required": ["n", "x"]}}, "properties": {"p": {"$ref": "#/$defs/p-q.r"}}, "required": ["p"]})
+    assert not _unbounded_runs(json_grammar(schema))
+    compiled = grammars.compile("json", schema)
+    assert _accepts(grammars, compiled, '{"p": {"n": 999999999999999, "x": -3.25}}')
+    for bad in ('{"p": {"n": 4, "x": 1}}', '{"p": {"n": 1000000000000002, "x": 1}}',
+                '{"p": {"n": 3, "x": 1111111111111111}}'):
+        assert not _accepts(grammars, compiled, bad), bad

@@ -164,6 +164,22 @@ def test_references_and_a_function_without_parameters_under_the_grammar(grammars
                        '</tool_call>')
 
 
+def test_a_tool_named_with_a_dash_is_held_to_its_schema(grammars):
+    """A tool's name may hold ``-`` (OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``): named or required, its call
+    is held to its schema (found: the grammar was a 400, "unexpected line in xgrammar's EBNF")."""
+    dashed = {"type": "function", "function": {"name": "get-weather", "parameters": WEATHER["function"]["parameters"]}}
+    for name in ("get-weather", None):
+        compiled = grammars.compile("tool_call", json.dumps({"tools": [dashed, TIME], "name": name}), "tools")
+
+        def accepts(text):
+            m = grammars.matcher(compiled)
+            return m.accept_string(text) and m.accept_token(grammars.tokenizer.eos_token_id) and m.is_terminated()
+
+        assert accepts('<tool_call>{"name": "get-weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>')
+        assert not accepts('<tool_call>{"name": "get-weather", "arguments": {"city": "Oslo", "days": 8}}</tool_call>')
+        assert accepts('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>') == (name is None)
+
+
 def test_a_template_without_tools_is_refused_by_name(engine):
     chat = [{"role": "user", "content": "hi"}]
     assert engine.encode_chat(chat, None, [WEATHER])  # the demo template takes tools
