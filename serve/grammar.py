@@ -189,6 +189,9 @@ _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxConta
 # what may sit beside a lone ``allOf`` (xgrammar holds one subschema, but not siblings or a second one)
 _BESIDE_ALLOF = {"allOf", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                  "writeOnly", "$defs", "definitions", "$schema", "$id"}
+# string formats xgrammar (0.2.9) writes a grammar of: it then ignores a pattern or length limit beside one
+_FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+            "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
 # keywords whose value is a map of names to schemas, and those whose value is a schema or a list of them
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "propertyNames",
@@ -198,9 +201,9 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
 def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
     """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
     ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
-    repeat a key), a ``$ref`` outside the schema, and ``allOf`` with more than one subschema or with
-    constraints beside it (xgrammar accepts them and ignores them, so the output could break the
-    schema).
+    repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
+    constraints beside it, and a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
+    :data:`_FORMATS` (xgrammar accepts them and ignores them, so the output could break the schema).
 
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
@@ -227,6 +230,10 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
         refuse("patternProperties", " (it lets an object repeat a key)")
     if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
         refuse("$ref", " (only a reference within the schema, #/..., is followed)")
+    if schema.get("format") in _FORMATS:
+        for key in ("pattern", "minLength", "maxLength"):
+            if key in schema:
+                refuse(key, f" beside `format: {schema['format']}`")
     if "allOf" in schema:
         sub = schema["allOf"]
         if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:

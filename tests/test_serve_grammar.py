@@ -163,6 +163,11 @@ def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
     ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "$ref", "schema.properties.a.$ref"),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "minProperties": 1}, "patternProperties",
      "schema.patternProperties"),
+    # a format xgrammar writes (email, date, ...) wins over a length limit or a pattern beside it
+    ({"type": "object", "properties": {"to": {"type": "string", "format": "email", "maxLength": 3}}}, "maxLength",
+     "schema.properties.to.maxLength"),
+    ({"type": "string", "format": "date", "minLength": 20}, "minLength", "schema.minLength"),
+    ({"type": ["string", "null"], "format": "date", "pattern": "^2"}, "pattern", "schema.pattern"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
@@ -176,13 +181,19 @@ def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema,
 def test_what_the_library_holds_is_still_taken(grammars):
     """A property that happens to be called ``not``, ``uniqueItems: false``, and one ``allOf``
     subschema beside annotations and ``$defs`` (as pydantic writes a described model field) compile,
-    and the last holds the output to its subschema."""
+    and the last holds the output to its subschema; so does a length limit beside a ``format``
+    xgrammar does not write."""
     grammars.compile("json", json.dumps({"type": "object", "properties": {"not": {"type": "integer"}, "if": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": False}}, "required": ["not"]}))
     one = {"allOf": [{"$ref": "#/$defs/A"}], "description": "a number", "$defs": {"A": {"type": "integer"}}}
     for seed in range(3):
         text, ended = _walk(grammars, grammars.compile("json", json.dumps(one)), seed)
         assert ended and isinstance(json.loads(text), int), text
+    # a format xgrammar does not write leaves the length limit to hold
+    free = {"type": "string", "format": "password", "maxLength": 3}
+    for seed in range(3):
+        text, ended = _walk(grammars, grammars.compile("json", json.dumps(free)), seed)
+        assert ended and len(json.loads(text)) <= 3, text
 
 
 def test_regex_choice_and_any_object(grammars):
