@@ -25,9 +25,13 @@ A leaf module.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 START, END = "<tool_call>", "</tool_call>"
+# where the JSON decoder fails on text cut short inside a literal, a number or a \u escape: what
+# follows its error position then (more text can still make it JSON)
+_PARTIAL = re.compile(r"t(?:ru?)?|f(?:a(?:ls?)?)?|n(?:ul?)?|-|\.|[eE][+-]?|u[0-9a-fA-F]{0,3}")
 
 
 def _reject_constant(name: str):
@@ -80,7 +84,7 @@ def _block(text: str, i: int, final: bool) -> tuple[dict | None, int] | None:
         obj, k = _DECODER.raw_decode(text, j)
     except ValueError as e:  # malformed JSON, NaN / Infinity, or (not final) JSON still coming
         incomplete = isinstance(e, json.JSONDecodeError) and (
-            e.pos >= len(text) or e.msg.startswith("Unterminated string"))
+            e.pos >= len(text) or e.msg.startswith("Unterminated string") or _PARTIAL.fullmatch(text, e.pos))
         return None if incomplete and not final else _malformed(text, i, final)
     k2 = _skip_ws(text, k)
     if text.startswith(END, k2):

@@ -67,7 +67,7 @@ def test_parse_takes_the_blocks_out_and_leaves_the_rest():
 PIECES = st.lists(st.sampled_from([
     "hello ", " ", "\n", "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": {"zone": "UTC"}}',
     '{"name": "f", "arguments": {"c": "</tool_call>"}}', "<", "<tool", "_call>", "{", "x", "</tool", "_call>",
-    '"', "NaN"]), max_size=14)
+    '"', "NaN", "tr", "ue", "1.", "5"]), max_size=14)
 
 
 @settings(max_examples=400, deadline=None)
@@ -90,6 +90,22 @@ def test_the_stream_sends_what_parse_finds_however_the_text_is_cut(pieces, cuts,
     whole_content, whole_calls = tools.parse(text, max_calls)
     assert [d["function"] for d in calls] == whole_calls
     assert (content or None) == (whole_content or None)
+
+
+@pytest.mark.parametrize("cut, rest", [("tr", "ue"), ("fals", "e"), ("nul", "l"), ("-", "1"), ("1.", "5"),
+                                       ("1e", "5"), ("1.5E+", "3"), ('"\\u12', '34"')])
+def test_a_stream_cut_inside_a_literal_number_or_escape_waits_for_the_rest(cut, rest):
+    """A piece that ends inside ``true``, a number or a ``\\u`` escape is JSON still coming, not a
+    malformed block, though a closing tag sits in a string before it (found: the stream sent the
+    block as text where the whole answer has the call)."""
+    head = '<tool_call>{"name": "f", "arguments": {"c": "</tool_call>", "b": '
+    tail = "}}</tool_call>"
+    ts = tools.ToolStream()
+    first, second, last = ts.feed(head + cut), ts.feed(rest + tail), ts.finish()
+    assert (first[0], first[1], last) == ("", [], ("", []))
+    args = json.dumps({"c": "</tool_call>", "b": json.loads(cut + rest)}, ensure_ascii=False)
+    assert second[0] == "" and [d["function"] for d in second[1]] == [{"name": "f", "arguments": args}]
+    assert tools.parse(head + cut + rest + tail) == (None, [{"name": "f", "arguments": args}])
 
 
 # ------------------------------------------------------------------------------------ the grammar
