@@ -226,11 +226,27 @@ def call_schema(tools: list[dict], name: str | None = None) -> dict:
     return {**schema, "$defs": defs}
 
 
+# a schema's keywords whose value is data (a ``$ref`` in it is no reference), and those whose value
+# maps names to schemas (a name ``$ref`` is no reference)
+_DATA = ("const", "enum", "default", "examples")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def _rebase(node, root: str):
-    """``node`` with every local ``$ref`` (``#…``) pointing under ``root`` instead of the document's root."""
+    """``node`` (a schema) with every local ``$ref`` (``#…``) pointing under ``root`` instead of the
+    document's root; the values of :data:`_DATA` keywords are left as they are."""
     if isinstance(node, dict):
-        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v, root))
-                for k, v in node.items()}
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                out[k] = root + v[1:]
+            elif k in _DATA:
+                out[k] = v
+            elif k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: _rebase(s, root) for name, s in v.items()}
+            else:
+                out[k] = _rebase(v, root)
+        return out
     if isinstance(node, list):
         return [_rebase(v, root) for v in node]
     return node

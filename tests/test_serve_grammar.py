@@ -196,6 +196,20 @@ def test_what_the_library_holds_is_still_taken(grammars):
         assert ended and len(json.loads(text)) <= 3, text
 
 
+
+def test_values_that_look_like_schemas_are_left_as_they_are(grammars):
+    """A ``const`` or ``enum`` value is data: one that looks like a string schema with a length limit
+    is written as it is, not rewritten to a pattern (found: the grammar held the output to the
+    rewritten value); a property named ``const`` is still a schema, its length still a pattern."""
+    schema = {"type": "object", "properties": {
+        "k": {"const": {"type": "string", "maxLength": 2}}, "e": {"enum": [{"type": "string", "minLength": 1}]},
+        "const": {"type": "string", "maxLength": 1}}, "required": ["k", "e", "const"]}
+    text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), 0)
+    assert ended, text
+    value = json.loads(text)
+    assert (value["k"], value["e"]) == ({"type": "string", "maxLength": 2}, {"type": "string", "minLength": 1}), text
+    assert len(value["const"]) <= 1 and not any(c in value["const"] for c in '"\\\n'), text
+
 def test_regex_choice_and_any_object(grammars):
     text, ended = _walk(grammars, grammars.compile("regex", "[0-9]{3}-(yes|no)"), 1)
     assert ended and len(text) in (6, 7) and text[:3].isdigit() and text[4:] in ("yes", "no")

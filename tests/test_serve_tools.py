@@ -180,6 +180,17 @@ def test_references_and_a_function_without_parameters_under_the_grammar(grammars
                        '</tool_call>')
 
 
+def test_a_ref_inside_a_const_is_data():
+    """A tool's ``$ref``s are rebased under its own root, but a ``$ref`` key inside a ``const`` or
+    ``enum`` value is data and stays as written (found: the call was held to a rewritten value)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "r": {"const": {"$ref": "#/x"}}, "e": {"enum": [{"$ref": "#"}]}, "s": {"$ref": "#/$defs/S"}},
+        "$defs": {"S": {"type": "string"}}}}}
+    params = tools.call_schema([tool])["$defs"]["tool_f"]
+    assert params["properties"] == {"r": {"const": {"$ref": "#/x"}}, "e": {"enum": [{"$ref": "#"}]},
+                                    "s": {"$ref": "#/$defs/tool_f/$defs/S"}}
+
+
 def test_a_tool_named_with_a_dash_is_held_to_its_schema(grammars):
     """A tool's name may hold ``-`` (OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``): named or required, its call
     is held to its schema (found: the grammar was a 400, "unexpected line in xgrammar's EBNF")."""
