@@ -541,7 +541,10 @@ def _check_parts(parts: list[dict[str, Any]], i: int, role: str) -> None:
 
 
 def _arguments(text: str) -> dict[str, Any]:
-    """A tool call's arguments (JSON text of an object) as an object; InvalidRequestError otherwise."""
+    """A tool call's arguments (JSON text of an object) as an object, none (``""``) as ``{}`` as vLLM
+    reads them; InvalidRequestError otherwise."""
+    if not text.strip():
+        return {}
     try:
         value = json.loads(text)
     except ValueError:

@@ -314,6 +314,22 @@ def test_a_tool_result_in_the_history_and_auto_choice(client):
     assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
 
 
+def test_a_call_in_the_history_without_arguments_takes_none():
+    """Found by a reviewer: ``"arguments": ""`` (a call without arguments, as some clients send it
+    back) was a 400; vLLM reads it as ``{}``. Text that is not an object is still refused."""
+    from deltafleet.serve.protocol import ChatMessage
+
+    def call(arguments):
+        return ChatMessage(role="assistant", tool_calls=[{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": arguments}}]).as_dict()["tool_calls"][0]["function"]["arguments"]
+
+    assert call("") == {} and call("  ") == {}
+    assert call('{"city": "Paris"}') == {"city": "Paris"}
+    for bad in ("[1, 2]", "null", "{"):
+        with pytest.raises(InvalidRequestError, match="must be the JSON text of an object"):
+            call(bad)
+
+
 def test_bad_tool_requests_are_400s_that_name_the_field(client):
     url = str(client.base_url)
     body = {"model": "tiny", "messages": ASK, "max_tokens": 4}
