@@ -274,9 +274,23 @@ def string_lengths(schema, param: str = "response_format"):
         if "pattern" in out:
             raise InvalidRequestError("a string with both `pattern` and `minLength`/`maxLength` is not supported "
                                       "in structured output", param, "invalid_constraint")
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        lo = _length(out.pop("minLength", 0), "minLength", param)
+        hi = "" if "maxLength" not in out else _length(out.pop("maxLength"), "maxLength", param)
         out["pattern"] = f"^{_PLAIN}{{{lo},{hi}}}$"
     return out
+
+
+def _length(v, key: str, param: str):
+    """A length limit as an int (JSON Schema counts ``2.0`` a whole number).
+
+    Raises:
+        InvalidRequestError: anything but a whole number ≥ 0.
+    """
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidRequestError(f"`{key}` must be a whole number ≥ 0, got {v!r}", param, "invalid_constraint")
+    return v
 
 
 @functools.lru_cache(maxsize=64)
