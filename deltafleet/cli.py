@@ -504,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
     except Exception as e:
         # Hydra's help composes the config, which a job with a group to choose (variant=...) cannot
-        # do until it is chosen: say so in one line, as Hydra's own message, not a traceback
-        if not helping or type(e).__name__ != "ConfigCompositionException":
+        # do until it is chosen, nor with a choice that does not exist (variant=codr): say so in one
+        # line, as Hydra's own message, not a traceback
+        if not helping or type(e).__name__ not in ("ConfigCompositionException", "MissingConfigException"):
             raise
         print(_help_refusal(f"{prog} {args[0]}", e, f"{prog} {args[0]}"), file=sys.stderr)
         return 2

@@ -187,3 +187,22 @@ def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_nothing(tmp_path,
         proc.stderr[-3000:]
     assert sorted(p.name for p in out.parent.iterdir()) == before  # no output, no .<name>.tmp-* folder
     assert not (tmp_path / "run").exists()
+
+
+def test_the_commands_help_for_a_misspelt_choice_is_one_line():
+    """``deltafleet export variant=codr --help`` (a choice that does not exist) ended in a traceback of
+    Hydra's MissingConfigException, where ``python compress/run.py variant=codr --help`` says Hydra's one
+    line with status 2: the command says it so too, in its own name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    for job in ("export", "train"):
+        proc = subprocess.run([sys.executable, "-m", "deltafleet", job, "variant=codr", "--help"], cwd=repo,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip() == f"deltafleet {job}: In '{job}': Could not find 'variant/codr'", proc.stderr
+
