@@ -209,3 +209,15 @@ def test_the_commands_help_for_a_misspelt_choice_is_one_line():
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip() == f"deltafleet {job}: In '{job}': Could not find 'variant/codr'", proc.stderr
 
+
+
+def test_the_summary_commands_help_is_its_usage_with_status_0(capsys):
+    """``deltafleet summary --help`` printed its usage on stderr with status 2, as for a wrong argument,
+    and named a module that is not there (``python -m train.summary``)."""
+    from deltafleet.train.summary import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: python -m deltafleet.train.summary [models_dir]") and out.err == ""
+    assert main(["-x"]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m deltafleet.train.summary [models_dir]")

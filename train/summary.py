@@ -1,6 +1,6 @@
 """Print the family's held-out losses: base vs fine-tune vs BitDelta, per variant domain.
 
-    python -m train.summary [models_dir]
+    python -m deltafleet.train.summary [models_dir]      # deltafleet summary [models_dir]
 
 Reads ``models/<name>/training.json`` written at the end of each ``train/run.py`` run. Fine-tunes
 of different bases (the tiny family's ``models/coder``, the real base's ``models/smollm2-coder``)
@@ -89,9 +89,15 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + notes)
 
 
+USAGE = "usage: python -m deltafleet.train.summary [models_dir]   (deltafleet summary [models_dir])"
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
-        print("usage: python -m train.summary [models_dir]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     models_dir = Path(argv[0]) if argv else Path("models")
     rows = collect(models_dir)
