@@ -31,3 +31,36 @@ def test_the_manifest_wires_the_pool_to_the_servers():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="serve", overrides=server["args"])
     assert cfg.port == 8000 and cfg.model.name == "smollm2" and cfg.base_dir.startswith("/data/")
+
+
+def test_the_helm_chart_the_docs_install_makes_the_picker_the_pool_names():
+    """Found by a fresh user: docs/kubernetes.md installed the extension's chart as release
+    ``deltafleet-epp``, whose picker Service the chart names ``<release>-epp`` (``deltafleet-epp-epp``)
+    and whose pool ``<release>``: the manifest's ``endpointPickerRef`` named no Service there was."""
+    import re
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "docs/k8s/deltafleet-inferencepool.yaml").read_text())}
+    pool, dep = docs["InferencePool"], docs["Deployment"]
+    (release,) = re.findall(r"helm install (\S+) \S+/charts/inferencepool", (REPO / "docs/kubernetes.md").read_text())
+    assert f"{release}-epp" == pool["spec"]["endpointPickerRef"]["name"]
+    assert release == pool["metadata"]["name"]  # the chart's pool is the manifest's own
+    labels = dict(re.findall(r"--set inferencePool\.modelServers\.matchLabels\.(\w+)=(\S+?)[`\s]",
+                             (REPO / "docs/kubernetes.md").read_text()))
+    assert labels and labels.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_replicas_run_the_installed_command_and_write_nothing_to_the_shared_volume():
+    """The container runs ``deltafleet serve`` (an image with the package installed has no
+    ``serve/run.py`` in its working folder), mounts the family read-only, and keeps Hydra's run
+    folder in the pod: ``paths.root=/data`` alone put it on the shared volume, which every replica
+    wrote into (and a read-only claim refused, so the server never started)."""
+    from deltafleet.cli import JOBS
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "docs/k8s/deltafleet-inferencepool.yaml").read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    assert server["command"][0] == "deltafleet" and JOBS[server["command"][1]][0] == "deltafleet.serve.run"
+    args = dict(a.split("=", 1) for a in server["args"])
+    (mount,) = server["volumeMounts"]
+    assert mount["readOnly"] is True and args["paths.root"] == mount["mountPath"]
+    assert not Path(args["hydra.run.dir"]).is_relative_to(mount["mountPath"])
