@@ -447,19 +447,21 @@ def _hydra_job(module: str) -> bool:
 
 
 _FROM_COMMAND = False  # the deltafleet command runs the script: its own --help message applies
+# What Hydra raises from ``--help`` (which composes the config outside its own error report) for an
+# override it cannot take: a group still to choose or not there, a choice not there, unparsable text
+HELP_ERRORS = ("ConfigCompositionException", "MissingConfigException", "OverrideParseException")
 
 
 def run_script(main, argv: list[str] | None = None) -> None:
     """A Hydra script's ``__main__``: ``main()``, except that ``--help`` before a required group is
-    chosen (``variant=...``), or with a choice that does not exist (``variant=codr``), which Hydra
-    cannot compose, is said on stderr with status 2, as ``deltafleet <job> --help`` says it, not a
-    traceback."""
+    chosen (``variant=...``), or with a choice that does not exist (``variant=codr``) or an override
+    Hydra cannot parse (:data:`HELP_ERRORS`), which Hydra cannot compose, is said on stderr with
+    status 2, as ``deltafleet <job> --help`` says it, not a traceback."""
     args = sys.argv[1:] if argv is None else argv
     try:
         main()
     except Exception as e:
-        if _FROM_COMMAND or not ("--help" in args or "-h" in args) \
-                or type(e).__name__ not in ("ConfigCompositionException", "MissingConfigException"):
+        if _FROM_COMMAND or not ("--help" in args or "-h" in args) or type(e).__name__ not in HELP_ERRORS:
             raise  # (the deltafleet command says it in its own name)
         script = Path(sys.argv[0]).as_posix()
         print(_help_refusal(script, e, f"python {script}"), file=sys.stderr)
@@ -468,10 +470,13 @@ def run_script(main, argv: list[str] | None = None) -> None:
 
 def _help_refusal(name: str, e: Exception, command: str) -> str:
     """What ``<command> --help`` says where Hydra cannot compose the config for its help: a misspelt
-    choice (``variant=codr``) in Hydra's first line, or a group still to choose, with an example."""
+    choice (``variant=codr``) in Hydra's first line, a group still to choose with an example, anything
+    else (a group the job has not, an override it cannot parse) in Hydra's words."""
     if type(e).__name__ == "MissingConfigException":
         return f"{name}: {str(e).splitlines()[0]}"
-    return f"{name}: {e}; its help shows the config of that choice, e.g. `{command} variant=coder --help`"
+    if type(e).__name__ == "ConfigCompositionException" and str(e).startswith("You must specify 'variant'"):
+        return f"{name}: {e}; its help shows the config of that choice, e.g. `{command} variant=coder --help`"
+    return f"{name}: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,9 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_module(module, run_name="__main__", alter_sys=True)  # its SystemExit is ours
     except Exception as e:
         # Hydra's help composes the config, which a job with a group to choose (variant=...) cannot
-        # do until it is chosen, nor with a choice that does not exist (variant=codr): say so in one
-        # line, as Hydra's own message, not a traceback
-        if not helping or type(e).__name__ not in ("ConfigCompositionException", "MissingConfigException"):
+        # do until it is chosen, nor with a choice that does not exist (variant=codr) or an override
+        # it cannot parse: say so as Hydra's own message, not a traceback
+        if not helping or type(e).__name__ not in HELP_ERRORS:
             raise
         print(_help_refusal(f"{prog} {args[0]}", e, f"{prog} {args[0]}"), file=sys.stderr)
         return 2

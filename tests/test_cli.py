@@ -221,3 +221,31 @@ def test_the_summary_commands_help_is_its_usage_with_status_0(capsys):
     assert out.out.startswith("usage: python -m deltafleet.train.summary [models_dir]") and out.err == ""
     assert main(["-x"]) == 2
     assert capsys.readouterr().err.startswith("usage: python -m deltafleet.train.summary [models_dir]")
+
+
+def test_the_commands_help_for_an_override_it_cannot_take_is_one_line_without_a_wrong_example():
+    """``deltafleet serve variant=coder --help`` (a group serve has not) answered Hydra's refusal
+    followed by "e.g. `deltafleet serve variant=coder --help`", the very command typed; and an
+    override Hydra cannot parse (``port=abc=1``) ended ``--help`` in a traceback, for the command and
+    for a script run through :func:`~deltafleet.cli.run_script` alike. Both are Hydra's message, status 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args, "--help"], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    group = run("-m", "deltafleet", "serve", "variant=coder")
+    assert group.returncode == 2 and "Traceback" not in group.stderr, group.stderr[-2000:]
+    assert group.stderr.startswith("deltafleet serve: Could not override 'variant'"), group.stderr
+    assert "e.g." not in group.stderr, group.stderr
+    for cmd, name in ((("-m", "deltafleet", "export", "variant=coder"), "deltafleet export"),
+                      (("compress/run.py", "variant=coder"), "compress/run.py")):
+        bad = run(*cmd, "granularity=row=1")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+        assert bad.stderr.startswith(f"{name}: mismatched input '='"), bad.stderr
