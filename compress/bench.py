@@ -669,4 +669,6 @@ if __name__ == "__main__":
     else:
         import hydra
 
-        hydra.main(config_path="../conf", config_name="bench", version_base="1.3")(_entry)()
+        from deltafleet.cli import run_script
+
+        run_script(hydra.main(config_path="../conf", config_name="bench", version_base="1.3")(_entry))

@@ -443,4 +443,6 @@ def main(cfg) -> dict:
 if __name__ == "__main__":
     import hydra
 
-    hydra.main(config_path="../conf", config_name="bench_kernels", version_base="1.3")(main)()
+    from deltafleet.cli import run_script
+
+    run_script(hydra.main(config_path="../conf", config_name="bench_kernels", version_base="1.3")(main))

@@ -54,4 +54,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltafleet.cli import run_script
+
+    run_script(main)

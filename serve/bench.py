@@ -1595,4 +1595,6 @@ def _entry(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    _entry()
+    from deltafleet.cli import run_script
+
+    run_script(_entry)

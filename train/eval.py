@@ -731,4 +731,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    from deltafleet.cli import run_script
+
+    run_script(main)
