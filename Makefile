@@ -26,9 +26,9 @@
 #   make kmerge-eval           LoRA adapter pool: normalised score vs number of slots (reports/)
 #
 # Variables: VARIANT=coder, FORMAT=bitdelta|hf, VARIANTS="...", HOST=127.0.0.1 PORT=8000 (serve,
-# demo), ARGS="..." (Hydra overrides passed to the target's script), TORCH_SPEC and TORCH_PIP_ARGS
-# (install: which torch, from where), API_PYTHON (api-check), TEST_WORKERS and GPU_WORKERS (test,
-# test-gpu: pytest processes)
+# demo), ARGS="..." (Hydra overrides passed to the target's script; summary's: a models folder),
+# TORCH_SPEC and TORCH_PIP_ARGS (install: which torch, from where), API_PYTHON (api-check),
+# TEST_WORKERS and GPU_WORKERS (test, test-gpu: pytest processes)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
@@ -132,8 +132,8 @@ artifacts/%/bitdelta.json: | models/base/config.json
 
 family: install $(foreach v,$(VARIANTS),artifacts/$(v)/bitdelta.json)
 
-summary:
-	$(PY) -m deltafleet.train.summary
+summary: install
+	$(PY) -m deltafleet.train.summary $(ARGS)
 
 serve: install
 	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)
