@@ -404,7 +404,8 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
         parameter count.
 
     Raises:
-        ValueError: heads or widths that do not split over ``world``, or an unknown ``sign_layout``.
+        ValueError: heads or widths that do not split over ``world`` (a row-parallel width: in whole
+            sign bytes, as :func:`deltafleet.serve.tp.shard_model` cuts it), or an unknown ``sign_layout``.
     """
     check_sign_layout(sign_layout)
     a = ModelArgs.from_hf_config(config)
@@ -412,6 +413,10 @@ def predict_memory(config: dict, *, world: int = 1, rank: int = 0, n_slots: int 
     if a.n_head % world or a.n_local_heads % world or a.intermediate_size % world:
         raise ValueError(f"the shape does not split over {world} ranks")
     q, kv, d, f = a.n_head * a.head_dim, a.n_local_heads * a.head_dim, a.dim, a.intermediate_size
+    for name, k in (("o_proj", q), ("down_proj", f)):  # the row-parallel widths, as shard_model cuts them
+        if world > 1 and (k // world) % 8:
+            raise ValueError(f"{name}: K = {k} over {world} ranks is not a multiple of 8 per rank (sign bytes "
+                             "cannot be cut)")
     col, row = "column", "row"
     layer = [(q, d, a.qkv_bias, col), (kv, d, a.qkv_bias, col), (kv, d, a.qkv_bias, col), (d, q, a.o_bias, row),
              (f, d, a.mlp_bias, col), (f, d, a.mlp_bias, col), (d, f, a.mlp_bias, row)]

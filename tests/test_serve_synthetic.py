@@ -72,6 +72,17 @@ def test_predicted_memory_is_the_bytes_of_the_tensors(layout, world, sign_layout
             == SHAPE["num_hidden_layers"] * (SHAPE["hidden_size"] + SHAPE["hidden_size"])  # o_proj + down_proj
 
 
+def test_a_shape_the_ranks_cannot_cut_is_refused_as_shard_model_refuses_it():
+    """Found by a reviewer: a row-parallel width that is not whole sign bytes per rank was predicted,
+    while the server refuses the shape."""
+    shape = dict(SHAPE, intermediate_size=344)  # 172 per rank of 2: not a multiple of 8
+    assert predict_memory(shape, world=1)["params"] > 0
+    with pytest.raises(ValueError, match=r"^down_proj: K = 344 over 2 ranks is not a multiple of 8 per rank"):
+        predict_memory(shape, world=2)
+    with pytest.raises(ValueError, match=r"down_proj.*: K = 344 over 2 ranks is not a multiple of 8 per rank"):
+        SyntheticFamily(shape, variants=1).build_base("cpu", torch.float32, tp=(0, 2, None))
+
+
 def test_70b_prediction_against_its_published_parameter_count():
     with pytest.raises(ValueError, match=r"^sign_layout must be one of \('rows', 'tiled'\), got 'cols'$"):
         predict_memory(LLAMA_2_70B, sign_layout="cols")  # not sized as rows
