@@ -250,9 +250,13 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("rank", "seq_len", "batch_size", "eval_batches", "gate_batches"):
         if not whole(cfg[key]) or cfg[key] < 1:
             raise ValueError(f"{key} must be a whole number ≥ 1, got {cfg[key]!r}")
-    for key in ("threshold", "gate", "alpha"):
-        if not real(cfg[key]) or not 0 <= cfg[key] <= 1:
-            raise ValueError(f"{key} must be a number from 0 to 1, got {cfg[key]!r}")
+    if not real(cfg.threshold) or not 0 <= cfg.threshold <= 1:
+        raise ValueError(f"threshold must be a number from 0 to 1, got {cfg.threshold!r}")
+    # the bounds AdapterPool takes: refused here, not after every adapter is trained
+    if not real(cfg.gate) or not 0 < cfg.gate <= 1:
+        raise ValueError(f"gate must be a number above 0, at most 1, got {cfg.gate!r}")
+    if not real(cfg.alpha) or not 0 < cfg.alpha < 1:
+        raise ValueError(f"alpha must be a number above 0, below 1, got {cfg.alpha!r}")
     if not real(cfg.ties_density) or not 0 < cfg.ties_density <= 1:  # the share of each task vector TIES keeps
         raise ValueError(f"ties_density must be a number above 0, at most 1, got {cfg.ties_density!r}")
     check_report_name(cfg.report_name)

@@ -81,7 +81,11 @@ def _cfg(tmp_path, *overrides):
     ("policies=[kmerge,opcm]", "policies: each must be one of kmerge, kmerge++, budget_opcm, linear, ties, "
                                "got 'opcm'"),
     ("order=random", "order must be interleaved or grouped, got 'random'"),
-    ("gate=1.5", "gate must be a number from 0 to 1, got 1.5"),
+    ("gate=1.5", "gate must be a number above 0, at most 1, got 1.5"),
+    # the pool refuses these too, but only after every adapter has been trained
+    ("gate=0", "gate must be a number above 0, at most 1, got 0"),
+    ("alpha=1", "alpha must be a number above 0, below 1, got 1"),
+    ("alpha=0", "alpha must be a number above 0, below 1, got 0"),
     ("ties_density=0", "ties_density must be a number above 0, at most 1, got 0"),
     ("eval_batches=0", "eval_batches must be a whole number ≥ 1, got 0"),
     ("report_name=a/b", "report_name must be a file name (no folder) for reports/<report_name>.json, got 'a/b'"),
