@@ -355,14 +355,16 @@ class AdapterPool:
                 f.unlink()
 
     @classmethod
-    def load(cls, folder: str | Path, quality: Callable[[str, Factors], float] | None = None) -> AdapterPool:
-        """The pool saved in ``folder``. Raises FileNotFoundError if there is none."""
+    def load(cls, folder: str | Path, quality: Callable[[str, Factors], float] | None = None, *,
+             clock: Callable[[], float] = time.monotonic) -> AdapterPool:
+        """The pool saved in ``folder``, with ``clock`` (as the constructor's). Raises
+        FileNotFoundError if there is none."""
         folder = Path(folder)
         state = json.loads((folder / "pool.json").read_text())
         pool = cls(state["policy"], rank=state["rank"], k=state["k"], byte_budget=state["byte_budget"],
                    threshold=state["threshold"], gate=state["gate"], alpha=state["alpha"],
                    evicted_to=state.get("evicted_to", "similar"),
-                   quality=quality if quality is not None else (lambda t, f: 1.0))
+                   quality=quality if quality is not None else (lambda t, f: 1.0), clock=clock)
         pool.quality = quality
         pool._next_id, pool.task_to_slot, pool.log = state["next_id"], state["task_to_slot"], state["log"]
         for sid, meta in state["slots"].items():
@@ -372,4 +374,11 @@ class AdapterPool:
             raw = {m: (t[f"raw.{m}.lora_A"], t[f"raw.{m}.lora_B"]) for m in mods} if f"raw.{mods[0]}.lora_A" in t else None
             pool.slots[int(sid)] = Slot(int(sid), factors, meta["tasks"], meta["n"], meta["last_used"],
                                         meta["own_quality"], raw, meta["tau_norms"])
+        # the saved times are another process's clock (time.monotonic restarts at boot): keep their
+        # order, shifted to lie before this clock's now, so a slot used from here on is the more recent
+        if pool.slots:
+            now, latest = pool.clock(), max(s.last_used for s in pool.slots.values())
+            if latest >= now:
+                for s in pool.slots.values():
+                    s.last_used -= latest - now + 1
         return pool

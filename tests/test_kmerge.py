@@ -344,3 +344,22 @@ def test_a_loaded_budget_pool_without_quality_and_foreign_files_beside_a_pool(tm
     for bad in (123, ""):
         with pytest.raises(ValueError, match="a task is named by a non-empty string"):
             AdapterPool("kmerge", rank=2, k=2).admit(bad, adapter(83))
+
+
+def test_lru_order_survives_a_restart_whose_clock_starts_again(tmp_path):
+    """time.monotonic's reference point is undefined across processes (it restarts at boot): a pool
+    saved late in one process and loaded early in the next must still treat a slot served after the
+    restart as more recent than one untouched since before it."""
+    own = {"a": adapter(91), "b": adapter(92), "c": adapter(93)}
+    one = AdapterPool("kmerge", rank=2, k=1).slot_bytes(own["a"])
+    before = iter(range(1000, 1100))
+    pool = AdapterPool("budget_opcm", rank=2, byte_budget=2 * one, gate=0.9, quality=_quality_by_cosine(own),
+                       clock=lambda: next(before))
+    pool.admit("a", own["a"])  # t=1000
+    pool.admit("b", own["b"])  # t=1001
+    pool.save(tmp_path)
+    after = iter(range(100))
+    again = AdapterPool.load(tmp_path, quality=_quality_by_cosine(own), clock=lambda: next(after))
+    again.slot_for("a")  # a's slot is used now: b's is the least recently used
+    again.admit("c", own["c"])
+    assert again.log[-1]["action"] == "evicted_lru_and_stored" and set(again.slots) == {0, 2}
