@@ -28,8 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train_adapter(cfg: DictConfig, domain: str, seed: int, out: Path) -> None:
-    """``train/run.py variant=<domain> variant.adapter=lora seed=<seed>`` into ``out`` (once)."""
-    if (out / "adapter" / "adapter_model.safetensors").is_file():
+    """``train/run.py variant=<domain> variant.adapter=lora seed=<seed>`` into ``out``, unless ``out``
+    holds an adapter whose ``training.json`` says it was trained on ``base_dir``."""
+    from deltafleet.checkpoint import read_json
+
+    trained_on = (read_json(out / "training.json") or {}).get("base_dir")
+    if (out / "adapter" / "adapter_model.safetensors").is_file() and isinstance(trained_on, str) \
+            and Path(trained_on).resolve() == Path(cfg.base_dir).resolve():
         return
     r = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), f"variant={domain}", "variant.adapter=lora",
                         f"variant.name={domain}-lora-s{seed}", f"seed={seed}", "export.enabled=false", "logger=csv",

@@ -133,3 +133,27 @@ def test_adapters_are_trained_on_the_base_they_are_scored_on(tmp_path, monkeypat
     cfg = _cfg(tmp_path, f"base_dir={tmp_path / 'elsewhere' / 'base'}")
     kmerge_eval.train_adapter(cfg, "coder", 1, tmp_path / "out")
     assert f"base_dir={tmp_path / 'elsewhere' / 'base'}" in seen[0]
+
+
+def test_a_trained_adapter_is_reused_only_for_the_base_it_was_trained_on(tmp_path, monkeypatch):
+    """An adapter under adapters_dir that training.json says was trained on another base (base_dir
+    changed since) is trained again, not scored as a fine-tune of this base; one of this base is reused."""
+    import json
+    import subprocess
+    import types
+
+    from deltafleet.merge import kmerge_eval
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or types.SimpleNamespace(returncode=0))
+    base = tmp_path / "models" / "base"
+    cfg = _cfg(tmp_path, f"base_dir={base}")
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    (out / "training.json").write_text(json.dumps({"base_dir": str(tmp_path / "old" / "base")}))
+    kmerge_eval.train_adapter(cfg, "coder", 1, out)
+    assert len(seen) == 1 and f"base_dir={base}" in seen[0]
+    (out / "training.json").write_text(json.dumps({"base_dir": str(base.resolve())}))
+    kmerge_eval.train_adapter(cfg, "coder", 1, out)
+    assert len(seen) == 1
