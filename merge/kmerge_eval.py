@@ -38,7 +38,9 @@ def train_adapter(cfg: DictConfig, domain: str, seed: int, out: Path) -> None:
         return
     r = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), f"variant={domain}", "variant.adapter=lora",
                         f"variant.name={domain}-lora-s{seed}", f"seed={seed}", "export.enabled=false", "logger=csv",
-                        f"out_dir={out}", f"paths.root={cfg.paths.root}", f"base_dir={cfg.base_dir}"], cwd=REPO,
+                        # absolute: the training runs in the repository, not in this job's folder
+                        *(f"{k}={Path(v).resolve()}" for k, v in (("out_dir", out), ("paths.root", cfg.paths.root),
+                                                                   ("base_dir", cfg.base_dir)))], cwd=REPO,
                        capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     if r.returncode != 0:

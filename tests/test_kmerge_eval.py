@@ -2,6 +2,8 @@
 LoRA factors reproduce PEFT's own merged weights; the arrival-order baselines."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -157,3 +159,20 @@ def test_a_trained_adapter_is_reused_only_for_the_base_it_was_trained_on(tmp_pat
     (out / "training.json").write_text(json.dumps({"base_dir": str(base.resolve())}))
     kmerge_eval.train_adapter(cfg, "coder", 1, out)
     assert len(seen) == 1
+
+
+def test_relative_paths_reach_the_training_as_this_job_reads_them(tmp_path, monkeypatch):
+    """The training runs in the repository: a relative base_dir, paths.root or adapters_dir given from
+    another folder must name the same folders there as in this job."""
+    import subprocess
+    import types
+
+    from deltafleet.merge import kmerge_eval
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or types.SimpleNamespace(returncode=0))
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, "base_dir=rel/base", "paths.root=demo")
+    kmerge_eval.train_adapter(cfg, "coder", 1, Path("ads") / "coder-s1")
+    assert f"base_dir={tmp_path / 'rel' / 'base'}" in seen[0] and f"paths.root={tmp_path / 'demo'}" in seen[0]
+    assert f"out_dir={tmp_path / 'ads' / 'coder-s1'}" in seen[0]
