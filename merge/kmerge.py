@@ -19,14 +19,16 @@ adapter ever admitted is served by the slot that holds it. Policies:
   else the least-recently-used slot is evicted (its tasks are mapped to the most similar remaining
   slot) and the newcomer is stored alone.
 
-The pool persists to a folder (``pool.json`` + one safetensors file per slot, each written to a
-temporary file and renamed) and is restored by :meth:`AdapterPool.load`.
+The pool persists to a folder (``pool.json`` + one safetensors file per slot that it names, each
+written to a temporary file and renamed) and is restored by :meth:`AdapterPool.load`.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from torch import Tensor
 from deltafleet.merge.methods import opcm_project
 
 Policy = Literal["kmerge", "kmerge++", "budget_opcm"]
+_SLOT_FILE = re.compile(r"slot-\d+(\.[0-9a-f]+)?\.safetensors")  # a slot's file: slot-<id>[.<version>].safetensors
 Factors = dict[str, tuple[Tensor, Tensor]]  # module → (A [r, d_in], B [d_out, r])
 
 
@@ -325,10 +328,14 @@ class AdapterPool:
     # ------------------------------------------------------------------ persistence
 
     def save(self, folder: str | Path) -> None:
-        """Write the pool to ``folder``: each slot's factors (``slot-<id>.safetensors``) then
-        ``pool.json``, each via a temporary file and a rename; stale slot files are removed."""
+        """Write the pool to ``folder``: each slot's factors (``slot-<id>.<version>.safetensors``, a new
+        name each save) then ``pool.json``, which names them, each via a temporary file and a rename;
+        then this pool's files that ``pool.json`` does not name are removed. A save that fails part-way
+        leaves the previous ``pool.json`` with the slot files it names."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        version = secrets.token_hex(4)
+        files = {}
         for s in self.slots.values():
             t = {f"{m}.lora_A": a.contiguous() for m, (a, _) in s.factors.items()}
             t.update({f"{m}.lora_B": b.contiguous() for m, (_, b) in s.factors.items()})
@@ -337,21 +344,21 @@ class AdapterPool:
                           for m, (a, _) in s.raw.items()})
                 t.update({f"raw.{m}.lora_B": b.clone(memory_format=torch.contiguous_format)
                           for m, (_, b) in s.raw.items()})
+            files[s.id] = f"slot-{s.id}.{version}.safetensors"
             tmp = folder / f".slot-{s.id}.safetensors.tmp"
             save_file(t, tmp)
-            os.replace(tmp, folder / f"slot-{s.id}.safetensors")
+            os.replace(tmp, folder / files[s.id])
         state = {"policy": self.policy, "rank": self.rank, "k": self.k, "byte_budget": self.byte_budget,
                  "evicted_to": self.evicted_to,
                  "threshold": self.threshold, "gate": self.gate, "alpha": self.alpha, "next_id": self._next_id,
                  "task_to_slot": self.task_to_slot, "log": self.log,
-                 "slots": {str(s.id): {"tasks": s.tasks, "n": s.n, "last_used": s.last_used,
+                 "slots": {str(s.id): {"file": files[s.id], "tasks": s.tasks, "n": s.n, "last_used": s.last_used,
                                        "own_quality": s.own_quality, "tau_norms": s.tau_norms} for s in self.slots.values()}}
         tmp = folder / ".pool.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, folder / "pool.json")
         for f in folder.glob("slot-*.safetensors"):  # this pool's stale slots; any other file stays
-            sid = f.stem.split("-", 1)[1]
-            if sid.isdigit() and int(sid) not in self.slots:
+            if _SLOT_FILE.fullmatch(f.name) and f.name not in files.values():
                 f.unlink()
 
     @classmethod
@@ -368,7 +375,10 @@ class AdapterPool:
         pool.quality = quality
         pool._next_id, pool.task_to_slot, pool.log = state["next_id"], state["task_to_slot"], state["log"]
         for sid, meta in state["slots"].items():
-            t = load_file(folder / f"slot-{sid}.safetensors")
+            file = meta.get("file", f"slot-{sid}.safetensors")  # (pools saved before versioned names)
+            if not isinstance(file, str) or not _SLOT_FILE.fullmatch(file):
+                raise ValueError(f"{folder / 'pool.json'}: slot {sid} names {file!r}, not a slot file")
+            t = load_file(folder / file)
             mods = sorted({k[: -len(".lora_A")] for k in t if k.endswith(".lora_A") and not k.startswith("raw.")})
             factors = {m: (t[f"{m}.lora_A"], t[f"{m}.lora_B"]) for m in mods}
             raw = {m: (t[f"raw.{m}.lora_A"], t[f"raw.{m}.lora_B"]) for m in mods} if f"raw.{mods[0]}.lora_A" in t else None

@@ -240,7 +240,10 @@ def test_the_eviction_rule_survives_a_restart_and_stale_slot_files_go(tmp_path):
     small = AdapterPool("kmerge", rank=2, k=1, evicted_to="base")
     small.admit("t0", adapter(81))
     small.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.json", "slot-0.safetensors"]
+    import json
+
+    slot0 = json.loads((tmp_path / "pool.json").read_text())["slots"]["0"]["file"]
+    assert slot0.startswith("slot-0.") and sorted(p.name for p in tmp_path.iterdir()) == ["pool.json", slot0]
     assert AdapterPool.load(tmp_path).evicted_to == "base"
 
 
@@ -363,3 +366,32 @@ def test_lru_order_survives_a_restart_whose_clock_starts_again(tmp_path):
     again.slot_for("a")  # a's slot is used now: b's is the least recently used
     again.admit("c", own["c"])
     assert again.log[-1]["action"] == "evicted_lru_and_stored" and set(again.slots) == {0, 2}
+
+
+def test_a_failed_save_leaves_the_previous_slots_with_the_previous_pool_json(tmp_path, monkeypatch):
+    """A merge changes a slot's factors: a save that fails before pool.json is replaced must not leave
+    the new factors under the old pool.json (a slot averaging t0 and t1, loaded as t0's alone, n = 1)."""
+    from pathlib import Path
+
+    pool = AdapterPool("kmerge", rank=4, k=1)
+    pool.admit("t0", adapter(84))
+    pool.save(tmp_path)
+    saved = dense(AdapterPool.load(tmp_path).slots[0].factors)
+    pool.admit("t1", adapter(85))  # merged into slot 0
+
+    def fails(self, *a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", fails)
+    with pytest.raises(OSError, match="disk full"):
+        pool.save(tmp_path)
+    monkeypatch.undo()
+    again = AdapterPool.load(tmp_path)
+    assert again.task_to_slot == {"t0": 0} and again.slots[0].n == 1
+    for m in MODULES:
+        torch.testing.assert_close(dense(again.slots[0].factors)[m], saved[m], rtol=0, atol=0)
+    pool.save(tmp_path)  # the next save replaces it, and the files of the failed one go
+    import json
+
+    meta = json.loads((tmp_path / "pool.json").read_text())["slots"]["0"]
+    assert meta["n"] == 2 and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("slot-")) == [meta["file"]]
