@@ -15,7 +15,8 @@ adapter ever admitted is served by the slot that holds it. Policies:
 * ``budget_opcm`` — this project's policy: the number of slots comes from a byte budget; the merge
   operator is OPCM (merge/methods.py: the newcomer's ``ΔW`` projected out of the slot's dominant
   singular directions, added, rescaled to the mean norm of the slot's tasks' ``ΔW``); a quality
-  gate keeps a merge only if every task of the slot keeps ``gate`` of its own adapter's quality,
+  gate keeps a merge only if every task of the slot keeps ``gate`` of its own adapter's quality
+  (:func:`kept_share`: it loses at most ``1 − gate`` of that quality's size, also where it is < 0),
   else the least-recently-used slot is evicted (its tasks are mapped to the most similar remaining
   slot) and the newcomer is stored alone.
 
@@ -101,6 +102,16 @@ def _shapes(pair) -> str:
         return "(" + ", ".join(f"{list(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
                                for t in pair) + ")"
     return type(pair).__name__
+
+
+def kept_share(merged: float, own: float) -> float:
+    """How much of its own adapter's quality ``own`` a task keeps at ``merged``: ``1 + (merged − own) /
+    |own|``, which is ``merged / own`` where ``own > 0`` and stays a loss where ``own < 0`` (a gain
+    below the base's: then ``merged / own`` would rank a worse merge higher); at ``own == 0``, 1 for
+    ``merged >= 0``, else 0."""
+    if own == 0:
+        return 1.0 if merged >= 0 else 0.0
+    return 1.0 + (merged - own) / abs(own)
 
 
 class AdapterPool:
@@ -274,7 +285,7 @@ class AdapterPool:
             merged, raw, norms = self._opcm(slot, factors)
             tasks = slot.tasks + [task]
             own = {**slot.own_quality, task: own_q}
-            kept = {t: self.quality(t, merged) / own[t] if own[t] else 0.0 for t in tasks}
+            kept = {t: kept_share(self.quality(t, merged), own[t]) for t in tasks}
             rec["gate"] = {t: round(v, 4) for t, v in kept.items()}
             if all(v >= self.gate for v in kept.values()):
                 slot.factors, slot.raw, slot.tau_norms = merged, raw, norms

@@ -187,6 +187,24 @@ def test_the_gate_needs_every_task_of_the_slot_to_keep_its_quality():
     assert pool.log[-1]["action"] == "evicted_lru_and_stored"
 
 
+def test_the_gate_reads_a_negative_own_quality_as_a_loss_to_keep_small():
+    """Found by a reviewer: with an own quality below 0 (a validation gain below the base's) the gate
+    divided, so a merge 50 times worse kept "50.0" of it and passed."""
+    from deltafleet.merge.kmerge import kept_share
+
+    assert kept_share(0.8, 1.0) == pytest.approx(0.8) and kept_share(-0.5, -0.01) == pytest.approx(-48.0)
+    assert kept_share(-0.0105, -0.01) == pytest.approx(0.95) and kept_share(0.0, 0.0) == 1.0
+    assert kept_share(-1e-9, 0.0) == 0.0
+    own = {"a": adapter(62), "b": adapter(63)}
+    for merged_q, action in ((-0.5, "evicted_lru_and_stored"), (-0.0105, "merged")):
+        quality = lambda t, f, q=merged_q: -0.01 if f is own[t] else q  # noqa: E731
+        pool = AdapterPool("budget_opcm", rank=2, byte_budget=AdapterPool("kmerge", rank=2, k=1).slot_bytes(own["a"]),
+                           gate=0.9, quality=quality)
+        pool.admit("a", own["a"])
+        pool.admit("b", own["b"])
+        assert pool.log[-1]["action"] == action, pool.log[-1]
+
+
 def _clocked_budget_pool(own: dict, n_slots: int):
     t = iter(range(100))
     one = AdapterPool("kmerge", rank=2, k=1).slot_bytes(next(iter(own.values())))
