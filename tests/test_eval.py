@@ -435,3 +435,42 @@ def test_a_variant_no_config_trains_is_named_not_sent_to_train(tmp_path):
     cfg.variants = ["math"]
     with pytest.raises(FileNotFoundError, match=r"build it with `make train VARIANT=math`, or pick variants"):
         run(cfg)
+
+
+def test_the_chart_has_every_variants_settings(monkeypatch):
+    """Found by a reviewer: the chart took its settings, and their bits/param, from the first variant
+    only, so an existing artifact that variant lacks (``exported`` of a fine-tune trained with the
+    export off) had no bar for any variant, and an ``exported`` artifact of another granularity was
+    labelled with the first variant's bits/param."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from deltafleet.train.eval import plot_png
+
+    def row(setting, bits, gain):
+        return {"setting": setting, "bits_per_parameter": bits, "gain_recovered_loss": gain,
+                "gain_recovered_task": gain}
+
+    sections = [
+        {"variant": "coder", "task_metric": "next-token accuracy",
+         "rows": [row("base", 0.0, 0.0), row("fine-tune", 32.0, 1.0), row("bitdelta-matrix", 1.08, 0.7),
+                  row("kl", 1.14, 0.95)]},
+        {"variant": "math", "task_metric": "exact match",
+         "rows": [row("base", 0.0, 0.0), row("fine-tune", 32.0, 1.0), row("bitdelta-matrix", 1.08, 0.8),
+                  row("exported", 1.14, 0.9), row("kl", 1.08, 0.97)]},
+    ]
+    bars = []
+    real_bar = Axes.bar
+
+    def bar(self, x, height, *args, **kwargs):
+        bars.append((kwargs.get("label"), [None if math.isnan(h) else h for h in height]))
+        return real_bar(self, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", bar)
+    png = plot_png({"variants": sections, "config": {"goal": {"gain_recovered": 0.95}}})
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    expected = [("bitdelta-matrix (1.08 bits/param)", [0.7, 0.8]), ("kl (1.08–1.14 bits/param)", [0.95, 0.97]),
+                ("exported (1.14 bits/param)", [None, 0.9])]
+    assert bars == expected + expected  # the loss panel, then the task panel

@@ -566,17 +566,29 @@ def report_markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bits_label(bits: list[float]) -> str:
+    lo, hi = min(bits), max(bits)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+
+
 def plot_png(payload: dict) -> bytes:
-    """Bar chart: gain recovered (loss, and task) per variant per compressed setting, goal line."""
+    """Bar chart: gain recovered (loss, and task) per variant per compressed setting, goal line.
+
+    The settings are those of every variant (an existing artifact one variant lacks is a missing bar
+    there); a setting whose bits/param differ between variants is labelled with their range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sections = payload["variants"]
-    rows0 = [r for r in sections[0]["rows"] if r["setting"] not in ("base", "fine-tune")]
-    settings = [r["setting"] for r in rows0]
-    labels = [f"{r['setting']} ({r['bits_per_parameter']:.2f} bits/param)" for r in rows0]
+    bits: dict[str, list[float]] = {}  # every compressed setting of any variant, in report order
+    for s in sections:
+        for r in s["rows"]:
+            if r["setting"] not in ("base", "fine-tune"):
+                bits.setdefault(r["setting"], []).append(r["bits_per_parameter"])
+    settings = list(bits)
+    labels = [f"{name} ({_bits_label(b)} bits/param)" for name, b in bits.items()]
     tasks = ", ".join(f"{s['variant']}: {s['task_metric']}" for s in sections)
     goal = payload["config"]["goal"]["gain_recovered"]
     fig, axes = plt.subplots(1, 2, figsize=(8 + 1.6 * len(sections), 4.0), sharey=True)
