@@ -474,3 +474,22 @@ def test_the_chart_has_every_variants_settings(monkeypatch):
     expected = [("bitdelta-matrix (1.08 bits/param)", [0.7, 0.8]), ("kl (1.08–1.14 bits/param)", [0.95, 0.97]),
                 ("exported (1.14 bits/param)", [None, 0.9])]
     assert bars == expected + expected  # the loss panel, then the task panel
+
+
+def test_a_report_that_cannot_be_drawn_writes_none_of_its_files(tmp_path, monkeypatch):
+    """Found by a reviewer: ``write_report`` wrote the JSON and the Markdown before it drew the chart,
+    so a chart that failed (matplotlib missing or broken) left two of the report's three files."""
+    from deltafleet.train import eval as E
+
+    def broken(payload):
+        raise RuntimeError("no chart")
+
+    monkeypatch.setattr(E, "report_markdown", lambda payload: "# report\n")
+    monkeypatch.setattr(E, "plot_png", broken)
+    with pytest.raises(RuntimeError, match="no chart"):
+        E.write_report({"variants": []}, tmp_path / "eval-x")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(E, "plot_png", lambda payload: b"\x89PNG")
+    assert E.write_report({"variants": []}, tmp_path / "eval-x") == "# report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-x.json", "eval-x.md", "eval-x.png"]
+    assert json.loads((tmp_path / "eval-x.json").read_text()) == {"variants": []}

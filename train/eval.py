@@ -616,11 +616,15 @@ def plot_png(payload: dict) -> bytes:
 
 
 def write_report(payload: dict, stem: Path) -> str:
-    """Write ``stem.json`` (the payload), ``stem.md`` and ``stem.png`` atomically; returns the Markdown."""
+    """Write ``stem.json`` (the payload), ``stem.md`` and ``stem.png`` atomically; returns the Markdown.
+
+    All three are made before any is written: one that cannot be made (the chart) leaves none."""
     text = report_markdown(payload)
-    write_text(stem.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
+    blob = json.dumps(payload, indent=2) + "\n"
+    png = plot_png(payload)
+    write_text(stem.with_suffix(".json"), blob)
     write_text(stem.with_suffix(".md"), text)
-    write_bytes(stem.with_suffix(".png"), plot_png(payload))
+    write_bytes(stem.with_suffix(".png"), png)
     return text
 
 
