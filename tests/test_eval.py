@@ -493,3 +493,26 @@ def test_a_report_that_cannot_be_drawn_writes_none_of_its_files(tmp_path, monkey
     assert E.write_report({"variants": []}, tmp_path / "eval-x") == "# report\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-x.json", "eval-x.md", "eval-x.png"]
     assert json.loads((tmp_path / "eval-x.json").read_text()) == {"variants": []}
+
+
+def test_a_loss_too_large_to_exponentiate_has_an_infinite_perplexity():
+    """Found by a reviewer: ``token_metrics`` took ``math.exp`` of every loss, so one setting scoring
+    above ~709.8 nats/token (a broken artifact's huge logits) ended the whole report in an
+    OverflowError after every setting had been built; its perplexity is now inf."""
+    import types
+
+    class Scaled(torch.nn.Module):  # the same random logits for every call, times `scale`
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, input_ids):
+            g = torch.Generator().manual_seed(0)
+            return types.SimpleNamespace(logits=torch.randn(*input_ids.shape, 50, generator=g) * self.scale)
+
+    blocks = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    ref = Scaled(1.0)
+    m = token_metrics({"fine-tune": ref, "broken": Scaled(1e4)}, blocks, 2, reference=ref)
+    assert m["broken"]["loss"] > 1000 and m["broken"]["perplexity"] == math.inf
+    assert m["fine-tune"]["perplexity"] == pytest.approx(math.exp(m["fine-tune"]["loss"]))
+    assert m["broken"]["kl"] > 1000 and m["fine-tune"]["kl"] == 0.0

@@ -196,7 +196,7 @@ def token_metrics(models: Mapping[str, torch.nn.Module], blocks: torch.Tensor, b
         device: where to run.
 
     Returns:
-        name → ``{"loss": nats/token, "perplexity": exp(loss), "next_token_accuracy": fraction,
+        name → ``{"loss": nats/token, "perplexity": exp(loss) (:func:`perplexity`), "next_token_accuracy": fraction,
         "kl": nats/token (None without a reference), "tokens": predicted tokens}``.
     """
     import torch.nn.functional as F
@@ -222,10 +222,18 @@ def token_metrics(models: Mapping[str, torch.nn.Module], blocks: torch.Tensor, b
         count += target.numel()
     for name, m in models.items():
         m.train(modes[name])
-    return {name: {"loss": s["nll"] / count, "perplexity": math.exp(s["nll"] / count),
+    return {name: {"loss": s["nll"] / count, "perplexity": perplexity(s["nll"] / count),
                    "next_token_accuracy": s["correct"] / count,
                    "kl": s["kl"] / count if reference is not None else None, "tokens": count}
             for name, s in sums.items()}
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``; inf where that overflows a float (a loss above about 709.8 nats/token)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def gain_recovered(m: float | None, m_base: float | None, m_ft: float | None,
