@@ -489,3 +489,18 @@ def test_summary_names_the_records_it_cannot_use(tmp_path, capsys):
     assert len(err) == 2 and err[0].startswith(f"skipped {tmp_path / 'math' / 'training.json'}: not a readable JSON")
     assert err[1] == (f"skipped {tmp_path / 'writer' / 'training.json'}: it records no heldout/base_loss "
                       "(a run stopped before its evaluation?)")
+
+
+def test_summary_leaves_out_a_base_trained_under_another_name(tmp_path, capsys):
+    """Found by a reviewer: a base trained under another name (``variant=base variant.name=base2``)
+    was not left out as a base, but named on stderr as a fine-tune whose run stopped before its
+    evaluation. A record of a model trained from scratch (``heldout/initial_loss``) is a base."""
+    from deltafleet.train.summary import collect
+
+    good = {"variant": "coder", "domain": "coder", "heldout/base_loss": 5.0, "heldout/loss": 4.0}
+    for name, rec in [("coder", good), ("base2", {"variant": "base2", "domain": "general",
+                                                  "heldout/initial_loss": 8.3, "heldout/loss": 3.0})]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "training.json").write_text(json.dumps(rec))
+    assert [r["model"] for r in collect(tmp_path)] == ["coder"]
+    assert capsys.readouterr().err == ""

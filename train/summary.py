@@ -16,9 +16,10 @@ from pathlib import Path
 
 
 def collect(models_dir: str | Path) -> list[dict]:
-    """The ``training.json`` records of every fine-tune under ``models_dir`` (bases excluded), in
-    folder order, each with ``model``: its folder's name. A record that cannot be read, or a
-    fine-tune's without its held-out losses, is left out with a line on stderr naming it."""
+    """The ``training.json`` records of every fine-tune under ``models_dir`` (bases excluded: models
+    trained from scratch, which record ``heldout/initial_loss``), in folder order, each with
+    ``model``: its folder's name. A record that cannot be read, or a fine-tune's without its
+    held-out losses, is left out with a line on stderr naming it."""
     rows = []
     for path in sorted(Path(models_dir).glob("*/training.json")):
         try:
@@ -26,7 +27,8 @@ def collect(models_dir: str | Path) -> list[dict]:
         except (OSError, ValueError) as e:
             print(f"skipped {path}: not a readable JSON record ({e})", file=sys.stderr)
             continue
-        if not isinstance(rec, dict) or rec.get("variant") == "base":  # a base has no base loss
+        # a base has no base loss: "base", or a model trained from scratch under another name
+        if not isinstance(rec, dict) or rec.get("variant") == "base" or "heldout/initial_loss" in rec:
             continue
         missing = [k for k in ("heldout/base_loss", "heldout/loss") if not isinstance(rec.get(k), (int, float))]
         if missing:
