@@ -495,6 +495,24 @@ def test_a_report_that_cannot_be_drawn_writes_none_of_its_files(tmp_path, monkey
     assert json.loads((tmp_path / "eval-x.json").read_text()) == {"variants": []}
 
 
+def test_the_json_report_is_strict_json(tmp_path, monkeypatch):
+    """Found by a reviewer: a NaN KL or an infinite perplexity went into the report as ``NaN`` /
+    ``Infinity``, which strict JSON readers refuse; they are null, as in the summary."""
+    from deltafleet.train import eval as E
+
+    monkeypatch.setattr(E, "report_markdown", lambda payload: "# report\n")
+    monkeypatch.setattr(E, "plot_png", lambda payload: b"\x89PNG")
+    payload = {"variants": [{"rows": [{"perplexity": float("inf"), "kl": float("nan"), "loss": 2.5,
+                                       "bits": (1.08, float("-inf"))}]}]}
+    E.write_report(payload, tmp_path / "eval-x")
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    got = json.loads((tmp_path / "eval-x.json").read_text(), parse_constant=refuse)
+    assert got == {"variants": [{"rows": [{"perplexity": None, "kl": None, "loss": 2.5, "bits": [1.08, None]}]}]}
+
+
 def test_a_loss_too_large_to_exponentiate_has_an_infinite_perplexity():
     """Found by a reviewer: ``token_metrics`` took ``math.exp`` of every loss, so one setting scoring
     above ~709.8 nats/token (a broken artifact's huge logits) ended the whole report in an

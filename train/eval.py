@@ -623,12 +623,25 @@ def plot_png(payload: dict) -> bytes:
     return buf.getvalue()
 
 
+def _strict_json(x):
+    """``x`` with every NaN or infinite float as None: JSON has no such numbers (``json.dumps`` would
+    write ``NaN`` / ``Infinity``, which strict readers refuse)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict_json(v) for v in x]
+    return x
+
+
 def write_report(payload: dict, stem: Path) -> str:
-    """Write ``stem.json`` (the payload), ``stem.md`` and ``stem.png`` atomically; returns the Markdown.
+    """Write ``stem.json`` (the payload, a NaN or infinite number as null), ``stem.md`` and
+    ``stem.png`` atomically; returns the Markdown.
 
     All three are made before any is written: one that cannot be made (the chart) leaves none."""
     text = report_markdown(payload)
-    blob = json.dumps(payload, indent=2) + "\n"
+    blob = json.dumps(_strict_json(payload), indent=2, allow_nan=False) + "\n"
     png = plot_png(payload)
     write_text(stem.with_suffix(".json"), blob)
     write_text(stem.with_suffix(".md"), text)
