@@ -93,6 +93,19 @@ def _open_tail(tokenizer, ids: list[int], lock: threading.Lock) -> tuple[int, in
     return count, back
 
 
+_specials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → its special tokens' ids
+
+
+def _special_ids(tokenizer, lock: threading.Lock) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special tokens, which its decode leaves out with
+    ``skip_special_tokens`` (none for a tokenizer that names none)."""
+    if tokenizer not in _specials:
+        with lock:
+            added = getattr(tokenizer, "added_tokens_decoder", {})
+            _specials[tokenizer] = frozenset(i for i, t in added.items() if getattr(t, "special", False))
+    return _specials[tokenizer]
+
+
 _runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → (byte token ids → byte, separator)
 
 
@@ -254,14 +267,22 @@ class TextStream:
         out, self.held = text[:cut], text[cut:]
         return out, False
 
+    def _open_tokens(self) -> int:
+        """How many of the last generated tokens hold a character they begin and leave unfinished,
+        from the token of its first byte on (0: none). The special tokens the text leaves out
+        (``skip_special_tokens``) are no bytes of it: one after the character does not finish it."""
+        skipped = _special_ids(self.tokenizer, self.lock) if self.skip_special_tokens else frozenset()
+        at = [i for i in range(self.given, len(self.ids)) if self.ids[i] not in skipped][-4:]  # ≤ 4 bytes a character
+        n = _open_tail(self.tokenizer, [self.ids[i] for i in at], self.lock)[0] if at else 0
+        return len(self.ids) - at[-n] if n else 0
+
     def flush(self) -> tuple[str, bool]:
         """The generation ended: the rest of the text (what was held back), cut before a stop string it
         completes; and whether it did. A character the generated tokens begin and never finish is
         dropped, as vLLM drops it (its U+FFFD would end the text); bytes that are no UTF-8 at all
         stay U+FFFD."""
         new = self._decode(self.ids[self.prefix:])[len(self.prefix_text):]
-        last = self.ids[max(self.given, len(self.ids) - 4):]  # a character is at most four bytes
-        tokens = _open_tail(self.tokenizer, last, self.lock)[0] if new.endswith("\ufffd") and last else 0
+        tokens = self._open_tokens() if new.endswith("\ufffd") else 0
         if tokens and _kind(self.tokenizer)[0] is None:
             # byte tokens (SentencePiece's byte fallback): a run of them that does not decode whole reads
             # U+FFFD a byte, the whole characters before the open one too, so decode without its tokens

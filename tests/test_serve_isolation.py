@@ -356,6 +356,27 @@ def test_a_character_left_unfinished_at_the_end_is_dropped():
     assert _stream([1, 2, 3, 4], (), tok, context=(0,))[0] == " love 🌱"
 
 
+def test_a_character_left_unfinished_before_skipped_special_tokens_is_dropped():
+    """A generation that ends with special tokens, left out of the text (``skip_special_tokens``),
+    after the first bytes of a character: the character is dropped as at any end (its U+FFFD was the
+    text's end: the special tokens' own bytes hid the open character). Kept in the text, a special
+    token ends the character, whose U+FFFD stays."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(vocab={"I": 0, "Ġlove": 1, "ĠðŁ": 2, "Į": 3, "±": 4}, merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    user = tok.convert_tokens_to_ids("<|user|>")
+    assert _stream([1, 2, 3, user], (), tok, context=(0,))[0] == " love "
+    assert _stream([1, 2, user, 3, user, user], (), tok, context=(0,))[0] == " love "
+    assert _stream([1, 2, user, 3, 4, user], (), tok, context=(0,))[0] == " love 🌱"  # finished across it
+    for skip, text in ((True, " love "), (False, " love \ufffd<|user|>")):
+        ts = TextStream(tok, (), threading.Lock(), skip_special_tokens=skip, context=(0,))
+        assert "".join(ts.push(t)[0] for t in (1, 2, user)) + ts.flush()[0] == text
+
+
 def test_a_prompt_cut_anywhere_leaves_the_completion_its_characters(engine):
     """Byte-level BPE: a prompt of the text's first tokens, cut anywhere (inside a character too), and
     the rest generated: the completion's text is the text from the first character the prompt does
