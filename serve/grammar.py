@@ -196,8 +196,6 @@ _FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "h
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "propertyNames",
                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-# keywords whose value is data (JSON values, not schemas), left as they are
-_DATA = ("const", "enum", "default", "examples")
 
 
 def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
@@ -252,8 +250,8 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
 def string_lengths(schema, param: str = "response_format"):
     """``schema`` with every string's ``minLength``/``maxLength`` written as a ``pattern`` of
     :data:`_PLAIN` characters (a string with a length limit holds no escapes). xgrammar's own length
-    limit lets control characters in, and it ignores the limit beside a ``pattern``. Values of
-    :data:`_DATA` keywords are left as they are, and the names of :data:`_SCHEMA_MAPS` are names.
+    limit lets control characters in, and it ignores the limit beside a ``pattern``. Data (``const``,
+    ``enum``, ...) is left as it is (:func:`deltafleet.serve.tools.map_schema`).
 
     Raises:
         InvalidRequestError: a string has both a pattern and a length limit (not supported).
@@ -262,14 +260,7 @@ def string_lengths(schema, param: str = "response_format"):
         return [string_lengths(s, param) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for k, v in schema.items():
-        if k in _DATA:
-            out[k] = v
-        elif k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: string_lengths(s, param) for name, s in v.items()}
-        else:
-            out[k] = string_lengths(v, param)
+    out = tools.map_schema(schema, lambda v: string_lengths(v, param))
     if out.get("type") == "string" and ("minLength" in out or "maxLength" in out):
         if "pattern" in out:
             raise InvalidRequestError("a string with both `pattern` and `minLength`/`maxLength` is not supported "

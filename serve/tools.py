@@ -226,26 +226,34 @@ def call_schema(tools: list[dict], name: str | None = None) -> dict:
     return {**schema, "$defs": defs}
 
 
-# a schema's keywords whose value is data (a ``$ref`` in it is no reference), and those whose value
-# maps names to schemas (a name ``$ref`` is no reference)
-_DATA = ("const", "enum", "default", "examples")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# a schema's keywords whose value is data (a ``$ref`` or a length limit in it is none), and those
+# whose value maps names to schemas (a property named ``$ref`` is no keyword)
+DATA = ("const", "enum", "default", "examples")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def map_schema(node: dict, fn) -> dict:
+    """``node`` (a schema object) with ``fn`` applied to each keyword's value, but the values of
+    :data:`DATA` keywords, left as they are, and the maps of :data:`SCHEMA_MAPS`, whose schemas
+    ``fn`` takes one by one under their names."""
+    out = {}
+    for k, v in node.items():
+        if k in DATA:
+            out[k] = v
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: fn(s) for name, s in v.items()}
+        else:
+            out[k] = fn(v)
+    return out
 
 
 def _rebase(node, root: str):
     """``node`` (a schema) with every local ``$ref`` (``#…``) pointing under ``root`` instead of the
-    document's root; the values of :data:`_DATA` keywords are left as they are."""
+    document's root (:func:`map_schema`: none inside data)."""
     if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
-                out[k] = root + v[1:]
-            elif k in _DATA:
-                out[k] = v
-            elif k in _SCHEMA_MAPS and isinstance(v, dict):
-                out[k] = {name: _rebase(s, root) for name, s in v.items()}
-            else:
-                out[k] = _rebase(v, root)
+        out = map_schema(node, lambda v: _rebase(v, root))
+        if isinstance(out.get("$ref"), str) and out["$ref"].startswith("#"):
+            out["$ref"] = root + out["$ref"][1:]
         return out
     if isinstance(node, list):
         return [_rebase(v, root) for v in node]
