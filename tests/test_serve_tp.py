@@ -17,9 +17,25 @@ from deltafleet.serve.batch import DeltaSlots
 from deltafleet.serve.delta import VariantDelta, artifact_stamp
 from deltafleet.serve.loading import load_model
 from deltafleet.serve.runner import ModelRunner, StepInput
-from deltafleet.serve.tp import shard_delta, shard_model
+from deltafleet.serve.tp import TPContext, shard_delta, shard_model
 
 PROMPTS = [[3, 17, 42, 9, 120, 7], [5, 6, 7], [200, 11, 31, 4]]
+
+
+class WholeRank0(TPContext):
+    """Rank 0 of ``world`` serving the whole model itself (no other rank takes part); the commands it
+    sends, in ``sent``."""
+
+    def __init__(self, world: int):
+        super().__init__(0, world, timeout_s=30)
+        self.sent = []
+
+    @property
+    def shard(self):
+        return 0, 1, None
+
+    def _broadcast(self, cmd):
+        self.sent.append(cmd)
 
 
 def _run(model, coder, writer) -> dict:
@@ -684,24 +700,15 @@ def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_famil
 
     from deltafleet.serve.app import create_app
     from deltafleet.serve.engine import Engine
-    from deltafleet.serve.tp import TPContext
     from tests.conftest import api_error
 
-    class Gone(TPContext):  # rank 0 of 2, serving the whole model itself
-        def __init__(self):
-            super().__init__(0, 2, timeout_s=30)
-            self.sent = []
-
-        @property
-        def shard(self):
-            return 0, 1, None
-
+    class Gone(WholeRank0):  # of 2
         def _broadcast(self, cmd):
-            self.sent.append(cmd[0])
+            super()._broadcast(cmd)
             if cmd[0] == "step":
                 raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
 
-    group = Gone()
+    group = Gone(2)
     engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", tp=group)
     body = {"model": "tiny", "prompt": "def ", "max_tokens": 4}
     with TestClient(create_app(engine)) as tc, caplog.at_level("ERROR"):
@@ -715,7 +722,7 @@ def test_a_failed_group_ends_its_step_and_refuses_every_later_request(tiny_famil
             err = api_error(r, 503)
             assert err["code"] == "engine_failed" and "tensor-parallel rank 1 is gone" in err["message"], err
         engine.shutdown()  # sends nothing: the group failed
-    assert group.sent == ["init", "step"]
+    assert [c[0] for c in group.sent] == ["init", "step"]
     failed = [r for r in caplog.records if "tensor-parallel rank 1 is gone" in r.getMessage()]
     assert len(failed) == 1 and failed[0].exc_info is None
 
@@ -1157,27 +1164,15 @@ def test_a_load_some_ranks_could_not_take_leaves_the_slot_free_on_every_rank(tin
     from deltafleet.serve.app import create_app
     from deltafleet.serve.engine import Engine
     from deltafleet.serve.follower import run_follower
-    from deltafleet.serve.tp import TPContext
 
     changed = "tensor-parallel rank 1: its artifact changed or went on disk since rank 0 read it"
 
-    class Three(TPContext):  # rank 0 of 3, serving the whole model itself: rank 1 cannot take the load
-        def __init__(self):
-            super().__init__(0, 3, timeout_s=30)
-            self.sent = []
-
-        @property
-        def shard(self):
-            return 0, 1, None
-
-        def _broadcast(self, cmd):
-            self.sent.append(cmd)
-
+    class Three(WholeRank0):  # of 3: rank 1 cannot take the load
         def _gather(self, reply):
             return [None, False, False] if self.sent[-1][0] == "reading" else [None, changed, None]
 
     monkeypatch.setattr("deltafleet.serve.tp.shard_delta", lambda delta, rank, world: delta)  # rank 0 holds it whole
-    group = Three()
+    group = Three(3)
     engine = Engine(tiny_family.base_dir, tiny_family.artifacts_dir, family="tiny", tp=group)
     with TestClient(create_app(engine)) as tc:
         r = tc.post("/v1/completions", json={"model": "tiny-coder", "prompt": "def ", "max_tokens": 2})
