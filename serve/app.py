@@ -497,7 +497,7 @@ def http_protocol(head_timeout_s: float | None, parser: str = "auto") -> type:
 
 
 class APIKeyCheck:
-    """ASGI middleware: every path but ``/health`` and ``/metrics`` (the API and its docs) needs
+    """ASGI middleware: every path but :data:`PROBES` (the API and its docs) needs
     ``Authorization: Bearer <key>``, else 401 ``invalid_api_key``. Pure ASGI, not Starlette's
     ``BaseHTTPMiddleware`` (``@app.middleware("http")``), which hands the app a receive of its own: an
     endpoint behind that never saw its client hang up, so an abandoned non-streaming request ran to
