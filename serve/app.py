@@ -11,8 +11,8 @@ variant unavailable, the server shutting down (``shutting_down``: ``app.state.dr
 failed (``engine_failed``), 500 a failed generation (``generation_failed``) or anything unexpected (a
 generic message; the details go to the server log) — none stops the server but a failed engine (a
 tensor-parallel rank died or stopped answering), and ``/openapi.json`` lists each route's. OpenAI
-parameters this server does not implement (``echo``, ``logprobs``, ``tools``, ...) are a 400 unless
-their value asks for nothing. Request bodies are bounded before any work (serve/protocol.py).
+parameters this server does not implement (``suffix``, ``logit_bias``, chat's ``echo``, completions'
+``tools``, ...) are a 400 unless their value asks for nothing. Request bodies are bounded before any work (serve/protocol.py).
 
 An error reaches every request it affects and only those: one request's failed generation ends it
 alone, never its batch. A stream's status line waits for its first token, so that an error until
