@@ -660,7 +660,7 @@ def _read_manifest(path: Path) -> dict:
         raise ArtifactError(f"{path}: no {MANIFEST_NAME}; not a BitDelta artifact folder")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (nested past the parser's depth)
         raise ArtifactError(f"{manifest_path}: cannot parse the manifest ({e})") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{manifest_path}: the manifest must be a JSON object")
@@ -703,7 +703,7 @@ def _tensor_files(path: Path, files: dict) -> dict[str, list[str] | None]:
     if DELTA_INDEX_NAME in files:
         try:
             weight_map = json.loads((path / DELTA_INDEX_NAME).read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ArtifactError(f"{path / DELTA_INDEX_NAME}: not a safetensors index ({e})") from e
         if not isinstance(weight_map, dict):
             raise ArtifactError(f"{path / DELTA_INDEX_NAME}: weight_map must be an object")
@@ -965,7 +965,7 @@ def not_artifact(folder: Path, variant: str | None = None, job: str = "export") 
     manifest, the first few things the folder holds are named (``artifacts/`` itself: its variants)."""
     try:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         held = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
         return f"no readable {MANIFEST_NAME}; it holds {', '.join(held[:4])}{', …' if len(held) > 4 else ''}"
     if variant is not None and isinstance(manifest, dict) and manifest.get("variant") != variant:

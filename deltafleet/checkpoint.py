@@ -55,7 +55,7 @@ def read_json(path: str | Path) -> dict | None:
     (a record beside a checkpoint that may be absent: ``config.json``, ``merge.json``, ...)."""
     try:
         out = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (JSON nested past the parser's depth)
         return None
     return out if isinstance(out, dict) else None
 
@@ -143,7 +143,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes)")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (nested past the parser's depth)
             raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object")
@@ -188,7 +188,7 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 files = sorted(set(weight_map.values()))
-            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
                 raise CheckpointError(f"{index}: not a Hugging Face safetensors index ({e!r})") from e
         elif single.is_file():
             weight_map, files = None, [CHECKPOINT_NAME]

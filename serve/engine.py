@@ -87,7 +87,7 @@ def _manifest_field(manifest: Path, *keys: str):
     artifact's load says why)."""
     try:
         value = json.loads(manifest.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (JSON nested past the parser's depth)
         return None
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None

@@ -1439,3 +1439,23 @@ def test_format_hf_of_a_tied_base_that_stores_its_head_runs_the_fine_tuned_head(
     torch.testing.assert_close(model.model.embed_tokens.weight.detach(), expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(model.get_output_embeddings().weight.detach(), expected, rtol=0, atol=1e-6)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("values", [True, False])
+def test_a_manifest_or_index_nested_past_the_json_parsers_depth_is_an_artifact_error(artifact_dir, tmp_path, values):
+    """Found by a reviewer: JSON nested deeper than Python's parser recurses raised RecursionError, which
+    is no ArtifactError (nor ValueError): it passed the server's handling of unusable artifacts and took
+    its start down. It is a manifest (or an index) that does not parse."""
+    deep = "[" * 100_000 + "]" * 100_000
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    (art / "bitdelta.json").write_text(deep)
+    with pytest.raises(ArtifactError, match=r"bitdelta\.json: cannot parse the manifest \(maximum recursion depth"):
+        load_artifact(art, values=values)
+    sharded = _copy_artifact(artifact_dir, tmp_path / "sharded")
+    manifest = _reshard(sharded)
+    (sharded / "delta.safetensors.index.json").write_text(deep)
+    manifest["files"]["delta.safetensors.index.json"] = bd._sha256_file(sharded / "delta.safetensors.index.json")
+    (sharded / "bitdelta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"delta\.safetensors\.index\.json: not a safetensors index \(maximum "
+                                            r"recursion depth"):
+        load_artifact(sharded, values=values)

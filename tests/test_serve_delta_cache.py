@@ -978,3 +978,26 @@ def test_unload_is_refused_while_a_request_runs_on_the_variants_previous_version
             assert r.status_code == 409, r.text
         finally:
             engine.release(held)
+
+
+def test_a_manifest_nested_past_the_json_parsers_depth_is_unusable_not_a_crash(root, caplog):
+    """Found by a reviewer: a manifest nested deeper than Python's JSON parser recurses raised
+    RecursionError from the scan of the artifact root, so the server did not start (and a later
+    ``/v1/models`` was a 500). It is an artifact whose manifest does not parse: named in a warning at
+    start, listed, and each request for it refused with the reason (503)."""
+    bad = root / "artifacts" / "deep"
+    try:
+        shutil.copytree(root / "artifacts" / "coder", bad)
+        (bad / "bitdelta.json").write_text("[" * 100_000 + "]" * 100_000)
+        with caplog.at_level("WARNING", logger="deltafleet.serve.engine"):
+            engine = _engine(root)
+        said = [r.getMessage() for r in caplog.records if "tiny-deep" in r.getMessage()]
+        assert len(said) == 1 and "bitdelta.json: cannot parse the manifest (maximum recursion depth" in said[0], said
+        assert [c.id for c in engine.discover()] == ["tiny", "tiny-coder", "tiny-deep", "tiny-writer"]
+        with pytest.raises(VariantUnavailableError, match=r"`tiny-deep` is unavailable: deep/bitdelta\.json: cannot parse "
+                                                          r"the manifest \(maximum recursion depth"):
+            engine.get_delta("tiny-deep")
+        assert engine.cache.tier("tiny-deep") == "disk"
+        assert engine.complete("tiny-coder", "def main(", GREEDY).completion_tokens >= 1
+    finally:
+        shutil.rmtree(bad)
