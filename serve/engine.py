@@ -84,7 +84,9 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 def _manifest_field(manifest: Path, *keys: str):
     """``manifest[keys[0]][keys[1]]...`` of an artifact manifest, or None where it cannot be read (the
-    artifact's load says why)."""
+    artifact's load says why). Only a regular file is read: a named pipe would block for ever."""
+    if not manifest.is_file():
+        return None
     try:
         value = json.loads(manifest.read_text())
     except (OSError, ValueError, RecursionError):  # (JSON nested past the parser's depth)
@@ -471,6 +473,8 @@ class Engine:
             root = self.artifacts_dir.resolve()
             for manifest in sorted(self.artifacts_dir.glob(f"*/{MANIFEST_NAME}")):
                 if manifest.parent.name.startswith("."):  # temp or old folders of an atomic write
+                    continue
+                if not manifest.is_file():  # no manifest (a named pipe, a link to a device: reading one blocks)
                     continue
                 if not re.fullmatch(VARIANT_NAME, manifest.parent.name):  # no load route could name it again
                     if manifest.parent.name not in self._misnamed:

@@ -3,6 +3,7 @@ flight protecting their variant, hot load/unload confined to the artifact root, 
 API key (with the real ``openai`` client), and the cache's metrics."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from fastapi.testclient import TestClient
 from deltafleet.serve.app import create_app
 from deltafleet.serve.cache import DeltaCache
 from deltafleet.serve.engine import Engine, SamplingParams, VariantUnavailableError
+from deltafleet.serve.request import ModelNotFoundError
 from tests.conftest import api_error
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -1000,4 +1002,28 @@ def test_a_manifest_nested_past_the_json_parsers_depth_is_unusable_not_a_crash(r
         assert engine.cache.tier("tiny-deep") == "disk"
         assert engine.complete("tiny-coder", "def main(", GREEDY).completion_tokens >= 1
     finally:
+        shutil.rmtree(bad)
+
+
+def test_a_manifest_that_is_no_regular_file_does_not_hang_the_scan(root):
+    """Found by a reviewer: the scan of the artifact root read every ``*/bitdelta.json`` it found, so a
+    named pipe there (as a symbolic link to a device would be) blocked the server's start for ever. Only
+    a regular file is read as a manifest; the folder is no artifact, and a request for it is a 404."""
+    bad = root / "artifacts" / "pipe"
+    bad.mkdir()
+    os.mkfifo(bad / "bitdelta.json")
+    started: list = []
+    try:
+        t = threading.Thread(target=lambda: started.append(_engine(root)), daemon=True)
+        t.start()
+        t.join(60)
+        assert started, "the engine's start blocked on a named pipe in the artifact root"
+        engine = started[0]
+        assert engine.complete("tiny-coder", "def main(", GREEDY).completion_tokens >= 1
+        with pytest.raises(ModelNotFoundError, match=r"^The model `tiny-pipe` does not exist$"):
+            engine.get_delta("tiny-pipe")
+        assert "tiny-pipe" not in [c.id for c in engine.discover()]
+    finally:
+        with contextlib.suppress(OSError):  # a reader still blocked in open() gets end of file
+            os.close(os.open(bad / "bitdelta.json", os.O_WRONLY | os.O_NONBLOCK))
         shutil.rmtree(bad)
