@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from deltafleet.checkpoint import Checkpoint
 from deltafleet.serve.model import ModelArgs, Transformer
 from deltafleet.serve.tp import _kind, shard_model, slice_for
 
@@ -23,6 +24,8 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu", d
 
     Raises:
         FileNotFoundError: if ``config.json`` or the safetensors weights are missing.
+        CheckpointError: a malformed index or header, a shard the index names missing or outside the
+            folder (:class:`deltafleet.checkpoint.Checkpoint`; a ValueError).
         NotImplementedError: on an unsupported architecture (see :meth:`ModelArgs.from_hf_config`).
         ValueError: if the checkpoint's tensors do not match the config.
     """
@@ -33,10 +36,11 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu", d
     full_shapes = model.hf_param_shapes()  # what a (whole) variant's deltas are checked against
     if tp is not None:
         shard_model(model, *tp)
-    index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    if not (d / files[0]).is_file():
+    # the files as the checkpoint reader finds them: its index checked (shards present, in the folder, holding
+    # what it maps to them) and every header against its file's size
+    if not (d / "model.safetensors.index.json").is_file() and not (d / "model.safetensors").is_file():
         raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+    files = sorted({info.file.name for info in Checkpoint(d).tensors.values()})
     state: dict[str, Tensor] = {}
     for f in files:
         with safe_open(d / f, framework="pt", device="cpu") as sf:

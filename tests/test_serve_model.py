@@ -187,3 +187,42 @@ def test_model_args_from_hf_config_and_presets():
     assert ModelArgs.from_name("llama-2-70b").n_local_heads == 8
     with pytest.raises(NotImplementedError, match="gpt2"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})
+
+
+def test_a_sharded_base_whose_index_is_malformed_or_names_a_missing_shard_is_a_checkpoint_error(tmp_path):
+    """Found by a reviewer: the served base's index was read apart from the checkpoint reader, so an
+    index without ``weight_map`` raised KeyError, one whose ``weight_map`` is no object AttributeError,
+    and one naming a shard outside the folder read that file. They are CheckpointErrors naming the
+    index or the shard, as the export's reader (``deltafleet.checkpoint.Checkpoint``) gives."""
+    import json
+    import shutil
+
+    from deltafleet.checkpoint import CheckpointError
+
+    hf = tiny_llama(97)
+    hf.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    index_path = tmp_path / "m" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    load_model(tmp_path / "m")  # as saved
+    for edit, match in [
+        (lambda i: i.pop("weight_map"), r"model\.safetensors\.index\.json: not a Hugging Face safetensors index "
+                                        r"\(KeyError\('weight_map'\)\)"),
+        (lambda i: i.update(weight_map=[]), r"model\.safetensors\.index\.json: not a Hugging Face safetensors index "
+                                            r"\(AttributeError"),
+        (lambda i: i["weight_map"].update({k: f"../other/{shards[-1]}" for k, v in i["weight_map"].items()
+                                           if v == shards[-1]}),
+         rf"shard '\.\./other/{shards[-1]}' listed in the index is missing"),
+    ]:
+        broken = json.loads(json.dumps(index))
+        edit(broken)
+        index_path.write_text(json.dumps(broken))
+        (tmp_path / "other").mkdir(exist_ok=True)
+        shutil.copyfile(tmp_path / "m" / shards[-1], tmp_path / "other" / shards[-1])
+        with pytest.raises(CheckpointError, match=match):
+            load_model(tmp_path / "m")
+    index_path.write_text(json.dumps(index))
+    (tmp_path / "m" / shards[-1]).unlink()
+    with pytest.raises(CheckpointError, match=rf"shard '{shards[-1]}' listed in the index is missing"):
+        load_model(tmp_path / "m")
