@@ -747,9 +747,9 @@ def load_artifact(
     its sha256; every ``P.sign`` is uint8 ``[d_out, ceil(d_in/8)]`` with a finite, non-negative
     ``P.alpha``: float32 ``[]`` (granularity matrix) or ``[d_out]`` (granularity row), or float16
     ``[d_out]`` with a finite, non-negative float16 ``P.beta`` ``[d_in]`` (granularity rowcol); every
-    floating tensor stored in full is finite. A tensor named ``X.alpha`` or ``X.beta`` with no
-    ``X.sign`` is a parameter stored in full (:func:`materialize` refuses one whose ``X`` is a
-    parameter: a scale that lost its signs).
+    floating tensor stored in full is finite, and none is also stored as signs. A tensor named
+    ``X.alpha`` or ``X.beta`` with no ``X.sign`` is a parameter stored in full (:func:`materialize`
+    refuses one whose ``X`` is a parameter: a scale that lost its signs).
 
     Args:
         path: the artifact folder (``artifacts/<variant>/``).
@@ -851,6 +851,9 @@ def load_artifact(
         elif name.endswith((ALPHA_SUFFIX, BETA_SUFFIX)) and name.rsplit(".", 1)[0] + SIGN_SUFFIX in tensors:
             continue  # taken with its sign
         else:
+            if name + SIGN_SUFFIX in tensors:  # which of the two is the variant cannot be told
+                raise ArtifactError(f"{path}: {name} is stored both in full and as packed signs "
+                                    f"({name + SIGN_SUFFIX})")
             _check_full(path, name, t)
             art.full[name] = t
     return art

@@ -1459,3 +1459,16 @@ def test_a_manifest_or_index_nested_past_the_json_parsers_depth_is_an_artifact_e
     with pytest.raises(ArtifactError, match=r"delta\.safetensors\.index\.json: not a safetensors index \(maximum "
                                             r"recursion depth"):
         load_artifact(sharded, values=values)
+
+
+@pytest.mark.parametrize("values", [True, False])
+def test_a_parameter_stored_both_in_full_and_as_signs_is_an_artifact_error(family, artifact_dir, tmp_path, values):
+    """Found by a reviewer: an artifact holding ``P`` in full beside ``P.sign``/``P.alpha`` (the export
+    never writes both) loaded, and ``materialize`` took the full tensor and dropped the signs without a
+    word. Which of the two is the variant cannot be told: the reader refuses it, naming ``P``."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    full = load_file(family[1] / "model.safetensors")[W]
+    _rewrite_delta(art, lambda t: t.update({W: full}))
+    with pytest.raises(ArtifactError, match=rf"art: {re.escape(W)} is stored both in full and as packed signs "
+                                            rf"\({re.escape(W)}\.sign\)"):
+        load_artifact(art, values=values)
