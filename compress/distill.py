@@ -451,7 +451,8 @@ def distill_scales(
                       lambda f: not_artifact(f, artifact.manifest.get("variant"), "distillation"), job="distillation")
     if not artifact.signs:
         log.warning("%s has no compressed matrices: nothing to distil, α is copied as is", artifact_dir)
-    source_ft = (artifact.manifest.get("provenance") or {}).get("finetuned") or {}
+    source_prov = artifact.manifest.get("provenance")  # informational: the reader does not check it
+    source_ft = (source_prov.get("finetuned") if isinstance(source_prov, dict) else None) or {}
     exported_from = source_ft.get("fingerprint") if isinstance(source_ft, dict) else None
     if exported_from is not None and exported_from != (teacher_fp := fingerprint(finetuned_dir)):
         log.warning("%s was exported from a fine-tune with fingerprint %s, but the teacher %s has %s",
@@ -571,11 +572,12 @@ def _write_distilled(artifact: Artifact, scales: dict[str, torch.Tensor], out_di
 
         out = json.loads(json.dumps(manifest))  # a deep copy
         out["files"] = new_files
-        stats = out.setdefault("stats", {})
+        # stats and provenance are informational (the reader does not check them): another value is none
+        stats = out["stats"] = out["stats"] if isinstance(out.get("stats"), dict) else {}
         parameters = stats.get("parameters") or 0
         stats["bytes"] = nbytes
         stats["bits_per_parameter"] = 8 * nbytes / parameters if parameters else 0.0
-        prov = dict(out.get("provenance") or {})
+        prov = dict(out["provenance"]) if isinstance(out.get("provenance"), dict) else {}
         prov.update({
             "run_id": uuid.uuid4().hex,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

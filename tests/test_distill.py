@@ -619,3 +619,20 @@ def test_beta_lr_is_checked_as_lr_is(tmp_path, beta_lr):
     with pytest.raises(ValueError, match=r"^beta_lr must be a finite number > 0, got "):
         distill_scales(base, ft, art, tmp_path / "out", calib, steps=1, lr=1e-4, beta_lr=beta_lr, batch_size=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_whose_provenance_and_stats_are_no_objects_is_distilled(tiny_family, calib, tmp_path):
+    """Found by a reviewer: ``provenance`` and ``stats`` are informational (the reader does not check
+    them), but distillation read them as objects: a string or a list there raised AttributeError or
+    ValueError after the artifact had loaded. They are taken as empty, and the output's are objects."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_family.artifacts_dir / "coder", src)
+    manifest = json.loads((src / "bitdelta.json").read_text())
+    (src / "bitdelta.json").write_text(json.dumps({**manifest, "provenance": "exported by hand", "stats": []}))
+    out = distill_scales(tiny_family.base_dir, tiny_family.variants["coder"], src, tmp_path / "out", calib[:2],
+                         steps=1, lr=1e-3)
+    assert out["provenance"]["distillation"]["steps"] == 1 and "finetuned" not in out["provenance"]
+    assert out["stats"] == {"bytes": sum(f.stat().st_size for f in (tmp_path / "out").iterdir()
+                                         if f.name != "bitdelta.json"), "bits_per_parameter": 0.0}
+    assert json.loads((tmp_path / "out" / "bitdelta.json").read_text()) == out
+    load_artifact(tmp_path / "out")
