@@ -677,6 +677,8 @@ def _read_manifest(path: Path) -> dict:
     for key in ("variant", "base", "granularity", "files"):
         if key not in manifest:
             raise ArtifactError(f"{manifest_path}: missing required key {key!r}")
+    if not isinstance(manifest["variant"], str) or not manifest["variant"]:
+        raise ArtifactError(f"{manifest_path}: variant must be a non-empty string, got {manifest['variant']!r}")
     if manifest["granularity"] not in GRANULARITIES:
         raise ArtifactError(
             f"{manifest_path}: granularity {manifest['granularity']!r} is not one of {GRANULARITIES}"

@@ -423,6 +423,9 @@ def test_tampered_file_is_rejected(artifact_dir, tmp_path):
         ({"format": "lora"}, "format is 'lora'"),
         ({"granularity": "column"}, "granularity 'column'"),
         ({"files": {"../model.safetensors": "00"}}, "plain file name"),
+        # found by a reviewer: loaded, and the variant's name was then a number or None
+        ({"variant": 5}, "variant must be a non-empty string, got 5"),
+        ({"variant": None}, "variant must be a non-empty string, got None"),
     ],
 )
 def test_bad_manifest_is_rejected(artifact_dir, tmp_path, edit, match):
