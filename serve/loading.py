@@ -59,4 +59,9 @@ def load_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu", d
     missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
     if missing or unexpected:
         raise ValueError(f"{d}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    expected = model.state_dict()
+    wrong = [f"{k} {tuple(t.shape)} (config: {tuple(expected[k].shape)})" for k, t in state.items()
+             if t.shape != expected[k].shape]
+    if wrong:
+        raise ValueError(f"{d}: checkpoint does not match its config: shapes of {', '.join(wrong[:5])}")
     return model.adopt(state, full_shapes, device)

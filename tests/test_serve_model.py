@@ -226,3 +226,21 @@ def test_a_sharded_base_whose_index_is_malformed_or_names_a_missing_shard_is_a_c
     (tmp_path / "m" / shards[-1]).unlink()
     with pytest.raises(CheckpointError, match=rf"shard '{shards[-1]}' listed in the index is missing"):
         load_model(tmp_path / "m")
+
+
+def test_a_base_tensor_of_another_shape_than_its_config_is_a_value_error(tmp_path):
+    """Found by a reviewer: a base whose tensor's shape differs from its config raised RuntimeError
+    ("size mismatch") from load_state_dict, not the ValueError load_model documents."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_llama(97)
+    hf.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    state = load_file(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    shape = tuple(state[name].shape)
+    state[name] = state[name][:, :-8].contiguous()
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"checkpoint does not match its config: shapes of layers\.0\.mlp\.down_proj"
+                                         rf"\.weight \({shape[0]}, {shape[1] - 8}\) \(config: \({shape[0]}, {shape[1]}\)\)"):
+        load_model(tmp_path / "m")
