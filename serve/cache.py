@@ -148,7 +148,7 @@ class DeltaCache:
 
     def add_listener(self, fn: CacheListener) -> None:
         """``fn(event, model_id, seconds, tier)`` on hit, miss, load (tier it came from), load_failed
-        and evict (tier it left)."""
+        and evict (tier it left); each :meth:`acquire` is one hit or one miss, whatever it retries."""
         self._listeners.append(fn)
 
     def remove_listener(self, fn: CacheListener) -> None:
@@ -309,6 +309,7 @@ class DeltaCache:
                     return join
         deadline = time.monotonic() + self.wait_timeout
         counted = False  # this request counted in the variant's popularity (once, however many tries)
+        missed = False  # this request's miss emitted: a try after it (a changed artifact) is no other request
         while True:
             stamp = self._stamp(model_id)
             with self._lock:
@@ -333,9 +334,12 @@ class DeltaCache:
                     e = self._entries.setdefault(model_id, _Entry(model_id, count=e.count, t_count=e.t_count))
                 e.in_flight += 1
                 if e.device is not None:
-                    self._emit("hit", model_id)
+                    if not missed:
+                        self._emit("hit", model_id)
                     return e.device
-            self._emit("miss", model_id)
+            if not missed:
+                self._emit("miss", model_id)
+                missed = True
             try:
                 dev, read = self._load(e, stamp, deadline)
             except BaseException:

@@ -533,6 +533,8 @@ def test_a_request_that_sees_a_changed_artifact_does_not_take_the_old_versions_r
     first.join(10)
     second.join(10)
     assert disk.reads["a"] == 2 and got["second"] is not got["first"]
+    # each request counted once, a miss (found by a reviewer: the second, reading again, counted two)
+    assert [ev for ev in events if ev[0] in ("hit", "miss")] == [("miss", "a", None)] * 2
     state = cache.snapshot()["a"]  # the new version's request, and the old one's, retired
     assert (state["in_flight"], state["in_flight_old"]) == (2, 1)
     cache.release("a", got["first"])
