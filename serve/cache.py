@@ -464,7 +464,8 @@ class DeltaCache:
         return was
 
     def unload(self, model_id: str) -> bool:
-        """Drop a variant from every tier. Returns False if it was not cached.
+        """Drop a variant from every tier, and what the cache knows of it (its request count: it
+        leaves :meth:`snapshot`). Returns False if it was not cached.
 
         Raises:
             RuntimeError: if it has requests in flight.
@@ -475,10 +476,11 @@ class DeltaCache:
             in_flight = (e.in_flight if e is not None else 0) + self._retired_in_flight(model_id)
             if in_flight:
                 raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
-            if e is None or (e.device is None and e.host is None):
+            if e is None:
                 return False
+            cached = e.device is not None or e.host is not None
             self._drop(e)
-            return True
+            return cached
 
     def discard(self, model_id: str) -> None:
         """Drop a variant whose artifact is gone from disk from every tier: now, or, with requests in

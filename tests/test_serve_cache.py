@@ -295,6 +295,20 @@ def test_unload_refuses_a_variant_in_flight():
     assert cache.load("a") == "device"
 
 
+def test_unload_forgets_a_variant_whose_deltas_left_every_tier_already():
+    """Found by a reviewer: a variant evicted to the disk tier (no host tier) and then unloaded stayed in
+    the snapshot (``/v1/delta_cache``) with its request count, unlike one unloaded from the device,
+    and a load of it again went on counting from it."""
+    cache, _ = make(Disk({"a": 100, "b": 100}), device_budget_bytes=100, host_budget_bytes=0)
+    for _ in range(3):
+        use(cache, "a")
+    use(cache, "b")  # a leaves the device, and is kept nowhere
+    assert cache.snapshot()["a"]["tier"] == "disk"
+    assert cache.unload("a") is False and "a" not in cache.snapshot()
+    use(cache, "a")
+    assert cache.snapshot()["a"]["requests"] == 1.0
+
+
 def test_a_host_copy_moving_up_is_not_evicted_by_the_demotion_it_makes_room_with():
     """One device slot, one host slot: a on the host, b on the device. a's load demotes b to the host
     tier, where a's own copy is still counted until it is on the device: that copy is not the host
