@@ -1352,6 +1352,13 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                     c.set()
             await asyncio.sleep(DISCONNECT_POLL_S)
 
+    ending: set[asyncio.Future] = set()  # choices of a failed stream read to their ends (held from the GC)
+
+    async def read_out(items: AsyncIterator) -> None:
+        with contextlib.suppress(Exception):  # counted by steps() as it ends
+            async for _ in items:
+                pass
+
     async def stream(reqs, arrival: float, http: Request, chunk, include_usage: bool,
                      prompt_tokens: int, choice_prompt_tokens: list[int] | None = None) -> StreamingResponse:
         """SSE: ``chunk(text, finish_reason, first, index)`` per step of choice ``index`` (of ``reqs``)
@@ -1377,6 +1384,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         except Exception as e:
             for _, cancel in jobs:
                 cancel.set()
+            for rest in items[1:]:  # read to their ends, cut off, so each choice is counted (as run's are)
+                ending.add(task := asyncio.ensure_future(read_out(rest)))
+                task.add_done_callback(ending.discard)
             raise _api_error(e) from None
         finally:
             watch.cancel()

@@ -129,6 +129,27 @@ def test_a_failed_request_is_a_500_and_its_batch_goes_on(nan_writer):
     assert got[3].json()["usage"] == alone[1].json()["usage"]
 
 
+def test_every_choice_of_a_failed_request_is_counted_streamed_or_not(nan_writer):
+    """Each choice of a request whose generation fails counts once in ``request_success`` (an error,
+    or an abort where it was cut off for its sibling's), streamed as not. Found by a reviewer: a stream
+    whose first choice failed before its first token counted that choice alone, the others never."""
+    def ended(tc) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in tc.get("/metrics").text.splitlines()
+                   if line.startswith('deltafleet:request_success_total{') and 'model_name="tiny-writer"' in line)
+
+    body = {"model": "tiny-writer", "prompt": "The quick brown", **GREEDY, "n": 3}
+    with TestClient(create_app(nan_writer)) as tc:
+        for stream in (False, True):
+            before = ended(tc)
+            assert api_error(tc.post("/v1/completions", json={**body, "stream": stream}), 500)["code"] \
+                == "generation_failed"
+            deadline = time.time() + 10
+            while ended(tc) - before < 3 and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # (none counted twice)
+            assert ended(tc) - before == 3, stream
+
+
 def _texts(r) -> tuple[str, str]:
     """A stream's whole text and its finish reason (it ends with a finish, then [DONE])."""
     events = _events(r)
