@@ -1066,16 +1066,20 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
                            "as a variant", param="variant", code="base_model")
         t0 = time.perf_counter()
         name = body.variant.removeprefix(f"{engine.family}-")  # a model id works too
-        events = []
+        events, loader = [], []
 
-        def note(ev, m, s, tier):
-            if m == f"{engine.family}-{name}" and ev in ("hit", "load"):
+        def note(ev, m, s, tier):  # this load's own events: a request's on another thread are not its tier
+            if m == f"{engine.family}-{name}" and ev in ("hit", "load") and threading.get_ident() in loader:
                 events.append("device" if ev == "hit" else tier)
+
+        def add():
+            loader.append(threading.get_ident())
+            return engine.add_variant(name, body.path)
 
         counted = metrics.has_model(f"{engine.family}-{name}")  # served before (or now): its counters stay
         engine.add_listener(note)
         try:
-            card = await run_in_threadpool(engine.add_variant, name, body.path)
+            card = await run_in_threadpool(add)
         except Exception as e:
             if not counted:  # its load's events made series of its own: gone with the name
                 metrics.remove_model(f"{engine.family}-{name}")

@@ -431,6 +431,28 @@ def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, 
         assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]["tier"] == "disk"  # no host tier
 
 
+def test_a_hot_loads_tier_is_its_own_not_a_concurrent_requests(root, monkeypatch):
+    """Found by a reviewer: ``loaded_from`` was the last hit or load of the variant on any thread, so a
+    request that hit the variant while a cold load returned made the load say ``device``."""
+    import threading
+
+    engine = _engine(root)
+    add_variant = engine.add_variant
+
+    def add_then_a_request_hits(name, path=None):
+        card = add_variant(name, path)
+        t = threading.Thread(target=lambda: engine.cache.release(card.id, engine.cache.acquire(card.id)))
+        t.start()
+        t.join()
+        return card
+
+    monkeypatch.setattr(engine, "add_variant", add_then_a_request_hits)
+    with TestClient(create_app(engine)) as tc:
+        r = tc.post("/v1/load_variant", json={"variant": "tiny-again", "path": "coder"})
+        assert r.status_code == 200 and r.json()["loaded_from"] == "disk", r.json()
+        assert tc.post("/v1/load_variant", json={"variant": "again", "path": "coder"}).json()["loaded_from"] == "device"
+
+
 def test_hot_load_edge_cases_found_by_a_fresh_user(root, tmp_path):
     """A NUL byte in `path` (400), replacing a variant that is running (409), a model id as the name,
     unloading the base (400 naming it), and a symbolic link in the root that points outside (not served)."""
