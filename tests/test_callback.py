@@ -237,6 +237,27 @@ def test_a_resume_without_merge_state_takes_w_base_from_the_base(tmp_path):
             assert getattr(cb, "base_dir", None) == want
 
 
+def test_step_checkpoint_with_epoch_end_validation_saves_after_it(tmp_path):
+    """Found by a reviewer: with validation at each epoch's end (``check_val_every_n_epoch=1``,
+    ``val_check_interval=1.0``) a step checkpoint due at an epoch's last batch was deferred to the
+    validation's end, where Lightning saves only for validation run within the epoch: none was written.
+    It is now written once that validation has ended, holding the best checkpoint it found."""
+    from deltafleet.train.callbacks import StepCheckpoint
+
+    soup = MonoSoupCallback(every_n_steps=100, val_batches=1)
+    ckpt = StepCheckpoint(dirpath=tmp_path / "ckpt", filename="step{step:06d}", every_n_train_steps=4,
+                          save_top_k=-1, save_last=True, auto_insert_metric_name=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, limit_train_batches=4, check_val_every_n_epoch=1,
+                        val_check_interval=1.0, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[soup, ckpt],
+                        default_root_dir=str(tmp_path))
+    trainer.fit(make_module(), datamodule=BlocksDataModule())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt", "step000004.ckpt",
+                                                                     "step000008.ckpt"]
+    state = torch.load(tmp_path / "ckpt" / "step000004.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 4 and state["callbacks"]["MonoSoupCallback"]["best_step"] == 4
+
+
 def test_ddp_two_ranks_merge_identically(tmp_path, method="monosoup"):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}

@@ -39,6 +39,18 @@ class StepCheckpoint(ModelCheckpoint):
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning saves a deferred checkpoint here only where it saves at validation end; with validation
+        # at each epoch's end it saves at the train epoch's end, where a step checkpoint is not due: save it now
+        if (self._defer_save_until_validation and self._should_save_on_train_epoch_end(trainer)
+                and not self._should_skip_saving_checkpoint(trainer)):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+            self._defer_save_until_validation = False
+            return
+        super().on_validation_end(trainer, pl_module)
+
     @staticmethod
     def _validates_next(trainer: L.Trainer) -> bool:
         """Whether the fit loop runs a validation after this batch (its own test, as it makes it next)."""
