@@ -475,7 +475,7 @@ class DeltaCache:
             # (also while its first load runs: it would land after; and on an old version of it)
             in_flight = (e.in_flight if e is not None else 0) + self._retired_in_flight(model_id)
             if in_flight:
-                raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
+                raise RuntimeError(f"variant `{model_id}` has {in_flight} request{'s' * (in_flight != 1)} in flight")
             if e is None:
                 return False
             cached = e.device is not None or e.host is not None

@@ -286,7 +286,7 @@ def test_failed_read_is_not_cached_and_frees_its_request():
 def test_unload_refuses_a_variant_in_flight():
     cache, _ = make(Disk({"a": 100}))
     cache.acquire("a")
-    with pytest.raises(RuntimeError, match="variant `a` has 1 requests in flight"):
+    with pytest.raises(RuntimeError, match="variant `a` has 1 request in flight"):
         cache.unload("a")
     cache.release("a")
     assert cache.unload("a") is True and cache.tier("a") == "disk" and cache.device_bytes == 0
@@ -392,7 +392,7 @@ def test_unload_refuses_a_variant_whose_first_load_runs():
         while disk.reads["a"] == 0:
             assert time.time() < deadline
             time.sleep(0.005)
-        with pytest.raises(RuntimeError, match="variant `a` has 1 requests in flight"):
+        with pytest.raises(RuntimeError, match="variant `a` has 1 request in flight"):
             cache.unload("a")
     finally:
         disk.gates["a"].set()

@@ -218,7 +218,7 @@ def test_unload_stops_serving_a_variant_until_it_is_loaded_again(tiny_family):
 
         held = engine.prepare("tiny-writer", engine.encode_prompt("x"), SamplingParams(**GREEDY))
         assert api_error(tc.post("/v1/unload_variant", json={"variant": "writer"}), 409) == {
-            "message": "variant `tiny-writer` has 1 requests in flight; retry when they have finished",
+            "message": "variant `tiny-writer` has 1 request in flight; retry when they have finished",
             "type": "invalid_request_error", "param": "variant", "code": "variant_in_use"}
         assert "tiny-writer" in [m["id"] for m in tc.get("/v1/models").json()["data"]]
         engine.release(held)
