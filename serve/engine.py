@@ -859,7 +859,7 @@ class Engine:
             in_flight = self.cache.snapshot().get(model_id, {}).get("in_flight", 0)  # also while it loads
             try:
                 if in_flight:
-                    raise RuntimeError(f"variant `{model_id}` has {in_flight} requests in flight")
+                    raise RuntimeError(f"variant `{model_id}` has {in_flight} request{'s' * (in_flight != 1)} in flight")
                 self.cache.unload(model_id)
             except RuntimeError as e:
                 raise self._in_use(e) from None
