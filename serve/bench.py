@@ -1125,18 +1125,16 @@ def predicted_memory(cfg: DictConfig) -> list[dict] | dict:
     the free memory) None, and the KV cache out of ``total_bytes``. ``{"error": ...}`` where that
     cannot be computed."""
     try:
+        from deltafleet.serve.engine import KV_BLOCK_SIZE, kv_cache_blocks
         from deltafleet.serve.synthetic import predict_memory
 
         server = OmegaConf.to_container(cfg.server, resolve=True) if cfg.get("server") else {}
         ctx = cfg.max_position_embeddings
         kv_opts = server.get("kv_cache") or {}
-        block = kv_opts.get("block_size") or 128  # serve/engine.py's default
-        most = server.get("max_batch", 8) * -(-ctx // block)  # blocks: max_batch full contexts
+        block = kv_opts.get("block_size") or KV_BLOCK_SIZE
         tokens = kv_opts.get("max_tokens")
-        if tokens is not None:
-            tokens = min(most, tokens // block) * block
-        elif cfg.device == "cpu":
-            tokens = most * block
+        if tokens is not None or cfg.device == "cpu":  # else the server sizes it from the free memory
+            tokens = kv_cache_blocks(block, server.get("max_batch", 8), ctx, tokens) * block
         out = []
         for r in range(cfg.tp):
             one = predict_memory(synthetic_shape(cfg), world=cfg.tp, rank=r, n_slots=cfg.variants,

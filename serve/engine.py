@@ -62,6 +62,15 @@ from deltafleet.serve.synthetic import read_synthetic
 MANIFEST_NAME = "bitdelta.json"
 _MARK = re.compile("\ue000(\\d+)\ue001")  # encode_chat's placeholder of message i
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the dtypes served
+KV_BLOCK_SIZE = 128  # tokens a KV block unless kv_cache.block_size says otherwise
+
+
+def kv_cache_blocks(block_size: int, max_batch: int, context: int, max_tokens: int | None) -> int:
+    """Blocks of the paged KV cache before the device's free memory is counted: ``max_batch`` full
+    contexts (each in whole blocks), within ``max_tokens`` where it is set (whole blocks, as vLLM
+    rounds)."""
+    most = max_batch * -(-context // block_size)
+    return most if max_tokens is None else min(most, max_tokens // block_size)
 log = logging.getLogger(__name__)
 # event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (load time for "load" and
 # "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction left: "device"/"host")
@@ -340,7 +349,7 @@ class Engine:
                 raise ValueError(f"kv_cache.{key} must be {what}, got {value!r}")
             return kind(value)
 
-        block_size = number("block_size", 128, int, lambda v: v >= 1, "an integer ≥ 1")
+        block_size = number("block_size", KV_BLOCK_SIZE, int, lambda v: v >= 1, "an integer ≥ 1")
         max_tokens = number("max_tokens", None, int, lambda v: v >= block_size,
                             f"null or an integer ≥ kv_cache.block_size ({block_size})")
         utilization = number("gpu_memory_utilization", 0.9, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -350,16 +359,12 @@ class Engine:
         attn = self.model.layers[0].self_attn
         per_block = PagedKVCache.bytes_per_block(len(self.model.layers), attn.n_kv, attn.head_dim, block_size,
                                                  self.dtype)
-        most = max_batch * -(-self.max_model_len // block_size)  # max_batch full contexts
-        if max_tokens is not None:
-            n_blocks = min(most, max_tokens // block_size)  # whole blocks within the cap, as vLLM rounds
-        elif self.device.type == "cuda":
+        n_blocks = kv_cache_blocks(block_size, max_batch, self.max_model_len, max_tokens)
+        if max_tokens is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             left = free - (1 - utilization) * total  # vLLM's gpu_memory_utilization: of the whole device
             # Tensor-parallel ranks hold equal slices: rank 0's figure is every rank's (sent with "init").
-            n_blocks = min(most, BlockPool.blocks_for_memory(max(0, int(left)), per_block, 1.0))
-        else:
-            n_blocks = most
+            n_blocks = min(n_blocks, BlockPool.blocks_for_memory(max(0, int(left)), per_block, 1.0))
         if n_blocks < 1:
             raise ValueError(f"no room for one KV block of {block_size} tokens ({per_block} bytes): lower "
                              "delta_cache.device_slots or raise kv_cache.gpu_memory_utilization")
