@@ -203,7 +203,8 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
     ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
     repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
     constraints beside it, and a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
-    :data:`_FORMATS` (xgrammar accepts them and ignores them, so the output could break the schema).
+    :data:`_FORMATS` or beside ``anyOf``/``oneOf`` (xgrammar accepts them and ignores them, so the
+    output could break the schema).
 
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
@@ -234,6 +235,11 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
         for key in ("pattern", "minLength", "maxLength"):
             if key in schema:
                 refuse(key, f" beside `format: {schema['format']}`")
+    for union in ("anyOf", "oneOf"):  # xgrammar writes the branches alone, a nullable string's limit unheld
+        if union in schema:
+            for key in ("pattern", "minLength", "maxLength"):
+                if key in schema:
+                    refuse(key, f" beside `{union}` (write it in the string's subschema)")
     if "allOf" in schema:
         sub = schema["allOf"]
         if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:
@@ -250,7 +256,9 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
 def string_lengths(schema, param: str = "response_format"):
     """``schema`` with every string's ``minLength``/``maxLength`` written as a ``pattern`` of
     :data:`_PLAIN` characters (a string with a length limit holds no escapes). xgrammar's own length
-    limit lets control characters in, and it ignores the limit beside a ``pattern``. Data (``const``,
+    limit lets control characters in, and it ignores the limit beside a ``pattern``. A schema of
+    several types, one of them ``string`` (a nullable string: ``"type": ["string", "null"]``), is
+    held to the same rules: the pattern binds only its strings. Data (``const``,
     ``enum``, ...) is left as it is (:func:`deltafleet.serve.tools.map_schema`).
 
     Raises:
@@ -261,7 +269,8 @@ def string_lengths(schema, param: str = "response_format"):
     if not isinstance(schema, dict):
         return schema
     out = tools.map_schema(schema, lambda v: string_lengths(v, param))
-    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out):
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "string" in types and ("minLength" in out or "maxLength" in out):
         if "pattern" in out:
             raise InvalidRequestError("a string with both `pattern` and `minLength`/`maxLength` is not supported "
                                       "in structured output", param, "invalid_constraint")

@@ -150,6 +150,36 @@ def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
         assert ended and text in ("😀x", "b"), text
 
 
+def test_a_nullable_string_is_held_to_a_plain_strings_length_rules(grammars):
+    """Found by a reviewer: ``"type": ["string", "null"]`` kept xgrammar's own length limit (control
+    characters in, ``2.0`` refused, a pattern beside it winning, ``-1`` no limit); it follows the plain
+    string's rules now."""
+    nullable = {"type": ["string", "null"], "maxLength": 2.0, "minLength": 1}
+    compiled = grammars.compile("json", json.dumps(nullable), "guided_json")
+    m = grammars.matcher(compiled)
+    assert not m.accept_string('"\t')  # a control character: no JSON parser takes it
+    m = grammars.matcher(compiled)
+    assert m.accept_string('"ab"') and m.is_completed()
+    m = grammars.matcher(compiled)
+    assert m.accept_string("null") and m.is_completed()
+    assert not grammars.matcher(compiled).accept_string('"abc"')
+    assert not grammars.matcher(compiled).accept_string('""')
+    for seed in range(3):
+        text, ended = _walk(grammars, compiled, seed)
+        value = json.loads(text)
+        assert ended and (value is None or 1 <= len(value) <= 2), text
+    with pytest.raises(InvalidRequestError, match="both `pattern` and `minLength`/`maxLength`") as e:
+        grammars.compile("json", json.dumps({"type": ["null", "string"], "pattern": "^a+$", "maxLength": 3}),
+                         "guided_json")
+    assert e.value.param == "guided_json"
+    with pytest.raises(InvalidRequestError, match=r"^`maxLength` must be a whole number ≥ 0, got -1"):
+        grammars.compile("json", json.dumps({"type": ["string", "null"], "maxLength": -1}))
+    # the limit inside anyOf's string branch, as pydantic writes Optional[constr(max_length=2)], holds too
+    compiled = grammars.compile("json", json.dumps({"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]}))
+    assert not grammars.matcher(compiled).accept_string('"\t')
+    assert not grammars.matcher(compiled).accept_string('"abc"')
+
+
 @pytest.mark.parametrize("schema, keyword, where", [
     ({"type": "integer", "not": {"const": 3}}, "not", "schema.not"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}}, "if",
@@ -177,6 +207,10 @@ def test_what_the_library_gets_wrong_is_worked_around_or_refused(grammars):
      "schema.properties.to.maxLength"),
     ({"type": "string", "format": "date", "minLength": 20}, "minLength", "schema.minLength"),
     ({"type": ["string", "null"], "format": "date", "pattern": "^2"}, "pattern", "schema.pattern"),
+    # xgrammar writes only the branches of anyOf/oneOf: a length limit beside them went unheld
+    ({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 5}, "maxLength", "schema.maxLength"),
+    ({"type": "object", "properties": {"n": {"oneOf": [{"type": "string"}, {"type": "null"}], "minLength": 2}}},
+     "minLength", "schema.properties.n.minLength"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
