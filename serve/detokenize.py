@@ -113,7 +113,8 @@ def _byte_runs(tokenizer) -> tuple[dict[int, int], int | None]:
     """A SentencePiece-style fast tokenizer's byte tokens (``<0xNN>``: id → byte; empty for byte-level
     BPE, whose every token is bytes, and for a tokenizer without a Rust backend) and a separator: a
     token that decodes to one plain character, alone and twice over, to decode text after a run of
-    byte tokens with (None where none is found)."""
+    byte tokens with: the character's own token, else its byte token (a vocabulary need not hold a
+    token of one letter; None where neither decodes so)."""
     if tokenizer not in _runs:
         ids: dict[int, int] = {}
         sep = None
@@ -121,8 +122,8 @@ def _byte_runs(tokenizer) -> tuple[dict[int, int], int | None]:
             ids = {i: int(m.group(1), 16) for t, i in tokenizer.get_vocab().items() if (m := _BYTE_TOKEN.fullmatch(t))}
         if ids:
             unk = getattr(tokenizer, "unk_token_id", None)
-            for c in "xaeo0":
-                i = tokenizer.convert_tokens_to_ids(c)
+            for c, token in [(c, c) for c in "xaeo0"] + [(c, f"<0x{ord(c):02X}>") for c in "xaeo0"]:
+                i = tokenizer.convert_tokens_to_ids(token)
                 if i is not None and i != unk and tokenizer.decode([i]) == c and tokenizer.decode([i, i]) == c + c:
                     sep = i
                     break

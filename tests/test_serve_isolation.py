@@ -1260,6 +1260,25 @@ def test_log_probabilities_name_each_token_by_its_own_bytes():
     assert token_chars("bytes:\\xa5\\xa5") == 2 and token_chars("bytes:\\x20\\xf0\\x9f") == 2  # " " then a piece
 
 
+def test_a_byte_fallback_vocabulary_without_one_letter_tokens_streams_as_a_utf8_decoder():
+    """Found by a reviewer: the text after a run of byte tokens was decoded after a token of one
+    letter (``x``, ``a``, ...); a vocabulary of none (only ``▁Hi``, ``▁b`` and the 256 byte tokens)
+    fell back to the tokenizer's decode, which reads a run that is not whole UTF-8 as one U+FFFD a
+    byte: "中" then a stray 0x80 streamed "中" and three U+FFFD. The byte token of the letter serves."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581Hi": 1, "\u2581b": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=sp)
+    assert sp.decode([3 + 0xE4, 3 + 0xB8, 3 + 0xAD, 3 + 0x80]) == "\ufffd" * 4  # the tokenizer's own reading
+    text, _, pieces = _stream([3 + 0xE4, 3 + 0xB8, 3 + 0xAD, 3 + 0x80, 2], (), sp, context=(1,))
+    assert (text, pieces) == ("中\ufffd b", ["", "", "中", "", "\ufffd b", ""])
+    assert _stream([2, 3 + 0xC3, 3 + 0xA9, 3 + 0xFF, 1], (), sp, context=(1,))[0] == " bé\ufffd Hi"
+
+
 def test_a_byte_fallback_text_cut_anywhere_ends_as_a_utf8_decoder_ends_it():
     """SentencePiece byte fallback (Llama-2's, Mistral's) decodes a run of byte tokens that is not
     whole UTF-8 as one U+FFFD a byte, the whole characters before the open one included; found by a
