@@ -654,6 +654,26 @@ class Artifact:
         )
 
 
+def _inside(path: Path, name: str) -> Path:
+    """``path / name``, a file of the artifact folder ``path``, where it is one: a symbolic link that
+    leads outside the folder (resolved all the way, the folder's own links included) is refused, so
+    an artifact never reads what its folder does not hold (another artifact's files, anything else on
+    the machine). A link within the folder is followed.
+
+    Raises:
+        ArtifactError: naming the file.
+    """
+    file = path / name
+    try:
+        outside = not file.resolve().is_relative_to(path.resolve())
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13)
+        raise ArtifactError(f"{path}: file {name} is a loop of symbolic links") from None
+    if outside:
+        raise ArtifactError(f"{path}: file {name} is a symbolic link leading outside the artifact folder; "
+                            "an artifact holds its own files (copy the file in)")
+    return file
+
+
 def _read_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
@@ -749,7 +769,8 @@ def load_artifact(
     its sha256; every ``P.sign`` is uint8 ``[d_out, ceil(d_in/8)]`` with a finite, non-negative
     ``P.alpha``: float32 ``[]`` (granularity matrix) or ``[d_out]`` (granularity row), or float16
     ``[d_out]`` with a finite, non-negative float16 ``P.beta`` ``[d_in]`` (granularity rowcol); every
-    floating tensor stored in full is finite, and none is also stored as signs. A tensor named
+    floating tensor stored in full is finite, and none is also stored as signs. The manifest and
+    every listed file must lie in the folder: a symbolic link leading outside it is refused. A tensor named
     ``X.alpha`` or ``X.beta`` with no ``X.sign`` is a parameter stored in full (:func:`materialize`
     refuses one whose ``X`` is a parameter: a scale that lost its signs).
 
@@ -776,6 +797,7 @@ def load_artifact(
             tensor).
     """
     path = Path(path)
+    _inside(path, MANIFEST_NAME)
     manifest = _read_manifest(path)
     expected = manifest["base"]["fingerprint"]
     if base_fingerprint is not None and base_fingerprint != expected and not force:
@@ -786,8 +808,8 @@ def load_artifact(
             "force=true to apply it anyway"
         )
     files = manifest["files"]
-    for name, digest in files.items():
-        file = path / name
+    for name, digest in files.items():  # every file read below is one of these (the index, the shards)
+        file = _inside(path, name)
         if not file.is_file():
             raise ArtifactError(f"{path}: file {name} listed in the manifest is missing")
         if verify_hashes and values and _sha256_file(file) != digest.lower():

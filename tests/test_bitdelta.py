@@ -436,6 +436,32 @@ def test_bad_manifest_is_rejected(artifact_dir, tmp_path, edit, match):
         load_artifact(art)
 
 
+def test_a_file_linked_from_outside_the_artifact_folder_is_refused_by_name(artifact_dir, tmp_path):
+    """Found by a reviewer: a listed file (or the manifest) that is a symbolic link to a file outside the
+    artifact folder was followed, its hash checked and its tensors served. It is refused, by name, also
+    where the hashes and the values are not read (the server's check at start); a link within the
+    folder, and a folder that is itself a link, still load."""
+    art = _copy_artifact(artifact_dir, tmp_path / "art")
+    outside = tmp_path / "elsewhere.safetensors"
+    (art / "delta.safetensors").rename(outside)
+    (art / "delta.safetensors").symlink_to(outside)
+    for kwargs in ({}, {"values": False}, {"verify_hashes": False}):
+        with pytest.raises(ArtifactError, match=r"art: file delta\.safetensors is a symbolic link leading outside "
+                                                r"the artifact folder"):
+            load_artifact(art, **kwargs)
+    (art / "delta.safetensors").unlink()
+    (art / ".blob").write_bytes(outside.read_bytes())
+    (art / "delta.safetensors").symlink_to(".blob")
+    assert load_artifact(art).signs.keys() == load_artifact(artifact_dir).signs.keys()
+    (tmp_path / "link").symlink_to(art, target_is_directory=True)
+    assert load_artifact(tmp_path / "link").variant == "coder"
+    (tmp_path / "manifest.json").write_bytes((art / "bitdelta.json").read_bytes())
+    (art / "bitdelta.json").unlink()
+    (art / "bitdelta.json").symlink_to(tmp_path / "manifest.json")
+    with pytest.raises(ArtifactError, match=r"art: file bitdelta\.json is a symbolic link leading outside"):
+        load_artifact(art)
+
+
 def test_missing_or_garbled_manifest(tmp_path):
     with pytest.raises(ArtifactError, match="no bitdelta.json"):
         load_artifact(tmp_path)
