@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -674,14 +675,47 @@ def _inside(path: Path, name: str) -> Path:
     return file
 
 
+# what a path that is no regular file is (stat's test → its name), for the manifest's refusal
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def manifest_json(folder: str | Path) -> Any:
+    """The JSON value of ``folder``'s manifest (``bitdelta.json``; a link to one is followed), or None
+    where there is none: every reader of a manifest reads it through this. Only a regular file is
+    read: it is opened without blocking and checked on the open file, so a named pipe (whose read
+    would block for ever), a directory or a device named like the manifest is refused for what it
+    is, and nothing put in its place between the check and the read is read.
+
+    Raises:
+        ArtifactError: ``<folder>/bitdelta.json`` is no regular file (naming what it is), cannot be
+            opened, or is not JSON text in UTF-8 (also JSON nested past the parser's depth).
+    """
+    file = Path(folder) / MANIFEST_NAME
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ArtifactError(f"{file}: cannot open the manifest ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+        raise ArtifactError(f"{file}: the manifest is {kind}, not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (nested past the parser's depth)
+        raise ArtifactError(f"{file}: cannot parse the manifest ({e})") from e
+
+
 def _read_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST_NAME
-    if not manifest_path.is_file():
+    manifest = manifest_json(path)
+    if manifest is None:
         raise ArtifactError(f"{path}: no {MANIFEST_NAME}; not a BitDelta artifact folder")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (nested past the parser's depth)
-        raise ArtifactError(f"{manifest_path}: cannot parse the manifest ({e})") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{manifest_path}: the manifest must be a JSON object")
     if manifest.get("format") != FORMAT:
@@ -989,10 +1023,13 @@ def not_artifact(folder: Path, variant: str | None = None, job: str = "export") 
     """Why ``folder`` is not (only) a BitDelta artifact (of ``variant``, if given), or None if it is: it
     must hold its manifest and no file but those the manifest lists (a file of the user's beside an
     artifact is not replaced), and another variant's artifact is not replaced by this one's. Without a
-    manifest, the first few things the folder holds are named (``artifacts/`` itself: its variants)."""
+    manifest, the first few things the folder holds are named (``artifacts/`` itself: its variants);
+    one that is no regular file or no JSON is named for what it is (:func:`manifest_json`)."""
     try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError, RecursionError):
+        manifest = manifest_json(folder)
+    except ArtifactError as e:  # no regular file (a named pipe would block the read for ever), no JSON
+        return str(e)
+    if manifest is None:
         held = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
         return f"no readable {MANIFEST_NAME}; it holds {', '.join(held[:4])}{', …' if len(held) > 4 else ''}"
     if variant is not None and isinstance(manifest, dict) and manifest.get("variant") != variant:
@@ -1046,10 +1083,8 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         ValueError: an ``out_dir`` it must not replace.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    try:  # the variant, to keep another variant's checkpoint (load_artifact checks the manifest below)
-        variant = json.loads((Path(artifact_dir) / MANIFEST_NAME).read_text()).get("variant")
-    except (OSError, ValueError, AttributeError):
-        variant = None
+    manifest = manifest_json(artifact_dir)  # the variant, to keep another variant's checkpoint
+    variant = manifest.get("variant") if isinstance(manifest, dict) else None  # (load_artifact checks it below)
     check_replaceable(out_dir, [base_dir, artifact_dir], lambda f: _not_hf_export(f, variant), job="export",
                       key="hf_out_dir", overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)

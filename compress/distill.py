@@ -55,13 +55,13 @@ from deltafleet.compress.bitdelta import (
     DELTA_INDEX_NAME,
     DELTA_NAME,
     GRANULARITIES,
-    MANIFEST_NAME,
     Artifact,
     ArtifactError,
     _deltafleet_version,
     _sha256_file,
     fingerprint,
     load_artifact,
+    manifest_json,
     not_artifact,
     write_manifest,
 )
@@ -607,11 +607,11 @@ def _source_artifact(cfg, run_dir: Path) -> Path:
     from deltafleet.compress.bitdelta import compress
 
     artifact_dir = Path(cfg.artifact_dir)
-    manifest = artifact_dir / MANIFEST_NAME
-    if not manifest.is_file():
+    manifest = manifest_json(artifact_dir)  # ArtifactError: no regular file, no JSON
+    if manifest is None:
         raise SystemExit(f"{artifact_dir} holds no BitDelta artifact: export it first "
                          f"(python compress/run.py variant={cfg.variant.name})")
-    have = json.loads(manifest.read_text()).get("granularity")
+    have = manifest.get("granularity") if isinstance(manifest, dict) else None  # (load_artifact says what is wrong)
     if cfg.granularity is None or cfg.granularity == have:
         return artifact_dir
     out = run_dir / f"source-{cfg.granularity}"

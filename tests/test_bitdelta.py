@@ -7,12 +7,14 @@ here independently from the safetensors files, not through `compress.bitdelta`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -468,6 +470,66 @@ def test_missing_or_garbled_manifest(tmp_path):
     (tmp_path / "bitdelta.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="cannot parse"):
         load_artifact(tmp_path)
+
+
+def _unblocked(fn, seconds: float = 10):
+    """What ``fn()`` raised (None if nothing), failing the test where it blocks (a read of a named pipe)."""
+    raised: list = []
+
+    def run():
+        try:
+            fn()
+            raised.append(None)
+        except BaseException as e:  # noqa: BLE001 (SystemExit too: the caller asserts which)
+            raised.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert raised, f"{fn} blocked"
+    return raised[0]
+
+
+def test_every_reader_of_a_manifest_names_one_that_is_no_regular_file_or_no_json(family, tmp_path):
+    """Found by a reviewer: the export's check of its out_dir (``not_artifact``), ``export_hf``,
+    distillation's source, eval's ``existing`` and the training summary opened ``bitdelta.json`` as it
+    was: a named pipe there blocked them for ever, a directory or bytes that are no JSON gave an error
+    naming neither the file nor the problem (or "no bitdelta.json"). All read it through
+    ``manifest_json``, which names what it is; the summary counts such an artifact gone."""
+    from omegaconf import OmegaConf
+
+    from deltafleet.compress.distill import _source_artifact
+    from deltafleet.train.eval import existing_artifacts
+    from deltafleet.train.summary import _artifact_now
+
+    base_dir, ft_dir = family
+    pipe, folder, garbled = tmp_path / "pipe", tmp_path / "folder", tmp_path / "garbled"
+    for d in (pipe, folder, garbled):
+        d.mkdir()
+    os.mkfifo(pipe / "bitdelta.json")
+    (folder / "bitdelta.json").mkdir()
+    (garbled / "bitdelta.json").write_bytes(b"\xff{")
+    try:
+        for art, what in ((pipe, "the manifest is a named pipe, not a regular file"),
+                          (folder, "the manifest is a directory, not a regular file"),
+                          (garbled, "cannot parse the manifest (")):
+            named = f"{art / 'bitdelta.json'}: {what}"
+            for fn in (lambda: load_artifact(art), lambda: bd.export_hf(base_dir, art, tmp_path / "hf"),
+                       lambda: _source_artifact(OmegaConf.create({"artifact_dir": str(art), "granularity": None,
+                                                                  "variant": {"name": "coder"}}), tmp_path)):
+                e = _unblocked(fn)
+                assert type(e) is ArtifactError and str(e).startswith(named), (fn, e)
+            e = _unblocked(lambda: compress(base_dir, ft_dir, art, variant="coder"))  # not_artifact(out_dir)
+            assert type(e) is ValueError and f"not an earlier export's output ({named}" in str(e), e
+            e = _unblocked(lambda: existing_artifacts(OmegaConf.create({"existing": {"mine": str(art)}}), "coder"))
+            assert type(e) is ValueError and str(e).startswith(f"existing.mine: {named}"), e
+            gone: list = []
+            assert _unblocked(lambda: gone.append(_artifact_now({"export/out_dir": str(art), "run_id": "r"}))) is None
+            assert gone == [{"artifact": "gone"}]
+        assert bd.manifest_json(tmp_path / "nowhere") is None
+    finally:
+        with contextlib.suppress(OSError):  # a reader still blocked in open() gets end of file
+            os.close(os.open(pipe / "bitdelta.json", os.O_WRONLY | os.O_NONBLOCK))
 
 
 def _rewrite_delta(art: Path, edit) -> None:

@@ -387,17 +387,25 @@ def build_artifacts(cfg: DictConfig, variant: str, domain: str, tokenizer, work:
 
 def existing_artifacts(cfg: DictConfig, variant: str) -> dict[str, dict]:
     """The settings of ``cfg.existing`` (name → folder, ``{variant}`` replaced) whose folder holds an
-    artifact, as :func:`build_artifacts` returns them; a folder without one is skipped, and said so."""
+    artifact, as :func:`build_artifacts` returns them; a folder without one is skipped, and said so.
+
+    Raises:
+        ValueError: a manifest that is no regular file, no JSON or no JSON object, naming the setting.
+    """
+    from deltafleet.compress.bitdelta import ArtifactError, manifest_json
+
     out: dict[str, dict] = {}
     for name, pattern in (cfg.get("existing") or {}).items():
         folder = Path(str(pattern).replace("{variant}", variant))
-        if not (folder / "bitdelta.json").is_file():
+        try:
+            manifest = manifest_json(folder)  # only a regular file is read: a named pipe would block
+        except ArtifactError as e:
+            raise ValueError(f"existing.{name}: {e}") from None
+        if manifest is None:
             print(f"[eval] {variant}: no artifact at {folder}: setting {name!r} skipped", flush=True)
             continue
-        try:
-            manifest = json.loads((folder / "bitdelta.json").read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"existing.{name}: {folder / 'bitdelta.json'} is not valid JSON ({e})") from None
+        if not isinstance(manifest, dict):
+            raise ValueError(f"existing.{name}: {folder / 'bitdelta.json'}: the manifest must be a JSON object")
         out[name] = {"dir": folder, "manifest": manifest, "seconds": 0.0,
                      "distillation": (manifest.get("provenance") or {}).get("distillation")}
     return out

@@ -46,9 +46,11 @@ def _artifact_now(rec: dict) -> dict:
     out = rec.get("export/out_dir")
     if out is None:
         return {}
+    if not (Path(out) / "bitdelta.json").is_file():  # only a regular file is read: a named pipe would block
+        return {"artifact": "gone"}
     try:
         manifest = json.loads((Path(out) / "bitdelta.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {"artifact": "gone"}
     if not isinstance(manifest, dict):
         return {"artifact": "gone"}
