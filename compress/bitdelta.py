@@ -947,13 +947,32 @@ def _check_full(path: Path, name: str, t: torch.Tensor) -> None:
         raise ArtifactError(f"{path}: {name} (stored in full) has non-finite values (NaN or inf)")
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, what: str, why: str) -> torch.Tensor:
+    """``t`` in ``dtype``, refused where a finite value of it is beyond that dtype's range (float16:
+    65504 at most), where the cast would make it inf. A value below the dtype's smallest one rounds to
+    zero, as any cast rounds.
+
+    Raises:
+        ArtifactError: ``what`` holds a value beyond ``dtype``'s range (``why``: whose dtype it is).
+    """
+    out = t.to(dtype)
+    if out.is_floating_point() and t.is_floating_point():
+        over = torch.isinf(out) & torch.isfinite(t)
+        if bool(over.any()):
+            name = str(dtype).removeprefix("torch.")
+            raise ArtifactError(f"{what} holds {float(t[over].abs().max()):.4g}, beyond what {name} ({why}) "
+                                f"holds ({torch.finfo(dtype).max:.6g} at most): it would be inf there")
+    return out
+
+
 def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Tensor]:
     """The approximate fine-tuned state dict: base + artifact, on the CPU, streamed from the base.
 
     Compressed parameters become ``W_base + α·(2·bits − 1)`` (BitDelta Eq. 2; rowcol:
     ``W_base + α_r·β_c·(2·bits − 1)``, via :func:`deltafleet.kernels.reconstruct`, computed in
-    float32) cast to the base dtype; parameters stored in
-    full replace (or add to) the base's; every other parameter is the base's.
+    float32) cast to the base dtype, refused where a value is beyond its range (a float16 base:
+    65504); parameters stored in full replace (or add to) the base's, in their own dtype; every
+    other parameter is the base's.
 
     Args:
         base_dir: the base checkpoint the artifact was exported against (not re-fingerprinted
@@ -970,7 +989,8 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
             shapes do not fit the base weight; if a tensor stored in full has a shape other than the
             base's for its name (but along a resized vocabulary, :func:`resizes_vocabulary`); or if one
             is a scale without its signs (``P.alpha`` or ``P.beta`` where ``P`` is a parameter of the
-            base or of the artifact, or a vocabulary matrix: no parameter can be named so). The checks
+            base or of the artifact, or a vocabulary matrix: no parameter can be named so); or if a
+            reconstructed weight holds a value beyond the base dtype's range (inf there). The checks
             the server makes (``serve.delta.VariantDelta.check``), but for what a checkpoint may hold and
             the server does not serve: a resized vocabulary and parameters the base lacks.
     """
@@ -1010,7 +1030,8 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
                     f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
                     f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
                 )
-            w = reconstruct(w, sign, alpha, beta).to(w.dtype)
+            w = _cast(reconstruct(w, sign, alpha, beta), w.dtype, f"{artifact.path}: {name} (W_base + α·sign)",
+                      "the base's dtype")
         out[name] = w
     for name, t in artifact.full.items():
         out[name] = t.cpu()
@@ -1079,7 +1100,8 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
     Raises:
         FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
         ArtifactError: a damaged or inconsistent artifact, or one that does not fit the base
-            (:func:`materialize`); nothing is written.
+            (:func:`materialize`), or a weight beyond the range of the dtype it is written in (a
+            float16 base: 65504 at most; inf there), naming the tensor; nothing is written.
         ValueError: an ``out_dir`` it must not replace.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
@@ -1097,7 +1119,8 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         # the head a tied base lacks takes its embedding's dtype
         ref = k if k in base else vocab_names[0] if is_vocab_matrix(k) and vocab_names else None
         if ref is not None and state[k].is_floating_point() and base.info(ref).dtype.is_floating_point:
-            state[k] = state[k].to(base.info(ref).dtype)
+            state[k] = _cast(state[k], base.info(ref).dtype, f"{artifact.path}: {k} (stored in full)",
+                             "the base's dtype for it")
     with staged_dir(out_dir) as tmp:
         save_file(state, tmp / CHECKPOINT_NAME, metadata={"format": "pt"})
         for name in SIDECAR_FILES:

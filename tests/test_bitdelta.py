@@ -974,6 +974,38 @@ def test_export_never_replaces_an_input_or_a_folder_it_did_not_write(family, tmp
     assert sorted(p.name for p in shelf.iterdir()) == ["coder", "math"]
 
 
+def test_export_hf_refuses_a_weight_beyond_a_float16_bases_range(tmp_path):
+    """Found by a reviewer: with a float16 base, ``W_base + α·sign`` past 65504 (a float32 α of 1e5),
+    or a float32 tensor stored in full past it (a norm of 1e6), was cast to float16 and written as
+    inf. Both are refused, naming the tensor and the range, and nothing is written; a weight inside
+    the range (α 6e4) is written as it is."""
+    from safetensors.torch import load_file, save_file
+
+    base_dir, ft_dir = _tiny_family(tmp_path, dtype=torch.float16)
+    (shard,) = ft_dir.glob("*.safetensors")
+    state = {k: v.float() for k, v in load_file(shard).items()}
+    state[CHANGED_NORM][0] = 1e6
+    save_file(state, shard, metadata={"format": "pt"})
+    art = tmp_path / "art"
+    compress(base_dir, ft_dir, art, variant="coder")
+    assert load_artifact(art).full[CHANGED_NORM].dtype == torch.float32  # the fine-tune's own, exact
+    with pytest.raises(ArtifactError, match=re.escape(f"{art}: {CHANGED_NORM} (stored in full) holds 1e+06, beyond "
+                                                      "what float16 (the base's dtype for it) holds (65504 at most)")):
+        bd.export_hf(base_dir, art, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    _rewrite_delta(art, lambda t: t.update({CHANGED_NORM: torch.ones(32), W + ".alpha": torch.tensor(1e5)}))
+    with pytest.raises(ArtifactError, match=re.escape(f"{art}: {W} (W_base + α·sign) holds 1e+05, beyond what "
+                                                      "float16 (the base's dtype) holds (65504 at most)")):
+        materialize(base_dir, load_artifact(art))
+    with pytest.raises(ArtifactError, match=re.escape(f"{W} (W_base + α·sign) holds 1e+05")):
+        bd.export_hf(base_dir, art, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    _rewrite_delta(art, lambda t: t.update({W + ".alpha": torch.tensor(6e4)}))
+    exported = load_file(bd.export_hf(base_dir, art, tmp_path / "hf") / "model.safetensors")
+    assert exported[W].dtype == torch.float16 and exported[W].abs().min() >= 59_968  # float16's steps of 32 there
+    assert exported[W].abs().max() <= 60_032 and bool(torch.isfinite(exported[W]).all())
+
+
 def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
     """``format=hf`` writes ``bitdelta-export.json`` listing its files; a checkpoint folder without it (a
     fine-tune) is refused, an earlier export is replaced."""
