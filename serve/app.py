@@ -1068,9 +1068,9 @@ def create_app(engine: Engine, *, max_waiting: int | None = None, api_key: str |
         name = body.variant.removeprefix(f"{engine.family}-")  # a model id works too
         events, loader = [], []
 
-        def note(ev, m, s, tier):  # this load's own events: a request's on another thread are not its tier
-            if m == f"{engine.family}-{name}" and ev in ("hit", "load") and threading.get_ident() in loader:
-                events.append("device" if ev == "hit" else tier)
+        def note(ev, m, s, tier):  # this load's own loads: a request's on another thread are not its tier
+            if m == f"{engine.family}-{name}" and ev == "load" and threading.get_ident() in loader:
+                events.append(tier)  # (none: it was on the device, or another request's load brought it)
 
         def add():
             loader.append(threading.get_ident())

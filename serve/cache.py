@@ -10,7 +10,9 @@ live in one of three tiers:
 * **disk** — the artifact folder; read (and its hashes checked) on a miss in both tiers.
 
 Eviction is LRU weighted by request rate: every variant carries a request count that decays with
-a half-life (``half_life_s``): ``c ← c · 2^(−Δt/half_life) + 1`` per request. The victim is the
+a half-life (``half_life_s``): ``c ← c · 2^(−Δt/half_life) + 1`` per request. A hot load
+(:meth:`DeltaCache.load`, ahead of traffic) is no request: it counts in neither that count nor the
+hits and misses, only as the load it is. The victim is the
 evictable variant with the smallest decayed count, so a variant used often keeps its slot over one
 used once slightly more recently, and with a short half-life the policy is plain LRU. Never
 evicted: a variant with requests in flight (:meth:`DeltaCache.acquire` … :meth:`DeltaCache.release`),
@@ -148,7 +150,8 @@ class DeltaCache:
 
     def add_listener(self, fn: CacheListener) -> None:
         """``fn(event, model_id, seconds, tier)`` on hit, miss, load (tier it came from), load_failed
-        and evict (tier it left); each :meth:`acquire` is one hit or one miss, whatever it retries."""
+        and evict (tier it left); each request's :meth:`acquire` is one hit or one miss, whatever it
+        retries, and a hot load's (``request=False``) neither."""
         self._listeners.append(fn)
 
     def remove_listener(self, fn: CacheListener) -> None:
@@ -291,12 +294,15 @@ class DeltaCache:
 
     # ------------------------------------------------------------------ requests
 
-    def acquire(self, model_id: str, join: Any = None) -> Any:
+    def acquire(self, model_id: str, join: Any = None, request: bool = True) -> Any:
         """The variant's delta on the device, loaded if needed; counts one request in flight until
         :meth:`release`. Returns the delta object (keep it for the request's lifetime). ``join``: the
         delta the caller holds already (what this returned for another choice of its HTTP request),
         taken again as it is: its version, whatever changed on disk since, and without waiting
-        behind a load that drains the variant (that load waits for the caller's hold to end)."""
+        behind a load that drains the variant (that load waits for the caller's hold to end).
+        ``request``: False for a hot load (:meth:`load`), which is held in flight like a request
+        while it runs but counts in neither the variant's request count nor the hits and misses
+        (its load and evictions are emitted as any)."""
         if join is not None:
             with self._lock:
                 e = self._entries.get(model_id)
@@ -308,8 +314,10 @@ class DeltaCache:
                     self._emit("hit", model_id)
                     return join
         deadline = time.monotonic() + self.wait_timeout
-        counted = False  # this request counted in the variant's popularity (once, however many tries)
-        missed = False  # this request's miss emitted: a try after it (a changed artifact) is no other request
+        counted = not request  # this request counted in the variant's popularity (once, however many tries)
+        # this request's hit or miss emitted (a try after a miss, a changed artifact, is no other request);
+        # a hot load has none to emit
+        missed = not request
         while True:
             stamp = self._stamp(model_id)
             with self._lock:
@@ -454,13 +462,13 @@ class DeltaCache:
         self._room.notify_all()
 
     def load(self, model_id: str) -> str:
-        """Bring a variant onto the device now (a hot load); returns the tier it came from
-        (``"device"`` if it was there)."""
+        """Bring a variant onto the device now (a hot load, no request: :meth:`acquire` with
+        ``request=False`` and its release); returns the tier it came from (``"device"`` if it was there)."""
         with self._lock:
             e = self._entries.get(model_id)
             was = "device" if e is not None and e.device is not None else \
                 "host" if e is not None and e.host is not None else "disk"
-        self.release(model_id, self.acquire(model_id))
+        self.release(model_id, self.acquire(model_id, request=False))
         return was
 
     def unload(self, model_id: str) -> bool:

@@ -591,10 +591,13 @@ class Engine:
         and evictions (see :data:`DeltaListener`)."""
         self.cache.add_listener(fn)
 
-    def acquire_delta(self, model_id: str, held: VariantDelta | None = None) -> VariantDelta | None:
+    def acquire_delta(self, model_id: str, held: VariantDelta | None = None,
+                      request: bool = True) -> VariantDelta | None:
         """The variant's deltas on the serving device (None for the base), loaded if needed, held
         (never evicted) until :meth:`release_delta` of the same id. ``held``: the deltas the caller
-        holds already, taken again as they are (``DeltaCache.acquire``'s ``join``).
+        holds already, taken again as they are (``DeltaCache.acquire``'s ``join``). ``request``:
+        False for a load ahead of traffic (a hot load, the synthetic family's preload), which counts
+        in neither the variant's request count that eviction ranks by nor the cache's hits and misses.
 
         Raises:
             ModelNotFoundError: unknown id, or its artifact was removed.
@@ -609,7 +612,7 @@ class Engine:
             return None
         model_id = card.id
         try:
-            return self.cache.acquire(model_id, join=held)
+            return self.cache.acquire(model_id, join=held, request=request)
         except ArtifactGoneError:
             with self._registry_lock:
                 if self._variants.get(model_id) is card:  # not one added again under the name meanwhile
@@ -637,10 +640,11 @@ class Engine:
         if model_id != self.family:
             self.cache.release(model_id, delta)
 
-    def get_delta(self, model_id: str) -> VariantDelta | None:
-        """The variant's deltas, loaded if needed, without holding them (they may be evicted later)."""
+    def get_delta(self, model_id: str, request: bool = True) -> VariantDelta | None:
+        """The variant's deltas, loaded if needed, without holding them (they may be evicted later);
+        ``request``: as :meth:`acquire_delta`'s (False: a load ahead of traffic, no request)."""
         model_id = self.card(model_id).id
-        delta = self.acquire_delta(model_id)
+        delta = self.acquire_delta(model_id, request=request)
         self.release_delta(model_id, delta)
         return delta
 
@@ -759,7 +763,8 @@ class Engine:
     def add_variant(self, name: str, path: str | Path | None = None) -> ModelCard:
         """Serve the artifact folder ``path`` (default ``<artifacts_dir>/<name>``; in a synthetic
         family, the generated variant ``name``) as ``<family>-<name>`` and load it onto the device now
-        (a hot load); a variant removed with :meth:`remove_variant` is served again.
+        (a hot load: no request, so neither a hit or miss nor a use that eviction ranks by; its load is
+        counted as any); a variant removed with :meth:`remove_variant` is served again.
 
         Raises:
             InvalidRequestError: a bad name, no artifact root, a path outside the artifact root
@@ -779,7 +784,7 @@ class Engine:
             with self._registry_lock:
                 self._removed.discard(mid)
                 self._variants.setdefault(mid, ModelCard(mid, self.family))
-            self.get_delta(mid)
+            self.get_delta(mid, request=False)
             return self._variants[mid]
         if self.artifacts_dir is None:
             raise InvalidRequestError("this server has no artifact root (artifacts_dir)", "path", "invalid_value")
@@ -819,7 +824,7 @@ class Engine:
                     raise self._in_use(e) from None
             self._variants[mid] = ModelCard(mid, self.family, folder)
         try:
-            self.get_delta(mid)
+            self.get_delta(mid, request=False)
         except VariantUnavailableError as e:  # an unusable artifact is not served: the registry as it was
             with self._registry_lock:
                 if old is None:
@@ -832,7 +837,7 @@ class Engine:
             if old is not None and was == "device" and self.cache.tier(mid) != "device":
                 # the replacement failed: the variant it would have replaced goes back onto the device
                 with contextlib.suppress(Exception):
-                    self.get_delta(mid)
+                    self.get_delta(mid, request=False)
             if e.transient:  # no device slot in time: the artifact is fine, try again
                 raise
             # the folder asked for cannot be used, as a bad path or another base's artifact: the caller's

@@ -431,7 +431,7 @@ def _preload(engine) -> None:
     t0 = time.perf_counter()
     cards = engine.models()[1:1 + engine.slots.n_slots]  # more would evict these (or find pinned slots)
     for card in cards:
-        engine.get_delta(card.id)
+        engine.get_delta(card.id, request=False)  # ahead of traffic: no request
     cuda = engine.device.type == "cuda"
     mem = f"; {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB allocated on {engine.device}" if cuda else ""
     print(f"synthetic family: {len(cards)} variants generated into {engine.slots.n_slots} slots "

@@ -295,6 +295,26 @@ def test_unload_refuses_a_variant_in_flight():
     assert cache.load("a") == "device"
 
 
+def test_a_hot_load_is_a_load_not_a_request():
+    """Found by a reviewer: a hot load (``load``, ahead of traffic) counted as a request, a miss (then a
+    hit) and one more in the request count eviction ranks by. It is the load alone: a variant loaded
+    so ranks below one requested once, and goes first when room is needed."""
+    disk, clock = Disk({"a": 100, "b": 100, "c": 100}), Clock()
+    cache, events = make(disk, device_budget_bytes=200, clock=clock)
+    use(cache, "a")
+    clock.t = 1
+    assert cache.load("b") == "disk" and cache.load("b") == "device"
+    assert [ev for ev in events if ev[1] == "b"] == [("load", "b", "disk")]
+    assert cache.snapshot()["b"]["requests"] == 0.0 and cache.snapshot()["b"]["in_flight"] == 0
+    clock.t = 2
+    use(cache, "c")  # room for c: b goes (no request), not a (one request, older)
+    assert cache.tier("b") == "host" and cache.tier("a") == "device"
+    assert ("evict", "b", "device") in events
+    use(cache, "b")  # its first request: a miss, counted
+    assert [ev for ev in events if ev[1] == "b"][-2:] == [("miss", "b", None), ("load", "b", "host")]
+    assert cache.snapshot()["b"]["requests"] == 1.0
+
+
 def test_unload_forgets_a_variant_whose_deltas_left_every_tier_already():
     """Found by a reviewer: a variant evicted to the disk tier (no host tier) and then unloaded stayed in
     the snapshot (``/v1/delta_cache``) with its request count, unlike one unloaded from the device,

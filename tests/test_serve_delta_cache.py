@@ -431,6 +431,27 @@ def test_eviction_shows_in_metrics_and_concurrent_cold_requests_load_once(root, 
         assert tc.get("/v1/delta_cache").json()["variants"]["tiny-coder"]["tier"] == "disk"  # no host tier
 
 
+def test_a_hot_load_counts_as_a_load_not_as_a_request(root):
+    """Found by a reviewer: ``/v1/load_variant`` counted in ``delta_cache_misses`` (then ``_hits``) and in
+    the request count that eviction ranks by (``/v1/delta_cache``'s ``requests``), as a completion does.
+    It counts as the load alone; the first completion is the first hit."""
+    engine = _engine(root)
+    with TestClient(create_app(engine)) as tc:
+        assert tc.post("/v1/load_variant", json={"variant": "hot", "path": "coder"}).json()["loaded_from"] == "disk"
+        assert tc.post("/v1/load_variant", json={"variant": "hot", "path": "coder"}).json()["loaded_from"] == "device"
+        text = tc.get("/metrics").text
+        assert 'deltafleet:delta_cache_loads_total{model_name="tiny-hot"} 1.0' in text
+        assert 'deltafleet:delta_cache_hits_total{model_name="tiny-hot"} 0.0' in text
+        assert 'deltafleet:delta_cache_misses_total{model_name="tiny-hot"} 0.0' in text
+        assert tc.get("/v1/delta_cache").json()["variants"]["tiny-hot"]["requests"] == 0.0
+        r = tc.post("/v1/completions", json={"model": "tiny-hot", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        text = tc.get("/metrics").text
+        assert 'deltafleet:delta_cache_hits_total{model_name="tiny-hot"} 1.0' in text
+        assert 'deltafleet:delta_cache_misses_total{model_name="tiny-hot"} 0.0' in text
+        assert tc.get("/v1/delta_cache").json()["variants"]["tiny-hot"]["requests"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_a_hot_loads_tier_is_its_own_not_a_concurrent_requests(root, monkeypatch):
     """Found by a reviewer: ``loaded_from`` was the last hit or load of the variant on any thread, so a
     request that hit the variant while a cold load returned made the load say ``device``."""
