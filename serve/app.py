@@ -650,6 +650,9 @@ class Metrics:
                                      L, registry=r)
         self.evictions = Counter(PREFIX + "delta_cache_evictions", "Deltas evicted from a cache tier "
                                  "(tier: device or host).", L + ["tier"], registry=r)
+        self.unloads = Counter(PREFIX + "delta_cache_unloads", "Deltas dropped from a cache tier by an unload "
+                               "(/v1/unload_variant, or a load replacing the variant from another folder), "
+                               "which is no eviction (tier: device or host).", L + ["tier"], registry=r)
         self.load_seconds = Histogram(PREFIX + "delta_load_seconds", "Time to bring a delta onto the device, by "
                                       "the tier it came from (host: a copy; disk: read and checked).",
                                       L + ["tier"], buckets=LATENCY_BUCKETS, registry=r)
@@ -674,7 +677,8 @@ class Metrics:
         self._model_series = (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting,
                               self.prompt_tokens, self.generation_tokens)
         self._delta_series = (self.hits, self.misses, self.loads, self.load_failures)
-        self._tier_series = ((self.evictions, ("device", "host")), (self.load_seconds, ("host", "disk")))
+        self._tier_series = ((self.evictions, ("device", "host")), (self.unloads, ("device", "host")),
+                             (self.load_seconds, ("host", "disk")))
         self._models: set[str] = set()
         for mid in model_ids:
             self.add_model(mid)
@@ -732,6 +736,8 @@ class Metrics:
             self.load_failures.labels(model_id).inc()
         elif event == "evict":
             self.evictions.labels(model_id, tier or "device").inc()
+        elif event == "unload":
+            self.unloads.labels(model_id, tier or "device").inc()
 
 
 # ------------------------------------------------------------------------------------ app

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 Tier = Literal["device", "host", "disk"]
-# event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (loads), tier
+# event ("hit", "miss", "load", "load_failed", "evict", "unload"), model id, seconds (loads), tier
 CacheListener = Callable[[str, str, float, "str | None"], None]
 
 
@@ -149,9 +149,10 @@ class DeltaCache:
     # ------------------------------------------------------------------ bookkeeping
 
     def add_listener(self, fn: CacheListener) -> None:
-        """``fn(event, model_id, seconds, tier)`` on hit, miss, load (tier it came from), load_failed
-        and evict (tier it left); each request's :meth:`acquire` is one hit or one miss, whatever it
-        retries, and a hot load's (``request=False``) neither."""
+        """``fn(event, model_id, seconds, tier)`` on hit, miss, load (tier it came from), load_failed,
+        evict (tier it left) and unload (tier it left: :meth:`unload`, an explicit drop, which is no
+        eviction); each request's :meth:`acquire` is one hit or one miss, whatever it retries, and a
+        hot load's (``request=False``) neither."""
         self._listeners.append(fn)
 
     def remove_listener(self, fn: CacheListener) -> None:
@@ -435,12 +436,13 @@ class DeltaCache:
 
     # ------------------------------------------------------------------ admin
 
-    def _free(self, e: _Entry, kept: bool) -> None:
-        """``e``'s device delta leaves the device (called with the lock held; ``e.device`` set)."""
+    def _free(self, e: _Entry, kept: bool, event: str = "evict") -> None:
+        """``e``'s device delta leaves the device (called with the lock held; ``e.device`` set);
+        ``event``: what the listeners are told (``"unload"`` for :meth:`unload`)."""
         if self._free_device is not None:
             self._free_device(e.device, kept)
         self.device_bytes -= e.nbytes
-        self._emit("evict", e.model_id, 0.0, "device")
+        self._emit(event, e.model_id, 0.0, "device")
 
     def _retire(self, e: _Entry) -> None:
         """Set aside ``e``, on the device and with requests in flight, as an old version of its
@@ -450,13 +452,15 @@ class DeltaCache:
         del self._entries[e.model_id]
         self._retired.append(e)
 
-    def _drop(self, e: _Entry) -> None:
+    def _drop(self, e: _Entry, event: str = "evict") -> None:
+        """``e`` leaves every tier and the cache (called with the lock held); ``event``: what the
+        listeners are told for each tier it leaves (``"unload"`` for :meth:`unload`)."""
         if e.device is not None:
-            self._free(e, kept=False)
+            self._free(e, kept=False, event=event)
         if e.host is not None:
             self._let_go(e.host)
             self.host_bytes -= e.nbytes
-            self._emit("evict", e.model_id, 0.0, "host")
+            self._emit(event, e.model_id, 0.0, "host")
         e.device = e.host = None
         self._entries.pop(e.model_id, None)
         self._room.notify_all()
@@ -473,7 +477,8 @@ class DeltaCache:
 
     def unload(self, model_id: str) -> bool:
         """Drop a variant from every tier, and what the cache knows of it (its request count: it
-        leaves :meth:`snapshot`). Returns False if it was not cached.
+        leaves :meth:`snapshot`). Returns False if it was not cached. The listeners are told
+        ``unload`` with the tier it left, not ``evict``: nothing made room by it.
 
         Raises:
             RuntimeError: if it has requests in flight.
@@ -487,7 +492,7 @@ class DeltaCache:
             if e is None:
                 return False
             cached = e.device is not None or e.host is not None
-            self._drop(e)
+            self._drop(e, "unload")
             return cached
 
     def discard(self, model_id: str) -> None:

@@ -72,8 +72,9 @@ def kv_cache_blocks(block_size: int, max_batch: int, context: int, max_tokens: i
     most = max_batch * -(-context // block_size)
     return most if max_tokens is None else min(most, max_tokens // block_size)
 log = logging.getLogger(__name__)
-# event ("hit", "miss", "load", "load_failed", "evict"), model id, seconds (load time for "load" and
-# "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction left: "device"/"host")
+# event ("hit", "miss", "load", "load_failed", "evict", "unload"), model id, seconds (load time for "load"
+# and "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction or an unload
+# left: "device"/"host")
 DeltaListener = Callable[[str, str, float, "str | None"], None]
 
 
@@ -587,8 +588,8 @@ class Engine:
         raise ModelNotFoundError(f"The model `{model_id}` does not exist{removed}")
 
     def add_listener(self, fn: DeltaListener) -> None:
-        """Call ``fn(event, model_id, seconds, tier)`` on delta-cache hits, misses, loads, failed loads
-        and evictions (see :data:`DeltaListener`)."""
+        """Call ``fn(event, model_id, seconds, tier)`` on delta-cache hits, misses, loads, failed loads,
+        evictions and unloads (see :data:`DeltaListener`)."""
         self.cache.add_listener(fn)
 
     def acquire_delta(self, model_id: str, held: VariantDelta | None = None,

@@ -315,6 +315,20 @@ def test_a_hot_load_is_a_load_not_a_request():
     assert cache.snapshot()["b"]["requests"] == 1.0
 
 
+def test_an_unload_is_no_eviction():
+    """Found by a reviewer: an unload was told to the listeners as ``evict`` (and counted in
+    ``delta_cache_evictions``). It is ``unload``, with the tier the deltas left, device or host."""
+    disk, clock = Disk({"a": 100, "b": 100}), Clock()
+    cache, events = make(disk, device_budget_bytes=100, clock=clock)
+    use(cache, "a")
+    clock.t = 1
+    use(cache, "b")  # a goes down to the host tier: that is an eviction
+    events.clear()
+    assert cache.unload("b") is True and cache.unload("a") is True
+    assert events == [("unload", "b", "device"), ("unload", "a", "host")]
+    assert cache.device_bytes == cache.host_bytes == 0
+
+
 def test_unload_forgets_a_variant_whose_deltas_left_every_tier_already():
     """Found by a reviewer: a variant evicted to the disk tier (no host tier) and then unloaded stayed in
     the snapshot (``/v1/delta_cache``) with its request count, unlike one unloaded from the device,

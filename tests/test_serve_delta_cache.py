@@ -452,6 +452,23 @@ def test_a_hot_load_counts_as_a_load_not_as_a_request(root):
         assert tc.get("/v1/delta_cache").json()["variants"]["tiny-hot"]["requests"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_an_unload_counts_as_an_unload_not_as_an_eviction(root):
+    """Found by a reviewer: ``/v1/unload_variant`` counted in ``delta_cache_evictions``; an explicit
+    unload is no eviction. It counts in ``delta_cache_unloads`` (by the tier it left), present at 0
+    from the start as every series of a variant."""
+    engine = _engine(root)
+    with TestClient(create_app(engine)) as tc:
+        assert 'deltafleet:delta_cache_unloads_total{model_name="tiny-coder",tier="device"} 0.0' in \
+            tc.get("/metrics").text
+        assert tc.post("/v1/load_variant", json={"variant": "gone", "path": "coder"}).status_code == 200
+        assert tc.post("/v1/unload_variant", json={"variant": "gone"}).json()["unloaded"] is True
+        text = tc.get("/metrics").text
+        assert 'deltafleet:delta_cache_unloads_total{model_name="tiny-gone",tier="device"} 1.0' in text
+        assert 'deltafleet:delta_cache_unloads_total{model_name="tiny-gone",tier="host"} 0.0' in text
+        assert 'deltafleet:delta_cache_evictions_total{model_name="tiny-gone",tier="device"} 0.0' in text
+        assert 'deltafleet:delta_cache_evictions_total{model_name="tiny-gone",tier="host"} 0.0' in text
+
+
 def test_a_hot_loads_tier_is_its_own_not_a_concurrent_requests(root, monkeypatch):
     """Found by a reviewer: ``loaded_from`` was the last hit or load of the variant on any thread, so a
     request that hit the variant while a cold load returned made the load say ``device``."""
