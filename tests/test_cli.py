@@ -276,3 +276,30 @@ def test_the_commands_help_for_an_override_it_cannot_take_is_one_line_without_a_
         bad = run(*cmd, "granularity=row=1")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
         assert bad.stderr.startswith(f"{name}: mismatched input '='"), bad.stderr
+
+
+def test_the_serve_commands_help_lists_only_the_groups_serve_takes():
+    """Found by a reviewer: ``deltafleet serve --help`` listed every config group under conf/ (Hydra's
+    default help), training's ``trainer``, ``variant``, ``logger``, ``merge`` and ``data`` included, none
+    of which the server takes. It lists serve's own groups, ``model`` and ``paths``, each with the
+    options conf/ has, then serve's settings."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "deltafleet", "serve", "--help"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "deltafleet serve is powered by Hydra."
+    for foreign in ("data", "logger", "merge", "trainer", "variant"):  # neither as a group nor a setting
+        assert not any(line.startswith(f"{foreign}:") for line in lines), foreign
+    start = lines.index("Configuration groups (group=option):")
+    groups = lines[start + 1:lines.index("", start)]
+    options = {g: ", ".join(sorted(p.stem for p in (repo / "conf" / g).glob("*.yaml"))) for g in ("model", "paths")}
+    assert groups == [f"  model: {options['model']}", f"  paths: {options['paths']}"]
+    assert options["model"] == "smollm2, tiny"
+    assert "\nport: 8000\n" in proc.stdout and "\ndelta_cache:\n" in proc.stdout  # its settings, as composed
