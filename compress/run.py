@@ -7,7 +7,9 @@ Reads ``conf/export.yaml``: diffs ``models/<variant>/`` against ``models/base/``
 ``artifacts/<variant>/`` (see ``deltafleet.compress.bitdelta.compress``), then prints a one-line summary.
 A setting export.yaml does not have (``+granulariti=row``) is refused before any work (``error: ...``,
 status 2); an output folder whose file system takes no more (full, a file-size limit) ends the export
-with ``export: cannot write ... to out_dir <folder>: <cause>`` (status 1), nothing written.
+with ``export: cannot write ... to out_dir <folder>: <cause>`` (status 1), nothing written. Ctrl-C
+before the output folder is renamed into place is status 130, the folder as it was; after it, status 0
+(``deltafleet.cli.interruptible``): the export is complete.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from deltafleet.cli import (flag, output_write, refuse_unknown_settings, require
 def main(cfg: DictConfig) -> dict:
     refuse_unknown_settings(cfg, "export.yaml")  # a misspelt +key: `error: ...`, status 2, before any work
     stop_on_sigterm()  # a stopped export leaves no half artifact
-    with user_errors("export"):
+    # a Ctrl-C once the output folder is renamed into place interrupts nothing: status 0, not 130
+    with user_errors("export", output=cfg.hf_out_dir if cfg.format == "hf" else cfg.out_dir):
         from deltafleet.threads import set_threads
 
         set_threads(cfg)

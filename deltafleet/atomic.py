@@ -31,13 +31,43 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+# (folder, device, inode) of every folder replace_dir was asked to put in place in this process, in
+# order: whether one is in place is the file system's answer (committed_since), not a flag that a
+# signal could land before or after
+_PLACED: list[tuple[Path, int, int]] = []
+
+
+def commit_mark() -> int:
+    """A mark for :func:`committed_since`: the folders :func:`replace_dir` was asked to put in place so far."""
+    return len(_PLACED)
+
+
+def committed_since(mark: int, folder: str | Path) -> bool:
+    """Whether :func:`replace_dir` (so :func:`staged_dir`) has put a folder in place at ``folder``
+    (resolved) since ``mark`` (:func:`commit_mark`) and it is there now: the rename that commits it has
+    happened, whatever came after it (the replaced folder's deletion, an interrupt)."""
+    folder = Path(folder).resolve()
+    for dst, dev, ino in _PLACED[mark:]:
+        if dst == folder:
+            try:
+                st = os.stat(dst)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (dev, ino):  # (a rename keeps the inode)
+                return True
+    return False
+
+
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename the finished folder ``src`` to ``dst``, replacing (then deleting) an existing one.
 
     If the final rename fails, a previous ``dst`` is put back. The previous one is first renamed to
     ``.<name>.old-<host>.<pid>.<random>``: if the process is killed outright while deleting it (a
     large checkpoint takes a while), the next :func:`staged_dir` of ``dst`` on this host removes it.
+    The rename of ``src`` is the commit: :func:`committed_since` tells whether it happened.
     """
+    st = os.stat(src)
+    _PLACED.append((Path(os.path.abspath(dst)), st.st_dev, st.st_ino))
     old = None
     if dst.exists() or dst.is_symlink():
         old = dst.parent / f".{dst.name}.old-{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"

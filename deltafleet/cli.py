@@ -31,16 +31,40 @@ from deltafleet.checkpoint import CheckpointError
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, CheckpointError)
 
 
+_COMPLETED: tuple[str, str | Path] | None = None  # interruptible: the job, and the output it committed
+
+
 @contextlib.contextmanager
-def interruptible(job: str) -> Iterator[None]:
+def interruptible(job: str, output: str | Path | None = None) -> Iterator[None]:
     """Ctrl-C ends the job with ``<job>: interrupted`` on stderr and exit status 130 (128 + SIGINT, as
     a shell reports it), not a traceback of wherever it landed. The ``finally`` blocks inside have run
-    by then: a staged output folder is gone."""
+    by then: a staged output folder is gone.
+
+    ``output``: the folder the job puts in place last (``deltafleet.atomic.staged_dir``), which is its
+    work. A Ctrl-C once that folder is committed (renamed into place: while the folder it replaced is
+    deleted, while the job reports, or in Hydra's return path, :func:`run_script`) interrupted nothing
+    the job had to do: it ends with ``<job>: interrupted after its output was written: <output> is
+    complete`` on stderr and status 0. One before the commit is status 130, the output as it was."""
+    from deltafleet.atomic import commit_mark, committed_since
+
+    global _COMPLETED
+    _COMPLETED = None
+    mark = commit_mark()
     try:
         yield
     except KeyboardInterrupt:
+        if output is not None and committed_since(mark, output):
+            _interrupted_when_complete(job, output)
         print(f"\n{job}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    if output is not None and committed_since(mark, output):
+        _COMPLETED = (job, output)
+
+
+def _interrupted_when_complete(job: str, output: str | Path) -> NoReturn:
+    """End a job whose Ctrl-C came once its output was committed (:func:`interruptible`): status 0."""
+    print(f"\n{job}: interrupted after its output was written: {output} is complete", file=sys.stderr)
+    raise SystemExit(0) from None
 
 
 def fit(trainer, *args, **kwargs):
@@ -61,11 +85,12 @@ def fit(trainer, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def user_errors(job: str) -> Iterator[None]:
+def user_errors(job: str, output: str | Path | None = None) -> Iterator[None]:
     """Turn a user-caused error (:data:`USER_ERRORS`, which includes ``ArtifactError``) into
     ``SystemExit("<job>: <message>")``: exit status 1 and one line on stderr, where Hydra would
-    print a traceback. Anything else (a bug) keeps its traceback. Ctrl-C is :func:`interruptible`."""
-    with interruptible(job):
+    print a traceback. Anything else (a bug) keeps its traceback. Ctrl-C is :func:`interruptible`
+    (``output``: its output folder, committed last)."""
+    with interruptible(job, output):
         try:
             yield
         except USER_ERRORS as e:
@@ -456,10 +481,15 @@ def run_script(main, argv: list[str] | None = None) -> None:
     """A Hydra script's ``__main__``: ``main()``, except that ``--help`` before a required group is
     chosen (``variant=...``), or with a choice that does not exist (``variant=codr``) or an override
     Hydra cannot parse (:data:`HELP_ERRORS`), which Hydra cannot compose, is said on stderr with
-    status 2, as ``deltafleet <job> --help`` says it, not a traceback."""
+    status 2, as ``deltafleet <job> --help`` says it, not a traceback. A Ctrl-C after the job's
+    :func:`interruptible` committed its output (in Hydra's return path) is status 0, as inside it."""
     args = sys.argv[1:] if argv is None else argv
     try:
         main()
+    except KeyboardInterrupt:
+        if _COMPLETED is None:
+            raise
+        _interrupted_when_complete(*_COMPLETED)
     except Exception as e:
         if _FROM_COMMAND or not ("--help" in args or "-h" in args) or type(e).__name__ not in HELP_ERRORS:
             raise  # (the deltafleet command says it in its own name)

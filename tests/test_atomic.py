@@ -43,6 +43,35 @@ def test_staged_dir_replaces_only_on_success(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
+def test_committed_since_is_the_rename_into_place(tmp_path, monkeypatch):
+    """What ``deltafleet.cli.interruptible`` asks of a Ctrl-C (status 0 once an export's output is in
+    place): whether :func:`staged_dir` has renamed the folder into place since a mark, also where the
+    interrupt lands right after that rename, while the replaced folder is deleted; not where it lands
+    before, nor for another folder, nor for a commit before the mark."""
+    dst = tmp_path / "art"
+    mark = atomic.commit_mark()
+    with pytest.raises(KeyboardInterrupt), atomic.staged_dir(dst) as tmp:
+        (tmp / "a").write_text("1")
+        raise KeyboardInterrupt
+    assert not atomic.committed_since(mark, dst) and not dst.exists()
+    with atomic.staged_dir(dst) as tmp:
+        (tmp / "a").write_text("1")
+    assert atomic.committed_since(mark, dst) and not atomic.committed_since(mark, tmp_path / "other")
+    mark = atomic.commit_mark()
+    assert not atomic.committed_since(mark, dst)
+    rmtree = atomic.shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):  # Ctrl-C while the folder it replaced is deleted
+        if Path(path).name.startswith(".art.old-"):
+            raise KeyboardInterrupt
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt), atomic.staged_dir(dst) as tmp:
+        (tmp / "a").write_text("2")
+    assert atomic.committed_since(mark, dst) and (dst / "a").read_text() == "2"
+
+
 def test_staged_dir_through_a_link_replaces_the_links_target(tmp_path):
     """Found by a fresh user: an export to an out_dir that is a symbolic link replaced the link with a
     folder, leaving its target (which check_replaceable had checked) stale. Every writer now does what

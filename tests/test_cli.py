@@ -51,6 +51,81 @@ def test_ctrl_c_during_fit_ends_the_job_with_status_130(tmp_path, capsys):
     assert capsys.readouterr().err.endswith("\ntrain: interrupted\n")
 
 
+def test_ctrl_c_once_the_output_is_in_place_is_status_0(tmp_path, capsys):
+    """Found by a reviewer: Ctrl-C right after an export had renamed its artifact into place ended it
+    with ``export: interrupted`` and status 130, though the artifact was complete. Status 130 is for an
+    interrupt before that commit (the output as it was); after it, in the job's block or in Hydra's
+    return path (:func:`~deltafleet.cli.run_script`), the job ends with status 0 and says so."""
+    from deltafleet.atomic import staged_dir
+    from deltafleet.cli import run_script
+
+    out = tmp_path / "art"
+    with pytest.raises(SystemExit) as before, interruptible("export", output=out):
+        with staged_dir(out) as tmp:
+            (tmp / "a").write_text("1")
+            raise KeyboardInterrupt
+    assert before.value.code == 130 and not out.exists()
+    assert capsys.readouterr().err == "\nexport: interrupted\n"
+    with pytest.raises(SystemExit) as after, interruptible("export", output=out):
+        with staged_dir(out) as tmp:
+            (tmp / "a").write_text("1")
+        raise KeyboardInterrupt  # while the job reports
+    assert after.value.code == 0 and (out / "a").read_text() == "1"
+    assert capsys.readouterr().err == f"\nexport: interrupted after its output was written: {out} is complete\n"
+
+    def returning():  # the job's block is done: Hydra returns
+        with interruptible("export", output=out):
+            with staged_dir(out) as tmp:
+                (tmp / "a").write_text("2")
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as late:
+        run_script(returning, argv=[])
+    assert late.value.code == 0 and (out / "a").read_text() == "2"
+    assert capsys.readouterr().err.endswith(f"{out} is complete\n")
+
+    def unfinished():  # nothing put in place: the interrupt is Python's, as before
+        with interruptible("export", output=tmp_path / "never"):
+            pass
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_script(unfinished, argv=[])
+
+
+def test_ctrl_c_right_after_an_export_is_written_is_status_0(tmp_path):
+    """The export (compress/run.py) with a SIGINT sent to itself the moment its artifact is renamed into
+    place: status 0, a line saying the artifact is complete, and the artifact loads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deltafleet.compress.bitdelta import load_artifact
+
+    repo = Path(__file__).resolve().parents[1]
+    _ft_pair(tmp_path)
+    args = ["variant=coder", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code = ("import os, runpy, signal, sys\n"
+            "import deltafleet.atomic as atomic\n"
+            "replace_dir = atomic.replace_dir\n"
+            "def committed(src, dst):\n"
+            "    replace_dir(src, dst)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "atomic.replace_dir = committed\n"
+            f"sys.argv = ['compress/run.py', *{args!r}]\n"
+            "runpy.run_path('compress/run.py', run_name='__main__')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = tmp_path / "artifacts" / "coder"
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"export: interrupted after its output was written: {out} is complete", proc.stderr[-3000:]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["coder"]
+    assert load_artifact(out).variant == "coder"
+
+
 def test_fit_leaves_other_exits_alone(tmp_path):
     """A ``sys.exit`` that is not an interrupted run passes unchanged."""
 
