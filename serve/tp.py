@@ -17,7 +17,9 @@ same inputs and gets the same logits.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -164,6 +166,37 @@ def shard_delta(delta, rank: int, world: int):
 COMMAND_WAIT = timedelta(days=3650)
 
 
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface: ``lo`` (Linux) or ``lo0`` (macOS, the BSDs).
+
+    Raises:
+        OSError: if it has neither.
+    """
+    names = {name for _, name in socket.if_nameindex()}
+    found = next((name for name in ("lo", "lo0") if name in names), None)
+    if found is None:
+        raise OSError(f"no loopback interface (lo or lo0) among this machine's interfaces "
+                      f"({', '.join(sorted(names))}): set GLOO_SOCKET_IFNAME to it")
+    return found
+
+
+def gloo_on_loopback(host: str) -> None:
+    """Put the sockets of every gloo group this process creates on the loopback interface, where the
+    ranks meet at a loopback ``host`` (the server's 127.0.0.1) and ``GLOO_SOCKET_IFNAME`` does not
+    name an interface already (the user's choice stands). Left to itself, gloo binds and connects on
+    the address the machine's hostname resolves to, which is often an interface other machines
+    reach: its ranks would listen there, with no address of the server's configuration to say so.
+    gloo reads the variable when a group is created, so this comes before the first."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        loopback = host == "localhost"
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+
+
 def connect(rank: int, world: int, backend: str, host: str, port: int, timeout_s: float) -> TPContext:
     """Join the tensor-parallel group as ``rank`` of ``world``: the default process group (``backend``:
     NCCL on GPUs, gloo on the CPU), which the all-reduces use, and a gloo group for rank 0's commands.
@@ -171,6 +204,9 @@ def connect(rank: int, world: int, backend: str, host: str, port: int, timeout_s
     The ranks meet at rank 0's ``TCPStore`` on ``host:port``. Rank 0 binds its listening socket to
     ``host`` itself and hands it to the store: a store that binds its own listens on every interface
     (``*:port``), whatever address the ranks use, and would take connections from other machines.
+    The gloo groups' own sockets (the control group's, and the all-reduces' on the CPU) go on the
+    loopback interface with a loopback ``host`` (:func:`gloo_on_loopback`), not on the address the
+    machine's hostname resolves to.
 
     Every collective waits at most ``timeout_s`` (``tp_timeout_s``) for the other ranks, so that a
     rank that stops answering (stopped, hung) fails the requests it holds up instead of hanging them
@@ -179,6 +215,7 @@ def connect(rank: int, world: int, backend: str, host: str, port: int, timeout_s
     for rank 0's next command (:data:`COMMAND_WAIT`): an idle server sends none for as long as it is
     idle, and rank 0's end closes the connections that wait. Both groups are created by every rank."""
     timeout = timedelta(seconds=timeout_s)
+    gloo_on_loopback(host)
     fd = None
     if rank == 0:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

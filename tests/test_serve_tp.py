@@ -1100,6 +1100,55 @@ def _stall_worker(rank: int, base_dir: str, art_dir: str, port: int, out: str) -
         torch.distributed.destroy_process_group()
 
 
+def test_gloo_goes_on_loopback_unless_the_user_chose_an_interface(monkeypatch):
+    """Found by a reviewer: gloo's sockets followed the machine's hostname. With the ranks meeting on a
+    loopback address, ``connect`` names the loopback interface to gloo (``GLOO_SOCKET_IFNAME``); an
+    interface the user set stays, and a rendezvous elsewhere is left to gloo."""
+    import os
+    import sys
+
+    from deltafleet.serve.tp import gloo_on_loopback, loopback_interface
+
+    assert loopback_interface() == ("lo" if sys.platform == "linux" else "lo0")
+    for host in ("127.0.0.1", "::1", "localhost"):
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # (empty: unset, as gloo reads it)
+        gloo_on_loopback(host)
+        assert os.environ["GLOO_SOCKET_IFNAME"] == loopback_interface(), host
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    gloo_on_loopback("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    gloo_on_loopback("10.1.2.3")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == ""
+
+
+def test_gloo_sockets_stay_on_loopback_where_the_hostname_resolves_elsewhere(tmp_path):
+    """Found by a reviewer: the ranks' store was on 127.0.0.1, but gloo bound and connected its sockets
+    on the address the machine's hostname resolves to. Here the ranks run where the hostname is this
+    machine's other address (a UTS namespace): every socket of theirs is on 127.0.0.1 all the same."""
+    import ipaddress
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    other = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback), None)
+    if other is None or subprocess.run(["unshare", "-r", "-u", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs an address besides loopback and unprivileged user namespaces (unshare -r -u)")
+    repo = Path(__file__).resolve().parents[1]
+    one_rank = '"$0" tests/scripts/gloo_sockets.py {} 9962 "$1"'  # $0: this Python, $1: where they write
+    both = f"{one_rank.format(0)} & {one_rank.format(1)}; one=$?; wait $!; exit $(($? | one))"
+    proc = subprocess.run(["unshare", "-r", "-u", "sh", "-c", f"hostname {other} && {both}", sys.executable,
+                           str(tmp_path / "addrs")], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"addrs.{rank}").read_text()) == ["127.0.0.1"], rank
+
+
 def test_a_variant_load_under_tp_does_not_stall_the_requests_of_other_models(tiny_family, tmp_path):
     """Found by a reviewer: "requests for other variants are not blocked" by a load (docs/architecture.md),
     but under tensor parallelism rank 0 announced the load holding the group's lock and waited while
