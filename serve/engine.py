@@ -16,6 +16,7 @@ any sink with ``put`` (the HTTP layer's, serve/app.py).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import json
 import logging
@@ -76,6 +77,14 @@ log = logging.getLogger(__name__)
 # and "load_failed", else 0), tier (where a load came from: "host"/"disk"; what an eviction or an unload
 # left: "device"/"host")
 DeltaListener = Callable[[str, str, float, "str | None"], None]
+
+
+def _chat_template_options(tokenizer) -> frozenset[str]:
+    """The named parameters of ``tokenizer.apply_chat_template`` (``conversation``, ``chat_template``,
+    ``tools``, ``tokenize``, ...): its options, which ``chat_template_kwargs`` may not set (only the
+    rest of its keyword arguments reach the template as variables)."""
+    params = inspect.signature(type(tokenizer).apply_chat_template).parameters.values()
+    return frozenset(p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 @dataclass(frozen=True)
@@ -1015,11 +1024,15 @@ class Engine:
     def _render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                      continue_final_message: bool = False) -> str:
-        reserved = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "conversation",
-                    "tools"} & set(template_kwargs or {})
+        """The chat as text. ``template_kwargs`` are variables of the template only: ``messages`` and
+        every option of ``apply_chat_template`` (``chat_template``, a template of the request's own,
+        which would render text that no length check has seen; ``tools``, ``documents``,
+        ``tokenize``, ...) are refused by name (InvalidRequestError; vLLM refuses a template there too)."""
+        reserved = ({"messages"} | _chat_template_options(self.tokenizer)) & set(template_kwargs or {})
         if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs",
-                                      "invalid_value")
+            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}: it holds variables of "
+                                      "the model's chat template, not options of its rendering",
+                                      "chat_template_kwargs", "invalid_value")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False,

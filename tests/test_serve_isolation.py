@@ -956,6 +956,26 @@ def test_chat_template_kwargs_reach_the_template(engine):
         engine.tokenizer.chat_template = template
 
 
+def test_chat_template_kwargs_cannot_bring_a_template_or_rendering_options(engine, tc):
+    """Found by probing as a vLLM user: ``chat_template_kwargs: {"chat_template": ...}`` replaced the
+    model's template, so a 100-byte request rendered text that no length check had seen (millions of
+    tokens to encode under the tokenizer's one lock) and the top-level ``chat_template``'s refusal
+    was bypassed. Every option of ``apply_chat_template`` is now refused by name, before rendering."""
+    from deltafleet.serve.request import InvalidRequestError
+
+    messages = [{"role": "user", "content": "hi"}]
+    for name, value in [("chat_template", "{{ 'ab ' * 2000000 }}"), ("documents", [{"text": "x"}]),
+                        ("tokenizer_kwargs", {}), ("return_dict", True)]:
+        with pytest.raises(InvalidRequestError, match=rf"may not set \['{name}'\]"):
+            engine.encode_chat(messages, {name: value})
+    bomb = {"chat_template_kwargs": {"chat_template": "{{ 'ab ' * 2000000 }}"}}
+    for path, body in [("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 1, **bomb}),
+                       ("/tokenize", {"messages": messages, **bomb})]:
+        err = api_error(tc.post(path, json=body), 400)
+        assert (err["param"], err["code"]) == ("chat_template_kwargs", "invalid_value"), err
+        assert "['chat_template']" in err["message"]
+
+
 def _server(tiny_family, out: Path, *settings: str):
     """``serve/run.py`` over the tiny family on a free port with ``settings``, its output in
     ``out/server.log``: ``(process, url, log file)``."""
