@@ -277,7 +277,8 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, strict=True, description="the k most likely tokens only (vLLM's); "
                                                                     "0, -1, null or k past the vocabulary: all")
-    stop: Annotated[Annotated[Annotated[str, Tag("one")] | Annotated[list[str], Field(max_length=MAX_STOP),
+    stop: Annotated[Annotated[Annotated[str, WithJsonSchema(_TEXT), Tag("one")]
+                              | Annotated[list[Annotated[str, WithJsonSchema(_TEXT)]], Field(max_length=MAX_STOP),
                                                                      _too_many("stop", MAX_STOP), Tag("list")],
                               Discriminator(lambda v: "one" if isinstance(v, str) else "list")] | None,
                     BeforeValidator(_check_stop_chars),
@@ -378,9 +379,12 @@ class _Sampling(BaseModel):
 
     def check(self) -> None:
         """Raise InvalidRequestError (400) on text that is not valid Unicode anywhere in the request
-        (:func:`check_texts`), ``stream_options`` without ``stream``, or a parameter of
-        :data:`UNSUPPORTED` that asks for something."""
+        (:func:`check_texts`), an empty stop string (as vLLM), ``stream_options`` without ``stream``,
+        or a parameter of :data:`UNSUPPORTED` that asks for something."""
         check_texts(self)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if "" in stops:  # it would end every text before its first character: vLLM's 400
+            raise InvalidRequestError("stop cannot contain an empty string.", "stop", "invalid_value")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                       "stream_options", "invalid_value")

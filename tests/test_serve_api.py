@@ -867,6 +867,19 @@ def test_bad_body_is_400(server, path, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param
 
 
+def test_an_empty_stop_string_is_400_as_in_vllm(server):
+    """Found by probing as a vLLM user: ``stop: ""`` (or one in a list) was silently dropped and the
+    text ran on; vLLM refuses it, since an empty string ends every text before it begins."""
+    for path, body in [("completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ""}),
+                       ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["a", ""],
+                                        "stream": True}),
+                       ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "max_tokens": 2, "stop": [""]})]:
+        err = api_error(httpx.post(f"{server}/v1/{path}", json=body), 400)
+        assert (err["param"], err["code"], err["message"]) == ("stop", "invalid_value",
+                                                               "stop cannot contain an empty string."), err
+
+
 def test_invalid_json_is_400(server):
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert api_error(r, 400)["code"] == "invalid_json"
