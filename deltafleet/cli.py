@@ -164,7 +164,12 @@ class RunFolders(Callback):
     :func:`drop_refused_run_dir` removes what Hydra made for the run and nothing that was there before
     (an empty folder of the user's, the working folder). Hydra makes them as ``os.makedirs`` does,
     each prefix of the path as written: ``outputs/train/../../x/<time>`` makes ``outputs/``,
-    ``outputs/train/``, ``x/`` and ``x/<time>/``."""
+    ``outputs/train/``, ``x/`` and ``x/<time>/``.
+
+    It makes them itself, first: a run folder that cannot be made (a read-only working folder, a
+    ``paths.output_dir`` under a file) refuses the job before any work, ``error: cannot make the run
+    folder <folder>: <cause>; ...`` on stderr and exit status 2, what it made of the path removed
+    again, where Hydra would print the traceback of its ``mkdir``."""
 
     def on_run_start(self, config, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -183,6 +188,16 @@ class RunFolders(Callback):
             if f not in made and not f.exists():
                 made.append(f)
         _MADE_FOR_RUN = made
+        run = Path(os.path.abspath(os.path.join(*parts)))
+        try:
+            os.makedirs(run, exist_ok=True)
+        except OSError as e:
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            print(f"error: cannot make the run folder {run} (hydra.run.dir): {e.strerror or e}; set "
+                  f"paths.output_dir to a folder that can be written", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 _MADE_FOR_RUN: list[Path] = []  # RunFolders: the folders Hydra made for this run, in the order made

@@ -378,3 +378,48 @@ def test_the_serve_commands_help_lists_only_the_groups_serve_takes():
     assert groups == [f"  model: {options['model']}", f"  paths: {options['paths']}"]
     assert options["model"] == "smollm2, tiny"
     assert "\nport: 8000\n" in proc.stdout and "\ndelta_cache:\n" in proc.stdout  # its settings, as composed
+
+
+
+def _run_start(tmp_path, output_dir):
+    """:class:`deltafleet.cli.RunFolders` before an export's run with ``paths.output_dir=output_dir``."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from deltafleet.cli import RunFolders
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="export", overrides=["variant=coder", f"paths.root={tmp_path}",
+                                                        f"paths.output_dir={output_dir}"], return_hydra_config=True)
+    before = HydraConfig.instance().cfg
+    try:
+        RunFolders().on_run_start(cfg)
+    finally:
+        HydraConfig.instance().cfg = before
+
+
+@pytest.mark.parametrize("under, cause", [("file", "Not a directory"), ("new/" + "x" * 300, "File name too long")])
+def test_a_run_folder_that_cannot_be_made_is_one_line_and_leaves_nothing(tmp_path, capsys, under, cause):
+    """Found by a reviewer: a job whose Hydra run folder could not be made (``paths.output_dir`` on a
+    read-only file system, as under a read-only working folder, or under a file) ended with the
+    chained traceback of Hydra's ``mkdir``. The run's ``RunFolders`` callback refuses it before any
+    work, ``error: cannot make the run folder ...`` and status 2, and removes the folders it made on
+    the way (``new/`` here)."""
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(SystemExit) as exit_:
+        _run_start(tmp_path, tmp_path / under / "out")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: cannot make the run folder {tmp_path / under / 'out' / 'export' / 'coder'}/"), err
+    assert err.endswith(f" (hydra.run.dir): {cause}; set paths.output_dir to a folder that can be written\n"), err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_a_run_folder_that_can_be_made_is_made_before_the_run(tmp_path):
+    """The folders of the run that can be made are made by ``RunFolders``, before Hydra's run."""
+    _run_start(tmp_path, tmp_path / "a" / "b")
+    assert len(list((tmp_path / "a" / "b" / "export" / "coder").iterdir())) == 1  # <date>_<time>/, empty
