@@ -280,6 +280,60 @@ def test_too_few_units_fails_loudly(tmp_path):
         D.prepare(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("over, message", [
+    ({"val_fraction": 2}, "data.val_fraction must be a number between 0 and 1 (the share of a domain's documents), got 2"),
+    ({"test_fraction": -0.5}, "data.test_fraction must be a number between 0 and 1 (the share of a domain's "
+                              "documents), got -0.5"),
+    ({"val_fraction": 0.6, "test_fraction": 0.4}, "data.val_fraction + data.test_fraction must be below 1 (the rest "
+                                                  "is train), got 0.6 + 0.4"),
+    ({"chunk_chars": "abc"}, "data.chunk_chars must be a whole number ≥ 1, got 'abc'"),
+    ({"seed": "x"}, "data.seed must be an integer, got 'x'"),
+    ({"general_fraction": "abc"}, "data.general_fraction must be a number in (0, 1], got 'abc'"),
+    ({"math_problems": -3}, "data.math_problems must be a whole number ≥ 1, got -3"),
+    ({"max_chars": {"legal": 0}}, "data.max_chars.legal must be a whole number ≥ 1, got 0"),
+    ({"domains": "coder"}, "data.domains must be a non-empty list of domains, e.g. data.domains=[general,coder]; "
+                           "got 'coder'"),
+    ({"domains": []}, "data.domains must be a non-empty list of domains, e.g. data.domains=[general,coder]; got []"),
+    ({"domains": ["coder", "math", "coder"]}, "data.domains lists 'coder' twice"),
+    ({"domains": ["coder", "nope"]}, "unknown data domains ['nope']; known: ['general', 'coder', 'math', 'writer', "
+                                     "'legal', 'chat']"),
+])
+def test_a_bad_data_setting_is_refused_by_name_before_any_source_is_read(tmp_path, monkeypatch, over, message):
+    """Found by a reviewer: ``make data`` took ``data.test_fraction=-0.5``, ``data.seed=x`` or
+    ``data.domains=[coder,coder]`` and wrote data; ``data.val_fraction=2`` read the sources and then
+    blamed ``data.max_chars``; ``data.chunk_chars=abc`` ended in a TypeError; ``data.domains=coder``
+    was taken for the domains c, o, d, e, r. Each is refused by name before any source is read."""
+    def read(*args, **kwargs):
+        raise AssertionError("a source was read")
+
+    for builder in ("coder_units", "math_units", "writer_units", "legal_units", "chat_units"):
+        monkeypatch.setattr(D, builder, read)
+    cfg = small_cfg()
+    for key, value in over.items():  # (set, not merged: a list or text replaces the default's)
+        if isinstance(value, dict):
+            cfg[key].merge_with(value)
+        else:
+            cfg[key] = value
+    with pytest.raises(ValueError) as err:
+        D.prepare(cfg, tmp_path / "data")
+    assert str(err.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_data_says_a_bad_setting_in_one_line(tmp_path):
+    """``make data`` (train/data.py's entry point) ends a refused setting with ``data: ValueError: ...``,
+    status 1, as the other jobs do, where Hydra printed the error with its hint on a second line."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="prepare", overrides=[f"paths.root={tmp_path}", "data.val_fraction=2"])
+    with pytest.raises(SystemExit) as exit_:
+        D.main(cfg)
+    assert exit_.value.code == ("data: ValueError: data.val_fraction must be a number between 0 and 1 (the share "
+                                "of a domain's documents), got 2")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_chunk_text_cuts_at_lines_and_keeps_substrings():
     text = "def f():\n    return 1\n\n\nclass A:\n    x = 1\n    y = 2\n"
     chunks = D.chunk_text(text, 30)

@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import lzma
+import math
 import operator
 import os
 import random
@@ -701,6 +702,53 @@ def _jsonl(records: Iterable[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
 
 
+def check_data_settings(cfg: Mapping) -> None:
+    """Refuse, before any source is read, a ``data`` setting :func:`prepare` cannot use: ``domains`` a
+    non-empty list of known domains, each once; ``seed`` an integer; ``val_fraction`` and
+    ``test_fraction`` numbers in (0, 1) with a sum below 1; ``general_fraction`` a number in (0, 1];
+    ``chunk_chars``, ``math_problems``, ``chat_math_problems`` and the ``max_chars`` of every domain
+    built whole numbers ≥ 1.
+
+    Raises:
+        ValueError: naming the first bad setting as ``data.<key>`` and its value.
+    """
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def real(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    domains = cfg.get("domains")
+    if not isinstance(domains, list) or not domains or not all(isinstance(d, str) for d in domains):
+        raise ValueError(f"data.domains must be a non-empty list of domains, e.g. data.domains=[general,coder]; "
+                         f"got {domains!r}")
+    unknown = sorted(set(domains) - set(DOMAINS))
+    if unknown:
+        raise ValueError(f"unknown data domains {unknown}; known: {list(DOMAINS)}")
+    twice = next((d for d in domains if domains.count(d) > 1), None)
+    if twice is not None:
+        raise ValueError(f"data.domains lists {twice!r} twice")
+    if not whole(cfg.get("seed")):
+        raise ValueError(f"data.seed must be an integer, got {cfg.get('seed')!r}")
+    for key in ("val_fraction", "test_fraction"):
+        if not real(cfg.get(key)) or not 0 < cfg[key] < 1:
+            raise ValueError(f"data.{key} must be a number between 0 and 1 (the share of a domain's "
+                             f"documents), got {cfg.get(key)!r}")
+    if cfg["val_fraction"] + cfg["test_fraction"] >= 1:
+        raise ValueError(f"data.val_fraction + data.test_fraction must be below 1 (the rest is train), got "
+                         f"{cfg['val_fraction']} + {cfg['test_fraction']}")
+    if not real(cfg.get("general_fraction")) or not 0 < cfg["general_fraction"] <= 1:
+        raise ValueError(f"data.general_fraction must be a number in (0, 1], got {cfg.get('general_fraction')!r}")
+    built = [d for d in VARIANT_DOMAINS if d in domains or ("general" in domains and d in TEXT_DOMAINS)]
+    max_chars = cfg.get("max_chars")
+    counts = [("chunk_chars", cfg.get("chunk_chars")), ("math_problems", cfg.get("math_problems")),
+              ("chat_math_problems", cfg.get("chat_math_problems")),
+              *((f"max_chars.{d}", max_chars.get(d) if isinstance(max_chars, Mapping) else None) for d in built)]
+    for key, value in counts:
+        if not whole(value) or value < 1:
+            raise ValueError(f"data.{key} must be a whole number ≥ 1, got {value!r}")
+
+
 def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
     """Build every domain in ``cfg_data.domains`` and write it under ``data_dir``.
 
@@ -717,14 +765,13 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
 
     Raises:
         SourceMissingError: a source is not installed (the message says what to install).
-        ValueError: an unknown domain, or a split with fewer than ``MIN_DOCS_PER_SPLIT`` documents.
+        ValueError: a setting :func:`check_data_settings` refuses (before any source is read), or a
+            split with fewer than ``MIN_DOCS_PER_SPLIT`` documents.
     """
     cfg = _cfg_dict(cfg_data)
+    check_data_settings(cfg)
     data_dir = Path(data_dir)
     domains = list(cfg["domains"])
-    unknown = sorted(set(domains) - set(DOMAINS))
-    if unknown:
-        raise ValueError(f"unknown data domains {unknown}; known: {list(DOMAINS)}")
     build = tuple(d for d in VARIANT_DOMAINS if d in domains or ("general" in domains and d in TEXT_DOMAINS))
     builders = {"coder": coder_units, "math": math_units, "legal": legal_units,
                 "writer": lambda c: writer_units(c, data_dir), "chat": lambda c: chat_units(c, data_dir)}
@@ -788,7 +835,8 @@ def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     data_dir = Path(cfg.paths.data_dir)
     try:
-        manifest = prepare(cfg.data, data_dir)
+        with user_errors("data"):  # a bad data.* setting, too few documents: one line, not a traceback
+            manifest = prepare(cfg.data, data_dir)
     except SourceMissingError as e:  # what the user must install: one line, not a traceback
         raise SystemExit(f"data: {e}") from None
     log.info("data written to %s in %.1f s\n%s", data_dir, time.perf_counter() - t0, format_summary(manifest))
