@@ -68,7 +68,8 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
         peak resident memory so far: the merge's, when it runs in a process of its own).
 
     Raises:
-        ValueError: no models, a missing base for a task-vector method, inputs whose tensor names or
+        ValueError: no models, a model listed twice (the same folder, however written), a missing base
+            for a task-vector method, inputs whose tensor names or
             shapes differ (the message names the first difference), an ``out_dir`` that overlaps an
             input, is a file, or holds files of something other than a merge (without ``overwrite``).
         FileNotFoundError / deltafleet.checkpoint.CheckpointError: an unreadable input.
@@ -82,6 +83,14 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
                          f"{'s' if method.n_models > 1 else ''}, got {len(model_dirs)} models")
     if method.weights is not None and len(method.weights) != len(model_dirs):
         raise ValueError(f"{len(method.weights)} weights for {len(model_dirs)} models")
+    seen: dict[Path, str | Path] = {}
+    for d in model_dirs:
+        if Path(d).resolve() in seen:
+            first = seen[Path(d).resolve()]
+            same = "" if str(first) == str(d) else f" (as {first} and {d})"
+            raise ValueError(f"models lists {Path(d).resolve()} twice{same}: each model is merged once; to give a "
+                             f"model more weight, set params.weights")
+        seen[Path(d).resolve()] = d
     out = Path(out_dir).resolve()
     check_replaceable(out, [*model_dirs] + ([base_dir] if base_dir is not None else []), _not_merge_output,
                       job="merge", overwrite=overwrite)

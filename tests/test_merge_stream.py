@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,23 @@ def test_bad_inputs_are_named_and_leave_nothing(tiny_family, tmp_path):
     with pytest.raises(ValueError, match="merge method 'slerp' merges the base with 1 model, got 2 models"):
         merge_checkpoints(tiny_family.base_dir, models * 2, tmp_path / "m", get_method("slerp"))
     assert not (tmp_path / "m").exists() and not any(p.name.startswith(".m.tmp") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "linear", "opcm"])
+def test_a_model_listed_twice_is_refused_before_anything_is_written(tiny_family, tmp_path, method):
+    """Found by a reviewer: ``models=[models/coder,models/coder]`` (a typo for another variant) merged
+    the one fine-tune with itself, status 0: its task vector counted twice. The same folder, however
+    written, is refused by name before any work; params.weights gives a model more weight."""
+    coder = tiny_family.base_dir.parent / "coder"
+    again = tiny_family.base_dir.parent / "writer" / ".." / "coder"
+    with pytest.raises(ValueError) as err:
+        merge_checkpoints(tiny_family.base_dir, [coder, tiny_family.base_dir.parent / "writer", again],
+                          tmp_path / "m", get_method(method))
+    assert str(err.value) == (f"models lists {coder.resolve()} twice (as {coder} and {again}): each model is merged "
+                              f"once; to give a model more weight, set params.weights")
+    with pytest.raises(ValueError, match=rf"^models lists {re.escape(str(coder.resolve()))} twice: each model"):
+        merge_checkpoints(tiny_family.base_dir, [coder, coder], tmp_path / "m", get_method(method))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_out_dir_that_overlaps_an_input_is_refused_before_anything_is_written(tiny_family, tmp_path):
@@ -316,13 +334,15 @@ def test_a_merge_that_would_write_non_finite_values_is_refused_and_names_the_sou
     bad_b = torch.ones(3)
     bad_b[1] = float("nan")
     bad = _ckpt(tmp_path / "bad", {"a": torch.ones(2, 3), "b": bad_b})
+    twin = _ckpt(tmp_path / "twin", {"a": torch.ones(2, 3), "b": torch.ones(3)})  # good's values, another folder
     for method in ("task_arithmetic", "ties"):  # TIES would drop the NaN silently
         with pytest.raises(ValueError, match=r"^b: .*/bad holds non-finite values \(NaN or infinity\)$"):
             merge_checkpoints(base, [good, bad], tmp_path / "out", get_method(method))
     with pytest.raises(ValueError, match=r"^a: the merge gives non-finite values \(NaN or infinity\) from finite "
                                          r"inputs: the method's weights or scaling overflow the dtype$"):
-        merge_checkpoints(None, [good, good], tmp_path / "out", get_method("linear", weights=[1e300, 1e300]))
-    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad", "base", "good"]
+        merge_checkpoints(None, [good, twin], tmp_path / "out", get_method("linear", weights=[1e300, 1e300]))
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad", "base", "good",
+                                                                                            "twin"]
 
 
 def test_checkpoints_of_different_architectures_are_refused_and_doubtful_families_warned(tmp_path):
