@@ -423,3 +423,35 @@ def test_a_run_folder_that_can_be_made_is_made_before_the_run(tmp_path):
     """The folders of the run that can be made are made by ``RunFolders``, before Hydra's run."""
     _run_start(tmp_path, tmp_path / "a" / "b")
     assert len(list((tmp_path / "a" / "b" / "export" / "coder").iterdir())) == 1  # <date>_<time>/, empty
+
+
+def test_every_jobs_help_lists_the_config_groups_it_takes_and_no_other():
+    """Found by a reviewer (as for serve): ``deltafleet data --help``, ``real-base``, ``eval``, ``export
+    variant=coder`` and ``distill variant=coder --help`` printed Hydra's default help, whose groups are
+    every group under conf/ (``trainer``, ``merge``, ... which those jobs refuse). A job's help lists
+    the groups its config composes, each with the options conf/ has; only a
+    job that composes every group (train) keeps Hydra's default."""
+    from pathlib import Path
+
+    import yaml
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    every = sorted(p.name for p in conf.iterdir() if p.is_dir())
+
+    def options(group):
+        return ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
+
+    for path in sorted(conf.glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        groups = [g if isinstance(g, str) else next(iter(g)) for g in config.get("defaults", [])]
+        groups = [g for g in groups if (conf / g).is_dir()]
+        template = config.get("hydra", {}).get("help", {}).get("template")
+        if template is None:
+            assert sorted(groups) == every, path.name  # Hydra's default help: every group
+            continue
+        if "Configuration groups (group=option):" not in template:
+            assert set(groups) <= {"paths"}, path.name  # nothing to choose but the paths
+            continue
+        lines = template.split("Configuration groups (group=option):\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert sorted(line.split(" (", 1)[0] for line in lines) == sorted(f"  {g}: {options(g)}" for g in groups), \
+            path.name
