@@ -492,15 +492,78 @@ _FROM_COMMAND = False  # the deltafleet command runs the script: its own --help 
 HELP_ERRORS = ("ConfigCompositionException", "MissingConfigException", "OverrideParseException")
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe or socket whose reader has gone (``| head`` that has read
+    its lines, a pager quit before the end): the write end then polls as an error."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no fd (replaced stdout), no poll (Windows)
+        return False
+
+
+def _output_dropped() -> bool:
+    """Flush standard output; where its reader has gone (:func:`_stdout_closed`), point it at /dev/null
+    (so that Python's flush at exit does not report the same pipe) and return True. A BrokenPipeError
+    of anything else is raised."""
+    if sys.stdout is None:  # (started with standard output closed)
+        return False
+    try:
+        sys.stdout.flush()
+        return False
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+    except ValueError:  # closed by the job itself: nothing to flush
+        return False
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return True
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Around what writes a command's output (its help, a config): where the reader of standard
+    output leaves before the end (``deltafleet train --help | head``), end quietly with exit status 141
+    (128 + SIGPIPE, as a tool that SIGPIPE ends), not with the traceback of a BrokenPipeError or
+    Python's report of the failed flush at exit. Standard output is flushed inside, and what its
+    reader did not take is dropped. An exit with a status other than 0 (an error) keeps its status
+    and message; any other BrokenPipeError (a socket's) is raised as it is."""
+    try:
+        yield
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _output_dropped()
+        raise SystemExit(128 + signal.SIGPIPE) from None
+    except SystemExit as e:
+        if _output_dropped() and e.code in (None, 0):
+            raise SystemExit(128 + signal.SIGPIPE) from None
+        raise
+    except BaseException:
+        with contextlib.suppress(BrokenPipeError):
+            _output_dropped()
+        raise
+    if _output_dropped():
+        raise SystemExit(128 + signal.SIGPIPE)
+
+
 def run_script(main, argv: list[str] | None = None) -> None:
     """A Hydra script's ``__main__``: ``main()``, except that ``--help`` before a required group is
     chosen (``variant=...``), or with a choice that does not exist (``variant=codr``) or an override
     Hydra cannot parse (:data:`HELP_ERRORS`), which Hydra cannot compose, is said on stderr with
     status 2, as ``deltafleet <job> --help`` says it, not a traceback. A Ctrl-C after the job's
-    :func:`interruptible` committed its output (in Hydra's return path) is status 0, as inside it."""
+    :func:`interruptible` committed its output (in Hydra's return path) is status 0, as inside it.
+    Output whose reader leaves early (``--help | head``) is :func:`reader_may_leave`'s status 141."""
     args = sys.argv[1:] if argv is None else argv
     try:
-        main()
+        with reader_may_leave():
+            main()
     except KeyboardInterrupt:
         if _COMPLETED is None:
             raise
@@ -527,7 +590,13 @@ def _help_refusal(name: str, e: Exception, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run ``deltafleet <job> [args]`` (``bench <name> [args]`` for a benchmark) as that job's module
     run as a script; returns the exit status (a job that exits raises its SystemExit). ``<job>
-    --help`` is the job's own (Hydra's) help."""
+    --help`` is the job's own (Hydra's) help. Output whose reader leaves early (``deltafleet --help |
+    head``) ends with status 141 and nothing on stderr (:func:`reader_may_leave`)."""
+    with reader_may_leave():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     prog, table, what = "deltafleet", JOBS, "command"
     if args[:1] == ["bench"]:

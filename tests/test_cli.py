@@ -2,6 +2,7 @@
 mistake is one line too, a bug keeps its traceback."""
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import lightning as L
@@ -455,3 +456,56 @@ def test_every_jobs_help_lists_the_config_groups_it_takes_and_no_other():
         lines = template.split("Configuration groups (group=option):\n", 1)[1].split("\n\n", 1)[0].splitlines()
         assert sorted(line.split(" (", 1)[0] for line in lines) == sorted(f"  {g}: {options(g)}" for g in groups), \
             path.name
+
+
+@contextlib.contextmanager
+def _stdout_to_a_pipe_left_by_its_reader(monkeypatch):
+    """``sys.stdout`` writing into a pipe whose read end is closed (``| head`` that has its lines). Set
+    inside the test, as pytest's capture sets ``sys.stdout`` again when the test starts."""
+    import io
+    import os
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    out = io.TextIOWrapper(io.BufferedWriter(io.FileIO(w, "w")), encoding="utf-8")
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", out)
+        yield
+    try:
+        out.close()
+    except BrokenPipeError:  # (without the fix, the text is still in the buffer)
+        pass
+
+
+@pytest.mark.parametrize("args", [["--help"], ["summary", "--help"], ["bench", "--help"]])
+def test_help_read_by_a_reader_that_leaves_early_ends_quietly(monkeypatch, capsys, args):
+    """Found by a reviewer: ``deltafleet train --help | head`` (or a pager quit before the end) ended
+    with the traceback of a BrokenPipeError, or with Python's "Exception ignored ... BrokenPipeError"
+    at exit. The command ends with status 141 (128 + SIGPIPE) and nothing on stderr."""
+    from deltafleet.cli import main
+
+    with _stdout_to_a_pipe_left_by_its_reader(monkeypatch), pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_a_scripts_output_read_by_a_reader_that_leaves_early_ends_quietly(monkeypatch, capsys):
+    """A script's entry (``run_script``): what it prints past a reader that left ends it with 141."""
+    from deltafleet.cli import run_script
+
+    with _stdout_to_a_pipe_left_by_its_reader(monkeypatch), pytest.raises(SystemExit) as exit_:
+        run_script(lambda: print("setting: value\n" * 10_000), argv=[])
+    assert exit_.value.code == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdouts_keeps_its_traceback():
+    from deltafleet.cli import run_script
+
+    def send():
+        raise BrokenPipeError(32, "Broken pipe")  # a socket's: stdout is fine
+
+    with pytest.raises(BrokenPipeError):
+        run_script(send, argv=[])
