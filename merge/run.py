@@ -40,7 +40,11 @@ def main(cfg: DictConfig) -> None:
             if isinstance(shard_gb, bool) or not isinstance(shard_gb, (int, float)) or not 0 < shard_gb < float("inf"):
                 raise ValueError(f"max_shard_gb must be a positive number of GB, got {shard_gb!r}")
             overwrite, progress = flag(cfg, "overwrite"), flag(cfg, "progress")
-            params = {k: v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
+            if cfg.params is not None and not OmegaConf.is_dict(cfg.params):
+                raise ValueError(f"params must be the method's parameters by name, e.g. params.density=0.3 "
+                                 f"(null: the method's defaults), got {cfg.params!r}")
+            given = {} if cfg.params is None else OmegaConf.to_container(cfg.params, resolve=True)
+            params = {k: v for k, v in given.items() if v is not None}
             method = get_method(cfg.method, **params)
             summary = merge_checkpoints(cfg.base, list(cfg.models), cfg.out_dir, method,
                                         max_shard_bytes=max(1, int(shard_gb * 1e9)), show_progress=progress,

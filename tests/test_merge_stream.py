@@ -261,6 +261,38 @@ def test_merge_cli_names_a_bad_setting_in_one_line(tiny_family, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_params_that_are_no_mapping_are_refused_by_name_and_null_takes_the_defaults(tiny_family, tmp_path, capsys):
+    """Found by a reviewer: ``params=5`` was refused as "Input cfg is not an OmegaConf config object
+    (int)", a message without the setting, and ``params=null`` (meaning: the method's defaults) the same.
+    ``params`` that is no mapping is refused by name; null merges with the method's defaults."""
+    import signal
+
+    from hydra import compose, initialize_config_dir
+
+    from deltafleet.merge.run import main
+
+    def run(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="merge_models", overrides=[
+                f"paths.root={tmp_path}", f"base={tiny_family.base_dir}", "progress=false",
+                f"models=[{tiny_family.variants['coder']},{tiny_family.variants['writer']}]", *overrides])
+        sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            main(cfg)
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)  # (main makes SIGTERM end the job)
+
+    with pytest.raises(SystemExit) as exit_:
+        run("params=5")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: params must be the method's parameters by name, e.g. "
+                                       "params.density=0.3 (null: the method's defaults), got 5\n")
+    assert list(tmp_path.iterdir()) == []
+    run("params=null", "method=ties")
+    meta = json.loads((tmp_path / "models" / "merged-ties" / "merge.json").read_text())
+    assert (meta["method"], meta["params"]) == ("ties", {"density": 0.2, "scaling": 1.0})
+
+
 # ------------------------------------------------------------------ mutation sweep: small hand-made checkpoints
 
 
