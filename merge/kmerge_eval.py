@@ -8,6 +8,10 @@ adapter is served by its slot and scored on its own domain's held-out text:
 K slots, OPCM, quality gate on the val split) and two baselines that fill the K slots in arrival
 order (adapter i → slot i mod K) and merge by plain averaging (``linear``) or TIES (``ties``) of
 ``ΔW``, re-factorised to the same rank. JSON, a Markdown table and a PNG in ``reports/``.
+
+An adapter whose own gain is not above 0 (no better than the base on its domain) has no gain to keep:
+its ratio is undefined (:func:`gain_ratio`: ``null`` in the JSON), and S is the mean over the other
+adapters, with those left out named under the table (an S over none is ``n/a``).
 """
 from __future__ import annotations
 
@@ -136,6 +140,23 @@ def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float
     return slots, {n: i % k for i, n in enumerate(names)}
 
 
+def gain_ratio(served: float, own: float) -> float | None:
+    """``served / own``: the share of its own adapter's held-out gain (nats/token) that a task keeps with
+    the slot that serves it. None (undefined) where ``own <= 0``: the adapter is no better than the
+    base, so there is no gain to keep, as ``make eval``'s gain recovered is undefined then."""
+    return served / own if own > 0 else None
+
+
+def mean_ratio(per: dict[str, float | None]) -> float | None:
+    """S: the mean of the defined ratios of ``per`` (adapter → :func:`gain_ratio`); None where none is."""
+    defined = [v for v in per.values() if v is not None]
+    return sum(defined) / len(defined) if defined else None
+
+
+def _fmt(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
 def main(cfg: DictConfig) -> dict:
     from deltafleet.atomic import write_figure, write_text
     from deltafleet.merge.kmerge import AdapterPool
@@ -184,26 +205,30 @@ def main(cfg: DictConfig) -> dict:
             for n in adapters:
                 key = (t2s[n], domain_of[n])
                 if t2s[n] is None:  # its slot was evicted: served by the base, gain 0
-                    per[n] = 0.0
+                    per[n] = gain_ratio(0.0, own[n])
                     continue
                 if key not in cache:
                     cache[key] = base_loss[domain_of[n]] - scorer.loss(slots[t2s[n]], domain_of[n])
-                per[n] = cache[key] / own[n]
-            s_val = sum(per.values()) / len(per)
+                per[n] = gain_ratio(cache[key], own[n])
+            s_val = mean_ratio(per)
             results[policy][k] = {"S": s_val, "per_adapter": per, "slots_used": len(slots),
                                   "task_to_slot": {n: (None if v is None else int(v)) for n, v in t2s.items()},
                                   "actions": [r["action"] for r in log]}
-            print(f"[kmerge] {policy:12s} K={k}: S = {s_val:.3f} ({len(slots)} slots)", flush=True)
+            print(f"[kmerge] {policy:12s} K={k}: S = {_fmt(s_val)} ({len(slots)} slots)", flush=True)
+    undefined = [n for n, g in own.items() if gain_ratio(0.0, g) is None]
     report = {"date": time.strftime("%Y-%m-%d"), "machine": cfg.machine,
               "config": OmegaConf.to_container(cfg, resolve=True), "adapters": list(adapters),
-              "own_gain_nats": own, "base_loss": base_loss, "results": results,
+              "own_gain_nats": own, "undefined_ratio": undefined, "base_loss": base_loss, "results": results,
               "evaluations": scorer.calls, "seconds": time.perf_counter() - t0}
     reports = Path(cfg.paths.reports_dir)
     reports.mkdir(parents=True, exist_ok=True)
     write_text(reports / f"{cfg.report_name}.json", json.dumps(report, indent=1, default=str) + "\n")
     lines = ["| policy | " + " | ".join(f"K={k}" for k in cfg.ks) + " |", "|---|" + "---|" * len(cfg.ks)]
     for p in cfg.policies:
-        lines.append(f"| {p} | " + " | ".join(f"{results[p][k]['S']:.3f}" for k in cfg.ks) + " |")
+        lines.append(f"| {p} | " + " | ".join(_fmt(results[p][k]["S"]) for k in cfg.ks) + " |")
+    if undefined:
+        lines += ["", f"S leaves out {', '.join(undefined)}: own gain ≤ 0 (no better than the base), so "
+                      "gain(served) / gain(own) is undefined."]
     write_text(reports / f"{cfg.report_name}.md", "\n".join(lines) + "\n")
     import matplotlib
 
@@ -212,7 +237,8 @@ def main(cfg: DictConfig) -> dict:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for p in cfg.policies:
-        ax.plot(list(cfg.ks), [results[p][k]["S"] for k in cfg.ks], marker="o", label=p)
+        ax.plot(list(cfg.ks), [math.nan if results[p][k]["S"] is None else results[p][k]["S"] for k in cfg.ks],
+                marker="o", label=p)
     ax.axhline(1.0, color="k", ls=":", lw=0.8)
     ax.set_xlabel("slots K")
     ax.set_ylabel("S = mean gain(served) / gain(own)")

@@ -176,3 +176,44 @@ def test_relative_paths_reach_the_training_as_this_job_reads_them(tmp_path, monk
     kmerge_eval.train_adapter(cfg, "coder", 1, Path("ads") / "coder-s1")
     assert f"base_dir={tmp_path / 'rel' / 'base'}" in seen[0] and f"paths.root={tmp_path / 'demo'}" in seen[0]
     assert f"out_dir={tmp_path / 'ads' / 'coder-s1'}" in seen[0]
+
+
+def test_an_adapter_with_no_own_gain_has_an_undefined_ratio_not_a_crash(tmp_path, monkeypatch):
+    """Found by a reviewer: S divided each adapter's served gain by its own, and an adapter whose own
+    gain is 0 (no better than the base) ended the run in a ZeroDivisionError. Its ratio is now
+    undefined (null in the JSON), S the mean over the others, and the Markdown names who is left out.
+    Stand-ins for the training and the scorer: an update's gain is the L1 norm of its ΔW."""
+    import json
+
+    from deltafleet.merge import kmerge_eval
+
+    g = torch.Generator().manual_seed(0)
+    coder = {"m": (torch.randn(2, 6, generator=g, dtype=torch.float64),
+                   torch.randn(5, 2, generator=g, dtype=torch.float64))}
+    zero = {"m": (torch.randn(2, 6, generator=g, dtype=torch.float64), torch.zeros(5, 2, dtype=torch.float64))}
+
+    class Scorer:
+        def __init__(self, cfg):
+            self.calls = 0
+
+        def loss(self, factors, domain, split="test"):
+            self.calls += 1
+            return 3.0 - sum(float((b @ a).abs().sum()) for a, b in (factors or {}).values())
+
+    monkeypatch.setattr(kmerge_eval, "train_adapter", lambda cfg, d, s, out: None)
+    monkeypatch.setattr(kmerge_eval, "load_factors", lambda path: coder if "coder" in str(path) else zero)
+    monkeypatch.setattr(kmerge_eval, "Scorer", Scorer)
+    cfg = _cfg(tmp_path, "domains=[coder,math]", "seeds=[1]", "ks=[1,2]", "policies=[kmerge,linear]",
+               "report_name=r")
+    report = kmerge_eval.main(cfg)
+    assert report["own_gain_nats"]["math-s1"] == 0.0 and report["undefined_ratio"] == ["math-s1"]
+    for policy in ("kmerge", "linear"):
+        got = report["results"][policy]
+        assert got[1]["per_adapter"] == {"coder-s1": pytest.approx(0.5, abs=1e-9), "math-s1": None}  # half of ΔW
+        assert got[1]["S"] == pytest.approx(0.5, abs=1e-9) and got[2]["S"] == pytest.approx(1.0, abs=1e-9)
+    saved = json.loads((tmp_path / "reports" / "r.json").read_text())
+    assert saved["results"]["kmerge"]["1"]["per_adapter"]["math-s1"] is None
+    md = (tmp_path / "reports" / "r.md").read_text().splitlines()
+    assert md[2] == "| kmerge | 0.500 | 1.000 |"
+    assert md[-1].startswith("S leaves out math-s1: own gain ≤ 0")
+    assert kmerge_eval.gain_ratio(0.02, -0.01) is None and kmerge_eval.mean_ratio({"a": None}) is None
