@@ -75,13 +75,29 @@ def refactor(parts: list[tuple[float, Tensor, Tensor]], rank: int) -> tuple[Tens
     u, s, vh = torch.linalg.svd(rb @ ra.T)
     k = min(rank, s.numel())
     root = s[:k].sqrt()
-    b = (qb @ u[:, :k]) * root
-    a = root[:, None] * (vh[:k] @ qa.T)
-    if k < rank:  # pad: every slot keeps the same size
-        b = torch.cat([b, b.new_zeros(b.shape[0], rank - k)], 1)
-        a = torch.cat([a, a.new_zeros(rank - k, a.shape[1])], 0)
+    a, b = _pad(root[:, None] * (vh[:k] @ qa.T), (qb @ u[:, :k]) * root, rank)
     dtype = parts[0][1].dtype
     return a.to(dtype), b.to(dtype)
+
+
+def svd_factors(d: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """The best rank-``rank`` factors ``(A [rank, d_in], B [d_out, rank])`` of a dense ``d [d_out, d_in]``
+    (truncated SVD, the singular values split evenly: ``A = √s·Vᵀ``, ``B = U·√s``), in ``d``'s dtype;
+    zero-padded to ``rank`` where ``min(d_out, d_in) < rank``, as :func:`refactor` pads."""
+    u, s, vh = torch.linalg.svd(d, full_matrices=False)
+    k = min(rank, s.numel())
+    root = s[:k].sqrt()
+    return _pad(root[:, None] * vh[:k], u[:, :k] * root, rank)
+
+
+def _pad(a: Tensor, b: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` of rank ``k ≤ rank`` zero-padded to ``rank`` (A's rows, B's columns): every slot keeps
+    the same size, whatever the rank its update has."""
+    k = a.shape[0]
+    if k < rank:
+        b = torch.cat([b, b.new_zeros(b.shape[0], rank - k)], 1)
+        a = torch.cat([a, a.new_zeros(rank - k, a.shape[1])], 0)
+    return a, b
 
 
 @dataclass
@@ -205,16 +221,15 @@ class AdapterPool:
 
     def _opcm(self, slot: Slot, factors: Factors) -> tuple[Factors, Factors, list[float]]:
         """OPCM on ΔW per module: R ← R + proj(ΔW_new) (dense), then the slot = R rescaled so that
-        its norm is the mean of its tasks' ``‖ΔW‖``; both re-factorised to rank r."""
+        its norm is the mean of its tasks' ``‖ΔW‖``; both re-factorised to rank r (:func:`svd_factors`:
+        zero-padded to r, as every slot is, where ``ΔW`` has a side shorter than r)."""
         raw = {}
         for m, (a, b) in slot.raw.items():
             r_dense = (b.double() @ a.double())
             new = factors[m][1].double() @ factors[m][0].double()
             r_dense = r_dense + opcm_project(r_dense, new, self.alpha)
-            u, s, vh = torch.linalg.svd(r_dense, full_matrices=False)
-            k = min(self.rank, s.numel())
-            root = s[:k].sqrt()
-            raw[m] = ((root[:, None] * vh[:k]).to(a.dtype), (u[:, :k] * root).to(b.dtype))
+            ra, rb = svd_factors(r_dense, self.rank)
+            raw[m] = (ra.to(a.dtype), rb.to(b.dtype))
         norms = slot.tau_norms + [self._norm(factors)]
         scale = (sum(norms) / len(norms)) / max(self._norm(raw), 1e-30)
         merged = {m: (a, (b.double() * scale).to(b.dtype)) for m, (a, b) in raw.items()}

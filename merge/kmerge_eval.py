@@ -117,7 +117,7 @@ class Scorer:
 def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float) -> tuple[dict, dict]:
     """Arrival-order slots (adapter i → slot i mod K), merged by averaging (``linear``) or TIES (``ties``)
     of the members' ΔW, re-factorised to ``rank``. Returns (slot → factors, task → slot)."""
-    from deltafleet.merge.kmerge import refactor
+    from deltafleet.merge.kmerge import refactor, svd_factors
     from deltafleet.merge.methods import get_method
 
     names = list(adapters)
@@ -132,10 +132,7 @@ def baseline_pool(policy: str, k: int, adapters: dict, rank: int, density: float
             else:
                 dense = [adapters[n][mod][1] @ adapters[n][mod][0] for n in members]
                 zero = torch.zeros_like(dense[0])
-                merged = get_method("ties", density=density).merge(mod, zero, dense)
-                u, sv, vh = torch.linalg.svd(merged, full_matrices=False)
-                r = min(rank, sv.numel())
-                f[mod] = ((sv[:r].sqrt()[:, None] * vh[:r]), (u[:, :r] * sv[:r].sqrt()))
+                f[mod] = svd_factors(get_method("ties", density=density).merge(mod, zero, dense), rank)
         slots[s] = f
     return slots, {n: i % k for i, n in enumerate(names)}
 

@@ -173,6 +173,25 @@ def test_every_slot_has_the_pool_rank_and_remembers_the_adapters_own_norm():
     assert slot.tau_norms == [pytest.approx(want, rel=1e-9)]
 
 
+def test_an_opcm_merge_keeps_the_pool_rank_where_a_module_is_narrower_than_it():
+    """Found by a reviewer: OPCM's re-factorisation kept min(rank, d_out, d_in) singular directions, so a
+    merged budget_opcm slot of a 4 × 6 module in a rank-8 pool held rank-4 factors where every other slot
+    (a new one, a K-Merge average) is zero-padded to 8. Both its factors and its unscaled sum are now."""
+    g = torch.Generator().manual_seed(90)
+    a = {"m": (torch.randn(2, 6, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64))}
+    b = {"m": (a["m"][0] + 0.01 * torch.randn(2, 6, generator=g, dtype=torch.float64), a["m"][1])}
+    pool = AdapterPool("budget_opcm", rank=8, byte_budget=AdapterPool("kmerge", rank=8, k=1).slot_bytes(a), gate=0.5,
+                       quality=lambda t, f: 1.0)
+    pool.admit("a", a)
+    assert pool.admit("b", b) == 0 and pool.log[-1]["action"] == "merged"
+    slot = pool.slots[0]
+    for fa, fb in (slot.factors["m"], slot.raw["m"]):
+        assert fa.shape == (8, 6) and fb.shape == (4, 8)
+        assert not fa[4:].any() and not fb[:, 4:].any()  # the padding is zeros: ΔW is unchanged
+    d = slot.raw["m"][1] @ slot.raw["m"][0]
+    assert torch.linalg.matrix_rank(d) <= 4 and d.abs().max() > 0
+
+
 def test_the_gate_needs_every_task_of_the_slot_to_keep_its_quality():
     """A newcomer ten times larger than the slot's task dominates the merge: it keeps its own
     quality, the old task does not; one task below the gate is enough to refuse the merge."""

@@ -63,6 +63,17 @@ def test_arrival_order_baselines():
     torch.testing.assert_close(b @ a, disjoint_merge(dense, [1, 1, 1]), rtol=1e-5, atol=1e-6)  # TIES runs in fp32
 
 
+def test_a_ties_baseline_slot_is_padded_to_the_pool_rank():
+    """As every pool slot: a 5 × 3 module's TIES merge at rank 4 has 3 directions, zero-padded to 4."""
+    g = torch.Generator().manual_seed(1)
+    ad = {n: {"m": (torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g,
+                                                                                      dtype=torch.float64))}
+          for n in ("a", "b")}
+    slots, _ = baseline_pool("ties", 1, ad, rank=4, density=1.0)
+    a, b = slots[0]["m"]
+    assert a.shape == (4, 3) and b.shape == (5, 4) and not a[3:].any() and not b[:, 3:].any()
+
+
 def _cfg(tmp_path, *overrides):
     from pathlib import Path
 
