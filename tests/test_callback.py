@@ -151,6 +151,20 @@ def test_merge_steps_weights_and_csv_records(tmp_path, method, rank_mode, caplog
         assert float(r["merge/mean_rank"]) == pytest.approx(rec["mean_rank"])
 
 
+def test_a_merge_is_logged_at_the_step_lightning_logs_that_steps_metrics_at(tmp_path):
+    """Found by a reviewer: the merge after optimizer step 2 was logged at step 2 and that step's
+    train/loss and validation at Lightning's index of it, 1, so W&B drew the merge a step late. The
+    record's merge/step still counts the optimizer steps done."""
+    logger = CSVLogger(tmp_path, name="csv")
+    soup = MonoSoupCallback(every_n_steps=2, val_batches=1)
+    make_trainer(tmp_path, 2, [soup], val_every=1, logger=logger, log_every_n_steps=1).fit(
+        make_module(), datamodule=BlocksDataModule())
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    at = {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train/loss", "val/loss", "merge/step")}
+    assert at == {"train/loss": [0, 1], "val/loss": [0, 1], "merge/step": [1]}
+    assert [float(r["merge/step"]) for r in rows if r.get("merge/step")] == [2.0]
+
+
 def test_merge_without_a_best_checkpoint_is_skipped_and_recorded(tmp_path):
     module = make_module()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}

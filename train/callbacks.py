@@ -79,7 +79,9 @@ class MonoSoupCallback(L.Callback):
     Each merge measures the validation loss before and after (mean token cross-entropy over the
     first ``val_batches`` batches of the datamodule's ``val_dataloader()``, the same batches on
     every rank), appends a record to :attr:`records` and logs it to every logger of the trainer at
-    the current step: ``merge/step``, ``merge/val_loss_before``, ``merge/val_loss_after``,
+    the step at which Lightning logs that optimizer step's own metrics (``train/loss``, and ``val/loss``
+    of a validation that follows it): Lightning's index of the step, one less than ``merge/step``, the
+    optimizer steps done. The record: ``merge/step``, ``merge/val_loss_before``, ``merge/val_loss_after``,
     ``merge/mean_rank``, ``merge/mean_energy_kept``, ``merge/seconds`` (plus ``merge/best_step``,
     ``merge/best_val_loss``, ``merge/matrices`` and, for MonoSoup, ``merge/mean_lambda_high`` and
     ``merge/mean_lambda_low``). A merge step with no best checkpoint yet logs ``merge/skipped = 1``.
@@ -297,8 +299,12 @@ class MonoSoupCallback(L.Callback):
         metrics = {f"merge/{k}": float(v) for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if trainer.is_global_zero:
+            # the step Lightning's logger connector gives this optimizer step's metrics: its count of the
+            # batches that stepped before this one (global_step - 1 in this hook), so that a chart of
+            # merge/* lines up with train/loss and val/loss of the same step
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=step)
 
     # ---------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
