@@ -165,6 +165,29 @@ def test_a_merge_is_logged_at_the_step_lightning_logs_that_steps_metrics_at(tmp_
     assert [float(r["merge/step"]) for r in rows if r.get("merge/step")] == [2.0]
 
 
+@pytest.mark.parametrize("own_loader", [False, True], ids=["module-without-val-loader", "module-with-another"])
+def test_merge_losses_are_measured_on_the_val_dataloaders_passed_to_fit(tmp_path, own_loader):
+    """Found by a reviewer: the callback asked the datamodule, else the module, for a val_dataloader()
+    of its own, so with ``fit(val_dataloaders=...)`` it measured the merge on the module's other
+    validation data, or, where the module has none, on nothing (NaN). It now reads the trainer's."""
+    from torch.utils.data import DataLoader
+
+    from soup_fixtures import arithmetic_blocks
+
+    class OwnVal(CausalLMModule):
+        def val_dataloader(self):  # data the trainer does not validate on
+            return DataLoader(arithmetic_blocks(8, 16, seed=3), batch_size=4)
+
+    cls = OwnVal if own_loader else CausalLMModule
+    module = cls(tiny_llama(0), lr=1e-2, weight_decay=0.0, warmup_steps=1, max_steps=9)
+    dm = BlocksDataModule()
+    soup = MonoSoupCallback(every_n_steps=2, val_batches=1)
+    pre = Capture(soup, 2)
+    make_trainer(tmp_path, 2, [pre, soup], val_every=1).fit(module, train_dataloaders=dm.train_dataloader(),
+                                                             val_dataloaders=dm.val_dataloader())
+    assert soup.records[0]["val_loss_before"] == pytest.approx(val_ce(module.model, dm, pre.weights[2], 1), rel=1e-5)
+
+
 def test_merge_without_a_best_checkpoint_is_skipped_and_recorded(tmp_path):
     module = make_module()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}

@@ -76,9 +76,12 @@ class MonoSoupCallback(L.Callback):
     broadcast from rank 0, and written back on every rank. ``W_base`` and the best snapshot are
     float32 CPU copies held by rank 0 only (each costs 4 bytes per parameter of host memory).
 
-    Each merge measures the validation loss before and after (mean token cross-entropy over the
-    first ``val_batches`` batches of the datamodule's ``val_dataloader()``, the same batches on
-    every rank), appends a record to :attr:`records` and logs it to every logger of the trainer at
+    Each merge measures the validation loss before and after: the token-weighted mean cross-entropy
+    over the first ``val_batches`` batches of the trainer's validation data (``trainer.val_dataloaders``,
+    the first loader where there are several: the ``val_dataloaders`` passed to ``fit``, else the
+    datamodule's or the module's ``val_dataloader()``, as Lightning prepared them), taken on every
+    rank from its own share of them (Lightning's distributed sampler) and summed over the ranks, so
+    every rank records the same loss. It appends a record to :attr:`records` and logs it to every logger of the trainer at
     the step at which Lightning logs that optimizer step's own metrics (``train/loss``, and ``val/loss``
     of a validation that follows it): Lightning's index of the step, one less than ``merge/step``, the
     optimizer steps done. The record: ``merge/step``, ``merge/val_loss_before``, ``merge/val_loss_after``,
@@ -256,7 +259,9 @@ class MonoSoupCallback(L.Callback):
 
     @torch.no_grad()
     def _val_loss(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float:
-        """Mean next-token cross-entropy (nats/token) over the first ``val_batches`` val batches."""
+        """Mean next-token cross-entropy (nats/token) over the first ``val_batches`` batches of every
+        rank's share of the validation data (:meth:`_val_batches`), token-weighted over all ranks;
+        collective under DDP and DeepSpeed. NaN without validation data."""
         batches = self._val_batches(trainer, pl_module)
         if not batches:
             return float("nan")
@@ -279,20 +284,26 @@ class MonoSoupCallback(L.Callback):
         finally:
             for m, mode in modes.items():
                 m.train(mode)
-        return total.item() / max(count, 1)
+        sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=total.device)])
+        if world_size() > 1:  # each rank measured its own share: the loss of all of them, on every rank
+            torch.distributed.all_reduce(sums)
+        return sums[0].item() / max(sums[1].item(), 1.0)
 
     def _val_batches(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list:
-        if self._val_cache is None:
-            self._val_cache = []
-            if self.val_batches > 0:
-                source = trainer.datamodule if trainer.datamodule is not None else pl_module
-                try:
-                    loader = source.val_dataloader()
-                except Exception as e:  # no val loader configured: the losses are logged as NaN
-                    rank_zero_warn(f"MonoSoupCallback: no val_dataloader() ({e}); merge losses not measured")
-                    loader = []
-                self._val_cache = list(itertools.islice(loader, self.val_batches))
-        return self._val_cache
+        """The first ``val_batches`` batches of ``trainer.val_dataloaders`` (its first loader where it
+        holds several), kept for every later merge; [] where the trainer has no validation data (no
+        ``val_dataloaders``, ``limit_val_batches=0`` or no ``validation_step``: the losses are NaN)."""
+        if self._val_cache is None and self.val_batches > 0:
+            loader = trainer.val_dataloaders
+            if isinstance(loader, dict):
+                loader = next(iter(loader.values()), None)
+            elif isinstance(loader, (list, tuple)):
+                loader = loader[0] if loader else None
+            if loader is None:
+                rank_zero_warn("MonoSoupCallback: the trainer has no validation data; merge losses not measured")
+                return []
+            self._val_cache = list(itertools.islice(loader, self.val_batches))
+        return self._val_cache or []
 
     def _log(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
         self.records.append(record)
