@@ -200,6 +200,19 @@ def test_merge_without_a_best_checkpoint_is_skipped_and_recorded(tmp_path):
     assert soup.records[1]["step"] == 4 and soup.records[1]["skipped"] == 0 and soup.best_step == 3
 
 
+def test_merges_beside_lightnings_weight_averaging_are_refused_at_setup(tmp_path):
+    """The merges and Lightning's EMA both rewrite the weights and do not compose (train/run.py refuses
+    the pair in the config; here for a Trainer built in Python): refused, both named, before step 1."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    with pytest.raises(ValueError, match=r"^MonoSoupCallback \(method average\) and EMAWeightAveraging both rewrite "):
+        make_trainer(tmp_path, 2, [MonoSoupCallback(method="average", every_n_steps=1), EMAWeightAveraging()]).fit(
+            make_module(), datamodule=BlocksDataModule())
+    trainer = make_trainer(tmp_path, 1, [MonoSoupCallback(method="none"), EMAWeightAveraging()])
+    trainer.fit(make_module(), datamodule=BlocksDataModule())  # an inert merge callback: the EMA alone
+    assert trainer.global_step == 1
+
+
 def test_method_none_does_nothing(tmp_path):
     soup = MonoSoupCallback(method="none", every_n_steps=1)
     make_trainer(tmp_path, 3, [soup]).fit(make_module(), datamodule=BlocksDataModule())

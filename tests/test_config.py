@@ -342,6 +342,29 @@ def test_init_merge_and_validation_settings_are_refused_before_loading(tmp_path,
         check_config(cfg)
 
 
+EMA = "{_target_:lightning.pytorch.callbacks.EMAWeightAveraging}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"+trainer.callbacks=[{EMA}]"], "merge (MonoSoupCallback, method average) and trainer.callbacks[0] "
+                                      "(EMAWeightAveraging) both rewrite the model's weights, and do not compose"),
+    (["merge=ema", "+trainer.callbacks=[{_target_:deltafleet.train.callbacks.MonoSoupCallback,method:svd_soup}]"],
+     "trainer.callbacks[0] (MonoSoupCallback, method svd_soup) and merge (EMAWeightAveraging) both rewrite"),
+    (["merge=none", f"+trainer.callbacks=[{EMA}]"], None),  # the merge callback is inert
+    (["variant.adapter=lora", f"+trainer.callbacks=[{EMA}]"], None),  # no merge callback for LoRA
+])
+def test_merges_beside_an_ema_callback_are_refused_naming_both(tmp_path, overrides, message):
+    """Found by a reviewer: the merge callback and Lightning's EMA (``+trainer.callbacks``) both rewrite the
+    weights: every validation ranked the EMA's average while the merges took the weights as their best
+    checkpoint, and the run ended with the average over the merges' result. The pair is refused before any
+    work; a run with one of them goes on (to the missing base, here)."""
+    from deltafleet.train.run import check_config
+
+    cfg = compose_cfg("train", ["variant=coder", f"paths.root={tmp_path}", *overrides])
+    with pytest.raises(ValueError if message else FileNotFoundError, match="^" + re.escape(message or "no base")):
+        check_config(cfg)
+
+
 def test_a_resume_from_a_run_folder_names_its_checkpoint(tmp_path):
     """Found by a fresh user: ``ckpt_path=outputs/train/<variant>`` (the run's folder) failed inside
     Lightning with a 40-line IsADirectoryError once the model had loaded; a DeepSpeed checkpoint,

@@ -59,6 +59,16 @@ class StepCheckpoint(ModelCheckpoint):
         return fetcher is not None and should is not None and bool(should(fetcher))
 
 
+def weight_averaging_classes() -> tuple[type, ...]:
+    """Lightning's weight-averaging callbacks (``WeightAveraging``, which ``EMAWeightAveraging``
+    extends); () in a Lightning without them."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:
+        return ()
+    return (WeightAveraging,)
+
+
 class MonoSoupCallback(L.Callback):
     """Every ``every_n_steps`` optimizer steps, merge the current weights with the best checkpoint.
 
@@ -108,9 +118,15 @@ class MonoSoupCallback(L.Callback):
             the variant's ``base_dir``), read only by a resumed run without this callback's state; its
             parameters must be those of the trained model (``pl_module.model``, or ``pl_module``).
 
+    Not beside Lightning's weight averaging (``WeightAveraging``, e.g. ``EMAWeightAveraging``): it
+    swaps its average in for every validation, which then ranks the average while this callback keeps
+    the weights as the best checkpoint, and it copies the average over the weights at the end, over
+    the merges' result. The two do not compose, and the pair is refused at setup.
+
     Raises:
-        ValueError: a setting of the wrong kind or range (``merge.soup.check_soup_settings``), or a
-            ``base_dir`` whose parameters are not the model's.
+        ValueError: a setting of the wrong kind or range (``merge.soup.check_soup_settings``), a
+            ``base_dir`` whose parameters are not the model's, or (at setup) a weight-averaging
+            callback in the same trainer.
         NotImplementedError: at setup, for strategies other than single-device, DDP and DeepSpeed.
     """
 
@@ -144,6 +160,11 @@ class MonoSoupCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.enabled:
             return
+        averaging = next((c for c in trainer.callbacks if isinstance(c, weight_averaging_classes())), None)
+        if averaging is not None:
+            raise ValueError(f"MonoSoupCallback (method {self.method}) and {type(averaging).__name__} both rewrite "
+                             "the model's weights, and do not compose: the weight averaging swaps its average in "
+                             "for every validation and copies it over the weights when training ends; use one of them")
         strategy = trainer.strategy
         self._ds = deepspeed_module(trainer)
         if self._ds is not None:

@@ -205,7 +205,7 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
     name = None if merge is None else merge.get("method", merge._target_.rsplit(".", 1)[-1])
     if name is None or name == "none":
         return callbacks
-    if cfg.variant.init == "base" and cfg.variant.adapter is None:
+    if merge_callback_on(cfg):
         # the soups' W_base is the base's weights: a resume from a checkpoint without their state reads it there
         soup = str(merge.get("_target_", "")).endswith(".MonoSoupCallback")
         callbacks.append(hydra.utils.instantiate(merge, **({"base_dir": str(cfg.base_dir)} if soup else {})))
@@ -217,6 +217,13 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list:
         why = "the base trains from scratch" if cfg.variant.init == "scratch" else "LoRA trains adapters only"
         print(f"[train] merge callback ({name}) off: {why}", flush=True)
     return callbacks
+
+
+def merge_callback_on(cfg: DictConfig) -> bool:
+    """Whether the ``merge`` group's callback joins the run (:func:`build_callbacks`): for a full
+    fine-tune of a base only (a base trained from scratch has no base for its task vectors; LoRA trains
+    adapters only)."""
+    return cfg.variant.init == "base" and cfg.variant.adapter is None
 
 
 def trainer_settings(cfg: DictConfig) -> DictConfig:
@@ -322,6 +329,44 @@ def _check_merge(cfg: DictConfig) -> None:
     check_soup_settings(**settings, prefix="merge.")
 
 
+def _check_weight_averaging(cfg: DictConfig) -> None:
+    """Refuse the merge every N steps (a merging ``MonoSoupCallback``) beside a callback of Lightning's
+    weight averaging (``WeightAveraging``: ``EMAWeightAveraging``, ``merge=ema``), naming both, wherever
+    each comes from (the ``merge`` group where it joins the run, ``+trainer.callbacks``). Both rewrite
+    the weights, and do not compose: the averaging swaps its average in for every validation and copies
+    it over the weights when training ends, so the merge callback's best checkpoint would be the
+    weights at the validation where the average scored best, and the run would end with the average,
+    not with the merges' weights. Without ``trainer.callbacks`` the run has one of them at most, and
+    Lightning is not imported."""
+    extra = cfg.trainer.get("callbacks") or []
+    if not extra:
+        return
+    from hydra.utils import get_class
+
+    from deltafleet.train.callbacks import MonoSoupCallback, weight_averaging_classes
+
+    merge = cfg.get("merge")
+    nodes = [("merge", merge)] if merge is not None and merge_callback_on(cfg) else []
+    nodes += [(f"trainer.callbacks[{i}]", c) for i, c in enumerate(extra)]
+    soups, averages = [], []
+    for where, node in nodes:
+        try:
+            cls = get_class(str(node.get("_target_"))) if OmegaConf.is_dict(node) else None
+        except Exception:  # not a class: instantiating it names it
+            cls = None
+        if not isinstance(cls, type):
+            continue
+        if issubclass(cls, MonoSoupCallback) and node.get("method", "monosoup") != "none":
+            soups.append(f"{where} ({cls.__name__}, method {node.get('method', 'monosoup')})")
+        elif issubclass(cls, weight_averaging_classes()):
+            averages.append(f"{where} ({cls.__name__})")
+    if soups and averages:
+        raise ValueError(f"{soups[0]} and {averages[0]} both rewrite the model's weights, and do not compose: the "
+                         "weight averaging swaps its average in for every validation and copies it over the weights "
+                         "when training ends, so the merges' best checkpoint and their result would be undefined; "
+                         "use one of them (merge=ema is the EMA alone, merge=none leaves the averaging alone)")
+
+
 def _sweep_job() -> dict:
     """Where a Hydra multirun job belongs: ``{"sweep_dir": <absolute>, "sweep_id": <this invocation's>,
     "job_num": n}``; {} outside one."""
@@ -389,6 +434,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_numbers(cfg)
     _check_trainer(cfg)
     _check_merge(cfg)
+    _check_weight_averaging(cfg)
     if cfg.variant.init == "base":
         if not (Path(cfg.base_dir) / "config.json").is_file():
             raise FileNotFoundError(no_base(cfg))
