@@ -17,8 +17,10 @@ adapter ever admitted is served by the slot that holds it. Policies:
   singular directions, added, rescaled to the mean norm of the slot's tasks' ``ΔW``); a quality
   gate keeps a merge only if every task of the slot keeps ``gate`` of its own adapter's quality
   (:func:`kept_share`: it loses at most ``1 − gate`` of that quality's size, also where it is < 0),
-  else the least-recently-used slot is evicted (its tasks are mapped to the most similar remaining
-  slot) and the newcomer is stored alone.
+  else the least-recently-used slot is evicted and the newcomer is stored alone. The evicted slot's
+  tasks pass the same gate: each is served by the most similar remaining slot (the newcomer's, where
+  none remains) only if it keeps ``gate`` of its own quality there, and by the base otherwise. A slot's
+  tasks are every task it serves, so a later merge into it is gated on the tasks it took in too.
 
 The pool persists to a folder (``pool.json`` + one safetensors file per slot that it names, each
 written to a temporary file and renamed) and is restored by :meth:`AdapterPool.load`.
@@ -104,7 +106,7 @@ def _pad(a: Tensor, b: Tensor, rank: int) -> tuple[Tensor, Tensor]:
 class Slot:
     id: int
     factors: Factors
-    tasks: list[str]
+    tasks: list[str]                     # every task it serves: merged into it, or taken in at an eviction
     n: int = 1                           # adapters merged into it (the running average's count)
     last_used: float = 0.0
     own_quality: dict[str, float] = field(default_factory=dict)  # task → its own adapter's quality
@@ -143,7 +145,8 @@ class AdapterPool:
         alpha: OPCM's share of singular values kept out of the projection.
         quality: ``quality(task, factors) -> float`` (higher is better), needed by ``budget_opcm``.
         evicted_to: where the tasks of an evicted slot go: ``"similar"`` (the most similar remaining
-            slot) or ``"base"`` (no adapter: :meth:`slot_for` returns None for them).
+            slot, where it passes the quality gate for the task, else the base) or ``"base"`` (no
+            adapter: :meth:`slot_for` returns None for them).
         clock: seconds, for least-recently-used (tests pass a counter).
     """
 
@@ -311,37 +314,54 @@ class AdapterPool:
                 self.task_to_slot[task] = slot.id
                 rec["action"] = "merged"
             else:
-                orphans = self._evict_lru()
+                orphans, rec["evicted"] = self._evict_lru()
                 slot = self._new_slot(task, factors, own_q)
-                for t in orphans:  # the evicted slot's tasks when no other slot remains
-                    self.task_to_slot[t] = slot.id
+                for t, q in orphans.items():  # the evicted slot's tasks when no other slot remains
+                    rec["evicted"][t] = self._take_in(slot, t, q)
                 rec["action"] = "evicted_lru_and_stored"
         rec["slot"] = slot.id
         self.log.append(rec)
         return slot.id
 
-    def _evict_lru(self) -> list[str]:
-        """Drop the least recently used slot; its tasks (all the tasks mapped to it) go to the most
-        similar remaining slot. Returns them if no slot remains (the caller maps them)."""
+    def _evict_lru(self) -> tuple[dict[str, float | None], dict[str, dict]]:
+        """Drop the least recently used slot. Its tasks (all the tasks mapped to it) go to the base
+        (``evicted_to="base"``), or each to the most similar remaining slot where the gate holds for it
+        (:meth:`_take_in`), else to the base. Returns ``(orphans, log)``: the tasks with their own
+        qualities where no slot remains (the caller gates them against the newcomer's slot), and
+        task → where it went (``{"slot": id or None, "kept": share}``)."""
         victim = min(self.slots.values(), key=lambda s: s.last_used)
         del self.slots[victim.id]
         tasks = [t for t, sid in self.task_to_slot.items() if sid == victim.id]
+        own = {t: victim.own_quality.get(t) for t in tasks}
         if self.evicted_to == "base":
             for t in tasks:
                 self.task_to_slot[t] = None
-            return []
+            return {}, {t: {"slot": None} for t in tasks}
         if not self.slots:
-            return tasks
+            return own, {}
         to = max(self.slots.values(), key=lambda s: similarity(victim.factors, s.factors))
-        for t in tasks:
-            self.task_to_slot[t] = to.id
-        return []
+        return {}, {t: self._take_in(to, t, own[t]) for t in tasks}
+
+    def _take_in(self, slot: Slot, task: str, own_q: float | None) -> dict:
+        """Serve the evicted ``task`` by ``slot`` if it keeps ``gate`` of its own quality ``own_q`` there
+        (:func:`kept_share`, the merge's gate), joining the slot's tasks, which every later merge into
+        the slot must then keep; else by the base (``task_to_slot[task] = None``). A task whose own
+        quality its evicted slot does not record (``own_q`` None) cannot pass the gate. Returns ``{"slot": id or None, "kept": share or None}``."""
+        kept = None if own_q is None else kept_share(self.quality(task, slot.factors), own_q)
+        if kept is not None and kept >= self.gate:
+            slot.tasks.append(task)
+            slot.own_quality[task] = own_q
+            self.task_to_slot[task] = slot.id
+            return {"slot": slot.id, "kept": round(kept, 4)}
+        self.task_to_slot[task] = None
+        return {"slot": None, "kept": None if kept is None else round(kept, 4)}
 
     # ------------------------------------------------------------------ serving
 
     def slot_for(self, task: str) -> Slot | None:
-        """The slot that serves ``task`` (marks it used); None when its slot was evicted and
-        ``evicted_to="base"``. Raises KeyError for a task never admitted."""
+        """The slot that serves ``task`` (marks it used); None when its slot was evicted and it went to
+        the base (``evicted_to="base"``, or no slot passed the gate for it). Raises KeyError for a task
+        never admitted."""
         if task not in self.task_to_slot:
             raise KeyError(f"task {task!r} was never admitted to this pool")
         sid = self.task_to_slot[task]

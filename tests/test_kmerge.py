@@ -95,7 +95,8 @@ def test_budget_opcm_sizes_by_bytes_and_the_gate_evicts_the_lru_slot():
     pool.slot_for("a")  # slot 0 used just now: slot 1 (b) is the LRU one
     sid = pool.admit("c", own["c"])
     assert pool.log[-1]["action"] == "evicted_lru_and_stored" and 1 not in pool.slots and sid == 2
-    assert pool.task_to_slot["b"] in pool.slots  # b is still served, by the most similar remaining slot
+    # b's slot went; the one remaining (a's) would keep none of b's quality: the gate sends b to the base
+    assert pool.task_to_slot["b"] is None and pool.log[-1]["evicted"]["b"]["slot"] is None
     # the merged slot's update has the mean norm of its tasks' updates (OPCM's rescaling)
     s0 = pool.slots[0]
     norm = math.sqrt(sum(float(d.pow(2).sum()) for d in dense(s0.factors).values()))
@@ -103,14 +104,20 @@ def test_budget_opcm_sizes_by_bytes_and_the_gate_evicts_the_lru_slot():
     assert norm == pytest.approx(mean, rel=1e-6)
 
 
-def test_with_one_slot_an_evicted_task_is_served_by_the_newcomer():
+def test_with_one_slot_an_evicted_task_is_served_by_the_newcomer_where_the_gate_holds():
     own = {"a": adapter(50), "b": adapter(51)}
-    pool = AdapterPool("budget_opcm", rank=2, byte_budget=AdapterPool("kmerge", rank=2, k=1).slot_bytes(own["a"]),
-                       gate=0.99, quality=_quality_by_cosine(own))
-    pool.admit("a", own["a"])
-    pool.admit("b", own["b"])  # unlike a: the gate refuses the merge, the only slot is replaced
-    assert pool.log[-1]["action"] == "evicted_lru_and_stored"
-    assert pool.slot_for("a") is pool.slot_for("b")  # every admitted task is still served
+    one = AdapterPool("kmerge", rank=2, k=1).slot_bytes(own["a"])
+
+    def quality(task, f):  # a is served as well by b's adapter as by its own; the merge serves neither
+        return float(max(similarity(f, own[t]) for t in ({"a", "b"} if task == "a" else {"b"})) > 0.999)
+
+    for q, a_served in ((quality, True), (_quality_by_cosine(own), False)):
+        pool = AdapterPool("budget_opcm", rank=2, byte_budget=one, gate=0.99, quality=q)
+        pool.admit("a", own["a"])
+        pool.admit("b", own["b"])  # the gate refuses the merge, the only slot is replaced
+        assert pool.log[-1]["action"] == "evicted_lru_and_stored"
+        assert (pool.slot_for("a") is pool.slot_for("b")) is a_served  # else a goes back to the base
+        assert pool.slots[pool.task_to_slot["b"]].tasks == (["b", "a"] if a_served else ["b"])
     pool2 = AdapterPool("budget_opcm", rank=2, byte_budget=pool.byte_budget, gate=0.99,
                         quality=_quality_by_cosine(own), evicted_to="base")
     pool2.admit("a", own["a"])
@@ -265,6 +272,37 @@ def test_an_evicted_slots_tasks_go_to_the_most_similar_remaining_slot():
     pool.admit("d", own["d"])
     assert pool.log[-1]["action"] == "evicted_lru_and_stored" and 0 not in pool.slots
     assert pool.task_to_slot["a"] == pool.task_to_slot["a-like"] == 1
+
+
+def test_an_evicted_task_passes_the_gate_of_the_slot_that_takes_it_in():
+    """Found by a reviewer: the tasks of an evicted slot went to the most similar remaining slot without
+    the quality gate every merge passes, and that slot's later merges did not check them either: a
+    task could be served by a slot that keeps none of its quality (kmerge-eval: S < 0 below 4 slots).
+    Now each goes to that slot only where it keeps ``gate`` of its own quality there, else to the base,
+    and joins the slot's tasks, which every later merge into the slot must keep."""
+    own = {"a": adapter(71), "b": adapter(72), "c": adapter(73)}
+    pool = _clocked_budget_pool(own, 2)
+    pool.admit("a", own["a"])
+    pool.admit("b", own["b"])
+    pool.admit("c", own["c"])  # unlike both: a's slot (the LRU one) goes; b's keeps none of a's quality
+    assert pool.log[-1]["action"] == "evicted_lru_and_stored"
+    assert pool.task_to_slot["a"] is None and pool.slot_for("a") is None
+    assert pool.log[-1]["evicted"]["a"]["slot"] is None and pool.log[-1]["evicted"]["a"]["kept"] < 0.9
+    assert pool.slots[1].tasks == ["b"]
+
+    own = {"a": adapter(71), "b": adapter(72), "d": adapter(73)}
+    own["a-like"] = adapter(74, like=own["a"], noise=0.1)
+    own["a-like2"] = adapter(75, like=own["a-like"], noise=0.05)
+    pool = _clocked_budget_pool(own, 3)
+    for t in ("a", "a-like", "b"):
+        pool.admit(t, own[t])
+    pool.slot_for("a-like")
+    pool.slot_for("b")
+    pool.admit("d", own["d"])  # evicts a's slot: a-like's keeps most of a's quality and takes a in
+    assert pool.log[-1]["evicted"]["a"]["slot"] == 1 and pool.log[-1]["evicted"]["a"]["kept"] >= 0.9
+    assert pool.slots[1].tasks == ["a-like", "a"] and pool.slots[1].own_quality["a"] == pytest.approx(1.0)
+    pool.admit("a-like2", own["a-like2"])  # merged into slot 1: the gate checks a too
+    assert pool.log[-1]["slot"] == 1 and set(pool.log[-1]["gate"]) == {"a-like", "a", "a-like2"}
 
 
 def test_the_eviction_rule_survives_a_restart_and_stale_slot_files_go(tmp_path):
