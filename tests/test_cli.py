@@ -108,6 +108,7 @@ def test_ctrl_c_right_after_an_export_is_written_is_status_0(tmp_path):
     _ft_pair(tmp_path)
     args = ["variant=coder", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]
     code = ("import os, runpy, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a shell (it may be ignored here)
             "import deltafleet.atomic as atomic\n"
             "replace_dir = atomic.replace_dir\n"
             "def committed(src, dst):\n"
