@@ -346,7 +346,8 @@ class AdapterPool:
         """Serve the evicted ``task`` by ``slot`` if it keeps ``gate`` of its own quality ``own_q`` there
         (:func:`kept_share`, the merge's gate), joining the slot's tasks, which every later merge into
         the slot must then keep; else by the base (``task_to_slot[task] = None``). A task whose own
-        quality its evicted slot does not record (``own_q`` None) cannot pass the gate. Returns ``{"slot": id or None, "kept": share or None}``."""
+        quality its evicted slot does not record (``own_q`` None) cannot pass the gate. Returns
+        ``{"slot": id or None, "kept": share or None}``."""
         kept = None if own_q is None else kept_share(self.quality(task, slot.factors), own_q)
         if kept is not None and kept >= self.gate:
             slot.tasks.append(task)

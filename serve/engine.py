@@ -1028,7 +1028,9 @@ class Engine:
         every option of ``apply_chat_template`` (``chat_template``, a template of the request's own,
         which would render text that no length check has seen; ``tools``, ``documents``,
         ``tokenize``, ...) are refused by name (InvalidRequestError; vLLM refuses a template there too)."""
-        reserved = ({"messages"} | _chat_template_options(self.tokenizer)) & set(template_kwargs) if template_kwargs else ()
+        reserved = ()
+        if template_kwargs:
+            reserved = ({"messages"} | _chat_template_options(self.tokenizer)) & set(template_kwargs)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(reserved)}: it holds variables of "
                                       "the model's chat template, not options of its rendering",
