@@ -148,6 +148,19 @@ def test_server_overrides_forward_the_server_dict_and_never_limit_waiting(tmp_pa
     assert "tp=1" in out and "tp_port=1234" in out and "delta_cache.device_slots=14" in out
 
 
+def test_the_report_names_the_event_loop_and_parser_the_server_runs(tmp_path, monkeypatch):
+    import importlib.util
+
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])
+    assert bench.http_stack(cfg) == {"event_loop": "uvloop", "http_parser": "httptools"}  # pyproject's
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}", "+server.http_parser=h11"])
+    assert bench.http_stack(cfg) == {"event_loop": "uvloop", "http_parser": "h11"}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in ("uvloop", "httptools") else real(name))
+    cfg = compose_cfg(overrides=[f"paths.root={tmp_path}"])
+    assert bench.http_stack(cfg) == {"event_loop": "asyncio", "http_parser": "h11"}  # uvicorn's fallbacks
+
+
 def test_a_forwarded_value_reads_back_as_itself_in_hydras_grammar():
     """Found by a reviewer: every backslash was doubled, where Hydra's quoted strings take a backslash
     as itself except before a quote, so ``a\\b`` reached the server as ``a\\\\b``."""
@@ -524,6 +537,7 @@ def test_a_cpu_run_of_a_built_family_through_the_real_server(tmp_path):
     assert d["server"]["variant_ids"] == ranked[1:] and d["warmup"]["all_variants_answered"]
     assert d["server"]["overrides"][-3:] == ["max_batch=4", "max_num_batched_tokens=1024", "max_waiting=null"]
     assert d["server"]["client_processes"] == 2  # two client processes shared the load
+    assert (d["server"]["event_loop"], d["server"]["http_parser"]) == ("uvloop", "httptools")
     assert sorted(d["loads"]) == ["1", "4"]
     for c in (1, 4):
         reqs = bench.load_requests(cfg, c, 1024)  # the same requests, recomputed from the seed
