@@ -269,13 +269,14 @@ def _check_device(device) -> None:
 
 def _switch_interval(cfg: DictConfig) -> float:
     """``gil_switch_interval_ms`` in seconds, for ``sys.setswitchinterval``. The model thread gives the
-    GIL up in every CUDA call that waits and then waits to get it back from the HTTP and detokenizer
-    threads, up to the interval (Python's default, 5 ms, is a decode step's length).
+    GIL up in every torch call (PyTorch's bindings release it around each operator), and while the
+    HTTP or detokenizer thread runs Python it waits up to the interval to get it back: one interval
+    per call, dozens of calls a step (Python's default, 5 ms, is a decode step's length per call).
 
     Raises:
         ValueError: it is not a finite number > 0.
     """
-    value = cfg.get("gil_switch_interval_ms", 0.5)
+    value = cfg.get("gil_switch_interval_ms", 0.1)
     if not _number(value) or not value > 0:
         raise ValueError(f"gil_switch_interval_ms must be a finite number of milliseconds > 0, got {value!r}")
     return value / 1000

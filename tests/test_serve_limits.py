@@ -382,6 +382,21 @@ def test_the_server_checks_its_thread_setting_as_every_job():
             _threads(OmegaConf.create({"threads": bad}))
 
 
+def test_the_gil_switch_interval_is_a_tenth_of_a_millisecond_unless_set():
+    """Each torch call of the model thread gives the GIL up and waits up to the interval for it
+    while the HTTP thread runs Python: serve.yaml and a config without the key take 0.1 ms."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from deltafleet.serve.run import _switch_interval
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="serve")
+    assert _switch_interval(cfg) == pytest.approx(1e-4)
+    assert _switch_interval(OmegaConf.create({})) == pytest.approx(1e-4)
+    assert _switch_interval(OmegaConf.create({"gil_switch_interval_ms": 2})) == pytest.approx(2e-3)
+
+
 def test_a_max_waiting_below_one_is_refused_at_startup(tmp_path):
     """``max_waiting`` 0 or less would refuse every request: the server does not start, and says why."""
     r = subprocess.run([sys.executable, "serve/run.py", f"paths.root={tmp_path}", "max_waiting=0"], cwd=REPO,
