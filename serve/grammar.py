@@ -189,6 +189,14 @@ _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxConta
 # what may sit beside a lone ``allOf`` (xgrammar holds one subschema, but not siblings or a second one)
 _BESIDE_ALLOF = {"allOf", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                  "writeOnly", "$defs", "definitions", "$schema", "$id"}
+# JSON Schema's assertions and applicators that xgrammar ignores beside ``anyOf``/``oneOf``: it writes the
+# branches alone (and an enum or const beside them, which it holds); annotations and keywords that are
+# no part of JSON Schema (OpenAPI's discriminator, x-...) constrain nothing there anyway
+_BESIDE_UNION_IGNORED = ("type", "properties", "required", "additionalProperties", "propertyNames", "minProperties",
+                         "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems",
+                         "unevaluatedItems", "unevaluatedProperties", "minimum", "maximum", "exclusiveMinimum",
+                         "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "allOf",
+                         "$ref")
 # string formats xgrammar (0.2.9) writes a grammar of: it then ignores a pattern or length limit beside one
 _FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
             "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
@@ -202,9 +210,10 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
     """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
     ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
     repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
-    constraints beside it, and a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
-    :data:`_FORMATS` or beside ``anyOf``/``oneOf`` (xgrammar accepts them and ignores them, so the
-    output could break the schema).
+    constraints beside it, a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
+    :data:`_FORMATS`, and an assertion or applicator beside ``anyOf``/``oneOf``
+    (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...; ``enum`` and ``const``
+    hold) (xgrammar accepts them and ignores them, so the output could break the schema).
 
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
@@ -237,9 +246,9 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
                 refuse(key, f" beside `format: {schema['format']}`")
     for union in ("anyOf", "oneOf"):  # xgrammar writes the branches alone, a nullable string's limit unheld
         if union in schema:
-            for key in ("pattern", "minLength", "maxLength"):
+            for key in _BESIDE_UNION_IGNORED:
                 if key in schema:
-                    refuse(key, f" beside `{union}` (write it in the string's subschema)")
+                    refuse(key, f" beside `{union}` (write it in each of its subschemas)")
     if "allOf" in schema:
         sub = schema["allOf"]
         if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:

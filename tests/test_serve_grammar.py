@@ -211,6 +211,15 @@ def test_a_nullable_string_is_held_to_a_plain_strings_length_rules(grammars):
     ({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 5}, "maxLength", "schema.maxLength"),
     ({"type": "object", "properties": {"n": {"oneOf": [{"type": "string"}, {"type": "null"}], "minLength": 2}}},
      "minLength", "schema.properties.n.minLength"),
+    # and so every other constraint beside them: {"b": 1} and {} passed the first, "x" the second
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "anyOf": [{"type": "object"}, {"type": "object"}]}, "type", "schema.type"),
+    ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}], "properties": {"a": {"type": "integer"}}}, "properties",
+     "schema.properties"),
+    ({"anyOf": [{"type": "array"}, {"type": "null"}], "items": {"type": "integer"}}, "items", "schema.items"),
+    ({"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "null"}], "minimum": 3}}},
+     "minimum", "schema.properties.n.minimum"),
+    ({"anyOf": [{"type": "string"}, {"type": "null"}], "format": "date"}, "format", "schema.format"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
@@ -232,6 +241,16 @@ def test_what_the_library_holds_is_still_taken(grammars):
     for seed in range(3):
         text, ended = _walk(grammars, grammars.compile("json", json.dumps(one)), seed)
         assert ended and isinstance(json.loads(text), int), text
+    # enum and const beside anyOf hold (they are what xgrammar writes); annotations and keywords outside
+    # JSON Schema (OpenAPI's discriminator, an extension) constrain nothing
+    kinds = {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                       {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}],
+             "discriminator": {"propertyName": "k"}, "title": "Kind", "description": "a or b", "x-order": 1}
+    enum = {"anyOf": [{"type": "integer"}, {"type": "string"}], "enum": [1, "a"], "default": 1}
+    for schema, ok in ((kinds, lambda v: v["k"] in ("a", "b")), (enum, lambda v: v in (1, "a"))):
+        for seed in range(3):
+            text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), seed)
+            assert ended and ok(json.loads(text)), text
     # a format xgrammar does not write leaves the length limit to hold
     free = {"type": "string", "format": "password", "maxLength": 3}
     for seed in range(3):
