@@ -190,13 +190,14 @@ _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxConta
 _BESIDE_ALLOF = {"allOf", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                  "writeOnly", "$defs", "definitions", "$schema", "$id"}
 # JSON Schema's assertions and applicators that xgrammar ignores beside ``anyOf``/``oneOf``: it writes the
-# branches alone (and an enum or const beside them, which it holds); annotations and keywords that are
-# no part of JSON Schema (OpenAPI's discriminator, x-...) constrain nothing there anyway
+# branches alone (a ``oneOf`` beside ``anyOf`` is dropped too, and a ``$ref`` beside either is followed
+# alone, the branches dropped: both refused by enforceable). An enum or const beside them is written
+# instead of them: it holds, the branches do not. Annotations and keywords that are no part of JSON
+# Schema (OpenAPI's discriminator, x-...) constrain nothing there anyway.
 _BESIDE_UNION_IGNORED = ("type", "properties", "required", "additionalProperties", "propertyNames", "minProperties",
                          "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems",
                          "unevaluatedItems", "unevaluatedProperties", "minimum", "maximum", "exclusiveMinimum",
-                         "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "allOf",
-                         "$ref")
+                         "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "allOf")
 # string formats xgrammar (0.2.9) writes a grammar of: it then ignores a pattern or length limit beside one
 _FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
             "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
@@ -211,9 +212,11 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
     ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
     repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
     constraints beside it, a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
-    :data:`_FORMATS`, and an assertion or applicator beside ``anyOf``/``oneOf``
-    (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...; ``enum`` and ``const``
-    hold) (xgrammar accepts them and ignores them, so the output could break the schema).
+    :data:`_FORMATS`, an assertion or applicator beside ``anyOf``/``oneOf``
+    (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...), a ``oneOf`` beside
+    ``anyOf``, and ``anyOf``/``oneOf`` beside a ``$ref`` (which xgrammar follows alone) (xgrammar
+    accepts them and ignores them, so the output could break the schema). An ``enum`` or ``const``
+    beside ``anyOf``/``oneOf`` is taken: xgrammar holds the output to it, not to the branches.
 
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
@@ -244,8 +247,12 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
         for key in ("pattern", "minLength", "maxLength"):
             if key in schema:
                 refuse(key, f" beside `format: {schema['format']}`")
+    if "anyOf" in schema and "oneOf" in schema:  # xgrammar writes the anyOf alone
+        refuse("oneOf", " beside `anyOf` (only the anyOf is written)")
     for union in ("anyOf", "oneOf"):  # xgrammar writes the branches alone, a nullable string's limit unheld
         if union in schema:
+            if "$ref" in schema:  # followed alone: the branches are what goes unheld
+                refuse(union, " beside `$ref` (the reference alone is followed)")
             for key in _BESIDE_UNION_IGNORED:
                 if key in schema:
                     refuse(key, f" beside `{union}` (write it in each of its subschemas)")

@@ -220,6 +220,16 @@ def test_a_nullable_string_is_held_to_a_plain_strings_length_rules(grammars):
     ({"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "null"}], "minimum": 3}}},
      "minimum", "schema.properties.n.minimum"),
     ({"anyOf": [{"type": "string"}, {"type": "null"}], "format": "date"}, "format", "schema.format"),
+    # found by a reviewer: beside anyOf, a oneOf is dropped ("a" passed, valid only as an integer)
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "oneOf": [{"type": "integer"}, {"type": "boolean"}]},
+     "oneOf", "schema.oneOf"),
+    ({"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}], "oneOf": [{"type": "integer"}]}}},
+     "oneOf", "schema.properties.v.oneOf"),
+    # and beside a $ref the branches are (the reference is followed alone: true passed)
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "$ref": "#/$defs/B", "$defs": {"B": {"type": "boolean"}}},
+     "anyOf", "schema.anyOf"),
+    ({"oneOf": [{"type": "integer"}], "$ref": "#/$defs/B", "$defs": {"B": {"type": "boolean"}}}, "oneOf",
+     "schema.oneOf"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
@@ -241,8 +251,8 @@ def test_what_the_library_holds_is_still_taken(grammars):
     for seed in range(3):
         text, ended = _walk(grammars, grammars.compile("json", json.dumps(one)), seed)
         assert ended and isinstance(json.loads(text), int), text
-    # enum and const beside anyOf hold (they are what xgrammar writes); annotations and keywords outside
-    # JSON Schema (OpenAPI's discriminator, an extension) constrain nothing
+    # enum and const beside anyOf hold (xgrammar writes them instead of the branches); annotations and
+    # keywords outside JSON Schema (OpenAPI's discriminator, an extension) constrain nothing
     kinds = {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                        {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}],
              "discriminator": {"propertyName": "k"}, "title": "Kind", "description": "a or b", "x-order": 1}
