@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import threading
@@ -198,6 +199,9 @@ _BESIDE_UNION_IGNORED = ("type", "properties", "required", "additionalProperties
                          "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems",
                          "unevaluatedItems", "unevaluatedProperties", "minimum", "maximum", "exclusiveMinimum",
                          "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "allOf")
+# an integer's multipleOf xgrammar (0.2.9) holds: a whole number up to MULTIPLE_OF_MAX, alone or beside a
+# range closed on both sides of at most MULTIPLE_OF_RANGE integers (it drops any other, with a warning)
+MULTIPLE_OF_MAX, MULTIPLE_OF_RANGE = 1024, 10_000
 # string formats xgrammar (0.2.9) writes a grammar of: it then ignores a pattern or length limit beside one
 _FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
             "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
@@ -209,7 +213,8 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
 
 def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
     """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
-    ``uniqueItems: true``, ``multipleOf`` but an integer's, ``patternProperties`` (its objects may
+    ``uniqueItems: true``, ``multipleOf`` but an integer's (and an integer's that xgrammar drops,
+    :func:`_dropped_multiple`), ``patternProperties`` (its objects may
     repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
     constraints beside it, a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
     :data:`_FORMATS`, an assertion or applicator beside ``anyOf``/``oneOf``
@@ -239,6 +244,8 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
         refuse("uniqueItems")
     if "multipleOf" in schema and schema.get("type") != "integer":
         refuse("multipleOf", " on a number (an integer's is)")
+    if "multipleOf" in schema and (why := _dropped_multiple(schema)):
+        refuse("multipleOf", why)
     if "patternProperties" in schema:
         refuse("patternProperties", " (it lets an object repeat a key)")
     if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
@@ -267,6 +274,36 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
     for key in _SUBSCHEMAS:
         if key in schema:
             enforceable(schema[key], param, f"{where}.{key}")
+
+
+def _dropped_multiple(schema: dict) -> str:
+    """Why xgrammar (0.2.9) would drop the ``multipleOf`` of ``schema`` (an integer's), as the tail
+    of :func:`enforceable`'s message; ``""`` where it holds it (a whole number up to
+    :data:`MULTIPLE_OF_MAX`, alone or beside a range closed on both sides of at most
+    :data:`MULTIPLE_OF_RANGE` integers, exclusive bounds counted as the integers within them) or
+    refuses the schema itself (a value or bound not a number, a bound not whole)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    m = schema["multipleOf"]
+    if not number(m) or m <= 0 or (1 / m).is_integer():  # 1, 0.5, ...: every integer, dropped or not
+        return ""
+    if m != int(m):
+        return " (an integer's must be a whole number)"
+    if m > MULTIPLE_OF_MAX:
+        return f" above {MULTIPLE_OF_MAX}"
+    bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
+    if not bounds:
+        return ""
+    if not all(number(v) and v == int(v) for v in bounds.values()):
+        return ""
+    lows = [int(bounds[k]) + d for k, d in (("minimum", 0), ("exclusiveMinimum", 1)) if k in bounds]
+    highs = [int(bounds[k]) - d for k, d in (("maximum", 0), ("exclusiveMaximum", 1)) if k in bounds]
+    if not lows or not highs:
+        return f" beside a range open on one side (a closed one of up to {MULTIPLE_OF_RANGE:,} integers holds it)"
+    if min(highs) - max(lows) + 1 > MULTIPLE_OF_RANGE:
+        return f" beside a range of more than {MULTIPLE_OF_RANGE:,} integers"
+    return ""
 
 
 def string_lengths(schema, param: str = "response_format"):

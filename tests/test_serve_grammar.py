@@ -230,6 +230,14 @@ def test_a_nullable_string_is_held_to_a_plain_strings_length_rules(grammars):
      "anyOf", "schema.anyOf"),
     ({"oneOf": [{"type": "integer"}], "$ref": "#/$defs/B", "$defs": {"B": {"type": "boolean"}}}, "oneOf",
      "schema.oneOf"),
+    # found by a reviewer: xgrammar drops an integer's multipleOf beside a range open on one side (pydantic's
+    # Field(ge=0, multiple_of=5): 6 passed) or of more than 10,000 integers, above 1024, or not whole
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "multipleOf": 5}}}, "multipleOf",
+     "schema.properties.n.multipleOf"),
+    ({"type": "integer", "exclusiveMaximum": 100, "multipleOf": 5}, "multipleOf", "schema.multipleOf"),
+    ({"type": "integer", "minimum": 0, "maximum": 10000, "multipleOf": 3}, "multipleOf", "schema.multipleOf"),
+    ({"type": "integer", "multipleOf": 1025}, "multipleOf", "schema.multipleOf"),
+    ({"type": "integer", "multipleOf": 2.5}, "multipleOf", "schema.multipleOf"),
 ])
 def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema, keyword, where):
     """xgrammar 0.2.9 compiles these schemas but does not hold the output to the keyword (for the
@@ -261,6 +269,16 @@ def test_what_the_library_holds_is_still_taken(grammars):
         for seed in range(3):
             text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), seed)
             assert ended and ok(json.loads(text)), text
+    # an integer's multipleOf holds alone (a whole number, 4.0 too) and beside a closed range of up to 10,000
+    # integers
+    for n, ok in (({"type": "integer", "multipleOf": 4.0}, lambda v: v % 4 == 0),
+                  ({"type": "integer", "exclusiveMinimum": -1, "maximum": 9999, "multipleOf": 7},
+                   lambda v: v % 7 == 0 and 0 <= v <= 9999)):
+        compiled = grammars.compile("json", json.dumps({"type": "object", "properties": {"n": n}, "required": ["n"]}))
+        assert not grammars.matcher(compiled).accept_string('{"n": 15}')
+        for seed in range(3):
+            text, ended = _walk(grammars, compiled, seed)
+            assert ended and ok(json.loads(text)["n"]), text
     # a format xgrammar does not write leaves the length limit to hold
     free = {"type": "string", "format": "password", "maxLength": 3}
     for seed in range(3):
