@@ -211,24 +211,28 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
-def enforceable(schema, param: str = "response_format", where: str = "schema") -> None:
+def enforceable(schema, param: str = "response_format", where: str = "schema", root=None) -> None:
     """Refuse a JSON Schema the grammar would not hold the output to: any of :data:`_UNENFORCED`,
     ``uniqueItems: true``, ``multipleOf`` but an integer's (and an integer's that xgrammar drops,
     :func:`_dropped_multiple`), ``patternProperties`` (its objects may
     repeat a key), a ``$ref`` outside the schema, ``allOf`` with more than one subschema or with
     constraints beside it, a ``pattern``, ``minLength`` or ``maxLength`` beside a ``format`` of
     :data:`_FORMATS`, an assertion or applicator beside ``anyOf``/``oneOf``
-    (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...), a ``oneOf`` beside
+    (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...; a ``type`` that every
+    value xgrammar writes for the union has anyway, :func:`_written_types`, is taken), a ``oneOf`` beside
     ``anyOf``, and ``anyOf``/``oneOf`` beside a ``$ref`` (which xgrammar follows alone) (xgrammar
     accepts them and ignores them, so the output could break the schema). An ``enum`` or ``const``
     beside ``anyOf``/``oneOf`` is taken: xgrammar holds the output to it, not to the branches.
 
+    ``root``: the schema ``schema`` is part of (None: ``schema`` itself), which its ``$ref`` name.
+
     Raises:
         InvalidRequestError: naming the keyword and where it is (``schema.properties.a.not``).
     """
+    root = schema if root is None else root
     if isinstance(schema, list):
         for i, s in enumerate(schema):
-            enforceable(s, param, f"{where}.{i}")
+            enforceable(s, param, f"{where}.{i}", root)
         return
     if not isinstance(schema, dict):
         return
@@ -261,7 +265,7 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
             if "$ref" in schema:  # followed alone: the branches are what goes unheld
                 refuse(union, " beside `$ref` (the reference alone is followed)")
             for key in _BESIDE_UNION_IGNORED:
-                if key in schema:
+                if key in schema and not (key == "type" and _within(_written_types(schema, root), schema["type"])):
                     refuse(key, f" beside `{union}` (write it in each of its subschemas)")
     if "allOf" in schema:
         sub = schema["allOf"]
@@ -270,10 +274,71 @@ def enforceable(schema, param: str = "response_format", where: str = "schema") -
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, s in schema[key].items():
-                enforceable(s, param, f"{where}.{key}.{name}")
+                enforceable(s, param, f"{where}.{key}.{name}", root)
     for key in _SUBSCHEMAS:
         if key in schema:
-            enforceable(schema[key], param, f"{where}.{key}")
+            enforceable(schema[key], param, f"{where}.{key}", root)
+
+
+def _written_types(schema, root, depth: int = 0) -> set[str] | None:
+    """The JSON types of the values xgrammar (0.2.9) writes for ``schema``, read in its order: a
+    ``$ref`` (within ``root``), else a ``const``, an ``enum``, ``anyOf``/``oneOf`` (every branch's),
+    one ``allOf`` subschema, a ``type``. None where it could write any value or where that is not
+    known (a reference it cannot follow here, a schema without any of these, a cycle)."""
+    if not isinstance(schema, dict) or depth > 64:
+        return None
+    if "$ref" in schema:
+        target = _resolve(root, schema["$ref"])
+        return None if target is None else _written_types(target, root, depth + 1)
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list):
+        return {_json_type(v) for v in schema["enum"]}
+    for union in ("anyOf", "oneOf"):
+        if isinstance(schema.get(union), list):
+            parts = [_written_types(s, root, depth + 1) for s in schema[union]]
+            return None if not parts or None in parts else set().union(*parts)
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
+        return _written_types(schema["allOf"][0], root, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, str) or (isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind)):
+        return {kind} if isinstance(kind, str) else set(kind)
+    return None
+
+
+def _within(types: set[str] | None, kind) -> bool:
+    """Whether every one of ``types`` (:func:`_written_types`) is a ``kind`` (a ``type`` keyword's
+    value: a name or a list of them; an integer is a number)."""
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    return types is not None and all(t in kinds or (t == "integer" and "number" in kinds) for t in types)
+
+
+def _json_type(value) -> str:
+    """The JSON Schema type of the JSON value ``value`` (``1.0`` an integer, as JSON Schema has it)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
+
+
+def _resolve(root, ref):
+    """The subschema of ``root`` the local reference ``ref`` (``#`` or ``#/a/b``, ``~1`` a slash and
+    ``~0`` a tilde) names; None where there is none or it is not local."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _dropped_multiple(schema: dict) -> str:
