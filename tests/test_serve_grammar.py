@@ -288,7 +288,7 @@ def test_what_the_library_holds_is_still_taken(grammars):
             text, ended = _walk(grammars, compiled, seed)
             assert ended and ok(json.loads(text)["n"]), text
     # a type beside a union whose every branch is of it already (OpenAPI's polymorphic object, a nullable
-    # date) is taken: the branches hold it (found by a reviewer: a 400 since 945552f)
+    # date) is taken: the branches hold it (found by a reviewer: a 400 since 44a9ac1)
     pets = {"type": "object", "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/definitions/Dog"}],
             "discriminator": {"propertyName": "kind"},
             "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
