@@ -220,7 +220,8 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
     :data:`_FORMATS`, an assertion or applicator beside ``anyOf``/``oneOf``
     (:data:`_BESIDE_UNION_IGNORED`: ``type``, ``properties``, ``items``, ...; a ``type`` that every
     value xgrammar writes for the union has anyway, :func:`_written_types`, is taken), a ``oneOf`` beside
-    ``anyOf``, and ``anyOf``/``oneOf`` beside a ``$ref`` (which xgrammar follows alone) (xgrammar
+    ``anyOf``, and ``anyOf``/``oneOf``, an ``enum``, a ``const`` or an assertion beside a ``$ref``
+    (which xgrammar follows alone; a ``type`` its schema has anyway is taken) (xgrammar
     accepts them and ignores them, so the output could break the schema). An ``enum`` or ``const``
     beside ``anyOf``/``oneOf`` is taken: xgrammar holds the output to it, not to the branches.
 
@@ -258,6 +259,10 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
         for key in ("pattern", "minLength", "maxLength"):
             if key in schema:
                 refuse(key, f" beside `format: {schema['format']}`")
+    if "$ref" in schema:  # followed alone: an assertion beside it goes unheld ({"$ref": int, "minimum": 5}: 1)
+        for key in (*_BESIDE_UNION_IGNORED, "enum", "const"):
+            if key in schema and not (key == "type" and _within(_written_types(schema, root), schema["type"])):
+                refuse(key, " beside `$ref` (the reference alone is followed: write it in the schema it names)")
     if "anyOf" in schema and "oneOf" in schema:  # xgrammar writes the anyOf alone
         refuse("oneOf", " beside `anyOf` (only the anyOf is written)")
     for union in ("anyOf", "oneOf"):  # xgrammar writes the branches alone, a nullable string's limit unheld

@@ -238,6 +238,12 @@ def test_a_nullable_string_is_held_to_a_plain_strings_length_rules(grammars):
      "anyOf", "schema.anyOf"),
     ({"oneOf": [{"type": "integer"}], "$ref": "#/$defs/B", "$defs": {"B": {"type": "boolean"}}}, "oneOf",
      "schema.oneOf"),
+    # beside a $ref, every assertion, enum and const is (the reference is followed alone: 1, {} and 2 passed)
+    ({"type": "object", "properties": {"n": {"$ref": "#/$defs/I", "minimum": 5}}, "$defs": {"I": {"type": "integer"}}},
+     "minimum", "schema.properties.n.minimum"),
+    ({"$ref": "#/$defs/O", "required": ["a"], "$defs": {"O": {"type": "object"}}}, "required", "schema.required"),
+    ({"$ref": "#/$defs/I", "enum": [1], "$defs": {"I": {"type": "integer"}}}, "enum", "schema.enum"),
+    ({"$ref": "#/$defs/I", "type": "string", "$defs": {"I": {"type": "integer"}}}, "type", "schema.type"),
     # found by a reviewer: xgrammar drops an integer's multipleOf beside a range open on one side (pydantic's
     # Field(ge=0, multiple_of=5): 6 passed) or of more than 10,000 integers, above 1024, or not whole
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "multipleOf": 5}}}, "multipleOf",
@@ -294,10 +300,12 @@ def test_what_the_library_holds_is_still_taken(grammars):
             "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
                       "Dog/x": {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}},
             "definitions": {"Dog": {"allOf": [{"$ref": "#/$defs/Dog~1x"}], "title": "Dog"}}}
+    ref = {"type": "object", "$ref": "#/$defs/O", "description": "an o", "$defs": {"O": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
     when = {"type": ["string", "null"], "anyOf": [{"type": "string", "format": "date"}, {"enum": [None]}]}
     num = {"type": "number", "anyOf": [{"type": "integer", "minimum": 5}, {"const": 0.5}]}
-    for schema, ok in ((pets, lambda v: v["kind"] in ("cat", "dog")), (when, lambda v: v is None or v[4] == "-"),
-                       (num, lambda v: v == 0.5 or (isinstance(v, int) and v >= 5))):
+    for schema, ok in ((pets, lambda v: v["kind"] in ("cat", "dog")), (ref, lambda v: isinstance(v["a"], int)),
+                       (when, lambda v: v is None or v[4] == "-"), (num, lambda v: v == 0.5 or (isinstance(v, int) and v >= 5))):
         for seed in range(3):
             text, ended = _walk(grammars, grammars.compile("json", json.dumps(schema)), seed)
             assert ended and ok(json.loads(text)), text
