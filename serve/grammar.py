@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import re
 import threading
@@ -42,6 +41,7 @@ import torch
 
 from deltafleet.serve import tools
 from deltafleet.serve.request import InvalidRequestError
+from deltafleet.values import real
 
 # json: spec a JSON Schema; json_object: none; tool_call: {"tools": [...], "name": one of them or null} as JSON
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_call")
@@ -242,6 +242,11 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
         raise InvalidRequestError(f"`{key}` (at {where}.{key}) is not supported in structured output: the grammar "
                                   f"would not enforce it{why}", param, "invalid_constraint")
 
+    def refuse_beside(keys, why: str):  # a type every value written has anyway is no loss
+        for key in keys:
+            if key in schema and not (key == "type" and _within(_written_types(schema, root), schema["type"])):
+                refuse(key, why)
+
     for key in _UNENFORCED:
         if key in schema:
             refuse(key)
@@ -260,18 +265,15 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
             if key in schema:
                 refuse(key, f" beside `format: {schema['format']}`")
     if "$ref" in schema:  # followed alone: an assertion beside it goes unheld ({"$ref": int, "minimum": 5}: 1)
-        for key in (*_BESIDE_UNION_IGNORED, "enum", "const"):
-            if key in schema and not (key == "type" and _within(_written_types(schema, root), schema["type"])):
-                refuse(key, " beside `$ref` (the reference alone is followed: write it in the schema it names)")
+        refuse_beside((*_BESIDE_UNION_IGNORED, "enum", "const"),
+                      " beside `$ref` (the reference alone is followed: write it in the schema it names)")
     if "anyOf" in schema and "oneOf" in schema:  # xgrammar writes the anyOf alone
         refuse("oneOf", " beside `anyOf` (only the anyOf is written)")
     for union in ("anyOf", "oneOf"):  # xgrammar writes the branches alone, a nullable string's limit unheld
         if union in schema:
             if "$ref" in schema:  # followed alone: the branches are what goes unheld
                 refuse(union, " beside `$ref` (the reference alone is followed)")
-            for key in _BESIDE_UNION_IGNORED:
-                if key in schema and not (key == "type" and _within(_written_types(schema, root), schema["type"])):
-                    refuse(key, f" beside `{union}` (write it in each of its subschemas)")
+            refuse_beside(_BESIDE_UNION_IGNORED, f" beside `{union}` (write it in each of its subschemas)")
     if "allOf" in schema:
         sub = schema["allOf"]
         if not isinstance(sub, list) or len(sub) != 1 or set(schema) - _BESIDE_ALLOF:
@@ -352,11 +354,8 @@ def _dropped_multiple(schema: dict) -> str:
     :data:`MULTIPLE_OF_MAX`, alone or beside a range closed on both sides of at most
     :data:`MULTIPLE_OF_RANGE` integers, exclusive bounds counted as the integers within them) or
     refuses the schema itself (a value or bound not a number, a bound not whole)."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
     m = schema["multipleOf"]
-    if not number(m) or m <= 0 or (1 / m).is_integer():  # 1, 0.5, ...: every integer, dropped or not
+    if not real(m) or m <= 0 or (1 / m).is_integer():  # 1, 0.5, ...: every integer, dropped or not
         return ""
     if m != int(m):
         return " (an integer's must be a whole number)"
@@ -365,7 +364,7 @@ def _dropped_multiple(schema: dict) -> str:
     bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
     if not bounds:
         return ""
-    if not all(number(v) and v == int(v) for v in bounds.values()):
+    if not all(real(v) and v == int(v) for v in bounds.values()):
         return ""
     lows = [int(bounds[k]) + d for k, d in (("minimum", 0), ("exclusiveMinimum", 1)) if k in bounds]
     highs = [int(bounds[k]) - d for k, d in (("maximum", 0), ("exclusiveMaximum", 1)) if k in bounds]
