@@ -111,8 +111,11 @@ class Grammars:
                 import xgrammar as xgr
 
                 asked = json.loads(spec)
+                for i, t in enumerate(asked["tools"]):  # each where the request has it, before the wrapper
+                    if asked["name"] in (None, t["function"]["name"]) and t["function"].get("parameters"):
+                        params = t["function"]["parameters"]
+                        enforceable(params, param, f"tools.{i}.function.parameters", params)
                 schema = tools.call_schema(asked["tools"], asked["name"])
-                enforceable(schema, param)
                 schema = string_lengths(schema, param)
                 return compiler.compile_grammar(str(xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf(f'root ::= "{tools.START}"'),

@@ -356,6 +356,15 @@ def test_bad_tool_requests_are_400s_that_name_the_field(client):
     r = httpx.post(f"{url}completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "tools": [WEATHER]},
                    timeout=30)
     assert api_error(r, 400)["param"] == "tools"  # completions take no tools
+    # a refused keyword is named where the request has it, not in the call schema's wrapper
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "odd"}}):
+        err = api_error(post({"tools": [WEATHER, odd], "tool_choice": choice}), 400)
+        assert (err["param"], err["code"]) == ("tools", "invalid_constraint"), err
+        assert "`not` (at tools.1.function.parameters.properties.n.not)" in err["message"], err
+    r = post({"tools": [WEATHER, odd], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert r.status_code == 200, r.text  # only the named tool's schema is held
     array = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
     assert api_error(post({"tools": [array]}), 400)["param"] == "tools"
     marker = {"type": "function", "function": {"name": "f", "description": "\ue0000\ue001"}}
