@@ -22,10 +22,15 @@ same random tensors in one run:
   grouped by variant once beforehand, as the engine does per step), against the floor ``1 + D/16``
   for the D variants present and the bound ``1.1·(1 + T/16)`` (issue #26).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), taken in ``rounds``
-rounds of dense and the kernels timed in turn (the median over rounds is reported), replayed from a
-CUDA graph when ``timing=cuda_graph`` (as a serving engine replays decode steps; no Python launch
-overhead in either side of a ratio) or launched eagerly. Achieved bandwidth = bytes the kernel
+Times are medians taken in ``rounds`` rounds of dense and the kernels timed in turn (the median over
+rounds is reported), replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``) when
+``timing=cuda_graph`` (as a serving engine replays decode steps; no Python launch overhead in either
+side of a ratio) or launched eagerly (``triton.testing.do_bench``, L2 flushed before each call).
+A graph replays its calls back to back with no flush, so with ``cold_l2`` (the default) every timed
+callable, dense included, cycles through copies of its operands (:func:`cold_copies`): between two
+calls on one copy the others' bytes pass through the L2 at least twice, and each call reads its
+weights from memory, as a decode step does (its other layers' weights evict them). Without it a
+matrix that fits in the L2 (Llama-2-7B's o, 32 MiB) is read from it by both sides of the ratio. Achieved bandwidth = bytes the kernel
 must read and write (W, signs, α, x, y) ÷ time, against the bandwidth of a device-to-device copy
 timed in the same run. A "layer set" figure is Σ time over the four linears of one model ÷ Σ dense.
 
@@ -36,6 +41,7 @@ grouped batches ≤ 1.1·(1 + T/16) × dense at M = 64 and 256 for T = 4 and 14)
 """
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import time
@@ -101,6 +107,30 @@ def time_interleaved(bench, fns: dict, rounds: int) -> dict:
     return out
 
 
+def cold_copies(tensors: tuple, l2_bytes: int, cap: int = 8) -> list[tuple]:
+    """``tensors`` and clones of it (tensors cloned, other values shared): ``n`` sets in all, the
+    fewest whose ``n − 1`` others hold at least twice ``l2_bytes`` (at most ``cap``), so that
+    calls cycling through them (:func:`rotating`) find none of a set's bytes left in the L2."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    n = min(cap, 1 + -(-2 * l2_bytes // max(nbytes, 1))) if l2_bytes > 0 else 1
+    return [tensors, *(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors)
+                       for _ in range(n - 1))]
+
+
+def rotating(fn, copies: list[tuple]):
+    """A zero-argument callable calling ``fn(*copy)`` with the next of ``copies`` each time (in a CUDA
+    graph's capture, each captured call with its own)."""
+    sets = itertools.cycle(copies)
+    return lambda: fn(*next(sets))
+
+
+def l2_bytes(cfg) -> int:
+    """The L2 bytes the timed calls must pass through (the device's L2; 0 without ``cold_l2``)."""
+    if not cfg.get("cold_l2", True):
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
+
+
 def copy_bandwidth(nbytes: int, bench) -> float:
     """Device-to-device copy bandwidth in GB/s (10⁹ bytes), counting bytes read + written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -152,7 +182,8 @@ def run(cfg) -> dict:
     rounds = int(cfg.get("rounds", 1))  # dense and the kernels timed in turn, medians over the rounds
     g = torch.Generator(device="cuda").manual_seed(cfg.seed)
     copy_gbs = copy_bandwidth(int(cfg.copy_bytes), bench)
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    l2 = l2_bytes(cfg)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; operands cycled past {l2 / 2**20:.0f} MiB of L2", flush=True)
     rows, t0 = [], time.time()
     for model in cfg.shapes:
         layers = {name: tuple(nk) for name, nk in cfg.layer_shapes[model].items()}
@@ -174,9 +205,12 @@ def run(cfg) -> dict:
                 pick = str(new[0]) if new else ("decode" if m <= triton_bitdelta.GEMV_MAX_M else "as before")
                 ref = _naive(x.float(), w.float(), sign, alpha.float(), k, torch.float32)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = time_interleaved(bench, {"dense": lambda: x @ w.t(),
-                                             "naive": lambda: _naive(x, w, sign, alpha, k, dtype),
-                                             "triton": lambda: bitdelta_linear(x, w, ks, alpha)}, rounds)
+                c = cold_copies((x, w, sign, ks, alpha), l2)
+                t = time_interleaved(bench, {
+                    "dense": rotating(lambda x, w, sign, ks, alpha: x @ w.t(), c),
+                    "naive": rotating(lambda x, w, sign, ks, alpha: _naive(x, w, sign, alpha, k, dtype), c),
+                    "triton": rotating(lambda x, w, sign, ks, alpha: bitdelta_linear(x, w, ks, alpha), c)}, rounds)
+                del c
                 nbytes = 2 * n * k + n * ((k + 7) // 8) + 4 * alpha.numel() + 2 * m * (k + n)
                 rows.append({"kind": "single", "model": model, "layer": name, "N": n, "K": k, "M": m,
                              **{f"{key}_ms": v for key, v in t.items()},
@@ -199,9 +233,11 @@ def run(cfg) -> dict:
                 y = bitdelta_linear_batched(x, w, kss, alphas, slot)
                 ref = bitdelta_linear_batched_reference(x.float(), w.float(), signs, alphas, slot)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                t = time_interleaved(bench, {"dense": lambda: x @ w.t(),
-                                             "triton_batched": lambda: bitdelta_linear_batched(x, w, kss, alphas, slot)},
-                                     rounds)
+                c = cold_copies((x, w, kss, alphas), l2)
+                t = time_interleaved(bench, {
+                    "dense": rotating(lambda x, w, kss, alphas: x @ w.t(), c),
+                    "triton_batched": rotating(lambda x, w, kss, alphas: bitdelta_linear_batched(x, w, kss, alphas, slot),
+                                               c)}, rounds)
                 for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
                     if impl in ("gluon", "planes") and t_count < 2:  # the Hopper tenant kernel takes two rows or more
                         t[f"batched_{impl}"] = float("nan")
@@ -209,10 +245,12 @@ def run(cfg) -> dict:
                     if impl == "gluon" and tiled:  # that kernel reads sign rows only
                         t[f"batched_{impl}"] = float("nan")
                         continue
-                    t[f"batched_{impl}"] = bench(lambda: bitdelta_linear_batched_triton(x, w, kss, alphas, slot,
-                                                                                        impl=impl))
+                    t[f"batched_{impl}"] = bench(rotating(
+                        lambda x, w, kss, alphas: bitdelta_linear_batched_triton(x, w, kss, alphas, slot, impl=impl), c))
+                del c
                 if cfg.bitdelta_style:
-                    t["bitdelta_style"] = bench(lambda: _bitdelta_style(x, w, signs, alphas, k, dtype))
+                    t["bitdelta_style"] = bench(rotating(lambda x, w, signs, alphas: _bitdelta_style(
+                        x, w, signs, alphas, k, dtype), cold_copies((x, w, signs, alphas), l2)))
                 nbytes = 2 * n * k + t_count * (n * ((k + 7) // 8) + 4 * n) + 2 * t_count * (k + n)
                 # the dispatcher's pick for this shape (kernels.triton_bitdelta._TENANTS_CHOICE), for the record
                 choice = [repr(v) for key, v in triton_bitdelta._TENANTS_CHOICE.items()
@@ -244,10 +282,14 @@ def run(cfg) -> dict:
                     errs = {key: ((y.float() - ref).abs().max() / ref.abs().max()).item() for key, y in
                             (("triton_batched", bitdelta_linear_batched(x, w, kss, alphas, slot)),
                              ("grouped", bitdelta_linear_grouped(x, w, kss, alphas, slot, groups=groups)))}
+                    c = cold_copies((x, w, kss, alphas), l2)
                     t = time_interleaved(bench, {
-                        "dense": lambda: x @ w.t(),
-                        "triton_batched": lambda: bitdelta_linear_batched(x, w, kss, alphas, slot),
-                        "grouped": lambda: bitdelta_linear_grouped(x, w, kss, alphas, slot, groups=groups)}, rounds)
+                        "dense": rotating(lambda x, w, kss, alphas: x @ w.t(), c),
+                        "triton_batched": rotating(
+                            lambda x, w, kss, alphas: bitdelta_linear_batched(x, w, kss, alphas, slot), c),
+                        "grouped": rotating(lambda x, w, kss, alphas: bitdelta_linear_grouped(
+                            x, w, kss, alphas, slot, groups=groups), c)}, rounds)
+                    del c
                     rows.append({"kind": "grouped", "model": model, "layer": name, "N": n, "K": k, "M": m,
                                  "T": t_count, "distinct": distinct, "floor": 1 + distinct / 16,
                                  **{f"{key}_ms": v for key, v in t.items()},
@@ -290,7 +332,8 @@ def _plain(cfg) -> dict:
     from omegaconf import OmegaConf
 
     keys = ("shapes", "layer_shapes", "ms", "tenants", "dtype", "alpha_granularity", "timing", "rep_ms",
-            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine", "rounds", "grouped")
+            "bitdelta_style", "batched_impls", "sign_layout", "copy_bytes", "seed", "machine", "rounds", "grouped",
+            "cold_l2")
     out = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
            for k in keys if k in cfg}
     out.setdefault("sign_layout", "rows")  # configurations from before the setting
