@@ -30,9 +30,10 @@ A graph replays its calls back to back with no flush, so with ``cold_l2`` (the d
 callable, dense included, cycles through copies of its operands (:func:`cold_copies`): between two
 calls on one copy the others' bytes pass through the L2 at least twice, and each call reads its
 weights from memory, as a decode step does (its other layers' weights evict them). Without it a
-matrix that fits in the L2 (Llama-2-7B's o, 32 MiB) is read from it by both sides of the ratio. Achieved bandwidth = bytes the kernel
-must read and write (W, signs, α, x, y) ÷ time, against the bandwidth of a device-to-device copy
-timed in the same run. A "layer set" figure is Σ time over the four linears of one model ÷ Σ dense.
+matrix that fits in the L2 (Llama-2-7B's o, 32 MiB) is read from it by both sides of the ratio.
+Achieved bandwidth = bytes the kernel must read and write (W, signs, α, x, y) ÷ time, against the
+bandwidth of a device-to-device copy timed in the same run. A "layer set" figure is Σ time over
+the four linears of one model ÷ Σ dense.
 
 Writes ``reports/<report_name>.json`` and ``.png``; prints the targets: issue 5's (decode M = 1 and
 prefill M = 2048 ≤ 1.10 × dense over the 70B layer set; T tenants ≤ 1.1·(1 + T/16) × dense) and
@@ -236,8 +237,8 @@ def run(cfg) -> dict:
                 c = cold_copies((x, w, kss, alphas), l2)
                 t = time_interleaved(bench, {
                     "dense": rotating(lambda x, w, kss, alphas: x @ w.t(), c),
-                    "triton_batched": rotating(lambda x, w, kss, alphas: bitdelta_linear_batched(x, w, kss, alphas, slot),
-                                               c)}, rounds)
+                    "triton_batched": rotating(
+                        lambda x, w, kss, alphas: bitdelta_linear_batched(x, w, kss, alphas, slot), c)}, rounds)
                 for impl in cfg.batched_impls:  # each mixed-tenant kernel on its own, besides the dispatcher's pick
                     if impl in ("gluon", "planes") and t_count < 2:  # the Hopper tenant kernel takes two rows or more
                         t[f"batched_{impl}"] = float("nan")
@@ -245,8 +246,9 @@ def run(cfg) -> dict:
                     if impl == "gluon" and tiled:  # that kernel reads sign rows only
                         t[f"batched_{impl}"] = float("nan")
                         continue
-                    t[f"batched_{impl}"] = bench(rotating(
-                        lambda x, w, kss, alphas: bitdelta_linear_batched_triton(x, w, kss, alphas, slot, impl=impl), c))
+                    t[f"batched_{impl}"] = bench(rotating(lambda x, w, kss, alphas, impl=impl:
+                                                          bitdelta_linear_batched_triton(x, w, kss, alphas, slot,
+                                                                                         impl=impl), c))
                 del c
                 if cfg.bitdelta_style:
                     t["bitdelta_style"] = bench(rotating(lambda x, w, signs, alphas: _bitdelta_style(
