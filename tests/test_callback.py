@@ -390,3 +390,23 @@ def test_bad_arguments_raise():
         MonoSoupCallback(rank_mode="variance")
     with pytest.raises(ValueError, match="every_n_steps"):
         MonoSoupCallback(every_n_steps=0)
+
+
+def test_step_progress_bar_labels_a_step_bounded_run_without_the_minus_two(tmp_path):
+    """Found by a fresh user: ``max_steps`` alone (Lightning's fit sets ``max_epochs`` −1) labelled the
+    bar "Epoch 0/-2"."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from deltafleet.train.callbacks import StepProgressBar, step_progress_bar
+
+    for max_epochs, label in ((None, "Epoch 0"), (3, "Epoch 0/2")):
+        bar = step_progress_bar([])
+        assert isinstance(bar, StepProgressBar)
+        trainer = L.Trainer(max_steps=2, max_epochs=max_epochs, callbacks=[bar], logger=False, limit_val_batches=0,
+                            enable_checkpointing=False, accelerator="cpu", default_root_dir=tmp_path)
+        trainer.fit(BoringModel())
+        assert trainer.max_epochs == (-1 if max_epochs is None else max_epochs)
+        assert bar._get_train_description(0).rstrip() == label, max_epochs
+    assert step_progress_bar([], enabled=False) is None
+    assert step_progress_bar([TQDMProgressBar()]) is None  # a bar of the user's own: Lightning takes it

@@ -1,5 +1,6 @@
 """Training callbacks. ``MonoSoupCallback``: merge the weights with the best checkpoint every N steps;
-``StepCheckpoint``: periodic checkpoints that follow their step's validation.
+``StepCheckpoint``: periodic checkpoints that follow their step's validation; ``StepProgressBar``:
+Lightning's rich bar with a step-bounded run's epoch label.
 
     python train/run.py variant=coder merge=monosoup merge.every_n_steps=40
     python train/run.py variant=coder merge=svd_soup merge.rank=4
@@ -17,7 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from deltafleet.merge.soup import check_soup_settings, merge_param, summarize
@@ -57,6 +58,29 @@ class StepCheckpoint(ModelCheckpoint):
         loop = trainer.fit_loop
         fetcher, should = getattr(loop, "_data_fetcher", None), getattr(loop.epoch_loop, "_should_check_val_fx", None)
         return fetcher is not None and should is not None and bool(should(fetcher))
+
+
+def step_progress_bar(callbacks: list, enabled: bool = True):
+    """The progress bar for a run of ``callbacks`` (None: Lightning's own, or none): where Lightning
+    would pick its rich bar (``rich`` installed, progress bar on, no progress bar among
+    ``callbacks``), :class:`StepProgressBar`."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE  # what Lightning reads to pick its bar
+
+    if not enabled or not _RICH_AVAILABLE or any(isinstance(c, ProgressBar) for c in callbacks):
+        return None
+    return StepProgressBar()
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, whose label in a run bounded by ``max_steps`` alone (Lightning's
+    fit sets ``max_epochs`` to −1) reads "Epoch 0", not "Epoch 0/-2"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        text = super()._get_train_description(current_epoch)
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            text = text.replace(f"Epoch {current_epoch}/{self.trainer.max_epochs - 1}", f"Epoch {current_epoch}", 1)
+        return text
 
 
 def weight_averaging_classes() -> tuple[type, ...]:

@@ -478,6 +478,7 @@ def train(cfg: DictConfig) -> dict:
     """
     import lightning as L
 
+    from deltafleet.train.callbacks import step_progress_bar
     from deltafleet.train.datamodule import TextDataModule
     from deltafleet.train.distributed import ConsolidateOnTrainEnd
     from deltafleet.train.module import CausalLMModule, heldout_loss
@@ -518,8 +519,10 @@ def train(cfg: DictConfig) -> dict:
                                 min_lr_ratio=cfg.variant.min_lr_ratio, variant=variant, domain=domain,
                                 init=cfg.variant.init)
         consolidate = ConsolidateOnTrainEnd()
+        callbacks = [*build_callbacks(cfg, run_dir), *user_callbacks(cfg), consolidate]
+        bar = step_progress_bar(callbacks, cfg.trainer.get("enable_progress_bar", True) is not False)
         trainer = hydra.utils.instantiate(trainer_settings(cfg), logger=logger,
-                                          callbacks=[*build_callbacks(cfg, run_dir), *user_callbacks(cfg), consolidate],
+                                          callbacks=[*callbacks, *([bar] if bar else [])],
                                           default_root_dir=str(run_dir))
         t0 = time.perf_counter()
         fit(trainer, module, datamodule=dm, ckpt_path=cfg.ckpt_path)  # Ctrl-C: KeyboardInterrupt
