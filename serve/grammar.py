@@ -290,26 +290,37 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
             enforceable(schema[key], param, f"{where}.{key}", root)
 
 
-def _written_types(schema, root, depth: int = 0) -> set[str] | None:
+def _written_types(schema, root, depth: int = 0, refs: dict | None = None) -> set[str] | None:
     """The JSON types of the values xgrammar (0.2.9) writes for ``schema``, read in its order: a
     ``$ref`` (within ``root``), else a ``const``, an ``enum``, ``anyOf``/``oneOf`` (every branch's),
     one ``allOf`` subschema, a ``type``. None where it could write any value or where that is not
-    known (a reference it cannot follow here, a schema without any of these, a cycle)."""
+    known (a reference it cannot follow here, a schema without any of these, a cycle).
+
+    ``refs``: each reference's types once read (None while it is being read: a cycle), so that
+    branches naming one reference read it once (``{"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}`` took
+    2⁶⁴ calls)."""
     if not isinstance(schema, dict) or depth > 64:
         return None
+    refs = {} if refs is None else refs
     if "$ref" in schema:
-        target = _resolve(root, schema["$ref"])
-        return None if target is None else _written_types(target, root, depth + 1)
+        ref = schema["$ref"]
+        if not isinstance(ref, str):
+            return None
+        if ref not in refs:
+            refs[ref] = None  # being read: a reference met again on the way is a cycle
+            target = _resolve(root, ref)
+            refs[ref] = None if target is None else _written_types(target, root, depth + 1, refs)
+        return refs[ref]
     if "const" in schema:
         return {_json_type(schema["const"])}
     if isinstance(schema.get("enum"), list):
         return {_json_type(v) for v in schema["enum"]}
     for union in ("anyOf", "oneOf"):
         if isinstance(schema.get(union), list):
-            parts = [_written_types(s, root, depth + 1) for s in schema[union]]
+            parts = [_written_types(s, root, depth + 1, refs) for s in schema[union]]
             return None if not parts or None in parts else set().union(*parts)
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
-        return _written_types(schema["allOf"][0], root, depth + 1)
+        return _written_types(schema["allOf"][0], root, depth + 1, refs)
     kind = schema.get("type")
     if isinstance(kind, str) or (isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind)):
         return {kind} if isinstance(kind, str) else set(kind)

@@ -262,6 +262,28 @@ def test_keywords_the_library_would_ignore_are_refused_by_name(grammars, schema,
     assert e.value.param == "guided_json" and e.value.code == "invalid_constraint"
 
 
+def test_a_type_beside_branches_that_name_one_reference_reads_it_once(monkeypatch):
+    """Found by a reviewer: reading the types a union writes followed each branch's reference anew,
+    so branches naming one reference doubled the work at each level: ``{"type": "object", "anyOf":
+    [{"$ref": "#"}, {"$ref": "#"}]}`` took 2⁶⁴ calls and held a request's thread for good (a
+    tool's parameters as much as a response_format). Each reference is now read once per check."""
+    from deltafleet.serve import grammar
+
+    resolved = []
+    real_resolve = grammar._resolve
+    monkeypatch.setattr(grammar, "_resolve", lambda root, ref: resolved.append(ref) or real_resolve(root, ref))
+    chain = {f"A{i}": {"anyOf": [{"$ref": f"#/$defs/A{i + 1}"}, {"$ref": f"#/$defs/A{i + 1}"}]} for i in range(20)}
+    chain["A20"] = {"type": "object"}
+    schema = {"type": "object", "anyOf": [{"$ref": "#/$defs/A0"}, {"$ref": "#/$defs/A0"}], "$defs": chain}
+    grammar.enforceable(schema)  # every branch an object: the type is taken
+    assert len(resolved) == len(chain), len(resolved)  # each of A0..A20 read once, not 2²¹ reads
+    for cycle in ({"type": "object", "anyOf": [{"$ref": "#"}, {"$ref": "#"}]},
+                  {"type": "object", "oneOf": [{"$ref": "#/$defs/A"}, {"type": "object"}],
+                   "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#"}]}}}):
+        with pytest.raises(InvalidRequestError, match=r"`type` \(at schema\.type\)"):
+            grammar.enforceable(cycle)  # a cycle writes nothing known: the type is refused, at once
+
+
 def test_what_the_library_holds_is_still_taken(grammars):
     """A property that happens to be called ``not``, ``uniqueItems: false``, and one ``allOf``
     subschema beside annotations and ``$defs`` (as pydantic writes a described model field) compile,
