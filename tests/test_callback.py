@@ -409,4 +409,7 @@ def test_step_progress_bar_labels_a_step_bounded_run_without_the_minus_two(tmp_p
         assert trainer.max_epochs == (-1 if max_epochs is None else max_epochs)
         assert bar._get_train_description(0).rstrip() == label, max_epochs
     assert step_progress_bar([], enabled=False) is None
+    # as Lightning reads enable_progress_bar (found by a reviewer: +trainer.enable_progress_bar=0 added the bar
+    # to a Trainer whose bar was off, a MisconfigurationException)
+    assert step_progress_bar([], enabled=0) is None and isinstance(step_progress_bar([], enabled=None), StepProgressBar)
     assert step_progress_bar([TQDMProgressBar()]) is None  # a bar of the user's own: Lightning takes it

@@ -60,14 +60,16 @@ class StepCheckpoint(ModelCheckpoint):
         return fetcher is not None and should is not None and bool(should(fetcher))
 
 
-def step_progress_bar(callbacks: list, enabled: bool = True):
+def step_progress_bar(callbacks: list, enabled: bool | None = True):
     """The progress bar for a run of ``callbacks`` (None: Lightning's own, or none): where Lightning
     would pick its rich bar (``rich`` installed, progress bar on, no progress bar among
-    ``callbacks``), :class:`StepProgressBar`."""
+    ``callbacks``), :class:`StepProgressBar`. ``enabled``: the Trainer's ``enable_progress_bar``, read
+    as Lightning reads it (None: on; otherwise on where true, so ``0`` is off)."""
     from lightning.pytorch.callbacks.progress import ProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE  # what Lightning reads to pick its bar
 
-    if not enabled or not _RICH_AVAILABLE or any(isinstance(c, ProgressBar) for c in callbacks):
+    on = enabled is None or bool(enabled)
+    if not on or not _RICH_AVAILABLE or any(isinstance(c, ProgressBar) for c in callbacks):
         return None
     return StepProgressBar()
 
@@ -80,6 +82,7 @@ class StepProgressBar(RichProgressBar):
         text = super()._get_train_description(current_epoch)
         if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
             text = text.replace(f"Epoch {current_epoch}/{self.trainer.max_epochs - 1}", f"Epoch {current_epoch}", 1)
+            text = f"{text:{len(self.validation_description)}}"  # padded as Lightning pads it (no flicker)
         return text
 
 

@@ -520,7 +520,7 @@ def train(cfg: DictConfig) -> dict:
                                 init=cfg.variant.init)
         consolidate = ConsolidateOnTrainEnd()
         callbacks = [*build_callbacks(cfg, run_dir), *user_callbacks(cfg), consolidate]
-        bar = step_progress_bar(callbacks, cfg.trainer.get("enable_progress_bar", True) is not False)
+        bar = step_progress_bar(callbacks, cfg.trainer.get("enable_progress_bar"))
         trainer = hydra.utils.instantiate(trainer_settings(cfg), logger=logger,
                                           callbacks=[*callbacks, *([bar] if bar else [])],
                                           default_root_dir=str(run_dir))
