@@ -263,6 +263,8 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
         refuse("patternProperties", " (it lets an object repeat a key)")
     if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
         refuse("$ref", " (only a reference within the schema, #/..., is followed)")
+    if isinstance(schema.get("$ref"), str) and _resolve(root, schema["$ref"]) is None:
+        refuse("$ref", f" ({schema['$ref']!r} names nothing in the schema: a reference is # or #/a/b)")
     if schema.get("format") in _FORMATS:
         for key in ("pattern", "minLength", "maxLength"):
             if key in schema:

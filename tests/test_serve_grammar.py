@@ -276,12 +276,31 @@ def test_a_type_beside_branches_that_name_one_reference_reads_it_once(monkeypatc
     chain["A20"] = {"type": "object"}
     schema = {"type": "object", "anyOf": [{"$ref": "#/$defs/A0"}, {"$ref": "#/$defs/A0"}], "$defs": chain}
     grammar.enforceable(schema)  # every branch an object: the type is taken
-    assert len(resolved) == len(chain), len(resolved)  # each of A0..A20 read once, not 2²¹ reads
+    refs = 2 + 2 * (len(chain) - 1)  # the $ref nodes: two in the root, two in each of A0..A19
+    # each $ref node resolved once (does it name something?), each of A0..A20 read once for its types:
+    # not 2²¹ reads
+    assert len(resolved) == refs + len(chain), len(resolved)
     for cycle in ({"type": "object", "anyOf": [{"$ref": "#"}, {"$ref": "#"}]},
                   {"type": "object", "oneOf": [{"$ref": "#/$defs/A"}, {"type": "object"}],
                    "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#"}]}}}):
         with pytest.raises(InvalidRequestError, match=r"`type` \(at schema\.type\)"):
             grammar.enforceable(cycle)  # a cycle writes nothing known: the type is refused, at once
+
+
+def test_a_reference_to_nothing_is_refused_where_it_is(grammars):
+    """Found by a reviewer: a tool's ``$ref`` to nothing got xgrammar's message about the call
+    schema's internal path (``#/$defs/tool_f/$defs/Missing``), and an anchor (``#foo``) was rebased
+    into one; now any local reference that names nothing is a 400 naming it and its place."""
+    for ref in ("#/$defs/Missing", "#foo", "#/properties/b/items"):
+        schema = {"type": "object", "properties": {"a": {"$ref": ref}, "b": {"type": "string"}}}
+        with pytest.raises(InvalidRequestError, match=rf"`\$ref` \(at schema\.properties\.a\.\$ref\).*"
+                                                       rf"{re.escape(repr(ref))} names nothing") as e:
+            grammars.compile("json", json.dumps(schema), "response_format")
+        assert e.value.code == "invalid_constraint"
+    ok = {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "string"}},
+          "$defs": {"a/b~c": {"type": "integer"}}, "required": ["a"]}
+    grammars.compile("json", json.dumps(ok | {"properties": {**ok["properties"], "c": {"$ref": "#/$defs/a~1b~0c"}}}),
+                     "response_format")  # a pointer's ~1 and ~0 resolve
 
 
 def test_what_the_library_holds_is_still_taken(grammars):

@@ -363,6 +363,10 @@ def test_bad_tool_requests_are_400s_that_name_the_field(client):
         err = api_error(post({"tools": [WEATHER, odd], "tool_choice": choice}), 400)
         assert (err["param"], err["code"]) == ("tools", "invalid_constraint"), err
         assert "`not` (at tools.1.function.parameters.properties.n.not)" in err["message"], err
+    missing = {"type": "function", "function": {"name": "gap", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}}
+    err = api_error(post({"tools": [missing], "tool_choice": "required"}), 400)
+    assert "(at tools.0.function.parameters.properties.p.$ref)" in err["message"] and "tool_" not in err["message"]
     r = post({"tools": [WEATHER, odd], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert r.status_code == 200, r.text  # only the named tool's schema is held
     array = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
