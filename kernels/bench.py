@@ -111,9 +111,11 @@ def time_interleaved(bench, fns: dict, rounds: int) -> dict:
 def cold_copies(tensors: tuple, l2_bytes: int, cap: int = 8) -> list[tuple]:
     """``tensors`` and clones of it (tensors cloned, other values shared): ``n`` sets in all, the
     fewest whose ``n − 1`` others hold at least twice ``l2_bytes`` (at most ``cap``), so that
-    calls cycling through them (:func:`rotating`) find none of a set's bytes left in the L2."""
+    calls cycling through them (:func:`rotating`) find none of a set's bytes left in the L2; one set
+    alone where it holds twice the L2 itself (a call reading it evicts its own tail before reaching
+    it)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    n = min(cap, 1 + -(-2 * l2_bytes // max(nbytes, 1))) if l2_bytes > 0 else 1
+    n = 1 if nbytes >= 2 * l2_bytes else min(cap, 1 + -(-2 * l2_bytes // max(nbytes, 1)))
     return [tensors, *(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors)
                        for _ in range(n - 1))]
 
@@ -126,8 +128,9 @@ def rotating(fn, copies: list[tuple]):
 
 
 def l2_bytes(cfg) -> int:
-    """The L2 bytes the timed calls must pass through (the device's L2; 0 without ``cold_l2``)."""
-    if not cfg.get("cold_l2", True):
+    """The L2 bytes the timed calls must pass through (the device's L2; 0 without ``cold_l2`` and for
+    eager timing, whose ``do_bench`` flushes the L2 before each call)."""
+    if not cfg.get("cold_l2", True) or cfg.timing == "eager":
         return 0
     return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
 
