@@ -86,6 +86,16 @@ class StepProgressBar(RichProgressBar):
         return text
 
 
+def averaging_conflict(merge: str, averaging: str) -> str:
+    """Why the merge every N steps (``merge``, e.g. "MonoSoupCallback (method monosoup)") and a
+    callback of Lightning's weight averaging (``averaging``) cannot run together: the error message,
+    whether train/run.py reads it in the settings or :class:`MonoSoupCallback` finds it in a Trainer."""
+    return (f"{merge} and {averaging} both rewrite the model's weights, and do not compose: the weight averaging "
+            "swaps its average in for every validation and copies it over the weights when training ends, so the "
+            "merges' best checkpoint and their result would be undefined; use one of them (merge=ema is the EMA "
+            "alone, merge=none leaves the averaging alone)")
+
+
 def weight_averaging_classes() -> tuple[type, ...]:
     """Lightning's weight-averaging callbacks (``WeightAveraging``, which ``EMAWeightAveraging``
     extends); () in a Lightning without them."""
@@ -189,9 +199,7 @@ class MonoSoupCallback(L.Callback):
             return
         averaging = next((c for c in trainer.callbacks if isinstance(c, weight_averaging_classes())), None)
         if averaging is not None:
-            raise ValueError(f"MonoSoupCallback (method {self.method}) and {type(averaging).__name__} both rewrite "
-                             "the model's weights, and do not compose: the weight averaging swaps its average in "
-                             "for every validation and copies it over the weights when training ends; use one of them")
+            raise ValueError(averaging_conflict(f"MonoSoupCallback (method {self.method})", type(averaging).__name__))
         strategy = trainer.strategy
         self._ds = deepspeed_module(trainer)
         if self._ds is not None:

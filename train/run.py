@@ -343,7 +343,7 @@ def _check_weight_averaging(cfg: DictConfig) -> None:
         return
     from hydra.utils import get_class
 
-    from deltafleet.train.callbacks import MonoSoupCallback, weight_averaging_classes
+    from deltafleet.train.callbacks import MonoSoupCallback, averaging_conflict, weight_averaging_classes
 
     merge = cfg.get("merge")
     nodes = [("merge", merge)] if merge is not None and merge_callback_on(cfg) else []
@@ -361,10 +361,7 @@ def _check_weight_averaging(cfg: DictConfig) -> None:
         elif issubclass(cls, weight_averaging_classes()):
             averages.append(f"{where} ({cls.__name__})")
     if soups and averages:
-        raise ValueError(f"{soups[0]} and {averages[0]} both rewrite the model's weights, and do not compose: the "
-                         "weight averaging swaps its average in for every validation and copies it over the weights "
-                         "when training ends, so the merges' best checkpoint and their result would be undefined; "
-                         "use one of them (merge=ema is the EMA alone, merge=none leaves the averaging alone)")
+        raise ValueError(averaging_conflict(soups[0], averages[0]))
 
 
 def _sweep_job() -> dict:
