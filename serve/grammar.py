@@ -114,7 +114,8 @@ class Grammars:
                 for i, t in enumerate(asked["tools"]):  # each where the request has it, before the wrapper
                     if asked["name"] in (None, t["function"]["name"]) and t["function"].get("parameters"):
                         params = t["function"]["parameters"]
-                        enforceable(params, param, f"tools.{i}.function.parameters", params)
+                        at = f"tools.{i}.function.parameters"
+                        enforceable(params, at, at, params)
                 schema = tools.call_schema(asked["tools"], asked["name"])
                 schema = string_lengths(schema, param)
                 return compiler.compile_grammar(str(xgr.Grammar.concat(

@@ -626,11 +626,11 @@ class ChatCompletionRequest(_Sampling):
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
             raise InvalidRequestError("two tools have one name", "tools", "invalid_value")
-        for t in self.tools or ():
+        for i, t in enumerate(self.tools or ()):
             params = t.function.parameters
             if params is not None and params.get("type", "object") != "object":
                 raise InvalidRequestError(f"tool {t.function.name!r}: `parameters` must be a JSON Schema of an "
-                                          "object", "tools", "invalid_value")
+                                          "object", f"tools.{i}.function.parameters", "invalid_value")
         check_messages(self.messages)
         choice = self.tool_choice
         if not names and choice not in (None, "none", "auto"):

@@ -361,16 +361,17 @@ def test_bad_tool_requests_are_400s_that_name_the_field(client):
         "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}
     for choice in ("required", {"type": "function", "function": {"name": "odd"}}):
         err = api_error(post({"tools": [WEATHER, odd], "tool_choice": choice}), 400)
-        assert (err["param"], err["code"]) == ("tools", "invalid_constraint"), err
+        assert (err["param"], err["code"]) == ("tools.1.function.parameters", "invalid_constraint"), err
         assert "`not` (at tools.1.function.parameters.properties.n.not)" in err["message"], err
     missing = {"type": "function", "function": {"name": "gap", "parameters": {
         "type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}}}}
     err = api_error(post({"tools": [missing], "tool_choice": "required"}), 400)
     assert "(at tools.0.function.parameters.properties.p.$ref)" in err["message"] and "tool_" not in err["message"]
+    assert err["param"] == "tools.0.function.parameters"
     r = post({"tools": [WEATHER, odd], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert r.status_code == 200, r.text  # only the named tool's schema is held
     array = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
-    assert api_error(post({"tools": [array]}), 400)["param"] == "tools"
+    assert api_error(post({"tools": [WEATHER, array]}), 400)["param"] == "tools.1.function.parameters"
     marker = {"type": "function", "function": {"name": "f", "description": "\ue0000\ue001"}}
     assert api_error(post({"tools": [marker], "messages": [{"role": "user", "content": "<|user|>"}]}),
                      400)["param"] == "tools"
