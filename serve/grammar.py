@@ -262,10 +262,11 @@ def enforceable(schema, param: str = "response_format", where: str = "schema", r
         refuse("multipleOf", why)
     if "patternProperties" in schema:
         refuse("patternProperties", " (it lets an object repeat a key)")
-    if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
         refuse("$ref", " (only a reference within the schema, #/..., is followed)")
-    if isinstance(schema.get("$ref"), str) and _resolve(root, schema["$ref"]) is None:
-        refuse("$ref", f" ({schema['$ref']!r} names nothing in the schema: a reference is # or #/a/b)")
+    if isinstance(ref, str) and _resolve(root, ref) is None:
+        refuse("$ref", f" ({ref!r} names nothing in the schema: a reference is # or #/a/b)")
     if schema.get("format") in _FORMATS:
         for key in ("pattern", "minLength", "maxLength"):
             if key in schema:
