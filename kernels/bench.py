@@ -173,7 +173,7 @@ def run(cfg) -> dict:
 
     from deltafleet.kernels import (bitdelta_linear, bitdelta_linear_batched, bitdelta_linear_batched_reference,
                                     bitdelta_linear_grouped, pack_signs, tile_signs)
-    from deltafleet.kernels.triton_grouped import group_rows
+    from deltafleet.kernels.triton_grouped import decode_block_m, group_rows
     from deltafleet.kernels import triton_bitdelta
     from deltafleet.kernels.triton_bitdelta import bitdelta_linear_batched_triton
 
@@ -275,7 +275,10 @@ def run(cfg) -> dict:
             for t_count in grouped.get("tenants", []):
                 slot = zipf_slots(m, t_count, float(grouped.get("zipf_s", 1.0)), cfg.seed + 31 * m + t_count).cuda()
                 distinct = len({v for v in slot.tolist() if v >= 0})
-                groups = group_rows(slot, t_count)  # grouped_block_m and grouped_long_m, as the engine groups
+                # blocks as the engine's graphed decode step cuts them (serve/graphs.py: decode_block_m of
+                # the rows' variants), long blocks by grouped_long_m
+                block_m = decode_block_m(slot.tolist(), t_count, "cuda")
+                groups = group_rows(slot, t_count, block_m)
                 for name, (n, k) in layers.items():
                     w = tensors[name][0]
                     signs = torch.randint(0, 256, (t_count, n, (k + 7) // 8), device="cuda", dtype=torch.uint8,
@@ -296,13 +299,13 @@ def run(cfg) -> dict:
                             x, w, kss, alphas, slot, groups=groups), c)}, rounds)
                     del c
                     rows.append({"kind": "grouped", "model": model, "layer": name, "N": n, "K": k, "M": m,
-                                 "T": t_count, "distinct": distinct, "floor": 1 + distinct / 16,
+                                 "T": t_count, "distinct": distinct, "block_m": block_m, "floor": 1 + distinct / 16,
                                  **{f"{key}_ms": v for key, v in t.items()},
                                  **{f"{key}_over_dense": v / t["dense"] for key, v in t.items() if key != "dense"},
                                  "max_rel_err": max(errs.values())})
                     print(f"[{time.time() - t0:5.0f}s] {model} {name:8s} M={m:4d} T={t_count:2d} ({distinct} present) "
                           f"batched {t['triton_batched'] / t['dense']:6.3f}x  grouped {t['grouped'] / t['dense']:6.3f}x  "
-                          f"floor {1 + distinct / 16:.3f}x  err {max(errs.values()):.1e}", flush=True)
+                          f"floor {1 + distinct / 16:.3f}x  block {block_m}  err {max(errs.values()):.1e}", flush=True)
                     del signs, kss
                 _write_partial(cfg, copy_gbs, rows)
         del tensors
