@@ -412,6 +412,26 @@ def _serve(cfg: DictConfig, device: str, tp=None) -> None:
     if not engine.scheduler.idle:  # past the grace: the model thread may be inside a step, which the
         # interpreter's exit would abort (SIGABRT); the other ranks are stopped already
         _exit(0)
+    _leave_busy_threads(ANSWER_S)
+
+
+def _leave_busy_threads(wait_s: float) -> None:
+    """Give the threads a request left running (a tokenizer call or a grammar compile in a worker
+    thread, which the interpreter's exit would wait for without limit) ``wait_s`` seconds in all to
+    end; past that, name them on stderr and end the process with status 0, as the shutdown itself
+    succeeded."""
+    import threading
+    import time
+
+    me, end = threading.current_thread(), time.monotonic() + wait_s
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join(max(0.0, end - time.monotonic()))
+    busy = sorted({t.name for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()})
+    if busy:
+        print(f"warning: threads still busy {wait_s:g} s after the server stopped ({', '.join(busy)}): "
+              f"exiting without them", file=sys.stderr)
+        _exit(0)
 
 
 def _exit(status: int) -> None:

@@ -499,6 +499,31 @@ def test_a_pinned_variant_that_is_not_served_is_named_in_a_warning(tiny_family, 
                     "delta_cache.pinned names tiny, the base, which is always on the device"]
 
 
+@pytest.mark.parametrize("busy_s", [60.0, 0.2])
+def test_threads_a_request_left_busy_hold_the_exit_a_bounded_time(busy_s):
+    """Found in a review: a worker thread spinning in a grammar check held the stopped server's exit
+    for good (the interpreter joins every non-daemon thread). ``_leave_busy_threads`` waits its
+    bound, then names the thread and exits 0; a thread that ends within the bound is waited for and
+    the process exits normally."""
+    import time
+
+    code = ("import threading, time\n"
+            "from deltafleet.serve.run import _leave_busy_threads\n"
+            f"threading.Thread(target=time.sleep, args=({busy_s},), name='grammar-check').start()\n"
+            "_leave_busy_threads(1.0)\n"
+            "print('returned', flush=True)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    if busy_s > 1.0:
+        assert took < 30, took  # not the thread's 60 s
+        assert "returned" not in r.stdout
+        assert "threads still busy 1 s after the server stopped (grammar-check)" in r.stderr, r.stderr
+    else:
+        assert r.stdout == "returned\n" and "busy" not in r.stderr, (r.stdout, r.stderr)
+
+
 def test_a_ctrl_c_while_the_server_loads_exits_130_without_a_traceback(tmp_path, monkeypatch):
     """Found by a fresh user: a Ctrl-C before the server listens (loading the model) printed a
     KeyboardInterrupt traceback. It ends the server with status 130 (after that, the server drains)."""
