@@ -123,6 +123,8 @@ class MergeMethod:
     two_pass: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
     n_models: ClassVar[int | None] = None  # how many models it merges with the base (None: any)
+    # whether it merges task vectors W − W_base (the base their origin), not the weights themselves
+    task_vectors: ClassVar[bool] = True
 
     def __init__(self, weights: Sequence[float] | None = None):
         if weights is not None and any(not math.isfinite(w) for w in weights):
@@ -198,6 +200,7 @@ class Linear(MergeMethod):
     """``Σ w_i W_i / Σ w_i`` (``normalize=False``: ``Σ w_i W_i``)."""
 
     elementwise = True
+    task_vectors = False
 
     def __init__(self, weights=None, normalize: bool = True):
         super().__init__(weights)
@@ -388,6 +391,7 @@ class Slerp(MergeMethod):
 
     elementwise = True
     n_models = 1
+    task_vectors = False  # the base is the t = 0 end, whatever it was fine-tuned from
 
     def __init__(self, t: float = 0.5):
         super().__init__(None)

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
-from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture, read_json
+from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture, read_config, read_json
 from deltafleet.merge.methods import MergeMethod
 
 
@@ -97,19 +97,28 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     if base_dir is None and method.name != "linear":
         raise ValueError(f"merge method {method.name!r} needs the base checkpoint (task vectors are W − W_base)")
     t0 = time.perf_counter()
-    models = [Checkpoint(d) for d in model_dirs]
+    models = [Checkpoint(d) for d in model_dirs]  # (a folder without a checkpoint is named here)
     base = Checkpoint(base_dir) if base_dir is not None else None
+    _check_family(base_dir, model_dirs, method.task_vectors)  # before the tensors: the clearer error
+    for ck in models + ([base] if base is not None else []):
+        if HEAD in ck and _ties_head(ck.dir):
+            # transformers ties the head of a model whose config says so and ignores a stored one
+            # (as the export does): the model runs with its embedding as the head, so it merges so
+            del ck.tensors[HEAD]
     names = models[0].names()
     for ck in models[1:] + ([base] if base is not None else []):
         if ck.names() != names:
             diff = sorted(set(ck.names()) ^ set(names))
+            if diff == [HEAD]:
+                own, tied = (ck, models[0]) if HEAD in ck else (models[0], ck)
+                raise ValueError(f"{own.dir} has an LM head of its own ({HEAD}), while {tied.dir} ties its head "
+                                 f"to the embedding (tie_word_embeddings in its config.json): merge models that "
+                                 f"all tie their heads, or none")
             raise ValueError(f"{ck.dir} and {models[0].dir} hold different tensors, e.g. {diff[0]!r}")
         for n in names:
             if ck.info(n).shape != models[0].info(n).shape:
                 raise ValueError(f"{n}: shape {ck.info(n).shape} in {ck.dir}, {models[0].info(n).shape} in "
                                  f"{models[0].dir}")
-
-    _check_family(base_dir, model_dirs)
     ref = base if base is not None else models[0]  # the output takes the base's dtype and shape
 
     def reader(name: str):
@@ -187,11 +196,20 @@ def _check_finite(name: str, checkpoints: list, tensors: list[torch.Tensor]) -> 
             raise ValueError(f"{name}: {ck.dir} holds non-finite values (NaN or infinity)")
 
 
-def _check_family(base_dir, model_dirs) -> None:
+HEAD = "lm_head.weight"
+
+
+def _ties_head(folder) -> bool:
+    """Whether a checkpoint's config ties its LM head to its embedding (transformers then ignores a
+    stored ``lm_head.weight``)."""
+    return (read_config(folder) or {}).get("tie_word_embeddings") is True
+
+
+def _check_family(base_dir, model_dirs, task_vectors: bool = True) -> None:
     """Refuse checkpoints of different architectures (their ``config.json``'s ``model_type``,
     ``architectures`` or layer and head counts differ: ``check_same_architecture``), as mergekit does;
     warn where the output will have no ``config.json`` (the base, or the first model without a base,
-    has none: transformers cannot load it), and where a
+    has none: transformers cannot load it), and, for a method of ``task_vectors``, where a
     model's ``training.json`` (written by ``train/run.py``) names another base than ``base_dir``, unless
     that one holds the same weights (a copy of the base: :func:`_same_weights`)."""
     dirs = ([Path(base_dir)] if base_dir is not None else []) + [Path(d) for d in model_dirs]
@@ -199,7 +217,7 @@ def _check_family(base_dir, model_dirs) -> None:
     if read_json(dirs[0] / "config.json") is None:
         warnings.warn(f"{dirs[0]} has no readable config.json, so the merged checkpoint has none either: "
                       "transformers cannot load it without one", stacklevel=3)
-    if base_dir is not None:
+    if base_dir is not None and task_vectors:
         for d in dirs[1:]:
             trained_on = (read_json(d / "training.json") or {}).get("base_dir")
             if isinstance(trained_on, str) and Path(trained_on).resolve() != Path(base_dir).resolve() \

@@ -412,6 +412,62 @@ def test_checkpoints_of_different_architectures_are_refused_and_doubtful_familie
         merge_checkpoints(tmp_path / "other", [m], tmp_path / "out5", get_method("task_arithmetic"))
 
 
+def test_a_slerp_or_linear_base_is_no_task_vector_origin_so_its_lineage_is_not_warned(tmp_path):
+    """Found by a fresh user: docs/merging.md's slerp between two fine-tunes (one given as the base)
+    warned that the model was fine-tuned from another base, "its task vector against this base is not
+    its fine-tune's"; slerp and linear merge weights, not task vectors, so nothing is warned. The
+    architecture check still runs first for them, and task_arithmetic still warns."""
+    llama = '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    coder = _ckpt(tmp_path / "coder", {"a": torch.ones(2, 3)}, llama)
+    writer = _ckpt(tmp_path / "writer", {"a": torch.full((2, 3), 2.0)}, llama)
+    (writer / "training.json").write_text(json.dumps({"base_dir": str(tmp_path / "base")}))
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")
+        merge_checkpoints(coder, [writer], tmp_path / "slerp", get_method("slerp", t=0.3))
+        merge_checkpoints(coder, [writer], tmp_path / "linear", get_method("linear"))
+    # parallel vectors: slerp is linear, 0.7·1 + 0.3·2
+    torch.testing.assert_close(load_file(tmp_path / "slerp" / "model.safetensors")["a"], torch.full((2, 3), 1.3))
+    with pytest.warns(UserWarning, match=r"writer was fine-tuned from .*/base \(its training.json\)"):
+        merge_checkpoints(coder, [writer], tmp_path / "ta", get_method("task_arithmetic"))
+
+
+def test_architectures_are_compared_before_tensor_names(tmp_path):
+    """Found by a fresh user: a Qwen2 model (q/k/v biases) beside Llama ones was refused as holding
+    "different tensors, e.g. ...bias", not as another architecture; the architecture is named first."""
+    llama = '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    base = _ckpt(tmp_path / "base", {"a": torch.zeros(2, 3)}, llama)
+    m = _ckpt(tmp_path / "m", {"a": torch.ones(2, 3)}, llama)
+    qwen = _ckpt(tmp_path / "q", {"a": torch.ones(2, 3), "a.bias": torch.ones(2)},
+                 '{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}')
+    with pytest.raises(ValueError, match=r"^the checkpoints are of different architectures: model_type"):
+        merge_checkpoints(base, [m, qwen], tmp_path / "out", get_method("ties"))
+
+
+def test_a_tied_head_stored_anyway_merges_as_the_tie_it_runs_with(tmp_path):
+    """Found by a fresh user: a checkpoint whose config ties the head (tie_word_embeddings) but which
+    stores lm_head.weight anyway (some tools save it; transformers ignores it and ties) was refused
+    beside ones that do not store it. Such a stored head is dropped, as the export drops it; the
+    merged checkpoint holds no head and transformers ties it. A model with a head of its own beside
+    tied ones is refused with a message that says so."""
+    tied = '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": true}'
+    untied = tied.replace("true", "false")
+    emb = "model.embed_tokens.weight"
+    base = _ckpt(tmp_path / "base", {emb: torch.zeros(4, 2)}, tied)
+    m1 = _ckpt(tmp_path / "m1", {emb: torch.ones(4, 2)}, tied)
+    m2 = _ckpt(tmp_path / "m2", {emb: torch.full((4, 2), 3.0), "lm_head.weight": torch.full((4, 2), 3.0)}, tied)
+    merge_checkpoints(base, [m1, m2], tmp_path / "out", get_method("task_arithmetic", scaling=0.5))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == {emb}
+    torch.testing.assert_close(got[emb], torch.full((4, 2), 2.0))  # 0.5·(1 + 3)
+    base2 = _ckpt(tmp_path / "base2", {emb: torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2)}, tied)
+    merge_checkpoints(base2, [m1, m2], tmp_path / "out2", get_method("ties"))  # the base stores its tied head too
+    own = _ckpt(tmp_path / "own", {emb: torch.ones(4, 2), "lm_head.weight": torch.ones(4, 2)}, untied)
+    with pytest.raises(ValueError, match=r"own has an LM head of its own \(lm_head.weight\), while .*/m1 ties its "
+                                         r"head to the embedding"):
+        merge_checkpoints(base, [m1, own], tmp_path / "out3", get_method("ties"))
+
+
 @pytest.mark.parametrize("name, params", [("monosoup", {"energy_ratio": 0.9}), ("ties", {"density": 0.5}),
                                           ("linear", {}), ("dare_ties", {"density": 0.7, "seed": 3})])
 
