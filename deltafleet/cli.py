@@ -427,6 +427,11 @@ def require_checkpoints(cfg, variant: str | None = None) -> None:
     if not (Path(cfg.base_dir) / "config.json").is_file():
         raise FileNotFoundError(no_base(cfg))
     if variant is not None and not (Path(cfg.finetuned_dir) / "config.json").is_file():
+        if (Path(cfg.finetuned_dir) / "adapter_config.json").is_file():  # a PEFT adapter, not a checkpoint
+            raise FileNotFoundError(
+                f"{cfg.finetuned_dir} holds a PEFT adapter (adapter_config.json), not a full checkpoint: merge it "
+                f"into its base first (peft's `PeftModel.from_pretrained(base, dir).merge_and_unload()`, then "
+                f"`save_pretrained`) and give that folder as finetuned_dir")
         raise FileNotFoundError(f"no fine-tuned checkpoint at {cfg.finetuned_dir}: train it first "
                                 f"(`{build_hint(cfg, 'variant', variant)}`)")
 

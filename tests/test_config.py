@@ -735,3 +735,21 @@ def test_make_targets_that_read_no_corpus_do_not_fetch_it(tmp_path):
         steps = dry(target)
         assert "pip install" in steps and "apt-get" not in steps, (target, steps)
     assert "apt-get download r-cran-janeaustenr" in dry("data")
+
+
+def test_a_peft_adapter_as_the_fine_tune_is_named_as_one(tmp_path):
+    """Found by a fresh reviewer: ``finetuned_dir`` pointing at a PEFT (LoRA) adapter folder was told
+    "no fine-tuned checkpoint ... train it first"; the folder exists and holds an adapter, which the
+    export cannot read: the message says so and how to merge it into a full checkpoint."""
+    from omegaconf import OmegaConf
+
+    from deltafleet.cli import require_checkpoints
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    cfg = OmegaConf.create({"base_dir": str(tmp_path / "base"), "finetuned_dir": str(tmp_path / "lora")})
+    with pytest.raises(FileNotFoundError, match=r"^.*/lora holds a PEFT adapter \(adapter_config.json\), not a full "
+                                                r"checkpoint: merge it into its base first \(peft's .*merge_and_unload"):
+        require_checkpoints(cfg, "lora")
