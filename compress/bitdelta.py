@@ -956,13 +956,25 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, what: str, why: str) -> torch.Ten
         ArtifactError: ``what`` holds a value beyond ``dtype``'s range (``why``: whose dtype it is).
     """
     out = t.to(dtype)
+    _refuse_beyond(_beyond(t, out), dtype, what, why)
+    return out
+
+
+def _beyond(t: torch.Tensor, out: torch.Tensor) -> float | None:
+    """The largest ``|value|`` of ``t`` that is finite there and inf in ``out`` (``t`` cast), or None."""
     if out.is_floating_point() and t.is_floating_point():
         over = torch.isinf(out) & torch.isfinite(t)
         if bool(over.any()):
-            name = str(dtype).removeprefix("torch.")
-            raise ArtifactError(f"{what} holds {float(t[over].abs().max()):.4g}, beyond what {name} ({why}) "
-                                f"holds ({torch.finfo(dtype).max:.6g} at most): it would be inf there")
-    return out
+            return float(t[over].abs().max())
+    return None
+
+
+def _refuse_beyond(worst: float | None, dtype: torch.dtype, what: str, why: str) -> None:
+    """:func:`_cast`'s refusal of a value ``worst`` beyond ``dtype``'s range (None: none is)."""
+    if worst is not None:
+        name = str(dtype).removeprefix("torch.")
+        raise ArtifactError(f"{what} holds {worst:.4g}, beyond what {name} ({why}) "
+                            f"holds ({torch.finfo(dtype).max:.6g} at most): it would be inf there")
 
 
 def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Tensor]:
@@ -972,7 +984,8 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
     ``W_base + α_r·β_c·(2·bits − 1)``, via :func:`deltafleet.kernels.reconstruct`, computed in
     float32) cast to the base dtype, refused where a value is beyond its range (a float16 base:
     65504); parameters stored in full replace (or add to) the base's, in their own dtype; every
-    other parameter is the base's.
+    other parameter is the base's. The whole model is held at once: :func:`materialized_tensors`
+    gives the same tensors one at a time.
 
     Args:
         base_dir: the base checkpoint the artifact was exported against (not re-fingerprinted
@@ -985,6 +998,22 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
         its embedding, as the export took it), unless the artifact stores a head in full.
 
     Raises:
+        ArtifactError: as :func:`materialized_tensors`.
+    """
+    return dict(materialized_tensors(base_dir, artifact))
+
+
+def materialized_tensors(base_dir: str | Path, artifact: Artifact) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`materialize`'s ``(P, tensor)`` pairs one at a time: each base tensor is read (and
+    reconstructed) only when the iterator reaches it, so the caller holds what it keeps of them.
+
+    The artifact's structure is checked against the base (every check below but the range of a
+    reconstructed weight) when this is called, before the first tensor is read; a weight beyond the
+    base dtype's range is refused when it is reached. The base's parameters come first, in
+    :meth:`deltafleet.checkpoint.Checkpoint.names` order (those stored in full, and a tied base's
+    stored head, left out), then the tensors stored in full, each once.
+
+    Raises:
         ArtifactError: if a compressed parameter is missing from the base or its sign/alpha
             shapes do not fit the base weight; if a tensor stored in full has a shape other than the
             base's for its name (but along a resized vocabulary, :func:`resizes_vocabulary`); or if one
@@ -994,7 +1023,6 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
             the server makes (``serve.delta.VariantDelta.check``), but for what a checkpoint may hold and
             the server does not serve: a resized vocabulary and parameters the base lacks.
     """
-    out: dict[str, torch.Tensor] = {}
     base_dir = Path(base_dir)
     base = Checkpoint(base_dir)
     unknown = sorted(p for p in artifact.signs if p not in base)
@@ -1015,29 +1043,56 @@ def materialize(base_dir: str | Path, artifact: Artifact) -> dict[str, torch.Ten
             if p in base or p in artifact.full or is_vocab_matrix(p):
                 raise ArtifactError(f"{artifact.path}: {name} has no matching {p + SIGN_SUFFIX}: a scale without "
                                     "its signs (a damaged artifact)")
+    for name, sign in artifact.signs.items():  # from the headers: a misfit is refused before any read
+        shape, alpha = base.info(name).shape, artifact.alphas[name]
+        beta = artifact.betas.get(name)
+        if len(shape) != 2 or tuple(sign.shape) != (shape[0], packed_width(shape[1])) or (
+            alpha.dim() == 1 and alpha.shape[0] != shape[0]
+        ) or (beta is not None and beta.shape[0] != shape[1]):
+            raise ArtifactError(
+                f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
+                f"{list(alpha.shape)} do not fit base weight {list(shape)}"
+            )
     tied = "lm_head.weight" in base and _ties_head(base_dir)
+    return _materialized(base, artifact, tied)
+
+
+_RECONSTRUCT_ELEMENTS = 1 << 20  # weights per block of rows that materialisation reconstructs at a time
+
+
+def _materialized(base: Checkpoint, artifact: Artifact, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for name in base.names():
         if name in artifact.full or (tied and name == "lm_head.weight"):
             continue  # a tied base's stored head is its embedding, which the export compared against
-        w = base.get(name)
-        if name in artifact.signs:
-            sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
-            beta = artifact.betas[name].cpu() if name in artifact.betas else None
-            if w.dim() != 2 or sign.shape != (w.shape[0], packed_width(w.shape[1])) or (
-                alpha.dim() == 1 and alpha.shape[0] != w.shape[0]
-            ) or (beta is not None and beta.shape[0] != w.shape[1]):
-                raise ArtifactError(
-                    f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
-                    f"{list(alpha.shape)} do not fit base weight {list(w.shape)}"
-                )
-            w = _cast(reconstruct(w, sign, alpha, beta), w.dtype, f"{artifact.path}: {name} (W_base + α·sign)",
-                      "the base's dtype")
-        out[name] = w
+        w = _reconstructed(base, artifact, name) if name in artifact.signs else base.get(name)
+        yield name, w
+        del w  # (a suspended generator would hold it while the next tensor is read)
     for name, t in artifact.full.items():
-        out[name] = t.cpu()
+        yield name, t.cpu()
+
+
+def _reconstructed(base: Checkpoint, artifact: Artifact, name: str) -> torch.Tensor:
+    """``W_base + α·sign`` of the compressed matrix ``name`` in the base's dtype, reconstructed (in
+    float32) one block of rows at a time into the output, so that the float32 intermediates are a
+    block's, not the matrix's; the values are those of one :func:`reconstruct` of the whole matrix
+    (elementwise arithmetic). A value beyond the base dtype's range is refused (:func:`_cast`) once
+    the whole matrix is seen, naming its largest."""
+    info = base.info(name)
+    sign, alpha = artifact.signs[name].cpu(), artifact.alphas[name].cpu()
+    beta = artifact.betas[name].cpu() if name in artifact.betas else None
+    out = torch.empty(info.shape, dtype=info.dtype)
+    step, worst = row_block(info, _RECONSTRUCT_ELEMENTS), None
+    for r0 in range(0, info.shape[0] if out.numel() else 0, step):  # (an empty matrix: nothing to read)
+        r1 = min(info.shape[0], r0 + step)
+        block = reconstruct(base.get_rows(name, r0, r1), sign[r0:r1], alpha[r0:r1] if alpha.dim() == 1 else alpha,
+                            beta)
+        cast = block.to(info.dtype)
+        over = _beyond(block, cast)
+        worst = over if worst is None or (over is not None and over > worst) else worst
+        out[r0:r1] = cast
+        del block, cast
+    _refuse_beyond(worst, info.dtype, f"{artifact.path}: {name} (W_base + α·sign)", "the base's dtype")
     return out
-
-
 
 
 def not_artifact(folder: Path, variant: str | None = None, job: str = "export") -> str | None:

@@ -1030,6 +1030,56 @@ def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# format=hf streams: shards of max_shard_bytes, one tensor materialised at a time
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("granularity", ["matrix", "row", "rowcol"])
+def test_materialisation_in_blocks_of_rows_is_one_reconstruction_of_the_matrix(family, tmp_path, monkeypatch,
+                                                                              granularity):
+    """Each compressed matrix is reconstructed a block of rows at a time (the float32 intermediates of a
+    block, not of a 70B model's 2 GB LM head), to the very bits of one ``reconstruct`` of the whole
+    matrix; a value beyond the base dtype's range is refused with the largest of all blocks."""
+    base_dir, ft_dir = family
+    art = tmp_path / "art"
+    compress(base_dir, ft_dir, art, variant="coder", granularity=granularity)
+    monkeypatch.setattr(bd, "_RECONSTRUCT_ELEMENTS", 100)  # 3 rows of 32 per block
+    real, sizes = bd.reconstruct, []
+
+    def reconstruct(w, sign, alpha, beta=None):
+        sizes.append(w.numel())
+        return real(w, sign, alpha, beta)
+
+    monkeypatch.setattr(bd, "reconstruct", reconstruct)
+    a = load_artifact(art)
+    if granularity == "rowcol":  # a β ≠ 1, as distillation writes it
+        a.betas[W] = torch.linspace(0.5, 2.0, a.betas[W].numel()).half()
+    state = bd.materialize(base_dir, a)
+    assert sizes and max(sizes) <= 96
+    base = load_file(base_dir / "model.safetensors")
+    for name, sign in a.signs.items():
+        whole = real(base[name], sign, a.alphas[name], a.betas.get(name)).to(base[name].dtype)
+        assert bd._tensor_bytes(state[name]) == bd._tensor_bytes(whole), name
+    # a float16 base: the largest value beyond its range, of whichever block, is named
+    half = tmp_path / "half"
+    half.mkdir()
+    for f in base_dir.iterdir():
+        shutil.copyfile(f, half / f.name)
+    save_file({k: v.half() for k, v in base.items()}, half / "model.safetensors", metadata={"format": "pt"})
+    a.alphas[W] = a.alphas[W].clone()
+    if granularity == "matrix":
+        a.alphas[W], want = torch.tensor(7e4), "7e+04"
+    elif granularity == "row":  # beyond in the second block (rows 3-5) and, further, in the last
+        a.alphas[W][5], a.alphas[W][-1], want = 6.6e4, 7e4, "7e+04"
+    else:  # float16 α: beyond through β, α_r·β_c
+        a.alphas[W][5], a.alphas[W][-1], want = 5.5e4, 6e4, "7.5e+04"
+        a.betas[W] = torch.ones_like(a.betas[W])
+        a.betas[W][-1] = 1.25
+    with pytest.raises(ArtifactError, match=re.escape(f"{W} (W_base + α·sign) holds {want}")):
+        bd.materialize(half, a)
+
+
+# --------------------------------------------------------------------------------------------
 # mutation sweep: cases the tests above left open
 # --------------------------------------------------------------------------------------------
 
