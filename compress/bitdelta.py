@@ -53,8 +53,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
-from deltafleet.checkpoint import (CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError, check_same_architecture,
-                                   read_config, read_json, row_block)
+from deltafleet.checkpoint import (CHECKPOINT_INDEX_NAME, CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError,
+                                   check_same_architecture, read_config, read_json, row_block)
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -460,8 +460,7 @@ def compress(
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     check_variant_name(variant)
-    if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
-        raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
+    _check_max_shard_bytes(max_shard_bytes)
     base_dir, finetuned_dir, out_dir = Path(base_dir), Path(finetuned_dir), Path(out_dir).absolute()
     check_replaceable(out_dir, [base_dir, finetuned_dir], lambda f: not_artifact(f, variant), job="export",
                       overwrite=overwrite)
@@ -586,6 +585,12 @@ def compress(
         log.warning("%s: the fine-tune equals the base (every Δ is zero): the artifact serves the base itself "
                     "(is %s the fine-tune?)", variant, finetuned_dir)
     return manifest
+
+
+def _check_max_shard_bytes(max_shard_bytes: Any) -> None:
+    """Refuse a shard size that is no positive ``int`` (``bool`` included) and not None: ValueError."""
+    if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
 
 
 def _merged_from(finetuned_dir: str | Path, weights: str) -> dict:
@@ -1130,15 +1135,25 @@ def _not_hf_export(folder: Path, variant: str | None = None) -> str | None:
 
 
 def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Path, *,
-              force: bool = False, overwrite: bool = False) -> Path:
+              force: bool = False, overwrite: bool = False,
+              max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Materialise base + BitDelta artifact as a full Hugging Face checkpoint any engine can load.
 
-    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialize`) in the base dtype (a tensor
-    stored in full in the base's dtype for its name, an LM head a tied base lacks in its embedding's,
-    another one the base lacks in its own) to ``out_dir/model.safetensors``, with the base's ``config.json`` (fitted:
+    Writes ``W_base + α·sign(Δ)`` (BitDelta Eq. 2, :func:`materialized_tensors`) in the base dtype (a
+    tensor stored in full in the base's dtype for its name, an LM head a tied base lacks in its
+    embedding's, another one the base lacks in its own) with the base's ``config.json`` (fitted:
     :func:`_fit_config`), generation config and tokenizer files (:data:`SIDECAR_FILES`) beside it,
-    atomically (temp folder + rename). The artifact is loaded with its
-    base fingerprint enforced and its file hashes checked.
+    atomically (temp folder + rename). The artifact is loaded with its base fingerprint enforced and
+    its file hashes checked.
+
+    The weights are streamed: each tensor is read from the base, reconstructed and cast when its turn
+    comes, gathered into shards of at most ``max_shard_bytes`` tensor bytes (a tensor larger than that
+    gets a shard of its own), and each shard is written (safetensors ``save_file``) and dropped as
+    soon as it is full. One shard is ``model.safetensors``; more are
+    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json`` (Hugging Face's index:
+    ``{"metadata": {"total_size": tensor bytes}, "weight_map": {tensor: file}}``), as transformers
+    writes them. So the memory held is the artifact, one shard and the tensor being reconstructed,
+    whatever the model's size: never the whole model (but with ``max_shard_bytes=None``).
 
     Args:
         base_dir: the base Hugging Face checkpoint.
@@ -1148,6 +1163,8 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         overwrite: replace ``out_dir`` whatever it holds. Without it, an ``out_dir`` holding anything
             but an earlier export's checkpoint (``bitdelta-export.json`` lists its files) is refused,
             as is one overlapping an input.
+        max_shard_bytes: the largest shard, in tensor bytes (the default is :func:`compress`'s);
+            ``None``: one ``model.safetensors`` whatever its size, held whole in memory.
 
     Returns:
         ``out_dir``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
@@ -1155,33 +1172,72 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
     Raises:
         FingerprintMismatchError: the artifact belongs to another base (and not ``force``).
         ArtifactError: a damaged or inconsistent artifact, or one that does not fit the base
-            (:func:`materialize`), or a weight beyond the range of the dtype it is written in (a
-            float16 base: 65504 at most; inf there), naming the tensor; nothing is written.
-        ValueError: an ``out_dir`` it must not replace.
+            (:func:`materialized_tensors`, before anything is written), or a weight beyond the range
+            of the dtype it is written in (a float16 base: 65504 at most; inf there), naming the
+            tensor; the shards written so far are removed with the temporary folder, and ``out_dir``
+            is left as it was (as on any other error, or a Ctrl-C).
+        ValueError: a ``max_shard_bytes`` that is not a positive integer, or an ``out_dir`` it must not
+            replace.
     """
+    _check_max_shard_bytes(max_shard_bytes)
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     manifest = manifest_json(artifact_dir)  # the variant, to keep another variant's checkpoint
     variant = manifest.get("variant") if isinstance(manifest, dict) else None  # (load_artifact checks it below)
     check_replaceable(out_dir, [base_dir, artifact_dir], lambda f: _not_hf_export(f, variant), job="export",
                       key="hf_out_dir", overwrite=overwrite)
     artifact = load_artifact(artifact_dir, base_fingerprint=fingerprint(base_dir), force=force)
-    state = {k: v.contiguous() for k, v in materialize(base_dir, artifact).items()}
-    # a tensor stored in full keeps the fine-tune's dtype in the artifact: here it takes the base's
-    # dtype for that name (a tensor the base lacks keeps its own)
+    tensors = materialized_tensors(base_dir, artifact)  # checks the artifact against the base; reads nothing yet
     base = Checkpoint(base_dir)
     vocab_names = [n for n in base.names() if is_vocab_matrix(n)]
-    for k in artifact.full:
-        # the head a tied base lacks takes its embedding's dtype
-        ref = k if k in base else vocab_names[0] if is_vocab_matrix(k) and vocab_names else None
-        if ref is not None and state[k].is_floating_point() and base.info(ref).dtype.is_floating_point:
-            state[k] = _cast(state[k], base.info(ref).dtype, f"{artifact.path}: {k} (stored in full)",
-                             "the base's dtype for it")
+
+    def written(name: str, t: torch.Tensor) -> torch.Tensor:
+        # a tensor stored in full keeps the fine-tune's dtype in the artifact: here it takes the base's
+        # dtype for that name (the head a tied base lacks, its embedding's; a tensor the base lacks keeps its own)
+        if name in artifact.full:
+            ref = name if name in base else vocab_names[0] if is_vocab_matrix(name) and vocab_names else None
+            if ref is not None and t.is_floating_point() and base.info(ref).dtype.is_floating_point:
+                t = _cast(t, base.info(ref).dtype, f"{artifact.path}: {name} (stored in full)",
+                          "the base's dtype for it")
+        return t.contiguous()
+
     with staged_dir(out_dir) as tmp:
-        save_file(state, tmp / CHECKPOINT_NAME, metadata={"format": "pt"})
+        shard: dict[str, torch.Tensor] = {}  # the shard being filled; at most one is in memory
+        parts: list[Path] = []
+        part_of: dict[str, int] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        shard_bytes = total = 0
+
+        def flush() -> None:
+            nonlocal shard, shard_bytes
+            part = tmp / f"part-{len(parts):05d}.safetensors"
+            save_file(shard, part, metadata={"format": "pt"})
+            fsync_path(part)
+            parts.append(part)
+            shard, shard_bytes = {}, 0
+
+        for name, t in tensors:
+            t = written(name, t)
+            size = t.numel() * t.element_size()
+            if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
+                flush()
+            shard[name], part_of[name], shapes[name] = t, len(parts), tuple(t.shape)
+            shard_bytes += size
+            total += size
+        if shard or not parts:
+            flush()
+        if len(parts) == 1:
+            os.replace(parts[0], tmp / CHECKPOINT_NAME)
+        else:  # Hugging Face's shards and index
+            files = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+            for part, file in zip(parts, files):
+                os.replace(part, tmp / file)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: files[i] for k, i in sorted(part_of.items())}}
+            (tmp / CHECKPOINT_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         for name in SIDECAR_FILES:
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
-        _fit_config(tmp / "config.json", state)
+        _fit_config(tmp / "config.json", shapes)
         record = {"written_by": HF_WRITTEN_BY, "artifact": str(Path(artifact_dir).absolute()),
                   "variant": artifact.manifest.get("variant"),
                   "files": sorted([p.name for p in tmp.iterdir()] + [HF_EXPORT_RECORD])}
@@ -1189,8 +1245,9 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
     return out_dir
 
 
-def _fit_config(config_path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Fit the copied base ``config.json`` to the exported weights.
+def _fit_config(config_path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Fit the copied base ``config.json`` to the exported weights (``shapes``: every tensor's name →
+    shape).
 
     - ``vocab_size``: the embedding's row count. A fine-tune with added tokens stores its resized
       embedding (and untied LM head) in full; the base config still names the base vocabulary,
@@ -1207,13 +1264,13 @@ def _fit_config(config_path: Path, state: dict[str, torch.Tensor]) -> None:
     config = json.loads(config_path.read_text())
     changed = json.loads(json.dumps(config))
     nested = changed.get("text_config") if isinstance(changed.get("text_config"), dict) else None
-    rows = {t.shape[0] for n, t in state.items() if is_vocab_matrix(n) and t.dim() == 2}
+    rows = {shape[0] for n, shape in shapes.items() if is_vocab_matrix(n) and len(shape) == 2}
     if len(rows) == 1:
         (vocab,) = rows
         having = [c for c in (changed, nested) if c is not None and "vocab_size" in c]
         for c in having or [changed]:
             c["vocab_size"] = vocab
-    if any(n.endswith("lm_head.weight") for n in state):  # (transformers' default is tied for some families)
+    if any(n.endswith("lm_head.weight") for n in shapes):  # (transformers' default is tied for some families)
         changed["tie_word_embeddings"] = False
         if nested is not None and "tie_word_embeddings" in nested:
             nested["tie_word_embeddings"] = False

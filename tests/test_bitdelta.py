@@ -1033,6 +1033,125 @@ def test_export_hf_never_replaces_a_fine_tune(family, artifact_dir, tmp_path):
 # format=hf streams: shards of max_shard_bytes, one tensor materialised at a time
 # --------------------------------------------------------------------------------------------
 
+HF_SHARD = 12_000  # bytes: the family's vocabulary matrices (16 KiB) get shards of their own, norms share
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_export_hf_in_shards_is_the_single_file_export_and_loads_the_same(family, artifact_dir, tmp_path):
+    """Found by a reviewer: format=hf built the whole materialised model in memory and wrote one file.
+    It now writes shards of at most ``max_shard_bytes`` (a larger tensor alone) named as transformers
+    names them, with Hugging Face's index, holding bit for bit the tensors of the one-file export, and
+    transformers loads the shards to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir, _ = family
+    one = bd.export_hf(base_dir, artifact_dir, tmp_path / "one")
+    many = bd.export_hf(base_dir, artifact_dir, tmp_path / "many", max_shard_bytes=HF_SHARD)
+    assert not (one / "model.safetensors.index.json").exists()
+    single = load_file(one / "model.safetensors")
+    shards = sorted(many.glob("*.safetensors"))
+    n = len(shards)
+    assert n > 2 and [p.name for p in shards] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": sum(_nbytes(t) for t in single.values())},
+                     "weight_map": index["weight_map"]}
+    assert list(index["weight_map"]) == sorted(single)
+    got: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors = load_file(shard)
+        assert set(tensors) == {k for k, f in index["weight_map"].items() if f == shard.name}, shard.name
+        assert len(tensors) == 1 or sum(_nbytes(t) for t in tensors.values()) <= HF_SHARD, shard.name
+        got |= tensors
+    assert max(len(load_file(s)) for s in shards) > 1  # the limit gathers tensors, not one per file
+    assert got.keys() == single.keys()
+    for k, t in single.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and bd._tensor_bytes(got[k]) == bd._tensor_bytes(t)
+    record = json.loads((many / bd.HF_EXPORT_RECORD).read_text())
+    assert record["files"] == sorted(p.name for p in many.iterdir())
+    assert (many / "config.json").read_text() == (one / "config.json").read_text()
+    ids = torch.tensor([[1, 5, 9, 77, 3, 127]])
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits for d in (one, many)]
+    assert torch.equal(*logits)
+    assert _leftovers(tmp_path) == []
+
+
+def test_export_hf_holds_one_shard_and_reads_the_base_as_it_writes(family, artifact_dir, tmp_path, monkeypatch):
+    """The exporter's memory: no state dict of the whole model is built (``materialize`` is not
+    called), every ``save_file`` gets at most ``max(max_shard_bytes, largest tensor)`` bytes, and each
+    base tensor is read only once the shards before it are written (at most one tensor read ahead)."""
+    base_dir, _ = family
+    real_fingerprint = bd.fingerprint(base_dir)
+    monkeypatch.setattr(bd, "fingerprint", lambda d: real_fingerprint)  # its reads are not the export's
+    monkeypatch.setattr(bd, "materialize", lambda *a, **k: pytest.fail("the whole model was materialised"))
+    events: list[tuple[str, object]] = []
+    real_get, real_rows, real_save = bd.Checkpoint.get, bd.Checkpoint.get_rows, bd.save_file
+
+    def get(self, name):
+        events.append(("read", name))
+        return real_get(self, name)
+
+    def get_rows(self, name, start, stop):
+        events.append(("read", name))
+        return real_rows(self, name, start, stop)
+
+    def save(tensors, path, metadata=None):
+        events.append(("save", {k: _nbytes(t) for k, t in tensors.items()}))
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(bd.Checkpoint, "get", get)
+    monkeypatch.setattr(bd.Checkpoint, "get_rows", get_rows)
+    monkeypatch.setattr(bd, "save_file", save)
+    out = bd.export_hf(base_dir, artifact_dir, tmp_path / "hf", max_shard_bytes=HF_SHARD)
+    largest = max(_nbytes(t) for s in out.glob("*.safetensors") for t in load_file(s).values())
+    assert largest > HF_SHARD  # (so that the bound below is the larger tensor's for its shard)
+    saves = [what for kind, what in events if kind == "save"]
+    assert len(saves) == len(list(out.glob("*.safetensors"))) > 2
+    for shard in saves:
+        assert sum(shard.values()) <= max(HF_SHARD, largest)
+        assert len(shard) == 1 or sum(shard.values()) <= HF_SHARD
+    pending: set[str] = set()  # base tensors read and not yet written
+    for kind, what in events:
+        if kind == "read":
+            pending.add(what)
+        else:
+            pending -= set(what)
+            assert len(pending) <= 1, pending  # the tensor that did not fit the shard just written
+    assert pending == set()
+
+
+def test_an_interrupted_export_hf_leaves_no_output_and_no_temporary_folder(family, artifact_dir, tmp_path,
+                                                                           monkeypatch):
+    """A Ctrl-C (or any error) while the second shard is written removes the first one with the
+    temporary folder: no out_dir, no temporary folder, no parent folder the export made; an earlier
+    export in out_dir is left as it was."""
+    base_dir, _ = family
+    out = tmp_path / "out" / "hf"
+    real_save, calls = bd.save_file, []
+
+    def save(tensors, path, metadata=None):
+        calls.append(Path(path))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(bd, "save_file", save)
+    with pytest.raises(KeyboardInterrupt):
+        bd.export_hf(base_dir, artifact_dir, out, max_shard_bytes=HF_SHARD)
+    assert len(calls) == 2 and calls[0].parent.parent == out.parent
+    assert not out.parent.exists()  # neither out_dir nor its temporary folder (nor the folder made for it)
+    monkeypatch.setattr(bd, "save_file", real_save)
+    before = _an_earlier_export(base_dir, artifact_dir, out)
+    monkeypatch.setattr(bd, "save_file", save)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        bd.export_hf(base_dir, artifact_dir, out, max_shard_bytes=HF_SHARD)
+    assert len(calls) == 2
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before and _leftovers(out.parent) == []
+
 
 @pytest.mark.parametrize("granularity", ["matrix", "row", "rowcol"])
 def test_materialisation_in_blocks_of_rows_is_one_reconstruction_of_the_matrix(family, tmp_path, monkeypatch,
