@@ -49,7 +49,8 @@ def _main(cfg: DictConfig) -> dict:
     require_checkpoints(cfg, None if cfg.format == "hf" else variant)
     if cfg.format == "hf":  # any engine can serve the variant from a plain HF checkpoint
         with output_write("export", "the Hugging Face checkpoint", "hf_out_dir", cfg.hf_out_dir):
-            out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=force, overwrite=overwrite)
+            out = export_hf(cfg.base_dir, cfg.out_dir, cfg.hf_out_dir, force=force, overwrite=overwrite,
+                            max_shard_bytes=cfg.max_shard_bytes)
         print(f"{variant}: W_base + α·sign(Δ) from {cfg.out_dir} → {out} (Hugging Face checkpoint)")
         return {"hf_checkpoint": str(out)}
     with output_write("export", "the artifact", "out_dir", cfg.out_dir):  # a full disk: one line, not a traceback

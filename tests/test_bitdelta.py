@@ -759,6 +759,8 @@ def test_run_py_end_to_end(family, tmp_path):
         # replaced, and format=hf built a checkpoint against another base
         ("overwrite=no", "export: ValueError: overwrite must be true or false, got 'no'"),
         ("format=hf force=no", "export: ValueError: force must be true or false, got 'no'"),
+        ("format=hf max_shard_bytes=0", "export: ValueError: max_shard_bytes must be a positive integer (bytes) or "
+                                        "None, got 0"),
     ],
 )
 def test_run_py_reports_user_errors_in_one_line(family, tmp_path, override, message):
@@ -1077,6 +1079,23 @@ def test_export_hf_in_shards_is_the_single_file_export_and_loads_the_same(family
         logits = [AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits for d in (one, many)]
     assert torch.equal(*logits)
     assert _leftovers(tmp_path) == []
+
+
+def test_run_py_format_hf_takes_max_shard_bytes(family, artifact_dir, tmp_path):
+    """``format=hf`` cuts its shards at the export's ``max_shard_bytes`` (conf/export.yaml)."""
+    models = tmp_path / "models"
+    _copy_artifact(family[0], models / "base")
+    _copy_artifact(artifact_dir, tmp_path / "artifacts" / "coder")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "compress/run.py", "variant=coder", f"paths.root={tmp_path}", "format=hf",
+                           f"max_shard_bytes={HF_SHARD}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = models / "coder-bitdelta"
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
 
 
 def test_export_hf_holds_one_shard_and_reads_the_base_as_it_writes(family, artifact_dir, tmp_path, monkeypatch):
