@@ -27,7 +27,7 @@ rounds is reported), replayed from a CUDA graph (``triton.testing.do_bench_cudag
 ``timing=cuda_graph`` (as a serving engine replays decode steps; no Python launch overhead in either
 side of a ratio) or launched eagerly (``triton.testing.do_bench``, L2 flushed before each call).
 A graph replays its calls back to back with no flush, so with ``cold_l2`` (the default) every timed
-callable, dense included, cycles through copies of its operands (:func:`cold_copies`): between two
+callable, dense included, cycles through copies of its operands (:mod:`deltafleet.kernels.timing`): between two
 calls on one copy the others' bytes pass through the L2 at least twice, and each call reads its
 weights from memory, as a decode step does (its other layers' weights evict them). Without it a
 matrix that fits in the L2 (Llama-2-7B's o, 32 MiB) is read from it by both sides of the ratio.
@@ -42,7 +42,6 @@ grouped batches ≤ 1.1·(1 + T/16) × dense at M = 64 and 256 for T = 4 and 14)
 """
 from __future__ import annotations
 
-import itertools
 import json
 import platform
 import time
@@ -52,6 +51,7 @@ from pathlib import Path
 import torch
 
 from deltafleet.atomic import write_figure, write_text
+from deltafleet.kernels.timing import cold_copies, l2_size, rotating
 
 TARGET_SINGLE = 1.10   # one variant at M = 1, 256 and 2048 rows
 TARGET_BATCH = 1.15    # one variant at 2 ≤ M ≤ 64 rows (issue 26)
@@ -108,31 +108,12 @@ def time_interleaved(bench, fns: dict, rounds: int) -> dict:
     return out
 
 
-def cold_copies(tensors: tuple, l2_bytes: int, cap: int = 8) -> list[tuple]:
-    """``tensors`` and clones of it (tensors cloned, other values shared): ``n`` sets in all, the
-    fewest whose ``n − 1`` others hold at least twice ``l2_bytes`` (at most ``cap``), so that
-    calls cycling through them (:func:`rotating`) find none of a set's bytes left in the L2; one set
-    alone where it holds twice the L2 itself (a call reading it evicts its own tail before reaching
-    it)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    n = 1 if nbytes >= 2 * l2_bytes else min(cap, 1 + -(-2 * l2_bytes // max(nbytes, 1)))
-    return [tensors, *(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors)
-                       for _ in range(n - 1))]
-
-
-def rotating(fn, copies: list[tuple]):
-    """A zero-argument callable calling ``fn(*copy)`` with the next of ``copies`` each time (in a CUDA
-    graph's capture, each captured call with its own)."""
-    sets = itertools.cycle(copies)
-    return lambda: fn(*next(sets))
-
-
 def l2_bytes(cfg) -> int:
     """The L2 bytes the timed calls must pass through (the device's L2; 0 without ``cold_l2`` and for
     eager timing, whose ``do_bench`` flushes the L2 before each call)."""
     if not cfg.get("cold_l2", True) or cfg.timing == "eager":
         return 0
-    return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
+    return l2_size(torch.cuda.current_device())
 
 
 def copy_bandwidth(nbytes: int, bench) -> float:

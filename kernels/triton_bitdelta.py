@@ -52,7 +52,7 @@ Kernels:
 Tuning: tile shapes are autotuned per problem shape on the GPU (``triton.autotune`` over the
 ``_*_configs`` lists, aimed at H100/H200, timed by CUDA-graph replay as a serving engine replays
 decode steps); the choice between kernels for prefill and mixed tenants is timed once per shape
-(``_prefill_choice``, ``_tenants_choice``). ``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import):
+(``_prefill_choice``, ``_tenants_choice``), on copies of the operands cycled past the L2 (``_fastest``). ``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import):
 every kernel's first tile and the default kernel choices, nothing timed; during a CUDA-graph capture
 the kernel choices take their defaults too; ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests): each tile
 timed by a few runs, the kernel choices untimed. Each path's current time ÷ dense bf16 over the
@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafleet.kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs
+from deltafleet.kernels import gluon_bitdelta, gluon_planes, gluon_prefill_rs, timing
 from deltafleet.kernels.reference import check_batched_args, check_tensors, check_weight_and_bias, tiled_shape
 
 GEMV_MAX_M = 4  # decode path up to this many rows; the tensor-core kernel above
@@ -592,8 +592,9 @@ def bitdelta_linear_triton(x: torch.Tensor, weight: torch.Tensor, sign: torch.Te
             return y.reshape(*lead, n)
         tuned = _decode_tiled_tuned if tiled else _decode_tuned
 
-        def decode():
-            tuned[_decode_grid(n, kb, m, bm)](*args, ONE_DELTA=True, **flags, EVEN=k % _DECODE_EVEN == 0, BLOCK_M=bm)
+        def decode(x2=x2, weight=weight, sign=sign, alpha=alpha):  # (the dispatcher times it on copies)
+            tuned[_decode_grid(n, kb, m, bm)](x2, weight, sign, alpha, *args[4:], ONE_DELTA=True, **flags,
+                                              EVEN=k % _DECODE_EVEN == 0, BLOCK_M=bm)
 
         # from two rows up on a Hopper GPU, the register-operand kernel (its token tile of 8) by default
         config = _prefill_choice(x2, weight, sign, alpha, dev_bias, y, strides, flags, b, decode) \
@@ -670,24 +671,31 @@ def _prefill_choice(x2, weight, sign, alpha, bias, y, strides, flags, b, decode=
         for persistent in (False, True):
             for split, whole in forms:
                 runs[("rs", cfg, split, persistent, whole)] = (
-                    lambda cfg=cfg, split=split, persistent=persistent, whole=whole:
+                    lambda x2, weight, sign, alpha, cfg=cfg, split=split, persistent=persistent, whole=whole:
                     gluon_prefill_rs.bitdelta_linear_prefill_rs(x2, weight, sign, alpha, bias, y, cfg, split,
                                                                 persistent, whole))
     if decode is not None:
         runs["decode"] = decode
     if not configs or m > 64:
-        runs.update({cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(x2, weight, sign, alpha, bias, y,
-                                                                                cfg))
-                     for cfg in gluon_bitdelta.CONFIGS})
-        runs[None] = lambda: _mm_triton(x2, weight, sign, alpha, b, y, strides, flags)
-    _PREFILL_CHOICE[key] = _fastest(runs)
+        runs.update({cfg: (lambda x2, weight, sign, alpha, cfg=cfg: gluon_bitdelta.bitdelta_linear_gluon(
+            x2, weight, sign, alpha, bias, y, cfg)) for cfg in gluon_bitdelta.CONFIGS})
+        runs[None] = lambda x2, weight, sign, alpha: _mm_triton(x2, weight, sign, alpha, b if bias is not None
+                                                                else alpha, y, strides, flags)
+    _PREFILL_CHOICE[key] = _fastest(runs, operands=(x2, weight, sign, alpha))
     return _PREFILL_CHOICE[key]
 
 
-def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3):
-    """The key of the fastest of ``runs`` (key → a call with no arguments), each run once outside
-    the timing (compiling, and autotuning a Triton kernel), then timed by CUDA-graph replay; a run
-    that fails (a configuration that does not fit this device) is skipped. None if all fail.
+def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3, operands: tuple | None = None,
+             l2_bytes: int | None = None):
+    """The key of the fastest of ``runs`` (key → a call), each run once outside the timing
+    (compiling, and autotuning a Triton kernel), then timed by CUDA-graph replay; a run that fails
+    (a configuration that does not fit this device) is skipped. None if all fail.
+
+    ``operands`` (the tensors the runs read, each run called as ``run(*operands)``): every timed call
+    reads its own copy of them, cycled past the L2 (:func:`deltafleet.kernels.timing.cold_copies`,
+    ``l2_bytes``: the first tensor's device's L2 by default), as a decode step reads each layer's
+    weights from memory; a graph replaying calls on one set would read a matrix smaller than the L2
+    from it and rank the candidates by what they do there. None: the runs take no arguments.
 
     The ``finalists`` fastest of that first pass are timed again, ``rounds`` times each in turn
     (interleaved, so a clock or neighbour change hits all alike), and the lowest median wins: at 16
@@ -699,6 +707,11 @@ def _fastest(runs: dict, bench=None, finalists: int = 4, rounds: int = 3):
         def bench(fn):
             return do_bench_cudagraph(fn, rep=20)
 
+    if operands is not None:
+        if l2_bytes is None:
+            l2_bytes = timing.l2_size(next(t for t in operands if isinstance(t, torch.Tensor)).device)
+        copies = timing.cold_copies(operands, l2_bytes)
+        runs = {key: timing.rotating(fn, copies) for key, fn in runs.items()}
     times = {}
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()  # the timing runs on a side stream (see _graph_bench)
@@ -797,13 +810,15 @@ def _tenants_choice(x, weight, signs, alphas, slot, bias, y, ws, cnt, lut_args, 
                 continue
             for opt in (opts if split in (d, d_bits, 1, 2, 4) else [()]) + (stream_k if split == d else []):
                 runs[("planes", cfg, split) + ((opt, ) if opt else ())] = (
-                    lambda cfg=cfg, split=split, opt=opt: gluon_planes.bitdelta_linear_batched_planes(
-                        x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg, split, tiled=tiled, **dict(opt)))
+                    lambda x, weight, signs, alphas, cfg=cfg, split=split, opt=opt:
+                    gluon_planes.bitdelta_linear_batched_planes(x, weight, signs, alphas, slot, bias, y, ws, cnt,
+                                                                cfg, split, tiled=tiled, **dict(opt)))
     if not runs:
-        runs = {cfg: (lambda cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
+        runs = {cfg: (lambda x, weight, signs, alphas, cfg=cfg: gluon_bitdelta.bitdelta_linear_batched_gluon(
             x, weight, signs, alphas, slot, bias, y, ws, cnt, cfg)) for cfg in configs}
-        runs[None] = lambda: _lut_launch(lut_args, alphas, bias, tiled)
-    _TENANTS_CHOICE[key] = _fastest(runs)
+        runs[None] = lambda x, weight, signs, alphas: _lut_launch(
+            (x, weight, signs, alphas) + tuple(lut_args[4:]), alphas, bias, tiled)
+    _TENANTS_CHOICE[key] = _fastest(runs, operands=(x, weight, signs, alphas))
     return _TENANTS_CHOICE[key]
 
 

@@ -1072,6 +1072,106 @@ def test_fastest_retimes_the_finalists_interleaved_and_takes_the_lowest_median()
     assert _fastest({"a": run("a")}, bench=lambda fn: 1.0) == "a"
 
 
+def test_fastest_times_each_call_on_operands_cycled_past_the_l2():
+    """``_fastest(operands=...)``: every run is called as ``run(*operands)``, and the timed calls cycle
+    through copies whose others hold twice the L2 (here 3 sets of 1 KiB for an L2 of 1 KiB, the first
+    the caller's tensors), as a decode step reads each layer's weights from memory; operands of twice
+    the L2 or more, or an L2 of 0, are not copied."""
+    from deltafleet.kernels.triton_bitdelta import _fastest
+
+    w = torch.zeros(256)  # 1 KiB
+    x = torch.zeros(1, dtype=torch.uint8)
+    seen: dict = {"a": [], "b": []}
+
+    def run(key):
+        def fn(w, x):
+            seen[key].append((w.data_ptr(), x.data_ptr()))
+        return fn
+
+    def bench(fn):
+        for _ in range(4):
+            fn()
+        return 1.0
+
+    assert _fastest({"a": run("a"), "b": run("b")}, bench=bench, finalists=1, operands=(w, x), l2_bytes=1024) == "a"
+    ptrs = [p for p, _ in seen["a"]]
+    assert len(set(ptrs)) == 3 and ptrs[0] == w.data_ptr() and ptrs[:2] == ptrs[3:5]  # cycled, in order
+    assert len({p for _, p in seen["a"]}) == 3  # every tensor of a set copied with it
+    assert set(ptrs) == {p for p, _ in seen["b"]}  # each run on the same copies
+    for l2 in (512, 0):  # the operands hold twice the L2 themselves, or no L2 given: no copy
+        seen["a"].clear()
+        _fastest({"a": run("a")}, bench=bench, operands=(w, x), l2_bytes=l2)
+        assert {p for p, _ in seen["a"]} == {w.data_ptr()}
+
+
+def test_the_dispatchers_time_their_candidates_on_copies_of_the_operands(monkeypatch):
+    """``_prefill_choice`` and ``_tenants_choice`` hand ``_fastest`` their activations, weight, signs
+    and scales: each candidate (the register-operand kernel, the CUDA-core decode kernel, the int8
+    mixed-tenant kernel) is timed on the copies, not on the caller's tensors alone. The kernels are
+    replaced by recorders (the CPU has no Gluon)."""
+    from types import SimpleNamespace
+
+    from deltafleet.kernels import gluon_planes as gp
+    from deltafleet.kernels import gluon_prefill_rs as rs
+    from deltafleet.kernels import timing
+    from deltafleet.kernels import triton_bitdelta as tb
+
+    monkeypatch.delenv("DELTAFLEET_TRITON_QUICK_TUNE", raising=False)
+    monkeypatch.setattr(tb, "AUTOTUNE", True)
+    monkeypatch.setattr(tb, "_PREFILL_CHOICE", {})
+    monkeypatch.setattr(tb, "_TENANTS_CHOICE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # the CPU build has none
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(timing, "l2_size", lambda device: 1 << 20)  # 1 MiB: the operands below need copies
+    real = tb._fastest
+
+    def fastest(runs, **kw):
+        return real(runs, bench=lambda fn: [fn() for _ in range(3)] and 1.0, **kw)
+
+    monkeypatch.setattr(tb, "_fastest", fastest)
+    seen = []
+    x, w = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16)
+    sign, alpha = torch.zeros(64, 32, dtype=torch.uint8), torch.ones(64)
+    monkeypatch.setattr(rs, "usable_configs", lambda *a: ["cfg"])
+    monkeypatch.setattr(rs, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(rs, "default_split", lambda *a: (1, 0))
+    monkeypatch.setattr(rs, "bitdelta_linear_prefill_rs", lambda x2, weight, *a: seen.append(("rs", weight.data_ptr())))
+
+    def decode(x2=x, weight=w, sign=sign, alpha=alpha):
+        seen.append(("decode", weight.data_ptr()))
+
+    tb._prefill_choice(x, w, sign, alpha, None, None, None, {}, alpha, decode)
+    for kind in ("rs", "decode"):
+        ptrs = {p for k, p in seen if k == kind}
+        assert w.data_ptr() in ptrs and len(ptrs) > 2, (kind, ptrs)
+    seen.clear()
+    monkeypatch.setattr(gp, "planes_supported", lambda *a: True)
+    monkeypatch.setattr(gp, "bitdelta_linear_batched_planes",
+                        lambda x, weight, *a, **k: seen.append(("planes", weight.data_ptr())))
+    signs, alphas = torch.zeros(2, 64, 32, dtype=torch.uint8), torch.ones(2)
+    tb._tenants_choice(x, w, signs, alphas, torch.zeros(8, dtype=torch.int32), None, None, None, None, None)
+    ptrs = {p for _, p in seen}
+    assert w.data_ptr() in ptrs and len(ptrs) > 2, ptrs
+    # past 64 rows the Gluon and Triton prefill kernels are timed too; without the int8 kernel, the
+    # Hopper CUDA-core tenant kernel and the table lookup (its argument tuple's tensors replaced)
+    from deltafleet.kernels import gluon_bitdelta as gb
+
+    seen.clear()
+    monkeypatch.setattr(gb, "bitdelta_linear_gluon", lambda x2, weight, *a: seen.append(("gluon", weight.data_ptr())))
+    monkeypatch.setattr(tb, "_mm_triton", lambda x2, weight, *a: seen.append(("mm", weight.data_ptr())))
+    x128 = torch.zeros(128, 256, dtype=torch.bfloat16)
+    tb._prefill_choice(x128, w, sign, alpha, None, None, None, {}, alpha)
+    monkeypatch.setattr(gp, "planes_supported", lambda *a: False)
+    monkeypatch.setattr(gb, "bitdelta_linear_batched_gluon",
+                        lambda x, weight, *a: seen.append(("tenants", weight.data_ptr())))
+    monkeypatch.setattr(tb, "_lut_launch", lambda args, *a: seen.append(("lut", args[1].data_ptr())))
+    tb._tenants_choice(x, w, signs, alphas, torch.zeros(8, dtype=torch.int32), None, None, None, None,
+                       (x, w, signs, alphas) + (None,) * 16)
+    for kind in ("gluon", "mm", "tenants", "lut"):
+        ptrs = {p for k, p in seen if k == kind}
+        assert w.data_ptr() in ptrs and len(ptrs) > 2, (kind, ptrs)
+
+
 def test_tenant_choice_is_kept_apart_for_signs_the_int8_kernel_cannot_read(monkeypatch):
     """The dispatcher's cached choice per shape also keys on whether the int8/binary kernel can run
     (16-byte aligned signs): a first call with unaligned signs (timed among the Hopper CUDA-core
@@ -1086,7 +1186,7 @@ def test_tenant_choice_is_kept_apart_for_signs_the_int8_kernel_cannot_read(monke
     monkeypatch.delenv("DELTAFLEET_TRITON_QUICK_TUNE", raising=False)
     monkeypatch.setattr(tb, "AUTOTUNE", True)
     monkeypatch.setattr(tb, "_TENANTS_CHOICE", {})
-    monkeypatch.setattr(tb, "_fastest", lambda runs: next(iter(runs)))
+    monkeypatch.setattr(tb, "_fastest", lambda runs, **kw: next(iter(runs)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # the CPU build has none
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     x, w = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16)
