@@ -99,6 +99,45 @@ def test_split_units_is_by_hash_rank_with_a_document_floor():
         D.split_units(units[:8], seed=0, domain="x", val_fraction=0.1, test_fraction=0.1)
 
 
+def test_split_units_places_fixed_units_first_and_ranks_the_rest():
+    """``fixed`` units go to their split; the others are split by rank among themselves (4 fixed of
+    100: 5% of the other 96 is 5 units each for val and test, beside the 2 and 1 fixed there)."""
+    units = [D.Unit(f"x:{i}", ("doc",)) for i in range(100)]
+    fixed = {"x:0": "val", "x:1": "val", "x:2": "train", "x:3": "test"}
+    out = D.split_units(units, seed=0, domain="x", val_fraction=0.05, test_fraction=0.05, fixed=fixed)
+    src = {s: {u.source for u in out[s]} for s in out}
+    assert [len(out[s]) for s in ("train", "val", "test")] == [87, 7, 6]
+    assert {"x:0", "x:1"} <= src["val"] and "x:2" in src["train"] and "x:3" in src["test"]
+
+
+def test_no_chat_conversation_in_val_or_test_comes_from_text_another_domain_trains_on(tmp_path, monkeypatch):
+    """Found in a review: chat units are named after their stdlib file or chapter (``chat:stdlib:…``,
+    ``chat:austen:…``) and were split by their own hash, so about one in nine of the real test
+    conversations was made from a file or chapter in the coder or writer train split (and so in the
+    base's general mix). A conversation now takes its source's split there; the others (its math
+    problems, sources those domains do not keep) are split by chat's own rank. Sources stand in for
+    the real ones here (40 files, 40 chapters, 30 conversations of each, 20 of math)."""
+    def units(names):
+        return [D.Unit(n, (f"text of {n}",)) for n in names]
+
+    files, chapters = [f"stdlib:m{i}.py" for i in range(40)], [f"austen:emma#{i}" for i in range(1, 41)]
+    monkeypatch.setattr(D, "coder_units", lambda cfg: (units(files), {}))
+    monkeypatch.setattr(D, "writer_units", lambda cfg, data_dir: (units(chapters), {}))
+    chat = [f"chat:{n}" for n in files[5:35] + chapters[:30]] + [f"chat:math:gen#{i}" for i in range(20)]
+    monkeypatch.setattr(D, "chat_units", lambda cfg, data_dir: (
+        [D.Unit(n, (D._conversation("q", n),)) for n in chat], {}))
+    for domains in (["coder", "writer", "chat"], ["chat"]):  # the text domains' splits, built or not
+        out = tmp_path / "-".join(domains)
+        D.prepare(small_cfg(domains=domains), out)
+        split_of = {r["source"]: s for d in ("coder", "writer") for s in SPLITS
+                    for r in read(tmp_path / "coder-writer-chat", d, s)}
+        got = {r["source"]: s for s in SPLITS for r in read(out, "chat", s)}
+        assert {n: s for n, s in got.items() if not n.startswith("chat:math:")} == \
+            {n: split_of[n.removeprefix("chat:")] for n in chat if not n.startswith("chat:math:")}
+        math = [s for n, s in got.items() if n.startswith("chat:math:")]
+        assert math.count("val") == math.count("test") == 2  # 10% of the 20 others, by rank
+
+
 def test_general_mix_comes_from_the_same_split_of_every_domain(built):
     data_dir, _ = built
     prefix = {"stdlib": "coder", "math": "math", "austen": "writer", "license": "legal"}

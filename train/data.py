@@ -26,8 +26,11 @@ share its source and its split, so neighbouring chunks never straddle train and 
 ``max_chars.<domain>`` keeps whole units, taken in the order of a salted sha256 of their source: a
 uniform, deterministic sample rather than "the first files alphabetically". The split ranks the kept
 units by a second, independently salted sha256: the first ``round(n * val_fraction)`` go to val,
-the next ``round(n * test_fraction)`` to test (at least one each), the rest to train. Nothing
-depends on Python's ``hash`` or on directory listing order, so two runs write identical bytes.
+the next ``round(n * test_fraction)`` to test (at least one each), the rest to train. A chat
+conversation made from a stdlib file or an Austen chapter that the coder or writer domain keeps
+takes that unit's split there (:data:`CHAT_TEXT_SOURCES`), so no conversation in chat's val or test
+comes from text that a variant or the base's general mix trains on. Nothing depends on Python's
+``hash`` or on directory listing order, so two runs write identical bytes.
 """
 from __future__ import annotations
 
@@ -66,6 +69,10 @@ TEXT_DOMAINS = ("coder", "math", "writer", "legal")
 CHAT_DOMAINS = ("chat",)   # records hold "messages", not "text"
 VARIANT_DOMAINS = TEXT_DOMAINS + CHAT_DOMAINS
 DOMAINS = ("general",) + VARIANT_DOMAINS
+# the text domains whose sources the chat domain's conversations are made from: a conversation takes
+# the split of its file or chapter there, so none in chat val/test is made from text another domain
+# (or the base's general mix) trains on
+CHAT_TEXT_SOURCES = ("coder", "writer")
 CHAT_MAX_FUNCTION_LINES = 30
 CHAT_PASSAGES_PER_CHAPTER = 2
 AUSTEN_TITLES = {"emma": "Emma", "mansfieldpark": "Mansfield Park", "northangerabbey": "Northanger Abbey",
@@ -216,19 +223,25 @@ def take_capped(candidates: Iterable[tuple[str, Callable[[], tuple[str, ...]]]],
 
 
 def split_units(units: list[Unit], *, seed: int, domain: str, val_fraction: float,
-                test_fraction: float, min_docs: int = MIN_DOCS_PER_SPLIT) -> dict[str, list[Unit]]:
+                test_fraction: float, min_docs: int = MIN_DOCS_PER_SPLIT,
+                fixed: Mapping[str, str] | None = None) -> dict[str, list[Unit]]:
     """Assign units to train/val/test by rank of a salted sha256 of their source.
 
     Val takes units in rank order until it holds ``round(n * val_fraction)`` units (at least one)
-    and at least ``min_docs`` documents; test then does the same; the rest is train. Each split
-    keeps the units' input order. Raises ValueError if train is left with fewer than ``min_docs``
-    documents (too little data for this cap).
+    and at least ``min_docs`` documents; test then does the same; the rest is train. ``fixed``
+    (source → split) places those units in their split; the others are split as above among
+    themselves (``n`` their number; the documents of the fixed units count towards the floor). Each
+    split keeps the units' input order. Raises ValueError if train is left with fewer than
+    ``min_docs`` documents (too little data for this cap).
     """
-    rank = sorted(range(len(units)), key=lambda i: (stable_key(seed, "split", domain, units[i].source), i))
-    which: dict[int, str] = {}
+    fixed = fixed or {}
+    which: dict[int, str] = {i: fixed[u.source] for i, u in enumerate(units) if u.source in fixed}
+    rank = sorted((i for i in range(len(units)) if i not in which),
+                  key=lambda i: (stable_key(seed, "split", domain, units[i].source), i))
     pos = 0
     for split, fraction in (("val", val_fraction), ("test", test_fraction)):
-        want, n_units, n_docs = max(1, round(len(units) * fraction)), 0, 0
+        want, n_units = max(1, round(len(rank) * fraction)), 0
+        n_docs = sum(len(units[i].docs) for i, s in which.items() if s == split)
         while pos < len(rank) and (n_units < want or n_docs < min_docs):
             which[rank[pos]] = split
             n_units, n_docs, pos = n_units + 1, n_docs + len(units[rank[pos]].docs), pos + 1
@@ -777,11 +790,20 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
                 "writer": lambda c: writer_units(c, data_dir), "chat": lambda c: chat_units(c, data_dir)}
     splits: dict[str, dict[str, list[Unit]]] = {}
     sources: dict[str, dict] = {}
+    def split(domain: str, units: list[Unit], fixed: Mapping[str, str] | None = None) -> dict[str, list[Unit]]:
+        return split_units(units, seed=cfg["seed"], domain=domain, val_fraction=cfg["val_fraction"],
+                           test_fraction=cfg["test_fraction"], fixed=fixed)
+
     for domain in build:
         t0 = time.perf_counter()
         units, sources[domain] = builders[domain](cfg)
-        splits[domain] = split_units(units, seed=cfg["seed"], domain=domain,
-                                     val_fraction=cfg["val_fraction"], test_fraction=cfg["test_fraction"])
+        fixed = None
+        if domain == "chat":  # a conversation made from a stdlib file or a chapter goes to that text's split
+            fixed = {}
+            for text_domain in CHAT_TEXT_SOURCES:
+                by_split = splits.get(text_domain) or split(text_domain, builders[text_domain](cfg)[0])
+                fixed.update({f"chat:{u.source}": s for s, us in by_split.items() for u in us})
+        splits[domain] = split(domain, units, fixed)
         log.debug("%s: %d units in %.2f s", domain, len(units), time.perf_counter() - t0)
 
     records: dict[str, dict[str, list[dict]]] = {
