@@ -436,6 +436,31 @@ def require_checkpoints(cfg, variant: str | None = None) -> None:
                                 f"(`{build_hint(cfg, 'variant', variant)}`)")
 
 
+def exit_code(stopped: BaseException | None) -> int:
+    """The exit status of a job ending with ``stopped`` (None: it finished): 0; 130 for Ctrl-C
+    (KeyboardInterrupt); a SystemExit's own (143 for SIGTERM, :func:`stop_on_sigterm`); 1 for any
+    other exception."""
+    if stopped is None:
+        return 0
+    if isinstance(stopped, KeyboardInterrupt):
+        return 130
+    if isinstance(stopped, SystemExit):
+        return stopped.code if isinstance(stopped.code, int) else (0 if stopped.code is None else 1)
+    return 1
+
+
+def finish_wandb(stopped: BaseException | None = None) -> None:
+    """Close the W&B run, if one was started, with the exit status of a job ending with ``stopped``
+    (:func:`exit_code`): a run that failed or was stopped is marked failed there, where
+    ``wandb.finish()`` alone records success before wandb's own handler could see the exception.
+    Hydra multiruns then start clean runs."""
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=exit_code(stopped))
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM (what ``timeout``, ``kill`` and job schedulers send) end the process the way
     Ctrl-C does, by raising ``SystemExit(143)`` in the main thread: the ``finally``/``except`` blocks

@@ -753,3 +753,23 @@ def test_a_peft_adapter_as_the_fine_tune_is_named_as_one(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^.*/lora holds a PEFT adapter \(adapter_config.json\), not a full "
                                                 r"checkpoint: merge it into its base first \(peft's .*merge_and_unload"):
         require_checkpoints(cfg, "lora")
+
+
+def test_a_run_that_fails_or_is_stopped_is_closed_failed_in_wandb(monkeypatch):
+    """Found by a fresh reviewer: train/run.py and train/eval.py closed their W&B run with
+    ``wandb.finish()`` in a ``finally``, which records exit code 0 (success) before wandb's own
+    handler sees the exception: a crashed, interrupted or preempted run looked finished. The run is
+    closed with the job's exit status: 130 for Ctrl-C, SIGTERM's 143, 1 for an error."""
+    import types
+
+    from deltafleet.cli import finish_wandb
+
+    codes = []
+    fake = types.SimpleNamespace(run=object(), finish=lambda exit_code=None: codes.append(exit_code))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for stopped in (None, KeyboardInterrupt(), SystemExit(143), RuntimeError("diverged"), SystemExit(None)):
+        finish_wandb(stopped)
+    assert codes == [0, 130, 143, 1, 0]
+    fake.run = None  # no run started: nothing to close
+    finish_wandb(RuntimeError())
+    assert len(codes) == 5

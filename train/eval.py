@@ -65,7 +65,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import write_bytes, write_text
-from deltafleet.cli import build_hint, no_base, variant_configs
+from deltafleet.cli import build_hint, finish_wandb, no_base, variant_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ["setting", "bits/param", "loss", "ppl", "task metric", "KL(ft‖·)", "gain recovered (loss)",
@@ -683,14 +683,6 @@ def log_to_logger(logger, payload: dict, png: Path) -> None:
     logger.save()
 
 
-def _finish_wandb() -> None:
-    if "wandb" in sys.modules:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
-
-
 def _machine() -> str:
     cpu = f"{platform.node() or 'unknown'} ({platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     if torch.cuda.is_available():
@@ -736,6 +728,7 @@ def run(cfg: DictConfig) -> dict:
     logger = None
     if cfg.get("logger") is not None and "_target_" in cfg.logger:
         logger = hydra.utils.instantiate(cfg.logger)
+    stopped: BaseException | None = None
     try:
         sections = []
         for variant in cfg.variants:
@@ -756,8 +749,11 @@ def run(cfg: DictConfig) -> dict:
         print(f"[eval] wrote {stem}.md, .json, .png ({payload['seconds']:.0f} s)", flush=True)
         if logger is not None:
             log_to_logger(logger, payload, stem.with_suffix(".png"))
+    except BaseException as e:
+        stopped = e
+        raise
     finally:
-        _finish_wandb()
+        finish_wandb(stopped)
     return payload
 
 

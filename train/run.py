@@ -24,7 +24,6 @@ import inspect
 import json
 import math
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -38,8 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from deltafleet.atomic import check_replaceable, remove_dir, staged_dir, unlisted_files, write_text
 from deltafleet.checkpoint import read_json
-from deltafleet.cli import (fit, flag, interruptible, no_base, output_write, refuse_unknown_settings, stop_on_sigterm,
-                            user_errors)
+from deltafleet.cli import (finish_wandb, fit, flag, interruptible, no_base, output_write, refuse_unknown_settings,
+                            stop_on_sigterm, user_errors)
 from deltafleet.values import real, whole
 # Lightning, datasets and the training modules are imported where a run starts, after check_config:
 # a bad setting is refused in seconds, not after the ten it takes to import them.
@@ -510,6 +509,7 @@ def train(cfg: DictConfig) -> dict:
     metrics: dict = {"variant": variant, "domain": domain, "parameters": n_params, "trainable_parameters": trainable,
                      "lr": learning_rate(cfg), **_sweep_job()}
     adapter_dir = None  # a LoRA run's staged adapter (finish_lora), until the save of out_dir moves it in
+    stopped: BaseException | None = None
     try:
         module = CausalLMModule(model, lr=metrics["lr"], weight_decay=cfg.variant.weight_decay,
                                 warmup_steps=cfg.variant.warmup_steps, max_steps=cfg.trainer.max_steps,
@@ -546,11 +546,14 @@ def train(cfg: DictConfig) -> dict:
         device = trainer.strategy.root_device
         metrics.update(evaluate_and_save(cfg, run_dir, model, tokenizer, test_blocks, initial, metrics, logger,
                                          device))
+    except BaseException as e:
+        stopped = e
+        raise
     finally:
         # moved into out_dir by a successful save; a run that failed, diverged or was stopped leaves none
         if adapter_dir is not None:
             shutil.rmtree(adapter_dir, ignore_errors=True)
-        _finish_wandb()
+        finish_wandb(stopped)
     return metrics
 
 
@@ -711,15 +714,6 @@ def log_quality(logger, cfg: DictConfig, out: dict, manifest: dict | None) -> No
         art = wandb.Artifact(name=f"bitdelta-{cfg.variant.name}", type="bitdelta", metadata=meta)
         art.add_dir(str(cfg.export.out_dir))
         logger.experiment.log_artifact(art)
-
-
-def _finish_wandb() -> None:
-    """Close the W&B run (if one was started) so Hydra multiruns start clean ones."""
-    if "wandb" in sys.modules:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
