@@ -57,3 +57,30 @@ def test_a_runs_result_keeps_its_validation_curve(tmp_path):
     assert r["val_curve"] == [[2, 2.5], [4, 2.2], [6, 2.4]]
     assert r["train_curve"] == pytest.approx([3.0, 2.9, 2.8, 2.7, 2.6, 2.5])
     assert (r["heldout_loss"], r["base_loss"], r["seconds"], r["merges"]) == (2.0, 2.75, 12.5, [])
+
+
+def test_a_second_run_in_the_same_folder_is_read_from_its_own_log(tmp_path):
+    """Found by a fresh reviewer: rerun with the same ``--work`` folder, the report read the merges,
+    training curve and roughness of the first run's CSV (``version_0``) beside the new run's held-out
+    loss. The last run's log (the highest ``version_N``; 10 after 9, not in name order) is read."""
+    import json
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    for version in range(11):  # version_0 … version_10: a name-order glob would pick version_9
+        logger = CSVLogger(tmp_path / "run" / "csv", name="run", version=version)
+        for step in range(4):
+            logger.log_metrics({"train/loss": float(version + step)}, step=step)
+        logger.save()
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"heldout/loss": 2.0, "heldout/base_loss": 2.75}))
+    assert collect("math", "none", tmp_path / "run", 1.0)["train_curve"] == [10.0, 11.0, 12.0, 13.0]
+
+
+def test_too_few_steps_for_a_roughness_are_refused_before_any_run(capsys):
+    """Found by a fresh reviewer: ``--steps 2`` trained every run, then failed on the report's
+    roughness (three points needed) with nothing written. It is refused at once."""
+    from deltafleet.train.compare_merges import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "2", "--variants", "coder", "--methods", "none"])
+    assert e.value.code == 2 and "--steps must be at least 3" in capsys.readouterr().err

@@ -19,6 +19,8 @@ import csv
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +66,7 @@ def run_one(variant: str, method: str, work: Path, args) -> dict:
            f"variant.val_check_interval={args.val_every}", f"seed={args.seed}", *args.extra]
     if method in ("average", "svd_soup", "monosoup"):
         cmd.append(f"merge.every_n_steps={args.every}")
+    shutil.rmtree(run_dir / "csv", ignore_errors=True)  # an earlier run's log here would be read as this one's
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
@@ -75,12 +78,25 @@ def run_one(variant: str, method: str, work: Path, args) -> dict:
 def collect(variant: str, method: str, run_dir: Path, seconds: float | None) -> dict:
     """One finished run's result from its folder: ``metrics.json`` and the Lightning CSV log."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    log = next(run_dir.glob("csv/**/metrics.csv"))
+    log = latest_log(run_dir)
     curve = read_curve(log)
     val = read_points(log, "val/loss")
     return {"variant": variant, "method": method, "heldout_loss": metrics["heldout/loss"],
             "base_loss": metrics["heldout/base_loss"], "roughness": roughness(curve), "train_curve": curve,
             "val_curve": val, "merges": merge_rows(log), "seconds": seconds}
+
+
+def latest_log(run_dir: Path) -> Path:
+    """The Lightning CSV log of the last run in ``run_dir``: ``CSVLogger`` adds a ``version_N`` folder
+    each time, so the highest N (a folder without a number counts as 0)."""
+    logs = list(run_dir.glob("csv/**/metrics.csv"))
+    if not logs:
+        raise FileNotFoundError(f"no Lightning CSV log (csv/**/metrics.csv) under {run_dir}")
+
+    def version(path: Path) -> int:
+        found = re.fullmatch(r"version_(\d+)", path.parent.name)
+        return int(found.group(1)) if found else 0
+    return max(logs, key=version)
 
 
 def read_points(metrics_csv: Path, key: str) -> list[list[float]]:
@@ -194,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--machine", default=None, help="machine description for the report")
     p.add_argument("--extra", nargs="*", default=[], help="further train/run.py overrides for every run")
     args = p.parse_args(argv)
+    if args.steps < 3:  # before any run: the report's roughness needs three points of each curve
+        p.error(f"--steps must be at least 3 (a curve's roughness needs three points), got {args.steps}")
 
     def one(vm):
         r = run_one(*vm, Path(args.work), args)
