@@ -326,6 +326,9 @@ def test_a_seed_lightning_cannot_take_is_refused_by_name(tmp_path, seed):
     ("merge=svd_soup merge.rank=0", "merge.rank must be a whole number ≥ 1, got 0"),
     ("merge=average merge.method=bogus", "merge.method must be one of monosoup, svd_soup, average, none, got 'bogus'"),
     ("merge=average +merge.rnk=4", "merge.rnk is not a setting of the merge every N steps (its settings: "),
+    # found by a fresh reviewer: Hydra's instantiate error once the data and the model were loaded
+    ("merge=ema merge.decay=2", "merge.decay must be a number in [0, 1] (the EMA's weight on its average), got 2"),
+    ("merge=ema +merge.update_every_n_steps=0", "merge.update_every_n_steps must be a whole number ≥ 1, got 0"),
     ("variant.limit_val_batches=-1", "variant.limit_val_batches must be a whole number of batches ≥ 0 or a fraction "
                                      "in [0, 1], got -1"),
     ("variant.limit_val_batches=1.5", "variant.limit_val_batches must be a whole number of batches ≥ 0 or a "
@@ -351,6 +354,12 @@ EMA = "{_target_:lightning.pytorch.callbacks.EMAWeightAveraging}"
     (["merge=ema", "+trainer.callbacks=[{_target_:deltafleet.train.callbacks.MonoSoupCallback,method:svd_soup}]"],
      "trainer.callbacks[0] (MonoSoupCallback, method svd_soup) and merge (EMAWeightAveraging) both rewrite"),
     (["merge=none", f"+trainer.callbacks=[{EMA}]"], None),  # the merge callback is inert
+    # found by a fresh reviewer: two of one kind failed in Lightning once the model was loaded
+    (["merge=monosoup", "+trainer.callbacks=[{_target_:deltafleet.train.callbacks.MonoSoupCallback,method:average}]"],
+     "two merges every N steps: merge (MonoSoupCallback, method monosoup) and trainer.callbacks[0] "
+     "(MonoSoupCallback, method average); a run takes one"),
+    (["merge=ema", f"+trainer.callbacks=[{EMA}]"],
+     "two weight averagings: merge (EMAWeightAveraging) and trainer.callbacks[0] (EMAWeightAveraging); a run takes one"),
     (["variant.adapter=lora", f"+trainer.callbacks=[{EMA}]"], None),  # no merge callback for LoRA
 ])
 def test_merges_beside_an_ema_callback_are_refused_naming_both(tmp_path, overrides, message):

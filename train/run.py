@@ -313,11 +313,20 @@ def _check_trainer(cfg: DictConfig) -> None:
 
 def _check_merge(cfg: DictConfig) -> None:
     """The merge callback's settings (:func:`check_config`), named ``merge.<key>``, where the callback
-    would refuse them only once the data and the model are loaded, in Hydra's words."""
+    (the merge every N steps, or ``merge=ema``'s decay and interval) would refuse them only once the
+    data and the model are loaded, in Hydra's words."""
     from deltafleet.merge.soup import check_soup_settings
 
     merge = cfg.get("merge")
-    if merge is None or not str(merge.get("_target_", "")).endswith(".MonoSoupCallback"):
+    target = str(merge.get("_target_", "")) if merge is not None else ""
+    if target.endswith(".EMAWeightAveraging"):  # merge=ema: torch's EMA takes a decay in [0, 1]
+        decay, every = merge.get("decay", 0.999), merge.get("update_every_n_steps", 1)
+        if not real(decay) or not 0 <= decay <= 1:
+            raise ValueError(f"merge.decay must be a number in [0, 1] (the EMA's weight on its average), got {decay!r}")
+        if not whole(every) or every < 1:
+            raise ValueError(f"merge.update_every_n_steps must be a whole number ≥ 1, got {every!r}")
+        return
+    if not target.endswith(".MonoSoupCallback"):
         return
     settings = {k: v for k, v in merge.items() if k != "_target_"}
     known = set(inspect.signature(check_soup_settings).parameters) - {"prefix"}
@@ -329,8 +338,9 @@ def _check_merge(cfg: DictConfig) -> None:
 
 
 def _check_weight_averaging(cfg: DictConfig) -> None:
-    """Refuse the merge every N steps (a merging ``MonoSoupCallback``) beside a callback of Lightning's
-    weight averaging (``WeightAveraging``: ``EMAWeightAveraging``, ``merge=ema``), naming both, wherever
+    """Refuse two merges every N steps, two weight averagings, or the merge every N steps (a merging
+    ``MonoSoupCallback``) beside a callback of Lightning's weight averaging (``WeightAveraging``:
+    ``EMAWeightAveraging``, ``merge=ema``), naming both, wherever
     each comes from (the ``merge`` group where it joins the run, ``+trainer.callbacks``). Both rewrite
     the weights, and do not compose: the averaging swaps its average in for every validation and copies
     it over the weights when training ends, so the merge callback's best checkpoint would be the
@@ -361,6 +371,10 @@ def _check_weight_averaging(cfg: DictConfig) -> None:
             averages.append(f"{where} ({cls.__name__})")
     if soups and averages:
         raise ValueError(averaging_conflict(soups[0], averages[0]))
+    for kind, found in (("merges every N steps", soups), ("weight averagings", averages)):
+        if len(found) > 1:  # Lightning would refuse the pair once the model is loaded (one state per class)
+            raise ValueError(f"two {kind}: {found[0]} and {found[1]}; a run takes one (to compare methods, "
+                             f"run each: train/compare_merges.py)")
 
 
 def _sweep_job() -> dict:
