@@ -132,7 +132,8 @@ class MonoSoupCallback(L.Callback):
     the step at which Lightning logs that optimizer step's own metrics (``train/loss``, and ``val/loss``
     of a validation that follows it): Lightning's index of the step, one less than ``merge/step``, the
     optimizer steps done. The record: ``merge/step``, ``merge/val_loss_before``, ``merge/val_loss_after``,
-    ``merge/mean_rank``, ``merge/mean_energy_kept``, ``merge/seconds`` (plus ``merge/best_step``,
+    ``merge/mean_rank`` and ``merge/mean_energy_kept`` (the SVD methods: not ``average``),
+    ``merge/seconds`` (plus ``merge/best_step``,
     ``merge/best_val_loss``, ``merge/matrices`` and, for MonoSoup, ``merge/mean_lambda_high`` and
     ``merge/mean_lambda_low``). A merge step with no best checkpoint yet logs ``merge/skipped = 1``.
 
@@ -181,6 +182,7 @@ class MonoSoupCallback(L.Callback):
         self.base: dict[str, torch.Tensor] | None = None  # rank 0: name -> float32 CPU tensor
         self.records: list[dict[str, Any]] = []
         self._last_merge_step = -1
+        self._merging: int | None = None  # the step of a merge writing the weights (None: none is)
         self._ds = None  # the deepspeed module, under DeepSpeedStrategy
         self._val_cache: list | None = None
 
@@ -250,7 +252,11 @@ class MonoSoupCallback(L.Callback):
             rank_zero_info(f"[merge] step {step}: skipped, {record['reason']}")
             self._log(trainer, record)
             return
+        # a checkpoint taken before the merge ends (on an exception, or in a signal handler: Lightning's
+        # SLURM requeue) holds weights part merged: its state says so, and check_resume refuses it
+        self._merging = step
         record = self.merge(trainer, pl_module)
+        self._merging = None
         # a rank and an energy kept describe the SVD methods only; a plain mean has neither
         spectral = (f"mean rank {record['mean_rank']:.1f}, energy kept {record['mean_energy_kept']:.3f}, "
                     if self.method != "average" else "")
@@ -280,6 +286,8 @@ class MonoSoupCallback(L.Callback):
                 torch.distributed.broadcast(merged, src=0)
             write_full_param(p, merged, self._ds, rank0)
         summary = trainer.strategy.broadcast(summarize(infos) if rank0 else None, src=0)
+        if self.method == "average":  # a plain mean has no rank or energy kept (they would read full, 1.0)
+            summary = {k: v for k, v in summary.items() if k not in ("mean_rank", "mean_energy_kept")}
         after = self._val_loss(trainer, pl_module)
         record = {"step": trainer.global_step, "method": self.method, "skipped": 0, "val_loss_before": before,
                   "val_loss_after": after, **summary, "best_step": self.best_step,
@@ -377,7 +385,7 @@ class MonoSoupCallback(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"best_val_loss": self.best_val_loss, "best_step": self.best_step, "best": self.best,
                 "base": self.base, "records": self.records, "last_merge_step": self._last_merge_step,
-                "method": self.method}
+                "method": self.method, "merging": self._merging}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("method", self.method) != self.method:

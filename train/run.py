@@ -120,8 +120,8 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
     a model trained from scratch), was trained at another learning rate than ``lr`` or other
     ``schedule`` settings (``variant.<key>``: a resume restores the checkpoint's optimizer and
     schedule, so the run would not use them), holds LoRA adapters of another rank than ``lora_r``
-    (None: a full fine-tune, no adapters), or is already at or past ``max_steps`` (nothing would be
-    trained). Another ``max_steps`` is a run made longer or shorter: the cosine decay stretches to the
+    (None: a full fine-tune, no adapters), was saved while a merge wrote the weights (part merged),
+    or is already at or past ``max_steps`` (nothing would be trained). Another ``max_steps`` is a run made longer or shorter: the cosine decay stretches to the
     new end, as Lightning and transformers' Trainer rebuild a schedule. Checkpoints of older runs
     record no domain, init or schedule; those are not compared."""
     if not ckpt_path:
@@ -173,6 +173,12 @@ def check_resume(ckpt_path: str | None, variant: str, max_steps: int | None = No
         if bad is not None:  # a diverged run's: resuming would train NaNs to the end, then write nothing
             raise ValueError(f"ckpt_path {ckpt_path} holds NaN or inf weights ({bad}): its run diverged; train "
                              f"again at a lower learning rate")
+        merging = next((state["merging"] for state in (ckpt.get("callbacks") or {}).values()
+                        if isinstance(state, dict) and state.get("merging") is not None), None)
+        if merging is not None:  # MonoSoupCallback.state_dict: saved while a merge wrote the weights
+            raise ValueError(f"ckpt_path {ckpt_path} was saved while the merge at step {merging} was writing the "
+                             f"weights (a checkpoint taken on an exception or a signal): some are merged, some not; "
+                             f"resume from an earlier checkpoint")
         step = ckpt.get("global_step")
         if max_steps is not None and max_steps >= 0 and step is not None and step >= max_steps:
             raise ValueError(f"ckpt_path {ckpt_path} is at step {step}, at or past max_steps={max_steps}: "
