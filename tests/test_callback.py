@@ -349,6 +349,28 @@ def test_step_checkpoint_with_epoch_end_validation_saves_after_it(tmp_path):
     assert state["global_step"] == 4 and state["callbacks"]["MonoSoupCallback"]["best_step"] == 4
 
 
+def test_a_sigterm_during_the_validation_a_step_checkpoint_waits_for_saves_it(tmp_path):
+    """Found by a fresh reviewer: a step checkpoint deferred to the end of the validation right after
+    its step was lost when SIGTERM (a preemption) stopped that validation: only the one before was
+    left, where plain Lightning saves the step before validating. It is saved as the run stops."""
+    from deltafleet.train.callbacks import StepCheckpoint
+
+    class Preempted(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            if trainer.global_step == 6:
+                raise SystemExit(143)  # what deltafleet.cli.stop_on_sigterm raises on SIGTERM
+
+    ckpt = StepCheckpoint(dirpath=tmp_path / "ckpt", filename="step{step:06d}", every_n_train_steps=3,
+                          save_top_k=-1, save_last=True, auto_insert_metric_name=False)
+    trainer = make_trainer(tmp_path, 9, [MonoSoupCallback(every_n_steps=100, val_batches=1), ckpt, Preempted()],
+                           val_every=3, enable_checkpointing=True)
+    with pytest.raises(SystemExit):
+        trainer.fit(make_module(), datamodule=BlocksDataModule())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt", "step000003.ckpt",
+                                                                     "step000006.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 6
+
+
 def test_ddp_two_ranks_merge_identically(tmp_path, method="monosoup"):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}

@@ -52,6 +52,20 @@ class StepCheckpoint(ModelCheckpoint):
             return
         super().on_validation_end(trainer, pl_module)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A run stopped during the validation its step checkpoint waits for (SIGTERM, a preemption's
+        signal, raises there: ``deltafleet.cli.stop_on_sigterm``) saves that checkpoint now, as plain
+        Lightning would have before the validation, without what the validation would have changed;
+        not for Ctrl-C (no checkpoint, as at any other point), nor with several processes, whose save
+        is collective and whose ranks need not all be stopping here."""
+        if (self._defer_save_until_validation and isinstance(exception, SystemExit) and trainer.world_size == 1
+                and not self._should_skip_saving_checkpoint(trainer)):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+            self._defer_save_until_validation = False
+        super().on_exception(trainer, pl_module, exception)
+
     @staticmethod
     def _validates_next(trainer: L.Trainer) -> bool:
         """Whether the fit loop runs a validation after this batch (its own test, as it makes it next)."""
