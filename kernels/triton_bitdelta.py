@@ -52,9 +52,10 @@ Kernels:
 Tuning: tile shapes are autotuned per problem shape on the GPU (``triton.autotune`` over the
 ``_*_configs`` lists, aimed at H100/H200, timed by CUDA-graph replay as a serving engine replays
 decode steps); the choice between kernels for prefill and mixed tenants is timed once per shape
-(``_prefill_choice``, ``_tenants_choice``), on copies of the operands cycled past the L2 (``_fastest``). ``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import):
-every kernel's first tile and the default kernel choices, nothing timed; during a CUDA-graph capture
-the kernel choices take their defaults too; ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests): each tile
+(``_prefill_choice``, ``_tenants_choice``), on copies of the operands cycled past the L2
+(``_fastest``). ``DELTAFLEET_TRITON_AUTOTUNE=0`` (read at import): every kernel's first tile and
+the default kernel choices, nothing timed; during a CUDA-graph capture the kernel choices take
+their defaults too; ``DELTAFLEET_TRITON_QUICK_TUNE=1`` (tests): each tile
 timed by a few runs, the kernel choices untimed. Each path's current time ÷ dense bf16 over the
 Llama-2-70B layer set is in docs/kernels.md ("Current figures"), from ``make bench-kernels``.
 

@@ -790,6 +790,7 @@ def prepare(cfg_data: Mapping | DictConfig, data_dir: Path) -> dict:
                 "writer": lambda c: writer_units(c, data_dir), "chat": lambda c: chat_units(c, data_dir)}
     splits: dict[str, dict[str, list[Unit]]] = {}
     sources: dict[str, dict] = {}
+
     def split(domain: str, units: list[Unit], fixed: Mapping[str, str] | None = None) -> dict[str, list[Unit]]:
         return split_units(units, seed=cfg["seed"], domain=domain, val_fraction=cfg["val_fraction"],
                            test_fraction=cfg["test_fraction"], fixed=fixed)
