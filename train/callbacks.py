@@ -262,7 +262,8 @@ class MonoSoupCallback(L.Callback):
         self._last_merge_step = step
         if self.best_step < 0:
             record = {"step": step, "method": self.method, "skipped": 1,
-                      "reason": "no best checkpoint yet (no validation has run)"}
+                      "reason": "no best checkpoint yet (no validation has run with this merge callback; "
+                                "a resume of a run without it starts with none)"}
             rank_zero_info(f"[merge] step {step}: skipped, {record['reason']}")
             self._log(trainer, record)
             return
