@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Mapping
 
 import torch
 from safetensors import safe_open
@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 
 from deltafleet.atomic import check_replaceable, fsync_path, not_recorded_output, staged_dir, unlisted_files
 from deltafleet.checkpoint import (CHECKPOINT_INDEX_NAME, CHECKPOINT_NAME, SIDECAR_FILES, Checkpoint, CheckpointError,
-                                   check_same_architecture, read_config, read_json, row_block)
+                                   check_same_architecture, read_json, row_block, ties_head)
 from deltafleet.kernels import pack_signs, packed_width, reconstruct
 
 FORMAT = "bitdelta"
@@ -203,12 +203,6 @@ def _blocks(ft: Checkpoint, names: list[str], block_elements: int) -> list[tuple
 
 FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                if hasattr(torch, n))
-
-
-def _ties_head(model_dir: Path) -> bool:
-    """Whether the model's config ties its LM head to its embedding (transformers then ignores a
-    stored ``lm_head.weight``, and so do the export, :func:`materialize` and the server)."""
-    return (read_config(model_dir) or {}).get("tie_word_embeddings") is True
 
 
 def format_version(granularity: str) -> int:
@@ -469,21 +463,8 @@ def compress(
     base_fp = fingerprint(base_dir)
     ft_fp = fingerprint(finetuned_dir)
     with staged_dir(out_dir) as tmp:
-        shard: dict[str, torch.Tensor] = {}  # the shard being filled; at most one is in memory
-        parts: list[Path] = []
-        part_of: dict[str, int] = {}
-        shard_bytes = parameters = compressed = full = 0
-
-        def flush() -> None:
-            nonlocal shard, shard_bytes
-            part = tmp / f"part-{len(parts):05d}.safetensors"
-            # one metadata key only: safetensors writes its metadata map in hash order, so two
-            # keys would make the file bytes (and the manifest sha256) vary between processes
-            save_file(shard, part, metadata={"format": "pt"})
-            part.chmod(0o644)  # safetensors creates 0600 files
-            fsync_path(part)
-            parts.append(part)
-            shard, shard_bytes = {}, 0
+        shards = _Shards(tmp, max_shard_bytes, mode=0o644)  # safetensors creates 0600 files
+        parameters = compressed = full = 0
 
         base, ft = Checkpoint(base_dir), Checkpoint(finetuned_dir)
         for ck, folder in ((base, base_dir), (ft, finetuned_dir)):
@@ -492,7 +473,7 @@ def compress(
                 raise ValueError(f"{eight}: {folder} holds {ck.info(eight).dtype_name} weights; the BitDelta "
                                  "export takes float32, float16 or bfloat16 checkpoints (convert it first): "
                                  "nothing was exported")
-        if "lm_head.weight" in base and _ties_head(base_dir):
+        if "lm_head.weight" in base and ties_head(base_dir):
             # transformers ties the head of a base whose config says so, ignoring a stored one, and so
             # does the server: the export compares against the head the base runs with (none of its own)
             del base.tensors["lm_head.weight"]
@@ -503,7 +484,7 @@ def compress(
                 f"{base_dir}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
             )
         if "lm_head.weight" in ft and "lm_head.weight" not in base \
-                and _ties_head(finetuned_dir):
+                and ties_head(finetuned_dir):
             # transformers ties the head of a model whose config says so, and ignores a stored one: so
             # does the export (stored in full, it would untie a head that is the embedding)
             del ft.tensors["lm_head.weight"]
@@ -526,28 +507,15 @@ def compress(
                                       for t in stored.values()):  # as a compressed matrix's Δ is checked
                 raise ValueError(f"{name}: the fine-tune holds NaN or inf in this tensor, which would be stored in "
                                  "full: nothing was exported")
-            size = sum(t.numel() * t.element_size() for t in stored.values())
-            if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
-                flush()
-            for key, t in stored.items():
-                if key in part_of:
+            for key in stored:
+                if key in shards.part_of:
                     raise ArtifactError(f"stored tensor name {key!r} is produced twice")
-                shard[key], part_of[key] = t, len(parts)
-            shard_bytes += size
+            shards.add(stored)
         progress.close()
-        if shard or not parts:
-            flush()
 
-        if len(parts) == 1:
-            os.replace(parts[0], tmp / DELTA_NAME)
-            names_out = [DELTA_NAME]
-        else:  # Hugging Face-style shards and index
-            names_out = [f"delta-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-            for part, name in zip(parts, names_out):
-                os.replace(part, tmp / name)
-            index = {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in names_out)},
-                     "weight_map": {k: names_out[i] for k, i in sorted(part_of.items())}}
-            (tmp / DELTA_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        names_out = shards.finish(DELTA_NAME, "delta")
+        if len(names_out) > 1:  # Hugging Face-style shards and index
+            shards.write_index(tmp / DELTA_INDEX_NAME, names_out, sum((tmp / f).stat().st_size for f in names_out))
             names_out.append(DELTA_INDEX_NAME)
         files = {f: _sha256_file(tmp / f) for f in names_out}
         nbytes = sum((tmp / f).stat().st_size for f in files)
@@ -585,6 +553,59 @@ def compress(
         log.warning("%s: the fine-tune equals the base (every Δ is zero): the artifact serves the base itself "
                     "(is %s the fine-tune?)", variant, finetuned_dir)
     return manifest
+
+
+class _Shards:
+    """Tensors gathered into shards of at most ``max_shard_bytes`` tensor bytes (None: one shard; a
+    group larger than that gets a shard of its own), each written to ``folder`` (safetensors
+    ``save_file``, then ``mode``, then fsync) as soon as the next group would not fit, so that one
+    shard at most is held in memory; :meth:`finish` names them."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int | None, mode: int | None = None):
+        self.folder, self.limit, self.mode = folder, max_shard_bytes, mode
+        self.shard: dict[str, torch.Tensor] = {}  # the shard being filled
+        self.shard_bytes = self.tensor_bytes = 0
+        self.parts: list[Path] = []
+        self.part_of: dict[str, int] = {}  # tensor name -> its shard's number
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Put ``tensors`` into one shard, the current one if they fit in it."""
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.limit is not None and self.shard and self.shard_bytes + size > self.limit:
+            self._flush()
+        for key, t in tensors.items():
+            self.shard[key], self.part_of[key] = t, len(self.parts)
+        self.shard_bytes += size
+        self.tensor_bytes += size
+
+    def _flush(self) -> None:
+        part = self.folder / f"part-{len(self.parts):05d}.safetensors"
+        # one metadata key only: safetensors writes its metadata map in hash order, so two keys would
+        # make the file bytes (and an artifact manifest's sha256) vary between processes
+        save_file(self.shard, part, metadata={"format": "pt"})
+        if self.mode is not None:
+            part.chmod(self.mode)
+        fsync_path(part)
+        self.parts.append(part)
+        self.shard, self.shard_bytes = {}, 0
+
+    def finish(self, single: str, prefix: str) -> list[str]:
+        """Write the last shard and name the shards: ``single`` for one, else Hugging Face's
+        ``<prefix>-0000i-of-0000N.safetensors``; their names, in order."""
+        if self.shard or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        names = [single] if n == 1 else [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for part, name in zip(self.parts, names):
+            os.replace(part, self.folder / name)
+        return names
+
+    def write_index(self, path: Path, names: list[str], total_size: int) -> None:
+        """Hugging Face's index of the shards ``names`` (:meth:`finish`'s): ``total_size`` and each
+        tensor's file."""
+        index = {"metadata": {"total_size": total_size},
+                 "weight_map": {k: names[i] for k, i in sorted(self.part_of.items())}}
+        path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _check_max_shard_bytes(max_shard_bytes: Any) -> None:
@@ -1058,7 +1079,7 @@ def materialized_tensors(base_dir: str | Path, artifact: Artifact) -> Iterator[t
                 f"{artifact.path}: {name}.sign {list(sign.shape)} / .alpha "
                 f"{list(alpha.shape)} do not fit base weight {list(shape)}"
             )
-    tied = "lm_head.weight" in base and _ties_head(base_dir)
+    tied = "lm_head.weight" in base and ties_head(base_dir)
     return _materialized(base, artifact, tied)
 
 
@@ -1201,39 +1222,15 @@ def export_hf(base_dir: str | Path, artifact_dir: str | Path, out_dir: str | Pat
         return t.contiguous()
 
     with staged_dir(out_dir) as tmp:
-        shard: dict[str, torch.Tensor] = {}  # the shard being filled; at most one is in memory
-        parts: list[Path] = []
-        part_of: dict[str, int] = {}
+        shards = _Shards(tmp, max_shard_bytes)
         shapes: dict[str, tuple[int, ...]] = {}
-        shard_bytes = total = 0
-
-        def flush() -> None:
-            nonlocal shard, shard_bytes
-            part = tmp / f"part-{len(parts):05d}.safetensors"
-            save_file(shard, part, metadata={"format": "pt"})
-            fsync_path(part)
-            parts.append(part)
-            shard, shard_bytes = {}, 0
-
         for name, t in tensors:
             t = written(name, t)
-            size = t.numel() * t.element_size()
-            if max_shard_bytes is not None and shard and shard_bytes + size > max_shard_bytes:
-                flush()
-            shard[name], part_of[name], shapes[name] = t, len(parts), tuple(t.shape)
-            shard_bytes += size
-            total += size
-        if shard or not parts:
-            flush()
-        if len(parts) == 1:
-            os.replace(parts[0], tmp / CHECKPOINT_NAME)
-        else:  # Hugging Face's shards and index
-            files = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-            for part, file in zip(parts, files):
-                os.replace(part, tmp / file)
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {k: files[i] for k, i in sorted(part_of.items())}}
-            (tmp / CHECKPOINT_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            shards.add({name: t})
+            shapes[name] = tuple(t.shape)
+        files = shards.finish(CHECKPOINT_NAME, "model")
+        if len(files) > 1:  # Hugging Face's shards and index (total_size: the tensors' bytes, as transformers')
+            shards.write_index(tmp / CHECKPOINT_INDEX_NAME, files, shards.tensor_bytes)
         for name in SIDECAR_FILES:
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)

@@ -68,6 +68,13 @@ def read_config(folder: str | Path) -> dict | None:
     return {**config, **text} if isinstance(text, dict) else config
 
 
+def ties_head(folder: str | Path) -> bool:
+    """Whether a checkpoint's config ties its LM head to its embedding (``tie_word_embeddings``):
+    transformers then ignores a stored ``lm_head.weight``, and so do the export, the merge and the
+    server."""
+    return (read_config(folder) or {}).get("tie_word_embeddings") is True
+
+
 def check_same_architecture(folders) -> None:
     """Refuse checkpoints whose ``config.json`` give different :data:`ARCHITECTURE_KEYS` (a folder
     without a readable config is not compared): ValueError naming the key and both folders. A

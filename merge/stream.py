@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deltafleet.atomic import check_replaceable, not_recorded_output, staged_dir
-from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture, read_config, read_json
+from deltafleet.checkpoint import SIDECAR_FILES, Checkpoint, check_same_architecture, read_json, ties_head
 from deltafleet.merge.methods import MergeMethod
 
 
@@ -101,7 +101,7 @@ def merge_checkpoints(base_dir: str | Path | None, model_dirs: Sequence[str | Pa
     base = Checkpoint(base_dir) if base_dir is not None else None
     _check_family(base_dir, model_dirs, method.task_vectors)  # before the tensors: the clearer error
     for ck in models + ([base] if base is not None else []):
-        if HEAD in ck and _ties_head(ck.dir):
+        if HEAD in ck and ties_head(ck.dir):
             # transformers ties the head of a model whose config says so and ignores a stored one
             # (as the export does): the model runs with its embedding as the head, so it merges so
             del ck.tensors[HEAD]
@@ -197,12 +197,6 @@ def _check_finite(name: str, checkpoints: list, tensors: list[torch.Tensor]) -> 
 
 
 HEAD = "lm_head.weight"
-
-
-def _ties_head(folder) -> bool:
-    """Whether a checkpoint's config ties its LM head to its embedding (transformers then ignores a
-    stored ``lm_head.weight``)."""
-    return (read_config(folder) or {}).get("tie_word_embeddings") is True
 
 
 def _check_family(base_dir, model_dirs, task_vectors: bool = True) -> None:

@@ -45,10 +45,7 @@ class StepCheckpoint(ModelCheckpoint):
         # at each epoch's end it saves at the train epoch's end, where a step checkpoint is not due: save it now
         if (self._defer_save_until_validation and self._should_save_on_train_epoch_end(trainer)
                 and not self._should_skip_saving_checkpoint(trainer)):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
-            self._defer_save_until_validation = False
+            self._save_deferred(trainer)
             return
         super().on_validation_end(trainer, pl_module)
 
@@ -60,11 +57,15 @@ class StepCheckpoint(ModelCheckpoint):
         is collective and whose ranks need not all be stopping here."""
         if (self._defer_save_until_validation and isinstance(exception, SystemExit) and trainer.world_size == 1
                 and not self._should_skip_saving_checkpoint(trainer)):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
-            self._defer_save_until_validation = False
+            self._save_deferred(trainer)
         super().on_exception(trainer, pl_module, exception)
+
+    def _save_deferred(self, trainer: L.Trainer) -> None:
+        """Save the step checkpoint that waited for its validation, as Lightning saves one."""
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        self._defer_save_until_validation = False
 
     @staticmethod
     def _validates_next(trainer: L.Trainer) -> bool:
